@@ -1,0 +1,157 @@
+"""Paged-KV self-attention for inference, with megatron-core parallel linears.
+
+Owns: the per-layer KV storage of one rank (its ATP shard of the KV heads), the metadata a
+forward needs to read/write it (``AttnMetadata``), and ``PagedSelfAttention`` whose parameters are
+named and laid out exactly like megatron's ``SelfAttention`` (``linear_qkv`` grouped
+[q_0..q_{n-1}, k, v] per query group, ``linear_proj`` row-parallel), so a megatron state dict
+loads into it shard by shard.
+
+Invariants:
+  * Block ``num_blocks`` (one past the manager's range) is a sink: padded D rows write and read
+    it, so padding never touches a live reservation.
+  * P writes its new K/V straight into the request's reservation (slot mapping) before reading,
+    so a continuation prefill sees the retained context plus its own tokens.
+  * ``forward`` returns the ATP-*partial* output of ``linear_proj`` (no reduction): the caller's
+    communication path decides how it is reduced (P: full AllReduce, D: ATP ReduceScatter).
+
+Must not go in here: block allocation (kv_cache.py), collectives (comm.py), scheduling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+@dataclass
+class AttnMetadata:
+    """Where one forward's tokens live in the paged cache (this replica's rows only).
+
+    P: ``seq_starts``/``seq_lens_new`` split the flat token axis into sequences; each sequence's
+    query at position p attends keys 0..p. D: one token per row; ``context_lens`` = position+1.
+    """
+
+    is_prefill: bool
+    positions: torch.Tensor  # [T] int64 absolute positions
+    slot_mapping: torch.Tensor  # [T] int64 flat slot = block * block_size + offset
+    block_tables: torch.Tensor  # [S, max_blocks] int64 (padded with the sink block)
+    context_lens: torch.Tensor  # [S] int64 tokens in cache after this forward
+    seq_lens_new: list[int]  # P only: new tokens per sequence (host values)
+    context_lens_host: list[int]  # host copy of context_lens (P only; avoids device syncs)
+
+
+class KVStorage:
+    """K and V tensors of every layer for this rank: [L, num_blocks + 1, block, kv_heads, dim]."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        shape = (num_layers, num_blocks + 1, block_size, kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_size = block_size
+        self.sink_block = num_blocks
+
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+
+class PagedSelfAttention(torch.nn.Module):
+    """megatron-named attention over a paged KV cache; heads sharded over the ATP group."""
+
+    def __init__(self, config: TransformerConfig, layer_number: int, atp_group,
+                 init_method) -> None:
+        super().__init__()
+        self.layer_number = layer_number
+        atp = atp_group.size()
+        self.head_dim = config.kv_channels
+        self.heads = config.num_attention_heads // atp
+        self.groups = config.num_query_groups // atp
+        self.q_per_group = config.num_attention_heads // config.num_query_groups
+        qkv_out = (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim
+        self.linear_qkv = ColumnParallelLinear(
+            config.hidden_size, qkv_out, config=config, init_method=init_method,
+            gather_output=False, bias=config.add_bias_linear, skip_bias_add=False,
+            is_expert=False, tp_group=atp_group,
+        )
+        self.linear_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, config=config,
+            init_method=init_method, bias=False, input_is_parallel=True, skip_bias_add=True,
+            is_expert=False, tp_group=atp_group,
+        )
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, meta: AttnMetadata,
+                kv: KVStorage, layer: int) -> torch.Tensor:
+        """x [T, H] (replicated over ATP) -> ATP-partial output [T, H]."""
+        T = x.shape[0]
+        qkv, _ = self.linear_qkv(x)
+        qkv = qkv.view(T, self.groups, (self.q_per_group + 2) * self.head_dim)
+        q, k, v = torch.split(
+            qkv, [self.q_per_group * self.head_dim, self.head_dim, self.head_dim], dim=-1
+        )
+        q = q.reshape(T, self.heads, self.head_dim)
+        k = k.reshape(T, self.groups, self.head_dim)
+        v = v.reshape(T, self.groups, self.head_dim)
+        freqs = rope[meta.positions]  # [T, 1, 1, dim] -> [T, 1, dim]
+        freqs = freqs.view(T, 1, -1)
+        q = _apply_rotary_pos_emb_bshd(q, freqs)
+        k = _apply_rotary_pos_emb_bshd(k, freqs)
+
+        # Write the new K/V into their slots before attending (a prefill sees its own tokens).
+        kc = kv.k[layer].view(-1, self.groups, self.head_dim)
+        vc = kv.v[layer].view(-1, self.groups, self.head_dim)
+        kc.index_copy_(0, meta.slot_mapping, k.to(kc.dtype))
+        vc.index_copy_(0, meta.slot_mapping, v.to(vc.dtype))
+
+        if meta.is_prefill:
+            out = self._prefill(q, kv, layer, meta)
+        else:
+            out = self._decode(q, kv, layer, meta)
+        out = out.reshape(T, self.heads * self.head_dim)
+        return F.linear(out, self.linear_proj.weight)  # partial over ATP: caller reduces
+
+    def _gather_kv(self, kv: KVStorage, layer: int, tables: torch.Tensor):
+        # tables [S, nb] -> [S, nb*block, groups, dim], expanded to query heads (GQA).
+        k = kv.k[layer][tables].flatten(1, 2)
+        v = kv.v[layer][tables].flatten(1, 2)
+        k = k.repeat_interleave(self.q_per_group, dim=2)
+        v = v.repeat_interleave(self.q_per_group, dim=2)
+        return k, v
+
+    def _prefill(self, q, kv, layer, meta: AttnMetadata) -> torch.Tensor:
+        outs = []
+        start = 0
+        for i, n in enumerate(meta.seq_lens_new):
+            ctx = meta.context_lens_host[i]
+            k, v = self._gather_kv(kv, layer, meta.block_tables[i : i + 1])
+            k, v = k[0, :ctx], v[0, :ctx]  # [ctx, heads, dim]
+            qi = q[start : start + n]  # [n, heads, dim]
+            # query j sits at absolute position ctx - n + j and sees keys 0..that position
+            qpos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
+            kpos = torch.arange(ctx, device=q.device)[None, :]
+            mask = kpos <= qpos  # [n, ctx] True = attend
+            o = F.scaled_dot_product_attention(
+                qi.transpose(0, 1), k.transpose(0, 1).to(qi.dtype), v.transpose(0, 1).to(qi.dtype),
+                attn_mask=mask, scale=self.scale,
+            )
+            outs.append(o.transpose(0, 1))
+            start += n
+        if not outs:  # this replica has no P this step: zero rows, collectives still match
+            return q.new_zeros((0, self.heads, self.head_dim))
+        return torch.cat(outs, dim=0)
+
+    def _decode(self, q, kv, layer, meta: AttnMetadata) -> torch.Tensor:
+        k, v = self._gather_kv(kv, layer, meta.block_tables)  # [B, S, heads, dim]
+        S = k.shape[1]
+        mask = torch.arange(S, device=q.device)[None, :] < meta.context_lens[:, None]  # [B, S]
+        o = F.scaled_dot_product_attention(
+            q[:, :, None, :],  # [B, heads, 1, dim]
+            k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+            attn_mask=mask[:, None, None, :], scale=self.scale,
+        )
+        return o[:, :, 0, :]

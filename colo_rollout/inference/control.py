@@ -1,0 +1,77 @@
+"""Host-side control plane: the one per-step exchange that keeps every rank's state identical.
+
+Owns the wire format between ranks. Each step every rank contributes one message -- the requests
+and cancels submitted on it since the last step, and (replica leaders only) the tokens it sampled
+in the last step -- and receives everyone's, in rank order. Messages are JSON (never pickle: a
+peer's bytes are data, not code), sent as uint8 tensors over the gloo control group with two
+all_gathers (lengths, then padded payloads). The group's timeout turns a dead or diverged peer
+into an exception on every rank instead of a hang.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+class ControlError(RuntimeError):
+    """A peer sent something that is not a valid control message."""
+
+
+@dataclass
+class Message:
+    rank: int
+    submits: list[dict] = field(default_factory=list)  # {"id", "prompt", "params"}
+    cancels: list[str] = field(default_factory=list)
+    sampled: list[list] = field(default_factory=list)  # [lifetime, token, logprob]
+    step: int = -1  # sender's step counter: all ranks must agree
+
+    def encode(self) -> bytes:
+        return json.dumps({"rank": self.rank, "submits": self.submits, "cancels": self.cancels,
+                           "sampled": self.sampled, "step": self.step},
+                          separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, data: bytes, src: int) -> "Message":
+        try:
+            d = json.loads(data.decode())
+            msg = cls(rank=int(d["rank"]), submits=list(d["submits"]),
+                      cancels=[str(c) for c in d["cancels"]], sampled=list(d["sampled"]),
+                      step=int(d["step"]))
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+            raise ControlError(f"malformed control message from rank {src}: {e}") from e
+        if msg.rank != src:
+            raise ControlError(f"control message from rank {src} claims to be from {msg.rank}")
+        return msg
+
+
+class ControlPlane:
+    def __init__(self, group: dist.ProcessGroup, rank: int, world: int) -> None:
+        self.group = group
+        self.rank = rank
+        self.world = world
+        self.exchanges = 0
+
+    def exchange(self, msg: Message) -> list[Message]:
+        """All-gather one message per rank; returns them in rank order. Collective."""
+        self.exchanges += 1
+        data = msg.encode()
+        if self.world == 1:
+            return [Message.decode(data, 0)]
+        n = torch.tensor([len(data)], dtype=torch.int64)
+        lens = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
+        dist.all_gather(lens, n, group=self.group)
+        width = max(int(x) for x in lens)
+        buf = torch.zeros(width, dtype=torch.uint8)
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        outs = [torch.empty(width, dtype=torch.uint8) for _ in range(self.world)]
+        dist.all_gather(outs, buf, group=self.group)
+        msgs = [Message.decode(o[: int(lens[i])].numpy().tobytes(), i) for i, o in enumerate(outs)]
+        steps = {m.step for m in msgs}
+        if len(steps) != 1:
+            raise ControlError(f"ranks are at different steps: "
+                               f"{ {m.rank: m.step for m in msgs} }")
+        return msgs

@@ -1,0 +1,158 @@
+"""The engine: ``step()`` = exchange -> schedule -> run -> keep results. In-process Python API.
+
+Owns the composition of control plane, scheduler, planner and runner for one rank, and the
+user-facing calls: ``submit``/``cancel`` (any rank, non-collective), ``step`` and ``generate``
+(collective: every rank of the world calls them together).
+
+One step, on every rank:
+  1. exchange: every rank's new submissions/cancels and the replica leaders' sampled tokens of
+     the previous step are all-gathered on the gloo control group (the only host agreement);
+  2. commit the previous step's tokens, then apply intake in rank order (so every rank's
+     scheduler sees identical inputs and stays identical);
+  3. plan (Normal mode: strict P priority) and run it -- every rank runs the phase, replicas
+     without work run matched empty/padded work so collectives match;
+  4. keep this step's sampled tokens for the next exchange.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from colo_rollout.config import Config
+from colo_rollout.inference.control import ControlPlane, Message
+from colo_rollout.inference.cpu_compat import install_cpu_compat
+from colo_rollout.inference.model import DTYPES, InferenceGPT, random_state_dict
+from colo_rollout.inference.parallel import ParallelGroups
+from colo_rollout.inference.plan import Phase, StepPlan
+from colo_rollout.inference.request import Request, RequestError, RequestOutput, SamplingParams
+from colo_rollout.inference.runner import ModelRunner
+from colo_rollout.inference.scheduler import Sampled, Scheduler
+
+
+@dataclass
+class StepStats:
+    step: int
+    phase: Phase
+    rows: int  # P tokens or D rows of the whole world this step
+    seconds: float
+
+
+class Engine:
+    def __init__(self, cfg: Config, groups: ParallelGroups,
+                 state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        install_cpu_compat()
+        self.cfg = cfg
+        self.groups = groups
+        dtype = DTYPES[cfg.model.params_dtype]
+        model = InferenceGPT(cfg.model, groups, dtype)
+        model.load_full_state_dict(state_dict if state_dict is not None
+                                   else random_state_dict(cfg.model))
+        self.model = model.to(groups.device).eval()
+        lay = groups.layout
+        self.scheduler = Scheduler(cfg.engine, lay.adp, lay.atp, cfg.model.vocab_size)
+        self.runner = ModelRunner(self.model, cfg.engine.num_kv_blocks, cfg.engine.kv_block_size,
+                                  seed=cfg.model.seed)
+        self.control = ControlPlane(groups.control, groups.rank, lay.world_size)
+        self._outbox = Message(rank=groups.rank)
+        self._pending_ids: set[str] = set()
+        self._last_plan: StepPlan | None = None
+        self._last_sampled: list[Sampled] = []
+        self.rejected: list[RequestOutput] = []  # refused after the exchange (cross-rank dupes)
+        self.history: list[StepStats] = []
+
+    # ------------------------------------------------------------------ non-collective API
+    def submit(self, request: Request) -> None:
+        """Queue a request on this rank; it enters every rank's scheduler at the next step.
+        Raises RequestError at once for a request that can never be served."""
+        if request.request_id in self._pending_ids:
+            raise RequestError(f"request {request.request_id!r}: duplicate request id")
+        self.scheduler.validate(request)
+        self._outbox.submits.append({"id": request.request_id, "prompt": list(request.prompt),
+                                     "params": request.params.to_json()})
+        self._pending_ids.add(request.request_id)
+
+    def cancel(self, request_id: str) -> None:
+        if request_id not in self.scheduler.live and request_id not in self._pending_ids:
+            state = "already finished" if request_id in self.scheduler.by_id else "unknown"
+            raise RequestError(f"cancel of request {request_id!r}: {state} request id")
+        self._outbox.cancels.append(request_id)
+
+    def output(self, request_id: str) -> RequestOutput:
+        return self.scheduler.by_id[request_id]
+
+    # ------------------------------------------------------------------ collective API
+    def step(self) -> list[RequestOutput]:
+        """One engine iteration (collective). Returns requests that finished in it."""
+        t0 = time.perf_counter()
+        self._outbox.step = self.scheduler.step_no
+        self._outbox.sampled = [[s.lifetime, s.token, s.logprob] for s in self._last_sampled]
+        msgs = self.control.exchange(self._outbox)
+        self._outbox = Message(rank=self.groups.rank)
+        self._pending_ids.clear()
+        now = time.perf_counter()
+
+        finished: list[RequestOutput] = []
+        if self._last_plan is not None:
+            sampled = [Sampled(int(lt), int(tok), float(lp))
+                       for m in msgs for lt, tok, lp in m.sampled]
+            finished += self.scheduler.commit(self._last_plan, sampled, now)
+        for m in msgs:  # rank order: identical on every rank
+            for s in m.submits:
+                req = Request(s["id"], tuple(s["prompt"]), SamplingParams.from_json(s["params"]))
+                try:
+                    self.scheduler.add(req, now)
+                except RequestError as e:
+                    self.rejected.append(_rejected(req, str(e)))
+            for rid in m.cancels:
+                if rid in self.scheduler.live:
+                    finished.append(self.scheduler.cancel(rid, now))
+
+        plan = self.scheduler.plan()
+        self._last_sampled = self.runner.run(plan, self.scheduler)
+        self._last_plan = plan if plan.phase is not Phase.IDLE else None
+        rows = sum(w.prefill_tokens if plan.phase is Phase.PREFILL else len(w.decode)
+                   for w in plan.replicas)
+        self.history.append(StepStats(plan.step, plan.phase, rows, time.perf_counter() - t0))
+        return finished
+
+    def busy(self) -> bool:
+        """True while any rank may still have work. Identical on all ranks right after a step
+        (the state is replicated); a submission made since then shows up at the next step."""
+        return self.scheduler.has_work() or self._last_plan is not None
+
+    def generate(self, requests: list[Request] | None = None,
+                 on_finish=None) -> dict[str, RequestOutput]:
+        """Collective: serve ``requests`` (submitted from rank 0; other ranks' argument is
+        ignored) until all finish; every rank returns every output. Requests refused at submit
+        come back with finish_reason REJECTED instead of raising, so the rest are served."""
+        ids: list[str] = []
+        rejected: dict[str, RequestOutput] = {}
+        if self.groups.rank == 0:
+            for req in requests or []:
+                try:
+                    self.submit(req)
+                    ids.append(req.request_id)
+                except RequestError as e:
+                    rejected[req.request_id] = _rejected(req, str(e))
+        self.step()
+        while self.busy():
+            for out in self.step():
+                if on_finish is not None:
+                    on_finish(out)
+        done = {rid: out for rid, out in self.scheduler.by_id.items() if out.finished}
+        done.update(rejected)
+        return done
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+
+def _rejected(req: Request, error: str) -> RequestOutput:
+    from colo_rollout.inference.request import FinishReason
+
+    out = RequestOutput(req.request_id, len(req.prompt), error=error)
+    out.finish_reason = FinishReason.REJECTED
+    return out

@@ -1,0 +1,323 @@
+"""The inference MoE GPT: megatron-core modules, paged KV attention, per-phase gather comm.
+
+Owns
+  * ``megatron_config``: the one mapping from our ``ModelConfig`` + layout to megatron's
+    ``TransformerConfig`` (shared with the training/reference ``GPTModel`` so both agree);
+  * ``InferenceGPT``: embedding -> L x (norm, paged attention, norm, gather-MoE) -> norm -> head,
+    with ``forward_prefill`` (P, sum-len) and ``forward_decode`` (D, padded max-len);
+  * loading a full (unsharded) megatron-named state dict into this rank's shards.
+
+Parameter names equal megatron ``GPTModel``'s (local spec): ``embedding.word_embeddings``,
+``decoder.layers.{i}.{input_layernorm,self_attention.linear_qkv,self_attention.linear_proj,
+pre_mlp_layernorm,mlp.router,mlp.experts.local_experts.{j}.linear_fc{1,2}}``,
+``decoder.final_layernorm``, ``output_layer``.
+
+Residual-stream layout per phase (why: each phase has exactly the collectives DESIGN.md names):
+  P: every rank holds the hidden states of *all* replicas' P tokens; attention runs on this
+     replica's rows and its ATP-partial output is gathered+reduced with one full AllReduce.
+  D: every rank holds its ATP chunk [B/ATP, H] of its replica's padded rows; attention gathers
+     the chunks over ATP, the MoE gathers every rank's chunk over the full D group.
+
+Must not go in here: scheduling, sampling, block allocation, and any collective issued other
+than through ``GatherComm``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from colo_rollout.config import ModelConfig
+from colo_rollout.inference.attention import AttnMetadata, KVStorage, PagedSelfAttention
+from colo_rollout.inference.comm import GatherComm
+from colo_rollout.inference.moe import GatherMoE
+from colo_rollout.inference.parallel import Layout, ParallelGroups
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def megatron_config(cfg: ModelConfig, *, tp: int = 1, ep: int = 1, etp: int = 1,
+                    dtype: torch.dtype | None = None, init: bool = True,
+                    sequence_parallel: bool = False) -> TransformerConfig:
+    """Megatron ``TransformerConfig`` for ``cfg`` (SwiGLU experts, no biases, RoPE, top-k
+    softmax router without aux loss, dropout off)."""
+    dtype = dtype or DTYPES[cfg.params_dtype]
+    init_std = cfg.init_method_std
+    return TransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        ffn_hidden_size=cfg.moe_ffn_hidden_size,
+        moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
+        num_moe_experts=cfg.num_experts,
+        moe_router_topk=cfg.moe_router_topk,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="allgather",
+        normalization=cfg.normalization,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        sequence_parallel=sequence_parallel,
+        use_cpu_initialization=True,
+        perform_initialization=init,
+        init_method_std=init_std,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+
+
+class InferenceLayer(torch.nn.Module):
+    def __init__(self, config: TransformerConfig, groups: ParallelGroups, layer_number: int):
+        super().__init__()
+        self.input_layernorm = WrappedTorchNorm(config, config.hidden_size,
+                                                eps=config.layernorm_epsilon)
+        self.self_attention = PagedSelfAttention(config, layer_number, groups.atp,
+                                                 config.init_method)
+        self.pre_mlp_layernorm = WrappedTorchNorm(config, config.hidden_size,
+                                                  eps=config.layernorm_epsilon)
+        ep_rank = groups.rank // groups.layout.etp  # EP index: experts are EP-major over ranks
+        self.mlp = GatherMoE(config, groups.pg_collection, ep_rank, groups.layout.ep,
+                             layer_number)
+
+
+class _Decoder(torch.nn.Module):
+    def __init__(self, config, groups):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            [InferenceLayer(config, groups, i + 1) for i in range(config.num_layers)]
+        )
+        self.final_layernorm = WrappedTorchNorm(config, config.hidden_size,
+                                                eps=config.layernorm_epsilon)
+
+
+class _Embedding(torch.nn.Module):
+    def __init__(self, config, vocab_size, atp_group):
+        super().__init__()
+        self.word_embeddings = VocabParallelEmbedding(
+            vocab_size, config.hidden_size, init_method=config.init_method, config=config,
+            tp_group=atp_group,
+        )
+
+    def partial(self, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's vocab-shard contribution (zero rows for ids outside the shard); the sum
+        over the ATP group is the embedding. megatron's forward would reduce it itself."""
+        emb = self.word_embeddings
+        outside = (ids < emb.vocab_start_index) | (ids >= emb.vocab_end_index)
+        local = (ids - emb.vocab_start_index).masked_fill(outside, 0)
+        out = F.embedding(local, emb.weight)
+        return out.masked_fill(outside[:, None], 0.0)
+
+
+@dataclass
+class PrefillInputs:
+    """One P forward. ``row_counts[r]`` = P tokens of replica r this step (all replicas)."""
+
+    token_ids: torch.Tensor  # [T_local] this replica's new tokens
+    attn: AttnMetadata
+    row_counts: list[int]
+    last_counts: list[int]  # sequences per replica (logit rows)
+    last_rows: torch.Tensor  # [n_all] global row index of each sequence's last token
+
+
+@dataclass
+class DecodeInputs:
+    """One D forward over a bucket of B rows per replica (padding rows target the sink)."""
+
+    token_ids: torch.Tensor  # [B]
+    attn: AttnMetadata
+
+
+class InferenceGPT(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, dtype: torch.dtype):
+        super().__init__()
+        lay = groups.layout
+        self.cfg = cfg
+        self.groups = groups
+        self.config = megatron_config(cfg, tp=lay.atp, ep=lay.ep, etp=lay.etp, dtype=dtype,
+                                      init=False)
+        self.embedding = _Embedding(self.config, cfg.vocab_size, groups.atp)
+        self.decoder = _Decoder(self.config, groups)
+        self.output_layer = ColumnParallelLinear(
+            cfg.hidden_size, cfg.vocab_size, config=self.config,
+            init_method=self.config.init_method, bias=False, gather_output=False,
+            skip_bias_add=False, tp_group=groups.atp,
+        )
+        self.rotary_pos_emb = RotaryEmbedding(
+            kv_channels=self.config.kv_channels, rotary_percent=1.0,
+            rotary_base=int(cfg.rotary_base), use_cpu_initialization=True,
+        )
+        self.comm = GatherComm(groups)
+        self._rope: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ weights
+    def load_full_state_dict(self, full: dict[str, torch.Tensor]) -> None:
+        """Copy this rank's shard of every parameter from an unsharded megatron state dict."""
+        load_sharded(self, full, self.groups.layout, self.groups.rank)
+
+    def rope_table(self) -> torch.Tensor:
+        if self._rope is None or self._rope.device != self.output_layer.weight.device:
+            self._rope = self.rotary_pos_emb.get_emb(self.cfg.max_position_embeddings).to(
+                self.output_layer.weight.device)
+        return self._rope
+
+    def new_kv_storage(self, num_blocks: int, block_size: int) -> KVStorage:
+        atp = self.groups.layout.atp
+        w = self.output_layer.weight
+        return KVStorage(self.cfg.num_layers, num_blocks, block_size,
+                         self.cfg.num_query_groups // atp, self.config.kv_channels,
+                         w.dtype, w.device)
+
+    # ------------------------------------------------------------------ P
+    @torch.inference_mode()
+    def forward_prefill(self, inp: PrefillInputs, kv: KVStorage) -> torch.Tensor:
+        """Returns full-vocab logits [n_local_seqs, V] of this replica's last P tokens."""
+        comm, r = self.comm, self.groups.replica
+        total = sum(inp.row_counts)
+        off = sum(inp.row_counts[:r])
+        n_local = inp.row_counts[r]
+        rope = self.rope_table()
+        h = comm.p_gather(self.embedding.partial(inp.token_ids), off, total)
+        for i, layer in enumerate(self.decoder.layers):
+            x = layer.input_layernorm(h[off : off + n_local])
+            attn = layer.self_attention(x, rope, inp.attn, kv, i)
+            h = h + comm.p_gather(attn, off, total)
+            h = h + comm.p_allreduce(layer.mlp(layer.pre_mlp_layernorm(h)))
+        last = self.decoder.final_layernorm(h[inp.last_rows])  # all replicas' last tokens
+        n_all = last.shape[0]
+        seq_off = sum(inp.last_counts[:r])
+        n_seq = inp.last_counts[r]
+        shard, _ = self.output_layer(last[seq_off : seq_off + n_seq])  # [n_seq, V/ATP]
+        # Each (replica, vocab shard) block is written by exactly one rank: the sum is a gather.
+        full = shard.new_zeros((n_all, self.cfg.vocab_size))
+        emb = self.embedding.word_embeddings
+        full[seq_off : seq_off + n_seq, emb.vocab_start_index : emb.vocab_end_index] = shard
+        full = comm.p_allreduce(full)
+        return full[seq_off : seq_off + n_seq]
+
+    # ------------------------------------------------------------------ D
+    @torch.inference_mode()
+    def forward_decode(self, inp: DecodeInputs, kv: KVStorage) -> torch.Tensor:
+        """Returns full-vocab logits [B, V] for this replica's (padded) D rows."""
+        comm = self.comm
+        rope = self.rope_table()
+        res = comm.d_reduce_scatter_atp(self.embedding.partial(inp.token_ids))
+        for i, layer in enumerate(self.decoder.layers):
+            x = comm.d_all_gather_atp(layer.input_layernorm(res))
+            attn = layer.self_attention(x, rope, inp.attn, kv, i)
+            res = res + comm.d_reduce_scatter_atp(attn)
+            u = comm.d_all_gather_full(layer.pre_mlp_layernorm(res))
+            res = res + comm.d_reduce_scatter_full(layer.mlp(u))
+        x = comm.d_all_gather_atp(self.decoder.final_layernorm(res))
+        shard, _ = self.output_layer(x)
+        return comm.d_all_gather_vocab(shard)
+
+
+# ---------------------------------------------------------------------- sharding rules
+def _shard(t: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+    return torch.chunk(t, size, dim=dim)[rank]
+
+
+def shard_for(name: str, full: torch.Tensor, layout: Layout, rank: int,
+              num_local_experts: int) -> tuple[str, torch.Tensor] | None:
+    """Map a full-model parameter to (local name, local shard) on ``rank``; None = not held.
+
+    Rules (megatron's partitioning): column-parallel -> dim 0 over the group, row-parallel ->
+    dim 1, SwiGLU fc1 -> gate and up halves sharded separately, experts -> only this EP rank's.
+    """
+    atp, atp_rank = layout.atp, layout.atp_rank_of(rank)
+    etp, etp_rank = layout.etp, rank % layout.etp
+    ep_rank = rank // layout.etp
+    if ".mlp.experts.local_experts." in name:
+        pre, rest = name.split(".mlp.experts.local_experts.")
+        gidx, tail = rest.split(".", 1)
+        gidx = int(gidx)
+        if gidx // num_local_experts != ep_rank:
+            return None
+        local = f"{pre}.mlp.experts.local_experts.{gidx % num_local_experts}.{tail}"
+        if tail.startswith("linear_fc1"):
+            gate, up = torch.chunk(full, 2, dim=0)
+            return local, torch.cat([_shard(gate, 0, etp_rank, etp), _shard(up, 0, etp_rank, etp)])
+        if tail.startswith("linear_fc2"):
+            return local, _shard(full, 1, etp_rank, etp)
+        raise KeyError(name)
+    if name.endswith(("linear_qkv.weight", "output_layer.weight", "word_embeddings.weight")):
+        return name, _shard(full, 0, atp_rank, atp)
+    if name.endswith("linear_proj.weight"):
+        return name, _shard(full, 1, atp_rank, atp)
+    return name, full  # norms, router: replicated
+
+
+def load_sharded(model: torch.nn.Module, full: dict[str, torch.Tensor], layout: Layout,
+                 rank: int) -> None:
+    num_local = model.cfg.num_experts // layout.ep
+    params = dict(model.named_parameters())
+    seen = set()
+    for name, t in full.items():
+        if name.endswith("_extra_state"):
+            continue
+        mapped = shard_for(name, t, layout, rank, num_local)
+        if mapped is None:
+            continue
+        local, shard = mapped
+        if local not in params:
+            raise KeyError(f"state dict has {name!r}; the inference model has no {local!r}")
+        p = params[local]
+        if p.shape != shard.shape:
+            raise ValueError(f"{name}: shard shape {tuple(shard.shape)} != {tuple(p.shape)}")
+        with torch.no_grad():
+            p.copy_(shard)
+        seen.add(local)
+    missing = sorted(set(params) - seen)
+    if missing:
+        raise KeyError(f"state dict is missing {missing[:5]}{'...' if len(missing) > 5 else ''}")
+
+
+def random_state_dict(cfg: ModelConfig, seed: int | None = None) -> dict[str, torch.Tensor]:
+    """A full (unsharded) megatron-named state dict drawn from ``seed``: identical for every
+    layout, so any two models built from it compute the same function."""
+    g = torch.Generator().manual_seed(cfg.seed if seed is None else seed)
+    std = cfg.init_method_std
+    H, F_, E = cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.num_experts
+    hd = H // cfg.num_attention_heads
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * hd
+    dtype = DTYPES[cfg.params_dtype]
+
+    def normal(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * std * scale).to(dtype)
+
+    out_scale = 1.0 / (2.0 * cfg.num_layers) ** 0.5  # megatron's scaled init for output projs
+    sd = {"embedding.word_embeddings.weight": normal(cfg.vocab_size, H)}
+    for i in range(cfg.num_layers):
+        p = f"decoder.layers.{i}."
+        sd[p + "input_layernorm.weight"] = torch.ones(H, dtype=dtype)
+        sd[p + "self_attention.linear_qkv.weight"] = normal(qkv, H)
+        sd[p + "self_attention.linear_proj.weight"] = normal(H, cfg.num_attention_heads * hd,
+                                                             scale=out_scale)
+        sd[p + "pre_mlp_layernorm.weight"] = torch.ones(H, dtype=dtype)
+        sd[p + "mlp.router.weight"] = normal(E, H)
+        for e in range(E):
+            q = p + f"mlp.experts.local_experts.{e}."
+            sd[q + "linear_fc1.weight"] = normal(2 * F_, H)
+            sd[q + "linear_fc2.weight"] = normal(H, F_, scale=out_scale)
+    sd["decoder.final_layernorm.weight"] = torch.ones(H, dtype=dtype)
+    sd["output_layer.weight"] = normal(cfg.vocab_size, H)
+    return sd

@@ -1,0 +1,98 @@
+"""Rank-shared planner (Normal mode): decides each iteration's phase, D rows and P admissions.
+
+Pure function of the replicated scheduler state -- no clocks, no randomness, no torch -- so
+every rank derives the same ``StepPlan`` from the same state.
+
+Policy (Normal = strict P priority, no multiplexing):
+  1. Admission: the global FIFO of waiting requests is offered, head first, to the replica with
+     the fewest sequences (ties -> lowest index) that has a free batch row, P token budget left
+     this step and KV blocks for the request's whole budget (prompt + max_tokens: admitted work
+     is never preempted). The head blocks the queue when no replica can take it (no overtaking,
+     so no starvation).
+  2. If any replica has P (newly admitted or pending continuation), the step is PREFILL on every
+     rank; replicas without P contribute zero rows to the collectives.
+  3. Otherwise, if any replica has running rows, the step is DECODE with one bucket for all
+     replicas (the smallest configured bucket >= the largest replica's rows, rounded up to a
+     multiple of ATP so the ATP ReduceScatter divides evenly); otherwise IDLE.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from colo_rollout.inference.plan import DecodeRow, Phase, PrefillItem, ReplicaWork, StepPlan
+
+
+@dataclass
+class WaitingView:
+    request_id: str
+    prompt: tuple[int, ...]
+    budget_tokens: int  # prompt + max_tokens: what its reservation must hold
+
+
+@dataclass
+class ReplicaView:
+    running: list[DecodeRow]  # D rows ready this step, in admission order
+    free_blocks: int
+    block_size: int
+    prefill_ready: list[PrefillItem] = field(default_factory=list)  # already admitted P
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+
+@dataclass(frozen=True)
+class Admission:
+    request_id: str
+    replica: int
+    lifetime: int
+
+
+@dataclass(frozen=True)
+class PlannerLimits:
+    max_batch_size: int  # D rows per replica
+    max_prefill_tokens: int  # P tokens per replica per step
+    decode_buckets: tuple[int, ...]
+    atp: int
+
+
+def pick_bucket(rows: int, buckets: tuple[int, ...], atp: int) -> int:
+    b = next((x for x in buckets if x >= rows), rows)
+    return -(-b // atp) * atp
+
+
+def plan_normal(step: int, waiting: list[WaitingView], replicas: list[ReplicaView],
+                limits: PlannerLimits, next_lifetime: int) -> tuple[StepPlan, list[Admission]]:
+    n = len(replicas)
+    rows = [len(r.running) + len(r.prefill_ready) for r in replicas]
+    p_tokens = [sum(len(p.tokens) for p in r.prefill_ready) for r in replicas]
+    free = [r.free_blocks for r in replicas]
+    prefill: list[list[PrefillItem]] = [list(r.prefill_ready) for r in replicas]
+    admissions: list[Admission] = []
+    for w in waiting:
+        choice = None
+        for i in sorted(range(n), key=lambda i: (rows[i], i)):
+            r = replicas[i]
+            if (rows[i] < limits.max_batch_size
+                    and p_tokens[i] + len(w.prompt) <= limits.max_prefill_tokens
+                    and r.blocks_for(w.budget_tokens) <= free[i]):
+                choice = i
+                break
+        if choice is None:
+            break  # FIFO head blocks: no overtaking
+        lifetime = next_lifetime + len(admissions)
+        admissions.append(Admission(w.request_id, choice, lifetime))
+        prefill[choice].append(PrefillItem(lifetime=lifetime, tokens=w.prompt, start=0))
+        rows[choice] += 1
+        p_tokens[choice] += len(w.prompt)
+        free[choice] -= replicas[choice].blocks_for(w.budget_tokens)
+
+    if any(prefill):
+        work = tuple(ReplicaWork(prefill=tuple(p)) for p in prefill)
+        return StepPlan(step=step, phase=Phase.PREFILL, replicas=work), admissions
+    if any(r.running for r in replicas):
+        most = max(len(r.running) for r in replicas)
+        work = tuple(ReplicaWork(decode=tuple(r.running)) for r in replicas)
+        bucket = pick_bucket(most, limits.decode_buckets, limits.atp)
+        return StepPlan(step=step, phase=Phase.DECODE, replicas=work, bucket=bucket), admissions
+    return StepPlan(step=step, phase=Phase.IDLE, replicas=tuple(ReplicaWork() for _ in replicas)), admissions

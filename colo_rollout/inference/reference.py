@@ -1,0 +1,65 @@
+"""Independent reference: a megatron-core ``GPTModel`` (local spec, TP1/EP1) full-recompute forward.
+
+Owns the construction of a single-rank megatron ``GPTModel`` of the same architecture, fed the
+same full state dict, and a no-KV-cache forward over whole token sequences. Tests compare the
+engine's tokens and logprobs against it; it shares no code path with the inference model beyond
+megatron's own modules and ``megatron_config``.
+
+The model gets a ``ProcessGroupCollection`` of single-rank groups so it can be built inside any
+multi-rank job without touching the job's layout (megatron's global parallel_state is not used).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from colo_rollout.config import ModelConfig
+from colo_rollout.inference.model import megatron_config
+
+_PG_FIELDS = ("tp", "pp", "mp", "cp", "tp_cp", "ep", "expt_tp", "tp_ep", "tp_ep_pp", "embd",
+              "pos_embd", "dp", "dp_cp", "expt_dp", "tp_dp_cp", "intra_dp_cp", "intra_expt_dp")
+
+
+def singleton_pg_collection() -> ProcessGroupCollection:
+    """Every megatron group = {this rank}. Collective over the world (new_group is)."""
+    me = dist.get_rank()
+    mine = None
+    for r in range(dist.get_world_size()):
+        g = dist.new_group([r])
+        if r == me:
+            mine = g
+    pgc = ProcessGroupCollection(**{f: mine for f in _PG_FIELDS})
+    pgc.hcp = [mine]
+    return pgc
+
+
+def build_reference(cfg: ModelConfig, full_state: dict[str, torch.Tensor],
+                    pg_collection: ProcessGroupCollection, device: torch.device,
+                    dtype: torch.dtype | None = None) -> GPTModel:
+    tcfg = megatron_config(cfg, dtype=dtype, init=False)
+    spec = get_gpt_layer_local_spec(num_experts=cfg.num_experts, moe_grouped_gemm=False,
+                                    normalization=cfg.normalization)
+    model = GPTModel(tcfg, spec, vocab_size=cfg.vocab_size,
+                     max_sequence_length=cfg.max_position_embeddings,
+                     position_embedding_type="rope", rotary_base=int(cfg.rotary_base),
+                     share_embeddings_and_output_weights=False, pg_collection=pg_collection)
+    missing, unexpected = model.load_state_dict(full_state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise KeyError(f"reference load: missing {missing}, unexpected {unexpected}")
+    return model.to(device).eval()
+
+
+@torch.inference_mode()
+def reference_logprobs(model: GPTModel, tokens: list[int]) -> torch.Tensor:
+    """Full-recompute log-softmax over the vocabulary for every position: [len, V] (fp32)."""
+    device = next(model.parameters()).device
+    ids = torch.tensor(tokens, device=device)[None]
+    pos = torch.arange(len(tokens), device=device)[None]
+    mask = torch.triu(torch.ones(len(tokens), len(tokens), dtype=torch.bool, device=device), 1)
+    logits = model(ids, pos, attention_mask=mask[None, None])
+    return torch.log_softmax(logits[0].float(), dim=-1)

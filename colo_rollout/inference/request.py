@@ -1,0 +1,85 @@
+"""Requests, sampling parameters and outputs: the engine's public value types.
+
+Owns validation of what a user hands the engine (``RequestError`` names the field and the
+request) and the shape of what comes back. Pure Python; no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class RequestError(ValueError):
+    """A request (or a cancel) the engine refuses; the message names the request id."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    max_tokens: int = 16  # generated tokens, >= 1
+    ignore_eos: bool = False  # generate exactly max_tokens (benchmarks, fixed-work replays)
+
+    def validate(self, request_id: str, vocab_size: int) -> None:
+        def bad(msg: str) -> RequestError:
+            return RequestError(f"request {request_id!r}: {msg}")
+
+        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool) \
+                or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise bad(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise bad(f"top_k must be an int >= 0, got {self.top_k!r}")
+        if self.top_k > vocab_size:
+            raise bad(f"top_k {self.top_k} exceeds the vocabulary size {vocab_size}")
+        if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) \
+                or not (0.0 < self.top_p <= 1.0):
+            raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) \
+                or self.max_tokens < 1:
+            raise bad(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+
+    def to_json(self) -> dict:
+        return {"temperature": float(self.temperature), "top_k": self.top_k,
+                "top_p": float(self.top_p), "max_tokens": self.max_tokens,
+                "ignore_eos": self.ignore_eos}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "SamplingParams":
+        return cls(temperature=d["temperature"], top_k=d["top_k"], top_p=d["top_p"],
+                   max_tokens=d["max_tokens"], ignore_eos=d["ignore_eos"])
+
+
+@dataclass(frozen=True)
+class Request:
+    request_id: str
+    prompt: tuple[int, ...]
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # sampled EOS
+    LENGTH = "length"  # max_tokens (or the sequence cap) reached
+    CANCELLED = "cancelled"
+    REJECTED = "rejected"  # never admitted; ``error`` says why
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_len: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # log p(token) under the model, T=1
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    replica: int = -1
+    # engine-clock timestamps (seconds, time.perf_counter on the rank that records them)
+    submit_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,210 @@
+"""Request lifecycle and KV ownership of every replica: the replicated engine state.
+
+Every rank holds an identical ``Scheduler`` (all replicas, not only its own) and feeds it the
+same inputs in the same order -- intake messages and sampled tokens, agreed by the control
+plane -- so planning needs no further communication.
+
+Lifecycle: WAITING --admit--> PREFILL (lifetime id, KV reserved for prompt+max_tokens)
+--first token--> DECODE --EOS / max_tokens / cancel--> finished (KV freed).
+A result is applied only if the KV blocks still belong to the lifetime that produced it
+(``KVCacheManager.owns``): a stale result from a cancelled lifetime is discarded.
+
+Pure Python: no torch, no torch.distributed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from colo_rollout.config import EngineConfig
+from colo_rollout.inference.kv_cache import KVCacheManager
+from colo_rollout.inference.plan import DecodeRow, Phase, PrefillItem, StepPlan
+from colo_rollout.inference.planner import (
+    Admission,
+    PlannerLimits,
+    ReplicaView,
+    WaitingView,
+    plan_normal,
+)
+from colo_rollout.inference.request import (
+    FinishReason,
+    Request,
+    RequestError,
+    RequestOutput,
+)
+
+
+@dataclass
+class _Seq:
+    """A request admitted to a replica."""
+
+    request: Request
+    replica: int
+    lifetime: int
+    length: int  # tokens in the KV cache after the last completed forward
+    last_token: int | None = None  # input of the next D step
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """One sampled token of one lifetime (from the replica leader, agreed by all ranks)."""
+
+    lifetime: int
+    token: int
+    logprob: float
+
+
+class Scheduler:
+    def __init__(self, cfg: EngineConfig, num_replicas: int, atp: int, vocab_size: int) -> None:
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        self.kv = [KVCacheManager(cfg.num_kv_blocks, cfg.kv_block_size)
+                   for _ in range(num_replicas)]
+        self.limits = PlannerLimits(cfg.max_batch_size, cfg.max_prefill_tokens,
+                                    tuple(cfg.decode_buckets), atp)
+        self.waiting: deque[Request] = deque()
+        self.seqs: dict[int, _Seq] = {}  # lifetime -> admitted sequence
+        self.by_id: dict[str, RequestOutput] = {}  # every known request id (incl. finished)
+        self.live: dict[str, int | None] = {}  # unfinished request id -> lifetime (None: waiting)
+        self.step_no = 0
+        self.next_lifetime = 0
+
+    # ------------------------------------------------------------------ intake
+    def validate(self, req: Request) -> None:
+        """Raise RequestError if ``req`` can never be served. Same answer on every rank."""
+        rid = req.request_id
+        if not isinstance(rid, str) or not rid:
+            raise RequestError(f"request id must be a non-empty string, got {rid!r}")
+        if rid in self.by_id:
+            raise RequestError(f"request {rid!r}: duplicate request id")
+        req.params.validate(rid, self.vocab_size)
+        n = len(req.prompt)
+        if n == 0:
+            raise RequestError(f"request {rid!r}: empty prompt")
+        bad = [t for t in req.prompt if not isinstance(t, int) or isinstance(t, bool)
+               or not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(
+                f"request {rid!r}: token id {bad[0]!r} outside the vocabulary [0, {self.vocab_size})")
+        cfg = self.cfg
+        budget = n + req.params.max_tokens
+        if budget > cfg.max_seq_len:
+            raise RequestError(
+                f"request {rid!r}: prompt ({n}) + max_tokens ({req.params.max_tokens}) = {budget} "
+                f"exceeds engine.max_seq_len {cfg.max_seq_len}")
+        if n > cfg.max_prefill_tokens:
+            raise RequestError(
+                f"request {rid!r}: prompt of {n} tokens exceeds engine.max_prefill_tokens "
+                f"{cfg.max_prefill_tokens}")
+        if self.kv[0].blocks_needed(budget) > cfg.num_kv_blocks:
+            raise RequestError(
+                f"request {rid!r}: needs {self.kv[0].blocks_needed(budget)} KV blocks, a replica "
+                f"has {cfg.num_kv_blocks}")
+
+    def add(self, req: Request, now: float = 0.0) -> None:
+        self.validate(req)
+        self.waiting.append(req)
+        self.by_id[req.request_id] = RequestOutput(req.request_id, len(req.prompt),
+                                                   submit_time=now)
+        self.live[req.request_id] = None
+
+    def cancel(self, request_id: str, now: float = 0.0) -> RequestOutput:
+        """Cancel a waiting or running request at a step boundary; its KV is freed at once
+        (Normal mode has no P work in flight between steps)."""
+        if request_id not in self.live:
+            state = "already finished" if request_id in self.by_id else "unknown"
+            raise RequestError(f"cancel of request {request_id!r}: {state} request id")
+        lifetime = self.live.pop(request_id)
+        out = self.by_id[request_id]
+        if lifetime is None:
+            self.waiting = deque(r for r in self.waiting if r.request_id != request_id)
+        else:
+            seq = self.seqs.pop(lifetime)
+            self.kv[seq.replica].free(lifetime)
+        out.finish_reason = FinishReason.CANCELLED
+        out.finish_time = now
+        return out
+
+    # ------------------------------------------------------------------ planning
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.seqs)
+
+    def plan(self) -> StepPlan:
+        views = []
+        for i, kv in enumerate(self.kv):
+            running = [DecodeRow(s.lifetime, s.last_token, s.length)
+                       for s in self.seqs.values() if s.replica == i and s.last_token is not None]
+            views.append(ReplicaView(running=running, free_blocks=kv.num_free_blocks(),
+                                     block_size=kv.block_size))
+        waiting = [WaitingView(r.request_id, r.prompt, len(r.prompt) + r.params.max_tokens)
+                   for r in self.waiting]
+        plan, admissions = plan_normal(self.step_no, waiting, views, self.limits,
+                                       self.next_lifetime)
+        for adm in admissions:
+            self._admit(adm)
+        self.step_no += 1
+        return plan
+
+    def _admit(self, adm: Admission) -> None:
+        req = self.waiting.popleft()
+        assert req.request_id == adm.request_id, "planner admits in FIFO order"
+        budget = len(req.prompt) + req.params.max_tokens
+        self.kv[adm.replica].reserve(adm.lifetime, budget)
+        self.seqs[adm.lifetime] = _Seq(req, adm.replica, adm.lifetime, length=0)
+        self.live[req.request_id] = adm.lifetime
+        self.by_id[req.request_id].replica = adm.replica
+        self.next_lifetime = adm.lifetime + 1
+
+    def block_table(self, replica: int, lifetime: int) -> list[int]:
+        return self.kv[replica].block_table(lifetime)
+
+    # ------------------------------------------------------------------ results
+    def commit(self, plan: StepPlan, sampled: list[Sampled], now: float = 0.0) -> list[RequestOutput]:
+        """Apply the agreed sampled tokens of ``plan``; returns requests finished by it."""
+        by_lt = {s.lifetime: s for s in sampled}
+        finished = []
+        for r, work in enumerate(plan.replicas):
+            items = work.prefill if plan.phase is Phase.PREFILL else work.decode
+            for item in items:
+                seq = self.seqs.get(item.lifetime)
+                if seq is None:
+                    continue  # stale: the lifetime was cancelled while its work ran
+                s = by_lt.get(item.lifetime)
+                if s is None:
+                    raise RuntimeError(f"step {plan.step}: no sampled token for lifetime {item.lifetime}")
+                seq.length += len(item.tokens) if isinstance(item, PrefillItem) else 1
+                out = self.by_id[seq.request.request_id]
+                if out.first_token_time is None:
+                    out.first_token_time = now
+                out.tokens.append(s.token)
+                out.logprobs.append(s.logprob)
+                seq.last_token = s.token
+                reason = self._stop_reason(seq, out)
+                if reason is not None:
+                    self._finish(seq, out, reason, now)
+                    finished.append(out)
+        return finished
+
+    def _stop_reason(self, seq: _Seq, out: RequestOutput) -> FinishReason | None:
+        p = seq.request.params
+        if (not p.ignore_eos and self.cfg.eos_token_id is not None
+                and out.tokens[-1] == self.cfg.eos_token_id):
+            return FinishReason.STOP
+        if len(out.tokens) >= p.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, seq: _Seq, out: RequestOutput, reason: FinishReason, now: float) -> None:
+        self.kv[seq.replica].free(seq.lifetime)
+        del self.seqs[seq.lifetime]
+        del self.live[seq.request.request_id]
+        out.finish_reason = reason
+        out.finish_time = now
+
+    def check_integrity(self) -> None:
+        for kv in self.kv:
+            kv.check_integrity()
+        owners = {lt for kv in self.kv for lt in kv.owners()}
+        if owners != set(self.seqs):
+            raise AssertionError(f"KV owners {sorted(owners)} != admitted {sorted(self.seqs)}")

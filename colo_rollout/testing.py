@@ -1,0 +1,123 @@
+"""Spawned CPU process groups for tests, the demo and benchmarks.
+
+Owns ``WorkerGroup``: N spawned processes joined into one gloo world through a FileStore in a
+private temporary directory (no ports, so parallel runs never collide). The group stays alive
+across many calls -- tests reuse one group per module -- and each call runs a named function
+``"package.module:function"`` on every rank with JSON-serialisable keyword arguments. A call that
+does not finish within its timeout tears the whole group down and raises ``WorkerTimeout``; an
+exception on any rank is re-raised here with that rank's traceback.
+
+Only our own processes talk over the multiprocessing queues (results are pickled by the
+multiprocessing module between a parent and the children it spawned).
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import tempfile
+import time
+import traceback
+from typing import Any
+
+
+class WorkerError(RuntimeError):
+    """A function raised on one or more ranks."""
+
+
+class WorkerTimeout(TimeoutError):
+    """A call did not finish in time; the group has been torn down."""
+
+
+def _worker_main(rank: int, world: int, store_path: str, tasks, results, env: dict) -> None:
+    os.environ.update(env)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        target, kwargs = task
+        try:
+            mod_name, fn_name = target.split(":")
+            fn = getattr(importlib.import_module(mod_name), fn_name)
+            results.put((rank, True, fn(rank=rank, world=world, **kwargs)))
+        except BaseException:  # report, keep serving: the next call may still work
+            results.put((rank, False, traceback.format_exc()))
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+class WorkerGroup:
+    def __init__(self, world_size: int, env: dict[str, str] | None = None) -> None:
+        self.world = world_size
+        self._dir = tempfile.mkdtemp(prefix="colo_rollout_pg_")
+        ctx = mp.get_context("spawn")
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._results = ctx.Queue()
+        child_env = {"OMP_NUM_THREADS": "1", **(env or {})}
+        self._procs = [
+            ctx.Process(target=_worker_main, daemon=True,
+                        args=(r, world_size, os.path.join(self._dir, "store"), self._tasks[r],
+                              self._results, child_env))
+            for r in range(world_size)
+        ]
+        for p in self._procs:
+            p.start()
+        self.alive = True
+
+    def run(self, target: str, timeout: float = 300.0, **kwargs: Any) -> list[Any]:
+        """Run ``target(rank=, world=, **kwargs)`` on every rank; results in rank order."""
+        if not self.alive:
+            raise WorkerError("worker group is closed")
+        for q in self._tasks:
+            q.put((target, kwargs))
+        out: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        while len(out) + len(errors) < self.world:
+            left = deadline - time.monotonic()
+            try:
+                rank, ok, value = self._results.get(timeout=max(left, 0.01))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                self.close(force=True)
+                raise WorkerTimeout(
+                    f"{target}: {self.world - len(out) - len(errors)} rank(s) did not finish "
+                    f"within {timeout:.0f}s (dead ranks: {dead}); group torn down") from None
+            (out if ok else errors)[rank] = value
+        if errors:
+            first = min(errors)
+            raise WorkerError(f"{target} failed on ranks {sorted(errors)}; rank {first}:\n"
+                              f"{errors[first]}")
+        return [out[r] for r in range(self.world)]
+
+    def close(self, force: bool = False) -> None:
+        if not self.alive:
+            return
+        self.alive = False
+        if not force:
+            for q in self._tasks:
+                q.put(None)
+            for p in self._procs:
+                p.join(timeout=10)
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> "WorkerGroup":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,424 @@
+"""Tests for colo_rollout.config: shipped YAML files, defaults, round-trip, and every error path."""
+
+import dataclasses
+import pickle
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from colo_rollout.config import (
+    ENGINE_MODES,
+    Config,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    WorkloadConfig,
+    config_from_dict,
+    config_to_dict,
+    dump_config,
+    load_config,
+)
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def write(tmp_path: Path, text: str, name: str = "cfg.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text), encoding="utf-8")
+    return path
+
+
+def assert_load_error(path: Path, *needles: str, overrides: dict | None = None) -> ConfigError:
+    """load_config(path) raises ConfigError naming the file and every needle."""
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    msg = str(info.value)
+    assert msg.startswith(f"{path}: "), msg
+    for needle in needles:
+        assert needle in msg, f"{needle!r} not in {msg!r}"
+    assert info.value.source == str(path)
+    return info.value
+
+
+# --------------------------------------------------------------------------- shipped files
+
+
+def test_tiny_cpu_yaml_is_defaults_with_small_layout():
+    cfg = load_config(CONFIGS / "tiny_cpu.yaml")
+    expected = Config(
+        parallel=ParallelConfig(world_size=2, adp=2, ep=2),
+        workload=WorkloadConfig(num_requests=8),
+    )
+    assert cfg == expected
+    assert cfg.parallel.atp == 1 and cfg.parallel.etp == 1
+
+
+def test_demo_cpu_yaml_values():
+    cfg = load_config(CONFIGS / "demo_cpu.yaml")
+    assert cfg.parallel == ParallelConfig(world_size=2, adp=2, ep=2, backend="gloo")
+    m = cfg.model
+    assert (m.vocab_size, m.hidden_size, m.num_layers) == (512, 128, 2)
+    assert (m.num_attention_heads, m.num_query_groups) == (4, 2)
+    assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size) == (8, 2, 256)
+    e = cfg.engine
+    assert (e.max_batch_size, e.max_prefill_tokens, e.kv_block_size) == (16, 512, 16)
+    assert (e.num_kv_blocks, e.max_seq_len) == (256, 512)
+    assert e.decode_buckets == [1, 2, 4, 8, 16]
+    assert cfg.workload == WorkloadConfig(
+        num_requests=48,
+        prompt_len_min=8,
+        prompt_len_max=192,
+        output_len_min=8,
+        output_len_max=64,
+        temperature=0.8,
+        top_k=50,
+        top_p=0.95,
+        seed=0,
+    )
+
+
+# --------------------------------------------------------------------------- defaults, round-trip
+
+
+def test_defaults_valid_and_match_spec():
+    cfg = Config()
+    assert cfg.parallel.world_size == 1 and cfg.parallel.atp == 1 and cfg.parallel.etp == 1
+    assert cfg.parallel.backend == "auto" and cfg.parallel.timeout_s == 120.0
+    assert cfg.model.hidden_size == 64 and cfg.model.fp8 is None and cfg.model.head_dim == 16
+    assert cfg.engine.decode_buckets == [1, 2, 4, 8, 16, 32]
+    assert cfg.engine.eos_token_id is None and cfg.engine.mode == "normal"
+    assert ENGINE_MODES == ("normal",)
+    assert config_from_dict({}) == cfg
+    # default_factory: instances do not share the buckets list
+    assert EngineConfig().decode_buckets is not EngineConfig().decode_buckets
+
+
+def test_frozen():
+    cfg = Config()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.parallel.world_size = 4  # type: ignore[misc]
+
+
+def test_atp_etp_properties():
+    p = ParallelConfig(world_size=8, adp=2, ep=4)
+    assert (p.atp, p.etp) == (4, 2)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        Config(),
+        Config(
+            parallel=ParallelConfig(world_size=4, adp=2, ep=4, backend="nccl", timeout_s=30.5),
+            model=ModelConfig(fp8="hybrid", use_te="on", params_dtype="bfloat16", rotary_base=1.0e6),
+            engine=EngineConfig(eos_token_id=2, decode_buckets=[3, 40], max_batch_size=40),
+            workload=WorkloadConfig(temperature=0.7, top_k=5, top_p=0.9, seed=7),
+        ),
+    ],
+)
+def test_round_trip(tmp_path, cfg):
+    path = tmp_path / "dumped.yaml"
+    dump_config(cfg, path)
+    loaded = load_config(path)
+    assert loaded == cfg
+    assert config_to_dict(loaded) == config_to_dict(cfg)
+    assert config_from_dict(config_to_dict(cfg)) == cfg
+
+
+def test_round_trip_shipped(tmp_path):
+    for name in ("tiny_cpu.yaml", "demo_cpu.yaml"):
+        cfg = load_config(CONFIGS / name)
+        dump_config(cfg, tmp_path / name)
+        assert load_config(tmp_path / name) == cfg
+
+
+def test_config_to_dict_shape():
+    d = config_to_dict(Config())
+    assert set(d) == {"parallel", "model", "engine", "workload"}
+    assert d["parallel"]["adp"] == 1 and d["engine"]["decode_buckets"] == [1, 2, 4, 8, 16, 32]
+
+
+# --------------------------------------------------------------------------- overrides, coercion
+
+
+def test_overrides_apply(tmp_path):
+    path = write(tmp_path, "parallel:\n  world_size: 2\n")
+    cfg = load_config(
+        path,
+        {"parallel.world_size": 4, "parallel.adp": 2, "engine.decode_buckets": [8, 32], "model.fp8": "e4m3"},
+    )
+    assert cfg.parallel.world_size == 4 and cfg.parallel.adp == 2 and cfg.parallel.atp == 2
+    assert cfg.engine.decode_buckets == [8, 32]
+    assert cfg.model.fp8 == "e4m3"
+    # a section absent from the file is created by the override
+    assert cfg.workload.num_requests == 32
+    cfg2 = load_config(path, {"workload.num_requests": 3})
+    assert cfg2.workload.num_requests == 3
+
+
+def test_override_is_validated(tmp_path):
+    path = write(tmp_path, "parallel:\n  world_size: 2\n")
+    assert_load_error(path, "parallel.adp", "not divisible", overrides={"parallel.adp": 4})
+
+
+def test_unknown_override_key(tmp_path):
+    path = write(tmp_path, "parallel:\n  world_size: 2\n")
+    err = assert_load_error(path, "parallel.wrld_size", "world_size", overrides={"parallel.wrld_size": 4})
+    assert err.key == "parallel.wrld_size"
+    assert_load_error(path, "bogus.x", overrides={"bogus.x": 1})
+    assert_load_error(path, "parallel.adp.x", overrides={"parallel.adp.x": 1})
+
+
+def test_float_field_accepts_int(tmp_path):
+    path = write(
+        tmp_path,
+        """
+        parallel: {timeout_s: 30}
+        model: {rotary_base: 500000}
+        workload: {temperature: 1, top_p: 1}
+        """,
+    )
+    cfg = load_config(path)
+    assert cfg.parallel.timeout_s == 30.0 and isinstance(cfg.parallel.timeout_s, float)
+    assert isinstance(cfg.model.rotary_base, float) and cfg.model.rotary_base == 500000.0
+    assert isinstance(cfg.workload.temperature, float) and isinstance(cfg.workload.top_p, float)
+
+
+# --------------------------------------------------------------------------- error paths
+
+
+def test_unknown_top_level_key(tmp_path):
+    path = write(tmp_path, "paralel:\n  world_size: 2\n")
+    err = assert_load_error(path, "paralel", "parallel, model, engine, workload")
+    assert err.key == "paralel"
+
+
+def test_unknown_nested_key(tmp_path):
+    path = write(tmp_path, "model:\n  hidden: 64\n")
+    err = assert_load_error(path, "model.hidden", "hidden_size")
+    assert err.key == "model.hidden"
+
+
+def test_wrong_type_str_for_int(tmp_path):
+    path = write(tmp_path, "model:\n  hidden_size: abc\n")
+    err = assert_load_error(path, "model.hidden_size: expected int, got str 'abc'")
+    assert str(err) == f"{path}: model.hidden_size: expected int, got str 'abc'"
+
+
+def test_wrong_type_bool_for_int(tmp_path):
+    path = write(tmp_path, "parallel:\n  world_size: true\n")
+    assert_load_error(path, "parallel.world_size", "expected int", "bool True")
+
+
+def test_wrong_type_bool_for_float(tmp_path):
+    path = write(tmp_path, "workload:\n  temperature: false\n")
+    assert_load_error(path, "workload.temperature", "expected float", "bool")
+
+
+def test_wrong_type_list_item(tmp_path):
+    path = write(tmp_path, "engine:\n  decode_buckets: [1, two, 32]\n")
+    assert_load_error(path, "engine.decode_buckets[1]", "expected int", "'two'")
+
+
+def test_wrong_type_list(tmp_path):
+    path = write(tmp_path, "engine:\n  decode_buckets: 32\n")
+    assert_load_error(path, "engine.decode_buckets", "expected list of int")
+
+
+def test_optional_str_accepts_null_rejects_int(tmp_path):
+    assert load_config(write(tmp_path, "model:\n  fp8: null\n", "a.yaml")).model.fp8 is None
+    assert_load_error(write(tmp_path, "model:\n  fp8: 8\n", "b.yaml"), "model.fp8", "str or null")
+
+
+def test_section_not_a_mapping(tmp_path):
+    path = write(tmp_path, "engine: 5\n")
+    assert_load_error(path, "engine", "expected a mapping")
+
+
+def test_non_divisible_adp(tmp_path):
+    path = write(tmp_path, "parallel:\n  world_size: 6\n  adp: 4\n")
+    assert_load_error(path, "parallel.adp: world_size 6 is not divisible by adp 4")
+
+
+def test_non_divisible_ep(tmp_path):
+    path = write(tmp_path, "parallel:\n  world_size: 4\n  ep: 3\n")
+    assert_load_error(path, "parallel.ep", "not divisible by ep 3")
+
+
+def test_heads_not_divisible_by_atp(tmp_path):
+    # atp = 3: query groups (2) and heads (4) cannot be sharded 3 ways
+    path = write(
+        tmp_path,
+        """
+        parallel: {world_size: 3, adp: 1, ep: 1}
+        model: {num_attention_heads: 4, num_query_groups: 2, hidden_size: 64, vocab_size: 255}
+        """,
+    )
+    assert_load_error(path, "model.num_attention_heads", "parallel.atp 3")
+
+
+def test_query_groups_not_divisible_by_atp(tmp_path):
+    path = write(
+        tmp_path,
+        """
+        parallel: {world_size: 4, adp: 1, ep: 1}
+        model: {num_attention_heads: 8, num_query_groups: 2}
+        """,
+    )
+    assert_load_error(path, "model.num_query_groups", "parallel.atp 4")
+
+
+def test_vocab_not_divisible_by_atp(tmp_path):
+    path = write(tmp_path, "parallel: {world_size: 2, adp: 1}\nmodel: {vocab_size: 255}\n")
+    assert_load_error(path, "model.vocab_size", "parallel.atp 2")
+
+
+def test_experts_not_divisible_by_ep(tmp_path):
+    path = write(tmp_path, "parallel: {world_size: 4, adp: 4, ep: 4}\nmodel: {num_experts: 6}\n")
+    assert_load_error(path, "model.num_experts", "parallel.ep 4")
+
+
+@pytest.mark.parametrize(
+    "section, key, value",
+    [
+        ("parallel", "backend", "mpi"),
+        ("model", "normalization", "rmsnorm"),
+        ("model", "params_dtype", "float64"),
+        ("model", "use_te", "always"),
+        ("model", "fp8", "e5m2"),
+        ("engine", "mode", "fine"),
+    ],
+)
+def test_bad_enum(tmp_path, section, key, value):
+    path = write(tmp_path, f"{section}:\n  {key}: {value}\n")
+    assert_load_error(path, f"{section}.{key}", "expected one of", repr(value))
+
+
+def test_unquoted_off_is_a_bool_with_hint(tmp_path):
+    # YAML 1.1 reads bare `off` as false; the error says to quote it
+    assert_load_error(write(tmp_path, "model: {use_te: off}\n"), "model.use_te", "bool False", "quote")
+    assert load_config(write(tmp_path, "model: {use_te: 'off'}\n", "q.yaml")).model.use_te == "off"
+
+
+def test_fp8_requires_te(tmp_path):
+    path = write(tmp_path, "model: {fp8: hybrid, use_te: 'off'}\n")
+    assert_load_error(path, "model.fp8", "use_te")
+
+
+def test_bad_buckets_order(tmp_path):
+    path = write(tmp_path, "engine:\n  decode_buckets: [1, 4, 2, 32]\n")
+    assert_load_error(path, "engine.decode_buckets", "strictly increasing")
+    path = write(tmp_path, "engine:\n  decode_buckets: [1, 2, 2, 32]\n", "dup.yaml")
+    assert_load_error(path, "engine.decode_buckets", "strictly increasing")
+
+
+def test_buckets_too_small(tmp_path):
+    path = write(tmp_path, "engine:\n  max_batch_size: 64\n  decode_buckets: [1, 2, 4, 8, 16, 32]\n")
+    assert_load_error(path, "engine.decode_buckets", "max_batch_size 64")
+
+
+def test_buckets_below_one(tmp_path):
+    path = write(tmp_path, "engine:\n  decode_buckets: [0, 32]\n")
+    assert_load_error(path, "engine.decode_buckets", ">= 1")
+
+
+def test_max_seq_len_exceeds_positions(tmp_path):
+    path = write(tmp_path, "engine: {max_seq_len: 4096}\n")
+    assert_load_error(path, "engine.max_seq_len", "model.max_position_embeddings 2048")
+
+
+def test_prompt_plus_output_exceeds_max_seq_len(tmp_path):
+    path = write(tmp_path, "engine: {max_seq_len: 80}\nworkload: {prompt_len_max: 64, output_len_max: 32}\n")
+    assert_load_error(path, "workload.prompt_len_max", "workload", "engine.max_seq_len 80", "96")
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ("model: {hidden_size: 0}\n", "model.hidden_size"),
+        ("model: {hidden_size: 66}\n", "model.hidden_size"),
+        ("model: {num_query_groups: 3}\n", "model.num_query_groups"),
+        ("model: {moe_router_topk: 9}\n", "model.moe_router_topk"),
+        ("model: {init_method_std: 0}\n", "model.init_method_std"),
+        ("parallel: {timeout_s: 0}\n", "parallel.timeout_s"),
+        ("workload: {prompt_len_min: 65}\n", "workload.prompt_len_min"),
+        ("workload: {output_len_min: 0}\n", "workload.output_len_min"),
+        ("workload: {top_p: 0}\n", "workload.top_p"),
+        ("workload: {top_p: 1.5}\n", "workload.top_p"),
+        ("workload: {temperature: -0.1}\n", "workload.temperature"),
+        ("workload: {top_k: -1}\n", "workload.top_k"),
+        ("engine: {eos_token_id: 256}\n", "engine.eos_token_id"),
+        ("engine: {eos_token_id: -1}\n", "engine.eos_token_id"),
+    ],
+)
+def test_value_range_errors(tmp_path, text, key):
+    assert_load_error(write(tmp_path, text), key)
+
+
+def test_malformed_yaml_reports_line(tmp_path):
+    path = write(tmp_path, "parallel:\n  world_size: 2\n  adp: [1, 2\nmodel:\n  hidden_size: 64\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    msg = str(info.value)
+    assert msg.startswith(f"{path}: ")
+    assert "invalid YAML" in msg
+    assert "line 4" in msg, msg
+
+
+def test_malformed_yaml_mapping_values(tmp_path):
+    path = write(tmp_path, "model:\n  hidden_size: 64: 3\n")
+    err = assert_load_error(path, "invalid YAML", "line 2", "column")
+    assert err.key is None
+
+
+def test_top_level_list(tmp_path):
+    path = write(tmp_path, "- parallel\n- model\n")
+    assert_load_error(path, "expected a mapping at the top level", "list")
+
+
+def test_empty_file(tmp_path):
+    path = write(tmp_path, "# nothing here\n")
+    assert_load_error(path, "expected a mapping at the top level", "empty document")
+
+
+def test_missing_file(tmp_path):
+    path = tmp_path / "absent.yaml"
+    assert_load_error(path, "cannot read config file")
+
+
+# --------------------------------------------------------------------------- direct construction
+
+
+def test_direct_construction_errors_name_key():
+    with pytest.raises(ConfigError, match=r"^parallel\.adp: world_size 6 is not divisible by adp 4$"):
+        ParallelConfig(world_size=6, adp=4)
+    with pytest.raises(ConfigError, match=r"^model\.hidden_size: expected int, got str 'abc'$"):
+        ModelConfig(hidden_size="abc")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"^parallel: expected ParallelConfig, got dict"):
+        Config(parallel={"world_size": 2})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="model.num_experts"):
+        Config(parallel=ParallelConfig(world_size=3, adp=3, ep=3))
+
+
+def test_config_from_dict_names_source():
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"model": {"num_layers": "2"}}, source="job.yaml")
+    assert str(info.value) == "job.yaml: model.num_layers: expected int, got str '2'"
+    assert info.value.key == "model.num_layers"
+    with pytest.raises(ConfigError, match=r"^<dict>: engine\.foo: unknown key"):
+        config_from_dict({"engine": {"foo": 1}})
+
+
+def test_dataclasses_replace_revalidates():
+    cfg = Config()
+    with pytest.raises(ConfigError, match="parallel.ep"):
+        dataclasses.replace(cfg.parallel, ep=3)
+
+
+def test_config_error_is_value_error_and_pickles():
+    err = ConfigError("f.yaml: a.b: bad", key="a.b", source="f.yaml")
+    assert isinstance(err, ValueError)
+    back = pickle.loads(pickle.dumps(err))
+    assert str(back) == str(err) and back.key == "a.b" and back.source == "f.yaml"
