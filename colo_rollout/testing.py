@@ -96,7 +96,8 @@ class WorkerGroup:
                     f"within {timeout:.0f}s (dead ranks: {dead}); group torn down") from None
             (out if ok else errors)[rank] = value
         if errors:
-            first = min(errors)
+            # the rank that failed first is usually the one whose error is not a peer timeout
+            first = min(errors, key=lambda r: ("Timed out" in errors[r], r))
             raise WorkerError(f"{target} failed on ranks {sorted(errors)}; rank {first}:\n"
                               f"{errors[first]}")
         return [out[r] for r in range(self.world)]

@@ -22,7 +22,7 @@ LOGPROB_TOL = 1e-4
 
 def tiny_config(world: int, adp: int, ep: int, **engine) -> Config:
     return Config(
-        parallel=ParallelConfig(world_size=world, adp=adp, ep=ep, backend="gloo", timeout_s=60.0),
+        parallel=ParallelConfig(world_size=world, adp=adp, ep=ep, backend="gloo", timeout_s=float(__import__("os").environ.get("COLO_TEST_TIMEOUT", "60"))),
         model=ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_attention_heads=4,
                           num_query_groups=2, moe_ffn_hidden_size=64, num_experts=8,
                           moe_router_topk=2, max_position_embeddings=512, init_method_std=0.1,
@@ -63,7 +63,9 @@ def compare_with_reference(ref, requests, outs) -> dict:
 
 def engine_matches_reference(rank: int, world: int, adp: int, ep: int, n_requests: int = 8,
                              seed: int = 0) -> dict:
-    cfg = tiny_config(world, adp, ep)
+    # A batch cap of 3 rows per replica admits requests in waves: later P steps run while other
+    # replicas hold D rows, and some replicas take part in a P step with zero rows.
+    cfg = tiny_config(world, adp, ep, max_batch_size=3, decode_buckets=[1, 2, 4])
     groups = init_parallel(cfg.parallel)
     install_cpu_compat()
     sd = random_state_dict(cfg.model)
@@ -72,7 +74,10 @@ def engine_matches_reference(rank: int, world: int, adp: int, ep: int, n_request
     outs = engine.generate(requests)
     engine.check_integrity()
     pgc = singleton_pg_collection()
+    phases = [h.phase.value for h in engine.history]
     result = {"layout": groups.layout.name, "steps": len(engine.history),
+              "prefill_after_decode": any(a == "decode" and b == "prefill"
+                                          for a, b in zip(phases, phases[1:])),
               "owners_left": sum(len(kv.owners()) for kv in engine.scheduler.kv),
               "lengths": {r.request_id: len(outs[r.request_id].tokens) for r in requests},
               "expected": {r.request_id: r.params.max_tokens for r in requests},
@@ -82,3 +87,85 @@ def engine_matches_reference(rank: int, world: int, adp: int, ep: int, n_request
         ref = build_reference(cfg.model, sd, pgc, torch.device("cpu"))
         result.update(compare_with_reference(ref, requests, outs))
     return result
+
+
+def _engine(world: int, adp: int, ep: int, **engine_kw):
+    cfg = tiny_config(world, adp, ep, **engine_kw)
+    groups = init_parallel(cfg.parallel)
+    install_cpu_compat()
+    sd = random_state_dict(cfg.model)
+    return cfg, groups, sd, Engine(cfg, groups, sd)
+
+
+def bad_input_isolated(rank: int, world: int, adp: int, ep: int) -> dict:
+    """Bad requests get a clear error for that request; the rest finish; KV stays intact."""
+    from colo_rollout.inference.request import RequestError
+
+    cfg, groups, sd, engine = _engine(world, adp, ep)
+    good = mixed_requests(6, seed=3, vocab=cfg.model.vocab_size)
+    bad = [
+        Request("too-long", tuple([1] * 250), SamplingParams(max_tokens=10)),
+        Request("empty", (), SamplingParams(max_tokens=4)),
+        Request("bad-temp", (1, 2, 3), SamplingParams(temperature=-1.0)),
+        Request("bad-topp", (1, 2, 3), SamplingParams(top_p=0.0)),
+        Request("oov", (1, 999), SamplingParams(max_tokens=2)),
+        Request(good[0].request_id, (5, 6), SamplingParams(max_tokens=2)),  # duplicate id
+    ]
+    outs = engine.generate(good[:1] + bad + good[1:])
+    errors = {}
+    try:
+        engine.cancel("never-submitted")
+    except RequestError as e:
+        errors["cancel_unknown"] = str(e)
+    try:
+        engine.cancel(good[1].request_id)
+    except RequestError as e:
+        errors["cancel_finished"] = str(e)
+    engine.check_integrity()
+    for kv in engine.scheduler.kv:
+        kv.assert_empty()
+    res = {"errors": errors,
+           "good": {r.request_id: (outs[r.request_id].finish_reason.value,
+                                   len(outs[r.request_id].tokens), r.params.max_tokens)
+                    for r in good}}
+    if rank == 0:
+        res["bad"] = {r.request_id: (outs[r.request_id].finish_reason.value,
+                                     outs[r.request_id].error) for r in bad[:-1]}
+        dups = [o for o in engine.rejected if o.request_id == good[0].request_id]
+        res["bad"]["dup"] = (dups[0].finish_reason.value, dups[0].error)
+        # the duplicate was rejected at submit: the original finished normally
+        res["dup_original"] = outs[good[0].request_id].finish_reason.value
+        ref = build_reference(cfg.model, sd, singleton_pg_collection(), torch.device("cpu"))
+        res.update(compare_with_reference(ref, good, outs))
+    else:
+        singleton_pg_collection()  # collective: keep ranks matched
+    return res
+
+
+def cancel_and_cross_rank_duplicates(rank: int, world: int, adp: int, ep: int) -> dict:
+    """Cancel a running and a waiting request mid-flight; two ranks submit the same id."""
+    cfg, groups, sd, engine = _engine(world, adp, ep, max_batch_size=2, decode_buckets=[1, 2])
+    reqs = [Request(f"c{i}", tuple(range(1, 6 + i)), SamplingParams(max_tokens=20, ignore_eos=True))
+            for i in range(6)]
+    if rank == 0:
+        for r in reqs:
+            engine.submit(r)
+    # every rank submits "same": only the first (lowest rank) is accepted after the exchange
+    engine.submit(Request("same", (9, 8, 7), SamplingParams(max_tokens=3)))
+    engine.step()
+    for _ in range(4):
+        engine.step()
+    states = {r.request_id: engine.scheduler.live.get(r.request_id, "gone") for r in reqs}
+    if rank == 0:
+        engine.cancel("c0")  # running
+        engine.cancel("c5")  # still waiting (batch is full)
+    while engine.busy():
+        engine.step()
+    engine.check_integrity()
+    for kv in engine.scheduler.kv:
+        kv.assert_empty()
+    out = {r.request_id: (engine.output(r.request_id).finish_reason.value,
+                          len(engine.output(r.request_id).tokens)) for r in reqs}
+    out["same"] = (engine.output("same").finish_reason.value, len(engine.output("same").tokens))
+    return {"states_before_cancel": states, "outputs": out,
+            "rejected": [(o.request_id, o.error) for o in engine.rejected]}

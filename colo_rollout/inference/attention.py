@@ -97,8 +97,7 @@ class PagedSelfAttention(torch.nn.Module):
         q = q.reshape(T, self.heads, self.head_dim)
         k = k.reshape(T, self.groups, self.head_dim)
         v = v.reshape(T, self.groups, self.head_dim)
-        freqs = rope[meta.positions]  # [T, 1, 1, dim] -> [T, 1, dim]
-        freqs = freqs.view(T, 1, -1)
+        freqs = rope[meta.positions].view(T, 1, rope.shape[-1])  # [T, 1, 1, dim] -> [T, 1, dim]
         q = _apply_rotary_pos_emb_bshd(q, freqs)
         k = _apply_rotary_pos_emb_bshd(k, freqs)
 

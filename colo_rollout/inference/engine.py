@@ -60,7 +60,7 @@ class Engine:
         self._pending_ids: set[str] = set()
         self._last_plan: StepPlan | None = None
         self._last_sampled: list[Sampled] = []
-        self.rejected: list[RequestOutput] = []  # refused after the exchange (cross-rank dupes)
+        self.rejected: list[RequestOutput] = []  # every refusal seen on this rank, in order
         self.history: list[StepStats] = []
 
     # ------------------------------------------------------------------ non-collective API
@@ -127,7 +127,8 @@ class Engine:
                  on_finish=None) -> dict[str, RequestOutput]:
         """Collective: serve ``requests`` (submitted from rank 0; other ranks' argument is
         ignored) until all finish; every rank returns every output. Requests refused at submit
-        come back with finish_reason REJECTED instead of raising, so the rest are served."""
+        come back with finish_reason REJECTED instead of raising, so the rest are served (a
+        refused duplicate id is listed in ``self.rejected`` only: the id maps to the original)."""
         ids: list[str] = []
         rejected: dict[str, RequestOutput] = {}
         if self.groups.rank == 0:
@@ -136,7 +137,11 @@ class Engine:
                     self.submit(req)
                     ids.append(req.request_id)
                 except RequestError as e:
-                    rejected[req.request_id] = _rejected(req, str(e))
+                    out = _rejected(req, str(e))
+                    self.rejected.append(out)
+                    # a refused duplicate must not shadow the accepted request's output
+                    if req.request_id not in self.scheduler.by_id and req.request_id not in ids:
+                        rejected[req.request_id] = out
         self.step()
         while self.busy():
             for out in self.step():

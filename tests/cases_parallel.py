@@ -1,0 +1,23 @@
+"""Per-rank bodies of the layout tests."""
+
+from __future__ import annotations
+
+from colo_rollout.config import ParallelConfig
+from colo_rollout.inference.parallel import group_ranks, init_parallel
+
+
+def layout_membership(rank: int, world: int, adp: int, ep: int) -> dict:
+    groups = init_parallel(ParallelConfig(world_size=world, adp=adp, ep=ep, backend="gloo",
+                                          timeout_s=60.0))
+    from megatron.core import parallel_state as ps
+
+    out = {name: group_ranks(getattr(groups, name))
+           for name in ("atp", "adp", "ep", "etp", "full_p", "full_d", "control")}
+    out["replica"] = groups.replica
+    out["atp_rank"] = groups.atp_rank
+    # megatron's own view must agree (modules built from pg_collection use these)
+    out["mcore_tp"] = group_ranks(groups.pg_collection.tp)
+    out["mcore_ep"] = group_ranks(groups.pg_collection.ep)
+    out["mcore_tp_size"] = ps.get_tensor_model_parallel_world_size()
+    out["distinct_p_d"] = groups.full_p is not groups.full_d
+    return out

@@ -1,0 +1,71 @@
+"""Parallel layouts: pure arithmetic, rejections, and live group membership on 1, 2, 4 ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+from colo_rollout.config import ConfigError, ParallelConfig
+from colo_rollout.inference.parallel import Layout, LayoutError
+
+CASE = "tests.cases_parallel:layout_membership"
+
+# Expected memberships written out by hand from DESIGN.md's definitions (rank = replica*ATP + a).
+EXPECTED = {
+    # (world, adp, ep): per-rank {group: members}
+    (1, 1, 1): {"atp": [[0]], "adp": [[0]], "ep": [[0]], "etp": [[0]]},
+    (2, 2, 2): {"atp": [[0], [1]], "adp": [[0, 1], [0, 1]], "ep": [[0, 1], [0, 1]],
+                "etp": [[0], [1]]},  # EP2/ADP2
+    (2, 1, 1): {"atp": [[0, 1], [0, 1]], "adp": [[0], [1]], "ep": [[0], [1]],
+                "etp": [[0, 1], [0, 1]]},  # ATP2, experts TP-sharded (ETP2)
+    (2, 1, 2): {"atp": [[0, 1], [0, 1]], "adp": [[0], [1]], "ep": [[0, 1], [0, 1]],
+                "etp": [[0], [1]]},  # EP2/ATP2
+    (4, 2, 4): {"atp": [[0, 1], [0, 1], [2, 3], [2, 3]],
+                "adp": [[0, 2], [1, 3], [0, 2], [1, 3]],
+                "ep": [[0, 1, 2, 3]] * 4, "etp": [[0], [1], [2], [3]]},  # EP4/ADP2/ATP2
+    (4, 2, 2): {"atp": [[0, 1], [0, 1], [2, 3], [2, 3]],
+                "adp": [[0, 2], [1, 3], [0, 2], [1, 3]],
+                "ep": [[0, 2], [1, 3], [0, 2], [1, 3]],
+                "etp": [[0, 1], [0, 1], [2, 3], [2, 3]]},  # EP2/ADP2/ATP2, ETP2
+}
+
+
+@pytest.mark.parametrize("world,adp,ep", list(EXPECTED))
+def test_group_membership(worker_groups, world, adp, ep):
+    results = worker_groups(world).run(CASE, adp=adp, ep=ep)
+    want = EXPECTED[(world, adp, ep)]
+    atp = world // adp
+    for rank, got in enumerate(results):
+        for name, per_rank in want.items():
+            assert got[name] == per_rank[rank], (rank, name)
+        assert got["full_p"] == got["full_d"] == got["control"] == list(range(world))
+        assert got["distinct_p_d"]
+        assert got["replica"] == rank // atp and got["atp_rank"] == rank % atp
+        assert got["mcore_tp"] == got["atp"] and got["mcore_ep"] == got["ep"]
+        assert got["mcore_tp_size"] == atp
+
+
+def test_layout_names_and_crossing():
+    assert Layout(8, 2, 8).name == "EP8/ADP2/ATP4" and Layout(8, 2, 8).atp == 4
+    assert Layout(8, 8, 8).name == "EP8/ADP8" and not Layout(8, 8, 8).crossed
+    assert Layout(4, 2, 4).crossed and not Layout(2, 2, 2).crossed and not Layout(2, 1, 2).crossed
+    assert Layout(4, 2, 2).etp == 2
+
+
+@pytest.mark.parametrize("world,adp,ep,needle", [
+    (6, 4, 1, "not divisible by ADP 4"),
+    (4, 1, 3, "not divisible by EP 3"),
+    (4, 0, 1, "adp must be >= 1"),
+])
+def test_impossible_layouts_rejected(world, adp, ep, needle):
+    with pytest.raises(LayoutError, match=needle):
+        Layout(world, adp, ep)
+
+
+def test_config_rejects_layout_with_key():
+    with pytest.raises(ConfigError, match="parallel.adp"):
+        ParallelConfig(world_size=6, adp=4, ep=1)
+
+
+def test_process_count_must_match_config():
+    with pytest.raises(LayoutError, match="world_size is 4 but 2 processes"):
+        Layout.from_config(ParallelConfig(world_size=4, adp=2, ep=2), world_size=2)

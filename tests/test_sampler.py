@@ -1,0 +1,222 @@
+"""Unit tests for colo_rollout.inference.sampler.sample (CPU torch; no processes)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from colo_rollout.inference.request import SamplingParams
+from colo_rollout.inference.sampler import sample
+
+
+def gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def repeat(row: list[float], n: int) -> torch.Tensor:
+    return torch.tensor([row], dtype=torch.float32).repeat(n, 1)
+
+
+def counts(tokens: list[int], vocab: int) -> list[int]:
+    c = Counter(tokens)
+    return [c.get(i, 0) for i in range(vocab)]
+
+
+def softmax64(xs: list[float]) -> list[float]:
+    m = max(xs)
+    e = [math.exp(x - m) for x in xs]
+    z = sum(e)
+    return [v / z for v in e]
+
+
+def assert_frequencies(tokens: list[int], probs: list[float], sigmas: float = 4.5) -> None:
+    """Per-bin binomial check: |count - n p| <= sigmas * sqrt(n p (1 - p)) (+1 for p ~ 0)."""
+    n = len(tokens)
+    got = counts(tokens, len(probs))
+    for i, (c, p) in enumerate(zip(got, probs)):
+        tol = sigmas * math.sqrt(n * p * (1 - p)) + 1
+        assert abs(c - n * p) <= tol, f"id {i}: {c} draws, expected {n * p:.1f} +- {tol:.1f}"
+
+
+# the distribution [0.5, 0.3, 0.15, 0.05] as logits (plus an arbitrary shift)
+P4 = [0.5, 0.3, 0.15, 0.05]
+L4 = [math.log(p) + 1.7 for p in P4]
+
+
+# --------------------------------------------------------------------------- greedy
+
+
+def test_greedy_is_argmax_with_log_softmax_logprob() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(16, 37) * 3
+    toks, lps = sample(logits, [SamplingParams()] * 16, gen())
+    assert toks == logits.argmax(dim=-1).tolist()
+    ref = torch.log_softmax(logits.double(), dim=-1)
+    for i, (t, lp) in enumerate(zip(toks, lps)):
+        assert isinstance(t, int)
+        assert lp == pytest.approx(ref[i, t].item(), abs=1e-5)
+        assert lp <= 0
+
+
+def test_greedy_accepts_low_precision_logits() -> None:
+    torch.manual_seed(1)
+    logits = (torch.randn(4, 11) * 2).to(torch.bfloat16)
+    toks, lps = sample(logits, [SamplingParams()] * 4, None)
+    assert toks == logits.float().argmax(dim=-1).tolist()
+    ref = torch.log_softmax(logits.double(), dim=-1)
+    assert lps == pytest.approx([ref[i, t].item() for i, t in enumerate(toks)], abs=1e-4)
+
+
+def test_greedy_rows_unaffected_by_random_rows_in_same_batch() -> None:
+    torch.manual_seed(2)
+    logits = torch.randn(10, 9)
+    params = [SamplingParams(temperature=1.5 if i % 2 else 0.0) for i in range(10)]
+    toks, _ = sample(logits, params, gen(3))
+    am = logits.argmax(dim=-1).tolist()
+    assert [t for i, t in enumerate(toks) if i % 2 == 0] == [a for i, a in enumerate(am) if i % 2 == 0]
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 5.0])
+def test_top_k_1_equals_greedy(temperature: float) -> None:
+    torch.manual_seed(4)
+    logits = torch.randn(200, 23)
+    toks, lps = sample(logits, [SamplingParams(temperature=temperature, top_k=1)] * 200, gen(5))
+    assert toks == logits.argmax(dim=-1).tolist()
+    greedy_toks, greedy_lps = sample(logits, [SamplingParams()] * 200, gen(5))
+    assert toks == greedy_toks and lps == pytest.approx(greedy_lps)
+
+
+# --------------------------------------------------------------------------- truncation
+
+
+@pytest.mark.parametrize("k", [2, 3, 5])
+def test_top_k_restricts_to_top_k_ids(k: int) -> None:
+    row = [0.3, 2.0, -1.0, 1.5, 0.9, 1.8, -0.2, 0.0]  # nearly flat: every id is likely at T=2
+    n = 2000
+    toks, _ = sample(repeat(row, n), [SamplingParams(temperature=2.0, top_k=k)] * n, gen(k))
+    allowed = set(sorted(range(len(row)), key=lambda i: -row[i])[:k])
+    assert set(toks) == allowed  # only the top k, and all of them show up
+    # within the kept ids, frequencies follow the renormalised softmax(logits / T)
+    sub = softmax64([row[i] / 2.0 if i in allowed else -math.inf for i in range(len(row))])
+    assert_frequencies(toks, sub)
+
+
+@pytest.mark.parametrize("top_p,kept", [
+    (0.45, {0}),            # 0.5 alone reaches 0.45
+    (0.7, {0, 1}),          # 0.5 < 0.7 <= 0.8
+    (0.85, {0, 1, 2}),      # 0.8 < 0.85 <= 0.95
+    (0.99, {0, 1, 2, 3}),
+])
+def test_top_p_keeps_smallest_prefix_reaching_p(top_p: float, kept: set[int]) -> None:
+    n = 4000
+    toks, _ = sample(repeat(L4, n), [SamplingParams(temperature=1.0, top_p=top_p)] * n, gen(11))
+    assert set(toks) == kept
+    mass = sum(P4[i] for i in kept)
+    assert_frequencies(toks, [P4[i] / mass if i in kept else 0.0 for i in range(4)])
+
+
+def test_top_p_applies_to_unsorted_vocab_order() -> None:
+    # the same distribution permuted: ids by probability are 2 (0.5), 0 (0.3), 3 (0.15), 1 (0.05)
+    perm_logits = [L4[1], L4[3], L4[0], L4[2]]
+    n = 2000
+    toks, _ = sample(repeat(perm_logits, n), [SamplingParams(temperature=1.0, top_p=0.7)] * n,
+                     gen(12))
+    assert set(toks) == {2, 0}
+
+
+def test_top_k_and_top_p_combined() -> None:
+    # top_k=3 keeps {0,1,2} with mass 0.95 -> renormalised [0.526, 0.316, 0.158];
+    # top_p 0.6 then keeps the prefix {0, 1} (0.526 < 0.6 <= 0.842)
+    n = 3000
+    toks, _ = sample(repeat(L4, n), [SamplingParams(temperature=1.0, top_k=3, top_p=0.6)] * n,
+                     gen(13))
+    assert set(toks) == {0, 1}
+    assert_frequencies(toks, [0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0])
+
+
+def test_per_row_parameters_are_independent() -> None:
+    n = 1500
+    logits = repeat(L4, 2 * n)
+    params = [SamplingParams(temperature=1.0, top_k=1)] * n + [SamplingParams(temperature=1.0)] * n
+    toks, _ = sample(logits, params, gen(14))
+    assert set(toks[:n]) == {0}
+    assert set(toks[n:]) == {0, 1, 2, 3}  # the untruncated rows see the whole vocabulary
+    assert_frequencies(toks[n:], P4)
+
+
+# --------------------------------------------------------------------------- temperature
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.5])
+def test_temperature_frequencies_match_softmax(temperature: float) -> None:
+    row = [1.0, 0.5, 0.0, -0.5, -1.0, 2.0, 0.25]
+    n = 20000
+    toks, _ = sample(repeat(row, n), [SamplingParams(temperature=temperature)] * n,
+                     gen(int(temperature * 10)))
+    want = softmax64([x / temperature for x in row])
+    assert_frequencies(toks, want)
+    # chi-square as well (df = 6; 99.99th percentile ~ 27.9)
+    got = counts(toks, len(row))
+    chi2 = sum((c - n * p) ** 2 / (n * p) for c, p in zip(got, want))
+    assert chi2 < 27.9, chi2
+
+
+def test_temperature_actually_changes_the_distribution() -> None:
+    # guards against the frequency test passing for a sampler that ignores T
+    row = [1.0, 0.0, -1.0]
+    n = 20000
+    toks, _ = sample(repeat(row, n), [SamplingParams(temperature=0.25)] * n, gen(21))
+    p_t1 = softmax64(row)[0]
+    p_t = softmax64([x / 0.25 for x in row])[0]
+    frac0 = toks.count(0) / n
+    assert abs(frac0 - p_t) < 0.02 and abs(frac0 - p_t1) > 0.2
+
+
+# --------------------------------------------------------------------------- reproducibility
+
+
+def test_same_seed_same_samples_different_seed_differs() -> None:
+    torch.manual_seed(6)
+    logits = torch.randn(500, 30)
+    params = [SamplingParams(temperature=1.3, top_k=10 * (i % 3), top_p=0.5 + 0.25 * (i % 3))
+              for i in range(500)]
+    a = sample(logits, params, gen(99))
+    b = sample(logits, params, gen(99))
+    c = sample(logits, params, gen(100))
+    assert a == b
+    assert a[0] != c[0]
+
+
+def test_generator_is_advanced_between_calls() -> None:
+    logits = repeat([0.0] * 16, 200)
+    params = [SamplingParams(temperature=1.0)] * 200
+    g = gen(5)
+    first, _ = sample(logits, params, g)
+    second, _ = sample(logits, params, g)
+    assert first != second
+    again, _ = sample(logits, params, gen(5))
+    assert again == first
+
+
+# --------------------------------------------------------------------------- logprobs
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.4),
+    SamplingParams(temperature=2.0, top_k=3),
+    SamplingParams(temperature=0.7, top_p=0.6),
+    SamplingParams(temperature=1.5, top_k=5, top_p=0.8),
+])
+def test_logprob_is_under_unmodified_distribution(params: SamplingParams) -> None:
+    torch.manual_seed(7)
+    logits = torch.randn(300, 17) * 2
+    toks, lps = sample(logits, [params] * 300, gen(8))
+    ref = torch.log_softmax(logits.double(), dim=-1)  # T = 1, no truncation
+    want = [ref[i, t].item() for i, t in enumerate(toks)]
+    assert lps == pytest.approx(want, abs=1e-5)
+    # and it is NOT the log-probability under the modified distribution
+    mod = torch.log_softmax(logits.double() / params.temperature, dim=-1)
+    assert max(abs(lp - mod[i, t].item()) for i, (t, lp) in enumerate(zip(toks, lps))) > 1e-2
