@@ -61,7 +61,7 @@ def compare_with_reference(ref, requests, outs) -> dict:
     return {"max_logprob_diff": worst, "mismatches": mismatches, "checked": checked}
 
 
-def engine_matches_reference(rank: int, world: int, adp: int, ep: int, n_requests: int = 8,
+def engine_matches_reference(rank: int, world: int, adp: int, ep: int, n_requests: int = 14,
                              seed: int = 0) -> dict:
     # A batch cap of 3 rows per replica admits requests in waves: later P steps run while other
     # replicas hold D rows, and some replicas take part in a P step with zero rows.

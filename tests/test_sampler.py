@@ -220,3 +220,26 @@ def test_logprob_is_under_unmodified_distribution(params: SamplingParams) -> Non
     # and it is NOT the log-probability under the modified distribution
     mod = torch.log_softmax(logits.double() / params.temperature, dim=-1)
     assert max(abs(lp - mod[i, t].item()) for i, (t, lp) in enumerate(zip(toks, lps))) > 1e-2
+
+
+# --------------------------------------------------------------------------- numerics
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG sampler.py:31 `sub = sub / temps`: a tiny but valid temperature (SamplingParams accepts "
+    "any finite T > 0, request.py:31) overflows logits/T to +-inf in float32; softmax (line 38) "
+    "then gives an all-NaN row and argmax (line 40) returns id 0 for every row, regardless of the "
+    "logits and even when top_k excludes id 0. Expected: the T -> 0+ limit, i.e. greedy."))
+@pytest.mark.parametrize("top_k", [0, 2])
+def test_tiny_temperature_is_greedy(top_k: int) -> None:
+    # well-separated logits (gap 0.5): at T = 1e-40 any non-argmax id has probability
+    # exp(-0.5 / 1e-40) == 0, so the only correct answer is the argmax
+    torch.manual_seed(9)
+    logits = torch.stack([torch.randperm(8).float() * 0.5 - 2.0 for _ in range(64)])
+    params = [SamplingParams(temperature=1e-40, top_k=top_k)] * 64
+    params[0].validate("tiny-t", 8)  # the engine accepts it
+    toks, lps = sample(logits, params, gen(10))
+    want = logits.argmax(dim=-1).tolist()
+    wrong = sum(t != w for t, w in zip(toks, want))
+    assert wrong == 0, f"{wrong}/64 rows not greedy; sampled ids {sorted(set(toks))}"
+    assert not any(math.isnan(x) for x in lps)

@@ -99,6 +99,14 @@ def test_invalid_request_is_rejected_naming_id_and_problem(label: str, request_:
     assert s.has_work()
 
 
+@pytest.mark.parametrize("rid", ["", 7, None])
+def test_bad_request_id_is_rejected(rid) -> None:
+    s = make()
+    with pytest.raises(RequestError, match=r"request id must be a non-empty string, got " + repr(rid)):
+        s.add(Request(rid, (1, 2)))
+    assert not s.has_work()
+
+
 def test_valid_boundaries_are_accepted() -> None:
     s = make()
     s.add(Request("max-seq", tuple(1 + i % 40 for i in range(60)), SamplingParams(max_tokens=4)))  # 64 == cap
