@@ -225,11 +225,6 @@ def test_logprob_is_under_unmodified_distribution(params: SamplingParams) -> Non
 # --------------------------------------------------------------------------- numerics
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG sampler.py:31 `sub = sub / temps`: a tiny but valid temperature (SamplingParams accepts "
-    "any finite T > 0, request.py:31) overflows logits/T to +-inf in float32; softmax (line 38) "
-    "then gives an all-NaN row and argmax (line 40) returns id 0 for every row, regardless of the "
-    "logits and even when top_k excludes id 0. Expected: the T -> 0+ limit, i.e. greedy."))
 @pytest.mark.parametrize("top_k", [0, 2])
 def test_tiny_temperature_is_greedy(top_k: int) -> None:
     # well-separated logits (gap 0.5): at T = 1e-40 any non-argmax id has probability

@@ -25,7 +25,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     random_rows = [i for i, p in enumerate(params) if p.temperature > 0]
     if random_rows:
         idx = torch.tensor(random_rows, device=logits.device)
+        # shift by the row max first: (x - max) / T stays finite-or--inf for any T > 0, so a
+        # tiny temperature tends to greedy instead of overflowing to NaN
         sub = logits[idx]
+        sub = sub - sub.max(dim=-1, keepdim=True).values
         temps = torch.tensor([params[i].temperature for i in random_rows],
                              device=logits.device)[:, None]
         sub = sub / temps
