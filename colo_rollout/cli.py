@@ -23,7 +23,7 @@ def _overrides(pairs: list[str]) -> dict:
     return out
 
 
-def _launch(target: str, config: str, overrides: dict) -> list:
+def _launch(target: str, config: str, overrides: dict, **extra) -> list:
     from colo_rollout.config import ConfigError, load_config
 
     try:
@@ -37,11 +37,12 @@ def _launch(target: str, config: str, overrides: dict) -> list:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         return [getattr(importlib.import_module(mod), fn)(rank=rank, world=world,
                                                           config_path=config,
-                                                          overrides=overrides)]
+                                                          overrides=overrides, **extra)]
     from colo_rollout.testing import WorkerGroup
 
     with WorkerGroup(cfg.parallel.world_size) as group:
-        return group.run(target, timeout=3600, config_path=config, overrides=overrides)
+        return group.run(target, timeout=3600, config_path=config, overrides=overrides,
+                         **extra)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,9 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("config", help="YAML config, e.g. configs/demo_cpu.yaml")
     d.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set workload.num_requests=8")
+    d.add_argument("--report", default=None, help="write the report as JSON to this path")
     args = ap.parse_args(argv)
     if args.cmd == "demo":
-        _launch("colo_rollout.demo:run_demo", args.config, _overrides(args.set))
+        _launch("colo_rollout.demo:run_demo", args.config, _overrides(args.set),
+                report=args.report)
     return 0
 
 

@@ -18,7 +18,7 @@ from colo_rollout.workload import synthetic_requests
 
 
 def run_demo(rank: int, world: int, config_path: str, overrides: dict | None = None,
-             quiet: bool = False) -> dict:
+             quiet: bool = False, report: str | None = None) -> dict:
     cfg = load_config(config_path, overrides)
     groups = init_parallel(cfg.parallel)
     engine = Engine(cfg, groups)
@@ -40,11 +40,15 @@ def run_demo(rank: int, world: int, config_path: str, overrides: dict | None = N
     if bar is not None:
         bar.close()
     engine.check_integrity()
-    report = summarize(outs, requests, wall, engine)
-    report["layout"] = groups.layout.name
+    rep = summarize(outs, requests, wall, engine)
+    rep["layout"] = groups.layout.name
+    rep["device"] = str(groups.device)
     if rank == 0 and not quiet:
-        print_report(report)
-    return report
+        print_report(rep)
+    if rank == 0 and report:
+        with open(report, "w") as f:
+            json.dump(rep, f, indent=1)
+    return rep
 
 
 def summarize(outs, requests, wall: float, engine: Engine) -> dict:

@@ -32,14 +32,23 @@ class WorkerTimeout(TimeoutError):
     """A call did not finish in time; the group has been torn down."""
 
 
-def _worker_main(rank: int, world: int, store_path: str, tasks, results, env: dict) -> None:
+# NVLink multicast stays off on shared GPU hosts (it can take the host's GPUs out of service).
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                 "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def _worker_main(rank: int, world: int, store_path: str, tasks, results, env: dict,
+                 backend: str) -> None:
     os.environ.update(env)
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)  # one process per GPU, rank i on device i
+    else:
+        torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
     while True:
         task = tasks.get()
         if task is None:
@@ -58,17 +67,18 @@ def _worker_main(rank: int, world: int, store_path: str, tasks, results, env: di
 
 
 class WorkerGroup:
-    def __init__(self, world_size: int, env: dict[str, str] | None = None) -> None:
+    def __init__(self, world_size: int, env: dict[str, str] | None = None,
+                 backend: str = "gloo") -> None:
         self.world = world_size
         self._dir = tempfile.mkdtemp(prefix="colo_rollout_pg_")
         ctx = mp.get_context("spawn")
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
-        child_env = {"OMP_NUM_THREADS": "1", **(env or {})}
+        child_env = {"OMP_NUM_THREADS": "1", **MULTICAST_OFF, **(env or {})}
         self._procs = [
             ctx.Process(target=_worker_main, daemon=True,
                         args=(r, world_size, os.path.join(self._dir, "store"), self._tasks[r],
-                              self._results, child_env))
+                              self._results, child_env, backend))
             for r in range(world_size)
         ]
         for p in self._procs:

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# GPU host check: runs every GPU test and benchmark in one go and prints a short table last.
+#   bash scripts/gpu_check.sh            (on a CUDA host; megatron-core installed, or carried as
+#                                         a cp312 wheel in .whl/ -- see docs/gpu.md)
+# Results land in $OUT (default runs/gpu_check): pytest log, JSON lines per test, demo reports.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-runs/gpu_check}
+mkdir -p "$OUT"
+if ! python3 -c "import megatron.core" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+echo "GPUs: $NGPU  ($(python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())'))"
+export COLO_GPU_REPORT=$OUT/gpu_tests.jsonl
+rm -f "$COLO_GPU_REPORT"
+
+python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT/pytest.log"
+
+for n in 1 2; do
+  [ "$NGPU" -ge "$n" ] || continue
+  if [ "$n" = 1 ]; then set_layout="--set parallel.world_size=1 --set parallel.adp=1 --set parallel.ep=1"; else set_layout=""; fi
+  torchrun --standalone --nproc-per-node "$n" -m colo_rollout.cli demo configs/demo_gpu.yaml \
+    $set_layout --report "$OUT/demo_gpu$n.json" > "$OUT/demo_gpu$n.log" 2>&1 \
+    || echo "demo on $n GPU(s) failed: see $OUT/demo_gpu$n.log"
+done
+
+python3 scripts/gpu_table.py "$OUT"

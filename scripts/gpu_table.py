@@ -1,0 +1,26 @@
+"""Print the summary table of a scripts/gpu_check.sh run (the last thing it shows)."""
+
+import glob
+import json
+import os
+import sys
+
+out = sys.argv[1]
+print("\n== GPU check summary ==")
+print(f"{'check':34s} {'layout':16s} {'GPUs':>4s} {'result':>7s} {'max|dlogp|':>10s} "
+      f"{'mean|dlogp|':>11s} {'tok/s':>9s}")
+path = os.path.join(out, "gpu_tests.jsonl")
+rows = [json.loads(l) for l in open(path)] if os.path.exists(path) else []
+for r in rows:
+    print(f"{r['test']:34s} {r['layout']:16s} {r['gpus']:4d} "
+          f"{'PASS' if r['passed'] else 'FAIL':>7s} {r['max_logprob_diff']:10.4f} "
+          f"{r['mean_logprob_diff']:11.5f} {r['tok_per_s']:9.1f}")
+for f in sorted(glob.glob(os.path.join(out, "demo_gpu*.json"))):
+    r = json.load(open(f))
+    n = os.path.basename(f)[len("demo_gpu"):-len(".json")]
+    print(f"{'demo (bf16, ' + str(r['requests']) + ' req)':34s} {r['layout']:16s} {int(n):4d} "
+          f"{'ok':>7s} {'':10s} {'':11s} {r['tokens_per_s']:9.1f}   "
+          f"p50/p99 latency {r['latency_s']['p50']:.2f}/{r['latency_s']['p99']:.2f} s, "
+          f"TTFT p99 {r['ttft_s']['p99']:.3f} s, {r['requests_per_s']:.2f} req/s")
+if not rows:
+    print("(no GPU test results: see pytest.log)")
