@@ -40,6 +40,11 @@ def singleton_pg_collection() -> ProcessGroupCollection:
 def build_reference(cfg: ModelConfig, full_state: dict[str, torch.Tensor],
                     pg_collection: ProcessGroupCollection, device: torch.device,
                     dtype: torch.dtype | None = None) -> GPTModel:
+    # megatron's DotProductAttention enters get_cuda_rng_tracker().fork() even with dropout 0;
+    # the inference tracker makes that a no-op on CPU and GPU alike.
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     tcfg = megatron_config(cfg, dtype=dtype, init=False)
     spec = get_gpt_layer_local_spec(num_experts=cfg.num_experts, moe_grouped_gemm=False,
                                     normalization=cfg.normalization)
