@@ -9,13 +9,13 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-runs/gpu_check}
 mkdir -p "$OUT"
-if ! python3 -c "import megatron.core" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
+site=$(bash scripts/install_carried_wheels.sh) || exit 1
+export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 echo "GPUs: $NGPU  ($(python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())'))"
+python3 -c "import transformer_engine as te; print('Transformer Engine', te.__version__)" 2>/dev/null \
+  || echo "Transformer Engine: not installed (TE-spec tests skip)"
 export COLO_GPU_REPORT=$OUT/gpu_tests.jsonl
 rm -f "$COLO_GPU_REPORT"
 

@@ -12,30 +12,40 @@ from colo_rollout.inference.engine import Engine
 from colo_rollout.inference.model import random_state_dict
 from colo_rollout.inference.parallel import init_parallel
 from colo_rollout.inference.reference import build_reference, singleton_pg_collection
+from colo_rollout.inference.reference import reference_logprobs
 from tests.cases_engine import compare_with_reference, mixed_requests
 
-# bf16 engine vs an fp32 reference holding the same (bf16-representable) weights: the gap is
-# bf16 activation rounding, ~1e-2 in logprobs over 4 layers; 0.08 bounds it with margin while
-# a wrong shard/position/row moves logprobs by O(1). Greedy tokens must be the reference argmax
-# up to the same slack (near-ties may flip under bf16 rounding).
-BF16_LOGPROB_TOL = 0.08
+# Acceptance on GPU (logprobs of the engine's tokens, teacher-forced through megatron GPTModel
+# full recompute with the same weights):
+#  * fp32 engine vs fp32 reference: they differ only in summation order (NCCL vs local, paged vs
+#    dense attention), ~1e-5; FP32_TOL = 2e-3 leaves margin while a wrong shard/position/row
+#    costs O(0.1-1). Every token must be the reference argmax (within the tolerance).
+#  * bf16 engine: its error against the fp32 ground truth must be no worse than megatron's own
+#    bf16 GPTModel's error against it on the same tokens (ratio <= BF16_RATIO), and greedy
+#    tokens must agree with the fp32 argmax (within BF16_ARGMAX_SLACK) on >= BF16_AGREE of
+#    positions: bf16 rounding legitimately flips near-ties of a random-weight model.
+FP32_TOL = 2e-3
+BF16_RATIO = 1.5
+BF16_ARGMAX_SLACK = 0.05
+BF16_AGREE = 0.9
 
 
-def gpu_config(world: int, adp: int, ep: int) -> Config:
+def gpu_config(world: int, adp: int, ep: int, dtype: str = "bfloat16",
+               use_te: str = "off") -> Config:
     return Config(
         parallel=ParallelConfig(world_size=world, adp=adp, ep=ep, backend="nccl", timeout_s=120.0),
         model=ModelConfig(vocab_size=2048, hidden_size=512, num_layers=4, num_attention_heads=8,
                           num_query_groups=4, moe_ffn_hidden_size=512, num_experts=16,
                           moe_router_topk=2, max_position_embeddings=1024, init_method_std=0.05,
-                          params_dtype="bfloat16", seed=11),
+                          params_dtype=dtype, seed=11, use_te=use_te),
         engine=EngineConfig(max_batch_size=4, max_prefill_tokens=512, kv_block_size=16,
                             num_kv_blocks=256, max_seq_len=512, decode_buckets=[1, 2, 4]),
     )
 
 
-def gpu_engine_matches_reference(rank: int, world: int, adp: int, ep: int,
-                                 n_requests: int = 16, seed: int = 0) -> dict:
-    cfg = gpu_config(world, adp, ep)
+def gpu_engine_matches_reference(rank: int, world: int, adp: int, ep: int, dtype: str,
+                                 use_te: str = "off", n_requests: int = 16, seed: int = 0) -> dict:
+    cfg = gpu_config(world, adp, ep, dtype, use_te)
     groups = init_parallel(cfg.parallel)
     sd = random_state_dict(cfg.model)
     engine = Engine(cfg, groups, sd)
@@ -48,12 +58,38 @@ def gpu_engine_matches_reference(rank: int, world: int, adp: int, ep: int,
     engine.check_integrity()
     pgc = singleton_pg_collection()
     res = {"layout": groups.layout.name, "wall_s": wall, "device": torch.cuda.get_device_name(),
+           "te": engine.model.use_te,
            "tokens": {r.request_id: outs[r.request_id].tokens for r in requests},
            "generated": sum(len(outs[r.request_id].tokens) for r in requests)}
     if rank == 0:
-        ref_cfg = dataclasses.replace(cfg.model, params_dtype="float32")
-        sd32 = {k: v.float() for k, v in sd.items()}
-        ref = build_reference(ref_cfg, sd32, pgc, torch.device("cuda", torch.cuda.current_device()))
-        cmp = compare_with_reference(ref, requests, outs, tol=BF16_LOGPROB_TOL)
-        res.update(cmp)
+        dev = torch.device("cuda", torch.cuda.current_device())
+        ref_cfg = dataclasses.replace(cfg.model, params_dtype="float32", use_te="off")
+        ref32 = build_reference(ref_cfg, {k: v.float() for k, v in sd.items()}, pgc, dev)
+        if dtype == "float32":
+            res.update(compare_with_reference(ref32, requests, outs, tol=FP32_TOL))
+        else:
+            # yardstick: megatron's own GPTModel of the same spec (local or TE) in bf16
+            ref16 = build_reference(cfg.model, sd, pgc, dev, te=engine.model.use_te)
+            res.update(compare_bf16(ref32, ref16, requests, outs))
     return res
+
+
+def compare_bf16(ref32, ref16, requests, outs) -> dict:
+    eng_err, ref_err, agree, n = 0.0, 0.0, 0, 0
+    worst = 0.0
+    for req in requests:
+        out = outs[req.request_id]
+        full = list(req.prompt) + out.tokens
+        lp32 = reference_logprobs(ref32, full[:-1])
+        lp16 = reference_logprobs(ref16, full[:-1])
+        for j, (tok, lp) in enumerate(zip(out.tokens, out.logprobs)):
+            row = len(req.prompt) - 1 + j
+            truth = float(lp32[row, tok])
+            eng_err += abs(lp - truth)
+            ref_err += abs(float(lp16[row, tok]) - truth)
+            worst = max(worst, abs(lp - truth))
+            agree += truth >= float(lp32[row].max()) - BF16_ARGMAX_SLACK
+            n += 1
+    return {"checked": n, "mean_logprob_diff": eng_err / n, "max_logprob_diff": worst,
+            "megatron_bf16_mean_diff": ref_err / n, "argmax_agreement": agree / n,
+            "mismatches": []}

@@ -64,7 +64,7 @@ class PagedSelfAttention(torch.nn.Module):
     """megatron-named attention over a paged KV cache; heads sharded over the ATP group."""
 
     def __init__(self, config: TransformerConfig, layer_number: int, atp_group,
-                 init_method) -> None:
+                 init_method, qkv_cls=ColumnParallelLinear, proj_cls=RowParallelLinear) -> None:
         super().__init__()
         self.layer_number = layer_number
         atp = atp_group.size()
@@ -73,12 +73,15 @@ class PagedSelfAttention(torch.nn.Module):
         self.groups = config.num_query_groups // atp
         self.q_per_group = config.num_attention_heads // config.num_query_groups
         qkv_out = (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim
-        self.linear_qkv = ColumnParallelLinear(
+        # qkv_cls: megatron ColumnParallelLinear, or TE's LayerNorm+ColumnParallel fused linear
+        # (then the layer's input_layernorm is an identity). proj_cls: megatron or TE row-parallel
+        # linear; only its weight is used -- the reduction belongs to the comm path.
+        self.linear_qkv = qkv_cls(
             config.hidden_size, qkv_out, config=config, init_method=init_method,
             gather_output=False, bias=config.add_bias_linear, skip_bias_add=False,
             is_expert=False, tp_group=atp_group,
         )
-        self.linear_proj = RowParallelLinear(
+        self.linear_proj = proj_cls(
             config.num_attention_heads * self.head_dim, config.hidden_size, config=config,
             init_method=init_method, bias=False, input_is_parallel=True, skip_bias_add=True,
             is_expert=False, tp_group=atp_group,

@@ -24,13 +24,17 @@ than through ``GatherComm``.
 
 from __future__ import annotations
 
+import contextlib
+import re
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
-from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from colo_rollout.config import ModelConfig
@@ -42,14 +46,55 @@ from colo_rollout.inference.parallel import Layout, ParallelGroups
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def te_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # ImportError, or a broken install (missing CUDA libraries)
+        return False
+    return True
+
+
+def resolve_use_te(cfg: ModelConfig) -> bool:
+    """model.use_te: "on" requires Transformer Engine, "auto" uses it when importable on a CUDA
+    host, "off" never. FP8 (model.fp8) needs it."""
+    if cfg.use_te == "off":
+        if cfg.fp8:
+            raise ValueError("model.fp8 needs Transformer Engine but model.use_te is 'off'")
+        return False
+    have = te_available() and torch.cuda.is_available()
+    if cfg.use_te == "on" and not have:
+        raise RuntimeError("model.use_te is 'on' but Transformer Engine (with CUDA) is not "
+                           "available; install the 'te' extra or set model.use_te: 'off'")
+    if cfg.fp8:
+        # TE's FP8 GEMMs need token counts padded to multiples of 16 in every P/D batch and
+        # a calibrated scaling recipe; neither is wired into the runner yet, so refuse clearly
+        # rather than run something untested.
+        raise NotImplementedError(
+            f"model.fp8={cfg.fp8!r}: FP8 inference is not supported yet (bf16/fp32 with the "
+            "TE layer spec are); set model.fp8: null")
+    return have
+
+
+def spec_backend(use_te: bool) -> BackendSpecProvider:
+    """megatron's module provider: the same choice its GPT layer specs make."""
+    if use_te:
+        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+        return TESpecProvider()
+    return LocalSpecProvider()
+
+
 def megatron_config(cfg: ModelConfig, *, tp: int = 1, ep: int = 1, etp: int = 1,
                     dtype: torch.dtype | None = None, init: bool = True,
-                    sequence_parallel: bool = False) -> TransformerConfig:
+                    sequence_parallel: bool = False, use_te: bool = False) -> TransformerConfig:
     """Megatron ``TransformerConfig`` for ``cfg`` (SwiGLU experts, no biases, RoPE, top-k
-    softmax router without aux loss, dropout off)."""
+    softmax router in fp32 without aux loss, dropout off; FP8 only with TE)."""
     dtype = dtype or DTYPES[cfg.params_dtype]
     init_std = cfg.init_method_std
+    fp8 = {"fp8": cfg.fp8, "fp8_recipe": "delayed"} if (use_te and cfg.fp8) else {}
     return TransformerConfig(
+        **fp8,
+        moe_grouped_gemm=use_te,
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,
@@ -58,6 +103,7 @@ def megatron_config(cfg: ModelConfig, *, tp: int = 1, ep: int = 1, etp: int = 1,
         moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
         num_moe_experts=cfg.num_experts,
         moe_router_topk=cfg.moe_router_topk,
+        moe_router_dtype="fp32",  # routing in fp32: bf16 logits flip near-tied top-k choices
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
         moe_token_dispatcher_type="allgather",
@@ -85,28 +131,38 @@ def megatron_config(cfg: ModelConfig, *, tp: int = 1, ep: int = 1, etp: int = 1,
     )
 
 
+def _norm(backend: BackendSpecProvider, config: TransformerConfig) -> torch.nn.Module:
+    cls = backend.layer_norm(rms_norm=config.normalization == "RMSNorm", for_qk=False)
+    return build_module(cls, config=config, hidden_size=config.hidden_size,
+                        eps=config.layernorm_epsilon)
+
+
 class InferenceLayer(torch.nn.Module):
-    def __init__(self, config: TransformerConfig, groups: ParallelGroups, layer_number: int):
+    """One decoder layer, its modules chosen by megatron's backend provider (local or TE)."""
+
+    def __init__(self, config: TransformerConfig, groups: ParallelGroups, layer_number: int,
+                 backend: BackendSpecProvider):
         super().__init__()
-        self.input_layernorm = WrappedTorchNorm(config, config.hidden_size,
-                                                eps=config.layernorm_epsilon)
+        fused = backend.fuse_layernorm_and_linear()  # TE: norm lives in linear_qkv
+        self.input_layernorm = IdentityOp() if fused else _norm(backend, config)
+        qkv_cls = (backend.column_parallel_layer_norm_linear() if fused
+                   else backend.column_parallel_linear())
         self.self_attention = PagedSelfAttention(config, layer_number, groups.atp,
-                                                 config.init_method)
-        self.pre_mlp_layernorm = WrappedTorchNorm(config, config.hidden_size,
-                                                  eps=config.layernorm_epsilon)
+                                                 config.init_method, qkv_cls,
+                                                 backend.row_parallel_linear())
+        self.pre_mlp_layernorm = _norm(backend, config)
         ep_rank = groups.rank // groups.layout.etp  # EP index: experts are EP-major over ranks
         self.mlp = GatherMoE(config, groups.pg_collection, ep_rank, groups.layout.ep,
-                             layer_number)
+                             layer_number, backend.grouped_mlp_modules(config.moe_grouped_gemm))
 
 
 class _Decoder(torch.nn.Module):
-    def __init__(self, config, groups):
+    def __init__(self, config, groups, backend):
         super().__init__()
         self.layers = torch.nn.ModuleList(
-            [InferenceLayer(config, groups, i + 1) for i in range(config.num_layers)]
+            [InferenceLayer(config, groups, i + 1, backend) for i in range(config.num_layers)]
         )
-        self.final_layernorm = WrappedTorchNorm(config, config.hidden_size,
-                                                eps=config.layernorm_epsilon)
+        self.final_layernorm = _norm(backend, config)
 
 
 class _Embedding(torch.nn.Module):
@@ -152,10 +208,11 @@ class InferenceGPT(torch.nn.Module):
         lay = groups.layout
         self.cfg = cfg
         self.groups = groups
+        self.use_te = resolve_use_te(cfg)
         self.config = megatron_config(cfg, tp=lay.atp, ep=lay.ep, etp=lay.etp, dtype=dtype,
-                                      init=False)
+                                      init=False, use_te=self.use_te)
         self.embedding = _Embedding(self.config, cfg.vocab_size, groups.atp)
-        self.decoder = _Decoder(self.config, groups)
+        self.decoder = _Decoder(self.config, groups, spec_backend(self.use_te))
         self.output_layer = ColumnParallelLinear(
             cfg.hidden_size, cfg.vocab_size, config=self.config,
             init_method=self.config.init_method, bias=False, gather_output=False,
@@ -170,7 +227,9 @@ class InferenceGPT(torch.nn.Module):
 
     # ------------------------------------------------------------------ weights
     def load_full_state_dict(self, full: dict[str, torch.Tensor]) -> None:
-        """Copy this rank's shard of every parameter from an unsharded megatron state dict."""
+        """Copy this rank's shard of every parameter from an unsharded megatron state dict
+        (local-spec or TE-spec names; converted to this model's spec first)."""
+        full = to_spec_names(full, self.use_te)
         load_sharded(self, full, self.groups.layout, self.groups.rank)
 
     def rope_table(self) -> torch.Tensor:
@@ -187,8 +246,25 @@ class InferenceGPT(torch.nn.Module):
                          w.dtype, w.device)
 
     # ------------------------------------------------------------------ P
+    def _precision(self):
+        """FP8 autocast for TE modules when model.fp8 is set (megatron's own context)."""
+        if self.config.fp8:
+            from megatron.core.fp8_utils import get_fp8_context
+
+            return get_fp8_context(self.config)
+        return contextlib.nullcontext()
+
     @torch.inference_mode()
     def forward_prefill(self, inp: PrefillInputs, kv: KVStorage) -> torch.Tensor:
+        with self._precision():
+            return self._forward_prefill(inp, kv)
+
+    @torch.inference_mode()
+    def forward_decode(self, inp: DecodeInputs, kv: KVStorage) -> torch.Tensor:
+        with self._precision():
+            return self._forward_decode(inp, kv)
+
+    def _forward_prefill(self, inp: PrefillInputs, kv: KVStorage) -> torch.Tensor:
         """Returns full-vocab logits [n_local_seqs, V] of this replica's last P tokens."""
         comm, r = self.comm, self.groups.replica
         total = sum(inp.row_counts)
@@ -214,8 +290,7 @@ class InferenceGPT(torch.nn.Module):
         return full[seq_off : seq_off + n_seq]
 
     # ------------------------------------------------------------------ D
-    @torch.inference_mode()
-    def forward_decode(self, inp: DecodeInputs, kv: KVStorage) -> torch.Tensor:
+    def _forward_decode(self, inp: DecodeInputs, kv: KVStorage) -> torch.Tensor:
         """Returns full-vocab logits [B, V] for this replica's (padded) D rows."""
         comm = self.comm
         rope = self.rope_table()
@@ -246,6 +321,16 @@ def shard_for(name: str, full: torch.Tensor, layout: Layout, rank: int,
     atp, atp_rank = layout.atp, layout.atp_rank_of(rank)
     etp, etp_rank = layout.etp, rank % layout.etp
     ep_rank = rank // layout.etp
+    te_expert = _TE_EXPERT.match(name)
+    if te_expert:  # TE grouped experts: {pre}.mlp.experts.linear_fc{1,2}.weight{global idx}
+        pre, fc, gidx = te_expert.group(1), te_expert.group(2), int(te_expert.group(3))
+        if gidx // num_local_experts != ep_rank:
+            return None
+        local = f"{pre}.mlp.experts.linear_fc{fc}.weight{gidx % num_local_experts}"
+        if fc == "1":
+            gate, up = torch.chunk(full, 2, dim=0)
+            return local, torch.cat([_shard(gate, 0, etp_rank, etp), _shard(up, 0, etp_rank, etp)])
+        return local, _shard(full, 1, etp_rank, etp)
     if ".mlp.experts.local_experts." in name:
         pre, rest = name.split(".mlp.experts.local_experts.")
         gidx, tail = rest.split(".", 1)
@@ -264,6 +349,36 @@ def shard_for(name: str, full: torch.Tensor, layout: Layout, rank: int,
     if name.endswith("linear_proj.weight"):
         return name, _shard(full, 1, atp_rank, atp)
     return name, full  # norms, router: replicated
+
+
+_TE_EXPERT = re.compile(r"^(.*)\.mlp\.experts\.linear_fc([12])\.weight(\d+)$")
+_LOCAL_EXPERT = re.compile(r"^(.*)\.mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight$")
+
+
+def to_spec_names(sd: dict[str, torch.Tensor], te: bool) -> dict[str, torch.Tensor]:
+    """Rename a megatron GPT state dict between the local spec and the TE spec.
+
+    TE fuses the attention input norm into ``linear_qkv`` (``layer_norm_weight``) and stores
+    grouped experts as ``experts.linear_fc{1,2}.weight{e}``; the local spec has
+    ``input_layernorm.weight`` and ``experts.local_experts.{e}.linear_fc{1,2}.weight``.
+    ``_extra_state`` entries (TE's FP8 metadata) are dropped: they are not weights.
+    """
+    out = {}
+    for k, v in sd.items():
+        if k.endswith("_extra_state"):
+            continue
+        if te:
+            k = k.replace(".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight")
+            m = _LOCAL_EXPERT.match(k)
+            if m:
+                k = f"{m.group(1)}.mlp.experts.linear_fc{m.group(3)}.weight{m.group(2)}"
+        else:
+            k = k.replace(".self_attention.linear_qkv.layer_norm_weight", ".input_layernorm.weight")
+            m = _TE_EXPERT.match(k)
+            if m:
+                k = f"{m.group(1)}.mlp.experts.local_experts.{m.group(3)}.linear_fc{m.group(2)}.weight"
+        out[k] = v
+    return out
 
 
 def load_sharded(model: torch.nn.Module, full: dict[str, torch.Tensor], layout: Layout,

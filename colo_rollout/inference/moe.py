@@ -24,18 +24,23 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 class GatherMoE(torch.nn.Module):
     def __init__(self, config: TransformerConfig, pg_collection, ep_rank: int, ep_size: int,
-                 layer_number: int) -> None:
+                 layer_number: int, experts_builder=None) -> None:
         super().__init__()
         self.num_experts = config.num_moe_experts
         self.num_local = self.num_experts // ep_size
         self.first_expert = ep_rank * self.num_local
         self.router = TopKRouter(config=config, pg_collection=pg_collection)
         self.router.set_layer_number(layer_number)
-        self.experts = SequentialMLP(
-            self.num_local, config,
-            MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
-            pg_collection=pg_collection,
-        )
+        # experts_builder comes from megatron's backend provider: SequentialMLP (local) or
+        # TEGroupedMLP (TE grouped GEMM, FP8-capable); both take (permuted tokens, counts, probs).
+        if experts_builder is None:
+            self.experts = SequentialMLP(
+                self.num_local, config,
+                MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+                pg_collection=pg_collection,
+            )
+        else:
+            self.experts = experts_builder(self.num_local, config, pg_collection=pg_collection)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, H] (all replicas' tokens) -> this rank's partial MoE output [N, H]."""

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from colo_rollout.config import ModelConfig
-from colo_rollout.inference.model import megatron_config
+from colo_rollout.inference.model import megatron_config, to_spec_names
 
 _PG_FIELDS = ("tp", "pp", "mp", "cp", "tp_cp", "ep", "expt_tp", "tp_ep", "tp_ep_pp", "embd",
               "pos_embd", "dp", "dp_cp", "expt_dp", "tp_dp_cp", "intra_dp_cp", "intra_expt_dp")
@@ -39,15 +42,22 @@ def singleton_pg_collection() -> ProcessGroupCollection:
 
 def build_reference(cfg: ModelConfig, full_state: dict[str, torch.Tensor],
                     pg_collection: ProcessGroupCollection, device: torch.device,
-                    dtype: torch.dtype | None = None) -> GPTModel:
+                    dtype: torch.dtype | None = None, te: bool = False) -> torch.nn.Module:
+    """``te``: build megatron's Transformer Engine layer spec (grouped-GEMM experts, fused
+    norm+qkv) instead of the local spec; ``full_state`` may use either spec's names."""
     # megatron's DotProductAttention enters get_cuda_rng_tracker().fork() even with dropout 0;
     # the inference tracker makes that a no-op on CPU and GPU alike.
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    tcfg = megatron_config(cfg, dtype=dtype, init=False)
-    spec = get_gpt_layer_local_spec(num_experts=cfg.num_experts, moe_grouped_gemm=False,
-                                    normalization=cfg.normalization)
+    tcfg = megatron_config(cfg, dtype=dtype, init=False, use_te=te)
+    if te:
+        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=cfg.num_experts,
+                                                          moe_grouped_gemm=True)
+    else:
+        spec = get_gpt_layer_local_spec(num_experts=cfg.num_experts, moe_grouped_gemm=False,
+                                        normalization=cfg.normalization)
+    full_state = to_spec_names(full_state, te)
     model = GPTModel(tcfg, spec, vocab_size=cfg.vocab_size,
                      max_sequence_length=cfg.max_position_embeddings,
                      position_embedding_type="rope", rotary_base=int(cfg.rotary_base),
@@ -56,7 +66,13 @@ def build_reference(cfg: ModelConfig, full_state: dict[str, torch.Tensor],
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
         raise KeyError(f"reference load: missing {missing}, unexpected {unexpected}")
-    return model.to(device).eval()
+    model = model.to(device)
+    if tcfg.bf16 or tcfg.fp16:
+        # megatron runs half-precision models inside Float16Module (casts inputs, fp32 logits)
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(tcfg, model)
+    return model.eval()
 
 
 @torch.inference_mode()
