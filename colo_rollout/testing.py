@@ -97,13 +97,20 @@ class WorkerGroup:
         while len(out) + len(errors) < self.world:
             left = deadline - time.monotonic()
             try:
-                rank, ok, value = self._results.get(timeout=max(left, 0.01))
+                rank, ok, value = self._results.get(timeout=min(max(left, 0.01), 1.0))
             except queue.Empty:
-                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
-                self.close(force=True)
-                raise WorkerTimeout(
-                    f"{target}: {self.world - len(out) - len(errors)} rank(s) did not finish "
-                    f"within {timeout:.0f}s (dead ranks: {dead}); group torn down") from None
+                dead = {r: p.exitcode for r, p in enumerate(self._procs)
+                        if not p.is_alive() and r not in out and r not in errors}
+                if dead or left <= 0:
+                    # a dead rank never answers and its peers may be stuck in a collective
+                    # with it: fail now, with whatever the other ranks reported
+                    self.close(force=True)
+                    why = (f"rank(s) {sorted(dead)} died (exit codes {dead})" if dead else
+                           f"{self.world - len(out) - len(errors)} rank(s) did not finish "
+                           f"within {timeout:.0f}s")
+                    detail = "".join(f"\n--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
+                    raise WorkerTimeout(f"{target}: {why}; group torn down{detail}") from None
+                continue
             (out if ok else errors)[rank] = value
         if errors:
             # the rank that failed first is usually the one whose error is not a peer timeout

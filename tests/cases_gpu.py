@@ -33,7 +33,7 @@ BF16_AGREE = 0.9
 def gpu_config(world: int, adp: int, ep: int, dtype: str = "bfloat16",
                use_te: str = "off") -> Config:
     return Config(
-        parallel=ParallelConfig(world_size=world, adp=adp, ep=ep, backend="nccl", timeout_s=120.0),
+        parallel=ParallelConfig(world_size=world, adp=adp, ep=ep, backend="nccl", timeout_s=60.0),
         model=ModelConfig(vocab_size=2048, hidden_size=512, num_layers=4, num_attention_heads=8,
                           num_query_groups=4, moe_ffn_hidden_size=512, num_experts=16,
                           moe_router_topk=2, max_position_embeddings=1024, init_method_std=0.05,
