@@ -11,7 +11,11 @@ from colo_rollout.inference.cpu_compat import install_cpu_compat
 from colo_rollout.inference.engine import Engine
 from colo_rollout.inference.model import random_state_dict
 from colo_rollout.inference.parallel import init_parallel
-from colo_rollout.inference.reference import build_reference, reference_logprobs, singleton_pg_collection
+from colo_rollout.inference.reference import (
+    build_reference,
+    reference_logprobs,
+    singleton_pg_collection,
+)
 from colo_rollout.inference.request import FinishReason, Request, SamplingParams
 
 # fp32 on CPU: the engine (paged KV, sharded, gathered) and the reference (megatron GPTModel, full
@@ -170,3 +174,21 @@ def cancel_and_cross_rank_duplicates(rank: int, world: int, adp: int, ep: int) -
     out["same"] = (engine.output("same").finish_reason.value, len(engine.output("same").tokens))
     return {"states_before_cancel": states, "outputs": out,
             "rejected": [(o.request_id, o.error) for o in engine.rejected]}
+
+
+def tp_reference_matches_tp1(rank: int, world: int) -> dict:
+    """megatron GPTModel at TP=world (our TP-sharded load) computes what the TP1 model does."""
+    import torch.distributed as dist
+
+    from colo_rollout.inference.reference import tp_pg_collection
+
+    install_cpu_compat()
+    cfg = tiny_config(world, 1, 1)
+    sd = random_state_dict(cfg.model)
+    tp_group = dist.new_group(list(range(world)))
+    ref_tp = build_reference(cfg.model, sd, tp_pg_collection(tp_group), torch.device("cpu"))
+    ref_1 = build_reference(cfg.model, sd, singleton_pg_collection(), torch.device("cpu"))
+    tokens = [int(t) for t in torch.randint(0, cfg.model.vocab_size, (37,), generator=torch.Generator().manual_seed(5))]
+    a = reference_logprobs(ref_tp, tokens)
+    b = reference_logprobs(ref_1, tokens)
+    return {"max_diff": float((a - b).abs().max()), "spread": float(b.std())}

@@ -11,7 +11,11 @@ from colo_rollout.config import Config, EngineConfig, ModelConfig, ParallelConfi
 from colo_rollout.inference.engine import Engine
 from colo_rollout.inference.model import random_state_dict
 from colo_rollout.inference.parallel import init_parallel
-from colo_rollout.inference.reference import build_reference, singleton_pg_collection
+from colo_rollout.inference.reference import (
+    build_reference,
+    singleton_pg_collection,
+    tp_pg_collection,
+)
 from colo_rollout.inference.reference import reference_logprobs
 from tests.cases_engine import compare_with_reference, mixed_requests
 
@@ -21,7 +25,8 @@ from tests.cases_engine import compare_with_reference, mixed_requests
 #    dense attention), ~1e-5; FP32_TOL = 2e-3 leaves margin while a wrong shard/position/row
 #    costs O(0.1-1). Every token must be the reference argmax (within the tolerance).
 #  * bf16 engine: its error against the fp32 ground truth must be no worse than megatron's own
-#    bf16 GPTModel's error against it on the same tokens (ratio <= BF16_RATIO), and greedy
+#    bf16 GPTModel's -- same spec, TP = ATP, so both round the same partial sums -- error
+#    against it on the same tokens (ratio <= BF16_RATIO), and greedy
 #    tokens must agree with the fp32 argmax (within BF16_ARGMAX_SLACK) on >= BF16_AGREE of
 #    positions: bf16 rounding legitimately flips near-ties of a random-weight model.
 FP32_TOL = 2e-3
@@ -31,11 +36,14 @@ BF16_AGREE = 0.9
 
 
 def gpu_config(world: int, adp: int, ep: int, dtype: str = "bfloat16",
-               use_te: str = "off") -> Config:
+               use_te: str = "off", backend: str = "nccl") -> Config:
+    small = backend == "gloo"  # the CPU variant of the check uses a narrower model
     return Config(
-        parallel=ParallelConfig(world_size=world, adp=adp, ep=ep, backend="nccl", timeout_s=60.0),
-        model=ModelConfig(vocab_size=2048, hidden_size=512, num_layers=4, num_attention_heads=8,
-                          num_query_groups=4, moe_ffn_hidden_size=512, num_experts=16,
+        parallel=ParallelConfig(world_size=world, adp=adp, ep=ep, backend=backend, timeout_s=60.0),
+        model=ModelConfig(vocab_size=2048, hidden_size=128 if small else 512, num_layers=4,
+                          num_attention_heads=8,
+                          num_query_groups=4, moe_ffn_hidden_size=128 if small else 512,
+                          num_experts=16,
                           moe_router_topk=2, max_position_embeddings=1024, init_method_std=0.05,
                           params_dtype=dtype, seed=11, use_te=use_te),
         engine=EngineConfig(max_batch_size=4, max_prefill_tokens=512, kv_block_size=16,
@@ -44,44 +52,58 @@ def gpu_config(world: int, adp: int, ep: int, dtype: str = "bfloat16",
 
 
 def gpu_engine_matches_reference(rank: int, world: int, adp: int, ep: int, dtype: str,
-                                 use_te: str = "off", n_requests: int = 16, seed: int = 0) -> dict:
-    cfg = gpu_config(world, adp, ep, dtype, use_te)
+                                 use_te: str = "off", n_requests: int = 16, seed: int = 0,
+                                 backend: str = "nccl") -> dict:
+    cfg = gpu_config(world, adp, ep, dtype, use_te, backend)
     groups = init_parallel(cfg.parallel)
+    if backend == "gloo":
+        from colo_rollout.inference.cpu_compat import install_cpu_compat
+
+        install_cpu_compat()
+    sync = torch.cuda.synchronize if groups.device.type == "cuda" else (lambda: None)
     sd = random_state_dict(cfg.model)
     engine = Engine(cfg, groups, sd)
     requests = mixed_requests(n_requests, seed, cfg.model.vocab_size)
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     outs = engine.generate(requests)
-    torch.cuda.synchronize()
+    sync()
     wall = time.perf_counter() - t0
     engine.check_integrity()
     pgc = singleton_pg_collection()
-    res = {"layout": groups.layout.name, "wall_s": wall, "device": torch.cuda.get_device_name(),
+    res = {"layout": groups.layout.name, "wall_s": wall,
+           "device": torch.cuda.get_device_name() if backend == "nccl" else "cpu",
            "te": engine.model.use_te,
            "tokens": {r.request_id: outs[r.request_id].tokens for r in requests},
            "generated": sum(len(outs[r.request_id].tokens) for r in requests)}
+    dev = groups.device
+    lp16 = None
+    if dtype != "float32":
+        # yardstick: megatron's own GPTModel of the same spec (local or TE) in bf16 at TP = ATP
+        # (collective over each replica's ATP group; every rank evaluates every request)
+        ypgc = tp_pg_collection(groups.atp) if groups.layout.atp > 1 else pgc
+        ref16 = build_reference(cfg.model, sd, ypgc, dev, te=engine.model.use_te)
+        lp16 = [reference_logprobs(ref16, _teacher(r, outs)) for r in requests]
     if rank == 0:
-        dev = torch.device("cuda", torch.cuda.current_device())
         ref_cfg = dataclasses.replace(cfg.model, params_dtype="float32", use_te="off")
         ref32 = build_reference(ref_cfg, {k: v.float() for k, v in sd.items()}, pgc, dev)
         if dtype == "float32":
             res.update(compare_with_reference(ref32, requests, outs, tol=FP32_TOL))
         else:
-            # yardstick: megatron's own GPTModel of the same spec (local or TE) in bf16
-            ref16 = build_reference(cfg.model, sd, pgc, dev, te=engine.model.use_te)
-            res.update(compare_bf16(ref32, ref16, requests, outs))
+            res.update(compare_bf16(ref32, lp16, requests, outs))
     return res
 
 
-def compare_bf16(ref32, ref16, requests, outs) -> dict:
+def _teacher(req, outs) -> list[int]:
+    return (list(req.prompt) + outs[req.request_id].tokens)[:-1]
+
+
+def compare_bf16(ref32, lp16_all, requests, outs) -> dict:
     eng_err, ref_err, agree, n = 0.0, 0.0, 0, 0
     worst = 0.0
-    for req in requests:
+    for req, lp16 in zip(requests, lp16_all):
         out = outs[req.request_id]
-        full = list(req.prompt) + out.tokens
-        lp32 = reference_logprobs(ref32, full[:-1])
-        lp16 = reference_logprobs(ref16, full[:-1])
+        lp32 = reference_logprobs(ref32, _teacher(req, outs))
         for j, (tok, lp) in enumerate(zip(out.tokens, out.logprobs)):
             row = len(req.prompt) - 1 + j
             truth = float(lp32[row, tok])

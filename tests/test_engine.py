@@ -65,3 +65,12 @@ def test_cancel_running_and_waiting_and_cross_rank_duplicate(worker_groups):
         assert [rid for rid, _ in r["rejected"]] == ["same"]
         assert "duplicate request id" in r["rejected"][0][1]
     assert res[0] == res[1]
+
+
+def test_tp2_megatron_reference_equals_tp1(worker_groups):
+    """The TP-matched yardstick (megatron GPTModel at TP2 loaded from the full state dict with
+    our sharding rules) computes the same function as the TP1 reference."""
+    res = worker_groups(2).run(f"{CASES}:tp_reference_matches_tp1")
+    for r in res:
+        assert r["spread"] > 0.05  # a non-degenerate model
+        assert r["max_diff"] < 1e-4

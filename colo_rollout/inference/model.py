@@ -382,8 +382,10 @@ def to_spec_names(sd: dict[str, torch.Tensor], te: bool) -> dict[str, torch.Tens
 
 
 def load_sharded(model: torch.nn.Module, full: dict[str, torch.Tensor], layout: Layout,
-                 rank: int) -> None:
-    num_local = model.cfg.num_experts // layout.ep
+                 rank: int, num_experts: int | None = None) -> None:
+    """Copy ``rank``'s shard of every tensor of ``full`` into ``model``'s parameters; every
+    parameter must be covered. Works for this inference model and for megatron GPTModels."""
+    num_local = (num_experts if num_experts is not None else model.cfg.num_experts) // layout.ep
     params = dict(model.named_parameters())
     seen = set()
     for name, t in full.items():

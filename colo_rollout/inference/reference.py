@@ -21,7 +21,8 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from colo_rollout.config import ModelConfig
-from colo_rollout.inference.model import megatron_config, to_spec_names
+from colo_rollout.inference.model import load_sharded, megatron_config, to_spec_names
+from colo_rollout.inference.parallel import Layout
 
 _PG_FIELDS = ("tp", "pp", "mp", "cp", "tp_cp", "ep", "expt_tp", "tp_ep", "tp_ep_pp", "embd",
               "pos_embd", "dp", "dp_cp", "expt_dp", "tp_dp_cp", "intra_dp_cp", "intra_expt_dp")
@@ -40,17 +41,39 @@ def singleton_pg_collection() -> ProcessGroupCollection:
     return pgc
 
 
+def tp_pg_collection(tp_group) -> ProcessGroupCollection:
+    """Groups for a TP-only megatron model over ``tp_group`` (experts TP-sharded over it too,
+    EP1); every other group is {this rank}. Collective over the world (new_group is)."""
+    pgc = singleton_pg_collection()
+    for f in ("tp", "mp", "tp_cp", "expt_tp", "tp_ep", "tp_ep_pp", "tp_dp_cp"):
+        setattr(pgc, f, tp_group)
+    return pgc
+
+
 def build_reference(cfg: ModelConfig, full_state: dict[str, torch.Tensor],
                     pg_collection: ProcessGroupCollection, device: torch.device,
                     dtype: torch.dtype | None = None, te: bool = False) -> torch.nn.Module:
     """``te``: build megatron's Transformer Engine layer spec (grouped-GEMM experts, fused
-    norm+qkv) instead of the local spec; ``full_state`` may use either spec's names."""
+    norm+qkv) instead of the local spec; ``full_state`` may use either spec's names.
+
+    With a TP group of size t in ``pg_collection`` (see ``tp_pg_collection``) the model is
+    megatron's TP-t model: its forward is collective over that group, and each rank loads its
+    shard of ``full_state``. That is the fair bf16 yardstick for an engine with ATP = t: both
+    round partial sums before reducing them."""
     # megatron's DotProductAttention enters get_cuda_rng_tracker().fork() even with dropout 0;
     # the inference tracker makes that a no-op on CPU and GPU alike.
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    tcfg = megatron_config(cfg, dtype=dtype, init=False, use_te=te)
+    # megatron's DotProductAttention takes its matmul scratch from parallel_state's global
+    # memory buffer, which only initialize_model_parallel creates; this model may be built
+    # without it (it uses explicit groups), so create the buffer if it is missing.
+    from megatron.core import parallel_state as ps
+
+    if getattr(ps, "_GLOBAL_MEMORY_BUFFER", None) is None:
+        ps._set_global_memory_buffer()
+    tp = pg_collection.tp.size()
+    tcfg = megatron_config(cfg, dtype=dtype, init=False, use_te=te, tp=tp, etp=tp)
     if te:
         spec = get_gpt_layer_with_transformer_engine_spec(num_experts=cfg.num_experts,
                                                           moe_grouped_gemm=True)
@@ -61,11 +84,16 @@ def build_reference(cfg: ModelConfig, full_state: dict[str, torch.Tensor],
     model = GPTModel(tcfg, spec, vocab_size=cfg.vocab_size,
                      max_sequence_length=cfg.max_position_embeddings,
                      position_embedding_type="rope", rotary_base=int(cfg.rotary_base),
-                     share_embeddings_and_output_weights=False, pg_collection=pg_collection)
-    missing, unexpected = model.load_state_dict(full_state, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    if missing or unexpected:
-        raise KeyError(f"reference load: missing {missing}, unexpected {unexpected}")
+                     share_embeddings_and_output_weights=False, parallel_output=False,
+                     pg_collection=pg_collection)
+    if tp == 1:
+        missing, unexpected = model.load_state_dict(full_state, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise KeyError(f"reference load: missing {missing}, unexpected {unexpected}")
+    else:
+        load_sharded(model, full_state, Layout(world_size=tp, adp=1, ep=1),
+                     pg_collection.tp.rank(), num_experts=cfg.num_experts)
     model = model.to(device)
     if tcfg.bf16 or tcfg.fp16:
         # megatron runs half-precision models inside Float16Module (casts inputs, fp32 logits)
