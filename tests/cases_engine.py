@@ -192,3 +192,34 @@ def tp_reference_matches_tp1(rank: int, world: int) -> dict:
     a = reference_logprobs(ref_tp, tokens)
     b = reference_logprobs(ref_1, tokens)
     return {"max_diff": float((a - b).abs().max()), "spread": float(b.std())}
+
+
+def engine_loads_megatron_gptmodel_state_dict(rank: int, world: int, adp: int, ep: int) -> dict:
+    """Weights initialised by megatron itself (GPTModel's own init, its state_dict() with
+    _extra_state entries) load into the sharded engine, which then matches that GPTModel."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from colo_rollout.inference.model import megatron_config
+
+    cfg = tiny_config(world, adp, ep, max_batch_size=3, decode_buckets=[1, 2, 4])
+    groups = init_parallel(cfg.parallel)
+    install_cpu_compat()
+    pgc = singleton_pg_collection()
+    torch.manual_seed(1234)  # megatron's CPU init draws from torch's RNG: same on every rank
+    tcfg = megatron_config(cfg.model, init=True)
+    spec = get_gpt_layer_local_spec(num_experts=cfg.model.num_experts, moe_grouped_gemm=False,
+                                    normalization=cfg.model.normalization)
+    trained = GPTModel(tcfg, spec, vocab_size=cfg.model.vocab_size,
+                       max_sequence_length=cfg.model.max_position_embeddings,
+                       position_embedding_type="rope", parallel_output=False,
+                       pg_collection=pgc)
+    sd = trained.state_dict()
+    engine = Engine(cfg, groups, sd)
+    requests = mixed_requests(8, 4, cfg.model.vocab_size)
+    outs = engine.generate(requests)
+    engine.check_integrity()
+    res = {"extra_state_keys": sum(k.endswith("_extra_state") for k in sd)}
+    if rank == 0:
+        res.update(compare_with_reference(trained.eval(), requests, outs))
+    return res

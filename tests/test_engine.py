@@ -74,3 +74,15 @@ def test_tp2_megatron_reference_equals_tp1(worker_groups):
     for r in res:
         assert r["spread"] > 0.05  # a non-degenerate model
         assert r["max_diff"] < 1e-4
+
+
+@pytest.mark.parametrize("world,adp,ep", [(2, 1, 2), (4, 2, 4)])
+def test_engine_loads_a_megatron_gptmodel_state_dict(worker_groups, world, adp, ep):
+    from tests.cases_engine import LOGPROB_TOL
+
+    res = worker_groups(world).run(f"{CASES}:engine_loads_megatron_gptmodel_state_dict",
+                                   adp=adp, ep=ep)
+    r0 = res[0]
+    assert r0["extra_state_keys"] > 0  # a real megatron state dict, not our own format
+    assert r0["checked"] > 20 and r0["mismatches"] == []
+    assert r0["max_logprob_diff"] < LOGPROB_TOL
