@@ -1,4 +1,4 @@
-"""`colo-rollout` command line. Subcommands: demo (more arrive with later issues).
+"""`colo-rollout` command line: demo, stress-turnstile, bench-rendezvous.
 
 Launch modes: under torchrun (WORLD_SIZE set) every process runs the job itself; otherwise the
 CLI spawns ``parallel.world_size`` CPU processes joined with gloo.
@@ -53,10 +53,60 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set workload.num_requests=8")
     d.add_argument("--report", default=None, help="write the report as JSON to this path")
+    st = sub.add_parser("stress-turnstile",
+                        help="model-free turnstile stress with random rank skew (CPU ranks)")
+    st.add_argument("--ranks", type=int, default=4)
+    st.add_argument("--seeds", type=int, default=5)
+    st.add_argument("--cycles", type=int, default=512)
+    st.add_argument("--max-skew-ms", type=float, default=20.0)
+    st.add_argument("--span", type=int, default=2, help="segment span K")
+    st.add_argument("--control-cycles", type=int, default=64,
+                    help="cycles of the delayed-P control")
+    br = sub.add_parser("bench-rendezvous", help="cost of one PreD/PostD rendezvous")
+    br.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
+    br.add_argument("--rounds", type=int, default=2000)
     args = ap.parse_args(argv)
-    if args.cmd == "demo":
-        _launch("colo_rollout.demo:run_demo", args.config, _overrides(args.set),
-                report=args.report)
+    if args.cmd == "stress-turnstile":
+        return _stress(args)
+    if args.cmd == "bench-rendezvous":
+        return _bench_rendezvous(args)
+    _launch("colo_rollout.demo:run_demo", args.config, _overrides(args.set),
+            report=args.report)
+    return 0
+
+
+def _stress(args) -> int:
+    from colo_rollout.testing import WorkerGroup
+
+    with WorkerGroup(args.ranks) as group:
+        res = group.run("colo_rollout.inference.stress:stress_turnstile", timeout=3600,
+                        seeds=args.seeds, cycles=args.cycles, max_skew_ms=args.max_skew_ms,
+                        span=args.span, control_cycles=args.control_cycles)
+    done = min(r["completed"] for r in res)
+    total = res[0]["expected"]
+    same = all(r["identical_logs"] for r in res)
+    print(f"turnstile stress: {args.ranks} ranks, {args.seeds} seeds x {args.cycles} cycles, "
+          f"max skew {args.max_skew_ms:g} ms, span K={args.span}")
+    print(f"  completed cycles        : {done}/{total}")
+    print(f"  epoch/boundary logs     : {'identical on all ranks' if same else 'DIFFER'} "
+          f"({res[0]['events']} events per rank)")
+    print(f"  rendezvous (skewed)     : {res[0]['rendezvous']} per rank, mean wait "
+          f"{res[0]['rendezvous_mean_us'] / 1000:.2f} ms (includes peers' injected skew)")
+    print(f"  delayed-P control       : D acknowledged while P incomplete in "
+          f"{res[0]['control_d_acked_while_p_incomplete']}/{res[0]['control_cycles']} cycles "
+          "(enqueue order is not a completion fence)")
+    return 0 if done == total and same else 1
+
+
+def _bench_rendezvous(args) -> int:
+    from colo_rollout.testing import WorkerGroup
+
+    print(f"{'ranks':>5s} {'mean us':>9s} {'p50 us':>9s} {'p99 us':>9s}   (gloo, CPU processes)")
+    for n in args.ranks:
+        with WorkerGroup(n) as group:
+            r = group.run("colo_rollout.inference.stress:bench_rendezvous", timeout=600,
+                          rounds=args.rounds)[0]
+        print(f"{n:5d} {r['mean_us']:9.1f} {r['p50_us']:9.1f} {r['p99_us']:9.1f}")
     return 0
 
 
