@@ -74,7 +74,8 @@ class TurnstileController:
     def begin(self, epoch: int, *, d_enqueued: bool, span: int | None = None) -> int:
         """Start P epoch ``epoch``; returns the initial permit (0, or K if D is enqueued)."""
         if self.producer is None:
-            raise self._error(f"epoch {epoch} begun with no registered boundary producer")
+            raise self._error(f"epoch {epoch} begun with no registered boundary producer",
+                              epoch)
         if self.state is TaskState.ACTIVE:
             raise self._error(f"epoch {epoch} begun while epoch {self.epoch} is still active",
                               epoch)

@@ -1,0 +1,52 @@
+"""Rendezvous and the model-free turnstile stress on 4 gloo ranks; violations never hang."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from colo_rollout.testing import WorkerTimeout
+
+C = "tests.cases_turnstile"
+
+
+def test_stress_small_completes_with_identical_logs_and_delayed_p(worker_groups):
+    res = worker_groups(4).run("colo_rollout.inference.stress:stress_turnstile", timeout=300,
+                               seeds=2, cycles=64, max_skew_ms=5.0, span=2, control_cycles=64)
+    for r in res:
+        assert r["completed"] == r["expected"] == 128
+        assert r["identical_logs"]
+        assert r["rendezvous"] == 2 * (128 + 64)
+    # the delayed-P control: D is acknowledged while submitted P work is still running
+    assert res[0]["control_d_acked_while_p_incomplete"] > 0
+
+
+def test_phase_divergence_raises_on_every_rank(worker_groups):
+    res = worker_groups(4).run(f"{C}:phase_divergence", timeout=60)
+    for rank, r in enumerate(res):
+        assert r["raised"] is not None, rank
+        assert r["raised"].startswith(f"rank {rank}, epoch 5, boundary 3:")
+        assert "disagree on the rendezvous phase" in r["raised"]
+        assert r["seconds"] < 5
+
+
+def test_stalled_peer_raises_within_timeout(worker_groups):
+    timeout_s = 2.0
+    res = worker_groups(4).run(f"{C}:stalled_peer", timeout=60, timeout_s=timeout_s)
+    assert res[3].get("stalled")
+    for rank in range(3):
+        msg = res[rank]["raised"]
+        assert msg is not None and msg.startswith(f"rank {rank}, epoch 1, boundary 0:")
+        assert "PostD rendezvous did not complete within 2 s" in msg
+        assert res[rank]["seconds"] < timeout_s + 3
+
+
+def test_dead_rank_fails_the_group_fast():
+    from colo_rollout.testing import WorkerGroup
+
+    with WorkerGroup(2) as g:
+        t0 = time.monotonic()
+        with pytest.raises(WorkerTimeout, match=r"rank\(s\) \[1\] died"):
+            g.run(f"{C}:die", timeout=120)
+        assert time.monotonic() - t0 < 30
