@@ -305,7 +305,7 @@ def test_reject_begin_without_producer():
     msg = reject(c, c.begin, 0, d_enqueued=False, epoch=0, boundary=-1,
                  match="epoch 0 begun with no registered boundary producer")
     assert "producer" in msg
-    reject(c, c.begin, 9, d_enqueued=True, epoch=-1, boundary=-1, match="epoch 9 begun")
+    reject(c, c.begin, 9, d_enqueued=True, epoch=9, boundary=-1, match="epoch 9 begun")
     assert c.state is TaskState.IDLE
 
 
