@@ -62,9 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--span", type=int, default=2, help="segment span K")
     st.add_argument("--control-cycles", type=int, default=64,
                     help="cycles of the delayed-P control")
+    st.add_argument("--rendezvous", choices=["auto", "shm", "gloo"], default="auto")
     br = sub.add_parser("bench-rendezvous", help="cost of one PreD/PostD rendezvous")
     br.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
     br.add_argument("--rounds", type=int, default=2000)
+    br.add_argument("--kinds", nargs="+", choices=["shm", "gloo"], default=["shm", "gloo"])
     args = ap.parse_args(argv)
     if args.cmd == "stress-turnstile":
         return _stress(args)
@@ -81,12 +83,14 @@ def _stress(args) -> int:
     with WorkerGroup(args.ranks) as group:
         res = group.run("colo_rollout.inference.stress:stress_turnstile", timeout=3600,
                         seeds=args.seeds, cycles=args.cycles, max_skew_ms=args.max_skew_ms,
-                        span=args.span, control_cycles=args.control_cycles)
+                        span=args.span, control_cycles=args.control_cycles,
+                        rendezvous=args.rendezvous)
     done = min(r["completed"] for r in res)
     total = res[0]["expected"]
     same = all(r["identical_logs"] for r in res)
     print(f"turnstile stress: {args.ranks} ranks, {args.seeds} seeds x {args.cycles} cycles, "
-          f"max skew {args.max_skew_ms:g} ms, span K={args.span}")
+          f"max skew {args.max_skew_ms:g} ms, span K={args.span}, "
+          f"rendezvous {res[0]['rendezvous_kind']}")
     print(f"  completed cycles        : {done}/{total}")
     print(f"  epoch/boundary logs     : {'identical on all ranks' if same else 'DIFFER'} "
           f"({res[0]['events']} events per rank)")
@@ -101,12 +105,15 @@ def _stress(args) -> int:
 def _bench_rendezvous(args) -> int:
     from colo_rollout.testing import WorkerGroup
 
-    print(f"{'ranks':>5s} {'mean us':>9s} {'p50 us':>9s} {'p99 us':>9s}   (gloo, CPU processes)")
+    print(f"{'ranks':>5s} {'kind':>14s} {'mean us':>9s} {'p50 us':>9s} {'p99 us':>9s}"
+          "   (CPU processes on this host)")
     for n in args.ranks:
         with WorkerGroup(n) as group:
-            r = group.run("colo_rollout.inference.stress:bench_rendezvous", timeout=600,
-                          rounds=args.rounds)[0]
-        print(f"{n:5d} {r['mean_us']:9.1f} {r['p50_us']:9.1f} {r['p99_us']:9.1f}")
+            for kind in args.kinds:
+                r = group.run("colo_rollout.inference.stress:bench_rendezvous", timeout=600,
+                              rounds=args.rounds, kind=kind)[0]
+                print(f"{n:5d} {r['kind']:>14s} {r['mean_us']:9.1f} {r['p50_us']:9.1f} "
+                      f"{r['p99_us']:9.1f}", flush=True)
     return 0
 
 

@@ -8,17 +8,17 @@ import time
 
 import torch.distributed as dist
 
-from colo_rollout.inference.rendezvous import Rendezvous, RendezvousError
+from colo_rollout.inference.rendezvous import RendezvousError, make_rendezvous
 
 
-def _rdv(rank: int, world: int, timeout_s: float) -> Rendezvous:
+def _rdv(rank: int, world: int, timeout_s: float, kind: str):
     g = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-    return Rendezvous(g, rank, world, timeout_s)
+    return make_rendezvous(g, rank, world, timeout_s, kind)
 
 
-def phase_divergence(rank: int, world: int) -> dict:
+def phase_divergence(rank: int, world: int, kind: str) -> dict:
     """The last rank skips PreD and goes straight to PostD: every rank must raise at once."""
-    rdv = _rdv(rank, world, timeout_s=20.0)
+    rdv = _rdv(rank, world, 20.0, kind)
     t0 = time.perf_counter()
     try:
         if rank == world - 1:
@@ -31,9 +31,9 @@ def phase_divergence(rank: int, world: int) -> dict:
         return {"raised": str(e), "seconds": time.perf_counter() - t0}
 
 
-def stalled_peer(rank: int, world: int, timeout_s: float) -> dict:
+def stalled_peer(rank: int, world: int, timeout_s: float, kind: str) -> dict:
     """The last rank stalls past the timeout: every other rank raises within the timeout."""
-    rdv = _rdv(rank, world, timeout_s)
+    rdv = _rdv(rank, world, timeout_s, kind)
     rdv.pre_d(1, 0)  # everyone healthy once
     if rank == world - 1:
         time.sleep(3 * timeout_s)

@@ -11,9 +11,11 @@ from colo_rollout.testing import WorkerTimeout
 C = "tests.cases_turnstile"
 
 
-def test_stress_small_completes_with_identical_logs_and_delayed_p(worker_groups):
+@pytest.mark.parametrize("kind", ["shm", "gloo"])
+def test_stress_small_completes_with_identical_logs_and_delayed_p(worker_groups, kind):
     res = worker_groups(4).run("colo_rollout.inference.stress:stress_turnstile", timeout=300,
-                               seeds=2, cycles=64, max_skew_ms=5.0, span=2, control_cycles=64)
+                               seeds=2, cycles=64, max_skew_ms=5.0, span=2, control_cycles=64,
+                               rendezvous=kind)
     for r in res:
         assert r["completed"] == r["expected"] == 128
         assert r["identical_logs"]
@@ -22,8 +24,9 @@ def test_stress_small_completes_with_identical_logs_and_delayed_p(worker_groups)
     assert res[0]["control_d_acked_while_p_incomplete"] > 0
 
 
-def test_phase_divergence_raises_on_every_rank(worker_groups):
-    res = worker_groups(4).run(f"{C}:phase_divergence", timeout=60)
+@pytest.mark.parametrize("kind", ["shm", "gloo"])
+def test_phase_divergence_raises_on_every_rank(worker_groups, kind):
+    res = worker_groups(4).run(f"{C}:phase_divergence", timeout=60, kind=kind)
     for rank, r in enumerate(res):
         assert r["raised"] is not None, rank
         assert r["raised"].startswith(f"rank {rank}, epoch 5, boundary 3:")
@@ -31,14 +34,17 @@ def test_phase_divergence_raises_on_every_rank(worker_groups):
         assert r["seconds"] < 5
 
 
-def test_stalled_peer_raises_within_timeout(worker_groups):
+@pytest.mark.parametrize("kind", ["shm", "gloo"])
+def test_stalled_peer_raises_within_timeout(worker_groups, kind):
     timeout_s = 2.0
-    res = worker_groups(4).run(f"{C}:stalled_peer", timeout=60, timeout_s=timeout_s)
+    res = worker_groups(4).run(f"{C}:stalled_peer", timeout=60, timeout_s=timeout_s, kind=kind)
     assert res[3].get("stalled")
     for rank in range(3):
         msg = res[rank]["raised"]
         assert msg is not None and msg.startswith(f"rank {rank}, epoch 1, boundary 0:")
         assert "PostD rendezvous did not complete within 2 s" in msg
+        if kind == "shm":
+            assert "ranks [3] never arrived" in msg  # the shared-memory path names the peer
         assert res[rank]["seconds"] < timeout_s + 3
 
 

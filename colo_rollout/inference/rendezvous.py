@@ -1,18 +1,29 @@
 """PreD / PostD rendezvous: the two all-rank CPU phases of a turnstile round.
 
-Owns the host-side synchronisation only. A rendezvous is one all-reduce of a two-element int
-tensor on the gloo control group: it enqueues no GPU collective, waits on no CUDA event or
-stream, and carries no endpoint value -- only a one-hot phase tag, so ranks that disagree about
-which phase they are in (a diverged protocol) are detected instead of silently pairing a PreD
-with a PostD. The wait is bounded: a dead or diverged peer makes every rank raise
+Owns the host-side synchronisation only. Neither implementation enqueues a GPU collective,
+waits on a CUDA event or stream, or carries an endpoint value -- only a phase tag, so ranks that
+disagree about which phase they are in (a diverged protocol) are detected instead of silently
+pairing a PreD with a PostD. Waits are bounded: a dead or diverged peer makes every rank raise
 ``RendezvousError`` (naming its rank, epoch and boundary) within ``timeout_s``.
+
+  * ``Rendezvous``: one all-reduce of a two-element int tensor on the gloo control group; works
+    across hosts.
+  * ``ShmRendezvous``: all ranks on one host; a shared-memory arrival counter per rank, spun on
+    with ``sched_yield`` -- no sockets, no kernel round trip per peer. ``make_rendezvous`` picks
+    it when every rank of the group runs on the same host.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
+import mmap
+import os
+import socket
 import time
+import tempfile
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -62,3 +73,104 @@ class Rendezvous:
                     f"the rendezvous phase ({int(self._buf[PRE_D])} in PreD, "
                     f"{int(self._buf[POST_D])} in PostD)")
         self.seconds += time.perf_counter() - t0
+
+
+class ShmRendezvous:
+    """Same-host rendezvous over shared memory.
+
+    Layout: int64 ``arrive[world]`` (rank r's count of rendezvous entered) and int64
+    ``phase[world, 2]`` (the phase of r's rendezvous number n, at slot n % 2). A rank writes its
+    phase, then its count, then spins until every count reaches its own. A peer can be at most
+    one rendezvous ahead (it cannot pass the next one without us), so slot n % 2 still holds
+    every peer's phase for rendezvous n when we check it. Store order is relied on (x86-TSO;
+    numpy element stores), which holds on the GPU hosts this targets.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, world: int, timeout_s: float) -> None:
+        self.rank, self.world = rank, world
+        self.timeout_s = timeout_s
+        nbytes = 8 * world * 3
+        # A file in /dev/shm (tmpfs) mapped by every rank. Plain mmap instead of
+        # multiprocessing.shared_memory: that registers every attach with a resource tracker,
+        # which either unlinks the segment when a rank exits or, when spawned ranks share the
+        # parent's tracker, double-unregisters it.
+        path = torch.zeros(256, dtype=torch.uint8)
+        if rank == 0:
+            d = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+            fd, name = tempfile.mkstemp(prefix="colo_rdv_", dir=d)
+            os.ftruncate(fd, nbytes)
+            os.close(fd)
+            raw = name.encode()
+            path[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        dist.broadcast(path, src=dist.get_global_rank(group, 0), group=group)
+        self._path = bytes(path.tolist()).rstrip(b"\0").decode()
+        fd = os.open(self._path, os.O_RDWR)
+        self._mm = mmap.mmap(fd, nbytes)
+        os.close(fd)
+        arr = np.ndarray((world * 3,), dtype=np.int64, buffer=self._mm)  # plain view: fast
+        self._arrive = arr[:world]
+        self._phase = arr[world:].reshape(world, 2)
+        if rank == 0:
+            arr[:] = 0
+        dist.barrier(group=group)  # zeroed before anyone arrives
+        if rank == 0:
+            os.unlink(self._path)  # every rank has it mapped: the memory lives until unmapped
+        self._n = 0
+        self.count = 0
+        self.seconds = 0.0
+
+    def pre_d(self, epoch: int, boundary: int) -> None:
+        self._meet(PRE_D, epoch, boundary)
+
+    def post_d(self, epoch: int, boundary: int) -> None:
+        self._meet(POST_D, epoch, boundary)
+
+    def _meet(self, phase: int, epoch: int, boundary: int) -> None:
+        t0 = time.perf_counter()
+        self._n += 1
+        self.count += 1
+        n, slot = self._n, self._n % 2
+        self._phase[self.rank, slot] = phase
+        self._arrive[self.rank] = n
+        deadline = t0 + self.timeout_s
+        while int(self._arrive.min()) < n:
+            if time.perf_counter() > deadline:
+                late = [r for r in range(self.world) if self._arrive[r] < n]
+                raise RendezvousError(
+                    f"rank {self.rank}, epoch {epoch}, boundary {boundary}: {_NAMES[phase]} "
+                    f"rendezvous did not complete within {self.timeout_s:g} s; ranks {late} "
+                    "never arrived (dead or diverged)")
+            os.sched_yield()
+        phases = self._phase[:, slot]
+        if (phases != phase).any():
+            raise RendezvousError(
+                f"rank {self.rank}, epoch {epoch}, boundary {boundary}: ranks disagree on the "
+                f"rendezvous phase ({int((phases == PRE_D).sum())} in PreD, "
+                f"{int((phases == POST_D).sum())} in PostD)")
+        self.seconds += time.perf_counter() - t0
+
+    def close(self) -> None:
+        self._arrive = self._phase = None
+        self._mm.close()
+        self._mm = None
+
+
+def same_host(group: dist.ProcessGroup, world: int) -> bool:
+    """True when every rank of ``group`` runs on this host (hostname digest all-gather)."""
+    digest = hashlib.sha256(socket.gethostname().encode()).digest()
+    h = torch.tensor([int.from_bytes(digest[:8], "little") & 0x7FFFFFFFFFFFFFFF],
+                     dtype=torch.int64)
+    allh = [torch.zeros_like(h) for _ in range(world)]
+    dist.all_gather(allh, h, group=group)
+    return all(int(x) == int(h) for x in allh)
+
+
+def make_rendezvous(group: dist.ProcessGroup, rank: int, world: int, timeout_s: float,
+                    kind: str = "auto"):
+    """``kind``: "auto" (shared memory when all ranks share a host, else gloo), "shm", "gloo".
+    Collective over ``group``."""
+    if kind == "gloo" or world == 1:
+        return Rendezvous(group, rank, world, timeout_s)
+    if kind == "shm" or (kind == "auto" and same_host(group, world)):
+        return ShmRendezvous(group, rank, world, timeout_s)
+    return Rendezvous(group, rank, world, timeout_s)

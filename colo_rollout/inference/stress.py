@@ -29,7 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from colo_rollout.inference.rendezvous import Rendezvous
+from colo_rollout.inference.rendezvous import make_rendezvous
 from colo_rollout.inference.turnstile import TurnstileController
 
 PRODUCER = "model-free"
@@ -61,7 +61,7 @@ class _Device(threading.Thread):
         self.q.put(None)
 
 
-def _run_seed(rank: int, rdv: Rendezvous, seed: int, cycles: int, max_skew_ms: float,
+def _run_seed(rank: int, rdv, seed: int, cycles: int, max_skew_ms: float,
               span: int, delayed_p: bool) -> dict:
     shared = random.Random(seed)  # same on every rank: epoch sizes
     local = random.Random(seed * 7919 + rank)  # per-rank skew
@@ -109,10 +109,10 @@ def _digest(obj) -> torch.Tensor:
 
 def stress_turnstile(rank: int, world: int, seeds: int = 5, cycles: int = 512,
                      max_skew_ms: float = 20.0, span: int = 2, control_cycles: int = 64,
-                     timeout_s: float = 30.0) -> dict:
+                     timeout_s: float = 30.0, rendezvous: str = "auto") -> dict:
     """Per-rank body (run under WorkerGroup or torchrun)."""
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-    rdv = Rendezvous(group, rank, world, timeout_s)
+    rdv = make_rendezvous(group, rank, world, timeout_s, rendezvous)
     total, logs = 0, []
     t0 = time.perf_counter()
     for seed in range(seeds):
@@ -126,17 +126,24 @@ def stress_turnstile(rank: int, world: int, seeds: int = 5, cycles: int = 512,
     allg = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(allg, mine, group=group)
     identical = all(torch.equal(d, allg[0]) for d in allg)
-    return {"completed": total, "expected": seeds * cycles, "identical_logs": identical,
+    _close(rdv)
+    return {"rendezvous_kind": type(rdv).__name__, "completed": total, "expected": seeds * cycles, "identical_logs": identical,
             "events": sum(len(x) for x in logs), "wall_s": wall,
             "rendezvous": rdv.count, "rendezvous_mean_us": 1e6 * rdv.seconds / max(rdv.count, 1),
             "control_cycles": control_cycles,
             "control_d_acked_while_p_incomplete": control["p_incomplete_at_ack"]}
 
 
-def bench_rendezvous(rank: int, world: int, rounds: int = 2000, timeout_s: float = 30.0) -> dict:
+def _close(rdv) -> None:
+    if hasattr(rdv, "close"):
+        rdv.close()
+
+
+def bench_rendezvous(rank: int, world: int, rounds: int = 2000, timeout_s: float = 30.0,
+                     kind: str = "auto") -> dict:
     """Cost of one rendezvous (no skew): mean and percentiles over ``rounds`` PreD/PostD pairs."""
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-    rdv = Rendezvous(group, rank, world, timeout_s)
+    rdv = make_rendezvous(group, rank, world, timeout_s, kind)
     for _ in range(50):  # warm-up (connection set-up)
         rdv.pre_d(0, 0)
     times = []
@@ -146,5 +153,7 @@ def bench_rendezvous(rank: int, world: int, rounds: int = 2000, timeout_s: float
         rdv.post_d(0, i)
         times.append((time.perf_counter() - t) / 2)
     times.sort()
-    return {"world": world, "mean_us": 1e6 * sum(times) / len(times),
+    dist.barrier(group=group)  # nobody detaches while a peer still spins on the segment
+    _close(rdv)
+    return {"world": world, "kind": type(rdv).__name__, "mean_us": 1e6 * sum(times) / len(times),
             "p50_us": 1e6 * times[len(times) // 2], "p99_us": 1e6 * times[int(len(times) * 0.99)]}
