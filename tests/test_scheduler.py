@@ -113,6 +113,7 @@ def test_valid_boundaries_are_accepted() -> None:
     s.add(Request("top-k-vocab", (1,), SamplingParams(top_k=VOCAB, top_p=1.0, temperature=0.0)))
     s.add(Request("tok-range", (0, VOCAB - 1)))
     s.add(Request("top-p-tiny", (1,), SamplingParams(top_p=1e-6, temperature=2.0)))
+    assert list(s.live) == ["max-seq", "top-k-vocab", "tok-range", "top-p-tiny"]
 
 
 def test_prompt_longer_than_max_prefill_tokens_is_rejected() -> None:

@@ -39,7 +39,7 @@ def snap(c: TurnstileController) -> tuple:
 HEADER = re.compile(r"^rank (-?\d+), epoch (-?\d+), boundary (-?\d+): ")
 
 
-def reject(c: TurnstileController, fn, *args, epoch: int, boundary: int, match: str,
+def check_rejected(c: TurnstileController, fn, *args, epoch: int, boundary: int, match: str,
            **kwargs) -> str:
     """Call ``fn`` expecting a TurnstileError whose message starts with
     ``rank R, epoch E, boundary B:`` for this controller; the controller must be unchanged."""
@@ -87,7 +87,7 @@ def test_begin_without_d_gives_permit_zero_so_d_goes_first(span):
     assert c.publish(0, 0, PROD) is True
     assert c.at_endpoint and c.reached == 0 and c.permit == 0
     # boundary 1 is beyond the permit until a D round ran
-    reject(c, c.publish, 0, 1, PROD, epoch=0, boundary=1, match="beyond the permit 0")
+    check_rejected(c, c.publish, 0, 1, PROD, epoch=0, boundary=1, match="beyond the permit 0")
     assert c.post_d() == span
     assert not c.at_endpoint and c.may_cross(0)
 
@@ -302,24 +302,24 @@ def test_no_log_without_record():
 # ---------------------------------------------------------------------------- rejections
 def test_reject_begin_without_producer():
     c = TurnstileController(rank=RANK, record=True)
-    msg = reject(c, c.begin, 0, d_enqueued=False, epoch=0, boundary=-1,
+    msg = check_rejected(c, c.begin, 0, d_enqueued=False, epoch=0, boundary=-1,
                  match="epoch 0 begun with no registered boundary producer")
     assert "producer" in msg
-    reject(c, c.begin, 9, d_enqueued=True, epoch=9, boundary=-1, match="epoch 9 begun")
+    check_rejected(c, c.begin, 9, d_enqueued=True, epoch=9, boundary=-1, match="epoch 9 begun")
     assert c.state is TaskState.IDLE
 
 
 def test_reject_publish_with_no_producer_registered():
     c = TurnstileController(rank=RANK, record=True)
-    reject(c, c.publish, 0, 0, PROD, epoch=0, boundary=0, match="no producer is registered")
-    reject(c, c.publish, 2, 4, "dispatch", epoch=2, boundary=4,
+    check_rejected(c, c.publish, 0, 0, PROD, epoch=0, boundary=0, match="no producer is registered")
+    check_rejected(c, c.publish, 2, 4, "dispatch", epoch=2, boundary=4,
            match="published by 'dispatch'.*no producer is registered")
 
 
 def test_reject_publish_with_foreign_producer():
     c = ctl()
     c.begin(1, d_enqueued=True)
-    reject(c, c.publish, 1, 0, "dispatch", epoch=1, boundary=0,
+    check_rejected(c, c.publish, 1, 0, "dispatch", epoch=1, boundary=0,
            match="published by 'dispatch'.*registered producer is 'gather'")
     # the real producer still works afterwards
     assert c.publish(1, 0, PROD) is False
@@ -327,10 +327,10 @@ def test_reject_publish_with_foreign_producer():
 
 def test_reject_second_different_producer():
     c = ctl()
-    reject(c, c.register_producer, "dispatch", epoch=-1, boundary=-1,
+    check_rejected(c, c.register_producer, "dispatch", epoch=-1, boundary=-1,
            match="'dispatch' registered while 'gather'")
     drive_to(c, 2, 1)
-    reject(c, c.register_producer, "dispatch", epoch=2, boundary=1,
+    check_rejected(c, c.register_producer, "dispatch", epoch=2, boundary=1,
            match="exactly one producer")
     assert c.producer == PROD
 
@@ -339,27 +339,27 @@ def test_reject_stale_epoch():
     c = ctl()
     drive_to(c, 5, 0)
     c.complete(5)
-    reject(c, c.begin, 4, d_enqueued=False, epoch=4, boundary=0,
+    check_rejected(c, c.begin, 4, d_enqueued=False, epoch=4, boundary=0,
            match=r"stale epoch 4 \(last epoch was 5\)")
-    reject(c, c.begin, 0, d_enqueued=True, epoch=0, boundary=0, match="stale epoch 0")
+    check_rejected(c, c.begin, 0, d_enqueued=True, epoch=0, boundary=0, match="stale epoch 0")
 
 
 def test_reject_duplicate_epoch():
     c = ctl()
     drive_to(c, 5, 1)
     c.complete(5)
-    reject(c, c.begin, 5, d_enqueued=False, epoch=5, boundary=1,
+    check_rejected(c, c.begin, 5, d_enqueued=False, epoch=5, boundary=1,
            match=r"duplicate epoch 5 \(last epoch was 5\)")
 
 
 def test_reject_begin_while_active():
     c = ctl()
     drive_to(c, 2, 0)
-    reject(c, c.begin, 3, d_enqueued=False, epoch=3, boundary=0,
+    check_rejected(c, c.begin, 3, d_enqueued=False, epoch=3, boundary=0,
            match="epoch 3 begun while epoch 2 is still active")
     # also for the active epoch's own id, and with a span argument
-    reject(c, c.begin, 2, d_enqueued=True, epoch=2, boundary=0, match="still active")
-    reject(c, c.begin, 9, d_enqueued=True, span=4, epoch=9, boundary=0, match="still active")
+    check_rejected(c, c.begin, 2, d_enqueued=True, epoch=2, boundary=0, match="still active")
+    check_rejected(c, c.begin, 9, d_enqueued=True, span=4, epoch=9, boundary=0, match="still active")
     assert c.span == 1
 
 
@@ -368,17 +368,17 @@ def test_reject_publish_stale_epoch_while_active():
     drive_to(c, 1, 0)
     c.complete(1)
     drive_to(c, 2, 0)
-    reject(c, c.publish, 1, 1, PROD, epoch=1, boundary=1,
+    check_rejected(c, c.publish, 1, 1, PROD, epoch=1, boundary=1,
            match=r"boundary 1 of stale epoch 1 \(active: 2\)")
-    reject(c, c.publish, 3, 1, PROD, epoch=3, boundary=1, match="epoch 3")  # future epoch too
+    check_rejected(c, c.publish, 3, 1, PROD, epoch=3, boundary=1, match="epoch 3")  # future epoch too
 
 
 def test_reject_publish_when_idle():
     c = ctl()
-    reject(c, c.publish, 0, 0, PROD, epoch=0, boundary=0, match=r"\(active: none\)")
+    check_rejected(c, c.publish, 0, 0, PROD, epoch=0, boundary=0, match=r"\(active: none\)")
     drive_to(c, 0, 2)
     c.complete(0)
-    reject(c, c.publish, 0, 3, PROD, epoch=0, boundary=3,
+    check_rejected(c, c.publish, 0, 3, PROD, epoch=0, boundary=3,
            match=r"boundary 3 of stale epoch 0 \(active: none\)")
 
 
@@ -395,7 +395,7 @@ def test_reject_non_monotone_boundary(bad):
     c.begin(0, d_enqueued=True)  # p = 10, so nothing here is beyond the permit
     for i in range(3):
         c.publish(0, i, PROD)
-    reject(c, c.publish, 0, bad, PROD, epoch=0, boundary=bad,
+    check_rejected(c, c.publish, 0, bad, PROD, epoch=0, boundary=bad,
            match=rf"non-monotone boundary {bad} after 2")
     assert c.publish(0, 3, PROD) is False
 
@@ -403,7 +403,7 @@ def test_reject_non_monotone_boundary(bad):
 def test_reject_first_boundary_not_zero():
     c = ctl(span=4)
     c.begin(0, d_enqueued=True)
-    reject(c, c.publish, 0, 1, PROD, epoch=0, boundary=1,
+    check_rejected(c, c.publish, 0, 1, PROD, epoch=0, boundary=1,
            match="non-monotone boundary 1 after -1")
 
 
@@ -415,7 +415,7 @@ def test_reject_boundary_beyond_permit(span, d_enqueued):
     for i in range(p + 1):
         c.publish(0, i, PROD)
     assert c.at_endpoint
-    reject(c, c.publish, 0, p + 1, PROD, epoch=0, boundary=p + 1,
+    check_rejected(c, c.publish, 0, p + 1, PROD, epoch=0, boundary=p + 1,
            match=rf"boundary {p + 1} is beyond the permit {p}")
     c.post_d()
     assert c.publish(0, p + 1, PROD) is (span == 1)
@@ -423,17 +423,17 @@ def test_reject_boundary_beyond_permit(span, d_enqueued):
 
 def test_reject_complete_when_idle():
     c = ctl()
-    reject(c, c.complete, 0, epoch=0, boundary=-1, match="completion of epoch 0, which is not active")
+    check_rejected(c, c.complete, 0, epoch=0, boundary=-1, match="completion of epoch 0, which is not active")
     drive_to(c, 0, 2)
     c.complete(0)
-    reject(c, c.complete, 0, epoch=0, boundary=2, match="completion of epoch 0, which is not active")
+    check_rejected(c, c.complete, 0, epoch=0, boundary=2, match="completion of epoch 0, which is not active")
 
 
 def test_reject_complete_wrong_epoch():
     c = ctl()
     drive_to(c, 4, 1)
-    reject(c, c.complete, 3, epoch=3, boundary=1, match="completion of epoch 3, which is not active")
-    reject(c, c.complete, 5, epoch=5, boundary=1, match="completion of epoch 5")
+    check_rejected(c, c.complete, 3, epoch=3, boundary=1, match="completion of epoch 3, which is not active")
+    check_rejected(c, c.complete, 5, epoch=5, boundary=1, match="completion of epoch 5")
     c.complete(4)
 
 
@@ -441,15 +441,15 @@ def test_reject_complete_wrong_epoch():
                          ids=["zero", "neg", "true", "false", "float-int", "float", "str", "none"])
 def test_reject_set_span(bad):
     c = ctl(span=2)
-    reject(c, c.set_span, bad, epoch=-1, boundary=-1, match=rf"span must be an int >= 1, got {re.escape(repr(bad))}")
+    check_rejected(c, c.set_span, bad, epoch=-1, boundary=-1, match=rf"span must be an int >= 1, got {re.escape(repr(bad))}")
     drive_to(c, 1, 1)
-    reject(c, c.set_span, bad, epoch=1, boundary=1, match="span must be an int >= 1")
+    check_rejected(c, c.set_span, bad, epoch=1, boundary=1, match="span must be an int >= 1")
 
 
 @pytest.mark.parametrize("bad", [0, -1, True])
 def test_reject_begin_with_bad_span_leaves_state(bad):
     c = ctl(span=2)
-    reject(c, c.begin, 0, d_enqueued=True, span=bad, epoch=-1, boundary=-1, match="span must be")
+    check_rejected(c, c.begin, 0, d_enqueued=True, span=bad, epoch=-1, boundary=-1, match="span must be")
     assert c.begin(0, d_enqueued=True) == 2  # epoch 0 was not consumed
 
 

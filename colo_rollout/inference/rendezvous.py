@@ -35,14 +35,10 @@ class RendezvousError(RuntimeError):
     """A rendezvous did not complete in time, or ranks disagreed on the phase."""
 
 
-class Rendezvous:
-    def __init__(self, group: dist.ProcessGroup, rank: int, world: int,
-                 timeout_s: float) -> None:
-        self.group = group
-        self.rank = rank
-        self.world = world
-        self.timeout = datetime.timedelta(seconds=timeout_s)
-        self._buf = torch.zeros(2, dtype=torch.int32)
+class _Phases:
+    """PreD/PostD entry points and cost accounting; subclasses implement ``_wait``."""
+
+    def __init__(self) -> None:
         self.count = 0
         self.seconds = 0.0  # total host time spent inside rendezvous (cost accounting)
 
@@ -55,6 +51,24 @@ class Rendezvous:
     def _meet(self, phase: int, epoch: int, boundary: int) -> None:
         t0 = time.perf_counter()
         self.count += 1
+        self._wait(phase, epoch, boundary)
+        self.seconds += time.perf_counter() - t0
+
+    def _wait(self, phase: int, epoch: int, boundary: int) -> None:
+        raise NotImplementedError
+
+
+class Rendezvous(_Phases):
+    def __init__(self, group: dist.ProcessGroup, rank: int, world: int,
+                 timeout_s: float) -> None:
+        super().__init__()
+        self.group = group
+        self.rank = rank
+        self.world = world
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self._buf = torch.zeros(2, dtype=torch.int32)
+
+    def _wait(self, phase: int, epoch: int, boundary: int) -> None:
         if self.world > 1:
             self._buf.zero_()
             self._buf[phase] = 1
@@ -72,10 +86,9 @@ class Rendezvous:
                     f"rank {self.rank}, epoch {epoch}, boundary {boundary}: ranks disagree on "
                     f"the rendezvous phase ({int(self._buf[PRE_D])} in PreD, "
                     f"{int(self._buf[POST_D])} in PostD)")
-        self.seconds += time.perf_counter() - t0
 
 
-class ShmRendezvous:
+class ShmRendezvous(_Phases):
     """Same-host rendezvous over shared memory.
 
     Layout: int64 ``arrive[world]`` (rank r's count of rendezvous entered) and int64
@@ -87,6 +100,7 @@ class ShmRendezvous:
     """
 
     def __init__(self, group: dist.ProcessGroup, rank: int, world: int, timeout_s: float) -> None:
+        super().__init__()
         self.rank, self.world = rank, world
         self.timeout_s = timeout_s
         nbytes = 8 * world * 3
@@ -116,19 +130,10 @@ class ShmRendezvous:
         if rank == 0:
             os.unlink(self._path)  # every rank has it mapped: the memory lives until unmapped
         self._n = 0
-        self.count = 0
-        self.seconds = 0.0
 
-    def pre_d(self, epoch: int, boundary: int) -> None:
-        self._meet(PRE_D, epoch, boundary)
-
-    def post_d(self, epoch: int, boundary: int) -> None:
-        self._meet(POST_D, epoch, boundary)
-
-    def _meet(self, phase: int, epoch: int, boundary: int) -> None:
+    def _wait(self, phase: int, epoch: int, boundary: int) -> None:
         t0 = time.perf_counter()
         self._n += 1
-        self.count += 1
         n, slot = self._n, self._n % 2
         self._phase[self.rank, slot] = phase
         self._arrive[self.rank] = n
@@ -147,7 +152,6 @@ class ShmRendezvous:
                 f"rank {self.rank}, epoch {epoch}, boundary {boundary}: ranks disagree on the "
                 f"rendezvous phase ({int((phases == PRE_D).sum())} in PreD, "
                 f"{int((phases == POST_D).sum())} in PostD)")
-        self.seconds += time.perf_counter() - t0
 
     def close(self) -> None:
         self._arrive = self._phase = None
