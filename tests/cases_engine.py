@@ -223,3 +223,57 @@ def engine_loads_megatron_gptmodel_state_dict(rank: int, world: int, adp: int, e
     if rank == 0:
         res.update(compare_with_reference(trained.eval(), requests, outs))
     return res
+
+
+def prefill_segments_with_decode_between(rank: int, world: int, adp: int, ep: int) -> dict:
+    """P as segments with a full D iteration of other sequences at every boundary computes the
+    same P logits as P run straight through, and the D iterations are unaffected by P."""
+    from colo_rollout.inference.control import Message
+    from colo_rollout.inference.plan import DecodeRow, Phase, ReplicaWork, StepPlan
+    from colo_rollout.inference.planner import pick_bucket
+
+    cfg, groups, sd, engine = _engine(world, adp, ep)
+    sched, runner, model = engine.scheduler, engine.runner, engine.model
+    if rank == 0:
+        for r in mixed_requests(6, seed=11, vocab=cfg.model.vocab_size):
+            engine.submit(r)
+    engine.step()  # P of the A requests
+    engine.step()  # commits their first tokens, runs one D
+    engine.step()  # commits, runs another D: A rows are decoding now
+    rows = [[DecodeRow(s.lifetime, s.last_token, s.length) for s in sched.seqs.values()
+             if s.replica == i and s.last_token is not None] for i in range(adp)]
+    bucket = pick_bucket(max(len(x) for x in rows), tuple(cfg.engine.decode_buckets),
+                         groups.layout.atp)
+    d_plan = StepPlan(step=-1, phase=Phase.DECODE,
+                      replicas=tuple(ReplicaWork(decode=tuple(x)) for x in rows), bucket=bucket)
+    d_in = runner._decode_inputs(d_plan, sched)
+    if rank == 0:
+        for i in range(4):
+            engine.submit(Request(f"b{i}", tuple(range(3, 40 + 7 * i)),
+                                  SamplingParams(max_tokens=2)))
+    # agree on the new requests (the engine's exchange, without running its plan)
+    msgs = engine.control.exchange(Message(rank=rank, step=sched.step_no,
+                                           submits=engine._outbox.submits))
+    for m in msgs:
+        for s in m.submits:
+            sched.add(Request(s["id"], tuple(s["prompt"]), SamplingParams.from_json(s["params"])))
+    engine._outbox.submits.clear()
+    p_plan = sched.plan()
+    assert p_plan.phase is Phase.PREFILL
+    p_in = runner._prefill_inputs(p_plan, sched)
+
+    d_ref = model.forward_decode(d_in, runner.kv).clone()
+    gen = model.prefill_segments(p_in, runner.kv)
+    boundaries, d_same = [], True
+    while True:
+        try:
+            boundaries.append(next(gen))
+        except StopIteration as stop:
+            p_seg = stop.value
+            break
+        d = model.forward_decode(d_in, runner.kv)  # D goes first at every boundary (K = 1)
+        d_same = d_same and torch.equal(d, d_ref)
+    p_straight = model.forward_prefill(p_in, runner.kv)
+    return {"boundaries": boundaries, "expected": model.boundaries_per_prefill,
+            "p_equal": bool(torch.equal(p_seg, p_straight)), "d_equal": bool(d_same),
+            "p_rows": int(p_seg.shape[0]), "d_rows": sum(len(x) for x in rows)}

@@ -86,3 +86,11 @@ def test_engine_loads_a_megatron_gptmodel_state_dict(worker_groups, world, adp, 
     assert r0["extra_state_keys"] > 0  # a real megatron state dict, not our own format
     assert r0["checked"] > 20 and r0["mismatches"] == []
     assert r0["max_logprob_diff"] < LOGPROB_TOL
+
+
+def test_prefill_segments_interleaved_with_decode_equal_straight_prefill(worker_groups):
+    res = worker_groups(4).run(f"{CASES}:prefill_segments_with_decode_between", adp=2, ep=4)
+    for r in res:
+        assert r["boundaries"] == list(range(r["expected"]))  # 0..2L+1, monotone, one producer
+        assert r["d_rows"] > 0 and r["p_rows"] > 0
+        assert r["p_equal"] and r["d_equal"]

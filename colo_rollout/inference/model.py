@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import torch
@@ -254,29 +255,58 @@ class InferenceGPT(torch.nn.Module):
             return get_fp8_context(self.config)
         return contextlib.nullcontext()
 
-    @torch.inference_mode()
     def forward_prefill(self, inp: PrefillInputs, kv: KVStorage) -> torch.Tensor:
-        with self._precision():
-            return self._forward_prefill(inp, kv)
+        """The whole P epoch at once (Normal mode): every boundary is crossed immediately."""
+        return run_to_completion(self.prefill_segments(inp, kv))
+
+    @torch.inference_mode()
+    def prefill_segments(self, inp: PrefillInputs,
+                         kv: KVStorage) -> Generator[int, None, torch.Tensor]:
+        """P as segments (the gather backend's boundary producer).
+
+        Yields boundary id i (0, 1, ...) just before P's i-th registered full-group AllReduce;
+        resuming the generator issues that collective and computes up to the next boundary.
+        Returns this replica's last-token logits. An epoch has 2 * num_layers + 2 boundaries:
+        the embedding gather, per layer the attention gather and the MoE combine, the logits.
+        (torch.inference_mode wraps each resume; an FP8 autocast would have to as well, which is
+        one reason FP8 is not enabled yet.)
+        """
+        if self.config.fp8:
+            raise NotImplementedError("FP8 prefill segments")
+        return (yield from self._forward_prefill(inp, kv))
+
+    @property
+    def boundaries_per_prefill(self) -> int:
+        return 2 * self.cfg.num_layers + 2
 
     @torch.inference_mode()
     def forward_decode(self, inp: DecodeInputs, kv: KVStorage) -> torch.Tensor:
         with self._precision():
             return self._forward_decode(inp, kv)
 
-    def _forward_prefill(self, inp: PrefillInputs, kv: KVStorage) -> torch.Tensor:
-        """Returns full-vocab logits [n_local_seqs, V] of this replica's last P tokens."""
+    def _forward_prefill(self, inp: PrefillInputs, kv: KVStorage):
+        """Generator body: full-vocab logits [n_local_seqs, V] of this replica's last P tokens,
+        yielding a boundary id before every P collective."""
         comm, r = self.comm, self.groups.replica
         total = sum(inp.row_counts)
         off = sum(inp.row_counts[:r])
         n_local = inp.row_counts[r]
         rope = self.rope_table()
-        h = comm.p_gather(self.embedding.partial(inp.token_ids), off, total)
+        boundary = 0
+        emb_partial = self.embedding.partial(inp.token_ids)
+        yield boundary
+        boundary += 1
+        h = comm.p_gather(emb_partial, off, total)
         for i, layer in enumerate(self.decoder.layers):
             x = layer.input_layernorm(h[off : off + n_local])
             attn = layer.self_attention(x, rope, inp.attn, kv, i)
+            yield boundary
+            boundary += 1
             h = h + comm.p_gather(attn, off, total)
-            h = h + comm.p_allreduce(layer.mlp(layer.pre_mlp_layernorm(h)))
+            moe = layer.mlp(layer.pre_mlp_layernorm(h))
+            yield boundary
+            boundary += 1
+            h = h + comm.p_allreduce(moe)
         last = self.decoder.final_layernorm(h[inp.last_rows])  # all replicas' last tokens
         n_all = last.shape[0]
         seq_off = sum(inp.last_counts[:r])
@@ -286,6 +316,7 @@ class InferenceGPT(torch.nn.Module):
         full = shard.new_zeros((n_all, self.cfg.vocab_size))
         emb = self.embedding.word_embeddings
         full[seq_off : seq_off + n_seq, emb.vocab_start_index : emb.vocab_end_index] = shard
+        yield boundary
         full = comm.p_allreduce(full)
         return full[seq_off : seq_off + n_seq]
 
@@ -304,6 +335,15 @@ class InferenceGPT(torch.nn.Module):
         x = comm.d_all_gather_atp(self.decoder.final_layernorm(res))
         shard, _ = self.output_layer(x)
         return comm.d_all_gather_vocab(shard)
+
+
+def run_to_completion(gen: Generator[int, None, torch.Tensor]) -> torch.Tensor:
+    """Drive a segment generator without stopping at its boundaries."""
+    while True:
+        try:
+            next(gen)
+        except StopIteration as stop:
+            return stop.value
 
 
 # ---------------------------------------------------------------------- sharding rules
