@@ -25,6 +25,7 @@ import yaml
 __all__ = [
     "BACKENDS",
     "ENGINE_MODES",
+    "SEGMENT_POLICIES",
     "FP8_FORMATS",
     "NORMALIZATIONS",
     "PARAMS_DTYPES",
@@ -47,7 +48,11 @@ NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 PARAMS_DTYPES = ("float32", "bfloat16", "float16")
 USE_TE_MODES = ("auto", "on", "off")
 FP8_FORMATS = ("hybrid", "e4m3")
-ENGINE_MODES = ("normal",)
+# normal: strict P priority, no multiplexing. The ordering ladder of P/D multiplexing (PD mode):
+# global_complete (whole-P epoch, D only after P completes), global_enqueue (whole-P epoch, D
+# after all ranks host-enqueued it), fine (segment turnstile: D at every K boundaries).
+ENGINE_MODES = ("normal", "global_complete", "global_enqueue", "fine")
+SEGMENT_POLICIES = ("fixed", "load")
 
 
 class ConfigError(ValueError):
@@ -372,6 +377,13 @@ class EngineConfig:
     eos_token_id: int | None = None
     # Scheduling mode; one of ENGINE_MODES.
     mode: str = "normal"
+    # fine mode: boundary intervals P may advance per turnstile round ("fixed"), or chosen per
+    # round among segment_spans from D occupancy and P pressure ("load").
+    segment_policy: str = "fixed"
+    segment_span: int = 2
+    segment_spans: list[int] = field(default_factory=lambda: [1, 2, 4])
+    # rendezvous implementation: "auto" (shared memory when all ranks share a host), "shm", "gloo"
+    rendezvous: str = "auto"
 
     def __post_init__(self) -> None:
         _check_field_types(self)
@@ -404,6 +416,15 @@ class EngineConfig:
                 f"must be >= 0 or null, got {self.eos_token_id}",
             )
         _require_choice(self, "mode", ENGINE_MODES)
+        _require_choice(self, "segment_policy", SEGMENT_POLICIES)
+        _require_choice(self, "rendezvous", ("auto", "shm", "gloo"))
+        _require_min(self, ("segment_span",), 1)
+        spans = self.segment_spans
+        _require(
+            bool(spans) and all(k >= 1 for k in spans) and list(spans) == sorted(set(spans)),
+            "engine.segment_spans",
+            f"must be distinct ascending spans >= 1, got {spans}",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -277,3 +277,60 @@ def prefill_segments_with_decode_between(rank: int, world: int, adp: int, ep: in
     return {"boundaries": boundaries, "expected": model.boundaries_per_prefill,
             "p_equal": bool(torch.equal(p_seg, p_straight)), "d_equal": bool(d_same),
             "p_rows": int(p_seg.shape[0]), "d_rows": sum(len(x) for x in rows)}
+
+
+def engine_mode_tokens(rank: int, world: int, adp: int, ep: int, mode: str,
+                       span: int = 1, n_requests: int = 14) -> dict:
+    """Serve the same greedy requests in ``mode``; report tokens, logprobs and how often D ran
+    while a P epoch was in flight."""
+    cfg, groups, sd, engine = _engine(world, adp, ep, max_batch_size=3,
+                                      decode_buckets=[1, 2, 4], mode=mode, segment_span=span)
+    requests = mixed_requests(n_requests, 0, cfg.model.vocab_size)
+    outs = engine.generate(requests)
+    engine.check_integrity()
+    for kv in engine.scheduler.kv:
+        kv.assert_empty()
+    hist = engine.history
+    return {"tokens": {r.request_id: outs[r.request_id].tokens for r in requests},
+            "logprobs": {r.request_id: outs[r.request_id].logprobs for r in requests},
+            "d_during_p": sum(1 for h in hist if h.p_in_flight and h.rows > 0),
+            "rounds": len(hist),
+            "rendezvous": engine.rendezvous.count if engine.rendezvous else 0}
+
+
+def cancel_during_prefill_epoch(rank: int, world: int, adp: int, ep: int) -> dict:
+    """Fine mode: cancel a request whose P epoch is in flight. Its blocks drain (not reusable)
+    until the epoch's work is done, its result is discarded, everything else finishes."""
+    cfg, groups, sd, engine = _engine(world, adp, ep, max_batch_size=3,
+                                      decode_buckets=[1, 2, 4], mode="fine", segment_span=1)
+    first = [Request(f"a{i}", tuple(range(2, 9 + i)), SamplingParams(max_tokens=12, ignore_eos=True))
+             for i in range(2)]
+    later = [Request(f"b{i}", tuple(range(5, 60 + i)), SamplingParams(max_tokens=4, ignore_eos=True))
+             for i in range(3)]
+    if rank == 0:
+        for r in first:
+            engine.submit(r)
+    for _ in range(3):
+        engine.step()  # A: prefilled and decoding
+    if rank == 0:
+        for r in later:
+            engine.submit(r)
+    engine.step()  # B's epoch starts (D first: P parked at boundary 0)
+    in_flight = engine.runner.epoch_active
+    victim = "b1"
+    if rank == 0:
+        engine.cancel(victim)
+    engine.step()  # the cancel is applied while the epoch is still running
+    lt = engine.scheduler.by_id[victim]
+    draining = sorted({d for kv in engine.scheduler.kv for d in kv.draining()})
+    still_in_flight = engine.runner.epoch_active
+    while engine.busy():
+        engine.step()
+    engine.check_integrity()
+    for kv in engine.scheduler.kv:
+        kv.assert_empty()
+    return {"in_flight_at_cancel": in_flight and still_in_flight, "draining_mid_epoch": draining,
+            "victim": (lt.finish_reason.value, len(lt.tokens)),
+            "others": {r.request_id: (engine.output(r.request_id).finish_reason.value,
+                                      len(engine.output(r.request_id).tokens))
+                       for r in first + later if r.request_id != victim}}

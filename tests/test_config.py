@@ -89,7 +89,7 @@ def test_defaults_valid_and_match_spec():
     assert cfg.model.hidden_size == 64 and cfg.model.fp8 is None and cfg.model.head_dim == 16
     assert cfg.engine.decode_buckets == [1, 2, 4, 8, 16, 32]
     assert cfg.engine.eos_token_id is None and cfg.engine.mode == "normal"
-    assert ENGINE_MODES == ("normal",)
+    assert ENGINE_MODES == ("normal", "global_complete", "global_enqueue", "fine")
     assert config_from_dict({}) == cfg
     # default_factory: instances do not share the buckets list
     assert EngineConfig().decode_buckets is not EngineConfig().decode_buckets
@@ -288,7 +288,9 @@ def test_experts_not_divisible_by_ep(tmp_path):
         ("model", "params_dtype", "float64"),
         ("model", "use_te", "always"),
         ("model", "fp8", "e5m2"),
-        ("engine", "mode", "fine"),
+        ("engine", "mode", "chunked"),
+        ("engine", "segment_policy", "adaptive"),
+        ("engine", "rendezvous", "mpi"),
     ],
 )
 def test_bad_enum(tmp_path, section, key, value):

@@ -28,7 +28,10 @@ from colo_rollout.inference.model import DTYPES, InferenceGPT, random_state_dict
 from colo_rollout.inference.parallel import ParallelGroups
 from colo_rollout.inference.plan import Phase, StepPlan
 from colo_rollout.inference.request import Request, RequestError, RequestOutput, SamplingParams
-from colo_rollout.inference.runner import ModelRunner
+from colo_rollout.inference.rendezvous import make_rendezvous
+from colo_rollout.inference.runner import PRODUCER, ModelRunner
+from colo_rollout.inference.segment_policy import FixedSpan, Load, LoadSelectedSpan
+from colo_rollout.inference.turnstile import TurnstileController
 from colo_rollout.inference.scheduler import Sampled, Scheduler
 
 
@@ -38,6 +41,7 @@ class StepStats:
     phase: Phase
     rows: int  # P tokens or D rows of the whole world this step
     seconds: float
+    p_in_flight: bool = False  # PD mode: a P epoch was in flight during this round
 
 
 class Engine:
@@ -56,6 +60,19 @@ class Engine:
         self.runner = ModelRunner(self.model, cfg.engine.num_kv_blocks, cfg.engine.kv_block_size,
                                   seed=cfg.model.seed)
         self.control = ControlPlane(groups.control, groups.rank, lay.world_size)
+        # PD mode (the ordering ladder): turnstile controller, rendezvous, segment policy
+        self.mode = cfg.engine.mode
+        self.pd = self.mode != "normal"
+        self.turnstile = TurnstileController(rank=groups.rank)
+        self.turnstile.register_producer(PRODUCER)
+        self.rendezvous = (make_rendezvous(groups.control, groups.rank, lay.world_size,
+                                           cfg.parallel.timeout_s, cfg.engine.rendezvous)
+                           if self.pd else None)
+        self.policy = (LoadSelectedSpan(tuple(cfg.engine.segment_spans))
+                       if cfg.engine.segment_policy == "load"
+                       else FixedSpan(cfg.engine.segment_span))
+        self._epoch_id = -1
+        self._last_epoch_done: StepPlan | None = None
         self._outbox = Message(rank=groups.rank)
         self._pending_ids: set[str] = set()
         self._last_plan: StepPlan | None = None
@@ -95,10 +112,11 @@ class Engine:
         now = time.perf_counter()
 
         finished: list[RequestOutput] = []
-        if self._last_plan is not None:
+        if self._last_plan is not None or self._last_epoch_done is not None:
             sampled = [Sampled(int(lt), int(tok), float(lp))
                        for m in msgs for lt, tok, lp in m.sampled]
-            finished += self.scheduler.commit(self._last_plan, sampled, now)
+            finished += self.scheduler.commit(self._last_plan, sampled, now,
+                                              epoch_done=self._last_epoch_done)
         for m in msgs:  # rank order: identical on every rank
             for s in m.submits:
                 req = Request(s["id"], tuple(s["prompt"]), SamplingParams.from_json(s["params"]))
@@ -110,18 +128,71 @@ class Engine:
                 if rid in self.scheduler.live:
                     finished.append(self.scheduler.cancel(rid, now))
 
-        plan = self.scheduler.plan()
-        self._last_sampled = self.runner.run(plan, self.scheduler)
+        plan = self.scheduler.plan(pd=self.pd)
+        epoch_done = None
+        if self.pd:
+            self._last_sampled, epoch_done = self._round(plan)
+        else:
+            self._last_sampled = self.runner.run(plan, self.scheduler)
         self._last_plan = plan if plan.phase is not Phase.IDLE else None
+        self._last_epoch_done = epoch_done
         rows = sum(w.prefill_tokens if plan.phase is Phase.PREFILL else len(w.decode)
                    for w in plan.replicas)
-        self.history.append(StepStats(plan.step, plan.phase, rows, time.perf_counter() - t0))
+        self.history.append(StepStats(plan.step, plan.phase, rows, time.perf_counter() - t0,
+                                      p_in_flight=self.runner.epoch_active or epoch_done is not None))
         return finished
+
+    def _round(self, plan: StepPlan) -> tuple[list[Sampled], StepPlan | None]:
+        """One turnstile round (PD modes): P advances to its permitted endpoint, then
+        PreD -> one D iteration on every rank -> PostD -> P gets K more boundaries.
+
+        Global modes admit the whole P epoch as one segment (K = all its boundaries); Fine uses
+        the segment policy. With no D row anywhere there is nothing to protect: P runs on to the
+        end of its epoch in this round. Every rank takes the same branches (replicated state)."""
+        ctl, runner, sched = self.turnstile, self.runner, self.scheduler
+        if not plan.has_prefill and not runner.epoch_active:
+            # no P anywhere: only D collectives exist, so there is nothing to order -- the P/D
+            # machinery (rendezvous, controller) is off and D runs exactly as in Normal mode
+            return (runner.run_decode(plan, sched) if plan.has_decode else []), None
+        if plan.has_prefill:
+            self._epoch_id += 1
+            runner.start_epoch(plan, sched)
+            ctl.begin(self._epoch_id, d_enqueued=False, span=self._span(plan))
+        sampled: list[Sampled] = []
+        epoch_plan = sched.epoch
+        done = runner.advance(ctl, sched) if runner.epoch_active else None
+        if plan.has_decode:
+            self.rendezvous.pre_d(ctl.epoch, ctl.reached)
+            sampled += runner.run_decode(plan, sched)
+            self.rendezvous.post_d(ctl.epoch, ctl.reached)
+            ctl.post_d()
+        else:
+            while runner.epoch_active:  # no D to protect: finish the epoch now
+                ctl.post_d()
+                done = runner.advance(ctl, sched)
+        if done is not None or (epoch_plan is not None and not runner.epoch_active):
+            if self.mode == "global_complete" and self.groups.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()  # whole-P completion fence
+            sampled += done or []
+            return sampled, epoch_plan
+        return sampled, None
+
+    def _span(self, plan: StepPlan) -> int:
+        if self.mode in ("global_complete", "global_enqueue"):
+            return self.model.boundaries_per_prefill
+        s = self.scheduler
+        load = Load(d_rows=sum(len(w.decode) for w in plan.replicas),
+                    d_capacity=self.cfg.engine.max_batch_size * len(plan.replicas),
+                    p_tokens=sum(w.prefill_tokens for w in plan.replicas)
+                    + sum(len(r.prompt) for r in s.waiting),
+                    p_budget=self.cfg.engine.max_prefill_tokens * len(plan.replicas))
+        return self.policy.choose(load)
 
     def busy(self) -> bool:
         """True while any rank may still have work. Identical on all ranks right after a step
         (the state is replicated); a submission made since then shows up at the next step."""
-        return self.scheduler.has_work() or self._last_plan is not None
+        return (self.scheduler.has_work() or self._last_plan is not None
+                or self._last_epoch_done is not None or self.runner.epoch_active)
 
     def generate(self, requests: list[Request] | None = None,
                  on_finish=None) -> dict[str, RequestOutput]:

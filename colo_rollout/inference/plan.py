@@ -16,6 +16,8 @@ class Phase(str, Enum):
     IDLE = "idle"  # nothing to run on any replica: no collective is issued
     PREFILL = "prefill"  # every rank runs P (replicas without P contribute zero rows)
     DECODE = "decode"  # every rank runs one D iteration (replicas without rows run padding)
+    ROUND = "round"  # PD mode: one turnstile round -- D rows (if any) and, when ``prefill``
+    #                  items are present, the start of a new P epoch advanced over later rounds
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,15 @@ class StepPlan:
     step: int
     phase: Phase
     replicas: tuple[ReplicaWork, ...]
-    bucket: int = 0  # D rows per replica after padding (multiple of ATP); 0 unless DECODE
+    bucket: int = 0  # D rows per replica after padding (multiple of ATP); 0 without D rows
+
+    @property
+    def has_decode(self) -> bool:
+        return any(w.decode for w in self.replicas)
+
+    @property
+    def has_prefill(self) -> bool:
+        return any(w.prefill for w in self.replicas)
 
     def digest(self) -> str:
         return hashlib.sha1(repr(self).encode()).hexdigest()[:16]

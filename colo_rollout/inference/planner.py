@@ -14,6 +14,9 @@ Policy (Normal = strict P priority, no multiplexing):
   3. Otherwise, if any replica has running rows, the step is DECODE with one bucket for all
      replicas (the smallest configured bucket >= the largest replica's rows, rounded up to a
      multiple of ATP so the ATP ReduceScatter divides evenly); otherwise IDLE.
+
+PD mode (``plan_round``): D rows are committed first, every round; a new P epoch is admitted
+into the remaining rows/budget/KV only when no epoch is in flight.
 """
 
 from __future__ import annotations
@@ -61,8 +64,10 @@ def pick_bucket(rows: int, buckets: tuple[int, ...], atp: int) -> int:
     return -(-b // atp) * atp
 
 
-def plan_normal(step: int, waiting: list[WaitingView], replicas: list[ReplicaView],
-                limits: PlannerLimits, next_lifetime: int) -> tuple[StepPlan, list[Admission]]:
+def _admit(waiting: list[WaitingView], replicas: list[ReplicaView], limits: PlannerLimits,
+           next_lifetime: int) -> tuple[list[list[PrefillItem]], list[Admission]]:
+    """FIFO admission into the batch rows, P budget and KV blocks left after D (D goes first:
+    running rows already count against ``max_batch_size``)."""
     n = len(replicas)
     rows = [len(r.running) + len(r.prefill_ready) for r in replicas]
     p_tokens = [sum(len(p.tokens) for p in r.prefill_ready) for r in replicas]
@@ -86,13 +91,41 @@ def plan_normal(step: int, waiting: list[WaitingView], replicas: list[ReplicaVie
         rows[choice] += 1
         p_tokens[choice] += len(w.prompt)
         free[choice] -= replicas[choice].blocks_for(w.budget_tokens)
+    return prefill, admissions
 
+
+def _decode_bucket(replicas: list[ReplicaView], limits: PlannerLimits) -> int:
+    most = max(len(r.running) for r in replicas)
+    return pick_bucket(most, limits.decode_buckets, limits.atp) if most else 0
+
+
+def plan_normal(step: int, waiting: list[WaitingView], replicas: list[ReplicaView],
+                limits: PlannerLimits, next_lifetime: int) -> tuple[StepPlan, list[Admission]]:
+    prefill, admissions = _admit(waiting, replicas, limits, next_lifetime)
     if any(prefill):
         work = tuple(ReplicaWork(prefill=tuple(p)) for p in prefill)
         return StepPlan(step=step, phase=Phase.PREFILL, replicas=work), admissions
     if any(r.running for r in replicas):
-        most = max(len(r.running) for r in replicas)
         work = tuple(ReplicaWork(decode=tuple(r.running)) for r in replicas)
-        bucket = pick_bucket(most, limits.decode_buckets, limits.atp)
-        return StepPlan(step=step, phase=Phase.DECODE, replicas=work, bucket=bucket), admissions
+        return StepPlan(step=step, phase=Phase.DECODE, replicas=work,
+                        bucket=_decode_bucket(replicas, limits)), admissions
     return StepPlan(step=step, phase=Phase.IDLE, replicas=tuple(ReplicaWork() for _ in replicas)), admissions
+
+
+def plan_round(step: int, waiting: list[WaitingView], replicas: list[ReplicaView],
+               limits: PlannerLimits, next_lifetime: int,
+               admit: bool) -> tuple[StepPlan, list[Admission]]:
+    """PD mode, one turnstile round: every ready D row (D first), plus -- when no P epoch is in
+    flight (``admit``) -- a new P epoch admitted into what is left. ROUND plans carry both; the
+    P items start an epoch that later rounds advance segment by segment."""
+    if admit:
+        prefill, admissions = _admit(waiting, replicas, limits, next_lifetime)
+    else:
+        prefill, admissions = [[] for _ in replicas], []
+    if not any(prefill) and not any(r.running for r in replicas):
+        return StepPlan(step=step, phase=Phase.IDLE,
+                        replicas=tuple(ReplicaWork() for _ in replicas)), admissions
+    work = tuple(ReplicaWork(prefill=tuple(p), decode=tuple(r.running))
+                 for p, r in zip(prefill, replicas))
+    return StepPlan(step=step, phase=Phase.ROUND, replicas=work,
+                    bucket=_decode_bucket(replicas, limits)), admissions

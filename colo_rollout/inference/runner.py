@@ -15,9 +15,10 @@ import torch
 from colo_rollout.inference.attention import AttnMetadata
 from colo_rollout.inference.model import DecodeInputs, InferenceGPT, PrefillInputs
 from colo_rollout.inference.plan import Phase, StepPlan
-from colo_rollout.inference.request import SamplingParams
 from colo_rollout.inference.sampler import sample
 from colo_rollout.inference.scheduler import Sampled, Scheduler
+
+PRODUCER = "gather"  # the gather backend's boundary producer (registered layer points)
 
 
 class ModelRunner:
@@ -28,27 +29,66 @@ class ModelRunner:
         self.kv = model.new_kv_storage(num_blocks, block_size)
         self.block_size = block_size
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._epoch = None  # the in-flight P epoch's segment generator (PD mode)
+        self._epoch_items = ()
+        self._at: int | None = None
 
     def run(self, plan: StepPlan, sched: Scheduler) -> list[Sampled]:
+        """Normal mode: the whole plan (one P epoch or one D iteration)."""
         if plan.phase is Phase.IDLE:
             return []
-        r = self.groups.replica
         if plan.phase is Phase.PREFILL:
             logits = self.model.forward_prefill(self._prefill_inputs(plan, sched), self.kv)
-            lifetimes = [p.lifetime for p in plan.replicas[r].prefill]
-        else:
-            logits = self.model.forward_decode(self._decode_inputs(plan, sched), self.kv)
-            lifetimes = [d.lifetime for d in plan.replicas[r].decode]
-            logits = logits[: len(lifetimes)]
+            return self._sample(logits, plan.replicas[self.groups.replica].prefill, sched)
+        return self.run_decode(plan, sched)
+
+    def run_decode(self, plan: StepPlan, sched: Scheduler) -> list[Sampled]:
+        """One D iteration over the plan's D rows (every rank; padding where a replica has
+        fewer rows than the bucket)."""
+        logits = self.model.forward_decode(self._decode_inputs(plan, sched), self.kv)
+        return self._sample(logits, plan.replicas[self.groups.replica].decode, sched)
+
+    # ------------------------------------------------------------------ P epochs (PD mode)
+    @property
+    def epoch_active(self) -> bool:
+        return self._epoch is not None
+
+    def start_epoch(self, plan: StepPlan, sched: Scheduler) -> None:
+        """Build the epoch's inputs now (block tables as reserved at admission) and hold P as
+        a segment generator; nothing runs until ``advance``."""
+        if self._epoch is not None:
+            raise RuntimeError("a P epoch is already in flight")
+        gen = self.model.prefill_segments(self._prefill_inputs(plan, sched), self.kv)
+        self._epoch = gen
+        self._epoch_items = plan.replicas[self.groups.replica].prefill
+        self._at = None  # boundary P is parked at (its collective not yet issued)
+
+    def advance(self, ctl, sched: Scheduler) -> list[Sampled] | None:
+        """Run P until it is parked at its permitted endpoint (returns None) or the epoch is
+        complete (returns the sampled first tokens; leader ranks only have values)."""
+        if self._at is None:
+            self._at = next(self._epoch)  # compute up to boundary 0
+            ctl.publish(ctl.epoch, self._at, PRODUCER)
+        while ctl.may_cross(self._at):
+            try:
+                nxt = next(self._epoch)  # issue the collective after self._at, compute on
+            except StopIteration as done:
+                ctl.complete(ctl.epoch)
+                items, self._epoch, self._epoch_items = self._epoch_items, None, ()
+                live = [p for p in items if p.lifetime in sched.seqs]  # cancelled: discarded
+                keep = [i for i, p in enumerate(items) if p.lifetime in sched.seqs]
+                return self._sample(done.value[keep], live, sched)
+            ctl.publish(ctl.epoch, nxt, PRODUCER)
+            self._at = nxt
+        return None
+
+    def _sample(self, logits: torch.Tensor, items, sched: Scheduler) -> list[Sampled]:
+        lifetimes = [it.lifetime for it in items]
         if not self.groups.is_replica_leader or not lifetimes:
             return []
-        params = [self._params(sched, lt) for lt in lifetimes]
-        tokens, logprobs = sample(logits, params, self.generator)
+        params = [sched.seqs[lt].request.params for lt in lifetimes]
+        tokens, logprobs = sample(logits[: len(lifetimes)], params, self.generator)
         return [Sampled(lt, t, lp) for lt, t, lp in zip(lifetimes, tokens, logprobs)]
-
-    @staticmethod
-    def _params(sched: Scheduler, lifetime: int) -> SamplingParams:
-        return sched.seqs[lifetime].request.params
 
     def _slots(self, table: list[int], positions: range) -> list[int]:
         bs = self.block_size

@@ -9,6 +9,10 @@ Lifecycle: WAITING --admit--> PREFILL (lifetime id, KV reserved for prompt+max_t
 A result is applied only if the KV blocks still belong to the lifetime that produced it
 (``KVCacheManager.owns``): a stale result from a cancelled lifetime is discarded.
 
+PD mode: a P epoch spans several rounds. Its sequences are PREFILLING (admitted, no token yet);
+cancelling one retires its blocks (they drain) until the epoch's work is done, then they are
+released -- never reused while P may still write them.
+
 Pure Python: no torch, no torch.distributed.
 """
 
@@ -26,6 +30,7 @@ from colo_rollout.inference.planner import (
     ReplicaView,
     WaitingView,
     plan_normal,
+    plan_round,
 )
 from colo_rollout.inference.request import (
     FinishReason,
@@ -69,6 +74,10 @@ class Scheduler:
         self.live: dict[str, int | None] = {}  # unfinished request id -> lifetime (None: waiting)
         self.step_no = 0
         self.next_lifetime = 0
+        # PD mode: the plan that started the in-flight P epoch (None: no epoch), and lifetimes
+        # cancelled while it runs -- their blocks drain until the epoch's work is done.
+        self.epoch: StepPlan | None = None
+        self.retired: set[int] = set()
 
     # ------------------------------------------------------------------ intake
     def validate(self, req: Request) -> None:
@@ -121,7 +130,13 @@ class Scheduler:
             self.waiting = deque(r for r in self.waiting if r.request_id != request_id)
         else:
             seq = self.seqs.pop(lifetime)
-            self.kv[seq.replica].free(lifetime)
+            if self._in_epoch(lifetime):
+                # P work writing these blocks may still be running: they are retired and only
+                # reused once the epoch is done (release in commit)
+                self.kv[seq.replica].retire(lifetime)
+                self.retired.add(lifetime)
+            else:
+                self.kv[seq.replica].free(lifetime)
         out.finish_reason = FinishReason.CANCELLED
         out.finish_time = now
         return out
@@ -130,7 +145,13 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.seqs)
 
-    def plan(self) -> StepPlan:
+    def _in_epoch(self, lifetime: int) -> bool:
+        return self.epoch is not None and any(
+            p.lifetime == lifetime for w in self.epoch.replicas for p in w.prefill)
+
+    def plan(self, pd: bool = False) -> StepPlan:
+        """Normal mode: a PREFILL or DECODE step. PD mode (``pd``): a ROUND with every ready D
+        row and, if no P epoch is in flight, a new epoch's P items."""
         views = []
         for i, kv in enumerate(self.kv):
             running = [DecodeRow(s.lifetime, s.last_token, s.length)
@@ -139,10 +160,16 @@ class Scheduler:
                                      block_size=kv.block_size))
         waiting = [WaitingView(r.request_id, r.prompt, len(r.prompt) + r.params.max_tokens)
                    for r in self.waiting]
-        plan, admissions = plan_normal(self.step_no, waiting, views, self.limits,
-                                       self.next_lifetime)
+        if pd:
+            plan, admissions = plan_round(self.step_no, waiting, views, self.limits,
+                                          self.next_lifetime, admit=self.epoch is None)
+        else:
+            plan, admissions = plan_normal(self.step_no, waiting, views, self.limits,
+                                           self.next_lifetime)
         for adm in admissions:
             self._admit(adm)
+        if pd and plan.has_prefill:
+            self.epoch = plan
         self.step_no += 1
         return plan
 
@@ -160,31 +187,51 @@ class Scheduler:
         return self.kv[replica].block_table(lifetime)
 
     # ------------------------------------------------------------------ results
-    def commit(self, plan: StepPlan, sampled: list[Sampled], now: float = 0.0) -> list[RequestOutput]:
-        """Apply the agreed sampled tokens of ``plan``; returns requests finished by it."""
+    def commit(self, plan: StepPlan | None, sampled: list[Sampled], now: float = 0.0,
+               epoch_done: StepPlan | None = None) -> list[RequestOutput]:
+        """Apply the agreed sampled tokens: D rows of ``plan`` (or its P items for a Normal
+        PREFILL step) and, when a PD epoch finished, the P items of ``epoch_done`` (promotion
+        P -> D). Returns the requests finished by them."""
         by_lt = {s.lifetime: s for s in sampled}
-        finished = []
-        for r, work in enumerate(plan.replicas):
-            items = work.prefill if plan.phase is Phase.PREFILL else work.decode
-            for item in items:
-                seq = self.seqs.get(item.lifetime)
-                if seq is None:
-                    continue  # stale: the lifetime was cancelled while its work ran
-                s = by_lt.get(item.lifetime)
-                if s is None:
-                    raise RuntimeError(f"step {plan.step}: no sampled token for lifetime {item.lifetime}")
-                seq.length += len(item.tokens) if isinstance(item, PrefillItem) else 1
-                out = self.by_id[seq.request.request_id]
-                if out.first_token_time is None:
-                    out.first_token_time = now
-                out.tokens.append(s.token)
-                out.logprobs.append(s.logprob)
-                seq.last_token = s.token
-                reason = self._stop_reason(seq, out)
-                if reason is not None:
-                    self._finish(seq, out, reason, now)
-                    finished.append(out)
+        finished: list[RequestOutput] = []
+        if plan is not None:
+            for r, work in enumerate(plan.replicas):
+                items = work.prefill if plan.phase is Phase.PREFILL else work.decode
+                for item in items:
+                    self._apply(plan.step, r, item, by_lt, now, finished)
+        if epoch_done is not None:
+            for r, work in enumerate(epoch_done.replicas):
+                for item in work.prefill:
+                    if item.lifetime in self.retired:  # cancelled mid-P: its work has drained
+                        self.kv[r].release_drained(item.lifetime)
+                        self.retired.discard(item.lifetime)
+                        continue
+                    self._apply(epoch_done.step, r, item, by_lt, now, finished)
+            self.epoch = None
         return finished
+
+    def _apply(self, step: int, r: int, item, by_lt: dict, now: float,
+               finished: list[RequestOutput]) -> None:
+        seq = self.seqs.get(item.lifetime)
+        if seq is None:
+            return  # stale: the lifetime was cancelled while its work ran
+        if isinstance(item, PrefillItem) and not self.kv[r].owns(
+                item.lifetime, self.kv[r].block_table(item.lifetime)):
+            raise RuntimeError(f"step {step}: lifetime {item.lifetime} lost its KV reservation")
+        s = by_lt.get(item.lifetime)
+        if s is None:
+            raise RuntimeError(f"step {step}: no sampled token for lifetime {item.lifetime}")
+        seq.length += len(item.tokens) if isinstance(item, PrefillItem) else 1
+        out = self.by_id[seq.request.request_id]
+        if out.first_token_time is None:
+            out.first_token_time = now
+        out.tokens.append(s.token)
+        out.logprobs.append(s.logprob)
+        seq.last_token = s.token
+        reason = self._stop_reason(seq, out)
+        if reason is not None:
+            self._finish(seq, out, reason, now)
+            finished.append(out)
 
     def _stop_reason(self, seq: _Seq, out: RequestOutput) -> FinishReason | None:
         p = seq.request.params
@@ -208,3 +255,6 @@ class Scheduler:
         owners = {lt for kv in self.kv for lt in kv.owners()}
         if owners != set(self.seqs):
             raise AssertionError(f"KV owners {sorted(owners)} != admitted {sorted(self.seqs)}")
+        draining = {lt for kv in self.kv for lt in kv.draining()}
+        if draining != self.retired:
+            raise AssertionError(f"KV draining {sorted(draining)} != retired {sorted(self.retired)}")

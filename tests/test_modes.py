@@ -1,0 +1,45 @@
+"""PD modes (the ordering ladder) on 4 CPU ranks, ADP2/ATP2/EP4: same greedy tokens as Normal,
+D advances while a P epoch is in flight (Fine), cancellation mid-epoch drains before reuse."""
+
+from __future__ import annotations
+
+import pytest
+
+C = "tests.cases_engine"
+
+
+@pytest.fixture(scope="module")
+def normal(worker_groups):
+    return worker_groups(4).run(f"{C}:engine_mode_tokens", adp=2, ep=4, mode="normal")[0]
+
+
+@pytest.mark.parametrize("mode,span", [("global_complete", 1), ("global_enqueue", 1),
+                                       ("fine", 1), ("fine", 3)])
+def test_mode_matches_normal_tokens(worker_groups, normal, mode, span):
+    res = worker_groups(4).run(f"{C}:engine_mode_tokens", adp=2, ep=4, mode=mode, span=span)
+    for r in res:
+        assert r["tokens"] == normal["tokens"]
+        for rid, lps in r["logprobs"].items():
+            assert all(abs(a - b) < 1e-4 for a, b in zip(lps, normal["logprobs"][rid])), rid
+        assert r["rendezvous"] > 0 and r["rendezvous"] % 2 == 0  # PreD/PostD pairs
+    if mode == "fine":
+        assert res[0]["d_during_p"] > 0  # D iterations ran while a P epoch was in flight
+
+
+def test_fine_span1_interleaves_more_than_global(worker_groups):
+    fine = worker_groups(4).run(f"{C}:engine_mode_tokens", adp=2, ep=4, mode="fine", span=1)[0]
+    glob = worker_groups(4).run(f"{C}:engine_mode_tokens", adp=2, ep=4,
+                                mode="global_enqueue")[0]
+    assert fine["d_during_p"] > glob["d_during_p"]
+
+
+def test_cancel_during_prefill_epoch_drains_then_frees(worker_groups):
+    res = worker_groups(4).run(f"{C}:cancel_during_prefill_epoch", adp=2, ep=4)
+    for r in res:
+        assert r["in_flight_at_cancel"]
+        assert len(r["draining_mid_epoch"]) == 1  # the victim's blocks, held back
+        assert r["victim"] == ("cancelled", 0)
+        for rid, (reason, n) in r["others"].items():
+            assert reason == "length", rid
+            assert n == (12 if rid.startswith("a") else 4), rid
+    assert all(r == res[0] for r in res)
