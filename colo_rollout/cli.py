@@ -1,4 +1,4 @@
-"""`colo-rollout` command line: demo, stress-turnstile, bench-rendezvous.
+"""`colo-rollout` command line: demo, stress-turnstile, bench-rendezvous, bench-decode-overhead.
 
 Launch modes: under torchrun (WORLD_SIZE set) every process runs the job itself; otherwise the
 CLI spawns ``parallel.world_size`` CPU processes joined with gloo.
@@ -67,7 +67,24 @@ def main(argv: list[str] | None = None) -> int:
     br.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
     br.add_argument("--rounds", type=int, default=2000)
     br.add_argument("--kinds", nargs="+", choices=["shm", "gloo"], default=["shm", "gloo"])
+    bd = sub.add_parser("bench-decode-overhead",
+                        help="decode-only step time of PD mode vs Normal (same run)")
+    bd.add_argument("config")
+    bd.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    bd.add_argument("--reps", type=int, default=3)
+    bd.add_argument("--mode", default="fine", help="PD mode to compare with normal")
     args = ap.parse_args(argv)
+    if args.cmd == "bench-decode-overhead":
+        res = _launch("colo_rollout.bench_decode:decode_overhead", args.config,
+                      _overrides(args.set), reps=args.reps, modes=("normal", args.mode))[0]
+        import statistics
+
+        med = {m: statistics.median(v) for m, v in res.items()}
+        print(f"{'mode':>16s} {'median ms/D step':>17s}   per repetition")
+        for m, v in res.items():
+            print(f"{m:>16s} {1e3 * med[m]:17.3f}   " + " ".join(f"{1e3 * x:.3f}" for x in v))
+        print(f"{args.mode}/normal = {med[args.mode] / med['normal']:.4f}")
+        return 0
     if args.cmd == "stress-turnstile":
         return _stress(args)
     if args.cmd == "bench-rendezvous":
