@@ -24,9 +24,10 @@ from colo_rollout.inference.request import FinishReason, Request, SamplingParams
 LOGPROB_TOL = 1e-4
 
 
-def tiny_config(world: int, adp: int, ep: int, **engine) -> Config:
+def tiny_config(world: int, adp: int, ep: int, timeout_s: float = 60.0, **engine) -> Config:
     return Config(
-        parallel=ParallelConfig(world_size=world, adp=adp, ep=ep, backend="gloo", timeout_s=float(__import__("os").environ.get("COLO_TEST_TIMEOUT", "60"))),
+        parallel=ParallelConfig(world_size=world, adp=adp, ep=ep, backend="gloo",
+                                timeout_s=timeout_s),
         model=ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_attention_heads=4,
                           num_query_groups=2, moe_ffn_hidden_size=64, num_experts=8,
                           moe_router_topk=2, max_position_embeddings=512, init_method_std=0.1,
@@ -94,8 +95,8 @@ def engine_matches_reference(rank: int, world: int, adp: int, ep: int, n_request
     return result
 
 
-def _engine(world: int, adp: int, ep: int, **engine_kw):
-    cfg = tiny_config(world, adp, ep, **engine_kw)
+def _engine(world: int, adp: int, ep: int, timeout_s: float = 60.0, **engine_kw):
+    cfg = tiny_config(world, adp, ep, timeout_s=timeout_s, **engine_kw)
     groups = init_parallel(cfg.parallel)
     install_cpu_compat()
     sd = random_state_dict(cfg.model)
@@ -334,3 +335,33 @@ def cancel_during_prefill_epoch(rank: int, world: int, adp: int, ep: int) -> dic
             "others": {r.request_id: (engine.output(r.request_id).finish_reason.value,
                                       len(engine.output(r.request_id).tokens))
                        for r in first + later if r.request_id != victim}}
+
+
+def injected_violation(rank: int, world: int, adp: int, ep: int) -> dict:
+    """Fine mode; mid-epoch the last rank's boundary producer skips ahead (a non-monotone
+    publication). That rank raises TurnstileError at once; every other rank raises
+    RendezvousError at its next PreD within the timeout. All name rank, epoch and boundary."""
+    import time as _time
+
+    from colo_rollout.inference.rendezvous import RendezvousError
+    from colo_rollout.inference.turnstile import TurnstileError
+
+    cfg, groups, sd, engine = _engine(world, adp, ep, timeout_s=3.0, max_batch_size=3,
+                                      decode_buckets=[1, 2, 4], mode="fine", segment_span=1)
+    if rank == 0:
+        for i in range(2):
+            engine.submit(Request(f"a{i}", (1, 2, 3), SamplingParams(max_tokens=30)))
+    for _ in range(3):
+        engine.step()
+    if rank == 0:
+        engine.submit(Request("b", tuple(range(1, 50)), SamplingParams(max_tokens=2)))
+    engine.step()  # the epoch starts
+    if rank == world - 1:
+        engine.turnstile.reached += 2  # corrupt: its next publication skips boundary ids
+    t0 = _time.perf_counter()
+    try:
+        for _ in range(10):
+            engine.step()
+        return {"raised": None}
+    except (TurnstileError, RendezvousError) as e:
+        return {"raised": f"{type(e).__name__}: {e}", "seconds": _time.perf_counter() - t0}

@@ -43,3 +43,18 @@ def test_cancel_during_prefill_epoch_drains_then_frees(worker_groups):
             assert reason == "length", rid
             assert n == (12 if rid.startswith("a") else 4), rid
     assert all(r == res[0] for r in res)
+
+
+def test_injected_protocol_violation_raises_on_every_rank_within_timeout():
+    from colo_rollout.testing import WorkerGroup
+
+    with WorkerGroup(4) as g:  # private: the protocol is broken afterwards
+        res = g.run(f"{C}:injected_violation", timeout=120, adp=2, ep=4)
+    bad = res[3]["raised"]
+    assert bad.startswith("TurnstileError: rank 3, epoch 1, boundary")  # epoch 0 was A's P
+    assert "non-monotone boundary" in bad
+    for rank in range(3):
+        msg = res[rank]["raised"]
+        assert msg is not None and msg.startswith(f"RendezvousError: rank {rank}, epoch 1, boundary")
+        assert "did not complete within 3 s" in msg and "ranks [3] never arrived" in msg
+        assert res[rank]["seconds"] < 3.0 + 5
