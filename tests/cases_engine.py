@@ -365,3 +365,66 @@ def injected_violation(rank: int, world: int, adp: int, ep: int) -> dict:
         return {"raised": None}
     except (TurnstileError, RendezvousError) as e:
         return {"raised": f"{type(e).__name__}: {e}", "seconds": _time.perf_counter() - t0}
+
+
+def multi_turn_matches_reference(rank: int, world: int, adp: int, ep: int, mode: str = "normal",
+                                 num_kv_blocks: int = 128, sessions: int = 5,
+                                 turns: int = 3) -> dict:
+    """Trajectories of several turns: each continuation prefills only its new tokens on top of
+    the retained context (or re-prefills the context after an eviction). Every turn's output is
+    teacher-forced through the megatron reference over the whole trajectory."""
+    cfg, groups, sd, engine = _engine(world, adp, ep, max_batch_size=3, decode_buckets=[1, 2, 4],
+                                      mode=mode, num_kv_blocks=num_kv_blocks)
+    rng = random.Random(42)
+    plan = {f"s{k}": [(tuple(rng.randrange(1, 250) for _ in range(rng.randint(3, 20))),
+                        rng.randint(2, 8)) for _ in range(turns)] for k in range(sessions)}
+    turn_of = {sid: 0 for sid in plan}
+
+    def submit(sid: str) -> None:
+        prompt, n = plan[sid][turn_of[sid]]
+        engine.submit(Request(f"{sid}-t{turn_of[sid]}", prompt,
+                              SamplingParams(max_tokens=n, ignore_eos=True), session=sid))
+
+    if rank == 0:
+        for sid in plan:
+            submit(sid)
+    engine.step()
+    while engine.busy():
+        for out in engine.step():
+            sid, t = out.request_id.split("-t")
+            if int(t) + 1 < turns:
+                turn_of[sid] = int(t) + 1
+                if rank == 0:
+                    submit(sid)
+    engine.check_integrity()
+    retained = len(engine.scheduler.idle_sessions())
+    if rank == 0:
+        for sid in plan:
+            engine.close_session(sid)
+    engine.step()
+    for kv in engine.scheduler.kv:
+        kv.assert_empty()
+    res = {"evictions": engine.scheduler.evictions, "retained_before_close": retained,
+           "tokens": {sid: [engine.output(f"{sid}-t{t}").tokens for t in range(turns)]
+                      for sid in plan}}
+    if rank == 0:
+        ref = build_reference(cfg.model, sd, singleton_pg_collection(), torch.device("cpu"))
+        worst, mism, n = 0.0, [], 0
+        for sid, spec in plan.items():
+            context: list[int] = []
+            for t, (prompt, _) in enumerate(spec):
+                out = engine.output(f"{sid}-t{t}")
+                full = context + list(prompt) + out.tokens
+                lp = reference_logprobs(ref, full[:-1])
+                base = len(context) + len(prompt) - 1
+                for j, (tok, l) in enumerate(zip(out.tokens, out.logprobs)):
+                    row = lp[base + j]
+                    worst = max(worst, abs(float(row[tok]) - l))
+                    if float(row[tok]) < float(row.max()) - LOGPROB_TOL:
+                        mism.append((sid, t, j))
+                    n += 1
+                context = full
+        res.update({"max_logprob_diff": worst, "mismatches": mism, "checked": n})
+    else:
+        singleton_pg_collection()
+    return res

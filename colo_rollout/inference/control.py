@@ -24,14 +24,15 @@ class ControlError(RuntimeError):
 @dataclass
 class Message:
     rank: int
-    submits: list[dict] = field(default_factory=list)  # {"id", "prompt", "params"}
+    submits: list[dict] = field(default_factory=list)  # {"id", "prompt", "params", "session"}
     cancels: list[str] = field(default_factory=list)
+    closes: list[str] = field(default_factory=list)  # sessions to forget
     sampled: list[list] = field(default_factory=list)  # [lifetime, token, logprob]
     step: int = -1  # sender's step counter: all ranks must agree
 
     def encode(self) -> bytes:
         return json.dumps({"rank": self.rank, "submits": self.submits, "cancels": self.cancels,
-                           "sampled": self.sampled, "step": self.step},
+                           "closes": self.closes, "sampled": self.sampled, "step": self.step},
                           separators=(",", ":")).encode()
 
     @classmethod
@@ -39,7 +40,8 @@ class Message:
         try:
             d = json.loads(data.decode())
             msg = cls(rank=int(d["rank"]), submits=list(d["submits"]),
-                      cancels=[str(c) for c in d["cancels"]], sampled=list(d["sampled"]),
+                      cancels=[str(c) for c in d["cancels"]],
+                      closes=[str(c) for c in d["closes"]], sampled=list(d["sampled"]),
                       step=int(d["step"]))
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
             raise ControlError(f"malformed control message from rank {src}: {e}") from e

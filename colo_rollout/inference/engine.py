@@ -88,7 +88,8 @@ class Engine:
             raise RequestError(f"request {request.request_id!r}: duplicate request id")
         self.scheduler.validate(request)
         self._outbox.submits.append({"id": request.request_id, "prompt": list(request.prompt),
-                                     "params": request.params.to_json()})
+                                     "params": request.params.to_json(),
+                                     "session": request.session})
         self._pending_ids.add(request.request_id)
 
     def cancel(self, request_id: str) -> None:
@@ -96,6 +97,14 @@ class Engine:
             state = "already finished" if request_id in self.scheduler.by_id else "unknown"
             raise RequestError(f"cancel of request {request_id!r}: {state} request id")
         self._outbox.cancels.append(request_id)
+
+    def close_session(self, session: str) -> None:
+        """Forget a trajectory between turns (its retained KV is freed at the next step)."""
+        sess = self.scheduler.sessions.get(session)
+        if sess is None or sess.busy:
+            state = "unknown" if sess is None else "busy (a turn is in flight)"
+            raise RequestError(f"close of session {session!r}: {state}")
+        self._outbox.closes.append(session)
 
     def output(self, request_id: str) -> RequestOutput:
         return self.scheduler.by_id[request_id]
@@ -119,7 +128,8 @@ class Engine:
                                               epoch_done=self._last_epoch_done)
         for m in msgs:  # rank order: identical on every rank
             for s in m.submits:
-                req = Request(s["id"], tuple(s["prompt"]), SamplingParams.from_json(s["params"]))
+                req = Request(s["id"], tuple(s["prompt"]), SamplingParams.from_json(s["params"]),
+                              session=s.get("session"))
                 try:
                     self.scheduler.add(req, now)
                 except RequestError as e:
@@ -127,6 +137,9 @@ class Engine:
             for rid in m.cancels:
                 if rid in self.scheduler.live:
                     finished.append(self.scheduler.cancel(rid, now))
+            for sid in m.closes:
+                if sid in self.scheduler.sessions and not self.scheduler.sessions[sid].busy:
+                    self.scheduler.close_session(sid)
 
         plan = self.scheduler.plan(pd=self.pd)
         epoch_done = None

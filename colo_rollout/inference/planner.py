@@ -29,8 +29,12 @@ from colo_rollout.inference.plan import DecodeRow, Phase, PrefillItem, ReplicaWo
 @dataclass
 class WaitingView:
     request_id: str
-    prompt: tuple[int, ...]
-    budget_tokens: int  # prompt + max_tokens: what its reservation must hold
+    prompt: tuple[int, ...]  # the tokens this P must prefill
+    budget_tokens: int  # start + prompt + max_tokens: what its reservation must hold in total
+    start: int = 0  # tokens already in this sequence's KV (a retained trajectory context)
+    replica: int | None = None  # a retained context pins the continuation to its replica
+    lifetime: int | None = None  # the retained context's KV owner (kept across turns)
+    held_blocks: int = 0  # blocks that owner already holds
 
 
 @dataclass
@@ -49,6 +53,7 @@ class Admission:
     request_id: str
     replica: int
     lifetime: int
+    new: bool = True  # False: a continuation growing its retained reservation
 
 
 @dataclass(frozen=True)
@@ -74,23 +79,30 @@ def _admit(waiting: list[WaitingView], replicas: list[ReplicaView], limits: Plan
     free = [r.free_blocks for r in replicas]
     prefill: list[list[PrefillItem]] = [list(r.prefill_ready) for r in replicas]
     admissions: list[Admission] = []
+    fresh = 0
     for w in waiting:
         choice = None
-        for i in sorted(range(n), key=lambda i: (rows[i], i)):
+        candidates = [w.replica] if w.replica is not None else sorted(
+            range(n), key=lambda i: (rows[i], i))
+        for i in candidates:
             r = replicas[i]
             if (rows[i] < limits.max_batch_size
                     and p_tokens[i] + len(w.prompt) <= limits.max_prefill_tokens
-                    and r.blocks_for(w.budget_tokens) <= free[i]):
+                    and r.blocks_for(w.budget_tokens) - w.held_blocks <= free[i]):
                 choice = i
                 break
         if choice is None:
             break  # FIFO head blocks: no overtaking
-        lifetime = next_lifetime + len(admissions)
-        admissions.append(Admission(w.request_id, choice, lifetime))
-        prefill[choice].append(PrefillItem(lifetime=lifetime, tokens=w.prompt, start=0))
+        if w.lifetime is None:
+            lifetime, new = next_lifetime + fresh, True
+            fresh += 1
+        else:
+            lifetime, new = w.lifetime, False
+        admissions.append(Admission(w.request_id, choice, lifetime, new))
+        prefill[choice].append(PrefillItem(lifetime=lifetime, tokens=w.prompt, start=w.start))
         rows[choice] += 1
         p_tokens[choice] += len(w.prompt)
-        free[choice] -= replicas[choice].blocks_for(w.budget_tokens)
+        free[choice] -= replicas[choice].blocks_for(w.budget_tokens) - w.held_blocks
     return prefill, admissions
 
 

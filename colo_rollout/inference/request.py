@@ -54,9 +54,16 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class Request:
+    """``session``: requests sharing a session id form a trajectory (a multi-turn
+    conversation). A later request of the session is a continuation: ``prompt`` holds only the
+    new tokens (e.g. the environment's observation); the context -- every earlier prompt and
+    output of the session -- is kept in the KV cache between turns when capacity allows, and
+    re-prefilled from its tokens when it was evicted. Nothing is re-tokenised."""
+
     request_id: str
     prompt: tuple[int, ...]
     params: SamplingParams = field(default_factory=SamplingParams)
+    session: str | None = None
 
 
 class FinishReason(str, Enum):

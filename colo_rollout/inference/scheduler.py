@@ -49,6 +49,21 @@ class _Seq:
     lifetime: int
     length: int  # tokens in the KV cache after the last completed forward
     last_token: int | None = None  # input of the next D step
+    context_before: list[int] | None = None  # trajectory context before this turn (sessions)
+
+
+@dataclass
+class _Session:
+    """A trajectory between turns. While ``lifetime`` is set its context is cached: the KV
+    owner ``lifetime`` on ``replica`` holds the first ``cached`` tokens of ``context`` (all but
+    the last output token, which the next turn prefills)."""
+
+    context: list[int]
+    replica: int | None = None
+    lifetime: int | None = None
+    cached: int = 0
+    busy: bool = True  # a turn is waiting or running
+    last_used: int = 0  # step of the last finished turn (LRU eviction)
 
 
 @dataclass(frozen=True)
@@ -78,6 +93,9 @@ class Scheduler:
         # cancelled while it runs -- their blocks drain until the epoch's work is done.
         self.epoch: StepPlan | None = None
         self.retired: set[int] = set()
+        self.sessions: dict[str, _Session] = {}
+        self.evictions = 0  # retained trajectory contexts dropped for capacity (re-prefilled)
+        self._cancelled_sessions: dict[str, str] = {}
 
     # ------------------------------------------------------------------ intake
     def validate(self, req: Request) -> None:
@@ -97,15 +115,25 @@ class Scheduler:
             raise RequestError(
                 f"request {rid!r}: token id {bad[0]!r} outside the vocabulary [0, {self.vocab_size})")
         cfg = self.cfg
-        budget = n + req.params.max_tokens
+        sess = self.sessions.get(req.session) if req.session is not None else None
+        if sess is not None and sess.busy:
+            raise RequestError(f"request {rid!r}: session {req.session!r} already has a turn "
+                               "waiting or running")
+        ctx = len(sess.context) if sess is not None else 0
+        budget = ctx + n + req.params.max_tokens
         if budget > cfg.max_seq_len:
             raise RequestError(
+                f"request {rid!r}: context ({ctx}) + prompt ({n}) + max_tokens "
+                f"({req.params.max_tokens}) = {budget} exceeds engine.max_seq_len "
+                f"{cfg.max_seq_len}" if ctx else
                 f"request {rid!r}: prompt ({n}) + max_tokens ({req.params.max_tokens}) = {budget} "
                 f"exceeds engine.max_seq_len {cfg.max_seq_len}")
-        if n > cfg.max_prefill_tokens:
+        # the largest P this request may need: a re-prefill of the whole context after eviction
+        if ctx + n > cfg.max_prefill_tokens:
             raise RequestError(
-                f"request {rid!r}: prompt of {n} tokens exceeds engine.max_prefill_tokens "
-                f"{cfg.max_prefill_tokens}")
+                f"request {rid!r}: prompt of {ctx + n} tokens"
+                + (f" (with its session's context of {ctx})" if ctx else "")
+                + f" exceeds engine.max_prefill_tokens {cfg.max_prefill_tokens}")
         if self.kv[0].blocks_needed(budget) > cfg.num_kv_blocks:
             raise RequestError(
                 f"request {rid!r}: needs {self.kv[0].blocks_needed(budget)} KV blocks, a replica "
@@ -117,6 +145,8 @@ class Scheduler:
         self.by_id[req.request_id] = RequestOutput(req.request_id, len(req.prompt),
                                                    submit_time=now)
         self.live[req.request_id] = None
+        if req.session is not None:
+            self.sessions.setdefault(req.session, _Session(context=[])).busy = True
 
     def cancel(self, request_id: str, now: float = 0.0) -> RequestOutput:
         """Cancel a waiting or running request at a step boundary; its KV is freed at once
@@ -130,6 +160,8 @@ class Scheduler:
             self.waiting = deque(r for r in self.waiting if r.request_id != request_id)
         else:
             seq = self.seqs.pop(lifetime)
+            if seq.request.session is not None:
+                self._cancelled_sessions[request_id] = seq.request.session
             if self._in_epoch(lifetime):
                 # P work writing these blocks may still be running: they are retired and only
                 # reused once the epoch is done (release in commit)
@@ -139,11 +171,40 @@ class Scheduler:
                 self.kv[seq.replica].free(lifetime)
         out.finish_reason = FinishReason.CANCELLED
         out.finish_time = now
+        req_session = self._session_of(request_id)
+        if req_session is not None:  # a cancelled turn ends its trajectory
+            self._drop_session(req_session)
         return out
+
+    def _session_of(self, request_id: str) -> str | None:
+        for req in self.waiting:
+            if req.request_id == request_id:
+                return req.session
+        return self._cancelled_sessions.pop(request_id, None)
+
+    def close_session(self, session: str) -> None:
+        """Forget a finished trajectory and free its retained context."""
+        sess = self.sessions.get(session)
+        if sess is None:
+            raise RequestError(f"close of unknown session {session!r}")
+        if sess.busy:
+            raise RequestError(f"close of session {session!r} while a turn is in flight")
+        self._drop_session(session)
+
+    def _drop_session(self, session: str) -> None:
+        sess = self.sessions.pop(session)
+        # a retained (idle) context still owns its blocks; a cancelled turn's blocks were
+        # already freed or retired by cancel()
+        if sess.lifetime is not None and sess.lifetime not in self.seqs \
+                and sess.lifetime in self.kv[sess.replica].owners():
+            self.kv[sess.replica].free(sess.lifetime)
 
     # ------------------------------------------------------------------ planning
     def has_work(self) -> bool:
         return bool(self.waiting or self.seqs)
+
+    def idle_sessions(self) -> list[str]:
+        return sorted(sid for sid, s in self.sessions.items() if not s.busy)
 
     def _in_epoch(self, lifetime: int) -> bool:
         return self.epoch is not None and any(
@@ -158,8 +219,13 @@ class Scheduler:
                        for s in self.seqs.values() if s.replica == i and s.last_token is not None]
             views.append(ReplicaView(running=running, free_blocks=kv.num_free_blocks(),
                                      block_size=kv.block_size))
-        waiting = [WaitingView(r.request_id, r.prompt, len(r.prompt) + r.params.max_tokens)
-                   for r in self.waiting]
+        # retained trajectory contexts are evicted only when the FIFO head lacks KV blocks
+        for _ in range(len(self.sessions) + 1):
+            waiting = [self._waiting_view(r) for r in self.waiting]
+            if not waiting or not self._blocked_by_kv(waiting[0], views):
+                break
+            if not self._evict_lru(views, keep=self.waiting[0].session):
+                break
         if pd:
             plan, admissions = plan_round(self.step_no, waiting, views, self.limits,
                                           self.next_lifetime, admit=self.epoch is None)
@@ -173,15 +239,62 @@ class Scheduler:
         self.step_no += 1
         return plan
 
+    def _waiting_view(self, req: Request) -> WaitingView:
+        sess = self.sessions.get(req.session) if req.session is not None else None
+        budget = len(req.prompt) + req.params.max_tokens
+        if sess is None or not sess.context:
+            return WaitingView(req.request_id, req.prompt, budget)
+        if sess.lifetime is None:  # evicted: re-prefill the whole context from its tokens
+            return WaitingView(req.request_id, tuple(sess.context) + req.prompt,
+                               len(sess.context) + budget)
+        # retained: prefill the last output token and the new tokens on top of the cache
+        tokens = tuple(sess.context[sess.cached:]) + req.prompt
+        return WaitingView(req.request_id, tokens, len(sess.context) + budget,
+                           start=sess.cached, replica=sess.replica, lifetime=sess.lifetime,
+                           held_blocks=len(self.kv[sess.replica].block_table(sess.lifetime)))
+
+    def _blocked_by_kv(self, w: WaitingView, views: list[ReplicaView]) -> bool:
+        cands = [w.replica] if w.replica is not None else range(len(views))
+        return all(views[i].blocks_for(w.budget_tokens) - w.held_blocks > views[i].free_blocks
+                   for i in cands)
+
+    def _evict_lru(self, views: list[ReplicaView], keep: str | None) -> bool:
+        """Drop the least recently used idle retained context (other than ``keep``'s if any
+        other exists); returns False when there is none."""
+        idle = sorted((s.last_used, sid) for sid, s in self.sessions.items()
+                      if not s.busy or (sid == keep and s.lifetime is not None)
+                      if s.lifetime is not None)
+        others = [x for x in idle if x[1] != keep]
+        pick = (others or idle)
+        if not pick:
+            return False
+        sess = self.sessions[pick[0][1]]
+        self.kv[sess.replica].free(sess.lifetime)
+        views[sess.replica].free_blocks = self.kv[sess.replica].num_free_blocks()
+        sess.lifetime = sess.replica = None
+        sess.cached = 0
+        self.evictions += 1
+        return True
+
     def _admit(self, adm: Admission) -> None:
         req = self.waiting.popleft()
         assert req.request_id == adm.request_id, "planner admits in FIFO order"
-        budget = len(req.prompt) + req.params.max_tokens
-        self.kv[adm.replica].reserve(adm.lifetime, budget)
-        self.seqs[adm.lifetime] = _Seq(req, adm.replica, adm.lifetime, length=0)
+        sess = self.sessions.get(req.session) if req.session is not None else None
+        context = list(sess.context) if sess is not None else []
+        total = len(context) + len(req.prompt) + req.params.max_tokens
+        if adm.new:
+            self.kv[adm.replica].reserve(adm.lifetime, total)
+            start = 0
+            self.next_lifetime = adm.lifetime + 1
+        else:  # a retained context grows by this turn's prompt and output budget
+            self.kv[adm.replica].grow(adm.lifetime, total)
+            start = sess.cached
+        self.seqs[adm.lifetime] = _Seq(req, adm.replica, adm.lifetime, length=start,
+                                       context_before=context if sess is not None else None)
+        if sess is not None:
+            sess.lifetime, sess.replica = adm.lifetime, adm.replica
         self.live[req.request_id] = adm.lifetime
         self.by_id[req.request_id].replica = adm.replica
-        self.next_lifetime = adm.lifetime + 1
 
     def block_table(self, replica: int, lifetime: int) -> list[int]:
         return self.kv[replica].block_table(lifetime)
@@ -243,7 +356,14 @@ class Scheduler:
         return None
 
     def _finish(self, seq: _Seq, out: RequestOutput, reason: FinishReason, now: float) -> None:
-        self.kv[seq.replica].free(seq.lifetime)
+        sess = self.sessions.get(seq.request.session) if seq.request.session else None
+        if sess is not None:  # keep the context cached for the next turn (until evicted)
+            sess.context = seq.context_before + list(seq.request.prompt) + out.tokens
+            sess.cached = seq.length  # every token but the last output is in the cache
+            sess.busy = False
+            sess.last_used = self.step_no
+        else:
+            self.kv[seq.replica].free(seq.lifetime)
         del self.seqs[seq.lifetime]
         del self.live[seq.request.request_id]
         out.finish_reason = reason
@@ -253,8 +373,10 @@ class Scheduler:
         for kv in self.kv:
             kv.check_integrity()
         owners = {lt for kv in self.kv for lt in kv.owners()}
-        if owners != set(self.seqs):
-            raise AssertionError(f"KV owners {sorted(owners)} != admitted {sorted(self.seqs)}")
+        retained = {s.lifetime for s in self.sessions.values() if s.lifetime is not None}
+        if owners != set(self.seqs) | retained:
+            raise AssertionError(f"KV owners {sorted(owners)} != admitted {sorted(self.seqs)} "
+                                 f"+ retained contexts {sorted(retained)}")
         draining = {lt for kv in self.kv for lt in kv.draining()}
         if draining != self.retired:
             raise AssertionError(f"KV draining {sorted(draining)} != retired {sorted(self.retired)}")

@@ -1,0 +1,25 @@
+"""Trajectories: continuation prefill on a retained KV context, eviction and re-prefill, checked
+against megatron full recompute over the whole trajectory; Normal and Fine modes."""
+
+from __future__ import annotations
+
+import pytest
+
+C = "tests.cases_engine"
+
+
+@pytest.mark.parametrize("mode,blocks", [("normal", 128), ("normal", 24), ("fine", 128),
+                                         ("fine", 24)])
+def test_multi_turn_matches_reference(worker_groups, mode, blocks):
+    from tests.cases_engine import LOGPROB_TOL
+
+    res = worker_groups(4).run(f"{C}:multi_turn_matches_reference", adp=2, ep=4, mode=mode,
+                               num_kv_blocks=blocks)
+    r0 = res[0]
+    assert r0["checked"] > 50
+    assert r0["mismatches"] == [] and r0["max_logprob_diff"] < LOGPROB_TOL
+    if blocks == 128:
+        assert r0["evictions"] == 0 and r0["retained_before_close"] == 5
+    else:  # 24 blocks of 4 tokens per replica: contexts must be evicted and re-prefilled
+        assert r0["evictions"] > 0
+    assert all(r["tokens"] == r0["tokens"] for r in res)
