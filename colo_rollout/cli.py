@@ -1,4 +1,5 @@
-"""`colo-rollout` command line: demo, stress-turnstile, bench-rendezvous, bench-decode-overhead.
+"""`colo-rollout` command line: demo, bench, stress-turnstile, bench-rendezvous,
+bench-decode-overhead.
 
 Launch modes: under torchrun (WORLD_SIZE set) every process runs the job itself; otherwise the
 CLI spawns ``parallel.world_size`` CPU processes joined with gloo.
@@ -73,7 +74,29 @@ def main(argv: list[str] | None = None) -> int:
     bd.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     bd.add_argument("--reps", type=int, default=3)
     bd.add_argument("--mode", default="fine", help="PD mode to compare with normal")
+    bn = sub.add_parser("bench", help="replay a multi-turn trace under every mode of the "
+                        "ordering ladder; table, JSON and plots")
+    bn.add_argument("config", help="YAML config with a bench: section, e.g. configs/bench_cpu.yaml")
+    bn.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = ap.parse_args(argv)
+    if args.cmd == "bench":
+        from colo_rollout.bench import report
+        from colo_rollout.config import load_config
+
+        overrides = _overrides(args.set)
+        cfg = load_config(args.config, overrides)
+        results = _launch("colo_rollout.bench:run_bench", args.config, overrides)
+        if "WORLD_SIZE" in os.environ:  # torchrun: every rank returned its own; rank 0 reports
+            import torch.distributed as dist
+
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, results[0])  # our own ranks, same job
+            results = gathered
+            if dist.get_rank() != 0:
+                return 0
+        report(results, cfg, cfg.bench.out_dir)
+        print(f"JSON and plots in {cfg.bench.out_dir}/")
+        return 0
     if args.cmd == "bench-decode-overhead":
         res = _launch("colo_rollout.bench_decode:decode_overhead", args.config,
                       _overrides(args.set), reps=args.reps, modes=("normal", args.mode))[0]

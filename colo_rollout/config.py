@@ -25,6 +25,7 @@ import yaml
 __all__ = [
     "BACKENDS",
     "ENGINE_MODES",
+    "BenchConfig",
     "SEGMENT_POLICIES",
     "FP8_FORMATS",
     "NORMALIZATIONS",
@@ -476,6 +477,54 @@ class WorkloadConfig:
         _require(0 < self.top_p <= 1, "workload.top_p", f"must be in (0, 1], got {self.top_p}")
 
 
+BENCH_TRACES = ("synthetic", "mooncake")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchConfig:
+    """`colo-rollout bench`: which trace, how it is shrunk to the model, which modes, how often."""
+
+    SECTION: ClassVar[str] = "bench"
+
+    # "synthetic" (the paper's statistics, seeded) or "mooncake" (../shared/traces), or a path
+    # to a trace JSONL file.
+    trace: str = "synthetic"
+    # Conversations taken from the trace (the first N by arrival).
+    conversations: int = 16
+    # Turns kept per conversation (later turns dropped).
+    max_turns: int = 4
+    # Multiply prompt/output lengths (shrinks the paper-sized trace for small CPU models).
+    length_scale: float = 0.05
+    # Client-wait multipliers; one replay per value (0 = the no-wait trace).
+    wait_scales: list[float] = field(default_factory=lambda: [0.0])
+    # Engine modes to compare; "fine" runs once per span in spans and once with the selector.
+    modes: list[str] = field(default_factory=lambda: ["normal", "global_complete",
+                                                       "global_enqueue", "fine"])
+    # Fixed segment spans for "fine"; the load-selected policy also runs when "fine" is listed.
+    spans: list[int] = field(default_factory=lambda: [1, 2, 3, 4])
+    # Repetitions per cell (medians and IQRs reported).
+    reps: int = 3
+    # Trace generator seed.
+    seed: int = 0
+    # Where JSON and plots go.
+    out_dir: str = "runs/bench"
+
+    def __post_init__(self) -> None:
+        _check_field_types(self)
+        _require_min(self, ("conversations", "max_turns", "reps"), 1)
+        _require_min(self, ("seed",), 0)
+        _require(self.length_scale > 0, "bench.length_scale",
+                 f"must be > 0, got {self.length_scale}")
+        _require(bool(self.wait_scales) and all(w >= 0 for w in self.wait_scales),
+                 "bench.wait_scales", f"must be a non-empty list of values >= 0, got "
+                 f"{self.wait_scales}")
+        bad = [m for m in self.modes if m not in ENGINE_MODES]
+        _require(bool(self.modes) and not bad, "bench.modes",
+                 f"unknown mode(s) {bad}; choose from {list(ENGINE_MODES)}")
+        _require(bool(self.spans) and all(k >= 1 for k in self.spans), "bench.spans",
+                 f"must be spans >= 1, got {self.spans}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Config:
     """A whole rollout job; checks the constraints that span sections.
@@ -493,6 +542,8 @@ class Config:
     engine: EngineConfig = field(default_factory=EngineConfig)
     # Synthetic workload.
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    # Trace-replay benchmark.
+    bench: BenchConfig = field(default_factory=BenchConfig)
 
     def __post_init__(self) -> None:
         _check_field_types(self)

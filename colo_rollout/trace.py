@@ -159,9 +159,11 @@ class Turn:
         if not _is_int(self.turn) or self.turn < 0:
             raise ValueError(f"{where}: turn must be an int >= 0")
         if not _is_int(self.prompt_tokens) or self.prompt_tokens < 1:
-            raise ValueError(f"{where}: prompt_tokens must be an int >= 1, got {self.prompt_tokens!r}")
+            raise ValueError(f"{where}: prompt_tokens must be an int >= 1, "
+                             f"got {self.prompt_tokens!r}")
         if not _is_int(self.output_tokens) or self.output_tokens < 1:
-            raise ValueError(f"{where}: output_tokens must be an int >= 1, got {self.output_tokens!r}")
+            raise ValueError(f"{where}: output_tokens must be an int >= 1, "
+                             f"got {self.output_tokens!r}")
         if not _is_real(self.wait_s) or not math.isfinite(self.wait_s) or self.wait_s < 0:
             raise ValueError(f"{where}: wait_s must be a finite number >= 0, got {self.wait_s!r}")
         object.__setattr__(self, "wait_s", float(self.wait_s))
@@ -170,7 +172,8 @@ class Turn:
         if self.prompt is not None:
             ids = tuple(self.prompt)
             if len(ids) != self.prompt_tokens:
-                raise ValueError(f"{where}: len(prompt)={len(ids)} != prompt_tokens={self.prompt_tokens}")
+                raise ValueError(
+                    f"{where}: len(prompt)={len(ids)} != prompt_tokens={self.prompt_tokens}")
             if not all(_is_int(t) and t >= 0 for t in ids):
                 raise ValueError(f"{where}: prompt ids must be ints >= 0")
             object.__setattr__(self, "prompt", ids)
@@ -266,8 +269,10 @@ def _percentiles(values: list[float] | np.ndarray) -> dict[str, float]:
 class Trace:
     """A replayable workload: conversations in release order.
 
-    Invariants: conversation ids are unique; the tuple order is the order conversations are
-    released when arrival times tie. ``source`` says where the trace came from (file path,
+    Invariants: conversation ids are unique; conversations are in release order, i.e.
+    ``arrival_s`` is non-decreasing along the tuple, and among equal arrival times the tuple order
+    is the release order (this is what makes ``load_trace(dump_trace(t)) == t`` hold: the loader
+    orders by (arrival_s, first line)). ``source`` says where the trace came from (file path,
     generator seed); it is provenance only and does not take part in equality.
     """
 
@@ -283,6 +288,13 @@ class Trace:
             if c.conv in seen:
                 raise ValueError(f"Trace: duplicate conversation id {c.conv!r}")
             seen.add(c.conv)
+        for prev, c in zip(self.conversations, self.conversations[1:]):
+            if c.arrival_s < prev.arrival_s:
+                raise ValueError(
+                    f"Trace: conversations must be in release order; {c.conv!r} "
+                    f"(arrival {c.arrival_s!r}) comes after {prev.conv!r} "
+                    f"(arrival {prev.arrival_s!r})"
+                )
 
     @property
     def num_requests(self) -> int:
@@ -553,7 +565,7 @@ def load_trace(path: str | os.PathLike[str]) -> Trace:
             )
         turns[rec.turn] = rec
     if not convs:
-        raise TraceError(name, max(1, len(raw_lines)), "file", "no trace records (empty trace)")
+        raise TraceError(name, 1, "file", "no trace records (empty trace)")
 
     built: list[tuple[float, int, Conversation]] = []
     for conv, by_turn in convs.items():
@@ -603,7 +615,8 @@ def _turn_record(c: Conversation, t: Turn) -> dict[str, Any]:
 def dump_trace(trace: Trace, path: str | os.PathLike[str]) -> None:
     """Write ``trace`` as JSONL: conversations in trace order, turns in order, ``arrival_s`` on
     turn 0 only. Floats are written with repr precision, so ``load_trace`` gives back an equal
-    trace (the conversation order is kept because it is sorted by (arrival_s, first line))."""
+    trace (the conversation order survives: a Trace is in (arrival_s, tuple position) order, and
+    the loader sorts by (arrival_s, first line))."""
     with open(path, "w", encoding="utf-8") as f:
         for c in trace.conversations:
             for t in c.turns:
@@ -678,7 +691,8 @@ class GeneratorParams:
         if not 0.0 <= self.conversation_correlation < 1.0:
             raise ValueError("GeneratorParams: conversation_correlation must be in [0, 1)")
         if self.first_prompt_median <= 0 or self.first_prompt_sigma < 0:
-            raise ValueError("GeneratorParams: need first_prompt_median > 0, first_prompt_sigma >= 0")
+            raise ValueError(
+                "GeneratorParams: need first_prompt_median > 0 and first_prompt_sigma >= 0")
         for lo, hi in ((self.increment_median, self.increment_p99),
                        (self.output_median, self.output_p99), (self.wait_median, self.wait_p99)):
             if not 0 < lo < hi:
@@ -688,8 +702,8 @@ class GeneratorParams:
 def _stratified_normal(
     rng: np.random.Generator, n: int, z_lo: float = -math.inf, z_hi: float = math.inf
 ) -> np.ndarray:
-    """``n`` standard-normal draws, one from each of ``n`` equal-probability strata, in random order,
-    truncated to [z_lo, z_hi] (the strata split that range's probability mass).
+    """``n`` standard-normal draws, one from each of ``n`` equal-probability strata, in random
+    order, truncated to [z_lo, z_hi] (the strata split that range's probability mass).
 
     Stratification (Latin hypercube in one dimension) keeps the sample's quantiles close to the
     distribution's for every seed, so a 1,265-request trace hits a p99 within a few percent instead
@@ -732,6 +746,8 @@ def _mixture_fit(median: float, p99: float, n_first: int, n_cont: int) -> tuple[
     q_b = 1 - 0.01 n / n_cont (n = n_first + n_cont); a lognormal through those two points has
     sigma = ln(p99/median) / (z(q_b) - z(q_a)).  With n_first = 0 this is the plain fit.
     """
+    if n_cont == 0:
+        return lognormal_from_quantiles(median, p99)  # unused: nothing is drawn
     n = n_first + n_cont
     q_a = 0.5 * n / n_cont
     q_b = 1.0 - 0.01 * n / n_cont
@@ -756,7 +772,8 @@ def generate_trace(
       ``conversations`` and capped at ``conversations * max_turns``) is hit exactly: every
       conversation starts with ``max_turns`` turns and ``conversations * max_turns - requests``
       turns are removed from randomly chosen conversations, never the last one of any. For the
-      paper's sizes 113 conversations have 10 turns and 15 lose one.
+      paper's sizes 15 turns are removed, so almost every conversation has 10 turns (seed 0:
+      114 with 10, 13 with 9, 1 with 8).
     * Lengths and waits: see :class:`GeneratorParams`; every distribution is sampled with
       stratified draws (:func:`_stratified_normal`) so its percentiles sit close to the fit.
     * All conversations arrive at 0.0 (a rollout batch is released at once); continuations wait.
@@ -765,7 +782,8 @@ def generate_trace(
     """
     p = params if params is not None else GeneratorParams()
     if not _is_int(conversations) or conversations < 1:
-        raise ValueError(f"generate_trace: conversations must be an int >= 1, got {conversations!r}")
+        raise ValueError(
+            f"generate_trace: conversations must be an int >= 1, got {conversations!r}")
     if not _is_int(max_turns) or max_turns < 1:
         raise ValueError(f"generate_trace: max_turns must be an int >= 1, got {max_turns!r}")
     capacity = conversations * max_turns
@@ -915,7 +933,8 @@ def _parse_mooncake(path: str) -> list[_MooncakeRecord]:
             if not _is_int(inp) or inp < 1:
                 raise TraceError(path, lineno, "input_length", f"expected an int >= 1, got {inp!r}")
             if not _is_int(out) or out < 1:
-                raise TraceError(path, lineno, "output_length", f"expected an int >= 1, got {out!r}")
+                raise TraceError(path, lineno, "output_length",
+                                 f"expected an int >= 1, got {out!r}")
             if not isinstance(ids, list) or not all(_is_int(h) for h in ids):
                 raise TraceError(path, lineno, "hash_ids", "expected a list of int")
             records.append(_MooncakeRecord(lineno, float(ts), inp, out, tuple(ids)))

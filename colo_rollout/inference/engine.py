@@ -42,6 +42,18 @@ class StepStats:
     rows: int  # P tokens or D rows of the whole world this step
     seconds: float
     p_in_flight: bool = False  # PD mode: a P epoch was in flight during this round
+    d_rows: int = 0  # D rows of the D iteration run in this step (0: none ran)
+    d_wait_s: float = 0.0  # P time that held this D iteration back while its rows were ready
+
+
+@dataclass(frozen=True)
+class Span:
+    """One interval of host-side work on this rank (timeline plots): kind "P" or "D"."""
+
+    kind: str
+    start: float
+    end: float
+    epoch: int = -1
 
 
 class Engine:
@@ -79,6 +91,8 @@ class Engine:
         self._last_sampled: list[Sampled] = []
         self.rejected: list[RequestOutput] = []  # every refusal seen on this rank, in order
         self.history: list[StepStats] = []
+        self.timeline: list[Span] = []  # P segments and D iterations, perf_counter seconds
+        self._d_wait = 0.0  # P time accumulated while D rows were ready, since the last D
 
     # ------------------------------------------------------------------ non-collective API
     def submit(self, request: Request) -> None:
@@ -141,19 +155,37 @@ class Engine:
                 if sid in self.scheduler.sessions and not self.scheduler.sessions[sid].busy:
                     self.scheduler.close_session(sid)
 
+        d_ready = sum(1 for q in self.scheduler.seqs.values() if q.last_token is not None)
         plan = self.scheduler.plan(pd=self.pd)
         epoch_done = None
+        self._d_rows_run = 0
+        self._d_wait_run = 0.0
         if self.pd:
             self._last_sampled, epoch_done = self._round(plan)
         else:
+            t = time.perf_counter()
             self._last_sampled = self.runner.run(plan, self.scheduler)
+            te = time.perf_counter()
+            if plan.phase is Phase.PREFILL:
+                self.timeline.append(Span("P", t, te))
+                if d_ready:  # Normal: a whole P step holds every ready D row back
+                    self._d_wait += te - t
+            elif plan.phase is Phase.DECODE:
+                self.timeline.append(Span("D", t, te))
+                self._note_d(plan)
         self._last_plan = plan if plan.phase is not Phase.IDLE else None
         self._last_epoch_done = epoch_done
         rows = sum(w.prefill_tokens if plan.phase is Phase.PREFILL else len(w.decode)
                    for w in plan.replicas)
         self.history.append(StepStats(plan.step, plan.phase, rows, time.perf_counter() - t0,
-                                      p_in_flight=self.runner.epoch_active or epoch_done is not None))
+                                      p_in_flight=self.runner.epoch_active or epoch_done is not None,
+                                      d_rows=self._d_rows_run, d_wait_s=self._d_wait_run))
         return finished
+
+    def _note_d(self, plan: StepPlan) -> None:
+        """A D iteration ran: it waited for the P time accumulated since the previous one."""
+        self._d_rows_run = sum(len(w.decode) for w in plan.replicas)
+        self._d_wait_run, self._d_wait = self._d_wait, 0.0
 
     def _round(self, plan: StepPlan) -> tuple[list[Sampled], StepPlan | None]:
         """One turnstile round (PD modes): P advances to its permitted endpoint, then
@@ -166,29 +198,48 @@ class Engine:
         if not plan.has_prefill and not runner.epoch_active:
             # no P anywhere: only D collectives exist, so there is nothing to order -- the P/D
             # machinery (rendezvous, controller) is off and D runs exactly as in Normal mode
-            return (runner.run_decode(plan, sched) if plan.has_decode else []), None
+            if not plan.has_decode:
+                return [], None
+            t = time.perf_counter()
+            out = runner.run_decode(plan, sched)
+            self.timeline.append(Span("D", t, time.perf_counter()))
+            self._note_d(plan)
+            return out, None
         if plan.has_prefill:
             self._epoch_id += 1
             runner.start_epoch(plan, sched)
             ctl.begin(self._epoch_id, d_enqueued=False, span=self._span(plan))
         sampled: list[Sampled] = []
         epoch_plan = sched.epoch
-        done = runner.advance(ctl, sched) if runner.epoch_active else None
+        done = self._advance_p() if runner.epoch_active else None
         if plan.has_decode:
             self.rendezvous.pre_d(ctl.epoch, ctl.reached)
+            t = time.perf_counter()
             sampled += runner.run_decode(plan, sched)
+            self.timeline.append(Span("D", t, time.perf_counter(), ctl.epoch))
+            self._note_d(plan)
             self.rendezvous.post_d(ctl.epoch, ctl.reached)
             ctl.post_d()
         else:
             while runner.epoch_active:  # no D to protect: finish the epoch now
                 ctl.post_d()
-                done = runner.advance(ctl, sched)
+                done = self._advance_p()
         if done is not None or (epoch_plan is not None and not runner.epoch_active):
             if self.mode == "global_complete" and self.groups.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()  # whole-P completion fence
             sampled += done or []
             return sampled, epoch_plan
         return sampled, None
+
+    def _advance_p(self):
+        t = time.perf_counter()
+        d_ready = any(q.last_token is not None for q in self.scheduler.seqs.values())
+        done = self.runner.advance(self.turnstile, self.scheduler)
+        te = time.perf_counter()
+        self.timeline.append(Span("P", t, te, self.turnstile.epoch))
+        if d_ready:
+            self._d_wait += te - t
+        return done
 
     def _span(self, plan: StepPlan) -> int:
         if self.mode in ("global_complete", "global_enqueue"):

@@ -1,0 +1,183 @@
+"""`colo-rollout bench CONFIG`: the ordering ladder on one trace, with repetitions.
+
+Owns the benchmark matrix (wait scale x mode variant x repetition), its aggregation (medians and
+IQRs), the table, the JSON and the plots (CCDFs of request and trajectory completion; a per-rank
+timeline of P segments and D iterations). Per-rank work is ``run_bench`` (spawned CPU ranks or
+torchrun); ``report`` runs in the launching process.
+
+Mode variants: normal, global_complete, global_enqueue, fine-K for every K in bench.spans, and
+fine-sel (the load-selected span). All variants replay the same trace with the same fixed
+output lengths, so they do identical work; a fresh engine serves every run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+
+from colo_rollout.config import Config, load_config
+from colo_rollout.inference.engine import Engine
+from colo_rollout.inference.model import random_state_dict
+from colo_rollout.inference.parallel import init_parallel
+from colo_rollout.replay import replay
+from colo_rollout.trace import Conversation, Trace, generate_trace, load_mooncake, load_trace
+
+METRICS = ("makespan_s", "requests_per_s", "request_p50_s", "request_p99_s",
+           "trajectory_p50_s", "trajectory_p99_s", "ttft_p99_s", "mean_d_wait_ms", "evictions")
+
+
+def bench_trace(cfg: Config) -> Trace:
+    b = cfg.bench
+    if b.trace == "synthetic":
+        trace = generate_trace(b.seed)
+    elif b.trace == "mooncake":
+        here = os.path.dirname(os.path.abspath(__file__))
+        trace = load_mooncake(os.path.join(here, "..", "..", "shared", "traces",
+                                           "mooncake_conversation_trace.jsonl"))
+    else:
+        trace = load_trace(b.trace)
+    convs = tuple(Conversation(c.conv, c.arrival_s, c.turns[: b.max_turns])
+                  for c in trace.conversations[: b.conversations])
+    trace = Trace(convs, source=trace.source).scaled_lengths(b.length_scale)
+    # every turn must fit the engine: context + prompt + output <= max_seq_len, and a
+    # re-prefill of the whole context <= max_prefill_tokens
+    cap = min(cfg.engine.max_seq_len, cfg.engine.max_prefill_tokens)
+    return trace.truncated(cap)
+
+
+def variants(cfg: Config) -> list[tuple[str, dict]]:
+    out = []
+    for m in cfg.bench.modes:
+        if m == "fine":
+            out += [(f"fine-{k}", {"mode": "fine", "segment_policy": "fixed", "segment_span": k})
+                    for k in cfg.bench.spans]
+            out.append(("fine-sel", {"mode": "fine", "segment_policy": "load"}))
+        else:
+            out.append((m, {"mode": m}))
+    return out
+
+
+def run_bench(rank: int, world: int, config_path: str, overrides: dict | None = None,
+              progress: bool = True) -> dict:
+    cfg = load_config(config_path, overrides)
+    groups = init_parallel(cfg.parallel)
+    trace = bench_trace(cfg)
+    sd = random_state_dict(cfg.model)
+    runs, timelines = [], {}
+    cells = [(w, name, kw, rep) for w in cfg.bench.wait_scales for name, kw in variants(cfg)
+             for rep in range(cfg.bench.reps)]
+    bar = None
+    if rank == 0 and progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(cells), unit="run", desc="bench", dynamic_ncols=True)
+    for w, name, kw, rep in cells:
+        ecfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, **kw))
+        engine = Engine(ecfg, groups, sd)
+        metrics, raw = replay(engine, trace, wait_scale=w)
+        row = {"wait_scale": w, "variant": name, "rep": rep, **metrics.to_json()}
+        if rank == 0:
+            outs = engine.scheduler.by_id
+            row["request_completion_s"] = [o.finish_time - o.submit_time
+                                           for rid, o in outs.items() if rid in raw["done"]]
+        runs.append(row)
+        if rep == 0 and w == cfg.bench.wait_scales[0]:
+            t0 = min((s.start for s in engine.timeline), default=0.0)
+            timelines[name] = [(s.kind, s.start - t0, s.end - t0) for s in engine.timeline]
+        if bar is not None:
+            bar.set_postfix_str(f"{name} x{w:g} #{rep}: {metrics.makespan_s:.2f}s")
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    stats = trace.stats()
+    return {"runs": runs if rank == 0 else [], "timelines": timelines, "rank": rank,
+            "layout": groups.layout.name, "trace": {"source": trace.source,
+                                                    "requests": trace.num_requests,
+                                                    "conversations": stats.conversations}}
+
+
+def _median_iqr(values: list[float]) -> tuple[float, float]:
+    if len(values) < 2:
+        return values[0], 0.0
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return statistics.median(values), q[2] - q[0]
+
+
+def report(results: list[dict], cfg: Config, out_dir: str) -> dict:
+    """Table on stdout, JSON and plots in ``out_dir``; returns the aggregate."""
+    os.makedirs(out_dir, exist_ok=True)
+    runs = results[0]["runs"]
+    agg: dict = {}
+    for r in runs:
+        cell = agg.setdefault(f"{r['wait_scale']:g}", {}).setdefault(r["variant"], {})
+        for m in METRICS:
+            cell.setdefault(m, []).append(r[m])
+    summary = {w: {v: {m: dict(zip(("median", "iqr"), _median_iqr(vals)))
+                       for m, vals in cell.items()} for v, cell in cells.items()}
+               for w, cells in agg.items()}
+    t = results[0]["trace"]
+    print(f"\nbench: {t['requests']} requests / {t['conversations']} conversations "
+          f"({t['source']}), layout {results[0]['layout']}, {cfg.bench.reps} reps; "
+          "median (IQR)")
+    head = (f"{'wait':>5s} {'variant':>16s} {'makespan s':>15s} {'req/s':>8s} "
+            f"{'req p99 s':>10s} {'traj p99 s':>11s} {'TTFT p99 s':>11s} {'D wait ms':>10s} "
+            f"{'evict':>5s}  vs normal")
+    print(head)
+    for w, cells in summary.items():
+        base = cells.get("normal", {}).get("makespan_s", {}).get("median")
+        for v, c in cells.items():
+            ms = c["makespan_s"]
+            rel = f"{100 * (ms['median'] / base - 1):+6.1f}%" if base else ""
+            print(f"{w:>5s} {v:>16s} {ms['median']:8.2f} ({ms['iqr']:4.2f}) "
+                  f"{c['requests_per_s']['median']:8.2f} {c['request_p99_s']['median']:10.2f} "
+                  f"{c['trajectory_p99_s']['median']:11.2f} {c['ttft_p99_s']['median']:11.2f} "
+                  f"{c['mean_d_wait_ms']['median']:10.2f} {c['evictions']['median']:5.0f}  {rel}")
+    with open(os.path.join(out_dir, "bench.json"), "w") as f:
+        json.dump({"summary": summary, "runs": runs, "trace": t,
+                   "layout": results[0]["layout"]}, f, indent=1)
+    _plots(results, runs, cfg, out_dir)
+    return summary
+
+
+def _plots(results: list[dict], runs: list[dict], cfg: Config, out_dir: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    w0 = cfg.bench.wait_scales[0]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in runs:
+        if r["rep"] == 0 and r["wait_scale"] == w0:
+            x = np.sort(r["request_completion_s"])
+            ax.step(x, 1 - np.arange(len(x)) / len(x), where="post", label=r["variant"])
+    ax.set_xlabel("request completion (s)")
+    ax.set_ylabel("CCDF")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    ax.set_title(f"request completion, wait x{w0:g}")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "ccdf_request.png"), dpi=120)
+    plt.close(fig)
+
+    names = [n for n in ("normal", "fine-2", "fine-1") if n in results[0]["timelines"]][:2]
+    if not names:
+        return
+    fig, axes = plt.subplots(len(names), 1, figsize=(10, 1.2 + 0.6 * len(results) * len(names)),
+                             squeeze=False)
+    for ax, name in zip(axes[:, 0], names):
+        for res in results:
+            y = res["rank"]
+            for kind, a, b in res["timelines"].get(name, []):
+                ax.barh(y, b - a, left=a, height=0.35 if kind == "P" else 0.7,
+                        color="tab:orange" if kind == "P" else "tab:blue")
+        ax.set_yticks([r["rank"] for r in results])
+        ax.set_ylabel("rank")
+        ax.set_title(f"{name}: P segments (orange) and D iterations (blue)")
+    axes[-1, 0].set_xlabel("seconds since first work")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "timeline.png"), dpi=120)
+    plt.close(fig)
