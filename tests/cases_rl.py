@@ -85,3 +85,60 @@ def env_multi_turn(rank: int, world: int) -> dict:
 
 
 __all__ = ["CountingEnv", "grpo_groups", "env_multi_turn", "LOGPROB_TOL", "math"]
+
+
+def _trainer_pgc(world: int, tp: int):
+    """A TP-`tp` x DP-`world/tp` megatron layout (experts TP-sharded over TP, EP1)."""
+    import torch.distributed as dist
+
+    me = dist.get_rank()
+    tp_groups = [dist.new_group(list(range(i, i + tp))) for i in range(0, world, tp)]
+    dp_groups = [dist.new_group(list(range(j, world, tp))) for j in range(tp)]
+    pgc = singleton_pg_collection()
+    mine_tp = tp_groups[me // tp]
+    mine_dp = dp_groups[me % tp]
+    for f in ("tp", "mp", "tp_cp", "expt_tp", "tp_ep", "tp_ep_pp", "tp_dp_cp"):
+        setattr(pgc, f, mine_tp)
+    for f in ("dp", "dp_cp", "expt_dp"):
+        setattr(pgc, f, mine_dp)
+    return pgc
+
+
+def weight_sync_exact(rank: int, world: int, adp: int, ep: int, trainer_tp: int) -> dict:
+    """After the sync hook, every inference weight equals the trainer's bit for bit, and the
+    engine generates what megatron computes with the trainer's weights."""
+    import dataclasses
+
+    from colo_rollout.inference.model import random_state_dict, shard_for
+    from colo_rollout.rl.weight_sync import WeightSync
+    from tests.cases_engine import compare_with_reference, mixed_requests
+
+    cfg, groups, sd, engine = _engine(world, adp, ep)
+    trained_sd = random_state_dict(dataclasses.replace(cfg.model, seed=99))  # "after a step"
+    trainer = build_reference(cfg.model, trained_sd, _trainer_pgc(world, trainer_tp),
+                              torch.device("cpu"))
+    sync = WeightSync()
+    stats = [sync(trainer, engine.model) for _ in range(2)]  # second call: cached plan
+    params = dict(engine.model.named_parameters())
+    n_local = cfg.model.num_experts // groups.layout.ep
+    mismatched, checked = [], 0
+    for name, full in trained_sd.items():
+        mapped = shard_for(name, full, groups.layout, rank, n_local)
+        if mapped is None:
+            continue
+        local, shard = mapped
+        checked += 1
+        if not torch.equal(params[local].data, shard):
+            mismatched.append(local)
+    requests = mixed_requests(6, 1, cfg.model.vocab_size)
+    outs = engine.generate(requests)
+    res = {"mismatched": mismatched, "checked": checked, "version": sync.version,
+           "seconds": [s.seconds for s in stats], "bytes_remote": stats[0].bytes_remote,
+           "bytes_local": stats[0].bytes_local}
+    if rank == 0:
+        ref = build_reference(cfg.model, trained_sd, singleton_pg_collection(),
+                              torch.device("cpu"))
+        res.update(compare_with_reference(ref, requests, outs))
+    else:
+        singleton_pg_collection()
+    return res

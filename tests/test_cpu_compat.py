@@ -78,3 +78,13 @@ def _single_rank_pgc():
     g = dist.new_group([0])
     return ProcessGroupCollection(tp=g, ep=g, expt_tp=g, tp_ep=g, cp=g, tp_cp=g, dp=g,
                                   dp_cp=g, expt_dp=g, tp_dp_cp=g, pp=g, mp=g)
+
+
+def test_patch3_synchronize_needed_and_a_no_op():
+    uninstall_cpu_compat()
+    try:
+        with pytest.raises((RuntimeError, AssertionError)):
+            torch.cuda.synchronize()
+    finally:
+        install_cpu_compat()
+    assert torch.cuda.synchronize() is None

@@ -13,6 +13,9 @@ each one is needed and sufficient.
    ``initialize_rng_tracker(inference_rng_tracker=True)``, megatron's own inference tracker,
    whose ``fork()`` is a no-op context.
 
+3. ``torch.cuda.synchronize()`` is a no-op. megatron's resharding (``execute_reshard_plan``)
+   synchronizes the device around its copies; CPU copies are already synchronous.
+
 Must not go in here: anything that changes numerics, or patches beyond these call sites.
 """
 
@@ -21,10 +24,15 @@ from __future__ import annotations
 import torch
 
 _ORIGINAL_CURRENT_DEVICE = torch.cuda.current_device
+_ORIGINAL_SYNCHRONIZE = torch.cuda.synchronize
 
 
 def _cpu_current_device():
     return "cpu"
+
+
+def _cpu_synchronize(device=None) -> None:
+    return None
 
 
 def cpu_compat_active() -> bool:
@@ -37,6 +45,7 @@ def install_cpu_compat() -> bool:
         return False
     if not cpu_compat_active():
         torch.cuda.current_device = _cpu_current_device
+        torch.cuda.synchronize = _cpu_synchronize
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
@@ -44,5 +53,6 @@ def install_cpu_compat() -> bool:
 
 
 def uninstall_cpu_compat() -> None:
-    """Undo patch 1 (used by the test that shows the patch is needed)."""
+    """Undo patches 1 and 3 (used by the tests that show the patches are needed)."""
     torch.cuda.current_device = _ORIGINAL_CURRENT_DEVICE
+    torch.cuda.synchronize = _ORIGINAL_SYNCHRONIZE

@@ -225,6 +225,9 @@ class InferenceGPT(torch.nn.Module):
         )
         self.comm = GatherComm(groups)
         self._rope: torch.Tensor | None = None
+        # megatron's groups for this model's parameters (TP = ATP, EP, expert TP): what
+        # megatron's resharding reads to know which shard each rank holds
+        self.pg_collection = groups.pg_collection
 
     # ------------------------------------------------------------------ weights
     def load_full_state_dict(self, full: dict[str, torch.Tensor]) -> None:

@@ -1,0 +1,144 @@
+"""Weight sync after each optimizer step: training layout -> inference layout.
+
+Owns the hook that refits the inference model from the trainer through megatron-core's
+resharding (``megatron.core.resharding.swap_model_weights``): megatron builds a transfer plan
+from both models' parameter metadata (TP partition dims, expert ownership from their
+``pg_collection``), caches it per model pair, and a copy service moves the bytes -- same-rank
+slices are local copies, the rest point-to-point.
+
+``CpuCopyService`` is a megatron ``CopyService`` for CPU tensors over gloo: megatron's own
+``GlooCopyService`` stages through pinned memory and CUDA streams, which a CPU rank does not
+have. On GPUs the NCCL service is used.
+
+Must not go in here: optimizer logic, rollout scheduling.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core.resharding import swap_model_weights
+from megatron.core.resharding.copy_services.base import (
+    CopyService,
+    RecvOp,
+    SendOp,
+    match_local_ops_by_task_id,
+)
+
+
+class CpuCopyService(CopyService):
+    """Batched send/recv of CPU tensors over a gloo group; same-rank pairs copy locally."""
+
+    def __init__(self, group=None) -> None:
+        super().__init__(group=group)
+        self.pg = group if group is not None else dist.new_group(backend="gloo")
+        self.send_ops: list[SendOp] = []
+        self.recv_ops: list[RecvOp] = []
+        self.bytes_moved = 0  # remote bytes of the last run
+        self.bytes_local = 0  # same-rank bytes of the last run
+
+    def submit_send(self, src_tensor: torch.Tensor, dest_rank: int, task_id=None) -> None:
+        self.send_ops.append(SendOp(task_id=task_id, tensor=src_tensor, dest_rank=dest_rank))
+
+    def submit_recv(self, dest_tensor: torch.Tensor, src_rank: int, task_id=None) -> None:
+        self.recv_ops.append(RecvOp(task_id=task_id, tensor=dest_tensor, src_rank=src_rank))
+
+    def run(self) -> None:
+        local_s = [s for s in self.send_ops if s.dest_rank == self.rank]
+        local_r = [r for r in self.recv_ops if r.src_rank == self.rank]
+        self.bytes_local = self.bytes_moved = 0
+        with torch.no_grad():
+            for s, r in match_local_ops_by_task_id(local_s, local_r, "CpuCopyService", self.rank):
+                r.tensor.copy_(s.tensor)
+                self.bytes_local += r.tensor.numel() * r.tensor.element_size()
+        ops, staged = [], []
+        for s in self.send_ops:
+            if s.dest_rank != self.rank:
+                buf = s.tensor.detach().contiguous()
+                ops.append(dist.P2POp(dist.isend, buf, group=self.pg, group_peer=s.dest_rank))
+                self.bytes_moved += buf.numel() * buf.element_size()
+        for r in self.recv_ops:
+            if r.src_rank != self.rank:
+                buf = torch.empty(r.tensor.shape, dtype=r.tensor.dtype)
+                staged.append((buf, r.tensor))
+                ops.append(dist.P2POp(dist.irecv, buf, group=self.pg, group_peer=r.src_rank))
+        if ops:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+        with torch.no_grad():
+            for buf, dst in staged:
+                dst.copy_(buf)
+        self.send_ops.clear()
+        self.recv_ops.clear()
+
+
+_SEQ_EXPERT = re.compile(r"^(.*)\.mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight$")
+
+
+class RefitView(torch.nn.Module):
+    """A model as megatron's refit planner should see it.
+
+    The planner maps per-expert tensors to global experts only for TE's grouped naming
+    (``experts.linear_fc1.weight{k}``); megatron's ``SequentialMLP`` names them
+    ``experts.local_experts.{k}.linear_fc1.weight``, which the planner would match by *local*
+    index across EP ranks. The view yields the same Parameter objects (shared storage, their
+    TP/EP attributes intact) under the grouped names; everything else passes through. The
+    wrapped model is held as a plain attribute, not a child, so the planner sees exactly these
+    tensors."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.__dict__["inner"] = model
+        self.config = model.config
+        self.pg_collection = model.pg_collection
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True):
+        for name, p in self.inner.named_parameters(prefix, recurse, remove_duplicate):
+            m = _SEQ_EXPERT.match(name)
+            yield (f"{m.group(1)}.mlp.experts.linear_fc{m.group(3)}.weight{m.group(2)}"
+                   if m else name), p
+
+
+@dataclass
+class SyncStats:
+    version: int
+    seconds: float
+    bytes_remote: int
+    bytes_local: int
+
+
+class WeightSync:
+    """Refits ``inference_model`` from ``trainer_model`` (collective on every rank).
+
+    The inference model must expose megatron's ``config`` and ``pg_collection`` (its groups
+    decide which shard each rank holds); the plan is built on the first call and cached."""
+
+    def __init__(self, group=None) -> None:
+        if torch.cuda.is_available():
+            from megatron.core.resharding import get_or_create_service
+
+            self.service = get_or_create_service("nccl", group=group)
+        else:
+            self.service = CpuCopyService(group)
+        self.version = 0
+        self.history: list[SyncStats] = []
+        self._views: dict = {}  # (trainer id, inference id) -> views; megatron caches the plan
+
+    def __call__(self, trainer_model, inference_model) -> SyncStats:
+        t0 = time.perf_counter()
+        views = self._views.setdefault((id(trainer_model), id(inference_model)),
+                                       (RefitView(trainer_model), RefitView(inference_model)))
+        swap_model_weights(views[0], views[1], self.service)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.version += 1
+        stats = SyncStats(self.version, time.perf_counter() - t0,
+                          getattr(self.service, "bytes_moved", -1),
+                          getattr(self.service, "bytes_local", -1))
+        self.history.append(stats)
+        return stats
