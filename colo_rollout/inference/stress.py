@@ -21,44 +21,39 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
-import queue
 import random
-import threading
 import time
 
 import torch
 import torch.distributed as dist
 
 from colo_rollout.inference.rendezvous import make_rendezvous
+from colo_rollout.inference.streams import Stream
 from colo_rollout.inference.turnstile import TurnstileController
 
 PRODUCER = "model-free"
 
 
-class _Device(threading.Thread):
-    """Executes submitted work items (durations in s) in FIFO order, like one CUDA stream."""
+class _Device:
+    """P segments "executing" in FIFO order on one emulated stream (streams.Stream)."""
 
     def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.q: queue.Queue = queue.Queue()
-        self.submitted = 0
-        self.done = 0
-        self.start()
+        self.stream = Stream("device")
+        self.events = []
 
     def submit(self, seconds: float) -> None:
-        self.submitted += 1
-        self.q.put(seconds)
+        self.events.append(self.stream.submit(lambda: time.sleep(seconds)))
 
-    def run(self) -> None:
-        while True:
-            s = self.q.get()
-            if s is None:
-                return
-            time.sleep(s)
-            self.done += 1
+    @property
+    def submitted(self) -> int:
+        return len(self.events)
+
+    @property
+    def done(self) -> int:
+        return sum(ev.query() for ev in self.events)
 
     def stop(self) -> None:
-        self.q.put(None)
+        self.stream.close()
 
 
 def _run_seed(rank: int, rdv, seed: int, cycles: int, max_skew_ms: float,
