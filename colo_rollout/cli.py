@@ -1,4 +1,4 @@
-"""`colo-rollout` command line: demo, bench, stress-turnstile, bench-rendezvous,
+"""`colo-rollout` command line: demo, train, bench, stress-turnstile, bench-rendezvous,
 bench-decode-overhead.
 
 Launch modes: under torchrun (WORLD_SIZE set) every process runs the job itself; otherwise the
@@ -78,7 +78,17 @@ def main(argv: list[str] | None = None) -> int:
                         "ordering ladder; table, JSON and plots")
     bn.add_argument("config", help="YAML config with a bench: section, e.g. configs/bench_cpu.yaml")
     bn.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    tr = sub.add_parser("train", help="colocated GRPO: rollout, train, reshard (YAML config)")
+    tr.add_argument("config", help="e.g. configs/grpo_cpu.yaml")
+    tr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = ap.parse_args(argv)
+    if args.cmd == "train":
+        res = _launch("colo_rollout.rl.train:run_train", args.config, _overrides(args.set))
+        h = res[0]["history"]
+        if h and ("WORLD_SIZE" not in os.environ or os.environ.get("RANK") == "0"):
+            print(f"reward {h[0]['reward']:.3f} -> {h[-1]['reward']:.3f} over {len(h)} steps; "
+                  f"max logprob gap {max(x['logprob_gap_max'] for x in h):.2e}")
+        return 0
     if args.cmd == "bench":
         from colo_rollout.bench import report
         from colo_rollout.config import load_config

@@ -26,6 +26,7 @@ __all__ = [
     "BACKENDS",
     "ENGINE_MODES",
     "BenchConfig",
+    "RLConfig",
     "SEGMENT_POLICIES",
     "FP8_FORMATS",
     "NORMALIZATIONS",
@@ -526,6 +527,53 @@ class BenchConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RLConfig:
+    """`colo-rollout train` / `python -m colo_rollout.rl.train`: colocated GRPO."""
+
+    SECTION: ClassVar[str] = "rl"
+
+    # Optimizer steps.
+    steps: int = 20
+    # Prompts per step; each is sampled samples_per_prompt times (a GRPO group).
+    prompts_per_step: int = 8
+    samples_per_prompt: int = 4
+    # Generated tokens per sample.
+    max_new_tokens: int = 4
+    # Sampling temperature during rollout.
+    temperature: float = 1.0
+    # Adam learning rate.
+    lr: float = 0.01
+    # PPO-style ratio clip.
+    clip: float = 0.2
+    # Weight of the KL term to the initial (reference) policy; 0 = off.
+    kl_coef: float = 0.0
+    # Trainer tensor-parallel width (trainer DP = world / trainer_tp); may differ from the
+    # inference layout: weights are resharded after every step.
+    trainer_tp: int = 1
+    # The verifiable task: "target_token" (reward = fraction of generated tokens equal to
+    # target_token).
+    task: str = "target_token"
+    target_token: int = 7
+    # Prompt lengths are drawn in [2, prompt_len_max]; seed of the prompt stream.
+    prompt_len_max: int = 8
+    seed: int = 0
+    # Metrics JSONL, TensorBoard events and the reward curve go here.
+    out_dir: str = "runs/grpo"
+
+    def __post_init__(self) -> None:
+        _check_field_types(self)
+        _require_min(self, ("steps", "prompts_per_step", "samples_per_prompt", "max_new_tokens",
+                            "trainer_tp", "prompt_len_max"), 1)
+        _require_min(self, ("seed", "target_token"), 0)
+        _require(self.lr > 0, "rl.lr", f"must be > 0, got {self.lr}")
+        _require(0 < self.clip < 1, "rl.clip", f"must be in (0, 1), got {self.clip}")
+        _require(self.kl_coef >= 0, "rl.kl_coef", f"must be >= 0, got {self.kl_coef}")
+        _require(self.temperature > 0, "rl.temperature",
+                 f"must be > 0 for exploration, got {self.temperature}")
+        _require_choice(self, "task", ("target_token",))
+
+
+@dataclass(frozen=True, kw_only=True)
 class Config:
     """A whole rollout job; checks the constraints that span sections.
 
@@ -544,6 +592,8 @@ class Config:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     # Trace-replay benchmark.
     bench: BenchConfig = field(default_factory=BenchConfig)
+    # Colocated RL training.
+    rl: RLConfig = field(default_factory=RLConfig)
 
     def __post_init__(self) -> None:
         _check_field_types(self)

@@ -1,0 +1,41 @@
+"""GRPO math: group-relative advantages and the clipped policy-ratio loss. Pure torch.
+
+Owns the objective only (no models, no processes), so it is unit-tested on hand-made numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def group_advantages(rewards: list[float], groups: list[int], eps: float = 1e-6) -> list[float]:
+    """A_i = (r_i - mean of its group) / (std of its group + eps); a group of one gets 0."""
+    out = []
+    by: dict[int, list[float]] = {}
+    for r, g in zip(rewards, groups):
+        by.setdefault(g, []).append(r)
+    for r, g in zip(rewards, groups):
+        xs = torch.tensor(by[g], dtype=torch.float64)
+        if len(xs) < 2:
+            out.append(0.0)
+            continue
+        out.append(float((r - xs.mean()) / (xs.std(unbiased=False) + eps)))
+    return out
+
+
+def clipped_loss(new_logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
+                 mask: torch.Tensor, clip: float = 0.2, kl_coef: float = 0.0,
+                 ref_logp: torch.Tensor | None = None) -> torch.Tensor:
+    """-mean over masked tokens of min(ratio * A, clip(ratio, 1-e, 1+e) * A) [+ kl_coef * KL].
+
+    new/old/ref_logp, mask: [B, T]; adv: [B] (one advantage per trajectory). KL uses the k3
+    estimator exp(ref - new) - (ref - new) - 1 (non-negative, unbiased)."""
+    ratio = torch.exp(new_logp - old_logp)
+    a = adv[:, None]
+    obj = torch.minimum(ratio * a, torch.clamp(ratio, 1 - clip, 1 + clip) * a)
+    per_tok = -obj
+    if kl_coef and ref_logp is not None:
+        d = ref_logp - new_logp
+        per_tok = per_tok + kl_coef * (torch.exp(d) - d - 1)
+    m = mask.to(per_tok.dtype)
+    return (per_tok * m).sum() / m.sum().clamp(min=1)

@@ -1,0 +1,131 @@
+"""The trainer colocated with the engine: a megatron GPTModel in a TP x DP layout of its own.
+
+Owns the training model, megatron's DistributedDataParallel wrapper and the optimizer, and one
+GRPO update from trajectories. Its layout (trainer TP, DP = world / TP) is independent of the
+inference layout (ADP/ATP/EP): ``WeightSync`` reshards after every step.
+
+Optimizer and gradient sync: on GPUs megatron-core's ``DistributedDataParallel`` and
+``get_megatron_optimizer`` (NOT yet run on a GPU -- see docs/status.md). On CPU ranks neither
+can run (megatron's DDP grad sync is CUDA-stream bound, its FP32Optimizer allocates on CUDA), so
+the CPU tier averages gradients over the trainer's DP group with one all-reduce per parameter
+and steps ``torch.optim.AdamW`` -- the same update, spelled out.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from colo_rollout.config import Config
+from colo_rollout.inference.reference import build_reference, singleton_pg_collection
+from colo_rollout.rl.grpo import clipped_loss, group_advantages
+from colo_rollout.rl.rollout import Trajectory
+
+
+def trainer_pg_collection(world: int, tp: int):
+    """Megatron groups for a TP-``tp`` x DP-``world/tp`` trainer (experts TP-sharded, EP1).
+    Collective: every rank creates every group in the same order."""
+    if world % tp:
+        raise ValueError(f"rl.trainer_tp {tp} does not divide the world size {world}")
+    me = dist.get_rank()
+    tp_groups = [dist.new_group(list(range(i, i + tp))) for i in range(0, world, tp)]
+    dp_groups = [dist.new_group(list(range(j, world, tp))) for j in range(tp)]
+    pgc = singleton_pg_collection()
+    for f in ("tp", "mp", "tp_cp", "expt_tp", "tp_ep", "tp_ep_pp", "tp_dp_cp"):
+        setattr(pgc, f, tp_groups[me // tp])
+    for f in ("dp", "dp_cp", "expt_dp", "intra_dp_cp", "intra_expt_dp"):
+        setattr(pgc, f, dp_groups[me % tp])
+    return pgc
+
+
+class Trainer:
+    def __init__(self, cfg: Config, state_dict: dict[str, torch.Tensor],
+                 device: torch.device) -> None:
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+        )
+
+        self.cfg = cfg
+        world = dist.get_world_size()
+        self.tp = cfg.rl.trainer_tp
+        self.dp = world // self.tp
+        self.dp_rank = dist.get_rank() // self.tp
+        if self.tp > 1:
+            # megatron trains MoE + TP only with sequence parallelism, which its torch norms
+            # refuse; the TE spec would be needed (not wired for the trainer yet)
+            raise ValueError("rl.trainer_tp > 1 is not supported yet: megatron trains MoE with "
+                             "TP only under sequence parallelism; use trainer_tp: 1 (DP)")
+        self.pgc = trainer_pg_collection(world, self.tp)
+        model = build_reference(cfg.model, state_dict, self.pgc, device)
+        self.module = model  # megatron GPTModel (or Float16Module), what WeightSync reads
+        self.module.train()
+        if device.type == "cuda":
+            ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=False,
+                                                    overlap_grad_reduce=False)
+            self.ddp = DistributedDataParallel(model.config, ddp_cfg, model,
+                                               pg_collection=self.pgc)
+            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+            self.opt = get_megatron_optimizer(
+                OptimizerConfig(optimizer="adam", lr=cfg.rl.lr, weight_decay=0.0,
+                                use_distributed_optimizer=False,
+                                bf16=cfg.model.params_dtype == "bfloat16"), [self.ddp])
+            self._megatron_opt = True
+        else:
+            self.ddp = model
+            self.opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                         lr=cfg.rl.lr, weight_decay=0.0)
+            self._megatron_opt = False
+        self.device = device
+
+    def token_logprobs(self, trajs: list[Trajectory]) -> tuple[torch.Tensor, torch.Tensor]:
+        """log p(token_t | tokens_<t) under the trainer for every position t >= 1, padded:
+        returns (logp [B, T-1], valid [B, T-1])."""
+        L = max(len(t.tokens) for t in trajs)
+        ids = torch.zeros(len(trajs), L, dtype=torch.long, device=self.device)
+        valid = torch.zeros(len(trajs), L - 1, dtype=torch.bool, device=self.device)
+        for i, t in enumerate(trajs):
+            ids[i, : len(t.tokens)] = torch.tensor(t.tokens, device=self.device)
+            valid[i, : len(t.tokens) - 1] = True
+        pos = torch.arange(L, device=self.device)[None].expand(len(trajs), L)
+        mask = torch.triu(torch.ones(L, L, dtype=torch.bool, device=self.device), 1)
+        logits = self.ddp(ids, pos, attention_mask=mask[None, None]).float()
+        logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+        return logp, valid
+
+    def step(self, trajs: list[Trajectory]) -> dict:
+        """One GRPO update on this DP rank's share of the (replicated) trajectories."""
+        adv_all = group_advantages([t.reward for t in trajs], [t.group for t in trajs])
+        mine = [i for i in range(len(trajs)) if i % self.dp == self.dp_rank]
+        batch = [trajs[i] for i in mine]
+        adv = torch.tensor([adv_all[i] for i in mine], device=self.device)
+        T = max(len(t.tokens) for t in batch) - 1
+        old = torch.zeros(len(batch), T, device=self.device)
+        lmask = torch.zeros(len(batch), T, device=self.device)
+        for i, t in enumerate(batch):
+            n = len(t.tokens) - 1
+            old[i, :n] = torch.tensor(t.logprobs[1:], device=self.device)
+            lmask[i, :n] = torch.tensor(t.loss_mask[1:], device=self.device, dtype=torch.float)
+        if self._megatron_opt:
+            self.ddp.zero_grad_buffer()
+        self.opt.zero_grad()
+        new, valid = self.token_logprobs(batch)
+        new = new[:, :T]
+        m = lmask * valid[:, :T]
+        gap = ((new.detach() - old).abs() * m)
+        loss = clipped_loss(new, old, adv, m, clip=self.cfg.rl.clip)
+        # every DP rank contributes its share: scale so the all-reduce sum is the mean
+        (loss * len(batch) / max(len(trajs), 1) * self.dp).backward()
+        if self._megatron_opt:
+            self.ddp.finish_grad_sync()
+            self.opt.step()
+        else:
+            dp_group = self.pgc.dp
+            for p in self.module.parameters():
+                if p.grad is not None and self.dp > 1:
+                    dist.all_reduce(p.grad, group=dp_group)
+                    p.grad /= self.dp
+            self.opt.step()
+        return {"loss": float(loss.detach()), "logprob_gap_max": float(gap.max()),
+                "logprob_gap_mean": float(gap.sum() / m.sum().clamp(min=1))}
