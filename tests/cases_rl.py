@@ -142,3 +142,16 @@ def weight_sync_exact(rank: int, world: int, adp: int, ep: int, trainer_tp: int)
     else:
         singleton_pg_collection()
     return res
+
+
+def replicas_sample_independently(rank: int, world: int) -> dict:
+    """Two replicas sampling a near-uniform model with temperature 1 must not draw the same
+    tokens (their random streams differ)."""
+    cfg, groups, sd, engine = _engine(world, 2, 2)
+    from colo_rollout.inference.request import Request
+
+    reqs = [Request(f"r{i}", (5, 6, 7), SamplingParams(temperature=1.0, max_tokens=16))
+            for i in range(2)]
+    outs = engine.generate(reqs)
+    return {"replicas": [outs[r.request_id].replica for r in reqs],
+            "tokens": [outs[r.request_id].tokens for r in reqs]}

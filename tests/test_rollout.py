@@ -52,3 +52,9 @@ def test_environments_multi_turn_and_faults(worker_groups):
     # every generated token's logprob equals megatron's full recompute over the trajectory:
     # continuation prefills on the retained context, no re-tokenising
     assert r0["max_logprob_diff"] < LOGPROB_TOL and not math.isnan(r0["max_logprob_diff"])
+
+
+def test_replicas_use_different_random_streams(worker_groups):
+    r = worker_groups(2).run(f"{C}:replicas_sample_independently")[0]
+    assert sorted(r["replicas"]) == [0, 1]  # one request per replica
+    assert r["tokens"][0] != r["tokens"][1]

@@ -28,7 +28,10 @@ class ModelRunner:
         self.device = model.output_layer.weight.device
         self.kv = model.new_kv_storage(num_blocks, block_size)
         self.block_size = block_size
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        # one random stream per replica: replicas sample different rows, and identical streams
+        # would correlate their samples (the same noise for every replica's first row)
+        self.generator = torch.Generator(device=self.device).manual_seed(
+            seed * 1_000_003 + self.groups.replica)
         self._epoch = None  # the in-flight P epoch's segment generator (PD mode)
         self._epoch_items = ()
         self._at: int | None = None
