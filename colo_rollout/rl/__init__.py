@@ -1,4 +1,5 @@
-"""RL side of colo_rollout: rollout(), the colocated trainer loop and weight resharding hooks.
+"""RL side of colo_rollout: rollout(), weight sync after each step, the colocated GRPO loop.
 
-Not built yet (a later issue); the inference engine's ``Engine.generate`` is the base it will use.
+rollout.py (token-in/token-out batch API), weight_sync.py (megatron.core.resharding hook),
+grpo.py (objective), trainer.py (megatron GPTModel trainer), train.py (the loop and launch).
 """
