@@ -532,6 +532,10 @@ class RLConfig:
 
     SECTION: ClassVar[str] = "rl"
 
+    # "grpo" (group-relative advantages) or "ppo" (a value head on the trainer as baseline).
+    algorithm: str = "grpo"
+    # PPO: weight of the value loss.
+    vf_coef: float = 0.5
     # Optimizer steps.
     steps: int = 20
     # Prompts per step; each is sampled samples_per_prompt times (a GRPO group).
@@ -571,6 +575,8 @@ class RLConfig:
         _require(self.temperature > 0, "rl.temperature",
                  f"must be > 0 for exploration, got {self.temperature}")
         _require_choice(self, "task", ("target_token",))
+        _require_choice(self, "algorithm", ("grpo", "ppo"))
+        _require(self.vf_coef >= 0, "rl.vf_coef", f"must be >= 0, got {self.vf_coef}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from colo_rollout.rl.grpo import clipped_loss, group_advantages
+from colo_rollout.rl.grpo import clipped_loss, group_advantages, ppo_advantages, value_loss
 
 
 def test_group_advantages_normalise_within_groups():
@@ -48,3 +48,21 @@ def test_gradient_pushes_up_positive_advantage_tokens():
     loss = clipped_loss(new, new.detach(), torch.tensor([1.0]), torch.ones(1, 2))
     loss.backward()
     assert logits.grad[0, 0, 1] < 0 and logits.grad[0, 1, 2] < 0  # descent raises them
+
+
+def test_ppo_advantages_and_value_loss():
+    rewards = torch.tensor([1.0, 0.0])
+    values = torch.tensor([[0.5, 0.5, 0.0], [0.5, 0.5, 0.5]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    adv, ret = ppo_advantages(rewards, values, mask)
+    assert ret.tolist() == [[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]]
+    # raw advantages +0.5 (x2) and -0.5 (x3): whitened, masked-out token stays 0
+    assert adv[0, 2] == 0 and adv[0, 0] > 0 and adv[1, 0] < 0
+    assert abs(float((adv * mask).sum())) < 1e-6  # zero mean over the masked tokens
+    assert float(value_loss(values, ret, mask)) == (0.25 * 2 + 0.25 * 3) / 5
+
+
+def test_per_token_advantages_in_clipped_loss():
+    logp = torch.log(torch.tensor([[0.5, 0.5]]))
+    adv = torch.tensor([[1.0, -1.0]])
+    assert float(clipped_loss(logp, logp, adv, torch.ones(1, 2))) == 0.0  # ratio 1: -mean(A)

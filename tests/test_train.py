@@ -1,15 +1,19 @@
-"""Colocated GRPO on 2 CPU ranks learns the verifiable task; rollout and trainer logprobs agree."""
+"""Colocated GRPO and PPO on 2 CPU ranks learn the verifiable task; rollout and trainer logprobs agree."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
+
 CFG = "configs/grpo_cpu.yaml"
 
 
-def test_grpo_reward_rises_and_logprobs_agree(worker_groups, tmp_path):
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_reward_rises_and_logprobs_agree(worker_groups, tmp_path, algorithm):
     res = worker_groups(2).run("colo_rollout.rl.train:run_train", timeout=600, config_path=CFG,
-                               overrides={"rl.out_dir": str(tmp_path)}, quiet=True)
+                               overrides={"rl.out_dir": str(tmp_path),
+                                          "rl.algorithm": algorithm}, quiet=True)
     h = res[0]["history"]
     assert len(h) == 20
     assert [x["reward"] for x in res[1]["history"]] == [x["reward"] for x in h]  # replicated
@@ -23,3 +27,5 @@ def test_grpo_reward_rises_and_logprobs_agree(worker_groups, tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(20))
     assert (tmp_path / "reward.png").stat().st_size > 1000
+    if algorithm == "ppo":  # the value head learns the (rising) return
+        assert all("value_loss" in x for x in h)

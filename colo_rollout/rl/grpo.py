@@ -1,4 +1,5 @@
-"""GRPO math: group-relative advantages and the clipped policy-ratio loss. Pure torch.
+"""Policy-gradient math: GRPO group-relative advantages, PPO token advantages from a value
+baseline, the clipped policy-ratio loss and the value loss. Pure torch.
 
 Owns the objective only (no models, no processes), so it is unit-tested on hand-made numbers.
 """
@@ -31,7 +32,7 @@ def clipped_loss(new_logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tens
     new/old/ref_logp, mask: [B, T]; adv: [B] (one advantage per trajectory). KL uses the k3
     estimator exp(ref - new) - (ref - new) - 1 (non-negative, unbiased)."""
     ratio = torch.exp(new_logp - old_logp)
-    a = adv[:, None]
+    a = adv[:, None] if adv.dim() == 1 else adv  # per trajectory (GRPO) or per token (PPO)
     obj = torch.minimum(ratio * a, torch.clamp(ratio, 1 - clip, 1 + clip) * a)
     per_tok = -obj
     if kl_coef and ref_logp is not None:
@@ -39,3 +40,21 @@ def clipped_loss(new_logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tens
         per_tok = per_tok + kl_coef * (torch.exp(d) - d - 1)
     m = mask.to(per_tok.dtype)
     return (per_tok * m).sum() / m.sum().clamp(min=1)
+
+
+def ppo_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                   eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """Terminal reward, gamma = lambda = 1: the return of every generated token is its
+    trajectory's reward; advantage = return - V(token), whitened over the masked tokens.
+    rewards [B], values/mask [B, T] -> (advantages [B, T], returns [B, T])."""
+    returns = rewards[:, None].expand_as(values) * mask
+    adv = (returns - values) * mask
+    n = mask.sum().clamp(min=1)
+    mean = adv.sum() / n
+    std = (((adv - mean) * mask) ** 2).sum().div(n).sqrt()
+    return ((adv - mean) / (std + eps)) * mask, returns
+
+
+def value_loss(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    m = mask.to(values.dtype)
+    return (((values - returns) ** 2) * m).sum() / m.sum().clamp(min=1)

@@ -1,7 +1,7 @@
 """The trainer colocated with the engine: a megatron GPTModel in a TP x DP layout of its own.
 
 Owns the training model, megatron's DistributedDataParallel wrapper and the optimizer, and one
-GRPO update from trajectories. Its layout (trainer TP, DP = world / TP) is independent of the
+GRPO or PPO update from trajectories (PPO adds a value head on the final hidden states). Its layout (trainer TP, DP = world / TP) is independent of the
 inference layout (ADP/ATP/EP): ``WeightSync`` reshards after every step.
 
 Optimizer and gradient sync: on GPUs megatron-core's ``DistributedDataParallel`` and
@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from colo_rollout.config import Config
 from colo_rollout.inference.reference import build_reference, singleton_pg_collection
-from colo_rollout.rl.grpo import clipped_loss, group_advantages
+from colo_rollout.rl.grpo import clipped_loss, group_advantages, ppo_advantages, value_loss
 from colo_rollout.rl.rollout import Trajectory
 
 
@@ -78,6 +78,21 @@ class Trainer:
                                          lr=cfg.rl.lr, weight_decay=0.0)
             self._megatron_opt = False
         self.device = device
+        self.value_head = None
+        if cfg.rl.algorithm == "ppo":
+            # PPO's baseline: a linear value head on the final hidden states (trainer only;
+            # it is not part of the policy and is never synced to the engine)
+            self.value_head = torch.nn.Linear(cfg.model.hidden_size, 1).to(device)
+            torch.nn.init.zeros_(self.value_head.weight)
+            torch.nn.init.zeros_(self.value_head.bias)
+            self._hidden = None
+            final_norm = next(m for n, m in self.module.named_modules()
+                              if n.endswith("decoder.final_layernorm"))
+            final_norm.register_forward_hook(lambda _m, _i, out: setattr(self, "_hidden", out))
+            if self._megatron_opt:
+                self.value_opt = torch.optim.AdamW(self.value_head.parameters(), lr=cfg.rl.lr)
+            else:
+                self.opt.add_param_group({"params": list(self.value_head.parameters())})
 
     def token_logprobs(self, trajs: list[Trajectory]) -> tuple[torch.Tensor, torch.Tensor]:
         """log p(token_t | tokens_<t) under the trainer for every position t >= 1, padded:
@@ -95,11 +110,12 @@ class Trainer:
         return logp, valid
 
     def step(self, trajs: list[Trajectory]) -> dict:
-        """One GRPO update on this DP rank's share of the (replicated) trajectories."""
+        """One GRPO or PPO update on this DP rank's share of the (replicated) trajectories."""
         adv_all = group_advantages([t.reward for t in trajs], [t.group for t in trajs])
         mine = [i for i in range(len(trajs)) if i % self.dp == self.dp_rank]
         batch = [trajs[i] for i in mine]
         adv = torch.tensor([adv_all[i] for i in mine], device=self.device)
+        rewards = torch.tensor([t.reward for t in batch], device=self.device)
         T = max(len(t.tokens) for t in batch) - 1
         old = torch.zeros(len(batch), T, device=self.device)
         lmask = torch.zeros(len(batch), T, device=self.device)
@@ -114,18 +130,36 @@ class Trainer:
         new = new[:, :T]
         m = lmask * valid[:, :T]
         gap = ((new.detach() - old).abs() * m)
-        loss = clipped_loss(new, old, adv, m, clip=self.cfg.rl.clip)
+        extra = {}
+        if self.value_head is None:
+            loss = clipped_loss(new, old, adv, m, clip=self.cfg.rl.clip)
+        else:
+            # hidden [S, B, H] (megatron is sequence-first): V(h_j) scores the token at j+1
+            h = self._hidden.transpose(0, 1)[:, :-1][:, :T].float()
+            values = self.value_head(h)[..., 0]
+            tok_adv, returns = ppo_advantages(rewards, values.detach(), m)
+            v_loss = value_loss(values, returns, m)
+            loss = clipped_loss(new, old, tok_adv, m, clip=self.cfg.rl.clip) \
+                + self.cfg.rl.vf_coef * v_loss
+            extra = {"value_loss": float(v_loss.detach())}
         # every DP rank contributes its share: scale so the all-reduce sum is the mean
         (loss * len(batch) / max(len(trajs), 1) * self.dp).backward()
+        head = list(self.value_head.parameters()) if self.value_head is not None else []
+        if self.dp > 1:  # the value head is outside megatron's DDP: average it here
+            for p in head:
+                dist.all_reduce(p.grad, group=self.pgc.dp)
+                p.grad /= self.dp
         if self._megatron_opt:
             self.ddp.finish_grad_sync()
             self.opt.step()
+            if head:
+                self.value_opt.step()
+                self.value_opt.zero_grad()
         else:
-            dp_group = self.pgc.dp
             for p in self.module.parameters():
                 if p.grad is not None and self.dp > 1:
-                    dist.all_reduce(p.grad, group=dp_group)
+                    dist.all_reduce(p.grad, group=self.pgc.dp)
                     p.grad /= self.dp
             self.opt.step()
         return {"loss": float(loss.detach()), "logprob_gap_max": float(gap.max()),
-                "logprob_gap_mean": float(gap.sum() / m.sum().clamp(min=1))}
+                "logprob_gap_mean": float(gap.sum() / m.sum().clamp(min=1)), **extra}
