@@ -99,9 +99,10 @@ def main(argv: list[str] | None = None) -> int:
         if "WORLD_SIZE" in os.environ:  # torchrun: every rank returned its own; rank 0 reports
             import torch.distributed as dist
 
-            gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, results[0])  # our own ranks, same job
-            results = gathered
+            from colo_rollout.inference.control import all_gather_json
+
+            # over a gloo group: the payload is host data (JSON, never pickle)
+            results = all_gather_json(results[0], dist.new_group(backend="gloo"))
             if dist.get_rank() != 0:
                 return 0
         report(results, cfg, cfg.bench.out_dir)

@@ -25,8 +25,14 @@ for n in 1 2; do
   [ "$NGPU" -ge "$n" ] || continue
   if [ "$n" = 1 ]; then set_layout="--set parallel.world_size=1 --set parallel.adp=1 --set parallel.ep=1"; else set_layout=""; fi
   torchrun --standalone --nproc-per-node "$n" -m colo_rollout.cli demo configs/demo_gpu.yaml \
-    $set_layout --report "$OUT/demo_gpu$n.json" > "$OUT/demo_gpu$n.log" 2>&1 \
-    || echo "demo on $n GPU(s) failed: see $OUT/demo_gpu$n.log"
+    $set_layout --report "$OUT/demo_gpu$n.json" 2>&1 | tail -n 12 \
+    || echo "demo on $n GPU(s) failed"
 done
+
+# the ordering ladder on a trace (2 GPUs); RUN_BENCH=0 skips it
+if [ "$NGPU" -ge 2 ] && [ "${RUN_BENCH:-1}" = 1 ]; then
+  torchrun --standalone --nproc-per-node 2 -m colo_rollout.cli bench configs/bench_gpu.yaml \
+    --set bench.out_dir="$OUT/bench" 2>&1 | tail -n 20 || echo "bench failed"
+fi
 
 python3 scripts/gpu_table.py "$OUT"

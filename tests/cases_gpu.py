@@ -115,3 +115,18 @@ def compare_bf16(ref32, lp16_all, requests, outs) -> dict:
     return {"checked": n, "mean_logprob_diff": eng_err / n, "max_logprob_diff": worst,
             "megatron_bf16_mean_diff": ref_err / n, "argmax_agreement": agree / n,
             "mismatches": []}
+
+
+def gpu_mode_tokens(rank: int, world: int, adp: int, ep: int, mode: str) -> dict:
+    """The PD modes on NCCL: same greedy tokens as Normal (bf16 numerics may differ slightly
+    between batchings, so tokens are compared with a tolerance in the test)."""
+    cfg = gpu_config(world, adp, ep, "float32")
+    cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, mode=mode,
+                                                              segment_span=1))
+    groups = init_parallel(cfg.parallel)
+    engine = Engine(cfg, groups, random_state_dict(cfg.model))
+    requests = mixed_requests(16, 0, cfg.model.vocab_size)
+    outs = engine.generate(requests)
+    engine.check_integrity()
+    return {"tokens": {r.request_id: outs[r.request_id].tokens for r in requests},
+            "d_during_p": sum(1 for h in engine.history if h.p_in_flight and h.d_rows > 0)}

@@ -56,3 +56,9 @@ def test_dead_rank_fails_the_group_fast():
         with pytest.raises(WorkerTimeout, match=r"rank\(s\) \[1\] died"):
             g.run(f"{C}:die", timeout=120)
         assert time.monotonic() - t0 < 30
+
+
+def test_all_gather_json_round_trips(worker_groups):
+    res = worker_groups(4).run("tests.cases_turnstile:gather_json")
+    for r in res:
+        assert r == [{"rank": i, "xs": list(range(i))} for i in range(4)]

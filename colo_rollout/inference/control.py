@@ -77,3 +77,18 @@ class ControlPlane:
             raise ControlError(f"ranks are at different steps: "
                                f"{ {m.rank: m.step for m in msgs} }")
         return msgs
+
+
+def all_gather_json(obj, group: dist.ProcessGroup | None = None) -> list:
+    """All-gather one JSON-serialisable value per rank (rank order). JSON, never pickle."""
+    world = dist.get_world_size(group)
+    data = json.dumps(obj).encode()
+    n = torch.tensor([len(data)], dtype=torch.int64)
+    lens = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(lens, n, group=group)
+    width = max(int(x) for x in lens)
+    buf = torch.zeros(width, dtype=torch.uint8)
+    buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    outs = [torch.empty(width, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(outs, buf, group=group)
+    return [json.loads(o[: int(lens[i])].numpy().tobytes()) for i, o in enumerate(outs)]
