@@ -23,7 +23,8 @@ from colo_rollout.trace import (
     write_stats_table,
 )
 
-MOONCAKE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
+# ../shared beside the checkout (how sessions and CI lay it out)
+MOONCAKE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake_conversation_trace.jsonl"
 
 
 def rec(conv="a", turn=0, **kw):
