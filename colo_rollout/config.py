@@ -478,9 +478,6 @@ class WorkloadConfig:
         _require(0 < self.top_p <= 1, "workload.top_p", f"must be in (0, 1], got {self.top_p}")
 
 
-BENCH_TRACES = ("synthetic", "mooncake")
-
-
 @dataclass(frozen=True, kw_only=True)
 class BenchConfig:
     """`colo-rollout bench`: which trace, how it is shrunk to the model, which modes, how often."""

@@ -90,7 +90,7 @@ def replay(engine: Engine, trace: Trace, *, wait_scale: float = 1.0,
                 submit_at[rid] = now
                 if first_release[conv] is None:
                     first_release[conv] = now
-        idle = not engine.busy() and not engine._outbox.submits  # noqa: SLF001
+        idle = not engine.busy() and not engine.has_unsent()
         for out in engine.step():
             finished += 1
             conv, turn = out.request_id.rsplit("#", 1)

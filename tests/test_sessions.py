@@ -92,3 +92,12 @@ def test_cancelled_turn_ends_its_trajectory():
     s.cancel("t1")
     assert "a" not in s.sessions
     s.kv[0].assert_empty()
+
+
+def test_cancelled_waiting_continuation_frees_the_retained_context():
+    s = make()
+    run_turn(s, Request("t0", (1, 2), SamplingParams(max_tokens=1), session="a"))
+    s.add(Request("t1", (3,), SamplingParams(max_tokens=5), session="a"))  # waiting
+    s.cancel("t1")
+    assert "a" not in s.sessions
+    s.kv[0].assert_empty()

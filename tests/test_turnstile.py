@@ -303,7 +303,7 @@ def test_no_log_without_record():
 def test_reject_begin_without_producer():
     c = TurnstileController(rank=RANK, record=True)
     msg = check_rejected(c, c.begin, 0, d_enqueued=False, epoch=0, boundary=-1,
-                 match="epoch 0 begun with no registered boundary producer")
+                         match="epoch 0 begun with no registered boundary producer")
     assert "producer" in msg
     check_rejected(c, c.begin, 9, d_enqueued=True, epoch=9, boundary=-1, match="epoch 9 begun")
     assert c.state is TaskState.IDLE
@@ -313,14 +313,14 @@ def test_reject_publish_with_no_producer_registered():
     c = TurnstileController(rank=RANK, record=True)
     check_rejected(c, c.publish, 0, 0, PROD, epoch=0, boundary=0, match="no producer is registered")
     check_rejected(c, c.publish, 2, 4, "dispatch", epoch=2, boundary=4,
-           match="published by 'dispatch'.*no producer is registered")
+                   match="published by 'dispatch'.*no producer is registered")
 
 
 def test_reject_publish_with_foreign_producer():
     c = ctl()
     c.begin(1, d_enqueued=True)
     check_rejected(c, c.publish, 1, 0, "dispatch", epoch=1, boundary=0,
-           match="published by 'dispatch'.*registered producer is 'gather'")
+                   match="published by 'dispatch'.*registered producer is 'gather'")
     # the real producer still works afterwards
     assert c.publish(1, 0, PROD) is False
 
@@ -328,10 +328,10 @@ def test_reject_publish_with_foreign_producer():
 def test_reject_second_different_producer():
     c = ctl()
     check_rejected(c, c.register_producer, "dispatch", epoch=-1, boundary=-1,
-           match="'dispatch' registered while 'gather'")
+                   match="'dispatch' registered while 'gather'")
     drive_to(c, 2, 1)
     check_rejected(c, c.register_producer, "dispatch", epoch=2, boundary=1,
-           match="exactly one producer")
+                   match="exactly one producer")
     assert c.producer == PROD
 
 
@@ -340,7 +340,7 @@ def test_reject_stale_epoch():
     drive_to(c, 5, 0)
     c.complete(5)
     check_rejected(c, c.begin, 4, d_enqueued=False, epoch=4, boundary=0,
-           match=r"stale epoch 4 \(last epoch was 5\)")
+                   match=r"stale epoch 4 \(last epoch was 5\)")
     check_rejected(c, c.begin, 0, d_enqueued=True, epoch=0, boundary=0, match="stale epoch 0")
 
 
@@ -349,14 +349,14 @@ def test_reject_duplicate_epoch():
     drive_to(c, 5, 1)
     c.complete(5)
     check_rejected(c, c.begin, 5, d_enqueued=False, epoch=5, boundary=1,
-           match=r"duplicate epoch 5 \(last epoch was 5\)")
+                   match=r"duplicate epoch 5 \(last epoch was 5\)")
 
 
 def test_reject_begin_while_active():
     c = ctl()
     drive_to(c, 2, 0)
     check_rejected(c, c.begin, 3, d_enqueued=False, epoch=3, boundary=0,
-           match="epoch 3 begun while epoch 2 is still active")
+                   match="epoch 3 begun while epoch 2 is still active")
     # also for the active epoch's own id, and with a span argument
     check_rejected(c, c.begin, 2, d_enqueued=True, epoch=2, boundary=0, match="still active")
     check_rejected(c, c.begin, 9, d_enqueued=True, span=4, epoch=9, boundary=0, match="still active")
@@ -369,7 +369,7 @@ def test_reject_publish_stale_epoch_while_active():
     c.complete(1)
     drive_to(c, 2, 0)
     check_rejected(c, c.publish, 1, 1, PROD, epoch=1, boundary=1,
-           match=r"boundary 1 of stale epoch 1 \(active: 2\)")
+                   match=r"boundary 1 of stale epoch 1 \(active: 2\)")
     check_rejected(c, c.publish, 3, 1, PROD, epoch=3, boundary=1, match="epoch 3")  # future epoch too
 
 
@@ -379,7 +379,7 @@ def test_reject_publish_when_idle():
     drive_to(c, 0, 2)
     c.complete(0)
     check_rejected(c, c.publish, 0, 3, PROD, epoch=0, boundary=3,
-           match=r"boundary 3 of stale epoch 0 \(active: none\)")
+                   match=r"boundary 3 of stale epoch 0 \(active: none\)")
 
 
 @pytest.mark.parametrize("bad", [
@@ -396,7 +396,7 @@ def test_reject_non_monotone_boundary(bad):
     for i in range(3):
         c.publish(0, i, PROD)
     check_rejected(c, c.publish, 0, bad, PROD, epoch=0, boundary=bad,
-           match=rf"non-monotone boundary {bad} after 2")
+                   match=rf"non-monotone boundary {bad} after 2")
     assert c.publish(0, 3, PROD) is False
 
 
@@ -404,7 +404,7 @@ def test_reject_first_boundary_not_zero():
     c = ctl(span=4)
     c.begin(0, d_enqueued=True)
     check_rejected(c, c.publish, 0, 1, PROD, epoch=0, boundary=1,
-           match="non-monotone boundary 1 after -1")
+                   match="non-monotone boundary 1 after -1")
 
 
 @pytest.mark.parametrize("span,d_enqueued", [(1, False), (1, True), (3, False), (3, True)])
@@ -416,7 +416,7 @@ def test_reject_boundary_beyond_permit(span, d_enqueued):
         c.publish(0, i, PROD)
     assert c.at_endpoint
     check_rejected(c, c.publish, 0, p + 1, PROD, epoch=0, boundary=p + 1,
-           match=rf"boundary {p + 1} is beyond the permit {p}")
+                   match=rf"boundary {p + 1} is beyond the permit {p}")
     c.post_d()
     assert c.publish(0, p + 1, PROD) is (span == 1)
 

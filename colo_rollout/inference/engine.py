@@ -27,7 +27,13 @@ from colo_rollout.inference.cpu_compat import install_cpu_compat
 from colo_rollout.inference.model import DTYPES, InferenceGPT, random_state_dict
 from colo_rollout.inference.parallel import ParallelGroups
 from colo_rollout.inference.plan import Phase, StepPlan
-from colo_rollout.inference.request import Request, RequestError, RequestOutput, SamplingParams
+from colo_rollout.inference.request import (
+    FinishReason,
+    Request,
+    RequestError,
+    RequestOutput,
+    SamplingParams,
+)
 from colo_rollout.inference.rendezvous import make_rendezvous
 from colo_rollout.inference.runner import PRODUCER, ModelRunner
 from colo_rollout.inference.segment_policy import FixedSpan, Load, LoadSelectedSpan
@@ -119,6 +125,11 @@ class Engine:
             state = "unknown" if sess is None else "busy (a turn is in flight)"
             raise RequestError(f"close of session {session!r}: {state}")
         self._outbox.closes.append(session)
+
+    def has_unsent(self) -> bool:
+        """Submissions, cancels or closes made on this rank that the next step will send."""
+        o = self._outbox
+        return bool(o.submits or o.cancels or o.closes)
 
     def output(self, request_id: str) -> RequestOutput:
         return self.scheduler.by_id[request_id]
@@ -291,8 +302,6 @@ class Engine:
 
 
 def _rejected(req: Request, error: str) -> RequestOutput:
-    from colo_rollout.inference.request import FinishReason
-
     out = RequestOutput(req.request_id, len(req.prompt), error=error)
     out.finish_reason = FinishReason.REJECTED
     return out

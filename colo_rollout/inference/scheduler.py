@@ -50,6 +50,7 @@ class _Seq:
     length: int  # tokens in the KV cache after the last completed forward
     last_token: int | None = None  # input of the next D step
     context_before: list[int] | None = None  # trajectory context before this turn (sessions)
+    p_blocks: tuple[int, ...] = ()  # the reservation P writes into (checked at promotion)
 
 
 @dataclass
@@ -95,7 +96,6 @@ class Scheduler:
         self.retired: set[int] = set()
         self.sessions: dict[str, _Session] = {}
         self.evictions = 0  # retained trajectory contexts dropped for capacity (re-prefilled)
-        self._cancelled_sessions: dict[str, str] = {}
 
     # ------------------------------------------------------------------ intake
     def validate(self, req: Request) -> None:
@@ -157,11 +157,11 @@ class Scheduler:
         lifetime = self.live.pop(request_id)
         out = self.by_id[request_id]
         if lifetime is None:
+            session = next(r.session for r in self.waiting if r.request_id == request_id)
             self.waiting = deque(r for r in self.waiting if r.request_id != request_id)
         else:
             seq = self.seqs.pop(lifetime)
-            if seq.request.session is not None:
-                self._cancelled_sessions[request_id] = seq.request.session
+            session = seq.request.session
             if self._in_epoch(lifetime):
                 # P work writing these blocks may still be running: they are retired and only
                 # reused once the epoch is done (release in commit)
@@ -171,16 +171,9 @@ class Scheduler:
                 self.kv[seq.replica].free(lifetime)
         out.finish_reason = FinishReason.CANCELLED
         out.finish_time = now
-        req_session = self._session_of(request_id)
-        if req_session is not None:  # a cancelled turn ends its trajectory
-            self._drop_session(req_session)
+        if session is not None:  # a cancelled turn ends its trajectory
+            self._drop_session(session)
         return out
-
-    def _session_of(self, request_id: str) -> str | None:
-        for req in self.waiting:
-            if req.request_id == request_id:
-                return req.session
-        return self._cancelled_sessions.pop(request_id, None)
 
     def close_session(self, session: str) -> None:
         """Forget a finished trajectory and free its retained context."""
@@ -289,8 +282,10 @@ class Scheduler:
         else:  # a retained context grows by this turn's prompt and output budget
             self.kv[adm.replica].grow(adm.lifetime, total)
             start = sess.cached
-        self.seqs[adm.lifetime] = _Seq(req, adm.replica, adm.lifetime, length=start,
-                                       context_before=context if sess is not None else None)
+        self.seqs[adm.lifetime] = _Seq(
+            req, adm.replica, adm.lifetime, length=start,
+            context_before=context if sess is not None else None,
+            p_blocks=tuple(self.kv[adm.replica].block_table(adm.lifetime)))
         if sess is not None:
             sess.lifetime, sess.replica = adm.lifetime, adm.replica
         self.live[req.request_id] = adm.lifetime
@@ -328,8 +323,9 @@ class Scheduler:
         seq = self.seqs.get(item.lifetime)
         if seq is None:
             return  # stale: the lifetime was cancelled while its work ran
-        if isinstance(item, PrefillItem) and not self.kv[r].owns(
-                item.lifetime, self.kv[r].block_table(item.lifetime)):
+        if isinstance(item, PrefillItem) and not self.kv[r].owns(item.lifetime,
+                                                                 list(seq.p_blocks)):
+            # promotion P -> D: the blocks P wrote must still belong to this lifetime
             raise RuntimeError(f"step {step}: lifetime {item.lifetime} lost its KV reservation")
         s = by_lt.get(item.lifetime)
         if s is None:
