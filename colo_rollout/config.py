@@ -49,6 +49,7 @@ BACKENDS = ("auto", "gloo", "nccl")
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 PARAMS_DTYPES = ("float32", "bfloat16", "float16")
 USE_TE_MODES = ("auto", "on", "off")
+MOE_COMPUTE = ("auto", "grouped", "megatron")
 FP8_FORMATS = ("hybrid", "e4m3")
 # normal: strict P priority, no multiplexing. The ordering ladder of P/D multiplexing (PD mode):
 # global_complete (whole-P epoch, D only after P completes), global_enqueue (whole-P epoch, D
@@ -298,6 +299,10 @@ class ModelConfig:
     seed: int = 1234
     # Transformer Engine modules: "auto" (when importable), "on" (required) or "off".
     use_te: str = "auto"
+    # Expert compute: "grouped" (host-sync-free grouped GEMM; needed for P/D overlap on GPUs),
+    # "megatron" (the experts module's own forward; one host sync per MoE layer) or "auto"
+    # (grouped on CUDA in bf16 on sm90+, megatron otherwise).
+    moe_compute: str = "auto"
     # FP8 recipe: null (off), "hybrid" or "e4m3"; requires use_te != "off".
     fp8: str | None = None
 
@@ -344,6 +349,7 @@ class ModelConfig:
         _require_choice(self, "normalization", NORMALIZATIONS)
         _require_choice(self, "params_dtype", PARAMS_DTYPES)
         _require_choice(self, "use_te", USE_TE_MODES)
+        _require_choice(self, "moe_compute", MOE_COMPUTE)
         _require_choice(self, "fp8", (None, *FP8_FORMATS))
         _require(
             self.fp8 is None or self.use_te != "off",

@@ -24,14 +24,15 @@ from colo_rollout.inference.request import FinishReason, Request, SamplingParams
 LOGPROB_TOL = 1e-4
 
 
-def tiny_config(world: int, adp: int, ep: int, timeout_s: float = 60.0, **engine) -> Config:
+def tiny_config(world: int, adp: int, ep: int, timeout_s: float = 60.0,
+                model_kw: dict | None = None, **engine) -> Config:
     return Config(
         parallel=ParallelConfig(world_size=world, adp=adp, ep=ep, backend="gloo",
                                 timeout_s=timeout_s),
         model=ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_attention_heads=4,
                           num_query_groups=2, moe_ffn_hidden_size=64, num_experts=8,
                           moe_router_topk=2, max_position_embeddings=512, init_method_std=0.1,
-                          seed=7),
+                          seed=7, **(model_kw or {})),
         engine=EngineConfig(**{"max_batch_size": 8, "max_prefill_tokens": 256, "kv_block_size": 4,
                                "num_kv_blocks": 128, "max_seq_len": 256,
                                "decode_buckets": [1, 2, 4, 8], **engine}),
@@ -68,20 +69,23 @@ def compare_with_reference(ref, requests, outs, tol: float = LOGPROB_TOL) -> dic
 
 
 def engine_matches_reference(rank: int, world: int, adp: int, ep: int, n_requests: int = 14,
-                             seed: int = 0) -> dict:
+                             seed: int = 0, moe_compute: str = "auto") -> dict:
     # A batch cap of 3 rows per replica admits requests in waves: later P steps run while other
     # replicas hold D rows, and some replicas take part in a P step with zero rows.
-    cfg = tiny_config(world, adp, ep, max_batch_size=3, decode_buckets=[1, 2, 4])
+    cfg = tiny_config(world, adp, ep, max_batch_size=3, decode_buckets=[1, 2, 4],
+                      model_kw={"moe_compute": moe_compute})
     groups = init_parallel(cfg.parallel)
     install_cpu_compat()
     sd = random_state_dict(cfg.model)
     engine = Engine(cfg, groups, sd)
+    grouped = [layer.mlp.uses_grouped(torch.zeros(1, device=groups.device))
+               for layer in engine.model.decoder.layers]
     requests = mixed_requests(n_requests, seed, cfg.model.vocab_size)
     outs = engine.generate(requests)
     engine.check_integrity()
     pgc = singleton_pg_collection()
     phases = [h.phase.value for h in engine.history]
-    result = {"layout": groups.layout.name, "steps": len(engine.history),
+    result = {"layout": groups.layout.name, "steps": len(engine.history), "grouped": grouped,
               "prefill_after_decode": any(a == "decode" and b == "prefill"
                                           for a, b in zip(phases, phases[1:])),
               "owners_left": sum(len(kv.owners()) for kv in engine.scheduler.kv),
@@ -428,3 +432,31 @@ def multi_turn_matches_reference(rank: int, world: int, adp: int, ep: int, mode:
     else:
         singleton_pg_collection()
     return res
+
+
+def grouped_weights_follow_updates(rank: int, world: int, adp: int, ep: int) -> dict:
+    """The grouped path's stacked expert weights stay the parameters' storage: an in-place
+    reload (what weight sync does) and a replaced parameter both reach the next forward."""
+    cfg = tiny_config(world, adp, ep, model_kw={"moe_compute": "grouped"})
+    groups = init_parallel(cfg.parallel)
+    install_cpu_compat()
+    engine = Engine(cfg, groups, random_state_dict(cfg.model))
+    requests = mixed_requests(6, 3, cfg.model.vocab_size)
+    engine.generate([Request(r.request_id + "-a", r.prompt, r.params) for r in requests])
+    sd2 = random_state_dict(cfg.model, seed=99)
+    engine.model.load_full_state_dict(sd2)  # in-place copies into the stacked views
+    outs = engine.generate([Request(r.request_id + "-b", r.prompt, r.params) for r in requests])
+    experts = engine.model.decoder.layers[0].mlp.experts.local_experts
+    # a parameter replaced (not updated in place) by a zeroed expert: a stale stack would keep
+    # computing with the old weights and reproduce run b's logprobs exactly
+    experts[0].linear_fc1.weight.data = torch.zeros_like(experts[0].linear_fc1.weight)
+    outs_c = engine.generate([Request(r.request_id + "-c", r.prompt, r.params) for r in requests])
+    result = {"changed_after_replace": any(outs[r.request_id + "-b"].logprobs
+                                           != outs_c[r.request_id + "-c"].logprobs
+                                           for r in requests)}
+    if rank == 0:
+        ref = build_reference(cfg.model, sd2, singleton_pg_collection(), torch.device("cpu"))
+        renamed = {r.request_id + "-b": outs[r.request_id + "-b"] for r in requests}
+        reqs_b = [Request(r.request_id + "-b", r.prompt, r.params) for r in requests]
+        result.update(compare_with_reference(ref, reqs_b, renamed))
+    return result

@@ -25,8 +25,35 @@ def test_greedy_tokens_and_logprobs_match_megatron_reference(worker_groups, worl
     assert r0["lengths"] == r0["expected"]  # ignore_eos: exactly max_tokens each
     assert set(r0["reasons"].values()) == {"length"}
     assert r0["owners_left"] == 0
+    assert r0["grouped"] == [False, False]  # auto on CPU: megatron's experts forward
     for r in res[1:]:  # replicated state: every rank has every token
         assert r["tokens"] == r0["tokens"]
+
+
+# The host-sync-free grouped expert path against the same megatron reference: ETP1, ETP2 (ATP2
+# with EP1 shards each expert's FFN) and EP4 with experts split over ranks.
+@pytest.mark.parametrize("world,adp,ep", [(1, 1, 1), (2, 1, 1), (4, 2, 4)])
+def test_grouped_expert_path_matches_megatron_reference(worker_groups, world, adp, ep):
+    from tests.cases_engine import LOGPROB_TOL
+
+    res = worker_groups(world).run(f"{CASES}:engine_matches_reference", adp=adp, ep=ep,
+                                   moe_compute="grouped")
+    r0 = res[0]
+    assert r0["grouped"] == [True, True]
+    assert r0["checked"] > 40 and r0["mismatches"] == []
+    assert r0["max_logprob_diff"] < LOGPROB_TOL
+    for r in res[1:]:
+        assert r["tokens"] == r0["tokens"]
+
+
+def test_grouped_expert_weights_follow_in_place_updates_and_replacement(worker_groups):
+    from tests.cases_engine import LOGPROB_TOL
+
+    res = worker_groups(2).run(f"{CASES}:grouped_weights_follow_updates", adp=1, ep=1)
+    r0 = res[0]
+    assert r0["checked"] > 10 and r0["mismatches"] == []
+    assert r0["max_logprob_diff"] < LOGPROB_TOL  # the reloaded weights, not the first ones
+    assert all(r["changed_after_replace"] for r in res)
 
 
 @pytest.mark.parametrize("world,adp,ep", [(2, 2, 2), (4, 2, 4)])

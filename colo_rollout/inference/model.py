@@ -142,7 +142,7 @@ class InferenceLayer(torch.nn.Module):
     """One decoder layer, its modules chosen by megatron's backend provider (local or TE)."""
 
     def __init__(self, config: TransformerConfig, groups: ParallelGroups, layer_number: int,
-                 backend: BackendSpecProvider):
+                 backend: BackendSpecProvider, moe_compute: str = "auto"):
         super().__init__()
         fused = backend.fuse_layernorm_and_linear()  # TE: norm lives in linear_qkv
         self.input_layernorm = IdentityOp() if fused else _norm(backend, config)
@@ -154,14 +154,16 @@ class InferenceLayer(torch.nn.Module):
         self.pre_mlp_layernorm = _norm(backend, config)
         ep_rank = groups.rank // groups.layout.etp  # EP index: experts are EP-major over ranks
         self.mlp = GatherMoE(config, groups.pg_collection, ep_rank, groups.layout.ep,
-                             layer_number, backend.grouped_mlp_modules(config.moe_grouped_gemm))
+                             layer_number, backend.grouped_mlp_modules(config.moe_grouped_gemm),
+                             compute=moe_compute)
 
 
 class _Decoder(torch.nn.Module):
-    def __init__(self, config, groups, backend):
+    def __init__(self, config, groups, backend, moe_compute="auto"):
         super().__init__()
         self.layers = torch.nn.ModuleList(
-            [InferenceLayer(config, groups, i + 1, backend) for i in range(config.num_layers)]
+            [InferenceLayer(config, groups, i + 1, backend, moe_compute)
+             for i in range(config.num_layers)]
         )
         self.final_layernorm = _norm(backend, config)
 
@@ -213,7 +215,7 @@ class InferenceGPT(torch.nn.Module):
         self.config = megatron_config(cfg, tp=lay.atp, ep=lay.ep, etp=lay.etp, dtype=dtype,
                                       init=False, use_te=self.use_te)
         self.embedding = _Embedding(self.config, cfg.vocab_size, groups.atp)
-        self.decoder = _Decoder(self.config, groups, spec_backend(self.use_te))
+        self.decoder = _Decoder(self.config, groups, spec_backend(self.use_te), cfg.moe_compute)
         self.output_layer = ColumnParallelLinear(
             cfg.hidden_size, cfg.vocab_size, config=self.config,
             init_method=self.config.init_method, bias=False, gather_output=False,

@@ -2,11 +2,23 @@
 
 Owns the local part of one MoE layer: every rank sees the tokens of all replicas (the comm
 layer gathered them), routes them with megatron's ``TopKRouter`` (replicated weights, so every
-rank computes the same routing) and runs its *local* experts (megatron ``SequentialMLP``: EP
-shards experts, ETP shards each expert's FFN). The result is this rank's partial sum of the MoE
-output for every token; the phase's combine collective (P: full AllReduce, D: full
-ReduceScatter) completes it. Parameter names match megatron's MoELayer
-(``router.weight``, ``experts.local_experts.{j}.linear_fc{1,2}.weight``).
+rank computes the same routing) and runs its *local* experts (megatron ``SequentialMLP`` or
+``TEGroupedMLP``: EP shards experts, ETP shards each expert's FFN). The result is this rank's
+partial sum of the MoE output for every token; the phase's combine collective (P: full
+AllReduce, D: full ReduceScatter) completes it. Parameter names match megatron's MoELayer.
+
+Two ways to compute the experts, same weights, same math (tested equal):
+  * ``megatron``: the experts module's own forward. It needs the per-expert token counts on
+    the host (``tokens_per_expert.tolist()`` / TE's ``m_splits``), i.e. one device->host sync
+    per layer -- which stalls a P segment's host enqueue until P's GPU work has caught up, and
+    so defeats P/D overlap on a GPU.
+  * ``grouped``: host-sync-free. Every (token, top-k slot) pair gets a fixed-size slot; pairs
+    routed to other ranks' experts sort to the end and are masked out; per-expert offsets are
+    a device-side cumsum fed to ``torch._grouped_mm`` (CUTLASS grouped GEMM on sm90, a loop
+    elsewhere). The experts' weights are stacked once into [E_local, out, in] tensors and the
+    module's parameters are re-pointed at views of them, so there is one copy of the weights
+    and in-place updates (load_state_dict, weight sync) reach both; a parameter that was
+    replaced rather than updated in place is detected and the stack rebuilt.
 
 Must not go in here: collectives (the expert fc2 skips its reduction by megatron's
 ``explicit_expert_comm`` whenever EP > 1 or ETP > 1; with EP = ETP = 1 its group has one rank).
@@ -21,14 +33,22 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from colo_rollout.config import MOE_COMPUTE
+
+
 
 class GatherMoE(torch.nn.Module):
     def __init__(self, config: TransformerConfig, pg_collection, ep_rank: int, ep_size: int,
-                 layer_number: int, experts_builder=None) -> None:
+                 layer_number: int, experts_builder=None, compute: str = "auto") -> None:
         super().__init__()
+        if compute not in MOE_COMPUTE:
+            raise ValueError(f"moe compute {compute!r}: expected one of {MOE_COMPUTE}")
+        self.config = config
+        self.compute = compute
         self.num_experts = config.num_moe_experts
         self.num_local = self.num_experts // ep_size
         self.first_expert = ep_rank * self.num_local
+        self.topk = config.moe_router_topk
         self.router = TopKRouter(config=config, pg_collection=pg_collection)
         self.router.set_layer_number(layer_number)
         # experts_builder comes from megatron's backend provider: SequentialMLP (local) or
@@ -41,10 +61,24 @@ class GatherMoE(torch.nn.Module):
             )
         else:
             self.experts = experts_builder(self.num_local, config, pg_collection=pg_collection)
+        self._stack: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def uses_grouped(self, x: torch.Tensor) -> bool:
+        if self.compute == "auto":
+            # sm90 CUTLASS grouped GEMM (bf16); FP8 keeps megatron's padded quantised path
+            return (x.is_cuda and x.dtype == torch.bfloat16 and not self.config.fp8
+                    and torch.cuda.get_device_capability(x.device)[0] >= 9)
+        return self.compute == "grouped"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, H] (all replicas' tokens) -> this rank's partial MoE output [N, H]."""
         probs, routing_map = self.router(x.unsqueeze(1))  # [N, E] each
+        if self.uses_grouped(x):
+            return self._grouped(x, probs, routing_map)
+        return self._megatron(x, probs, routing_map)
+
+    # ------------------------------------------------------------------ megatron experts
+    def _megatron(self, x, probs, routing_map) -> torch.Tensor:
         local_map = routing_map[:, self.first_expert : self.first_expert + self.num_local]
         local_probs = probs[:, self.first_expert : self.first_expert + self.num_local]
         # Permute: tokens grouped by local expert (expert-major, token order within an expert).
@@ -58,3 +92,65 @@ class GatherMoE(torch.nn.Module):
         y, _ = self.experts(permuted, counts.cpu(), permuted_probs)
         out.index_add_(0, token_idx, y.to(out.dtype))
         return out
+
+    # ------------------------------------------------------------------ grouped, sync-free
+    def _grouped(self, x, probs, routing_map) -> torch.Tensor:
+        N, k, E = x.shape[0], self.topk, self.num_local
+        # the k routed experts of each token (exactly k True per row of routing_map)
+        chosen = routing_map.to(torch.int8).topk(k, dim=1).indices  # [N, k] global ids
+        weight = probs.gather(1, chosen)  # [N, k]
+        local = chosen - self.first_expert
+        mine = (local >= 0) & (local < E)
+        key = torch.where(mine, local, E).flatten()  # other ranks' experts sort last
+        order = torch.sort(key, stable=True).indices  # expert-major, token order within
+        token = order // k
+        counts = torch.zeros(E + 1, dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, key.to(torch.int64), torch.ones_like(key, dtype=torch.int32))
+        offs = counts[:E].cumsum(0, dtype=torch.int32)  # group ends; rows past offs[-1] unused
+        fc1, fc2 = self._stacked()
+        h = torch._grouped_mm(x[token], fc1.transpose(1, 2), offs=offs)  # [N*k, 2F or F]
+        if self.config.gated_linear_unit:
+            gate, up = torch.chunk(h, 2, dim=-1)
+            h = self.config.activation_func(gate) * up
+        else:
+            h = self.config.activation_func(h)
+        h = (h * weight.flatten()[order].unsqueeze(-1)).to(x.dtype)  # megatron: probs after act
+        y = torch._grouped_mm(h, fc2.transpose(1, 2), offs=offs)  # [N*k, H]
+        valid = mine.flatten()[order].unsqueeze(-1)
+        y = torch.where(valid, y, torch.zeros((), dtype=y.dtype, device=y.device))  # unwritten rows
+        out = torch.zeros_like(x)
+        out.index_add_(0, token, y.to(out.dtype))
+        return out
+
+    def _expert_weights(self) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+        ex = self.experts
+        if hasattr(ex, "local_experts"):  # SequentialMLP
+            return ([e.linear_fc1.weight for e in ex.local_experts],
+                    [e.linear_fc2.weight for e in ex.local_experts])
+        # TEGroupedMLP: one parameter per local expert, weight{j}
+        return ([getattr(ex.linear_fc1, f"weight{j}") for j in range(self.num_local)],
+                [getattr(ex.linear_fc2, f"weight{j}") for j in range(self.num_local)])
+
+    def _stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[E_local, out, in] views shared with the experts' parameters."""
+        w1, w2 = self._expert_weights()
+        if self._stack is not None and _aliases(self._stack[0], w1) and _aliases(self._stack[1], w2):
+            return self._stack
+        stack = []
+        # outside inference mode: the parameters must stay updatable in place (weight sync)
+        with torch.inference_mode(False), torch.no_grad():
+            for ws in (w1, w2):
+                s = torch.stack([w.detach() for w in ws])
+                for j, w in enumerate(ws):
+                    w.data = s[j]  # the parameter now lives in the stack (same values)
+                stack.append(s)
+        self._stack = (stack[0], stack[1])
+        return self._stack
+
+
+def _aliases(stack: torch.Tensor, params) -> bool:
+    """Every parameter j is still the view stack[j] (not replaced, same device and dtype)."""
+    step = stack.stride(0) * stack.element_size()
+    base = stack.data_ptr()
+    return all(p.data_ptr() == base + j * step and p.dtype == stack.dtype
+               and p.shape == stack.shape[1:] for j, p in enumerate(params))
