@@ -50,6 +50,7 @@ NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 PARAMS_DTYPES = ("float32", "bfloat16", "float16")
 USE_TE_MODES = ("auto", "on", "off")
 MOE_COMPUTE = ("auto", "grouped", "megatron")
+STREAM_ROUTES = ("auto", "off")
 FP8_FORMATS = ("hybrid", "e4m3")
 # normal: strict P priority, no multiplexing. The ordering ladder of P/D multiplexing (PD mode):
 # global_complete (whole-P epoch, D only after P completes), global_enqueue (whole-P epoch, D
@@ -392,6 +393,11 @@ class EngineConfig:
     segment_spans: list[int] = field(default_factory=lambda: [1, 2, 4])
     # rendezvous implementation: "auto" (shared memory when all ranks share a host), "shm", "gloo"
     rendezvous: str = "auto"
+    # GPU, PD modes: "auto" puts P's full-group AllReduce on D's stream where the paths cross
+    # (ADP > 1 and ATP > 1); "off" drops that route (the unsafe control of the crossed-path run).
+    stream_route: str = "auto"
+    # GPU, PD modes: record CUDA events around every P segment and D iteration (timelines).
+    cuda_timing: bool = False
 
     def __post_init__(self) -> None:
         _check_field_types(self)
@@ -425,6 +431,7 @@ class EngineConfig:
             )
         _require_choice(self, "mode", ENGINE_MODES)
         _require_choice(self, "segment_policy", SEGMENT_POLICIES)
+        _require_choice(self, "stream_route", STREAM_ROUTES)
         _require_choice(self, "rendezvous", ("auto", "shm", "gloo"))
         _require_min(self, ("segment_span",), 1)
         spans = self.segment_spans

@@ -454,8 +454,9 @@ def grouped_weights_follow_updates(rank: int, world: int, adp: int, ep: int) -> 
     result = {"changed_after_replace": any(outs[r.request_id + "-b"].logprobs
                                            != outs_c[r.request_id + "-c"].logprobs
                                            for r in requests)}
+    pgc = singleton_pg_collection()  # collective: new groups are created by every rank
     if rank == 0:
-        ref = build_reference(cfg.model, sd2, singleton_pg_collection(), torch.device("cpu"))
+        ref = build_reference(cfg.model, sd2, pgc, torch.device("cpu"))
         renamed = {r.request_id + "-b": outs[r.request_id + "-b"] for r in requests}
         reqs_b = [Request(r.request_id + "-b", r.prompt, r.params) for r in requests]
         result.update(compare_with_reference(ref, reqs_b, renamed))

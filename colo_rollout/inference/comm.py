@@ -18,7 +18,8 @@ Paths (DESIGN.md item 4, "gather backend"):
     of this rank's chunk; ``d_all_gather_atp`` rebuilds a replica's rows for attention.
 
 With d > 1 and ATP > 1 the P AllReduce and D's ATP/full collectives intersect: issuing them in
-different orders on different ranks deadlocks. Nothing in this module orders them; callers must.
+different orders on different ranks deadlocks. This module does not order them: the turnstile
+orders the host enqueue and ``route`` (a StreamRoute, set by the runner) the device order.
 
 On gloo, reduce-scatter is emulated by AllReduce + slice (same result, more bytes): gloo has no
 reduce_scatter_tensor. NCCL uses the native collectives.
@@ -42,6 +43,7 @@ class GatherComm:
         self._native_rs = dist.get_backend(groups.full_d) == "nccl"
         self.p_collectives = 0  # P full-group AllReduces issued so far (monotone)
         self.d_collectives = 0
+        self.route = None  # StreamRoute: places P's AllReduce on D's stream where paths cross
 
     # ---- P: sum-len, zero-filled global buffer + full-group AllReduce -------------------------
     def p_gather(self, partial: torch.Tensor, row_offset: int, total_rows: int) -> torch.Tensor:
@@ -53,7 +55,10 @@ class GatherComm:
 
     def p_allreduce(self, x: torch.Tensor) -> torch.Tensor:
         self.p_collectives += 1
-        dist.all_reduce(x, group=self.groups.full_p)
+        if self.route is None:
+            dist.all_reduce(x, group=self.groups.full_p)
+        else:
+            self.route.p_collective(lambda t: dist.all_reduce(t, group=self.groups.full_p), x)
         return x
 
     # ---- D: max-len, ATP ReduceScatter + full AllGather ---------------------------------------

@@ -35,10 +35,11 @@ from colo_rollout.inference.request import (
     SamplingParams,
 )
 from colo_rollout.inference.rendezvous import make_rendezvous
-from colo_rollout.inference.runner import PRODUCER, ModelRunner
+from colo_rollout.inference.runner import PRODUCER, ModelRunner, PendingSampled
 from colo_rollout.inference.segment_policy import FixedSpan, Load, LoadSelectedSpan
 from colo_rollout.inference.turnstile import TurnstileController
 from colo_rollout.inference.scheduler import Sampled, Scheduler
+from colo_rollout.inference.stream_route import StreamRoute
 
 
 @dataclass
@@ -75,12 +76,16 @@ class Engine:
         self.model = model.to(groups.device).eval()
         lay = groups.layout
         self.scheduler = Scheduler(cfg.engine, lay.adp, lay.atp, cfg.model.vocab_size)
-        self.runner = ModelRunner(self.model, cfg.engine.num_kv_blocks, cfg.engine.kv_block_size,
-                                  seed=cfg.model.seed)
-        self.control = ControlPlane(groups.control, groups.rank, lay.world_size)
-        # PD mode (the ordering ladder): turnstile controller, rendezvous, segment policy
+        # PD mode (the ordering ladder): streams, turnstile controller, rendezvous, segment policy
         self.mode = cfg.engine.mode
         self.pd = self.mode != "normal"
+        self.model.rope_table()  # made once on the default stream, read by both phases
+        self.route = StreamRoute.for_layout(groups.device, self.pd, lay.adp, lay.atp,
+                                            cfg.engine.stream_route, cfg.engine.cuda_timing)
+        self.runner = ModelRunner(self.model, cfg.engine.num_kv_blocks, cfg.engine.kv_block_size,
+                                  seed=cfg.model.seed, route=self.route)
+        self.route.synchronize()  # KV storage was zeroed on the default stream
+        self.control = ControlPlane(groups.control, groups.rank, lay.world_size)
         self.turnstile = TurnstileController(rank=groups.rank)
         self.turnstile.register_producer(PRODUCER)
         self.rendezvous = (make_rendezvous(groups.control, groups.rank, lay.world_size,
@@ -172,10 +177,10 @@ class Engine:
         self._d_rows_run = 0
         self._d_wait_run = 0.0
         if self.pd:
-            self._last_sampled, epoch_done = self._round(plan)
+            pending, epoch_done = self._round(plan)
         else:
             t = time.perf_counter()
-            self._last_sampled = self.runner.run(plan, self.scheduler)
+            pending = [self.runner.run(plan, self.scheduler)]
             te = time.perf_counter()
             if plan.phase is Phase.PREFILL:
                 self.timeline.append(Span("P", t, te))
@@ -184,6 +189,8 @@ class Engine:
             elif plan.phase is Phase.DECODE:
                 self.timeline.append(Span("D", t, te))
                 self._note_d(plan)
+        # the only host waits of a step: this step's sampled tokens, after both phases enqueued
+        self._last_sampled = [x for p in pending for x in p.resolve()]
         self._last_plan = plan if plan.phase is not Phase.IDLE else None
         self._last_epoch_done = epoch_done
         rows = sum(w.prefill_tokens if plan.phase is Phase.PREFILL else len(w.decode)
@@ -198,7 +205,7 @@ class Engine:
         self._d_rows_run = sum(len(w.decode) for w in plan.replicas)
         self._d_wait_run, self._d_wait = self._d_wait, 0.0
 
-    def _round(self, plan: StepPlan) -> tuple[list[Sampled], StepPlan | None]:
+    def _round(self, plan: StepPlan) -> tuple[list[PendingSampled], StepPlan | None]:
         """One turnstile round (PD modes): P advances to its permitted endpoint, then
         PreD -> one D iteration on every rank -> PostD -> P gets K more boundaries.
 
@@ -215,18 +222,20 @@ class Engine:
             out = runner.run_decode(plan, sched)
             self.timeline.append(Span("D", t, time.perf_counter()))
             self._note_d(plan)
-            return out, None
+            return [out], None
         if plan.has_prefill:
             self._epoch_id += 1
             runner.start_epoch(plan, sched)
             ctl.begin(self._epoch_id, d_enqueued=False, span=self._span(plan))
-        sampled: list[Sampled] = []
+        sampled: list[PendingSampled] = []
         epoch_plan = sched.epoch
         done = self._advance_p() if runner.epoch_active else None
+        if done is not None and self.mode == "global_complete":
+            self.route.fence_p()  # whole-P completion fence before D may be enqueued
         if plan.has_decode:
             self.rendezvous.pre_d(ctl.epoch, ctl.reached)
             t = time.perf_counter()
-            sampled += runner.run_decode(plan, sched)
+            sampled.append(runner.run_decode(plan, sched, ctl.epoch))
             self.timeline.append(Span("D", t, time.perf_counter(), ctl.epoch))
             self._note_d(plan)
             self.rendezvous.post_d(ctl.epoch, ctl.reached)
@@ -236,9 +245,8 @@ class Engine:
                 ctl.post_d()
                 done = self._advance_p()
         if done is not None or (epoch_plan is not None and not runner.epoch_active):
-            if self.mode == "global_complete" and self.groups.device.type == "cuda":
-                torch.cuda.current_stream().synchronize()  # whole-P completion fence
-            sampled += done or []
+            if done is not None:
+                sampled.append(done)
             return sampled, epoch_plan
         return sampled, None
 

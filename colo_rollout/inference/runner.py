@@ -6,6 +6,10 @@ scheduler state; it returns the sampled tokens of its replica (leader only) as p
 
 Every rank runs every non-IDLE plan -- a replica without work still runs the phase with zero
 (P) or padding (D) rows -- because the phase's collectives span all ranks.
+
+On a GPU in PD modes, P is enqueued under the route's P stream and D under its D stream; the
+sampled tokens come back as ``PendingSampled`` so that neither phase's host enqueue waits for
+the other's GPU work (the engine resolves them at the end of its step).
 """
 
 from __future__ import annotations
@@ -15,15 +19,34 @@ import torch
 from colo_rollout.inference.attention import AttnMetadata
 from colo_rollout.inference.model import DecodeInputs, InferenceGPT, PrefillInputs
 from colo_rollout.inference.plan import Phase, StepPlan
-from colo_rollout.inference.sampler import sample
+from colo_rollout.inference.sampler import sample_tensors
 from colo_rollout.inference.scheduler import Sampled, Scheduler
+from colo_rollout.inference.stream_route import Pending, StreamRoute, h2d
 
 PRODUCER = "gather"  # the gather backend's boundary producer (registered layer points)
 
 
+class PendingSampled:
+    """Sampled tokens of one phase run, their device->host copy in flight."""
+
+    def __init__(self, lifetimes: list[int] = (), pending: Pending | None = None) -> None:
+        self.lifetimes = list(lifetimes)
+        self._pending = pending
+
+    def resolve(self) -> list[Sampled]:
+        if self._pending is None:
+            return []
+        tokens, logprobs = self._pending.get()
+        return [Sampled(lt, t, lp) for lt, t, lp in zip(self.lifetimes, tokens, logprobs)]
+
+
 class ModelRunner:
-    def __init__(self, model: InferenceGPT, num_blocks: int, block_size: int, seed: int) -> None:
+    def __init__(self, model: InferenceGPT, num_blocks: int, block_size: int, seed: int,
+                 route: StreamRoute | None = None) -> None:
         self.model = model
+        self.route = route or StreamRoute(model.output_layer.weight.device, active=False,
+                                          route_p_collective=False)
+        model.comm.route = self.route
         self.groups = model.groups
         self.device = model.output_layer.weight.device
         self.kv = model.new_kv_storage(num_blocks, block_size)
@@ -36,20 +59,21 @@ class ModelRunner:
         self._epoch_items = ()
         self._at: int | None = None
 
-    def run(self, plan: StepPlan, sched: Scheduler) -> list[Sampled]:
+    def run(self, plan: StepPlan, sched: Scheduler) -> PendingSampled:
         """Normal mode: the whole plan (one P epoch or one D iteration)."""
         if plan.phase is Phase.IDLE:
-            return []
+            return PendingSampled()
         if plan.phase is Phase.PREFILL:
             logits = self.model.forward_prefill(self._prefill_inputs(plan, sched), self.kv)
             return self._sample(logits, plan.replicas[self.groups.replica].prefill, sched)
         return self.run_decode(plan, sched)
 
-    def run_decode(self, plan: StepPlan, sched: Scheduler) -> list[Sampled]:
+    def run_decode(self, plan: StepPlan, sched: Scheduler, epoch: int = -1) -> PendingSampled:
         """One D iteration over the plan's D rows (every rank; padding where a replica has
-        fewer rows than the bucket)."""
-        logits = self.model.forward_decode(self._decode_inputs(plan, sched), self.kv)
-        return self._sample(logits, plan.replicas[self.groups.replica].decode, sched)
+        fewer rows than the bucket), enqueued on D's stream."""
+        with self.route.d(), self.route.mark("D", epoch):
+            logits = self.model.forward_decode(self._decode_inputs(plan, sched), self.kv)
+            return self._sample(logits, plan.replicas[self.groups.replica].decode, sched)
 
     # ------------------------------------------------------------------ P epochs (PD mode)
     @property
@@ -61,14 +85,21 @@ class ModelRunner:
         a segment generator; nothing runs until ``advance``."""
         if self._epoch is not None:
             raise RuntimeError("a P epoch is already in flight")
-        gen = self.model.prefill_segments(self._prefill_inputs(plan, sched), self.kv)
+        with self.route.p():
+            inputs = self._prefill_inputs(plan, sched)
+        gen = self.model.prefill_segments(inputs, self.kv)
         self._epoch = gen
         self._epoch_items = plan.replicas[self.groups.replica].prefill
         self._at = None  # boundary P is parked at (its collective not yet issued)
 
-    def advance(self, ctl, sched: Scheduler) -> list[Sampled] | None:
+    def advance(self, ctl, sched: Scheduler) -> PendingSampled | None:
         """Run P until it is parked at its permitted endpoint (returns None) or the epoch is
-        complete (returns the sampled first tokens; leader ranks only have values)."""
+        complete (returns the sampled first tokens; leader ranks only have values). P's
+        kernels go on P's stream (its routed collectives on D's)."""
+        with self.route.p(), self.route.mark("P", ctl.epoch):
+            return self._advance(ctl, sched)
+
+    def _advance(self, ctl, sched: Scheduler) -> PendingSampled | None:
         if self._at is None:
             self._at = next(self._epoch)  # compute up to boundary 0
             ctl.publish(ctl.epoch, self._at, PRODUCER)
@@ -80,18 +111,19 @@ class ModelRunner:
                 items, self._epoch, self._epoch_items = self._epoch_items, None, ()
                 live = [p for p in items if p.lifetime in sched.seqs]  # cancelled: discarded
                 keep = [i for i, p in enumerate(items) if p.lifetime in sched.seqs]
-                return self._sample(done.value[keep], live, sched)
+                rows = done.value.index_select(0, h2d(keep, torch.int64, self.device))
+                return self._sample(rows, live, sched)
             ctl.publish(ctl.epoch, nxt, PRODUCER)
             self._at = nxt
         return None
 
-    def _sample(self, logits: torch.Tensor, items, sched: Scheduler) -> list[Sampled]:
+    def _sample(self, logits: torch.Tensor, items, sched: Scheduler) -> PendingSampled:
         lifetimes = [it.lifetime for it in items]
         if not self.groups.is_replica_leader or not lifetimes:
-            return []
+            return PendingSampled()
         params = [sched.seqs[lt].request.params for lt in lifetimes]
-        tokens, logprobs = sample(logits[: len(lifetimes)], params, self.generator)
-        return [Sampled(lt, t, lp) for lt, t, lp in zip(lifetimes, tokens, logprobs)]
+        tokens, logprobs = sample_tensors(logits[: len(lifetimes)], params, self.generator)
+        return PendingSampled(lifetimes, Pending(tokens, logprobs))
 
     def _slots(self, table: list[int], positions: range) -> list[int]:
         bs = self.block_size
@@ -101,7 +133,7 @@ class ModelRunner:
         width = max((len(t) for t in tables), default=1)
         sink = self.kv.sink_block
         padded = [t + [sink] * (width - len(t)) for t in tables]
-        return torch.tensor(padded, dtype=torch.int64, device=self.device)
+        return h2d(padded, torch.int64, self.device)
 
     def _prefill_inputs(self, plan: StepPlan, sched: Scheduler) -> PrefillInputs:
         r = self.groups.replica
@@ -123,19 +155,19 @@ class ModelRunner:
             for p in w.prefill:
                 off += len(p.tokens)
                 last_rows.append(off - 1)
-        dev = self.device
+        dev, i64 = self.device, torch.int64
         attn = AttnMetadata(
             is_prefill=True,
-            positions=torch.tensor(pos, dtype=torch.int64, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=self._tables(tables) if tables else torch.zeros(0, 1, dtype=torch.int64, device=dev),
-            context_lens=torch.tensor(ctx, dtype=torch.int64, device=dev),
+            positions=h2d(pos, i64, dev),
+            slot_mapping=h2d(slots, i64, dev),
+            block_tables=self._tables(tables) if tables else torch.zeros(0, 1, dtype=i64, device=dev),
+            context_lens=h2d(ctx, i64, dev),
             seq_lens_new=new, context_lens_host=ctx,
         )
         return PrefillInputs(
-            token_ids=torch.tensor(ids, dtype=torch.int64, device=dev), attn=attn,
+            token_ids=h2d(ids, i64, dev), attn=attn,
             row_counts=row_counts, last_counts=last_counts,
-            last_rows=torch.tensor(last_rows, dtype=torch.int64, device=dev),
+            last_rows=h2d(last_rows, i64, dev),
         )
 
     def _decode_inputs(self, plan: StepPlan, sched: Scheduler) -> DecodeInputs:
@@ -147,13 +179,13 @@ class ModelRunner:
         pos = [d.position for d in rows] + [0] * (B - len(rows))
         tables = [sched.block_table(r, d.lifetime) for d in rows] + [[sink]] * (B - len(rows))
         slots = [self._slots(t, range(p, p + 1))[0] for t, p in zip(tables, pos)]
-        dev = self.device
+        dev, i64 = self.device, torch.int64
         attn = AttnMetadata(
             is_prefill=False,
-            positions=torch.tensor(pos, dtype=torch.int64, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            positions=h2d(pos, i64, dev),
+            slot_mapping=h2d(slots, i64, dev),
             block_tables=self._tables(tables),
-            context_lens=torch.tensor([p + 1 for p in pos], dtype=torch.int64, device=dev),
+            context_lens=h2d([p + 1 for p in pos], i64, dev),
             seq_lens_new=[], context_lens_host=[],
         )
-        return DecodeInputs(token_ids=torch.tensor(ids, dtype=torch.int64, device=dev), attn=attn)
+        return DecodeInputs(token_ids=h2d(ids, i64, dev), attn=attn)

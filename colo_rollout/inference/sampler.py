@@ -13,41 +13,49 @@ from __future__ import annotations
 import torch
 
 from colo_rollout.inference.request import SamplingParams
+from colo_rollout.inference.stream_route import h2d
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generator: torch.Generator | None) -> tuple[list[int], list[float]]:
     """logits [n, V] -> (tokens, logprobs) for each row."""
+    tokens, logprobs = sample_tensors(logits, params, generator)
+    return tokens.tolist(), logprobs.tolist()
+
+
+def sample_tensors(logits: torch.Tensor, params: list[SamplingParams],
+                   generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sample`` left on the device (no host wait): tokens [n] int64, logprobs [n] fp32."""
     logits = logits.float()
+    dev = logits.device
     logp = torch.log_softmax(logits, dim=-1)
     greedy = logits.argmax(dim=-1)
     tokens = greedy.clone()
     random_rows = [i for i, p in enumerate(params) if p.temperature > 0]
     if random_rows:
-        idx = torch.tensor(random_rows, device=logits.device)
+        idx = h2d(random_rows, torch.int64, dev)
         # shift by the row max first: (x - max) / T stays finite-or--inf for any T > 0, so a
         # tiny temperature tends to greedy instead of overflowing to NaN
         sub = logits[idx]
         sub = sub - sub.max(dim=-1, keepdim=True).values
-        temps = torch.tensor([params[i].temperature for i in random_rows],
-                             device=logits.device)[:, None]
+        temps = h2d([params[i].temperature for i in random_rows], torch.float32, dev)[:, None]
         sub = sub / temps
         ks = [params[i].top_k for i in random_rows]
         if any(k > 0 for k in ks):
             sub = _top_k(sub, ks)
         ps = [params[i].top_p for i in random_rows]
         if any(p < 1.0 for p in ps):
-            sub = _top_p(sub, torch.tensor(ps, device=logits.device))
+            sub = _top_p(sub, h2d(ps, torch.float32, dev))
         probs = torch.softmax(sub, dim=-1)
         noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
         tokens[idx] = (probs / noise).argmax(dim=-1)
     chosen = logp.gather(1, tokens[:, None])[:, 0]
-    return tokens.tolist(), chosen.tolist()
+    return tokens, chosen
 
 
 def _top_k(logits: torch.Tensor, ks: list[int]) -> torch.Tensor:
     V = logits.shape[-1]
-    k = torch.tensor([k if k > 0 else V for k in ks], device=logits.device)
+    k = h2d([k if k > 0 else V for k in ks], torch.int64, logits.device)
     sorted_desc = logits.sort(dim=-1, descending=True).values
     kth = sorted_desc.gather(1, (k - 1)[:, None])
     return logits.masked_fill(logits < kth, float("-inf"))

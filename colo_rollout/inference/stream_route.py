@@ -1,0 +1,168 @@
+"""Stream routes of P/D multiplexing on a GPU (DESIGN.md item 8; the paper's selective route).
+
+Owns, for one rank: D's stream, P's background stream, the routing of P's registered
+full-group AllReduce onto D's stream on crossed paths, device->host result transfers that do
+not stall the other phase, and optional CUDA-event timing of P segments and D iterations.
+
+Why: the turnstile makes every rank *host-enqueue* D iteration i before P's collective at
+boundary r. Host order is not device order across two streams, so on a crossed path (ADP > 1
+and ATP > 1: P's full-group AllReduce shares ranks with D's ATP ReduceScatter and full
+AllGather) the kernels could still meet in different orders on different ranks and stall. The
+route puts that one collective on D's stream, where stream FIFO orders it after D iteration i
+on every rank; every other P kernel stays on P's stream and overlaps D.
+
+Invariants:
+  * D work (inputs, forward, sampling) is enqueued under ``d()``, P work under ``p()``; nothing
+    in either waits on the host for the other phase's stream.
+  * A routed collective = event on P's stream -> D's stream waits -> collective enqueued on D's
+    stream -> event on D's stream -> P's stream waits. P's next kernel sees the result; D's
+    next iteration runs after the collective (its inputs never depend on it).
+  * Host transfers (``h2d``, ``Pending``) use pinned memory and events: a synchronous copy
+    would block the host until the *current* stream drained, i.e. until the other phase's
+    queued work finished, and the overlap would be gone.
+  * On CPU every context is a no-op and nothing is routed: host order is device order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+
+def h2d(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a device tensor, enqueued on the current stream without a host wait."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+class Pending:
+    """Device tensors whose host values are needed later: the D2H copy is enqueued now on the
+    producing stream; ``get`` waits for that copy only."""
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        self._event = None
+        if tensors and tensors[0].is_cuda:
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for h, t in zip(self._host, tensors):
+                h.copy_(t, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = list(tensors)
+
+    def get(self) -> list[list]:
+        if self._event is not None:
+            self._event.synchronize()
+        return [h.tolist() for h in self._host]
+
+
+@dataclass(frozen=True)
+class GpuSpan:
+    """A P segment or D iteration as the GPU ran it: ms since the route's first event."""
+
+    kind: str
+    start_ms: float
+    end_ms: float
+    epoch: int = -1
+
+
+class StreamRoute:
+    """P and D streams of one rank. ``active`` only in PD modes on CUDA."""
+
+    def __init__(self, device: torch.device, active: bool, route_p_collective: bool,
+                 timing: bool = False) -> None:
+        self.active = active and device.type == "cuda"
+        self.route_p_collective = self.active and route_p_collective
+        self.timing = self.active and timing
+        self.d_stream = torch.cuda.Stream(device) if self.active else None
+        self.p_stream = torch.cuda.Stream(device) if self.active else None
+        self.routed = 0  # P collectives placed on D's stream so far
+        self._in_p = False
+        self._marks: list[tuple[str, int, object, object]] = []
+        self._base = None
+        if self.active:
+            torch.cuda.synchronize(device)  # weights, KV and tables were made on the default stream
+
+    @classmethod
+    def for_layout(cls, device: torch.device, pd: bool, adp: int, atp: int, route: str,
+                   timing: bool) -> StreamRoute:
+        """The route is installed only where P's full-group AllReduce crosses D's collectives
+        (ADP > 1 and ATP > 1); other paths keep full stream concurrency. ``route="off"`` keeps
+        the streams but drops the route (the unsafe control of the crossed-path experiment)."""
+        crossed = adp > 1 and atp > 1
+        return cls(device, pd, crossed and route == "auto", timing)
+
+    # ------------------------------------------------------------------ phase contexts
+    @contextlib.contextmanager
+    def p(self):
+        if not self.active:
+            yield
+            return
+        self._in_p = True
+        try:
+            with torch.cuda.stream(self.p_stream):
+                yield
+        finally:
+            self._in_p = False
+
+    def d(self):
+        return torch.cuda.stream(self.d_stream) if self.active else contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ the selective route
+    def p_collective(self, fn, x: torch.Tensor) -> None:
+        """Run P's registered full-group collective ``fn(x)`` (in place on ``x``)."""
+        if not (self.route_p_collective and self._in_p):
+            fn(x)
+            return
+        ready = torch.cuda.Event()
+        ready.record(self.p_stream)
+        self.d_stream.wait_event(ready)
+        with torch.cuda.stream(self.d_stream):
+            x.record_stream(self.d_stream)  # allocated on P's stream, used on D's
+            fn(x)
+            done = torch.cuda.Event()
+            done.record(self.d_stream)
+        self.p_stream.wait_event(done)
+        self.routed += 1
+
+    # ------------------------------------------------------------------ fences and timing
+    def fence_p(self) -> None:
+        """Global-Complete's whole-P GPU fence: the host waits until P's stream drained."""
+        if self.active:
+            self.p_stream.synchronize()
+
+    def mark(self, kind: str, epoch: int = -1):
+        """Context: record CUDA events around work enqueued on ``kind``'s stream."""
+        if not self.timing:
+            return contextlib.nullcontext()
+        return self._mark(kind, epoch)
+
+    @contextlib.contextmanager
+    def _mark(self, kind: str, epoch: int):
+        stream = self.p_stream if kind == "P" else self.d_stream
+        if self._base is None:
+            self._base = torch.cuda.Event(enable_timing=True)
+            self._base.record(stream)
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        yield
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(stream)
+        self._marks.append((kind, epoch, start, end))
+
+    def gpu_spans(self) -> list[GpuSpan]:
+        """Every marked interval as the GPU ran it (synchronizes the device)."""
+        if not self._marks:
+            return []
+        torch.cuda.synchronize()
+        base = self._base
+        return [GpuSpan(kind, base.elapsed_time(s), base.elapsed_time(e), epoch)
+                for kind, epoch, s, e in self._marks]
+
+    def synchronize(self) -> None:
+        """Both phases drained (before weights change or groups are torn down)."""
+        if self.active:
+            torch.cuda.synchronize(self.d_stream.device)
