@@ -50,7 +50,7 @@ NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 PARAMS_DTYPES = ("float32", "bfloat16", "float16")
 USE_TE_MODES = ("auto", "on", "off")
 MOE_COMPUTE = ("auto", "grouped", "megatron")
-STREAM_ROUTES = ("auto", "off")
+STREAM_ROUTES = ("auto", "off", "always")
 FP8_FORMATS = ("hybrid", "e4m3")
 # normal: strict P priority, no multiplexing. The ordering ladder of P/D multiplexing (PD mode):
 # global_complete (whole-P epoch, D only after P completes), global_enqueue (whole-P epoch, D
@@ -394,9 +394,10 @@ class EngineConfig:
     # rendezvous implementation: "auto" (shared memory when all ranks share a host), "shm", "gloo"
     rendezvous: str = "auto"
     # GPU, PD modes: "auto" puts P's full-group AllReduce on D's stream where the paths cross
-    # (ADP > 1 and ATP > 1); "off" drops that route (the unsafe control of the crossed-path run).
+    # (ADP > 1 and ATP > 1); "off" drops that route (the unsafe control of the crossed-path run);
+    # "always" routes on every layout (tests the route where paths do not cross).
     stream_route: str = "auto"
-    # GPU, PD modes: record CUDA events around every P segment and D iteration (timelines).
+    # GPU: record CUDA events around every P segment/epoch and D iteration (timelines).
     cuda_timing: bool = False
 
     def __post_init__(self) -> None:

@@ -19,9 +19,11 @@ python3 -c "import transformer_engine as te; print('Transformer Engine', te.__ve
 export COLO_GPU_REPORT=$OUT/gpu_tests.jsonl
 rm -f "$COLO_GPU_REPORT"
 
-python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$OUT/pytest.log"
+# PYTEST_ARGS picks a subset (default: every GPU test); RUN_DEMO=0 / RUN_BENCH=0 skip those parts
+python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-tests/test_gpu.py} 2>&1 | tee "$OUT/pytest.log"
 
 for n in 1 2; do
+  [ "${RUN_DEMO:-1}" = 1 ] || break
   [ "$NGPU" -ge "$n" ] || continue
   if [ "$n" = 1 ]; then set_layout="--set parallel.world_size=1 --set parallel.adp=1 --set parallel.ep=1"; else set_layout=""; fi
   torchrun --standalone --nproc-per-node "$n" -m colo_rollout.cli demo configs/demo_gpu.yaml \

@@ -12,6 +12,15 @@ print(f"{'check':34s} {'layout':16s} {'GPUs':>4s} {'result':>7s} {'max|dlogp|':>
 path = os.path.join(out, "gpu_tests.jsonl")
 rows = [json.loads(l) for l in open(path)] if os.path.exists(path) else []
 for r in rows:
+    if r["test"] == "pd_overlap":
+        n, f = r["normal"], r["fine"]
+        print(f"{'pd_overlap (bf16, CUDA events)':34s} {r['layout']:16s} {r['gpus']:4d} "
+              f"{'PASS' if r['passed'] else 'FAIL':>7s}   long P epoch {f['p_window_ms']:.1f} ms "
+              f"(Normal {n['p_window_ms']:.1f}); D iterations inside it: Fine {f['d_inside']}, "
+              f"Normal {n['d_inside']}; longest D gap Fine {f['d_gap_max_ms']:.1f} ms vs Normal "
+              f"{n['d_gap_max_ms']:.1f} ms; D ms inside/outside {f['d_ms_inside']:.2f}/"
+              f"{f['d_ms_outside']:.2f}; host syncs while enqueuing P/D {f['syncs']}")
+        continue
     print(f"{r['test']:34s} {r['layout']:16s} {r['gpus']:4d} "
           f"{'PASS' if r['passed'] else 'FAIL':>7s} {r['max_logprob_diff']:10.4f} "
           f"{r['mean_logprob_diff']:11.5f} {r['tok_per_s']:9.1f}"

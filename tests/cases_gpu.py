@@ -117,16 +117,111 @@ def compare_bf16(ref32, lp16_all, requests, outs) -> dict:
             "mismatches": []}
 
 
-def gpu_mode_tokens(rank: int, world: int, adp: int, ep: int, mode: str) -> dict:
-    """The PD modes on NCCL: same greedy tokens as Normal (bf16 numerics may differ slightly
-    between batchings, so tokens are compared with a tolerance in the test)."""
+def gpu_mode_tokens(rank: int, world: int, adp: int, ep: int, mode: str,
+                    stream_route: str = "auto") -> dict:
+    """The PD modes on NCCL, with streams: same greedy tokens as Normal (fp32: batching does not
+    change a row's result beyond summation order, far below a token flip)."""
     cfg = gpu_config(world, adp, ep, "float32")
     cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, mode=mode,
-                                                              segment_span=1))
+                                                              segment_span=1,
+                                                              stream_route=stream_route))
     groups = init_parallel(cfg.parallel)
     engine = Engine(cfg, groups, random_state_dict(cfg.model))
     requests = mixed_requests(16, 0, cfg.model.vocab_size)
     outs = engine.generate(requests)
     engine.check_integrity()
     return {"tokens": {r.request_id: outs[r.request_id].tokens for r in requests},
-            "d_during_p": sum(1 for h in engine.history if h.p_in_flight and h.d_rows > 0)}
+            "d_during_p": sum(1 for h in engine.history if h.p_in_flight and h.d_rows > 0),
+            "streams": engine.route.active, "routed": engine.route.routed}
+
+
+def overlap_config(world: int, adp: int, ep: int, mode: str) -> Config:
+    """A model where one long P epoch takes many D iterations' time (bf16: grouped experts)."""
+    return Config(
+        parallel=ParallelConfig(world_size=world, adp=adp, ep=ep, backend="nccl", timeout_s=120.0),
+        model=ModelConfig(vocab_size=4096, hidden_size=1024, num_layers=8, num_attention_heads=16,
+                          num_query_groups=4, moe_ffn_hidden_size=1024, num_experts=16,
+                          moe_router_topk=2, max_position_embeddings=4096, init_method_std=0.02,
+                          params_dtype="bfloat16", seed=5, use_te="off"),
+        engine=EngineConfig(max_batch_size=8, max_prefill_tokens=16384, kv_block_size=16,
+                            num_kv_blocks=2048, max_seq_len=4096, decode_buckets=[1, 2, 4, 8],
+                            mode=mode, segment_span=1, cuda_timing=True),
+    )
+
+
+def gpu_pd_overlap(rank: int, world: int, adp: int, ep: int, mode: str,
+                   long_prompts: int = 8, long_len: int = 1800) -> dict:
+    """D rows decode; then a long P epoch arrives. CUDA events on both streams say whether D
+    iterations ran *while* the P epoch was in flight on the GPU, and the sync-debug mode counts
+    host syncs while P segments and D iterations are enqueued (the overlap needs none)."""
+    import random
+    import warnings
+
+    from colo_rollout.inference.request import Request, SamplingParams
+
+    cfg = overlap_config(world, adp, ep, mode)
+    groups = init_parallel(cfg.parallel)
+    engine = Engine(cfg, groups, random_state_dict(cfg.model))
+    V = cfg.model.vocab_size
+    rng = random.Random(1)
+    warm = [Request(f"w{i}", tuple(rng.randrange(V) for _ in range(64)),
+                    SamplingParams(max_tokens=4, ignore_eos=True)) for i in range(4 * adp)]
+    engine.generate(warm)  # NCCL communicators, allocator pools, GEMM plans
+    torch.cuda.synchronize()
+    engine.route._marks.clear()
+
+    syncs = {"P": 0, "D": 0}
+    where: set[str] = set()  # the Python lines that synchronized (diagnosis)
+
+    def counted(kind, fn):
+        def wrapper(*a, **kw):
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    out = fn(*a, **kw)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            hits = [w for w in caught if "synchroniz" in str(w.message)]
+            syncs[kind] += len(hits)
+            where.update(f"{kind} {w.filename}:{w.lineno}" for w in hits)
+            return out
+        return wrapper
+
+    if mode != "normal":
+        engine.runner.advance = counted("P", engine.runner.advance)
+        engine.runner.run_decode = counted("D", engine.runner.run_decode)
+    params = SamplingParams(max_tokens=120, ignore_eos=True)
+    if rank == 0:
+        for i in range(4 * adp):
+            engine.submit(Request(f"d{i}", tuple(rng.randrange(V) for _ in range(16)), params))
+    for _ in range(6):  # the D rows are admitted and decoding
+        engine.step()
+    if rank == 0:
+        for i in range(long_prompts * adp):
+            engine.submit(Request(f"p{i}", tuple(rng.randrange(V) for _ in range(long_len)),
+                                  SamplingParams(max_tokens=1, ignore_eos=True)))
+    while engine.busy():
+        engine.step()
+    spans = engine.route.gpu_spans()
+    engine.check_integrity()
+    return {"layout": groups.layout.name, "mode": mode, "streams": engine.route.active,
+            "syncs": syncs, "sync_sites": sorted(where)[:8], **overlap_stats(spans)}
+
+
+def overlap_stats(spans) -> dict:
+    """The longest P epoch's GPU window and the D iterations inside it."""
+    p_epochs: dict[int, list] = {}
+    for i, s in enumerate(spans):
+        if s.kind == "P":  # Normal: every P step is its own epoch (keyed by its position)
+            p_epochs.setdefault(s.epoch if s.epoch >= 0 else -1 - i, []).append(s)
+    windows = [(min(s.start_ms for s in ss), max(s.end_ms for s in ss)) for ss in p_epochs.values()]
+    start, end = max(windows, key=lambda w: w[1] - w[0])
+    d = sorted((s for s in spans if s.kind == "D"), key=lambda s: s.start_ms)
+    inside = [s for s in d if s.start_ms >= start and s.end_ms <= end]
+    outside = [s for s in d if s.end_ms < start or s.start_ms > end]
+    gaps = [b.start_ms - a.end_ms for a, b in zip(d, d[1:])]
+    mean = lambda xs: sum(x.end_ms - x.start_ms for x in xs) / len(xs) if xs else 0.0
+    return {"p_window_ms": end - start, "d_inside": len(inside), "d_total": len(d),
+            "d_gap_max_ms": max(gaps, default=0.0), "d_ms_inside": mean(inside),
+            "d_ms_outside": mean(outside)}

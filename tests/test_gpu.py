@@ -85,19 +85,43 @@ def test_gpu_engine_matches_reference(gpu_groups, world, adp, ep, dtype, spec):
 
 @pytest.mark.parametrize("world,adp,ep", [(2, 2, 2), (2, 1, 2)])
 def test_gpu_pd_modes_match_normal(gpu_groups, world, adp, ep):
+    """Every PD mode runs P and D on their own streams and gives Normal's greedy tokens;
+    "always" also routes P's AllReduce onto D's stream (2 GPUs have no crossed path)."""
     g = gpu_groups(world)
     base = g.run("tests.cases_gpu:gpu_mode_tokens", timeout=600, adp=adp, ep=ep,
                  mode="normal")[0]
-    for mode in ("global_enqueue", "fine"):
-        r = g.run("tests.cases_gpu:gpu_mode_tokens", timeout=600, adp=adp, ep=ep, mode=mode)[0]
-        _record(f"pd_mode_{mode}", {"layout": f"adp{adp}/ep{ep}", "gpus": world, "checked": 16,
-                                    "max_logprob_diff": 0.0, "mean_logprob_diff": 0.0,
-                                    "mismatches": int(r["tokens"] != base["tokens"]),
-                                    "wall_s": 1.0, "tok_per_s": 0.0, "device": "cuda",
-                                    "passed": r["tokens"] == base["tokens"]})
-        assert r["tokens"] == base["tokens"], mode  # fp32: identical greedy tokens
+    assert not base["streams"]
+    for mode, route in (("global_complete", "auto"), ("global_enqueue", "auto"),
+                        ("fine", "auto"), ("fine", "always")):
+        r = g.run("tests.cases_gpu:gpu_mode_tokens", timeout=600, adp=adp, ep=ep, mode=mode,
+                  stream_route=route)[0]
+        _record(f"pd_{mode}_{route}", {"layout": f"adp{adp}/ep{ep}", "gpus": world, "checked": 16,
+                                       "max_logprob_diff": 0.0, "mean_logprob_diff": 0.0,
+                                       "mismatches": int(r["tokens"] != base["tokens"]),
+                                       "wall_s": 1.0, "tok_per_s": 0.0, "device": "cuda",
+                                       "passed": r["tokens"] == base["tokens"],
+                                       "routed": r["routed"]})
+        assert r["streams"]
+        assert r["tokens"] == base["tokens"], (mode, route)  # fp32: identical greedy tokens
+        assert (r["routed"] > 0) == (route == "always")
         if mode == "fine":
             assert r["d_during_p"] > 0
+
+
+@pytest.mark.parametrize("world,adp,ep", [(1, 1, 1), (2, 2, 2), (2, 1, 2)])
+def test_gpu_d_advances_during_a_long_p_epoch(gpu_groups, world, adp, ep):
+    """CUDA-event timing: in Fine mode D iterations run on the GPU while the long P epoch is in
+    flight, with no host sync while either phase is enqueued; in Normal none can (same run)."""
+    g = gpu_groups(world)
+    normal = g.run("tests.cases_gpu:gpu_pd_overlap", timeout=600, adp=adp, ep=ep,
+                   mode="normal")[0]
+    fine = g.run("tests.cases_gpu:gpu_pd_overlap", timeout=600, adp=adp, ep=ep, mode="fine")[0]
+    _record("pd_overlap", {"layout": fine["layout"], "gpus": world, "normal": normal,
+                           "fine": fine, "passed": fine["d_inside"] >= 2})
+    assert normal["d_inside"] == 0
+    assert fine["syncs"] == {"P": 0, "D": 0}
+    assert fine["d_inside"] >= 2
+    assert fine["d_gap_max_ms"] < 0.5 * normal["d_gap_max_ms"]
 
 
 def test_gpu_grpo_learns(gpu_groups, tmp_path):

@@ -64,8 +64,9 @@ class ModelRunner:
         if plan.phase is Phase.IDLE:
             return PendingSampled()
         if plan.phase is Phase.PREFILL:
-            logits = self.model.forward_prefill(self._prefill_inputs(plan, sched), self.kv)
-            return self._sample(logits, plan.replicas[self.groups.replica].prefill, sched)
+            with self.route.mark("P"):
+                logits = self.model.forward_prefill(self._prefill_inputs(plan, sched), self.kv)
+                return self._sample(logits, plan.replicas[self.groups.replica].prefill, sched)
         return self.run_decode(plan, sched)
 
     def run_decode(self, plan: StepPlan, sched: Scheduler, epoch: int = -1) -> PendingSampled:

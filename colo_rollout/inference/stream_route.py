@@ -76,7 +76,7 @@ class StreamRoute:
                  timing: bool = False) -> None:
         self.active = active and device.type == "cuda"
         self.route_p_collective = self.active and route_p_collective
-        self.timing = self.active and timing
+        self.timing = device.type == "cuda" and timing  # inactive: marks the current stream
         self.d_stream = torch.cuda.Stream(device) if self.active else None
         self.p_stream = torch.cuda.Stream(device) if self.active else None
         self.routed = 0  # P collectives placed on D's stream so far
@@ -91,9 +91,10 @@ class StreamRoute:
                    timing: bool) -> StreamRoute:
         """The route is installed only where P's full-group AllReduce crosses D's collectives
         (ADP > 1 and ATP > 1); other paths keep full stream concurrency. ``route="off"`` keeps
-        the streams but drops the route (the unsafe control of the crossed-path experiment)."""
+        the streams but drops the route (the unsafe control of the crossed-path experiment);
+        ``route="always"`` routes on any layout (exercises the route where paths do not cross)."""
         crossed = adp > 1 and atp > 1
-        return cls(device, pd, crossed and route == "auto", timing)
+        return cls(device, pd, (crossed and route == "auto") or route == "always", timing)
 
     # ------------------------------------------------------------------ phase contexts
     @contextlib.contextmanager
@@ -142,7 +143,10 @@ class StreamRoute:
 
     @contextlib.contextmanager
     def _mark(self, kind: str, epoch: int):
-        stream = self.p_stream if kind == "P" else self.d_stream
+        if not self.active:
+            stream = torch.cuda.current_stream()
+        else:
+            stream = self.p_stream if kind == "P" else self.d_stream
         if self._base is None:
             self._base = torch.cuda.Event(enable_timing=True)
             self._base.record(stream)
