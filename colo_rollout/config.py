@@ -399,6 +399,9 @@ class EngineConfig:
     stream_route: str = "auto"
     # GPU: record CUDA events around every P segment/epoch and D iteration (timelines).
     cuda_timing: bool = False
+    # GPU: D by CUDA-graph replay, one graph per (row bucket, block-table width); needs the
+    # grouped expert path (model.moe_compute), otherwise D runs eagerly.
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         _check_field_types(self)

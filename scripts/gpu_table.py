@@ -21,6 +21,15 @@ for r in rows:
               f"{n['d_gap_max_ms']:.1f} ms; D ms inside/outside {f['d_ms_inside']:.2f}/"
               f"{f['d_ms_outside']:.2f}; host syncs while enqueuing P/D {f['syncs']}")
         continue
+    if r["test"] == "decode_graphs":
+        x = r["result"]
+        print(f"{'decode_graphs (bf16) vs eager D':34s} {r['layout']:16s} {r['gpus']:4d} "
+              f"{'PASS' if r['passed'] else 'FAIL':>7s}   identical {x['first']['identical']:.0%}"
+              f" (max dlogp {x['first']['max_dlogp']:.4f}); generate {x['t_eager_s']:.2f} s eager"
+              f" / {x['t_graph_s']:.2f} s graphs = {x['t_eager_s'] / x['t_graph_s']:.2f}x; "
+              f"graphs {x['graph_keys']}; re-captures reload/replace "
+              f"{x['recaptured_after_reload']}/{x['recaptured_after_replace']}")
+        continue
     print(f"{r['test']:34s} {r['layout']:16s} {r['gpus']:4d} "
           f"{'PASS' if r['passed'] else 'FAIL':>7s} {r['max_logprob_diff']:10.4f} "
           f"{r['mean_logprob_diff']:11.5f} {r['tok_per_s']:9.1f}"

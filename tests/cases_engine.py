@@ -251,7 +251,7 @@ def prefill_segments_with_decode_between(rank: int, world: int, adp: int, ep: in
                          groups.layout.atp)
     d_plan = StepPlan(step=-1, phase=Phase.DECODE,
                       replicas=tuple(ReplicaWork(decode=tuple(x)) for x in rows), bucket=bucket)
-    d_in = runner._decode_inputs(d_plan, sched)
+    d_in = runner._decode_inputs(*runner._decode_host(d_plan, sched))
     if rank == 0:
         for i in range(4):
             engine.submit(Request(f"b{i}", tuple(range(3, 40 + 7 * i)),

@@ -225,3 +225,61 @@ def overlap_stats(spans) -> dict:
     return {"p_window_ms": end - start, "d_inside": len(inside), "d_total": len(d),
             "d_gap_max_ms": max(gaps, default=0.0), "d_ms_inside": mean(inside),
             "d_ms_outside": mean(outside)}
+
+
+def gpu_graphs_vs_eager(rank: int, world: int, adp: int, ep: int) -> dict:
+    """D by graph replay against eager D on the same engine and requests (bf16), then after an
+    in-place weight reload (graphs must see the new weights without re-capture) and after a
+    replaced parameter (graphs must be re-captured)."""
+    import random
+
+    from colo_rollout.inference.request import Request, SamplingParams
+
+    cfg = overlap_config(world, adp, ep, "normal")
+    groups = init_parallel(cfg.parallel)
+    engine = Engine(cfg, groups, random_state_dict(cfg.model))
+    graphs = engine.runner.graphs
+    V = cfg.model.vocab_size
+    rng = random.Random(2)
+    prompts = [tuple(rng.randrange(V) for _ in range(rng.choice([8, 40, 200])))
+               for _ in range(8 * adp)]
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+
+    def run(tag: str, use_graphs: bool):
+        engine.runner.graphs = graphs if use_graphs else None
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outs = engine.generate([Request(f"{tag}{i}", p, params) for i, p in enumerate(prompts)])
+        torch.cuda.synchronize()
+        engine.runner.graphs = graphs
+        return [outs[f"{tag}{i}"] for i in range(len(prompts))], time.perf_counter() - t0
+
+    def agree(a, b) -> dict:
+        same = sum(x.tokens == y.tokens for x, y in zip(a, b))
+        diffs = []
+        for x, y in zip(a, b):  # logprobs along the common prefix of the two token streams
+            for tx, ty, lx, ly in zip(x.tokens, y.tokens, x.logprobs, y.logprobs):
+                if tx != ty:
+                    break
+                diffs.append(abs(lx - ly))
+        return {"identical": same / len(a), "max_dlogp": max(diffs), "n": len(diffs)}
+
+    run("w", True)  # captures the buckets this workload uses
+    run("we", False)
+    g1, t_graph = run("g", True)
+    e1, t_eager = run("e", False)
+    res = {"layout": groups.layout.name, "graph_keys": graphs.keys, "first": agree(g1, e1),
+           "t_graph_s": t_graph, "t_eager_s": t_eager, "replays": graphs.replays}
+    caps = graphs.captures
+    engine.model.load_full_state_dict(random_state_dict(cfg.model, seed=77))  # in place
+    g2, _ = run("g2", True)
+    e2, _ = run("e2", False)
+    res.update(reloaded=agree(g2, e2), recaptured_after_reload=graphs.captures - caps,
+               changed_by_reload=agree(g1, g2)["identical"])
+    w = engine.model.output_layer.weight
+    w.data = w.data.clone()  # replaced, same values
+    caps = graphs.captures
+    g3, _ = run("g3", True)
+    res.update(recaptured_after_replace=graphs.captures - caps, after_replace=agree(g3, e2))
+    engine.close()
+    return res

@@ -82,8 +82,11 @@ class Engine:
         self.model.rope_table()  # made once on the default stream, read by both phases
         self.route = StreamRoute.for_layout(groups.device, self.pd, lay.adp, lay.atp,
                                             cfg.engine.stream_route, cfg.engine.cuda_timing)
-        self.runner = ModelRunner(self.model, cfg.engine.num_kv_blocks, cfg.engine.kv_block_size,
-                                  seed=cfg.model.seed, route=self.route)
+        e = cfg.engine
+        self.runner = ModelRunner(self.model, e.num_kv_blocks, e.kv_block_size,
+                                  seed=cfg.model.seed, route=self.route,
+                                  graphs_max_blocks=(-(-e.max_seq_len // e.kv_block_size)
+                                                     if e.cuda_graphs else 0))
         self.route.synchronize()  # KV storage was zeroed on the default stream
         self.control = ControlPlane(groups.control, groups.rank, lay.world_size)
         self.turnstile = TurnstileController(rank=groups.rank)
@@ -307,6 +310,13 @@ class Engine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+
+    def close(self) -> None:
+        """Drop the D graphs (they hold NCCL collectives) and drain both streams: call before
+        the process groups are destroyed."""
+        if self.runner.graphs is not None:
+            self.runner.graphs.release()
+        self.route.synchronize()
 
 
 def _rejected(req: Request, error: str) -> RequestOutput:

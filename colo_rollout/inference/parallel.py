@@ -182,6 +182,7 @@ def init_parallel(cfg: ParallelConfig) -> ParallelGroups:
         device = torch.device("cpu")
 
     if ps.model_parallel_is_initialized():
+        _drop_stale_graphs()
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=layout.atp,
@@ -245,7 +246,18 @@ def destroy_parallel() -> None:
     """Tear down megatron's state and the default process group (drop CUDA graphs first)."""
     from megatron.core import parallel_state as ps
 
+    _drop_stale_graphs()
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _drop_stale_graphs() -> None:
+    """Unreferenced engines may still hold D graphs with NCCL collectives in them (reference
+    cycles): collect them and drain the device before groups go away, or a destroy hangs."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()

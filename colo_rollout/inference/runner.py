@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from colo_rollout.inference.attention import AttnMetadata
+from colo_rollout.inference.decode_graph import DecodeGraphs, graphs_supported
 from colo_rollout.inference.model import DecodeInputs, InferenceGPT, PrefillInputs
 from colo_rollout.inference.plan import Phase, StepPlan
 from colo_rollout.inference.sampler import sample_tensors
@@ -42,7 +43,7 @@ class PendingSampled:
 
 class ModelRunner:
     def __init__(self, model: InferenceGPT, num_blocks: int, block_size: int, seed: int,
-                 route: StreamRoute | None = None) -> None:
+                 route: StreamRoute | None = None, graphs_max_blocks: int = 0) -> None:
         self.model = model
         self.route = route or StreamRoute(model.output_layer.weight.device, active=False,
                                           route_p_collective=False)
@@ -55,6 +56,9 @@ class ModelRunner:
         # would correlate their samples (the same noise for every replica's first row)
         self.generator = torch.Generator(device=self.device).manual_seed(
             seed * 1_000_003 + self.groups.replica)
+        # D by CUDA-graph replay (graphs_max_blocks > 0, CUDA, host-sync-free experts)
+        self.graphs = (DecodeGraphs(model, self.kv, graphs_max_blocks)
+                       if graphs_max_blocks > 0 and graphs_supported(model) else None)
         self._epoch = None  # the in-flight P epoch's segment generator (PD mode)
         self._epoch_items = ()
         self._at: int | None = None
@@ -73,7 +77,11 @@ class ModelRunner:
         """One D iteration over the plan's D rows (every rank; padding where a replica has
         fewer rows than the bucket), enqueued on D's stream."""
         with self.route.d(), self.route.mark("D", epoch):
-            logits = self.model.forward_decode(self._decode_inputs(plan, sched), self.kv)
+            host = self._decode_host(plan, sched)
+            if self.graphs is not None:
+                logits = self.graphs.run(*host)
+            else:
+                logits = self.model.forward_decode(self._decode_inputs(*host), self.kv)
             return self._sample(logits, plan.replicas[self.groups.replica].decode, sched)
 
     # ------------------------------------------------------------------ P epochs (PD mode)
@@ -171,7 +179,9 @@ class ModelRunner:
             last_rows=h2d(last_rows, i64, dev),
         )
 
-    def _decode_inputs(self, plan: StepPlan, sched: Scheduler) -> DecodeInputs:
+    def _decode_host(self, plan: StepPlan, sched: Scheduler):
+        """Host values of one D iteration, padded to the bucket with sink rows:
+        (ids, positions, slots, context lengths, block tables)."""
         r = self.groups.replica
         rows = plan.replicas[r].decode
         B = plan.bucket
@@ -180,13 +190,16 @@ class ModelRunner:
         pos = [d.position for d in rows] + [0] * (B - len(rows))
         tables = [sched.block_table(r, d.lifetime) for d in rows] + [[sink]] * (B - len(rows))
         slots = [self._slots(t, range(p, p + 1))[0] for t, p in zip(tables, pos)]
+        return ids, pos, slots, [p + 1 for p in pos], tables
+
+    def _decode_inputs(self, ids, pos, slots, ctx, tables) -> DecodeInputs:
         dev, i64 = self.device, torch.int64
         attn = AttnMetadata(
             is_prefill=False,
             positions=h2d(pos, i64, dev),
             slot_mapping=h2d(slots, i64, dev),
             block_tables=self._tables(tables),
-            context_lens=h2d([p + 1 for p in pos], i64, dev),
+            context_lens=h2d(ctx, i64, dev),
             seq_lens_new=[], context_lens_host=[],
         )
         return DecodeInputs(token_ids=h2d(ids, i64, dev), attn=attn)

@@ -1,0 +1,143 @@
+"""CUDA graphs of the D forward: one graph per (row bucket, block-table width bucket).
+
+Why: an eager D iteration of an MoE model is launch-bound (hundreds of small kernels and
+Python per layer); replaying a captured graph costs one launch. D is also what P/D
+multiplexing protects, so its iteration time is what the turnstile interleaves with.
+
+Owns: the static input buffer of each graph, capture (lazily, at the first D iteration that
+uses a key -- every rank runs the same plan, so every rank captures the same key at the same
+point, which the graph's collectives need), replay, and release.
+
+Invariants:
+  * All inputs of one replay live in one device buffer (token ids, positions, slots, context
+    lengths, block tables), filled by one pinned host->device copy on the replay stream.
+  * Padding rows and table padding point at the KV sink block: replaying a wider table or a
+    larger bucket than needed never touches a live reservation, and masked keys add exactly 0.
+  * A graph reads weights through the addresses it captured. In-place weight updates (weight
+    sync, load_state_dict) are seen by the next replay; a parameter that was *replaced* is
+    detected by an address fingerprint checked before every replay, and the graphs are dropped
+    and re-captured.
+  * The returned logits are the graph's static output: consume them (sampling) on the same
+    stream before the next replay.
+  * Graphs hold NCCL collectives: ``release`` (and synchronize) before process groups are
+    destroyed, or the destroy hangs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from colo_rollout.inference.attention import AttnMetadata
+from colo_rollout.inference.model import DecodeInputs, InferenceGPT
+from colo_rollout.inference.stream_route import h2d
+
+MIN_WIDTH = 4  # smallest block-table width bucket (blocks)
+
+
+def width_bucket(blocks: int, max_blocks: int) -> int:
+    """Smallest power of two >= blocks (at least MIN_WIDTH), capped at max_blocks."""
+    w = MIN_WIDTH
+    while w < blocks:
+        w *= 2
+    return min(w, max_blocks)
+
+
+def graphs_supported(model: InferenceGPT) -> bool:
+    """Capture needs a host-sync-free D: CUDA and the grouped expert path in every layer."""
+    w = model.output_layer.weight
+    if not w.is_cuda:
+        return False
+    probe = torch.empty(1, dtype=w.dtype, device=w.device)
+    return all(layer.mlp.uses_grouped(probe) for layer in model.decoder.layers)
+
+
+class _Graph:
+    def __init__(self, rows: int, width: int, device: torch.device) -> None:
+        self.rows, self.width = rows, width
+        self.buf = torch.zeros(rows * (4 + width), dtype=torch.int64, device=device)
+        B = rows
+        self.inputs = DecodeInputs(
+            token_ids=self.buf[0:B],
+            attn=AttnMetadata(
+                is_prefill=False, positions=self.buf[B : 2 * B],
+                slot_mapping=self.buf[2 * B : 3 * B],
+                context_lens=self.buf[3 * B : 4 * B],
+                block_tables=self.buf[4 * B :].view(B, width),
+                seq_lens_new=[], context_lens_host=[],
+            ),
+        )
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+
+
+class DecodeGraphs:
+    def __init__(self, model: InferenceGPT, kv, max_blocks: int, pool=None) -> None:
+        self.model = model
+        self.kv = kv
+        self.max_blocks = max_blocks
+        self.device = model.output_layer.weight.device
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        self._fingerprint = self._weights_fingerprint()
+        self.captures = 0  # graphs captured so far (re-captures included)
+        self.replays = 0
+
+    def _weights_fingerprint(self) -> tuple[int, ...]:
+        return tuple(p.data_ptr() for p in self.model.parameters())
+
+    def run(self, ids: list[int], pos: list[int], slots: list[int], ctx: list[int],
+            tables: list[list[int]]) -> torch.Tensor:
+        """One D forward by graph replay on the current stream -> logits [B, V] (static)."""
+        fp = self._weights_fingerprint()
+        if fp != self._fingerprint:  # a parameter was replaced: captured addresses are stale
+            self.release()
+            self._fingerprint = fp
+        B = len(ids)
+        width = width_bucket(max(len(t) for t in tables), self.max_blocks)
+        g = self._graphs.get((B, width))
+        if g is None:
+            g = self._capture(B, width)
+        sink = self.kv.sink_block
+        flat = ids + pos + slots + ctx
+        for t in tables:
+            flat.extend(t)
+            flat.extend([sink] * (width - len(t)))
+        g.buf.copy_(h2d(flat, torch.int64, self.device), non_blocking=True)
+        g.graph.replay()
+        self.replays += 1
+        return g.logits
+
+    def _capture(self, rows: int, width: int) -> _Graph:
+        g = _Graph(rows, width, self.device)
+        sink = self.kv.sink_block
+        # every row a padding row: attends to and writes the sink block only
+        g.buf[4 * rows :].fill_(sink)
+        g.buf[2 * rows : 3 * rows].fill_(sink * self.kv.block_size)
+        g.buf[3 * rows : 4 * rows].fill_(1)
+        stream = torch.cuda.current_stream()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(stream)
+        with torch.cuda.stream(side):  # warm-up outside capture (allocator, lazy inits)
+            for _ in range(2):
+                self.model.forward_decode(g.inputs, self.kv)
+        stream.wait_stream(side)
+        g.graph = torch.cuda.CUDAGraph()
+        # thread-local capture: the NCCL watchdog thread keeps polling the events of P's eager
+        # collectives, which may be in flight on other streams during the capture
+        with torch.cuda.graph(g.graph, pool=self._pool, stream=side,
+                              capture_error_mode="thread_local"):
+            g.logits = self.model.forward_decode(g.inputs, self.kv)
+        stream.wait_stream(side)
+        self._graphs[(rows, width)] = g
+        self.captures += 1
+        return g
+
+    def release(self) -> None:
+        """Drop every graph (their memory returns to the pool when unreferenced)."""
+        if self._graphs:
+            torch.cuda.synchronize(self.device)
+        self._graphs.clear()
+
+    @property
+    def keys(self) -> list[tuple[int, int]]:
+        return sorted(self._graphs)
