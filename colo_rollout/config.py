@@ -577,6 +577,10 @@ class RLConfig:
     seed: int = 0
     # Metrics JSONL, TensorBoard events and the reward curve go here.
     out_dir: str = "runs/grpo"
+    # Engine memory while the trainer runs: "off" (keep everything), "keep" (release KV cache
+    # and D graphs), "offload" (also weights, to pinned host memory) or "discard" (also
+    # weights; the weight sync after the step refills them).
+    release_memory: str = "off"
 
     def __post_init__(self) -> None:
         _check_field_types(self)
@@ -590,6 +594,7 @@ class RLConfig:
                  f"must be > 0 for exploration, got {self.temperature}")
         _require_choice(self, "task", ("target_token",))
         _require_choice(self, "algorithm", ("grpo", "ppo"))
+        _require_choice(self, "release_memory", ("off", "keep", "offload", "discard"))
         _require(self.vf_coef >= 0, "rl.vf_coef", f"must be >= 0, got {self.vf_coef}")
 
 

@@ -21,6 +21,14 @@ for r in rows:
               f"{n['d_gap_max_ms']:.1f} ms; D ms inside/outside {f['d_ms_inside']:.2f}/"
               f"{f['d_ms_outside']:.2f}; host syncs while enqueuing P/D {f['syncs']}")
         continue
+    if r["test"] == "memory_phases":
+        x = r["result"]
+        parts = "; ".join(f"{p} {x[p]['engine_mb']:.0f}->{x[p]['released_engine_mb']:.0f}->"
+                          f"{x[p]['resumed_engine_mb']:.0f} MB" for p in ("keep", "offload", "discard"))
+        print(f"{'memory release/resume (engine MB)':34s} {r['layout']:16s} {r['gpus']:4d} "
+              f"{'PASS' if r['passed'] else 'FAIL':>7s}   KV {x['kv_mb']:.0f} MB, weights "
+              f"{x['weights_mb']:.0f} MB; {parts}")
+        continue
     if r["test"] == "decode_graphs":
         x = r["result"]
         print(f"{'decode_graphs (bf16) vs eager D':34s} {r['layout']:16s} {r['gpus']:4d} "

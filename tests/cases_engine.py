@@ -461,3 +461,59 @@ def grouped_weights_follow_updates(rank: int, world: int, adp: int, ep: int) -> 
         reqs_b = [Request(r.request_id + "-b", r.prompt, r.params) for r in requests]
         result.update(compare_with_reference(ref, reqs_b, renamed))
     return result
+
+
+def memory_release_resume(rank: int, world: int, adp: int, ep: int) -> dict:
+    """Release/resume between phases: offload is bit-identical, discard needs a reload, a busy
+    engine refuses, retained contexts are evicted; allocator statistics on CUDA."""
+    from colo_rollout.inference.memory import MemoryReport
+
+    cfg, groups, sd, engine = _engine(world, adp, ep)
+    requests = mixed_requests(8, 5, cfg.model.vocab_size)
+
+    def run(tag: str) -> dict:
+        outs = engine.generate([Request(f"{tag}{r.request_id}", r.prompt, r.params)
+                                for r in requests])
+        return {r.request_id: (outs[f"{tag}{r.request_id}"].tokens,
+                               outs[f"{tag}{r.request_id}"].logprobs) for r in requests}
+
+    base = run("a")
+    # a retained multi-turn context must not outlive the KV storage
+    if rank == 0:
+        engine.submit(Request("s1", (1, 2, 3), SamplingParams(max_tokens=2, ignore_eos=True),
+                              session="conv"))
+    while True:
+        engine.step()
+        if not engine.busy():
+            break
+    errors = {}
+    if rank == 0:
+        engine.submit(Request("busy", (4, 5, 6), SamplingParams(max_tokens=5, ignore_eos=True)))
+    engine.step()
+    try:
+        engine.release_memory()
+    except RuntimeError as e:
+        errors["busy"] = str(e)
+    while engine.busy():
+        engine.step()
+    before = MemoryReport.now(groups.device)
+    rel = engine.release_memory("offload")
+    try:
+        engine.step()
+    except RuntimeError as e:
+        errors["released_step"] = str(e)
+    res = engine.resume_memory()
+    offload = run("b")
+    engine.release_memory("discard")
+    engine.resume_memory()
+    try:
+        engine.step()
+    except RuntimeError as e:
+        errors["discarded_step"] = str(e)
+    engine.model.load_full_state_dict(sd)  # what the weight-sync hook does, in place
+    engine.weights_loaded()
+    reloaded = run("c")
+    engine.check_integrity()
+    return {"offload_equal": offload == base, "reload_equal": reloaded == base,
+            "evicted": engine.memory.evicted, "errors": errors,
+            "bytes": [before.allocated, rel.allocated, res.allocated]}

@@ -283,3 +283,43 @@ def gpu_graphs_vs_eager(rank: int, world: int, adp: int, ep: int) -> dict:
     res.update(recaptured_after_replace=graphs.captures - caps, after_replace=agree(g3, e2))
     engine.close()
     return res
+
+
+def gpu_memory_phases(rank: int, world: int, adp: int, ep: int) -> dict:
+    """Release/resume of KV, graphs and weights measured with torch.cuda allocator statistics;
+    generation after resume equals generation before."""
+    from colo_rollout.inference.memory import MemoryReport
+    from colo_rollout.inference.request import Request, SamplingParams
+
+    cfg = overlap_config(world, adp, ep, "normal")
+    groups = init_parallel(cfg.parallel)
+    sd = random_state_dict(cfg.model)
+    torch.cuda.synchronize()
+    empty = MemoryReport.now(groups.device)
+    engine = Engine(cfg, groups, sd)
+    prompts = [tuple(range(7 + i, 47 + i)) for i in range(4 * adp)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+
+    def run(tag):
+        outs = engine.generate([Request(f"{tag}{i}", p, params) for i, p in enumerate(prompts)])
+        return [outs[f"{tag}{i}"].tokens for i in range(len(prompts))]
+
+    base = run("a")
+    kv_bytes = engine.runner.kv.nbytes()
+    w_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    res = {"layout": groups.layout.name, "kv_mb": kv_bytes / 2**20, "weights_mb": w_bytes / 2**20}
+    for policy in ("keep", "offload", "discard"):
+        before = MemoryReport.now(groups.device)
+        rel = engine.release_memory(policy)
+        resumed = engine.resume_memory()
+        if policy == "discard":
+            engine.model.load_full_state_dict(sd)
+            engine.weights_loaded()
+        equal = run(policy) == base
+        res[policy] = {"engine_mb": (before.allocated - empty.allocated) / 2**20,
+                       "released_engine_mb": (rel.allocated - empty.allocated) / 2**20,
+                       "released_reserved_mb": rel.reserved / 2**20,
+                       "resumed_engine_mb": (resumed.allocated - empty.allocated) / 2**20,
+                       "equal_after_resume": equal}
+    engine.close()
+    return res

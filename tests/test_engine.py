@@ -121,3 +121,13 @@ def test_prefill_segments_interleaved_with_decode_equal_straight_prefill(worker_
         assert r["boundaries"] == list(range(r["expected"]))  # 0..2L+1, monotone, one producer
         assert r["d_rows"] > 0 and r["p_rows"] > 0
         assert r["p_equal"] and r["d_equal"]
+
+
+def test_memory_release_and_resume(worker_groups):
+    res = worker_groups(2).run(f"{CASES}:memory_release_resume", adp=2, ep=2)
+    for r in res:
+        assert r["offload_equal"] and r["reload_equal"]
+        assert r["evicted"] == 1  # the retained multi-turn context
+        assert "while requests are in flight" in r["errors"]["busy"]
+        assert "resume_memory() first" in r["errors"]["released_step"]
+        assert "weights were discarded" in r["errors"]["discarded_step"]

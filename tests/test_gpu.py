@@ -139,11 +139,29 @@ def test_gpu_decode_graphs_match_eager_and_follow_weights(gpu_groups, world, adp
     assert r["t_graph_s"] < r["t_eager_s"]
 
 
+@pytest.mark.parametrize("world,adp,ep", [(1, 1, 1), (2, 2, 2)])
+def test_gpu_memory_release_and_resume(gpu_groups, world, adp, ep):
+    r = gpu_groups(world).run("tests.cases_gpu:gpu_memory_phases", timeout=600, adp=adp,
+                              ep=ep)[0]
+    _record("memory_phases", {"layout": r["layout"], "gpus": world, "result": r,
+                              "passed": all(r[p]["equal_after_resume"]
+                                            for p in ("keep", "offload", "discard"))})
+    for policy in ("keep", "offload", "discard"):
+        x = r[policy]
+        assert x["equal_after_resume"], policy
+        # the KV cache (and graph pool) is given back in every policy
+        assert x["engine_mb"] - x["released_engine_mb"] >= 0.9 * r["kv_mb"], (policy, x)
+    for policy in ("offload", "discard"):  # the weights too
+        x = r[policy]
+        assert x["released_engine_mb"] <= 0.1 * r["weights_mb"], (policy, x)
+
+
 def test_gpu_grpo_learns(gpu_groups, tmp_path):
     """Colocated GRPO on 2 GPUs with megatron's DDP and optimizer."""
     res = gpu_groups(2).run("colo_rollout.rl.train:run_train", timeout=600,
                             config_path="configs/grpo_cpu.yaml",
-                            overrides={"parallel.backend": "nccl", "rl.out_dir": str(tmp_path)},
+                            overrides={"parallel.backend": "nccl", "rl.out_dir": str(tmp_path),
+                                       "rl.release_memory": "discard"},
                             quiet=True)
     h = res[0]["history"]
     first = sum(x["reward"] for x in h[:3]) / 3

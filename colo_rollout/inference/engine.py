@@ -24,6 +24,7 @@ import torch
 from colo_rollout.config import Config
 from colo_rollout.inference.control import ControlPlane, Message
 from colo_rollout.inference.cpu_compat import install_cpu_compat
+from colo_rollout.inference.memory import EngineMemory, MemoryReport
 from colo_rollout.inference.model import DTYPES, InferenceGPT, random_state_dict
 from colo_rollout.inference.parallel import ParallelGroups
 from colo_rollout.inference.plan import Phase, StepPlan
@@ -88,6 +89,8 @@ class Engine:
                                   graphs_max_blocks=(-(-e.max_seq_len // e.kv_block_size)
                                                      if e.cuda_graphs else 0))
         self.route.synchronize()  # KV storage was zeroed on the default stream
+        self.param_shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
+        self.memory = EngineMemory(self)
         self.control = ControlPlane(groups.control, groups.rank, lay.world_size)
         self.turnstile = TurnstileController(rank=groups.rank)
         self.turnstile.register_producer(PRODUCER)
@@ -145,6 +148,7 @@ class Engine:
     # ------------------------------------------------------------------ collective API
     def step(self) -> list[RequestOutput]:
         """One engine iteration (collective). Returns requests that finished in it."""
+        self.memory.check_ready()
         t0 = time.perf_counter()
         self._outbox.step = self.scheduler.step_no
         self._outbox.sampled = [[s.lifetime, s.token, s.logprob] for s in self._last_sampled]
@@ -310,6 +314,21 @@ class Engine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+
+    # ------------------------------------------------------------------ memory between phases
+    def release_memory(self, weights: str = "keep") -> MemoryReport:
+        """Give the KV cache, the D graphs and (``offload``/``discard``) the weights back to
+        the device while the trainer runs; see inference/memory.py. Idle engine only."""
+        return self.memory.release(weights)
+
+    def resume_memory(self) -> MemoryReport:
+        return self.memory.resume()
+
+    def weights_loaded(self) -> None:
+        """The caller has written every parameter (weight sync after a discard)."""
+        if self.memory.released is not None:
+            raise RuntimeError("weights_loaded() before resume_memory()")
+        self.memory.weights_valid = True
 
     def close(self) -> None:
         """Drop the D graphs (they hold NCCL collectives) and drain both streams: call before

@@ -122,6 +122,10 @@ class GatherMoE(torch.nn.Module):
         out.index_add_(0, token, y.to(out.dtype))
         return out
 
+    def drop_stack(self) -> None:
+        """Forget the stacked views (memory release: the parameters' storage is replaced)."""
+        self._stack = None
+
     def _expert_weights(self) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
         ex = self.experts
         if hasattr(ex, "local_experts"):  # SequentialMLP

@@ -56,12 +56,29 @@ class ModelRunner:
         # would correlate their samples (the same noise for every replica's first row)
         self.generator = torch.Generator(device=self.device).manual_seed(
             seed * 1_000_003 + self.groups.replica)
+        self.num_blocks = num_blocks
         # D by CUDA-graph replay (graphs_max_blocks > 0, CUDA, host-sync-free experts)
-        self.graphs = (DecodeGraphs(model, self.kv, graphs_max_blocks)
-                       if graphs_max_blocks > 0 and graphs_supported(model) else None)
+        self.graphs_max_blocks = graphs_max_blocks
+        self.graphs = self._new_graphs()
         self._epoch = None  # the in-flight P epoch's segment generator (PD mode)
         self._epoch_items = ()
         self._at: int | None = None
+
+    def _new_graphs(self) -> DecodeGraphs | None:
+        if self.graphs_max_blocks > 0 and graphs_supported(self.model):
+            return DecodeGraphs(self.model, self.kv, self.graphs_max_blocks)
+        return None
+
+    def release_kv(self) -> None:
+        """Drop the KV storage and the graphs that point into it (memory release)."""
+        if self.graphs is not None:
+            self.graphs.release()
+        self.graphs = None
+        self.kv = None
+
+    def resume_kv(self) -> None:
+        self.kv = self.model.new_kv_storage(self.num_blocks, self.block_size)
+        self.graphs = self._new_graphs()
 
     def run(self, plan: StepPlan, sched: Scheduler) -> PendingSampled:
         """Normal mode: the whole plan (one P epoch or one D iteration)."""

@@ -269,6 +269,18 @@ class Scheduler:
         self.evictions += 1
         return True
 
+    def evict_retained(self) -> int:
+        """Drop every idle retained context (their next turn re-prefills); returns how many.
+        For a KV release between phases: no retained block may outlive the storage."""
+        n = 0
+        for sess in self.sessions.values():
+            if not sess.busy and sess.lifetime is not None:
+                self.kv[sess.replica].free(sess.lifetime)
+                sess.lifetime = sess.replica = None
+                sess.cached = 0
+                n += 1
+        return n
+
     def _admit(self, adm: Admission) -> None:
         req = self.waiting.popleft()
         assert req.request_id == adm.request_id, "planner admits in FIFO order"

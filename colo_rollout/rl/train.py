@@ -23,6 +23,7 @@ import torch
 
 from colo_rollout.config import Config, load_config
 from colo_rollout.inference.engine import Engine
+from colo_rollout.inference.memory import MemoryReport
 from colo_rollout.inference.model import random_state_dict
 from colo_rollout.inference.parallel import init_parallel
 from colo_rollout.inference.request import SamplingParams
@@ -71,13 +72,24 @@ def run_train(rank: int, world: int, config_path: str, overrides: dict | None = 
                         reward_fn=reward_fn, weight_version=sync.version, tag=f"s{step}")
         t1 = time.perf_counter()
         ok = [t for t in trajs if t.status in ("completed", "truncated")]
+        mem = {}
+        if cfg.rl.release_memory != "off":  # the trainer gets the rollout's device memory
+            mem["mem_engine_before"] = MemoryReport.now(groups.device).allocated
+            mem["mem_engine_released"] = engine.release_memory(cfg.rl.release_memory).allocated
         stats = trainer.step(ok)
+        if cfg.rl.release_memory != "off":
+            if groups.device.type == "cuda":
+                mem["mem_train_peak"] = torch.cuda.max_memory_allocated(groups.device)
+                torch.cuda.reset_peak_memory_stats(groups.device)
+            mem["mem_engine_resumed"] = engine.resume_memory().allocated
         t2 = time.perf_counter()
         s = sync(trainer.module, engine.model)
+        if cfg.rl.release_memory == "discard":
+            engine.weights_loaded()  # the sync wrote every inference parameter
         row = {"step": step, "reward": sum(t.reward for t in ok) / max(len(ok), 1),
                "response_len": sum(sum(t.loss_mask) for t in ok) / max(len(ok), 1),
                "failed": len(trajs) - len(ok), "rollout_s": t1 - t0, "train_s": t2 - t1,
-               "sync_s": s.seconds, "sync_bytes": s.bytes_remote + s.bytes_local, **stats}
+               "sync_s": s.seconds, "sync_bytes": s.bytes_remote + s.bytes_local, **stats, **mem}
         history.append(row)
         if log is not None:
             log.write(json.dumps(row) + "\n")

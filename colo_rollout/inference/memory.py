@@ -1,0 +1,105 @@
+"""Release and resume of the engine's device memory between phases (colocated RL).
+
+While the trainer runs on the same GPUs, rollout memory is dead weight. ``release`` gives back
+the KV cache, the D graphs (their private memory pool) and, optionally, the inference weights;
+``resume`` brings them back before the next rollout.
+
+Weights:
+  * ``keep``     -- stay on the device (the cheap default when memory allows);
+  * ``offload``  -- copied to pinned host memory and restored on resume (bit-identical);
+  * ``discard``  -- dropped; resume allocates uninitialised storage, which the weight-sync hook
+    fills in place (every parameter is overwritten by a sync). Generating before that raises.
+
+Invariants:
+  * release needs an idle engine (no request in flight, no P epoch): live KV would be lost.
+    Retained multi-turn contexts are evicted (their next turn re-prefills; counted).
+  * Parameters keep their identity (``p.data`` is swapped, the Parameter object stays), so the
+    weight-sync plan and optimizer-free inference modules stay valid; the grouped-expert stacks
+    and the D graphs see replaced storage and are rebuilt lazily.
+  * Device memory is returned to the driver (``empty_cache``) so the trainer can use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+WEIGHT_POLICIES = ("keep", "offload", "discard")
+
+
+@dataclass
+class MemoryReport:
+    """torch.cuda allocator statistics (bytes) around one release/resume."""
+
+    allocated: int
+    reserved: int
+
+    @staticmethod
+    def now(device: torch.device) -> MemoryReport:
+        if device.type != "cuda":
+            return MemoryReport(0, 0)
+        torch.cuda.synchronize(device)
+        return MemoryReport(torch.cuda.memory_allocated(device),
+                            torch.cuda.memory_reserved(device))
+
+
+class EngineMemory:
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.released: str | None = None  # the weight policy of the current release
+        self._host: dict[str, torch.Tensor] = {}
+        self.weights_valid = True
+        self.evicted = 0
+
+    def release(self, weights: str = "keep") -> MemoryReport:
+        if weights not in WEIGHT_POLICIES:
+            raise ValueError(f"release weights={weights!r}: expected one of {WEIGHT_POLICIES}")
+        eng = self.engine
+        if self.released is not None:
+            raise RuntimeError("engine memory is already released")
+        if eng.busy():
+            raise RuntimeError("release of engine memory while requests are in flight "
+                               "(finish or cancel them first)")
+        self.evicted += eng.scheduler.evict_retained()
+        eng.close()  # graphs dropped, both streams drained
+        eng.runner.release_kv()
+        if weights != "keep":
+            for layer in eng.model.decoder.layers:
+                layer.mlp.drop_stack()  # else the stacks keep the expert weights alive
+            pin = eng.groups.device.type == "cuda"
+            for name, p in eng.model.named_parameters():
+                if weights == "offload":
+                    self._host[name] = p.data.to("cpu", copy=True).pin_memory() if pin \
+                        else p.data.to("cpu", copy=True)
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            self.weights_valid = False
+        self.released = weights
+        if eng.groups.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return MemoryReport.now(eng.groups.device)
+
+    def resume(self) -> MemoryReport:
+        eng = self.engine
+        if self.released is None:
+            raise RuntimeError("engine memory is not released")
+        if self.released != "keep":
+            params = dict(eng.model.named_parameters())
+            shapes = eng.param_shapes
+            for name, p in params.items():
+                if self.released == "offload":
+                    p.data = self._host.pop(name).to(p.device, non_blocking=True)
+                else:
+                    p.data = torch.empty(shapes[name], dtype=p.dtype, device=p.device)
+            self.weights_valid = self.released == "offload"
+        eng.runner.resume_kv()
+        self.released = None
+        eng.route.synchronize()
+        return MemoryReport.now(eng.groups.device)
+
+    def check_ready(self) -> None:
+        if self.released is not None:
+            raise RuntimeError("engine memory is released: call resume_memory() first")
+        if not self.weights_valid:
+            raise RuntimeError("engine weights were discarded: sync weights into the engine "
+                               "and call weights_loaded() before generating")
