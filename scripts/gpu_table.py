@@ -21,6 +21,11 @@ for r in rows:
               f"{n['d_gap_max_ms']:.1f} ms; D ms inside/outside {f['d_ms_inside']:.2f}/"
               f"{f['d_ms_outside']:.2f}; host syncs while enqueuing P/D {f['syncs']}")
         continue
+    if r["test"] == "bf16_by_layer":
+        ratios = " ".join(f"{x['point']}:{x['engine']:.4f}/{x['megatron']:.4f}" for x in r["rows"])
+        print(f"{'bf16 |h-h32| engine/megatron':34s} {r['layout']:16s} {r['gpus']:4d} "
+              f"{'info':>7s}   {ratios}")
+        continue
     if r["test"] == "memory_phases":
         x = r["result"]
         parts = "; ".join(f"{p} {x[p]['engine_mb']:.0f}->{x[p]['released_engine_mb']:.0f}->"

@@ -262,7 +262,7 @@ def gpu_graphs_vs_eager(rank: int, world: int, adp: int, ep: int) -> dict:
                 if tx != ty:
                     break
                 diffs.append(abs(lx - ly))
-        return {"identical": same / len(a), "max_dlogp": max(diffs), "n": len(diffs)}
+        return {"identical": same / len(a), "max_dlogp": max(diffs, default=0.0), "n": len(diffs)}
 
     run("w", True)  # captures the buckets this workload uses
     run("we", False)
@@ -283,6 +283,23 @@ def gpu_graphs_vs_eager(rank: int, world: int, adp: int, ep: int) -> dict:
     res.update(recaptured_after_replace=graphs.captures - caps, after_replace=agree(g3, e2))
     engine.close()
     return res
+
+
+def _live_cuda_tensors(top: int = 6) -> list:
+    """(shape, dtype, MB) of the largest CUDA tensors Python still references (diagnosis)."""
+    import gc
+
+    seen, out = set(), []
+    for obj in gc.get_objects():
+        try:
+            if torch.is_tensor(obj) and obj.is_cuda and id(obj) not in seen:
+                seen.add(id(obj))
+                out.append((tuple(obj.shape), str(obj.dtype),
+                            obj.untyped_storage().nbytes() / 2**20))
+        except Exception:  # objects that fail inspection are not tensors we care about
+            continue
+    out.sort(key=lambda x: -x[2])
+    return [len(out), round(sum(x[2] for x in out), 1), out[:top]]
 
 
 def gpu_memory_phases(rank: int, world: int, adp: int, ep: int) -> dict:
@@ -311,6 +328,7 @@ def gpu_memory_phases(rank: int, world: int, adp: int, ep: int) -> dict:
     for policy in ("keep", "offload", "discard"):
         before = MemoryReport.now(groups.device)
         rel = engine.release_memory(policy)
+        res[f"live_after_{policy}"] = _live_cuda_tensors()
         resumed = engine.resume_memory()
         if policy == "discard":
             engine.model.load_full_state_dict(sd)
@@ -323,3 +341,49 @@ def gpu_memory_phases(rank: int, world: int, adp: int, ep: int) -> dict:
                        "equal_after_resume": equal}
     engine.close()
     return res
+
+
+def gpu_layer_errors(rank: int, world: int, adp: int, ep: int, moe_compute: str = "auto") -> dict:
+    """Diagnosis of bf16 error growth: the residual stream after every attention and MoE block
+    of one P forward, engine bf16 and megatron bf16 (TP = ATP) against megatron fp32."""
+    from colo_rollout.inference.request import Request, SamplingParams
+
+    cfg = gpu_config(world, adp, ep, "bfloat16")
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe_compute=moe_compute))
+    groups = init_parallel(cfg.parallel)
+    sd = random_state_dict(cfg.model)
+    engine = Engine(cfg, groups, sd)
+    prompt = tuple((i * 37 + 11) % cfg.model.vocab_size for i in range(96))
+    engine.model.trace = []
+    engine.generate([Request("x", prompt, SamplingParams(max_tokens=1, ignore_eos=True))])
+    eng = engine.model.trace
+    engine.model.trace = None
+    dev = groups.device
+    pgc = singleton_pg_collection()
+
+    def megatron_trace(model) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        hooks = []
+        for layer in model.decoder.layers:
+            hooks.append(layer.pre_mlp_layernorm.register_forward_pre_hook(
+                lambda m, a: out.append(a[0][:, 0].float().clone())))
+            hooks.append(layer.register_forward_hook(
+                lambda m, a, o: out.append((o[0] if isinstance(o, tuple) else o)[:, 0]
+                                           .float().clone())))
+        with torch.no_grad():
+            reference_logprobs(model, list(prompt))
+        for h in hooks:
+            h.remove()
+        return out
+
+    ypgc = tp_pg_collection(groups.atp) if groups.layout.atp > 1 else pgc
+    m16 = megatron_trace(build_reference(cfg.model, sd, ypgc, dev))
+    ref_cfg = dataclasses.replace(cfg.model, params_dtype="float32", use_te="off")
+    m32 = megatron_trace(build_reference(ref_cfg, {k: v.float() for k, v in sd.items()}, pgc, dev))
+    rows = []
+    for i, (e, m, t) in enumerate(zip(eng, m16, m32)):
+        rows.append({"point": f"L{i // 2}.{'attn' if i % 2 == 0 else 'moe'}",
+                     "engine": float((e - t).abs().mean()), "megatron": float((m - t).abs().mean()),
+                     "scale": float(t.abs().mean())})
+    engine.close()
+    return {"layout": groups.layout.name, "rows": rows}

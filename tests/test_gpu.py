@@ -172,3 +172,16 @@ def test_gpu_grpo_learns(gpu_groups, tmp_path):
                           "mismatches": 0, "wall_s": sum(x["rollout_s"] + x["train_s"] for x in h),
                           "tok_per_s": 0.0, "device": "cuda", "passed": last > first + 0.5})
     assert last > first + 0.5
+
+
+@pytest.mark.parametrize("world,adp,ep", [(1, 1, 1), (2, 1, 1), (2, 1, 2)])
+def test_gpu_bf16_error_by_layer(gpu_groups, world, adp, ep):
+    """Diagnostic (prints; asserts only that the trace covers every block): where the engine's
+    bf16 residual stream departs from megatron's bf16 model, against megatron fp32."""
+    r = gpu_groups(world).run("tests.cases_gpu:gpu_layer_errors", timeout=600, adp=adp,
+                              ep=ep)[0]
+    _record("bf16_by_layer", {"layout": r["layout"], "gpus": world, "rows": r["rows"],
+                              "passed": True})
+    print(r["layout"], [(x["point"], round(x["engine"] / max(x["megatron"], 1e-12), 2))
+                        for x in r["rows"]])
+    assert len(r["rows"]) == 8  # 4 layers x (attention, MoE)

@@ -227,6 +227,9 @@ class InferenceGPT(torch.nn.Module):
         )
         self.comm = GatherComm(groups)
         self._rope: torch.Tensor | None = None
+        # diagnostics: when a list, P appends the residual stream after every attention and
+        # MoE block (fp32 copies) -- for locating precision loss against a reference
+        self.trace: list[torch.Tensor] | None = None
         # megatron's groups for this model's parameters (TP = ATP, EP, expert TP): what
         # megatron's resharding reads to know which shard each rank holds
         self.pg_collection = groups.pg_collection
@@ -308,10 +311,14 @@ class InferenceGPT(torch.nn.Module):
             yield boundary
             boundary += 1
             h = h + comm.p_gather(attn, off, total)
+            if self.trace is not None:
+                self.trace.append(h.float().clone())
             moe = layer.mlp(layer.pre_mlp_layernorm(h))
             yield boundary
             boundary += 1
             h = h + comm.p_allreduce(moe)
+            if self.trace is not None:
+                self.trace.append(h.float().clone())
         last = self.decoder.final_layernorm(h[inp.last_rows])  # all replicas' last tokens
         n_all = last.shape[0]
         seq_off = sum(inp.last_counts[:r])
