@@ -364,7 +364,8 @@ def gpu_layer_errors(rank: int, world: int, adp: int, ep: int, moe_compute: str 
     def megatron_trace(model) -> list[torch.Tensor]:
         out: list[torch.Tensor] = []
         hooks = []
-        for layer in model.decoder.layers:
+        core = getattr(model, "module", model)  # bf16: megatron's Float16Module wrapper
+        for layer in core.decoder.layers:
             hooks.append(layer.pre_mlp_layernorm.register_forward_pre_hook(
                 lambda m, a: out.append(a[0][:, 0].float().clone())))
             hooks.append(layer.register_forward_hook(

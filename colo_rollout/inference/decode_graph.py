@@ -71,13 +71,17 @@ class _Graph:
 
 
 class DecodeGraphs:
-    def __init__(self, model: InferenceGPT, kv, max_blocks: int, pool=None) -> None:
+    def __init__(self, model: InferenceGPT, kv, max_blocks: int,
+                 capture_stream: torch.cuda.Stream | None = None) -> None:
         self.model = model
+        # one capture stream for the runner's lifetime: every new stream that runs a GEMM gets
+        # its own cuBLAS workspace (32 MiB on sm90), so a stream per capture would leak them
+        self.capture_stream = capture_stream or torch.cuda.Stream(model.output_layer.weight.device)
         self.kv = kv
         self.max_blocks = max_blocks
         self.device = model.output_layer.weight.device
         self._graphs: dict[tuple[int, int], _Graph] = {}
-        self._pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        self._pool = torch.cuda.graph_pool_handle()
         self._fingerprint = self._weights_fingerprint()
         self.captures = 0  # graphs captured so far (re-captures included)
         self.replays = 0
@@ -115,7 +119,7 @@ class DecodeGraphs:
         g.buf[2 * rows : 3 * rows].fill_(sink * self.kv.block_size)
         g.buf[3 * rows : 4 * rows].fill_(1)
         stream = torch.cuda.current_stream()
-        side = torch.cuda.Stream(self.device)
+        side = self.capture_stream
         side.wait_stream(stream)
         with torch.cuda.stream(side):  # warm-up outside capture (allocator, lazy inits)
             for _ in range(2):

@@ -76,6 +76,9 @@ class EngineMemory:
             self.weights_valid = False
         self.released = weights
         if eng.groups.device.type == "cuda":
+            # cuBLAS keeps a workspace per (handle, stream) in the caching allocator (32 MiB
+            # each on sm90); they are re-created on the next GEMM
+            torch._C._cuda_clearCublasWorkspaces()
             torch.cuda.empty_cache()
         return MemoryReport.now(eng.groups.device)
 

@@ -59,6 +59,8 @@ class ModelRunner:
         self.num_blocks = num_blocks
         # D by CUDA-graph replay (graphs_max_blocks > 0, CUDA, host-sync-free experts)
         self.graphs_max_blocks = graphs_max_blocks
+        self._capture_stream = (torch.cuda.Stream(self.device)
+                                if self.device.type == "cuda" else None)
         self.graphs = self._new_graphs()
         self._epoch = None  # the in-flight P epoch's segment generator (PD mode)
         self._epoch_items = ()
@@ -66,7 +68,8 @@ class ModelRunner:
 
     def _new_graphs(self) -> DecodeGraphs | None:
         if self.graphs_max_blocks > 0 and graphs_supported(self.model):
-            return DecodeGraphs(self.model, self.kv, self.graphs_max_blocks)
+            return DecodeGraphs(self.model, self.kv, self.graphs_max_blocks,
+                                self._capture_stream)
         return None
 
     def release_kv(self) -> None:
