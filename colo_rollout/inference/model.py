@@ -316,7 +316,7 @@ class InferenceGPT(torch.nn.Module):
             moe = layer.mlp(layer.pre_mlp_layernorm(h))
             yield boundary
             boundary += 1
-            h = h + comm.p_allreduce(moe)
+            h = h + comm.p_allreduce(moe).to(h.dtype)  # combine in fp32, then round
             if self.trace is not None:
                 self.trace.append(h.float().clone())
         last = self.decoder.final_layernorm(h[inp.last_rows])  # all replicas' last tokens
@@ -343,7 +343,7 @@ class InferenceGPT(torch.nn.Module):
             attn = layer.self_attention(x, rope, inp.attn, kv, i)
             res = res + comm.d_reduce_scatter_atp(attn)
             u = comm.d_all_gather_full(layer.pre_mlp_layernorm(res))
-            res = res + comm.d_reduce_scatter_full(layer.mlp(u))
+            res = res + comm.d_reduce_scatter_full(layer.mlp(u)).to(res.dtype)  # fp32 combine
         x = comm.d_all_gather_atp(self.decoder.final_layernorm(res))
         shard, _ = self.output_layer(x)
         return comm.d_all_gather_vocab(shard)
