@@ -73,16 +73,25 @@ def run_bench(rank: int, world: int, config_path: str, overrides: dict | None = 
         from tqdm import tqdm
 
         bar = tqdm(total=len(cells), unit="run", desc="bench", dynamic_ncols=True)
+    partial = None
+    if rank == 0:
+        os.makedirs(cfg.bench.out_dir, exist_ok=True)
+        partial = open(os.path.join(cfg.bench.out_dir, "runs_partial.jsonl"), "w")
     for w, name, kw, rep in cells:
         ecfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, **kw))
         engine = Engine(ecfg, groups, sd)
         metrics, raw = replay(engine, trace, wait_scale=w)
+        engine.close()  # its D graphs (and their memory) go before the next cell's engine
         row = {"wait_scale": w, "variant": name, "rep": rep, **metrics.to_json()}
         if rank == 0:
             outs = engine.scheduler.by_id
             row["request_completion_s"] = [o.finish_time - o.submit_time
                                            for rid, o in outs.items() if rid in raw["done"]]
         runs.append(row)
+        if partial is not None:  # survives a run that is cut short (device time limits)
+            partial.write(json.dumps({k: v for k, v in row.items()
+                                      if k != "request_completion_s"}) + "\n")
+            partial.flush()
         if rep == 0 and w == cfg.bench.wait_scales[0]:
             t0 = min((s.start for s in engine.timeline), default=0.0)
             timelines[name] = [(s.kind, s.start - t0, s.end - t0) for s in engine.timeline]
@@ -91,6 +100,8 @@ def run_bench(rank: int, world: int, config_path: str, overrides: dict | None = 
             bar.update(1)
     if bar is not None:
         bar.close()
+    if partial is not None:
+        partial.close()
     stats = trace.stats()
     return {"runs": runs if rank == 0 else [], "timelines": timelines, "rank": rank,
             "layout": groups.layout.name, "trace": {"source": trace.source,

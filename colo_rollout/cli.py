@@ -24,7 +24,9 @@ def _overrides(pairs: list[str]) -> dict:
     return out
 
 
-def _launch(target: str, config: str, overrides: dict, **extra) -> list:
+def _launch(target: str, config: str, overrides: dict, gather: bool = False, **extra) -> list:
+    """Run ``target`` on every rank; returns the ranks' results (under torchrun: this rank's
+    only, or every rank's when ``gather`` -- all-gathered as JSON over gloo, never pickle)."""
     from colo_rollout.config import ConfigError, load_config
 
     try:
@@ -34,11 +36,23 @@ def _launch(target: str, config: str, overrides: dict, **extra) -> list:
     if "WORLD_SIZE" in os.environ:  # torchrun: this process is one rank
         import importlib
 
+        from colo_rollout.inference.parallel import destroy_parallel
+
         mod, fn = target.split(":")
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        return [getattr(importlib.import_module(mod), fn)(rank=rank, world=world,
-                                                          config_path=config,
-                                                          overrides=overrides, **extra)]
+        try:
+            out = getattr(importlib.import_module(mod), fn)(rank=rank, world=world,
+                                                            config_path=config,
+                                                            overrides=overrides, **extra)
+            if not gather:
+                return [out]
+            import torch.distributed as dist
+
+            from colo_rollout.inference.control import all_gather_json
+
+            return all_gather_json(out, dist.new_group(backend="gloo"))
+        finally:  # an explicit teardown: groups left to interpreter exit can hang there
+            destroy_parallel()
     from colo_rollout.testing import WorkerGroup
 
     with WorkerGroup(cfg.parallel.world_size) as group:
@@ -95,16 +109,9 @@ def main(argv: list[str] | None = None) -> int:
 
         overrides = _overrides(args.set)
         cfg = load_config(args.config, overrides)
-        results = _launch("colo_rollout.bench:run_bench", args.config, overrides)
-        if "WORLD_SIZE" in os.environ:  # torchrun: every rank returned its own; rank 0 reports
-            import torch.distributed as dist
-
-            from colo_rollout.inference.control import all_gather_json
-
-            # over a gloo group: the payload is host data (JSON, never pickle)
-            results = all_gather_json(results[0], dist.new_group(backend="gloo"))
-            if dist.get_rank() != 0:
-                return 0
+        results = _launch("colo_rollout.bench:run_bench", args.config, overrides, gather=True)
+        if int(os.environ.get("RANK", "0")) != 0:  # torchrun: rank 0 reports
+            return 0
         report(results, cfg, cfg.bench.out_dir)
         print(f"JSON and plots in {cfg.bench.out_dir}/")
         return 0

@@ -40,6 +40,7 @@ def run_demo(rank: int, world: int, config_path: str, overrides: dict | None = N
     if bar is not None:
         bar.close()
     engine.check_integrity()
+    engine.close()  # D graphs hold NCCL collectives: drop them before the groups go away
     rep = summarize(outs, requests, wall, engine)
     rep["layout"] = groups.layout.name
     rep["device"] = str(groups.device)

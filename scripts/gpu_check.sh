@@ -26,15 +26,22 @@ for n in 1 2; do
   [ "${RUN_DEMO:-1}" = 1 ] || break
   [ "$NGPU" -ge "$n" ] || continue
   if [ "$n" = 1 ]; then set_layout="--set parallel.world_size=1 --set parallel.adp=1 --set parallel.ep=1"; else set_layout=""; fi
-  torchrun --standalone --nproc-per-node "$n" -m colo_rollout.cli demo configs/demo_gpu.yaml \
+  timeout "${DEMO_TIMEOUT:-240}" torchrun --standalone --nproc-per-node "$n" -m colo_rollout.cli demo configs/demo_gpu.yaml \
     $set_layout --report "$OUT/demo_gpu$n.json" 2>&1 | tail -n 12 \
     || echo "demo on $n GPU(s) failed"
 done
 
-# the ordering ladder on a trace (2 GPUs); RUN_BENCH=0 skips it
-if [ "$NGPU" -ge 2 ] && [ "${RUN_BENCH:-1}" = 1 ]; then
-  torchrun --standalone --nproc-per-node 2 -m colo_rollout.cli bench configs/bench_gpu.yaml \
-    --set bench.out_dir="$OUT/bench" 2>&1 | tail -n 20 || echo "bench failed"
+# the ordering ladder on a trace, 2 GPUs (EP2/ADP2) then 1; RUN_BENCH=0 skips it. Every run is
+# bounded (BENCH_TIMEOUT s) and appends each finished replay to runs_partial.jsonl, so a run cut
+# short still leaves its numbers.
+if [ "${RUN_BENCH:-1}" = 1 ]; then
+  for n in 2 1; do
+    [ "$NGPU" -ge "$n" ] || continue
+    if [ "$n" = 1 ]; then set_layout="--set parallel.world_size=1 --set parallel.adp=1 --set parallel.ep=1"; else set_layout=""; fi
+    timeout "${BENCH_TIMEOUT:-300}" torchrun --standalone --nproc-per-node "$n" -m colo_rollout.cli \
+      bench configs/bench_gpu.yaml $set_layout --set bench.out_dir="$OUT/bench$n" 2>&1 \
+      | tr '\r' '\n' | grep -v 'run/s\|Warning\|warnings.warn' | tail -n 14 || echo "bench on $n GPU(s) failed"
+  done
 fi
 
 python3 scripts/gpu_table.py "$OUT"

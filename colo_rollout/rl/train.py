@@ -103,6 +103,7 @@ def run_train(rank: int, world: int, config_path: str, overrides: dict | None = 
             bar.update(1)
     if bar is not None:
         bar.close()
+    engine.close()  # D graphs hold NCCL collectives: drop them before the groups go away
     if rank == 0:
         log.close()
         if tb is not None:
