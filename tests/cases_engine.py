@@ -517,3 +517,24 @@ def memory_release_resume(rank: int, world: int, adp: int, ep: int) -> dict:
     return {"offload_equal": offload == base, "reload_equal": reloaded == base,
             "evicted": engine.memory.evicted, "errors": errors,
             "bytes": [before.allocated, rel.allocated, res.allocated]}
+
+
+def graph_key_agrees(rank: int, world: int, adp: int, ep: int) -> dict:
+    """The D-graph key (bucket rows, longest block table) is computed from replicated state:
+    identical on every rank even when the replicas' own tables differ in length."""
+    cfg, groups, sd, engine = _engine(world, adp, ep, max_batch_size=3, decode_buckets=[1, 2, 4])
+    runner, log = engine.runner, []
+    inner = runner.run_decode
+
+    def logged(plan, sched, *a, **kw):
+        mine = [len(sched.block_table(groups.replica, d.lifetime))
+                for d in plan.replicas[groups.replica].decode]
+        log.append((plan.bucket, runner.world_table_blocks(plan, sched), max(mine, default=0)))
+        return inner(plan, sched, *a, **kw)
+
+    runner.run_decode = logged
+    # one long and one short request: they land on different replicas
+    engine.generate([Request("long", tuple(range(3, 43)), SamplingParams(max_tokens=12,
+                                                                         ignore_eos=True)),
+                     Request("short", (5, 6, 7), SamplingParams(max_tokens=12, ignore_eos=True))])
+    return {"keys": [k[:2] for k in log], "local": [k[2] for k in log]}

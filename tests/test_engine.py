@@ -131,3 +131,13 @@ def test_memory_release_and_resume(worker_groups):
         assert "while requests are in flight" in r["errors"]["busy"]
         assert "resume_memory() first" in r["errors"]["released_step"]
         assert "weights were discarded" in r["errors"]["discarded_step"]
+
+
+def test_decode_graph_key_is_the_same_on_every_rank(worker_groups):
+    """A rank capturing a graph runs eager warm-up collectives; a peer choosing another key
+    would replay instead and never join them (this hung a 2-GPU run)."""
+    res = worker_groups(2).run(f"{CASES}:graph_key_agrees", adp=2, ep=2)
+    assert res[0]["keys"] == res[1]["keys"] and len(res[0]["keys"]) > 10
+    assert res[0]["local"] != res[1]["local"]  # the replicas' own longest tables do differ
+    for r in res:
+        assert all(w >= loc for (_, w), loc in zip(r["keys"], r["local"]))

@@ -9,6 +9,8 @@ uses a key -- every rank runs the same plan, so every rank captures the same key
 point, which the graph's collectives need), replay, and release.
 
 Invariants:
+  * The key (rows, width) is a function of the plan alone (bucket and the longest table over
+    all replicas), so every rank captures and replays the same key at the same D iteration.
   * All inputs of one replay live in one device buffer (token ids, positions, slots, context
     lengths, block tables), filled by one pinned host->device copy on the replay stream.
   * Padding rows and table padding point at the KV sink block: replaying a wider table or a
@@ -90,14 +92,20 @@ class DecodeGraphs:
         return tuple(p.data_ptr() for p in self.model.parameters())
 
     def run(self, ids: list[int], pos: list[int], slots: list[int], ctx: list[int],
-            tables: list[list[int]]) -> torch.Tensor:
-        """One D forward by graph replay on the current stream -> logits [B, V] (static)."""
+            tables: list[list[int]], world_blocks: int) -> torch.Tensor:
+        """One D forward by graph replay on the current stream -> logits [B, V] (static).
+
+        ``world_blocks``: the longest block table of the D iteration over *all* replicas. The
+        graph key must be the same on every rank: a rank that captures runs eager warm-up
+        collectives, and a peer replaying an existing graph instead would never join them."""
         fp = self._weights_fingerprint()
         if fp != self._fingerprint:  # a parameter was replaced: captured addresses are stale
             self.release()
             self._fingerprint = fp
         B = len(ids)
-        width = width_bucket(max(len(t) for t in tables), self.max_blocks)
+        if max(len(t) for t in tables) > world_blocks:
+            raise ValueError("a block table is longer than the world's maximum")
+        width = width_bucket(world_blocks, self.max_blocks)
         g = self._graphs.get((B, width))
         if g is None:
             g = self._capture(B, width)

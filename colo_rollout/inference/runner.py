@@ -99,7 +99,7 @@ class ModelRunner:
         with self.route.d(), self.route.mark("D", epoch):
             host = self._decode_host(plan, sched)
             if self.graphs is not None:
-                logits = self.graphs.run(*host)
+                logits = self.graphs.run(*host, self.world_table_blocks(plan, sched))
             else:
                 logits = self.model.forward_decode(self._decode_inputs(*host), self.kv)
             return self._sample(logits, plan.replicas[self.groups.replica].decode, sched)
@@ -198,6 +198,13 @@ class ModelRunner:
             row_counts=row_counts, last_counts=last_counts,
             last_rows=h2d(last_rows, i64, dev),
         )
+
+    @staticmethod
+    def world_table_blocks(plan: StepPlan, sched: Scheduler) -> int:
+        """Longest block table among the D rows of every replica (replicated state: the same
+        value on every rank -- it picks the graph, and graph choice must agree)."""
+        return max((len(sched.block_table(r, d.lifetime))
+                    for r, w in enumerate(plan.replicas) for d in w.decode), default=1)
 
     def _decode_host(self, plan: StepPlan, sched: Scheduler):
         """Host values of one D iteration, padded to the bucket with sink rows:
