@@ -77,10 +77,15 @@ def run_bench(rank: int, world: int, config_path: str, overrides: dict | None = 
     if rank == 0:
         os.makedirs(cfg.bench.out_dir, exist_ok=True)
         partial = open(os.path.join(cfg.bench.out_dir, "runs_partial.jsonl"), "w")
+    gpu = groups.device.type == "cuda"
     for w, name, kw, rep in cells:
-        ecfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, **kw))
+        timeline_cell = rep == 0 and w == cfg.bench.wait_scales[0]
+        # on a GPU the timeline cell records CUDA events: what the GPU ran, not host enqueue
+        ecfg = dataclasses.replace(cfg, engine=dataclasses.replace(
+            cfg.engine, **kw, cuda_timing=gpu and timeline_cell))
         engine = Engine(ecfg, groups, sd)
         metrics, raw = replay(engine, trace, wait_scale=w)
+        gpu_spans = engine.route.gpu_spans() if gpu and timeline_cell else []
         engine.close()  # its D graphs (and their memory) go before the next cell's engine
         row = {"wait_scale": w, "variant": name, "rep": rep, **metrics.to_json()}
         if rank == 0:
@@ -92,7 +97,11 @@ def run_bench(rank: int, world: int, config_path: str, overrides: dict | None = 
             partial.write(json.dumps({k: v for k, v in row.items()
                                       if k != "request_completion_s"}) + "\n")
             partial.flush()
-        if rep == 0 and w == cfg.bench.wait_scales[0]:
+        if timeline_cell and gpu_spans:
+            t0 = min(s.start_ms for s in gpu_spans)
+            timelines[name] = [(s.kind, (s.start_ms - t0) / 1e3, (s.end_ms - t0) / 1e3)
+                               for s in gpu_spans]
+        elif timeline_cell:
             t0 = min((s.start for s in engine.timeline), default=0.0)
             timelines[name] = [(s.kind, s.start - t0, s.end - t0) for s in engine.timeline]
         if bar is not None:
@@ -104,6 +113,7 @@ def run_bench(rank: int, world: int, config_path: str, overrides: dict | None = 
         partial.close()
     stats = trace.stats()
     return {"runs": runs if rank == 0 else [], "timelines": timelines, "rank": rank,
+            "clock": "GPU (CUDA events)" if gpu else "host",
             "layout": groups.layout.name, "trace": {"source": trace.source,
                                                     "requests": trace.num_requests,
                                                     "conversations": stats.conversations}}
@@ -187,7 +197,8 @@ def _plots(results: list[dict], runs: list[dict], cfg: Config, out_dir: str) -> 
                         color="tab:orange" if kind == "P" else "tab:blue")
         ax.set_yticks([r["rank"] for r in results])
         ax.set_ylabel("rank")
-        ax.set_title(f"{name}: P segments (orange) and D iterations (blue)")
+        ax.set_title(f"{name}: P segments (orange) and D iterations (blue), "
+                     f"{results[0].get('clock', 'host')} clock")
     axes[-1, 0].set_xlabel("seconds since first work")
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "timeline.png"), dpi=120)
