@@ -55,5 +55,22 @@ for f in sorted(glob.glob(os.path.join(out, "demo_gpu*.json"))):
           f"{'ok':>7s} {'':10s} {'':11s} {r['tokens_per_s']:9.1f}   "
           f"p50/p99 latency {r['latency_s']['p50']:.2f}/{r['latency_s']['p99']:.2f} s, "
           f"TTFT p99 {r['ttft_s']['p99']:.3f} s, {r['requests_per_s']:.2f} req/s")
+for n in (2, 1):
+    f = os.path.join(out, f"bench{n}", "bench.json")
+    if not os.path.exists(f):
+        part = os.path.join(out, f"bench{n}", "runs_partial.jsonl")
+        if os.path.exists(part):
+            k = sum(1 for _ in open(part))
+            print(f"{'bench (incomplete)':34s} {'':16s} {n:4d} {'cut':>7s}   {k} replays in {part}")
+        continue
+    b = json.load(open(f))
+    for w, cells in b["summary"].items():
+        base = cells.get("normal", {}).get("makespan_s", {}).get("median")
+        parts = []
+        for v, c in cells.items():
+            ms = c["makespan_s"]["median"]
+            parts.append(f"{v} {ms:.2f}s" + (f" ({100 * (ms / base - 1):+.0f}%)" if base and v != "normal" else ""))
+        print(f"{'bench makespan, wait x' + w:34s} {b['layout']:16s} {n:4d} {'info':>7s}   "
+              + ", ".join(parts))
 if not rows:
     print("(no GPU test results: see pytest.log)")
