@@ -343,14 +343,19 @@ def gpu_memory_phases(rank: int, world: int, adp: int, ep: int) -> dict:
     return res
 
 
-def gpu_layer_errors(rank: int, world: int, adp: int, ep: int, moe_compute: str = "auto") -> dict:
+def gpu_layer_errors(rank: int, world: int, adp: int, ep: int, moe_compute: str = "auto",
+                     backend: str = "nccl") -> dict:
     """Diagnosis of bf16 error growth: the residual stream after every attention and MoE block
     of one P forward, engine bf16 and megatron bf16 (TP = ATP) against megatron fp32."""
     from colo_rollout.inference.request import Request, SamplingParams
 
-    cfg = gpu_config(world, adp, ep, "bfloat16")
+    cfg = gpu_config(world, adp, ep, "bfloat16", backend=backend)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe_compute=moe_compute))
     groups = init_parallel(cfg.parallel)
+    if backend == "gloo":
+        from colo_rollout.inference.cpu_compat import install_cpu_compat
+
+        install_cpu_compat()
     sd = random_state_dict(cfg.model)
     engine = Engine(cfg, groups, sd)
     prompt = tuple((i * 37 + 11) % cfg.model.vocab_size for i in range(96))
