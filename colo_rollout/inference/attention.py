@@ -19,7 +19,7 @@ Must not go in here: block allocation (kv_cache.py), collectives (comm.py), sche
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +43,61 @@ class AttnMetadata:
     context_lens: torch.Tensor  # [S] int64 tokens in cache after this forward
     seq_lens_new: list[int]  # P only: new tokens per sequence (host values)
     context_lens_host: list[int]  # host copy of context_lens (P only; avoids device syncs)
+    # P only: sequences batched by context-length bucket (built once per P epoch, used by
+    # every layer); see prefill_buckets
+    buckets: list[PrefillBucket] = field(default_factory=list)
+
+
+@dataclass
+class PrefillBucket:
+    """P sequences whose contexts fall in one power-of-two length bucket, attended in one
+    batched call: queries padded to ``n_max`` rows, keys to ``blocks`` cache blocks."""
+
+    seqs: torch.Tensor  # [Sb] indices into block_tables
+    q_rows: torch.Tensor  # [Sb, n_max] flat query row of each padded slot (pads: row 0)
+    slots: torch.Tensor  # [n_valid] padded slots (s * n_max + j) that hold a real query
+    out_rows: torch.Tensor  # [n_valid] flat row of each of those slots
+    ctx: torch.Tensor  # [Sb] context length after this P (keys 0..ctx-1)
+    new: torch.Tensor  # [Sb] new tokens (queries sit at positions ctx-new .. ctx-1)
+    n_max: int
+    blocks: int
+
+
+def prefill_buckets(seq_lens_new: list[int], context_lens: list[int], block_size: int,
+                    to_device) -> list[PrefillBucket]:
+    """Group P sequences by context length (next power of two, in blocks) so that one P
+    layer's attention is a few batched calls instead of one per sequence; padding costs at
+    most 2x keys per bucket. ``to_device(values, dtype)`` makes host lists device tensors
+    without a host wait. Pure host logic apart from that."""
+    groups: dict[int, list[int]] = {}
+    for i, ctx in enumerate(context_lens):
+        nb = -(-ctx // block_size)
+        key = 1
+        while key < nb:
+            key *= 2
+        groups.setdefault(key, []).append(i)
+    starts, off = [], 0
+    for n in seq_lens_new:
+        starts.append(off)
+        off += n
+    out = []
+    i64 = torch.int64
+    for key in sorted(groups):
+        seqs = groups[key]
+        n_max = max(seq_lens_new[i] for i in seqs)
+        q_rows, slots, out_rows = [], [], []
+        for s_idx, i in enumerate(seqs):
+            n = seq_lens_new[i]
+            q_rows.extend(list(range(starts[i], starts[i] + n)) + [0] * (n_max - n))
+            slots.extend(range(s_idx * n_max, s_idx * n_max + n))
+            out_rows.extend(range(starts[i], starts[i] + n))
+        blocks = max(-(-context_lens[i] // block_size) for i in seqs)
+        out.append(PrefillBucket(
+            seqs=to_device(seqs, i64), q_rows=to_device(q_rows, i64).view(len(seqs), n_max),
+            slots=to_device(slots, i64), out_rows=to_device(out_rows, i64),
+            ctx=to_device([context_lens[i] for i in seqs], i64),
+            new=to_device([seq_lens_new[i] for i in seqs], i64), n_max=n_max, blocks=blocks))
+    return out
 
 
 class KVStorage:
@@ -126,6 +181,31 @@ class PagedSelfAttention(torch.nn.Module):
         return k, v
 
     def _prefill(self, q, kv, layer, meta: AttnMetadata) -> torch.Tensor:
+        if meta.buckets:
+            return self._prefill_batched(q, kv, layer, meta)
+        return self._prefill_loop(q, kv, layer, meta)
+
+    def _prefill_batched(self, q, kv, layer, meta: AttnMetadata) -> torch.Tensor:
+        """One SDPA call per context bucket: queries [Sb, heads, n_max, dim] against the
+        bucket's keys [Sb, heads, blocks*block, dim]; query j of a sequence sits at position
+        ctx - new + j and sees keys 0..that position (padding slots are computed and dropped)."""
+        out = q.new_empty(q.shape)
+        for b in meta.buckets:
+            Sb = b.seqs.shape[0]
+            k, v = self._gather_kv(kv, layer, meta.block_tables[b.seqs, : b.blocks])
+            qb = q[b.q_rows]  # [Sb, n_max, heads, dim]
+            qpos = (b.ctx - b.new)[:, None] + torch.arange(b.n_max, device=q.device)[None, :]
+            kpos = torch.arange(k.shape[1], device=q.device)
+            mask = kpos[None, None, :] <= qpos[:, :, None]  # [Sb, n_max, keys]
+            o = F.scaled_dot_product_attention(
+                qb.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+                attn_mask=mask[:, None], scale=self.scale,
+            )  # [Sb, heads, n_max, dim]
+            o = o.transpose(1, 2).reshape(Sb * b.n_max, self.heads, self.head_dim)
+            out.index_copy_(0, b.out_rows, o.index_select(0, b.slots))  # no boolean mask: no sync
+        return out
+
+    def _prefill_loop(self, q, kv, layer, meta: AttnMetadata) -> torch.Tensor:
         outs = []
         start = 0
         for i, n in enumerate(meta.seq_lens_new):

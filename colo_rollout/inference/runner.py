@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from colo_rollout.inference.attention import AttnMetadata
+from colo_rollout.inference.attention import AttnMetadata, prefill_buckets
 from colo_rollout.inference.decode_graph import DecodeGraphs, graphs_supported
 from colo_rollout.inference.model import DecodeInputs, InferenceGPT, PrefillInputs
 from colo_rollout.inference.plan import Phase, StepPlan
@@ -192,6 +192,7 @@ class ModelRunner:
             block_tables=self._tables(tables) if tables else torch.zeros(0, 1, dtype=i64, device=dev),
             context_lens=h2d(ctx, i64, dev),
             seq_lens_new=new, context_lens_host=ctx,
+            buckets=prefill_buckets(new, ctx, self.block_size, lambda v, t: h2d(v, t, dev)),
         )
         return PrefillInputs(
             token_ids=h2d(ids, i64, dev), attn=attn,
