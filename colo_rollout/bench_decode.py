@@ -37,6 +37,7 @@ def decode_overhead(rank: int, world: int, config_path: str, overrides: dict | N
             reqs = [dataclasses.replace(r, request_id=f"{r.request_id}-{rep}-{mode}")
                     for r in requests]
             engine.generate(reqs)
+            engine.close()
             d = [h.seconds for h in engine.history if h.phase in (Phase.DECODE, Phase.ROUND)
                  and h.rows > 0]
             times[mode].append(float(np.sum(d)) / max(len(d), 1))

@@ -120,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
                       _overrides(args.set), reps=args.reps, modes=("normal", args.mode))[0]
         import statistics
 
+        if int(os.environ.get("RANK", "0")) != 0:  # torchrun: rank 0 prints
+            return 0
         med = {m: statistics.median(v) for m, v in res.items()}
         print(f"{'mode':>16s} {'median ms/D step':>17s}   per repetition")
         for m, v in res.items():

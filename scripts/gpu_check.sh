@@ -31,6 +31,12 @@ for n in 1 2; do
     || echo "demo on $n GPU(s) failed"
 done
 
+# decode-only overhead of the PD machinery (no P pending) vs Normal, 2 GPUs
+if [ "$NGPU" -ge 2 ] && [ "${RUN_DEMO:-1}" = 1 ]; then
+  timeout 180 torchrun --standalone --nproc-per-node 2 -m colo_rollout.cli bench-decode-overhead \
+    configs/demo_gpu.yaml --reps 5 2>&1 | grep -A4 "median ms" || echo "decode overhead run failed"
+fi
+
 # the ordering ladder on a trace, 2 GPUs (EP2/ADP2) then 1; RUN_BENCH=0 skips it. Every run is
 # bounded (BENCH_TIMEOUT s) and appends each finished replay to runs_partial.jsonl, so a run cut
 # short still leaves its numbers.
