@@ -8,7 +8,6 @@ decode iterations only. With no P pending the P/D machinery is off, so the ratio
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import numpy as np
 

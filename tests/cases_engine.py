@@ -16,7 +16,7 @@ from colo_rollout.inference.reference import (
     reference_logprobs,
     singleton_pg_collection,
 )
-from colo_rollout.inference.request import FinishReason, Request, SamplingParams
+from colo_rollout.inference.request import Request, SamplingParams
 
 # fp32 on CPU: the engine (paged KV, sharded, gathered) and the reference (megatron GPTModel, full
 # recompute, TP1) differ only in summation order, ~1e-6 in logprobs; 1e-4 leaves a wide margin

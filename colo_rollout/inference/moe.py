@@ -103,7 +103,7 @@ class GatherMoE(torch.nn.Module):
 
     # ------------------------------------------------------------------ grouped, sync-free
     def _grouped(self, x, probs, routing_map) -> torch.Tensor:
-        N, k, E = x.shape[0], self.topk, self.num_local
+        k, E = self.topk, self.num_local
         # the k routed experts of each token (exactly k True per row of routing_map)
         chosen = routing_map.to(torch.int8).topk(k, dim=1).indices  # [N, k] global ids
         weight = probs.gather(1, chosen)  # [N, k]

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from statistics import NormalDist
 
 import numpy as np
 
-from colo_rollout.trace.model import Conversation, PAPER_TARGETS, Trace, TraceStats, Turn, _Z99, _is_int
+from colo_rollout.trace.model import PAPER_TARGETS, Conversation, Trace, Turn, _is_int, _Z99
 
 # --------------------------------------------------------------------------- #
 # Synthetic generator fitted to the paper's statistics

@@ -1,0 +1,221 @@
+"""A whole run configuration: cross-section rules, YAML loading (safe_load), overrides, dumping.
+
+The single place where YAML files and dotted-key overrides become a validated ``Config``.
+"""
+
+import copy
+import dataclasses
+import os
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import yaml
+
+from colo_rollout.config.checks import (
+    ConfigError,
+    _check_field_types,
+    _describe,
+    _error,
+    _require,
+    _with_source,
+)
+from colo_rollout.config.schema import (
+    BenchConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    RLConfig,
+    WorkloadConfig,
+)
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """A whole rollout job; checks the constraints that span sections.
+
+    (decode_buckets[-1] >= max_batch_size lives in EngineConfig, which owns both keys.)
+    """
+
+    SECTION: ClassVar[str] = ""
+
+    # Process layout.
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # Model shape and numerics.
+    model: ModelConfig = field(default_factory=ModelConfig)
+    # Engine limits.
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    # Synthetic workload.
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    # Trace-replay benchmark.
+    bench: BenchConfig = field(default_factory=BenchConfig)
+    # Colocated RL training.
+    rl: RLConfig = field(default_factory=RLConfig)
+
+    def __post_init__(self) -> None:
+        _check_field_types(self)
+        par, model, engine, work = self.parallel, self.model, self.engine, self.workload
+        atp_desc = f"parallel.atp {par.atp} (world_size {par.world_size} / adp {par.adp})"
+        _require(
+            model.num_attention_heads % par.atp == 0,
+            "model.num_attention_heads",
+            f"{model.num_attention_heads} is not divisible by {atp_desc}; ATP shards attention heads",
+        )
+        _require(
+            model.num_query_groups % par.atp == 0,
+            "model.num_query_groups",
+            f"{model.num_query_groups} is not divisible by {atp_desc}; ATP shards KV groups",
+        )
+        _require(
+            model.vocab_size % par.atp == 0,
+            "model.vocab_size",
+            f"{model.vocab_size} is not divisible by {atp_desc}; the embedding is vocab-parallel",
+        )
+        _require(
+            model.num_experts % par.ep == 0,
+            "model.num_experts",
+            f"{model.num_experts} is not divisible by parallel.ep {par.ep}",
+        )
+        _require(
+            engine.max_seq_len <= model.max_position_embeddings,
+            "engine.max_seq_len",
+            f"{engine.max_seq_len} exceeds model.max_position_embeddings "
+            f"{model.max_position_embeddings}",
+        )
+        if engine.eos_token_id is not None:
+            _require(
+                engine.eos_token_id < model.vocab_size,
+                "engine.eos_token_id",
+                f"{engine.eos_token_id} is out of range for model.vocab_size {model.vocab_size}",
+            )
+        total = work.prompt_len_max + work.output_len_max
+        _require(
+            total <= engine.max_seq_len,
+            "workload.prompt_len_max",
+            f"prompt_len_max {work.prompt_len_max} + output_len_max {work.output_len_max} = "
+            f"{total} exceeds engine.max_seq_len {engine.max_seq_len}",
+        )
+
+
+# --------------------------------------------------------------------------- #
+# dict <-> Config, YAML
+# --------------------------------------------------------------------------- #
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    """Build dataclass ``cls`` from mapping ``data``, recursing into dataclass-typed fields.
+
+    Unknown keys are rejected here; scalar type checks and validation run in
+    each class's ``__post_init__``.  ``prefix`` is the dotted key of ``data``.
+    """
+    where = prefix or "top level"
+    if not isinstance(data, Mapping):
+        at = "" if prefix else " at the top level"
+        raise _error(prefix, f"expected a mapping{at}, got {_describe(data)}")
+    hints = typing.get_type_hints(cls)
+    allowed = [f.name for f in dataclasses.fields(cls) if f.init]
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if key not in allowed:
+            raise _error(dotted, f"unknown key; allowed keys at {where}: {', '.join(allowed)}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            value = _build(tp, value, dotted)
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def config_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Config:
+    """Build and validate a :class:`Config` from plain nested data (as parsed from YAML).
+
+    Missing keys take their defaults.  Any problem is a :class:`ConfigError`
+    whose message starts with ``source``.
+    """
+    try:
+        return _build(Config, data, "")
+    except ConfigError as err:
+        raise _with_source(err, source) from err
+
+
+def _apply_overrides(data: dict[str, Any], overrides: Mapping[str, Any]) -> None:
+    """Set each dotted key of ``overrides`` in nested ``data`` (in place), checking it exists."""
+    for dotted, value in overrides.items():
+        if not isinstance(dotted, str) or not dotted:
+            raise _error(repr(dotted), "override keys must be non-empty dotted strings")
+        parts = dotted.split(".")
+        cls: Any = Config
+        node = data
+        for depth, part in enumerate(parts):
+            names = [f.name for f in dataclasses.fields(cls) if f.init]
+            if part not in names:
+                where = ".".join(parts[:depth]) or "top level"
+                raise _error(
+                    dotted, f"unknown override key; allowed keys at {where}: {', '.join(names)}"
+                )
+            if depth == len(parts) - 1:
+                node[part] = copy.deepcopy(value)
+                break
+            sub_cls = typing.get_type_hints(cls)[part]
+            if not dataclasses.is_dataclass(sub_cls):
+                raise _error(dotted, f"{'.'.join(parts[: depth + 1])} is not a section")
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                # Leave it for _build to report as "expected a mapping".
+                break
+            cls, node = sub_cls, child
+
+
+def load_config(path: str | os.PathLike, overrides: Mapping[str, Any] | None = None) -> Config:
+    """Load a YAML config file, apply dotted-key ``overrides``, and validate it.
+
+    ``overrides`` maps dotted keys to values, e.g. ``{"parallel.world_size": 4}``.
+    Raises :class:`ConfigError` (message prefixed with the file path) for
+    unreadable files, YAML syntax errors, unknown keys, wrong types and
+    failed validation.
+    """
+    source = os.fspath(path)
+    try:
+        with open(source, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as err:
+        raise ConfigError(
+            f"{source}: cannot read config file: {err.strerror or err}", source=source
+        ) from err
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{source}: {_yaml_error_text(err)}", source=source) from err
+    if not isinstance(data, dict):
+        got = "an empty document" if data is None else _describe(data)
+        raise ConfigError(
+            f"{source}: expected a mapping at the top level, got {got}", source=source
+        )
+    if overrides:
+        try:
+            _apply_overrides(data, overrides)
+        except ConfigError as err:
+            raise _with_source(err, source) from err
+    return config_from_dict(data, source=source)
+
+
+def _yaml_error_text(err: yaml.YAMLError) -> str:
+    """``line L, column C: invalid YAML: <problem>`` (1-based) for a PyYAML error."""
+    if isinstance(err, yaml.MarkedYAMLError):
+        mark = err.problem_mark or err.context_mark
+        problem = err.problem or err.context or "syntax error"
+        if mark is not None:
+            return f"line {mark.line + 1}, column {mark.column + 1}: invalid YAML: {problem}"
+        return f"invalid YAML: {problem}"
+    return f"invalid YAML: {err}"
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    """Plain nested dict of ``cfg`` (like dataclasses.asdict); config_from_dict inverts it."""
+    return dataclasses.asdict(cfg)
+
+
+def dump_config(cfg: Config, path: str | os.PathLike) -> None:
+    """Write ``cfg`` as YAML to ``path``; ``load_config(path) == cfg`` afterwards."""
+    with open(os.fspath(path), "w", encoding="utf-8") as fh:
+        yaml.safe_dump(config_to_dict(cfg), fh, sort_keys=False, default_flow_style=False)
