@@ -34,6 +34,7 @@ def body(rank: int, world: int) -> list:
     engine = Engine(cfg, init_parallel(cfg.parallel))
     trajs = rollout(engine, envs=[EchoEnv(s) for s in range(4)],
                     params=SamplingParams(temperature=1.0, max_tokens=5))
+    engine.close()  # on GPUs: drops the D graphs before the process groups go away
     return [(t.status, t.reward, t.tokens, t.loss_mask) for t in trajs]
 
 
