@@ -84,12 +84,15 @@ class DecodeGraphs:
         self.device = model.output_layer.weight.device
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle()
+        # the Parameter objects are stable (memory release swaps their .data, never the
+        # objects): list them once, so the per-replay check does not walk the module tree
+        self._params = list(model.parameters())
         self._fingerprint = self._weights_fingerprint()
         self.captures = 0  # graphs captured so far (re-captures included)
         self.replays = 0
 
     def _weights_fingerprint(self) -> tuple[int, ...]:
-        return tuple(p.data_ptr() for p in self.model.parameters())
+        return tuple(p.data_ptr() for p in self._params)
 
     def run(self, ids: list[int], pos: list[int], slots: list[int], ctx: list[int],
             tables: list[list[int]], world_blocks: int) -> torch.Tensor:

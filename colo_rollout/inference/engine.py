@@ -89,7 +89,6 @@ class Engine:
                                   graphs_max_blocks=(-(-e.max_seq_len // e.kv_block_size)
                                                      if e.cuda_graphs else 0))
         self.route.synchronize()  # KV storage was zeroed on the default stream
-        self.param_shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
         self.memory = EngineMemory(self)
         self.control = ControlPlane(groups.control, groups.rank, lay.world_size)
         self.turnstile = TurnstileController(rank=groups.rank)

@@ -51,6 +51,8 @@ class EngineMemory:
         self._host: dict[str, torch.Tensor] = {}
         self.weights_valid = True
         self.evicted = 0
+        # what "discard" must re-allocate on resume (the parameters are empty until then)
+        self._shapes = {n: tuple(p.shape) for n, p in engine.model.named_parameters()}
 
     def release(self, weights: str = "keep") -> MemoryReport:
         if weights not in WEIGHT_POLICIES:
@@ -88,7 +90,7 @@ class EngineMemory:
             raise RuntimeError("engine memory is not released")
         if self.released != "keep":
             params = dict(eng.model.named_parameters())
-            shapes = eng.param_shapes
+            shapes = self._shapes
             for name, p in params.items():
                 if self.released == "offload":
                     p.data = self._host.pop(name).to(p.device, non_blocking=True)
