@@ -66,6 +66,8 @@ def run_bench(rank: int, world: int, config_path: str, overrides: dict | None = 
     trace = bench_trace(cfg)
     sd = random_state_dict(cfg.model)
     runs, timelines = [], {}
+    max_context = max(sum(t.prompt_tokens + t.output_tokens for t in c.turns)
+                      for c in trace.conversations)
     cells = [(w, name, kw, rep) for w in cfg.bench.wait_scales for name, kw in variants(cfg)
              for rep in range(cfg.bench.reps)]
     bar = None
@@ -84,6 +86,7 @@ def run_bench(rank: int, world: int, config_path: str, overrides: dict | None = 
         ecfg = dataclasses.replace(cfg, engine=dataclasses.replace(
             cfg.engine, **kw, cuda_timing=gpu and timeline_cell))
         engine = Engine(ecfg, groups, sd)
+        engine.warmup(max_context)  # D graphs and communicators: not inside the timed replay
         metrics, raw = replay(engine, trace, wait_scale=w)
         gpu_spans = engine.route.gpu_spans() if gpu and timeline_cell else []
         engine.close()  # its D graphs (and their memory) go before the next cell's engine

@@ -78,6 +78,7 @@ def engine_matches_reference(rank: int, world: int, adp: int, ep: int, n_request
     install_cpu_compat()
     sd = random_state_dict(cfg.model)
     engine = Engine(cfg, groups, sd)
+    warm = engine.warmup()  # collective; must leave the engine serving exactly as before
     grouped = [layer.mlp.uses_grouped(torch.zeros(1, device=groups.device))
                for layer in engine.model.decoder.layers]
     requests = mixed_requests(n_requests, seed, cfg.model.vocab_size)
@@ -86,6 +87,7 @@ def engine_matches_reference(rank: int, world: int, adp: int, ep: int, n_request
     pgc = singleton_pg_collection()
     phases = [h.phase.value for h in engine.history]
     result = {"layout": groups.layout.name, "steps": len(engine.history), "grouped": grouped,
+              "warmup_graphs": warm,
               "prefill_after_decode": any(a == "decode" and b == "prefill"
                                           for a, b in zip(phases, phases[1:])),
               "owners_left": sum(len(kv.owners()) for kv in engine.scheduler.kv),

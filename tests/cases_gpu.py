@@ -264,12 +264,16 @@ def gpu_graphs_vs_eager(rank: int, world: int, adp: int, ep: int) -> dict:
                 diffs.append(abs(lx - ly))
         return {"identical": same / len(a), "max_dlogp": max(diffs, default=0.0), "n": len(diffs)}
 
-    run("w", True)  # captures the buckets this workload uses
+    warm = engine.warmup(max_context=max(len(p) for p in prompts) + params.max_tokens)
+    caps = graphs.captures
+    run("w", True)  # every key this workload uses was captured by warmup
+    after_warmup = graphs.captures - caps
     run("we", False)
     g1, t_graph = run("g", True)
     e1, t_eager = run("e", False)
     res = {"layout": groups.layout.name, "graph_keys": graphs.keys, "first": agree(g1, e1),
-           "t_graph_s": t_graph, "t_eager_s": t_eager, "replays": graphs.replays}
+           "t_graph_s": t_graph, "t_eager_s": t_eager, "replays": graphs.replays,
+           "warmup_captures": warm, "captured_after_warmup": after_warmup}
     caps = graphs.captures
     engine.model.load_full_state_dict(random_state_dict(cfg.model, seed=77))  # in place
     g2, _ = run("g2", True)
@@ -344,9 +348,13 @@ def gpu_memory_phases(rank: int, world: int, adp: int, ep: int) -> dict:
 
 
 def gpu_layer_errors(rank: int, world: int, adp: int, ep: int, moe_compute: str = "auto",
-                     backend: str = "nccl") -> dict:
+                     backend: str = "nccl", prefill_attention: str = "batched") -> dict:
     """Diagnosis of bf16 error growth: the residual stream after every attention and MoE block
-    of one P forward, engine bf16 and megatron bf16 (TP = ATP) against megatron fp32."""
+    of one P forward, engine bf16 and megatron bf16 (TP = ATP) against megatron fp32.
+
+    Also, per MoE layer: tokens whose top-k expert set differs from fp32's (engine, megatron
+    bf16), and whether the ranks of the engine agree bitwise on the residual stream and on the
+    routing (ranks that route a token differently would sum mismatched partials)."""
     from colo_rollout.inference.request import Request, SamplingParams
 
     cfg = gpu_config(world, adp, ep, "bfloat16", backend=backend)
@@ -358,15 +366,40 @@ def gpu_layer_errors(rank: int, world: int, adp: int, ep: int, moe_compute: str 
         install_cpu_compat()
     sd = random_state_dict(cfg.model)
     engine = Engine(cfg, groups, sd)
+    if prefill_attention == "loop":  # the per-sequence reference path instead of buckets
+        for layer in engine.model.decoder.layers:  # this engine's instances only
+            layer.self_attention._prefill = layer.self_attention._prefill_loop
     prompt = tuple((i * 37 + 11) % cfg.model.vocab_size for i in range(96))
+
+    def hook_routers(layers) -> tuple[list[torch.Tensor], list]:
+        maps: list[torch.Tensor] = []
+        hooks = [layer.mlp.router.register_forward_hook(
+            lambda m, a, o: maps.append(o[1].reshape(-1, o[1].shape[-1]).clone()))
+            for layer in layers]
+        return maps, hooks
+
+    emaps, ehooks = hook_routers(engine.model.decoder.layers)
     engine.model.trace = []
     engine.generate([Request("x", prompt, SamplingParams(max_tokens=1, ignore_eos=True))])
     eng = engine.model.trace
     engine.model.trace = None
+    for h in ehooks:
+        h.remove()
+    emaps = emaps[: cfg.model.num_layers]  # the P forward's (D of the 1 token is not traced)
+    # cross-rank agreement of the engine (every rank holds every token in P)
+    cross_h, cross_route = [], []
+    for t in eng:
+        parts = [torch.empty_like(t) for _ in range(world)]
+        torch.distributed.all_gather(parts, t.contiguous(), group=groups.full_p)
+        cross_h.append(max(float((p - parts[0]).abs().max()) for p in parts))
+    for m in emaps:
+        parts = [torch.empty_like(m) for _ in range(world)]
+        torch.distributed.all_gather(parts, m.contiguous(), group=groups.full_p)
+        cross_route.append(sum(int((p != parts[0]).any(dim=1).sum()) for p in parts))
     dev = groups.device
     pgc = singleton_pg_collection()
 
-    def megatron_trace(model) -> list[torch.Tensor]:
+    def megatron_trace(model) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         out: list[torch.Tensor] = []
         hooks = []
         core = getattr(model, "module", model)  # bf16: megatron's Float16Module wrapper
@@ -376,20 +409,32 @@ def gpu_layer_errors(rank: int, world: int, adp: int, ep: int, moe_compute: str 
             hooks.append(layer.register_forward_hook(
                 lambda m, a, o: out.append((o[0] if isinstance(o, tuple) else o)[:, 0]
                                            .float().clone())))
+        maps, rhooks = hook_routers(core.decoder.layers)
         with torch.no_grad():
             reference_logprobs(model, list(prompt))
-        for h in hooks:
+        for h in hooks + rhooks:
             h.remove()
-        return out
+        return out, maps
 
     ypgc = tp_pg_collection(groups.atp) if groups.layout.atp > 1 else pgc
-    m16 = megatron_trace(build_reference(cfg.model, sd, ypgc, dev))
+    m16, mmaps16 = megatron_trace(build_reference(cfg.model, sd, ypgc, dev))
     ref_cfg = dataclasses.replace(cfg.model, params_dtype="float32", use_te="off")
-    m32 = megatron_trace(build_reference(ref_cfg, {k: v.float() for k, v in sd.items()}, pgc, dev))
+    m32, mmaps32 = megatron_trace(build_reference(ref_cfg, {k: v.float() for k, v in sd.items()},
+                                                  pgc, dev))
     rows = []
     for i, (e, m, t) in enumerate(zip(eng, m16, m32)):
-        rows.append({"point": f"L{i // 2}.{'attn' if i % 2 == 0 else 'moe'}",
-                     "engine": float((e - t).abs().mean()), "megatron": float((m - t).abs().mean()),
-                     "scale": float(t.abs().mean())})
+        row = {"point": f"L{i // 2}.{'attn' if i % 2 == 0 else 'moe'}",
+               "engine": float((e - t).abs().mean()), "megatron": float((m - t).abs().mean()),
+               "engine_max": float((e - t).abs().max()),
+               "megatron_max": float((m - t).abs().max()),
+               "scale": float(t.abs().mean()), "ranks_max_diff": cross_h[i]}
+        if i % 2 == 1:
+            li = i // 2
+            truth = mmaps32[li]
+            row["engine_flips"] = int((emaps[li] != truth).any(dim=1).sum())
+            row["megatron_flips"] = int((mmaps16[li] != truth).any(dim=1).sum())
+            row["ranks_route_disagree"] = cross_route[li]
+        rows.append(row)
     engine.close()
-    return {"layout": groups.layout.name, "rows": rows}
+    return {"layout": groups.layout.name, "rows": rows, "moe_compute": moe_compute,
+            "prefill_attention": prefill_attention}

@@ -26,6 +26,7 @@ def test_greedy_tokens_and_logprobs_match_megatron_reference(worker_groups, worl
     assert set(r0["reasons"].values()) == {"length"}
     assert r0["owners_left"] == 0
     assert r0["grouped"] == [False, False]  # auto on CPU: megatron's experts forward
+    assert r0["warmup_graphs"] == 0  # no D graphs on CPU; warmup's collective still matched
     for r in res[1:]:  # replicated state: every rank has every token
         assert r["tokens"] == r0["tokens"]
 

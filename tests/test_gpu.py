@@ -55,9 +55,14 @@ def test_gpu_engine_matches_reference(gpu_groups, world, adp, ep, dtype, spec):
         pytest.skip("TE spec: bf16 only, and needs Transformer Engine installed")
     from tests import cases_gpu as C
 
+    # bf16: 64 requests (~400 tokens). Both models' error is dominated by MoE routing flips
+    # (a near-tied top-k choice that bf16 rounding tips the other way moves that token's
+    # hidden state by O(the MoE output) and later tokens through attention), so the mean over
+    # ~100 tokens is a handful of flips and too noisy to compare two models by.
     res = gpu_groups(world).run("tests.cases_gpu:gpu_engine_matches_reference", timeout=600,
                                 adp=adp, ep=ep, dtype=dtype,
-                                use_te="on" if spec == "te" else "off")
+                                use_te="on" if spec == "te" else "off",
+                                n_requests=16 if dtype == "float32" else 64)
     r0 = res[0]
     if dtype == "float32":
         ok = not r0["mismatches"] and r0["max_logprob_diff"] < C.FP32_TOL
@@ -133,6 +138,7 @@ def test_gpu_decode_graphs_match_eager_and_follow_weights(gpu_groups, world, adp
     # same kernels up to the padded table width: bf16 may differ in the last bits of attention
     for k in ("first", "reloaded", "after_replace"):
         assert r[k]["identical"] >= 0.9 and r[k]["max_dlogp"] < 0.05, (k, r[k])
+    assert r["warmup_captures"] > 0 and r["captured_after_warmup"] == 0
     assert r["recaptured_after_reload"] == 0  # in-place update: the captured addresses hold
     assert r["changed_by_reload"] < 0.5  # and the graphs really computed with the new weights
     assert r["recaptured_after_replace"] > 0
@@ -174,14 +180,20 @@ def test_gpu_grpo_learns(gpu_groups, tmp_path):
     assert last > first + 0.5
 
 
+@pytest.mark.parametrize("variant", ["auto", "megatron", "loop"])
 @pytest.mark.parametrize("world,adp,ep", [(1, 1, 1), (2, 1, 1), (2, 1, 2)])
-def test_gpu_bf16_error_by_layer(gpu_groups, world, adp, ep):
-    """Diagnostic (prints; asserts only that the trace covers every block): where the engine's
-    bf16 residual stream departs from megatron's bf16 model, against megatron fp32."""
+def test_gpu_bf16_error_by_layer(gpu_groups, world, adp, ep, variant):
+    """Diagnostic (prints; asserts the trace covers every block and that the ranks agree):
+    where the engine's bf16 residual stream departs from megatron's bf16 model, against megatron
+    fp32. variant: the default path, megatron's expert compute, the per-sequence P attention."""
+    kw = {"moe_compute": "megatron"} if variant == "megatron" else {}
+    if variant == "loop":
+        kw["prefill_attention"] = "loop"
     r = gpu_groups(world).run("tests.cases_gpu:gpu_layer_errors", timeout=600, adp=adp,
-                              ep=ep)[0]
-    _record("bf16_by_layer", {"layout": r["layout"], "gpus": world, "rows": r["rows"],
-                              "passed": True})
-    print(r["layout"], [(x["point"], round(x["engine"] / max(x["megatron"], 1e-12), 2))
-                        for x in r["rows"]])
+                              ep=ep, **kw)[0]
+    _record("bf16_by_layer", {"layout": r["layout"], "gpus": world, "variant": variant,
+                              "rows": r["rows"], "passed": True})
+    for x in r["rows"]:
+        print(r["layout"], variant, json.dumps(x))
     assert len(r["rows"]) == 8  # 4 layers x (attention, MoE)
+    assert all(x["ranks_max_diff"] == 0.0 for x in r["rows"])

@@ -44,6 +44,11 @@ def width_bucket(blocks: int, max_blocks: int) -> int:
     return min(w, max_blocks)
 
 
+def width_buckets(blocks: int, max_blocks: int) -> list[int]:
+    """Every width bucket a table of 1..``blocks`` blocks can map to, ascending."""
+    return sorted({width_bucket(b, max_blocks) for b in range(1, max(blocks, 1) + 1)})
+
+
 def graphs_supported(model: InferenceGPT) -> bool:
     """Capture needs a host-sync-free D: CUDA and the grouped expert path in every layer."""
     w = model.output_layer.weight
@@ -146,6 +151,18 @@ class DecodeGraphs:
         self._graphs[(rows, width)] = g
         self.captures += 1
         return g
+
+    def capture_all(self, rows: list[int], max_blocks: int | None = None) -> int:
+        """Capture every (row bucket, width bucket) key up to ``max_blocks`` table width ahead
+        of serving (collective: every rank calls it with the same arguments), so no capture
+        lands inside a timed run. Returns the number of graphs captured now."""
+        limit = self.max_blocks if max_blocks is None else min(max_blocks, self.max_blocks)
+        before = self.captures
+        for r in sorted(set(rows)):
+            for w in width_buckets(limit, self.max_blocks):
+                if (r, w) not in self._graphs:
+                    self._capture(r, w)
+        return self.captures - before
 
     def release(self) -> None:
         """Drop every graph (their memory returns to the pool when unreferenced)."""

@@ -28,6 +28,7 @@ from colo_rollout.inference.memory import EngineMemory, MemoryReport
 from colo_rollout.inference.model import DTYPES, InferenceGPT, random_state_dict
 from colo_rollout.inference.parallel import ParallelGroups
 from colo_rollout.inference.plan import Phase, StepPlan
+from colo_rollout.inference.planner import pick_bucket
 from colo_rollout.inference.request import (
     FinishReason,
     Request,
@@ -328,6 +329,26 @@ class Engine:
         if self.memory.released is not None:
             raise RuntimeError("weights_loaded() before resume_memory()")
         self.memory.weights_valid = True
+
+    def warmup(self, max_context: int | None = None) -> int:
+        """Collective, on an idle engine: capture the D graphs of every decode bucket and block
+        -table width needed for contexts up to ``max_context`` tokens (default: max_seq_len),
+        and run one P AllReduce so the P communicator exists -- both otherwise happen inside
+        the first requests' latency. Returns the graphs captured."""
+        self.memory.check_ready()
+        n = 0
+        if self.runner.graphs is not None:
+            e = self.cfg.engine
+            ctx = e.max_seq_len if max_context is None else min(max_context, e.max_seq_len)
+            lim = self.scheduler.limits  # the row counts the planner can pick
+            rows = {pick_bucket(b, lim.decode_buckets, lim.atp)
+                    for b in (*lim.decode_buckets, lim.max_batch_size)}
+            n = self.runner.graphs.capture_all(sorted(rows), -(-ctx // e.kv_block_size))
+        if self.groups.layout.world_size > 1:
+            probe = torch.zeros(1, device=self.groups.device)
+            torch.distributed.all_reduce(probe, group=self.groups.full_p)
+        self.route.synchronize()
+        return n
 
     def close(self) -> None:
         """Drop the D graphs (they hold NCCL collectives) and drain both streams: call before
