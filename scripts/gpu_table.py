@@ -47,7 +47,10 @@ for r in rows:
           f"{'PASS' if r['passed'] else 'FAIL':>7s} {r['max_logprob_diff']:10.4f} "
           f"{r['mean_logprob_diff']:11.5f} {r['tok_per_s']:9.1f}"
           + (f"   megatron-bf16 mean {r['megatron_bf16_mean_diff']:.4f}, argmax agree "
-             f"{r['argmax_agreement']:.1%}" if r.get("megatron_bf16_mean_diff") is not None else ""))
+             f"{r['argmax_agreement']:.1%}"
+             + (f" (megatron {r['megatron_argmax_agreement']:.1%})"
+                if r.get("megatron_argmax_agreement") is not None else "")
+             if r.get("megatron_bf16_mean_diff") is not None else ""))
 for f in sorted(glob.glob(os.path.join(out, "demo_gpu*.json"))):
     r = json.load(open(f))
     n = os.path.basename(f)[len("demo_gpu"):-len(".json")]

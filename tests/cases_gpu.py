@@ -26,13 +26,14 @@ from tests.cases_engine import compare_with_reference, mixed_requests
 #    costs O(0.1-1). Every token must be the reference argmax (within the tolerance).
 #  * bf16 engine: its error against the fp32 ground truth must be no worse than megatron's own
 #    bf16 GPTModel's -- same spec, TP = ATP, so both round the same partial sums -- error
-#    against it on the same tokens (ratio <= BF16_RATIO), and greedy
-#    tokens must agree with the fp32 argmax (within BF16_ARGMAX_SLACK) on >= BF16_AGREE of
-#    positions: bf16 rounding legitimately flips near-ties of a random-weight model.
+#    against it on the same tokens (ratio <= BF16_RATIO), and its greedy tokens must be the
+#    fp32 argmax (within BF16_ARGMAX_SLACK) on nearly as many positions as megatron bf16's own
+#    argmax is (at most BF16_AGREE_DROP fewer): bf16 rounding legitimately flips near-ties of a
+#    random-weight model, in both, and with a few hundred tokens by chance.
 FP32_TOL = 2e-3
 BF16_RATIO = 1.5
 BF16_ARGMAX_SLACK = 0.05
-BF16_AGREE = 0.9
+BF16_AGREE_DROP = 0.03
 
 
 def gpu_config(world: int, adp: int, ep: int, dtype: str = "bfloat16",
@@ -99,7 +100,7 @@ def _teacher(req, outs) -> list[int]:
 
 
 def compare_bf16(ref32, lp16_all, requests, outs) -> dict:
-    eng_err, ref_err, agree, n = 0.0, 0.0, 0, 0
+    eng_err, ref_err, agree, ref_agree, n = 0.0, 0.0, 0, 0, 0
     worst = 0.0
     for req, lp16 in zip(requests, lp16_all):
         out = outs[req.request_id]
@@ -107,14 +108,16 @@ def compare_bf16(ref32, lp16_all, requests, outs) -> dict:
         for j, (tok, lp) in enumerate(zip(out.tokens, out.logprobs)):
             row = len(req.prompt) - 1 + j
             truth = float(lp32[row, tok])
+            top = float(lp32[row].max()) - BF16_ARGMAX_SLACK
             eng_err += abs(lp - truth)
             ref_err += abs(float(lp16[row, tok]) - truth)
             worst = max(worst, abs(lp - truth))
-            agree += truth >= float(lp32[row].max()) - BF16_ARGMAX_SLACK
+            agree += truth >= top  # the engine's greedy pick is (near) the fp32 argmax
+            ref_agree += float(lp32[row, int(lp16[row].argmax())]) >= top  # megatron bf16's
             n += 1
     return {"checked": n, "mean_logprob_diff": eng_err / n, "max_logprob_diff": worst,
             "megatron_bf16_mean_diff": ref_err / n, "argmax_agreement": agree / n,
-            "mismatches": []}
+            "megatron_bf16_argmax_agreement": ref_agree / n, "mismatches": []}
 
 
 def gpu_mode_tokens(rank: int, world: int, adp: int, ep: int, mode: str,

@@ -68,13 +68,15 @@ def test_gpu_engine_matches_reference(gpu_groups, world, adp, ep, dtype, spec):
         ok = not r0["mismatches"] and r0["max_logprob_diff"] < C.FP32_TOL
     else:
         ok = (r0["mean_logprob_diff"] <= C.BF16_RATIO * r0["megatron_bf16_mean_diff"]
-              and r0["argmax_agreement"] >= C.BF16_AGREE)
+              and r0["argmax_agreement"]
+              >= r0["megatron_bf16_argmax_agreement"] - C.BF16_AGREE_DROP)
     assert r0["te"] == (spec == "te")
     _record(f"engine_vs_reference_{dtype}" + ("_te" if spec == "te" else ""), {
         "layout": r0["layout"], "gpus": world, "checked": r0["checked"],
         "max_logprob_diff": r0["max_logprob_diff"], "mean_logprob_diff": r0["mean_logprob_diff"],
         "megatron_bf16_mean_diff": r0.get("megatron_bf16_mean_diff"),
         "argmax_agreement": r0.get("argmax_agreement"),
+        "megatron_argmax_agreement": r0.get("megatron_bf16_argmax_agreement"),
         "mismatches": len(r0["mismatches"]), "wall_s": r0["wall_s"],
         "tok_per_s": r0["generated"] / r0["wall_s"], "device": r0["device"], "passed": ok})
     assert r0["checked"] > 40
@@ -83,7 +85,8 @@ def test_gpu_engine_matches_reference(gpu_groups, world, adp, ep, dtype, spec):
         assert r0["max_logprob_diff"] < C.FP32_TOL
     else:
         assert r0["mean_logprob_diff"] <= C.BF16_RATIO * r0["megatron_bf16_mean_diff"]
-        assert r0["argmax_agreement"] >= C.BF16_AGREE
+        assert (r0["argmax_agreement"]
+                >= r0["megatron_bf16_argmax_agreement"] - C.BF16_AGREE_DROP)
     for r in res[1:]:
         assert r["tokens"] == r0["tokens"]
 

@@ -147,6 +147,8 @@ class PagedSelfAttention(torch.nn.Module):
                 kv: KVStorage, layer: int) -> torch.Tensor:
         """x [T, H] (replicated over ATP) -> ATP-partial output [T, H]."""
         T = x.shape[0]
+        if T == 0:  # a replica without P rows this step (TE's fused norm rejects empty input)
+            return x.new_zeros((0, self.linear_proj.weight.shape[0]))
         qkv, _ = self.linear_qkv(x)
         qkv = qkv.view(T, self.groups, (self.q_per_group + 2) * self.head_dim)
         q, k, v = torch.split(

@@ -97,6 +97,10 @@ class DecodeGraphs:
         self.replays = 0
 
     def _weights_fingerprint(self) -> tuple[int, ...]:
+        # the grouped experts re-point replaced expert parameters into a fresh stack on their
+        # next forward; do that first, so the fingerprint holds the addresses a graph reads
+        for layer in self.model.decoder.layers:
+            layer.mlp.prepare()
         return tuple(p.data_ptr() for p in self._params)
 
     def run(self, ids: list[int], pos: list[int], slots: list[int], ctx: list[int],

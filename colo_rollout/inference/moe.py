@@ -130,6 +130,13 @@ class GatherMoE(torch.nn.Module):
         out.index_add_(0, token, y.to(out.dtype))
         return out
 
+    def prepare(self) -> None:
+        """Make the grouped path's weight stacks current now (no-op for the megatron path), so
+        the expert parameters' addresses are final before anything records them (D graphs)."""
+        w = self._expert_weights()[0][0]
+        if self.uses_grouped(torch.empty(0, dtype=w.dtype, device=w.device)):
+            self._stacked()
+
     def drop_stack(self) -> None:
         """Forget the stacked views (memory release: the parameters' storage is replaced)."""
         self._stack = None
