@@ -37,11 +37,11 @@ if [ "$NGPU" -ge 2 ] && [ "${RUN_DEMO:-1}" = 1 ]; then
     configs/demo_gpu.yaml --reps 5 2>&1 | grep -A4 "median ms" || echo "decode overhead run failed"
 fi
 
-# the ordering ladder on a trace, 2 GPUs (EP2/ADP2) then 1; RUN_BENCH=0 skips it. Every run is
+# the ordering ladder on a trace, 2 GPUs (EP2/ADP2) then 1 (BENCH_GPUS picks); RUN_BENCH=0 skips it. Every run is
 # bounded (BENCH_TIMEOUT s) and appends each finished replay to runs_partial.jsonl, so a run cut
 # short still leaves its numbers.
 if [ "${RUN_BENCH:-1}" = 1 ]; then
-  for n in 2 1; do
+  for n in ${BENCH_GPUS:-2 1}; do
     [ "$NGPU" -ge "$n" ] || continue
     if [ "$n" = 1 ]; then set_layout="--set parallel.world_size=1 --set parallel.adp=1 --set parallel.ep=1"; else set_layout=""; fi
     timeout "${BENCH_TIMEOUT:-300}" torchrun --standalone --nproc-per-node "$n" -m colo_rollout.cli \
