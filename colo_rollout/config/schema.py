@@ -333,6 +333,8 @@ class BenchConfig:
     seed: int = 0
     # Where JSON and plots go.
     out_dir: str = "runs/bench"
+    # One untimed replay before the timed cells (one-off first-use costs stay out of them).
+    warmup_replay: bool = True
 
     def __post_init__(self) -> None:
         _check_field_types(self)

@@ -59,6 +59,9 @@ class Pending:
         return [h.tolist() for h in self._host]
 
 
+D_STREAM_PRIORITY = -1  # CUDA stream priority of D (lower = higher; the default is 0)
+
+
 @dataclass(frozen=True)
 class GpuSpan:
     """A P segment or D iteration as the GPU ran it: ms since the route's first event."""
@@ -77,7 +80,11 @@ class StreamRoute:
         self.active = active and device.type == "cuda"
         self.route_p_collective = self.active and route_p_collective
         self.timing = device.type == "cuda" and timing  # inactive: marks the current stream
-        self.d_stream = torch.cuda.Stream(device) if self.active else None
+        # D's stream has the higher priority: when both phases have kernels queued, the block
+        # scheduler hands freed SMs to D first, so a long P kernel stretches D's iteration less
+        # (D is what P/D multiplexing protects). P keeps the default priority.
+        self.d_stream = (torch.cuda.Stream(device, priority=D_STREAM_PRIORITY)
+                         if self.active else None)
         self.p_stream = torch.cuda.Stream(device) if self.active else None
         self.routed = 0  # P collectives placed on D's stream so far
         self._in_p = False
