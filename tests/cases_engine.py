@@ -345,10 +345,12 @@ def cancel_during_prefill_epoch(rank: int, world: int, adp: int, ep: int) -> dic
 
 def injected_violation(rank: int, world: int, adp: int, ep: int) -> dict:
     """Fine mode; mid-epoch the last rank's boundary producer skips ahead (a non-monotone
-    publication). That rank raises TurnstileError at once; every other rank raises
-    RendezvousError at its next PreD within the timeout. All name rank, epoch and boundary."""
+    publication). That rank raises TurnstileError at once, naming rank, epoch and boundary;
+    every other rank raises within the timeout where it next waits for that rank: the control
+    exchange of the next step (Fine advances P after the round's D), naming rank and step."""
     import time as _time
 
+    from colo_rollout.inference.control import ControlError
     from colo_rollout.inference.rendezvous import RendezvousError
     from colo_rollout.inference.turnstile import TurnstileError
 
@@ -369,7 +371,7 @@ def injected_violation(rank: int, world: int, adp: int, ep: int) -> dict:
         for _ in range(10):
             engine.step()
         return {"raised": None}
-    except (TurnstileError, RendezvousError) as e:
+    except (TurnstileError, RendezvousError, ControlError) as e:
         return {"raised": f"{type(e).__name__}: {e}", "seconds": _time.perf_counter() - t0}
 
 

@@ -51,32 +51,45 @@ class Message:
 
 
 class ControlPlane:
-    def __init__(self, group: dist.ProcessGroup, rank: int, world: int) -> None:
+    def __init__(self, group: dist.ProcessGroup, rank: int, world: int,
+                 timeout_s: float | None = None) -> None:
         self.group = group
         self.rank = rank
         self.world = world
+        self.timeout_s = timeout_s  # the group's timeout (for the error message)
         self.exchanges = 0
 
     def exchange(self, msg: Message) -> list[Message]:
-        """All-gather one message per rank; returns them in rank order. Collective."""
+        """All-gather one message per rank; returns them in rank order. Collective. A peer that
+        died or stopped stepping makes every other rank raise ControlError (the group's
+        timeout) naming this rank and step."""
         self.exchanges += 1
         data = msg.encode()
         if self.world == 1:
             return [Message.decode(data, 0)]
         n = torch.tensor([len(data)], dtype=torch.int64)
         lens = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
-        dist.all_gather(lens, n, group=self.group)
+        self._all_gather(lens, n, msg.step)
         width = max(int(x) for x in lens)
         buf = torch.zeros(width, dtype=torch.uint8)
         buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         outs = [torch.empty(width, dtype=torch.uint8) for _ in range(self.world)]
-        dist.all_gather(outs, buf, group=self.group)
+        self._all_gather(outs, buf, msg.step)
         msgs = [Message.decode(o[: int(lens[i])].numpy().tobytes(), i) for i, o in enumerate(outs)]
         steps = {m.step for m in msgs}
         if len(steps) != 1:
             raise ControlError(f"ranks are at different steps: "
                                f"{ {m.rank: m.step for m in msgs} }")
         return msgs
+
+    def _all_gather(self, outs: list[torch.Tensor], t: torch.Tensor, step: int) -> None:
+        try:
+            dist.all_gather(outs, t, group=self.group)
+        except RuntimeError as e:  # gloo: timeout or a closed peer connection
+            within = f" within {self.timeout_s:g} s" if self.timeout_s is not None else ""
+            raise ControlError(
+                f"rank {self.rank}, step {step}: the control exchange did not complete{within}; "
+                f"a peer died or stopped stepping (diverged) [{e}]") from e
 
 
 def all_gather_json(obj, group: dist.ProcessGroup | None = None) -> list:

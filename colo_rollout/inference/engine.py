@@ -91,7 +91,8 @@ class Engine:
                                                      if e.cuda_graphs else 0))
         self.route.synchronize()  # KV storage was zeroed on the default stream
         self.memory = EngineMemory(self)
-        self.control = ControlPlane(groups.control, groups.rank, lay.world_size)
+        self.control = ControlPlane(groups.control, groups.rank, lay.world_size,
+                                    cfg.parallel.timeout_s)
         self.turnstile = TurnstileController(rank=groups.rank)
         self.turnstile.register_producer(PRODUCER)
         self.rendezvous = (make_rendezvous(groups.control, groups.rank, lay.world_size,
@@ -213,8 +214,15 @@ class Engine:
         self._d_wait_run, self._d_wait = self._d_wait, 0.0
 
     def _round(self, plan: StepPlan) -> tuple[list[PendingSampled], StepPlan | None]:
-        """One turnstile round (PD modes): P advances to its permitted endpoint, then
-        PreD -> one D iteration on every rank -> PostD -> P gets K more boundaries.
+        """One turnstile round (PD modes): PreD -> one D iteration on every rank -> PostD ->
+        P gets K more boundaries, and P runs to its permitted endpoint.
+
+        Fine enqueues the round's D iteration *before* P's next segment (D first): P's host
+        enqueue then runs while D's iteration executes on the GPU, instead of delaying it, and
+        the step's only host wait (D's sampled tokens) covers both. The Global modes (the
+        baselines of the ladder) advance P first: the whole epoch, then D. Either way every
+        rank issues the same sequence -- ... P to p, D, p += K, P to p, D ... -- so the
+        collectives of the two phases are enqueued in one global order.
 
         Global modes admit the whole P epoch as one segment (K = all its boundaries); Fine uses
         the segment policy. With no D row anywhere there is nothing to protect: P runs on to the
@@ -236,17 +244,23 @@ class Engine:
             ctl.begin(self._epoch_id, d_enqueued=False, span=self._span(plan))
         sampled: list[PendingSampled] = []
         epoch_plan = sched.epoch
-        done = self._advance_p() if runner.epoch_active else None
-        if done is not None and self.mode == "global_complete":
-            self.route.fence_p()  # whole-P completion fence before D may be enqueued
+        d_first = self.mode == "fine" and plan.has_decode
+        done = None
+        if not d_first and runner.epoch_active:
+            done = self._advance_p()
+            if done is not None and self.mode == "global_complete":
+                self.route.fence_p()  # whole-P completion fence before D may be enqueued
         if plan.has_decode:
             self.rendezvous.pre_d(ctl.epoch, ctl.reached)
             t = time.perf_counter()
-            sampled.append(runner.run_decode(plan, sched, ctl.epoch))
+            d_out = runner.run_decode(plan, sched, ctl.epoch)
+            sampled.append(d_out)
             self.timeline.append(Span("D", t, time.perf_counter(), ctl.epoch))
             self._note_d(plan)
             self.rendezvous.post_d(ctl.epoch, ctl.reached)
             ctl.post_d()
+            if d_first and runner.epoch_active:
+                done = self._advance_p(behind=d_out)
         else:
             while runner.epoch_active:  # no D to protect: finish the epoch now
                 ctl.post_d()
@@ -257,13 +271,18 @@ class Engine:
             return sampled, epoch_plan
         return sampled, None
 
-    def _advance_p(self):
+    def _advance_p(self, behind: PendingSampled | None = None):
+        """Run P to its permitted endpoint. Its host time counts as D wait when a D iteration
+        was ready meanwhile: D rows with tokens, or -- for a segment enqueued ``behind`` this
+        step's D iteration -- only if that iteration's tokens were back before P finished
+        enqueuing (else P's enqueue was hidden behind D's GPU time and held nothing back)."""
         t = time.perf_counter()
-        d_ready = any(q.last_token is not None for q in self.scheduler.seqs.values())
+        d_ready = (behind is None
+                   and any(q.last_token is not None for q in self.scheduler.seqs.values()))
         done = self.runner.advance(self.turnstile, self.scheduler)
         te = time.perf_counter()
         self.timeline.append(Span("P", t, te, self.turnstile.epoch))
-        if d_ready:
+        if d_ready or (behind is not None and behind.done()):
             self._d_wait += te - t
         return done
 

@@ -34,6 +34,9 @@ class PendingSampled:
         self.lifetimes = list(lifetimes)
         self._pending = pending
 
+    def done(self) -> bool:
+        return self._pending is None or self._pending.done()
+
     def resolve(self) -> list[Sampled]:
         if self._pending is None:
             return []

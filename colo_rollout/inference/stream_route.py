@@ -53,6 +53,10 @@ class Pending:
         else:
             self._host = list(tensors)
 
+    def done(self) -> bool:
+        """The values are on the host already (get would not wait)."""
+        return self._event is None or self._event.query()
+
     def get(self) -> list[list]:
         if self._event is not None:
             self._event.synchronize()
