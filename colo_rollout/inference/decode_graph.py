@@ -92,16 +92,26 @@ class DecodeGraphs:
         # the Parameter objects are stable (memory release swaps their .data, never the
         # objects): list them once, so the per-replay check does not walk the module tree
         self._params = list(model.parameters())
-        self._fingerprint = self._weights_fingerprint()
+        self._fingerprint = self._settled_fingerprint()
         self.captures = 0  # graphs captured so far (re-captures included)
         self.replays = 0
 
     def _weights_fingerprint(self) -> tuple[int, ...]:
-        # the grouped experts re-point replaced expert parameters into a fresh stack on their
-        # next forward; do that first, so the fingerprint holds the addresses a graph reads
+        return tuple(p.data_ptr() for p in self._params)
+
+    def _check_weights(self) -> None:
+        if self._weights_fingerprint() != self._fingerprint:
+            # a parameter was replaced: captured addresses are stale
+            self.release()
+            self._fingerprint = self._settled_fingerprint()
+
+    def _settled_fingerprint(self) -> tuple[int, ...]:
+        """The fingerprint after the grouped experts have re-pointed any replaced expert
+        parameter into a fresh stack (which their next forward would do): the addresses a graph
+        captured now reads. Only needed when the cheap fingerprint changed."""
         for layer in self.model.decoder.layers:
             layer.mlp.prepare()
-        return tuple(p.data_ptr() for p in self._params)
+        return self._weights_fingerprint()
 
     def run(self, ids: list[int], pos: list[int], slots: list[int], ctx: list[int],
             tables: list[list[int]], world_blocks: int) -> torch.Tensor:
@@ -110,10 +120,7 @@ class DecodeGraphs:
         ``world_blocks``: the longest block table of the D iteration over *all* replicas. The
         graph key must be the same on every rank: a rank that captures runs eager warm-up
         collectives, and a peer replaying an existing graph instead would never join them."""
-        fp = self._weights_fingerprint()
-        if fp != self._fingerprint:  # a parameter was replaced: captured addresses are stale
-            self.release()
-            self._fingerprint = fp
+        self._check_weights()
         B = len(ids)
         if max(len(t) for t in tables) > world_blocks:
             raise ValueError("a block table is longer than the world's maximum")
@@ -160,6 +167,7 @@ class DecodeGraphs:
         """Capture every (row bucket, width bucket) key up to ``max_blocks`` table width ahead
         of serving (collective: every rank calls it with the same arguments), so no capture
         lands inside a timed run. Returns the number of graphs captured now."""
+        self._check_weights()
         limit = self.max_blocks if max_blocks is None else min(max_blocks, self.max_blocks)
         before = self.captures
         for r in sorted(set(rows)):
