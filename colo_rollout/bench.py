@@ -166,11 +166,47 @@ def report(results: list[dict], cfg: Config, out_dir: str) -> dict:
                   f"{c['requests_per_s']['median']:8.2f} {c['request_p99_s']['median']:10.2f} "
                   f"{c['trajectory_p99_s']['median']:11.2f} {c['ttft_p99_s']['median']:11.2f} "
                   f"{c['mean_d_wait_ms']['median']:10.2f} {c['evictions']['median']:5.0f}  {rel}")
+    tl = results[0]["timelines"]  # rank 0, first repetition of the first wait scale
+    tstats = {v: timeline_stats(spans) for v, spans in tl.items()}
+    if tstats:
+        print(f"\ntimeline, rank 0, first rep ({results[0].get('clock', 'host')} clock; ms): "
+              "P busy, D busy, P and D at once, D-only tail, median D iteration")
+        for v, st in tstats.items():
+            print(f"{v:>22s} {st['p_busy_ms']:9.1f} {st['d_busy_ms']:9.1f} "
+                  f"{st['overlap_ms']:9.1f} {st['d_tail_ms']:9.1f} {st['d_median_ms']:7.2f}")
     with open(os.path.join(out_dir, "bench.json"), "w") as f:
         json.dump({"summary": summary, "runs": runs, "trace": t,
-                   "layout": results[0]["layout"]}, f, indent=1)
+                   "layout": results[0]["layout"], "timeline_stats": tstats,
+                   "timelines_rank0": tl}, f, indent=1)
     _plots(results, runs, cfg, out_dir)
     return summary
+
+
+def _union_ms(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return 1e3 * total
+
+
+def timeline_stats(spans: list[tuple[str, float, float]]) -> dict:
+    """Where one run's time went, from its (kind, start s, end s) spans: busy time of P and of
+    D (unions), time both ran at once, the D-only tail after the last P, the median D span."""
+    p = [(a, b) for k, a, b in spans if k == "P"]
+    d = [(a, b) for k, a, b in spans if k == "D"]
+    p_busy, d_busy = _union_ms(p), _union_ms(d)
+    both = _union_ms(p + d)
+    last_p = max((b for _, b in p), default=float("-inf"))
+    tail = [(max(a, last_p), b) for a, b in d if b > last_p]
+    durations = sorted(b - a for a, b in d)
+    return {"p_busy_ms": p_busy, "d_busy_ms": d_busy,
+            "overlap_ms": p_busy + d_busy - both,
+            "d_tail_ms": _union_ms(tail),
+            "d_median_ms": 1e3 * durations[len(durations) // 2] if durations else 0.0,
+            "d_iterations": len(d)}
 
 
 def _plots(results: list[dict], runs: list[dict], cfg: Config, out_dir: str) -> None:

@@ -50,5 +50,23 @@ def test_bench_replays_every_turn_with_identical_work(worker_groups, tmp_path, c
     assert set(summary) == {"0", "0.01"}
     data = json.loads((tmp_path / "bench.json").read_text())
     assert len(data["runs"]) == 6
+    st = data["timeline_stats"]["normal"]  # host clock on CPU: P and D never overlap
+    assert st["p_busy_ms"] > 0 and st["d_busy_ms"] > 0 and st["d_iterations"] > 0
+    assert st["overlap_ms"] < 1e-6
+    assert "timeline" in out
     assert (tmp_path / "ccdf_request.png").stat().st_size > 1000
     assert (tmp_path / "timeline.png").stat().st_size > 1000
+
+
+def test_timeline_stats_split_busy_overlap_and_tail():
+    from colo_rollout.bench import timeline_stats
+
+    spans = [("P", 0.0, 0.010), ("D", 0.005, 0.008), ("P", 0.012, 0.020),
+             ("D", 0.018, 0.022), ("D", 0.030, 0.034), ("D", 0.040, 0.042)]
+    st = timeline_stats(spans)
+    assert abs(st["p_busy_ms"] - 18.0) < 1e-9  # 10 + 8
+    assert abs(st["d_busy_ms"] - 13.0) < 1e-9  # 3 + 4 + 4 + 2
+    assert abs(st["overlap_ms"] - 5.0) < 1e-9  # 3 inside the first P, 2 inside the second
+    assert abs(st["d_tail_ms"] - 8.0) < 1e-9  # after P ends at 20 ms: 2 + 4 + 2
+    assert abs(st["d_median_ms"] - 4.0) < 1e-9 and st["d_iterations"] == 4
+    assert timeline_stats([])["p_busy_ms"] == 0.0
