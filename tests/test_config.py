@@ -291,6 +291,7 @@ def test_experts_not_divisible_by_ep(tmp_path):
         ("engine", "mode", "chunked"),
         ("engine", "segment_policy", "adaptive"),
         ("engine", "rendezvous", "mpi"),
+        ("engine", "stream_priority", "high"),
     ],
 )
 def test_bad_enum(tmp_path, section, key, value):

@@ -21,6 +21,7 @@ PARAMS_DTYPES = ("float32", "bfloat16", "float16")
 USE_TE_MODES = ("auto", "on", "off")
 MOE_COMPUTE = ("auto", "grouped", "megatron")
 STREAM_ROUTES = ("auto", "off", "always")
+STREAM_PRIORITIES = ("decode", "prefill", "equal")
 FP8_FORMATS = ("hybrid", "e4m3")
 # normal: strict P priority, no multiplexing. The ordering ladder of P/D multiplexing (PD mode):
 # global_complete (whole-P epoch, D only after P completes), global_enqueue (whole-P epoch, D
@@ -207,6 +208,10 @@ class EngineConfig:
     # (ADP > 1 and ATP > 1); "off" drops that route (the unsafe control of the crossed-path run);
     # "always" routes on every layout (tests the route where paths do not cross).
     stream_route: str = "auto"
+    # GPU, PD modes: which phase's stream gets the higher CUDA priority when both have kernels
+    # queued -- "decode" (protect D's iteration time), "prefill" (P at near-Normal speed, D in
+    # what P leaves), or "equal".
+    stream_priority: str = "decode"
     # GPU: record CUDA events around every P segment/epoch and D iteration (timelines).
     cuda_timing: bool = False
     # GPU: D by CUDA-graph replay, one graph per (row bucket, block-table width); needs the
@@ -246,6 +251,7 @@ class EngineConfig:
         _require_choice(self, "mode", ENGINE_MODES)
         _require_choice(self, "segment_policy", SEGMENT_POLICIES)
         _require_choice(self, "stream_route", STREAM_ROUTES)
+        _require_choice(self, "stream_priority", STREAM_PRIORITIES)
         _require_choice(self, "rendezvous", ("auto", "shm", "gloo"))
         _require_min(self, ("segment_span",), 1)
         spans = self.segment_spans

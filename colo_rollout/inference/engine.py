@@ -83,7 +83,8 @@ class Engine:
         self.pd = self.mode != "normal"
         self.model.rope_table()  # made once on the default stream, read by both phases
         self.route = StreamRoute.for_layout(groups.device, self.pd, lay.adp, lay.atp,
-                                            cfg.engine.stream_route, cfg.engine.cuda_timing)
+                                            cfg.engine.stream_route, cfg.engine.cuda_timing,
+                                            cfg.engine.stream_priority)
         e = cfg.engine
         self.runner = ModelRunner(self.model, e.num_kv_blocks, e.kv_block_size,
                                   seed=cfg.model.seed, route=self.route,

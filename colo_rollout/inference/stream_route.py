@@ -63,7 +63,16 @@ class Pending:
         return [h.tolist() for h in self._host]
 
 
-D_STREAM_PRIORITY = -1  # CUDA stream priority of D (lower = higher; the default is 0)
+HIGH_PRIORITY = -1  # a CUDA stream priority above the default 0 (lower number = higher)
+
+
+def stream_priorities(favour: str) -> tuple[int, int]:
+    """(D stream, P stream) CUDA priorities for engine.stream_priority ``favour``: the favoured
+    phase's blocks get freed SMs first when both phases have kernels queued."""
+    table = {"decode": (HIGH_PRIORITY, 0), "prefill": (0, HIGH_PRIORITY), "equal": (0, 0)}
+    if favour not in table:
+        raise ValueError(f"stream priority {favour!r}: expected one of {sorted(table)}")
+    return table[favour]
 
 
 @dataclass(frozen=True)
@@ -80,16 +89,16 @@ class StreamRoute:
     """P and D streams of one rank. ``active`` only in PD modes on CUDA."""
 
     def __init__(self, device: torch.device, active: bool, route_p_collective: bool,
-                 timing: bool = False) -> None:
+                 timing: bool = False, favour: str = "decode") -> None:
         self.active = active and device.type == "cuda"
         self.route_p_collective = self.active and route_p_collective
         self.timing = device.type == "cuda" and timing  # inactive: marks the current stream
-        # D's stream has the higher priority: when both phases have kernels queued, the block
-        # scheduler hands freed SMs to D first, so a long P kernel stretches D's iteration less
-        # (D is what P/D multiplexing protects). P keeps the default priority.
-        self.d_stream = (torch.cuda.Stream(device, priority=D_STREAM_PRIORITY)
-                         if self.active else None)
-        self.p_stream = torch.cuda.Stream(device) if self.active else None
+        # By default D's stream has the higher priority: when both phases have kernels queued,
+        # the block scheduler hands freed SMs to D first, so a long P kernel stretches D's
+        # iteration less (D is what P/D multiplexing protects).
+        d_prio, p_prio = stream_priorities(favour)
+        self.d_stream = torch.cuda.Stream(device, priority=d_prio) if self.active else None
+        self.p_stream = torch.cuda.Stream(device, priority=p_prio) if self.active else None
         self.routed = 0  # P collectives placed on D's stream so far
         self._in_p = False
         self._marks: list[tuple[str, int, object, object]] = []
@@ -99,13 +108,14 @@ class StreamRoute:
 
     @classmethod
     def for_layout(cls, device: torch.device, pd: bool, adp: int, atp: int, route: str,
-                   timing: bool) -> StreamRoute:
+                   timing: bool, favour: str = "decode") -> StreamRoute:
         """The route is installed only where P's full-group AllReduce crosses D's collectives
         (ADP > 1 and ATP > 1); other paths keep full stream concurrency. ``route="off"`` keeps
         the streams but drops the route (the unsafe control of the crossed-path experiment);
         ``route="always"`` routes on any layout (exercises the route where paths do not cross)."""
         crossed = adp > 1 and atp > 1
-        return cls(device, pd, (crossed and route == "auto") or route == "always", timing)
+        return cls(device, pd, (crossed and route == "auto") or route == "always", timing,
+                   favour)
 
     # ------------------------------------------------------------------ phase contexts
     @contextlib.contextmanager
