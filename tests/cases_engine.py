@@ -29,10 +29,11 @@ def tiny_config(world: int, adp: int, ep: int, timeout_s: float = 60.0,
     return Config(
         parallel=ParallelConfig(world_size=world, adp=adp, ep=ep, backend="gloo",
                                 timeout_s=timeout_s),
-        model=ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_attention_heads=4,
-                          num_query_groups=2, moe_ffn_hidden_size=64, num_experts=8,
-                          moe_router_topk=2, max_position_embeddings=512, init_method_std=0.1,
-                          seed=7, **(model_kw or {})),
+        model=ModelConfig(**{"vocab_size": 256, "hidden_size": 64, "num_layers": 2,
+                             "num_attention_heads": 4, "num_query_groups": 2,
+                             "moe_ffn_hidden_size": 64, "num_experts": 8, "moe_router_topk": 2,
+                             "max_position_embeddings": 512, "init_method_std": 0.1, "seed": 7,
+                             **(model_kw or {})}),
         engine=EngineConfig(**{"max_batch_size": 8, "max_prefill_tokens": 256, "kv_block_size": 4,
                                "num_kv_blocks": 128, "max_seq_len": 256,
                                "decode_buckets": [1, 2, 4, 8], **engine}),
@@ -287,11 +288,12 @@ def prefill_segments_with_decode_between(rank: int, world: int, adp: int, ep: in
 
 
 def engine_mode_tokens(rank: int, world: int, adp: int, ep: int, mode: str,
-                       span: int = 1, n_requests: int = 14) -> dict:
+                       span: int = 1, n_requests: int = 14, model_kw: dict | None = None) -> dict:
     """Serve the same greedy requests in ``mode``; report tokens, logprobs and how often D ran
     while a P epoch was in flight."""
     cfg, groups, sd, engine = _engine(world, adp, ep, max_batch_size=3,
-                                      decode_buckets=[1, 2, 4], mode=mode, segment_span=span)
+                                      decode_buckets=[1, 2, 4], mode=mode, segment_span=span,
+                                      model_kw=model_kw)
     requests = mixed_requests(n_requests, 0, cfg.model.vocab_size)
     outs = engine.generate(requests)
     engine.check_integrity()
