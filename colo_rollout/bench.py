@@ -84,20 +84,13 @@ def run_bench(rank: int, world: int, config_path: str, overrides: dict | None = 
     # selection, allocator growth, lazy library init) that would otherwise land in whichever
     # cell runs first (on 2x H200 it doubled Normal's first makespan).
     if cfg.bench.warmup_replay:
-        engine = Engine(cfg, groups, sd)
-        engine.warmup(max_context)
-        replay(engine, trace, wait_scale=cfg.bench.wait_scales[0])
-        engine.close()
+        _serve(cfg, groups, sd, trace, cfg.bench.wait_scales[0], max_context)
     for w, name, kw, rep in cells:
         timeline_cell = rep == 0 and w == cfg.bench.wait_scales[0]
         # on a GPU the timeline cell records CUDA events: what the GPU ran, not host enqueue
         ecfg = dataclasses.replace(cfg, engine=dataclasses.replace(
             cfg.engine, **kw, cuda_timing=gpu and timeline_cell))
-        engine = Engine(ecfg, groups, sd)
-        engine.warmup(max_context)  # D graphs and communicators: not inside the timed replay
-        metrics, raw = replay(engine, trace, wait_scale=w)
-        gpu_spans = engine.route.gpu_spans() if gpu and timeline_cell else []
-        engine.close()  # its D graphs (and their memory) go before the next cell's engine
+        engine, metrics, raw, gpu_spans = _serve(ecfg, groups, sd, trace, w, max_context)
         row = {"wait_scale": w, "variant": name, "rep": rep, **metrics.to_json()}
         if rank == 0:
             outs = engine.scheduler.by_id
@@ -128,6 +121,18 @@ def run_bench(rank: int, world: int, config_path: str, overrides: dict | None = 
             "layout": groups.layout.name, "trace": {"source": trace.source,
                                                     "requests": trace.num_requests,
                                                     "conversations": stats.conversations}}
+
+
+def _serve(cfg: Config, groups, sd, trace: Trace, wait_scale: float, max_context: int):
+    """One replay on a fresh engine: D graphs and communicators are set up before the clock
+    starts, and the engine is closed (its graphs and their memory gone) before the next one.
+    Returns (engine, metrics, raw, GPU spans -- empty unless engine.cuda_timing)."""
+    engine = Engine(cfg, groups, sd)
+    engine.warmup(max_context)
+    metrics, raw = replay(engine, trace, wait_scale=wait_scale)
+    spans = engine.route.gpu_spans()
+    engine.close()
+    return engine, metrics, raw, spans
 
 
 def _median_iqr(values: list[float]) -> tuple[float, float]:
