@@ -6,7 +6,7 @@ timeline of P segments and D iterations). Per-rank work is ``run_bench`` (spawne
 torchrun); ``report`` runs in the launching process.
 
 Mode variants: normal, global_complete, global_enqueue, fine-K for every K in bench.spans, and
-fine-sel (the load-selected span). All variants replay the same trace with the same fixed
+fine-sel (the load-selected span) and fine-bal (the balanced span). All variants replay the same trace with the same fixed
 output lengths, so they do identical work; a fresh engine serves every run.
 """
 
@@ -25,7 +25,8 @@ from colo_rollout.replay import replay
 from colo_rollout.trace import Conversation, Trace, generate_trace, load_mooncake, load_trace
 
 METRICS = ("makespan_s", "requests_per_s", "request_p50_s", "request_p99_s",
-           "trajectory_p50_s", "trajectory_p99_s", "ttft_p99_s", "mean_d_wait_ms", "evictions")
+           "trajectory_p50_s", "trajectory_p99_s", "ttft_p99_s", "mean_d_wait_ms", "evictions",
+           "mean_span")
 
 
 def bench_trace(cfg: Config) -> Trace:
@@ -54,6 +55,7 @@ def variants(cfg: Config) -> list[tuple[str, dict]]:
             out += [(f"fine-{k}", {"mode": "fine", "segment_policy": "fixed", "segment_span": k})
                     for k in cfg.bench.spans]
             out.append(("fine-sel", {"mode": "fine", "segment_policy": "load"}))
+            out.append(("fine-bal", {"mode": "fine", "segment_policy": "balanced"}))
         else:
             out.append((m, {"mode": m}))
     return out
@@ -96,10 +98,13 @@ def run_bench(rank: int, world: int, config_path: str, overrides: dict | None = 
             outs = engine.scheduler.by_id
             row["request_completion_s"] = [o.finish_time - o.submit_time
                                            for rid, o in outs.items() if rid in raw["done"]]
+            row["ttft_s"] = {rid: o.first_token_time - o.submit_time
+                             for rid, o in outs.items() if rid in raw["done"]}
+            row["host_s"] = engine.host_seconds()
         runs.append(row)
         if partial is not None:  # survives a run that is cut short (device time limits)
             partial.write(json.dumps({k: v for k, v in row.items()
-                                      if k != "request_completion_s"}) + "\n")
+                                      if k not in ("request_completion_s", "ttft_s")}) + "\n")
             partial.flush()
         if timeline_cell and gpu_spans:
             t0 = min(s.start_ms for s in gpu_spans)
@@ -159,8 +164,8 @@ def report(results: list[dict], cfg: Config, out_dir: str) -> dict:
           f"({t['source']}), layout {results[0]['layout']}, {cfg.bench.reps} reps; "
           "median (IQR)")
     head = (f"{'wait':>5s} {'variant':>16s} {'makespan s':>15s} {'req/s':>8s} "
-            f"{'req p99 s':>10s} {'traj p99 s':>11s} {'TTFT p99 s':>11s} {'D wait ms':>10s} "
-            f"{'evict':>5s}  vs normal")
+            f"{'req p99 s':>10s} {'traj p99 s':>11s} {'TTFT p99 ms':>12s} {'D wait ms':>10s} "
+            f"{'evict':>5s} {'K':>5s}  vs normal")
     print(head)
     for w, cells in summary.items():
         base = cells.get("normal", {}).get("makespan_s", {}).get("median")
@@ -169,8 +174,10 @@ def report(results: list[dict], cfg: Config, out_dir: str) -> dict:
             rel = f"{100 * (ms['median'] / base - 1):+6.1f}%" if base else ""
             print(f"{w:>5s} {v:>16s} {ms['median']:8.2f} ({ms['iqr']:4.2f}) "
                   f"{c['requests_per_s']['median']:8.2f} {c['request_p99_s']['median']:10.2f} "
-                  f"{c['trajectory_p99_s']['median']:11.2f} {c['ttft_p99_s']['median']:11.2f} "
-                  f"{c['mean_d_wait_ms']['median']:10.2f} {c['evictions']['median']:5.0f}  {rel}")
+                  f"{c['trajectory_p99_s']['median']:11.2f} "
+                  f"{1e3 * c['ttft_p99_s']['median']:12.1f} "
+                  f"{c['mean_d_wait_ms']['median']:10.2f} {c['evictions']['median']:5.0f} "
+                  f"{c['mean_span']['median']:5.1f}  {rel}")
     tl = results[0]["timelines"]  # rank 0, first repetition of the first wait scale
     tstats = {v: timeline_stats(spans) for v, spans in tl.items()}
     if tstats:
@@ -179,6 +186,15 @@ def report(results: list[dict], cfg: Config, out_dir: str) -> dict:
         for v, st in tstats.items():
             print(f"{v:>22s} {st['p_busy_ms']:9.1f} {st['d_busy_ms']:9.1f} "
                   f"{st['overlap_ms']:9.1f} {st['d_tail_ms']:9.1f} {st['d_median_ms']:7.2f}")
+    host = {}  # first wait scale, first repetition: where the host time went (rank 0)
+    for r in runs:
+        if r["rep"] == 0 and r["wait_scale"] == runs[0]["wait_scale"] and "host_s" in r:
+            host[r["variant"]] = r["host_s"]
+    if host:
+        parts = ("steps", "exchange", "plan", "D_enqueue", "rendezvous", "P_enqueue", "resolve")
+        print("\nhost time, rank 0, first rep (ms): " + ", ".join(parts))
+        for v, h in host.items():
+            print(f"{v:>22s} " + " ".join(f"{1e3 * h.get(k, 0.0):9.1f}" for k in parts))
     with open(os.path.join(out_dir, "bench.json"), "w") as f:
         json.dump({"summary": summary, "runs": runs, "trace": t,
                    "layout": results[0]["layout"], "timeline_stats": tstats,

@@ -45,6 +45,7 @@ class ReplayMetrics:
     trajectory_p99_s: float
     ttft_p99_s: float
     mean_d_wait_ms: float
+    mean_span: float  # PD: mean boundaries permitted per D round inside a P epoch (0: none)
     d_iterations: int
     evictions: int
     output_tokens: int
@@ -128,6 +129,7 @@ def _metrics(engine: Engine, trace: Trace, t0: float, submit_at, first_release,
             first = sched.by_id[f"{c.conv}#0"]
             traj.append(sched.by_id[last].finish_time - first.submit_time)
     d_iters = [h for h in engine.history if h.d_rows > 0]
+    spans = [h.span for h in engine.history if h.span > 0]
     makespan = max(o.finish_time for o in outs.values()) - t0
     return ReplayMetrics(
         requests=len(outs), conversations=len(trace.conversations), makespan_s=makespan,
@@ -138,6 +140,7 @@ def _metrics(engine: Engine, trace: Trace, t0: float, submit_at, first_release,
         trajectory_p99_s=float(np.percentile(traj, 99)),
         ttft_p99_s=float(np.percentile(ttft, 99)),
         mean_d_wait_ms=1e3 * float(np.mean([h.d_wait_s for h in d_iters])) if d_iters else 0.0,
+        mean_span=float(np.mean(spans)) if spans else 0.0,
         d_iterations=len(d_iters), evictions=sched.evictions,
         output_tokens=sum(len(o.tokens) for o in outs.values()),
     )

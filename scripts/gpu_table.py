@@ -20,6 +20,12 @@ for r in rows:
               f"Normal {n['d_inside']}; longest D gap Fine {f['d_gap_max_ms']:.1f} ms vs Normal "
               f"{n['d_gap_max_ms']:.1f} ms; D ms inside/outside {f['d_ms_inside']:.2f}/"
               f"{f['d_ms_outside']:.2f}; host syncs while enqueuing P/D {f['syncs']}")
+        if "balanced" in r:
+            b = r["balanced"]
+            print(f"{'pd_overlap, balanced span':34s} {r['layout']:16s} {r['gpus']:4d} "
+                  f"{'':>7s}   long P epoch {b['p_window_ms']:.1f} ms; D inside {b['d_inside']}; "
+                  f"longest D gap {b['d_gap_max_ms']:.1f} ms; final K {b['final_span']}; "
+                  f"host syncs {b['syncs']}")
         continue
     if r["test"] == "bf16_by_layer":
         ratios = " ".join(f"{x['point']}:{x['engine']:.4f}/{x['megatron']:.4f}" for x in r["rows"])
@@ -68,11 +74,16 @@ for n in (2, 1):
         continue
     b = json.load(open(f))
     for w, cells in b["summary"].items():
-        base = cells.get("normal", {}).get("makespan_s", {}).get("median")
+        norm = cells.get("normal")
         parts = []
         for v, c in cells.items():
             ms = c["makespan_s"]["median"]
-            parts.append(f"{v} {ms:.2f}s" + (f" ({100 * (ms / base - 1):+.0f}%)" if base and v != "normal" else ""))
+            part = f"{v} {ms:.2f}s"
+            if norm and v != "normal":  # the target: makespan, p99 TTFT, mean D wait
+                med = lambda m, x=c: x[m]["median"] / max(norm[m]["median"], 1e-9)
+                part += (f" ({100 * (med('makespan_s') - 1):+.0f}%, TTFT x{med('ttft_p99_s'):.2f},"
+                         f" D wait /{1 / max(med('mean_d_wait_ms'), 1e-9):.1f})")
+            parts.append(part)
         print(f"{'bench makespan, wait x' + w:34s} {b['layout']:16s} {n:4d} {'info':>7s}   "
               + ", ".join(parts))
 if not rows:

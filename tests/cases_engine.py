@@ -288,12 +288,14 @@ def prefill_segments_with_decode_between(rank: int, world: int, adp: int, ep: in
 
 
 def engine_mode_tokens(rank: int, world: int, adp: int, ep: int, mode: str,
-                       span: int = 1, n_requests: int = 14, model_kw: dict | None = None) -> dict:
-    """Serve the same greedy requests in ``mode``; report tokens, logprobs and how often D ran
-    while a P epoch was in flight."""
+                       span: int = 1, n_requests: int = 14, model_kw: dict | None = None,
+                       policy: str = "fixed") -> dict:
+    """Serve the same greedy requests in ``mode``; report tokens, logprobs, how often D ran
+    while a P epoch was in flight, and the turnstile's permits (post_d events)."""
     cfg, groups, sd, engine = _engine(world, adp, ep, max_batch_size=3,
                                       decode_buckets=[1, 2, 4], mode=mode, segment_span=span,
-                                      model_kw=model_kw)
+                                      segment_policy=policy, model_kw=model_kw)
+    engine.turnstile.record = True
     requests = mixed_requests(n_requests, 0, cfg.model.vocab_size)
     outs = engine.generate(requests)
     engine.check_integrity()
@@ -304,7 +306,8 @@ def engine_mode_tokens(rank: int, world: int, adp: int, ep: int, mode: str,
             "logprobs": {r.request_id: outs[r.request_id].logprobs for r in requests},
             "d_during_p": sum(1 for h in hist if h.p_in_flight and h.rows > 0),
             "rounds": len(hist),
-            "rendezvous": engine.rendezvous.count if engine.rendezvous else 0}
+            "rendezvous": engine.rendezvous.count if engine.rendezvous else 0,
+            "turnstile": [(e.kind, e.epoch, e.boundary) for e in engine.turnstile.log]}
 
 
 def cancel_during_prefill_epoch(rank: int, world: int, adp: int, ep: int) -> dict:

@@ -121,12 +121,13 @@ def compare_bf16(ref32, lp16_all, requests, outs) -> dict:
 
 
 def gpu_mode_tokens(rank: int, world: int, adp: int, ep: int, mode: str,
-                    stream_route: str = "auto") -> dict:
+                    stream_route: str = "auto", policy: str = "fixed") -> dict:
     """The PD modes on NCCL, with streams: same greedy tokens as Normal (fp32: batching does not
     change a row's result beyond summation order, far below a token flip)."""
     cfg = gpu_config(world, adp, ep, "float32")
     cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, mode=mode,
                                                               segment_span=1,
+                                                              segment_policy=policy,
                                                               stream_route=stream_route))
     groups = init_parallel(cfg.parallel)
     engine = Engine(cfg, groups, random_state_dict(cfg.model))
@@ -138,7 +139,7 @@ def gpu_mode_tokens(rank: int, world: int, adp: int, ep: int, mode: str,
             "streams": engine.route.active, "routed": engine.route.routed}
 
 
-def overlap_config(world: int, adp: int, ep: int, mode: str) -> Config:
+def overlap_config(world: int, adp: int, ep: int, mode: str, policy: str = "fixed") -> Config:
     """A model where one long P epoch takes many D iterations' time (bf16: grouped experts)."""
     return Config(
         parallel=ParallelConfig(world_size=world, adp=adp, ep=ep, backend="nccl", timeout_s=120.0),
@@ -148,12 +149,13 @@ def overlap_config(world: int, adp: int, ep: int, mode: str) -> Config:
                           params_dtype="bfloat16", seed=5, use_te="off"),
         engine=EngineConfig(max_batch_size=8, max_prefill_tokens=16384, kv_block_size=16,
                             num_kv_blocks=2048, max_seq_len=4096, decode_buckets=[1, 2, 4, 8],
-                            mode=mode, segment_span=1, cuda_timing=True),
+                            mode=mode, segment_span=1, segment_policy=policy,
+                            cuda_timing=True),
     )
 
 
 def gpu_pd_overlap(rank: int, world: int, adp: int, ep: int, mode: str,
-                   long_prompts: int = 8, long_len: int = 1800) -> dict:
+                   long_prompts: int = 8, long_len: int = 1800, policy: str = "fixed") -> dict:
     """D rows decode; then a long P epoch arrives. CUDA events on both streams say whether D
     iterations ran *while* the P epoch was in flight on the GPU, and the sync-debug mode counts
     host syncs while P segments and D iterations are enqueued (the overlap needs none)."""
@@ -162,7 +164,7 @@ def gpu_pd_overlap(rank: int, world: int, adp: int, ep: int, mode: str,
 
     from colo_rollout.inference.request import Request, SamplingParams
 
-    cfg = overlap_config(world, adp, ep, mode)
+    cfg = overlap_config(world, adp, ep, mode, policy)
     groups = init_parallel(cfg.parallel)
     engine = Engine(cfg, groups, random_state_dict(cfg.model))
     V = cfg.model.vocab_size
@@ -208,7 +210,8 @@ def gpu_pd_overlap(rank: int, world: int, adp: int, ep: int, mode: str,
         engine.step()
     spans = engine.route.gpu_spans()
     engine.check_integrity()
-    return {"layout": groups.layout.name, "mode": mode, "streams": engine.route.active,
+    return {"layout": groups.layout.name, "mode": mode, "policy": policy,
+            "final_span": getattr(engine.policy, "span", None), "streams": engine.route.active,
             "syncs": syncs, "sync_sites": sorted(where)[:8], **overlap_stats(spans)}
 
 

@@ -99,11 +99,12 @@ def test_gpu_pd_modes_match_normal(gpu_groups, world, adp, ep):
     base = g.run("tests.cases_gpu:gpu_mode_tokens", timeout=600, adp=adp, ep=ep,
                  mode="normal")[0]
     assert not base["streams"]
-    for mode, route in (("global_complete", "auto"), ("global_enqueue", "auto"),
-                        ("fine", "auto"), ("fine", "always")):
+    for mode, route, policy in (("global_complete", "auto", "fixed"),
+                                ("global_enqueue", "auto", "fixed"), ("fine", "auto", "fixed"),
+                                ("fine", "always", "fixed"), ("fine", "auto", "balanced")):
         r = g.run("tests.cases_gpu:gpu_mode_tokens", timeout=600, adp=adp, ep=ep, mode=mode,
-                  stream_route=route)[0]
-        _record(f"pd_{mode}_{route}", {"layout": f"adp{adp}/ep{ep}", "gpus": world, "checked": 16,
+                  stream_route=route, policy=policy)[0]
+        _record(f"pd_{mode}_{route}_{policy}", {"layout": f"adp{adp}/ep{ep}", "gpus": world, "checked": 16,
                                        "max_logprob_diff": 0.0, "mean_logprob_diff": 0.0,
                                        "mismatches": int(r["tokens"] != base["tokens"]),
                                        "wall_s": 1.0, "tok_per_s": 0.0, "device": "cuda",
@@ -124,12 +125,18 @@ def test_gpu_d_advances_during_a_long_p_epoch(gpu_groups, world, adp, ep):
     normal = g.run("tests.cases_gpu:gpu_pd_overlap", timeout=600, adp=adp, ep=ep,
                    mode="normal")[0]
     fine = g.run("tests.cases_gpu:gpu_pd_overlap", timeout=600, adp=adp, ep=ep, mode="fine")[0]
+    # the balanced span grows K until P's enqueue matches D; the long epoch's GPU tail must
+    # still not hold D (its first tokens are committed when done, not waited for)
+    bal = g.run("tests.cases_gpu:gpu_pd_overlap", timeout=600, adp=adp, ep=ep, mode="fine",
+                policy="balanced")[0]
     _record("pd_overlap", {"layout": fine["layout"], "gpus": world, "normal": normal,
-                           "fine": fine, "passed": fine["d_inside"] >= 2})
+                           "fine": fine, "balanced": bal,
+                           "passed": fine["d_inside"] >= 2 and bal["d_inside"] >= 2})
     assert normal["d_inside"] == 0
-    assert fine["syncs"] == {"P": 0, "D": 0}
-    assert fine["d_inside"] >= 2
-    assert fine["d_gap_max_ms"] < 0.5 * normal["d_gap_max_ms"]
+    for r in (fine, bal):
+        assert r["syncs"] == {"P": 0, "D": 0}
+        assert r["d_inside"] >= 2
+        assert r["d_gap_max_ms"] < 0.5 * normal["d_gap_max_ms"], r
 
 
 @pytest.mark.parametrize("world,adp,ep", [(1, 1, 1), (2, 2, 2), (2, 1, 2)])

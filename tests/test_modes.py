@@ -26,6 +26,29 @@ def test_mode_matches_normal_tokens(worker_groups, normal, mode, span):
         assert res[0]["d_during_p"] > 0  # D iterations ran while a P epoch was in flight
 
 
+def test_fine_balanced_matches_normal_and_agrees_on_every_span(worker_groups, normal):
+    """The balanced span moves every round from each rank's measurements, agreed through the
+    control exchange: every rank must run the same permits. On CPU ranks D is synchronous, so
+    every P boundary enqueued behind D holds a ready D back: after the first measured round the
+    agreed span must shrink from the configured 3 to 1."""
+    res = worker_groups(4).run(f"{C}:engine_mode_tokens", adp=2, ep=4, mode="fine", span=3,
+                               policy="balanced")
+    for r in res:
+        assert r["tokens"] == normal["tokens"]
+        assert r["turnstile"] == res[0]["turnstile"]  # identical protocol on every rank
+    assert res[0]["d_during_p"] > 0
+    permits: dict[int, list[int]] = {}  # epoch -> permits granted in it (0 at begin)
+    for kind, epoch, boundary in res[0]["turnstile"]:
+        if kind == "begin":
+            permits[epoch] = [0]
+        elif kind == "post_d":
+            permits[epoch].append(boundary)
+    steps = [b - a for ps in permits.values() for a, b in zip(ps, ps[1:])]  # K of each round
+    assert steps and steps[0] == 3, steps  # the configured start
+    first_one = steps.index(1)
+    assert all(s == 1 for s in steps[first_one:]), steps
+
+
 def test_fine_span1_interleaves_more_than_global(worker_groups):
     fine = worker_groups(4).run(f"{C}:engine_mode_tokens", adp=2, ep=4, mode="fine", span=1)[0]
     glob = worker_groups(4).run(f"{C}:engine_mode_tokens", adp=2, ep=4,

@@ -23,11 +23,11 @@ def _overrides(tmp_path, waits):
 def test_bench_replays_every_turn_with_identical_work(worker_groups, tmp_path, capsys):
     ov = _overrides(tmp_path, [0.0, 0.01])
     cfg = load_config(CFG, ov)
-    assert [v for v, _ in variants(cfg)] == ["normal", "fine-2", "fine-sel"]
+    assert [v for v, _ in variants(cfg)] == ["normal", "fine-2", "fine-sel", "fine-bal"]
     results = worker_groups(2).run("colo_rollout.bench:run_bench", timeout=600,
                                    config_path=CFG, overrides=ov, progress=False)
     runs = results[0]["runs"]
-    assert len(runs) == 2 * 3
+    assert len(runs) == 2 * 4
     n = results[0]["trace"]["requests"]
     assert n == 8  # 4 conversations x 2 turns
     tokens = {r["output_tokens"] for r in runs}
@@ -49,7 +49,7 @@ def test_bench_replays_every_turn_with_identical_work(worker_groups, tmp_path, c
     assert "fine-2" in out and "vs normal" in out
     assert set(summary) == {"0", "0.01"}
     data = json.loads((tmp_path / "bench.json").read_text())
-    assert len(data["runs"]) == 6
+    assert len(data["runs"]) == 8
     st = data["timeline_stats"]["normal"]  # host clock on CPU: P and D never overlap
     assert st["p_busy_ms"] > 0 and st["d_busy_ms"] > 0 and st["d_iterations"] > 0
     assert st["overlap_ms"] < 1e-6

@@ -16,7 +16,13 @@ import random
 
 import pytest
 
-from colo_rollout.inference.segment_policy import FixedSpan, Load, LoadSelectedSpan
+from colo_rollout.inference.segment_policy import (
+    BalancedSpan,
+    FixedSpan,
+    Load,
+    LoadSelectedSpan,
+    span_hint,
+)
 
 
 def load(occ: tuple[int, int], pres: tuple[int, int]) -> Load:
@@ -207,3 +213,67 @@ def test_choose_is_deterministic_and_stateless():
             twin = Load(ld.d_rows, ld.d_capacity, ld.p_tokens, ld.p_budget)
             assert pol.choose(twin) == pol.choose(ld) == reference[i]
     assert LoadSelectedSpan(candidates=(1, 2, 4, 8)) == ranks[0]
+
+
+# ---------------------------------------------------------------------------- BalancedSpan
+# span_hint: P enqueued ``boundaries`` in ``p_seconds`` behind a D iteration. Held time means P
+# went on that long after D's tokens were back (too many boundaries); wait time means the host
+# then idled that long for D (too few). The balanced span converts either into boundaries.
+def test_span_hint_shrinks_by_the_held_boundaries():
+    # 4 boundaries in 8 ms = 2 ms each; D held for the last 3 ms = 1.5 boundaries too many
+    assert span_hint(4, 4, 0.008, 0.0, 0.003) == pytest.approx(2.5)
+
+
+def test_span_hint_grows_by_the_waited_boundaries():
+    # 2 boundaries in 1 ms = 0.5 ms each; then 3 ms idle for D = room for 6 more
+    assert span_hint(2, 2, 0.001, 0.003, 0.0) == pytest.approx(8.0)
+
+
+@pytest.mark.parametrize("args", [(2, 0, 0.001, 0.0, 0.001), (2, 3, 0.0, 0.002, 0.0),
+                                  (2, 3, 0.003, 0.0, 0.0)])
+def test_span_hint_none_when_the_round_measured_nothing(args):
+    # no boundaries / no P time / neither held nor waited (the epoch ended inside the segment)
+    assert span_hint(*args) is None
+
+
+def test_balanced_span_takes_the_smallest_hint_rounded_down():
+    pol = BalancedSpan(span=2, max_span=18)
+    assert pol.choose(load(HEAVY_D, LIGHT_P)) == 2
+    assert pol.observe([7.9, 5.6, None]) == 5  # min over ranks protects the slowest rank's D
+    assert pol.choose(load(LIGHT_D, HEAVY_P)) == 5  # the load does not matter, measurements do
+
+
+def test_balanced_span_clamps_and_keeps_without_hints():
+    pol = BalancedSpan(span=3, max_span=10)
+    assert pol.observe([None, None]) == 3  # nothing measured: keep K
+    assert pol.observe([]) == 3
+    assert pol.observe([-4.0, 2.0]) == 1  # never below one boundary per round
+    assert pol.observe([0.4]) == 1
+    assert pol.observe([250.0, 99.0]) == 10  # never past one epoch's boundaries
+
+
+@pytest.mark.parametrize("span,max_span", [(0, 4), (5, 4), (-1, 1)])
+def test_balanced_span_rejects_bad_bounds(span, max_span):
+    with pytest.raises(ValueError, match="span"):
+        BalancedSpan(span=span, max_span=max_span)
+
+
+def test_balanced_span_is_identical_on_ranks_fed_the_same_hints():
+    rng = random.Random(3)
+    ranks = [BalancedSpan(span=2, max_span=18) for _ in range(4)]
+    for _ in range(200):
+        hints = [rng.choice([None, rng.uniform(-3, 25)]) for _ in range(4)]
+        assert len({p.observe(list(hints)) for p in ranks}) == 1
+    assert all(p == ranks[0] for p in ranks)
+
+
+def test_balanced_span_settles_where_p_matches_d():
+    # a simulated rank: P costs 0.5 ms per boundary, D's iteration 3 ms -> K = 6 balances
+    per, d = 0.0005, 0.003
+    pol = BalancedSpan(span=1, max_span=18)
+    for _ in range(6):
+        k = pol.span
+        p = k * per
+        hint = span_hint(k, k, p, max(0.0, d - p), max(0.0, p - d))
+        pol.observe([hint])
+    assert pol.span == 6

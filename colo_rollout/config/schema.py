@@ -27,7 +27,7 @@ FP8_FORMATS = ("hybrid", "e4m3")
 # global_complete (whole-P epoch, D only after P completes), global_enqueue (whole-P epoch, D
 # after all ranks host-enqueued it), fine (segment turnstile: D at every K boundaries).
 ENGINE_MODES = ("normal", "global_complete", "global_enqueue", "fine")
-SEGMENT_POLICIES = ("fixed", "load")
+SEGMENT_POLICIES = ("fixed", "load", "balanced")
 
 
 
@@ -197,8 +197,10 @@ class EngineConfig:
     eos_token_id: int | None = None
     # Scheduling mode; one of ENGINE_MODES.
     mode: str = "normal"
-    # fine mode: boundary intervals P may advance per turnstile round ("fixed"), or chosen per
-    # round among segment_spans from D occupancy and P pressure ("load").
+    # fine mode: boundary intervals P may advance per turnstile round ("fixed"), chosen per
+    # epoch among segment_spans from D occupancy and P pressure ("load"), or re-sized every
+    # round from measured P enqueue time against D's iteration time, starting at segment_span
+    # ("balanced"; segment_policy.BalancedSpan).
     segment_policy: str = "fixed"
     segment_span: int = 2
     segment_spans: list[int] = field(default_factory=lambda: [1, 2, 4])

@@ -11,6 +11,7 @@ into an exception on every rank instead of a hang.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -29,10 +30,18 @@ class Message:
     closes: list[str] = field(default_factory=list)  # sessions to forget
     sampled: list[list] = field(default_factory=list)  # [lifetime, token, logprob]
     step: int = -1  # sender's step counter: all ranks must agree
+    # balanced segment policy: the span that would have balanced the sender's last round
+    # (segment_policy.span_hint), None when that round measured nothing
+    span_hint: float | None = None
+    # PD mode: the sender's first tokens of the P epoch awaiting commit ([lifetime, token,
+    # logprob]; empty for a rank that samples none), sent once, when its P GPU work is done;
+    # None: not done yet, or no epoch awaits commit
+    p_sampled: list | None = None
 
     def encode(self) -> bytes:
         return json.dumps({"rank": self.rank, "submits": self.submits, "cancels": self.cancels,
-                           "closes": self.closes, "sampled": self.sampled, "step": self.step},
+                           "closes": self.closes, "sampled": self.sampled, "step": self.step,
+                           "span_hint": self.span_hint, "p_sampled": self.p_sampled},
                           separators=(",", ":")).encode()
 
     @classmethod
@@ -42,9 +51,14 @@ class Message:
             msg = cls(rank=int(d["rank"]), submits=list(d["submits"]),
                       cancels=[str(c) for c in d["cancels"]],
                       closes=[str(c) for c in d["closes"]], sampled=list(d["sampled"]),
-                      step=int(d["step"]))
+                      step=int(d["step"]),
+                      span_hint=None if d["span_hint"] is None else float(d["span_hint"]),
+                      p_sampled=None if d["p_sampled"] is None else list(d["p_sampled"]))
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
             raise ControlError(f"malformed control message from rank {src}: {e}") from e
+        if msg.span_hint is not None and not math.isfinite(msg.span_hint):
+            raise ControlError(f"control message from rank {src}: span_hint {msg.span_hint} "
+                               "is not finite")
         if msg.rank != src:
             raise ControlError(f"control message from rank {src} claims to be from {msg.rank}")
         return msg

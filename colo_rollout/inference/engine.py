@@ -12,6 +12,12 @@ One step, on every rank:
   3. plan (Normal mode: strict P priority) and run it -- every rank runs the phase, replicas
      without work run matched empty/padded work so collectives match;
   4. keep this step's sampled tokens for the next exchange.
+
+PD mode: a P epoch's first tokens are not waited for. When its host enqueue completes, the
+epoch awaits commit; each rank sends its P tokens (``Message.p_sampled``) at the first step end
+at which its own P GPU work is done, and every rank commits the epoch (promotion P -> D) at the
+step whose exchange completes the set -- the same step everywhere. Meanwhile D keeps running:
+a long P epoch on the GPU never blocks the host loop.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from colo_rollout.config import Config
-from colo_rollout.inference.control import ControlPlane, Message
+from colo_rollout.inference.control import ControlError, ControlPlane, Message
 from colo_rollout.inference.cpu_compat import install_cpu_compat
 from colo_rollout.inference.memory import EngineMemory, MemoryReport
 from colo_rollout.inference.model import DTYPES, InferenceGPT, random_state_dict
@@ -38,7 +44,13 @@ from colo_rollout.inference.request import (
 )
 from colo_rollout.inference.rendezvous import make_rendezvous
 from colo_rollout.inference.runner import PRODUCER, ModelRunner, PendingSampled
-from colo_rollout.inference.segment_policy import FixedSpan, Load, LoadSelectedSpan
+from colo_rollout.inference.segment_policy import (
+    BalancedSpan,
+    FixedSpan,
+    Load,
+    LoadSelectedSpan,
+    span_hint,
+)
 from colo_rollout.inference.turnstile import TurnstileController
 from colo_rollout.inference.scheduler import Sampled, Scheduler
 from colo_rollout.inference.stream_route import StreamRoute
@@ -53,6 +65,7 @@ class StepStats:
     p_in_flight: bool = False  # PD mode: a P epoch was in flight during this round
     d_rows: int = 0  # D rows of the D iteration run in this step (0: none ran)
     d_wait_s: float = 0.0  # P time that held this D iteration back while its rows were ready
+    span: int = 0  # PD: boundaries P was permitted after this step's D iteration (0: none)
 
 
 @dataclass(frozen=True)
@@ -99,11 +112,13 @@ class Engine:
         self.rendezvous = (make_rendezvous(groups.control, groups.rank, lay.world_size,
                                            cfg.parallel.timeout_s, cfg.engine.rendezvous)
                            if self.pd else None)
-        self.policy = (LoadSelectedSpan(tuple(cfg.engine.segment_spans))
-                       if cfg.engine.segment_policy == "load"
-                       else FixedSpan(cfg.engine.segment_span))
+        self.policy = _policy(cfg, self.model.boundaries_per_prefill)
+        self.balanced = isinstance(self.policy, BalancedSpan)
         self._epoch_id = -1
-        self._last_epoch_done: StepPlan | None = None
+        # PD: the epoch whose host enqueue completed, until every rank sent its P tokens
+        self._p_epoch: StepPlan | None = None
+        self._p_out: PendingSampled | None = None  # this rank's P tokens, until sent
+        self._p_got: dict[int, list] = {}  # rank -> the P tokens it sent for _p_epoch
         self._outbox = Message(rank=groups.rank)
         self._pending_ids: set[str] = set()
         self._last_plan: StepPlan | None = None
@@ -112,6 +127,7 @@ class Engine:
         self.history: list[StepStats] = []
         self.timeline: list[Span] = []  # P segments and D iterations, perf_counter seconds
         self._d_wait = 0.0  # P time accumulated while D rows were ready, since the last D
+        self.host_s: dict[str, float] = {}  # host seconds by part of the step (_clock)
 
     # ------------------------------------------------------------------ non-collective API
     def submit(self, request: Request) -> None:
@@ -155,16 +171,32 @@ class Engine:
         self._outbox.step = self.scheduler.step_no
         self._outbox.sampled = [[s.lifetime, s.token, s.logprob] for s in self._last_sampled]
         msgs = self.control.exchange(self._outbox)
+        self._clock("exchange", t0)
         self._outbox = Message(rank=self.groups.rank)
         self._pending_ids.clear()
         now = time.perf_counter()
+        if self.balanced:  # every rank applies the same agreed hints, in rank order
+            self.policy.observe([m.span_hint for m in msgs])
 
         finished: list[RequestOutput] = []
-        if self._last_plan is not None or self._last_epoch_done is not None:
+        epoch_done = None
+        for m in msgs:
+            if m.p_sampled is not None:
+                if self._p_epoch is None or m.rank in self._p_got:
+                    raise ControlError(f"step {self.scheduler.step_no}: rank {m.rank} sent P "
+                                       "tokens with no P epoch awaiting them")
+                self._p_got[m.rank] = m.p_sampled
+        if self._p_epoch is not None and len(self._p_got) == len(msgs):
+            epoch_done = self._p_epoch
+        if self._last_plan is not None or epoch_done is not None:
             sampled = [Sampled(int(lt), int(tok), float(lp))
                        for m in msgs for lt, tok, lp in m.sampled]
+            if epoch_done is not None:
+                sampled += [Sampled(int(lt), int(tok), float(lp))
+                            for got in self._p_got.values() for lt, tok, lp in got]
+                self._p_epoch, self._p_got = None, {}
             finished += self.scheduler.commit(self._last_plan, sampled, now,
-                                              epoch_done=self._last_epoch_done)
+                                              epoch_done=epoch_done)
         for m in msgs:  # rank order: identical on every rank
             for s in m.submits:
                 req = Request(s["id"], tuple(s["prompt"]), SamplingParams.from_json(s["params"]),
@@ -181,12 +213,16 @@ class Engine:
                     self.scheduler.close_session(sid)
 
         d_ready = sum(1 for q in self.scheduler.seqs.values() if q.last_token is not None)
+        t = time.perf_counter()
         plan = self.scheduler.plan(pd=self.pd)
-        epoch_done = None
+        self._clock("plan", t)
         self._d_rows_run = 0
         self._d_wait_run = 0.0
+        self._span_run = 0
         if self.pd:
-            pending, epoch_done = self._round(plan)
+            pending, p_out, epoch_plan = self._round(plan)
+            if p_out is not None:  # the epoch's enqueue completed: it now awaits commit
+                self._p_epoch, self._p_out = epoch_plan, p_out
         else:
             t = time.perf_counter()
             pending = [self.runner.run(plan, self.scheduler)]
@@ -198,25 +234,54 @@ class Engine:
             elif plan.phase is Phase.DECODE:
                 self.timeline.append(Span("D", t, te))
                 self._note_d(plan)
-        # the only host waits of a step: this step's sampled tokens, after both phases enqueued
+        # the only host wait of a step: this step's sampled tokens, after both phases enqueued
+        # (PD: D's only -- P's are sent once done, see the module docstring)
+        t = time.perf_counter()
         self._last_sampled = [x for p in pending for x in p.resolve()]
+        self._clock("resolve", t)
         self._last_plan = plan if plan.phase is not Phase.IDLE else None
-        self._last_epoch_done = epoch_done
+        if self._p_out is not None:
+            if not pending:  # nothing else to do this step: wait for P rather than spin
+                self._p_out.wait()
+            if self._p_out.done():
+                self._outbox.p_sampled = [[x.lifetime, x.token, x.logprob]
+                                          for x in self._p_out.resolve()]
+                self._p_out = None
         rows = sum(w.prefill_tokens if plan.phase is Phase.PREFILL else len(w.decode)
                    for w in plan.replicas)
         self.history.append(StepStats(plan.step, plan.phase, rows, time.perf_counter() - t0,
-                                      p_in_flight=self.runner.epoch_active or epoch_done is not None,
-                                      d_rows=self._d_rows_run, d_wait_s=self._d_wait_run))
+                                      p_in_flight=(self.runner.epoch_active
+                                                   or self._p_epoch is not None),
+                                      d_rows=self._d_rows_run, d_wait_s=self._d_wait_run,
+                                      span=self._span_run))
         return finished
+
+    def _clock(self, what: str, since: float) -> None:
+        """Host time by part of the step (where a round's time goes; see ``host_seconds``)."""
+        self.host_s[what] = self.host_s.get(what, 0.0) + time.perf_counter() - since
+
+    def host_seconds(self) -> dict[str, float]:
+        """Host time of this rank since the engine was made: the whole steps, their control
+        exchange, planning, token resolve (waits for D's GPU work), the P and D enqueues, and
+        the PreD/PostD rendezvous."""
+        out = dict(self.host_s)
+        out["steps"] = sum(h.seconds for h in self.history)
+        for kind in ("P", "D"):
+            out[f"{kind}_enqueue"] = sum(s.end - s.start for s in self.timeline if s.kind == kind)
+        out["rendezvous"] = self.rendezvous.seconds if self.rendezvous is not None else 0.0
+        return out
 
     def _note_d(self, plan: StepPlan) -> None:
         """A D iteration ran: it waited for the P time accumulated since the previous one."""
         self._d_rows_run = sum(len(w.decode) for w in plan.replicas)
         self._d_wait_run, self._d_wait = self._d_wait, 0.0
 
-    def _round(self, plan: StepPlan) -> tuple[list[PendingSampled], StepPlan | None]:
+    def _round(self, plan: StepPlan
+               ) -> tuple[list[PendingSampled], PendingSampled | None, StepPlan | None]:
         """One turnstile round (PD modes): PreD -> one D iteration on every rank -> PostD ->
-        P gets K more boundaries, and P runs to its permitted endpoint.
+        P gets K more boundaries, and P runs to its permitted endpoint. Returns D's pending
+        tokens, and -- when the P epoch's enqueue completed in this round -- its pending first
+        tokens and its plan.
 
         Fine enqueues the round's D iteration *before* P's next segment (D first): P's host
         enqueue then runs while D's iteration executes on the GPU, instead of delaying it, and
@@ -233,12 +298,12 @@ class Engine:
             # no P anywhere: only D collectives exist, so there is nothing to order -- the P/D
             # machinery (rendezvous, controller) is off and D runs exactly as in Normal mode
             if not plan.has_decode:
-                return [], None
+                return [], None, None
             t = time.perf_counter()
             out = runner.run_decode(plan, sched)
             self.timeline.append(Span("D", t, time.perf_counter()))
             self._note_d(plan)
-            return [out], None
+            return [out], None, None
         if plan.has_prefill:
             self._epoch_id += 1
             runner.start_epoch(plan, sched)
@@ -259,6 +324,10 @@ class Engine:
             self.timeline.append(Span("D", t, time.perf_counter(), ctl.epoch))
             self._note_d(plan)
             self.rendezvous.post_d(ctl.epoch, ctl.reached)
+            if ctl.active:
+                if self.balanced:
+                    ctl.set_span(self.policy.span)  # agreed this step: the same K everywhere
+                self._span_run = ctl.span
             ctl.post_d()
             if d_first and runner.epoch_active:
                 done = self._advance_p(behind=d_out)
@@ -266,25 +335,36 @@ class Engine:
             while runner.epoch_active:  # no D to protect: finish the epoch now
                 ctl.post_d()
                 done = self._advance_p()
-        if done is not None or (epoch_plan is not None and not runner.epoch_active):
-            if done is not None:
-                sampled.append(done)
-            return sampled, epoch_plan
-        return sampled, None
+        return sampled, done, (epoch_plan if done is not None else None)
 
     def _advance_p(self, behind: PendingSampled | None = None):
         """Run P to its permitted endpoint. Its host time counts as D wait when a D iteration
-        was ready meanwhile: D rows with tokens, or -- for a segment enqueued ``behind`` this
-        step's D iteration -- only if that iteration's tokens were back before P finished
-        enqueuing (else P's enqueue was hidden behind D's GPU time and held nothing back)."""
+        was ready meanwhile: D rows with tokens (all of it), or -- for a segment enqueued
+        ``behind`` this step's D iteration -- the part after that iteration's tokens came back
+        (to boundary precision, rounded up: the boundary during which they came back counts
+        whole). Before that, P's enqueue was hidden behind D's GPU time and held nothing back.
+
+        Balanced policy: the round's measurement (P's enqueue per boundary against the time D
+        was held, or the time the host then waited for D) goes out as this rank's span hint."""
+        ctl = self.turnstile
         t = time.perf_counter()
         d_ready = (behind is None
                    and any(q.last_token is not None for q in self.scheduler.seqs.values()))
-        done = self.runner.advance(self.turnstile, self.scheduler)
+        clock = _HeldClock(behind, t) if behind is not None else None
+        reached = ctl.reached
+        done = self.runner.advance(ctl, self.scheduler, clock)
         te = time.perf_counter()
-        self.timeline.append(Span("P", t, te, self.turnstile.epoch))
-        if d_ready or (behind is not None and behind.done()):
-            self._d_wait += te - t
+        self.timeline.append(Span("P", t, te, ctl.epoch))
+        held = te - t if d_ready else (clock.held(te) if clock is not None else 0.0)
+        self._d_wait += held
+        if self.balanced and behind is not None:
+            waited = 0.0
+            if done is None and held == 0.0:  # parked at the endpoint before D was back
+                behind.wait()
+                waited = time.perf_counter() - te
+                self._clock("resolve", te)
+            crossed = ctl.reached - reached + (1 if done is not None else 0)
+            self._outbox.span_hint = span_hint(ctl.span, crossed, te - t, waited, held)
         return done
 
     def _span(self, plan: StepPlan) -> int:
@@ -302,7 +382,7 @@ class Engine:
         """True while any rank may still have work. Identical on all ranks right after a step
         (the state is replicated); a submission made since then shows up at the next step."""
         return (self.scheduler.has_work() or self._last_plan is not None
-                or self._last_epoch_done is not None or self.runner.epoch_active)
+                or self._p_epoch is not None or self.runner.epoch_active)
 
     def generate(self, requests: list[Request] | None = None,
                  on_finish=None) -> dict[str, RequestOutput]:
@@ -376,6 +456,34 @@ class Engine:
         if self.runner.graphs is not None:
             self.runner.graphs.release()
         self.route.synchronize()
+
+
+class _HeldClock:
+    """Called after each P boundary enqueued behind a D iteration: ``since`` is the last check
+    at which D's tokens were still pending, so P time after it held a ready D back."""
+
+    def __init__(self, pending: PendingSampled, t0: float) -> None:
+        self.pending, self.since, self.seen = pending, t0, False
+
+    def __call__(self) -> None:
+        if not self.seen:
+            if self.pending.done():
+                self.seen = True
+            else:
+                self.since = time.perf_counter()
+
+    def held(self, end: float) -> float:
+        self()
+        return end - self.since if self.seen else 0.0
+
+
+def _policy(cfg: Config, boundaries: int):
+    e = cfg.engine
+    if e.segment_policy == "load":
+        return LoadSelectedSpan(tuple(e.segment_spans))
+    if e.segment_policy == "balanced":
+        return BalancedSpan(span=min(e.segment_span, boundaries), max_span=boundaries)
+    return FixedSpan(e.segment_span)
 
 
 def _rejected(req: Request, error: str) -> RequestOutput:

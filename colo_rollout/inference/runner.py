@@ -27,15 +27,41 @@ from colo_rollout.inference.stream_route import Pending, StreamRoute, h2d
 PRODUCER = "gather"  # the gather backend's boundary producer (registered layer points)
 
 
-class PendingSampled:
-    """Sampled tokens of one phase run, their device->host copy in flight."""
+def _nothing() -> None:
+    pass
 
-    def __init__(self, lifetimes: list[int] = (), pending: Pending | None = None) -> None:
+
+def _marker(device: torch.device) -> torch.cuda.Event | None:
+    """A CUDA event at the current stream's end (None on CPU: work there is already done)."""
+    if device.type != "cuda":
+        return None
+    ev = torch.cuda.Event()
+    ev.record()
+    return ev
+
+
+class PendingSampled:
+    """Sampled tokens of one phase run, their device->host copy in flight. A rank without
+    tokens to return (not a replica leader, or no rows) holds a CUDA event at the end of the
+    run instead, so ``done``/``wait`` still tell when its GPU work finished."""
+
+    def __init__(self, lifetimes: list[int] = (), pending: Pending | None = None,
+                 marker: torch.cuda.Event | None = None) -> None:
         self.lifetimes = list(lifetimes)
         self._pending = pending
+        self._marker = marker
 
     def done(self) -> bool:
-        return self._pending is None or self._pending.done()
+        if self._pending is not None:
+            return self._pending.done()
+        return self._marker is None or self._marker.query()
+
+    def wait(self) -> None:
+        """Block until the run's GPU work (and its token copy) finished; values stay put."""
+        if self._pending is not None:
+            self._pending.wait()
+        elif self._marker is not None:
+            self._marker.synchronize()
 
     def resolve(self) -> list[Sampled]:
         if self._pending is None:
@@ -124,20 +150,23 @@ class ModelRunner:
         self._epoch_items = plan.replicas[self.groups.replica].prefill
         self._at = None  # boundary P is parked at (its collective not yet issued)
 
-    def advance(self, ctl, sched: Scheduler) -> PendingSampled | None:
+    def advance(self, ctl, sched: Scheduler, on_boundary=None) -> PendingSampled | None:
         """Run P until it is parked at its permitted endpoint (returns None) or the epoch is
         complete (returns the sampled first tokens; leader ranks only have values). P's
-        kernels go on P's stream (its routed collectives on D's)."""
+        kernels go on P's stream (its routed collectives on D's). ``on_boundary()`` is called
+        after each boundary's work is enqueued (the engine's D-wait clock)."""
         with self.route.p(), self.route.mark("P", ctl.epoch):
-            return self._advance(ctl, sched)
+            return self._advance(ctl, sched, on_boundary or _nothing)
 
-    def _advance(self, ctl, sched: Scheduler) -> PendingSampled | None:
+    def _advance(self, ctl, sched: Scheduler, on_boundary) -> PendingSampled | None:
         if self._at is None:
             self._at = next(self._epoch)  # compute up to boundary 0
             ctl.publish(ctl.epoch, self._at, PRODUCER)
+            on_boundary()
         while ctl.may_cross(self._at):
             try:
                 nxt = next(self._epoch)  # issue the collective after self._at, compute on
+                on_boundary()
             except StopIteration as done:
                 ctl.complete(ctl.epoch)
                 items, self._epoch, self._epoch_items = self._epoch_items, None, ()
@@ -152,7 +181,7 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, items, sched: Scheduler) -> PendingSampled:
         lifetimes = [it.lifetime for it in items]
         if not self.groups.is_replica_leader or not lifetimes:
-            return PendingSampled()
+            return PendingSampled(marker=_marker(self.device))
         params = [sched.seqs[lt].request.params for lt in lifetimes]
         tokens, logprobs = sample_tensors(logits[: len(lifetimes)], params, self.generator)
         return PendingSampled(lifetimes, Pending(tokens, logprobs))

@@ -9,6 +9,17 @@ and more P wait-for-permit; large K amortises control overhead but holds D back 
     smallest span (protect decode); light D and heavy P -> the largest (finish prefill, nobody is
     waiting); otherwise the middle candidate. Every rank must feed it the same (rank-shared)
     numbers, so every rank picks the same K.
+  * ``BalancedSpan``: K re-sized every round so that P's host enqueue of one segment lasts as
+    long as the D iteration it runs behind (D first). Each rank reports what its last round
+    measured -- P's enqueue time per boundary, and either how long it then waited for D's
+    tokens (P could have done more) or how long P kept enqueuing after D's tokens were back
+    (D was held) -- as the span that would have balanced it (``span_hint``); the hints travel
+    in the control exchange, and every rank applies the same ``observe(min(hints))``. The
+    minimum protects D on the slowest rank. Why: with graph-replayed D, a D iteration takes a
+    few ms of GPU time while P's eager enqueue costs ~0.5-1 ms of host time per boundary, so a
+    fixed K is either too small (P's epoch spreads over many rounds: TTFT) or too large (a
+    ready D waits for P's Python: D wait); the right K depends on the model, the batch and
+    the host, and moves during a run.
 """
 
 from __future__ import annotations
@@ -66,3 +77,45 @@ class LoadSelectedSpan:
         if heavy_p and not heavy_d:
             return c[-1]
         return c[len(c) // 2]
+
+
+def span_hint(span: int, boundaries: int, p_seconds: float, d_wait_s: float,
+              d_held_s: float) -> float | None:
+    """The span that would have balanced the last round on this rank, or None when the round
+    says nothing about it. ``span``: the K it ran with; ``boundaries``/``p_seconds``: what P
+    enqueued behind D and how long that took; ``d_wait_s``: host time then spent waiting for
+    D's tokens (P stopped too early); ``d_held_s``: P time after D's tokens were back (P
+    stopped too late). At most one of the two is non-zero."""
+    if boundaries <= 0 or p_seconds <= 0.0:
+        return None
+    per = p_seconds / boundaries
+    if d_held_s > 0.0:
+        return span - d_held_s / per
+    if d_wait_s > 0.0:
+        return span + d_wait_s / per
+    return None
+
+
+@dataclass
+class BalancedSpan:
+    """Rank-agreed K from measured round outcomes (see the module docstring). Mutable state,
+    identical on every rank as long as every rank observes the same agreed hints."""
+
+    span: int = 2  # K of the next round
+    max_span: int = 64  # no use beyond one epoch's boundaries
+
+    def __post_init__(self) -> None:
+        if self.span < 1 or self.max_span < self.span:
+            raise ValueError(f"need 1 <= span <= max_span, got span {self.span}, "
+                             f"max_span {self.max_span}")
+
+    def choose(self, load: Load) -> int:
+        return self.span
+
+    def observe(self, hints: list[float]) -> int:
+        """Apply the round's agreed hints (every rank's, None where a rank had none): K becomes
+        the smallest hint, rounded down, within [1, max_span]; no hint keeps K."""
+        got = [h for h in hints if h is not None]
+        if got:
+            self.span = max(1, min(self.max_span, int(min(got))))
+        return self.span

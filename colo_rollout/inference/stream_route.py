@@ -57,9 +57,12 @@ class Pending:
         """The values are on the host already (get would not wait)."""
         return self._event is None or self._event.query()
 
-    def get(self) -> list[list]:
+    def wait(self) -> None:
         if self._event is not None:
             self._event.synchronize()
+
+    def get(self) -> list[list]:
+        self.wait()
         return [h.tolist() for h in self._host]
 
 
