@@ -57,3 +57,44 @@ def gather_json(rank: int, world: int) -> list:
 
     return all_gather_json({"rank": rank, "xs": list(range(rank))},
                            dist.new_group(backend="gloo"))
+
+
+def control_exchanges(rank: int, world: int, shm: bool, slot_bytes: int = 4096) -> dict:
+    """Exchange messages of every size class -- empty, small, larger than a shared-memory slot
+    (falls back to gloo for every rank), different per rank -- for many steps; return what
+    each rank received."""
+    from colo_rollout.inference.control import ControlPlane, Message, ShmMailbox
+
+    g = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=30))
+    cp = ControlPlane(g, rank, world, 30.0, shm=shm)
+    if shm:  # a small slot so that the fallback is exercised
+        cp.mailbox.close()
+        cp.mailbox = ShmMailbox(g, rank, world, 30.0, slot_bytes=slot_bytes)
+    got = []
+    for step in range(40):
+        big = step % 7 == 3 and rank == step % world  # one rank's message outgrows the slot
+        msg = Message(rank=rank, step=step, cancels=[f"r{rank}s{step}"] * (1000 if big else 1),
+                      sampled=[[step, rank, -0.5]] * rank, span_hint=None if rank else 1.5)
+        got.append([(m.rank, m.step, len(m.cancels), m.cancels[0], len(m.sampled), m.span_hint)
+                    for m in cp.exchange(msg)])
+    used = cp.mailbox is not None
+    cp.close()
+    return {"got": got, "shm": used, "fallbacks": cp.fallbacks}
+
+
+def control_stalled_peer(rank: int, world: int, timeout_s: float) -> dict:
+    """The last rank stops exchanging: every other rank raises ControlError naming it."""
+    from colo_rollout.inference.control import ControlError, ControlPlane, Message
+
+    g = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    cp = ControlPlane(g, rank, world, timeout_s, shm=True)
+    cp.exchange(Message(rank=rank, step=0))
+    if rank == world - 1:
+        time.sleep(3 * timeout_s)
+        return {"raised": None, "stalled": True}
+    t0 = time.perf_counter()
+    try:
+        cp.exchange(Message(rank=rank, step=1))
+        return {"raised": None}
+    except ControlError as e:
+        return {"raised": str(e), "seconds": time.perf_counter() - t0}

@@ -79,5 +79,6 @@ def test_injected_protocol_violation_raises_on_every_rank_within_timeout():
     for rank in range(3):
         msg = res[rank]["raised"]
         assert msg is not None and msg.startswith(f"ControlError: rank {rank}, step ")
-        assert "did not complete within 3 s" in msg and "stopped stepping" in msg
+        # the ranks share a host: the shared-memory exchange names the rank that never came
+        assert "did not complete within 3 s; ranks [3] never arrived" in msg
         assert res[rank]["seconds"] < 3.0 + 5

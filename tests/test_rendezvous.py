@@ -62,3 +62,28 @@ def test_all_gather_json_round_trips(worker_groups):
     res = worker_groups(4).run("tests.cases_turnstile:gather_json")
     for r in res:
         assert r == [{"rank": i, "xs": list(range(i))} for i in range(4)]
+
+
+@pytest.mark.parametrize("shm", [True, False])
+def test_control_exchange_delivers_every_message_in_rank_order(worker_groups, shm):
+    res = worker_groups(4).run(f"{C}:control_exchanges", shm=shm)
+    for step in range(40):
+        expect = []
+        for r in range(4):
+            big = step % 7 == 3 and r == step % 4
+            expect.append((r, step, 1000 if big else 1, f"r{r}s{step}", r,
+                           None if r else 1.5))
+        for rank in range(4):
+            assert res[rank]["got"][step] == expect, (rank, step)
+    for r in res:  # steps 3, 10, 17, 24, 31, 38 carry a message larger than the 4 KiB slot
+        assert r["shm"] == shm and r["fallbacks"] == (6 if shm else 0)
+
+
+def test_shm_control_exchange_names_a_stalled_peer_within_timeout(worker_groups):
+    res = worker_groups(4).run(f"{C}:control_stalled_peer", timeout=60, timeout_s=2.0)
+    assert res[3].get("stalled")
+    for rank in range(3):
+        msg = res[rank]["raised"]
+        assert msg is not None and msg.startswith(f"rank {rank}, step 1:"), msg
+        assert "did not complete within 2 s; ranks [3] never arrived" in msg
+        assert res[rank]["seconds"] < 2.0 + 3

@@ -204,7 +204,8 @@ class EngineConfig:
     segment_policy: str = "fixed"
     segment_span: int = 2
     segment_spans: list[int] = field(default_factory=lambda: [1, 2, 4])
-    # rendezvous implementation: "auto" (shared memory when all ranks share a host), "shm", "gloo"
+    # host agreement -- the per-step control exchange and the PreD/PostD rendezvous: "auto"
+    # (shared memory when all ranks share a host), "shm", "gloo"
     rendezvous: str = "auto"
     # GPU, PD modes: "auto" puts P's full-group AllReduce on D's stream where the paths cross
     # (ADP > 1 and ATP > 1); "off" drops that route (the unsafe control of the crossed-path run);

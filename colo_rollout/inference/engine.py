@@ -43,6 +43,7 @@ from colo_rollout.inference.request import (
     SamplingParams,
 )
 from colo_rollout.inference.rendezvous import make_rendezvous
+from colo_rollout.inference.shm import same_host
 from colo_rollout.inference.runner import PRODUCER, ModelRunner, PendingSampled
 from colo_rollout.inference.segment_policy import (
     BalancedSpan,
@@ -105,12 +106,18 @@ class Engine:
                                                      if e.cuda_graphs else 0))
         self.route.synchronize()  # KV storage was zeroed on the default stream
         self.memory = EngineMemory(self)
+        # host agreement (control exchange, PreD/PostD): shared memory when every rank is on
+        # this host (engine.rendezvous "auto"), else gloo; decided once, the same on all ranks
+        agree = cfg.engine.rendezvous
+        if agree == "auto":
+            agree = ("shm" if lay.world_size > 1 and same_host(groups.control, lay.world_size)
+                     else "gloo")
         self.control = ControlPlane(groups.control, groups.rank, lay.world_size,
-                                    cfg.parallel.timeout_s)
+                                    cfg.parallel.timeout_s, shm=agree == "shm")
         self.turnstile = TurnstileController(rank=groups.rank)
         self.turnstile.register_producer(PRODUCER)
         self.rendezvous = (make_rendezvous(groups.control, groups.rank, lay.world_size,
-                                           cfg.parallel.timeout_s, cfg.engine.rendezvous)
+                                           cfg.parallel.timeout_s, agree)
                            if self.pd else None)
         self.policy = _policy(cfg, self.model.boundaries_per_prefill)
         self.balanced = isinstance(self.policy, BalancedSpan)
@@ -456,6 +463,9 @@ class Engine:
         if self.runner.graphs is not None:
             self.runner.graphs.release()
         self.route.synchronize()
+        self.control.close()
+        if hasattr(self.rendezvous, "close"):
+            self.rendezvous.close()
 
 
 class _HeldClock:

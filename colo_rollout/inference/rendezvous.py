@@ -16,16 +16,13 @@ pairing a PreD with a PostD. Waits are bounded: a dead or diverged peer makes ev
 from __future__ import annotations
 
 import datetime
-import hashlib
-import mmap
-import os
-import socket
 import time
-import tempfile
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from colo_rollout.inference.shm import open_shared, same_host, wait_until
 
 PRE_D, POST_D = 0, 1
 _NAMES = {PRE_D: "PreD", POST_D: "PostD"}
@@ -103,49 +100,23 @@ class ShmRendezvous(_Phases):
         super().__init__()
         self.rank, self.world = rank, world
         self.timeout_s = timeout_s
-        nbytes = 8 * world * 3
-        # A file in /dev/shm (tmpfs) mapped by every rank. Plain mmap instead of
-        # multiprocessing.shared_memory: that registers every attach with a resource tracker,
-        # which either unlinks the segment when a rank exits or, when spawned ranks share the
-        # parent's tracker, double-unregisters it.
-        path = torch.zeros(256, dtype=torch.uint8)
-        if rank == 0:
-            d = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-            fd, name = tempfile.mkstemp(prefix="colo_rdv_", dir=d)
-            os.ftruncate(fd, nbytes)
-            os.close(fd)
-            raw = name.encode()
-            path[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        dist.broadcast(path, src=dist.get_global_rank(group, 0), group=group)
-        self._path = bytes(path.tolist()).rstrip(b"\0").decode()
-        fd = os.open(self._path, os.O_RDWR)
-        self._mm = mmap.mmap(fd, nbytes)
-        os.close(fd)
+        self._mm = open_shared(group, rank, 8 * world * 3)
         arr = np.ndarray((world * 3,), dtype=np.int64, buffer=self._mm)  # plain view: fast
         self._arrive = arr[:world]
         self._phase = arr[world:].reshape(world, 2)
-        if rank == 0:
-            arr[:] = 0
-        dist.barrier(group=group)  # zeroed before anyone arrives
-        if rank == 0:
-            os.unlink(self._path)  # every rank has it mapped: the memory lives until unmapped
         self._n = 0
 
     def _wait(self, phase: int, epoch: int, boundary: int) -> None:
-        t0 = time.perf_counter()
         self._n += 1
         n, slot = self._n, self._n % 2
         self._phase[self.rank, slot] = phase
         self._arrive[self.rank] = n
-        deadline = t0 + self.timeout_s
-        while int(self._arrive.min()) < n:
-            if time.perf_counter() > deadline:
-                late = [r for r in range(self.world) if self._arrive[r] < n]
-                raise RendezvousError(
-                    f"rank {self.rank}, epoch {epoch}, boundary {boundary}: {_NAMES[phase]} "
-                    f"rendezvous did not complete within {self.timeout_s:g} s; ranks {late} "
-                    "never arrived (dead or diverged)")
-            os.sched_yield()
+        if not wait_until(lambda: int(self._arrive.min()) >= n, self.timeout_s):
+            late = [r for r in range(self.world) if self._arrive[r] < n]
+            raise RendezvousError(
+                f"rank {self.rank}, epoch {epoch}, boundary {boundary}: {_NAMES[phase]} "
+                f"rendezvous did not complete within {self.timeout_s:g} s; ranks {late} "
+                "never arrived (dead or diverged)")
         phases = self._phase[:, slot]
         if (phases != phase).any():
             raise RendezvousError(
@@ -155,18 +126,9 @@ class ShmRendezvous(_Phases):
 
     def close(self) -> None:
         self._arrive = self._phase = None
-        self._mm.close()
-        self._mm = None
-
-
-def same_host(group: dist.ProcessGroup, world: int) -> bool:
-    """True when every rank of ``group`` runs on this host (hostname digest all-gather)."""
-    digest = hashlib.sha256(socket.gethostname().encode()).digest()
-    h = torch.tensor([int.from_bytes(digest[:8], "little") & 0x7FFFFFFFFFFFFFFF],
-                     dtype=torch.int64)
-    allh = [torch.zeros_like(h) for _ in range(world)]
-    dist.all_gather(allh, h, group=group)
-    return all(int(x) == int(h) for x in allh)
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
 
 
 def make_rendezvous(group: dist.ProcessGroup, rank: int, world: int, timeout_s: float,
