@@ -1,6 +1,6 @@
 """Where the host time of one engine step goes (diagnosis for the P/D benchmark).
 
-  torchrun --standalone --nproc-per-node 2 scripts/profile_host.py configs/bench_gpu.yaml
+  torchrun --standalone --nproc-per-node 2 scripts/profile_host.py configs/bench_gpu.yaml [--exchange-only]
 
 Rank 0 prints: the control exchange and the rendezvous per call (gloo and shared memory), then a
 cProfile of one P step of a burst of first prompts and one of short continuations (Normal
@@ -50,6 +50,13 @@ def main(path: str) -> None:
     for kind in ("gloo", "shm"):
         rv = make_rendezvous(groups.control, rank, world, 60.0, kind)
         rows[f"rendezvous ({kind})"] = _per_call(lambda i: rv.pre_d(0, i))
+    if "--exchange-only" in sys.argv:
+        if rank == 0:
+            print("\nper call (us):")
+            for k, v in rows.items():
+                print(f"  {k:48s} {v:10.0f}")
+        dist.destroy_process_group()
+        return
     engine = Engine(cfg, groups, random_state_dict(cfg.model))
     engine.warmup()
     V = cfg.model.vocab_size
