@@ -24,10 +24,11 @@ import torch
 import torch.distributed as dist
 
 # Waits spin with sched_yield for SPIN_S (host agreement on a GPU host takes microseconds),
-# then sleep between checks, doubling from 50 us to 1 ms: a long wait -- a peer busy with a
+# then sleep between checks, doubling from 50 us to 200 us (a longer nap would add its own
+# latency to every wait past the spin): a long wait -- a peer busy with a
 # CPU P step, 8 ranks on 2 cores -- must not take the CPU from the rank that is working.
 SPIN_S = 0.002
-SLEEP_S = (50e-6, 1e-3)
+SLEEP_S = (50e-6, 2e-4)
 
 
 def same_host(group: dist.ProcessGroup, world: int) -> bool:
