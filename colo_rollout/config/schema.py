@@ -212,9 +212,10 @@ class EngineConfig:
     # "always" routes on every layout (tests the route where paths do not cross).
     stream_route: str = "auto"
     # GPU, PD modes: which phase's stream gets the higher CUDA priority when both have kernels
-    # queued -- "decode" (protect D's iteration time), "prefill" (P at near-Normal speed, D in
-    # what P leaves), or "equal".
-    stream_priority: str = "decode"
+    # queued -- "prefill" (P at near-Normal speed, D in what P leaves), "decode" (protect D's
+    # iteration time), or "equal". Prefill measured better on all three bench metrics on 1 and
+    # 2 H200 (docs/benchmarks.md, session 4).
+    stream_priority: str = "prefill"
     # GPU: record CUDA events around every P segment/epoch and D iteration (timelines).
     cuda_timing: bool = False
     # GPU: D by CUDA-graph replay, one graph per (row bucket, block-table width); needs the

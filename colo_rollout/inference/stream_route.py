@@ -92,13 +92,14 @@ class StreamRoute:
     """P and D streams of one rank. ``active`` only in PD modes on CUDA."""
 
     def __init__(self, device: torch.device, active: bool, route_p_collective: bool,
-                 timing: bool = False, favour: str = "decode") -> None:
+                 timing: bool = False, favour: str = "prefill") -> None:
         self.active = active and device.type == "cuda"
         self.route_p_collective = self.active and route_p_collective
         self.timing = device.type == "cuda" and timing  # inactive: marks the current stream
-        # By default D's stream has the higher priority: when both phases have kernels queued,
-        # the block scheduler hands freed SMs to D first, so a long P kernel stretches D's
-        # iteration less (D is what P/D multiplexing protects).
+        # The favoured phase's stream has the higher priority: when both phases have kernels
+        # queued, the block scheduler hands it freed SMs first. Favouring P is the default: on
+        # the bench (P host-bound, D graph-replayed) it gave Fine a lower makespan, p99 TTFT
+        # and D wait than favouring D, on 1 and 2 H200 (docs/benchmarks.md, session 4).
         d_prio, p_prio = stream_priorities(favour)
         self.d_stream = torch.cuda.Stream(device, priority=d_prio) if self.active else None
         self.p_stream = torch.cuda.Stream(device, priority=p_prio) if self.active else None
@@ -111,7 +112,7 @@ class StreamRoute:
 
     @classmethod
     def for_layout(cls, device: torch.device, pd: bool, adp: int, atp: int, route: str,
-                   timing: bool, favour: str = "decode") -> StreamRoute:
+                   timing: bool, favour: str = "prefill") -> StreamRoute:
         """The route is installed only where P's full-group AllReduce crosses D's collectives
         (ADP > 1 and ATP > 1); other paths keep full stream concurrency. ``route="off"`` keeps
         the streams but drops the route (the unsafe control of the crossed-path experiment);
