@@ -66,7 +66,8 @@ def run_bench(rank: int, world: int, config_path: str, overrides: dict | None = 
     cfg = load_config(config_path, overrides)
     groups = init_parallel(cfg.parallel)
     trace = bench_trace(cfg)
-    sd = random_state_dict(cfg.model)
+    # drawn where the model runs: a multi-GB MoE takes minutes to draw on one CPU thread
+    sd = random_state_dict(cfg.model, device=groups.device)
     runs, timelines = [], {}
     max_context = max(sum(t.prompt_tokens + t.output_tokens for t in c.turns)
                       for c in trace.conversations)

@@ -37,8 +37,9 @@ if [ "$NGPU" -ge 2 ] && [ "${RUN_DEMO:-1}" = 1 ]; then
     configs/demo_gpu.yaml --reps 5 2>&1 | grep -A4 "median ms" || echo "decode overhead run failed"
 fi
 
-# the ordering ladder on a trace, 2 GPUs (EP2/ADP2) then 1 (BENCH_GPUS picks; BENCH_ARGS adds
-# e.g. --set engine.stream_priority=prefill); RUN_BENCH=0 skips it. Every run is
+# the ordering ladder on a trace, 2 GPUs (EP2/ADP2) then 1 (BENCH_GPUS picks; BENCH_CONFIG picks
+# the config, e.g. configs/bench_gpu_large.yaml; BENCH_ARGS adds e.g.
+# --set engine.stream_priority=decode); RUN_BENCH=0 skips it. Every run is
 # bounded (BENCH_TIMEOUT s) and appends each finished replay to runs_partial.jsonl, so a run cut
 # short still leaves its numbers.
 if [ "${RUN_BENCH:-1}" = 1 ]; then
@@ -46,7 +47,7 @@ if [ "${RUN_BENCH:-1}" = 1 ]; then
     [ "$NGPU" -ge "$n" ] || continue
     if [ "$n" = 1 ]; then set_layout="--set parallel.world_size=1 --set parallel.adp=1 --set parallel.ep=1"; else set_layout=""; fi
     timeout "${BENCH_TIMEOUT:-300}" torchrun --standalone --nproc-per-node "$n" -m colo_rollout.cli \
-      bench configs/bench_gpu.yaml $set_layout --set bench.out_dir="$OUT/bench$n" ${BENCH_ARGS:-} 2>&1 \
+      bench "${BENCH_CONFIG:-configs/bench_gpu.yaml}" $set_layout --set bench.out_dir="$OUT/bench$n" ${BENCH_ARGS:-} 2>&1 \
       | tr '\r' '\n' | grep -v 'run/s\|Warning\|warnings.warn' | tail -n 26 || echo "bench on $n GPU(s) failed"
   done
 fi

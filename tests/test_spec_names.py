@@ -57,3 +57,12 @@ def test_attention_shards_cover_the_full_weight():
     name = "decoder.layers.0.self_attention.linear_proj.weight"
     parts = [shard_for(name, sd[name], lay, r, 2)[1] for r in range(2)]
     assert torch.equal(torch.cat(parts, 1), sd[name])
+
+
+def test_random_state_dict_is_seeded_and_device_explicit():
+    cfg = ModelConfig()
+    a, b = random_state_dict(cfg), random_state_dict(cfg, device="cpu")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    c = random_state_dict(cfg, seed=cfg.seed + 1)
+    assert not torch.equal(a["output_layer.weight"], c["output_layer.weight"])
+    assert all(t.device.type == "cpu" for t in a.values())

@@ -460,10 +460,15 @@ def load_sharded(model: torch.nn.Module, full: dict[str, torch.Tensor], layout: 
         raise KeyError(f"state dict is missing {missing[:5]}{'...' if len(missing) > 5 else ''}")
 
 
-def random_state_dict(cfg: ModelConfig, seed: int | None = None) -> dict[str, torch.Tensor]:
+def random_state_dict(cfg: ModelConfig, seed: int | None = None,
+                      device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
     """A full (unsharded) megatron-named state dict drawn from ``seed``: identical for every
-    layout, so any two models built from it compute the same function."""
-    g = torch.Generator().manual_seed(cfg.seed if seed is None else seed)
+    layout, so any two models built from it compute the same function. ``device``: where to
+    draw it (default CPU). A CUDA generator gives other values than the CPU one, the same on
+    every GPU; it is what makes a multi-GB bench model quick to draw (the CPU draws ~1e8
+    values/s per thread, and torchrun gives each rank one thread)."""
+    device = torch.device("cpu" if device is None else device)
+    g = torch.Generator(device=device).manual_seed(cfg.seed if seed is None else seed)
     std = cfg.init_method_std
     H, F_, E = cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.num_experts
     hd = H // cfg.num_attention_heads
@@ -471,22 +476,22 @@ def random_state_dict(cfg: ModelConfig, seed: int | None = None) -> dict[str, to
     dtype = DTYPES[cfg.params_dtype]
 
     def normal(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * std * scale).to(dtype)
+        return (torch.randn(*shape, generator=g, device=device) * std * scale).to(dtype)
 
     out_scale = 1.0 / (2.0 * cfg.num_layers) ** 0.5  # megatron's scaled init for output projs
     sd = {"embedding.word_embeddings.weight": normal(cfg.vocab_size, H)}
     for i in range(cfg.num_layers):
         p = f"decoder.layers.{i}."
-        sd[p + "input_layernorm.weight"] = torch.ones(H, dtype=dtype)
+        sd[p + "input_layernorm.weight"] = torch.ones(H, dtype=dtype, device=device)
         sd[p + "self_attention.linear_qkv.weight"] = normal(qkv, H)
         sd[p + "self_attention.linear_proj.weight"] = normal(H, cfg.num_attention_heads * hd,
                                                              scale=out_scale)
-        sd[p + "pre_mlp_layernorm.weight"] = torch.ones(H, dtype=dtype)
+        sd[p + "pre_mlp_layernorm.weight"] = torch.ones(H, dtype=dtype, device=device)
         sd[p + "mlp.router.weight"] = normal(E, H)
         for e in range(E):
             q = p + f"mlp.experts.local_experts.{e}."
             sd[q + "linear_fc1.weight"] = normal(2 * F_, H)
             sd[q + "linear_fc2.weight"] = normal(H, F_, scale=out_scale)
-    sd["decoder.final_layernorm.weight"] = torch.ones(H, dtype=dtype)
+    sd["decoder.final_layernorm.weight"] = torch.ones(H, dtype=dtype, device=device)
     sd["output_layer.weight"] = normal(cfg.vocab_size, H)
     return sd
