@@ -70,13 +70,25 @@ class GatherMoE(torch.nn.Module):
         else:
             self.experts = experts_builder(self.num_local, config, pg_collection=pg_collection)
         self._stack: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._stack_ptrs: list[int] = []  # the expert parameters' addresses when stacked
+        # the expert Parameter objects never change (moving or releasing the model swaps their
+        # .data, not the objects), so they are listed once: P's host enqueue is on the
+        # critical path, and walking the module tree per layer per forward cost ~0.1 ms
+        self._weights: tuple[list, list] | None = None
+        self._use_grouped: dict[tuple, bool] = {}  # (device, dtype) -> decision (constant)
 
     def uses_grouped(self, x: torch.Tensor) -> bool:
-        if self.compute == "auto":
-            # sm90 CUTLASS grouped GEMM (bf16); FP8 keeps megatron's padded quantised path
-            return (x.is_cuda and x.dtype == torch.bfloat16 and not self.config.fp8
-                    and torch.cuda.get_device_capability(x.device)[0] >= 9)
-        return self.compute == "grouped"
+        key = (x.device, x.dtype)
+        got = self._use_grouped.get(key)
+        if got is None:
+            if self.compute == "auto":
+                # sm90 CUTLASS grouped GEMM (bf16); FP8 keeps megatron's padded quantised path
+                got = (x.is_cuda and x.dtype == torch.bfloat16 and not self.config.fp8
+                       and torch.cuda.get_device_capability(x.device)[0] >= 9)
+            else:
+                got = self.compute == "grouped"
+            self._use_grouped[key] = got
+        return got
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, H] (all replicas' tokens) -> this rank's partial MoE output [N, H], fp32."""
@@ -142,20 +154,29 @@ class GatherMoE(torch.nn.Module):
         self._stack = None
 
     def _expert_weights(self) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
-        ex = self.experts
-        if hasattr(ex, "local_experts"):  # SequentialMLP
-            return ([e.linear_fc1.weight for e in ex.local_experts],
-                    [e.linear_fc2.weight for e in ex.local_experts])
-        # TEGroupedMLP: one parameter per local expert, weight{j}
-        return ([getattr(ex.linear_fc1, f"weight{j}") for j in range(self.num_local)],
-                [getattr(ex.linear_fc2, f"weight{j}") for j in range(self.num_local)])
+        if self._weights is None:
+            ex = self.experts
+            if hasattr(ex, "local_experts"):  # SequentialMLP
+                self._weights = ([e.linear_fc1.weight for e in ex.local_experts],
+                                 [e.linear_fc2.weight for e in ex.local_experts])
+            else:  # TEGroupedMLP: one parameter per local expert, weight{j}
+                self._weights = (
+                    [getattr(ex.linear_fc1, f"weight{j}") for j in range(self.num_local)],
+                    [getattr(ex.linear_fc2, f"weight{j}") for j in range(self.num_local)])
+        return self._weights
 
     def _stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
         """[E_local, out, in] views shared with the experts' parameters."""
         w1, w2 = self._expert_weights()
         st = self._stack
-        if st is not None and _aliases(st[0], w1) and _aliases(st[1], w2):
-            return st
+        if st is not None:
+            # fast path: every parameter still at the address it had as a view of the stack
+            # (the stack keeps that storage alive, so no other tensor can start there)
+            if [p.data_ptr() for p in w1 + w2] == self._stack_ptrs:
+                return st
+            if _aliases(st[0], w1) and _aliases(st[1], w2):
+                self._stack_ptrs = [p.data_ptr() for p in w1 + w2]
+                return st
         stack = []
         # outside inference mode: the parameters must stay updatable in place (weight sync)
         with torch.inference_mode(False), torch.no_grad():
@@ -165,6 +186,7 @@ class GatherMoE(torch.nn.Module):
                     w.data = s[j]  # the parameter now lives in the stack (same values)
                 stack.append(s)
         self._stack = (stack[0], stack[1])
+        self._stack_ptrs = [p.data_ptr() for p in w1 + w2]
         return self._stack
 
 
