@@ -547,3 +547,45 @@ def graph_key_agrees(rank: int, world: int, adp: int, ep: int) -> dict:
                                                                          ignore_eos=True)),
                      Request("short", (5, 6, 7), SamplingParams(max_tokens=12, ignore_eos=True))])
     return {"keys": [k[:2] for k in log], "local": [k[2] for k in log]}
+
+
+class _LateP:
+    """A P epoch's pending tokens that claim not to be done for the first ``lag`` checks:
+    a rank whose P GPU work finishes later than its peers'."""
+
+    def __init__(self, inner, lag: int) -> None:
+        self.inner, self.lag = inner, lag
+
+    def done(self) -> bool:
+        self.lag -= 1
+        return self.lag < 0 and self.inner.done()
+
+    def wait(self) -> None:
+        self.lag = 0
+        self.inner.wait()
+
+    def resolve(self):
+        return self.inner.resolve()
+
+
+def deferred_p_commit(rank: int, world: int, adp: int, ep: int, lag: int) -> dict:
+    """Fine mode where the last rank's P epochs report done ``lag`` step ends late: every rank
+    must still commit each epoch at the same step (the one whose exchange completes the set of
+    P tokens) and give Normal's tokens."""
+    cfg, groups, sd, engine = _engine(world, adp, ep, max_batch_size=3,
+                                      decode_buckets=[1, 2, 4], mode="fine", segment_span=3)
+    if rank == world - 1:
+        advance = engine.runner.advance
+
+        def late(*a, **kw):
+            out = advance(*a, **kw)
+            return _LateP(out, lag) if out is not None else None
+        engine.runner.advance = late
+    requests = mixed_requests(14, 0, cfg.model.vocab_size)
+    outs = engine.generate(requests)
+    engine.check_integrity()
+    for kv in engine.scheduler.kv:
+        kv.assert_empty()
+    return {"tokens": {r.request_id: outs[r.request_id].tokens for r in requests},
+            "in_flight": [h.p_in_flight for h in engine.history],
+            "steps": len(engine.history)}

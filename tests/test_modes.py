@@ -49,6 +49,20 @@ def test_fine_balanced_matches_normal_and_agrees_on_every_span(worker_groups, no
     assert all(s == 1 for s in steps[first_one:]), steps
 
 
+@pytest.mark.parametrize("lag", [0, 3])
+def test_p_epoch_commits_on_the_same_step_when_one_rank_is_late(worker_groups, normal, lag):
+    """A P epoch's first tokens are sent by each rank when its own P work is done; with one
+    rank 3 step ends late, every rank still commits at the same step, and the tokens match."""
+    res = worker_groups(4).run(f"{C}:deferred_p_commit", adp=2, ep=4, lag=lag)
+    for r in res:
+        assert r["tokens"] == normal["tokens"]
+        assert r["in_flight"] == res[0]["in_flight"]  # epochs end at the same step everywhere
+    if lag:
+        on_time = worker_groups(4).run(f"{C}:deferred_p_commit", adp=2, ep=4, lag=0)[0]
+        # each epoch now waits for the late rank: more steps with an epoch awaiting commit
+        assert sum(res[0]["in_flight"]) > sum(on_time["in_flight"])
+
+
 def test_fine_span1_interleaves_more_than_global(worker_groups):
     fine = worker_groups(4).run(f"{C}:engine_mode_tokens", adp=2, ep=4, mode="fine", span=1)[0]
     glob = worker_groups(4).run(f"{C}:engine_mode_tokens", adp=2, ep=4,
