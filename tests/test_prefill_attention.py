@@ -71,3 +71,20 @@ def test_buckets_partition_sequences_and_bound_padding():
         need = [-(-ctx[i] // BLOCK) for i in b.seqs.tolist()]
         assert b.blocks == max(need) and b.blocks < 2 * min(need) + 1  # power-of-two bucket
         assert b.slots.numel() == b.out_rows.numel() == sum(new[i] for i in b.seqs.tolist())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [16, 24])  # full and partial rotary
+def test_rope_angles_once_per_forward_equal_megatron_bitwise(dtype, head_dim):
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    from colo_rollout.inference.attention import RopeAngles, apply_rope
+
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(100, 1, 1, 16, generator=g)  # megatron's [positions, 1, 1, rot_dim]
+    pos = torch.randint(0, 100, (37,), generator=g)
+    rope = RopeAngles(table, pos)
+    for _ in range(2):  # q and k of a layer read the same angles
+        t = torch.randn(37, 4, head_dim, generator=g).to(dtype)
+        ref = _apply_rotary_pos_emb_bshd(t, table[pos].view(37, 1, 16))
+        assert torch.equal(apply_rope(t, rope), ref)

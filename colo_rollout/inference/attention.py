@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -48,6 +47,36 @@ class AttnMetadata:
     buckets: list[PrefillBucket] = field(default_factory=list)
 
 
+class RopeAngles:
+    """cos and sin of the rotary angles of one forward's tokens, [T, 1, rot_dim], computed in
+    fp32 and cast once per dtype. Made once per forward and read by every layer: megatron's
+    ``_apply_rotary_pos_emb_bshd`` recomputes them for q and for k of every layer, and on a
+    GPU every op is host launch time on P's critical path. Must be made inside the forward
+    (never cached on the metadata): a captured D graph has to recompute them on replay."""
+
+    def __init__(self, table: torch.Tensor, positions: torch.Tensor) -> None:
+        freqs = table[positions].view(positions.shape[0], 1, table.shape[-1])
+        self._fp32 = (torch.cos(freqs), torch.sin(freqs))
+        self._cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def cos_sin(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        got = self._cast.get(dtype)
+        if got is None:
+            got = self._cast[dtype] = (self._fp32[0].to(dtype), self._fp32[1].to(dtype))
+        return got
+
+
+def apply_rope(t: torch.Tensor, rope: RopeAngles) -> torch.Tensor:
+    """megatron's ``_apply_rotary_pos_emb_bshd`` (not interleaved, mscale 1) on t [T, heads,
+    dim] with precomputed angles: the same ops on the same values, so bitwise the same."""
+    cos, sin = rope.cos_sin(t.dtype)
+    rot = cos.shape[-1]
+    t, t_pass = t[..., :rot], t[..., rot:]
+    x1, x2 = torch.chunk(t, 2, dim=-1)
+    t = (t * cos) + (torch.cat((-x2, x1), dim=-1) * sin)
+    return torch.cat((t, t_pass), dim=-1) if t_pass.shape[-1] else t
+
+
 @dataclass
 class PrefillBucket:
     """P sequences whose contexts fall in one power-of-two length bucket, attended in one
@@ -61,6 +90,17 @@ class PrefillBucket:
     new: torch.Tensor  # [Sb] new tokens (queries sit at positions ctx-new .. ctx-1)
     n_max: int
     blocks: int
+    # [Sb, 1, n_max, keys] causal mask, made by the epoch's first layer and read by the rest
+    # (the bucket lives for one P epoch; P is never graph-captured)
+    mask: torch.Tensor | None = None
+
+    def causal_mask(self, keys: int) -> torch.Tensor:
+        if self.mask is None:
+            dev = self.ctx.device
+            qpos = (self.ctx - self.new)[:, None] + torch.arange(self.n_max, device=dev)[None, :]
+            kpos = torch.arange(keys, device=dev)
+            self.mask = (kpos[None, None, :] <= qpos[:, :, None])[:, None]
+        return self.mask
 
 
 def prefill_buckets(seq_lens_new: list[int], context_lens: list[int], block_size: int,
@@ -143,7 +183,7 @@ class PagedSelfAttention(torch.nn.Module):
         )
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, meta: AttnMetadata,
+    def forward(self, x: torch.Tensor, rope: RopeAngles, meta: AttnMetadata,
                 kv: KVStorage, layer: int) -> torch.Tensor:
         """x [T, H] (replicated over ATP) -> ATP-partial output [T, H]."""
         T = x.shape[0]
@@ -157,9 +197,8 @@ class PagedSelfAttention(torch.nn.Module):
         q = q.reshape(T, self.heads, self.head_dim)
         k = k.reshape(T, self.groups, self.head_dim)
         v = v.reshape(T, self.groups, self.head_dim)
-        freqs = rope[meta.positions].view(T, 1, rope.shape[-1])  # [T, 1, 1, dim] -> [T, 1, dim]
-        q = _apply_rotary_pos_emb_bshd(q, freqs)
-        k = _apply_rotary_pos_emb_bshd(k, freqs)
+        q = apply_rope(q, rope)
+        k = apply_rope(k, rope)
 
         # Write the new K/V into their slots before attending (a prefill sees its own tokens).
         kc = kv.k[layer].view(-1, self.groups, self.head_dim)
@@ -196,12 +235,9 @@ class PagedSelfAttention(torch.nn.Module):
             Sb = b.seqs.shape[0]
             k, v = self._gather_kv(kv, layer, meta.block_tables[b.seqs, : b.blocks])
             qb = q[b.q_rows]  # [Sb, n_max, heads, dim]
-            qpos = (b.ctx - b.new)[:, None] + torch.arange(b.n_max, device=q.device)[None, :]
-            kpos = torch.arange(k.shape[1], device=q.device)
-            mask = kpos[None, None, :] <= qpos[:, :, None]  # [Sb, n_max, keys]
             o = F.scaled_dot_product_attention(
                 qb.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
-                attn_mask=mask[:, None], scale=self.scale,
+                attn_mask=b.causal_mask(k.shape[1]), scale=self.scale,
             )  # [Sb, heads, n_max, dim]
             o = o.transpose(1, 2).reshape(Sb * b.n_max, self.heads, self.head_dim)
             out.index_copy_(0, b.out_rows, o.index_select(0, b.slots))  # no boolean mask: no sync

@@ -39,7 +39,12 @@ from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from colo_rollout.config import ModelConfig
-from colo_rollout.inference.attention import AttnMetadata, KVStorage, PagedSelfAttention
+from colo_rollout.inference.attention import (
+    AttnMetadata,
+    KVStorage,
+    PagedSelfAttention,
+    RopeAngles,
+)
 from colo_rollout.inference.comm import GatherComm
 from colo_rollout.inference.moe import GatherMoE
 from colo_rollout.inference.parallel import Layout, ParallelGroups
@@ -299,9 +304,9 @@ class InferenceGPT(torch.nn.Module):
         total = sum(inp.row_counts)
         off = sum(inp.row_counts[:r])
         n_local = inp.row_counts[r]
-        rope = self.rope_table()
         boundary = 0
         emb_partial = self.embedding.partial(inp.token_ids)
+        rope = RopeAngles(self.rope_table(), inp.attn.positions)
         yield boundary
         boundary += 1
         h = comm.p_gather(emb_partial, off, total)
@@ -336,8 +341,8 @@ class InferenceGPT(torch.nn.Module):
     def _forward_decode(self, inp: DecodeInputs, kv: KVStorage) -> torch.Tensor:
         """Returns full-vocab logits [B, V] for this replica's (padded) D rows."""
         comm = self.comm
-        rope = self.rope_table()
         res = comm.d_reduce_scatter_atp(self.embedding.partial(inp.token_ids))
+        rope = RopeAngles(self.rope_table(), inp.attn.positions)
         for i, layer in enumerate(self.decoder.layers):
             x = comm.d_all_gather_atp(layer.input_layernorm(res))
             attn = layer.self_attention(x, rope, inp.attn, kv, i)

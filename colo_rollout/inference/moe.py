@@ -137,7 +137,7 @@ class GatherMoE(torch.nn.Module):
         h = (h * weight.flatten()[order].unsqueeze(-1)).to(x.dtype)  # megatron: probs after act
         y = torch._grouped_mm(h, fc2.transpose(1, 2), offs=offs)  # [N*k, H]
         valid = mine.flatten()[order].unsqueeze(-1)
-        y = torch.where(valid, y, torch.zeros((), dtype=y.dtype, device=y.device))  # unwritten rows
+        y = torch.where(valid, y, 0.0)  # unwritten rows (a Python scalar: no extra launch)
         out = torch.zeros(x.shape, dtype=COMBINE_DTYPE, device=x.device)
         out.index_add_(0, token, y.to(out.dtype))
         return out

@@ -1,0 +1,73 @@
+"""Count the torch ops one P step dispatches (each is host launch time on a GPU, where P's
+enqueue is the critical path of a Fine round; see docs/benchmarks.md).
+
+  torchrun --standalone --nproc-per-node 1 scripts/count_p_ops.py configs/bench_gpu.yaml
+
+Runs on CPU or GPU, on one rank, with the config's model and the grouped expert path (the one
+the GPU runs). Prints the total for one P step of 8 prompts of 30 tokens and the most frequent
+ops. A proxy, not a timing: a view costs less than a kernel launch.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+import sys
+
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from colo_rollout.config import load_config
+from colo_rollout.inference.engine import Engine
+from colo_rollout.inference.model import random_state_dict
+from colo_rollout.inference.parallel import init_parallel
+from colo_rollout.inference.request import Request, SamplingParams
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def main(path: str) -> None:
+    import torch
+
+    over = {"parallel.world_size": 1, "parallel.adp": 1, "parallel.ep": 1,
+            "engine.mode": "normal", "engine.cuda_graphs": False, "model.moe_compute": "grouped"}
+    if not torch.cuda.is_available():
+        over["parallel.backend"] = "gloo"
+    cfg = load_config(path, over)
+    groups = init_parallel(cfg.parallel)
+    engine = Engine(cfg, groups, random_state_dict(cfg.model, device=groups.device))
+    V = cfg.model.vocab_size
+    rng = random.Random(0)
+    sp = SamplingParams(max_tokens=1, ignore_eos=True)
+
+    def burst(tag: str) -> None:
+        for i in range(8):
+            engine.submit(Request(f"{tag}{i}", tuple(rng.randrange(1, V) for _ in range(30)), sp))
+
+    burst("warm")
+    engine.step()
+    while engine.busy():
+        engine.step()
+    burst("p")
+    count = _Count()
+    with count:
+        engine.step()  # intake and the P step
+    n_layers = cfg.model.num_layers
+    total = sum(count.ops.values())
+    print(f"ops dispatched by one P step ({n_layers} layers, 8 x 30 tokens): {total} "
+          f"(~{total / n_layers:.0f} per layer)")
+    for op, n in count.ops.most_common(20):
+        print(f"  {n:5d} {op}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
