@@ -88,3 +88,22 @@ def test_rope_angles_once_per_forward_equal_megatron_bitwise(dtype, head_dim):
         t = torch.randn(37, 4, head_dim, generator=g).to(dtype)
         ref = _apply_rotary_pos_emb_bshd(t, table[pos].view(37, 1, 16))
         assert torch.equal(apply_rope(t, rope), ref)
+
+
+def test_rope_on_q_and_k_together_equals_megatron_on_each_bitwise():
+    """The attention rotates q's and k's heads of every query group in one pass."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    from colo_rollout.inference.attention import RopeAngles, apply_rope
+
+    g = torch.Generator().manual_seed(1)
+    T, groups, n, dim = 29, 2, 3, 16
+    table = torch.randn(64, 1, 1, dim, generator=g)
+    pos = torch.randint(0, 64, (T,), generator=g)
+    qkv = torch.randn(T, groups, n + 2, dim, generator=g).to(torch.bfloat16)
+    qk = apply_rope(qkv[:, :, : n + 1], RopeAngles(table, pos))
+    freqs = table[pos].view(T, 1, dim)
+    q_ref = _apply_rotary_pos_emb_bshd(qkv[:, :, :n].reshape(T, groups * n, dim), freqs)
+    k_ref = _apply_rotary_pos_emb_bshd(qkv[:, :, n], freqs)
+    assert torch.equal(qk[:, :, :n].reshape(T, groups * n, dim), q_ref)
+    assert torch.equal(qk[:, :, n], k_ref)

@@ -59,22 +59,27 @@ class RopeAngles:
         self._fp32 = (torch.cos(freqs), torch.sin(freqs))
         self._cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def cos_sin(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        got = self._cast.get(dtype)
+    def cos_sin(self, dtype: torch.dtype, ndim: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, 1, ..., 1, rot_dim] (``ndim`` dims, to broadcast over the head dims)."""
+        got = self._cast.get((dtype, ndim))
         if got is None:
-            got = self._cast[dtype] = (self._fp32[0].to(dtype), self._fp32[1].to(dtype))
+            shape = (self._fp32[0].shape[0],) + (1,) * (ndim - 2) + (self._fp32[0].shape[-1],)
+            got = self._cast[(dtype, ndim)] = tuple(a.to(dtype).view(shape) for a in self._fp32)
         return got
 
 
 def apply_rope(t: torch.Tensor, rope: RopeAngles) -> torch.Tensor:
-    """megatron's ``_apply_rotary_pos_emb_bshd`` (not interleaved, mscale 1) on t [T, heads,
-    dim] with precomputed angles: the same ops on the same values, so bitwise the same."""
-    cos, sin = rope.cos_sin(t.dtype)
+    """megatron's ``_apply_rotary_pos_emb_bshd`` (not interleaved, mscale 1) on t [T, ...,
+    dim] with precomputed angles: the same elementwise ops on the same values, so bitwise the
+    same -- also when q's and k's heads go through it together."""
+    cos, sin = rope.cos_sin(t.dtype, t.dim())
     rot = cos.shape[-1]
-    t, t_pass = t[..., :rot], t[..., rot:]
+    t_pass = None
+    if rot != t.shape[-1]:
+        t, t_pass = t[..., :rot], t[..., rot:]
     x1, x2 = torch.chunk(t, 2, dim=-1)
     t = (t * cos) + (torch.cat((-x2, x1), dim=-1) * sin)
-    return torch.cat((t, t_pass), dim=-1) if t_pass.shape[-1] else t
+    return t if t_pass is None else torch.cat((t, t_pass), dim=-1)
 
 
 @dataclass
@@ -140,6 +145,11 @@ def prefill_buckets(seq_lens_new: list[int], context_lens: list[int], block_size
     return out
 
 
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)`` without dispatching anything when it already is (P's host time)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 class KVStorage:
     """K and V tensors of every layer for this rank: [L, num_blocks + 1, block, kv_heads, dim]."""
 
@@ -190,21 +200,19 @@ class PagedSelfAttention(torch.nn.Module):
         if T == 0:  # a replica without P rows this step (TE's fused norm rejects empty input)
             return x.new_zeros((0, self.linear_proj.weight.shape[0]))
         qkv, _ = self.linear_qkv(x)
-        qkv = qkv.view(T, self.groups, (self.q_per_group + 2) * self.head_dim)
-        q, k, v = torch.split(
-            qkv, [self.q_per_group * self.head_dim, self.head_dim, self.head_dim], dim=-1
-        )
-        q = q.reshape(T, self.heads, self.head_dim)
-        k = k.reshape(T, self.groups, self.head_dim)
-        v = v.reshape(T, self.groups, self.head_dim)
-        q = apply_rope(q, rope)
-        k = apply_rope(k, rope)
+        # per query group: q_0..q_{n-1}, k, v (megatron's layout); rotate q and k in one pass
+        n = self.q_per_group
+        qkv = qkv.view(T, self.groups, n + 2, self.head_dim)
+        qk = apply_rope(qkv[:, :, : n + 1], rope)  # [T, groups, n + 1, dim]
+        q = qk[:, :, :n].reshape(T, self.heads, self.head_dim)
+        k = qk[:, :, n]
+        v = qkv[:, :, n + 1]
 
         # Write the new K/V into their slots before attending (a prefill sees its own tokens).
         kc = kv.k[layer].view(-1, self.groups, self.head_dim)
         vc = kv.v[layer].view(-1, self.groups, self.head_dim)
-        kc.index_copy_(0, meta.slot_mapping, k.to(kc.dtype))
-        vc.index_copy_(0, meta.slot_mapping, v.to(vc.dtype))
+        kc.index_copy_(0, meta.slot_mapping, _as(k, kc.dtype))
+        vc.index_copy_(0, meta.slot_mapping, _as(v, vc.dtype))
 
         if meta.is_prefill:
             out = self._prefill(q, kv, layer, meta)
@@ -236,7 +244,8 @@ class PagedSelfAttention(torch.nn.Module):
             k, v = self._gather_kv(kv, layer, meta.block_tables[b.seqs, : b.blocks])
             qb = q[b.q_rows]  # [Sb, n_max, heads, dim]
             o = F.scaled_dot_product_attention(
-                qb.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+                qb.transpose(1, 2), _as(k, q.dtype).transpose(1, 2),
+                _as(v, q.dtype).transpose(1, 2),
                 attn_mask=b.causal_mask(k.shape[1]), scale=self.scale,
             )  # [Sb, heads, n_max, dim]
             o = o.transpose(1, 2).reshape(Sb * b.n_max, self.heads, self.head_dim)

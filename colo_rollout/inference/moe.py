@@ -76,6 +76,7 @@ class GatherMoE(torch.nn.Module):
         # critical path, and walking the module tree per layer per forward cost ~0.1 ms
         self._weights: tuple[list, list] | None = None
         self._use_grouped: dict[tuple, bool] = {}  # (device, dtype) -> decision (constant)
+        self._ids: torch.Tensor | None = None
 
     def uses_grouped(self, x: torch.Tensor) -> bool:
         key = (x.device, x.dtype)
@@ -122,11 +123,12 @@ class GatherMoE(torch.nn.Module):
         local = chosen - self.first_expert
         mine = (local >= 0) & (local < E)
         key = torch.where(mine, local, E).flatten()  # other ranks' experts sort last
-        order = torch.sort(key, stable=True).indices  # expert-major, token order within
+        sorted_key, order = torch.sort(key, stable=True)  # expert-major, token order within
         token = order // k
-        counts = torch.zeros(E + 1, dtype=torch.int32, device=x.device)
-        counts.scatter_add_(0, key.to(torch.int64), torch.ones_like(key, dtype=torch.int32))
-        offs = counts[:E].cumsum(0, dtype=torch.int32)  # group ends; rows past offs[-1] unused
+        # group ends: how many sorted keys are <= e, for each local expert e; rows past
+        # offs[-1] (other ranks' experts) are unused
+        offs = torch.searchsorted(sorted_key, self._expert_ids(x.device), right=True,
+                                  out_int32=True)
         fc1, fc2 = self._stacked()
         h = torch._grouped_mm(x[token], fc1.transpose(1, 2), offs=offs)  # [N*k, 2F or F]
         if self.config.gated_linear_unit:
@@ -136,11 +138,19 @@ class GatherMoE(torch.nn.Module):
             h = self.config.activation_func(h)
         h = (h * weight.flatten()[order].unsqueeze(-1)).to(x.dtype)  # megatron: probs after act
         y = torch._grouped_mm(h, fc2.transpose(1, 2), offs=offs)  # [N*k, H]
-        valid = mine.flatten()[order].unsqueeze(-1)
-        y = torch.where(valid, y, 0.0)  # unwritten rows (a Python scalar: no extra launch)
+        valid = (sorted_key < E).unsqueeze(-1)  # this rank's rows (the rest are unwritten)
+        y = torch.where(valid, y, 0.0)  # a Python scalar: no extra launch
         out = torch.zeros(x.shape, dtype=COMBINE_DTYPE, device=x.device)
         out.index_add_(0, token, y.to(out.dtype))
         return out
+
+    def _expert_ids(self, device: torch.device) -> torch.Tensor:
+        """0..E_local-1 on ``device``, made once (a constant the grouped path reads each
+        forward; captured D graphs read it in place)."""
+        ids = self._ids
+        if ids is None or ids.device != device:
+            ids = self._ids = torch.arange(self.num_local, device=device)
+        return ids
 
     def prepare(self) -> None:
         """Make the grouped path's weight stacks current now (no-op for the megatron path), so
