@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from colo_rollout.inference.shm import open_shared, wait_until
+from colo_rollout.inference.shm import arrive_and_wait, open_shared
 
 
 class ControlError(RuntimeError):
@@ -105,9 +105,8 @@ class ShmMailbox:
             self._length[par, self.rank] = len(data)
         else:
             self._length[par, self.rank] = -1
-        self._arrive[self.rank] = n
-        if not wait_until(lambda: int(self._arrive.min()) >= n, self.timeout_s):
-            late = [r for r in range(self.world) if self._arrive[r] < n]
+        late = arrive_and_wait(self._arrive, self.rank, n, self.timeout_s)
+        if late:
             raise ControlError(
                 f"rank {self.rank}, step {step}: the control exchange did not complete within "
                 f"{self.timeout_s:g} s; ranks {late} never arrived (dead or diverged)")

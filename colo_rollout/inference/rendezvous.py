@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from colo_rollout.inference.shm import open_shared, same_host, wait_until
+from colo_rollout.inference.shm import arrive_and_wait, open_shared, same_host
 
 PRE_D, POST_D = 0, 1
 _NAMES = {PRE_D: "PreD", POST_D: "PostD"}
@@ -110,9 +110,8 @@ class ShmRendezvous(_Phases):
         self._n += 1
         n, slot = self._n, self._n % 2
         self._phase[self.rank, slot] = phase
-        self._arrive[self.rank] = n
-        if not wait_until(lambda: int(self._arrive.min()) >= n, self.timeout_s):
-            late = [r for r in range(self.world) if self._arrive[r] < n]
+        late = arrive_and_wait(self._arrive, self.rank, n, self.timeout_s)
+        if late:
             raise RendezvousError(
                 f"rank {self.rank}, epoch {epoch}, boundary {boundary}: {_NAMES[phase]} "
                 f"rendezvous did not complete within {self.timeout_s:g} s; ranks {late} "

@@ -78,3 +78,13 @@ def wait_until(ready, timeout_s: float) -> bool:
             time.sleep(nap)
             nap = min(2 * nap, SLEEP_S[1])
     return True
+
+
+def arrive_and_wait(arrive, rank: int, n: int, timeout_s: float) -> list[int]:
+    """Mark ``rank`` as entered into round ``n`` of a shared arrival-counter array and wait
+    until every rank has; returns the ranks that had not arrived after ``timeout_s`` (empty:
+    all did). The caller writes its round's data before calling (stores are ordered)."""
+    arrive[rank] = n
+    if wait_until(lambda: int(arrive.min()) >= n, timeout_s):
+        return []
+    return [r for r in range(len(arrive)) if arrive[r] < n]
