@@ -1,10 +1,16 @@
 """Where the host time of one engine step goes (diagnosis for the P/D benchmark).
 
   torchrun --standalone --nproc-per-node 2 scripts/profile_host.py configs/bench_gpu.yaml [--exchange-only]
+  torchrun --standalone --nproc-per-node 2 scripts/profile_host.py configs/bench_gpu.yaml --replay fine-sel [--set KEY=VALUE ...]
 
 Rank 0 prints: the control exchange and the rendezvous per call (gloo and shared memory), then a
 cProfile of one P step of a burst of first prompts and one of short continuations (Normal
 mode), sorted by own time. Every rank runs the same steps (the phases are collective).
+
+``--replay VARIANT`` (a bench variant: normal, fine-2, fine-sel, ...): every rank replays the
+bench trace once untimed, then once timed and once under cProfile, and prints (rank by rank) its
+host-time breakdown and the engine's calls by cumulative time -- where a round's host time goes,
+and whether one rank waits for the other in the control exchange.
 """
 
 from __future__ import annotations
@@ -37,7 +43,52 @@ def _per_call(fn, n: int = 300) -> float:
     return (time.perf_counter() - t) / n * 1e6
 
 
+def replay_profile(path: str, variant: str) -> None:
+    import dataclasses
+
+    from colo_rollout.bench import _serve, bench_trace, variants
+
+    import yaml
+
+    sets = [a.split("=", 1) for i, a in enumerate(sys.argv) if i and sys.argv[i - 1] == "--set"]
+    cfg = load_config(path, {k: yaml.safe_load(v) for k, v in sets})
+    kw = dict(variants(dataclasses.replace(
+        cfg, bench=dataclasses.replace(cfg.bench, modes=["normal", "fine"], spans=[1, 2, 3, 4]))))
+    cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, **kw[variant]))
+    groups = init_parallel(cfg.parallel)
+    rank, world = groups.rank, groups.layout.world_size
+    trace = bench_trace(cfg)
+    sd = random_state_dict(cfg.model, device=groups.device)
+    ctx = max(sum(t.prompt_tokens + t.output_tokens for t in c.turns) for c in trace.conversations)
+    w = cfg.bench.wait_scales[0]
+    _serve(cfg, groups, sd, trace, w, ctx)  # untimed: one-off costs
+    engine, metrics, _, _ = _serve(cfg, groups, sd, trace, w, ctx)
+    host = engine.host_seconds()
+    steps = len(engine.history)
+    prof = cProfile.Profile()
+    prof.enable()
+    _serve(cfg, groups, sd, trace, w, ctx)
+    prof.disable()
+    s = io.StringIO()
+    st = pstats.Stats(prof, stream=s)
+    st.sort_stats("cumulative").print_stats(r"colo_rollout|all_reduce|all_gather|replay|_grouped_mm", 45)
+    st.sort_stats("tottime").print_stats(30)
+    lines = s.getvalue().splitlines()
+    for r in range(world):  # rank by rank, so the outputs do not interleave
+        if r == rank:
+            print(f"\n==== rank {rank}: {variant}, makespan {metrics.makespan_s:.3f} s, {steps} steps; "
+                  f"host ms (per step us) ====")
+            for k, v in sorted(host.items(), key=lambda kv: -kv[1]):
+                print(f"  {k:12s} {v * 1e3:9.1f}  ({v / steps * 1e6:7.0f})")
+            print("\n".join(ln for ln in lines if ln.strip())[-7000:])
+            sys.stdout.flush()
+        dist.barrier(group=groups.control)
+    dist.destroy_process_group()
+
+
 def main(path: str) -> None:
+    if "--replay" in sys.argv:
+        return replay_profile(path, sys.argv[sys.argv.index("--replay") + 1])
     cfg = load_config(path, {"engine.mode": "normal"})
     groups = init_parallel(cfg.parallel)
     rank, world = groups.rank, groups.layout.world_size
