@@ -129,6 +129,62 @@ def main(path: str) -> None:
             engine.step()
         return pstats.Stats(prof)
 
+    def d_replays(rows: int, n: int = 50) -> tuple[float, float]:
+        """Host us per D graph replay: one at a time on an idle GPU, and back to back."""
+        g = engine.runner.graphs
+        key = min(k for k in g.keys if k[0] >= rows)
+        graph = g._graphs[key].graph  # noqa: SLF001
+        torch.cuda.synchronize()
+        alone = 0.0
+        for _ in range(n):
+            t = time.perf_counter()
+            graph.replay()
+            alone += time.perf_counter() - t
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(n):
+            graph.replay()
+        queued = time.perf_counter() - t
+        torch.cuda.synchronize()
+        gpu = (time.perf_counter() - t) / n
+        return alone / n * 1e6, queued / n * 1e6, gpu * 1e6
+
+    if engine.runner.graphs is not None:
+        for b in (1, 16):
+            a, q, g_us = d_replays(b)
+            rows[f"D graph replay, {b} rows: host idle / host queued / GPU (us)"] = a
+            rows[f"  queued {b}"] = q
+            rows[f"  GPU per replay {b}"] = g_us
+
+    def p_gpu(tag: str, n: int, length: int) -> None:
+        """P forward of one epoch, straight (as Normal runs it): enqueue vs enqueue + drain."""
+        items = [tuple(rng.randrange(1, V) for _ in range(length)) for _ in range(n)]
+        if rank == 0:
+            for i, p in enumerate(items):
+                engine.submit(Request(f"{tag}{i}", p, sp))
+        real_run = engine.runner.run
+        got = {}
+
+        def timed(plan, sched):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            out = real_run(plan, sched)
+            got["enqueue"] = time.perf_counter() - t
+            torch.cuda.synchronize()
+            got["total"] = time.perf_counter() - t
+            return out
+
+        engine.runner.run = timed
+        engine.step()
+        engine.runner.run = real_run
+        rows[f"P {n} x {length}: enqueue / enqueue + GPU drain (us)"] = got["enqueue"] * 1e6
+        rows[f"  drained {n} x {length}"] = got["total"] * 1e6
+        while engine.busy():
+            engine.step()
+
+    p_gpu("g0", 16, 300)
+    p_gpu("g1", 16, 300)
+    p_gpu("g2", 8, 30)
     p_step("warm", 16, 300)
     p_step("warm2", 8, 30)
     first = p_step("a", 16, 300)

@@ -39,8 +39,9 @@ def _case(seed: int):
     return new, ctx, tables
 
 
+@pytest.mark.parametrize("merge", [0, 64, 10**9])
 @pytest.mark.parametrize("seed", range(8))
-def test_batched_prefill_equals_per_sequence_loop(seed):
+def test_batched_prefill_equals_per_sequence_loop(seed, merge):
     torch.manual_seed(seed)
     new, ctx, tables = _case(seed)
     heads, groups, dim = 4, 2, 8
@@ -55,7 +56,8 @@ def test_batched_prefill_equals_per_sequence_loop(seed):
     q = torch.randn(sum(new), heads, dim)
     attn = _fake_attention(heads, groups, dim)
     loop = PagedSelfAttention._prefill_loop(attn, q, kv, 0, meta)
-    meta.buckets = prefill_buckets(new, ctx, BLOCK, lambda v, t: torch.tensor(v, dtype=t))
+    meta.buckets = prefill_buckets(new, ctx, BLOCK, lambda v, t: torch.tensor(v, dtype=t),
+                                   merge)
     batched = PagedSelfAttention._prefill_batched(attn, q, kv, 0, meta)
     torch.testing.assert_close(batched, loop, rtol=1e-5, atol=1e-5)
 
@@ -71,6 +73,41 @@ def test_buckets_partition_sequences_and_bound_padding():
         need = [-(-ctx[i] // BLOCK) for i in b.seqs.tolist()]
         assert b.blocks == max(need) and b.blocks < 2 * min(need) + 1  # power-of-two bucket
         assert b.slots.numel() == b.out_rows.numel() == sum(new[i] for i in b.seqs.tolist())
+
+
+def _pairs(b, new, ctx):
+    seqs = b.seqs.tolist()
+    return len(seqs) * max(new[i] for i in seqs) * b.blocks * BLOCK
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_bucket_merging_partitions_and_respects_the_pair_budget(seed):
+    rng = random.Random(seed)
+    new = [rng.choice([1, 3, 20, 60]) for _ in range(12)]
+    ctx = [n + rng.choice([0, 5, 40, 150, 400]) for n in new]
+    to = lambda v, t: torch.tensor(v, dtype=t)  # noqa: E731
+    split = prefill_buckets(new, ctx, BLOCK, to)
+    for budget in (0, 500, 5000, 10**9):
+        got = prefill_buckets(new, ctx, BLOCK, to, budget)
+        assert sorted(i for b in got for i in b.seqs.tolist()) == list(range(12))
+        assert sorted(r for b in got for r in b.out_rows.tolist()) == list(range(sum(new)))
+        # every merged bucket is a run of neighbouring power-of-two buckets, and each merge
+        # that made it added at most ``budget`` padded pairs
+        runs, i = [], 0
+        for b in got:
+            members = set(b.seqs.tolist())
+            run = []
+            while i < len(split) and set(split[i].seqs.tolist()) <= members:
+                run.append(split[i])
+                i += 1
+            assert set().union(*(set(x.seqs.tolist()) for x in run)) == members
+            runs.append(run)
+        assert i == len(split)
+        for b, run in zip(got, runs):
+            assert _pairs(b, new, ctx) - sum(_pairs(x, new, ctx) for x in run) \
+                <= budget * (len(run) - 1)
+    assert len(prefill_buckets(new, ctx, BLOCK, to, 0)) == len(split)  # 0: never merge
+    assert len(prefill_buckets(new, ctx, BLOCK, to, 10**9)) == 1  # unbounded: one bucket
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -236,11 +236,30 @@ def test_span_hint_none_when_the_round_measured_nothing(args):
     assert span_hint(*args) is None
 
 
-def test_balanced_span_takes_the_smallest_hint_rounded_down():
+def test_balanced_span_takes_the_smallest_hint_and_carries_its_fraction():
     pol = BalancedSpan(span=2, max_span=18)
     assert pol.choose(load(HEAVY_D, LIGHT_P)) == 2
     assert pol.observe([7.9, 5.6, None]) == 5  # min over ranks protects the slowest rank's D
     assert pol.choose(load(LIGHT_D, HEAVY_P)) == 5  # the load does not matter, measurements do
+    assert pol.observe([5.6]) == 6  # 0.6 carried + 5.6 owed
+    spans = [pol.observe([5.6, 9.0]) for _ in range(98)]
+    assert set(spans) == {5, 6}
+    assert sum(spans + [5, 6]) / 100 == pytest.approx(5.6)  # the mean tracks the target
+
+
+def test_balanced_span_mean_tracks_a_fractional_balance():
+    # P costs 1.2 ms per boundary, D's iteration 2.1 ms: 1.75 boundaries balance a round.
+    # Rounding down every round would run K = 1 for ever (the host idles 0.9 ms a round).
+    per, d = 0.0012, 0.0021
+    pol = BalancedSpan(span=1, max_span=18)
+    spans = []
+    for _ in range(400):
+        k = pol.span
+        spans.append(k)
+        p = k * per
+        pol.observe([span_hint(k, k, p, max(0.0, d - p), max(0.0, p - d))])
+    assert set(spans[10:]) == {1, 2}
+    assert sum(spans[10:]) / len(spans[10:]) == pytest.approx(1.75, abs=0.05)
 
 
 def test_balanced_span_clamps_and_keeps_without_hints():

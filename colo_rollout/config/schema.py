@@ -216,6 +216,11 @@ class EngineConfig:
     # iteration time), or "equal". Prefill measured better on all three bench metrics on 1 and
     # 2 H200 (docs/benchmarks.md, session 4).
     stream_priority: str = "prefill"
+    # P attention batches sequences by context-length bucket; neighbouring buckets are merged
+    # while a merge adds at most this many padded (query, key) pairs. Each bucket costs a dozen
+    # kernel launches per layer (host time: what short P epochs are bound by), padding costs
+    # GPU time (what long ones are bound by). 0: never merge.
+    prefill_merge_pairs: int = 4_194_304
     # GPU: record CUDA events around every P segment/epoch and D iteration (timelines).
     cuda_timing: bool = False
     # GPU: D by CUDA-graph replay, one graph per (row bucket, block-table width); needs the
@@ -258,6 +263,7 @@ class EngineConfig:
         _require_choice(self, "stream_priority", STREAM_PRIORITIES)
         _require_choice(self, "rendezvous", ("auto", "shm", "gloo"))
         _require_min(self, ("segment_span",), 1)
+        _require_min(self, ("prefill_merge_pairs",), 0)
         spans = self.segment_spans
         _require(
             bool(spans) and all(k >= 1 for k in spans) and list(spans) == sorted(set(spans)),

@@ -109,26 +109,40 @@ class PrefillBucket:
 
 
 def prefill_buckets(seq_lens_new: list[int], context_lens: list[int], block_size: int,
-                    to_device) -> list[PrefillBucket]:
+                    to_device, merge_pairs: int = 0) -> list[PrefillBucket]:
     """Group P sequences by context length (next power of two, in blocks) so that one P
     layer's attention is a few batched calls instead of one per sequence; padding costs at
-    most 2x keys per bucket. ``to_device(values, dtype)`` makes host lists device tensors
+    most 2x keys per bucket. Then neighbouring buckets are merged while a merge adds at most
+    ``merge_pairs`` padded (query, key) pairs: every bucket costs a dozen kernel launches per
+    layer (host time, which is what a short P epoch is bound by), padding costs GPU time (what
+    a long one is bound by). ``to_device(values, dtype)`` makes host lists device tensors
     without a host wait. Pure host logic apart from that."""
-    groups: dict[int, list[int]] = {}
+    by_key: dict[int, list[int]] = {}
     for i, ctx in enumerate(context_lens):
         nb = -(-ctx // block_size)
         key = 1
         while key < nb:
             key *= 2
-        groups.setdefault(key, []).append(i)
+        by_key.setdefault(key, []).append(i)
+
+    def pairs(seqs: list[int]) -> int:  # padded (query, key) pairs of one bucket
+        return (len(seqs) * max(seq_lens_new[i] for i in seqs)
+                * max(-(-context_lens[i] // block_size) for i in seqs) * block_size)
+
+    merged: list[list[int]] = []
+    for key in sorted(by_key):
+        seqs = by_key[key]
+        if merged and pairs(merged[-1] + seqs) - pairs(merged[-1]) - pairs(seqs) <= merge_pairs:
+            merged[-1] = merged[-1] + seqs
+        else:
+            merged.append(seqs)
     starts, off = [], 0
     for n in seq_lens_new:
         starts.append(off)
         off += n
     out = []
     i64 = torch.int64
-    for key in sorted(groups):
-        seqs = groups[key]
+    for seqs in merged:
         n_max = max(seq_lens_new[i] for i in seqs)
         q_rows, slots, out_rows = [], [], []
         for s_idx, i in enumerate(seqs):

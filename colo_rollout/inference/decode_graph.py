@@ -16,11 +16,17 @@ Invariants:
   * Padding rows and table padding point at the KV sink block: replaying a wider table or a
     larger bucket than needed never touches a live reservation, and masked keys add exactly 0.
   * A graph reads weights through the addresses it captured. In-place weight updates (weight
-    sync, load_state_dict) are seen by the next replay; a parameter that was *replaced* is
-    detected by an address fingerprint checked before every replay, and the graphs are dropped
-    and re-captured.
-  * The returned logits are the graph's static output: consume them (sampling) on the same
-    stream before the next replay.
+    sync, load_state_dict) are seen by the next replay. A parameter may be *replaced* only while
+    the engine is idle (weight sync and memory release already require it): the engine calls
+    ``check_weights`` when a step starts from idle, which compares an address fingerprint and
+    drops and re-captures the graphs if it changed. The fingerprint is O(parameters), so it is
+    not paid per replay: every ``GUARD_EVERY`` replays it is compared again, and a parameter
+    replaced while requests were in flight raises instead of replaying stale addresses for long.
+  * The returned logits, and the greedy tokens with their logprobs (``packed``: row 0 token
+    ids, row 1 logprobs, float64 -- both exact), are the graph's static outputs: consume them on
+    the same stream before the next replay. Greedy sampling is captured with the forward (the
+    sampler's greedy ops, so bitwise the sampler's result): an all-greedy D iteration then
+    enqueues the replay and one device->host copy, nothing else.
   * Graphs hold NCCL collectives: ``release`` (and synchronize) before process groups are
     destroyed, or the destroy hangs.
 """
@@ -31,9 +37,11 @@ import torch
 
 from colo_rollout.inference.attention import AttnMetadata
 from colo_rollout.inference.model import DecodeInputs, InferenceGPT
+from colo_rollout.inference.sampler import greedy_tensors
 from colo_rollout.inference.stream_route import h2d
 
 MIN_WIDTH = 4  # smallest block-table width bucket (blocks)
+GUARD_EVERY = 256  # replays between in-flight checks of the weight fingerprint
 
 
 def width_bucket(blocks: int, max_blocks: int) -> int:
@@ -75,6 +83,7 @@ class _Graph:
         )
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
+        self.packed: torch.Tensor | None = None  # [2, B] float64: greedy tokens, logprobs
 
 
 class DecodeGraphs:
@@ -99,11 +108,19 @@ class DecodeGraphs:
     def _weights_fingerprint(self) -> tuple[int, ...]:
         return tuple(p.data_ptr() for p in self._params)
 
-    def _check_weights(self) -> None:
+    def check_weights(self) -> None:
+        """Idle engine only: drop (and later re-capture) the graphs if a parameter was
+        replaced since they were captured."""
         if self._weights_fingerprint() != self._fingerprint:
             # a parameter was replaced: captured addresses are stale
             self.release()
             self._fingerprint = self._settled_fingerprint()
+
+    def _guard_weights(self) -> None:
+        if self._weights_fingerprint() != self._fingerprint:
+            raise RuntimeError("a model parameter was replaced while requests were in flight; "
+                               "replace parameters only while the engine is idle (or update "
+                               "them in place)")
 
     def _settled_fingerprint(self) -> tuple[int, ...]:
         """The fingerprint after the grouped experts have re-pointed any replaced expert
@@ -114,13 +131,15 @@ class DecodeGraphs:
         return self._weights_fingerprint()
 
     def run(self, ids: list[int], pos: list[int], slots: list[int], ctx: list[int],
-            tables: list[list[int]], world_blocks: int) -> torch.Tensor:
-        """One D forward by graph replay on the current stream -> logits [B, V] (static).
+            tables: list[list[int]], world_blocks: int) -> _Graph:
+        """One D forward by graph replay on the current stream; returns the graph, whose
+        ``logits`` [B, V] and ``packed`` greedy samples are its static outputs.
 
         ``world_blocks``: the longest block table of the D iteration over *all* replicas. The
         graph key must be the same on every rank: a rank that captures runs eager warm-up
         collectives, and a peer replaying an existing graph instead would never join them."""
-        self._check_weights()
+        if self.replays % GUARD_EVERY == GUARD_EVERY - 1:
+            self._guard_weights()
         B = len(ids)
         if max(len(t) for t in tables) > world_blocks:
             raise ValueError("a block table is longer than the world's maximum")
@@ -136,7 +155,7 @@ class DecodeGraphs:
         g.buf.copy_(h2d(flat, torch.int64, self.device), non_blocking=True)
         g.graph.replay()
         self.replays += 1
-        return g.logits
+        return g
 
     def _capture(self, rows: int, width: int) -> _Graph:
         g = _Graph(rows, width, self.device)
@@ -158,6 +177,8 @@ class DecodeGraphs:
         with torch.cuda.graph(g.graph, pool=self._pool, stream=side,
                               capture_error_mode="thread_local"):
             g.logits = self.model.forward_decode(g.inputs, self.kv)
+            tokens, logprobs = greedy_tensors(g.logits)
+            g.packed = torch.stack([tokens.double(), logprobs.double()])
         stream.wait_stream(side)
         self._graphs[(rows, width)] = g
         self.captures += 1
@@ -167,7 +188,7 @@ class DecodeGraphs:
         """Capture every (row bucket, width bucket) key up to ``max_blocks`` table width ahead
         of serving (collective: every rank calls it with the same arguments), so no capture
         lands inside a timed run. Returns the number of graphs captured now."""
-        self._check_weights()
+        self.check_weights()
         limit = self.max_blocks if max_blocks is None else min(max_blocks, self.max_blocks)
         before = self.captures
         for r in sorted(set(rows)):

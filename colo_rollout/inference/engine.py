@@ -103,7 +103,8 @@ class Engine:
         self.runner = ModelRunner(self.model, e.num_kv_blocks, e.kv_block_size,
                                   seed=cfg.model.seed, route=self.route,
                                   graphs_max_blocks=(-(-e.max_seq_len // e.kv_block_size)
-                                                     if e.cuda_graphs else 0))
+                                                     if e.cuda_graphs else 0),
+                                  prefill_merge_pairs=e.prefill_merge_pairs)
         self.route.synchronize()  # KV storage was zeroed on the default stream
         self.memory = EngineMemory(self)
         # host agreement (control exchange, PreD/PostD): shared memory when every rank is on
@@ -174,6 +175,9 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One engine iteration (collective). Returns requests that finished in it."""
         self.memory.check_ready()
+        if self.runner.graphs is not None and not self.busy():
+            # a step from idle: the only point where parameters may have been replaced
+            self.runner.graphs.check_weights()
         t0 = time.perf_counter()
         self._outbox.step = self.scheduler.step_no
         self._outbox.sampled = [[s.lifetime, s.token, s.logprob] for s in self._last_sampled]
@@ -371,7 +375,8 @@ class Engine:
                 waited = time.perf_counter() - te
                 self._clock("resolve", te)
             crossed = ctl.reached - reached + (1 if done is not None else 0)
-            self._outbox.span_hint = span_hint(ctl.span, crossed, te - t, waited, held)
+            est = clock.held_estimate(te) if held > 0.0 else 0.0
+            self._outbox.span_hint = span_hint(ctl.span, crossed, te - t, waited, est)
         return done
 
     def _span(self, plan: StepPlan) -> int:
@@ -474,17 +479,27 @@ class _HeldClock:
 
     def __init__(self, pending: PendingSampled, t0: float) -> None:
         self.pending, self.since, self.seen = pending, t0, False
+        self.seen_at = t0  # the first check at which D's tokens were back
 
     def __call__(self) -> None:
         if not self.seen:
+            now = time.perf_counter()
             if self.pending.done():
-                self.seen = True
+                self.seen, self.seen_at = True, now
             else:
-                self.since = time.perf_counter()
+                self.since = now
 
     def held(self, end: float) -> float:
+        """The D-wait metric: from the last check D was pending (rounded up: conservative)."""
         self()
         return end - self.since if self.seen else 0.0
+
+    def held_estimate(self, end: float) -> float:
+        """For the balanced span: D came back somewhere between the two checks that bracket
+        it; the midpoint is unbiased, where ``held`` over-counts by half a boundary on average
+        and would pull K down every round."""
+        self()
+        return end - (self.since + self.seen_at) / 2 if self.seen else 0.0
 
 
 def _policy(cfg: Config, boundaries: int):

@@ -48,7 +48,7 @@ class PendingSampled:
     def __init__(self, lifetimes: list[int] = (), pending: Pending | None = None,
                  marker: torch.cuda.Event | None = None) -> None:
         self.lifetimes = list(lifetimes)
-        self._pending = pending
+        self._pending = pending  # (tokens, logprobs), or one [2, n] float64 (graph greedy)
         self._marker = marker
 
     def done(self) -> bool:
@@ -66,14 +66,17 @@ class PendingSampled:
     def resolve(self) -> list[Sampled]:
         if self._pending is None:
             return []
-        tokens, logprobs = self._pending.get()
-        return [Sampled(lt, t, lp) for lt, t, lp in zip(self.lifetimes, tokens, logprobs)]
+        got = self._pending.get()
+        tokens, logprobs = got if len(got) == 2 else got[0]
+        return [Sampled(lt, int(t), lp) for lt, t, lp in zip(self.lifetimes, tokens, logprobs)]
 
 
 class ModelRunner:
     def __init__(self, model: InferenceGPT, num_blocks: int, block_size: int, seed: int,
-                 route: StreamRoute | None = None, graphs_max_blocks: int = 0) -> None:
+                 route: StreamRoute | None = None, graphs_max_blocks: int = 0,
+                 prefill_merge_pairs: int = 0) -> None:
         self.model = model
+        self.prefill_merge_pairs = prefill_merge_pairs  # see attention.prefill_buckets
         self.route = route or StreamRoute(model.output_layer.weight.device, active=False,
                                           route_p_collective=False)
         model.comm.route = self.route
@@ -127,11 +130,18 @@ class ModelRunner:
         fewer rows than the bucket), enqueued on D's stream."""
         with self.route.d(), self.route.mark("D", epoch):
             host = self._decode_host(plan, sched)
-            if self.graphs is not None:
-                logits = self.graphs.run(*host, self.world_table_blocks(plan, sched))
-            else:
+            rows = plan.replicas[self.groups.replica].decode
+            if self.graphs is None:
                 logits = self.model.forward_decode(self._decode_inputs(*host), self.kv)
-            return self._sample(logits, plan.replicas[self.groups.replica].decode, sched)
+                return self._sample(logits, rows, sched)
+            g = self.graphs.run(*host, self.world_table_blocks(plan, sched))
+            if (self.groups.is_replica_leader and rows
+                    and all(sched.seqs[d.lifetime].request.params.temperature == 0
+                            for d in rows)):
+                # greedy rows were sampled inside the graph: one copy brings them back
+                return PendingSampled([d.lifetime for d in rows],
+                                      Pending(g.packed[:, : len(rows)]))
+            return self._sample(g.logits, rows, sched)
 
     # ------------------------------------------------------------------ P epochs (PD mode)
     @property
@@ -224,7 +234,8 @@ class ModelRunner:
             block_tables=self._tables(tables) if tables else torch.zeros(0, 1, dtype=i64, device=dev),
             context_lens=h2d(ctx, i64, dev),
             seq_lens_new=new, context_lens_host=ctx,
-            buckets=prefill_buckets(new, ctx, self.block_size, lambda v, t: h2d(v, t, dev)),
+            buckets=prefill_buckets(new, ctx, self.block_size, lambda v, t: h2d(v, t, dev),
+                                    self.prefill_merge_pairs),
         )
         return PrefillInputs(
             token_ids=h2d(ids, i64, dev), attn=attn,

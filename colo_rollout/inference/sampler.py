@@ -29,28 +29,40 @@ def sample_tensors(logits: torch.Tensor, params: list[SamplingParams],
     logits = logits.float()
     dev = logits.device
     logp = torch.log_softmax(logits, dim=-1)
-    greedy = logits.argmax(dim=-1)
-    tokens = greedy.clone()
     random_rows = [i for i, p in enumerate(params) if p.temperature > 0]
-    if random_rows:
-        idx = h2d(random_rows, torch.int64, dev)
-        # shift by the row max first: (x - max) / T stays finite-or--inf for any T > 0, so a
-        # tiny temperature tends to greedy instead of overflowing to NaN
-        sub = logits[idx]
-        sub = sub - sub.max(dim=-1, keepdim=True).values
-        temps = h2d([params[i].temperature for i in random_rows], torch.float32, dev)[:, None]
-        sub = sub / temps
-        ks = [params[i].top_k for i in random_rows]
-        if any(k > 0 for k in ks):
-            sub = _top_k(sub, ks)
-        ps = [params[i].top_p for i in random_rows]
-        if any(p < 1.0 for p in ps):
-            sub = _top_p(sub, h2d(ps, torch.float32, dev))
-        probs = torch.softmax(sub, dim=-1)
-        noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
-        tokens[idx] = (probs / noise).argmax(dim=-1)
+    if not random_rows:
+        return _greedy(logits, logp)
+    tokens = logits.argmax(dim=-1)
+    idx = h2d(random_rows, torch.int64, dev)
+    # shift by the row max first: (x - max) / T stays finite-or--inf for any T > 0, so a
+    # tiny temperature tends to greedy instead of overflowing to NaN
+    sub = logits[idx]
+    sub = sub - sub.max(dim=-1, keepdim=True).values
+    temps = h2d([params[i].temperature for i in random_rows], torch.float32, dev)[:, None]
+    sub = sub / temps
+    ks = [params[i].top_k for i in random_rows]
+    if any(k > 0 for k in ks):
+        sub = _top_k(sub, ks)
+    ps = [params[i].top_p for i in random_rows]
+    if any(p < 1.0 for p in ps):
+        sub = _top_p(sub, h2d(ps, torch.float32, dev))
+    probs = torch.softmax(sub, dim=-1)
+    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    tokens[idx] = (probs / noise).argmax(dim=-1)
     chosen = logp.gather(1, tokens[:, None])[:, 0]
     return tokens, chosen
+
+
+def greedy_tensors(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy tokens [n] and their logprobs [n] of every row: what ``sample_tensors`` returns
+    for all-greedy params, by the same ops (a D graph captures it with the forward)."""
+    logits = logits.float()
+    return _greedy(logits, torch.log_softmax(logits, dim=-1))
+
+
+def _greedy(logits: torch.Tensor, logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = logits.argmax(dim=-1)
+    return tokens, logp.gather(1, tokens[:, None])[:, 0]
 
 
 def _top_k(logits: torch.Tensor, ks: list[int]) -> torch.Tensor:

@@ -15,7 +15,10 @@ and more P wait-for-permit; large K amortises control overhead but holds D back 
     tokens (P could have done more) or how long P kept enqueuing after D's tokens were back
     (D was held) -- as the span that would have balanced it (``span_hint``); the hints travel
     in the control exchange, and every rank applies the same ``observe(min(hints))``. The
-    minimum protects D on the slowest rank. Why: with graph-replayed D, a D iteration takes a
+    minimum protects D on the slowest rank. The balancing span is fractional (1.8 boundaries
+    of P per D iteration, say) while a round's K is whole: the rounds' spans carry the
+    remainder, so their running mean tracks it (1, 2, 2, 2, 2, 1, ...) instead of rounding
+    down every round -- which left P a boundary short of D's iteration and idled the host. Why: with graph-replayed D, a D iteration takes a
     few ms of GPU time while P's eager enqueue costs ~0.5-1 ms of host time per boundary, so a
     fixed K is either too small (P's epoch spreads over many rounds: TTFT) or too large (a
     ready D waits for P's Python: D wait); the right K depends on the model, the batch and
@@ -103,6 +106,8 @@ class BalancedSpan:
 
     span: int = 2  # K of the next round
     max_span: int = 64  # no use beyond one epoch's boundaries
+    target: float = 0.0  # the balancing span last agreed (fractional; 0 = none yet)
+    carry: float = 0.0  # fraction of a boundary owed to the next round, in [0, 1)
 
     def __post_init__(self) -> None:
         if self.span < 1 or self.max_span < self.span:
@@ -113,9 +118,14 @@ class BalancedSpan:
         return self.span
 
     def observe(self, hints: list[float]) -> int:
-        """Apply the round's agreed hints (every rank's, None where a rank had none): K becomes
-        the smallest hint, rounded down, within [1, max_span]; no hint keeps K."""
+        """Apply the round's agreed hints (every rank's, None where a rank had none): the
+        target becomes the smallest hint within [1, max_span], and K the whole part of target
+        plus the carried remainder (so successive Ks average the target); no hint keeps K."""
         got = [h for h in hints if h is not None]
         if got:
-            self.span = max(1, min(self.max_span, int(min(got))))
+            self.target = max(1.0, min(float(self.max_span), min(got)))
+            owed = self.carry + self.target
+            k = int(owed + 1e-9)  # a float hair below a whole number is that number
+            self.carry = max(0.0, owed - k)
+            self.span = max(1, min(self.max_span, k))
         return self.span
