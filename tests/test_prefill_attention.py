@@ -144,3 +144,41 @@ def test_rope_on_q_and_k_together_equals_megatron_on_each_bitwise():
     k_ref = _apply_rotary_pos_emb_bshd(qkv[:, :, n], freqs)
     assert torch.equal(qk[:, :, :n].reshape(T, groups * n, dim), q_ref)
     assert torch.equal(qk[:, :, n], k_ref)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_grouped_decode_attention_equals_per_head_reference(seed):
+    """D attends each KV group once for all its q heads; the reference repeats K/V per head
+    (what P's path does) and runs SDPA with a length mask."""
+    g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    heads, groups, dim, B = 8, 2, 16, 5
+    kv = KVStorage(1, 64, BLOCK, groups, dim, torch.float32, torch.device("cpu"))
+    kv.k.normal_(generator=g)
+    kv.v.normal_(generator=g)
+    width = 6
+    ctx = [rng.randint(1, width * BLOCK) for _ in range(B)]
+    free = list(range(64))
+    rng.shuffle(free)
+    tables = torch.tensor([[free.pop() for _ in range(width)] for _ in range(B)])
+    meta = AttnMetadata(is_prefill=False, positions=torch.zeros(0), slot_mapping=torch.zeros(0),
+                        block_tables=tables, context_lens=torch.tensor(ctx), seq_lens_new=[],
+                        context_lens_host=[])
+    q = torch.randn(B, heads, dim, generator=g)
+    attn = _fake_attention(heads, groups, dim)
+    got = PagedSelfAttention._decode(attn, q, kv, 0, meta)
+    k, v = attn._gather_kv(kv, 0, tables)  # [B, S, heads, dim], repeated per head
+    S = k.shape[1]
+    mask = torch.arange(S)[None, :] < torch.tensor(ctx)[:, None]
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=mask[:, None, None, :], scale=dim ** -0.5)[:, :, 0, :]
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    # keys past a row's context never matter: scribbling on them changes nothing
+    for b in range(B):
+        for s in range(ctx[b], S):
+            blk = tables[b, s // BLOCK]
+            kv.k[0, blk, s % BLOCK] += 100.0
+            kv.v[0, blk, s % BLOCK] -= 100.0
+    again = PagedSelfAttention._decode(attn, q, kv, 0, meta)  # (rows share no block)
+    torch.testing.assert_close(again, got, rtol=1e-5, atol=1e-5)

@@ -289,12 +289,18 @@ class PagedSelfAttention(torch.nn.Module):
         return torch.cat(outs, dim=0)
 
     def _decode(self, q, kv, layer, meta: AttnMetadata) -> torch.Tensor:
-        k, v = self._gather_kv(kv, layer, meta.block_tables)  # [B, S, heads, dim]
-        S = k.shape[1]
-        mask = torch.arange(S, device=q.device)[None, :] < meta.context_lens[:, None]  # [B, S]
-        o = F.scaled_dot_product_attention(
-            q[:, :, None, :],  # [B, heads, 1, dim]
-            k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
-            attn_mask=mask[:, None, None, :], scale=self.scale,
-        )
-        return o[:, :, 0, :]
+        """One query per row against its whole table, grouped-query: the q heads of a KV
+        group are one matrix against that group's keys, so K and V are gathered once and never
+        repeated per head. (Repeating them, as ``_gather_kv`` does for P, multiplied a D
+        iteration's KV traffic by the group size and made it most of D's time on long
+        contexts.) Scores and softmax in fp32, as SDPA's kernels do."""
+        B, S = q.shape[0], meta.block_tables.shape[1] * kv.block_size
+        g, n, dim = self.groups, self.q_per_group, self.head_dim
+        k = kv.k[layer][meta.block_tables].view(B, S, g, dim).transpose(1, 2)  # [B, g, S, dim]
+        v = kv.v[layer][meta.block_tables].view(B, S, g, dim).transpose(1, 2)
+        qg = q.view(B, g, n, dim)
+        scores = torch.matmul(qg, _as(k, q.dtype).transpose(-1, -2)).float()  # [B, g, n, S]
+        keep = torch.arange(S, device=q.device)[None, :] < meta.context_lens[:, None]  # [B, S]
+        scores = (scores * self.scale).masked_fill(~keep[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        return torch.matmul(probs, _as(v, q.dtype)).reshape(B, self.heads, dim)
