@@ -95,23 +95,16 @@ class PrefillBucket:
     new: torch.Tensor  # [Sb] new tokens (queries sit at positions ctx-new .. ctx-1)
     n_max: int
     blocks: int
-    # [Sb, 1, heads per KV group * n_max, keys] causal mask, made by the epoch's first layer
-    # and read by the rest
+    # [Sb, 1, n_max, keys] causal mask, made by the epoch's first layer and read by the rest
     # (the bucket lives for one P epoch; P is never graph-captured)
     mask: torch.Tensor | None = None
 
-    def causal_mask(self, keys: int, heads: int = 1) -> torch.Tensor:
-        """[Sb, 1, heads * n_max, keys]: query row h * n_max + j (head h of a KV group, query
-        j) sees keys 0..ctx - new + j. Made once per epoch (the same for every layer)."""
+    def causal_mask(self, keys: int) -> torch.Tensor:
         if self.mask is None:
             dev = self.ctx.device
             qpos = (self.ctx - self.new)[:, None] + torch.arange(self.n_max, device=dev)[None, :]
             kpos = torch.arange(keys, device=dev)
-            mask = kpos[None, None, :] <= qpos[:, :, None]  # [Sb, n_max, keys]
-            if heads > 1:
-                mask = mask[:, None].expand(-1, heads, -1, -1).reshape(
-                    mask.shape[0], heads * self.n_max, keys)
-            self.mask = mask[:, None]
+            self.mask = (kpos[None, None, :] <= qpos[:, :, None])[:, None]
         return self.mask
 
 
@@ -256,26 +249,20 @@ class PagedSelfAttention(torch.nn.Module):
         return self._prefill_loop(q, kv, layer, meta)
 
     def _prefill_batched(self, q, kv, layer, meta: AttnMetadata) -> torch.Tensor:
-        """One SDPA call per context bucket, grouped-query: the q heads of a KV group are
-        stacked as extra query rows [Sb, groups, heads/group * n_max, dim] against that group's
-        keys [Sb, groups, blocks*block, dim], so K/V are gathered once and never repeated per
-        head (SDPA's masked kernels take no GQA). Query j of a sequence sits at position
+        """One SDPA call per context bucket: queries [Sb, heads, n_max, dim] against the
+        bucket's keys [Sb, heads, blocks*block, dim]; query j of a sequence sits at position
         ctx - new + j and sees keys 0..that position (padding slots are computed and dropped)."""
         out = q.new_empty(q.shape)
-        g, n, dim = self.groups, self.q_per_group, self.head_dim
         for b in meta.buckets:
-            Sb, m = b.seqs.shape[0], b.n_max
-            tables = meta.block_tables[b.seqs, : b.blocks]
-            S = b.blocks * kv.block_size
-            k = kv.k[layer][tables].view(Sb, S, g, dim).transpose(1, 2)  # [Sb, g, S, dim]
-            v = kv.v[layer][tables].view(Sb, S, g, dim).transpose(1, 2)
-            qb = q[b.q_rows].view(Sb, m, g, n, dim)  # heads are group-major (megatron's order)
-            qg = qb.permute(0, 2, 3, 1, 4).reshape(Sb, g, n * m, dim)
+            Sb = b.seqs.shape[0]
+            k, v = self._gather_kv(kv, layer, meta.block_tables[b.seqs, : b.blocks])
+            qb = q[b.q_rows]  # [Sb, n_max, heads, dim]
             o = F.scaled_dot_product_attention(
-                qg, _as(k, q.dtype), _as(v, q.dtype), attn_mask=b.causal_mask(S, n),
-                scale=self.scale,
-            )  # [Sb, g, n * m, dim]
-            o = o.view(Sb, g, n, m, dim).permute(0, 3, 1, 2, 4).reshape(Sb * m, self.heads, dim)
+                qb.transpose(1, 2), _as(k, q.dtype).transpose(1, 2),
+                _as(v, q.dtype).transpose(1, 2),
+                attn_mask=b.causal_mask(k.shape[1]), scale=self.scale,
+            )  # [Sb, heads, n_max, dim]
+            o = o.transpose(1, 2).reshape(Sb * b.n_max, self.heads, self.head_dim)
             out.index_copy_(0, b.out_rows, o.index_select(0, b.slots))  # no boolean mask: no sync
         return out
 
