@@ -49,15 +49,18 @@ def bench_trace(cfg: Config) -> Trace:
 
 
 def variants(cfg: Config) -> list[tuple[str, dict]]:
+    """(table name, engine settings) of every variant the bench runs (``BenchConfig.ladder``)."""
     out = []
-    for m in cfg.bench.modes:
-        if m == "fine":
-            out += [(f"fine-{k}", {"mode": "fine", "segment_policy": "fixed", "segment_span": k})
-                    for k in cfg.bench.spans]
-            out.append(("fine-sel", {"mode": "fine", "segment_policy": "load"}))
-            out.append(("fine-bal", {"mode": "fine", "segment_policy": "balanced"}))
+    for name in cfg.bench.ladder():
+        if name == "fine-sel":
+            out.append((name, {"mode": "fine", "segment_policy": "load"}))
+        elif name == "fine-bal":
+            out.append((name, {"mode": "fine", "segment_policy": "balanced"}))
+        elif name.startswith("fine-"):
+            out.append((name, {"mode": "fine", "segment_policy": "fixed",
+                               "segment_span": int(name[5:])}))
         else:
-            out.append((m, {"mode": m}))
+            out.append((name, {"mode": name}))
     return out
 
 

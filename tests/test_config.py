@@ -425,3 +425,23 @@ def test_config_error_is_value_error_and_pickles():
     assert isinstance(err, ValueError)
     back = pickle.loads(pickle.dumps(err))
     assert str(back) == str(err) and back.key == "a.b" and back.source == "f.yaml"
+
+
+def test_bench_variants_pick_from_the_ladder(tmp_path):
+    path = write(tmp_path, "bench: {modes: [normal, fine], spans: [2, 8]}\n")
+    assert load_config(path).bench.ladder() == ["normal", "fine-2", "fine-8", "fine-sel",
+                                                "fine-bal"]
+    picked = load_config(path, {"bench.variants": ["fine-bal", "normal", "fine-8"]}).bench
+    assert picked.ladder() == ["normal", "fine-8", "fine-bal"]  # ladder order, not list order
+
+
+def test_bench_variant_outside_the_ladder_is_named(tmp_path):
+    path = write(tmp_path, "bench: {modes: [normal, fine], spans: [2], variants: [fine-8]}\n")
+    assert_load_error(path, "bench.variants", "fine-8", "fine-sel")
+    assert_load_error(write(tmp_path, "bench: {modes: [normal], variants: [fine-bal]}\n",
+                            "b.yaml"), "bench.variants", "fine-bal")
+
+
+def test_prefill_merge_pairs_must_not_be_negative(tmp_path):
+    assert_load_error(write(tmp_path, "engine: {prefill_merge_pairs: -1}\n"),
+                      "engine.prefill_merge_pairs", ">= 0")

@@ -5,6 +5,7 @@ annotations, then value rules); errors name the dotted key. Cross-section rules 
 ``loader.Config``.
 """
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -351,6 +352,19 @@ class BenchConfig:
     out_dir: str = "runs/bench"
     # One untimed replay before the timed cells (one-off first-use costs stay out of them).
     warmup_replay: bool = True
+    # Only these variants of the ladder, by their table names (e.g. [normal, fine-8, fine-bal]);
+    # empty: every variant the modes and spans make. Saves device time on large configs.
+    variants: list[str] = field(default_factory=list)
+
+    def ladder(self) -> list[str]:
+        """Variant names of the ladder, in run order (the table's rows)."""
+        names = []
+        for m in self.modes:
+            if m == "fine":
+                names += [f"fine-{k}" for k in self.spans] + ["fine-sel", "fine-bal"]
+            else:
+                names.append(m)
+        return [n for n in names if not self.variants or n in self.variants]
 
     def __post_init__(self) -> None:
         _check_field_types(self)
@@ -366,6 +380,10 @@ class BenchConfig:
                  f"unknown mode(s) {bad}; choose from {list(ENGINE_MODES)}")
         _require(bool(self.spans) and all(k >= 1 for k in self.spans), "bench.spans",
                  f"must be spans >= 1, got {self.spans}")
+        full = dataclasses.replace(self, variants=[]).ladder() if self.variants else []
+        unknown = [v for v in self.variants if v not in full]
+        _require(not unknown, "bench.variants",
+                 f"not in the ladder of these modes and spans: {unknown}; choose from {full}")
 
 
 @dataclass(frozen=True, kw_only=True)
