@@ -296,3 +296,46 @@ def test_balanced_span_settles_where_p_matches_d():
         hint = span_hint(k, k, p, max(0.0, d - p), max(0.0, p - d))
         pol.observe([hint])
     assert pol.span == 6
+
+
+# ---------------------------------------------------------------------------- the held clock
+class _FakePending:
+    """D's tokens: pending until ``back`` is set."""
+
+    def __init__(self) -> None:
+        self.back = False
+
+    def done(self) -> bool:
+        return self.back
+
+
+def test_held_clock_brackets_d_return_and_estimates_the_midpoint(monkeypatch):
+    from colo_rollout.inference import engine as eng
+
+    now = [0.0]
+    monkeypatch.setattr(eng.time, "perf_counter", lambda: now[0])
+    pending = _FakePending()
+    clock = eng._HeldClock(pending, 0.0)
+    for t in (1.0, 2.0):  # two boundaries enqueued while D was still running
+        now[0] = t
+        clock()
+    pending.back = True  # D's tokens came back somewhere in (2, 3]
+    for t in (3.0, 4.0):
+        now[0] = t
+        clock()
+    # the D-wait metric counts from the last check D was pending (conservative: 5 - 2 = 3);
+    # the span hint uses the midpoint of the bracketing checks (5 - 2.5 = 2.5)
+    assert clock.held(5.0) == pytest.approx(3.0)
+    assert clock.held_estimate(5.0) == pytest.approx(2.5)
+
+
+def test_held_clock_is_zero_while_d_never_came_back(monkeypatch):
+    from colo_rollout.inference import engine as eng
+
+    now = [0.0]
+    monkeypatch.setattr(eng.time, "perf_counter", lambda: now[0])
+    clock = eng._HeldClock(_FakePending(), 0.0)
+    for t in (1.0, 2.0):
+        now[0] = t
+        clock()
+    assert clock.held(3.0) == 0.0 and clock.held_estimate(3.0) == 0.0
