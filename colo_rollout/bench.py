@@ -7,7 +7,8 @@ torchrun); ``report`` runs in the launching process.
 
 Mode variants: normal, global_complete, global_enqueue, fine-K for every K in bench.spans, and
 fine-sel (the load-selected span) and fine-bal (the balanced span). All variants replay the same trace with the same fixed
-output lengths, so they do identical work; a fresh engine serves every run.
+output lengths, so they do identical work; a fresh engine serves every run (the successor of
+the previous run's, keeping the model, KV storage and D graphs: ``Engine.successor``).
 """
 
 from __future__ import annotations
@@ -89,14 +90,16 @@ def run_bench(rank: int, world: int, config_path: str, overrides: dict | None = 
     # One untimed replay first: the process's first P and D shapes pay one-off costs (kernel
     # selection, allocator growth, lazy library init) that would otherwise land in whichever
     # cell runs first (on 2x H200 it doubled Normal's first makespan).
+    engine = None
     if cfg.bench.warmup_replay:
-        _serve(cfg, groups, sd, trace, cfg.bench.wait_scales[0], max_context)
+        engine = _serve(cfg, groups, sd, trace, cfg.bench.wait_scales[0], max_context)[0]
     for w, name, kw, rep in cells:
         timeline_cell = rep == 0 and w == cfg.bench.wait_scales[0]
         # on a GPU the timeline cell records CUDA events: what the GPU ran, not host enqueue
         ecfg = dataclasses.replace(cfg, engine=dataclasses.replace(
             cfg.engine, **kw, cuda_timing=gpu and timeline_cell))
-        engine, metrics, raw, gpu_spans = _serve(ecfg, groups, sd, trace, w, max_context)
+        engine, metrics, raw, gpu_spans = _serve(ecfg, groups, sd, trace, w, max_context,
+                                                 engine)
         row = {"wait_scale": w, "variant": name, "rep": rep, **metrics.to_json()}
         if rank == 0:
             outs = engine.scheduler.by_id
@@ -120,6 +123,8 @@ def run_bench(rank: int, world: int, config_path: str, overrides: dict | None = 
         if bar is not None:
             bar.set_postfix_str(f"{name} x{w:g} #{rep}: {metrics.makespan_s:.2f}s")
             bar.update(1)
+    if engine is not None:
+        engine.close()
     if bar is not None:
         bar.close()
     if partial is not None:
@@ -132,15 +137,18 @@ def run_bench(rank: int, world: int, config_path: str, overrides: dict | None = 
                                                     "conversations": stats.conversations}}
 
 
-def _serve(cfg: Config, groups, sd, trace: Trace, wait_scale: float, max_context: int):
+def _serve(cfg: Config, groups, sd, trace: Trace, wait_scale: float, max_context: int,
+           prev: Engine | None = None):
     """One replay on a fresh engine: D graphs and communicators are set up before the clock
-    starts, and the engine is closed (its graphs and their memory gone) before the next one.
-    Returns (engine, metrics, raw, GPU spans -- empty unless engine.cuda_timing)."""
-    engine = Engine(cfg, groups, sd)
+    starts. With ``prev`` (the previous cell's engine) the fresh engine is its successor: new
+    scheduler, control plane, turnstile, streams and policy, the same model, KV storage and D
+    graphs (rebuilding those took most of a cell on the larger MoE; the served work does not
+    depend on them). The caller closes the last engine. Returns (engine, metrics, raw, GPU
+    spans -- empty unless engine.cuda_timing)."""
+    engine = Engine(cfg, groups, sd) if prev is None else prev.successor(cfg)
     engine.warmup(max_context)
     metrics, raw = replay(engine, trace, wait_scale=wait_scale)
     spans = engine.route.gpu_spans()
-    engine.close()
     return engine, metrics, raw, spans
 
 

@@ -107,7 +107,9 @@ def replay(engine: Engine, trace: Trace, *, wait_scale: float = 1.0,
                 engine.close_session(conv)
         if idle:
             time.sleep(IDLE_SLEEP_S)
-    while engine.busy():  # closes of the last sessions
+    # the last sessions' closes (every rank made the same ones: the finished outputs are
+    # replicated), so the engine ends idle with nothing unsent and its KV free
+    while engine.busy() or engine.has_unsent():
         engine.step()
     return _metrics(engine, trace, t0, submit_at, first_release, done_at), {
         "submit": submit_at, "done": done_at}

@@ -61,14 +61,15 @@ def replay_profile(path: str, variant: str) -> None:
     sd = random_state_dict(cfg.model, device=groups.device)
     ctx = max(sum(t.prompt_tokens + t.output_tokens for t in c.turns) for c in trace.conversations)
     w = cfg.bench.wait_scales[0]
-    _serve(cfg, groups, sd, trace, w, ctx)  # untimed: one-off costs
-    engine, metrics, _, _ = _serve(cfg, groups, sd, trace, w, ctx)
+    engine = _serve(cfg, groups, sd, trace, w, ctx)[0]  # untimed: one-off costs
+    engine, metrics, _, _ = _serve(cfg, groups, sd, trace, w, ctx, engine)
     host = engine.host_seconds()
     steps = len(engine.history)
     prof = cProfile.Profile()
     prof.enable()
-    _serve(cfg, groups, sd, trace, w, ctx)
+    engine = _serve(cfg, groups, sd, trace, w, ctx, engine)[0]
     prof.disable()
+    engine.close()
     s = io.StringIO()
     st = pstats.Stats(prof, stream=s)
     st.sort_stats("cumulative").print_stats(r"colo_rollout|all_reduce|all_gather|replay|_grouped_mm", 45)

@@ -589,3 +589,48 @@ def deferred_p_commit(rank: int, world: int, adp: int, ep: int, lag: int) -> dic
     return {"tokens": {r.request_id: outs[r.request_id].tokens for r in requests},
             "in_flight": [h.p_in_flight for h in engine.history],
             "steps": len(engine.history)}
+
+
+def successor_engines(rank: int, world: int, adp: int, ep: int) -> dict:
+    """A Normal engine, then its successors in Fine (span 1) and Global-Enqueue serve the same
+    requests: each is fresh (its own scheduler and turnstile), keeps the model, and gives the
+    Normal engine's tokens; the handed-over engine refuses to step; a config that changes the
+    model or the KV storage is refused."""
+    import dataclasses
+
+    cfg, groups, sd, engine = _engine(world, adp, ep, max_batch_size=3,
+                                      decode_buckets=[1, 2, 4])
+    requests = mixed_requests(10, 5, cfg.model.vocab_size)
+    model = engine.model
+
+    def serve(eng, tag):
+        reqs = [dataclasses.replace(r, request_id=f"{tag}{r.request_id}") for r in requests]
+        outs = eng.generate(reqs)
+        eng.check_integrity()
+        return [outs[r.request_id].tokens for r in reqs]
+
+    out = {"normal": serve(engine, "n")}
+    errors = {}
+    for mode in ("fine", "global_enqueue"):
+        nxt_cfg = dataclasses.replace(cfg, engine=dataclasses.replace(
+            cfg.engine, mode=mode, segment_span=1))
+        nxt = engine.successor(nxt_cfg)
+        try:
+            engine.step()
+        except RuntimeError as e:
+            errors[f"old_{mode}"] = str(e)
+        assert nxt.model is model and nxt.scheduler is not engine.scheduler
+        assert nxt.scheduler.step_no == 0 and not nxt.history
+        out[mode] = serve(nxt, mode[0])
+        out[f"{mode}_d_during_p"] = sum(1 for h in nxt.history if h.p_in_flight and h.rows > 0)
+        engine = nxt
+    for key, bad in (("kv", dataclasses.replace(cfg, engine=dataclasses.replace(
+            cfg.engine, num_kv_blocks=cfg.engine.num_kv_blocks + 1))),
+                     ("model", dataclasses.replace(cfg, model=dataclasses.replace(
+                         cfg.model, seed=cfg.model.seed + 1)))):
+        try:
+            engine.successor(bad)
+        except ValueError as e:
+            errors[key] = str(e)
+    engine.close()
+    return {"tokens": out, "errors": errors}

@@ -96,3 +96,15 @@ def test_injected_protocol_violation_raises_on_every_rank_within_timeout():
         # the ranks share a host: the shared-memory exchange names the rank that never came
         assert "did not complete within 3 s; ranks [3] never arrived" in msg
         assert res[rank]["seconds"] < 3.0 + 5
+
+
+def test_successor_engines_keep_the_model_and_serve_like_fresh_ones(worker_groups):
+    res = worker_groups(4).run(f"{C}:successor_engines", adp=2, ep=4)
+    for r in res:
+        t = r["tokens"]
+        assert t["fine"] == t["normal"] and t["global_enqueue"] == t["normal"]
+        assert r["tokens"] == res[0]["tokens"]
+        assert t["fine_d_during_p"] > 0  # the successor really ran Fine (D inside P epochs)
+        e = r["errors"]
+        assert "handed to a successor" in e["old_fine"] and "handed" in e["old_global_enqueue"]
+        assert "engine.num_kv_blocks" in e["kv"] and "model" in e["model"]

@@ -79,17 +79,27 @@ class Span:
     epoch: int = -1
 
 
+# engine settings that size the model's device state (KV storage, D graphs): a successor engine
+# (``Engine.successor``) keeps that state, so it must keep these
+_KEPT_ENGINE_FIELDS = ("num_kv_blocks", "kv_block_size", "max_seq_len", "cuda_graphs")
+
+
 class Engine:
     def __init__(self, cfg: Config, groups: ParallelGroups,
-                 state_dict: dict[str, torch.Tensor] | None = None) -> None:
+                 state_dict: dict[str, torch.Tensor] | None = None, *,
+                 _keep: "Engine | None" = None) -> None:
         install_cpu_compat()
         self.cfg = cfg
         self.groups = groups
-        dtype = DTYPES[cfg.model.params_dtype]
-        model = InferenceGPT(cfg.model, groups, dtype)
-        model.load_full_state_dict(state_dict if state_dict is not None
-                                   else random_state_dict(cfg.model))
-        self.model = model.to(groups.device).eval()
+        self._handed_over = False  # set by successor(): this engine must not step again
+        if _keep is None:
+            dtype = DTYPES[cfg.model.params_dtype]
+            model = InferenceGPT(cfg.model, groups, dtype)
+            model.load_full_state_dict(state_dict if state_dict is not None
+                                       else random_state_dict(cfg.model))
+            self.model = model.to(groups.device).eval()
+        else:
+            self.model = _keep.model
         lay = groups.layout
         self.scheduler = Scheduler(cfg.engine, lay.adp, lay.atp, cfg.model.vocab_size)
         # PD mode (the ordering ladder): streams, turnstile controller, rendezvous, segment policy
@@ -100,11 +110,15 @@ class Engine:
                                             cfg.engine.stream_route, cfg.engine.cuda_timing,
                                             cfg.engine.stream_priority)
         e = cfg.engine
-        self.runner = ModelRunner(self.model, e.num_kv_blocks, e.kv_block_size,
-                                  seed=cfg.model.seed, route=self.route,
-                                  graphs_max_blocks=(-(-e.max_seq_len // e.kv_block_size)
-                                                     if e.cuda_graphs else 0),
-                                  prefill_merge_pairs=e.prefill_merge_pairs)
+        if _keep is None:
+            self.runner = ModelRunner(self.model, e.num_kv_blocks, e.kv_block_size,
+                                      seed=cfg.model.seed, route=self.route,
+                                      graphs_max_blocks=(-(-e.max_seq_len // e.kv_block_size)
+                                                         if e.cuda_graphs else 0),
+                                      prefill_merge_pairs=e.prefill_merge_pairs)
+        else:  # the KV storage and the captured D graphs carry over; the streams are new
+            self.runner = _keep.runner
+            self.runner.renew(self.route, cfg.model.seed, e.prefill_merge_pairs)
         self.route.synchronize()  # KV storage was zeroed on the default stream
         self.memory = EngineMemory(self)
         # host agreement (control exchange, PreD/PostD): shared memory when every rank is on
@@ -174,6 +188,8 @@ class Engine:
     # ------------------------------------------------------------------ collective API
     def step(self) -> list[RequestOutput]:
         """One engine iteration (collective). Returns requests that finished in it."""
+        if self._handed_over:
+            raise RuntimeError("this engine was handed to a successor engine; step that one")
         self.memory.check_ready()
         if self.runner.graphs is not None and not self.busy():
             # a step from idle: the only point where parameters may have been replaced
@@ -462,9 +478,39 @@ class Engine:
         self.route.synchronize()
         return n
 
+    def successor(self, cfg: Config) -> "Engine":
+        """Collective, on an idle engine: a fresh engine for ``cfg`` -- new scheduler, control
+        plane, turnstile, streams and segment policy, so another mode, span or policy -- that
+        keeps this engine's model (weights as they are now), KV storage and captured D graphs.
+        This engine is closed and refuses to step again. Why: the bench serves every cell on a
+        fresh engine, and rebuilding the model and re-capturing every D graph took most of a
+        cell's time on the larger MoE. Raises ValueError when ``cfg`` changes the model, the
+        layout or the device state's size (which cannot be kept), RuntimeError when busy."""
+        if self._handed_over:
+            raise RuntimeError("this engine was already handed to a successor")
+        if self.busy() or self.has_unsent():
+            raise RuntimeError("successor() of an engine with requests in flight or unsent")
+        if self.memory.released is not None or not self.memory.weights_valid:
+            raise RuntimeError("successor() of an engine whose memory is released or whose "
+                               "weights were discarded")
+        changed = [k for k in ("model", "parallel") if getattr(cfg, k) != getattr(self.cfg, k)]
+        changed += [f"engine.{k}" for k in _KEPT_ENGINE_FIELDS
+                    if getattr(cfg.engine, k) != getattr(self.cfg.engine, k)]
+        if changed:
+            raise ValueError(f"successor() keeps the model and its device state; the new "
+                             f"config changes {', '.join(changed)}: build a new Engine")
+        self.route.synchronize()
+        self.control.close()
+        if hasattr(self.rendezvous, "close"):
+            self.rendezvous.close()
+        self._handed_over = True
+        return Engine(cfg, self.groups, _keep=self)
+
     def close(self) -> None:
         """Drop the D graphs (they hold NCCL collectives) and drain both streams: call before
         the process groups are destroyed."""
+        if self._handed_over:
+            return  # the successor owns the graphs; control and rendezvous are closed
         if self.runner.graphs is not None:
             self.runner.graphs.release()
         self.route.synchronize()

@@ -85,7 +85,8 @@ class ModelRunner:
         self.kv = model.new_kv_storage(num_blocks, block_size)
         self.block_size = block_size
         # one random stream per replica: replicas sample different rows, and identical streams
-        # would correlate their samples (the same noise for every replica's first row)
+        # would correlate their samples (the same noise for every replica's first row); renew()
+        # re-seeds it the same way
         self.generator = torch.Generator(device=self.device).manual_seed(
             seed * 1_000_003 + self.groups.replica)
         self.num_blocks = num_blocks
@@ -97,6 +98,16 @@ class ModelRunner:
         self._epoch = None  # the in-flight P epoch's segment generator (PD mode)
         self._epoch_items = ()
         self._at: int | None = None
+
+    def renew(self, route: StreamRoute, seed: int, prefill_merge_pairs: int) -> None:
+        """Serve a successor engine (idle only): its streams, a re-seeded sampler, its P
+        settings. The KV storage and the D graphs stay (graphs replay on the current stream)."""
+        if self._epoch is not None:
+            raise RuntimeError("renew() with a P epoch in flight")
+        self.route = route
+        self.model.comm.route = route
+        self.generator.manual_seed(seed * 1_000_003 + self.groups.replica)
+        self.prefill_merge_pairs = prefill_merge_pairs
 
     def _new_graphs(self) -> DecodeGraphs | None:
         if self.graphs_max_blocks > 0 and graphs_supported(self.model):
