@@ -310,12 +310,12 @@ class _FakePending:
 
 
 def test_held_clock_brackets_d_return_and_estimates_the_midpoint(monkeypatch):
-    from colo_rollout.inference import engine as eng
+    from colo_rollout.inference import segment_policy as sp
 
     now = [0.0]
-    monkeypatch.setattr(eng.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(sp.time, "perf_counter", lambda: now[0])
     pending = _FakePending()
-    clock = eng._HeldClock(pending, 0.0)
+    clock = sp.HeldClock(pending, 0.0)
     for t in (1.0, 2.0):  # two boundaries enqueued while D was still running
         now[0] = t
         clock()
@@ -330,11 +330,11 @@ def test_held_clock_brackets_d_return_and_estimates_the_midpoint(monkeypatch):
 
 
 def test_held_clock_is_zero_while_d_never_came_back(monkeypatch):
-    from colo_rollout.inference import engine as eng
+    from colo_rollout.inference import segment_policy as sp
 
     now = [0.0]
-    monkeypatch.setattr(eng.time, "perf_counter", lambda: now[0])
-    clock = eng._HeldClock(_FakePending(), 0.0)
+    monkeypatch.setattr(sp.time, "perf_counter", lambda: now[0])
+    clock = sp.HeldClock(_FakePending(), 0.0)
     for t in (1.0, 2.0):
         now[0] = t
         clock()

@@ -47,9 +47,9 @@ from colo_rollout.inference.shm import same_host
 from colo_rollout.inference.runner import PRODUCER, ModelRunner, PendingSampled
 from colo_rollout.inference.segment_policy import (
     BalancedSpan,
-    FixedSpan,
+    HeldClock,
     Load,
-    LoadSelectedSpan,
+    policy_for,
     span_hint,
 )
 from colo_rollout.inference.turnstile import TurnstileController
@@ -134,7 +134,7 @@ class Engine:
         self.rendezvous = (make_rendezvous(groups.control, groups.rank, lay.world_size,
                                            cfg.parallel.timeout_s, agree)
                            if self.pd else None)
-        self.policy = _policy(cfg, self.model.boundaries_per_prefill)
+        self.policy = policy_for(cfg.engine, self.model.boundaries_per_prefill)
         self.balanced = isinstance(self.policy, BalancedSpan)
         self._epoch_id = -1
         # PD: the epoch whose host enqueue completed, until every rank sent its P tokens
@@ -377,7 +377,7 @@ class Engine:
         t = time.perf_counter()
         d_ready = (behind is None
                    and any(q.last_token is not None for q in self.scheduler.seqs.values()))
-        clock = _HeldClock(behind, t) if behind is not None else None
+        clock = HeldClock(behind, t) if behind is not None else None
         reached = ctl.reached
         done = self.runner.advance(ctl, self.scheduler, clock)
         te = time.perf_counter()
@@ -517,44 +517,6 @@ class Engine:
         self.control.close()
         if hasattr(self.rendezvous, "close"):
             self.rendezvous.close()
-
-
-class _HeldClock:
-    """Called after each P boundary enqueued behind a D iteration: ``since`` is the last check
-    at which D's tokens were still pending, so P time after it held a ready D back."""
-
-    def __init__(self, pending: PendingSampled, t0: float) -> None:
-        self.pending, self.since, self.seen = pending, t0, False
-        self.seen_at = t0  # the first check at which D's tokens were back
-
-    def __call__(self) -> None:
-        if not self.seen:
-            now = time.perf_counter()
-            if self.pending.done():
-                self.seen, self.seen_at = True, now
-            else:
-                self.since = now
-
-    def held(self, end: float) -> float:
-        """The D-wait metric: from the last check D was pending (rounded up: conservative)."""
-        self()
-        return end - self.since if self.seen else 0.0
-
-    def held_estimate(self, end: float) -> float:
-        """For the balanced span: D came back somewhere between the two checks that bracket
-        it; the midpoint is unbiased, where ``held`` over-counts by half a boundary on average
-        and would pull K down every round."""
-        self()
-        return end - (self.since + self.seen_at) / 2 if self.seen else 0.0
-
-
-def _policy(cfg: Config, boundaries: int):
-    e = cfg.engine
-    if e.segment_policy == "load":
-        return LoadSelectedSpan(tuple(e.segment_spans))
-    if e.segment_policy == "balanced":
-        return BalancedSpan(span=min(e.segment_span, boundaries), max_span=boundaries)
-    return FixedSpan(e.segment_span)
 
 
 def _rejected(req: Request, error: str) -> RequestOutput:

@@ -15,18 +15,21 @@ and more P wait-for-permit; large K amortises control overhead but holds D back 
     tokens (P could have done more) or how long P kept enqueuing after D's tokens were back
     (D was held) -- as the span that would have balanced it (``span_hint``); the hints travel
     in the control exchange, and every rank applies the same ``observe(min(hints))``. The
-    minimum protects D on the slowest rank. The balancing span is fractional (1.8 boundaries
-    of P per D iteration, say) while a round's K is whole: the rounds' spans carry the
-    remainder, so their running mean tracks it (1, 2, 2, 2, 2, 1, ...) instead of rounding
-    down every round -- which left P a boundary short of D's iteration and idled the host. Why: with graph-replayed D, a D iteration takes a
+    minimum protects D on the slowest rank. Why: with graph-replayed D, a D iteration takes a
     few ms of GPU time while P's eager enqueue costs ~0.5-1 ms of host time per boundary, so a
     fixed K is either too small (P's epoch spreads over many rounds: TTFT) or too large (a
     ready D waits for P's Python: D wait); the right K depends on the model, the batch and
-    the host, and moves during a run.
+    the host, and moves during a run. The balancing span is fractional (1.8 boundaries of P
+    per D iteration, say) while a round's K is whole: the rounds' spans carry the remainder,
+    so their running mean tracks it (1, 2, 2, 2, 2, 1, ...) instead of rounding down every
+    round -- which left P a boundary short of D's iteration and idled the host.
+  * ``policy_for(engine config, boundaries)``: the policy ``engine.segment_policy`` names.
+  * ``HeldClock``: the round's measurement behind the balanced span and the D-wait metric.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 
@@ -129,3 +132,43 @@ class BalancedSpan:
             self.carry = max(0.0, owed - k)
             self.span = max(1, min(self.max_span, k))
         return self.span
+
+
+class HeldClock:
+    """Called after each P boundary enqueued behind a D iteration (``pending``: D's tokens, with
+    ``done()``): ``since`` is the last check at which D's tokens were still pending, so P time
+    after it held a ready D back."""
+
+    def __init__(self, pending, t0: float) -> None:
+        self.pending, self.since, self.seen = pending, t0, False
+        self.seen_at = t0  # the first check at which D's tokens were back
+
+    def __call__(self) -> None:
+        if not self.seen:
+            now = time.perf_counter()
+            if self.pending.done():
+                self.seen, self.seen_at = True, now
+            else:
+                self.since = now
+
+    def held(self, end: float) -> float:
+        """The D-wait metric: from the last check D was pending (rounded up: conservative)."""
+        self()
+        return end - self.since if self.seen else 0.0
+
+    def held_estimate(self, end: float) -> float:
+        """For the balanced span: D came back somewhere between the two checks that bracket
+        it; the midpoint is unbiased, where ``held`` over-counts by half a boundary on average
+        and would pull K down every round."""
+        self()
+        return end - (self.since + self.seen_at) / 2 if self.seen else 0.0
+
+
+def policy_for(engine, boundaries: int):
+    """The segment policy ``engine.segment_policy`` names (``engine``: an EngineConfig);
+    ``boundaries``: one P epoch's boundary count (the balanced span's ceiling)."""
+    if engine.segment_policy == "load":
+        return LoadSelectedSpan(tuple(engine.segment_spans))
+    if engine.segment_policy == "balanced":
+        return BalancedSpan(span=min(engine.segment_span, boundaries), max_span=boundaries)
+    return FixedSpan(engine.segment_span)
