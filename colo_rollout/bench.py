@@ -113,13 +113,10 @@ def run_bench(rank: int, world: int, config_path: str, overrides: dict | None = 
             partial.write(json.dumps({k: v for k, v in row.items()
                                       if k not in ("request_completion_s", "ttft_s")}) + "\n")
             partial.flush()
-        if timeline_cell and gpu_spans:
-            t0 = min(s.start_ms for s in gpu_spans)
-            timelines[name] = [(s.kind, (s.start_ms - t0) / 1e3, (s.end_ms - t0) / 1e3)
-                               for s in gpu_spans]
-        elif timeline_cell:
-            t0 = min((s.start for s in engine.timeline), default=0.0)
-            timelines[name] = [(s.kind, s.start - t0, s.end - t0) for s in engine.timeline]
+        if timeline_cell:  # what the GPU ran where it was timed, else the host's enqueue
+            spans = gpu_spans or engine.timeline
+            t0 = min((s.start for s in spans), default=0.0)
+            timelines[name] = [(s.kind, s.start - t0, s.end - t0) for s in spans]
         if bar is not None:
             bar.set_postfix_str(f"{name} x{w:g} #{rep}: {metrics.makespan_s:.2f}s")
             bar.update(1)

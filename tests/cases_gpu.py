@@ -216,20 +216,21 @@ def gpu_pd_overlap(rank: int, world: int, adp: int, ep: int, mode: str,
 
 
 def overlap_stats(spans) -> dict:
-    """The longest P epoch's GPU window and the D iterations inside it."""
+    """The longest P epoch's GPU window and the D iterations inside it (spans in seconds,
+    results in ms)."""
     p_epochs: dict[int, list] = {}
     for i, s in enumerate(spans):
         if s.kind == "P":  # Normal: every P step is its own epoch (keyed by its position)
             p_epochs.setdefault(s.epoch if s.epoch >= 0 else -1 - i, []).append(s)
-    windows = [(min(s.start_ms for s in ss), max(s.end_ms for s in ss)) for ss in p_epochs.values()]
+    windows = [(min(s.start for s in ss), max(s.end for s in ss)) for ss in p_epochs.values()]
     start, end = max(windows, key=lambda w: w[1] - w[0])
-    d = sorted((s for s in spans if s.kind == "D"), key=lambda s: s.start_ms)
-    inside = [s for s in d if s.start_ms >= start and s.end_ms <= end]
-    outside = [s for s in d if s.end_ms < start or s.start_ms > end]
-    gaps = [b.start_ms - a.end_ms for a, b in zip(d, d[1:])]
-    mean = lambda xs: sum(x.end_ms - x.start_ms for x in xs) / len(xs) if xs else 0.0
-    return {"p_window_ms": end - start, "d_inside": len(inside), "d_total": len(d),
-            "d_gap_max_ms": max(gaps, default=0.0), "d_ms_inside": mean(inside),
+    d = sorted((s for s in spans if s.kind == "D"), key=lambda s: s.start)
+    inside = [s for s in d if s.start >= start and s.end <= end]
+    outside = [s for s in d if s.end < start or s.start > end]
+    gaps = [b.start - a.end for a, b in zip(d, d[1:])]
+    mean = lambda xs: sum(x.end - x.start for x in xs) / len(xs) * 1e3 if xs else 0.0
+    return {"p_window_ms": (end - start) * 1e3, "d_inside": len(inside), "d_total": len(d),
+            "d_gap_max_ms": max(gaps, default=0.0) * 1e3, "d_ms_inside": mean(inside),
             "d_ms_outside": mean(outside)}
 
 

@@ -25,3 +25,20 @@ def test_route_is_inactive_on_cpu_whatever_the_priority():
     r = StreamRoute.for_layout(torch.device("cpu"), True, 2, 2, "auto", False, "prefill")
     assert not r.active and r.d_stream is None and r.p_stream is None
     assert not r.route_p_collective
+
+
+def test_overlap_stats_of_a_timeline():
+    """The GPU timeline test's helper (tests/cases_gpu.py), on a hand-made timeline in seconds:
+    a P epoch (two segments) from 1.0 to 1.5 s with two D iterations inside it."""
+    from colo_rollout.inference.stream_route import Span
+    from tests.cases_gpu import overlap_stats
+
+    spans = [Span("D", 0.90, 0.92), Span("P", 1.00, 1.20, epoch=0), Span("D", 1.21, 1.23, 0),
+             Span("P", 1.24, 1.40, epoch=0), Span("D", 1.41, 1.44, 0), Span("P", 1.45, 1.50, 0),
+             Span("D", 1.60, 1.61), Span("P", 2.00, 2.05)]  # a shorter P step of its own
+    got = overlap_stats(spans)
+    assert got["p_window_ms"] == pytest.approx(500.0)
+    assert got["d_inside"] == 2 and got["d_total"] == 4
+    assert got["d_gap_max_ms"] == pytest.approx(290.0)  # 0.92 -> 1.21
+    assert got["d_ms_inside"] == pytest.approx(25.0)  # (20 + 30) / 2
+    assert got["d_ms_outside"] == pytest.approx(15.0)  # (20 + 10) / 2

@@ -54,7 +54,7 @@ from colo_rollout.inference.segment_policy import (
 )
 from colo_rollout.inference.turnstile import TurnstileController
 from colo_rollout.inference.scheduler import Sampled, Scheduler
-from colo_rollout.inference.stream_route import StreamRoute
+from colo_rollout.inference.stream_route import Span, StreamRoute
 
 
 @dataclass
@@ -67,16 +67,6 @@ class StepStats:
     d_rows: int = 0  # D rows of the D iteration run in this step (0: none ran)
     d_wait_s: float = 0.0  # P time that held this D iteration back while its rows were ready
     span: int = 0  # PD: boundaries P was permitted after this step's D iteration (0: none)
-
-
-@dataclass(frozen=True)
-class Span:
-    """One interval of host-side work on this rank (timeline plots): kind "P" or "D"."""
-
-    kind: str
-    start: float
-    end: float
-    epoch: int = -1
 
 
 # engine settings that size the model's device state (KV storage, D graphs): a successor engine

@@ -79,12 +79,14 @@ def stream_priorities(favour: str) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
-class GpuSpan:
-    """A P segment or D iteration as the GPU ran it: ms since the route's first event."""
+class Span:
+    """A P segment or D iteration, in seconds: as the host enqueued it (the engine's timeline,
+    ``perf_counter``) or as the GPU ran it (``StreamRoute.gpu_spans``, since the route's first
+    event). ``epoch``: the P epoch it belongs to or ran inside (-1: none)."""
 
     kind: str
-    start_ms: float
-    end_ms: float
+    start: float
+    end: float
     epoch: int = -1
 
 
@@ -182,13 +184,14 @@ class StreamRoute:
         end.record(stream)
         self._marks.append((kind, epoch, start, end))
 
-    def gpu_spans(self) -> list[GpuSpan]:
-        """Every marked interval as the GPU ran it (synchronizes the device)."""
+    def gpu_spans(self) -> list[Span]:
+        """Every marked interval as the GPU ran it, seconds since the route's first event
+        (synchronizes the device)."""
         if not self._marks:
             return []
         torch.cuda.synchronize()
         base = self._base
-        return [GpuSpan(kind, base.elapsed_time(s), base.elapsed_time(e), epoch)
+        return [Span(kind, base.elapsed_time(s) / 1e3, base.elapsed_time(e) / 1e3, epoch)
                 for kind, epoch, s, e in self._marks]
 
     def synchronize(self) -> None:
