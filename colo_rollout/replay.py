@@ -43,6 +43,7 @@ class ReplayMetrics:
     request_p99_s: float
     trajectory_p50_s: float
     trajectory_p99_s: float
+    ttft_p50_s: float
     ttft_p99_s: float
     mean_d_wait_ms: float
     mean_span: float  # PD: mean boundaries permitted per D round inside a P epoch (0: none)
@@ -140,6 +141,7 @@ def _metrics(engine: Engine, trace: Trace, t0: float, submit_at, first_release,
         request_p99_s=float(np.percentile(req_lat, 99)),
         trajectory_p50_s=float(np.percentile(traj, 50)),
         trajectory_p99_s=float(np.percentile(traj, 99)),
+        ttft_p50_s=float(np.percentile(ttft, 50)),
         ttft_p99_s=float(np.percentile(ttft, 99)),
         mean_d_wait_ms=1e3 * float(np.mean([h.d_wait_s for h in d_iters])) if d_iters else 0.0,
         mean_span=float(np.mean(spans)) if spans else 0.0,

@@ -34,6 +34,7 @@ def test_bench_replays_every_turn_with_identical_work(worker_groups, tmp_path, c
     assert len(tokens) == 1  # fixed output lengths: every variant does the same work
     for r in runs:
         assert r["requests"] == n and r["makespan_s"] > 0
+        assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] <= r["request_p99_s"]
         assert r["trajectory_p99_s"] >= r["request_p99_s"] * 0.5
         assert len(r["request_completion_s"]) == n
     # a trajectory cannot finish before its (scaled) client waits have passed: x_i >= y_i for

@@ -238,3 +238,21 @@ def test_tiny_temperature_is_greedy(top_k: int) -> None:
     wrong = sum(t != w for t, w in zip(toks, want))
     assert wrong == 0, f"{wrong}/64 rows not greedy; sampled ids {sorted(set(toks))}"
     assert not any(math.isnan(x) for x in lps)
+
+
+def test_pending_sampled_unpacks_both_layouts():
+    """A D graph's greedy rows come back as one [2, n] float64 (tokens, logprobs); eager
+    sampling as two tensors. Both resolve to the same Sampled values, tokens as ints."""
+    from colo_rollout.inference.runner import PendingSampled
+    from colo_rollout.inference.scheduler import Sampled
+    from colo_rollout.inference.stream_route import Pending
+
+    tokens = torch.tensor([3, 70000])
+    logprobs = torch.tensor([-0.5, -1.25], dtype=torch.float32)
+    want = [Sampled(5, 3, -0.5), Sampled(7, 70000, -1.25)]
+    pair = PendingSampled([5, 7], Pending(tokens, logprobs))
+    packed = PendingSampled([5, 7], Pending(torch.stack([tokens.double(), logprobs.double()])),
+                            packed=True)
+    for p in (pair, packed):
+        got = p.resolve()
+        assert got == want and all(type(s.token) is int for s in got)

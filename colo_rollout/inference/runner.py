@@ -46,9 +46,11 @@ class PendingSampled:
     run instead, so ``done``/``wait`` still tell when its GPU work finished."""
 
     def __init__(self, lifetimes: list[int] = (), pending: Pending | None = None,
-                 marker: torch.cuda.Event | None = None) -> None:
+                 marker: torch.cuda.Event | None = None, packed: bool = False) -> None:
         self.lifetimes = list(lifetimes)
-        self._pending = pending  # (tokens, logprobs), or one [2, n] float64 (graph greedy)
+        # (tokens [n], logprobs [n]); ``packed``: one [2, n] float64 (a D graph's greedy rows)
+        self._pending = pending
+        self._packed = packed
         self._marker = marker
 
     def done(self) -> bool:
@@ -67,7 +69,7 @@ class PendingSampled:
         if self._pending is None:
             return []
         got = self._pending.get()
-        tokens, logprobs = got if len(got) == 2 else got[0]
+        tokens, logprobs = got[0] if self._packed else got
         return [Sampled(lt, int(t), lp) for lt, t, lp in zip(self.lifetimes, tokens, logprobs)]
 
 
@@ -151,7 +153,7 @@ class ModelRunner:
                             for d in rows)):
                 # greedy rows were sampled inside the graph: one copy brings them back
                 return PendingSampled([d.lifetime for d in rows],
-                                      Pending(g.packed[:, : len(rows)]))
+                                      Pending(g.packed[:, : len(rows)]), packed=True)
             return self._sample(g.logits, rows, sched)
 
     # ------------------------------------------------------------------ P epochs (PD mode)
