@@ -6,9 +6,10 @@ timeline of P segments and D iterations). Per-rank work is ``run_bench`` (spawne
 torchrun); ``report`` runs in the launching process.
 
 Mode variants: normal, global_complete, global_enqueue, fine-K for every K in bench.spans, and
-fine-sel (the load-selected span) and fine-bal (the balanced span). All variants replay the same trace with the same fixed
-output lengths, so they do identical work; a fresh engine serves every run (the successor of
-the previous run's, keeping the model, KV storage and D graphs: ``Engine.successor``).
+fine-sel (the load-selected span) and fine-bal (the balanced span). All variants replay the
+same trace with the same fixed output lengths, so they do identical work; a fresh engine
+serves every run (the successor of the previous run's, keeping the model, KV storage and D
+graphs: ``Engine.successor``).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from colo_rollout.replay import replay
 from colo_rollout.trace import Conversation, Trace, generate_trace, load_mooncake, load_trace
 
 METRICS = ("makespan_s", "requests_per_s", "request_p50_s", "request_p99_s",
-           "trajectory_p50_s", "trajectory_p99_s", "ttft_p50_s", "ttft_p99_s", "mean_d_wait_ms", "evictions",
-           "mean_span")
+           "trajectory_p50_s", "trajectory_p99_s", "ttft_p50_s", "ttft_p99_s", "mean_d_wait_ms",
+           "evictions", "mean_span")
 
 
 def bench_trace(cfg: Config) -> Trace:
@@ -50,19 +51,8 @@ def bench_trace(cfg: Config) -> Trace:
 
 
 def variants(cfg: Config) -> list[tuple[str, dict]]:
-    """(table name, engine settings) of every variant the bench runs (``BenchConfig.ladder``)."""
-    out = []
-    for name in cfg.bench.ladder():
-        if name == "fine-sel":
-            out.append((name, {"mode": "fine", "segment_policy": "load"}))
-        elif name == "fine-bal":
-            out.append((name, {"mode": "fine", "segment_policy": "balanced"}))
-        elif name.startswith("fine-"):
-            out.append((name, {"mode": "fine", "segment_policy": "fixed",
-                               "segment_span": int(name[5:])}))
-        else:
-            out.append((name, {"mode": name}))
-    return out
+    """(table name, engine settings) of every variant the bench runs."""
+    return cfg.bench.variant_settings()
 
 
 def run_bench(rank: int, world: int, config_path: str, overrides: dict | None = None,

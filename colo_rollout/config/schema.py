@@ -356,15 +356,23 @@ class BenchConfig:
     # empty: every variant the modes and spans make. Saves device time on large configs.
     variants: list[str] = field(default_factory=list)
 
-    def ladder(self) -> list[str]:
-        """Variant names of the ladder, in run order (the table's rows)."""
-        names = []
+    def variant_settings(self) -> list[tuple[str, dict]]:
+        """(table name, engine settings) of the ladder's variants, in run order (the table's
+        rows), restricted to ``variants`` when it is set."""
+        out: list[tuple[str, dict]] = []
         for m in self.modes:
             if m == "fine":
-                names += [f"fine-{k}" for k in self.spans] + ["fine-sel", "fine-bal"]
+                out += [(f"fine-{k}", {"mode": "fine", "segment_policy": "fixed",
+                                       "segment_span": k}) for k in self.spans]
+                out += [("fine-sel", {"mode": "fine", "segment_policy": "load"}),
+                        ("fine-bal", {"mode": "fine", "segment_policy": "balanced"})]
             else:
-                names.append(m)
-        return [n for n in names if not self.variants or n in self.variants]
+                out.append((m, {"mode": m}))
+        return [(n, kw) for n, kw in out if not self.variants or n in self.variants]
+
+    def ladder(self) -> list[str]:
+        """Variant names of the ladder, in run order."""
+        return [n for n, _ in self.variant_settings()]
 
     def __post_init__(self) -> None:
         _check_field_types(self)

@@ -186,7 +186,7 @@ class Engine:
             self.runner.graphs.check_weights()
         t0 = time.perf_counter()
         self._outbox.step = self.scheduler.step_no
-        self._outbox.sampled = [[s.lifetime, s.token, s.logprob] for s in self._last_sampled]
+        self._outbox.sampled = _to_wire(self._last_sampled)
         msgs = self.control.exchange(self._outbox)
         self._clock("exchange", t0)
         self._outbox = Message(rank=self.groups.rank)
@@ -206,11 +206,9 @@ class Engine:
         if self._p_epoch is not None and len(self._p_got) == len(msgs):
             epoch_done = self._p_epoch
         if self._last_plan is not None or epoch_done is not None:
-            sampled = [Sampled(int(lt), int(tok), float(lp))
-                       for m in msgs for lt, tok, lp in m.sampled]
+            sampled = [s for m in msgs for s in _from_wire(m.sampled)]
             if epoch_done is not None:
-                sampled += [Sampled(int(lt), int(tok), float(lp))
-                            for got in self._p_got.values() for lt, tok, lp in got]
+                sampled += [s for got in self._p_got.values() for s in _from_wire(got)]
                 self._p_epoch, self._p_got = None, {}
             finished += self.scheduler.commit(self._last_plan, sampled, now,
                                               epoch_done=epoch_done)
@@ -261,8 +259,7 @@ class Engine:
             if not pending:  # nothing else to do this step: wait for P rather than spin
                 self._p_out.wait()
             if self._p_out.done():
-                self._outbox.p_sampled = [[x.lifetime, x.token, x.logprob]
-                                          for x in self._p_out.resolve()]
+                self._outbox.p_sampled = _to_wire(self._p_out.resolve())
                 self._p_out = None
         rows = sum(w.prefill_tokens if plan.phase is Phase.PREFILL else len(w.decode)
                    for w in plan.replicas)
@@ -489,10 +486,7 @@ class Engine:
         if changed:
             raise ValueError(f"successor() keeps the model and its device state; the new "
                              f"config changes {', '.join(changed)}: build a new Engine")
-        self.route.synchronize()
-        self.control.close()
-        if hasattr(self.rendezvous, "close"):
-            self.rendezvous.close()
+        self._close_host_agreement()
         self._handed_over = True
         return Engine(cfg, self.groups, _keep=self)
 
@@ -503,10 +497,25 @@ class Engine:
             return  # the successor owns the graphs; control and rendezvous are closed
         if self.runner.graphs is not None:
             self.runner.graphs.release()
+        self._close_host_agreement()
+
+    def _close_host_agreement(self) -> None:
+        """Drain both streams, then close the control plane and the rendezvous (their shared
+        memory): what ``close`` and ``successor`` both end this engine with."""
         self.route.synchronize()
         self.control.close()
         if hasattr(self.rendezvous, "close"):
             self.rendezvous.close()
+
+
+def _to_wire(samples: list[Sampled]) -> list[list]:
+    """Sampled tokens as the control message carries them: [lifetime, token, logprob]."""
+    return [[s.lifetime, s.token, s.logprob] for s in samples]
+
+
+def _from_wire(rows: list[list]) -> list[Sampled]:
+    """A peer's [lifetime, token, logprob] rows, typed (they arrived as JSON)."""
+    return [Sampled(int(lt), int(tok), float(lp)) for lt, tok, lp in rows]
 
 
 def _rejected(req: Request, error: str) -> RequestOutput:
