@@ -28,10 +28,24 @@ class _Count(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops: collections.Counter = collections.Counter()
+        self.by_part: collections.Counter = collections.Counter()
+        self.part: list[str] = ["other"]  # innermost tracked module (a stack)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops[str(func.overloadpacket)] += 1
+        self.by_part[self.part[-1]] += 1
         return func(*args, **(kwargs or {}))
+
+    def track(self, model) -> None:
+        """Attribute ops to the part of a layer that dispatched them (hooks push/pop names)."""
+        parts = {"self_attention": "attention", "mlp.router": "router", "mlp": "moe experts",
+                 "input_layernorm": "norms", "pre_mlp_layernorm": "norms"}
+        for name, mod in model.named_modules():
+            tail = name.split(".layers.")[-1].split(".", 1)[-1] if ".layers." in name else ""
+            if tail in parts:
+                part = parts[tail]
+                mod.register_forward_pre_hook(lambda m, a, p=part: self.part.append(p) and None)
+                mod.register_forward_hook(lambda m, a, o: self.part.pop() and None)
 
 
 def main(path: str) -> None:
@@ -58,12 +72,15 @@ def main(path: str) -> None:
         engine.step()
     burst("p")
     count = _Count()
+    count.track(engine.model)
     with count:
         engine.step()  # intake and the P step
     n_layers = cfg.model.num_layers
     total = sum(count.ops.values())
     print(f"ops dispatched by one P step ({n_layers} layers, 8 x 30 tokens): {total} "
           f"(~{total / n_layers:.0f} per layer)")
+    print("by part of the step (per layer): " + ", ".join(
+        f"{p} {n / n_layers:.0f}" for p, n in count.by_part.most_common()))
     for op, n in count.ops.most_common(20):
         print(f"  {n:5d} {op}")
     dist.destroy_process_group()

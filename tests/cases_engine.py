@@ -634,3 +634,35 @@ def successor_engines(rank: int, world: int, adp: int, ep: int) -> dict:
             errors[key] = str(e)
     engine.close()
     return {"tokens": out, "errors": errors}
+
+
+def padded_moe_rows(rank: int, world: int, adp: int, ep: int) -> dict:
+    """The grouped expert path with padding rows (a P graph's token bucket): rows < n_valid
+    equal the unpadded forward, padding rows come out zero and take no expert's work -- on
+    every layer, whatever garbage the padding rows hold."""
+    cfg = tiny_config(world, adp, ep, model_kw={"moe_compute": "grouped"})
+    groups = init_parallel(cfg.parallel)
+    install_cpu_compat()
+    engine = Engine(cfg, groups, random_state_dict(cfg.model))
+    model = engine.model
+    H = cfg.model.hidden_size
+    gen = torch.Generator().manual_seed(3)
+    worst, pad_max = 0.0, 0.0
+    for i in range(cfg.model.num_layers):
+        for n, pad in ((1, 31), (7, 9), (20, 28)):
+            h = torch.randn(n, H, generator=gen)
+            junk = torch.randn(pad, H, generator=gen) * 50  # stale rows of another epoch
+            ref = model.moe_block(i, h)
+            layer = model.decoder.layers[i]
+            got = layer.mlp(layer.pre_mlp_layernorm(torch.cat([h, junk])),
+                            n_valid=torch.tensor(n))
+            worst = max(worst, (got[:n] - ref).abs().max().item())
+            pad_max = max(pad_max, got[n:].abs().max().item())
+    errors = {}
+    try:
+        mlp = model.decoder.layers[0].mlp
+        mlp._use_grouped = {k: False for k in mlp._use_grouped}  # megatron's experts forward
+        mlp(torch.randn(4, H), n_valid=torch.tensor(2))
+    except ValueError as e:
+        errors["megatron_path"] = str(e)
+    return {"max_diff": worst, "pad_max": pad_max, "errors": errors}

@@ -235,9 +235,10 @@ def overlap_stats(spans) -> dict:
 
 
 def gpu_graphs_vs_eager(rank: int, world: int, adp: int, ep: int) -> dict:
-    """D by graph replay against eager D on the same engine and requests (bf16), then after an
-    in-place weight reload (graphs must see the new weights without re-capture) and after a
-    replaced parameter (graphs must be re-captured)."""
+    """D and P's MoE blocks by graph replay against eager on the same engine and requests
+    (bf16), then after an in-place weight reload (graphs must see the new weights without
+    re-capture) and after a replaced parameter that both phases' graphs read (both must be
+    re-captured)."""
     import random
 
     from colo_rollout.inference.request import Request, SamplingParams
@@ -245,20 +246,22 @@ def gpu_graphs_vs_eager(rank: int, world: int, adp: int, ep: int) -> dict:
     cfg = overlap_config(world, adp, ep, "normal")
     groups = init_parallel(cfg.parallel)
     engine = Engine(cfg, groups, random_state_dict(cfg.model))
-    graphs = engine.runner.graphs
+    graphs, pgraphs = engine.runner.graphs, engine.runner.prefill_graphs
     V = cfg.model.vocab_size
     rng = random.Random(2)
     prompts = [tuple(rng.randrange(V) for _ in range(rng.choice([8, 40, 200])))
                for _ in range(8 * adp)]
     params = SamplingParams(max_tokens=48, ignore_eos=True)
 
-    def run(tag: str, use_graphs: bool):
+    def run(tag: str, use_graphs: bool, p_graphs: bool | None = None):
         engine.runner.graphs = graphs if use_graphs else None
+        p_graphs = use_graphs if p_graphs is None else p_graphs
+        engine.runner.prefill_graphs = pgraphs if p_graphs else None
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         outs = engine.generate([Request(f"{tag}{i}", p, params) for i, p in enumerate(prompts)])
         torch.cuda.synchronize()
-        engine.runner.graphs = graphs
+        engine.runner.graphs, engine.runner.prefill_graphs = graphs, pgraphs
         return [outs[f"{tag}{i}"] for i in range(len(prompts))], time.perf_counter() - t0
 
     def agree(a, b) -> dict:
@@ -271,27 +274,41 @@ def gpu_graphs_vs_eager(rank: int, world: int, adp: int, ep: int) -> dict:
                 diffs.append(abs(lx - ly))
         return {"identical": same / len(a), "max_dlogp": max(diffs, default=0.0), "n": len(diffs)}
 
+    def agree_first(a, b) -> dict:
+        """P's own output: the first token (argmax of the P logits) and its logprob."""
+        same = [x.tokens[0] == y.tokens[0] for x, y in zip(a, b)]
+        d = [abs(x.logprobs[0] - y.logprobs[0]) for x, y, s in zip(a, b, same) if s]
+        return {"identical": sum(same) / len(a), "max_dlogp": max(d, default=0.0)}
+
     warm = engine.warmup(max_context=max(len(p) for p in prompts) + params.max_tokens)
-    caps = graphs.captures
+    caps, pcaps = graphs.captures, pgraphs.captures
     run("w", True)  # every key this workload uses was captured by warmup
-    after_warmup = graphs.captures - caps
+    after_warmup = graphs.captures - caps + pgraphs.captures - pcaps
     run("we", False)
     g1, t_graph = run("g", True)
     e1, t_eager = run("e", False)
-    res = {"layout": groups.layout.name, "graph_keys": graphs.keys, "first": agree(g1, e1),
+    d1, _ = run("d", True, p_graphs=False)  # D graphs, eager P
+    # D graphs against eager D, P the same (eager) in both: the same kernels up to padding;
+    # P graphs against eager P: a bucket's GEMM shapes differ, so bf16 bits may too
+    res = {"layout": groups.layout.name, "graph_keys": graphs.keys, "first": agree(d1, e1),
+           "p_first_token": agree_first(g1, d1), "all_graphs_vs_eager": agree(g1, e1),
            "t_graph_s": t_graph, "t_eager_s": t_eager, "replays": graphs.replays,
+           "p_graph_keys": len(pgraphs.keys), "p_replays": pgraphs.replays,
            "warmup_captures": warm, "captured_after_warmup": after_warmup}
-    caps = graphs.captures
+    caps, pcaps = graphs.captures, pgraphs.captures
     engine.model.load_full_state_dict(random_state_dict(cfg.model, seed=77))  # in place
     g2, _ = run("g2", True)
     e2, _ = run("e2", False)
-    res.update(reloaded=agree(g2, e2), recaptured_after_reload=graphs.captures - caps,
-               changed_by_reload=agree(g1, g2)["identical"])
-    w = engine.model.output_layer.weight
+    res.update(reloaded=agree(g2, e2), reloaded_first_token=agree_first(g2, e2),
+               recaptured_after_reload=graphs.captures - caps
+               + pgraphs.captures - pcaps, changed_by_reload=agree(g1, g2)["identical"])
+    w = engine.model.decoder.layers[0].mlp.router.weight  # read by D's and P's graphs
     w.data = w.data.clone()  # replaced, same values
-    caps = graphs.captures
+    caps, pcaps = graphs.captures, pgraphs.captures
     g3, _ = run("g3", True)
-    res.update(recaptured_after_replace=graphs.captures - caps, after_replace=agree(g3, e2))
+    res.update(recaptured_after_replace=graphs.captures - caps,
+               p_recaptured_after_replace=pgraphs.captures - pcaps, after_replace=agree(g3, e2),
+               after_replace_first_token=agree_first(g3, e2))
     engine.close()
     return res
 

@@ -292,6 +292,7 @@ def test_experts_not_divisible_by_ep(tmp_path):
         ("engine", "segment_policy", "adaptive"),
         ("engine", "rendezvous", "mpi"),
         ("engine", "stream_priority", "high"),
+        ("engine", "prefill_graphs", "sometimes"),
     ],
 )
 def test_bad_enum(tmp_path, section, key, value):

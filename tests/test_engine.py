@@ -47,6 +47,17 @@ def test_grouped_expert_path_matches_megatron_reference(worker_groups, world, ad
         assert r["tokens"] == r0["tokens"]
 
 
+@pytest.mark.parametrize("world,adp,ep", [(1, 1, 1), (2, 1, 2)])
+def test_padded_expert_rows_take_no_work_and_leave_the_tokens_exact(worker_groups, world, adp,
+                                                                    ep):
+    # the contract P's MoE graphs rely on (EP2/ATP2: padding rows also meet other ranks' experts)
+    res = worker_groups(world).run(f"{CASES}:padded_moe_rows", adp=adp, ep=ep)
+    for r in res:
+        assert r["max_diff"] < 1e-5
+        assert r["pad_max"] == 0.0
+        assert "needs the grouped expert path" in r["errors"]["megatron_path"]
+
+
 def test_grouped_expert_weights_follow_in_place_updates_and_replacement(worker_groups):
     from tests.cases_engine import LOGPROB_TOL
 

@@ -145,13 +145,23 @@ def test_gpu_decode_graphs_match_eager_and_follow_weights(gpu_groups, world, adp
                               ep=ep)[0]
     _record("decode_graphs", {"layout": r["layout"], "gpus": world, "result": r,
                               "passed": r["first"]["identical"] >= 0.9})
-    # same kernels up to the padded table width: bf16 may differ in the last bits of attention
-    for k in ("first", "reloaded", "after_replace"):
-        assert r[k]["identical"] >= 0.9 and r[k]["max_dlogp"] < 0.05, (k, r[k])
+    # D graphs: the same kernels up to the padded table width -- bf16 may differ in the last
+    # bits of attention; with P graphs too, greedy streams may part at a near-tie later on
+    assert r["first"]["identical"] >= 0.9 and r["first"]["max_dlogp"] < 0.05, r["first"]
+    # P graphs: P's own output (the first token) equal but for near-ties (measured 7 or 8 of
+    # 8), its logprob within bf16 rounding -- also after the reload and the replaced parameter,
+    # where stale weights would change nearly all of them (random weights, 4096 tokens)
+    for k in ("p_first_token", "reloaded_first_token", "after_replace_first_token"):
+        assert r[k]["identical"] >= 0.75 and r[k]["max_dlogp"] < 0.05, (k, r[k])
+    # both phases graphed: greedy streams part at near-ties (measured 50-100% identical on
+    # 8-16 streams of 48 tokens); along the common prefix the logprobs stay within bf16 noise
+    for k in ("all_graphs_vs_eager", "reloaded", "after_replace"):
+        assert r[k]["max_dlogp"] < 0.1, (k, r[k])
     assert r["warmup_captures"] > 0 and r["captured_after_warmup"] == 0
     assert r["recaptured_after_reload"] == 0  # in-place update: the captured addresses hold
     assert r["changed_by_reload"] < 0.5  # and the graphs really computed with the new weights
-    assert r["recaptured_after_replace"] > 0
+    assert r["recaptured_after_replace"] > 0 and r["p_recaptured_after_replace"] > 0
+    assert r["p_graph_keys"] > 0 and r["p_replays"] > 0
     assert r["t_graph_s"] < r["t_eager_s"]
 
 

@@ -23,6 +23,7 @@ USE_TE_MODES = ("auto", "on", "off")
 MOE_COMPUTE = ("auto", "grouped", "megatron")
 STREAM_ROUTES = ("auto", "off", "always")
 STREAM_PRIORITIES = ("decode", "prefill", "equal")
+PREFILL_GRAPHS = ("auto", "always", "never")
 FP8_FORMATS = ("hybrid", "e4m3")
 # normal: strict P priority, no multiplexing. The ordering ladder of P/D multiplexing (PD mode):
 # global_complete (whole-P epoch, D only after P completes), global_enqueue (whole-P epoch, D
@@ -227,6 +228,13 @@ class EngineConfig:
     # GPU: D by CUDA-graph replay, one graph per (row bucket, block-table width); needs the
     # grouped expert path (model.moe_compute), otherwise D runs eagerly.
     cuda_graphs: bool = True
+    # GPU, with cuda_graphs: P's MoE blocks (norm, router, experts) by CUDA-graph replay, one
+    # graph per (layer, token bucket) -- half of P's per-layer host enqueue (its attention and
+    # collectives stay eager). "auto": on in Normal mode, off in the PD modes: with P's GPU
+    # work no longer paced by its host enqueue, Fine with the balanced span stalled 24-50 s on
+    # 2x H200 (EP2/ADP2, 64 conversations; cause not found, docs/benchmarks.md session 6).
+    # "always" enables them in every mode, "never" nowhere (words YAML does not read as bools).
+    prefill_graphs: str = "auto"
 
     def __post_init__(self) -> None:
         _check_field_types(self)
@@ -261,6 +269,7 @@ class EngineConfig:
         _require_choice(self, "mode", ENGINE_MODES)
         _require_choice(self, "segment_policy", SEGMENT_POLICIES)
         _require_choice(self, "stream_route", STREAM_ROUTES)
+        _require_choice(self, "prefill_graphs", PREFILL_GRAPHS)
         _require_choice(self, "stream_priority", STREAM_PRIORITIES)
         _require_choice(self, "rendezvous", ("auto", "shm", "gloo"))
         _require_min(self, ("segment_span",), 1)

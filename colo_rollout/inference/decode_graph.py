@@ -108,13 +108,16 @@ class DecodeGraphs:
     def _weights_fingerprint(self) -> tuple[int, ...]:
         return tuple(p.data_ptr() for p in self._params)
 
-    def check_weights(self) -> None:
+    def check_weights(self) -> bool:
         """Idle engine only: drop (and later re-capture) the graphs if a parameter was
-        replaced since they were captured."""
+        replaced since they were captured. Returns whether one was (other graphs of this
+        model, P's, are stale too)."""
         if self._weights_fingerprint() != self._fingerprint:
             # a parameter was replaced: captured addresses are stale
             self.release()
             self._fingerprint = self._settled_fingerprint()
+            return True
+        return False
 
     def _guard_weights(self) -> None:
         if self._weights_fingerprint() != self._fingerprint:

@@ -105,10 +105,12 @@ class Engine:
                                       seed=cfg.model.seed, route=self.route,
                                       graphs_max_blocks=(-(-e.max_seq_len // e.kv_block_size)
                                                          if e.cuda_graphs else 0),
-                                      prefill_merge_pairs=e.prefill_merge_pairs)
-        else:  # the KV storage and the captured D graphs carry over; the streams are new
+                                      prefill_merge_pairs=e.prefill_merge_pairs,
+                                      prefill_graph_tokens=self._prefill_graph_tokens())
+        else:  # the KV storage and the captured graphs carry over; the streams are new
             self.runner = _keep.runner
-            self.runner.renew(self.route, cfg.model.seed, e.prefill_merge_pairs)
+            self.runner.renew(self.route, cfg.model.seed, e.prefill_merge_pairs,
+                              self._prefill_graph_tokens())
         self.route.synchronize()  # KV storage was zeroed on the default stream
         self.memory = EngineMemory(self)
         # host agreement (control exchange, PreD/PostD): shared memory when every rank is on
@@ -181,9 +183,9 @@ class Engine:
         if self._handed_over:
             raise RuntimeError("this engine was handed to a successor engine; step that one")
         self.memory.check_ready()
-        if self.runner.graphs is not None and not self.busy():
+        if not self.busy():
             # a step from idle: the only point where parameters may have been replaced
-            self.runner.graphs.check_weights()
+            self.runner.check_weights()
         t0 = time.perf_counter()
         self._outbox.step = self.scheduler.step_no
         self._outbox.sampled = _to_wire(self._last_sampled)
@@ -445,11 +447,21 @@ class Engine:
             raise RuntimeError("weights_loaded() before resume_memory()")
         self.memory.weights_valid = True
 
+    def _prefill_graph_tokens(self) -> int:
+        """Capacity of the P graphs: the most P tokens one step can hold over all replicas
+        (0: no P graphs)."""
+        e = self.cfg.engine
+        on = e.prefill_graphs == "always" or (e.prefill_graphs == "auto" and not self.pd)
+        if not (e.cuda_graphs and on):
+            return 0
+        return e.max_prefill_tokens * self.groups.layout.adp
+
     def warmup(self, max_context: int | None = None) -> int:
         """Collective, on an idle engine: capture the D graphs of every decode bucket and block
-        -table width needed for contexts up to ``max_context`` tokens (default: max_seq_len),
-        and run one P AllReduce so the P communicator exists -- both otherwise happen inside
-        the first requests' latency. Returns the graphs captured."""
+        -table width needed for contexts up to ``max_context`` tokens (default: max_seq_len)
+        and P's MoE graphs of every token bucket, and run one P AllReduce so the P
+        communicator exists -- all otherwise happen inside the first requests' latency.
+        Returns the graphs captured."""
         self.memory.check_ready()
         n = 0
         if self.runner.graphs is not None:
@@ -459,6 +471,8 @@ class Engine:
             rows = {pick_bucket(b, lim.decode_buckets, lim.atp)
                     for b in (*lim.decode_buckets, lim.max_batch_size)}
             n = self.runner.graphs.capture_all(sorted(rows), -(-ctx // e.kv_block_size))
+        if self.runner.prefill_graphs is not None:
+            n += self.runner.prefill_graphs.capture_all()
         if self.groups.layout.world_size > 1:
             probe = torch.zeros(1, device=self.groups.device)
             torch.distributed.all_reduce(probe, group=self.groups.full_p)
@@ -495,8 +509,7 @@ class Engine:
         the process groups are destroyed."""
         if self._handed_over:
             return  # the successor owns the graphs; control and rendezvous are closed
-        if self.runner.graphs is not None:
-            self.runner.graphs.release()
+        self.runner.release_graphs()
         self._close_host_agreement()
 
     def _close_host_agreement(self) -> None:

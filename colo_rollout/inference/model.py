@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +48,9 @@ from colo_rollout.inference.attention import (
 from colo_rollout.inference.comm import GatherComm
 from colo_rollout.inference.moe import GatherMoE
 from colo_rollout.inference.parallel import Layout, ParallelGroups
+
+# (layer index, residual stream [N, H]) -> this rank's fp32 MoE partial [N, H]
+MoEBlock = Callable[[int, torch.Tensor], torch.Tensor]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -268,13 +271,19 @@ class InferenceGPT(torch.nn.Module):
             return get_fp8_context(self.config)
         return contextlib.nullcontext()
 
-    def forward_prefill(self, inp: PrefillInputs, kv: KVStorage) -> torch.Tensor:
+    def forward_prefill(self, inp: PrefillInputs, kv: KVStorage,
+                        moe: MoEBlock | None = None) -> torch.Tensor:
         """The whole P epoch at once (Normal mode): every boundary is crossed immediately."""
-        return run_to_completion(self.prefill_segments(inp, kv))
+        return run_to_completion(self.prefill_segments(inp, kv, moe))
+
+    def moe_block(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        """Layer i's MoE block on the residual stream h [N, H]: this rank's fp32 partial."""
+        layer = self.decoder.layers[i]
+        return layer.mlp(layer.pre_mlp_layernorm(h))
 
     @torch.inference_mode()
-    def prefill_segments(self, inp: PrefillInputs,
-                         kv: KVStorage) -> Generator[int, None, torch.Tensor]:
+    def prefill_segments(self, inp: PrefillInputs, kv: KVStorage,
+                         moe: MoEBlock | None = None) -> Generator[int, None, torch.Tensor]:
         """P as segments (the gather backend's boundary producer).
 
         Yields boundary id i (0, 1, ...) just before P's i-th registered full-group AllReduce;
@@ -283,10 +292,14 @@ class InferenceGPT(torch.nn.Module):
         the embedding gather, per layer the attention gather and the MoE combine, the logits.
         (torch.inference_mode wraps each resume; an FP8 autocast would have to as well, which is
         one reason FP8 is not enabled yet.)
+
+        ``moe(i, h)`` computes layer i's MoE block (pre-MLP norm, router, local experts) on the
+        residual stream h: the P graphs' replay (inference/prefill_graph.py), or by default
+        the modules themselves.
         """
         if self.config.fp8:
             raise NotImplementedError("FP8 prefill segments")
-        return (yield from self._forward_prefill(inp, kv))
+        return (yield from self._forward_prefill(inp, kv, moe or self.moe_block))
 
     @property
     def boundaries_per_prefill(self) -> int:
@@ -297,7 +310,7 @@ class InferenceGPT(torch.nn.Module):
         with self._precision():
             return self._forward_decode(inp, kv)
 
-    def _forward_prefill(self, inp: PrefillInputs, kv: KVStorage):
+    def _forward_prefill(self, inp: PrefillInputs, kv: KVStorage, moe: MoEBlock):
         """Generator body: full-vocab logits [n_local_seqs, V] of this replica's last P tokens,
         yielding a boundary id before every P collective."""
         comm, r = self.comm, self.groups.replica
@@ -318,10 +331,10 @@ class InferenceGPT(torch.nn.Module):
             h = h + comm.p_gather(attn, off, total)
             if self.trace is not None:
                 self.trace.append(h.float().clone())
-            moe = layer.mlp(layer.pre_mlp_layernorm(h))
+            partial = moe(i, h)
             yield boundary
             boundary += 1
-            h = h + comm.p_allreduce(moe).to(h.dtype)  # combine in fp32, then round
+            h = h + comm.p_allreduce(partial).to(h.dtype)  # combine in fp32, then round
             if self.trace is not None:
                 self.trace.append(h.float().clone())
         last = self.decoder.final_layernorm(h[inp.last_rows])  # all replicas' last tokens

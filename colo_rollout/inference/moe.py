@@ -91,11 +91,17 @@ class GatherMoE(torch.nn.Module):
             self._use_grouped[key] = got
         return got
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, H] (all replicas' tokens) -> this rank's partial MoE output [N, H], fp32."""
+    def forward(self, x: torch.Tensor, n_valid: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, H] (all replicas' tokens) -> this rank's partial MoE output [N, H], fp32.
+
+        ``n_valid`` (grouped path; a 0-dim int64 tensor on x's device): only rows < n_valid are
+        tokens, the rest padding -- a P graph's token bucket. Padding rows are routed (the
+        router is per row) but given to no expert, and their output rows are zero."""
         probs, routing_map = self.router(x.unsqueeze(1))  # [N, E] each
         if self.uses_grouped(x):
-            return self._grouped(x, probs, routing_map)
+            return self._grouped(x, probs, routing_map, n_valid)
+        if n_valid is not None:
+            raise ValueError("n_valid (padded rows) needs the grouped expert path")
         return self._megatron(x, probs, routing_map)
 
     # ------------------------------------------------------------------ megatron experts
@@ -115,13 +121,16 @@ class GatherMoE(torch.nn.Module):
         return out
 
     # ------------------------------------------------------------------ grouped, sync-free
-    def _grouped(self, x, probs, routing_map) -> torch.Tensor:
+    def _grouped(self, x, probs, routing_map, n_valid=None) -> torch.Tensor:
         k, E = self.topk, self.num_local
         # the k routed experts of each token (exactly k True per row of routing_map)
         chosen = routing_map.to(torch.int8).topk(k, dim=1).indices  # [N, k] global ids
         weight = probs.gather(1, chosen)  # [N, k]
         local = chosen - self.first_expert
         mine = (local >= 0) & (local < E)
+        if n_valid is not None:  # padding rows go to no expert (sorted last, like other ranks')
+            rows = torch.arange(x.shape[0], device=x.device)
+            mine = mine & (rows < n_valid).unsqueeze(1)
         key = torch.where(mine, local, E).flatten()  # other ranks' experts sort last
         sorted_key, order = torch.sort(key, stable=True)  # expert-major, token order within
         token = order // k

@@ -20,6 +20,7 @@ from colo_rollout.inference.attention import AttnMetadata, prefill_buckets
 from colo_rollout.inference.decode_graph import DecodeGraphs, graphs_supported
 from colo_rollout.inference.model import DecodeInputs, InferenceGPT, PrefillInputs
 from colo_rollout.inference.plan import Phase, StepPlan
+from colo_rollout.inference.prefill_graph import PrefillMoEGraphs
 from colo_rollout.inference.sampler import sample_tensors
 from colo_rollout.inference.scheduler import Sampled, Scheduler
 from colo_rollout.inference.stream_route import Pending, StreamRoute, h2d
@@ -76,7 +77,7 @@ class PendingSampled:
 class ModelRunner:
     def __init__(self, model: InferenceGPT, num_blocks: int, block_size: int, seed: int,
                  route: StreamRoute | None = None, graphs_max_blocks: int = 0,
-                 prefill_merge_pairs: int = 0) -> None:
+                 prefill_merge_pairs: int = 0, prefill_graph_tokens: int = 0) -> None:
         self.model = model
         self.prefill_merge_pairs = prefill_merge_pairs  # see attention.prefill_buckets
         self.route = route or StreamRoute(model.output_layer.weight.device, active=False,
@@ -97,19 +98,30 @@ class ModelRunner:
         self._capture_stream = (torch.cuda.Stream(self.device)
                                 if self.device.type == "cuda" else None)
         self.graphs = self._new_graphs()
+        # P's MoE blocks by CUDA-graph replay: wherever D graphs are, for P steps of up to
+        # prefill_graph_tokens tokens over all replicas (0: off)
+        self.prefill_graph_tokens = prefill_graph_tokens
+        self.prefill_graphs = self._new_prefill_graphs()
         self._epoch = None  # the in-flight P epoch's segment generator (PD mode)
         self._epoch_items = ()
         self._at: int | None = None
 
-    def renew(self, route: StreamRoute, seed: int, prefill_merge_pairs: int) -> None:
+    def renew(self, route: StreamRoute, seed: int, prefill_merge_pairs: int,
+              prefill_graph_tokens: int) -> None:
         """Serve a successor engine (idle only): its streams, a re-seeded sampler, its P
-        settings. The KV storage and the D graphs stay (graphs replay on the current stream)."""
+        settings. The KV storage and the D and P graphs stay (graphs replay on the current
+        stream)."""
         if self._epoch is not None:
             raise RuntimeError("renew() with a P epoch in flight")
         self.route = route
         self.model.comm.route = route
         self.generator.manual_seed(seed * 1_000_003 + self.groups.replica)
         self.prefill_merge_pairs = prefill_merge_pairs
+        if prefill_graph_tokens != self.prefill_graph_tokens:  # another capacity, or off
+            if self.prefill_graphs is not None:
+                self.prefill_graphs.release()
+            self.prefill_graph_tokens = prefill_graph_tokens
+            self.prefill_graphs = self._new_prefill_graphs()
 
     def _new_graphs(self) -> DecodeGraphs | None:
         if self.graphs_max_blocks > 0 and graphs_supported(self.model):
@@ -117,16 +129,40 @@ class ModelRunner:
                                 self._capture_stream)
         return None
 
+    def _new_prefill_graphs(self) -> PrefillMoEGraphs | None:
+        if self.graphs is not None and self.prefill_graph_tokens > 0:
+            return PrefillMoEGraphs(self.model, self.prefill_graph_tokens, self._capture_stream)
+        return None
+
+    def check_weights(self) -> None:
+        """Idle engine only: drop every graph that captured a replaced parameter's address
+        (both phases' graphs read the same parameters)."""
+        if self.graphs is not None and self.graphs.check_weights():
+            if self.prefill_graphs is not None:
+                self.prefill_graphs.release()
+
+    def release_graphs(self) -> None:
+        """Drop the D and P graphs (D's hold NCCL collectives: before groups are destroyed)."""
+        for g in (self.graphs, self.prefill_graphs):
+            if g is not None:
+                g.release()
+
     def release_kv(self) -> None:
-        """Drop the KV storage and the graphs that point into it (memory release)."""
-        if self.graphs is not None:
-            self.graphs.release()
-        self.graphs = None
+        """Drop the KV storage and the graphs (D's point into it; P's and their buffers are
+        memory too) -- memory release."""
+        self.release_graphs()
+        self.graphs = self.prefill_graphs = None
         self.kv = None
 
     def resume_kv(self) -> None:
         self.kv = self.model.new_kv_storage(self.num_blocks, self.block_size)
         self.graphs = self._new_graphs()
+        self.prefill_graphs = self._new_prefill_graphs()
+
+    def _moe_block(self):
+        """How P computes its MoE blocks: graph replay where there are P graphs and the step
+        fits them, else the modules (None)."""
+        return self.prefill_graphs.moe if self.prefill_graphs is not None else None
 
     def run(self, plan: StepPlan, sched: Scheduler) -> PendingSampled:
         """Normal mode: the whole plan (one P epoch or one D iteration)."""
@@ -134,7 +170,8 @@ class ModelRunner:
             return PendingSampled()
         if plan.phase is Phase.PREFILL:
             with self.route.mark("P"):
-                logits = self.model.forward_prefill(self._prefill_inputs(plan, sched), self.kv)
+                logits = self.model.forward_prefill(self._prefill_inputs(plan, sched), self.kv,
+                                                    self._moe_block())
                 return self._sample(logits, plan.replicas[self.groups.replica].prefill, sched)
         return self.run_decode(plan, sched)
 
@@ -168,7 +205,7 @@ class ModelRunner:
             raise RuntimeError("a P epoch is already in flight")
         with self.route.p():
             inputs = self._prefill_inputs(plan, sched)
-        gen = self.model.prefill_segments(inputs, self.kv)
+        gen = self.model.prefill_segments(inputs, self.kv, self._moe_block())
         self._epoch = gen
         self._epoch_items = plan.replicas[self.groups.replica].prefill
         self._at = None  # boundary P is parked at (its collective not yet issued)

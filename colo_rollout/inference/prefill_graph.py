@@ -1,0 +1,147 @@
+"""CUDA graphs of P's MoE blocks: one graph per (layer, token bucket).
+
+Why: P's host enqueue is what a P epoch's length is made of on the GPU host (docs/benchmarks.md,
+sessions 4-6: a P step dispatches ~110 torch ops per layer, and the GPU sits idle between
+them). The MoE block -- pre-MLP norm, megatron's router, the grouped experts -- is half of
+those ops and all of megatron's router Python, and it has no collective inside: P's
+collectives sit at the boundaries around it (the attention gather before, the combine
+AllReduce after), where the turnstile orders them. So it can be captured per token count
+without any cross-rank agreement, and a P segment then enqueues one replay per layer for it.
+
+Attention stays eager: its batched calls are shaped by the epoch's context buckets, which a
+static graph cannot follow.
+
+Owns: one input buffer [max_tokens, H] (model dtype), one output buffer [max_tokens, H]
+(fp32, the combine dtype) and one row-count scalar, all shared by every graph -- graph g of
+bucket T reads and writes rows [:T] of them -- and a private memory pool.
+
+Invariants:
+  * Shared buffers are safe because every replay, its input copy and the consumers of its
+    output are on P's stream, in order: a layer's combine AllReduce (in place on the output
+    rows; routed collectives hand back with an event edge) and the residual add that reads
+    it are enqueued before the next layer's input copy and replay.
+  * Rows [n:T] of a bucket are padding (stale activations of earlier epochs, always finite):
+    the grouped experts exclude rows >= n from every expert group (``GatherMoE(n_valid=)``),
+    so padding costs router and norm work only, and the returned rows [:n] are those the
+    eager block computes (same kernels, row-independent math; GEMM shapes differ with the
+    bucket, so bits may too -- within bf16 rounding).
+  * The pool is private to P: D graphs replay concurrently on D's stream and must never share
+    memory with P's. P graphs never run concurrently with each other (one P stream).
+  * Graphs read the weights through the addresses they captured: the runner releases them
+    with the D graphs whenever a parameter was replaced (checked when a step starts from idle).
+  * Capture needs no other rank (no collective inside), so it happens lazily at the first use
+    of a (layer, bucket) on each rank, or ahead of serving in ``capture_all``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MIN_TOKENS = 32  # smallest token bucket
+
+
+def token_bucket(n: int, max_tokens: int) -> int:
+    """Smallest bucket >= n: MIN_TOKENS, then two per octave (2^j, 1.5 * 2^j), capped at
+    ``max_tokens`` (padding at most 50% of the rows, 33% on average over an octave)."""
+    if n > max_tokens:
+        raise ValueError(f"{n} P tokens exceed the P graphs' capacity of {max_tokens}")
+    b = MIN_TOKENS  # a power of two
+    while b < n:
+        b = b * 3 // 2 if b & (b - 1) == 0 else b // 3 * 4  # 2^j -> 1.5 * 2^j -> 2^(j+1)
+    return min(b, max_tokens)
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """Every bucket a P step of 1..max_tokens tokens can map to, ascending."""
+    out, n = [], 1
+    while True:
+        b = token_bucket(n, max_tokens)
+        out.append(b)
+        if b >= max_tokens:
+            return out
+        n = b + 1
+
+
+class PrefillMoEGraphs:
+    def __init__(self, model, max_tokens: int, capture_stream: torch.cuda.Stream) -> None:
+        self.model = model
+        self.max_tokens = max_tokens
+        self.capture_stream = capture_stream
+        w = model.output_layer.weight
+        self.device = w.device
+        H = model.cfg.hidden_size
+        self._in = torch.zeros(max_tokens, H, dtype=w.dtype, device=self.device)
+        self._out = torch.zeros(max_tokens, H, dtype=torch.float32, device=self.device)
+        self._n = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._pool = torch.cuda.graph_pool_handle()
+        self.captures = 0
+        self.replays = 0
+
+    def moe(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        """Layer i's MoE block on h [n, H] -> this rank's fp32 partial [n, H] (a view of the
+        shared output buffer: consume it on this stream before the next replay)."""
+        n = h.shape[0]
+        if n > self.max_tokens:  # larger than any bucket: the modules themselves
+            return self.model.moe_block(i, h)
+        T = token_bucket(n, self.max_tokens)
+        g = self._graphs.get((i, T))
+        if g is None:
+            g = self._capture(i, T)
+        self._in[:n].copy_(h)
+        self._n.fill_(n)
+        g.replay()
+        self.replays += 1
+        return self._out[:n]
+
+    def _block(self, i: int, T: int) -> None:
+        layer = self.model.decoder.layers[i]
+        x = layer.pre_mlp_layernorm(self._in[:T])
+        self._out[:T].copy_(layer.mlp(x, n_valid=self._n))
+
+    @torch.inference_mode()
+    def _capture(self, i: int, T: int) -> torch.cuda.CUDAGraph:
+        stream = torch.cuda.current_stream()
+        side = self.capture_stream
+        side.wait_stream(stream)
+        with torch.cuda.stream(side):  # warm-up outside capture (allocator, lazy inits)
+            self._n.fill_(T)
+            for _ in range(2):
+                self._block(i, T)
+        stream.wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        # capture_begin/end directly: ``torch.cuda.graph`` would also synchronize the device,
+        # collect garbage and empty the cache around each of the hundreds of captures.
+        # Thread-local: the NCCL watchdog thread keeps polling the events of P's eager and D's
+        # graphed collectives, which may be in flight on other streams during the capture.
+        with torch.cuda.stream(side):
+            g.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                self._block(i, T)
+            finally:
+                g.capture_end()
+        stream.wait_stream(side)
+        self._graphs[(i, T)] = g
+        self.captures += 1
+        return g
+
+    def capture_all(self, max_tokens: int | None = None) -> int:
+        """Capture every (layer, bucket) for P steps of up to ``max_tokens`` tokens (all
+        replicas together) ahead of serving. Returns the number captured now."""
+        limit = self.max_tokens if max_tokens is None else min(max_tokens, self.max_tokens)
+        before = self.captures
+        for T in token_buckets(limit):
+            for i in range(len(self.model.decoder.layers)):
+                if (i, T) not in self._graphs:
+                    self._capture(i, T)
+        return self.captures - before
+
+    def release(self) -> None:
+        if self._graphs:
+            torch.cuda.synchronize(self.device)
+        self._graphs.clear()
+        self._pool = torch.cuda.graph_pool_handle()  # later captures start a fresh pool
+
+    @property
+    def keys(self) -> list[tuple[int, int]]:
+        return sorted(self._graphs)
