@@ -253,7 +253,10 @@ def _plots(results: list[dict], runs: list[dict], cfg: Config, out_dir: str) -> 
     fig.savefig(os.path.join(out_dir, "ccdf_request.png"), dpi=120)
     plt.close(fig)
 
-    names = [n for n in ("normal", "fine-2", "fine-1") if n in results[0]["timelines"]][:2]
+    # Normal and one Fine variant (fine-2 where it ran, else the first Fine variant)
+    have = list(results[0]["timelines"])
+    fine = [n for n in ("fine-2", *have) if n in have and n.startswith("fine")][:1]
+    names = [n for n in ("normal", *fine) if n in have]
     if not names:
         return
     fig, axes = plt.subplots(len(names), 1, figsize=(10, 1.2 + 0.6 * len(results) * len(names)),

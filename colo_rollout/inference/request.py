@@ -23,6 +23,12 @@ class SamplingParams:
     max_tokens: int = 16  # generated tokens, >= 1
     ignore_eos: bool = False  # generate exactly max_tokens (benchmarks, fixed-work replays)
 
+    @property
+    def greedy(self) -> bool:
+        """Argmax sampling (temperature 0; top-k/top-p then change nothing). The one rule the
+        sampler and the D graphs' in-graph sampling both follow."""
+        return self.temperature == 0
+
     def validate(self, request_id: str, vocab_size: int) -> None:
         def bad(msg: str) -> RequestError:
             return RequestError(f"request {request_id!r}: {msg}")

@@ -186,7 +186,7 @@ class ModelRunner:
                 return self._sample(logits, rows, sched)
             g = self.graphs.run(*host, self.world_table_blocks(plan, sched))
             if (self.groups.is_replica_leader and rows
-                    and all(sched.seqs[d.lifetime].request.params.temperature == 0
+                    and all(sched.seqs[d.lifetime].request.params.greedy
                             for d in rows)):
                 # greedy rows were sampled inside the graph: one copy brings them back
                 return PendingSampled([d.lifetime for d in rows],

@@ -29,7 +29,7 @@ def sample_tensors(logits: torch.Tensor, params: list[SamplingParams],
     logits = logits.float()
     dev = logits.device
     logp = torch.log_softmax(logits, dim=-1)
-    random_rows = [i for i, p in enumerate(params) if p.temperature > 0]
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if not random_rows:
         return _greedy(logits, logp)
     tokens = logits.argmax(dim=-1)
