@@ -42,3 +42,19 @@ def test_overlap_stats_of_a_timeline():
     assert got["d_gap_max_ms"] == pytest.approx(290.0)  # 0.92 -> 1.21
     assert got["d_ms_inside"] == pytest.approx(25.0)  # (20 + 30) / 2
     assert got["d_ms_outside"] == pytest.approx(15.0)  # (20 + 10) / 2
+
+
+@pytest.mark.parametrize("adp,atp,p_graphs,expected", [
+    (2, 2, False, True),   # the crossed path
+    (2, 1, False, False),  # eager P: full stream concurrency
+    (1, 2, False, False),
+    (2, 1, True, True),    # graphed P on two ranks: two communicators at once otherwise
+    (1, 2, True, True),
+    (1, 1, True, False),   # one rank: no collective pairs to cross
+])
+def test_auto_route_follows_layout_and_p_graphs(adp, atp, p_graphs, expected):
+    from colo_rollout.inference.stream_route import routes_p_collective
+
+    assert routes_p_collective("auto", adp, atp, p_graphs) is expected
+    assert routes_p_collective("always", adp, atp, p_graphs) is True
+    assert routes_p_collective("off", adp, atp, p_graphs) is False

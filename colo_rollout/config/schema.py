@@ -210,8 +210,9 @@ class EngineConfig:
     # (shared memory when all ranks share a host), "shm", "gloo"
     rendezvous: str = "auto"
     # GPU, PD modes: "auto" puts P's full-group AllReduce on D's stream where the paths cross
-    # (ADP > 1 and ATP > 1); "off" drops that route (the unsafe control of the crossed-path run);
-    # "always" routes on every layout (tests the route where paths do not cross).
+    # (ADP > 1 and ATP > 1), and on any multi-rank layout when P's MoE blocks are graphs
+    # (stream_route.routes_p_collective says why); "off" drops that route (the unsafe control of
+    # the crossed-path run); "always" routes on every layout.
     stream_route: str = "auto"
     # GPU, PD modes: which phase's stream gets the higher CUDA priority when both have kernels
     # queued -- "prefill" (P at near-Normal speed, D in what P leaves), "decode" (protect D's
@@ -233,7 +234,9 @@ class EngineConfig:
     # collectives stay eager). "auto": on in Normal mode, off in the PD modes: with P's GPU
     # work no longer paced by its host enqueue, Fine with the balanced span stalled 24-50 s on
     # 2x H200 (EP2/ADP2, 64 conversations; cause not found, docs/benchmarks.md session 6).
-    # "always" enables them in every mode, "never" nowhere (words YAML does not read as bools).
+    # "always" enables them in every mode -- in the PD modes stream_route "auto" then also routes
+    # P's AllReduce onto D's stream (no stall in that run, and no Fine gain: -1.9%) -- "never"
+    # nowhere (words YAML does not read as bools).
     prefill_graphs: str = "auto"
 
     def __post_init__(self) -> None:

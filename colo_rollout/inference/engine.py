@@ -98,7 +98,8 @@ class Engine:
         self.model.rope_table()  # made once on the default stream, read by both phases
         self.route = StreamRoute.for_layout(groups.device, self.pd, lay.adp, lay.atp,
                                             cfg.engine.stream_route, cfg.engine.cuda_timing,
-                                            cfg.engine.stream_priority)
+                                            cfg.engine.stream_priority,
+                                            p_graphs=self._prefill_graph_tokens() > 0)
         e = cfg.engine
         if _keep is None:
             self.runner = ModelRunner(self.model, e.num_kv_blocks, e.kv_block_size,

@@ -66,6 +66,24 @@ class Pending:
         return [h.tolist() for h in self._host]
 
 
+def routes_p_collective(route: str, adp: int, atp: int, p_graphs: bool = False) -> bool:
+    """Whether P's full-group AllReduce goes on D's stream (engine.stream_route):
+
+      * ``auto``: on a crossed path (ADP > 1 and ATP > 1), where the turnstile's host order
+        alone is known to be insufficient; and wherever P's MoE blocks are graphs and there is
+        more than one rank (ADP x ATP). Without the route, P's and D's collectives then run on two
+        communicators over the same GPUs at once, which NCCL gives no forward-progress
+        guarantee for; with graphed P (its GPU work no longer paced by its host enqueue) Fine
+        stalled 24-52 s on EP2/ADP2 in 3 of 3 runs, and not with the route (docs/benchmarks.md,
+        session 6). Eager P keeps full stream concurrency there.
+      * ``always``: on any layout; ``off``: never (the unsafe control)."""
+    if route == "always":
+        return True
+    if route == "off":
+        return False
+    return (adp > 1 and atp > 1) or (p_graphs and adp * atp > 1)
+
+
 HIGH_PRIORITY = -1  # a CUDA stream priority above the default 0 (lower number = higher)
 
 
@@ -114,14 +132,10 @@ class StreamRoute:
 
     @classmethod
     def for_layout(cls, device: torch.device, pd: bool, adp: int, atp: int, route: str,
-                   timing: bool, favour: str = "prefill") -> StreamRoute:
-        """The route is installed only where P's full-group AllReduce crosses D's collectives
-        (ADP > 1 and ATP > 1); other paths keep full stream concurrency. ``route="off"`` keeps
-        the streams but drops the route (the unsafe control of the crossed-path experiment);
-        ``route="always"`` routes on any layout (exercises the route where paths do not cross)."""
-        crossed = adp > 1 and atp > 1
-        return cls(device, pd, (crossed and route == "auto") or route == "always", timing,
-                   favour)
+                   timing: bool, favour: str = "prefill", p_graphs: bool = False) -> StreamRoute:
+        """A route per ``routes_p_collective``; ``route="off"`` keeps the streams but drops the
+        route (the unsafe control of the crossed-path experiment)."""
+        return cls(device, pd, routes_p_collective(route, adp, atp, p_graphs), timing, favour)
 
     # ------------------------------------------------------------------ phase contexts
     @contextlib.contextmanager
