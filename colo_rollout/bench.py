@@ -183,10 +183,11 @@ def report(results: list[dict], cfg: Config, out_dir: str) -> dict:
     tstats = {v: timeline_stats(spans) for v, spans in tl.items()}
     if tstats:
         print(f"\ntimeline, rank 0, first rep ({results[0].get('clock', 'host')} clock; ms): "
-              "P busy, D busy, P and D at once, D-only tail, median D iteration")
+              "P busy, D busy, P and D at once, D-only tail, median and longest D iteration")
         for v, st in tstats.items():
             print(f"{v:>22s} {st['p_busy_ms']:9.1f} {st['d_busy_ms']:9.1f} "
-                  f"{st['overlap_ms']:9.1f} {st['d_tail_ms']:9.1f} {st['d_median_ms']:7.2f}")
+                  f"{st['overlap_ms']:9.1f} {st['d_tail_ms']:9.1f} {st['d_median_ms']:7.2f} "
+                  f"{st['d_max_ms']:9.1f}")
     host = {}  # first wait scale, first repetition: where the host time went (rank 0)
     for r in runs:
         if r["rep"] == 0 and r["wait_scale"] == runs[0]["wait_scale"] and "host_s" in r:
@@ -216,7 +217,8 @@ def _union_ms(intervals: list[tuple[float, float]]) -> float:
 
 def timeline_stats(spans: list[tuple[str, float, float]]) -> dict:
     """Where one run's time went, from its (kind, start s, end s) spans: busy time of P and of
-    D (unions), time both ran at once, the D-only tail after the last P, the median D span."""
+    D (unions), time both ran at once, the D-only tail after the last P, the median and the
+    longest D span (a stalled D iteration shows there)."""
     p = [(a, b) for k, a, b in spans if k == "P"]
     d = [(a, b) for k, a, b in spans if k == "D"]
     p_busy, d_busy = _union_ms(p), _union_ms(d)
@@ -228,6 +230,7 @@ def timeline_stats(spans: list[tuple[str, float, float]]) -> dict:
             "overlap_ms": p_busy + d_busy - both,
             "d_tail_ms": _union_ms(tail),
             "d_median_ms": 1e3 * durations[len(durations) // 2] if durations else 0.0,
+            "d_max_ms": 1e3 * durations[-1] if durations else 0.0,
             "d_iterations": len(d)}
 
 

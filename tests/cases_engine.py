@@ -666,3 +666,31 @@ def padded_moe_rows(rank: int, world: int, adp: int, ep: int) -> dict:
     except ValueError as e:
         errors["megatron_path"] = str(e)
     return {"max_diff": worst, "pad_max": pad_max, "errors": errors}
+
+
+def stall_dump(rank: int, world: int, adp: int, ep: int) -> dict:
+    """engine.stall_dump_s: a step longer than the threshold prints the stepping thread's stack
+    to stderr (here fd 2 redirected to a file); with 0 nothing is printed."""
+    import os
+    import tempfile
+
+    out = {}
+    for threshold in (0.0, 1e-4):
+        cfg = tiny_config(world, adp, ep, stall_dump_s=threshold)
+        groups = init_parallel(cfg.parallel)
+        install_cpu_compat()
+        engine = Engine(cfg, groups, random_state_dict(cfg.model))
+        with tempfile.TemporaryFile() as f:
+            saved = os.dup(2)
+            os.dup2(f.fileno(), 2)
+            try:
+                engine.generate(mixed_requests(4, 3, cfg.model.vocab_size))
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+            f.seek(0)
+            text = f.read().decode(errors="replace")
+        out[str(threshold)] = {"dumped": "[stall watch] rank" in text,
+                               "in_step": "in _step" in text}
+        engine.close()
+    return out

@@ -280,6 +280,12 @@ def test_experts_not_divisible_by_ep(tmp_path):
     assert_load_error(path, "model.num_experts", "parallel.ep 4")
 
 
+@pytest.mark.parametrize("value", ["-1.0", ".inf", ".nan"])
+def test_stall_dump_must_be_finite_and_not_negative(tmp_path, value):
+    path = write(tmp_path, f"engine:\n  stall_dump_s: {value}\n")
+    assert_load_error(path, "engine.stall_dump_s", "finite number of seconds")
+
+
 @pytest.mark.parametrize(
     "section, key, value",
     [

@@ -58,6 +58,13 @@ def test_padded_expert_rows_take_no_work_and_leave_the_tokens_exact(worker_group
         assert "needs the grouped expert path" in r["errors"]["megatron_path"]
 
 
+def test_stall_dump_prints_each_ranks_stacks_from_a_slow_step(worker_groups):
+    res = worker_groups(2).run(f"{CASES}:stall_dump", adp=2, ep=2)
+    for r in res:  # a 0.1 ms threshold: every step is "slow"
+        assert r["0.0001"] == {"dumped": True, "in_step": True}
+        assert r["0.0"] == {"dumped": False, "in_step": False}
+
+
 def test_grouped_expert_weights_follow_in_place_updates_and_replacement(worker_groups):
     from tests.cases_engine import LOGPROB_TOL
 

@@ -70,4 +70,6 @@ def test_timeline_stats_split_busy_overlap_and_tail():
     assert abs(st["overlap_ms"] - 5.0) < 1e-9  # 3 inside the first P, 2 inside the second
     assert abs(st["d_tail_ms"] - 8.0) < 1e-9  # after P ends at 20 ms: 2 + 4 + 2
     assert abs(st["d_median_ms"] - 4.0) < 1e-9 and st["d_iterations"] == 4
+    assert abs(st["d_max_ms"] - 4.0) < 1e-9
+    assert timeline_stats(spans + [("D", 0.05, 52.05)])["d_max_ms"] == 52000.0
     assert timeline_stats([])["p_busy_ms"] == 0.0

@@ -226,6 +226,10 @@ class EngineConfig:
     prefill_merge_pairs: int = 4_194_304
     # GPU: record CUDA events around every P segment/epoch and D iteration (timelines).
     cuda_timing: bool = False
+    # Diagnosis: when > 0, a rank whose step takes longer than this many seconds prints that
+    # step's Python stack to stderr (inference/stall_watch.py), so a stalled round shows where
+    # each host waits. 0: off.
+    stall_dump_s: float = 0.0
     # GPU: D by CUDA-graph replay, one graph per (row bucket, block-table width); needs the
     # grouped expert path (model.moe_compute), otherwise D runs eagerly.
     cuda_graphs: bool = True
@@ -277,6 +281,8 @@ class EngineConfig:
         _require_choice(self, "rendezvous", ("auto", "shm", "gloo"))
         _require_min(self, ("segment_span",), 1)
         _require_min(self, ("prefill_merge_pairs",), 0)
+        _require(0 <= self.stall_dump_s < float("inf"), "engine.stall_dump_s",
+                 f"must be a finite number of seconds >= 0, got {self.stall_dump_s}")
         spans = self.segment_spans
         _require(
             bool(spans) and all(k >= 1 for k in spans) and list(spans) == sorted(set(spans)),

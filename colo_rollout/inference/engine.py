@@ -31,6 +31,7 @@ from colo_rollout.config import Config
 from colo_rollout.inference.control import ControlError, ControlPlane, Message
 from colo_rollout.inference.cpu_compat import install_cpu_compat
 from colo_rollout.inference.memory import EngineMemory, MemoryReport
+from colo_rollout.inference.stall_watch import StallWatch
 from colo_rollout.inference.model import DTYPES, InferenceGPT, random_state_dict
 from colo_rollout.inference.parallel import ParallelGroups
 from colo_rollout.inference.plan import Phase, StepPlan
@@ -136,6 +137,9 @@ class Engine:
         self._p_got: dict[int, list] = {}  # rank -> the P tokens it sent for _p_epoch
         self._outbox = Message(rank=groups.rank)
         self._pending_ids: set[str] = set()
+        # engine.stall_dump_s: a step outlasting it prints this rank's stack (diagnosis)
+        self._stall_watch = (StallWatch(cfg.engine.stall_dump_s)
+                             if cfg.engine.stall_dump_s > 0 else None)
         self._last_plan: StepPlan | None = None
         self._last_sampled: list[Sampled] = []
         self.rejected: list[RequestOutput] = []  # every refusal seen on this rank, in order
@@ -181,6 +185,15 @@ class Engine:
     # ------------------------------------------------------------------ collective API
     def step(self) -> list[RequestOutput]:
         """One engine iteration (collective). Returns requests that finished in it."""
+        if self._stall_watch is None:
+            return self._step()
+        self._stall_watch.arm(f"rank {self.groups.rank} step {self.scheduler.step_no}")
+        try:
+            return self._step()
+        finally:
+            self._stall_watch.disarm()
+
+    def _step(self) -> list[RequestOutput]:
         if self._handed_over:
             raise RuntimeError("this engine was handed to a successor engine; step that one")
         self.memory.check_ready()
@@ -515,7 +528,10 @@ class Engine:
 
     def _close_host_agreement(self) -> None:
         """Drain both streams, then close the control plane and the rendezvous (their shared
-        memory): what ``close`` and ``successor`` both end this engine with."""
+        memory) and the stall watch: what ``close`` and ``successor`` both end this engine
+        with."""
+        if self._stall_watch is not None:
+            self._stall_watch.close()
         self.route.synchronize()
         self.control.close()
         if hasattr(self.rendezvous, "close"):
