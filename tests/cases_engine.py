@@ -472,12 +472,15 @@ def grouped_weights_follow_updates(rank: int, world: int, adp: int, ep: int) -> 
     return result
 
 
-def memory_release_resume(rank: int, world: int, adp: int, ep: int) -> dict:
+def memory_release_resume(rank: int, world: int, adp: int, ep: int,
+                          mode: str = "normal") -> dict:
     """Release/resume between phases: offload is bit-identical, discard needs a reload, a busy
-    engine refuses, retained contexts are evicted; allocator statistics on CUDA."""
+    engine refuses, retained contexts are evicted, the host agreement (shared-memory control
+    exchange, PD rendezvous) survives; allocator statistics on CUDA."""
     from colo_rollout.inference.memory import MemoryReport
 
-    cfg, groups, sd, engine = _engine(world, adp, ep)
+    cfg, groups, sd, engine = _engine(world, adp, ep, mode=mode)
+    shm_before = engine.control.mailbox is not None
     requests = mixed_requests(8, 5, cfg.model.vocab_size)
 
     def run(tag: str) -> dict:
@@ -525,7 +528,9 @@ def memory_release_resume(rank: int, world: int, adp: int, ep: int) -> dict:
     engine.check_integrity()
     return {"offload_equal": offload == base, "reload_equal": reloaded == base,
             "evicted": engine.memory.evicted, "errors": errors,
-            "bytes": [before.allocated, rel.allocated, res.allocated]}
+            "bytes": [before.allocated, rel.allocated, res.allocated],
+            "shm_before": shm_before, "shm_after": engine.control.mailbox is not None,
+            "gloo_fallbacks": engine.control.fallbacks}
 
 
 def graph_key_agrees(rank: int, world: int, adp: int, ep: int) -> dict:

@@ -1,7 +1,8 @@
 """Release and resume of the engine's device memory between phases (colocated RL).
 
 While the trainer runs on the same GPUs, rollout memory is dead weight. ``release`` gives back
-the KV cache, the D graphs (their private memory pool) and, optionally, the inference weights;
+the KV cache, the D and P graphs (their private memory pools, P's buffers) and, optionally, the
+inference weights;
 ``resume`` brings them back before the next rollout.
 
 Weights:
@@ -15,7 +16,10 @@ Invariants:
     Retained multi-turn contexts are evicted (their next turn re-prefills; counted).
   * Parameters keep their identity (``p.data`` is swapped, the Parameter object stays), so the
     weight-sync plan and optimizer-free inference modules stay valid; the grouped-expert stacks
-    and the D graphs see replaced storage and are rebuilt lazily.
+    and the D and P graphs see replaced storage and are rebuilt lazily.
+  * The host agreement (shared-memory control exchange, PD rendezvous) is not touched: the
+    engine steps again after resume. (Release once closed it with the graphs, and every later
+    step exchanged over gloo, ~7x slower on 2x H200.)
   * Device memory is returned to the driver (``empty_cache``) so the trainer can use it.
 """
 
@@ -64,7 +68,9 @@ class EngineMemory:
             raise RuntimeError("release of engine memory while requests are in flight "
                                "(finish or cancel them first)")
         self.evicted += eng.scheduler.evict_retained()
-        eng.close()  # graphs dropped, both streams drained
+        # both streams drained, then the KV storage and the graphs dropped; the host agreement
+        # (control exchange, rendezvous) stays: the engine serves again after resume
+        eng.route.synchronize()
         eng.runner.release_kv()
         if weights != "keep":
             for layer in eng.model.decoder.layers:
