@@ -565,12 +565,12 @@ class _LateP:
         self.lag -= 1
         return self.lag < 0 and self.inner.done()
 
-    def wait(self) -> None:
+    def wait(self, *args) -> None:
         self.lag = 0
-        self.inner.wait()
+        self.inner.wait(*args)
 
-    def resolve(self):
-        return self.inner.resolve()
+    def resolve(self, *args):
+        return self.inner.resolve(*args)
 
 
 def deferred_p_commit(rank: int, world: int, adp: int, ep: int, lag: int) -> dict:

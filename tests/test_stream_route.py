@@ -58,3 +58,43 @@ def test_auto_route_follows_layout_and_p_graphs(adp, atp, p_graphs, expected):
     assert routes_p_collective("auto", adp, atp, p_graphs) is expected
     assert routes_p_collective("always", adp, atp, p_graphs) is True
     assert routes_p_collective("off", adp, atp, p_graphs) is False
+
+
+class _Event:
+    """A stand-in CUDA event: done after ``after`` queries (None: never)."""
+
+    def __init__(self, after: int | None) -> None:
+        self.after, self.queries, self.synced = after, 0, False
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.after is not None and self.queries > self.after
+
+    def synchronize(self) -> None:
+        self.synced = True
+
+
+def test_bounded_wait_returns_when_the_work_is_done():
+    from colo_rollout.inference.stream_route import wait_event
+
+    ev = _Event(after=50)
+    wait_event(ev, 5.0, "D tokens")
+    assert ev.queries == 51 and not ev.synced
+    ev = _Event(after=None)
+    wait_event(ev, None, "unbounded")  # no bound: the driver's own synchronize
+    assert ev.synced and ev.queries == 0
+
+
+def test_bounded_wait_raises_naming_what_it_waited_for():
+    import time
+
+    from colo_rollout.inference.runner import PendingSampled
+    from colo_rollout.inference.stream_route import DeviceStall, wait_event
+
+    t0 = time.monotonic()
+    with pytest.raises(DeviceStall, match=r"rank 1, step 9: D tokens: .* within 0.05 s"):
+        wait_event(_Event(after=None), 0.05, "rank 1, step 9: D tokens")
+    assert 0.05 <= time.monotonic() - t0 < 2.0
+    # a rank without tokens waits on its marker event, bounded the same way
+    with pytest.raises(DeviceStall, match="P epoch"):
+        PendingSampled(marker=_Event(after=None)).wait(0.05, "P epoch")

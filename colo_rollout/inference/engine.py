@@ -137,6 +137,9 @@ class Engine:
         self._p_got: dict[int, list] = {}  # rank -> the P tokens it sent for _p_epoch
         self._outbox = Message(rank=groups.rank)
         self._pending_ids: set[str] = set()
+        # every host wait for this engine's GPU work is bounded by the groups' timeout: D's
+        # collectives are graph-captured, which NCCL's watchdog does not watch
+        self._wait_s = cfg.parallel.timeout_s
         # engine.stall_dump_s: a step outlasting it prints this rank's stack (diagnosis)
         self._stall_watch = (StallWatch(cfg.engine.stall_dump_s)
                              if cfg.engine.stall_dump_s > 0 else None)
@@ -268,14 +271,16 @@ class Engine:
         # the only host wait of a step: this step's sampled tokens, after both phases enqueued
         # (PD: D's only -- P's are sent once done, see the module docstring)
         t = time.perf_counter()
-        self._last_sampled = [x for p in pending for x in p.resolve()]
+        self._last_sampled = [x for p in pending
+                              for x in p.resolve(self._wait_s, self._what("D tokens"))]
         self._clock("resolve", t)
         self._last_plan = plan if plan.phase is not Phase.IDLE else None
         if self._p_out is not None:
             if not pending:  # nothing else to do this step: wait for P rather than spin
-                self._p_out.wait()
+                self._p_out.wait(self._wait_s, self._what("P epoch"))
             if self._p_out.done():
-                self._outbox.p_sampled = _to_wire(self._p_out.resolve())
+                self._outbox.p_sampled = _to_wire(
+                    self._p_out.resolve(self._wait_s, self._what("P epoch")))
                 self._p_out = None
         rows = sum(w.prefill_tokens if plan.phase is Phase.PREFILL else len(w.decode)
                    for w in plan.replicas)
@@ -285,6 +290,9 @@ class Engine:
                                       d_rows=self._d_rows_run, d_wait_s=self._d_wait_run,
                                       span=self._span_run))
         return finished
+
+    def _what(self, waited_for: str) -> str:
+        return f"rank {self.groups.rank}, step {self.scheduler.step_no}: {waited_for}"
 
     def _clock(self, what: str, since: float) -> None:
         """Host time by part of the step (where a round's time goes; see ``host_seconds``)."""
@@ -390,7 +398,7 @@ class Engine:
         if self.balanced and behind is not None:
             waited = 0.0
             if done is None and held == 0.0:  # parked at the endpoint before D was back
-                behind.wait()
+                behind.wait(self._wait_s, self._what("D tokens"))
                 waited = time.perf_counter() - te
                 self._clock("resolve", te)
             crossed = ctl.reached - reached + (1 if done is not None else 0)

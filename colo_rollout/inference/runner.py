@@ -23,7 +23,7 @@ from colo_rollout.inference.plan import Phase, StepPlan
 from colo_rollout.inference.prefill_graph import PrefillMoEGraphs
 from colo_rollout.inference.sampler import sample_tensors
 from colo_rollout.inference.scheduler import Sampled, Scheduler
-from colo_rollout.inference.stream_route import Pending, StreamRoute, h2d
+from colo_rollout.inference.stream_route import Pending, StreamRoute, h2d, wait_event
 
 PRODUCER = "gather"  # the gather backend's boundary producer (registered layer points)
 
@@ -59,17 +59,19 @@ class PendingSampled:
             return self._pending.done()
         return self._marker is None or self._marker.query()
 
-    def wait(self) -> None:
-        """Block until the run's GPU work (and its token copy) finished; values stay put."""
+    def wait(self, timeout_s: float | None = None, what: str = "sampled tokens") -> None:
+        """Block until the run's GPU work (and its token copy) finished; values stay put.
+        ``timeout_s`` bounds the wait (DeviceStall, naming ``what``)."""
         if self._pending is not None:
-            self._pending.wait()
+            self._pending.wait(timeout_s, what)
         elif self._marker is not None:
-            self._marker.synchronize()
+            wait_event(self._marker, timeout_s, what)
 
-    def resolve(self) -> list[Sampled]:
+    def resolve(self, timeout_s: float | None = None,
+                what: str = "sampled tokens") -> list[Sampled]:
         if self._pending is None:
             return []
-        got = self._pending.get()
+        got = self._pending.get(timeout_s, what)
         tokens, logprobs = got[0] if self._packed else got
         return [Sampled(lt, int(t), lp) for lt, t, lp in zip(self.lifetimes, tokens, logprobs)]
 

@@ -26,6 +26,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,29 @@ def h2d(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+class DeviceStall(RuntimeError):
+    """A host wait for GPU work outlasted its bound: a collective inside it did not complete
+    (a peer stalled, died or diverged). Graph-captured collectives (D's) are not watched by
+    NCCL's own watchdog, so this bound is what turns their hang into an error."""
+
+
+def wait_event(event, timeout_s: float | None, what: str) -> None:
+    """Wait on the host for ``event`` (a CUDA event, or anything with ``query``/``synchronize``),
+    at most ``timeout_s`` seconds (None: unbounded). Bounded waits poll ``query`` -- a spin, as
+    cudaEventSynchronize's default is -- so the wait can be cut short; raises DeviceStall."""
+    if timeout_s is None:
+        event.synchronize()
+        return
+    if event.query():
+        return
+    deadline = time.monotonic() + timeout_s
+    while not event.query():
+        if time.monotonic() > deadline:
+            raise DeviceStall(f"{what}: the GPU work was not done within {timeout_s:g} s (a "
+                              "collective in it did not complete: a peer stalled, died or "
+                              "diverged)")
 
 
 class Pending:
@@ -57,12 +81,12 @@ class Pending:
         """The values are on the host already (get would not wait)."""
         return self._event is None or self._event.query()
 
-    def wait(self) -> None:
+    def wait(self, timeout_s: float | None = None, what: str = "device->host copy") -> None:
         if self._event is not None:
-            self._event.synchronize()
+            wait_event(self._event, timeout_s, what)
 
-    def get(self) -> list[list]:
-        self.wait()
+    def get(self, timeout_s: float | None = None, what: str = "device->host copy") -> list[list]:
+        self.wait(timeout_s, what)
         return [h.tolist() for h in self._host]
 
 
