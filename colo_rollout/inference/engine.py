@@ -31,7 +31,6 @@ from colo_rollout.config import Config
 from colo_rollout.inference.control import ControlError, ControlPlane, Message
 from colo_rollout.inference.cpu_compat import install_cpu_compat
 from colo_rollout.inference.memory import EngineMemory, MemoryReport
-from colo_rollout.inference.stall_watch import StallWatch
 from colo_rollout.inference.model import DTYPES, InferenceGPT, random_state_dict
 from colo_rollout.inference.parallel import ParallelGroups
 from colo_rollout.inference.plan import Phase, StepPlan
@@ -55,6 +54,7 @@ from colo_rollout.inference.segment_policy import (
 )
 from colo_rollout.inference.turnstile import TurnstileController
 from colo_rollout.inference.scheduler import Sampled, Scheduler
+from colo_rollout.inference.stall_watch import StallWatch
 from colo_rollout.inference.stream_route import Span, StreamRoute
 
 
