@@ -35,6 +35,7 @@ from colo_rollout.inference.model import DTYPES, InferenceGPT, random_state_dict
 from colo_rollout.inference.parallel import ParallelGroups
 from colo_rollout.inference.plan import Phase, StepPlan
 from colo_rollout.inference.planner import pick_bucket
+from colo_rollout.inference.prefill_graph import MAX_TOKENS as PREFILL_GRAPH_MAX_TOKENS
 from colo_rollout.inference.request import (
     FinishReason,
     Request,
@@ -470,13 +471,13 @@ class Engine:
         self.memory.weights_valid = True
 
     def _prefill_graph_tokens(self) -> int:
-        """Capacity of the P graphs: the most P tokens one step can hold over all replicas
-        (0: no P graphs)."""
+        """Capacity of the P graphs: the most P tokens one step can hold over all replicas, up
+        to prefill_graph.MAX_TOKENS (0: no P graphs)."""
         e = self.cfg.engine
         on = e.prefill_graphs == "always" or (e.prefill_graphs == "auto" and not self.pd)
         if not (e.cuda_graphs and on):
             return 0
-        return e.max_prefill_tokens * self.groups.layout.adp
+        return min(e.max_prefill_tokens * self.groups.layout.adp, PREFILL_GRAPH_MAX_TOKENS)
 
     def warmup(self, max_context: int | None = None) -> int:
         """Collective, on an idle engine: capture the D graphs of every decode bucket and block

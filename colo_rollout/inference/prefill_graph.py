@@ -38,6 +38,11 @@ from __future__ import annotations
 import torch
 
 MIN_TOKENS = 32  # smallest token bucket
+# Largest P step (tokens over all replicas) that replays graphs; larger steps run the modules.
+# The shared buffers (6 bytes per token and hidden unit) and the pool of the largest bucket's
+# intermediates scale with it, while the host time a graph saves is fixed per layer: at 16k
+# tokens a MoE layer's GPU time already matches its eager enqueue on the bench's larger model.
+MAX_TOKENS = 16384
 
 
 def token_bucket(n: int, max_tokens: int) -> int:
