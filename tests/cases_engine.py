@@ -699,3 +699,46 @@ def stall_dump(rank: int, world: int, adp: int, ep: int) -> dict:
                                "in_step": "in _step" in text}
         engine.close()
     return out
+
+
+def prefill_graph_data_path(rank: int, world: int, adp: int, ep: int) -> dict:
+    """P's MoE graphs without the capture (CPU): a subclass whose 'graph' runs the captured
+    function eagerly on the shared buffers exercises everything else -- bucket choice, the
+    input copy over stale rows, the row count, padding given to no expert, the output view,
+    the fallback past capacity -- against the modules, per layer and through a whole engine."""
+    from types import SimpleNamespace
+
+    from colo_rollout.inference.prefill_graph import PrefillMoEGraphs
+
+    class EagerReplay(PrefillMoEGraphs):
+        def _capture(self, i, T):
+            g = SimpleNamespace(replay=lambda: self._block(i, T))
+            self._graphs[(i, T)] = g
+            self.captures += 1
+            return g
+
+    cfg = tiny_config(world, adp, ep, model_kw={"moe_compute": "grouped"}, max_batch_size=4,
+                      decode_buckets=[1, 2, 4])
+    groups = init_parallel(cfg.parallel)
+    install_cpu_compat()
+    engine = Engine(cfg, groups, random_state_dict(cfg.model))
+    model = engine.model
+    graphs = EagerReplay(model, max_tokens=100, capture_stream=None)
+    gen = torch.Generator().manual_seed(11)
+    worst = 0.0
+    for n in (1, 33, 100, 7, 130):  # 130: past capacity, the modules
+        for i in range(cfg.model.num_layers):
+            h = torch.randn(n, cfg.model.hidden_size, generator=gen)
+            worst = max(worst, (graphs.moe(i, h) - model.moe_block(i, h)).abs().max().item())
+    keys = graphs.keys
+    requests = mixed_requests(6, 4, cfg.model.vocab_size)
+    eager = engine.generate(requests)
+    engine.runner.prefill_graphs = graphs
+    replays = graphs.replays
+    graphed = engine.generate([Request(f"g{r.request_id}", r.prompt, r.params)
+                               for r in requests])
+    same = all(eager[r.request_id].tokens == graphed[f"g{r.request_id}"].tokens
+               and eager[r.request_id].logprobs == graphed[f"g{r.request_id}"].logprobs
+               for r in requests)
+    return {"max_diff": worst, "keys": keys, "engine_replays": graphs.replays - replays,
+            "engine_same": same}

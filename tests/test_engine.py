@@ -58,6 +58,16 @@ def test_padded_expert_rows_take_no_work_and_leave_the_tokens_exact(worker_group
         assert "needs the grouped expert path" in r["errors"]["megatron_path"]
 
 
+def test_prefill_graph_data_path_equals_the_modules(worker_groups):
+    # EP2/ADP2: every rank's graph sees all replicas' tokens, padding meets both ranks' experts
+    res = worker_groups(2).run(f"{CASES}:prefill_graph_data_path", adp=2, ep=2)
+    for r in res:
+        assert r["max_diff"] < 1e-5
+        # buckets 32, 48 (for 33) and the 100-token cap, per layer; none for the 130-token step
+        assert r["keys"] == [(i, T) for i in range(2) for T in (32, 48, 100)]
+        assert r["engine_replays"] > 0 and r["engine_same"]
+
+
 def test_stall_dump_prints_each_ranks_stacks_from_a_slow_step(worker_groups):
     res = worker_groups(2).run(f"{CASES}:stall_dump", adp=2, ep=2)
     for r in res:  # a 0.1 ms threshold: every step is "slow"

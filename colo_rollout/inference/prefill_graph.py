@@ -79,7 +79,7 @@ class PrefillMoEGraphs:
         self._out = torch.zeros(max_tokens, H, dtype=torch.float32, device=self.device)
         self._n = torch.zeros((), dtype=torch.int64, device=self.device)
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self._pool = torch.cuda.graph_pool_handle()
+        self._pool = None  # made at the first capture (a fresh one after release)
         self.captures = 0
         self.replays = 0
 
@@ -114,6 +114,8 @@ class PrefillMoEGraphs:
             for _ in range(2):
                 self._block(i, T)
         stream.wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
         # capture_begin/end directly: ``torch.cuda.graph`` would also synchronize the device,
         # collect garbage and empty the cache around each of the hundreds of captures.
@@ -145,7 +147,7 @@ class PrefillMoEGraphs:
         if self._graphs:
             torch.cuda.synchronize(self.device)
         self._graphs.clear()
-        self._pool = torch.cuda.graph_pool_handle()  # later captures start a fresh pool
+        self._pool = None  # later captures start a fresh pool
 
     @property
     def keys(self) -> list[tuple[int, int]]:
