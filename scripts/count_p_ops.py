@@ -40,12 +40,19 @@ class _Count(TorchDispatchMode):
         """Attribute ops to the part of a layer that dispatched them (hooks push/pop names)."""
         parts = {"self_attention": "attention", "mlp.router": "router", "mlp": "moe experts",
                  "input_layernorm": "norms", "pre_mlp_layernorm": "norms"}
+        def enter(part: str):
+            def hook(module, args) -> None:
+                self.part.append(part)
+            return hook
+
+        def leave(module, args, output) -> None:  # returning None keeps the output
+            self.part.pop()
+
         for name, mod in model.named_modules():
             tail = name.split(".layers.")[-1].split(".", 1)[-1] if ".layers." in name else ""
             if tail in parts:
-                part = parts[tail]
-                mod.register_forward_pre_hook(lambda m, a, p=part: self.part.append(p) and None)
-                mod.register_forward_hook(lambda m, a, o: self.part.pop() and None)
+                mod.register_forward_pre_hook(enter(parts[tail]))
+                mod.register_forward_hook(leave)
 
 
 def main(path: str) -> None:

@@ -56,7 +56,7 @@ from colo_rollout.inference.segment_policy import (
 from colo_rollout.inference.turnstile import TurnstileController
 from colo_rollout.inference.scheduler import Sampled, Scheduler
 from colo_rollout.inference.stall_watch import StallWatch
-from colo_rollout.inference.stream_route import Span, StreamRoute
+from colo_rollout.inference.stream_route import DeviceStall, Span, StreamRoute
 
 
 @dataclass
@@ -98,10 +98,11 @@ class Engine:
         self.mode = cfg.engine.mode
         self.pd = self.mode != "normal"
         self.model.rope_table()  # made once on the default stream, read by both phases
+        p_graph_tokens = self._prefill_graph_tokens()
         self.route = StreamRoute.for_layout(groups.device, self.pd, lay.adp, lay.atp,
                                             cfg.engine.stream_route, cfg.engine.cuda_timing,
                                             cfg.engine.stream_priority,
-                                            p_graphs=self._prefill_graph_tokens() > 0)
+                                            p_graphs=p_graph_tokens > 0)
         e = cfg.engine
         if _keep is None:
             self.runner = ModelRunner(self.model, e.num_kv_blocks, e.kv_block_size,
@@ -109,11 +110,11 @@ class Engine:
                                       graphs_max_blocks=(-(-e.max_seq_len // e.kv_block_size)
                                                          if e.cuda_graphs else 0),
                                       prefill_merge_pairs=e.prefill_merge_pairs,
-                                      prefill_graph_tokens=self._prefill_graph_tokens())
+                                      prefill_graph_tokens=p_graph_tokens)
         else:  # the KV storage and the captured graphs carry over; the streams are new
             self.runner = _keep.runner
             self.runner.renew(self.route, cfg.model.seed, e.prefill_merge_pairs,
-                              self._prefill_graph_tokens())
+                              p_graph_tokens)
         self.route.synchronize()  # KV storage was zeroed on the default stream
         self.memory = EngineMemory(self)
         # host agreement (control exchange, PreD/PostD): shared memory when every rank is on
@@ -189,13 +190,17 @@ class Engine:
     # ------------------------------------------------------------------ collective API
     def step(self) -> list[RequestOutput]:
         """One engine iteration (collective). Returns requests that finished in it."""
-        if self._stall_watch is None:
-            return self._step()
-        self._stall_watch.arm(f"rank {self.groups.rank} step {self.scheduler.step_no}")
+        watch = self._stall_watch
+        if watch is not None:
+            watch.arm(f"rank {self.groups.rank} step {self.scheduler.step_no}")
         try:
             return self._step()
+        except DeviceStall as e:  # the waits name what they waited for; the step adds where
+            raise DeviceStall(f"rank {self.groups.rank}, step {self.scheduler.step_no}: "
+                              f"{e}") from e
         finally:
-            self._stall_watch.disarm()
+            if watch is not None:
+                watch.disarm()
 
     def _step(self) -> list[RequestOutput]:
         if self._handed_over:
@@ -273,15 +278,15 @@ class Engine:
         # (PD: D's only -- P's are sent once done, see the module docstring)
         t = time.perf_counter()
         self._last_sampled = [x for p in pending
-                              for x in p.resolve(self._wait_s, self._what("D tokens"))]
+                              for x in p.resolve(self._wait_s, "D tokens")]
         self._clock("resolve", t)
         self._last_plan = plan if plan.phase is not Phase.IDLE else None
         if self._p_out is not None:
             if not pending:  # nothing else to do this step: wait for P rather than spin
-                self._p_out.wait(self._wait_s, self._what("P epoch"))
+                self._p_out.wait(self._wait_s, "P epoch")
             if self._p_out.done():
                 self._outbox.p_sampled = _to_wire(
-                    self._p_out.resolve(self._wait_s, self._what("P epoch")))
+                    self._p_out.resolve(self._wait_s, "P epoch"))
                 self._p_out = None
         rows = sum(w.prefill_tokens if plan.phase is Phase.PREFILL else len(w.decode)
                    for w in plan.replicas)
@@ -291,9 +296,6 @@ class Engine:
                                       d_rows=self._d_rows_run, d_wait_s=self._d_wait_run,
                                       span=self._span_run))
         return finished
-
-    def _what(self, waited_for: str) -> str:
-        return f"rank {self.groups.rank}, step {self.scheduler.step_no}: {waited_for}"
 
     def _clock(self, what: str, since: float) -> None:
         """Host time by part of the step (where a round's time goes; see ``host_seconds``)."""
@@ -399,7 +401,7 @@ class Engine:
         if self.balanced and behind is not None:
             waited = 0.0
             if done is None and held == 0.0:  # parked at the endpoint before D was back
-                behind.wait(self._wait_s, self._what("D tokens"))
+                behind.wait(self._wait_s, "D tokens")
                 waited = time.perf_counter() - te
                 self._clock("resolve", te)
             crossed = ctl.reached - reached + (1 if done is not None else 0)
