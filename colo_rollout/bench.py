@@ -200,7 +200,8 @@ def report(results: list[dict], cfg: Config, out_dir: str) -> dict:
     with open(os.path.join(out_dir, "bench.json"), "w") as f:
         json.dump({"summary": summary, "runs": runs, "trace": t,
                    "layout": results[0]["layout"], "timeline_stats": tstats,
-                   "timelines_rank0": tl}, f, indent=1)
+                   # every rank's: a stall on one rank is explained by what its peers ran
+                   "timelines_by_rank": [r["timelines"] for r in results]}, f, indent=1)
     _plots(results, runs, cfg, out_dir)
     return summary
 

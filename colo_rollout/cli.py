@@ -24,6 +24,24 @@ def _overrides(pairs: list[str]) -> dict:
     return out
 
 
+def _exit_wedged(rank: int, err: BaseException) -> None:
+    """A rank whose GPU cannot be drained (DeviceStall): print the error (with the one it
+    arrived during), abort the communicators so spinning kernels return, and exit 1 at once --
+    an interpreter exit would run teardowns that wait on the device and hang silently."""
+    import traceback
+
+    from colo_rollout.inference.parallel import abort_parallel
+
+    # the chain includes the error a failed teardown arrived during (its __context__)
+    traceback.print_exception(err, file=sys.stderr)
+    sys.stderr.write(f"rank {rank}: error: {err}\nrank {rank}: the GPU cannot be drained; "
+                     "aborting the communicators and exiting\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    abort_parallel()
+    os._exit(1)
+
+
 def _launch(target: str, config: str, overrides: dict, gather: bool = False, **extra) -> list:
     """Run ``target`` on every rank; returns the ranks' results (under torchrun: this rank's
     only, or every rank's when ``gather`` -- all-gathered as JSON over gloo, never pickle)."""
@@ -37,6 +55,7 @@ def _launch(target: str, config: str, overrides: dict, gather: bool = False, **e
         import importlib
 
         from colo_rollout.inference.parallel import destroy_parallel
+        from colo_rollout.inference.stream_route import DeviceStall
 
         mod, fn = target.split(":")
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -51,8 +70,16 @@ def _launch(target: str, config: str, overrides: dict, gather: bool = False, **e
             from colo_rollout.inference.control import all_gather_json
 
             return all_gather_json(out, dist.new_group(backend="gloo"))
-        finally:  # an explicit teardown: groups left to interpreter exit can hang there
-            destroy_parallel()
+        except DeviceStall as e:  # the device is wedged: a teardown would wait on it forever
+            _exit_wedged(rank, e)
+        finally:
+            # an explicit teardown (groups left to interpreter exit can hang there), bounded:
+            # after another error (a peer's death seen by the control exchange, say) this
+            # rank's device may be wedged too
+            try:
+                destroy_parallel(drain_timeout_s=cfg.parallel.timeout_s)
+            except DeviceStall as e:
+                _exit_wedged(rank, e)
     from colo_rollout.testing import WorkerGroup
 
     with WorkerGroup(cfg.parallel.world_size) as group:

@@ -742,3 +742,43 @@ def prefill_graph_data_path(rank: int, world: int, adp: int, ep: int) -> dict:
                for r in requests)
     return {"max_diff": worst, "keys": keys, "engine_replays": graphs.replays - replays,
             "engine_same": same}
+
+
+def wedged_close(rank: int, world: int, adp: int, ep: int) -> dict:
+    """A step whose bounded wait raised DeviceStall marks the engine wedged: the error names
+    rank and step, and close() then releases host resources only -- it neither drains the
+    streams nor releases the graphs (both wait on the device, which never drains). An engine
+    that is not wedged does drain (the stand-ins below would fail)."""
+    from colo_rollout.inference.stream_route import DeviceStall
+
+    def must_not_drain():
+        raise AssertionError("drained a wedged device")
+
+    out = {}
+    for wedge in (True, False):
+        cfg = tiny_config(world, adp, ep)
+        groups = init_parallel(cfg.parallel)
+        install_cpu_compat()
+        engine = Engine(cfg, groups, random_state_dict(cfg.model))
+        if wedge:
+            class Stuck:
+                def resolve(self, timeout_s, what):
+                    raise DeviceStall(f"{what}: the GPU work was not done within "
+                                      f"{timeout_s:g} s")
+
+            engine.runner.run = lambda plan, sched: Stuck()
+            for req in mixed_requests(2, 3, cfg.model.vocab_size):
+                engine.submit(req)
+            try:
+                for _ in range(5):
+                    engine.step()
+            except DeviceStall as e:
+                out["error"] = str(e)
+        engine.route.synchronize = must_not_drain
+        engine.runner.release_graphs = must_not_drain
+        try:
+            engine.close()
+            out[f"close_wedged={wedge}"] = "ok"
+        except AssertionError as e:
+            out[f"close_wedged={wedge}"] = str(e)
+    return out

@@ -75,6 +75,15 @@ def test_stall_dump_prints_each_ranks_stacks_from_a_slow_step(worker_groups):
         assert r["0.0"] == {"dumped": False, "in_step": False}
 
 
+def test_a_device_stall_wedges_the_engine_and_close_does_not_wait_on_the_device(worker_groups):
+    res = worker_groups(2).run(f"{CASES}:wedged_close", adp=2, ep=2)
+    for rank, r in enumerate(res):
+        assert r["error"].startswith(f"rank {rank}, step ")
+        assert "D tokens: the GPU work was not done within" in r["error"]
+        assert r["close_wedged=True"] == "ok"
+        assert r["close_wedged=False"] == "drained a wedged device"  # the stand-in bites
+
+
 def test_grouped_expert_weights_follow_in_place_updates_and_replacement(worker_groups):
     from tests.cases_engine import LOGPROB_TOL
 

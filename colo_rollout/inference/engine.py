@@ -142,6 +142,7 @@ class Engine:
         # every host wait for this engine's GPU work is bounded by the groups' timeout: D's
         # collectives are graph-captured, which NCCL's watchdog does not watch
         self._wait_s = cfg.parallel.timeout_s
+        self._wedged = False  # a step raised DeviceStall: the device cannot be drained
         # engine.stall_dump_s: a step outlasting it prints this rank's stack (diagnosis)
         self._stall_watch = (StallWatch(cfg.engine.stall_dump_s)
                              if cfg.engine.stall_dump_s > 0 else None)
@@ -196,6 +197,9 @@ class Engine:
         try:
             return self._step()
         except DeviceStall as e:  # the waits name what they waited for; the step adds where
+            # this rank's device is wedged: nothing may wait on it again (close() skips the
+            # drain); the way out is parallel.abort_parallel() and a process exit
+            self._wedged = True
             raise DeviceStall(f"rank {self.groups.rank}, step {self.scheduler.step_no}: "
                               f"{e}") from e
         finally:
@@ -531,10 +535,13 @@ class Engine:
 
     def close(self) -> None:
         """Drop the D graphs (they hold NCCL collectives) and drain both streams: call before
-        the process groups are destroyed."""
+        the process groups are destroyed. After a step raised DeviceStall only the host
+        resources are closed: the device cannot be drained (abort the communicators with
+        ``parallel.abort_parallel`` and exit the process)."""
         if self._handed_over:
             return  # the successor owns the graphs; control and rendezvous are closed
-        self.runner.release_graphs()
+        if not self._wedged:  # releasing graphs drains the device first
+            self.runner.release_graphs()
         self._close_host_agreement()
 
     def _close_host_agreement(self) -> None:
@@ -543,7 +550,8 @@ class Engine:
         with."""
         if self._stall_watch is not None:
             self._stall_watch.close()
-        self.route.synchronize()
+        if not self._wedged:
+            self.route.synchronize()
         self.control.close()
         if hasattr(self.rendezvous, "close"):
             self.rendezvous.close()

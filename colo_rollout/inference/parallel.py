@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import datetime
 import os
+import threading
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from colo_rollout.config import ParallelConfig
+from colo_rollout.inference.stream_route import DeviceStall
 
 
 class LayoutError(ValueError):
@@ -242,22 +244,84 @@ def verify_membership(groups: ParallelGroups) -> None:
             )
 
 
-def destroy_parallel() -> None:
-    """Tear down megatron's state and the default process group (drop CUDA graphs first)."""
+def destroy_parallel(drain_timeout_s: float | None = None) -> None:
+    """Tear down megatron's state and the default process group (drop CUDA graphs first).
+    ``drain_timeout_s`` bounds the wait for this process's GPU work (None: unbounded); a
+    device that does not drain in time raises DeviceStall and nothing is torn down -- the
+    caller then aborts the communicators (``abort_parallel``) and exits."""
     from megatron.core import parallel_state as ps
 
-    _drop_stale_graphs()
+    _drop_stale_graphs(drain_timeout_s)
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def _drop_stale_graphs() -> None:
+def _drop_stale_graphs(drain_timeout_s: float | None = None) -> None:
     """Unreferenced engines may still hold D graphs with NCCL collectives in them (reference
     cycles): collect them and drain the device before groups go away, or a destroy hangs."""
     import gc
 
     gc.collect()
+    drain_device(drain_timeout_s)
+
+
+def _cuda_sync() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
+
+
+# How drain_device waits for the device; a seam for tests (a CPU process has no device to wedge).
+_device_sync = _cuda_sync
+
+
+def drain_device(timeout_s: float | None) -> None:
+    """Wait until this process's GPU work is done, at most ``timeout_s`` seconds (None:
+    unbounded). Why bounded: a collective whose peer stalled or died never completes (graph-
+    captured ones are not even watched by NCCL's watchdog), and an unbounded synchronize in a
+    teardown then hangs the process silently instead of letting its error out. Raises
+    DeviceStall. The wait runs on a daemon thread (synchronize releases the GIL), which is
+    left behind if the device never drains."""
+    if timeout_s is None:
+        _device_sync()
+        return
+    done = threading.Event()
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            _device_sync()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            failed.append(e)
+        done.set()
+
+    threading.Thread(target=run, name="colo-drain", daemon=True).start()
+    if not done.wait(timeout_s):
+        raise DeviceStall(f"the device did not drain within {timeout_s:g} s (a collective in "
+                          "flight did not complete: a peer stalled, died or diverged)")
+    if failed:
+        raise failed[0]
+
+
+def abort_parallel(timeout_s: float = 10.0) -> bool:
+    """Abort every communicator of this process (NCCL: ncclCommAbort, which makes kernels
+    spinning on a lost peer return) without waiting for the device -- the way out after a
+    DeviceStall, where destroy_parallel would wait forever. Best effort, bounded by
+    ``timeout_s``; afterwards no collective may be issued. Returns whether it completed."""
+    if not dist.is_initialized():
+        return True
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is None:  # an older torch: nothing to abort with
+        return False
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            abort()
+        except Exception:  # noqa: BLE001 - a backend without abort (gloo): nothing spins
+            pass
+        done.set()
+
+    threading.Thread(target=run, name="colo-abort", daemon=True).start()
+    return done.wait(timeout_s)
