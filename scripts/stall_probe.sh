@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Diagnosis of the Fine stall with P graphs (docs/status.md "Next"): the same 64-conversation
-# fine-bal replay under several settings, each bounded in time; logs and bench JSON (every
-# rank's GPU timeline) land in $OUT. Usage on the GPU host: bash scripts/stall_probe.sh NAME=ENV... 
-#   PROBES="a b c" picks the probes below; PROBE_TIMEOUT bounds each (s).
+# Diagnosis of the Fine stall with P graphs (docs/benchmarks.md, session 7): the 64-conversation
+# replay of configs/bench_gpu_large.yaml with P graphs and P's AllReduce unrouted, under several
+# settings (the cases below), each bounded by PROBE_TIMEOUT seconds. Logs, bench JSON (every
+# rank's GPU timeline) and summary.txt (the table rows and timeline rows) land in $OUT.
+#   PROBES="f0 f1" bash scripts/stall_probe.sh     (on the GPU host; 2 GPUs)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1

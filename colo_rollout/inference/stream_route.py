@@ -98,8 +98,10 @@ def routes_p_collective(route: str, adp: int, atp: int, p_graphs: bool = False) 
         more than one rank (ADP x ATP). Without the route, P's and D's collectives then run on two
         communicators over the same GPUs at once, which NCCL gives no forward-progress
         guarantee for; with graphed P (its GPU work no longer paced by its host enqueue) Fine
-        stalled 24-52 s on EP2/ADP2 in 3 of 3 runs, and not with the route (docs/benchmarks.md,
-        session 6). Eager P keeps full stream concurrency there.
+        stalled 24-100 s on EP2/ADP2 (9 of 14 Fine cells over sessions 6-7), and not with the
+        route. NCCL's watchdog caught P's AllReduce itself hung on both ranks, the same
+        sequence number launched by both, beside D's graphed collectives (docs/benchmarks.md,
+        session 7). Eager P keeps full stream concurrency there (no stall seen).
       * ``always``: on any layout; ``off``: never (the unsafe control)."""
     if route == "always":
         return True
