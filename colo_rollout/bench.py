@@ -50,6 +50,27 @@ def bench_trace(cfg: Config) -> Trace:
     return trace.truncated(cap)
 
 
+# columns of a run's "steps" rows (rank 0, the timeline cell): one row per engine step
+STEP_FIELDS = ("phase", "d_ready", "d_rows", "d_wait_ms", "span", "step_ms", "p_in_flight")
+
+
+def step_stats(steps: list[list]) -> dict:
+    """Where a replay's steps went, from its "steps" rows: steps with P work in flight (a P
+    step, or a P epoch in flight), and of those the ones with no D row ready anywhere -- P that
+    no ordering can hide -- against the ones where D rows were ready; host ms of each."""
+    idx = {k: i for i, k in enumerate(STEP_FIELDS)}
+    out = {"steps": len(steps), "p_steps": 0, "p_alone": 0, "p_alone_ms": 0.0,
+           "p_with_d": 0, "p_with_d_ms": 0.0}
+    for row in steps:
+        if not (row[idx["p_in_flight"]] or row[idx["phase"]] == "PREFILL"):
+            continue
+        out["p_steps"] += 1
+        key = "p_alone" if row[idx["d_ready"]] == 0 else "p_with_d"
+        out[key] += 1
+        out[key + "_ms"] += row[idx["step_ms"]]
+    return out
+
+
 def variants(cfg: Config) -> list[tuple[str, dict]]:
     """(table name, engine settings) of every variant the bench runs."""
     return cfg.bench.variant_settings()
@@ -98,10 +119,15 @@ def run_bench(rank: int, world: int, config_path: str, overrides: dict | None = 
             row["ttft_s"] = {rid: o.first_token_time - o.submit_time
                              for rid, o in outs.items() if rid in raw["done"]}
             row["host_s"] = engine.host_seconds()
+            if timeline_cell:  # per step, to read a timeline by: is D held, or is none ready?
+                row["steps"] = [[h.phase.name, h.d_ready, h.d_rows, round(1e3 * h.d_wait_s, 3),
+                                 h.span, round(1e3 * h.seconds, 3), int(h.p_in_flight)]
+                                for h in engine.history]
         runs.append(row)
         if partial is not None:  # survives a run that is cut short (device time limits)
             partial.write(json.dumps({k: v for k, v in row.items()
-                                      if k not in ("request_completion_s", "ttft_s")}) + "\n")
+                                      if k not in ("request_completion_s", "ttft_s",
+                                                   "steps")}) + "\n")
             partial.flush()
         if timeline_cell:  # what the GPU ran where it was timed, else the host's enqueue
             spans = gpu_spans or engine.timeline
@@ -197,9 +223,18 @@ def report(results: list[dict], cfg: Config, out_dir: str) -> dict:
         print("\nhost time, rank 0, first rep (ms): " + ", ".join(parts))
         for v, h in host.items():
             print(f"{v:>22s} " + " ".join(f"{1e3 * h.get(k, 0.0):9.1f}" for k in parts))
+    steps = {r["variant"]: step_stats(r["steps"]) for r in runs
+             if r["rep"] == 0 and r["wait_scale"] == runs[0]["wait_scale"] and "steps" in r}
+    if steps:
+        print("\nsteps, rank 0, first rep: all, with P in flight; of those with no D row "
+              "ready (P alone) and with D rows ready (count, host ms)")
+        for v, st in steps.items():
+            print(f"{v:>22s} {st['steps']:6d} {st['p_steps']:6d} {st['p_alone']:6d} "
+                  f"{st['p_alone_ms']:9.1f} {st['p_with_d']:6d} {st['p_with_d_ms']:9.1f}")
     with open(os.path.join(out_dir, "bench.json"), "w") as f:
         json.dump({"summary": summary, "runs": runs, "trace": t,
                    "layout": results[0]["layout"], "timeline_stats": tstats,
+                   "step_fields": STEP_FIELDS, "step_stats": steps,
                    # every rank's: a stall on one rank is explained by what its peers ran
                    "timelines_by_rank": [r["timelines"] for r in results]}, f, indent=1)
     _plots(results, runs, cfg, out_dir)

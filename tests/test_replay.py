@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 
-from colo_rollout.bench import bench_trace, report, variants
+from colo_rollout.bench import STEP_FIELDS, bench_trace, report, step_stats, variants
 from colo_rollout.config import load_config
 
 CFG = "configs/bench_cpu.yaml"
@@ -55,8 +55,30 @@ def test_bench_replays_every_turn_with_identical_work(worker_groups, tmp_path, c
     assert st["p_busy_ms"] > 0 and st["d_busy_ms"] > 0 and st["d_iterations"] > 0
     assert st["overlap_ms"] < 1e-6
     assert "timeline" in out
+    # per-step rows of the timeline cells (rank 0, first rep, first wait scale)
+    assert data["step_fields"] == list(STEP_FIELDS)
+    for v in ("normal", "fine-2"):
+        rows = by[(0.0, v)]["steps"]
+        assert len(rows) == data["step_stats"][v]["steps"] > 0
+        assert all(r[2] <= r[1] for r in rows)  # a D iteration runs only ready rows
+        assert rows[0][1] == 0  # the first step: every prompt still waits for its P
+        assert data["step_stats"][v]["p_alone"] >= 1
+        assert any(r[2] > 0 for r in rows)  # D iterations ran
+    assert "steps" not in by[(0.01, "normal")]  # only the timeline cells keep them
+    assert "P alone" in out
     assert (tmp_path / "ccdf_request.png").stat().st_size > 1000
     assert (tmp_path / "timeline.png").stat().st_size > 1000
+
+
+def test_step_stats_split_p_steps_by_whether_d_was_ready():
+    rows = [["PREFILL", 0, 0, 0.0, 0, 5.0, 1],  # P alone
+            ["DECODE", 3, 3, 1.0, 2, 4.0, 1],  # D with an epoch in flight
+            ["DECODE", 3, 3, 0.0, 0, 2.0, 0],  # D only: not a P step
+            ["IDLE", 0, 0, 0.0, 0, 1.5, 1]]  # parked, waiting for P alone
+    st = step_stats(rows)
+    assert st == {"steps": 4, "p_steps": 3, "p_alone": 2, "p_alone_ms": 6.5,
+                  "p_with_d": 1, "p_with_d_ms": 4.0}
+    assert step_stats([])["p_steps"] == 0
 
 
 def test_timeline_stats_split_busy_overlap_and_tail():

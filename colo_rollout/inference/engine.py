@@ -69,6 +69,7 @@ class StepStats:
     d_rows: int = 0  # D rows of the D iteration run in this step (0: none ran)
     d_wait_s: float = 0.0  # P time that held this D iteration back while its rows were ready
     span: int = 0  # PD: boundaries P was permitted after this step's D iteration (0: none)
+    d_ready: int = 0  # D rows with a token when the step planned, whole world (d_rows <= it)
 
 
 # engine settings that size the model's device state (KV storage, D graphs): a successor engine
@@ -298,7 +299,7 @@ class Engine:
                                       p_in_flight=(self.runner.epoch_active
                                                    or self._p_epoch is not None),
                                       d_rows=self._d_rows_run, d_wait_s=self._d_wait_run,
-                                      span=self._span_run))
+                                      span=self._span_run, d_ready=d_ready))
         return finished
 
     def _clock(self, what: str, since: float) -> None:
