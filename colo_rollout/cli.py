@@ -34,8 +34,8 @@ def _exit_wedged(rank: int, err: BaseException) -> None:
 
     # the chain includes the error a failed teardown arrived during (its __context__)
     traceback.print_exception(err, file=sys.stderr)
-    sys.stderr.write(f"rank {rank}: error: {err}\nrank {rank}: the GPU cannot be drained; "
-                     "aborting the communicators and exiting\n")
+    sys.stderr.write(f"rank {rank}: the GPU cannot be drained; aborting the communicators "
+                     "and exiting\n")
     sys.stderr.flush()
     sys.stdout.flush()
     abort_parallel()

@@ -236,8 +236,9 @@ class EngineConfig:
     # GPU, with cuda_graphs: P's MoE blocks (norm, router, experts) by CUDA-graph replay, one
     # graph per (layer, token bucket) -- half of P's per-layer host enqueue (its attention and
     # collectives stay eager). "auto": on in Normal mode, off in the PD modes: with P's GPU
-    # work no longer paced by its host enqueue, Fine with the balanced span stalled 24-50 s on
-    # 2x H200 (EP2/ADP2, 64 conversations; cause not found, docs/benchmarks.md session 6).
+    # work no longer paced by its host enqueue, Fine stalled 24-100 s on 2x H200 (EP2/ADP2, 64
+    # conversations): P's unrouted AllReduce hung beside D's graph-captured collectives
+    # (docs/benchmarks.md, sessions 6-7).
     # "always" enables them in every mode -- in the PD modes stream_route "auto" then also routes
     # P's AllReduce onto D's stream (no stall in that run, and no Fine gain: -1.9%) -- "never"
     # nowhere (words YAML does not read as bools).

@@ -276,52 +276,51 @@ def _cuda_sync() -> None:
 _device_sync = _cuda_sync
 
 
-def drain_device(timeout_s: float | None) -> None:
-    """Wait until this process's GPU work is done, at most ``timeout_s`` seconds (None:
-    unbounded). Why bounded: a collective whose peer stalled or died never completes (graph-
-    captured ones are not even watched by NCCL's watchdog), and an unbounded synchronize in a
-    teardown then hangs the process silently instead of letting its error out. Raises
-    DeviceStall. The wait runs on a daemon thread (synchronize releases the GIL), which is
-    left behind if the device never drains."""
-    if timeout_s is None:
-        _device_sync()
-        return
+def _within(fn, timeout_s: float) -> tuple[bool, BaseException | None]:
+    """Run ``fn`` on a daemon thread and wait at most ``timeout_s`` seconds: (finished, the
+    error it raised). A call that never returns (a synchronize on a wedged device) is left
+    behind on its thread; the caller goes on."""
     done = threading.Event()
     failed: list[BaseException] = []
 
     def run() -> None:
         try:
-            _device_sync()
-        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
             failed.append(e)
         done.set()
 
-    threading.Thread(target=run, name="colo-drain", daemon=True).start()
-    if not done.wait(timeout_s):
+    threading.Thread(target=run, name="colo-bounded", daemon=True).start()
+    finished = done.wait(timeout_s)
+    return finished, (failed[0] if failed else None)
+
+
+def drain_device(timeout_s: float | None) -> None:
+    """Wait until this process's GPU work is done, at most ``timeout_s`` seconds (None:
+    unbounded). Why bounded: a collective whose peer stalled or died never completes (graph-
+    captured ones are not even watched by NCCL's watchdog), and an unbounded synchronize in a
+    teardown then hangs the process silently instead of letting its error out. Raises
+    DeviceStall (synchronize releases the GIL, so it can wait on another thread)."""
+    if timeout_s is None:
+        _device_sync()
+        return
+    finished, err = _within(_device_sync, timeout_s)
+    if not finished:
         raise DeviceStall(f"the device did not drain within {timeout_s:g} s (a collective in "
                           "flight did not complete: a peer stalled, died or diverged)")
-    if failed:
-        raise failed[0]
+    if err is not None:
+        raise err
 
 
 def abort_parallel(timeout_s: float = 10.0) -> bool:
     """Abort every communicator of this process (NCCL: ncclCommAbort, which makes kernels
     spinning on a lost peer return) without waiting for the device -- the way out after a
     DeviceStall, where destroy_parallel would wait forever. Best effort, bounded by
-    ``timeout_s``; afterwards no collective may be issued. Returns whether it completed."""
+    ``timeout_s``; afterwards no collective may be issued. Returns whether it completed (a
+    backend without abort, gloo, raises inside: nothing of it spins on the device)."""
     if not dist.is_initialized():
         return True
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
     if abort is None:  # an older torch: nothing to abort with
         return False
-    done = threading.Event()
-
-    def run() -> None:
-        try:
-            abort()
-        except Exception:  # noqa: BLE001 - a backend without abort (gloo): nothing spins
-            pass
-        done.set()
-
-    threading.Thread(target=run, name="colo-abort", daemon=True).start()
-    return done.wait(timeout_s)
+    return _within(abort, timeout_s)[0]
