@@ -70,18 +70,19 @@ def compare_with_reference(ref, requests, outs, tol: float = LOGPROB_TOL) -> dic
 
 
 def engine_matches_reference(rank: int, world: int, adp: int, ep: int, n_requests: int = 14,
-                             seed: int = 0, moe_compute: str = "auto") -> dict:
+                             seed: int = 0, moe_compute: str = "auto",
+                             model_kw: dict | None = None, mode: str = "normal") -> dict:
     # A batch cap of 3 rows per replica admits requests in waves: later P steps run while other
     # replicas hold D rows, and some replicas take part in a P step with zero rows.
-    cfg = tiny_config(world, adp, ep, max_batch_size=3, decode_buckets=[1, 2, 4],
-                      model_kw={"moe_compute": moe_compute})
+    cfg = tiny_config(world, adp, ep, max_batch_size=3, decode_buckets=[1, 2, 4], mode=mode,
+                      model_kw={"moe_compute": moe_compute, **(model_kw or {})})
     groups = init_parallel(cfg.parallel)
     install_cpu_compat()
     sd = random_state_dict(cfg.model)
     engine = Engine(cfg, groups, sd)
     warm = engine.warmup()  # collective; must leave the engine serving exactly as before
-    grouped = [layer.mlp.uses_grouped(torch.zeros(1, device=groups.device))
-               for layer in engine.model.decoder.layers]
+    grouped = [moe.uses_grouped(torch.zeros(1, device=groups.device))
+               for moe in engine.model.moe_layers()]
     requests = mixed_requests(n_requests, seed, cfg.model.vocab_size)
     outs = engine.generate(requests)
     engine.check_integrity()

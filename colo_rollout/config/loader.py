@@ -71,6 +71,18 @@ class Config:
             "model.vocab_size",
             f"{model.vocab_size} is not divisible by {atp_desc}; the embedding is vocab-parallel",
         )
+        for key, width in (("ffn_hidden_size", model.dense_ffn_hidden_size if
+                            model.first_k_dense else None),
+                           ("shared_expert_ffn_hidden_size", model.shared_expert_ffn_hidden_size)):
+            _require(width is None or width % par.atp == 0, f"model.{key}",
+                     f"{width} is not divisible by {atp_desc}; ATP shards dense and shared-expert "
+                     "FFNs")
+        _require(
+            model.moe_ffn_hidden_size % par.etp == 0,
+            "model.moe_ffn_hidden_size",
+            f"{model.moe_ffn_hidden_size} is not divisible by the expert TP width {par.etp} "
+            f"(world_size {par.world_size} / ep {par.ep})",
+        )
         _require(
             model.num_experts % par.ep == 0,
             "model.num_experts",
@@ -132,10 +144,30 @@ def config_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Config:
     Missing keys take their defaults.  Any problem is a :class:`ConfigError`
     whose message starts with ``source``.
     """
+    data = _with_checkpoint_fields(data, source)
     try:
         return _build(Config, data, "")
     except ConfigError as err:
         raise _with_source(err, source) from err
+
+
+def _with_checkpoint_fields(data: Mapping[str, Any], source: str) -> Mapping[str, Any]:
+    """``data`` with the model section's architecture fields read from ``model.checkpoint``'s
+    config.json (checkpoint/hf_config.py) when it names one."""
+    model = data.get("model") if isinstance(data, Mapping) else None
+    if not (isinstance(model, Mapping) and isinstance(model.get("checkpoint"), str)):
+        return data  # no checkpoint (a wrong type is reported by the schema)
+    from colo_rollout.checkpoint.hf_config import ContradictionError, merge_checkpoint_fields
+    from colo_rollout.checkpoint.store import CheckpointError
+
+    try:
+        merged, _ = merge_checkpoint_fields(dict(model), source)
+    except CheckpointError as err:  # names config.json (or the directory) and its key
+        raise ConfigError(f"{source}: model.checkpoint: {err}", key="model.checkpoint",
+                          source=source) from None
+    except ContradictionError as err:
+        raise _with_source(ConfigError(str(err), key=err.key), source) from None
+    return {**data, "model": merged}
 
 
 def _apply_overrides(data: dict[str, Any], overrides: Mapping[str, Any]) -> None:

@@ -25,6 +25,8 @@ STREAM_ROUTES = ("auto", "off", "always")
 STREAM_PRIORITIES = ("decode", "prefill", "equal")
 PREFILL_GRAPHS = ("auto", "always", "never")
 FP8_FORMATS = ("hybrid", "e4m3")
+ROUTER_SCORES = ("softmax", "sigmoid")
+ROPE_SCALINGS = (None, "llama3")
 # normal: strict P priority, no multiplexing. The ordering ladder of P/D multiplexing (PD mode):
 # global_complete (whole-P epoch, D only after P completes), global_enqueue (whole-P epoch, D
 # after all ranks host-enqueued it), fine (segment turnstile: D at every K boundaries).
@@ -83,9 +85,14 @@ class ModelConfig:
 
     SECTION: ClassVar[str] = "model"
 
+    # Hugging Face checkpoint directory (config.json + safetensors). When set, the architecture
+    # fields below come from its config.json (checkpoint/hf_config.py; a field set here that
+    # contradicts it is an error naming both) and Engine(cfg, groups) loads the weights itself,
+    # each rank reading only its slices. params_dtype still comes from here.
+    checkpoint: str | None = None
     # Vocabulary size; must be divisible by parallel.atp (vocab-parallel embedding).
     vocab_size: int = 256
-    # Model (residual stream) width; divisible by num_attention_heads.
+    # Model (residual stream) width.
     hidden_size: int = 64
     # Number of transformer layers.
     num_layers: int = 2
@@ -93,16 +100,55 @@ class ModelConfig:
     num_attention_heads: int = 4
     # GQA key/value groups; num_attention_heads must be divisible by it.
     num_query_groups: int = 2
-    # FFN hidden width of each expert.
+    # Per-head width (megatron's kv_channels); null = hidden_size // num_attention_heads.
+    head_dim: int | None = None
+    # RMSNorm on each head's queries and keys before RoPE (Qwen3-MoE; megatron qk_layernorm).
+    qk_layernorm: bool = False
+    # Epsilon of every norm (megatron layernorm_epsilon; HF rms_norm_eps).
+    norm_epsilon: float = 1e-5
+    # Bias on the q, k and v projections (Qwen2-MoE, GLM-4.5; megatron add_qkv_bias).
+    qkv_bias: bool = False
+    # The output layer reuses the embedding matrix (megatron share_embeddings_and_output_weights).
+    tie_embeddings: bool = False
+    # FFN hidden width of each routed expert.
     moe_ffn_hidden_size: int = 128
     # Routed experts per MoE layer.
     num_experts: int = 8
     # Experts each token is routed to; 1 <= topk <= num_experts.
     moe_router_topk: int = 2
+    # Router score: "softmax" or "sigmoid" (DeepSeek-V3 / GLM-4.5 style).
+    router_score: str = "softmax"
+    # Renormalise the top-k probabilities to sum to 1 (HF norm_topk_prob). softmax: true = top-k
+    # of the logits then softmax over them (megatron pre_softmax false), false = softmax over all
+    # experts, then top-k (pre_softmax true). sigmoid: megatron always renormalises (top-k > 1).
+    router_norm_topk: bool = True
+    # sigmoid: a per-expert score-correction bias added to the scores for the top-k choice only
+    # (HF e_score_correction_bias; megatron expert_bias: a buffer, not a trained parameter).
+    router_expert_bias: bool = False
+    # Multiplies the routing probabilities (HF routed_scaling_factor); 1.0 = none.
+    router_scaling_factor: float = 1.0
+    # Group-limited routing: experts in router_num_groups groups, each token picks
+    # router_group_topk groups by the sum of its top-(topk / group_topk) scores per group, then
+    # its top-k experts inside them. null = off (both null).
+    router_num_groups: int | None = None
+    router_group_topk: int | None = None
+    # Shared experts (every token, beside the routed ones): their total FFN width; null = none.
+    shared_expert_ffn_hidden_size: int | None = None
+    # Scale the shared experts' output by sigmoid(x . w_gate) (Qwen2-MoE shared_expert_gate).
+    shared_expert_gate: bool = False
+    # The first k layers have a dense MLP of width ffn_hidden_size instead of MoE (DeepSeek/GLM).
+    first_k_dense: int = 0
+    # FFN width of the dense layers (first_k_dense); null = moe_ffn_hidden_size.
+    ffn_hidden_size: int | None = None
     # Longest position the rotary embedding is built for.
     max_position_embeddings: int = 2048
     # RoPE base frequency; > 0.
     rotary_base: float = 10000.0
+    # Fraction of each head's dims that RoPE rotates (GLM-4.5: 0.5); in (0, 1].
+    rotary_percent: float = 1.0
+    # RoPE frequency scaling: null or "llama3" (megatron's rope_scaling, by rope_scaling_factor).
+    rope_scaling: str | None = None
+    rope_scaling_factor: float = 8.0
     # Normalisation layer: "RMSNorm" or "LayerNorm".
     normalization: str = "RMSNorm"
     # Parameter dtype: "float32", "bfloat16" or "float16".
@@ -137,12 +183,62 @@ class ModelConfig:
             ),
             1,
         )
-        _require_min(self, ("seed",), 0)
-        _require(
-            self.hidden_size % self.num_attention_heads == 0,
-            "model.hidden_size",
-            f"{self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}",
-        )
+        _require_min(self, ("seed", "first_k_dense"), 0)
+        if self.head_dim is None:
+            _require(
+                self.hidden_size % self.num_attention_heads == 0,
+                "model.hidden_size",
+                f"{self.hidden_size} is not divisible by num_attention_heads "
+                f"{self.num_attention_heads} (set model.head_dim for another head width)",
+            )
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        _require(self.head_dim >= 2 and self.head_dim % 2 == 0, "model.head_dim",
+                 f"must be an even number >= 2 (RoPE rotates pairs), got {self.head_dim}")
+        for name in ("ffn_hidden_size", "shared_expert_ffn_hidden_size", "router_num_groups",
+                     "router_group_topk"):
+            v = getattr(self, name)
+            _require(v is None or v >= 1, f"model.{name}", f"must be >= 1 or null, got {v}")
+        _require(self.first_k_dense < self.num_layers, "model.first_k_dense",
+                 f"{self.first_k_dense} leaves no MoE layer of num_layers {self.num_layers}")
+        _require(self.norm_epsilon > 0, "model.norm_epsilon",
+                 f"must be > 0, got {self.norm_epsilon}")
+        _require(0 < self.rotary_percent <= 1, "model.rotary_percent",
+                 f"must be in (0, 1], got {self.rotary_percent}")
+        rot = self.head_dim * self.rotary_percent
+        _require(rot == int(rot) and int(rot) % 2 == 0, "model.rotary_percent",
+                 f"head_dim {self.head_dim} x {self.rotary_percent} = {rot} is not an even "
+                 "number of dims")
+        _require_choice(self, "rope_scaling", ROPE_SCALINGS)
+        _require(self.rope_scaling_factor > 0, "model.rope_scaling_factor",
+                 f"must be > 0, got {self.rope_scaling_factor}")
+        _require_choice(self, "router_score", ROUTER_SCORES)
+        _require(self.router_scaling_factor > 0, "model.router_scaling_factor",
+                 f"must be > 0, got {self.router_scaling_factor}")
+        _require(not self.router_expert_bias or self.router_score == "sigmoid",
+                 "model.router_expert_bias",
+                 "the score-correction bias needs router_score 'sigmoid' (megatron's rule)")
+        _require(self.router_norm_topk or self.router_score == "softmax"
+                 or self.moe_router_topk == 1, "model.router_norm_topk",
+                 "false with router_score 'sigmoid' is not in megatron (its sigmoid router always "
+                 "renormalises the top-k scores)")
+        _require((self.router_num_groups is None) == (self.router_group_topk is None),
+                 "model.router_group_topk",
+                 "set both router_num_groups and router_group_topk, or neither")
+        if self.router_num_groups is not None:
+            g, k = self.router_num_groups, self.router_group_topk
+            _require(self.num_experts % g == 0, "model.router_num_groups",
+                     f"num_experts {self.num_experts} is not divisible by {g} groups")
+            _require(k <= g, "model.router_group_topk", f"{k} exceeds router_num_groups {g}")
+            _require(self.moe_router_topk % k == 0, "model.router_group_topk",
+                     f"moe_router_topk {self.moe_router_topk} is not divisible by {k} (megatron "
+                     "scores each group by its top-(topk / group_topk) experts)")
+            _require(self.moe_router_topk // k <= self.num_experts // g,
+                     "model.router_group_topk",
+                     f"top-{self.moe_router_topk // k} per group exceeds the "
+                     f"{self.num_experts // g} experts of a group")
+        _require(not self.shared_expert_gate or self.shared_expert_ffn_hidden_size is not None,
+                 "model.shared_expert_gate", "needs shared_expert_ffn_hidden_size (no shared "
+                 "experts to gate)")
         _require(
             self.num_attention_heads % self.num_query_groups == 0,
             "model.num_query_groups",
@@ -172,9 +268,13 @@ class ModelConfig:
         )
 
     @property
-    def head_dim(self) -> int:
-        """Per-head width (hidden_size // num_attention_heads)."""
-        return self.hidden_size // self.num_attention_heads
+    def dense_ffn_hidden_size(self) -> int:
+        """FFN width of the dense layers (the first first_k_dense)."""
+        return self.ffn_hidden_size if self.ffn_hidden_size is not None else self.moe_ffn_hidden_size
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Layer i (0-based) has routed experts; the first first_k_dense are dense MLPs."""
+        return i >= self.first_k_dense
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -183,7 +183,8 @@ class PagedSelfAttention(torch.nn.Module):
     """megatron-named attention over a paged KV cache; heads sharded over the ATP group."""
 
     def __init__(self, config: TransformerConfig, layer_number: int, atp_group,
-                 init_method, qkv_cls=ColumnParallelLinear, proj_cls=RowParallelLinear) -> None:
+                 init_method, qkv_cls=ColumnParallelLinear, proj_cls=RowParallelLinear,
+                 qk_norm_cls=None) -> None:
         super().__init__()
         self.layer_number = layer_number
         atp = atp_group.size()
@@ -197,9 +198,16 @@ class PagedSelfAttention(torch.nn.Module):
         # linear; only its weight is used -- the reduction belongs to the comm path.
         self.linear_qkv = qkv_cls(
             config.hidden_size, qkv_out, config=config, init_method=init_method,
-            gather_output=False, bias=config.add_bias_linear, skip_bias_add=False,
-            is_expert=False, tp_group=atp_group,
+            gather_output=False, bias=config.add_bias_linear or config.add_qkv_bias,
+            skip_bias_add=False, is_expert=False, tp_group=atp_group,
         )
+        # megatron's SelfAttention: per-head norms of q and k (before RoPE) when qk_layernorm
+        self.q_layernorm = self.k_layernorm = None
+        if qk_norm_cls is not None:
+            self.q_layernorm = qk_norm_cls(config=config, hidden_size=self.head_dim,
+                                           eps=config.layernorm_epsilon)
+            self.k_layernorm = qk_norm_cls(config=config, hidden_size=self.head_dim,
+                                           eps=config.layernorm_epsilon)
         self.linear_proj = proj_cls(
             config.num_attention_heads * self.head_dim, config.hidden_size, config=config,
             init_method=init_method, bias=False, input_is_parallel=True, skip_bias_add=True,
@@ -217,10 +225,15 @@ class PagedSelfAttention(torch.nn.Module):
         # per query group: q_0..q_{n-1}, k, v (megatron's layout); rotate q and k in one pass
         n = self.q_per_group
         qkv = qkv.view(T, self.groups, n + 2, self.head_dim)
-        qk = apply_rope(qkv[:, :, : n + 1], rope)  # [T, groups, n + 1, dim]
-        q = qk[:, :, :n].reshape(T, self.heads, self.head_dim)
-        k = qk[:, :, n]
         v = qkv[:, :, n + 1]
+        if self.q_layernorm is None:
+            qk = apply_rope(qkv[:, :, : n + 1], rope)  # [T, groups, n + 1, dim]
+            q = qk[:, :, :n].reshape(T, self.heads, self.head_dim)
+            k = qk[:, :, n]
+        else:  # normalise each head of q and k, then rotate (megatron's order)
+            q = apply_rope(self.q_layernorm(qkv[:, :, :n].reshape(T, self.heads, self.head_dim)),
+                           rope)
+            k = apply_rope(self.k_layernorm(qkv[:, :, n].contiguous()), rope)
 
         # Write the new K/V into their slots before attending (a prefill sees its own tokens).
         kc = kv.k[layer].view(-1, self.groups, self.head_dim)

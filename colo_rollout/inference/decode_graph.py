@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from colo_rollout.inference.attention import AttnMetadata
-from colo_rollout.inference.model import DecodeInputs, InferenceGPT
+from colo_rollout.inference.model import DecodeInputs, InferenceGPT, loadable_tensors
 from colo_rollout.inference.sampler import greedy_tensors
 from colo_rollout.inference.stream_route import h2d
 
@@ -59,11 +59,10 @@ def width_buckets(blocks: int, max_blocks: int) -> list[int]:
 
 def graphs_supported(model: InferenceGPT) -> bool:
     """Capture needs a host-sync-free D: CUDA and the grouped expert path in every layer."""
-    w = model.output_layer.weight
-    if not w.is_cuda:
+    if model.device.type != "cuda":
         return False
-    probe = torch.empty(1, dtype=w.dtype, device=w.device)
-    return all(layer.mlp.uses_grouped(probe) for layer in model.decoder.layers)
+    probe = torch.empty(1, dtype=model.dtype, device=model.device)
+    return all(moe.uses_grouped(probe) for moe in model.moe_layers())
 
 
 class _Graph:
@@ -92,15 +91,16 @@ class DecodeGraphs:
         self.model = model
         # one capture stream for the runner's lifetime: every new stream that runs a GEMM gets
         # its own cuBLAS workspace (32 MiB on sm90), so a stream per capture would leak them
-        self.capture_stream = capture_stream or torch.cuda.Stream(model.output_layer.weight.device)
+        self.capture_stream = capture_stream or torch.cuda.Stream(model.device)
         self.kv = kv
         self.max_blocks = max_blocks
-        self.device = model.output_layer.weight.device
+        self.device = model.device
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle()
         # the Parameter objects are stable (memory release swaps their .data, never the
         # objects): list them once, so the per-replay check does not walk the module tree
-        self._params = list(model.parameters())
+        # parameters and persistent buffers (the router's expert bias): what graphs read in place
+        self._params = list(loadable_tensors(model).values())
         self._fingerprint = self._settled_fingerprint()
         self.captures = 0  # graphs captured so far (re-captures included)
         self.replays = 0
@@ -129,8 +129,8 @@ class DecodeGraphs:
         """The fingerprint after the grouped experts have re-pointed any replaced expert
         parameter into a fresh stack (which their next forward would do): the addresses a graph
         captured now reads. Only needed when the cheap fingerprint changed."""
-        for layer in self.model.decoder.layers:
-            layer.mlp.prepare()
+        for moe in self.model.moe_layers():
+            moe.prepare()
         return self._weights_fingerprint()
 
     def run(self, ids: list[int], pos: list[int], slots: list[int], ctx: list[int],

@@ -59,6 +59,26 @@ from colo_rollout.inference.stall_watch import StallWatch
 from colo_rollout.inference.stream_route import DeviceStall, Span, StreamRoute
 
 
+def build_model(cfg: Config, groups: ParallelGroups,
+                state_dict: dict[str, torch.Tensor] | None = None):
+    """This rank's inference model with its weights: ``state_dict`` (full, megatron-named)
+    when given, else ``model.checkpoint`` (each rank reads its slices, straight into the
+    parameters on its device), else random weights from ``model.seed``. Returns (model, load
+    stats or None)."""
+    dtype = DTYPES[cfg.model.params_dtype]
+    if state_dict is None and cfg.model.checkpoint is not None:
+        from colo_rollout.checkpoint.loader import check_checkpoint, load_checkpoint
+
+        check_checkpoint(cfg.model)  # headers only, before anything is allocated
+        model = InferenceGPT(cfg.model, groups, dtype).to(groups.device)
+        stats = load_checkpoint(model, cfg.model, groups.layout, groups.rank, te=model.use_te)
+        return model.eval(), stats
+    model = InferenceGPT(cfg.model, groups, dtype)
+    model.load_full_state_dict(state_dict if state_dict is not None
+                               else random_state_dict(cfg.model))
+    return model.to(groups.device).eval(), None
+
+
 @dataclass
 class StepStats:
     step: int
@@ -85,12 +105,9 @@ class Engine:
         self.cfg = cfg
         self.groups = groups
         self._handed_over = False  # set by successor(): this engine must not step again
+        self.load_stats = None  # checkpoint load time and bytes (model.checkpoint)
         if _keep is None:
-            dtype = DTYPES[cfg.model.params_dtype]
-            model = InferenceGPT(cfg.model, groups, dtype)
-            model.load_full_state_dict(state_dict if state_dict is not None
-                                       else random_state_dict(cfg.model))
-            self.model = model.to(groups.device).eval()
+            self.model, self.load_stats = build_model(cfg, groups, state_dict)
         else:
             self.model = _keep.model
         lay = groups.layout

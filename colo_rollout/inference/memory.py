@@ -73,8 +73,8 @@ class EngineMemory:
         eng.route.synchronize()
         eng.runner.release_kv()
         if weights != "keep":
-            for layer in eng.model.decoder.layers:
-                layer.mlp.drop_stack()  # else the stacks keep the expert weights alive
+            for moe in eng.model.moe_layers():
+                moe.drop_stack()  # else the stacks keep the expert weights alive
             pin = eng.groups.device.type == "cuda"
             for name, p in eng.model.named_parameters():
                 if weights == "offload":

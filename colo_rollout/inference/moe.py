@@ -33,6 +33,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from colo_rollout.config import MOE_COMPUTE
@@ -45,9 +46,21 @@ COMBINE_DTYPE = torch.float32
 
 
 
+def mlp_partial(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A megatron (Shared-expert) MLP's output before its row-parallel reduction: fc1 (with
+    TE's fused norm, if any) -> SwiGLU -> fc2's weight. Issues no collective (fc1 is column-
+    parallel with gather_output off; fc2's reduction belongs to the comm path)."""
+    if x.shape[0] == 0:  # TE's fused norm rejects empty input
+        return x.new_zeros((0, mlp.linear_fc2.weight.shape[0]))
+    h, _ = mlp.linear_fc1(x)
+    gate, up = torch.chunk(h, 2, dim=-1)
+    return torch.nn.functional.linear(mlp.config.activation_func(gate) * up, mlp.linear_fc2.weight)
+
+
 class GatherMoE(torch.nn.Module):
     def __init__(self, config: TransformerConfig, pg_collection, ep_rank: int, ep_size: int,
-                 layer_number: int, experts_builder=None, compute: str = "auto") -> None:
+                 layer_number: int, experts_builder=None, compute: str = "auto",
+                 shared_fc=ColumnParallelLinear, shared_proj=RowParallelLinear) -> None:
         super().__init__()
         if compute not in MOE_COMPUTE:
             raise ValueError(f"moe compute {compute!r}: expected one of {MOE_COMPUTE}")
@@ -69,6 +82,15 @@ class GatherMoE(torch.nn.Module):
             )
         else:
             self.experts = experts_builder(self.num_local, config, pg_collection=pg_collection)
+        # shared experts (megatron's SharedExpertMLP, ATP-sharded like a dense MLP, optional
+        # sigmoid gate): every token goes through them. In the gather backend each replica
+        # computes them for its own rows only (``add_shared``): the phase's combine collective
+        # sums the ATP partials, and other replicas' rows get their share from their owners.
+        self.shared_experts = None
+        if config.moe_shared_expert_intermediate_size is not None:
+            self.shared_experts = SharedExpertMLP(
+                config, MLPSubmodules(linear_fc1=shared_fc, linear_fc2=shared_proj),
+                gate=config.moe_shared_expert_gate, pg_collection=pg_collection)
         self._stack: tuple[torch.Tensor, torch.Tensor] | None = None
         self._stack_ptrs: list[int] = []  # the expert parameters' addresses when stacked
         # the expert Parameter objects never change (moving or releasing the model swaps their
@@ -103,6 +125,19 @@ class GatherMoE(torch.nn.Module):
         if n_valid is not None:
             raise ValueError("n_valid (padded rows) needs the grouped expert path")
         return self._megatron(x, probs, routing_map)
+
+    def add_shared(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        """out [n, H] fp32 += this rank's ATP-partial shared-expert output on x [n, H] (the
+        normalised rows of this rank's replica). No-op without shared experts."""
+        se = self.shared_experts
+        if se is None or x.shape[0] == 0:
+            return
+        y = mlp_partial(se, x)
+        if se.use_shared_expert_gate:
+            # the gate is replicated (not sharded), so each ATP partial is scaled by the same
+            # factor: the sum over ATP is gate * full output, as megatron computes it
+            y = y * torch.sigmoid(torch.nn.functional.linear(x, se.gate_weight))
+        out.add_(y.to(out.dtype))
 
     # ------------------------------------------------------------------ megatron experts
     def _megatron(self, x, probs, routing_map) -> torch.Tensor:

@@ -72,10 +72,9 @@ class PrefillMoEGraphs:
         self.model = model
         self.max_tokens = max_tokens
         self.capture_stream = capture_stream
-        w = model.output_layer.weight
-        self.device = w.device
+        self.device = model.device
         H = model.cfg.hidden_size
-        self._in = torch.zeros(max_tokens, H, dtype=w.dtype, device=self.device)
+        self._in = torch.zeros(max_tokens, H, dtype=model.dtype, device=self.device)
         self._out = torch.zeros(max_tokens, H, dtype=torch.float32, device=self.device)
         self._n = torch.zeros((), dtype=torch.int64, device=self.device)
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -84,8 +83,9 @@ class PrefillMoEGraphs:
         self.replays = 0
 
     def moe(self, i: int, h: torch.Tensor) -> torch.Tensor:
-        """Layer i's MoE block on h [n, H] -> this rank's fp32 partial [n, H] (a view of the
-        shared output buffer: consume it on this stream before the next replay)."""
+        """MoE layer i's routed experts on h [n, H] -> this rank's fp32 partial [n, H] (a view
+        of the shared output buffer: consume it on this stream before the next replay; the
+        caller may add its shared-expert rows into it in place)."""
         n = h.shape[0]
         if n > self.max_tokens:  # larger than any bucket: the modules themselves
             return self.model.moe_block(i, h)
@@ -138,8 +138,8 @@ class PrefillMoEGraphs:
         limit = self.max_tokens if max_tokens is None else min(max_tokens, self.max_tokens)
         before = self.captures
         for T in token_buckets(limit):
-            for i in range(len(self.model.decoder.layers)):
-                if (i, T) not in self._graphs:
+            for i, layer in enumerate(self.model.decoder.layers):
+                if layer.is_moe and (i, T) not in self._graphs:
                     self._capture(i, T)
         return self.captures - before
 

@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from megatron.core.models.gpt.gpt_layer_specs import (
-    get_gpt_layer_local_spec,
-    get_gpt_layer_with_transformer_engine_spec,
-)
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -74,18 +71,8 @@ def build_reference(cfg: ModelConfig, full_state: dict[str, torch.Tensor],
         ps._set_global_memory_buffer()
     tp = pg_collection.tp.size()
     tcfg = megatron_config(cfg, dtype=dtype, init=False, use_te=te, tp=tp, etp=tp)
-    if te:
-        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=cfg.num_experts,
-                                                          moe_grouped_gemm=True)
-    else:
-        spec = get_gpt_layer_local_spec(num_experts=cfg.num_experts, moe_grouped_gemm=False,
-                                        normalization=cfg.normalization)
     full_state = to_spec_names(full_state, te)
-    model = GPTModel(tcfg, spec, vocab_size=cfg.vocab_size,
-                     max_sequence_length=cfg.max_position_embeddings,
-                     position_embedding_type="rope", rotary_base=int(cfg.rotary_base),
-                     share_embeddings_and_output_weights=False, parallel_output=False,
-                     pg_collection=pg_collection)
+    model = build_gpt_model(cfg, tcfg, te, pg_collection)
     if tp == 1:
         missing, unexpected = model.load_state_dict(full_state, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
@@ -101,6 +88,21 @@ def build_reference(cfg: ModelConfig, full_state: dict[str, torch.Tensor],
 
         model = Float16Module(tcfg, model)
     return model.eval()
+
+
+def build_gpt_model(cfg: ModelConfig, tcfg, te: bool, pg_collection) -> GPTModel:
+    """megatron's GPTModel of ``cfg``'s architecture (layer specs from megatron's own decoder
+    block spec: MoE and dense layers, qk norms, shared experts; its RoPE; tied embeddings)."""
+    spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=te,
+                                      normalization=cfg.normalization)
+    return GPTModel(tcfg, spec, vocab_size=cfg.vocab_size,
+                    max_sequence_length=cfg.max_position_embeddings,
+                    position_embedding_type="rope", rotary_base=cfg.rotary_base,
+                    rotary_percent=cfg.rotary_percent,
+                    rope_scaling=cfg.rope_scaling == "llama3",
+                    rope_scaling_factor=cfg.rope_scaling_factor,
+                    share_embeddings_and_output_weights=cfg.tie_embeddings,
+                    parallel_output=False, pg_collection=pg_collection)
 
 
 @torch.inference_mode()

@@ -82,11 +82,11 @@ class ModelRunner:
                  prefill_merge_pairs: int = 0, prefill_graph_tokens: int = 0) -> None:
         self.model = model
         self.prefill_merge_pairs = prefill_merge_pairs  # see attention.prefill_buckets
-        self.route = route or StreamRoute(model.output_layer.weight.device, active=False,
+        self.route = route or StreamRoute(model.device, active=False,
                                           route_p_collective=False)
         model.comm.route = self.route
         self.groups = model.groups
-        self.device = model.output_layer.weight.device
+        self.device = model.device
         self.kv = model.new_kv_storage(num_blocks, block_size)
         self.block_size = block_size
         # one random stream per replica: replicas sample different rows, and identical streams

@@ -1,0 +1,168 @@
+"""Hugging Face tensor names <-> megatron tensor names, per family.
+
+Owns, for every tensor of the full megatron-named state dict (``inference.model.tensor_shapes``,
+local-spec names), where it lives in a Hugging Face checkpoint of a family:
+  * ``Direct(name)``: one HF tensor, same layout (norms, embeddings, o_proj, down_proj, router,
+    the score-correction bias, the shared-expert gate);
+  * ``GateUp(gate, up)``: megatron's SwiGLU fc1 is [gate; up] stacked on dim 0;
+  * ``QKV(q, k, v, ...)``: megatron's fused linear_qkv is grouped per KV head:
+    [q_0 .. q_{n-1}, k, v] for each query group (rows; the bias likewise).
+Both directions use the same table: import (checkpoint/loader.py cuts each rank's slices from
+the sources) and export (checkpoint/export.py splits full tensors back into HF tensors).
+
+Must not go in here: file access (store.py), config.json parsing (hf_config.py), sharding rules
+(inference/model.py ``shard_rule``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from colo_rollout.checkpoint.hf_config import GLM4, MIXTRAL, QWEN2
+from colo_rollout.config import ModelConfig
+from colo_rollout.inference.model import tensor_shapes
+
+
+@dataclass(frozen=True)
+class Direct:
+    name: str
+
+    def hf_shapes(self, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        return {self.name: shape}
+
+    def split(self, full: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        return [(self.name, full)]
+
+
+@dataclass(frozen=True)
+class GateUp:
+    gate: str
+    up: str
+
+    def hf_shapes(self, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        half = (shape[0] // 2, *shape[1:])
+        return {self.gate: half, self.up: half}
+
+    def split(self, full: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        gate, up = torch.chunk(full, 2, dim=0)
+        return [(self.gate, gate), (self.up, up)]
+
+
+@dataclass(frozen=True)
+class QKV:
+    q: str
+    k: str
+    v: str
+    groups: int  # KV heads
+    q_per_group: int
+    head_dim: int
+
+    def hf_shapes(self, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        rest = shape[1:]
+        d, g, n = self.head_dim, self.groups, self.q_per_group
+        return {self.q: (g * n * d, *rest), self.k: (g * d, *rest), self.v: (g * d, *rest)}
+
+    def split(self, full: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        d, g, n = self.head_dim, self.groups, self.q_per_group
+        rest = full.shape[1:]
+        per = full.reshape(g, (n + 2) * d, *rest)
+        return [(self.q, per[:, : n * d].reshape(g * n * d, *rest)),
+                (self.k, per[:, n * d : (n + 1) * d].reshape(g * d, *rest)),
+                (self.v, per[:, (n + 1) * d :].reshape(g * d, *rest))]
+
+    def fuse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """HF q, k, v rows of some whole number of groups -> megatron's grouped rows."""
+        d, n = self.head_dim, self.q_per_group
+        groups = k.shape[0] // d
+        rest = q.shape[1:]
+        return torch.cat([q.reshape(groups, n * d, *rest), k.reshape(groups, d, *rest),
+                          v.reshape(groups, d, *rest)], dim=1).reshape(-1, *rest)
+
+
+Source = Direct | GateUp | QKV
+
+
+def hf_sources(cfg: ModelConfig, family: str) -> dict[str, Source]:
+    """megatron name -> its HF source, for every tensor of ``cfg`` (in state-dict order)."""
+    moe = "block_sparse_moe" if family == MIXTRAL else "mlp"
+    shared = {QWEN2: "mlp.shared_expert.", GLM4: "mlp.shared_experts."}.get(family)
+    gate_up_down = ("w1", "w3", "w2") if family == MIXTRAL else ("gate_proj", "up_proj",
+                                                                 "down_proj")
+    n = cfg.num_attention_heads // cfg.num_query_groups
+    out: dict[str, Source] = {}
+    for name in tensor_shapes(cfg):
+        out[name] = _source(name, cfg, moe, shared, gate_up_down, n, family)
+    return out
+
+
+def _source(name: str, cfg: ModelConfig, moe: str, shared: str | None,
+            gud: tuple[str, str, str], n: int, family: str) -> Source:
+    if name == "embedding.word_embeddings.weight":
+        return Direct("model.embed_tokens.weight")
+    if name == "decoder.final_layernorm.weight":
+        return Direct("model.norm.weight")
+    if name == "output_layer.weight":
+        return Direct("lm_head.weight")
+    m = re.match(r"decoder\.layers\.(\d+)\.(.*)$", name)
+    if m is None:  # pragma: no cover - tensor_shapes names nothing else
+        raise KeyError(name)
+    p, rest = f"model.layers.{m.group(1)}.", m.group(2)
+    simple = {
+        "input_layernorm.weight": "input_layernorm.weight",
+        "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+        "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+        "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+        "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+        "mlp.router.weight": f"{moe}.gate.weight",
+        "mlp.router.expert_bias": f"{moe}.gate.e_score_correction_bias",
+        "mlp.linear_fc2.weight": f"mlp.{gud[2]}.weight",
+    }
+    if rest in simple:
+        return Direct(p + simple[rest])
+    if rest.startswith("self_attention.linear_qkv."):
+        kind = rest.rsplit(".", 1)[1]  # weight | bias
+        return QKV(*(f"{p}self_attn.{x}_proj.{kind}" for x in "qkv"), cfg.num_query_groups, n,
+                   cfg.head_dim)
+    if rest == "mlp.linear_fc1.weight":  # a dense layer
+        return GateUp(f"{p}mlp.{gud[0]}.weight", f"{p}mlp.{gud[1]}.weight")
+    e = re.match(r"mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight$", rest)
+    if e:
+        q = f"{p}{moe}.experts.{e.group(1)}."
+        if e.group(2) == "1":
+            return GateUp(f"{q}{gud[0]}.weight", f"{q}{gud[1]}.weight")
+        return Direct(f"{q}{gud[2]}.weight")
+    if rest.startswith("mlp.shared_experts.") and shared is not None:
+        tail = rest[len("mlp.shared_experts."):]
+        if tail == "linear_fc1.weight":
+            return GateUp(f"{p}{shared}gate_proj.weight", f"{p}{shared}up_proj.weight")
+        if tail == "linear_fc2.weight":
+            return Direct(f"{p}{shared}down_proj.weight")
+        if tail == "gate_weight" and family == QWEN2:
+            return Direct(f"{p}mlp.shared_expert_gate.weight")
+    raise ValueError(f"{name}: the {family} format has no tensor for it (the model section "
+                     "asks for something this family does not store)")
+
+
+def expected_hf_shapes(cfg: ModelConfig, family: str) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor a checkpoint of ``cfg`` in ``family``'s format holds, with its shape."""
+    shapes = tensor_shapes(cfg)
+    out: dict[str, tuple[int, ...]] = {}
+    for name, src in hf_sources(cfg, family).items():
+        out.update(src.hf_shapes(shapes[name]))
+    return out
+
+
+def ignorable(name: str, cfg: ModelConfig, extra_layers: int) -> bool:
+    """HF tensors a checkpoint may hold that the model does not use: lm_head beside tied
+    embeddings, old checkpoints' rotary inv_freq buffers, and layers past num_layers that
+    config.json declares (GLM's MTP "nextn" layers, which the model does not load yet)."""
+    if name == "lm_head.weight" and cfg.tie_embeddings:
+        return True
+    if name.endswith("rotary_emb.inv_freq"):
+        return True
+    m = re.match(r"model\.layers\.(\d+)\.", name)
+    return bool(m) and cfg.num_layers <= int(m.group(1)) < cfg.num_layers + extra_layers
+

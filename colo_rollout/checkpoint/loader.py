@@ -1,0 +1,165 @@
+"""Per-rank loading of a Hugging Face checkpoint into a megatron-named model.
+
+Owns ``check_checkpoint`` (every tensor the model needs is present with its shape, nothing
+unexpected is there -- from the safetensors headers only, before any model is allocated) and
+``load_checkpoint``: each rank reads only the slices it owns (``inference.model.shard_rule``
+applied to the HF sources of ``hf_names``), tensor by tensor, straight into its parameters. No
+rank ever holds the whole model, nor more than one tensor's slice in host memory.
+
+Works for the inference model (any ADP/ATP/EP layout; local or TE spec) and for the trainer's
+megatron GPTModel (TP x DP, EP1): the layout and rank say which slices a model holds.
+
+Must not go in here: name mapping (hf_names.py), file access beyond the store's reads.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from colo_rollout.checkpoint.hf_config import HFArchitecture, hf_architecture
+from colo_rollout.checkpoint.hf_names import (
+    QKV,
+    Direct,
+    GateUp,
+    Source,
+    expected_hf_shapes,
+    hf_sources,
+    ignorable,
+)
+from colo_rollout.checkpoint.store import CheckpointError, CheckpointStore
+from colo_rollout.config import ModelConfig
+from colo_rollout.inference.model import (
+    ShardRule,
+    loadable_tensors,
+    shard_rule,
+    tensor_shapes,
+    to_spec_names,
+)
+from colo_rollout.inference.parallel import Layout
+
+
+@dataclass
+class LoadStats:
+    tensors: int  # local tensors filled
+    bytes_read: int  # bytes read from the checkpoint (stored dtype)
+    seconds: float
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes_read / max(self.seconds, 1e-9) / 1e9
+
+
+def check_checkpoint(cfg: ModelConfig, store: CheckpointStore | None = None,
+                     arch: HFArchitecture | None = None) -> HFArchitecture:
+    """Raise CheckpointError unless ``cfg.model.checkpoint`` holds exactly the tensors ``cfg``
+    needs, with their shapes (headers only: no weights are read). ``cfg`` must agree with the
+    checkpoint's config.json (a config built by config_from_dict does)."""
+    arch = arch or hf_architecture(cfg.checkpoint)
+    mismatched = {k: (getattr(cfg, k), v) for k, v in arch.fields.items()
+                  if getattr(cfg, k) != v and k != "max_position_embeddings"}
+    if mismatched:
+        k, (mine, theirs) = next(iter(mismatched.items()))
+        raise CheckpointError(f"the model section has {k} = {mine!r}, the checkpoint "
+                              f"{theirs!r} (build the config with config_from_dict or "
+                              "load_config, which read config.json)", path=arch.path,
+                              name=arch.sources[k])
+    own = store is None
+    store = store or CheckpointStore(cfg.checkpoint)
+    try:
+        want = expected_hf_shapes(cfg, arch.family)
+        have = set(store.names())
+        for name, shape in want.items():
+            if name not in have:
+                raise CheckpointError(f"missing: a {arch.family} checkpoint of this config "
+                                      f"needs it (shape {list(shape)})", path=store.directory,
+                                      name=name)
+            got = tuple(store.shape(name))
+            if got != shape:
+                raise CheckpointError(f"shape {list(got)}, expected {list(shape)} (from "
+                                      "config.json)", path=store.file_of(name), name=name)
+        unexpected = sorted(n for n in have - set(want)
+                            if not ignorable(n, cfg, arch.extra_layers))
+        if unexpected:
+            raise CheckpointError(
+                f"unexpected tensor{'s' if len(unexpected) > 1 else ''} for {arch.family} "
+                f"with this config.json ({len(unexpected)}: {unexpected[:3]}"
+                f"{'...' if len(unexpected) > 3 else ''})", path=store.file_of(unexpected[0]),
+                name=unexpected[0])
+    finally:
+        if own:
+            store.close()
+    return arch
+
+
+def load_checkpoint(model: torch.nn.Module, cfg: ModelConfig, layout: Layout, rank: int, *,
+                    te: bool = False, store: CheckpointStore | None = None) -> LoadStats:
+    """Fill ``model``'s parameters and persistent buffers (their shards on ``rank`` of
+    ``layout``) from ``cfg.checkpoint``. The model may already live on its device: slices are
+    copied into the parameters in place. Checks the checkpoint first (``check_checkpoint``)."""
+    t0 = time.perf_counter()
+    own = store is None
+    store = store or CheckpointStore(cfg.checkpoint)
+    try:
+        arch = check_checkpoint(cfg, store)
+        sources = hf_sources(cfg, arch.family)
+        # the model's names (local or TE spec) of every global local-spec name
+        spec = to_spec_names({n: n for n in tensor_shapes(cfg)}, te)
+        spec_of = {local: name for name, local in spec.items()}
+        params = loadable_tensors(model)
+        num_local = cfg.num_experts // layout.ep
+        seen: set[str] = set()
+        before = store.bytes_read
+        with torch.no_grad():
+            for name, src in sources.items():
+                rule = shard_rule(spec_of[name], layout, rank, num_local)
+                if rule is None:
+                    continue
+                target = params.get(rule.local)
+                if target is None:
+                    raise KeyError(f"{name}: the model has no {rule.local!r}")
+                part = read_shard(store, src, rule, target.dtype)
+                if tuple(part.shape) != tuple(target.shape):
+                    raise CheckpointError(f"slice shape {list(part.shape)} does not fit the "
+                                          f"model's {list(target.shape)} ({name})",
+                                          path=store.directory, name=_first(src))
+                target.copy_(part)
+                seen.add(rule.local)
+        missing = sorted(set(params) - seen)
+        if missing:
+            raise KeyError(f"checkpoint load left {missing[:5]} unfilled")
+        return LoadStats(len(seen), store.bytes_read - before, time.perf_counter() - t0)
+    finally:
+        if own:
+            store.close()
+
+
+def _first(src: Source) -> str:
+    return src.name if isinstance(src, Direct) else src.gate if isinstance(src, GateUp) else src.q
+
+
+def read_shard(store: CheckpointStore, src: Source, rule: ShardRule,
+               dtype: torch.dtype) -> torch.Tensor:
+    """This rank's part of one megatron tensor, read as slices of its HF sources."""
+    if isinstance(src, Direct):
+        if rule.kind == "full" or rule.size == 1:
+            return store.read(src.name, dtype=dtype)
+        n = store.shape(src.name)[0 if rule.kind == "rows" else 1]
+        span = rule.rows_of(n)
+        if rule.kind == "rows":
+            return store.read(src.name, rows=span, dtype=dtype)
+        return store.read(src.name, cols=span, dtype=dtype)
+    if isinstance(src, GateUp):  # "glu": the same rows of gate and of up
+        span = rule.rows_of(store.shape(src.gate)[0]) if rule.kind == "glu" else None
+        return torch.cat([store.read(src.gate, rows=span, dtype=dtype),
+                          store.read(src.up, rows=span, dtype=dtype)])
+    assert isinstance(src, QKV)
+    # "rows" of megatron's grouped qkv = a run of whole query groups [g0, g1)
+    g0, g1 = rule.rows_of(src.groups) if rule.kind == "rows" else (0, src.groups)
+    d, n = src.head_dim, src.q_per_group
+    q = store.read(src.q, rows=(g0 * n * d, g1 * n * d), dtype=dtype)
+    k = store.read(src.k, rows=(g0 * d, g1 * d), dtype=dtype)
+    v = store.read(src.v, rows=(g0 * d, g1 * d), dtype=dtype)
+    return src.fuse(q, k, v)

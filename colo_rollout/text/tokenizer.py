@@ -1,0 +1,187 @@
+"""The tokenizer of a Hugging Face checkpoint directory: text <-> token ids, and chat-template rendering.
+
+This module owns turning prompts into token ids and generated ids back into text. The engine and
+rollout() stay token-in/token-out; this is a helper around them for callers that hold text (the
+generate command, examples, RL reward code). It reads only the files that `save_pretrained` writes
+next to the weights and needs the `tokenizers` and `jinja2` packages, never transformers or torch,
+so importing it costs nothing on a rank that only moves tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+# Special-token names a chat template may read, as transformers passes them (its special_tokens_map).
+_SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+class TokenizerError(ValueError):
+    """A tokenizer directory that cannot be used; the message reads 'PATH: problem'."""
+
+    def __init__(self, path: str | Path, problem: str) -> None:
+        super().__init__(f"{path}: {problem}")
+        self.path = Path(path)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    """The JSON object in `path`, or None when the file does not exist."""
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TokenizerError(path, f"unreadable JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise TokenizerError(path, f"expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _token_content(value: Any) -> str | None:
+    # tokenizer_config.json writes a special token either as its string or as an AddedToken dict.
+    if isinstance(value, Mapping):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _pick_template(path: Path, value: Any) -> str | None:
+    """tokenizer_config.json's chat_template: a string, or a list of {"name", "template"} (use "default")."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, Mapping)}
+        if isinstance(named.get("default"), str):
+            return named["default"]
+        raise TokenizerError(path, f"chat_template lists {sorted(map(str, named))} but no 'default'")
+    raise TokenizerError(path, f"chat_template must be a string or a list, got {type(value).__name__}")
+
+
+class Tokenizer:
+    """The tokenizer saved next to a Hugging Face checkpoint: tokenizer.json (fast tokenizer,
+    loaded with the `tokenizers` package) plus tokenizer_config.json (special tokens, chat_template)
+    and generation_config.json (eos ids) when present. No transformers dependency."""
+
+    def __init__(self, directory: Path, backend: Any, config: dict[str, Any],
+                 chat_template: str | None, eos_token_ids: tuple[int, ...]) -> None:
+        # Use from_dir(); this constructor trusts that its arguments were read from `directory`.
+        self.directory = directory
+        self._backend = backend
+        self._chat_template = chat_template
+        self._compiled: Any = None  # the jinja Template, compiled on first use (a bad one must not block encode)
+        # Only the special tokens the config names reach the template, as in transformers: an absent one
+        # is undefined there (renders as ''), never the string 'None'.
+        self._special = {n: s for n in _SPECIAL_TOKEN_NAMES if (s := _token_content(config.get(n))) is not None}
+        self.bos_token: str | None = self._special.get("bos_token")
+        self.eos_token_ids = eos_token_ids
+        # Ids the tokenizer can emit, added tokens included (transformers' len(tokenizer)): a model's
+        # embedding must have at least this many rows.
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+
+    @staticmethod
+    def available(directory: str | Path) -> bool:
+        """Whether `directory` holds a tokenizer.json (a checkpoint may ship weights only)."""
+        return (Path(directory) / "tokenizer.json").is_file()
+
+    @classmethod
+    def from_dir(cls, directory: str | Path) -> Tokenizer:
+        from tokenizers import Tokenizer as Backend  # imported here: a token-only caller never needs it
+
+        directory = Path(directory)
+        path = directory / "tokenizer.json"
+        if not path.is_file():
+            raise TokenizerError(path, "missing (no tokenizer saved with this checkpoint)")
+        try:
+            backend = Backend.from_file(str(path))
+        except Exception as e:  # the Rust side raises a bare Exception for bad JSON or an unknown model
+            raise TokenizerError(path, f"unreadable ({e})") from e
+        config_path = directory / "tokenizer_config.json"
+        config = _read_json(config_path) or {}
+        # transformers >= 4.43 saves the template as chat_template.jinja, which wins over the config entry.
+        jinja_path = directory / "chat_template.jinja"
+        if jinja_path.is_file():
+            template: str | None = jinja_path.read_text(encoding="utf-8")
+        else:
+            template = _pick_template(config_path, config.get("chat_template"))
+
+        gen_path = directory / "generation_config.json"
+        eos: Any = (_read_json(gen_path) or {}).get("eos_token_id")
+        if eos is not None:
+            ids = [eos] if isinstance(eos, int) else eos
+            if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                raise TokenizerError(gen_path, f"eos_token_id must be an int or a list of ints, got {eos!r}")
+        elif (name := _token_content(config.get("eos_token"))) is not None:
+            # A named eos token the vocabulary lacks would make generation run to max_tokens silently.
+            if (tid := backend.token_to_id(name)) is None:
+                raise TokenizerError(config_path, f"eos_token {name!r} is not in the vocabulary")
+            ids = [tid]
+        else:
+            ids = []
+        return cls(directory, backend, config, template, tuple(dict.fromkeys(ids)))
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._chat_template is not None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        # Verbatim backend decode: no clean_up_tokenization_spaces pass (transformers skips it for BPE too).
+        return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def _template(self) -> Any:
+        if self._compiled is not None:
+            return self._compiled
+        if self._chat_template is None:
+            raise TokenizerError(self.directory, "no chat template (neither chat_template.jinja nor "
+                                 "tokenizer_config.json's chat_template)")
+        import jinja2
+        import jinja2.ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        directory = self.directory
+
+        def raise_exception(message: str) -> None:
+            raise TokenizerError(directory, f"chat template refused the messages: {message}")
+
+        def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+                   separators: Any = None, sort_keys: bool = False) -> str:
+            # Jinja's own tojson HTML-escapes; templates expect plain json.dumps, as transformers gives them.
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+        # The same environment transformers builds: templates come from the Hub and are untrusted code.
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            self._compiled = env.from_string(self._chat_template)
+        except jinja2.TemplateError as e:
+            raise TokenizerError(directory, f"chat template does not compile ({e})") from e
+        return self._compiled
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The conversation rendered as the model was trained to read it (a string, not yet encoded)."""
+        import jinja2
+
+        template = self._template()
+        # As transformers does: a None value means an absent key (OpenAI-style content=None).
+        chat = [{k: v for k, v in dict(m).items() if v is not None} for m in messages]
+        try:
+            return template.render(messages=chat, add_generation_prompt=add_generation_prompt, **self._special)
+        except jinja2.TemplateError as e:
+            raise TokenizerError(self.directory, f"chat template failed ({e})") from e
+
+    def encode_prompt(self, prompt: str, chat: bool | None = None) -> list[int]:
+        """Token ids for one user prompt; `chat` None means: through the chat template when there is one."""
+        if chat is None:
+            chat = self.has_chat_template
+        if not chat:
+            return self.encode(prompt)
+        text = self.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        # The rendered template already holds every special token the model expects; adding them again
+        # (a BOS post-processor, say) would double them.
+        return self.encode(text, add_special_tokens=False)

@@ -1,0 +1,203 @@
+"""Tests for colo_rollout.text.tokenizer: loading, encode/decode, chat templates, eos ids, errors.
+
+The reference for every rendering and id is transformers itself (skipped when it is absent),
+run on a tiny tokenizer trained here in milliseconds (tests/tiny_tokenizer.py).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from colo_rollout.text.tokenizer import Tokenizer, TokenizerError
+from tests.tiny_tokenizer import CHATML_TEMPLATE, EOS_TOKEN, save_tiny_tokenizer, train_tiny_tokenizer
+
+TEXTS = [
+    "hello world",
+    "The quick brown fox jumps over the lazy dog.",
+    "  leading and trailing spaces  ",
+    "def main():\n    return 0\n",
+    "<|im_start|>user\nhi<|im_end|>\n",  # special tokens inside text are matched as tokens
+    "",
+]
+CONVERSATION = [
+    {"role": "user", "content": "What is 2 + 2?"},
+    {"role": "assistant", "content": "The answer is 4."},
+]
+
+
+def write_json(path: Path, data: object) -> None:
+    path.write_text(json.dumps(data), encoding="utf-8")
+
+
+@pytest.fixture
+def hf_dir(tmp_path: Path) -> Path:
+    """A directory saved by transformers' own save_pretrained (chat template in chat_template.jinja)."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=train_tiny_tokenizer(200),
+        eos_token=EOS_TOKEN, pad_token="<|endoftext|>", unk_token="<unk>",
+    )
+    hf.chat_template = CHATML_TEMPLATE
+    hf.save_pretrained(tmp_path)
+    write_json(tmp_path / "generation_config.json", {"eos_token_id": [2, 0], "max_new_tokens": 8})
+    return tmp_path
+
+
+def test_tiny_tokenizer_fits_a_tiny_model(tmp_path: Path) -> None:
+    assert save_tiny_tokenizer(tmp_path / "a", max_vocab=256) <= 256
+    n = save_tiny_tokenizer(tmp_path / "b", max_vocab=150)
+    assert n <= 150
+    assert Tokenizer.from_dir(tmp_path / "b").vocab_size == n
+    with pytest.raises(ValueError, match="max_vocab"):
+        save_tiny_tokenizer(tmp_path / "c", max_vocab=50)
+
+
+def test_matches_transformers(hf_dir: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    ref = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    tok = Tokenizer.from_dir(hf_dir)
+
+    assert tok.vocab_size == len(ref)
+    assert tok.eos_token_ids == (2, 0)
+    assert tok.bos_token is None and tok.has_chat_template
+    for text in TEXTS:
+        for special in (True, False):
+            ids = tok.encode(text, add_special_tokens=special)
+            assert ids == ref.encode(text, add_special_tokens=special), text
+        ids = tok.encode(text)
+        assert tok.decode(ids, skip_special_tokens=False) == text  # exact round trip
+        for skip in (True, False):
+            assert tok.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip)
+    for gen in (True, False):
+        rendered = tok.apply_chat_template(CONVERSATION, add_generation_prompt=gen)
+        assert rendered == ref.apply_chat_template(CONVERSATION, add_generation_prompt=gen, tokenize=False)
+    assert tok.apply_chat_template(CONVERSATION).endswith("<|im_start|>assistant\n")
+
+    prompt = "What is 2 + 2?"
+    want = ref.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                   tokenize=True, return_dict=True)["input_ids"]
+    assert tok.encode_prompt(prompt) == list(want)
+    assert tok.encode_prompt(prompt, chat=False) == ref.encode(prompt)
+
+
+def test_config_template_matches_transformers(tmp_path: Path) -> None:
+    """The helper's layout (template inside tokenizer_config.json), read by both sides."""
+    transformers = pytest.importorskip("transformers")
+    save_tiny_tokenizer(tmp_path)
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    tok = Tokenizer.from_dir(tmp_path)
+    assert tok.eos_token_ids == (tok.encode(EOS_TOKEN)[0],)  # no generation_config.json: from eos_token
+    for gen in (True, False):
+        assert tok.apply_chat_template(CONVERSATION, gen) == ref.apply_chat_template(
+            CONVERSATION, add_generation_prompt=gen, tokenize=False)
+
+
+def test_named_templates_special_tokens_and_tojson(tmp_path: Path) -> None:
+    """A list of named templates picks 'default'; bos/eos strings and tojson (no ASCII escaping) reach it."""
+    transformers = pytest.importorskip("transformers")
+    save_tiny_tokenizer(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    default = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}={{ m | tojson }}{{ eos_token }}{% endfor %}"
+               "{% if add_generation_prompt %}>{% endif %}")
+    config["chat_template"] = [{"name": "tool_use", "template": "tools"}, {"name": "default", "template": default}]
+    config["bos_token"] = {"__type": "AddedToken", "content": "<|endoftext|>", "special": True}
+    config["eos_token"] = {"__type": "AddedToken", "content": EOS_TOKEN, "special": True}
+    write_json(tmp_path / "tokenizer_config.json", config)
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    tok = Tokenizer.from_dir(tmp_path)
+    assert tok.bos_token == "<|endoftext|>"
+    chat = [{"role": "user", "content": "caf\u00e9 <b>", "name": None}]  # None values are dropped, as in transformers
+    rendered = tok.apply_chat_template(chat)
+    assert rendered == ref.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert "caf\u00e9 <b>" in rendered and '"name"' not in rendered
+    assert rendered.startswith("<|endoftext|>user=") and rendered.endswith(EOS_TOKEN + ">")
+
+    config["chat_template"] = [{"name": "tool_use", "template": "tools"}]
+    write_json(tmp_path / "tokenizer_config.json", config)
+    with pytest.raises(TokenizerError, match="no 'default'"):
+        Tokenizer.from_dir(tmp_path)
+
+
+def test_eos_ids(tmp_path: Path) -> None:
+    save_tiny_tokenizer(tmp_path)
+    eos = Tokenizer.from_dir(tmp_path).encode(EOS_TOKEN)[0]
+    write_json(tmp_path / "generation_config.json", {"eos_token_id": 7})
+    assert Tokenizer.from_dir(tmp_path).eos_token_ids == (7,)
+    write_json(tmp_path / "generation_config.json", {"eos_token_id": [7, 3, 7]})
+    assert Tokenizer.from_dir(tmp_path).eos_token_ids == (7, 3)  # deduplicated, order kept
+    write_json(tmp_path / "generation_config.json", {"eos_token_id": "7"})
+    with pytest.raises(TokenizerError, match="generation_config.json: eos_token_id"):
+        Tokenizer.from_dir(tmp_path)
+    write_json(tmp_path / "generation_config.json", {"temperature": 0.7})  # no eos there: the config's token
+    assert Tokenizer.from_dir(tmp_path).eos_token_ids == (eos,)
+
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    write_json(tmp_path / "tokenizer_config.json", {**config, "eos_token": "<|nope|>"})
+    with pytest.raises(TokenizerError, match="tokenizer_config.json: eos_token '<|nope|>'"):
+        Tokenizer.from_dir(tmp_path)
+    write_json(tmp_path / "tokenizer_config.json", {k: v for k, v in config.items() if k != "eos_token"})
+    assert Tokenizer.from_dir(tmp_path).eos_token_ids == ()
+
+
+def test_missing_and_unreadable_files(tmp_path: Path) -> None:
+    assert not Tokenizer.available(tmp_path)
+    with pytest.raises(TokenizerError) as e:
+        Tokenizer.from_dir(tmp_path)
+    assert str(e.value).startswith(f"{tmp_path / 'tokenizer.json'}: missing")
+
+    (tmp_path / "tokenizer.json").write_text("{not json", encoding="utf-8")
+    assert Tokenizer.available(tmp_path)
+    with pytest.raises(TokenizerError, match="tokenizer.json: unreadable"):
+        Tokenizer.from_dir(tmp_path)
+
+    save_tiny_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text("[1, 2", encoding="utf-8")
+    with pytest.raises(TokenizerError, match="tokenizer_config.json: unreadable JSON"):
+        Tokenizer.from_dir(tmp_path)
+    write_json(tmp_path / "tokenizer_config.json", [1, 2])
+    with pytest.raises(TokenizerError, match="expected a JSON object"):
+        Tokenizer.from_dir(tmp_path)
+
+
+def test_without_chat_template(tmp_path: Path) -> None:
+    save_tiny_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").unlink()  # tokenizer.json alone is a usable tokenizer
+    tok = Tokenizer.from_dir(tmp_path)
+    assert not tok.has_chat_template and tok.eos_token_ids == () and tok.bos_token is None
+    assert tok.encode_prompt("hello world") == tok.encode("hello world")
+    with pytest.raises(TokenizerError) as e:
+        tok.apply_chat_template(CONVERSATION)
+    assert str(e.value).startswith(f"{tmp_path}: no chat template")
+    with pytest.raises(TokenizerError, match="no chat template"):
+        tok.encode_prompt("hello", chat=True)
+
+
+def test_template_errors(tmp_path: Path) -> None:
+    save_tiny_tokenizer(tmp_path)
+    tok = Tokenizer.from_dir(tmp_path)
+    with pytest.raises(TokenizerError) as e:
+        tok.apply_chat_template([{"role": "tool", "content": "x"}])
+    assert str(e.value).startswith(f"{tmp_path}: ") and "unknown role tool" in str(e.value)
+
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    write_json(tmp_path / "tokenizer_config.json", {**config, "chat_template": "{% for m in messages %}"})
+    tok = Tokenizer.from_dir(tmp_path)  # a broken template does not block plain encoding
+    assert tok.encode("hello") and tok.has_chat_template
+    with pytest.raises(TokenizerError, match="does not compile"):
+        tok.apply_chat_template(CONVERSATION)
+
+    # The sandbox holds: a template cannot reach Python internals.
+    write_json(tmp_path / "tokenizer_config.json", {**config, "chat_template": "{{ messages.__class__.__mro__ }}"})
+    with pytest.raises(TokenizerError, match="chat template failed"):
+        Tokenizer.from_dir(tmp_path).apply_chat_template(CONVERSATION)
+
+
+def test_import_needs_neither_torch_nor_transformers() -> None:
+    code = ("import sys, colo_rollout.text.tokenizer; "
+            "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
