@@ -1,4 +1,4 @@
-"""`colo-rollout` command line: demo, train, bench, stress-turnstile, bench-rendezvous,
+"""`colo-rollout` command line: demo, train, bench, generate, stress-turnstile, bench-rendezvous,
 bench-decode-overhead.
 
 Launch modes: under torchrun (WORLD_SIZE set) every process runs the job itself; otherwise the
@@ -122,7 +122,25 @@ def main(argv: list[str] | None = None) -> int:
     tr = sub.add_parser("train", help="colocated GRPO: rollout, train, reshard (YAML config)")
     tr.add_argument("config", help="e.g. configs/grpo_cpu.yaml")
     tr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ge = sub.add_parser("generate", help="text in, text out: serve prompts on a Hugging Face "
+                        "checkpoint (its tokenizer and chat template)")
+    ge.add_argument("prompts", nargs="+", metavar="PROMPT")
+    ge.add_argument("--model", required=True, metavar="DIR",
+                    help="checkpoint directory: config.json, safetensors, tokenizer.json")
+    ge.add_argument("--config", default=None, metavar="YAML", help="run config (default: one "
+                    "rank, fp32 on CPU / bf16 on CUDA, engine limits sized to the prompts)")
+    ge.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ge.add_argument("--max-tokens", type=int, default=64)
+    ge.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ge.add_argument("--top-p", type=float, default=1.0)
+    ge.add_argument("--top-k", type=int, default=0)
+    ge.add_argument("--no-chat", action="store_true", help="encode prompts as plain text, "
+                    "without the chat template")
     args = ap.parse_args(argv)
+    if args.cmd == "generate":
+        from colo_rollout.text.generate import main as generate
+
+        return generate(args)
     if args.cmd == "train":
         res = _launch("colo_rollout.rl.train:run_train", args.config, _overrides(args.set))
         h = res[0]["history"]

@@ -104,22 +104,23 @@ def _trainer_pgc(world: int, tp: int):
     return pgc
 
 
-def weight_sync_exact(rank: int, world: int, adp: int, ep: int, trainer_tp: int) -> dict:
+def weight_sync_exact(rank: int, world: int, adp: int, ep: int, trainer_tp: int,
+                      model_kw: dict | None = None) -> dict:
     """After the sync hook, every inference weight equals the trainer's bit for bit, and the
     engine generates what megatron computes with the trainer's weights."""
     import dataclasses
 
-    from colo_rollout.inference.model import random_state_dict, shard_for
+    from colo_rollout.inference.model import loadable_tensors, random_state_dict, shard_for
     from colo_rollout.rl.weight_sync import WeightSync
     from tests.cases_engine import compare_with_reference, mixed_requests
 
-    cfg, groups, sd, engine = _engine(world, adp, ep)
+    cfg, groups, sd, engine = _engine(world, adp, ep, model_kw=model_kw)
     trained_sd = random_state_dict(dataclasses.replace(cfg.model, seed=99))  # "after a step"
     trainer = build_reference(cfg.model, trained_sd, _trainer_pgc(world, trainer_tp),
                               torch.device("cpu"))
     sync = WeightSync()
     stats = [sync(trainer, engine.model) for _ in range(2)]  # second call: cached plan
-    params = dict(engine.model.named_parameters())
+    params = loadable_tensors(engine.model)  # parameters and the router's expert bias
     n_local = cfg.model.num_experts // groups.layout.ep
     mismatched, checked = [], 0
     for name, full in trained_sd.items():

@@ -23,3 +23,25 @@ def test_sync_is_bit_exact(worker_groups, world, adp, ep, trainer_tp):
     r0 = res[0]
     assert r0["mismatches"] == [] and r0["max_logprob_diff"] < LOGPROB_TOL
     assert sum(r["bytes_remote"] + r["bytes_local"] for r in res) > 0
+
+
+# every new tensor of the architecture surface: q/k norms, q/k/v bias, shared experts and their
+# gate, dense first layers (ATP-sharded, stride-2 fc1), the router's expert-bias buffer
+ARCH = {"qk_layernorm": True, "head_dim": 24, "qkv_bias": True, "router_score": "sigmoid",
+        "router_expert_bias": True, "shared_expert_ffn_hidden_size": 48,
+        "shared_expert_gate": True, "first_k_dense": 1, "ffn_hidden_size": 96, "num_layers": 3}
+
+
+@pytest.mark.parametrize("world,adp,ep,trainer_tp", [
+    (2, 2, 2, 2),  # trainer TP2       -> inference EP2/ADP2
+    (2, 1, 2, 1),  # trainer TP1 x DP2 -> inference EP2/ATP2
+    (4, 2, 4, 2),  # trainer TP2 x DP2 -> inference EP4/ADP2/ATP2
+])
+def test_sync_of_every_architecture_tensor_is_bit_exact(worker_groups, world, adp, ep,
+                                                        trainer_tp):
+    res = worker_groups(world).run("tests.cases_rl:weight_sync_exact", adp=adp, ep=ep,
+                                   trainer_tp=trainer_tp, model_kw=ARCH)
+    for r in res:
+        assert r["checked"] > 20 and r["mismatched"] == []
+    r0 = res[0]
+    assert r0["mismatches"] == [] and r0["max_logprob_diff"] < LOGPROB_TOL

@@ -47,7 +47,7 @@ def tp_pg_collection(tp_group) -> ProcessGroupCollection:
     return pgc
 
 
-def build_reference(cfg: ModelConfig, full_state: dict[str, torch.Tensor],
+def build_reference(cfg: ModelConfig, full_state: dict[str, torch.Tensor] | None,
                     pg_collection: ProcessGroupCollection, device: torch.device,
                     dtype: torch.dtype | None = None, te: bool = False) -> torch.nn.Module:
     """``te``: build megatron's Transformer Engine layer spec (grouped-GEMM experts, fused
@@ -56,7 +56,10 @@ def build_reference(cfg: ModelConfig, full_state: dict[str, torch.Tensor],
     With a TP group of size t in ``pg_collection`` (see ``tp_pg_collection``) the model is
     megatron's TP-t model: its forward is collective over that group, and each rank loads its
     shard of ``full_state``. That is the fair bf16 yardstick for an engine with ATP = t: both
-    round partial sums before reducing them."""
+    round partial sums before reducing them.
+
+    ``full_state`` None: the weights come from ``cfg.checkpoint`` (a Hugging Face checkpoint),
+    each rank reading only its TP slices."""
     # megatron's DotProductAttention enters get_cuda_rng_tracker().fork() even with dropout 0;
     # the inference tracker makes that a no-op on CPU and GPU alike.
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
@@ -71,14 +74,24 @@ def build_reference(cfg: ModelConfig, full_state: dict[str, torch.Tensor],
         ps._set_global_memory_buffer()
     tp = pg_collection.tp.size()
     tcfg = megatron_config(cfg, dtype=dtype, init=False, use_te=te, tp=tp, etp=tp)
-    full_state = to_spec_names(full_state, te)
     model = build_gpt_model(cfg, tcfg, te, pg_collection)
-    if tp == 1:
+    if full_state is None:  # straight into the parameters on their device, slice by slice
+        if cfg.checkpoint is None:
+            raise ValueError("build_reference: no weights (full_state None and no "
+                             "model.checkpoint)")
+        from colo_rollout.checkpoint.loader import load_checkpoint
+
+        model = model.to(device)
+        load_checkpoint(model, cfg, Layout(world_size=tp, adp=1, ep=1), pg_collection.tp.rank(),
+                        te=te)
+    elif tp == 1:
+        full_state = to_spec_names(full_state, te)
         missing, unexpected = model.load_state_dict(full_state, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
             raise KeyError(f"reference load: missing {missing}, unexpected {unexpected}")
     else:
+        full_state = to_spec_names(full_state, te)
         load_sharded(model, full_state, Layout(world_size=tp, adp=1, ep=1),
                      pg_collection.tp.rank(), num_experts=cfg.num_experts)
     model = model.to(device)
@@ -93,8 +106,10 @@ def build_reference(cfg: ModelConfig, full_state: dict[str, torch.Tensor],
 def build_gpt_model(cfg: ModelConfig, tcfg, te: bool, pg_collection) -> GPTModel:
     """megatron's GPTModel of ``cfg``'s architecture (layer specs from megatron's own decoder
     block spec: MoE and dense layers, qk norms, shared experts; its RoPE; tied embeddings)."""
+    # pp_rank 0: one pipeline stage (megatron would otherwise ask its global parallel state,
+    # which a model built on explicit groups may not have)
     spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=te,
-                                      normalization=cfg.normalization)
+                                      normalization=cfg.normalization, pp_rank=0)
     return GPTModel(tcfg, spec, vocab_size=cfg.vocab_size,
                     max_sequence_length=cfg.max_position_embeddings,
                     position_embedding_type="rope", rotary_base=cfg.rotary_base,

@@ -45,7 +45,9 @@ def run_train(rank: int, world: int, config_path: str, overrides: dict | None = 
               quiet: bool = False) -> dict:
     cfg = load_config(config_path, overrides)
     groups = init_parallel(cfg.parallel)
-    sd = random_state_dict(cfg.model)
+    # model.checkpoint: the engine and the trainer each read their own slices of it;
+    # otherwise both start from the same random full state dict
+    sd = None if cfg.model.checkpoint is not None else random_state_dict(cfg.model)
     engine = Engine(cfg, groups, sd)
     trainer = Trainer(cfg, sd, groups.device)
     sync = WeightSync()

@@ -39,8 +39,10 @@ def trainer_pg_collection(world: int, tp: int):
 
 
 class Trainer:
-    def __init__(self, cfg: Config, state_dict: dict[str, torch.Tensor],
+    def __init__(self, cfg: Config, state_dict: dict[str, torch.Tensor] | None,
                  device: torch.device) -> None:
+        """``state_dict``: full megatron-named weights; None = ``cfg.model.checkpoint``
+        (each rank reads its TP slices)."""
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,

@@ -104,6 +104,38 @@ class RefitView(torch.nn.Module):
                    if m else name), p
 
 
+def _unwrapped(name: str) -> str:
+    """A parameter or buffer name without megatron's wrappers (Float16Module, DDP: 'module.')."""
+    while name.startswith("module."):
+        name = name[len("module."):]
+    return name
+
+
+def sync_buffers(trainer_model: torch.nn.Module, inference_model: torch.nn.Module) -> int:
+    """Copy the persistent buffers that are weights -- the routers' score-correction bias
+    (megatron's ``expert_bias``, which aux-loss-free balancing updates in training) -- from the
+    trainer into the inference model. megatron's refit plans parameters only. Both models hold
+    the whole buffer on every rank (the router is replicated), so this is a local copy.
+    Returns the number of buffers copied."""
+    src = {_unwrapped(n): b for n, b in trainer_model.named_buffers()
+           if n.endswith(".router.expert_bias")}
+    n = 0
+    with torch.no_grad():
+        for name, dst in inference_model.named_buffers():
+            if not name.endswith(".router.expert_bias"):
+                continue
+            got = src.get(_unwrapped(name))
+            if got is None or got.shape != dst.shape:
+                raise KeyError(f"weight sync: the trainer has no router buffer matching "
+                               f"{name!r} {tuple(dst.shape)}")
+            dst.copy_(got)
+            n += 1
+    if n != len(src):
+        raise KeyError(f"weight sync: the trainer has {len(src)} router expert-bias buffers, "
+                       f"the inference model {n}")
+    return n
+
+
 @dataclass
 class SyncStats:
     version: int
@@ -134,6 +166,7 @@ class WeightSync:
         views = self._views.setdefault((id(trainer_model), id(inference_model)),
                                        (RefitView(trainer_model), RefitView(inference_model)))
         swap_model_weights(views[0], views[1], self.service)
+        sync_buffers(trainer_model, inference_model)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.version += 1

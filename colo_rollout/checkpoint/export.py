@@ -1,0 +1,205 @@
+"""Export: megatron-named weights written back as a Hugging Face checkpoint.
+
+Owns ``hf_config_dict`` (the config.json of a model section in one of the supported families,
+checked to parse back to the same fields) and ``export_checkpoint``: the full tensors of a
+TP-sharded megatron model (the trainer's layout: TP x DP, EP1) gathered one at a time over its
+TP group onto global rank 0, split into HF tensors (``hf_names``) and streamed into sharded
+safetensors (``store.write_checkpoint``). At most one full tensor and one shard are in memory.
+transformers loads the result, and loading it back gives the same weights bit for bit.
+
+Must not go in here: name mapping (hf_names.py), file format (store.py).
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from colo_rollout.checkpoint.hf_config import (
+    GLM4,
+    MIXTRAL,
+    QWEN2,
+    QWEN3,
+    hf_architecture,
+    read_hf_config,
+)
+from colo_rollout.checkpoint.hf_names import hf_sources
+from colo_rollout.checkpoint.store import write_checkpoint
+from colo_rollout.config import ModelConfig
+from colo_rollout.inference.model import (
+    DTYPES,
+    loadable_tensors,
+    shard_rule,
+    tensor_shapes,
+    to_spec_names,
+)
+from colo_rollout.inference.parallel import Layout
+
+_MODEL_TYPES = {QWEN3: "qwen3_moe", QWEN2: "qwen2_moe", MIXTRAL: "mixtral", GLM4: "glm4_moe"}
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def default_family(cfg: ModelConfig) -> str:
+    """The family whose format holds ``cfg`` most directly."""
+    if cfg.router_score == "sigmoid" or cfg.first_k_dense:
+        return GLM4
+    if cfg.shared_expert_ffn_hidden_size is not None:
+        return QWEN2
+    return QWEN3 if cfg.qk_layernorm else MIXTRAL
+
+
+def hf_config_dict(cfg: ModelConfig, family: str | None = None,
+                   dtype: str = "bfloat16") -> dict:
+    """config.json for ``cfg`` in ``family``'s format; ValueError if the family cannot express
+    ``cfg`` (checked by parsing the result back: every architecture field must round-trip)."""
+    family = family or default_family(cfg)
+    if family not in _MODEL_TYPES:
+        raise ValueError(f"family {family!r}: choose one of {', '.join(_MODEL_TYPES)}")
+    rope = {"rope_theta": cfg.rotary_base, "rope_type": "default"}
+    if cfg.rope_scaling == "llama3":
+        rope.update(rope_type="llama3", factor=cfg.rope_scaling_factor, low_freq_factor=1.0,
+                    high_freq_factor=4.0, original_max_position_embeddings=8192)
+    if cfg.rotary_percent != 1.0:
+        rope["partial_rotary_factor"] = cfg.rotary_percent
+    c: dict = {
+        "architectures": [family], "model_type": _MODEL_TYPES[family],
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_query_groups, "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.norm_epsilon, "tie_word_embeddings": cfg.tie_embeddings,
+        "max_position_embeddings": cfg.max_position_embeddings, "hidden_act": "silu",
+        "num_experts_per_tok": cfg.moe_router_topk, "rope_parameters": rope,
+        "initializer_range": cfg.init_method_std, "dtype": dtype, "use_cache": True,
+    }
+    ffn = cfg.moe_ffn_hidden_size
+    if family in (QWEN3, QWEN2):
+        c.update(num_experts=cfg.num_experts, moe_intermediate_size=ffn,
+                 norm_topk_prob=cfg.router_norm_topk, decoder_sparse_step=1,
+                 mlp_only_layers=[], use_sliding_window=False, intermediate_size=ffn)
+        if family == QWEN3:
+            c["attention_bias"] = False
+        else:
+            c.update(qkv_bias=cfg.qkv_bias,
+                     shared_expert_intermediate_size=cfg.shared_expert_ffn_hidden_size or 0)
+    elif family == MIXTRAL:
+        c.update(num_local_experts=cfg.num_experts, intermediate_size=ffn, sliding_window=None)
+    else:
+        shared = cfg.shared_expert_ffn_hidden_size or 0
+        if shared % ffn:
+            raise ValueError(f"{family}: shared experts of width {shared} are not a whole "
+                             f"number of experts of width {ffn} (n_shared_experts)")
+        c.update(n_routed_experts=cfg.num_experts, moe_intermediate_size=ffn,
+                 n_shared_experts=shared // ffn, first_k_dense_replace=cfg.first_k_dense,
+                 intermediate_size=cfg.dense_ffn_hidden_size,
+                 routed_scaling_factor=cfg.router_scaling_factor,
+                 n_group=cfg.router_num_groups or 1, topk_group=cfg.router_group_topk or 1,
+                 norm_topk_prob=cfg.router_norm_topk, attention_bias=cfg.qkv_bias,
+                 use_qk_norm=cfg.qk_layernorm, num_nextn_predict_layers=0)
+    back = hf_architecture(".", c).fields
+    wrong = {k: (getattr(cfg, k), v) for k, v in back.items() if getattr(cfg, k) != v}
+    if wrong:
+        raise ValueError(f"{family} cannot express this model section: " + ", ".join(
+            f"{k} = {mine!r} would be {theirs!r}" for k, (mine, theirs) in wrong.items()))
+    return c
+
+
+def _full_tensor(local: torch.Tensor, kind: str, group, size: int) -> torch.Tensor:
+    """The full tensor from every TP rank's shard (``shard_rule``'s kinds reversed)."""
+    if size == 1 or kind == "full":
+        return local
+    parts = [torch.empty_like(local) for _ in range(size)]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    if kind == "rows":
+        return torch.cat(parts, dim=0)
+    if kind == "cols":
+        return torch.cat(parts, dim=1)
+    halves = [torch.chunk(p, 2, dim=0) for p in parts]  # "glu": [gate_r; up_r] per rank
+    return torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])])
+
+
+def export_checkpoint(model: torch.nn.Module, cfg: ModelConfig, directory: str | pathlib.Path,
+                      *, tp_group=None, te: bool = False, family: str | None = None,
+                      dtype: str | None = None, max_shard_bytes: int = 5 * 2**30,
+                      writer: bool | None = None) -> list[pathlib.Path]:
+    """Write ``model`` (megatron-named, TP-sharded over ``tp_group``, all experts on every
+    rank) as a Hugging Face checkpoint in ``directory``. Collective over ``tp_group``; every
+    other TP group holding a replica of the same weights may skip the call. ``writer`` (default:
+    global rank 0, or the only process) writes the files; the others only send their shards.
+    ``dtype`` (default: the model's) is the stored dtype; config.json is the source
+    checkpoint's (``cfg.checkpoint``) with that dtype when there is one, else generated for
+    ``family``. The tokenizer files of the source checkpoint are copied beside it. Returns
+    the written weight files (empty on non-writers)."""
+    size = tp_group.size() if tp_group is not None else 1
+    tp_rank = tp_group.rank() if tp_group is not None else 0
+    if writer is None:
+        writer = (dist.get_rank() == 0) if dist.is_initialized() else True
+    layout = Layout(world_size=size, adp=1, ep=1)
+    params = loadable_tensors(model)
+    model_dtype = next(iter(params.values())).dtype
+    dtype_name = dtype or _DTYPE_NAMES.get(model_dtype, "bfloat16")
+    out_dtype = DTYPES[dtype_name]
+    shapes = tensor_shapes(cfg)
+    spec = {local: name for name, local in to_spec_names({n: n for n in shapes}, te).items()}
+    sources = hf_sources(cfg, family or _source_family(cfg))
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, src in sources.items():
+            rule = shard_rule(spec[name], layout, tp_rank, cfg.num_experts)
+            local = _param(params, rule.local)
+            full = _full_tensor(local.detach(), rule.kind, tp_group, size)
+            if tuple(full.shape) != shapes[name]:
+                raise ValueError(f"export: {name} gathered to {tuple(full.shape)}, expected "
+                                 f"{shapes[name]}")
+            if writer:
+                # the score-correction bias stays fp32, as HF stores it
+                keep = full if name.endswith("expert_bias") else full.to(out_dtype)
+                yield from ((n, t.cpu().clone()) for n, t in src.split(keep))
+
+    if not writer:
+        for _ in tensors():
+            pass
+        return []
+    if cfg.checkpoint is not None:
+        config = read_hf_config(cfg.checkpoint)
+        config["dtype"] = dtype_name
+        config.pop("torch_dtype", None)
+    else:
+        config = hf_config_dict(cfg, family, dtype_name)
+    extra = _tokenizer_files(cfg.checkpoint)
+    return write_checkpoint(directory, tensors(), config, max_shard_bytes=max_shard_bytes,
+                            extra_files=extra)
+
+
+def _source_family(cfg: ModelConfig) -> str:
+    if cfg.checkpoint is not None:
+        return hf_architecture(cfg.checkpoint).family
+    return default_family(cfg)
+
+
+def _param(params: dict[str, torch.Tensor], local: str) -> torch.Tensor:
+    """``local`` in the model, also under megatron's wrappers (Float16Module, DDP: 'module.')."""
+    for key in (local, f"module.{local}", f"module.module.{local}"):
+        if key in params:
+            return params[key]
+    raise KeyError(f"export: the model has no {local!r}")
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "chat_template.jinja", "generation_config.json")
+
+
+def _tokenizer_files(source: str | None) -> dict[str, str]:
+    """Text files to copy beside the exported weights (tokenizer, chat template, generation
+    config), so the checkpoint is usable on its own."""
+    if source is None:
+        return {}
+    out = {}
+    for name in _TOKENIZER_FILES:
+        p = pathlib.Path(source) / name
+        if p.is_file():
+            out[name] = p.read_text(encoding="utf-8")
+    return out
+

@@ -1,0 +1,193 @@
+"""Tiny Hugging Face MoE checkpoints and the per-rank bodies of the checkpoint-import tests.
+
+``save_tiny_checkpoint`` builds a small transformers model of one supported family, randomises
+every weight (so that biases, norms, routing and gates all matter) and saves it with
+``save_pretrained``. ``serve_checkpoint`` (run on every rank by WorkerGroup) builds the engine
+from ``model.checkpoint`` and serves greedy requests; rank 0 scores the same sequences with
+transformers in fp32 as the independent reference.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+
+FAMILIES = ("qwen3", "qwen2", "mixtral", "glm")
+
+_COMMON = {"vocab_size": 256, "hidden_size": 64, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+           "tie_word_embeddings": False}
+
+
+def family_config(family: str, **overrides):
+    """The transformers config of a tiny ``family`` model (overrides: config keyword args)."""
+    import transformers as tf
+
+    if family == "qwen3":  # head_dim 32 != hidden 64 / 4 heads; renormalised top-k
+        kw = {**_COMMON, "num_hidden_layers": 2, "head_dim": 32, "moe_intermediate_size": 32,
+              "intermediate_size": 96, "num_experts": 8, "num_experts_per_tok": 2,
+              "norm_topk_prob": True, "rope_parameters": {"rope_type": "default",
+                                                          "rope_theta": 10000.0}}
+        cls = tf.Qwen3MoeConfig
+    elif family == "qwen2":  # gated shared expert, qkv bias, no top-k renormalisation
+        kw = {**_COMMON, "num_hidden_layers": 2, "moe_intermediate_size": 32,
+              "intermediate_size": 96, "shared_expert_intermediate_size": 48, "num_experts": 8,
+              "num_experts_per_tok": 2, "norm_topk_prob": False, "qkv_bias": True,
+              "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+        cls = tf.Qwen2MoeConfig
+    elif family == "mixtral":
+        kw = {**_COMMON, "num_hidden_layers": 2, "intermediate_size": 32,
+              "num_local_experts": 8, "num_experts_per_tok": 2, "rms_norm_eps": 1e-5,
+              "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
+        cls = tf.MixtralConfig
+    elif family == "glm":  # dense first layer, shared expert, group-limited sigmoid routing
+        kw = {**_COMMON, "num_hidden_layers": 3, "first_k_dense_replace": 1,
+              "intermediate_size": 96, "moe_intermediate_size": 32, "n_routed_experts": 8,
+              "n_shared_experts": 1, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2,
+              "norm_topk_prob": True, "routed_scaling_factor": 2.5, "attention_bias": True,
+              "use_qk_norm": True, "rms_norm_eps": 1e-5,
+              "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                  "partial_rotary_factor": 0.5}}
+        cls = tf.Glm4MoeConfig
+    else:
+        raise ValueError(f"unknown family {family!r}; one of {FAMILIES}")
+    kw.update(overrides)
+    return cls(**kw)
+
+
+def _randomise(model: torch.nn.Module, seed: int) -> None:
+    """Every parameter and persistent buffer gets random values big enough to matter: norm
+    weights 1 +- 0.3, biases (attention, GLM's score-correction bias) std 0.3-0.5 (they move
+    the routing), router weights large (logits std ~4: no near-ties), other matrices
+    std 1/sqrt(fan_in)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in model.state_dict(keep_vars=True).items():
+            if not t.is_floating_point():
+                continue
+            noise = torch.randn(t.shape, generator=g, dtype=torch.float32)
+            fan_in = t.shape[-1] if t.dim() >= 2 else 1
+            if name.endswith("e_score_correction_bias"):
+                value = 0.5 * noise
+            elif "norm" in name.rsplit(".", 2)[-2] and name.endswith(".weight"):
+                value = 1.0 + 0.3 * noise
+            elif name.endswith(".bias"):
+                value = 0.3 * noise
+            elif name.endswith("shared_expert_gate.weight"):
+                value = noise * (1.5 / math.sqrt(fan_in))
+            elif name.endswith(".gate.weight"):  # the router
+                value = noise * (4.0 / math.sqrt(fan_in))
+            elif name.endswith("embed_tokens.weight"):
+                value = noise
+            elif name == "lm_head.weight":
+                value = noise * (3.0 / math.sqrt(fan_in))
+            else:
+                value = noise / math.sqrt(fan_in)
+            t.copy_(value.to(t.dtype))
+
+
+def save_tiny_checkpoint(directory, family: str, sharded: bool = False, seed: int = 0,
+                         **overrides) -> None:
+    """A tiny randomised ``family`` checkpoint in ``directory`` (config.json + safetensors; with
+    ``sharded``, several ~50 KB shards and model.safetensors.index.json). Deterministic."""
+    import transformers as tf
+
+    config = family_config(family, **overrides)
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomise(model, seed + 1000 * FAMILIES.index(family))
+    kw = {"max_shard_size": "50KB"} if sharded else {}
+    model.save_pretrained(str(directory), **kw)
+
+
+def requests_for(n: int, seed: int, vocab: int = 256):
+    from colo_rollout.inference.request import Request, SamplingParams
+
+    rng = random.Random(seed)
+    lengths = [1, 3, 5, 8, 13, 21, 30, 40]
+    out = []
+    for i in range(n):
+        prompt = tuple(rng.randrange(vocab) for _ in range(lengths[i % len(lengths)]))
+        out.append(Request(f"r{i}", prompt, SamplingParams(max_tokens=6 + i % 5,
+                                                           ignore_eos=True)))
+    return out
+
+
+def hf_compare(directory: str, requests, outs) -> dict:
+    """transformers' fp32 logprobs of each full sequence (teacher forcing) vs the engine's."""
+    import transformers as tf
+
+    hf = tf.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    worst, mismatches, checked = 0.0, [], 0
+    with torch.no_grad():
+        for req in requests:
+            out = outs[req.request_id]
+            full = list(req.prompt) + list(out.tokens)
+            lp = torch.log_softmax(hf(torch.tensor([full[:-1]])).logits[0].float(), dim=-1)
+            for j, (tok, got) in enumerate(zip(out.tokens, out.logprobs)):
+                row = lp[len(req.prompt) - 1 + j]
+                worst = max(worst, abs(float(row[tok]) - got))
+                if int(row.argmax()) != tok:
+                    mismatches.append([req.request_id, j, tok, int(row.argmax())])
+                checked += 1
+    return {"max_logprob_diff": worst, "mismatches": mismatches, "checked": checked}
+
+
+def engine_config(directory: str, world: int, adp: int, ep: int, **model):
+    from colo_rollout.config import config_from_dict
+
+    return config_from_dict({
+        "parallel": {"world_size": world, "adp": adp, "ep": ep, "backend": "gloo",
+                     "timeout_s": 60},
+        "model": {"checkpoint": directory, **model},
+        "engine": {"max_batch_size": 4, "max_prefill_tokens": 128, "kv_block_size": 4,
+                   "num_kv_blocks": 128, "max_seq_len": 128, "decode_buckets": [1, 2, 4]},
+    })
+
+
+def serve_checkpoint(rank: int, world: int, directory: str, adp: int, ep: int,
+                     n_requests: int = 8, seed: int = 0) -> dict:
+    """Serve greedy requests from ``directory`` on this layout; rank 0 adds the comparison
+    with transformers."""
+    from colo_rollout.inference.cpu_compat import install_cpu_compat
+    from colo_rollout.inference.engine import Engine
+    from colo_rollout.inference.parallel import init_parallel
+
+    cfg = engine_config(directory, world, adp, ep)
+    groups = init_parallel(cfg.parallel)
+    install_cpu_compat()
+    engine = Engine(cfg, groups)
+    try:
+        requests = requests_for(n_requests, seed, cfg.model.vocab_size)
+        outs = engine.generate(requests)
+        result = {
+            "layout": groups.layout.name,
+            "bytes_read": engine.load_stats.bytes_read,
+            "tensors": engine.load_stats.tensors,
+            "tokens": {r.request_id: list(outs[r.request_id].tokens) for r in requests},
+            "logprobs": {r.request_id: list(outs[r.request_id].logprobs) for r in requests},
+            "expected": {r.request_id: r.params.max_tokens for r in requests},
+        }
+    finally:
+        engine.close()
+    if rank == 0:
+        result.update(hf_compare(directory, requests, outs))
+    return result
+
+
+def load_error(rank: int, world: int, directory: str) -> str:
+    """The error building an engine from a (broken) checkpoint raises on this rank."""
+    from colo_rollout.inference.cpu_compat import install_cpu_compat
+    from colo_rollout.inference.engine import Engine
+    from colo_rollout.inference.parallel import init_parallel
+
+    cfg = engine_config(directory, world, world, world)
+    groups = init_parallel(cfg.parallel)
+    install_cpu_compat()
+    try:
+        Engine(cfg, groups).close()
+    except Exception as e:  # noqa: BLE001 - the test asserts on the text
+        return f"{type(e).__name__}: {e}"
+    return ""

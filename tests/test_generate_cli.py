@@ -1,0 +1,184 @@
+"""`colo-rollout generate` and `generate_text()`: text in, text out over a Hugging Face checkpoint.
+
+A tiny random Qwen3-MoE saved by transformers' own save_pretrained, with the tiny ChatML
+tokenizer beside it. The reference for every completion is transformers' greedy
+``model.generate`` on the same chat-templated ids (fp32), decoded by our Tokenizer, stopping on
+the same eos id. Error paths: one ``error:`` line, exit code 2, no traceback, no rank started.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tests.tiny_tokenizer import save_tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+CASE = "tests.test_generate_cli"
+PROMPTS = ["hello there", "What is 2 + 2?"]
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """(checkpoint dir, {prompt: HF greedy text with the chat template}, {prompt: without})."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from colo_rollout.text.tokenizer import Tokenizer
+
+    d = tmp_path_factory.mktemp("qwen3moe")
+    vocab = save_tiny_tokenizer(d)
+    tok = Tokenizer.from_dir(d)
+    (eos,) = tok.eos_token_ids  # <|im_end|>, from tokenizer_config.json
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=vocab + vocab % 2, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, eos_token_id=eos, pad_token_id=tok.encode("<|endoftext|>")[0],
+        bos_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config).eval()  # fp32
+    model.save_pretrained(d)  # config.json, model.safetensors, generation_config.json (eos)
+
+    def greedy(ids: list[int]) -> str:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                                 eos_token_id=eos, pad_token_id=config.pad_token_id)
+        return tok.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
+
+    chat = {p: greedy(tok.encode_prompt(p)) for p in PROMPTS}
+    plain = {p: greedy(tok.encode_prompt(p, chat=False)) for p in PROMPTS}
+    assert all(chat.values()), chat  # a non-empty completion to compare
+    return d, chat, plain
+
+
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "colo_rollout.cli", "generate", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_generates_on_one_rank(ckpt):
+    d, chat, _ = ckpt
+    r = _cli("--model", str(d), "--max-tokens", str(MAX_TOKENS), PROMPTS[0])
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    # the prompt's index, then its completion: transformers' own greedy text
+    assert r.stdout == f"[0] {chat[PROMPTS[0]]}\n"
+
+
+def _generate_case(rank: int, world: int, model_dir: str) -> dict:
+    """In-process use, as a rollout() caller would: config with model.checkpoint, Engine loads
+    the weights, generate_text (collective) -- twice on one engine, with and without chat."""
+    from colo_rollout.config import config_from_dict
+    from colo_rollout.inference.engine import Engine
+    from colo_rollout.inference.parallel import init_parallel
+    from colo_rollout.inference.request import SamplingParams
+    from colo_rollout.text.generate import generate_text
+    from colo_rollout.text.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(model_dir)
+    cfg = config_from_dict({"model": {"checkpoint": model_dir, "params_dtype": "float32"},
+                            "engine": {"max_seq_len": 128,
+                                       "eos_token_id": tok.eos_token_ids[0]}})
+    engine = Engine(cfg, init_parallel(cfg.parallel))
+    try:
+        params = SamplingParams(max_tokens=MAX_TOKENS)
+        chat = generate_text(engine, tok, PROMPTS, params)
+        plain = generate_text(engine, tok, PROMPTS, params, chat=False)  # fresh request ids
+    finally:
+        engine.close()
+    return {"chat": chat, "plain": plain}
+
+
+def test_generate_text_matches_transformers_greedy(ckpt, worker_groups):
+    d, chat, plain = ckpt
+    (res,) = worker_groups(1).run(f"{CASE}:_generate_case", model_dir=str(d))
+    assert res["chat"] == [chat[p] for p in PROMPTS]
+    assert res["plain"] == [plain[p] for p in PROMPTS]
+
+
+def test_completion_stops_at_any_eos_id(ckpt):
+    # the engine stops on one eos id (engine.eos_token_id); generate_text cuts at every
+    # tokenizer eos id, unless ignore_eos
+    from colo_rollout.inference.request import FinishReason, RequestOutput, SamplingParams
+    from colo_rollout.text.generate import generate_text
+    from colo_rollout.text.tokenizer import Tokenizer
+
+    d, _, _ = ckpt
+    tok = Tokenizer.from_dir(d)
+    a, b = tok.encode("the cat"), tok.encode("dog")
+    end = tok.encode("<|endoftext|>")[0]
+    tok.eos_token_ids = (tok.eos_token_ids[0], end)
+
+    class Engine:  # what generate_text uses of the engine
+        scheduler = SimpleNamespace(step_no=3, validate=lambda req: None)
+
+        def generate(self, requests):
+            out = RequestOutput(requests[0].request_id, len(requests[0].prompt),
+                                tokens=[*a, end, *b], finish_reason=FinishReason.LENGTH)
+            return {out.request_id: out}
+
+    assert generate_text(Engine(), tok, ["hi"], SamplingParams(max_tokens=9)) == ["the cat"]
+    kept = generate_text(Engine(), tok, ["hi"], SamplingParams(max_tokens=9, ignore_eos=True))
+    assert kept == ["the catdog"]  # special tokens are dropped from the text, not cut at
+
+
+def _one_error(r: subprocess.CompletedProcess) -> str:
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert r.stdout == ""
+    return lines[0]
+
+
+def test_error_no_tokenizer(ckpt, tmp_path):
+    d, _, _ = ckpt
+    for name in ("config.json", "model.safetensors"):  # weights only
+        shutil.copy(d / name, tmp_path / name)
+    line = _one_error(_cli("--model", str(tmp_path), "hi"))
+    assert line == (f"error: {tmp_path}: no tokenizer.json (generate needs the checkpoint's "
+                    "tokenizer; rollout() itself is token-in/token-out)")
+
+
+def test_error_bad_set_value(ckpt):
+    d, _, _ = ckpt
+    line = _one_error(_cli("--model", str(d), "--set", "engine.max_batch_size=abc", "hi"))
+    assert "engine.max_batch_size" in line and "abc" in line
+
+
+def test_door_checks_in_process(ckpt, tmp_path, capsys):
+    # the rest of the door, through cli.main (no ranks start: each fails before the launch)
+    from colo_rollout.cli import main
+
+    d, _, _ = ckpt
+    small = tmp_path / "small_vocab"
+    small.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(d / name, small / name)
+    config = json.loads((d / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**config, "vocab_size": 100}))
+    yaml_cfg = tmp_path / "short.yaml"
+    yaml_cfg.write_text("engine: {max_seq_len: 16}\nworkload: {prompt_len_max: 8, "
+                        "output_len_max: 8}\n")
+    cases = {
+        ("--model", str(small), "hi"): "the tokenizer has 200 ids, more than the model's "
+                                       "vocab_size 100",
+        ("--model", str(d), "--set", "engine", "hi"): "--set expects key=value",
+        ("--model", str(d), "--set", "engine.nope=1", "hi"): "engine.nope: unknown override key",
+        ("--model", str(d), "--temperature", "-1", "hi"): "sampling parameters: temperature",
+        ("--model", str(d), "--config", str(yaml_cfg), "hi"): "over engine.max_seq_len 16",
+        ("--model", str(d), "--max-tokens", "40000", "hi"): "max_position_embeddings 32768",
+        ("--model", str(d), "--config", str(tmp_path / "absent.yaml"), "hi"):
+            "cannot read config file",
+    }
+    for argv, want in cases.items():
+        assert main(["generate", *argv]) == 2, argv
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1 and err.startswith("error: "), (argv, err)
+        assert want in err, (argv, err)

@@ -1,0 +1,391 @@
+"""Hugging Face checkpoint import: config.json -> model section, per-rank loading, equivalence with
+transformers (the independent reference), and errors that name the file / tensor / key.
+
+Checkpoints are tiny (vocab 256, hidden 64, 8 experts) with every weight randomised
+(tests/cases_hf.py), built once per module. Equivalence runs the engine on 1 rank, EP2/ADP2 and
+EP2/ATP2 and compares with transformers' fp32 logprobs of the same sequences.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+
+import pytest
+import yaml
+
+from colo_rollout.checkpoint.hf_config import hf_architecture
+from colo_rollout.checkpoint.loader import check_checkpoint
+from colo_rollout.checkpoint.store import CheckpointError, CheckpointStore
+from colo_rollout.config import ConfigError, config_from_dict, load_config
+from tests.cases_hf import FAMILIES, engine_config, save_tiny_checkpoint
+
+CASES = "tests.cases_hf"
+# fp32 on CPU: the engine and transformers differ only in summation order (~1e-5 at most);
+# a wrong row, sign, scale or routing decision moves logprobs by > 1e-1
+TOL = 1e-3
+SMALL_ENGINE = {"max_seq_len": 128}  # within the tiny max_position_embeddings 512
+SHARDED = "qwen2"  # this family's checkpoint is saved in ~50 KB shards with an index
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """family -> directory of its tiny randomised checkpoint (made once per module)."""
+    root = tmp_path_factory.mktemp("hf")
+    out = {}
+    for fam in FAMILIES:
+        d = root / fam
+        save_tiny_checkpoint(d, fam, sharded=fam == SHARDED)
+        out[fam] = str(d)
+    return out
+
+
+def total_tensor_bytes(directory: str) -> int:
+    with CheckpointStore(directory) as store:
+        return sum(math.prod(store.shape(n)) * store.dtype(n).itemsize for n in store.names())
+
+
+def copy_ckpt(src: str, dst) -> str:
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+def edit_config(directory: str, **changes) -> None:
+    path = os.path.join(directory, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    for k, v in changes.items():
+        if v is None:
+            config.pop(k, None)
+        else:
+            config[k] = v
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def rewrite_weights(directory: str, change) -> None:
+    """Apply ``change(dict name -> tensor)`` to a single-file checkpoint's tensors, in place."""
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(directory, "model.safetensors")
+    tensors = dict(load_file(path))
+    change(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+# ---------------------------------------------------------------------- equivalence
+def check_equivalent(res: list[dict]) -> dict:
+    r0 = res[0]
+    assert r0["checked"] >= 50
+    assert r0["mismatches"] == [], r0["mismatches"]  # greedy = transformers' argmax
+    assert r0["max_logprob_diff"] < TOL, r0["max_logprob_diff"]
+    assert {k: len(v) for k, v in r0["tokens"].items()} == r0["expected"]
+    for r in res[1:]:  # every rank returns the same outputs
+        assert r["tokens"] == r0["tokens"]
+        for k, lps in r0["logprobs"].items():
+            assert r["logprobs"][k] == pytest.approx(lps, abs=1e-6)
+    return r0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_rank_matches_transformers_and_reads_everything_once(worker_groups, ckpt, family):
+    res = worker_groups(1).run(f"{CASES}:serve_checkpoint", directory=ckpt[family], adp=1, ep=1)
+    r0 = check_equivalent(res)
+    assert r0["bytes_read"] == total_tensor_bytes(ckpt[family])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ep2_adp2_matches_transformers_and_splits_the_experts(worker_groups, ckpt, family):
+    res = worker_groups(2).run(f"{CASES}:serve_checkpoint", directory=ckpt[family], adp=2, ep=2)
+    assert res[0]["layout"] == "EP2/ADP2"
+    check_equivalent(res)
+    total = total_tensor_bytes(ckpt[family])
+    for r in res:  # each rank reads its 4 experts of 8, not the whole model
+        assert r["bytes_read"] < 0.8 * total, (r["bytes_read"], total)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "glm", "qwen3"])
+def test_ep2_atp2_matches_transformers(worker_groups, ckpt, family):
+    # attention TP: q/k/v row groups, o_proj columns, dense / shared-expert MLP rows, vocab rows
+    res = worker_groups(2).run(f"{CASES}:serve_checkpoint", directory=ckpt[family], adp=1, ep=2)
+    assert res[0]["layout"] == "EP2/ATP2"
+    check_equivalent(res)
+    total = total_tensor_bytes(ckpt[family])
+    for r in res:
+        assert r["bytes_read"] < 0.8 * total, (r["bytes_read"], total)
+
+
+def test_sharded_checkpoint_is_sharded(ckpt):
+    files = os.listdir(ckpt[SHARDED])
+    assert "model.safetensors.index.json" in files and "model.safetensors" not in files
+    assert sum(f.endswith(".safetensors") for f in files) >= 4
+
+
+# ---------------------------------------------------------------------- config.json
+EXPECTED = {
+    "qwen3": {"vocab_size": 256, "hidden_size": 64, "num_layers": 2, "num_attention_heads": 4,
+              "num_query_groups": 2, "head_dim": 32, "qk_layernorm": True, "qkv_bias": False,
+              "num_experts": 8, "moe_router_topk": 2, "moe_ffn_hidden_size": 32,
+              "router_norm_topk": True, "router_score": "softmax", "norm_epsilon": 1e-6,
+              "shared_expert_ffn_hidden_size": None, "first_k_dense": 0, "rotary_percent": 1.0,
+              "rotary_base": 10000.0, "max_position_embeddings": 512},
+    "qwen2": {"head_dim": 16, "qkv_bias": True, "qk_layernorm": False, "router_norm_topk": False,
+              "shared_expert_ffn_hidden_size": 48, "shared_expert_gate": True},
+    "mixtral": {"router_norm_topk": True, "moe_ffn_hidden_size": 32, "rotary_base": 1e6,
+                "shared_expert_ffn_hidden_size": None, "norm_epsilon": 1e-5},
+    "glm": {"num_layers": 3, "first_k_dense": 1, "ffn_hidden_size": 96, "head_dim": 16,
+            "moe_router_topk": 4, "router_score": "sigmoid", "router_expert_bias": True,
+            "router_scaling_factor": 2.5, "router_num_groups": 4, "router_group_topk": 2,
+            "router_norm_topk": True, "shared_expert_ffn_hidden_size": 32,
+            "shared_expert_gate": False, "qkv_bias": True, "qk_layernorm": True,
+            "rotary_percent": 0.5},
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_architecture_fields_come_from_config_json(ckpt, family):
+    cfg = config_from_dict({"engine": SMALL_ENGINE, "model": {"checkpoint": ckpt[family]}})
+    got = {k: getattr(cfg.model, k) for k in EXPECTED[family]}
+    assert got == EXPECTED[family]
+    assert cfg.model.checkpoint == ckpt[family]
+    check_checkpoint(cfg.model)  # the headers agree with the config
+
+
+def test_agreeing_yaml_fields_are_fine_and_run_choices_stay(ckpt):
+    cfg = config_from_dict({"engine": SMALL_ENGINE, "model": {"checkpoint": ckpt["glm"], "hidden_size": 64,
+                                      "num_experts": 8, "router_scaling_factor": 2.5,
+                                      "max_position_embeddings": 256,  # may be lower
+                                      "params_dtype": "bfloat16", "seed": 3}})
+    assert cfg.model.hidden_size == 64 and cfg.model.max_position_embeddings == 256
+    assert cfg.model.params_dtype == "bfloat16" and cfg.model.seed == 3
+
+
+@pytest.mark.parametrize("field,value,key", [
+    ("hidden_size", 128, "config.json hidden_size = 64"),
+    ("num_query_groups", 4, "config.json num_key_value_heads = 2"),
+    ("head_dim", 16, "config.json head_dim = 32"),
+    ("num_experts", 16, "config.json num_local_experts = 8"),
+    ("qk_layernorm", False, "Qwen3MoeForCausalLM"),
+    ("max_position_embeddings", 1024, "config.json max_position_embeddings = 512"),
+])
+def test_contradicting_yaml_field_is_an_error_naming_both(ckpt, field, value, key):
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"engine": SMALL_ENGINE, "model": {"checkpoint": ckpt["qwen3"], field: value}}, source="x.yaml")
+    msg = str(e.value)
+    assert e.value.key == f"model.{field}"
+    assert msg.startswith("x.yaml: ") and f"model.{field}: {value!r}" in msg and key in msg, msg
+
+
+def test_glm_contradiction_names_the_glm_key(ckpt):
+    with pytest.raises(ConfigError, match=r"model\.router_group_topk: 1 .*config\.json "
+                                          r"topk_group = 2"):
+        config_from_dict({"engine": SMALL_ENGINE, "model": {"checkpoint": ckpt["glm"], "router_group_topk": 1}})
+
+
+def _old_style(directory: str, family: str) -> None:
+    """config.json as transformers 4 wrote it: top-level rope_theta / partial_rotary_factor,
+    torch_dtype, Qwen3's num_experts."""
+    path = os.path.join(directory, "config.json")
+    with open(path) as f:
+        c = json.load(f)
+    rope = c.pop("rope_parameters")
+    c["rope_theta"] = rope["rope_theta"]
+    if "partial_rotary_factor" in rope:
+        c["partial_rotary_factor"] = rope["partial_rotary_factor"]
+    c["rope_scaling"] = None
+    c["torch_dtype"] = c.pop("dtype")
+    if family == "qwen3":
+        c["num_experts"] = c.pop("num_local_experts")
+    c["transformers_version"] = "4.51.0"
+    with open(path, "w") as f:
+        json.dump(c, f, indent=2)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "glm"])
+def test_both_config_json_spellings_parse_to_the_same_fields(ckpt, tmp_path, family):
+    old = copy_ckpt(ckpt[family], tmp_path / "old")
+    _old_style(old, family)
+    raw = json.load(open(os.path.join(old, "config.json")))
+    assert "rope_parameters" not in raw and "torch_dtype" in raw and "dtype" not in raw
+    new_arch, old_arch = hf_architecture(ckpt[family]), hf_architecture(old)
+    assert old_arch.fields == new_arch.fields
+    assert old_arch.dtype == new_arch.dtype == "float32"
+    if family == "qwen3":
+        assert old_arch.sources["num_experts"] == "num_experts"
+        assert new_arch.sources["num_experts"] == "num_local_experts"
+    else:
+        assert old_arch.fields["rotary_percent"] == 0.5
+        assert old_arch.sources["rotary_percent"] == "partial_rotary_factor"
+        assert new_arch.sources["rotary_percent"] == "rope_parameters.partial_rotary_factor"
+    a = config_from_dict({"engine": SMALL_ENGINE, "model": {"checkpoint": old}}).model
+    b = config_from_dict({"engine": SMALL_ENGINE, "model": {"checkpoint": ckpt[family]}}).model
+    assert {**vars(a), "checkpoint": None} == {**vars(b), "checkpoint": None}
+    check_checkpoint(a)
+
+
+def test_glm_without_partial_rotary_factor_takes_transformers_default(ckpt, tmp_path):
+    # transformers' Glm4MoeConfig defaults partial_rotary_factor to 0.5 when config.json has none
+    d = copy_ckpt(ckpt["glm"], tmp_path / "g")
+    edit_config(d, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    import transformers as tf
+
+    assert tf.AutoConfig.from_pretrained(d).rope_parameters["partial_rotary_factor"] == 0.5
+    assert hf_architecture(d).fields["rotary_percent"] == 0.5
+
+
+def test_load_config_with_set_style_checkpoint_override(ckpt, tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({
+        "parallel": {"world_size": 2, "adp": 2, "ep": 2, "backend": "gloo"},
+        "model": {"params_dtype": "float32"},
+        "engine": {"max_seq_len": 128}}))
+    cfg = load_config(path, {"model.checkpoint": ckpt["mixtral"]})
+    assert cfg.model.checkpoint == ckpt["mixtral"]
+    assert cfg.model.rotary_base == 1e6 and cfg.model.num_experts == 8
+    assert cfg.parallel.ep == 2
+    with pytest.raises(ConfigError, match=r"run\.yaml: model\.hidden_size: 32 contradicts "
+                                          r"config\.json hidden_size = 64"):
+        load_config(path, {"model.checkpoint": ckpt["mixtral"], "model.hidden_size": 32})
+
+
+# ---------------------------------------------------------------------- bad input
+def test_missing_config_json(ckpt, tmp_path):
+    d = copy_ckpt(ckpt["qwen3"], tmp_path / "c")
+    os.remove(os.path.join(d, "config.json"))
+    cfg_path = os.path.join(d, "config.json")
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"engine": SMALL_ENGINE, "model": {"checkpoint": d}})
+    assert e.value.key == "model.checkpoint"
+    assert f"{cfg_path}: missing" in str(e.value)
+    with pytest.raises(CheckpointError, match="config.json: missing"):
+        CheckpointStore(d)
+
+
+def test_missing_shard_names_the_file_and_a_tensor(ckpt, tmp_path):
+    d = copy_ckpt(ckpt[SHARDED], tmp_path / "s")
+    index = json.load(open(os.path.join(d, "model.safetensors.index.json")))["weight_map"]
+    shard = sorted(set(index.values()))[2]
+    os.remove(os.path.join(d, shard))
+    cfg = config_from_dict({"engine": SMALL_ENGINE, "model": {"checkpoint": d}})  # config.json alone is fine
+    with pytest.raises(CheckpointError) as e:
+        check_checkpoint(cfg.model)
+    msg = str(e.value)
+    assert shard in msg and "shard file missing" in msg
+    assert e.value.name in index and index[e.value.name] == shard and e.value.name in msg
+
+
+def _broken(ckpt, tmp_path, change) -> tuple[str, str]:
+    d = copy_ckpt(ckpt["qwen3"], tmp_path / "b")
+    rewrite_weights(d, change)
+    cfg = config_from_dict({"engine": SMALL_ENGINE, "model": {"checkpoint": d}})
+    with pytest.raises(CheckpointError) as e:
+        check_checkpoint(cfg.model)
+    return d, str(e.value)
+
+
+def test_wrong_shape_names_the_tensor_and_file(ckpt, tmp_path, worker_groups):
+    name = "model.layers.1.self_attn.k_proj.weight"
+
+    def change(t):
+        t[name] = t[name][:48].clone()
+
+    d, msg = _broken(ckpt, tmp_path, change)
+    assert f"{os.path.join(d, 'model.safetensors')}: {name}: shape [48, 64], expected [64, 64]" \
+        in msg, msg
+    # and the engine refuses it on every rank, before allocating anything
+    res = worker_groups(2).run(f"{CASES}:load_error", directory=d)
+    for r in res:
+        assert "CheckpointError" in r and name in r and "shape [48, 64]" in r, r
+
+
+def test_missing_tensor_is_named(ckpt, tmp_path):
+    name = "model.layers.0.mlp.experts.3.down_proj.weight"
+    _, msg = _broken(ckpt, tmp_path, lambda t: t.pop(name))
+    assert f"{name}: missing" in msg and "[64, 32]" in msg, msg
+
+
+def test_unexpected_tensor_is_named(ckpt, tmp_path):
+    name = "model.layers.0.self_attn.o_proj.bias"
+
+    def change(t):
+        import torch
+
+        t[name] = torch.zeros(64)
+
+    _, msg = _broken(ckpt, tmp_path, change)
+    assert "unexpected tensor" in msg and name in msg, msg
+
+
+def test_stored_router_bias_in_a_family_without_one_is_unexpected(ckpt, tmp_path):
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"
+
+    def change(t):
+        import torch
+
+        t[name] = torch.zeros(8)
+
+    _, msg = _broken(ckpt, tmp_path, change)
+    assert name in msg, msg
+
+
+def _config_error(ckpt, tmp_path, family: str = "qwen3", parallel: dict | None = None,
+                  **changes) -> ConfigError:
+    d = tmp_path / "cfg"
+    if not d.exists():
+        d.mkdir()
+        shutil.copy(os.path.join(ckpt[family], "config.json"), d / "config.json")
+    edit_config(str(d), **changes)
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"engine": SMALL_ENGINE, "parallel": parallel or {}, "model": {"checkpoint": str(d)}})
+    return e.value
+
+
+def test_unsupported_architecture(ckpt, tmp_path):
+    e = _config_error(ckpt, tmp_path, architectures=["LlamaForCausalLM"])
+    msg = str(e)
+    assert e.key == "model.checkpoint"
+    assert "config.json: architectures: 'LlamaForCausalLM' is not supported" in msg, msg
+    assert "Qwen3MoeForCausalLM" in msg  # lists what is
+
+
+def test_mla_family_is_refused(ckpt, tmp_path):
+    e = _config_error(ckpt, tmp_path, architectures=["DeepseekV3ForCausalLM"], kv_lora_rank=512)
+    assert "architectures: 'DeepseekV3ForCausalLM' uses multi-head latent attention" in str(e)
+
+
+@pytest.mark.parametrize("rope,key", [
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                          "original_max_position_embeddings": 128}}, "rope_parameters.rope_type"),
+    ({"rope_parameters": None, "rope_theta": 10000.0,
+      "rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling.type"),
+])
+def test_unsupported_rope_type_names_the_key(ckpt, tmp_path, rope, key):
+    e = _config_error(ckpt, tmp_path, **rope)
+    assert f"config.json: {key}: RoPE type 'yarn' is not supported" in str(e), str(e)
+
+
+@pytest.mark.parametrize("parallel,key", [
+    ({"world_size": 8, "adp": 1, "ep": 8}, "model.num_attention_heads"),  # 4 heads, ATP 8
+    ({"world_size": 4, "adp": 1, "ep": 4}, "model.num_query_groups"),  # 2 KV heads, ATP 4
+    ({"world_size": 16, "adp": 16, "ep": 16}, "model.num_experts"),  # 8 experts, EP 16
+])
+def test_layout_the_checkpoint_cannot_be_split_into(ckpt, tmp_path, parallel, key):
+    # refused at config construction (in the launching process, before any rank starts)
+    e = _config_error(ckpt, tmp_path, parallel=parallel)
+    assert e.key == key and key in str(e), str(e)
+    assert "not divisible by parallel." in str(e)
+
+
+def test_kv_heads_from_config_json_checked_against_atp(ckpt, tmp_path):
+    e = _config_error(ckpt, tmp_path, parallel={"world_size": 2, "adp": 1, "ep": 2},
+                      num_key_value_heads=1)
+    assert e.key == "model.num_query_groups" and "1 is not divisible by parallel.atp 2" in str(e)
+
+
+def test_engine_config_of_the_fixture_is_valid(ckpt):
+    # the layouts the equivalence tests use are accepted for every family
+    for fam in FAMILIES:
+        for adp in (1, 2):
+            engine_config(ckpt[fam], 2, adp, 2)
