@@ -9,6 +9,7 @@ the same eos id. Error paths: one ``error:`` line, exit code 2, no traceback, no
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -59,8 +60,10 @@ def ckpt(tmp_path_factory):
 
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    # CPU ranks (the default config is then fp32, the precision of the reference)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     return subprocess.run([sys.executable, "-m", "colo_rollout.cli", "generate", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def test_cli_generates_on_one_rank(ckpt):
@@ -83,7 +86,8 @@ def _generate_case(rank: int, world: int, model_dir: str) -> dict:
     from colo_rollout.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(model_dir)
-    cfg = config_from_dict({"model": {"checkpoint": model_dir, "params_dtype": "float32"},
+    cfg = config_from_dict({"parallel": {"backend": "gloo"},  # CPU, fp32: the reference's
+                            "model": {"checkpoint": model_dir, "params_dtype": "float32"},
                             "engine": {"max_seq_len": 128,
                                        "eos_token_id": tok.eos_token_ids[0]}})
     engine = Engine(cfg, init_parallel(cfg.parallel))

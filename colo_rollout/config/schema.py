@@ -550,6 +550,10 @@ class RLConfig:
     seed: int = 0
     # Metrics JSONL, TensorBoard events and the reward curve go here.
     out_dir: str = "runs/grpo"
+    # After the last step, write the trainer's weights here as a Hugging Face checkpoint
+    # (config.json + sharded safetensors; with model.checkpoint, its config.json and tokenizer
+    # files); null = no export.
+    export_dir: str | None = None
     # Engine memory while the trainer runs: "off" (keep everything), "keep" (release KV cache
     # and D graphs), "offload" (also weights, to pinned host memory) or "discard" (also
     # weights; the weight sync after the step refills them).

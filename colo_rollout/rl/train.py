@@ -105,6 +105,8 @@ def run_train(rank: int, world: int, config_path: str, overrides: dict | None = 
             bar.update(1)
     if bar is not None:
         bar.close()
+    if cfg.rl.export_dir is not None:
+        trainer.export(cfg.rl.export_dir)
     engine.close()  # D graphs hold NCCL collectives: drop them before the groups go away
     if rank == 0:
         log.close()

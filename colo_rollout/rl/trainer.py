@@ -96,6 +96,18 @@ class Trainer:
             else:
                 self.opt.add_param_group({"params": list(self.value_head.parameters())})
 
+    def export(self, directory: str) -> list:
+        """Write the trainer's weights as a Hugging Face checkpoint (checkpoint/export.py).
+        Collective over the world; DP replica 0's TP group gathers, global rank 0 writes."""
+        from colo_rollout.checkpoint.export import export_checkpoint
+
+        files = []
+        if self.dp_rank == 0:
+            files = export_checkpoint(self.module, self.cfg.model, directory,
+                                      tp_group=self.pgc.tp)
+        dist.barrier()
+        return files
+
     def token_logprobs(self, trajs: list[Trajectory]) -> tuple[torch.Tensor, torch.Tensor]:
         """log p(token_t | tokens_<t) under the trainer for every position t >= 1, padded:
         returns (logp [B, T-1], valid [B, T-1])."""
