@@ -42,15 +42,28 @@ def _exit_wedged(rank: int, err: BaseException) -> None:
     os._exit(1)
 
 
-def _launch(target: str, config: str, overrides: dict, gather: bool = False, **extra) -> list:
-    """Run ``target`` on every rank; returns the ranks' results (under torchrun: this rank's
-    only, or every rank's when ``gather`` -- all-gathered as JSON over gloo, never pickle)."""
+def _config_at_the_door(config: str, overrides: dict):
+    """The validated config, with a named checkpoint's files checked (headers only), before any
+    rank starts; a user mistake is one ``error:`` line and exit code 2."""
+    from colo_rollout.checkpoint.store import CheckpointError
     from colo_rollout.config import ConfigError, load_config
 
     try:
         cfg = load_config(config, overrides)
-    except ConfigError as e:
-        raise SystemExit(f"error: {e}") from None
+        if cfg.model.checkpoint is not None:
+            from colo_rollout.checkpoint.loader import check_checkpoint
+
+            check_checkpoint(cfg.model)
+    except (ConfigError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return cfg
+
+
+def _launch(target: str, config: str, overrides: dict, gather: bool = False, **extra) -> list:
+    """Run ``target`` on every rank; returns the ranks' results (under torchrun: this rank's
+    only, or every rank's when ``gather`` -- all-gathered as JSON over gloo, never pickle)."""
+    cfg = _config_at_the_door(config, overrides)
     if "WORLD_SIZE" in os.environ:  # torchrun: this process is one rank
         import importlib
 
@@ -150,10 +163,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.cmd == "bench":
         from colo_rollout.bench import report
-        from colo_rollout.config import load_config
 
         overrides = _overrides(args.set)
-        cfg = load_config(args.config, overrides)
+        cfg = _config_at_the_door(args.config, overrides)
         results = _launch("colo_rollout.bench:run_bench", args.config, overrides, gather=True)
         if int(os.environ.get("RANK", "0")) != 0:  # torchrun: rank 0 reports
             return 0

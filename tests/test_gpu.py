@@ -91,6 +91,39 @@ def test_gpu_engine_matches_reference(gpu_groups, world, adp, ep, dtype, spec):
         assert r["tokens"] == r0["tokens"]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "glm", "tied"])
+@pytest.mark.parametrize("world,adp,ep", [(1, 1, 1), (2, 2, 2)])
+def test_gpu_architectures_match_reference(gpu_groups, world, adp, ep, arch, dtype):
+    """The architecture surface (tests/test_architectures.py's family-shaped variants) on the
+    GPU paths: bf16 takes the grouped experts, D's CUDA graphs and P's MoE graphs."""
+    from tests import cases_gpu as C
+    from tests.test_architectures import ARCHS
+
+    res = gpu_groups(world).run("tests.cases_gpu:gpu_engine_matches_reference", timeout=600,
+                                adp=adp, ep=ep, dtype=dtype, use_te="off",
+                                n_requests=16 if dtype == "float32" else 64,
+                                model_kw=ARCHS[arch])
+    r0 = res[0]
+    _record(f"arch_{arch}_{dtype}", {
+        "layout": r0["layout"], "gpus": world, "checked": r0["checked"],
+        "max_logprob_diff": r0["max_logprob_diff"], "mean_logprob_diff": r0["mean_logprob_diff"],
+        "megatron_bf16_mean_diff": r0.get("megatron_bf16_mean_diff"),
+        "argmax_agreement": r0.get("argmax_agreement"),
+        "megatron_argmax_agreement": r0.get("megatron_bf16_argmax_agreement"),
+        "mismatches": len(r0["mismatches"]), "wall_s": r0["wall_s"],
+        "tok_per_s": r0["generated"] / r0["wall_s"], "device": r0["device"]})
+    if dtype == "float32":
+        assert r0["mismatches"] == [], r0["mismatches"][:5]
+        assert r0["max_logprob_diff"] < C.FP32_TOL
+    else:
+        assert r0["mean_logprob_diff"] <= C.BF16_RATIO * r0["megatron_bf16_mean_diff"]
+        assert (r0["argmax_agreement"]
+                >= r0["megatron_bf16_argmax_agreement"] - C.BF16_AGREE_DROP)
+    for r in res[1:]:
+        assert r["tokens"] == r0["tokens"]
+
+
 @pytest.mark.parametrize("world,adp,ep", [(2, 2, 2), (2, 1, 2)])
 def test_gpu_pd_modes_match_normal(gpu_groups, world, adp, ep):
     """Every PD mode runs P and D on their own streams and gives Normal's greedy tokens;

@@ -117,6 +117,14 @@ def test_ep2_atp2_matches_transformers(worker_groups, ckpt, family):
         assert r["bytes_read"] < 0.8 * total, (r["bytes_read"], total)
 
 
+@pytest.mark.parametrize("family", ["glm", "mixtral"])
+def test_etp2_matches_transformers(worker_groups, ckpt, family):
+    # EP1 over 2 ranks: every expert's gate/up rows and down columns split in two (ETP2)
+    res = worker_groups(2).run(f"{CASES}:serve_checkpoint", directory=ckpt[family], adp=1, ep=1)
+    assert res[0]["layout"] == "ATP2"
+    check_equivalent(res)
+
+
 def test_sharded_checkpoint_is_sharded(ckpt):
     files = os.listdir(ckpt[SHARDED])
     assert "model.safetensors.index.json" in files and "model.safetensors" not in files

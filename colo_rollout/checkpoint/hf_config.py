@@ -130,7 +130,7 @@ def hf_architecture(directory: str | pathlib.Path, config: dict | None = None) -
     if family not in FAMILIES:
         raise r.error("architectures", f"{family!r} is not supported; supported: "
                       f"{', '.join(FAMILIES)}")
-    _common(r)
+    _common(r, family)
     {QWEN3: _qwen3, QWEN2: _qwen2, MIXTRAL: _mixtral, GLM4: _glm4}[family](r)
     dtype = config.get("dtype", config.get("torch_dtype"))
     extra = 0
@@ -141,7 +141,12 @@ def hf_architecture(directory: str | pathlib.Path, config: dict | None = None) -
 
 
 # ---------------------------------------------------------------------- the families
-def _common(r: _Reader) -> None:
+# config.json keys whose absence transformers fills with a family default other than "none":
+# the model transformers builds from such a config.json is the reference, so read them alike
+_PARTIAL_ROTARY_DEFAULT = {GLM4: 0.5}  # Glm4MoeConfig: partial_rotary_factor 0.5 when absent
+
+
+def _common(r: _Reader, family: str) -> None:
     r.take("vocab_size", "vocab_size", int)
     r.take("hidden_size", "hidden_size", int)
     r.take("num_layers", "num_hidden_layers", int)
@@ -161,7 +166,7 @@ def _common(r: _Reader) -> None:
     r.set("normalization", "RMSNorm", "rms_norm_eps")
     act = r.get("hidden_act", str, "silu")
     r.refuse("hidden_act", act != "silu", f"{act!r}: only SwiGLU ('silu') MLPs are supported")
-    _rope(r)
+    _rope(r, _PARTIAL_ROTARY_DEFAULT.get(family, 1.0))
     # defaults that families override
     for name, value in (("qk_layernorm", False), ("qkv_bias", False), ("router_score", "softmax"),
                         ("router_norm_topk", True), ("router_expert_bias", False),
@@ -172,9 +177,10 @@ def _common(r: _Reader) -> None:
         r.set(name, value, "architectures")
 
 
-def _rope(r: _Reader) -> None:
+def _rope(r: _Reader, partial_default: float = 1.0) -> None:
     """transformers 5: rope_parameters {rope_theta, rope_type, partial_rotary_factor, factor};
-    older: top-level rope_theta, rope_scaling {type|rope_type, factor}, partial_rotary_factor."""
+    older: top-level rope_theta, rope_scaling {type|rope_type, factor}, partial_rotary_factor.
+    ``partial_default``: the family's partial_rotary_factor when config.json gives none."""
     params = r.c.get("rope_parameters")
     if params is not None and not isinstance(params, dict):
         raise r.error("rope_parameters", f"expected an object, got {params!r}")
@@ -196,7 +202,7 @@ def _rope(r: _Reader) -> None:
     r.refuse(src, isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0,
              f"expected a positive number, got {theta!r}")
     r.set("rotary_base", float(theta), src)
-    partial, src = pick("partial_rotary_factor", 1.0, "partial_rotary_factor")
+    partial, src = pick("partial_rotary_factor", partial_default, "partial_rotary_factor")
     r.refuse(src, isinstance(partial, bool) or not isinstance(partial, (int, float))
              or not 0 < partial <= 1, f"expected a number in (0, 1], got {partial!r}")
     r.set("rotary_percent", float(partial), src)
@@ -254,7 +260,8 @@ def _qwen2(r: _Reader) -> None:
     r.take("moe_ffn_hidden_size", "moe_intermediate_size", int)
     r.take("router_norm_topk", "norm_topk_prob", bool, False)
     r.take("qkv_bias", "qkv_bias", bool, True)  # older configs: Qwen2-MoE always has it
-    shared = r.get("shared_expert_intermediate_size", int, 0)
+    # Qwen2MoeConfig's default (5632) when absent: transformers then builds a shared expert
+    shared = r.get("shared_expert_intermediate_size", int, 5632)
     if shared:
         r.set("shared_expert_ffn_hidden_size", shared, "shared_expert_intermediate_size")
         r.set("shared_expert_gate", True, "architectures")  # Qwen2-MoE's shared_expert_gate
@@ -291,10 +298,10 @@ def _glm4(r: _Reader) -> None:
                  f"{topk_group}, which must then be 2")
         r.set("router_num_groups", groups, "n_group")
         r.set("router_group_topk", topk_group, "topk_group")
-    shared = r.get("n_shared_experts", int, 0)
+    shared = r.get("n_shared_experts", int, 1)  # Glm4MoeConfig's defaults when absent: 1, 1
     if shared:
         r.set("shared_expert_ffn_hidden_size", shared * moe_ffn, "n_shared_experts")
-    dense = r.take("first_k_dense", "first_k_dense_replace", int, 0)
+    dense = r.take("first_k_dense", "first_k_dense_replace", int, 1)
     if dense:
         r.take("ffn_hidden_size", "intermediate_size", int)
 
