@@ -89,15 +89,18 @@ def _randomise(model: torch.nn.Module, seed: int) -> None:
 
 
 def save_tiny_checkpoint(directory, family: str, sharded: bool = False, seed: int = 0,
-                         **overrides) -> None:
+                         save_dtype: str = "float32", **overrides) -> None:
     """A tiny randomised ``family`` checkpoint in ``directory`` (config.json + safetensors; with
-    ``sharded``, several ~50 KB shards and model.safetensors.index.json). Deterministic."""
+    ``sharded``, several ~50 KB shards and model.safetensors.index.json; stored in
+    ``save_dtype``). ``overrides``: transformers config arguments. Deterministic."""
     import transformers as tf
 
     config = family_config(family, **overrides)
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomise(model, seed + 1000 * FAMILIES.index(family))
+    if save_dtype != "float32":
+        model = model.to(getattr(torch, save_dtype))
     kw = {"max_shard_size": "50KB"} if sharded else {}
     model.save_pretrained(str(directory), **kw)
 

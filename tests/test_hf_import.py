@@ -14,6 +14,7 @@ import os
 import shutil
 
 import pytest
+import torch
 import yaml
 
 from colo_rollout.checkpoint.hf_config import hf_architecture
@@ -125,6 +126,20 @@ def test_etp2_matches_transformers(worker_groups, ckpt, family):
     check_equivalent(res)
 
 
+def test_tied_bf16_checkpoint_matches_transformers(worker_groups, tmp_path_factory):
+    # tied embeddings (no lm_head stored; the vocab-parallel embedding is the output layer) and
+    # bf16 storage read into fp32 parameters (transformers upcasts the same values)
+    d = str(tmp_path_factory.mktemp("tied") / "mixtral")
+    save_tiny_checkpoint(d, "mixtral", save_dtype="bfloat16", tie_word_embeddings=True)
+    with CheckpointStore(d) as store:
+        assert "lm_head.weight" not in store
+        assert store.dtype("model.embed_tokens.weight") == torch.bfloat16
+    assert config_from_dict({"engine": SMALL_ENGINE, "model": {"checkpoint": d}}
+                            ).model.tie_embeddings
+    res = worker_groups(2).run(f"{CASES}:serve_checkpoint", directory=d, adp=1, ep=2)
+    check_equivalent(res)
+
+
 def test_sharded_checkpoint_is_sharded(ckpt):
     files = os.listdir(ckpt[SHARDED])
     assert "model.safetensors.index.json" in files and "model.safetensors" not in files
@@ -233,14 +248,25 @@ def test_both_config_json_spellings_parse_to_the_same_fields(ckpt, tmp_path, fam
     check_checkpoint(a)
 
 
-def test_glm_without_partial_rotary_factor_takes_transformers_default(ckpt, tmp_path):
-    # transformers' Glm4MoeConfig defaults partial_rotary_factor to 0.5 when config.json has none
-    d = copy_ckpt(ckpt["glm"], tmp_path / "g")
-    edit_config(d, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+def test_keys_absent_from_config_json_take_transformers_defaults(ckpt, tmp_path):
+    # what transformers builds from a config.json is the reference: Glm4MoeConfig defaults
+    # partial_rotary_factor to 0.5, n_shared_experts and first_k_dense_replace to 1 (the tiny
+    # GLM's values), Qwen2MoeConfig shared_expert_intermediate_size to 5632
     import transformers as tf
 
-    assert tf.AutoConfig.from_pretrained(d).rope_parameters["partial_rotary_factor"] == 0.5
-    assert hf_architecture(d).fields["rotary_percent"] == 0.5
+    g = copy_ckpt(ckpt["glm"], tmp_path / "g")
+    edit_config(g, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                n_shared_experts=None, first_k_dense_replace=None)
+    hf = tf.AutoConfig.from_pretrained(g)
+    assert (hf.rope_parameters["partial_rotary_factor"], hf.n_shared_experts,
+            hf.first_k_dense_replace) == (0.5, 1, 1)
+    assert hf_architecture(g).fields == hf_architecture(ckpt["glm"]).fields
+    check_checkpoint(config_from_dict({"engine": SMALL_ENGINE, "model": {"checkpoint": g}}).model)
+    q = copy_ckpt(ckpt["qwen2"], tmp_path / "q")
+    edit_config(q, shared_expert_intermediate_size=None)
+    assert tf.AutoConfig.from_pretrained(q).shared_expert_intermediate_size == 5632
+    fields = hf_architecture(q).fields
+    assert (fields["shared_expert_ffn_hidden_size"], fields["shared_expert_gate"]) == (5632, True)
 
 
 def test_load_config_with_set_style_checkpoint_override(ckpt, tmp_path):
@@ -336,6 +362,31 @@ def test_stored_router_bias_in_a_family_without_one_is_unexpected(ckpt, tmp_path
 
     _, msg = _broken(ckpt, tmp_path, change)
     assert name in msg, msg
+
+
+def test_glm_mtp_layers_are_ignored_but_not_beyond_them(ckpt, tmp_path):
+    # config.json's num_nextn_predict_layers (1) layers past num_hidden_layers (3) may be stored
+    d = copy_ckpt(ckpt["glm"], tmp_path / "m")
+    rewrite_weights(d, lambda t: t.update({
+        "model.layers.3.eh_proj.weight": torch.zeros(64, 128),
+        "model.layers.3.mlp.experts.0.up_proj.weight": torch.zeros(32, 64)}))
+    cfg = config_from_dict({"engine": SMALL_ENGINE, "model": {"checkpoint": d}})
+    assert hf_architecture(d).extra_layers == 1
+    check_checkpoint(cfg.model)
+    rewrite_weights(d, lambda t: t.update({"model.layers.4.eh_proj.weight": torch.zeros(2)}))
+    with pytest.raises(CheckpointError, match=r"model\.layers\.4\.eh_proj\.weight: "
+                                              "unexpected tensor"):
+        check_checkpoint(cfg.model)
+
+
+def test_hand_built_model_section_that_disagrees_is_refused_at_the_door(ckpt):
+    import dataclasses
+
+    cfg = config_from_dict({"engine": SMALL_ENGINE, "model": {"checkpoint": ckpt["qwen3"]}})
+    wrong = dataclasses.replace(cfg.model, num_query_groups=4)
+    with pytest.raises(CheckpointError, match=r"config\.json: num_key_value_heads: the model "
+                                              r"section has num_query_groups = 4"):
+        check_checkpoint(wrong)
 
 
 def _config_error(ckpt, tmp_path, family: str = "qwen3", parallel: dict | None = None,
