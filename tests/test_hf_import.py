@@ -2,8 +2,9 @@
 transformers (the independent reference), and errors that name the file / tensor / key.
 
 Checkpoints are tiny (vocab 256, hidden 64, 8 experts) with every weight randomised
-(tests/cases_hf.py), built once per module. Equivalence runs the engine on 1 rank, EP2/ADP2 and
-EP2/ATP2 and compares with transformers' fp32 logprobs of the same sequences.
+(tests/cases_hf.py), built once per module. Equivalence runs the engine on 1 rank, EP2/ADP2,
+EP2/ATP2 and ATP2 (ETP2 experts) and compares with transformers' fp32 logprobs of the same
+sequences; config.json and bad-input checks run at the door (headers only, no ranks).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from colo_rollout.checkpoint.hf_config import hf_architecture
 from colo_rollout.checkpoint.loader import check_checkpoint
 from colo_rollout.checkpoint.store import CheckpointError, CheckpointStore
 from colo_rollout.config import ConfigError, config_from_dict, load_config
-from tests.cases_hf import FAMILIES, engine_config, save_tiny_checkpoint
+from tests.cases_hf import FAMILIES, save_tiny_checkpoint
 
 CASES = "tests.cases_hf"
 # fp32 on CPU: the engine and transformers differ only in summation order (~1e-5 at most);
@@ -41,6 +42,12 @@ def ckpt(tmp_path_factory):
         save_tiny_checkpoint(d, fam, sharded=fam == SHARDED)
         out[fam] = str(d)
     return out
+
+
+def model_cfg(directory: str, source: str = "<dict>", parallel: dict | None = None, **model):
+    """The validated Config of a run whose model section is ``checkpoint: directory`` + model."""
+    return config_from_dict({"parallel": parallel or {}, "engine": SMALL_ENGINE,
+                             "model": {"checkpoint": directory, **model}}, source=source)
 
 
 def total_tensor_bytes(directory: str) -> int:
@@ -134,8 +141,7 @@ def test_tied_bf16_checkpoint_matches_transformers(worker_groups, tmp_path_facto
     with CheckpointStore(d) as store:
         assert "lm_head.weight" not in store
         assert store.dtype("model.embed_tokens.weight") == torch.bfloat16
-    assert config_from_dict({"engine": SMALL_ENGINE, "model": {"checkpoint": d}}
-                            ).model.tie_embeddings
+    assert model_cfg(d).model.tie_embeddings
     res = worker_groups(2).run(f"{CASES}:serve_checkpoint", directory=d, adp=1, ep=2)
     check_equivalent(res)
 
@@ -169,7 +175,7 @@ EXPECTED = {
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_architecture_fields_come_from_config_json(ckpt, family):
-    cfg = config_from_dict({"engine": SMALL_ENGINE, "model": {"checkpoint": ckpt[family]}})
+    cfg = model_cfg(ckpt[family])
     got = {k: getattr(cfg.model, k) for k in EXPECTED[family]}
     assert got == EXPECTED[family]
     assert cfg.model.checkpoint == ckpt[family]
@@ -177,10 +183,9 @@ def test_architecture_fields_come_from_config_json(ckpt, family):
 
 
 def test_agreeing_yaml_fields_are_fine_and_run_choices_stay(ckpt):
-    cfg = config_from_dict({"engine": SMALL_ENGINE, "model": {"checkpoint": ckpt["glm"], "hidden_size": 64,
-                                      "num_experts": 8, "router_scaling_factor": 2.5,
-                                      "max_position_embeddings": 256,  # may be lower
-                                      "params_dtype": "bfloat16", "seed": 3}})
+    cfg = model_cfg(ckpt["glm"], hidden_size=64, num_experts=8, router_scaling_factor=2.5,
+                    max_position_embeddings=256,  # may be lower
+                    params_dtype="bfloat16", seed=3)
     assert cfg.model.hidden_size == 64 and cfg.model.max_position_embeddings == 256
     assert cfg.model.params_dtype == "bfloat16" and cfg.model.seed == 3
 
@@ -195,7 +200,7 @@ def test_agreeing_yaml_fields_are_fine_and_run_choices_stay(ckpt):
 ])
 def test_contradicting_yaml_field_is_an_error_naming_both(ckpt, field, value, key):
     with pytest.raises(ConfigError) as e:
-        config_from_dict({"engine": SMALL_ENGINE, "model": {"checkpoint": ckpt["qwen3"], field: value}}, source="x.yaml")
+        model_cfg(ckpt["qwen3"], source="x.yaml", **{field: value})
     msg = str(e.value)
     assert e.value.key == f"model.{field}"
     assert msg.startswith("x.yaml: ") and f"model.{field}: {value!r}" in msg and key in msg, msg
@@ -204,7 +209,7 @@ def test_contradicting_yaml_field_is_an_error_naming_both(ckpt, field, value, ke
 def test_glm_contradiction_names_the_glm_key(ckpt):
     with pytest.raises(ConfigError, match=r"model\.router_group_topk: 1 .*config\.json "
                                           r"topk_group = 2"):
-        config_from_dict({"engine": SMALL_ENGINE, "model": {"checkpoint": ckpt["glm"], "router_group_topk": 1}})
+        model_cfg(ckpt["glm"], router_group_topk=1)
 
 
 def _old_style(directory: str, family: str) -> None:
@@ -242,8 +247,8 @@ def test_both_config_json_spellings_parse_to_the_same_fields(ckpt, tmp_path, fam
         assert old_arch.fields["rotary_percent"] == 0.5
         assert old_arch.sources["rotary_percent"] == "partial_rotary_factor"
         assert new_arch.sources["rotary_percent"] == "rope_parameters.partial_rotary_factor"
-    a = config_from_dict({"engine": SMALL_ENGINE, "model": {"checkpoint": old}}).model
-    b = config_from_dict({"engine": SMALL_ENGINE, "model": {"checkpoint": ckpt[family]}}).model
+    a = model_cfg(old).model
+    b = model_cfg(ckpt[family]).model
     assert {**vars(a), "checkpoint": None} == {**vars(b), "checkpoint": None}
     check_checkpoint(a)
 
@@ -261,7 +266,7 @@ def test_keys_absent_from_config_json_take_transformers_defaults(ckpt, tmp_path)
     assert (hf.rope_parameters["partial_rotary_factor"], hf.n_shared_experts,
             hf.first_k_dense_replace) == (0.5, 1, 1)
     assert hf_architecture(g).fields == hf_architecture(ckpt["glm"]).fields
-    check_checkpoint(config_from_dict({"engine": SMALL_ENGINE, "model": {"checkpoint": g}}).model)
+    check_checkpoint(model_cfg(g).model)
     q = copy_ckpt(ckpt["qwen2"], tmp_path / "q")
     edit_config(q, shared_expert_intermediate_size=None)
     assert tf.AutoConfig.from_pretrained(q).shared_expert_intermediate_size == 5632
@@ -290,7 +295,7 @@ def test_missing_config_json(ckpt, tmp_path):
     os.remove(os.path.join(d, "config.json"))
     cfg_path = os.path.join(d, "config.json")
     with pytest.raises(ConfigError) as e:
-        config_from_dict({"engine": SMALL_ENGINE, "model": {"checkpoint": d}})
+        model_cfg(d)
     assert e.value.key == "model.checkpoint"
     assert f"{cfg_path}: missing" in str(e.value)
     with pytest.raises(CheckpointError, match="config.json: missing"):
@@ -302,7 +307,7 @@ def test_missing_shard_names_the_file_and_a_tensor(ckpt, tmp_path):
     index = json.load(open(os.path.join(d, "model.safetensors.index.json")))["weight_map"]
     shard = sorted(set(index.values()))[2]
     os.remove(os.path.join(d, shard))
-    cfg = config_from_dict({"engine": SMALL_ENGINE, "model": {"checkpoint": d}})  # config.json alone is fine
+    cfg = model_cfg(d)  # config.json alone is fine
     with pytest.raises(CheckpointError) as e:
         check_checkpoint(cfg.model)
     msg = str(e.value)
@@ -313,7 +318,7 @@ def test_missing_shard_names_the_file_and_a_tensor(ckpt, tmp_path):
 def _broken(ckpt, tmp_path, change) -> tuple[str, str]:
     d = copy_ckpt(ckpt["qwen3"], tmp_path / "b")
     rewrite_weights(d, change)
-    cfg = config_from_dict({"engine": SMALL_ENGINE, "model": {"checkpoint": d}})
+    cfg = model_cfg(d)
     with pytest.raises(CheckpointError) as e:
         check_checkpoint(cfg.model)
     return d, str(e.value)
@@ -344,8 +349,6 @@ def test_unexpected_tensor_is_named(ckpt, tmp_path):
     name = "model.layers.0.self_attn.o_proj.bias"
 
     def change(t):
-        import torch
-
         t[name] = torch.zeros(64)
 
     _, msg = _broken(ckpt, tmp_path, change)
@@ -356,8 +359,6 @@ def test_stored_router_bias_in_a_family_without_one_is_unexpected(ckpt, tmp_path
     name = "model.layers.1.mlp.gate.e_score_correction_bias"
 
     def change(t):
-        import torch
-
         t[name] = torch.zeros(8)
 
     _, msg = _broken(ckpt, tmp_path, change)
@@ -370,7 +371,7 @@ def test_glm_mtp_layers_are_ignored_but_not_beyond_them(ckpt, tmp_path):
     rewrite_weights(d, lambda t: t.update({
         "model.layers.3.eh_proj.weight": torch.zeros(64, 128),
         "model.layers.3.mlp.experts.0.up_proj.weight": torch.zeros(32, 64)}))
-    cfg = config_from_dict({"engine": SMALL_ENGINE, "model": {"checkpoint": d}})
+    cfg = model_cfg(d)
     assert hf_architecture(d).extra_layers == 1
     check_checkpoint(cfg.model)
     rewrite_weights(d, lambda t: t.update({"model.layers.4.eh_proj.weight": torch.zeros(2)}))
@@ -382,7 +383,7 @@ def test_glm_mtp_layers_are_ignored_but_not_beyond_them(ckpt, tmp_path):
 def test_hand_built_model_section_that_disagrees_is_refused_at_the_door(ckpt):
     import dataclasses
 
-    cfg = config_from_dict({"engine": SMALL_ENGINE, "model": {"checkpoint": ckpt["qwen3"]}})
+    cfg = model_cfg(ckpt["qwen3"])
     wrong = dataclasses.replace(cfg.model, num_query_groups=4)
     with pytest.raises(CheckpointError, match=r"config\.json: num_key_value_heads: the model "
                                               r"section has num_query_groups = 4"):
@@ -397,7 +398,7 @@ def _config_error(ckpt, tmp_path, family: str = "qwen3", parallel: dict | None =
         shutil.copy(os.path.join(ckpt[family], "config.json"), d / "config.json")
     edit_config(str(d), **changes)
     with pytest.raises(ConfigError) as e:
-        config_from_dict({"engine": SMALL_ENGINE, "parallel": parallel or {}, "model": {"checkpoint": str(d)}})
+        model_cfg(str(d), parallel=parallel)
     return e.value
 
 
@@ -442,9 +443,3 @@ def test_kv_heads_from_config_json_checked_against_atp(ckpt, tmp_path):
                       num_key_value_heads=1)
     assert e.key == "model.num_query_groups" and "1 is not divisible by parallel.atp 2" in str(e)
 
-
-def test_engine_config_of_the_fixture_is_valid(ckpt):
-    # the layouts the equivalence tests use are accepted for every family
-    for fam in FAMILIES:
-        for adp in (1, 2):
-            engine_config(ckpt[fam], 2, adp, 2)

@@ -62,8 +62,8 @@ def hf_config_dict(cfg: ModelConfig, family: str | None = None,
     if cfg.rope_scaling == "llama3":
         rope.update(rope_type="llama3", factor=cfg.rope_scaling_factor, low_freq_factor=1.0,
                     high_freq_factor=4.0, original_max_position_embeddings=8192)
-    if cfg.rotary_percent != 1.0:
-        rope["partial_rotary_factor"] = cfg.rotary_percent
+    # always written: a family's default when absent is not always 1 (GLM-4.5: 0.5)
+    rope["partial_rotary_factor"] = cfg.rotary_percent
     c: dict = {
         "architectures": [family], "model_type": _MODEL_TYPES[family],
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
