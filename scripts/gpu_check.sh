@@ -52,4 +52,13 @@ if [ "${RUN_BENCH:-1}" = 1 ]; then
   done
 fi
 
+# a random Qwen3-30B-A3B-shaped checkpoint (CKPT_LAYERS layers, ~1.35 GB each in bf16) written to
+# CKPT_DIR, served through model.checkpoint, against transformers in bf16 and fp32;
+# RUN_CHECKPOINT=0 skips it
+if [ "${RUN_CHECKPOINT:-1}" = 1 ]; then
+  timeout 300 python3 scripts/gpu_checkpoint.py --dir "${CKPT_DIR:-/root/qwen3_ckpt}" \
+    --layers "${CKPT_LAYERS:-12}" --json "$OUT/checkpoint.json" 2>&1 \
+    | grep -v -i 'warn\|Loading weights' | tail -n 8 || echo "checkpoint run failed"
+fi
+
 python3 scripts/gpu_table.py "$OUT"

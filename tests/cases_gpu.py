@@ -42,12 +42,12 @@ def gpu_config(world: int, adp: int, ep: int, dtype: str = "bfloat16",
     small = backend == "gloo"  # the CPU variant of the check uses a narrower model
     return Config(
         parallel=ParallelConfig(world_size=world, adp=adp, ep=ep, backend=backend, timeout_s=60.0),
-        model=ModelConfig(vocab_size=2048, hidden_size=128 if small else 512, num_layers=4,
-                          num_attention_heads=8,
-                          num_query_groups=4, moe_ffn_hidden_size=128 if small else 512,
-                          num_experts=16,
-                          moe_router_topk=2, max_position_embeddings=1024, init_method_std=0.05,
-                          params_dtype=dtype, seed=11, use_te=use_te, **(model_kw or {})),
+        model=ModelConfig(**{"vocab_size": 2048, "hidden_size": 128 if small else 512,
+                             "num_layers": 4, "num_attention_heads": 8, "num_query_groups": 4,
+                             "moe_ffn_hidden_size": 128 if small else 512, "num_experts": 16,
+                             "moe_router_topk": 2, "max_position_embeddings": 1024,
+                             "init_method_std": 0.05, "params_dtype": dtype, "seed": 11,
+                             "use_te": use_te, **(model_kw or {})}),
         engine=EngineConfig(max_batch_size=4, max_prefill_tokens=512, kv_block_size=16,
                             num_kv_blocks=256, max_seq_len=512, decode_buckets=[1, 2, 4]),
     )
