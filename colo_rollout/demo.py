@@ -24,6 +24,10 @@ def run_demo(rank: int, world: int, config_path: str, overrides: dict | None = N
     engine = Engine(cfg, groups)
     requests = synthetic_requests(cfg)
     bar = None
+    if rank == 0 and not quiet and engine.load_stats is not None:
+        st = engine.load_stats
+        print(f"loaded {cfg.model.checkpoint}: {st.bytes_read / 1e9:.2f} GB (this rank's "
+              f"slices) in {st.seconds:.2f} s, {st.gb_per_s:.2f} GB/s", flush=True)
     if rank == 0 and not quiet:
         from tqdm import tqdm
 

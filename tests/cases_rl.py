@@ -156,3 +156,32 @@ def replicas_sample_independently(rank: int, world: int) -> dict:
     outs = engine.generate(reqs)
     return {"replicas": [outs[r.request_id].replica for r in reqs],
             "tokens": [outs[r.request_id].tokens for r in reqs]}
+
+
+def weight_sync_two_model_pairs(rank: int, world: int, adp: int, ep: int,
+                                trainer_tp: int) -> dict:
+    """Two WeightSyncs for two model pairs of one layout, called in turn: each refits its own
+    pair exactly (megatron's plan cache is keyed by layout, not by model)."""
+    import dataclasses
+
+    from colo_rollout.inference.model import loadable_tensors, random_state_dict, shard_for
+    from colo_rollout.rl.weight_sync import WeightSync
+
+    pairs = []
+    for kw in ({}, {"qkv_bias": True, "shared_expert_ffn_hidden_size": 32, "num_layers": 3}):
+        cfg, groups, _, engine = _engine(world, adp, ep, model_kw=kw)
+        trained = random_state_dict(dataclasses.replace(cfg.model, seed=99))
+        trainer = build_reference(cfg.model, trained, _trainer_pgc(world, trainer_tp),
+                                  torch.device("cpu"))
+        pairs.append((cfg, groups, engine, trainer, trained, WeightSync()))
+    mismatched = []
+    for which in (0, 1, 0, 1):
+        cfg, groups, engine, trainer, trained, sync = pairs[which]
+        sync(trainer, engine.model)
+        params = loadable_tensors(engine.model)
+        n_local = cfg.model.num_experts // groups.layout.ep
+        for name, full in trained.items():
+            mapped = shard_for(name, full, groups.layout, rank, n_local)
+            if mapped is not None and not torch.equal(params[mapped[0]], mapped[1]):
+                mismatched.append((which, mapped[0]))
+    return {"mismatched": mismatched}

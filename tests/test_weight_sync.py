@@ -45,3 +45,10 @@ def test_sync_of_every_architecture_tensor_is_bit_exact(worker_groups, world, ad
         assert r["checked"] > 20 and r["mismatched"] == []
     r0 = res[0]
     assert r0["mismatches"] == [] and r0["max_logprob_diff"] < LOGPROB_TOL
+
+
+def test_two_model_pairs_of_one_layout_each_sync_exactly(worker_groups):
+    res = worker_groups(2).run("tests.cases_rl:weight_sync_two_model_pairs", adp=2, ep=2,
+                               trainer_tp=2)
+    for r in res:
+        assert r["mismatched"] == []

@@ -144,30 +144,36 @@ def config_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Config:
     Missing keys take their defaults.  Any problem is a :class:`ConfigError`
     whose message starts with ``source``.
     """
-    data = _with_checkpoint_fields(data, source)
+    data, arch = _with_checkpoint_fields(data, source)
     try:
         return _build(Config, data, "")
     except ConfigError as err:
+        field_name = (err.key or "").removeprefix("model.")
+        if arch is not None and field_name in arch.sources:  # a value config.json gave
+            src = arch.sources[field_name]
+            origin = "architectures" if src == "architectures" else src
+            err = ConfigError(f"{err} (model.{field_name} comes from {arch.path}: {origin})",
+                              key=err.key)
         raise _with_source(err, source) from err
 
 
-def _with_checkpoint_fields(data: Mapping[str, Any], source: str) -> Mapping[str, Any]:
-    """``data`` with the model section's architecture fields read from ``model.checkpoint``'s
-    config.json (checkpoint/hf_config.py) when it names one."""
+def _with_checkpoint_fields(data: Mapping[str, Any], source: str):
+    """(``data`` with the model section's architecture fields read from ``model.checkpoint``'s
+    config.json (checkpoint/hf_config.py) when it names one, that HFArchitecture or None)."""
     model = data.get("model") if isinstance(data, Mapping) else None
     if not (isinstance(model, Mapping) and isinstance(model.get("checkpoint"), str)):
-        return data  # no checkpoint (a wrong type is reported by the schema)
+        return data, None  # no checkpoint (a wrong type is reported by the schema)
     from colo_rollout.checkpoint.hf_config import ContradictionError, merge_checkpoint_fields
     from colo_rollout.checkpoint.store import CheckpointError
 
     try:
-        merged, _ = merge_checkpoint_fields(dict(model), source)
+        merged, arch = merge_checkpoint_fields(dict(model), source)
     except CheckpointError as err:  # names config.json (or the directory) and its key
         raise ConfigError(f"{source}: model.checkpoint: {err}", key="model.checkpoint",
                           source=source) from None
     except ContradictionError as err:
         raise _with_source(ConfigError(str(err), key=err.key), source) from None
-    return {**data, "model": merged}
+    return {**data, "model": merged}, arch
 
 
 def _apply_overrides(data: dict[str, Any], overrides: Mapping[str, Any]) -> None:

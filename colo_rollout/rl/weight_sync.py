@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from megatron.core.resharding import refit as _refit
 from megatron.core.resharding import swap_model_weights
 from megatron.core.resharding.copy_services.base import (
     CopyService,
@@ -159,13 +160,22 @@ class WeightSync:
             self.service = CpuCopyService(group)
         self.version = 0
         self.history: list[SyncStats] = []
-        self._views: dict = {}  # (trainer id, inference id) -> views; megatron caches the plan
+        self._views: dict = {}  # (trainer id, inference id) -> views
+        self._plans: dict = {}  # (trainer id, inference id) -> megatron's plan-cache entries
 
     def __call__(self, trainer_model, inference_model) -> SyncStats:
         t0 = time.perf_counter()
-        views = self._views.setdefault((id(trainer_model), id(inference_model)),
-                                       (RefitView(trainer_model), RefitView(inference_model)))
+        pair = (id(trainer_model), id(inference_model))  # the views keep both alive: ids stay
+        views = self._views.setdefault(pair, (RefitView(trainer_model),
+                                              RefitView(inference_model)))
+        # megatron caches plans in one process-wide dict keyed by rank and group sizes, not by
+        # model: a plan built for another pair of the same layout (another architecture, or
+        # the same shapes in other objects) would be replayed on this one. Install this
+        # pair's own plans around the call.
+        _refit._plan_cache.clear()
+        _refit._plan_cache.update(self._plans.get(pair, {}))
         swap_model_weights(views[0], views[1], self.service)
+        self._plans[pair] = dict(_refit._plan_cache)
         sync_buffers(trainer_model, inference_model)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
