@@ -24,6 +24,30 @@ from colo_rollout.inference.request import Request, SamplingParams
 LOGPROB_TOL = 1e-4
 
 
+# Family-shaped variants of the architecture surface (head_dim, q/k norms, q/k/v bias, tied
+# embeddings, partial rotary and RoPE scaling, softmax/sigmoid routers with and without
+# renormalisation, expert bias, routed scaling, group-limited routing, shared experts with and
+# without a gate, dense first layers), with values chosen so that a mistake shows: head_dim
+# differs from hidden / heads, norm weights and biases are not 1 / 0, the expert bias and the
+# routed scaling change which experts win and by how much.
+ARCHS = {
+    # Qwen3-MoE: head_dim independent of hidden/heads, q/k RMSNorm, eps 1e-6, renormalised top-k
+    "qwen3": {"head_dim": 24, "qk_layernorm": True, "norm_epsilon": 1e-6},
+    # Qwen2-MoE: q/k/v bias, softmax top-k without renormalisation, a gated shared expert
+    "qwen2": {"qkv_bias": True, "router_norm_topk": False, "shared_expert_ffn_hidden_size": 48,
+              "shared_expert_gate": True},
+    # GLM-4.5 / DeepSeek-V3 routing: sigmoid + score-correction bias, 4 groups pick 2, routed
+    # scaling, an ungated shared expert, a dense first layer, partial rotary, q/k/v bias
+    "glm": {"router_score": "sigmoid", "router_expert_bias": True, "router_num_groups": 4,
+            "router_group_topk": 2, "router_scaling_factor": 2.5,
+            "shared_expert_ffn_hidden_size": 32, "first_k_dense": 1, "ffn_hidden_size": 96,
+            "num_layers": 3, "rotary_percent": 0.5, "qkv_bias": True, "head_dim": 32},
+    # tied embeddings and llama3 RoPE scaling (megatron's rope_scaling)
+    "tied": {"tie_embeddings": True, "rope_scaling": "llama3", "rope_scaling_factor": 4.0,
+             "rotary_base": 500000.0},
+}
+
+
 def tiny_config(world: int, adp: int, ep: int, timeout_s: float = 60.0,
                 model_kw: dict | None = None, **engine) -> Config:
     return Config(

@@ -1,9 +1,12 @@
 """Engine correctness (Normal mode) against megatron GPTModel full recompute, on 1, 2 and 4 ranks,
-plus bad input and cancellation. One spawned process group per world size for the module."""
+plus the architecture surface (cases_engine.ARCHS), bad input and cancellation. One spawned
+process group per world size for the module."""
 
 from __future__ import annotations
 
 import pytest
+
+import tests.cases_engine as C
 
 CASES = "tests.cases_engine"
 
@@ -182,3 +185,37 @@ def test_decode_graph_key_is_the_same_on_every_rank(worker_groups):
     assert res[0]["local"] != res[1]["local"]  # the replicas' own longest tables do differ
     for r in res:
         assert all(w >= loc for (_, w), loc in zip(r["keys"], r["local"]))
+
+
+# ---- the architecture surface against megatron's GPTModel (variants in cases_engine.ARCHS)
+ARCH_LAYOUTS = [(1, 1, 1), (2, 2, 2), (4, 2, 4)]  # single, EP2/ADP2, EP4/ADP2/ATP2
+
+
+@pytest.mark.parametrize("world,adp,ep", ARCH_LAYOUTS)
+@pytest.mark.parametrize("arch", sorted(C.ARCHS))
+def test_architecture_matches_megatron_reference(worker_groups, arch, world, adp, ep):
+    from tests.cases_engine import LOGPROB_TOL
+
+    res = worker_groups(world).run(f"{CASES}:engine_matches_reference", adp=adp, ep=ep,
+                                   n_requests=10, model_kw=C.ARCHS[arch])
+    r0 = res[0]
+    assert r0["checked"] > 30
+    assert r0["mismatches"] == []
+    assert r0["max_logprob_diff"] < LOGPROB_TOL
+    for r in res[1:]:
+        assert r["tokens"] == r0["tokens"]
+
+
+@pytest.mark.parametrize("arch", ["glm", "qwen2"])
+def test_architecture_on_the_grouped_expert_path_and_in_fine_mode(worker_groups, arch):
+    # the host-sync-free experts (what GPUs run) and the segment turnstile (P cut at its
+    # boundaries: dense layers and shared experts keep one combine per layer)
+    from tests.cases_engine import LOGPROB_TOL
+
+    res = worker_groups(4).run(f"{CASES}:engine_matches_reference", adp=2, ep=4,
+                               n_requests=10, model_kw=C.ARCHS[arch], moe_compute="grouped",
+                               mode="fine")
+    r0 = res[0]
+    assert all(r0["grouped"])
+    assert r0["checked"] > 30 and r0["mismatches"] == []
+    assert r0["max_logprob_diff"] < LOGPROB_TOL

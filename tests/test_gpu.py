@@ -102,9 +102,9 @@ def test_gpu_engine_matches_reference(gpu_groups, world, adp, ep, dtype, spec):
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "glm", "tied"])
 @pytest.mark.parametrize("world,adp,ep", [(1, 1, 1), (2, 2, 2)])
 def test_gpu_architectures_match_reference(gpu_groups, world, adp, ep, arch, dtype):
-    """The architecture surface (tests/test_architectures.py's family-shaped variants) on the
+    """The architecture surface (tests/cases_engine.py's family-shaped variants) on the
     GPU paths: bf16 takes the grouped experts, D's CUDA graphs and P's MoE graphs."""
-    from tests.test_architectures import ARCHS
+    from tests.cases_engine import ARCHS
 
     res = gpu_groups(world).run("tests.cases_gpu:gpu_engine_matches_reference", timeout=600,
                                 adp=adp, ep=ep, dtype=dtype, use_te="off",
