@@ -167,9 +167,19 @@ def weight_sync_two_model_pairs(rank: int, world: int, adp: int, ep: int,
     from colo_rollout.inference.model import loadable_tensors, random_state_dict, shard_for
     from colo_rollout.rl.weight_sync import WeightSync
 
+    from colo_rollout.inference.cpu_compat import install_cpu_compat
+    from colo_rollout.inference.engine import Engine
+    from colo_rollout.inference.parallel import init_parallel
+    from tests.cases_engine import tiny_config
+
     pairs = []
+    groups = None  # one layout, one set of groups for both engines
     for kw in ({}, {"qkv_bias": True, "shared_expert_ffn_hidden_size": 32, "num_layers": 3}):
-        cfg, groups, _, engine = _engine(world, adp, ep, model_kw=kw)
+        cfg = tiny_config(world, adp, ep, model_kw=kw)
+        if groups is None:
+            groups = init_parallel(cfg.parallel)
+            install_cpu_compat()
+        engine = Engine(cfg, groups, random_state_dict(cfg.model))
         trained = random_state_dict(dataclasses.replace(cfg.model, seed=99))
         trainer = build_reference(cfg.model, trained, _trainer_pgc(world, trainer_tp),
                                   torch.device("cpu"))

@@ -10,6 +10,7 @@ from colo_rollout.cli import main
 
 
 def _door_error(capsys, *argv: str) -> str:
+    capsys.readouterr()  # what earlier steps printed (transformers' save progress)
     with pytest.raises(SystemExit) as exit_:
         main(list(argv))
     assert exit_.value.code == 2

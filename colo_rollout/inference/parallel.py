@@ -164,6 +164,9 @@ def init_parallel(cfg: ParallelConfig) -> ParallelGroups:
 
     Must be called by every rank with the same ``cfg``. When torch.distributed is not yet
     initialised it uses the ``env://`` rendezvous that torchrun (or our spawner) sets up.
+    One layout per process at a time: calling it again re-initialises megatron's state and,
+    on gloo, frees the previous call's groups -- engines built on those must not step again
+    (build every engine of a process on one ``ParallelGroups``).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -185,20 +188,31 @@ def init_parallel(cfg: ParallelConfig) -> ParallelGroups:
 
     if ps.model_parallel_is_initialized():
         _drop_stale_graphs()
+        stale = _megatron_groups(ps) if backend == "gloo" else []
         ps.destroy_model_parallel()
+        # gloo: free the previous layout's communicators (each holds threads; a process that
+        # initialises many layouts -- a test module's workers -- otherwise accumulates
+        # thousands, and their polling slows every rank). NCCL groups stay: a live engine's
+        # captured graphs may still name them.
+        _destroy_groups(stale)
     ps.initialize_model_parallel(
         tensor_model_parallel_size=layout.atp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
         distributed_timeout_minutes=max(1, int(cfg.timeout_s // 60)),
+        # on gloo every group is already a gloo group: megatron's gloo copies would be twins
+        create_gloo_process_groups=backend != "gloo",
     )
     pgc = ProcessGroupCollection.use_mpu_process_groups()
 
     all_ranks = list(range(world))
     # Order of creation is identical on every rank (new_group is collective).
+    if backend == "gloo":  # the previous layout's own groups (see above)
+        _destroy_groups(_OWN_GLOO_GROUPS)
     full_p = _new_group(all_ranks, timeout)
     full_d = _new_group(all_ranks, timeout)
     control = _new_group(all_ranks, timeout, backend="gloo")
+    _OWN_GLOO_GROUPS[:] = [full_p, full_d, control] if backend == "gloo" else []
 
     groups = ParallelGroups(
         layout=layout,
@@ -215,6 +229,30 @@ def init_parallel(cfg: ParallelConfig) -> ParallelGroups:
     )
     verify_membership(groups)
     return groups
+
+
+# The groups the last init_parallel made itself on gloo, freed by the next one: process state,
+# like megatron's parallel_state that init_parallel re-initialises.
+_OWN_GLOO_GROUPS: list[dist.ProcessGroup] = []
+
+
+def _megatron_groups(ps) -> list[dist.ProcessGroup]:
+    """Every process group megatron's parallel_state holds (module globals, lists of them)."""
+    out: list[dist.ProcessGroup] = []
+    for value in vars(ps).values():
+        items = value if isinstance(value, (list, tuple)) else [value]
+        out += [g for g in items if isinstance(g, dist.ProcessGroup)]
+    return list({id(g): g for g in out}.values())
+
+
+def _destroy_groups(groups: list[dist.ProcessGroup]) -> None:
+    for g in groups:
+        if g is dist.GroupMember.WORLD:
+            continue
+        try:
+            dist.destroy_process_group(g)
+        except (RuntimeError, ValueError):  # already destroyed, or not a group of this process
+            pass
 
 
 def group_ranks(group: dist.ProcessGroup) -> list[int]:

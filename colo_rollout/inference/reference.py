@@ -26,16 +26,27 @@ _PG_FIELDS = ("tp", "pp", "mp", "cp", "tp_cp", "ep", "expt_tp", "tp_ep", "tp_ep_
 
 
 def singleton_pg_collection() -> ProcessGroupCollection:
-    """Every megatron group = {this rank}. Collective over the world (new_group is)."""
-    me = dist.get_rank()
-    mine = None
-    for r in range(dist.get_world_size()):
-        g = dist.new_group([r])
-        if r == me:
-            mine = g
+    """Every megatron group = {this rank}. Collective over the world (new_group is) the first
+    time in a process's world; later calls reuse that group (a fresh collection each call:
+    callers set their own TP/DP groups on it)."""
+    world = dist.group.WORLD
+    mine = _SINGLETON.get(id(world))
+    if mine is None:
+        me = dist.get_rank()
+        for r in range(dist.get_world_size()):
+            g = dist.new_group([r])
+            if r == me:
+                mine = g
+        _SINGLETON.clear()  # groups of an earlier default group are dead
+        _SINGLETON[id(world)] = mine
     pgc = ProcessGroupCollection(**{f: mine for f in _PG_FIELDS})
     pgc.hcp = [mine]
     return pgc
+
+
+# id(default group) -> this rank's singleton group: identical every call, and each new group
+# holds threads for the life of the process
+_SINGLETON: dict[int, dist.ProcessGroup] = {}
 
 
 def tp_pg_collection(tp_group) -> ProcessGroupCollection:
