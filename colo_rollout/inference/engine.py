@@ -29,7 +29,6 @@ import torch
 
 from colo_rollout.config import Config
 from colo_rollout.inference.control import ControlError, ControlPlane, Message
-from colo_rollout.inference.cpu_compat import install_cpu_compat
 from colo_rollout.inference.memory import EngineMemory, MemoryReport
 from colo_rollout.inference.model import DTYPES, InferenceGPT, random_state_dict
 from colo_rollout.inference.parallel import ParallelGroups
@@ -101,7 +100,6 @@ class Engine:
     def __init__(self, cfg: Config, groups: ParallelGroups,
                  state_dict: dict[str, torch.Tensor] | None = None, *,
                  _keep: "Engine | None" = None) -> None:
-        install_cpu_compat()
         self.cfg = cfg
         self.groups = groups
         self._handed_over = False  # set by successor(): this engine must not step again
@@ -378,7 +376,8 @@ class Engine:
         if not d_first and runner.epoch_active:
             done = self._advance_p()
             if done is not None and self.mode == "global_complete":
-                self.route.fence_p()  # whole-P completion fence before D may be enqueued
+                # whole-P completion fence before D may be enqueued (bounded, as every wait)
+                self.route.fence_p(self._wait_s)
         if plan.has_decode:
             self.rendezvous.pre_d(ctl.epoch, ctl.reached)
             t = time.perf_counter()

@@ -185,6 +185,11 @@ def init_parallel(cfg: ParallelConfig) -> ParallelGroups:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
+        # CPU ranks: megatron's forward needs the documented CPU patches (cpu_compat.py);
+        # they are process-wide, so they go in here, at process set-up, not in a constructor
+        from colo_rollout.inference.cpu_compat import install_cpu_compat
+
+        install_cpu_compat()
 
     if ps.model_parallel_is_initialized():
         _drop_stale_graphs()

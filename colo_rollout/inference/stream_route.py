@@ -197,10 +197,13 @@ class StreamRoute:
         self.routed += 1
 
     # ------------------------------------------------------------------ fences and timing
-    def fence_p(self) -> None:
-        """Global-Complete's whole-P GPU fence: the host waits until P's stream drained."""
+    def fence_p(self, timeout_s: float | None) -> None:
+        """Global-Complete's whole-P GPU fence: the host waits until P's stream drained, at most
+        ``timeout_s`` seconds (DeviceStall after), like every host wait on GPU work."""
         if self.active:
-            self.p_stream.synchronize()
+            done = torch.cuda.Event()
+            done.record(self.p_stream)
+            wait_event(done, timeout_s, "P epoch (the Global-Complete fence)")
 
     def mark(self, kind: str, epoch: int = -1):
         """Context: record CUDA events around work enqueued on ``kind``'s stream."""
