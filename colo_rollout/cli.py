@@ -68,7 +68,7 @@ def _launch(target: str, config: str, overrides: dict, gather: bool = False, **e
         import importlib
 
         from colo_rollout.inference.parallel import destroy_parallel
-        from colo_rollout.inference.stream_route import DeviceStall
+        from colo_rollout.inference.device import DeviceStall
 
         mod, fn = target.split(":")
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -774,7 +774,7 @@ def wedged_close(rank: int, world: int, adp: int, ep: int) -> dict:
     rank and step, and close() then releases host resources only -- it neither drains the
     streams nor releases the graphs (both wait on the device, which never drains). An engine
     that is not wedged does drain (the stand-ins below would fail)."""
-    from colo_rollout.inference.stream_route import DeviceStall
+    from colo_rollout.inference.device import DeviceStall
 
     def must_not_drain():
         raise AssertionError("drained a wedged device")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 
 from colo_rollout.inference import parallel
-from colo_rollout.inference.stream_route import DeviceStall
+from colo_rollout.inference.device import DeviceStall
 
 
 def stall(rank: int, world: int, **_) -> None:

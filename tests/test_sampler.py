@@ -245,7 +245,7 @@ def test_pending_sampled_unpacks_both_layouts():
     sampling as two tensors. Both resolve to the same Sampled values, tokens as ints."""
     from colo_rollout.inference.runner import PendingSampled
     from colo_rollout.inference.scheduler import Sampled
-    from colo_rollout.inference.stream_route import Pending
+    from colo_rollout.inference.device import Pending
 
     tokens = torch.tensor([3, 70000])
     logprobs = torch.tensor([-0.5, -1.25], dtype=torch.float32)

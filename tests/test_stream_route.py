@@ -75,7 +75,7 @@ class _Event:
 
 
 def test_bounded_wait_returns_when_the_work_is_done():
-    from colo_rollout.inference.stream_route import wait_event
+    from colo_rollout.inference.device import wait_event
 
     ev = _Event(after=50)
     wait_event(ev, 5.0, "D tokens")
@@ -89,7 +89,7 @@ def test_bounded_wait_raises_naming_what_it_waited_for():
     import time
 
     from colo_rollout.inference.runner import PendingSampled
-    from colo_rollout.inference.stream_route import DeviceStall, wait_event
+    from colo_rollout.inference.device import DeviceStall, wait_event
 
     t0 = time.monotonic()
     with pytest.raises(DeviceStall, match=r"rank 1, step 9: D tokens: .* within 0.05 s"):

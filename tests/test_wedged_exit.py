@@ -17,7 +17,7 @@ import time
 import pytest
 
 from colo_rollout.inference import parallel
-from colo_rollout.inference.stream_route import DeviceStall
+from colo_rollout.inference.device import DeviceStall
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

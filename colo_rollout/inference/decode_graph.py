@@ -38,7 +38,7 @@ import torch
 from colo_rollout.inference.attention import AttnMetadata
 from colo_rollout.inference.model import DecodeInputs, InferenceGPT, loadable_tensors
 from colo_rollout.inference.sampler import greedy_tensors
-from colo_rollout.inference.stream_route import h2d
+from colo_rollout.inference.device import h2d
 
 MIN_WIDTH = 4  # smallest block-table width bucket (blocks)
 GUARD_EVERY = 256  # replays between in-flight checks of the weight fingerprint

@@ -55,7 +55,8 @@ from colo_rollout.inference.segment_policy import (
 from colo_rollout.inference.turnstile import TurnstileController
 from colo_rollout.inference.scheduler import Sampled, Scheduler
 from colo_rollout.inference.stall_watch import StallWatch
-from colo_rollout.inference.stream_route import DeviceStall, Span, StreamRoute
+from colo_rollout.inference.device import DeviceStall
+from colo_rollout.inference.stream_route import Span, StreamRoute
 
 
 def build_model(cfg: Config, groups: ParallelGroups,

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from colo_rollout.config import ParallelConfig
-from colo_rollout.inference.stream_route import DeviceStall
+from colo_rollout.inference.device import DeviceStall
 
 
 class LayoutError(ValueError):

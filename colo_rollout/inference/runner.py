@@ -23,7 +23,8 @@ from colo_rollout.inference.plan import Phase, StepPlan
 from colo_rollout.inference.prefill_graph import PrefillMoEGraphs
 from colo_rollout.inference.sampler import sample_tensors
 from colo_rollout.inference.scheduler import Sampled, Scheduler
-from colo_rollout.inference.stream_route import Pending, StreamRoute, h2d, wait_event
+from colo_rollout.inference.device import Pending, h2d, wait_event
+from colo_rollout.inference.stream_route import StreamRoute
 
 PRODUCER = "gather"  # the gather backend's boundary producer (registered layer points)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from colo_rollout.inference.request import SamplingParams
-from colo_rollout.inference.stream_route import h2d
+from colo_rollout.inference.device import h2d
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],

@@ -17,77 +17,19 @@ Invariants:
   * A routed collective = event on P's stream -> D's stream waits -> collective enqueued on D's
     stream -> event on D's stream -> P's stream waits. P's next kernel sees the result; D's
     next iteration runs after the collective (its inputs never depend on it).
-  * Host transfers (``h2d``, ``Pending``) use pinned memory and events: a synchronous copy
-    would block the host until the *current* stream drained, i.e. until the other phase's
-    queued work finished, and the overlap would be gone.
+  * Host transfers go through inference/device.py (pinned memory and events), never a
+    synchronous copy that would wait for the other phase's queued work.
   * On CPU every context is a no-op and nothing is routed: host order is device order.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass
 
 import torch
 
-
-def h2d(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list as a device tensor, enqueued on the current stream without a host wait."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
-
-
-class DeviceStall(RuntimeError):
-    """A host wait for GPU work outlasted its bound: a collective inside it did not complete
-    (a peer stalled, died or diverged). Graph-captured collectives (D's) are not watched by
-    NCCL's own watchdog, so this bound is what turns their hang into an error."""
-
-
-def wait_event(event, timeout_s: float | None, what: str) -> None:
-    """Wait on the host for ``event`` (a CUDA event, or anything with ``query``/``synchronize``),
-    at most ``timeout_s`` seconds (None: unbounded). Bounded waits poll ``query`` -- a spin, as
-    cudaEventSynchronize's default is -- so the wait can be cut short; raises DeviceStall."""
-    if timeout_s is None:
-        event.synchronize()
-        return
-    if event.query():
-        return
-    deadline = time.monotonic() + timeout_s
-    while not event.query():
-        if time.monotonic() > deadline:
-            raise DeviceStall(f"{what}: the GPU work was not done within {timeout_s:g} s (a "
-                              "collective in it did not complete: a peer stalled, died or "
-                              "diverged)")
-
-
-class Pending:
-    """Device tensors whose host values are needed later: the D2H copy is enqueued now on the
-    producing stream; ``get`` waits for that copy only."""
-
-    def __init__(self, *tensors: torch.Tensor) -> None:
-        self._event = None
-        if tensors and tensors[0].is_cuda:
-            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-            for h, t in zip(self._host, tensors):
-                h.copy_(t, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-        else:
-            self._host = list(tensors)
-
-    def done(self) -> bool:
-        """The values are on the host already (get would not wait)."""
-        return self._event is None or self._event.query()
-
-    def wait(self, timeout_s: float | None = None, what: str = "device->host copy") -> None:
-        if self._event is not None:
-            wait_event(self._event, timeout_s, what)
-
-    def get(self, timeout_s: float | None = None, what: str = "device->host copy") -> list[list]:
-        self.wait(timeout_s, what)
-        return [h.tolist() for h in self._host]
+from colo_rollout.inference.device import wait_event
 
 
 def routes_p_collective(route: str, adp: int, atp: int, p_graphs: bool = False) -> bool:
