@@ -45,13 +45,8 @@ from colo_rollout.inference.request import (
 from colo_rollout.inference.rendezvous import make_rendezvous
 from colo_rollout.inference.shm import same_host
 from colo_rollout.inference.runner import PRODUCER, ModelRunner, PendingSampled
-from colo_rollout.inference.segment_policy import (
-    BalancedSpan,
-    HeldClock,
-    Load,
-    policy_for,
-    span_hint,
-)
+from colo_rollout.inference.segment_policy import HeldClock, Load, span_hint
+from colo_rollout.inference.strategy import strategy_for
 from colo_rollout.inference.turnstile import TurnstileController
 from colo_rollout.inference.scheduler import Sampled, Scheduler
 from colo_rollout.inference.stall_watch import StallWatch
@@ -112,8 +107,9 @@ class Engine:
         lay = groups.layout
         self.scheduler = Scheduler(cfg.engine, lay.adp, lay.atp, cfg.model.vocab_size)
         # PD mode (the ordering ladder): streams, turnstile controller, rendezvous, segment policy
-        self.mode = cfg.engine.mode
-        self.pd = self.mode != "normal"
+        # the mode, typed (inference/strategy.py): what differs between the ladder's rungs
+        self.strategy = strategy_for(cfg.engine, self.model.boundaries_per_prefill)
+        self.pd = self.strategy.pd
         self.model.rope_table()  # made once on the default stream, read by both phases
         p_graph_tokens = self._prefill_graph_tokens()
         self.route = StreamRoute.for_layout(groups.device, self.pd, lay.adp, lay.atp,
@@ -147,8 +143,8 @@ class Engine:
         self.rendezvous = (make_rendezvous(groups.control, groups.rank, lay.world_size,
                                            cfg.parallel.timeout_s, agree)
                            if self.pd else None)
-        self.policy = policy_for(cfg.engine, self.model.boundaries_per_prefill)
-        self.balanced = isinstance(self.policy, BalancedSpan)
+        self.policy = self.strategy.policy  # Fine's span policy (None otherwise)
+        self.balanced = self.strategy.balanced
         self._epoch_id = -1
         # PD: the epoch whose host enqueue completed, until every rank sent its P tokens
         self._p_epoch: StepPlan | None = None
@@ -372,11 +368,11 @@ class Engine:
             ctl.begin(self._epoch_id, d_enqueued=False, span=self._span(plan))
         sampled: list[PendingSampled] = []
         epoch_plan = sched.epoch
-        d_first = self.mode == "fine" and plan.has_decode
+        d_first = self.strategy.d_first and plan.has_decode
         done = None
         if not d_first and runner.epoch_active:
             done = self._advance_p()
-            if done is not None and self.mode == "global_complete":
+            if done is not None and self.strategy.fence:
                 # whole-P completion fence before D may be enqueued (bounded, as every wait)
                 self.route.fence_p(self._wait_s)
         if plan.has_decode:
@@ -432,7 +428,7 @@ class Engine:
         return done
 
     def _span(self, plan: StepPlan) -> int:
-        if self.mode in ("global_complete", "global_enqueue"):
+        if self.strategy.whole_epoch:
             return self.model.boundaries_per_prefill
         s = self.scheduler
         load = Load(d_rows=sum(len(w.decode) for w in plan.replicas),
@@ -498,7 +494,8 @@ class Engine:
         """Capacity of the P graphs: the most P tokens one step can hold over all replicas, up
         to prefill_graph.MAX_TOKENS (0: no P graphs)."""
         e = self.cfg.engine
-        on = e.prefill_graphs == "always" or (e.prefill_graphs == "auto" and not self.pd)
+        on = e.prefill_graphs == "always" or (e.prefill_graphs == "auto"
+                                              and self.strategy.p_graphs_by_default)
         if not (e.cuda_graphs and on):
             return 0
         return min(e.max_prefill_tokens * self.groups.layout.adp, PREFILL_GRAPH_MAX_TOKENS)
