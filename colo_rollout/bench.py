@@ -21,7 +21,7 @@ import statistics
 
 from colo_rollout.config import Config, load_config
 from colo_rollout.inference.engine import Engine
-from colo_rollout.inference.model import random_state_dict
+from colo_rollout.inference.weights import random_state_dict
 from colo_rollout.inference.parallel import init_parallel
 from colo_rollout.replay import replay
 from colo_rollout.trace import Conversation, Trace, generate_trace, load_mooncake, load_trace

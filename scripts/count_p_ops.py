@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from colo_rollout.config import load_config
 from colo_rollout.inference.engine import Engine
-from colo_rollout.inference.model import random_state_dict
+from colo_rollout.inference.weights import random_state_dict
 from colo_rollout.inference.parallel import init_parallel
 from colo_rollout.inference.request import Request, SamplingParams
 

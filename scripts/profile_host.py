@@ -28,7 +28,7 @@ import torch.distributed as dist
 from colo_rollout.config import load_config
 from colo_rollout.inference.control import ControlPlane, Message
 from colo_rollout.inference.engine import Engine
-from colo_rollout.inference.model import random_state_dict
+from colo_rollout.inference.weights import random_state_dict
 from colo_rollout.inference.parallel import init_parallel
 from colo_rollout.inference.rendezvous import make_rendezvous
 from colo_rollout.inference.request import Request, SamplingParams

@@ -13,7 +13,7 @@ from colo_rollout.checkpoint.hf_names import hf_sources
 from colo_rollout.checkpoint.store import CheckpointStore
 from colo_rollout.config import config_from_dict
 from colo_rollout.inference.cpu_compat import install_cpu_compat
-from colo_rollout.inference.model import loadable_tensors, random_state_dict
+from colo_rollout.inference.weights import loadable_tensors, random_state_dict
 from colo_rollout.inference.reference import (
     build_reference,
     reference_logprobs,

@@ -9,7 +9,7 @@ import torch
 
 from colo_rollout.config import Config, EngineConfig, ModelConfig, ParallelConfig
 from colo_rollout.inference.engine import Engine
-from colo_rollout.inference.model import random_state_dict
+from colo_rollout.inference.weights import random_state_dict
 from colo_rollout.inference.parallel import init_parallel
 from colo_rollout.inference.reference import (
     build_reference,

@@ -110,7 +110,7 @@ def weight_sync_exact(rank: int, world: int, adp: int, ep: int, trainer_tp: int,
     engine generates what megatron computes with the trainer's weights."""
     import dataclasses
 
-    from colo_rollout.inference.model import loadable_tensors, random_state_dict, shard_for
+    from colo_rollout.inference.weights import loadable_tensors, random_state_dict, shard_for
     from colo_rollout.rl.weight_sync import WeightSync
     from tests.cases_engine import compare_with_reference, mixed_requests
 
@@ -164,7 +164,7 @@ def weight_sync_two_model_pairs(rank: int, world: int, adp: int, ep: int,
     pair exactly (megatron's plan cache is keyed by layout, not by model)."""
     import dataclasses
 
-    from colo_rollout.inference.model import loadable_tensors, random_state_dict, shard_for
+    from colo_rollout.inference.weights import loadable_tensors, random_state_dict, shard_for
     from colo_rollout.rl.weight_sync import WeightSync
 
     from colo_rollout.inference.cpu_compat import install_cpu_compat

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from colo_rollout.config import ModelConfig
-from colo_rollout.inference.model import random_state_dict, shard_for, to_spec_names
+from colo_rollout.inference.weights import random_state_dict, shard_for, to_spec_names
 from colo_rollout.inference.parallel import Layout
 
 CFG = ModelConfig(vocab_size=64, hidden_size=16, num_layers=2, num_attention_heads=4,

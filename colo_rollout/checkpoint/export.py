@@ -29,7 +29,7 @@ from colo_rollout.checkpoint.hf_config import (
 from colo_rollout.checkpoint.hf_names import hf_sources
 from colo_rollout.checkpoint.store import write_checkpoint
 from colo_rollout.config import ModelConfig
-from colo_rollout.inference.model import (
+from colo_rollout.inference.weights import (
     DTYPES,
     loadable_tensors,
     shard_rule,

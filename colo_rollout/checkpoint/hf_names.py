@@ -23,7 +23,7 @@ import torch
 
 from colo_rollout.checkpoint.hf_config import GLM4, MIXTRAL, QWEN2
 from colo_rollout.config import ModelConfig
-from colo_rollout.inference.model import tensor_shapes
+from colo_rollout.inference.weights import tensor_shapes
 
 
 @dataclass(frozen=True)

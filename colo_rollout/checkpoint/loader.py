@@ -31,7 +31,7 @@ from colo_rollout.checkpoint.hf_names import (
 )
 from colo_rollout.checkpoint.store import CheckpointError, CheckpointStore
 from colo_rollout.config import ModelConfig
-from colo_rollout.inference.model import (
+from colo_rollout.inference.weights import (
     ShardRule,
     loadable_tensors,
     shard_rule,

@@ -36,7 +36,8 @@ from __future__ import annotations
 import torch
 
 from colo_rollout.inference.attention import AttnMetadata
-from colo_rollout.inference.model import DecodeInputs, InferenceGPT, loadable_tensors
+from colo_rollout.inference.model import DecodeInputs, InferenceGPT
+from colo_rollout.inference.weights import loadable_tensors
 from colo_rollout.inference.sampler import greedy_tensors
 from colo_rollout.inference.device import h2d
 

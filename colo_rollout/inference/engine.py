@@ -30,7 +30,8 @@ import torch
 from colo_rollout.config import Config
 from colo_rollout.inference.control import ControlError, ControlPlane, Message
 from colo_rollout.inference.memory import EngineMemory, MemoryReport
-from colo_rollout.inference.model import DTYPES, InferenceGPT, random_state_dict
+from colo_rollout.inference.model import InferenceGPT
+from colo_rollout.inference.weights import DTYPES, random_state_dict
 from colo_rollout.inference.parallel import ParallelGroups
 from colo_rollout.inference.plan import Phase, StepPlan
 from colo_rollout.inference.planner import pick_bucket

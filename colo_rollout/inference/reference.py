@@ -18,7 +18,8 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from colo_rollout.config import ModelConfig
-from colo_rollout.inference.model import load_sharded, megatron_config, to_spec_names
+from colo_rollout.inference.model import megatron_config
+from colo_rollout.inference.weights import load_sharded, to_spec_names
 from colo_rollout.inference.parallel import Layout
 
 _PG_FIELDS = ("tp", "pp", "mp", "cp", "tp_cp", "ep", "expt_tp", "tp_ep", "tp_ep_pp", "embd",

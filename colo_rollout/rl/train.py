@@ -24,7 +24,7 @@ import torch
 from colo_rollout.config import Config, load_config
 from colo_rollout.inference.engine import Engine
 from colo_rollout.inference.memory import MemoryReport
-from colo_rollout.inference.model import random_state_dict
+from colo_rollout.inference.weights import random_state_dict
 from colo_rollout.inference.parallel import init_parallel
 from colo_rollout.inference.request import SamplingParams
 from colo_rollout.rl.rollout import rollout
