@@ -188,9 +188,20 @@ def cancel_and_cross_rank_duplicates(rank: int, world: int, adp: int, ep: int) -
     if rank == 0:
         for r in reqs:
             engine.submit(r)
-    # every rank submits "same": only the first (lowest rank) is accepted after the exchange
+    # every rank submits "same": only the first (lowest rank) is accepted after the exchange;
+    # the step raises the refusal on the rank whose submission lost, and has completed
+    from colo_rollout.inference.request import RequestError, SubmissionRefused
+
     engine.submit(Request("same", (9, 8, 7), SamplingParams(max_tokens=3)))
-    engine.step()
+    refused_here = None
+    try:
+        first = engine.step()
+    except SubmissionRefused as e:
+        refused_here = {"refused": [(o.request_id, o.finish_reason.value, o.error)
+                                    for o in e.refused],
+                        "is_request_error": isinstance(e, RequestError), "message": str(e)}
+        first = e.finished
+    assert first == []  # nothing can finish in the first step
     for _ in range(4):
         engine.step()
     states = {r.request_id: engine.scheduler.live.get(r.request_id, "gone") for r in reqs}
@@ -206,7 +217,8 @@ def cancel_and_cross_rank_duplicates(rank: int, world: int, adp: int, ep: int) -
                           len(engine.output(r.request_id).tokens)) for r in reqs}
     out["same"] = (engine.output("same").finish_reason.value, len(engine.output("same").tokens))
     return {"states_before_cancel": states, "outputs": out,
-            "rejected": [(o.request_id, o.error) for o in engine.rejected]}
+            "rejected": [(o.request_id, o.error) for o in engine.rejected],
+            "refused_here": refused_here}
 
 
 def tp_reference_matches_tp1(rank: int, world: int) -> dict:
@@ -273,13 +285,17 @@ def prefill_segments_with_decode_between(rank: int, world: int, adp: int, ep: in
     engine.step()  # P of the A requests
     engine.step()  # commits their first tokens, runs one D
     engine.step()  # commits, runs another D: A rows are decoding now
-    rows = [[DecodeRow(s.lifetime, s.last_token, s.length) for s in sched.seqs.values()
-             if s.replica == i and s.last_token is not None] for i in range(adp)]
+    # a hand-built D plan: self-contained (each row's block table and sampling parameters)
+    rows = [[DecodeRow(s.lifetime, s.last_token, s.length,
+                       table=tuple(sched.block_table(i, s.lifetime)), params=s.request.params)
+             for s in sched.seqs.values() if s.replica == i and s.last_token is not None]
+            for i in range(adp)]
     bucket = pick_bucket(max(len(x) for x in rows), tuple(cfg.engine.decode_buckets),
                          groups.layout.atp)
     d_plan = StepPlan(step=-1, phase=Phase.DECODE,
-                      replicas=tuple(ReplicaWork(decode=tuple(x)) for x in rows), bucket=bucket)
-    d_in = runner._decode_inputs(*runner._decode_host(d_plan, sched))
+                      replicas=tuple(ReplicaWork(decode=tuple(x)) for x in rows), bucket=bucket,
+                      table_blocks=max(len(d.table) for x in rows for d in x))
+    d_in = runner._decode_inputs(*runner._decode_host(d_plan))
     if rank == 0:
         for i in range(4):
             engine.submit(Request(f"b{i}", tuple(range(3, 40 + 7 * i)),
@@ -293,7 +309,7 @@ def prefill_segments_with_decode_between(rank: int, world: int, adp: int, ep: in
     engine._outbox.submits.clear()
     p_plan = sched.plan()
     assert p_plan.phase is Phase.PREFILL
-    p_in = runner._prefill_inputs(p_plan, sched)
+    p_in = runner._prefill_inputs(p_plan)
 
     d_ref = model.forward_decode(d_in, runner.kv).clone()
     gen = model.prefill_segments(p_in, runner.kv)
@@ -565,11 +581,10 @@ def graph_key_agrees(rank: int, world: int, adp: int, ep: int) -> dict:
     runner, log = engine.runner, []
     inner = runner.run_decode
 
-    def logged(plan, sched, *a, **kw):
-        mine = [len(sched.block_table(groups.replica, d.lifetime))
-                for d in plan.replicas[groups.replica].decode]
-        log.append((plan.bucket, runner.world_table_blocks(plan, sched), max(mine, default=0)))
-        return inner(plan, sched, *a, **kw)
+    def logged(plan, *a, **kw):
+        mine = [len(d.table) for d in plan.replicas[groups.replica].decode]
+        log.append((plan.bucket, plan.table_blocks, max(mine, default=0)))
+        return inner(plan, *a, **kw)
 
     runner.run_decode = logged
     # one long and one short request: they land on different replicas
@@ -791,7 +806,7 @@ def wedged_close(rank: int, world: int, adp: int, ep: int) -> dict:
                     raise DeviceStall(f"{what}: the GPU work was not done within "
                                       f"{timeout_s:g} s")
 
-            engine.runner.run = lambda plan, sched: Stuck()
+            engine.runner.run = lambda plan: Stuck()
             for req in mixed_requests(2, 3, cfg.model.vocab_size):
                 engine.submit(req)
             try:

@@ -244,7 +244,7 @@ def test_pending_sampled_unpacks_both_layouts():
     """A D graph's greedy rows come back as one [2, n] float64 (tokens, logprobs); eager
     sampling as two tensors. Both resolve to the same Sampled values, tokens as ints."""
     from colo_rollout.inference.runner import PendingSampled
-    from colo_rollout.inference.scheduler import Sampled
+    from colo_rollout.inference.plan import Sampled
     from colo_rollout.inference.device import Pending
 
     tokens = torch.tensor([3, 70000])

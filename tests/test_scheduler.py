@@ -11,7 +11,8 @@ import pytest
 from colo_rollout.config import EngineConfig
 from colo_rollout.inference.plan import DecodeRow, Phase, PrefillItem, StepPlan
 from colo_rollout.inference.request import FinishReason, Request, RequestError, SamplingParams
-from colo_rollout.inference.scheduler import Sampled, Scheduler
+from colo_rollout.inference.plan import Sampled
+from colo_rollout.inference.scheduler import Scheduler
 
 VOCAB = 50
 EOS = 3

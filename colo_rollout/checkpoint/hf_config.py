@@ -17,7 +17,7 @@ import pathlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from colo_rollout.checkpoint.store import CONFIG_NAME, CheckpointError
+from colo_rollout.checkpoint.errors import CONFIG_NAME, CheckpointError
 
 QWEN3 = "Qwen3MoeForCausalLM"
 QWEN2 = "Qwen2MoeForCausalLM"

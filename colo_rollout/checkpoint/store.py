@@ -27,7 +27,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-CONFIG_NAME = "config.json"
+from colo_rollout.checkpoint.errors import CONFIG_NAME, CheckpointError
+
 SINGLE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 # Weight files this module writes (and so may replace): model.safetensors, model-0000i-of-0000N.
@@ -41,21 +42,6 @@ _DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
     "C64": torch.complex64,
 }
-
-
-class CheckpointError(ValueError):
-    """A problem with a checkpoint on disk. Message: 'PATH: WHAT: problem' where PATH is the file
-    (config.json, a shard file, the index) and WHAT the tensor name or key when there is one.
-
-    ``message`` is the problem alone; the prefix is built from ``path`` and ``name``, which are
-    kept as attributes (``path`` as a :class:`pathlib.Path` or None)."""
-
-    def __init__(self, message: str, *, path: str | os.PathLike | None = None,
-                 name: str | None = None) -> None:
-        self.path = pathlib.Path(path) if path is not None else None
-        self.name = name
-        self.problem = message
-        super().__init__("".join(f"{p}: " for p in (path, name) if p is not None) + message)
 
 
 def _read_json_object(path: pathlib.Path) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from colo_rollout.inference.memory import EngineMemory, MemoryReport
 from colo_rollout.inference.model import InferenceGPT
 from colo_rollout.inference.weights import DTYPES, random_state_dict
 from colo_rollout.inference.parallel import ParallelGroups
-from colo_rollout.inference.plan import Phase, StepPlan
+from colo_rollout.inference.plan import Phase, Sampled, StepPlan
 from colo_rollout.inference.planner import pick_bucket
 from colo_rollout.inference.prefill_graph import MAX_TOKENS as PREFILL_GRAPH_MAX_TOKENS
 from colo_rollout.inference.request import (
@@ -42,6 +42,8 @@ from colo_rollout.inference.request import (
     RequestError,
     RequestOutput,
     SamplingParams,
+    SubmissionRefused,
+    checked_request,
 )
 from colo_rollout.inference.rendezvous import make_rendezvous
 from colo_rollout.inference.shm import same_host
@@ -49,7 +51,7 @@ from colo_rollout.inference.runner import PRODUCER, ModelRunner, PendingSampled
 from colo_rollout.inference.segment_policy import HeldClock, Load, span_hint
 from colo_rollout.inference.strategy import strategy_for
 from colo_rollout.inference.turnstile import TurnstileController
-from colo_rollout.inference.scheduler import Sampled, Scheduler
+from colo_rollout.inference.scheduler import Scheduler
 from colo_rollout.inference.stall_watch import StallWatch
 from colo_rollout.inference.device import DeviceStall
 from colo_rollout.inference.stream_route import Span, StreamRoute
@@ -163,6 +165,7 @@ class Engine:
         self._last_plan: StepPlan | None = None
         self._last_sampled: list[Sampled] = []
         self.rejected: list[RequestOutput] = []  # every refusal seen on this rank, in order
+        self._refused_here: list[RequestOutput] = []  # this rank's, refused at the exchange
         self.history: list[StepStats] = []
         self.timeline: list[Span] = []  # P segments and D iterations, perf_counter seconds
         self._d_wait = 0.0  # P time accumulated while D rows were ready, since the last D
@@ -171,7 +174,11 @@ class Engine:
     # ------------------------------------------------------------------ non-collective API
     def submit(self, request: Request) -> None:
         """Queue a request on this rank; it enters every rank's scheduler at the next step.
-        Raises RequestError at once for a request that can never be served."""
+        Raises RequestError at once for a request that can never be served (token ids may be
+        any integral type: numpy integers are taken as ints). What only the next step's
+        exchange can show -- the same id submitted on a lower rank in the same step, say --
+        is raised to this rank by that ``step()`` (SubmissionRefused)."""
+        request = checked_request(request)  # types first: never a TypeError below
         if request.request_id in self._pending_ids:
             raise RequestError(f"request {request.request_id!r}: duplicate request id")
         self.scheduler.validate(request)
@@ -181,6 +188,8 @@ class Engine:
         self._pending_ids.add(request.request_id)
 
     def cancel(self, request_id: str) -> None:
+        if not isinstance(request_id, str):
+            raise RequestError(f"cancel: request id must be a string, got {request_id!r}")
         if request_id not in self.scheduler.live and request_id not in self._pending_ids:
             state = "already finished" if request_id in self.scheduler.by_id else "unknown"
             raise RequestError(f"cancel of request {request_id!r}: {state} request id")
@@ -188,6 +197,8 @@ class Engine:
 
     def close_session(self, session: str) -> None:
         """Forget a trajectory between turns (its retained KV is freed at the next step)."""
+        if not isinstance(session, str):
+            raise RequestError(f"close of session {session!r}: a session id is a string")
         sess = self.scheduler.sessions.get(session)
         if sess is None or sess.busy:
             state = "unknown" if sess is None else "busy (a turn is in flight)"
@@ -204,12 +215,20 @@ class Engine:
 
     # ------------------------------------------------------------------ collective API
     def step(self) -> list[RequestOutput]:
-        """One engine iteration (collective). Returns requests that finished in it."""
+        """One engine iteration (collective). Returns requests that finished in it.
+
+        Raises SubmissionRefused (a RequestError) on a rank whose own submissions were refused
+        by every rank when the ranks' submissions met in this step (its ``refused`` and
+        ``finished``: the step completed; keep stepping)."""
         watch = self._stall_watch
         if watch is not None:
             watch.arm(f"rank {self.groups.rank} step {self.scheduler.step_no}")
         try:
-            return self._step()
+            finished = self._step()
+            refused, self._refused_here = self._refused_here, []
+            if refused:
+                raise SubmissionRefused(refused, finished)
+            return finished
         except DeviceStall as e:  # the waits name what they waited for; the step adds where
             # this rank's device is wedged: nothing may wait on it again (close() skips the
             # drain); the way out is parallel.abort_parallel() and a process exit
@@ -263,6 +282,8 @@ class Engine:
                     self.scheduler.add(req, now)
                 except RequestError as e:
                     self.rejected.append(_rejected(req, str(e)))
+                    if m.rank == self.groups.rank:  # raised to this rank's caller by step()
+                        self._refused_here.append(self.rejected[-1])
             for rid in m.cancels:
                 if rid in self.scheduler.live:
                     finished.append(self.scheduler.cancel(rid, now))
@@ -283,7 +304,7 @@ class Engine:
                 self._p_epoch, self._p_out = epoch_plan, p_out
         else:
             t = time.perf_counter()
-            pending = [self.runner.run(plan, self.scheduler)]
+            pending = [self.runner.run(plan)]
             te = time.perf_counter()
             if plan.phase is Phase.PREFILL:
                 self.timeline.append(Span("P", t, te))
@@ -359,13 +380,13 @@ class Engine:
             if not plan.has_decode:
                 return [], None, None
             t = time.perf_counter()
-            out = runner.run_decode(plan, sched)
+            out = runner.run_decode(plan)
             self.timeline.append(Span("D", t, time.perf_counter()))
             self._note_d(plan)
             return [out], None, None
         if plan.has_prefill:
             self._epoch_id += 1
-            runner.start_epoch(plan, sched)
+            runner.start_epoch(plan)
             ctl.begin(self._epoch_id, d_enqueued=False, span=self._span(plan))
         sampled: list[PendingSampled] = []
         epoch_plan = sched.epoch
@@ -379,7 +400,7 @@ class Engine:
         if plan.has_decode:
             self.rendezvous.pre_d(ctl.epoch, ctl.reached)
             t = time.perf_counter()
-            d_out = runner.run_decode(plan, sched, ctl.epoch)
+            d_out = runner.run_decode(plan, ctl.epoch)
             sampled.append(d_out)
             self.timeline.append(Span("D", t, time.perf_counter(), ctl.epoch))
             self._note_d(plan)
@@ -412,7 +433,7 @@ class Engine:
                    and any(q.last_token is not None for q in self.scheduler.seqs.values()))
         clock = HeldClock(behind, t) if behind is not None else None
         reached = ctl.reached
-        done = self.runner.advance(ctl, self.scheduler, clock)
+        done = self.runner.advance(ctl, clock)
         te = time.perf_counter()
         self.timeline.append(Span("P", t, te, ctl.epoch))
         held = te - t if d_ready else (clock.held(te) if clock is not None else 0.0)
@@ -450,7 +471,10 @@ class Engine:
         """Collective: serve ``requests`` (submitted from rank 0; other ranks' argument is
         ignored) until all finish; every rank returns every output. Requests refused at submit
         come back with finish_reason REJECTED instead of raising, so the rest are served (a
-        refused duplicate id is listed in ``self.rejected`` only: the id maps to the original)."""
+        refused duplicate id, and a request whose id is not a string, is listed in
+        ``self.rejected`` only: the id maps to the original, or cannot be a key). The same holds
+        for this rank's earlier ``submit()`` calls that the first step's exchange refuses (the
+        SubmissionRefused that step() raises is taken here: listed in ``self.rejected``)."""
         ids: list[str] = []
         rejected: dict[str, RequestOutput] = {}
         if self.groups.rank == 0:
@@ -461,12 +485,21 @@ class Engine:
                 except RequestError as e:
                     out = _rejected(req, str(e))
                     self.rejected.append(out)
+                    rid = out.request_id
                     # a refused duplicate must not shadow the accepted request's output
-                    if req.request_id not in self.scheduler.by_id and req.request_id not in ids:
-                        rejected[req.request_id] = out
-        self.step()
+                    if isinstance(rid, str) and rid not in self.scheduler.by_id \
+                            and rid not in ids:
+                        rejected[rid] = out
+
+        def step() -> list[RequestOutput]:
+            try:
+                return self.step()
+            except SubmissionRefused as e:  # already in self.rejected; keep serving
+                return e.finished
+
+        step()
         while self.busy():
-            for out in self.step():
+            for out in step():
                 if on_finish is not None:
                     on_finish(out)
         done = {rid: out for rid, out in self.scheduler.by_id.items() if out.finished}
@@ -584,6 +617,8 @@ def _from_wire(rows: list[list]) -> list[Sampled]:
 
 
 def _rejected(req: Request, error: str) -> RequestOutput:
-    out = RequestOutput(req.request_id, len(req.prompt), error=error)
+    """The REJECTED output of ``req`` (which may be malformed: a refusal's output never fails)."""
+    rid, prompt = getattr(req, "request_id", None), getattr(req, "prompt", ())
+    out = RequestOutput(rid, len(prompt) if hasattr(prompt, "__len__") else 0, error=error)
     out.finish_reason = FinishReason.REJECTED
     return out

@@ -1,15 +1,21 @@
-"""The typed hand-off from planner to runner: one ``StepPlan`` per engine iteration.
+"""The typed hand-off from scheduler to runner: one ``StepPlan`` per engine iteration.
 
 Every rank computes the same plan from the same replicated scheduler state (the control plane
 makes the inputs identical), so the plan itself never travels; ``digest()`` lets tests and the
 debug check compare plans across ranks cheaply.
+
+Self-contained: the scheduler fills in each item's KV block table and sampling parameters
+(``Scheduler.plan``), so the runner needs nothing else -- it never reads the scheduler, and it
+can be driven by hand-built plans. The planner leaves them empty (it decides who runs, not
+where their blocks are); they do not take part in equality.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 
 class Phase(str, Enum):
@@ -25,6 +31,8 @@ class PrefillItem:
     lifetime: int  # KV owner id of this admission
     tokens: tuple[int, ...]  # new tokens to prefill
     start: int  # tokens already in the cache before this P (0 for a fresh prompt)
+    table: tuple[int, ...] = field(default=(), compare=False)  # its KV blocks (reserved)
+    params: Any = field(default=None, compare=False)  # its SamplingParams
 
 
 @dataclass(frozen=True)
@@ -32,6 +40,8 @@ class DecodeRow:
     lifetime: int
     token: int  # input token (the last sampled one)
     position: int  # its absolute position
+    table: tuple[int, ...] = field(default=(), compare=False)  # its KV blocks
+    params: Any = field(default=None, compare=False)  # its SamplingParams
 
 
 @dataclass(frozen=True)
@@ -50,6 +60,9 @@ class StepPlan:
     phase: Phase
     replicas: tuple[ReplicaWork, ...]
     bucket: int = 0  # D rows per replica after padding (multiple of ATP); 0 without D rows
+    # the longest D block table over every replica (the same on every rank: it picks the D
+    # graph, and graph choice must agree)
+    table_blocks: int = 1
 
     @property
     def has_decode(self) -> bool:
@@ -61,3 +74,12 @@ class StepPlan:
 
     def digest(self) -> str:
         return hashlib.sha1(repr(self).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """One sampled token of one lifetime (from the replica leader, agreed by all ranks)."""
+
+    lifetime: int
+    token: int
+    logprob: float

@@ -1,8 +1,9 @@
 """Model runner: turns one ``StepPlan`` into this rank's tensors, runs the model, samples.
 
 Owns the device-side view of a plan (token ids, positions, slot mappings, block tables, padding
-to the D bucket) and the KV storage. It reads block tables from the scheduler but never changes
-scheduler state; it returns the sampled tokens of its replica (leader only) as plain values.
+to the D bucket) and the KV storage. Everything it needs comes in the plan (block tables and
+sampling parameters included: plan.py); it never reads the scheduler. It returns the sampled
+tokens of its replica (leader only) as plain values.
 
 Every rank runs every non-IDLE plan -- a replica without work still runs the phase with zero
 (P) or padding (D) rows -- because the phase's collectives span all ranks.
@@ -19,10 +20,9 @@ import torch
 from colo_rollout.inference.attention import AttnMetadata, prefill_buckets
 from colo_rollout.inference.decode_graph import DecodeGraphs, graphs_supported
 from colo_rollout.inference.model import DecodeInputs, InferenceGPT, PrefillInputs
-from colo_rollout.inference.plan import Phase, StepPlan
+from colo_rollout.inference.plan import Phase, Sampled, StepPlan
 from colo_rollout.inference.prefill_graph import PrefillMoEGraphs
 from colo_rollout.inference.sampler import sample_tensors
-from colo_rollout.inference.scheduler import Sampled, Scheduler
 from colo_rollout.inference.device import Pending, h2d, wait_event
 from colo_rollout.inference.stream_route import StreamRoute
 
@@ -167,61 +167,60 @@ class ModelRunner:
         fits them, else the modules (None)."""
         return self.prefill_graphs.moe if self.prefill_graphs is not None else None
 
-    def run(self, plan: StepPlan, sched: Scheduler) -> PendingSampled:
+    def run(self, plan: StepPlan) -> PendingSampled:
         """Normal mode: the whole plan (one P epoch or one D iteration)."""
         if plan.phase is Phase.IDLE:
             return PendingSampled()
         if plan.phase is Phase.PREFILL:
             with self.route.mark("P"):
-                logits = self.model.forward_prefill(self._prefill_inputs(plan, sched), self.kv,
+                logits = self.model.forward_prefill(self._prefill_inputs(plan), self.kv,
                                                     self._moe_block())
-                return self._sample(logits, plan.replicas[self.groups.replica].prefill, sched)
-        return self.run_decode(plan, sched)
+                return self._sample(logits, plan.replicas[self.groups.replica].prefill)
+        return self.run_decode(plan)
 
-    def run_decode(self, plan: StepPlan, sched: Scheduler, epoch: int = -1) -> PendingSampled:
+    def run_decode(self, plan: StepPlan, epoch: int = -1) -> PendingSampled:
         """One D iteration over the plan's D rows (every rank; padding where a replica has
         fewer rows than the bucket), enqueued on D's stream."""
         with self.route.d(), self.route.mark("D", epoch):
-            host = self._decode_host(plan, sched)
+            host = self._decode_host(plan)
             rows = plan.replicas[self.groups.replica].decode
             if self.graphs is None:
                 logits = self.model.forward_decode(self._decode_inputs(*host), self.kv)
-                return self._sample(logits, rows, sched)
-            g = self.graphs.run(*host, self.world_table_blocks(plan, sched))
+                return self._sample(logits, rows)
+            g = self.graphs.run(*host, plan.table_blocks)
             if (self.groups.is_replica_leader and rows
-                    and all(sched.seqs[d.lifetime].request.params.greedy
-                            for d in rows)):
+                    and all(d.params.greedy for d in rows)):
                 # greedy rows were sampled inside the graph: one copy brings them back
                 return PendingSampled([d.lifetime for d in rows],
                                       Pending(g.packed[:, : len(rows)]), packed=True)
-            return self._sample(g.logits, rows, sched)
+            return self._sample(g.logits, rows)
 
     # ------------------------------------------------------------------ P epochs (PD mode)
     @property
     def epoch_active(self) -> bool:
         return self._epoch is not None
 
-    def start_epoch(self, plan: StepPlan, sched: Scheduler) -> None:
+    def start_epoch(self, plan: StepPlan) -> None:
         """Build the epoch's inputs now (block tables as reserved at admission) and hold P as
         a segment generator; nothing runs until ``advance``."""
         if self._epoch is not None:
             raise RuntimeError("a P epoch is already in flight")
         with self.route.p():
-            inputs = self._prefill_inputs(plan, sched)
+            inputs = self._prefill_inputs(plan)
         gen = self.model.prefill_segments(inputs, self.kv, self._moe_block())
         self._epoch = gen
         self._epoch_items = plan.replicas[self.groups.replica].prefill
         self._at = None  # boundary P is parked at (its collective not yet issued)
 
-    def advance(self, ctl, sched: Scheduler, on_boundary=None) -> PendingSampled | None:
+    def advance(self, ctl, on_boundary=None) -> PendingSampled | None:
         """Run P until it is parked at its permitted endpoint (returns None) or the epoch is
         complete (returns the sampled first tokens; leader ranks only have values). P's
         kernels go on P's stream (its routed collectives on D's). ``on_boundary()`` is called
         after each boundary's work is enqueued (the engine's D-wait clock)."""
         with self.route.p(), self.route.mark("P", ctl.epoch):
-            return self._advance(ctl, sched, on_boundary or _nothing)
+            return self._advance(ctl, on_boundary or _nothing)
 
-    def _advance(self, ctl, sched: Scheduler, on_boundary) -> PendingSampled | None:
+    def _advance(self, ctl, on_boundary) -> PendingSampled | None:
         if self._at is None:
             self._at = next(self._epoch)  # compute up to boundary 0
             ctl.publish(ctl.epoch, self._at, PRODUCER)
@@ -233,19 +232,18 @@ class ModelRunner:
             except StopIteration as done:
                 ctl.complete(ctl.epoch)
                 items, self._epoch, self._epoch_items = self._epoch_items, None, ()
-                live = [p for p in items if p.lifetime in sched.seqs]  # cancelled: discarded
-                keep = [i for i, p in enumerate(items) if p.lifetime in sched.seqs]
-                rows = done.value.index_select(0, h2d(keep, torch.int64, self.device))
-                return self._sample(rows, live, sched)
+                # items cancelled during the epoch are sampled too: the scheduler's commit
+                # discards a result whose lifetime is no longer live
+                return self._sample(done.value, items)
             ctl.publish(ctl.epoch, nxt, PRODUCER)
             self._at = nxt
         return None
 
-    def _sample(self, logits: torch.Tensor, items, sched: Scheduler) -> PendingSampled:
+    def _sample(self, logits: torch.Tensor, items) -> PendingSampled:
         lifetimes = [it.lifetime for it in items]
         if not self.groups.is_replica_leader or not lifetimes:
             return PendingSampled(marker=_marker(self.device))
-        params = [sched.seqs[lt].request.params for lt in lifetimes]
+        params = [it.params for it in items]
         tokens, logprobs = sample_tensors(logits[: len(lifetimes)], params, self.generator)
         return PendingSampled(lifetimes, Pending(tokens, logprobs))
 
@@ -259,12 +257,12 @@ class ModelRunner:
         padded = [t + [sink] * (width - len(t)) for t in tables]
         return h2d(padded, torch.int64, self.device)
 
-    def _prefill_inputs(self, plan: StepPlan, sched: Scheduler) -> PrefillInputs:
+    def _prefill_inputs(self, plan: StepPlan) -> PrefillInputs:
         r = self.groups.replica
         mine = plan.replicas[r].prefill
         ids, pos, slots, tables, ctx, new = [], [], [], [], [], []
         for item in mine:
-            table = sched.block_table(r, item.lifetime)
+            table = list(item.table)
             span = range(item.start, item.start + len(item.tokens))
             ids.extend(item.tokens)
             pos.extend(span)
@@ -296,14 +294,7 @@ class ModelRunner:
             last_rows=h2d(last_rows, i64, dev),
         )
 
-    @staticmethod
-    def world_table_blocks(plan: StepPlan, sched: Scheduler) -> int:
-        """Longest block table among the D rows of every replica (replicated state: the same
-        value on every rank -- it picks the graph, and graph choice must agree)."""
-        return max((len(sched.block_table(r, d.lifetime))
-                    for r, w in enumerate(plan.replicas) for d in w.decode), default=1)
-
-    def _decode_host(self, plan: StepPlan, sched: Scheduler):
+    def _decode_host(self, plan: StepPlan):
         """Host values of one D iteration, padded to the bucket with sink rows:
         (ids, positions, slots, context lengths, block tables)."""
         r = self.groups.replica
@@ -312,7 +303,7 @@ class ModelRunner:
         sink = self.kv.sink_block
         ids = [d.token for d in rows] + [0] * (B - len(rows))
         pos = [d.position for d in rows] + [0] * (B - len(rows))
-        tables = [sched.block_table(r, d.lifetime) for d in rows] + [[sink]] * (B - len(rows))
+        tables = [list(d.table) for d in rows] + [[sink]] * (B - len(rows))
         slots = [self._slots(t, range(p, p + 1))[0] for t, p in zip(tables, pos)]
         return ids, pos, slots, [p + 1 for p in pos], tables
 

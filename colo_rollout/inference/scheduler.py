@@ -19,11 +19,18 @@ Pure Python: no torch, no torch.distributed.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from colo_rollout.config import EngineConfig
 from colo_rollout.inference.kv_cache import KVCacheManager
-from colo_rollout.inference.plan import DecodeRow, Phase, PrefillItem, StepPlan
+from colo_rollout.inference.plan import (
+    DecodeRow,
+    Phase,
+    PrefillItem,
+    ReplicaWork,
+    Sampled,
+    StepPlan,
+)
 from colo_rollout.inference.planner import (
     Admission,
     PlannerLimits,
@@ -37,6 +44,7 @@ from colo_rollout.inference.request import (
     Request,
     RequestError,
     RequestOutput,
+    checked_request,
 )
 
 
@@ -67,15 +75,6 @@ class _Session:
     last_used: int = 0  # step of the last finished turn (LRU eviction)
 
 
-@dataclass(frozen=True)
-class Sampled:
-    """One sampled token of one lifetime (from the replica leader, agreed by all ranks)."""
-
-    lifetime: int
-    token: int
-    logprob: float
-
-
 class Scheduler:
     def __init__(self, cfg: EngineConfig, num_replicas: int, atp: int, vocab_size: int) -> None:
         self.cfg = cfg
@@ -99,18 +98,18 @@ class Scheduler:
 
     # ------------------------------------------------------------------ intake
     def validate(self, req: Request) -> None:
-        """Raise RequestError if ``req`` can never be served. Same answer on every rank."""
+        """Raise RequestError if ``req`` can never be served. Same answer on every rank.
+        Types first (request.checked_request: a str id, integral token ids), so a wrong type
+        is a RequestError too, never a TypeError."""
+        req = checked_request(req)
         rid = req.request_id
-        if not isinstance(rid, str) or not rid:
-            raise RequestError(f"request id must be a non-empty string, got {rid!r}")
         if rid in self.by_id:
             raise RequestError(f"request {rid!r}: duplicate request id")
         req.params.validate(rid, self.vocab_size)
         n = len(req.prompt)
         if n == 0:
             raise RequestError(f"request {rid!r}: empty prompt")
-        bad = [t for t in req.prompt if not isinstance(t, int) or isinstance(t, bool)
-               or not 0 <= t < self.vocab_size]
+        bad = [t for t in req.prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise RequestError(
                 f"request {rid!r}: token id {bad[0]!r} outside the vocabulary [0, {self.vocab_size})")
@@ -227,10 +226,27 @@ class Scheduler:
                                            self.next_lifetime)
         for adm in admissions:
             self._admit(adm)
+        plan = self._self_contained(plan)
         if pd and plan.has_prefill:
             self.epoch = plan
         self.step_no += 1
         return plan
+
+    def _self_contained(self, plan: StepPlan) -> StepPlan:
+        """``plan`` with every item's block table and sampling parameters, and the longest D
+        table: all the runner reads (plan.py)."""
+        reps = []
+        for r, w in enumerate(plan.replicas):
+            kv = self.kv[r]
+            reps.append(ReplicaWork(
+                prefill=tuple(replace(p, table=tuple(kv.block_table(p.lifetime)),
+                                      params=self.seqs[p.lifetime].request.params)
+                              for p in w.prefill),
+                decode=tuple(replace(d, table=tuple(kv.block_table(d.lifetime)),
+                                     params=self.seqs[d.lifetime].request.params)
+                             for d in w.decode)))
+        width = max((len(d.table) for w in reps for d in w.decode), default=1)
+        return replace(plan, replicas=tuple(reps), table_blocks=width)
 
     def _waiting_view(self, req: Request) -> WaitingView:
         sess = self.sessions.get(req.session) if req.session is not None else None
