@@ -24,30 +24,13 @@ from colo_rollout.inference.engine import Engine
 from colo_rollout.inference.weights import random_state_dict
 from colo_rollout.inference.parallel import init_parallel
 from colo_rollout.replay import replay
-from colo_rollout.trace import Conversation, Trace, generate_trace, load_mooncake, load_trace
+from colo_rollout.door import bench_trace  # noqa: F401 (checked at the door too)
+from colo_rollout.quiet import quiet_known_warnings
+from colo_rollout.trace import Trace
 
 METRICS = ("makespan_s", "requests_per_s", "request_p50_s", "request_p99_s",
            "trajectory_p50_s", "trajectory_p99_s", "ttft_p50_s", "ttft_p99_s", "mean_d_wait_ms",
            "evictions", "mean_span")
-
-
-def bench_trace(cfg: Config) -> Trace:
-    b = cfg.bench
-    if b.trace == "synthetic":
-        trace = generate_trace(b.seed)
-    elif b.trace == "mooncake":
-        here = os.path.dirname(os.path.abspath(__file__))
-        trace = load_mooncake(os.path.join(here, "..", "..", "shared", "traces",
-                                           "mooncake_conversation_trace.jsonl"))
-    else:
-        trace = load_trace(b.trace)
-    convs = tuple(Conversation(c.conv, c.arrival_s, c.turns[: b.max_turns])
-                  for c in trace.conversations[: b.conversations])
-    trace = Trace(convs, source=trace.source).scaled_lengths(b.length_scale)
-    # every turn must fit the engine: context + prompt + output <= max_seq_len, and a
-    # re-prefill of the whole context <= max_prefill_tokens
-    cap = min(cfg.engine.max_seq_len, cfg.engine.max_prefill_tokens)
-    return trace.truncated(cap)
 
 
 # columns of a run's "steps" rows (rank 0, the timeline cell): one row per engine step
@@ -78,9 +61,10 @@ def variants(cfg: Config) -> list[tuple[str, dict]]:
 
 def run_bench(rank: int, world: int, config_path: str, overrides: dict | None = None,
               progress: bool = True) -> dict:
+    quiet_known_warnings()
     cfg = load_config(config_path, overrides)
     groups = init_parallel(cfg.parallel)
-    trace = bench_trace(cfg)
+    trace = bench_trace(cfg, os.fspath(config_path))
     # drawn where the model runs: a multi-GB MoE takes minutes to draw on one CPU thread
     sd = random_state_dict(cfg.model, device=groups.device)
     runs, timelines = [], {}

@@ -16,10 +16,12 @@ from colo_rollout.inference.engine import Engine
 from colo_rollout.inference.parallel import init_parallel
 from colo_rollout.inference.plan import Phase
 from colo_rollout.inference.request import Request, SamplingParams
+from colo_rollout.quiet import quiet_known_warnings
 
 
 def decode_overhead(rank: int, world: int, config_path: str, overrides: dict | None = None,
                     reps: int = 3, modes: tuple[str, ...] = ("normal", "fine")) -> dict:
+    quiet_known_warnings()
     base = load_config(config_path, overrides)
     groups = init_parallel(base.parallel)
     n = base.engine.max_batch_size * groups.layout.adp

@@ -3,6 +3,11 @@ bench-decode-overhead.
 
 Launch modes: under torchrun (WORLD_SIZE set) every process runs the job itself; otherwise the
 CLI spawns ``parallel.world_size`` CPU processes joined with gloo.
+
+Every command checks its config and inputs at the door (colo_rollout/door.py) before it spawns
+or initialises a rank: a user mistake is one ``error: FILE[:LINE]: KEY: problem`` line on
+stderr and exit code 2, no traceback. Known-harmless third-party notices are filtered once,
+here and in each launched rank (colo_rollout/quiet.py).
 """
 
 from __future__ import annotations
@@ -11,17 +16,29 @@ import argparse
 import os
 import sys
 
-import yaml
+from colo_rollout.quiet import quiet_known_warnings
 
 
 def _overrides(pairs: list[str]) -> dict:
-    out = {}
-    for p in pairs:
-        if "=" not in p:
-            raise SystemExit(f"--set expects key=value, got {p!r}")
-        k, v = p.split("=", 1)
-        out[k] = yaml.safe_load(v)
-    return out
+    """``--set KEY=VALUE`` pairs as {dotted key: value read as YAML}; a ConfigError naming the
+    key (``--set KEY: ...``) for a pair without '=' or a value that is not valid YAML."""
+    from colo_rollout.config.loader import parse_override
+
+    return dict(parse_override(p) for p in pairs)
+
+
+def _door(check, *args, **kwargs):
+    """``check(*args, **kwargs)``, before any rank starts: a user mistake (door.is_user_error)
+    is one ``error:`` line on stderr and exit code 2, no traceback."""
+    from colo_rollout.door import is_user_error
+
+    try:
+        return check(*args, **kwargs)
+    except Exception as e:
+        if not is_user_error(e):
+            raise
+        print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _exit_wedged(rank: int, err: BaseException) -> None:
@@ -42,28 +59,23 @@ def _exit_wedged(rank: int, err: BaseException) -> None:
     os._exit(1)
 
 
-def _config_at_the_door(config: str, overrides: dict):
-    """The validated config, with a named checkpoint's files checked (headers only), before any
-    rank starts; a user mistake is one ``error:`` line and exit code 2."""
-    from colo_rollout.checkpoint.store import CheckpointError
-    from colo_rollout.config import ConfigError, load_config
+def _config_at_the_door(config: str, overrides: dict, command: str = "", **args):
+    """The validated config of ``command`` (door.load: a named checkpoint's files, what the
+    command asks of the engine), before any rank starts; a user mistake is one ``error:`` line
+    and exit code 2."""
+    from colo_rollout import door
 
-    try:
-        cfg = load_config(config, overrides)
-        if cfg.model.checkpoint is not None:
-            from colo_rollout.checkpoint.loader import check_checkpoint
-
-            check_checkpoint(cfg.model)
-    except (ConfigError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    return cfg
+    return _door(door.load, command, config, overrides, **args)
 
 
-def _launch(target: str, config: str, overrides: dict, gather: bool = False, **extra) -> list:
+def _launch(target: str, config: str, overrides: dict, gather: bool = False, cfg=None,
+            **extra) -> list:
     """Run ``target`` on every rank; returns the ranks' results (under torchrun: this rank's
-    only, or every rank's when ``gather`` -- all-gathered as JSON over gloo, never pickle)."""
-    cfg = _config_at_the_door(config, overrides)
+    only, or every rank's when ``gather`` -- all-gathered as JSON over gloo, never pickle).
+    ``cfg``: the config already checked at the door (else it is checked here). Spawned ranks
+    run ``target`` through quiet.run_quietly (the filters before its module's imports)."""
+    if cfg is None:
+        cfg = _config_at_the_door(config, overrides)
     if "WORLD_SIZE" in os.environ:  # torchrun: this process is one rank
         import importlib
 
@@ -96,11 +108,12 @@ def _launch(target: str, config: str, overrides: dict, gather: bool = False, **e
     from colo_rollout.testing import WorkerGroup
 
     with WorkerGroup(cfg.parallel.world_size) as group:
-        return group.run(target, timeout=3600, config_path=config, overrides=overrides,
-                         **extra)
+        return group.run("colo_rollout.quiet:run_quietly", timeout=3600, fn=target,
+                         config_path=config, overrides=overrides, **extra)
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_known_warnings()
     ap = argparse.ArgumentParser(prog="colo-rollout", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="serve a synthetic workload and print throughput/latency")
@@ -154,27 +167,31 @@ def main(argv: list[str] | None = None) -> int:
         from colo_rollout.text.generate import main as generate
 
         return generate(args)
+    if args.cmd in ("demo", "train", "bench", "bench-decode-overhead"):
+        overrides = _door(_overrides, args.set)
+        extra = ({"reps": args.reps, "mode": args.mode} if args.cmd == "bench-decode-overhead"
+                 else {})
+        cfg = _config_at_the_door(args.config, overrides, args.cmd, **extra)
     if args.cmd == "train":
-        res = _launch("colo_rollout.rl.train:run_train", args.config, _overrides(args.set))
+        res = _launch("colo_rollout.rl.train:run_train", args.config, overrides, cfg=cfg)
         h = res[0]["history"]
         if h and ("WORLD_SIZE" not in os.environ or os.environ.get("RANK") == "0"):
             print(f"reward {h[0]['reward']:.3f} -> {h[-1]['reward']:.3f} over {len(h)} steps; "
                   f"max logprob gap {max(x['logprob_gap_max'] for x in h):.2e}")
         return 0
     if args.cmd == "bench":
+        results = _launch("colo_rollout.bench:run_bench", args.config, overrides, gather=True,
+                          cfg=cfg)
         from colo_rollout.bench import report
 
-        overrides = _overrides(args.set)
-        cfg = _config_at_the_door(args.config, overrides)
-        results = _launch("colo_rollout.bench:run_bench", args.config, overrides, gather=True)
         if int(os.environ.get("RANK", "0")) != 0:  # torchrun: rank 0 reports
             return 0
         report(results, cfg, cfg.bench.out_dir)
         print(f"JSON and plots in {cfg.bench.out_dir}/")
         return 0
     if args.cmd == "bench-decode-overhead":
-        res = _launch("colo_rollout.bench_decode:decode_overhead", args.config,
-                      _overrides(args.set), reps=args.reps, modes=("normal", args.mode))[0]
+        res = _launch("colo_rollout.bench_decode:decode_overhead", args.config, overrides,
+                      cfg=cfg, reps=args.reps, modes=("normal", args.mode))[0]
         import statistics
 
         if int(os.environ.get("RANK", "0")) != 0:  # torchrun: rank 0 prints
@@ -189,19 +206,21 @@ def main(argv: list[str] | None = None) -> int:
         return _stress(args)
     if args.cmd == "bench-rendezvous":
         return _bench_rendezvous(args)
-    _launch("colo_rollout.demo:run_demo", args.config, _overrides(args.set),
-            report=args.report)
+    _launch("colo_rollout.demo:run_demo", args.config, overrides, cfg=cfg, report=args.report)
     return 0
 
 
 def _stress(args) -> int:
+    from colo_rollout.door import check_stress_args
     from colo_rollout.testing import WorkerGroup
 
+    _door(check_stress_args, ranks=args.ranks, seeds=args.seeds, cycles=args.cycles,
+          max_skew_ms=args.max_skew_ms, span=args.span, control_cycles=args.control_cycles)
     with WorkerGroup(args.ranks) as group:
-        res = group.run("colo_rollout.inference.stress:stress_turnstile", timeout=3600,
-                        seeds=args.seeds, cycles=args.cycles, max_skew_ms=args.max_skew_ms,
-                        span=args.span, control_cycles=args.control_cycles,
-                        rendezvous=args.rendezvous)
+        res = group.run("colo_rollout.quiet:run_quietly", timeout=3600,
+                        fn="colo_rollout.inference.stress:stress_turnstile", seeds=args.seeds,
+                        cycles=args.cycles, max_skew_ms=args.max_skew_ms, span=args.span,
+                        control_cycles=args.control_cycles, rendezvous=args.rendezvous)
     done = min(r["completed"] for r in res)
     total = res[0]["expected"]
     same = all(r["identical_logs"] for r in res)
@@ -220,14 +239,17 @@ def _stress(args) -> int:
 
 
 def _bench_rendezvous(args) -> int:
+    from colo_rollout.door import check_rendezvous_args
     from colo_rollout.testing import WorkerGroup
 
+    _door(check_rendezvous_args, ranks=args.ranks, rounds=args.rounds)
     print(f"{'ranks':>5s} {'kind':>14s} {'mean us':>9s} {'p50 us':>9s} {'p99 us':>9s}"
           "   (CPU processes on this host)")
     for n in args.ranks:
         with WorkerGroup(n) as group:
             for kind in args.kinds:
-                r = group.run("colo_rollout.inference.stress:bench_rendezvous", timeout=600,
+                r = group.run("colo_rollout.quiet:run_quietly", timeout=600,
+                              fn="colo_rollout.inference.stress:bench_rendezvous",
                               rounds=args.rounds, kind=kind)[0]
                 print(f"{n:5d} {r['kind']:>14s} {r['mean_us']:9.1f} {r['p50_us']:9.1f} "
                       f"{r['p99_us']:9.1f}", flush=True)

@@ -14,11 +14,13 @@ import numpy as np
 from colo_rollout.config import load_config
 from colo_rollout.inference.engine import Engine
 from colo_rollout.inference.parallel import init_parallel
+from colo_rollout.quiet import quiet_known_warnings
 from colo_rollout.workload import synthetic_requests
 
 
 def run_demo(rank: int, world: int, config_path: str, overrides: dict | None = None,
              quiet: bool = False, report: str | None = None) -> dict:
+    quiet_known_warnings()
     cfg = load_config(config_path, overrides)
     groups = init_parallel(cfg.parallel)
     engine = Engine(cfg, groups)
@@ -32,11 +34,11 @@ def run_demo(rank: int, world: int, config_path: str, overrides: dict | None = N
         from tqdm import tqdm
 
         total_tokens = sum(r.params.max_tokens for r in requests)
-        bar = tqdm(total=len(requests), unit="req", desc=f"demo {groups.layout.name}",
-                   dynamic_ncols=True)
         print(f"serving {len(requests)} requests ({sum(len(r.prompt) for r in requests)} prompt "
               f"tokens, {total_tokens} output tokens) on {world} rank(s), layout "
               f"{groups.layout.name}", flush=True)
+        bar = tqdm(total=len(requests), unit="req", desc=f"demo {groups.layout.name}",
+                   dynamic_ncols=True)
 
     t0 = time.perf_counter()
     outs = engine.generate(requests, on_finish=(lambda o: bar.update(1)) if bar else None)

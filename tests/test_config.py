@@ -283,7 +283,123 @@ def test_experts_not_divisible_by_ep(tmp_path):
 @pytest.mark.parametrize("value", ["-1.0", ".inf", ".nan"])
 def test_stall_dump_must_be_finite_and_not_negative(tmp_path, value):
     path = write(tmp_path, f"engine:\n  stall_dump_s: {value}\n")
-    assert_load_error(path, "engine.stall_dump_s", "finite number of seconds")
+    assert_load_error(path, "engine.stall_dump_s", "finite number")
+
+
+@pytest.mark.parametrize("key", ["parallel.timeout_s", "model.rotary_base", "workload.temperature",
+                                 "bench.length_scale", "rl.lr"])
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan"), 10**400])
+def test_float_settings_must_be_finite(tmp_path, key, value):
+    """No float setting means inf or nan (YAML .inf/.nan): refused here instead of crashing
+    every rank later (an infinite parallel.timeout_s overflowed torch's timedelta)."""
+    path = write(tmp_path, "{}\n")
+    assert_load_error(path, key, "must be a finite number", overrides={key: value})
+
+
+@pytest.mark.parametrize("value", [86_400.5, 1e9])
+def test_timeout_is_bounded_by_a_day(tmp_path, value):
+    path = write(tmp_path, f"parallel:\n  timeout_s: {value!r}\n")
+    assert_load_error(path, "parallel.timeout_s", "(0, 86400]", repr(value))
+    assert load_config(path, {"parallel.timeout_s": 86_400.0}).parallel.timeout_s == 86_400.0
+
+
+def test_top1_softmax_with_renormalisation_is_refused_like_megatron(tmp_path):
+    path = write(tmp_path, "model:\n  moe_router_topk: 1\n")
+    err = assert_load_error(path, "model.router_norm_topk", "moe_router_topk 1",
+                            "refused by megatron", "set router_norm_topk: false")
+    assert err.key == "model.router_norm_topk"
+    for ok in ({"model.router_norm_topk": False}, {"model.router_score": "sigmoid"}):
+        assert load_config(path, ok).model.moe_router_topk == 1
+
+
+def test_trainer_tp_above_one_is_refused_with_the_reason(tmp_path):
+    path = write(tmp_path, "rl:\n  trainer_tp: 2\n")
+    assert_load_error(path, "rl.trainer_tp", "2 is not supported yet",
+                      "sequence parallelism", "use trainer_tp: 1")
+
+
+def test_rl_prompt_len_max_must_leave_the_drawn_range(tmp_path):
+    path = write(tmp_path, "rl:\n  prompt_len_max: 1\n")
+    assert_load_error(path, "rl.prompt_len_max", "must be >= 2", "[2, prompt_len_max]")
+
+
+# --------------------------------------------------------------------------- YAML at the door
+
+
+@pytest.mark.parametrize("text, line, first, key", [
+    ("parallel:\n  world_size: 2\nmodel:\n  hidden_size: 64\nparallel:\n  adp: 2\n",
+     5, 1, "parallel"),
+    ("model:\n  hidden_size: 64\n  num_layers: 2\n  hidden_size: 32\n", 4, 2,
+     "model.hidden_size"),
+    ("engine: {mode: fine, mode: normal}\n", 1, 1, "engine.mode"),
+])
+def test_duplicate_keys_are_refused_with_their_lines(tmp_path, text, line, first, key):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == (f"{path}:{line}: {key}: duplicate key (first at line {first}); "
+                               "YAML would silently keep only this last one")
+    assert info.value.key == key and info.value.source == str(path)
+
+
+def test_safe_load_semantics_are_kept_apart_from_duplicates(tmp_path):
+    """Anchors, aliases and merge keys (a merged key may be overridden) load as safe_load
+    reads them; the same key in two different mappings is no duplicate."""
+    import yaml
+
+    from colo_rollout.config.loader import UniqueKeyLoader
+
+    text = ("base: &b {mode: fine, segment_span: 2}\nengine:\n  <<: *b\n  mode: normal\n"
+            "other: {mode: fine}\nlist: [{a: 1}, {a: 2}]\nnum: 1.0e+3\nflag: off\n")
+    assert yaml.load(text, Loader=UniqueKeyLoader) == yaml.safe_load(text)
+    with pytest.raises(yaml.YAMLError):  # safe: no python tags
+        yaml.load("x: !!python/object/apply:os.system ['true']\n", Loader=UniqueKeyLoader)
+
+
+def test_config_that_is_not_utf8_names_line_and_byte(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("# configuration\nmodel:\n  # gr\u00f6\u00dfe\n  hidden_size: 64\n"
+                     .encode("latin-1"))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == (f"{path}:3: not valid UTF-8: byte 0xf6 at column 7 (invalid "
+                               "start byte); config files are read as UTF-8")
+
+
+@pytest.mark.parametrize("pair, fragments", [
+    ("model.vocab_size=[1", ["--set model.vocab_size: the value '[1' is not valid YAML at "
+                             "column 3"]),
+    ("engine.mode=: x", ["--set engine.mode: the value ': x' is not valid YAML"]),
+    ("workload={a: 1, a: 2}", ["--set workload: duplicate key 'a' in the value"]),
+    ("engine.mode", ["--set engine.mode: expected KEY=VALUE"]),
+    ("=3", ["--set =3: the key before '=' is empty"]),
+])
+def test_set_values_that_are_not_yaml_name_the_key(pair, fragments):
+    from colo_rollout.config.loader import parse_override
+
+    with pytest.raises(ConfigError) as info:
+        parse_override(pair)
+    for f in fragments:
+        assert f in str(info.value), str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_an_int_too_long_for_python_is_a_config_error(tmp_path):
+    from colo_rollout.config.loader import parse_override
+
+    huge = "1" + "0" * 5000
+    path = write(tmp_path, f"model:\n  hidden_size: {huge}\n")
+    assert_load_error(path, "invalid YAML value", "4300 digits")
+    with pytest.raises(ConfigError, match=r"^--set model.hidden_size: invalid value"):
+        parse_override(f"model.hidden_size={huge}")
+
+
+def test_set_values_parse_as_yaml():
+    from colo_rollout.config.loader import parse_override
+
+    assert parse_override("bench.spans=[1, 2]") == ("bench.spans", [1, 2])
+    assert parse_override("model.checkpoint=/a=b") == ("model.checkpoint", "/a=b")
+    assert parse_override("engine.eos_token_id=null") == ("engine.eos_token_id", None)
 
 
 @pytest.mark.parametrize(

@@ -132,6 +132,15 @@ def test_cancel_running_and_waiting_and_cross_rank_duplicate(worker_groups):
         assert out["same"][0] == "length"
         assert [rid for rid, _ in r["rejected"]] == ["same"]
         assert "duplicate request id" in r["rejected"][0][1]
+    # the caller learns it: rank 1's submission lost to rank 0's, and rank 1's next step()
+    # raised a RequestError (SubmissionRefused) naming it, after completing the step
+    assert res[0]["refused_here"] is None
+    lost = res[1]["refused_here"]
+    assert lost["is_request_error"]
+    assert lost["refused"] == [("same", "rejected", "request 'same': duplicate request id")]
+    assert "request 'same': duplicate request id" in lost["message"]
+    for r in res:
+        del r["refused_here"]
     assert res[0] == res[1]
 
 

@@ -177,7 +177,7 @@ def test_door_checks_in_process(ckpt, tmp_path, capsys):
     cases = {
         ("--model", str(small), "hi"): "the tokenizer has 200 ids, more than the model's "
                                        "vocab_size 100",
-        ("--model", str(d), "--set", "engine", "hi"): "--set expects key=value",
+        ("--model", str(d), "--set", "engine", "hi"): "--set engine: expected KEY=VALUE",
         ("--model", str(d), "--set", "engine.nope=1", "hi"): "engine.nope: unknown override key",
         ("--model", str(d), "--temperature", "-1", "hi"): "sampling parameters: temperature",
         ("--model", str(d), "--config", str(yaml_cfg), "hi"): "over engine.max_seq_len 16",

@@ -109,6 +109,16 @@ ERROR_CASES = {
                        "conversation 'a' is missing turn 0"),
     "empty file": ([""], 1, "file", "no trace records"),
     "only blank lines": (["", "   ", "\t"], 1, "file", "no trace records"),
+    # absurd numbers: bounded, and the bound is said
+    "prompt_tokens 10^30": ([rec(prompt_tokens=10**30)], 1, "prompt_tokens",
+                            "at most 10,000,000 tokens (no model serves more), got 1e+30"),
+    "output_tokens 10^30": ([rec(output_tokens=10**30)], 1, "output_tokens",
+                            "at most 10,000,000 tokens"),
+    "arrival_s 1e9": ([rec(arrival_s=1e9)], 1, "arrival_s",
+                      "at most 86400 s (one day: a replay runs in real time), got 1e+09"),
+    "wait_s 10^400": ([OK0, rec("a", 1, wait_s=10**400)], 2, "wait_s", "got 10^400"),
+    "5001 digits": (['{"conv": "a", "turn": 0, "prompt_tokens": 1' + "0" * 5000 + ', '
+                     '"output_tokens": 1, "wait_s": 0}'], 1, "record", "number too large"),
 }
 
 
@@ -148,6 +158,26 @@ def test_invalid_utf8_names_line(tmp_path):
     with pytest.raises(TraceError) as info:
         load_trace(path)
     assert str(info.value).startswith(f"{path}:2: record: not valid UTF-8")
+
+
+def test_unreadable_trace_file_is_a_trace_error(tmp_path):
+    with pytest.raises(TraceError) as info:
+        load_trace(tmp_path / "absent.jsonl")
+    assert str(info.value) == (f"{tmp_path / 'absent.jsonl'}: file: cannot read trace file: "
+                               "No such file or directory")
+    assert info.value.line is None
+    with pytest.raises(TraceError, match="cannot read trace file"):
+        load_trace(tmp_path)  # a directory
+
+
+def test_loaded_turns_know_their_line(tmp_path):
+    path = write_lines(tmp_path, [rec("b", 0), "", OK0, OK1])
+    t = load_trace(path)
+    assert [(x.conv, x.turn, x.line) for x in t.iter_turns()] == [("b", 0, 1), ("a", 0, 3),
+                                                                  ("a", 1, 4)]
+    assert t == Trace(tuple(Conversation(c.conv, c.arrival_s, tuple(
+        Turn(x.conv, x.turn, x.prompt_tokens, x.output_tokens, x.wait_s) for x in c.turns))
+        for c in t.conversations))  # provenance only: not part of equality
 
 
 def test_trace_error_pickles_with_attributes():

@@ -5,6 +5,7 @@ frozen dataclass's fields against their annotations and value rules. No YAML her
 """
 
 import dataclasses
+import math
 import types
 import typing
 from typing import Any
@@ -66,7 +67,8 @@ def _describe(value: Any) -> str:
 def _check_value(value: Any, tp: Any, key: str) -> Any:
     """Check ``value`` against annotation ``tp``; return it normalised.
 
-    Normalisation: an int given for a float field becomes a float, and a list
+    Normalisation: an int given for a float field becomes a float (inf and nan are refused:
+    no setting means them), and a list
     (or tuple) for a ``list[...]`` field becomes a fresh list.  bool is never
     accepted where an int or float is expected.
     """
@@ -95,7 +97,13 @@ def _check_value(value: Any, tp: Any, key: str) -> Any:
             return value
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                value = float(value)
+            except OverflowError:  # an int too large for a float
+                raise _error(key, f"must be a finite number, got {value!r}") from None
+            if not math.isfinite(value):  # YAML .inf / .nan: no setting means them
+                raise _error(key, f"must be a finite number, got {value!r}")
+            return value
         if isinstance(value, str) and _parses_as_float(value):
             raise _error(
                 key,

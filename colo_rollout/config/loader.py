@@ -1,6 +1,8 @@
 """A whole run configuration: cross-section rules, YAML loading (safe_load), overrides, dumping.
 
-The single place where YAML files and dotted-key overrides become a validated ``Config``.
+The single place where YAML files and dotted-key overrides (``--set KEY=VALUE``) become a
+validated ``Config``. YAML is read with safe_load's semantics, except that a key repeated in one
+mapping is an error naming both lines (PyYAML would keep the last silently).
 """
 
 import copy
@@ -164,7 +166,7 @@ def _with_checkpoint_fields(data: Mapping[str, Any], source: str):
     if not (isinstance(model, Mapping) and isinstance(model.get("checkpoint"), str)):
         return data, None  # no checkpoint (a wrong type is reported by the schema)
     from colo_rollout.checkpoint.hf_config import ContradictionError, merge_checkpoint_fields
-    from colo_rollout.checkpoint.store import CheckpointError
+    from colo_rollout.checkpoint.errors import CheckpointError
 
     try:
         merged, arch = merge_checkpoint_fields(dict(model), source)
@@ -174,6 +176,85 @@ def _with_checkpoint_fields(data: Mapping[str, Any], source: str):
     except ContradictionError as err:
         raise _with_source(ConfigError(str(err), key=err.key), source) from None
     return {**data, "model": merged}, arch
+
+
+class _DuplicateKey(Exception):
+    """A key repeated in one YAML mapping: (dotted key, 1-based line, line of the first)."""
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key repeated in one mapping (``_DuplicateKey``).
+
+    Everything else is safe_load's: the same tags and resolution; merge keys (``<<``) may still
+    be overridden by the mapping's own keys, as YAML specifies."""
+
+    def get_single_data(self) -> Any:
+        node = self.get_single_node()
+        if node is None:
+            return None
+        self._check_unique(node, "", set())
+        return self.construct_document(node)
+
+    def _check_unique(self, node: yaml.Node, path: str, seen: set[int]) -> None:
+        if id(node) in seen:  # an alias: its node was checked where it was anchored
+            return
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            first: dict[Any, int] = {}
+            for key_node, value_node in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    self._check_unique(value_node, path, seen)
+                    continue
+                key = (self.construct_object(key_node)
+                       if isinstance(key_node, yaml.ScalarNode) else None)
+                dotted = f"{path}.{key}" if path else str(key)
+                line = key_node.start_mark.line + 1
+                try:
+                    if key in first:
+                        raise _DuplicateKey(dotted, line, first[key])
+                    if key is not None:
+                        first[key] = line
+                except TypeError:  # an unhashable key: the constructor reports it
+                    pass
+                self._check_unique(value_node, dotted, seen)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                self._check_unique(item, f"{path}[{i}]", seen)
+
+
+def _yaml_load(text: str) -> Any:
+    """``yaml.safe_load(text)``, refusing duplicate keys (UniqueKeyLoader)."""
+    loader = UniqueKeyLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
+def parse_override(pair: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` of ``--set`` as (dotted key, value parsed as YAML); a ConfigError whose
+    message starts ``--set KEY:`` for a pair without ``=`` or a value that is not valid YAML."""
+    if "=" not in pair:
+        raise ConfigError(f"--set {pair}: expected KEY=VALUE, e.g. --set engine.mode=fine",
+                          key=pair, source="--set")
+    key, text = pair.split("=", 1)
+    if not key:
+        raise ConfigError(f"--set {pair}: the key before '=' is empty", source="--set")
+    try:
+        return key, _yaml_load(text)
+    except _DuplicateKey as dup:
+        raise ConfigError(f"--set {key}: duplicate key {dup.args[0]!r} in the value {text!r}",
+                          key=key, source="--set") from None
+    except ValueError as err:  # a scalar YAML resolves but Python refuses (a 5000-digit int)
+        raise ConfigError(f"--set {key}: invalid value: {err}", key=key, source="--set") \
+            from None
+    except yaml.YAMLError as err:
+        problem = getattr(err, "problem", None) or getattr(err, "context", None) or str(err)
+        mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+        at = f" at column {mark.column + 1}" if mark is not None and mark.line == 0 else ""
+        raise ConfigError(f"--set {key}: the value {text!r} is not valid YAML{at}: {problem} "
+                          "(quote a string that YAML cannot read, inside the shell's quotes: "
+                          f"--set '{key}=\"...\"')", key=key, source="--set") from None
 
 
 def _apply_overrides(data: dict[str, Any], overrides: Mapping[str, Any]) -> None:
@@ -214,16 +295,31 @@ def load_config(path: str | os.PathLike, overrides: Mapping[str, Any] | None = N
     """
     source = os.fspath(path)
     try:
-        with open(source, encoding="utf-8") as fh:
-            text = fh.read()
+        with open(source, "rb") as fh:
+            raw = fh.read()
     except OSError as err:
         raise ConfigError(
             f"{source}: cannot read config file: {err.strerror or err}", source=source
         ) from err
     try:
-        data = yaml.safe_load(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw.count(b"\n", 0, err.start) + 1
+        column = err.start - (raw.rfind(b"\n", 0, err.start) + 1) + 1
+        raise ConfigError(
+            f"{source}:{line}: not valid UTF-8: byte 0x{raw[err.start]:02x} at column {column} "
+            f"({err.reason}); config files are read as UTF-8", source=source) from None
+    try:
+        data = _yaml_load(text)
+    except _DuplicateKey as dup:
+        dotted, line, first = dup.args
+        raise ConfigError(
+            f"{source}:{line}: {dotted}: duplicate key (first at line {first}); YAML would "
+            "silently keep only this last one", key=dotted, source=source) from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{source}: {_yaml_error_text(err)}", source=source) from err
+    except ValueError as err:  # a scalar YAML resolves but Python refuses (a 5000-digit int)
+        raise ConfigError(f"{source}: invalid YAML value: {err}", source=source) from None
     if not isinstance(data, dict):
         got = "an empty document" if data is None else _describe(data)
         raise ConfigError(

@@ -32,6 +32,9 @@ ROPE_SCALINGS = (None, "llama3")
 # after all ranks host-enqueued it), fine (segment turnstile: D at every K boundaries).
 ENGINE_MODES = ("normal", "global_complete", "global_enqueue", "fine")
 SEGMENT_POLICIES = ("fixed", "load", "balanced")
+# parallel.timeout_s at most a day: every host wait is bounded by it (torch's timedelta and
+# threading waits overflow far above that, and a wait of a day is a hang)
+MAX_TIMEOUT_S = 86_400.0
 
 
 
@@ -49,7 +52,7 @@ class ParallelConfig:
     ep: int = 1
     # torch.distributed backend: "auto" (nccl when CUDA is available, else gloo), "gloo" or "nccl".
     backend: str = "auto"
-    # Timeout in seconds for collectives and the control plane; > 0.
+    # Timeout in seconds for collectives and the control plane; in (0, MAX_TIMEOUT_S].
     timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
@@ -66,7 +69,9 @@ class ParallelConfig:
             f"world_size {self.world_size} is not divisible by ep {self.ep}",
         )
         _require_choice(self, "backend", BACKENDS)
-        _require(self.timeout_s > 0, "parallel.timeout_s", f"must be > 0, got {self.timeout_s}")
+        _require(0 < self.timeout_s <= MAX_TIMEOUT_S, "parallel.timeout_s",
+                 f"must be a number of seconds in (0, {MAX_TIMEOUT_S:g}] (a day: a collective "
+                 f"waiting longer has hung), got {self.timeout_s!r}")
 
     @property
     def atp(self) -> int:
@@ -221,6 +226,16 @@ class ModelConfig:
                  or self.moe_router_topk == 1, "model.router_norm_topk",
                  "false with router_score 'sigmoid' is not in megatron (its sigmoid router always "
                  "renormalises the top-k scores)")
+        # megatron's TransformerConfig: "Please use --moe-router-pre-softmax when topk is 1"
+        # (a softmax over one logit has no gradient); renormalised softmax top-k is its
+        # pre_softmax false (inference/model.py: megatron_config)
+        _require(not (self.moe_router_topk == 1 and self.router_score == "softmax"
+                      and self.router_norm_topk), "model.router_norm_topk",
+                 "true with moe_router_topk 1 and router_score 'softmax' is refused by megatron "
+                 "(it needs the softmax over all experts before the top-1, moe_router_pre_softmax; "
+                 "renormalising one score would always give 1.0): set router_norm_topk: false "
+                 "(the top-1 expert then gets its softmax probability, as in HF with "
+                 "norm_topk_prob false)")
         _require((self.router_num_groups is None) == (self.router_group_topk is None),
                  "model.router_group_topk",
                  "set both router_num_groups and router_group_topk, or neither")
@@ -539,13 +554,13 @@ class RLConfig:
     # Weight of the KL term to the initial (reference) policy; 0 = off.
     kl_coef: float = 0.0
     # Trainer tensor-parallel width (trainer DP = world / trainer_tp); may differ from the
-    # inference layout: weights are resharded after every step.
+    # inference layout: weights are resharded after every step. Only 1 for now (issue 18).
     trainer_tp: int = 1
     # The verifiable task: "target_token" (reward = fraction of generated tokens equal to
     # target_token).
     task: str = "target_token"
     target_token: int = 7
-    # Prompt lengths are drawn in [2, prompt_len_max]; seed of the prompt stream.
+    # Prompt lengths are drawn in [2, prompt_len_max] (so >= 2); seed of the prompt stream.
     prompt_len_max: int = 8
     seed: int = 0
     # Metrics JSONL, TensorBoard events and the reward curve go here.
@@ -562,7 +577,16 @@ class RLConfig:
     def __post_init__(self) -> None:
         _check_field_types(self)
         _require_min(self, ("steps", "prompts_per_step", "samples_per_prompt", "max_new_tokens",
-                            "trainer_tp", "prompt_len_max"), 1)
+                            "trainer_tp"), 1)
+        _require(self.prompt_len_max >= 2, "rl.prompt_len_max",
+                 f"must be >= 2 (prompt lengths are drawn in [2, prompt_len_max]), got "
+                 f"{self.prompt_len_max}")
+        # the trainer refuses it at start, on every rank (rl/trainer.py)
+        _require(self.trainer_tp == 1, "rl.trainer_tp",
+                 f"{self.trainer_tp} is not supported yet: megatron trains MoE with TP only "
+                 "under sequence parallelism, which its torch norms refuse (the TE spec is not "
+                 "wired for the trainer); use trainer_tp: 1 (the trainer is then data-parallel "
+                 "over all ranks)")
         _require_min(self, ("seed", "target_token"), 0)
         _require(self.lr > 0, "rl.lr", f"must be > 0, got {self.lr}")
         _require(0 < self.clip < 1, "rl.clip", f"must be in (0, 1), got {self.clip}")

@@ -7,12 +7,86 @@ request) and the shape of what comes back. Pure Python; no torch.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import operator
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 
 class RequestError(ValueError):
     """A request (or a cancel) the engine refuses; the message names the request id."""
+
+
+class SubmissionRefused(RequestError):
+    """Raised by ``Engine.step()`` on the rank whose own submissions every rank refused when
+    the ranks' submissions met in that step's exchange -- what ``submit()`` could not know on
+    its own: the same request id submitted on a lower rank in the same step (that one is
+    served), or a second turn of a session that another submission of the step made busy.
+
+    The step itself completed on every rank (the engine keeps serving everything else; keep
+    calling ``step()``): ``finished`` holds the outputs ``step()`` would have returned,
+    ``refused`` the outputs of this rank's refused requests (finish_reason REJECTED, ``error``
+    saying why; they are also in ``engine.rejected`` on every rank)."""
+
+    def __init__(self, refused: list["RequestOutput"], finished: list["RequestOutput"]):
+        super().__init__("; ".join(f"{o.error} (refused when the ranks' submissions met; this "
+                                   "step's finished outputs are in .finished)"
+                                   for o in refused))
+        self.refused = refused
+        self.finished = finished
+
+    def __reduce__(self):
+        return (SubmissionRefused, (self.refused, self.finished))
+
+
+def _is_bool(value: object) -> bool:
+    """bool, numpy.bool_ or a bool tensor: refused as a token id (operator.index takes some)."""
+    return isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool")
+
+
+def token_ids(request_id: object, prompt: object) -> tuple[int, ...]:
+    """``prompt`` as a tuple of Python ints: any sequence of integral ids (int, numpy
+    integers, integer 0-d tensors: whatever ``operator.index`` takes), never bools or floats;
+    a RequestError naming the request and the first bad item otherwise."""
+    def bad(msg: str) -> RequestError:
+        return RequestError(f"request {request_id!r}: {msg}")
+
+    if isinstance(prompt, (str, bytes)):
+        raise bad(f"prompt must be a sequence of token ids, got {type(prompt).__name__} "
+                  f"{prompt[:40]!r} (encode text first, e.g. colo_rollout.text.tokenizer)")
+    try:
+        items = list(prompt)  # type: ignore[call-overload]
+    except TypeError:
+        raise bad(f"prompt must be a sequence of token ids, got {type(prompt).__name__} "
+                  f"{prompt!r}") from None
+    out = []
+    for i, t in enumerate(items):
+        if _is_bool(t):
+            raise bad(f"token id {t!r} at position {i} is a bool, not an integer id")
+        try:
+            out.append(operator.index(t))
+        except TypeError:
+            raise bad(f"token id {t!r} at position {i} is a {type(t).__name__}, not an "
+                      "integer id") from None
+    return tuple(out)
+
+
+def checked_request(req: object) -> "Request":
+    """``req`` with its types checked -- a Request, a non-empty str id, a str session or
+    None, SamplingParams, integral token ids (``token_ids``) -- and its prompt as a tuple of
+    Python ints; a RequestError otherwise (never a TypeError: an unhashable id is refused
+    here, before it is looked up)."""
+    if not isinstance(req, Request):
+        raise RequestError(f"expected a Request, got {type(req).__name__} {req!r}")
+    rid = req.request_id
+    if not isinstance(rid, str) or not rid:
+        raise RequestError(f"request id must be a non-empty string, got {rid!r}")
+    if req.session is not None and (not isinstance(req.session, str) or not req.session):
+        raise RequestError(f"request {rid!r}: session must be a non-empty string or None, got "
+                           f"{type(req.session).__name__} {req.session!r}")
+    if not isinstance(req.params, SamplingParams):
+        raise RequestError(f"request {rid!r}: params must be SamplingParams, got "
+                           f"{type(req.params).__name__}")
+    return replace(req, prompt=token_ids(rid, req.prompt))
 
 
 @dataclass(frozen=True, kw_only=True)

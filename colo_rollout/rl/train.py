@@ -19,17 +19,24 @@ import random
 import sys
 import time
 
-import torch
+from colo_rollout.quiet import quiet_known_warnings
 
-from colo_rollout.config import Config, load_config
-from colo_rollout.inference.engine import Engine
-from colo_rollout.inference.memory import MemoryReport
-from colo_rollout.inference.weights import random_state_dict
-from colo_rollout.inference.parallel import init_parallel
-from colo_rollout.inference.request import SamplingParams
-from colo_rollout.rl.rollout import rollout
-from colo_rollout.rl.trainer import Trainer
-from colo_rollout.rl.weight_sync import WeightSync
+# run as a program (torchrun's entry; "__mp_main__": the same module re-run by the CPU ranks it
+# spawns): filter before megatron's import-time notices
+if __name__ in ("__main__", "__mp_main__"):
+    quiet_known_warnings()
+
+import torch  # noqa: E402
+
+from colo_rollout.config import Config, load_config  # noqa: E402
+from colo_rollout.inference.engine import Engine  # noqa: E402
+from colo_rollout.inference.memory import MemoryReport  # noqa: E402
+from colo_rollout.inference.weights import random_state_dict  # noqa: E402
+from colo_rollout.inference.parallel import init_parallel  # noqa: E402
+from colo_rollout.inference.request import SamplingParams  # noqa: E402
+from colo_rollout.rl.rollout import rollout  # noqa: E402
+from colo_rollout.rl.trainer import Trainer  # noqa: E402
+from colo_rollout.rl.weight_sync import WeightSync  # noqa: E402
 
 
 def task_reward(cfg: Config):
@@ -43,6 +50,7 @@ def task_reward(cfg: Config):
 
 def run_train(rank: int, world: int, config_path: str, overrides: dict | None = None,
               quiet: bool = False) -> dict:
+    quiet_known_warnings()
     cfg = load_config(config_path, overrides)
     groups = init_parallel(cfg.parallel)
     # model.checkpoint: the engine and the trainer each read their own slices of it;

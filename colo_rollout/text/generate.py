@@ -91,6 +91,9 @@ def run_generate(rank: int, world: int, config_path: str, overrides: dict | None
     """One rank of `colo-rollout generate`: build the engine from the (door-validated) config,
     serve the prompts, return the completions (the same on every rank)."""
     from colo_rollout.config import load_config
+    from colo_rollout.quiet import quiet_known_warnings
+
+    quiet_known_warnings()
     from colo_rollout.inference.engine import Engine
     from colo_rollout.inference.parallel import init_parallel
 
@@ -213,7 +216,7 @@ def main(args) -> int:
     chat = False if args.no_chat else None
     try:
         overrides = _overrides(args.set)
-    except SystemExit as e:  # --set without '='
+    except ConfigError as e:  # --set without '=', or a value that is not valid YAML
         print(f"error: {e}", file=sys.stderr)
         return 2
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,

@@ -1,5 +1,9 @@
 """The JSONL replay format: one record per turn; a validating loader whose every error is a
-TraceError naming file, 1-based line and field; and the writer (load(dump(t)) == t)."""
+TraceError naming file, 1-based line and field; and the writer (load(dump(t)) == t).
+
+The loader also bounds the numbers a replay can run: at most MAX_TURN_TOKENS tokens per prompt
+increment or output, and at most MAX_SECONDS for a wait or an arrival (a replay runs in real
+time)."""
 
 from __future__ import annotations
 
@@ -17,6 +21,10 @@ _REQUIRED_KEYS = ("conv", "turn", "output_tokens", "wait_s")
 _PROMPT_KEYS = ("prompt_tokens", "prompt")  # exactly one of the two
 _OPTIONAL_KEYS = ("arrival_s",)
 _KNOWN_KEYS = ("conv", "turn", "prompt_tokens", "prompt", "output_tokens", "wait_s", "arrival_s")
+# Sane bounds: no model serves a context of 10 million tokens, and a replay (real time) that
+# waits more than a day for one release has hung.
+MAX_TURN_TOKENS = 10_000_000
+MAX_SECONDS = 86_400.0
 
 
 # --------------------------------------------------------------------------- #
@@ -43,6 +51,14 @@ class _DuplicateKey(Exception):
 
 class _NonFinite(Exception):
     pass
+
+
+def _big(value: int | float) -> str:
+    """A number over a bound, short: 1e+30, or 10^400 for an int too large for a float."""
+    try:
+        return f"{value:.3g}"
+    except OverflowError:  # digits from the bit length: str() of a huge int may be refused
+        return f"10^{int(abs(value).bit_length() * math.log10(2))}"
 
 
 def _describe(value: Any) -> str:
@@ -78,6 +94,8 @@ def _parse_record(path: str, line: int, text: str) -> _Record:
         raise fail("record", f"non-finite number {e.args[0]} is not allowed") from None
     except json.JSONDecodeError as e:
         raise fail("record", f"malformed JSON: {e.msg} (column {e.colno})") from None
+    except ValueError as e:  # an integer of more digits than Python converts (4300)
+        raise fail("record", f"number too large: {e}") from None
     if not isinstance(obj, dict):
         raise fail("record", f"expected a JSON object, got {type(obj).__name__}")
     for key in obj:
@@ -117,6 +135,9 @@ def _parse_record(path: str, line: int, text: str) -> _Record:
                 raise fail("prompt", f"item {i}: token ids must be >= 0, got {tok}")
         if not ids:
             raise fail("prompt", "must hold at least 1 token id")
+        if len(ids) > MAX_TURN_TOKENS:
+            raise fail("prompt", f"must hold at most {MAX_TURN_TOKENS:,} token ids (no model "
+                       f"serves more), got {len(ids):,}")
         prompt = tuple(ids)
         prompt_tokens = len(prompt)
     else:
@@ -125,12 +146,18 @@ def _parse_record(path: str, line: int, text: str) -> _Record:
             raise fail("prompt_tokens", f"expected int, got {_describe(prompt_tokens)}")
         if prompt_tokens < 1:
             raise fail("prompt_tokens", f"must be >= 1, got {prompt_tokens}")
+        if prompt_tokens > MAX_TURN_TOKENS:
+            raise fail("prompt_tokens", f"must be at most {MAX_TURN_TOKENS:,} tokens (no model "
+                       f"serves more), got {_big(prompt_tokens)}")
 
     output_tokens = obj["output_tokens"]
     if not _is_int(output_tokens):
         raise fail("output_tokens", f"expected int, got {_describe(output_tokens)}")
     if output_tokens < 1:
         raise fail("output_tokens", f"must be >= 1, got {output_tokens}")
+    if output_tokens > MAX_TURN_TOKENS:
+        raise fail("output_tokens", f"must be at most {MAX_TURN_TOKENS:,} tokens (no model "
+                   f"serves more), got {_big(output_tokens)}")
 
     def seconds(key: str) -> float:
         value = obj[key]
@@ -138,7 +165,10 @@ def _parse_record(path: str, line: int, text: str) -> _Record:
             raise fail(key, f"expected float, got {_describe(value)}")
         if value < 0:
             raise fail(key, f"must be >= 0, got {float(value)!r}")
-        if not math.isfinite(value):  # only reachable for huge ints turned inf; kept for safety
+        if value > MAX_SECONDS:  # an exact comparison, also for ints too large for a float
+            raise fail(key, f"must be at most {MAX_SECONDS:g} s (one day: a replay runs in real "
+                       f"time), got {_big(value)}")
+        if not math.isfinite(value):  # JSON has no inf/nan (parse_constant); kept for safety
             raise fail(key, f"must be finite, got {value!r}")
         return float(value)
 
@@ -165,8 +195,11 @@ def load_trace(path: str | os.PathLike[str]) -> Trace:
     (arrival_s, line of their first record). bool is never accepted as a number.
     """
     name = os.fspath(path)
-    with open(path, "rb") as f:
-        raw_lines = f.read().split(b"\n")
+    try:
+        with open(path, "rb") as f:
+            raw_lines = f.read().split(b"\n")
+    except OSError as e:
+        raise TraceError(name, None, "file", f"cannot read trace file: {e.strerror or e}") from None
     # conv -> turn -> record; first line of each conv in insertion order of the dict
     convs: dict[str, dict[int, _Record]] = {}
     for lineno, raw in enumerate(raw_lines, start=1):
@@ -212,7 +245,7 @@ def load_trace(path: str | os.PathLike[str]) -> Trace:
             Turn(conv=r.conv, turn=r.turn, prompt_tokens=r.prompt_tokens,
                  output_tokens=r.output_tokens,
                  wait_s=0.0 if r.turn == 0 else r.wait_s,  # turn 0's wait is ignored
-                 prompt=r.prompt)
+                 prompt=r.prompt, line=r.line)
             for r in ordered
         )
         built.append((arrival, first_line, Conversation(conv, arrival, turns)))

@@ -49,14 +49,16 @@ _Z99 = NormalDist().inv_cdf(0.99)  # 2.3263...
 class TraceError(ValueError):
     """An invalid trace file.
 
-    The message is ``<path>:<line>: <field>: <detail>`` with a 1-based line number; ``field`` is
-    a record key, or ``record`` for problems with the line as a whole (malformed JSON, not an
-    object) and ``file`` for problems with the file as a whole (no records). All three are also
+    The message is ``<path>:<line>: <field>: <detail>`` with a 1-based line number (``<path>:
+    <field>: <detail>`` when ``line`` is None: the file cannot be read); ``field`` is a record
+    key, or ``record`` for problems with the line as a whole (malformed JSON, not an object) and
+    ``file`` for problems with the file as a whole (unreadable, no records). All three are also
     kept as attributes.
     """
 
-    def __init__(self, path: str, line: int, field_name: str, detail: str):
-        super().__init__(f"{path}:{line}: {field_name}: {detail}")
+    def __init__(self, path: str, line: int | None, field_name: str, detail: str):
+        where = path if line is None else f"{path}:{line}"
+        super().__init__(f"{where}: {field_name}: {detail}")
         self.path = path
         self.line = line
         self.field = field_name
@@ -93,6 +95,9 @@ class Turn:
         from the previous turn's last token. Turn 0 has no previous turn, so its wait is 0.0.
       * ``prompt`` (token ids of the increment), when given, has exactly ``prompt_tokens`` ids,
         each an int ``>= 0``.
+
+    ``line``: the 1-based line of the trace file the turn was read from (None when it was not
+    read from a file); provenance for error messages only, not part of equality.
     """
 
     conv: str
@@ -101,6 +106,7 @@ class Turn:
     output_tokens: int
     wait_s: float
     prompt: tuple[int, ...] | None = None
+    line: int | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.conv, str) or not self.conv:

@@ -1,0 +1,246 @@
+"""Errors at the door: what every command checks before it spawns or initialises a rank.
+
+Owns the checks of each command's inputs -- the config (``load_config``: file, encoding, YAML,
+duplicate keys, schema), a named checkpoint's files, and what the command will ask of the
+engine: the demo's synthetic requests, the trainer's prompts, the bench's trace
+(``bench_trace``, which the bench's ranks use too), bench-decode-overhead's requests, and the
+arguments of stress-turnstile and bench-rendezvous -- and the one form a user mistake takes
+there: an exception (``is_user_error``) whose message is one line, ``FILE[:LINE]: KEY:
+problem``, which ``cli.main`` prints as ``error: ...`` and exits with 2 (no traceback).
+
+A request the command would build is checked by the engine's own rule, ``Scheduler.validate``
+(pure Python), so the door and the ranks cannot disagree. Nothing here imports torch or
+megatron: the door costs milliseconds.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from colo_rollout.checkpoint.errors import CheckpointError
+from colo_rollout.config import ENGINE_MODES, Config, ConfigError, load_config
+from colo_rollout.inference.request import Request, RequestError, SamplingParams
+from colo_rollout.trace import Conversation, Trace, TraceError, generate_trace, load_trace
+
+
+class DoorError(ValueError):
+    """A command-line argument the command cannot run with; the message is one line."""
+
+
+# a mistake in the command's inputs, reported as one ``error:`` line with exit code 2
+USER_ERRORS = (ConfigError, CheckpointError, TraceError, DoorError)
+
+
+def is_user_error(err: BaseException) -> bool:
+    return isinstance(err, USER_ERRORS)
+
+# stress-turnstile: a rank's injected skew (up to ~1.6 x max_skew per round, with P's host
+# delays) must stay well inside the 30 s rendezvous timeout of stress.stress_turnstile
+MAX_SKEW_MS = 10_000.0
+
+
+# --------------------------------------------------------------------------- config commands
+def load(command: str, config_path: str | os.PathLike, overrides: Mapping[str, Any],
+         **args: Any) -> Config:
+    """The validated config of ``command`` (demo, train, bench, bench-decode-overhead), with a
+    named checkpoint's files checked (headers only) and everything the command will ask of the
+    engine checked against it. Raises a user error (is_user_error)."""
+    source = os.fspath(config_path)
+    cfg = load_config(source, overrides)
+    if cfg.model.checkpoint is not None:
+        from colo_rollout.checkpoint.loader import check_checkpoint
+
+        check_checkpoint(cfg.model)
+    check = {"demo": check_demo, "train": check_train, "bench": check_bench,
+             "bench-decode-overhead": check_decode_overhead}.get(command)
+    if check is not None:
+        check(cfg, source, **args)
+    return cfg
+
+
+def _refusal(cfg: Config, prompt: tuple[int, ...], params: SamplingParams) -> str | None:
+    """Why every rank would refuse a request of ``prompt`` and ``params`` (None: it would be
+    served): the engine's own rule, on a fresh scheduler of this config."""
+    from colo_rollout.inference.scheduler import Scheduler
+
+    sched = Scheduler(cfg.engine, cfg.parallel.adp, cfg.parallel.atp, cfg.model.vocab_size)
+    try:
+        sched.validate(Request("door", prompt, params))
+    except RequestError as e:
+        return str(e).removeprefix("request 'door': ")
+    return None
+
+
+def check_demo(cfg: Config, source: str) -> None:
+    """The demo's synthetic requests (workload section) are all served: its longest request
+    and its sampling parameters pass the engine's request rule."""
+    w = cfg.workload
+    params = SamplingParams(temperature=w.temperature, top_k=w.top_k, top_p=w.top_p,
+                            max_tokens=1, ignore_eos=True)
+    why = _refusal(cfg, (0,), params)
+    if why is not None:  # the sampling parameters alone
+        raise ConfigError(f"{source}: workload.top_k: every request of the workload would be "
+                          f"refused: {why}", key="workload.top_k", source=source)
+    params = SamplingParams(temperature=w.temperature, top_k=w.top_k, top_p=w.top_p,
+                            max_tokens=w.output_len_max, ignore_eos=True)
+    why = _refusal(cfg, (0,) * w.prompt_len_max, params)
+    if why is not None:
+        raise ConfigError(f"{source}: workload.prompt_len_max: the workload's longest request "
+                          f"(prompt {w.prompt_len_max} + output_len_max {w.output_len_max} "
+                          f"tokens) would be refused: {why}", key="workload.prompt_len_max",
+                          source=source)
+
+
+def check_train(cfg: Config, source: str) -> None:
+    """The trainer's prompts (rl section) are served and its reward can be earned."""
+    rl, vocab = cfg.rl, cfg.model.vocab_size
+    if vocab < 2:
+        raise ConfigError(f"{source}: model.vocab_size: {vocab} leaves no token for the "
+                          "trainer's prompts (drawn from ids [1, vocab_size))",
+                          key="model.vocab_size", source=source)
+    if rl.target_token >= vocab:
+        raise ConfigError(f"{source}: rl.target_token: {rl.target_token} is outside the model's "
+                          f"vocabulary [0, {vocab}): the reward could never be earned",
+                          key="rl.target_token", source=source)
+    room = cfg.engine.max_seq_len - rl.prompt_len_max  # rollout() caps max_tokens by it
+    if room < 1:
+        raise ConfigError(f"{source}: rl.prompt_len_max: {rl.prompt_len_max} leaves no room for "
+                          f"a generated token in engine.max_seq_len {cfg.engine.max_seq_len}",
+                          key="rl.prompt_len_max", source=source)
+    params = SamplingParams(temperature=rl.temperature, max_tokens=min(rl.max_new_tokens, room),
+                            ignore_eos=True)
+    why = _refusal(cfg, (1,) * rl.prompt_len_max, params)
+    if why is not None:
+        raise ConfigError(f"{source}: rl.prompt_len_max: the trainer's longest prompt "
+                          f"({rl.prompt_len_max} tokens, max_new_tokens {rl.max_new_tokens}) "
+                          f"would be refused: {why}", key="rl.prompt_len_max", source=source)
+
+
+def check_decode_overhead(cfg: Config, source: str, *, reps: int, mode: str) -> None:
+    """bench-decode-overhead's arguments, and its requests (8-token prompts, up to 128 output
+    tokens: bench_decode.decode_overhead) are served."""
+    _require_arg(reps >= 1, "--reps", f"must be >= 1, got {reps}")
+    _require_arg(mode in ENGINE_MODES, "--mode",
+                 f"expected one of {', '.join(ENGINE_MODES)}; got {mode!r}")
+    out_len = min(128, cfg.engine.max_seq_len - 8)
+    why = ("engine.max_seq_len must be >= 9 (8 prompt tokens + at least 1 generated)"
+           if out_len < 1 else
+           _refusal(cfg, tuple(range(1, 9)), SamplingParams(max_tokens=out_len, ignore_eos=True)))
+    if why is not None:
+        raise ConfigError(f"{source}: engine: the decode-heavy requests (8 prompt tokens, "
+                          f"{max(out_len, 0)} output tokens) would be refused: {why}",
+                          key="engine", source=source)
+
+
+# --------------------------------------------------------------------------- the bench's trace
+def check_bench(cfg: Config, source: str) -> None:
+    """The bench's trace (bench_trace) can be replayed; a trace file's error also names the
+    config key that chose the file."""
+    try:
+        bench_trace(cfg, source)
+    except TraceError as e:
+        if source in e.detail:
+            raise
+        raise TraceError(e.path, e.line, e.field, f"{e.detail} (bench.trace of {source})") \
+            from None
+
+
+def bench_trace(cfg: Config, source: str = "<config>") -> Trace:
+    """The trace the bench replays: ``bench.trace``'s first ``bench.conversations``
+    conversations, ``bench.max_turns`` turns each, lengths scaled by ``bench.length_scale``,
+    and each turn that does not fit the engine dropped with the rest of its conversation
+    (context + prompt + output within engine.max_seq_len and one replica's KV blocks, a
+    re-prefill of the whole context within engine.max_prefill_tokens).
+
+    Raises TraceError (the trace file's problem: file, line, field) or ConfigError
+    (``source``: key) for a trace the bench can never run: an unreadable or invalid file,
+    explicit prompt ids that cannot be rescaled, lie outside the model's vocabulary or exceed
+    what one turn may hold, or no turn left to replay."""
+    b, e = cfg.bench, cfg.engine
+    if b.trace == "synthetic":
+        trace = generate_trace(b.seed)
+    elif b.trace == "mooncake":
+        from colo_rollout.trace import load_mooncake
+
+        here = os.path.dirname(os.path.abspath(__file__))
+        path = os.path.normpath(os.path.join(here, "..", "..", "shared", "traces",
+                                             "mooncake_conversation_trace.jsonl"))
+        if not os.path.isfile(path):
+            raise TraceError(path, None, "file", "cannot read trace file: no such file "
+                             f"(bench.trace 'mooncake' of {source} reads ../shared/traces)")
+        trace = load_mooncake(path)
+    else:
+        trace = load_trace(b.trace)
+    convs = tuple(Conversation(c.conv, c.arrival_s, c.turns[: b.max_turns])
+                  for c in trace.conversations[: b.conversations])
+    trace = Trace(convs, source=trace.source)
+    cap = min(e.max_seq_len, e.max_prefill_tokens, e.num_kv_blocks * e.kv_block_size)
+    vocab = cfg.model.vocab_size
+    for t in trace.iter_turns():  # explicit ids: their content and length are fixed
+        if t.prompt is None:
+            continue
+        if b.length_scale != 1.0:
+            where = f"{trace.source}:{t.line}" if t.line is not None else trace.source
+            raise ConfigError(f"{source}: bench.length_scale: {b.length_scale:g} cannot rescale "
+                              f"the explicit prompt ids of {where} (conversation {t.conv!r}, "
+                              f"turn {t.turn}); set bench.length_scale: 1.0 for this trace",
+                              key="bench.length_scale", source=source)
+        bad = [i for i in t.prompt if i >= vocab]
+        if bad:
+            raise TraceError(trace.source, t.line, "prompt",
+                             f"token id {bad[0]} is outside the model's vocabulary [0, {vocab}) "
+                             f"(model.vocab_size of {source})")
+        if t.prompt_tokens + t.output_tokens > cap:
+            raise TraceError(trace.source, t.line, "prompt",
+                             f"{t.prompt_tokens} prompt ids + {t.output_tokens} output tokens "
+                             f"exceed the {cap} tokens one turn may hold here ({_cap_text(e)} "
+                             f"of {source}): the bench could never run this turn")
+    name = trace.source  # the file (the transforms below append to it)
+    if b.length_scale != 1.0:
+        trace = trace.scaled_lengths(b.length_scale)
+    kept = trace.truncated(cap)
+    if not kept.conversations:
+        first = min((c.turns[0] for c in trace.conversations),
+                    key=lambda t: t.prompt_tokens + t.output_tokens)
+        raise ConfigError(f"{source}: bench.trace: no turn of {name} fits the engine: "
+                          f"the smallest first turn ({first.prompt_tokens} prompt + "
+                          f"{first.output_tokens} output tokens, after bench.length_scale "
+                          f"{b.length_scale:g}) exceeds {cap} tokens ({_cap_text(e)})",
+                          key="bench.trace", source=source)
+    return kept
+
+
+def _cap_text(e) -> str:
+    return (f"the least of engine.max_seq_len {e.max_seq_len}, engine.max_prefill_tokens "
+            f"{e.max_prefill_tokens} and engine.num_kv_blocks x kv_block_size "
+            f"{e.num_kv_blocks * e.kv_block_size}")
+
+
+# --------------------------------------------------------------------------- argument commands
+def _require_arg(cond: bool, flag: str, detail: str) -> None:
+    if not cond:
+        raise DoorError(f"{flag}: {detail}")
+
+
+def check_stress_args(ranks: int, seeds: int, cycles: int, max_skew_ms: float, span: int,
+                      control_cycles: int) -> None:
+    """stress-turnstile's arguments (inference/stress.py's bounds)."""
+    _require_arg(ranks >= 1, "--ranks", f"must be >= 1, got {ranks}")
+    _require_arg(seeds >= 1, "--seeds", f"must be >= 1, got {seeds}")
+    _require_arg(cycles >= 1, "--cycles", f"must be >= 1, got {cycles}")
+    _require_arg(span >= 1, "--span", f"must be >= 1 (boundaries per turnstile round), got "
+                 f"{span}")
+    _require_arg(control_cycles >= 0, "--control-cycles", f"must be >= 0, got {control_cycles}")
+    _require_arg(math.isfinite(max_skew_ms) and 0 <= max_skew_ms <= MAX_SKEW_MS,
+                 "--max-skew-ms", f"must be in [0, {MAX_SKEW_MS:g}] (a skewed rank must meet its "
+                 f"peers within the 30 s rendezvous timeout), got {max_skew_ms:g}")
+
+
+def check_rendezvous_args(ranks: list[int], rounds: int) -> None:
+    """bench-rendezvous's arguments."""
+    bad = [n for n in ranks if n < 1]
+    _require_arg(not bad, "--ranks", f"every rank count must be >= 1, got {bad[0] if bad else 0}")
+    _require_arg(rounds >= 1, "--rounds", f"must be >= 1, got {rounds}")

@@ -1,0 +1,289 @@
+"""Errors at the door: a user mistake on the command line is one ``error: FILE[:LINE]: KEY:
+problem`` line on stderr and exit code 2, no traceback, before any rank is spawned or
+initialised. The CLI's ``main`` runs in this process (as in test_checkpoint_door.py): a case
+that got past the door would spawn ranks, and fail here by taking far longer or exiting 0/1."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from colo_rollout.cli import main
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+DEMO = str(CONFIGS / "demo_cpu.yaml")
+BENCH = str(CONFIGS / "bench_cpu.yaml")
+TRAIN = str(CONFIGS / "grpo_cpu.yaml")
+
+
+def door_error(capsys, *argv: str) -> str:
+    """``main(argv)`` exits 2 at the door; its one stderr line (``error: ...``)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        main(list(argv))
+    assert exit_.value.code == 2
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err and out == ""
+    return lines[0]
+
+
+def trace_file(tmp_path: Path, records: list[dict], name: str = "t.jsonl") -> str:
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return str(path)
+
+
+def turn(conv="a", turn=0, **kw) -> dict:
+    """A trace record; ``prompt=[ids]`` replaces prompt_tokens (explicit prompt ids)."""
+    rec = {"conv": conv, "turn": turn, "prompt_tokens": 10, "output_tokens": 5, "wait_s": 0.0,
+           **kw}
+    if "prompt" in kw:
+        del rec["prompt_tokens"]
+    return rec
+
+
+# --------------------------------------------------------------------------- config errors
+def test_bench_config_error_is_one_line(capsys):
+    line = door_error(capsys, "bench", BENCH, "--set", "bench.reps=0")
+    assert line == f"error: {BENCH}: bench.reps: must be >= 1, got 0"
+
+
+@pytest.mark.parametrize("cmd, config", [("demo", DEMO), ("train", TRAIN), ("bench", BENCH),
+                                         ("bench-decode-overhead", DEMO)])
+def test_every_config_command_checks_at_the_door(capsys, cmd, config):
+    line = door_error(capsys, cmd, config, "--set", "model.hidden_size=abc")
+    assert line == f"error: {config}: model.hidden_size: expected int, got str 'abc'"
+
+
+def test_config_that_is_not_utf8(tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_bytes(b"model:\n  hidden_size: 64 # \xe9\n")
+    line = door_error(capsys, "demo", str(path))
+    assert line.startswith(f"error: {path}:2: not valid UTF-8: byte 0xe9 at column 21")
+
+
+def test_set_value_that_is_not_yaml_names_the_key(capsys):
+    line = door_error(capsys, "demo", DEMO, "--set", "workload.num_requests=[8")
+    assert line.startswith("error: --set workload.num_requests: the value '[8' is not valid "
+                           "YAML at column 3")
+    line = door_error(capsys, "train", TRAIN, "--set", "rl.steps")
+    assert line.startswith("error: --set rl.steps: expected KEY=VALUE")
+
+
+def test_generate_set_value_that_is_not_yaml(capsys, tmp_path):
+    capsys.readouterr()
+    assert main(["generate", "--model", str(tmp_path), "--set", "engine.mode=[x", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --set engine.mode: the value '[x' is not valid YAML")
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_duplicate_section_names_both_lines(tmp_path, capsys):
+    path = tmp_path / "dup.yaml"
+    path.write_text("engine:\n  mode: fine\nmodel:\n  hidden_size: 64\nengine:\n"
+                    "  max_batch_size: 4\n")
+    line = door_error(capsys, "demo", str(path))
+    assert line == (f"error: {path}:5: engine: duplicate key (first at line 1); YAML would "
+                    "silently keep only this last one")
+
+
+@pytest.mark.parametrize("value, fragment", [
+    (".inf", "parallel.timeout_s: must be a finite number, got inf"),
+    (".nan", "parallel.timeout_s: must be a finite number, got nan"),
+    ("1.0e+9", "parallel.timeout_s: must be a number of seconds in (0, 86400]"),
+])
+def test_timeouts_that_would_crash_every_rank(capsys, value, fragment):
+    line = door_error(capsys, "demo", DEMO, "--set", f"parallel.timeout_s={value}")
+    assert line == f"error: {DEMO}: {fragment}" or line.startswith(f"error: {DEMO}: {fragment}")
+
+
+def test_top1_without_pre_softmax(capsys):
+    line = door_error(capsys, "demo", DEMO, "--set", "model.moe_router_topk=1")
+    assert line.startswith(f"error: {DEMO}: model.router_norm_topk: true with moe_router_topk 1 "
+                           "and router_score 'softmax' is refused by megatron")
+
+
+def test_unsupported_trainer_width(capsys):
+    line = door_error(capsys, "train", TRAIN, "--set", "rl.trainer_tp=2")
+    assert line.startswith(f"error: {TRAIN}: rl.trainer_tp: 2 is not supported yet")
+
+
+# --------------------------------------------------------------------------- workloads
+def test_demo_workload_over_the_prefill_budget(capsys):
+    line = door_error(capsys, "demo", DEMO, "--set", "engine.max_prefill_tokens=32")
+    assert line == (f"error: {DEMO}: workload.prompt_len_max: the workload's longest request "
+                    "(prompt 192 + output_len_max 64 tokens) would be refused: prompt of 192 "
+                    "tokens exceeds engine.max_prefill_tokens 32")
+
+
+def test_demo_workload_over_the_kv_blocks_and_top_k_over_the_vocabulary(capsys):
+    line = door_error(capsys, "demo", DEMO, "--set", "engine.num_kv_blocks=4")
+    assert "workload.prompt_len_max" in line and "KV blocks, a replica has 4" in line
+    line = door_error(capsys, "demo", DEMO, "--set", "workload.top_k=100000")
+    assert line.startswith(f"error: {DEMO}: workload.top_k: every request of the workload "
+                           "would be refused: top_k 100000 exceeds the vocabulary size")
+
+
+def test_train_prompts_and_target_that_cannot_work(capsys):
+    line = door_error(capsys, "train", TRAIN, "--set", "rl.target_token=64")
+    assert line.startswith(f"error: {TRAIN}: rl.target_token: 64 is outside the model's "
+                           "vocabulary [0, 64)")
+    line = door_error(capsys, "train", TRAIN, "--set", "engine.max_prefill_tokens=4")
+    assert line.startswith(f"error: {TRAIN}: rl.prompt_len_max: the trainer's longest prompt")
+    assert "exceeds engine.max_prefill_tokens 4" in line
+    line = door_error(capsys, "train", TRAIN, "--set", "rl.prompt_len_max=64")
+    assert "leaves no room for a generated token in engine.max_seq_len 64" in line
+
+
+def test_bench_decode_overhead_arguments(capsys):
+    line = door_error(capsys, "bench-decode-overhead", DEMO, "--mode", "chunked")
+    assert line == ("error: --mode: expected one of normal, global_complete, global_enqueue, "
+                    "fine; got 'chunked'")
+    assert door_error(capsys, "bench-decode-overhead", DEMO, "--reps", "0") == \
+        "error: --reps: must be >= 1, got 0"
+    line = door_error(capsys, "bench-decode-overhead", DEMO, "--set", "engine.max_seq_len=8",
+                      "--set", "workload.prompt_len_min=1", "--set", "workload.prompt_len_max=4",
+                      "--set", "workload.output_len_min=1", "--set", "workload.output_len_max=4")
+    assert "engine.max_seq_len must be >= 9" in line
+
+
+# --------------------------------------------------------------------------- the bench's trace
+def test_missing_trace_file(tmp_path, capsys):
+    path = tmp_path / "absent.jsonl"
+    line = door_error(capsys, "bench", BENCH, "--set", f"bench.trace={path}")
+    assert line == (f"error: {path}: file: cannot read trace file: No such file or directory "
+                    f"(bench.trace of {BENCH})")
+
+
+def test_bad_trace_line_is_named_once_not_per_rank(tmp_path, capsys):
+    path = trace_file(tmp_path, [turn(), turn("a", 1, wait_s=-1.0)])
+    line = door_error(capsys, "bench", BENCH, "--set", f"bench.trace={path}")
+    assert line == f"error: {path}:2: wait_s: must be >= 0, got -1.0 (bench.trace of {BENCH})"
+
+
+@pytest.mark.parametrize("record, fragment", [
+    (turn(prompt_tokens=10**30), ":1: prompt_tokens: must be at most 10,000,000 tokens"),
+    (turn(arrival_s=1e9), ":1: arrival_s: must be at most 86400 s"),
+])
+def test_absurd_trace_numbers(tmp_path, capsys, record, fragment):
+    path = trace_file(tmp_path, [record])
+    line = door_error(capsys, "bench", BENCH, "--set", f"bench.trace={path}")
+    assert line.startswith(f"error: {path}{fragment}")
+
+
+def _ids(n: int) -> list[int]:
+    return list(range(1, n + 1))
+
+
+def test_explicit_prompt_ids_the_bench_can_never_run(tmp_path, capsys):
+    one = ["--set", "bench.length_scale=1.0"]
+    # ids outside the vocabulary (bench_cpu: vocab_size 512)
+    path = trace_file(tmp_path, [turn(prompt=[1, 2, 600])])
+    line = door_error(capsys, "bench", BENCH, "--set", f"bench.trace={path}", *one)
+    assert line == (f"error: {path}:1: prompt: token id 600 is outside the model's vocabulary "
+                    f"[0, 512) (model.vocab_size of {BENCH})")
+    # a prompt longer than one turn may hold (bench_cpu: max_seq_len 512)
+    recs = [turn(), turn("b", 0, prompt=_ids(510), output_tokens=5)]
+    path = trace_file(tmp_path, recs)
+    line = door_error(capsys, "bench", BENCH, "--set", f"bench.trace={path}", *one)
+    assert line.startswith(f"error: {path}:2: prompt: 510 prompt ids + 5 output tokens exceed "
+                           "the 512 tokens one turn may hold here")
+    # explicit ids cannot be rescaled (bench_cpu: length_scale 0.03)
+    path = trace_file(tmp_path, [turn(prompt=[1, 2])])
+    line = door_error(capsys, "bench", BENCH, "--set", f"bench.trace={path}")
+    assert line.startswith(f"error: {BENCH}: bench.length_scale: 0.03 cannot rescale the "
+                           f"explicit prompt ids of {path}:1")
+
+
+def test_a_trace_with_no_turn_that_fits(tmp_path, capsys):
+    path = trace_file(tmp_path, [turn(prompt_tokens=100_000, output_tokens=10)])
+    line = door_error(capsys, "bench", BENCH, "--set", f"bench.trace={path}")
+    assert line.startswith(f"error: {BENCH}: bench.trace: no turn of {path} fits the engine")
+
+
+def test_bench_trace_keeps_what_fits(tmp_path):
+    """What passes the door is what the ranks replay: explicit ids at length_scale 1 are kept
+    as they are; turns past the engine's cap are dropped with the rest of their conversation
+    (the cap includes one replica's KV blocks)."""
+    from colo_rollout.config import load_config
+    from colo_rollout.door import bench_trace
+
+    recs = [turn(prompt=[3, 4, 5]),
+            turn("a", 1, prompt_tokens=40, output_tokens=10, wait_s=1.0),
+            turn("b", 0, prompt_tokens=20, output_tokens=10)]
+    path = trace_file(tmp_path, recs)
+    cfg = load_config(BENCH, {"bench.trace": path, "bench.length_scale": 1.0,
+                              "engine.num_kv_blocks": 4, "engine.kv_block_size": 16})
+    t = bench_trace(cfg, BENCH)  # cap 64: a's turn 1 needs 8 + 50 = 58, fits; b fits
+    assert [(c.conv, len(c.turns)) for c in t.conversations] == [("a", 2), ("b", 1)]
+    assert t.conversations[0].turns[0].prompt == (3, 4, 5)
+    cfg = load_config(BENCH, {"bench.trace": path, "bench.length_scale": 1.0,
+                              "engine.num_kv_blocks": 3, "engine.kv_block_size": 16})
+    t = bench_trace(cfg, BENCH)  # cap 48: a's turn 1 dropped
+    assert [(c.conv, len(c.turns)) for c in t.conversations] == [("a", 1), ("b", 1)]
+
+
+# --------------------------------------------------------------------------- argument commands
+@pytest.mark.parametrize("argv, line", [
+    (["stress-turnstile", "--ranks", "0"], "error: --ranks: must be >= 1, got 0"),
+    (["stress-turnstile", "--span", "0"],
+     "error: --span: must be >= 1 (boundaries per turnstile round), got 0"),
+    (["stress-turnstile", "--cycles", "0"], "error: --cycles: must be >= 1, got 0"),
+    (["stress-turnstile", "--max-skew-ms", "1e9"],
+     "error: --max-skew-ms: must be in [0, 10000] (a skewed rank must meet its peers within "
+     "the 30 s rendezvous timeout), got 1e+09"),
+    (["stress-turnstile", "--max-skew-ms", "nan"],
+     "error: --max-skew-ms: must be in [0, 10000] (a skewed rank must meet its peers within "
+     "the 30 s rendezvous timeout), got nan"),
+    (["bench-rendezvous", "--rounds", "0"], "error: --rounds: must be >= 1, got 0"),
+    (["bench-rendezvous", "--ranks", "2", "0"],
+     "error: --ranks: every rank count must be >= 1, got 0"),
+])
+def test_argument_checks(capsys, argv, line):
+    assert door_error(capsys, *argv) == line
+
+
+# --------------------------------------------------------------------------- megatron's rules
+def test_schema_accepts_only_router_settings_megatron_builds():
+    """Every router/MoE combination the schema accepts builds megatron's TransformerConfig
+    (megatron_config), so no accepted config crashes every rank there; the one combination
+    megatron refuses (softmax top-1 without pre-softmax) is refused by the schema first."""
+    pytest.importorskip("megatron.core")
+    from colo_rollout.config import ConfigError, ModelConfig
+    from colo_rollout.inference.model import megatron_config
+
+    accepted = 0
+    for score, norm, topk, groups, bias, scale, shared, dense in itertools.product(
+            ("softmax", "sigmoid"), (True, False), (1, 2, 4), (None, (4, 2), (2, 1)),
+            (False, True), (1.0, 2.5), (None, 32), (0, 1)):
+        kw = dict(router_score=score, router_norm_topk=norm, moe_router_topk=topk,
+                  router_expert_bias=bias, router_scaling_factor=scale,
+                  shared_expert_ffn_hidden_size=shared, first_k_dense=dense)
+        if groups:
+            kw.update(router_num_groups=groups[0], router_group_topk=groups[1])
+        try:
+            cfg = ModelConfig(**kw)
+        except ConfigError:
+            continue
+        megatron_config(cfg, init=False)  # raises if megatron refuses it
+        accepted += 1
+    assert accepted > 100
+    cfg = ModelConfig(moe_router_topk=1, router_norm_topk=False)
+    megatron_config(cfg, init=False)
+    with pytest.raises(ValueError, match="pre-softmax"):  # what the schema's rule mirrors
+        megatron_config(_unchecked(cfg, router_norm_topk=True), init=False)
+
+
+def _unchecked(cfg, **changes):
+    """``cfg`` with ``changes`` applied without the schema's checks (to ask megatron)."""
+    import copy
+
+    out = copy.copy(cfg)
+    for k, v in changes.items():
+        object.__setattr__(out, k, v)
+    return out

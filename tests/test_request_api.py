@@ -1,0 +1,160 @@
+"""The in-process API at the door: what a caller hands ``Engine.submit`` / the scheduler is
+refused with a RequestError naming the request -- never a TypeError -- and integral token ids of
+any type (numpy integers) are taken as ints. The pure checks run here; the engine's own (submit,
+cancel, close_session, generate, a duplicate id across ranks) on two spawned CPU ranks, the rank
+body beside the test."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from colo_rollout.config import EngineConfig
+from colo_rollout.inference.request import (
+    Request,
+    RequestError,
+    SamplingParams,
+    SubmissionRefused,
+    checked_request,
+    token_ids,
+)
+from colo_rollout.inference.scheduler import Scheduler
+
+VOCAB = 50
+
+
+def make() -> Scheduler:
+    cfg = EngineConfig(max_batch_size=4, max_prefill_tokens=64, kv_block_size=4,
+                       num_kv_blocks=32, max_seq_len=64, decode_buckets=[1, 2, 4])
+    return Scheduler(cfg, 2, 1, VOCAB)
+
+
+@pytest.mark.parametrize("prompt", [
+    (1, 2, 3), [1, 2, 3], np.array([1, 2, 3]), np.array([1, 2, 3], dtype=np.int32),
+    (np.int64(1), np.uint8(2), np.int16(3)), range(1, 4),
+])
+def test_integral_token_ids_of_any_type_are_ints(prompt):
+    ids = token_ids("r", prompt)
+    assert ids == (1, 2, 3) and all(type(t) is int for t in ids)
+    s = make()
+    s.add(Request("r", prompt, SamplingParams(max_tokens=2)))  # not "outside the vocabulary"
+    assert s.has_work()
+
+
+def test_integer_tensors_are_ints_too():
+    torch = pytest.importorskip("torch")
+    assert token_ids("r", torch.tensor([4, 5])) == (4, 5)
+    with pytest.raises(RequestError, match=r"position 0 is a bool"):
+        token_ids("r", torch.tensor([True]))
+
+
+@pytest.mark.parametrize("prompt, fragment", [
+    ((1, True), "request 'r': token id True at position 1 is a bool, not an integer id"),
+    ((np.bool_(False),), "position 0 is a bool"),
+    ((1, 2.0), "request 'r': token id 2.0 at position 1 is a float, not an integer id"),
+    ((np.float64(3.0),), "position 0 is a float64, not an integer id"),
+    ("hello", "prompt must be a sequence of token ids, got str 'hello' (encode text first"),
+    (7, "prompt must be a sequence of token ids, got int 7"),
+    ((1, None), "token id None at position 1 is a NoneType"),
+])
+def test_non_integral_token_ids_are_refused_clearly(prompt, fragment):
+    s = make()
+    with pytest.raises(RequestError) as info:
+        s.add(Request("r", prompt, SamplingParams(max_tokens=2)))
+    assert fragment in str(info.value)
+    assert not s.has_work()
+
+
+def test_out_of_vocabulary_is_still_named():
+    with pytest.raises(RequestError, match=r"token id 50 outside the vocabulary \[0, 50\)"):
+        make().add(Request("r", np.array([1, 50]), SamplingParams(max_tokens=2)))
+
+
+@pytest.mark.parametrize("request_, fragment", [
+    (Request(["a"], (1, 2)), "request id must be a non-empty string, got ['a']"),
+    (Request({"a": 1}, (1, 2)), "request id must be a non-empty string"),
+    (Request("a", (1, 2), session=["s"]), "request 'a': session must be a non-empty string or "
+                                          "None, got list ['s']"),
+    (Request("a", (1, 2), params={"max_tokens": 2}), "params must be SamplingParams, got dict"),
+    (("a", (1, 2)), "expected a Request, got tuple"),
+])
+def test_wrong_types_are_request_errors_not_type_errors(request_, fragment):
+    with pytest.raises(RequestError) as info:
+        make().validate(request_)
+    assert fragment in str(info.value)
+    with pytest.raises(RequestError):
+        checked_request(request_)
+
+
+def test_submission_refused_is_a_request_error_that_pickles():
+    import pickle
+
+    from colo_rollout.inference.request import FinishReason, RequestOutput
+
+    out = RequestOutput("x", 3, error="request 'x': duplicate request id")
+    out.finish_reason = FinishReason.REJECTED
+    err = SubmissionRefused([out], [])
+    assert isinstance(err, RequestError)
+    assert str(err).startswith("request 'x': duplicate request id (refused when the ranks'")
+    back = pickle.loads(pickle.dumps(err))
+    assert str(back) == str(err) and back.refused[0].request_id == "x" and back.finished == []
+
+
+# --------------------------------------------------------------------------- on two ranks
+def api_on_two_ranks(rank: int, world: int) -> dict:
+    """Rank body: wrong types at submit/cancel/close_session; numpy prompts served like ints;
+    generate() with a malformed request; a duplicate id across ranks through generate()."""
+    from tests.cases_engine import _engine
+
+    cfg, groups, sd, engine = _engine(world, 2, 2)
+    errors = {}
+    calls = {
+        "submit list id": lambda: engine.submit(Request(["a"], (1, 2))),
+        "submit float id": lambda: engine.submit(Request("f", (1, 2.5))),
+        "submit str prompt": lambda: engine.submit(Request("s", "hi")),
+        "cancel list id": lambda: engine.cancel(["a"]),
+        "close list session": lambda: engine.close_session(["s"]),
+    }
+    for name, call in calls.items():
+        try:
+            call()
+            errors[name] = None
+        except RequestError as e:  # a TypeError fails the test (the rank reports it)
+            errors[name] = str(e)
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    if rank == 1:  # lost to rank 0's "dup" below: generate() keeps serving, lists it
+        engine.submit(Request("dup", (9, 9), params))
+    outs = engine.generate([
+        Request("np", np.array([5, 6, 7, 8]), params),
+        Request("py", (5, 6, 7, 8), params),
+        Request("np32", tuple(np.int32(x) for x in (5, 6, 7, 8)), params),
+        Request(["bad"], (1, 2), params),  # refused, listed in engine.rejected only
+        Request("dup", (1, 2, 3), params),
+    ])
+    engine.close()
+    return {"errors": errors,
+            "tokens": {rid: outs[rid].tokens for rid in ("np", "py", "np32", "dup")},
+            "reasons": sorted({o.finish_reason.value for o in outs.values()}),
+            "keys": sorted(outs),
+            "rejected": [(repr(o.request_id), o.error) for o in engine.rejected]}
+
+
+def test_engine_api_refuses_types_and_serves_numpy_ids(worker_groups):
+    res = worker_groups(2).run("tests.test_request_api:api_on_two_ranks")
+    for r in res:
+        e = r["errors"]
+        assert e["submit list id"] == "request id must be a non-empty string, got ['a']"
+        assert "token id 2.5 at position 1 is a float" in e["submit float id"]
+        assert "prompt must be a sequence of token ids, got str 'hi'" in e["submit str prompt"]
+        assert e["cancel list id"] == "cancel: request id must be a string, got ['a']"
+        assert "a session id is a string" in e["close list session"]
+        t = r["tokens"]
+        assert len(t["py"]) == 5 and t["np"] == t["py"] == t["np32"]
+        assert r["reasons"] == ["length"] and r["keys"] == ["dup", "np", "np32", "py"]
+        assert len(t["dup"]) == 5
+    # rank 0 refused the malformed request at submit (only rank 0 submits in generate); both
+    # ranks list rank 1's losing "dup" submission
+    assert res[0]["rejected"][0] == ("['bad']", "request id must be a non-empty string, got "
+                                     "['bad']")
+    for r in res:
+        assert ("'dup'", "request 'dup': duplicate request id") in r["rejected"]
