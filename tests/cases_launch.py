@@ -1,4 +1,4 @@
-"""Targets for the launcher tests (tests/test_wedged_exit.py): run under ``cli._launch`` in a
+"""Targets for the launcher tests (tests/test_wedged_exit.py): run under ``launch._launch`` in a
 subprocess that looks like one torchrun rank."""
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ eos ids, decoded without special tokens). The engine and rollout() stay token-in
 The command validates everything it can before any rank starts (tokenizer, config, vocabulary,
 sampling parameters, prompt lengths), each problem one ``error:`` line with exit code 2; then
 it serves the prompts on ``parallel.world_size`` ranks the way the other commands do
-(``cli._launch``: in-process under torchrun, otherwise spawned CPU ranks).
+(``launch._launch``: in-process under torchrun, otherwise spawned CPU ranks).
 
 Nothing heavy is imported at module import: the CLI's parser reads this module.
 """
@@ -210,7 +210,7 @@ def prepare(model_dir: str, config_path: str | None, overrides: Mapping[str, Any
 def main(args) -> int:
     """`colo-rollout generate` (args from cli.py's parser). Exit code 0, or 2 for a problem
     found at the door (one ``error:`` line on stderr)."""
-    from colo_rollout.cli import _launch, _overrides
+    from colo_rollout.launch import _launch, _overrides
     from colo_rollout.config import ConfigError, dump_config
 
     chat = False if args.no_chat else None

@@ -1,0 +1,107 @@
+"""Launching a job's ranks: the door's checks, then torchrun's ranks or spawned CPU ranks.
+
+Owns how a command's target function runs on every rank: under torchrun (WORLD_SIZE set) each
+process runs it itself (teardown bounded; a wedged GPU exits with its error), otherwise
+``parallel.world_size`` CPU processes are spawned and joined with gloo. Before either, the
+config and inputs are checked at the door (colo_rollout/door.py): a user mistake is one
+``error:`` line on stderr and exit code 2. The command line (cli.py) and the text commands
+(text/generate.py) both launch through here.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _overrides(pairs: list[str]) -> dict:
+    """``--set KEY=VALUE`` pairs as {dotted key: value read as YAML}; a ConfigError naming the
+    key (``--set KEY: ...``) for a pair without '=' or a value that is not valid YAML."""
+    from colo_rollout.config.loader import parse_override
+
+    return dict(parse_override(p) for p in pairs)
+
+
+def _door(check, *args, **kwargs):
+    """``check(*args, **kwargs)``, before any rank starts: a user mistake (door.is_user_error)
+    is one ``error:`` line on stderr and exit code 2, no traceback."""
+    from colo_rollout.door import is_user_error
+
+    try:
+        return check(*args, **kwargs)
+    except Exception as e:
+        if not is_user_error(e):
+            raise
+        print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _exit_wedged(rank: int, err: BaseException) -> None:
+    """A rank whose GPU cannot be drained (DeviceStall): print the error (with the one it
+    arrived during), abort the communicators so spinning kernels return, and exit 1 at once --
+    an interpreter exit would run teardowns that wait on the device and hang silently."""
+    import traceback
+
+    from colo_rollout.inference.parallel import abort_parallel
+
+    # the chain includes the error a failed teardown arrived during (its __context__)
+    traceback.print_exception(err, file=sys.stderr)
+    sys.stderr.write(f"rank {rank}: the GPU cannot be drained; aborting the communicators "
+                     "and exiting\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    abort_parallel()
+    os._exit(1)
+
+
+def _config_at_the_door(config: str, overrides: dict, command: str = "", **args):
+    """The validated config of ``command`` (door.load: a named checkpoint's files, what the
+    command asks of the engine), before any rank starts; a user mistake is one ``error:`` line
+    and exit code 2."""
+    from colo_rollout import door
+
+    return _door(door.load, command, config, overrides, **args)
+
+
+def _launch(target: str, config: str, overrides: dict, gather: bool = False, cfg=None,
+            **extra) -> list:
+    """Run ``target`` on every rank; returns the ranks' results (under torchrun: this rank's
+    only, or every rank's when ``gather`` -- all-gathered as JSON over gloo, never pickle).
+    ``cfg``: the config already checked at the door (else it is checked here). Spawned ranks
+    run ``target`` through quiet.run_quietly (the filters before its module's imports)."""
+    if cfg is None:
+        cfg = _config_at_the_door(config, overrides)
+    if "WORLD_SIZE" in os.environ:  # torchrun: this process is one rank
+        import importlib
+
+        from colo_rollout.inference.parallel import destroy_parallel
+        from colo_rollout.inference.device import DeviceStall
+
+        mod, fn = target.split(":")
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        try:
+            out = getattr(importlib.import_module(mod), fn)(rank=rank, world=world,
+                                                            config_path=config,
+                                                            overrides=overrides, **extra)
+            if not gather:
+                return [out]
+            import torch.distributed as dist
+
+            from colo_rollout.inference.control import all_gather_json
+
+            return all_gather_json(out, dist.new_group(backend="gloo"))
+        except DeviceStall as e:  # the device is wedged: a teardown would wait on it forever
+            _exit_wedged(rank, e)
+        finally:
+            # an explicit teardown (groups left to interpreter exit can hang there), bounded:
+            # after another error (a peer's death seen by the control exchange, say) this
+            # rank's device may be wedged too
+            try:
+                destroy_parallel(drain_timeout_s=cfg.parallel.timeout_s)
+            except DeviceStall as e:
+                _exit_wedged(rank, e)
+    from colo_rollout.testing import WorkerGroup
+
+    with WorkerGroup(cfg.parallel.world_size) as group:
+        return group.run("colo_rollout.quiet:run_quietly", timeout=3600, fn=target,
+                         config_path=config, overrides=overrides, **extra)
