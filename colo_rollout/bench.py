@@ -8,8 +8,8 @@ torchrun); ``report`` runs in the launching process.
 Mode variants: normal, global_complete, global_enqueue, fine-K for every K in bench.spans, and
 fine-sel (the load-selected span) and fine-bal (the balanced span). All variants replay the
 same trace with the same fixed output lengths, so they do identical work; a fresh engine
-serves every run (the successor of the previous run's, keeping the model, KV storage and D
-graphs: ``Engine.successor``).
+serves every run on the previous run's worker (inference/worker.py: the same model, KV storage
+and D graphs; ``Engine(cfg, groups, worker=...)``).
 """
 
 from __future__ import annotations
@@ -137,12 +137,13 @@ def run_bench(rank: int, world: int, config_path: str, overrides: dict | None = 
 def _serve(cfg: Config, groups, sd, trace: Trace, wait_scale: float, max_context: int,
            prev: Engine | None = None):
     """One replay on a fresh engine: D graphs and communicators are set up before the clock
-    starts. With ``prev`` (the previous cell's engine) the fresh engine is its successor: new
+    starts. With ``prev`` (the previous cell's engine) the fresh engine takes over its worker: new
     scheduler, control plane, turnstile, streams and policy, the same model, KV storage and D
     graphs (rebuilding those took most of a cell on the larger MoE; the served work does not
     depend on them). The caller closes the last engine. Returns (engine, metrics, raw, GPU
     spans -- empty unless engine.cuda_timing)."""
-    engine = Engine(cfg, groups, sd) if prev is None else prev.successor(cfg)
+    engine = (Engine(cfg, groups, sd) if prev is None
+              else Engine(cfg, groups, worker=prev.worker))
     engine.warmup(max_context)
     metrics, raw = replay(engine, trace, wait_scale=wait_scale)
     spans = engine.route.gpu_spans()

@@ -637,10 +637,11 @@ def deferred_p_commit(rank: int, world: int, adp: int, ep: int, lag: int) -> dic
 
 
 def successor_engines(rank: int, world: int, adp: int, ep: int) -> dict:
-    """A Normal engine, then its successors in Fine (span 1) and Global-Enqueue serve the same
-    requests: each is fresh (its own scheduler and turnstile), keeps the model, and gives the
-    Normal engine's tokens; the handed-over engine refuses to step; a config that changes the
-    model or the KV storage is refused."""
+    """A Normal engine, then new engines in Fine (span 1) and Global-Enqueue on its worker serve
+    the same requests: each is fresh (its own scheduler and turnstile), keeps the model, and
+    gives the Normal engine's tokens; the engine that handed the worker over refuses to step; a
+    config that changes the model or the KV storage is refused (and leaves the serving engine
+    serving)."""
     import dataclasses
 
     cfg, groups, sd, engine = _engine(world, adp, ep, max_batch_size=3,
@@ -659,7 +660,7 @@ def successor_engines(rank: int, world: int, adp: int, ep: int) -> dict:
     for mode in ("fine", "global_enqueue"):
         nxt_cfg = dataclasses.replace(cfg, engine=dataclasses.replace(
             cfg.engine, mode=mode, segment_span=1))
-        nxt = engine.successor(nxt_cfg)
+        nxt = Engine(nxt_cfg, groups, worker=engine.worker)
         try:
             engine.step()
         except RuntimeError as e:
@@ -674,9 +675,10 @@ def successor_engines(rank: int, world: int, adp: int, ep: int) -> dict:
                      ("model", dataclasses.replace(cfg, model=dataclasses.replace(
                          cfg.model, seed=cfg.model.seed + 1)))):
         try:
-            engine.successor(bad)
+            Engine(bad, groups, worker=engine.worker)
         except ValueError as e:
             errors[key] = str(e)
+    errors["still_serves"] = serve(engine, "s") == out["normal"]
     engine.close()
     return {"tokens": out, "errors": errors}
 

@@ -106,5 +106,6 @@ def test_successor_engines_keep_the_model_and_serve_like_fresh_ones(worker_group
         assert r["tokens"] == res[0]["tokens"]
         assert t["fine_d_during_p"] > 0  # the successor really ran Fine (D inside P epochs)
         e = r["errors"]
-        assert "handed to a successor" in e["old_fine"] and "handed" in e["old_global_enqueue"]
+        assert "handed its worker" in e["old_fine"] and "handed" in e["old_global_enqueue"]
         assert "engine.num_kv_blocks" in e["kv"] and "model" in e["model"]
+        assert e["still_serves"]

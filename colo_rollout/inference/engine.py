@@ -30,8 +30,6 @@ import torch
 from colo_rollout.config import Config
 from colo_rollout.inference.control import ControlError, ControlPlane, Message
 from colo_rollout.inference.memory import EngineMemory, MemoryReport
-from colo_rollout.inference.model import InferenceGPT
-from colo_rollout.inference.weights import DTYPES, random_state_dict
 from colo_rollout.inference.parallel import ParallelGroups
 from colo_rollout.inference.plan import Phase, Sampled, StepPlan
 from colo_rollout.inference.planner import pick_bucket
@@ -47,34 +45,15 @@ from colo_rollout.inference.request import (
 )
 from colo_rollout.inference.rendezvous import make_rendezvous
 from colo_rollout.inference.shm import same_host
-from colo_rollout.inference.runner import PRODUCER, ModelRunner, PendingSampled
+from colo_rollout.inference.runner import PRODUCER, PendingSampled
 from colo_rollout.inference.segment_policy import HeldClock, Load, span_hint
 from colo_rollout.inference.strategy import strategy_for
 from colo_rollout.inference.turnstile import TurnstileController
+from colo_rollout.inference.worker import Worker
 from colo_rollout.inference.scheduler import Scheduler
 from colo_rollout.inference.stall_watch import StallWatch
 from colo_rollout.inference.device import DeviceStall
 from colo_rollout.inference.stream_route import Span, StreamRoute
-
-
-def build_model(cfg: Config, groups: ParallelGroups,
-                state_dict: dict[str, torch.Tensor] | None = None):
-    """This rank's inference model with its weights: ``state_dict`` (full, megatron-named)
-    when given, else ``model.checkpoint`` (each rank reads its slices, straight into the
-    parameters on its device), else random weights from ``model.seed``. Returns (model, load
-    stats or None)."""
-    dtype = DTYPES[cfg.model.params_dtype]
-    if state_dict is None and cfg.model.checkpoint is not None:
-        from colo_rollout.checkpoint.loader import check_checkpoint, load_checkpoint
-
-        check_checkpoint(cfg.model)  # headers only, before anything is allocated
-        model = InferenceGPT(cfg.model, groups, dtype).to(groups.device)
-        stats = load_checkpoint(model, cfg.model, groups.layout, groups.rank, te=model.use_te)
-        return model.eval(), stats
-    model = InferenceGPT(cfg.model, groups, dtype)
-    model.load_full_state_dict(state_dict if state_dict is not None
-                               else random_state_dict(cfg.model))
-    return model.to(groups.device).eval(), None
 
 
 @dataclass
@@ -90,47 +69,47 @@ class StepStats:
     d_ready: int = 0  # D rows with a token when the step planned, whole world (d_rows <= it)
 
 
-# engine settings that size the model's device state (KV storage, D graphs): a successor engine
-# (``Engine.successor``) keeps that state, so it must keep these
-_KEPT_ENGINE_FIELDS = ("num_kv_blocks", "kv_block_size", "max_seq_len", "cuda_graphs")
-
-
 class Engine:
+    """A serving session over a ``Worker`` (inference/worker.py: the model, KV storage and
+    graphs). ``worker``: serve on an existing worker, taking it over from the engine serving on
+    it (``hand_over``: idle, memory in place); otherwise a new worker is built from ``cfg``
+    and ``state_dict`` (full megatron-named weights; None: ``model.checkpoint``, else random
+    from ``model.seed``)."""
+
     def __init__(self, cfg: Config, groups: ParallelGroups,
                  state_dict: dict[str, torch.Tensor] | None = None, *,
-                 _keep: "Engine | None" = None) -> None:
+                 worker: Worker | None = None) -> None:
         self.cfg = cfg
         self.groups = groups
-        self._handed_over = False  # set by successor(): this engine must not step again
-        self.load_stats = None  # checkpoint load time and bytes (model.checkpoint)
-        if _keep is None:
-            self.model, self.load_stats = build_model(cfg, groups, state_dict)
+        self._handed_over = False  # set by hand_over(): this engine must not step again
+        if worker is None:
+            worker = Worker(cfg, groups, state_dict)
         else:
-            self.model = _keep.model
+            if state_dict is not None:
+                raise ValueError("Engine(worker=...) serves the worker's weights; load new "
+                                 "ones with WeightSync or load_full_state_dict")
+            worker.check_fits(cfg)
+            if worker.engine is not None and not worker.engine._handed_over:
+                worker.engine.hand_over()
+        worker.engine = self
+        self.worker = worker
+        self.model = worker.model
+        self.load_stats = worker.load_stats  # checkpoint load time and bytes
         lay = groups.layout
         self.scheduler = Scheduler(cfg.engine, lay.adp, lay.atp, cfg.model.vocab_size)
-        # PD mode (the ordering ladder): streams, turnstile controller, rendezvous, segment policy
         # the mode, typed (inference/strategy.py): what differs between the ladder's rungs
         self.strategy = strategy_for(cfg.engine, self.model.boundaries_per_prefill)
         self.pd = self.strategy.pd
-        self.model.rope_table()  # made once on the default stream, read by both phases
         p_graph_tokens = self._prefill_graph_tokens()
         self.route = StreamRoute.for_layout(groups.device, self.pd, lay.adp, lay.atp,
                                             cfg.engine.stream_route, cfg.engine.cuda_timing,
                                             cfg.engine.stream_priority,
                                             p_graphs=p_graph_tokens > 0)
         e = cfg.engine
-        if _keep is None:
-            self.runner = ModelRunner(self.model, e.num_kv_blocks, e.kv_block_size,
-                                      seed=cfg.model.seed, route=self.route,
-                                      graphs_max_blocks=(-(-e.max_seq_len // e.kv_block_size)
-                                                         if e.cuda_graphs else 0),
-                                      prefill_merge_pairs=e.prefill_merge_pairs,
-                                      prefill_graph_tokens=p_graph_tokens)
-        else:  # the KV storage and the captured graphs carry over; the streams are new
-            self.runner = _keep.runner
-            self.runner.renew(self.route, cfg.model.seed, e.prefill_merge_pairs,
-                              p_graph_tokens)
+        # the worker's KV storage and captured graphs stay; this engine's streams, sampler
+        # seed and P settings are set on it
+        self.runner = worker.runner
+        self.runner.renew(self.route, cfg.model.seed, e.prefill_merge_pairs, p_graph_tokens)
         self.route.synchronize()  # KV storage was zeroed on the default stream
         self.memory = EngineMemory(self)
         # host agreement (control exchange, PreD/PostD): shared memory when every rank is on
@@ -241,7 +220,7 @@ class Engine:
 
     def _step(self) -> list[RequestOutput]:
         if self._handed_over:
-            raise RuntimeError("this engine was handed to a successor engine; step that one")
+            raise RuntimeError("this engine handed its worker to another engine; step that one")
         self.memory.check_ready()
         if not self.busy():
             # a step from idle: the only point where parameters may have been replaced
@@ -557,30 +536,21 @@ class Engine:
         self.route.synchronize()
         return n
 
-    def successor(self, cfg: Config) -> "Engine":
-        """Collective, on an idle engine: a fresh engine for ``cfg`` -- new scheduler, control
-        plane, turnstile, streams and segment policy, so another mode, span or policy -- that
-        keeps this engine's model (weights as they are now), KV storage and captured D graphs.
-        This engine is closed and refuses to step again. Why: the bench serves every cell on a
-        fresh engine, and rebuilding the model and re-capturing every D graph took most of a
-        cell's time on the larger MoE. Raises ValueError when ``cfg`` changes the model, the
-        layout or the device state's size (which cannot be kept), RuntimeError when busy."""
+    def hand_over(self) -> Worker:
+        """Collective, on an idle engine: end this session and return its worker for a new
+        engine (``Engine(cfg, groups, worker=...)``: another mode, span or policy on the same
+        weights, KV storage and graphs). This engine refuses to step afterwards. RuntimeError
+        when busy, or when the worker's memory is released or its weights were discarded."""
         if self._handed_over:
-            raise RuntimeError("this engine was already handed to a successor")
+            raise RuntimeError("this engine was already handed over")
         if self.busy() or self.has_unsent():
-            raise RuntimeError("successor() of an engine with requests in flight or unsent")
+            raise RuntimeError("hand_over() of an engine with requests in flight or unsent")
         if self.memory.released is not None or not self.memory.weights_valid:
-            raise RuntimeError("successor() of an engine whose memory is released or whose "
+            raise RuntimeError("hand_over() of an engine whose memory is released or whose "
                                "weights were discarded")
-        changed = [k for k in ("model", "parallel") if getattr(cfg, k) != getattr(self.cfg, k)]
-        changed += [f"engine.{k}" for k in _KEPT_ENGINE_FIELDS
-                    if getattr(cfg.engine, k) != getattr(self.cfg.engine, k)]
-        if changed:
-            raise ValueError(f"successor() keeps the model and its device state; the new "
-                             f"config changes {', '.join(changed)}: build a new Engine")
         self._close_host_agreement()
         self._handed_over = True
-        return Engine(cfg, self.groups, _keep=self)
+        return self.worker
 
     def close(self) -> None:
         """Drop the D graphs (they hold NCCL collectives) and drain both streams: call before
@@ -588,14 +558,14 @@ class Engine:
         resources are closed: the device cannot be drained (abort the communicators with
         ``parallel.abort_parallel`` and exit the process)."""
         if self._handed_over:
-            return  # the successor owns the graphs; control and rendezvous are closed
+            return  # the next engine on the worker owns the graphs; host agreement is closed
         if not self._wedged:  # releasing graphs drains the device first
             self.runner.release_graphs()
         self._close_host_agreement()
 
     def _close_host_agreement(self) -> None:
         """Drain both streams, then close the control plane and the rendezvous (their shared
-        memory) and the stall watch: what ``close`` and ``successor`` both end this engine
+        memory) and the stall watch: what ``close`` and ``hand_over`` both end this engine
         with."""
         if self._stall_watch is not None:
             self._stall_watch.close()

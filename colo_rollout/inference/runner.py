@@ -111,7 +111,7 @@ class ModelRunner:
 
     def renew(self, route: StreamRoute, seed: int, prefill_merge_pairs: int,
               prefill_graph_tokens: int) -> None:
-        """Serve a successor engine (idle only): its streams, a re-seeded sampler, its P
+        """Serve a new engine on the worker (idle only): its streams, a re-seeded sampler, its P
         settings. The KV storage and the D and P graphs stay (graphs replay on the current
         stream)."""
         if self._epoch is not None:
