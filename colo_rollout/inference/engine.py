@@ -29,7 +29,7 @@ import torch
 
 from colo_rollout.config import Config
 from colo_rollout.inference.control import ControlError, ControlPlane, Message
-from colo_rollout.inference.memory import EngineMemory, MemoryReport
+from colo_rollout.inference.memory import WEIGHT_POLICIES, MemoryReport
 from colo_rollout.inference.parallel import ParallelGroups
 from colo_rollout.inference.plan import Phase, Sampled, StepPlan
 from colo_rollout.inference.planner import pick_bucket
@@ -111,7 +111,7 @@ class Engine:
         self.runner = worker.runner
         self.runner.renew(self.route, cfg.model.seed, e.prefill_merge_pairs, p_graph_tokens)
         self.route.synchronize()  # KV storage was zeroed on the default stream
-        self.memory = EngineMemory(self)
+        self.memory = worker.memory  # the worker's device memory (release/resume)
         # host agreement (control exchange, PreD/PostD): shared memory when every rank is on
         # this host (engine.rendezvous "auto"), else gloo; decided once, the same on all ranks
         agree = cfg.engine.rendezvous
@@ -491,11 +491,19 @@ class Engine:
     # ------------------------------------------------------------------ memory between phases
     def release_memory(self, weights: str = "keep") -> MemoryReport:
         """Give the KV cache, the D graphs and (``offload``/``discard``) the weights back to
-        the device while the trainer runs; see inference/memory.py. Idle engine only."""
-        return self.memory.release(weights)
+        the device while the trainer runs; see inference/memory.py. Idle engine only: its
+        retained multi-turn contexts are evicted (their next turn re-prefills)."""
+        if weights not in WEIGHT_POLICIES:
+            raise ValueError(f"release weights={weights!r}: expected one of {WEIGHT_POLICIES}")
+        if self.memory.released is None and self.busy():
+            raise RuntimeError("release of engine memory while requests are in flight "
+                               "(finish or cancel them first)")
+        if self.memory.released is None:
+            self.memory.evicted += self.scheduler.evict_retained()
+        return self.memory.release(weights, drain=self.route.synchronize)
 
     def resume_memory(self) -> MemoryReport:
-        return self.memory.resume()
+        return self.memory.resume(drain=self.route.synchronize)
 
     def weights_loaded(self) -> None:
         """The caller has written every parameter (weight sync after a discard)."""

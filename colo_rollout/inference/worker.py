@@ -1,7 +1,8 @@
 """The worker: one rank's device state, which outlives the engines that serve on it.
 
 Owns the model with its weights, the KV storage and the captured D and P graphs (the
-``ModelRunner``), and the engine settings that size them. An ``Engine`` is a serving session
+``ModelRunner``), their release and resume between RL phases (``WorkerMemory``), and the engine
+settings that size them. An ``Engine`` is a serving session
 over a worker: its own scheduler, control plane, turnstile, streams and span policy. A new
 engine on the same worker (another mode, span or policy: what the bench does for every cell)
 keeps the weights as they are, the KV storage and every captured graph; rebuilding the model
@@ -19,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from colo_rollout.config import Config
+from colo_rollout.inference.memory import WorkerMemory
 from colo_rollout.inference.model import InferenceGPT
 from colo_rollout.inference.parallel import ParallelGroups
 from colo_rollout.inference.runner import ModelRunner
@@ -63,6 +65,7 @@ class Worker:
                                   graphs_max_blocks=(-(-e.max_seq_len // e.kv_block_size)
                                                      if e.cuda_graphs else 0),
                                   prefill_merge_pairs=e.prefill_merge_pairs)
+        self.memory = WorkerMemory(self.model, self.runner, groups.device)  # release/resume
         self.engine = None  # the engine serving on it now
 
     def check_fits(self, cfg: Config) -> None:
