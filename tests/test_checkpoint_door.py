@@ -6,18 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from colo_rollout.cli import main
-
-
-def _door_error(capsys, *argv: str) -> str:
-    capsys.readouterr()  # what earlier steps printed (transformers' save progress)
-    with pytest.raises(SystemExit) as exit_:
-        main(list(argv))
-    assert exit_.value.code == 2
-    out, err = capsys.readouterr()
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    return lines[0]
+from tests.test_door import door_error as _door_error
 
 
 def test_missing_checkpoint_is_one_error_line(tmp_path, capsys):

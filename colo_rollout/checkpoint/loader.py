@@ -95,15 +95,17 @@ def check_checkpoint(cfg: ModelConfig, store: CheckpointStore | None = None,
 
 
 def load_checkpoint(model: torch.nn.Module, cfg: ModelConfig, layout: Layout, rank: int, *,
-                    te: bool = False, store: CheckpointStore | None = None) -> LoadStats:
+                    te: bool = False, store: CheckpointStore | None = None,
+                    arch: HFArchitecture | None = None) -> LoadStats:
     """Fill ``model``'s parameters and persistent buffers (their shards on ``rank`` of
     ``layout``) from ``cfg.checkpoint``. The model may already live on its device: slices are
-    copied into the parameters in place. Checks the checkpoint first (``check_checkpoint``)."""
+    copied into the parameters in place. Checks the checkpoint first (``check_checkpoint``)
+    unless ``arch`` is the result of that check on ``store``."""
     t0 = time.perf_counter()
     own = store is None
     store = store or CheckpointStore(cfg.checkpoint)
     try:
-        arch = check_checkpoint(cfg, store)
+        arch = arch or check_checkpoint(cfg, store)
         sources = hf_sources(cfg, arch.family)
         # the model's names (local or TE spec) of every global local-spec name
         spec = to_spec_names({n: n for n in tensor_shapes(cfg)}, te)

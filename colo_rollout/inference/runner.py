@@ -247,14 +247,14 @@ class ModelRunner:
         tokens, logprobs = sample_tensors(logits[: len(lifetimes)], params, self.generator)
         return PendingSampled(lifetimes, Pending(tokens, logprobs))
 
-    def _slots(self, table: list[int], positions: range) -> list[int]:
+    def _slots(self, table, positions: range) -> list[int]:
         bs = self.block_size
         return [table[p // bs] * bs + p % bs for p in positions]
 
-    def _tables(self, tables: list[list[int]]) -> torch.Tensor:
+    def _tables(self, tables) -> torch.Tensor:
         width = max((len(t) for t in tables), default=1)
         sink = self.kv.sink_block
-        padded = [t + [sink] * (width - len(t)) for t in tables]
+        padded = [[*t, *[sink] * (width - len(t))] for t in tables]
         return h2d(padded, torch.int64, self.device)
 
     def _prefill_inputs(self, plan: StepPlan) -> PrefillInputs:
@@ -262,7 +262,7 @@ class ModelRunner:
         mine = plan.replicas[r].prefill
         ids, pos, slots, tables, ctx, new = [], [], [], [], [], []
         for item in mine:
-            table = list(item.table)
+            table = item.table
             span = range(item.start, item.start + len(item.tokens))
             ids.extend(item.tokens)
             pos.extend(span)
@@ -303,7 +303,7 @@ class ModelRunner:
         sink = self.kv.sink_block
         ids = [d.token for d in rows] + [0] * (B - len(rows))
         pos = [d.position for d in rows] + [0] * (B - len(rows))
-        tables = [list(d.table) for d in rows] + [[sink]] * (B - len(rows))
+        tables = [d.table for d in rows] + [(sink,)] * (B - len(rows))
         slots = [self._slots(t, range(p, p + 1))[0] for t, p in zip(tables, pos)]
         return ids, pos, slots, [p + 1 for p in pos], tables
 

@@ -34,11 +34,7 @@ class Normal:
     whole_epoch = True  # P's span is the whole epoch
     p_graphs_by_default = True  # engine.prefill_graphs "auto"
     policy = None  # the span policy (Fine only)
-
-    @property
-    def balanced(self) -> bool:
-        """The span policy re-sizes K every round from rank-agreed hints."""
-        return False
+    balanced = False  # the span policy re-sizes K every round from rank-agreed hints
 
 
 @dataclass(frozen=True)
@@ -51,10 +47,7 @@ class Global:
     whole_epoch = True
     p_graphs_by_default = False
     policy = None
-
-    @property
-    def balanced(self) -> bool:
-        return False
+    balanced = False
 
 
 @dataclass(frozen=True)

@@ -40,10 +40,13 @@ def build_model(cfg: Config, groups: ParallelGroups,
     dtype = DTYPES[cfg.model.params_dtype]
     if state_dict is None and cfg.model.checkpoint is not None:
         from colo_rollout.checkpoint.loader import check_checkpoint, load_checkpoint
+        from colo_rollout.checkpoint.store import CheckpointStore
 
-        check_checkpoint(cfg.model)  # headers only, before anything is allocated
-        model = InferenceGPT(cfg.model, groups, dtype).to(groups.device)
-        stats = load_checkpoint(model, cfg.model, groups.layout, groups.rank, te=model.use_te)
+        with CheckpointStore(cfg.model.checkpoint) as store:  # one open, one header read
+            arch = check_checkpoint(cfg.model, store)  # before anything is allocated
+            model = InferenceGPT(cfg.model, groups, dtype).to(groups.device)
+            stats = load_checkpoint(model, cfg.model, groups.layout, groups.rank,
+                                    te=model.use_te, store=store, arch=arch)
         return model.eval(), stats
     model = InferenceGPT(cfg.model, groups, dtype)
     model.load_full_state_dict(state_dict if state_dict is not None
