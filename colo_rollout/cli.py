@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                     "without the chat template")
     args = ap.parse_args(argv)
     if args.cmd == "generate":
-        from colo_rollout.text.generate import main as generate
+        from colo_rollout.tools.generate import main as generate
 
         return generate(args)
     if args.cmd in ("demo", "train", "bench", "bench-decode-overhead"):
@@ -88,9 +88,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"max logprob gap {max(x['logprob_gap_max'] for x in h):.2e}")
         return 0
     if args.cmd == "bench":
-        results = _launch("colo_rollout.bench:run_bench", args.config, overrides, gather=True,
+        results = _launch("colo_rollout.tools.bench:run_bench", args.config, overrides, gather=True,
                           cfg=cfg)
-        from colo_rollout.bench import report
+        from colo_rollout.tools.bench import report
 
         if int(os.environ.get("RANK", "0")) != 0:  # torchrun: rank 0 reports
             return 0
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"JSON and plots in {cfg.bench.out_dir}/")
         return 0
     if args.cmd == "bench-decode-overhead":
-        res = _launch("colo_rollout.bench_decode:decode_overhead", args.config, overrides,
+        res = _launch("colo_rollout.tools.bench_decode:decode_overhead", args.config, overrides,
                       cfg=cfg, reps=args.reps, modes=("normal", args.mode))[0]
         import statistics
 
@@ -114,19 +114,19 @@ def main(argv: list[str] | None = None) -> int:
         return _stress(args)
     if args.cmd == "bench-rendezvous":
         return _bench_rendezvous(args)
-    _launch("colo_rollout.demo:run_demo", args.config, overrides, cfg=cfg, report=args.report)
+    _launch("colo_rollout.tools.demo:run_demo", args.config, overrides, cfg=cfg, report=args.report)
     return 0
 
 
 def _stress(args) -> int:
     from colo_rollout.door import check_stress_args
-    from colo_rollout.testing import WorkerGroup
+    from colo_rollout.runtime.spawn import WorkerGroup
 
     _door(check_stress_args, ranks=args.ranks, seeds=args.seeds, cycles=args.cycles,
           max_skew_ms=args.max_skew_ms, span=args.span, control_cycles=args.control_cycles)
     with WorkerGroup(args.ranks) as group:
         res = group.run("colo_rollout.quiet:run_quietly", timeout=3600,
-                        fn="colo_rollout.inference.stress:stress_turnstile", seeds=args.seeds,
+                        fn="colo_rollout.tools.stress:stress_turnstile", seeds=args.seeds,
                         cycles=args.cycles, max_skew_ms=args.max_skew_ms, span=args.span,
                         control_cycles=args.control_cycles, rendezvous=args.rendezvous)
     done = min(r["completed"] for r in res)
@@ -148,7 +148,7 @@ def _stress(args) -> int:
 
 def _bench_rendezvous(args) -> int:
     from colo_rollout.door import check_rendezvous_args
-    from colo_rollout.testing import WorkerGroup
+    from colo_rollout.runtime.spawn import WorkerGroup
 
     _door(check_rendezvous_args, ranks=args.ranks, rounds=args.rounds)
     print(f"{'ranks':>5s} {'kind':>14s} {'mean us':>9s} {'p50 us':>9s} {'p99 us':>9s}"
@@ -157,7 +157,7 @@ def _bench_rendezvous(args) -> int:
         with WorkerGroup(n) as group:
             for kind in args.kinds:
                 r = group.run("colo_rollout.quiet:run_quietly", timeout=600,
-                              fn="colo_rollout.inference.stress:bench_rendezvous",
+                              fn="colo_rollout.tools.stress:bench_rendezvous",
                               rounds=args.rounds, kind=kind)[0]
                 print(f"{n:5d} {r['kind']:>14s} {r['mean_us']:9.1f} {r['p50_us']:9.1f} "
                       f"{r['p99_us']:9.1f}", flush=True)

@@ -20,10 +20,10 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from colo_rollout.checkpoint.errors import CheckpointError
+from colo_rollout.config.checkpoint_errors import CheckpointError
 from colo_rollout.config import ENGINE_MODES, Config, ConfigError, load_config
-from colo_rollout.inference.request import Request, RequestError, SamplingParams
-from colo_rollout.trace import Conversation, Trace, TraceError, generate_trace, load_trace
+from colo_rollout.sched.request import Request, RequestError, SamplingParams
+from colo_rollout.workloads.trace import Conversation, Trace, TraceError, generate_trace, load_trace
 
 
 class DoorError(ValueError):
@@ -64,7 +64,7 @@ def load(command: str, config_path: str | os.PathLike, overrides: Mapping[str, A
 def _refusal(cfg: Config, prompt: tuple[int, ...], params: SamplingParams) -> str | None:
     """Why every rank would refuse a request of ``prompt`` and ``params`` (None: it would be
     served): the engine's own rule, on a fresh scheduler of this config."""
-    from colo_rollout.inference.scheduler import Scheduler
+    from colo_rollout.sched.scheduler import Scheduler
 
     sched = Scheduler(cfg.engine, cfg.parallel.adp, cfg.parallel.atp, cfg.model.vocab_size)
     try:
@@ -163,7 +163,7 @@ def bench_trace(cfg: Config, source: str = "<config>") -> Trace:
     if b.trace == "synthetic":
         trace = generate_trace(b.seed)
     elif b.trace == "mooncake":
-        from colo_rollout.trace import load_mooncake
+        from colo_rollout.workloads.trace import load_mooncake
 
         here = os.path.dirname(os.path.abspath(__file__))
         path = os.path.normpath(os.path.join(here, "..", "..", "shared", "traces",
@@ -227,7 +227,7 @@ def _require_arg(cond: bool, flag: str, detail: str) -> None:
 
 def check_stress_args(ranks: int, seeds: int, cycles: int, max_skew_ms: float, span: int,
                       control_cycles: int) -> None:
-    """stress-turnstile's arguments (inference/stress.py's bounds)."""
+    """stress-turnstile's arguments (tools/stress.py's bounds)."""
     _require_arg(ranks >= 1, "--ranks", f"must be >= 1, got {ranks}")
     _require_arg(seeds >= 1, "--seeds", f"must be >= 1, got {seeds}")
     _require_arg(cycles >= 1, "--cycles", f"must be >= 1, got {cycles}")

@@ -5,7 +5,7 @@ process runs it itself (teardown bounded; a wedged GPU exits with its error), ot
 ``parallel.world_size`` CPU processes are spawned and joined with gloo. Before either, the
 config and inputs are checked at the door (colo_rollout/door.py): a user mistake is one
 ``error:`` line on stderr and exit code 2. The command line (cli.py) and the text commands
-(text/generate.py) both launch through here.
+(tools/generate.py) both launch through here.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def _exit_wedged(rank: int, err: BaseException) -> None:
     an interpreter exit would run teardowns that wait on the device and hang silently."""
     import traceback
 
-    from colo_rollout.inference.parallel import abort_parallel
+    from colo_rollout.runtime.parallel import abort_parallel
 
     # the chain includes the error a failed teardown arrived during (its __context__)
     traceback.print_exception(err, file=sys.stderr)
@@ -74,8 +74,8 @@ def _launch(target: str, config: str, overrides: dict, gather: bool = False, cfg
     if "WORLD_SIZE" in os.environ:  # torchrun: this process is one rank
         import importlib
 
-        from colo_rollout.inference.parallel import destroy_parallel
-        from colo_rollout.inference.device import DeviceStall
+        from colo_rollout.runtime.parallel import destroy_parallel
+        from colo_rollout.runtime.device import DeviceStall
 
         mod, fn = target.split(":")
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -87,7 +87,7 @@ def _launch(target: str, config: str, overrides: dict, gather: bool = False, cfg
                 return [out]
             import torch.distributed as dist
 
-            from colo_rollout.inference.control import all_gather_json
+            from colo_rollout.runtime.control import all_gather_json
 
             return all_gather_json(out, dist.new_group(backend="gloo"))
         except DeviceStall as e:  # the device is wedged: a teardown would wait on it forever
@@ -100,7 +100,7 @@ def _launch(target: str, config: str, overrides: dict, gather: bool = False, cfg
                 destroy_parallel(drain_timeout_s=cfg.parallel.timeout_s)
             except DeviceStall as e:
                 _exit_wedged(rank, e)
-    from colo_rollout.testing import WorkerGroup
+    from colo_rollout.runtime.spawn import WorkerGroup
 
     with WorkerGroup(cfg.parallel.world_size) as group:
         return group.run("colo_rollout.quiet:run_quietly", timeout=3600, fn=target,

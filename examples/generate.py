@@ -5,10 +5,10 @@ Under torchrun on GPUs, call `body` directly in each process instead of WorkerGr
 """
 
 from colo_rollout.config import Config, EngineConfig, ModelConfig, ParallelConfig
-from colo_rollout.inference.engine import Engine
-from colo_rollout.inference.parallel import init_parallel
-from colo_rollout.inference.request import Request, SamplingParams
-from colo_rollout.testing import WorkerGroup
+from colo_rollout.engine.engine import Engine
+from colo_rollout.runtime.parallel import init_parallel
+from colo_rollout.sched.request import Request, SamplingParams
+from colo_rollout.runtime.spawn import WorkerGroup
 
 
 def body(rank: int, world: int) -> dict:

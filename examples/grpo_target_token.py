@@ -4,7 +4,7 @@
 Same as `colo-rollout train configs/grpo_cpu.yaml`; metrics in runs/grpo_cpu/.
 """
 
-from colo_rollout.testing import WorkerGroup
+from colo_rollout.runtime.spawn import WorkerGroup
 
 if __name__ == "__main__":
     with WorkerGroup(2) as group:

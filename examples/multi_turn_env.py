@@ -4,11 +4,11 @@
 """
 
 from colo_rollout.config import Config, EngineConfig, ModelConfig, ParallelConfig
-from colo_rollout.inference.engine import Engine
-from colo_rollout.inference.parallel import init_parallel
-from colo_rollout.inference.request import SamplingParams
+from colo_rollout.engine.engine import Engine
+from colo_rollout.runtime.parallel import init_parallel
+from colo_rollout.sched.request import SamplingParams
 from colo_rollout.rl.rollout import rollout
-from colo_rollout.testing import WorkerGroup
+from colo_rollout.runtime.spawn import WorkerGroup
 
 
 class EchoEnv:

@@ -18,10 +18,10 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from colo_rollout.config import load_config
-from colo_rollout.inference.engine import Engine
-from colo_rollout.inference.weights import random_state_dict
-from colo_rollout.inference.parallel import init_parallel
-from colo_rollout.inference.request import Request, SamplingParams
+from colo_rollout.engine.engine import Engine
+from colo_rollout.model.weights import random_state_dict
+from colo_rollout.runtime.parallel import init_parallel
+from colo_rollout.sched.request import Request, SamplingParams
 
 
 class _Count(TorchDispatchMode):

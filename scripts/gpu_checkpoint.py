@@ -48,7 +48,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 def write_random_checkpoint(directory: str, shape: dict, seed: int = 0) -> dict:
     from colo_rollout.checkpoint.export import hf_config_dict
-    from colo_rollout.checkpoint.hf_config import QWEN3
+    from colo_rollout.config.hf_config import QWEN3
     from colo_rollout.checkpoint.hf_names import expected_hf_shapes
     from colo_rollout.checkpoint.store import write_checkpoint
     from colo_rollout.config import ModelConfig
@@ -76,9 +76,9 @@ def serve(directory: str, n_requests: int, new_tokens: int, seed: int = 0) -> di
     import torch.distributed as dist
 
     from colo_rollout.config import config_from_dict
-    from colo_rollout.inference.engine import Engine
-    from colo_rollout.inference.parallel import init_parallel
-    from colo_rollout.inference.request import Request, SamplingParams
+    from colo_rollout.engine.engine import Engine
+    from colo_rollout.runtime.parallel import init_parallel
+    from colo_rollout.sched.request import Request, SamplingParams
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
@@ -86,7 +86,7 @@ def serve(directory: str, n_requests: int, new_tokens: int, seed: int = 0) -> di
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=0, world_size=1)
     if DEV == "cpu":
-        from colo_rollout.inference.cpu_compat import install_cpu_compat
+        from colo_rollout.runtime.cpu_compat import install_cpu_compat
 
         install_cpu_compat()
     cfg = config_from_dict({

@@ -26,12 +26,12 @@ import torch
 import torch.distributed as dist
 
 from colo_rollout.config import load_config
-from colo_rollout.inference.control import ControlPlane, Message
-from colo_rollout.inference.engine import Engine
-from colo_rollout.inference.weights import random_state_dict
-from colo_rollout.inference.parallel import init_parallel
-from colo_rollout.inference.rendezvous import make_rendezvous
-from colo_rollout.inference.request import Request, SamplingParams
+from colo_rollout.runtime.control import ControlPlane, Message
+from colo_rollout.engine.engine import Engine
+from colo_rollout.model.weights import random_state_dict
+from colo_rollout.runtime.parallel import init_parallel
+from colo_rollout.multiplex.rendezvous import make_rendezvous
+from colo_rollout.sched.request import Request, SamplingParams
 
 
 def _per_call(fn, n: int = 300) -> float:
@@ -46,7 +46,7 @@ def _per_call(fn, n: int = 300) -> float:
 def replay_profile(path: str, variant: str) -> None:
     import dataclasses
 
-    from colo_rollout.bench import _serve, bench_trace, variants
+    from colo_rollout.tools.bench import _serve, bench_trace, variants
 
     import yaml
 

@@ -1,6 +1,6 @@
 """Crossed-path safety on 4 CPU ranks (ADP2/ATP2): per-rank bodies.
 
-Each rank has a D stream and a P stream (host-emulated, colo_rollout.inference.streams) and a
+Each rank has a D stream and a P stream (host-emulated, colo_rollout.testing.streams) and a
 device residency of one collective. D issues its ATP ReduceScatter then its full-group AllGather
 (max-len path); P issues its full-group AllReduce (sum-len path). P and D use separate
 communicators, as on a GPU.
@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 
 from colo_rollout.config import ParallelConfig
-from colo_rollout.inference.parallel import init_parallel
-from colo_rollout.inference.rendezvous import make_rendezvous
-from colo_rollout.inference.streams import Residency, Stream, StreamError
-from colo_rollout.inference.turnstile import TurnstileController
+from colo_rollout.runtime.parallel import init_parallel
+from colo_rollout.multiplex.rendezvous import make_rendezvous
+from colo_rollout.testing.streams import Residency, Stream, StreamError
+from colo_rollout.multiplex.turnstile import TurnstileController
 
 H = 8  # hidden size of the toy tensors
 

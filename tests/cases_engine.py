@@ -1,4 +1,4 @@
-"""Per-rank bodies of the multi-process engine tests (run by colo_rollout.testing.WorkerGroup)."""
+"""Per-rank bodies of the multi-process engine tests (run by colo_rollout.runtime.spawn.WorkerGroup)."""
 
 from __future__ import annotations
 
@@ -7,16 +7,16 @@ import random
 import torch
 
 from colo_rollout.config import Config, EngineConfig, ModelConfig, ParallelConfig
-from colo_rollout.inference.cpu_compat import install_cpu_compat
-from colo_rollout.inference.engine import Engine
-from colo_rollout.inference.weights import random_state_dict
-from colo_rollout.inference.parallel import init_parallel
-from colo_rollout.inference.reference import (
+from colo_rollout.runtime.cpu_compat import install_cpu_compat
+from colo_rollout.engine.engine import Engine
+from colo_rollout.model.weights import random_state_dict
+from colo_rollout.runtime.parallel import init_parallel
+from colo_rollout.model.megatron_gpt import (
     build_reference,
     reference_logprobs,
     singleton_pg_collection,
 )
-from colo_rollout.inference.request import Request, SamplingParams
+from colo_rollout.sched.request import Request, SamplingParams
 
 # fp32 on CPU: the engine (paged KV, sharded, gathered) and the reference (megatron GPTModel, full
 # recompute, TP1) differ only in summation order, ~1e-6 in logprobs; 1e-4 leaves a wide margin
@@ -137,7 +137,7 @@ def _engine(world: int, adp: int, ep: int, timeout_s: float = 60.0, **engine_kw)
 
 def bad_input_isolated(rank: int, world: int, adp: int, ep: int) -> dict:
     """Bad requests get a clear error for that request; the rest finish; KV stays intact."""
-    from colo_rollout.inference.request import RequestError
+    from colo_rollout.sched.request import RequestError
 
     cfg, groups, sd, engine = _engine(world, adp, ep)
     good = mixed_requests(6, seed=3, vocab=cfg.model.vocab_size)
@@ -190,7 +190,7 @@ def cancel_and_cross_rank_duplicates(rank: int, world: int, adp: int, ep: int) -
             engine.submit(r)
     # every rank submits "same": only the first (lowest rank) is accepted after the exchange;
     # the step raises the refusal on the rank whose submission lost, and has completed
-    from colo_rollout.inference.request import RequestError, SubmissionRefused
+    from colo_rollout.sched.request import RequestError, SubmissionRefused
 
     engine.submit(Request("same", (9, 8, 7), SamplingParams(max_tokens=3)))
     refused_here = None
@@ -225,7 +225,7 @@ def tp_reference_matches_tp1(rank: int, world: int) -> dict:
     """megatron GPTModel at TP=world (our TP-sharded load) computes what the TP1 model does."""
     import torch.distributed as dist
 
-    from colo_rollout.inference.reference import tp_pg_collection
+    from colo_rollout.model.megatron_gpt import tp_pg_collection
 
     install_cpu_compat()
     cfg = tiny_config(world, 1, 1)
@@ -245,7 +245,7 @@ def engine_loads_megatron_gptmodel_state_dict(rank: int, world: int, adp: int, e
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from colo_rollout.inference.model import megatron_config
+    from colo_rollout.model.model import megatron_config
 
     cfg = tiny_config(world, adp, ep, max_batch_size=3, decode_buckets=[1, 2, 4])
     groups = init_parallel(cfg.parallel)
@@ -273,9 +273,9 @@ def engine_loads_megatron_gptmodel_state_dict(rank: int, world: int, adp: int, e
 def prefill_segments_with_decode_between(rank: int, world: int, adp: int, ep: int) -> dict:
     """P as segments with a full D iteration of other sequences at every boundary computes the
     same P logits as P run straight through, and the D iterations are unaffected by P."""
-    from colo_rollout.inference.control import Message
-    from colo_rollout.inference.plan import DecodeRow, Phase, ReplicaWork, StepPlan
-    from colo_rollout.inference.planner import pick_bucket
+    from colo_rollout.runtime.control import Message
+    from colo_rollout.sched.plan import DecodeRow, Phase, ReplicaWork, StepPlan
+    from colo_rollout.sched.planner import pick_bucket
 
     cfg, groups, sd, engine = _engine(world, adp, ep)
     sched, runner, model = engine.scheduler, engine.runner, engine.model
@@ -396,9 +396,9 @@ def injected_violation(rank: int, world: int, adp: int, ep: int) -> dict:
     exchange of the next step (Fine advances P after the round's D), naming rank and step."""
     import time as _time
 
-    from colo_rollout.inference.control import ControlError
-    from colo_rollout.inference.rendezvous import RendezvousError
-    from colo_rollout.inference.turnstile import TurnstileError
+    from colo_rollout.runtime.control import ControlError
+    from colo_rollout.multiplex.rendezvous import RendezvousError
+    from colo_rollout.multiplex.turnstile import TurnstileError
 
     cfg, groups, sd, engine = _engine(world, adp, ep, timeout_s=3.0, max_batch_size=3,
                                       decode_buckets=[1, 2, 4], mode="fine", segment_span=1)
@@ -518,7 +518,7 @@ def memory_release_resume(rank: int, world: int, adp: int, ep: int,
     """Release/resume between phases: offload is bit-identical, discard needs a reload, a busy
     engine refuses, retained contexts are evicted, the host agreement (shared-memory control
     exchange, PD rendezvous) survives; allocator statistics on CUDA."""
-    from colo_rollout.inference.memory import MemoryReport
+    from colo_rollout.worker.memory import MemoryReport
 
     cfg, groups, sd, engine = _engine(world, adp, ep, mode=mode)
     shm_before = engine.control.mailbox is not None
@@ -750,7 +750,7 @@ def prefill_graph_data_path(rank: int, world: int, adp: int, ep: int) -> dict:
     the fallback past capacity -- against the modules, per layer and through a whole engine."""
     from types import SimpleNamespace
 
-    from colo_rollout.inference.prefill_graph import PrefillMoEGraphs
+    from colo_rollout.worker.prefill_graph import PrefillMoEGraphs
 
     class EagerReplay(PrefillMoEGraphs):
         def _capture(self, i, T):
@@ -791,7 +791,7 @@ def wedged_close(rank: int, world: int, adp: int, ep: int) -> dict:
     rank and step, and close() then releases host resources only -- it neither drains the
     streams nor releases the graphs (both wait on the device, which never drains). An engine
     that is not wedged does drain (the stand-ins below would fail)."""
-    from colo_rollout.inference.device import DeviceStall
+    from colo_rollout.runtime.device import DeviceStall
 
     def must_not_drain():
         raise AssertionError("drained a wedged device")

@@ -12,9 +12,10 @@ from colo_rollout.checkpoint.export import export_checkpoint
 from colo_rollout.checkpoint.hf_names import hf_sources
 from colo_rollout.checkpoint.store import CheckpointStore
 from colo_rollout.config import config_from_dict
-from colo_rollout.inference.cpu_compat import install_cpu_compat
-from colo_rollout.inference.weights import loadable_tensors, random_state_dict
-from colo_rollout.inference.reference import (
+from colo_rollout.runtime.cpu_compat import install_cpu_compat
+from colo_rollout.model.weights import loadable_tensors, random_state_dict
+from colo_rollout.checkpoint.loader import megatron_loader
+from colo_rollout.model.megatron_gpt import (
     build_reference,
     reference_logprobs,
     singleton_pg_collection,
@@ -53,7 +54,9 @@ def export_round_trip(rank: int, world: int, family: str, directory: str) -> dic
     # (2) back through this project's loader, into a TP model of the same layout
     back_cfg = config_from_dict({"model": {"checkpoint": directory},
                                 "engine": {"max_seq_len": 256}}).model
-    back = build_reference(back_cfg, None, tp_pg_collection(tp), torch.device("cpu"))
+    tpg = tp_pg_collection(tp)
+    back = build_reference(back_cfg, megatron_loader(back_cfg, tpg.tp.size(), tpg.tp.rank()),
+                           tpg, torch.device("cpu"))
     a, b = loadable_tensors(model), loadable_tensors(back)
     res["same_names"] = sorted(a) == sorted(b)
     res["unequal"] = [k for k in a if not torch.equal(a[k], b[k])]
@@ -90,7 +93,9 @@ def hf_round_trip(rank: int, world: int, source: str, directory: str) -> dict:
     cfg = config_from_dict({"model": {"checkpoint": source, "params_dtype": "bfloat16"},
                             "engine": {"max_seq_len": 256}}).model
     tp = dist.new_group(list(range(world)))
-    model = build_reference(cfg, None, tp_pg_collection(tp), torch.device("cpu"))
+    tpg = tp_pg_collection(tp)
+    model = build_reference(cfg, megatron_loader(cfg, tpg.tp.size(), tpg.tp.rank()), tpg,
+                            torch.device("cpu"))
     export_checkpoint(model, cfg, directory, tp_group=tp)
     dist.barrier()
     res: dict = {}

@@ -8,15 +8,15 @@ import time
 import torch
 
 from colo_rollout.config import Config, EngineConfig, ModelConfig, ParallelConfig
-from colo_rollout.inference.engine import Engine
-from colo_rollout.inference.weights import random_state_dict
-from colo_rollout.inference.parallel import init_parallel
-from colo_rollout.inference.reference import (
+from colo_rollout.engine.engine import Engine
+from colo_rollout.model.weights import random_state_dict
+from colo_rollout.runtime.parallel import init_parallel
+from colo_rollout.model.megatron_gpt import (
     build_reference,
     singleton_pg_collection,
     tp_pg_collection,
 )
-from colo_rollout.inference.reference import reference_logprobs
+from colo_rollout.model.megatron_gpt import reference_logprobs
 from tests.cases_engine import compare_with_reference, mixed_requests
 
 # Acceptance on GPU (logprobs of the engine's tokens, teacher-forced through megatron GPTModel
@@ -59,7 +59,7 @@ def gpu_engine_matches_reference(rank: int, world: int, adp: int, ep: int, dtype
     cfg = gpu_config(world, adp, ep, dtype, use_te, backend, model_kw)
     groups = init_parallel(cfg.parallel)
     if backend == "gloo":
-        from colo_rollout.inference.cpu_compat import install_cpu_compat
+        from colo_rollout.runtime.cpu_compat import install_cpu_compat
 
         install_cpu_compat()
     sync = torch.cuda.synchronize if groups.device.type == "cuda" else (lambda: None)
@@ -163,7 +163,7 @@ def gpu_pd_overlap(rank: int, world: int, adp: int, ep: int, mode: str,
     import random
     import warnings
 
-    from colo_rollout.inference.request import Request, SamplingParams
+    from colo_rollout.sched.request import Request, SamplingParams
 
     cfg = overlap_config(world, adp, ep, mode, policy)
     groups = init_parallel(cfg.parallel)
@@ -242,7 +242,7 @@ def gpu_graphs_vs_eager(rank: int, world: int, adp: int, ep: int) -> dict:
     re-captured)."""
     import random
 
-    from colo_rollout.inference.request import Request, SamplingParams
+    from colo_rollout.sched.request import Request, SamplingParams
 
     cfg = overlap_config(world, adp, ep, "normal")
     groups = init_parallel(cfg.parallel)
@@ -334,8 +334,8 @@ def _live_cuda_tensors(top: int = 6) -> list:
 def gpu_memory_phases(rank: int, world: int, adp: int, ep: int) -> dict:
     """Release/resume of KV, graphs and weights measured with torch.cuda allocator statistics;
     generation after resume equals generation before."""
-    from colo_rollout.inference.memory import MemoryReport
-    from colo_rollout.inference.request import Request, SamplingParams
+    from colo_rollout.worker.memory import MemoryReport
+    from colo_rollout.sched.request import Request, SamplingParams
 
     cfg = overlap_config(world, adp, ep, "normal")
     groups = init_parallel(cfg.parallel)
@@ -380,13 +380,13 @@ def gpu_layer_errors(rank: int, world: int, adp: int, ep: int, moe_compute: str 
     Also, per MoE layer: tokens whose top-k expert set differs from fp32's (engine, megatron
     bf16), and whether the ranks of the engine agree bitwise on the residual stream and on the
     routing (ranks that route a token differently would sum mismatched partials)."""
-    from colo_rollout.inference.request import Request, SamplingParams
+    from colo_rollout.sched.request import Request, SamplingParams
 
     cfg = gpu_config(world, adp, ep, "bfloat16", backend=backend)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe_compute=moe_compute))
     groups = init_parallel(cfg.parallel)
     if backend == "gloo":
-        from colo_rollout.inference.cpu_compat import install_cpu_compat
+        from colo_rollout.runtime.cpu_compat import install_cpu_compat
 
         install_cpu_compat()
     sd = random_state_dict(cfg.model)

@@ -106,7 +106,7 @@ def save_tiny_checkpoint(directory, family: str, sharded: bool = False, seed: in
 
 
 def requests_for(n: int, seed: int, vocab: int = 256):
-    from colo_rollout.inference.request import Request, SamplingParams
+    from colo_rollout.sched.request import Request, SamplingParams
 
     rng = random.Random(seed)
     lengths = [1, 3, 5, 8, 13, 21, 30, 40]
@@ -154,9 +154,9 @@ def serve_checkpoint(rank: int, world: int, directory: str, adp: int, ep: int,
                      n_requests: int = 8, seed: int = 0) -> dict:
     """Serve greedy requests from ``directory`` on this layout; rank 0 adds the comparison
     with transformers."""
-    from colo_rollout.inference.cpu_compat import install_cpu_compat
-    from colo_rollout.inference.engine import Engine
-    from colo_rollout.inference.parallel import init_parallel
+    from colo_rollout.runtime.cpu_compat import install_cpu_compat
+    from colo_rollout.engine.engine import Engine
+    from colo_rollout.runtime.parallel import init_parallel
 
     cfg = engine_config(directory, world, adp, ep)
     groups = init_parallel(cfg.parallel)
@@ -182,9 +182,9 @@ def serve_checkpoint(rank: int, world: int, directory: str, adp: int, ep: int,
 
 def load_error(rank: int, world: int, directory: str) -> str:
     """The error building an engine from a (broken) checkpoint raises on this rank."""
-    from colo_rollout.inference.cpu_compat import install_cpu_compat
-    from colo_rollout.inference.engine import Engine
-    from colo_rollout.inference.parallel import init_parallel
+    from colo_rollout.runtime.cpu_compat import install_cpu_compat
+    from colo_rollout.engine.engine import Engine
+    from colo_rollout.runtime.parallel import init_parallel
 
     cfg = engine_config(directory, world, world, world)
     groups = init_parallel(cfg.parallel)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import threading
 
-from colo_rollout.inference import parallel
-from colo_rollout.inference.device import DeviceStall
+from colo_rollout.runtime import parallel
+from colo_rollout.runtime.device import DeviceStall
 
 
 def stall(rank: int, world: int, **_) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from colo_rollout.config import ParallelConfig
-from colo_rollout.inference.parallel import group_ranks, init_parallel
+from colo_rollout.runtime.parallel import group_ranks, init_parallel
 
 
 def layout_membership(rank: int, world: int, adp: int, ep: int) -> dict:

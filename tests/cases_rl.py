@@ -6,12 +6,12 @@ import math
 
 import torch
 
-from colo_rollout.inference.reference import (
+from colo_rollout.model.megatron_gpt import (
     build_reference,
     reference_logprobs,
     singleton_pg_collection,
 )
-from colo_rollout.inference.request import SamplingParams
+from colo_rollout.sched.request import SamplingParams
 from colo_rollout.rl.rollout import rollout
 from tests.cases_engine import LOGPROB_TOL, _engine
 
@@ -110,7 +110,7 @@ def weight_sync_exact(rank: int, world: int, adp: int, ep: int, trainer_tp: int,
     engine generates what megatron computes with the trainer's weights."""
     import dataclasses
 
-    from colo_rollout.inference.weights import loadable_tensors, random_state_dict, shard_for
+    from colo_rollout.model.weights import loadable_tensors, random_state_dict, shard_for
     from colo_rollout.rl.weight_sync import WeightSync
     from tests.cases_engine import compare_with_reference, mixed_requests
 
@@ -149,7 +149,7 @@ def replicas_sample_independently(rank: int, world: int) -> dict:
     """Two replicas sampling a near-uniform model with temperature 1 must not draw the same
     tokens (their random streams differ)."""
     cfg, groups, sd, engine = _engine(world, 2, 2)
-    from colo_rollout.inference.request import Request
+    from colo_rollout.sched.request import Request
 
     reqs = [Request(f"r{i}", (5, 6, 7), SamplingParams(temperature=1.0, max_tokens=16))
             for i in range(2)]
@@ -164,12 +164,12 @@ def weight_sync_two_model_pairs(rank: int, world: int, adp: int, ep: int,
     pair exactly (megatron's plan cache is keyed by layout, not by model)."""
     import dataclasses
 
-    from colo_rollout.inference.weights import loadable_tensors, random_state_dict, shard_for
+    from colo_rollout.model.weights import loadable_tensors, random_state_dict, shard_for
     from colo_rollout.rl.weight_sync import WeightSync
 
-    from colo_rollout.inference.cpu_compat import install_cpu_compat
-    from colo_rollout.inference.engine import Engine
-    from colo_rollout.inference.parallel import init_parallel
+    from colo_rollout.runtime.cpu_compat import install_cpu_compat
+    from colo_rollout.engine.engine import Engine
+    from colo_rollout.runtime.parallel import init_parallel
     from tests.cases_engine import tiny_config
 
     pairs = []

@@ -8,7 +8,7 @@ import time
 
 import torch.distributed as dist
 
-from colo_rollout.inference.rendezvous import RendezvousError, make_rendezvous
+from colo_rollout.multiplex.rendezvous import RendezvousError, make_rendezvous
 
 
 def _rdv(rank: int, world: int, timeout_s: float, kind: str):
@@ -53,7 +53,7 @@ def die(rank: int, world: int) -> None:
 
 
 def gather_json(rank: int, world: int) -> list:
-    from colo_rollout.inference.control import all_gather_json
+    from colo_rollout.runtime.control import all_gather_json
 
     return all_gather_json({"rank": rank, "xs": list(range(rank))},
                            dist.new_group(backend="gloo"))
@@ -63,7 +63,7 @@ def control_exchanges(rank: int, world: int, shm: bool, slot_bytes: int = 4096) 
     """Exchange messages of every size class -- empty, small, larger than a shared-memory slot
     (falls back to gloo for every rank), different per rank -- for many steps; return what
     each rank received."""
-    from colo_rollout.inference.control import ControlPlane, Message, ShmMailbox
+    from colo_rollout.runtime.control import ControlPlane, Message, ShmMailbox
 
     g = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=30))
     cp = ControlPlane(g, rank, world, 30.0, shm=shm)
@@ -84,7 +84,7 @@ def control_exchanges(rank: int, world: int, shm: bool, slot_bytes: int = 4096) 
 
 def control_stalled_peer(rank: int, world: int, timeout_s: float) -> dict:
     """The last rank stops exchanging: every other rank raises ControlError naming it."""
-    from colo_rollout.inference.control import ControlError, ControlPlane, Message
+    from colo_rollout.runtime.control import ControlError, ControlPlane, Message
 
     g = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
     cp = ControlPlane(g, rank, world, timeout_s, shm=True)

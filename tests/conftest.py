@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from colo_rollout.testing import WorkerGroup
+from colo_rollout.runtime.spawn import WorkerGroup
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Unit tests for the control plane's wire format (colo_rollout.inference.control.Message):
+"""Unit tests for the control plane's wire format (colo_rollout.runtime.control.Message):
 JSON round trip of every field, and a clear ControlError for what a peer must not send."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from colo_rollout.inference.control import ControlError, Message
+from colo_rollout.runtime.control import ControlError, Message
 
 
 def _full() -> Message:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colo_rollout.inference.cpu_compat import (
+from colo_rollout.runtime.cpu_compat import (
     cpu_compat_active,
     install_cpu_compat,
     uninstall_cpu_compat,
@@ -36,7 +36,7 @@ def test_patch1_router_expert_bias_buffers_on_cpu():
     from megatron.core.transformer.moe.router import TopKRouter
 
     from colo_rollout.config import ModelConfig
-    from colo_rollout.inference.model import megatron_config
+    from colo_rollout.model.model import megatron_config
 
     cfg = megatron_config(ModelConfig(hidden_size=16, num_attention_heads=2, num_query_groups=1,
                                       num_experts=4, moe_router_topk=2, vocab_size=32), init=False)

@@ -9,7 +9,7 @@ issues them in one order and all rounds complete with correct sums.
 
 from __future__ import annotations
 
-from colo_rollout.testing import WorkerGroup
+from colo_rollout.runtime.spawn import WorkerGroup
 
 C = "tests.cases_crossed"
 

@@ -1,6 +1,6 @@
 """Width buckets of the D graphs (pure host logic; capture itself is a GPU test)."""
 
-from colo_rollout.inference.decode_graph import MIN_WIDTH, width_bucket, width_buckets
+from colo_rollout.worker.decode_graph import MIN_WIDTH, width_bucket, width_buckets
 
 
 def test_width_bucket_is_the_next_power_of_two_capped():

@@ -255,7 +255,7 @@ def test_schema_accepts_only_router_settings_megatron_builds():
     megatron refuses (softmax top-1 without pre-softmax) is refused by the schema first."""
     pytest.importorskip("megatron.core")
     from colo_rollout.config import ConfigError, ModelConfig
-    from colo_rollout.inference.model import megatron_config
+    from colo_rollout.model.model import megatron_config
 
     accepted = 0
     for score, norm, topk, groups, bias, scale, shared, dense in itertools.product(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from colo_rollout.testing import WorkerGroup
+from colo_rollout.runtime.spawn import WorkerGroup
 
 C = "tests.cases_engine"
 MODEL = {"num_query_groups": 4}  # ATP4 needs KV groups divisible by 4

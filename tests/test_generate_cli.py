@@ -79,10 +79,10 @@ def _generate_case(rank: int, world: int, model_dir: str) -> dict:
     """In-process use, as a rollout() caller would: config with model.checkpoint, Engine loads
     the weights, generate_text (collective) -- twice on one engine, with and without chat."""
     from colo_rollout.config import config_from_dict
-    from colo_rollout.inference.engine import Engine
-    from colo_rollout.inference.parallel import init_parallel
-    from colo_rollout.inference.request import SamplingParams
-    from colo_rollout.text.generate import generate_text
+    from colo_rollout.engine.engine import Engine
+    from colo_rollout.runtime.parallel import init_parallel
+    from colo_rollout.sched.request import SamplingParams
+    from colo_rollout.tools.generate import generate_text
     from colo_rollout.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(model_dir)
@@ -100,7 +100,7 @@ def _generate_case(rank: int, world: int, model_dir: str) -> dict:
 
 
 def test_generate_text_matches_transformers_greedy(ckpt):
-    from colo_rollout.testing import WorkerGroup
+    from colo_rollout.runtime.spawn import WorkerGroup
 
     d, chat, plain = ckpt
     # a CPU rank also where CUDA is present (on a gloo rank megatron would still put some
@@ -114,8 +114,8 @@ def test_generate_text_matches_transformers_greedy(ckpt):
 def test_completion_stops_at_any_eos_id(ckpt):
     # the engine stops on one eos id (engine.eos_token_id); generate_text cuts at every
     # tokenizer eos id, unless ignore_eos
-    from colo_rollout.inference.request import FinishReason, RequestOutput, SamplingParams
-    from colo_rollout.text.generate import generate_text
+    from colo_rollout.sched.request import FinishReason, RequestOutput, SamplingParams
+    from colo_rollout.tools.generate import generate_text
     from colo_rollout.text.tokenizer import Tokenizer
 
     d, _, _ = ckpt

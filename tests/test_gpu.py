@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from colo_rollout.testing import WorkerGroup
+from colo_rollout.runtime.spawn import WorkerGroup
 
 NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = pytest.mark.skipif(NGPU == 0, reason="needs CUDA GPUs")
@@ -74,7 +74,7 @@ def _check_against_reference(name: str, res: list, world: int, dtype: str) -> No
 
 
 def _have_te() -> bool:
-    from colo_rollout.inference.model import te_available
+    from colo_rollout.model.model import te_available
 
     return te_available()
 

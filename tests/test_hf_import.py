@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 
-from colo_rollout.checkpoint.hf_config import hf_architecture
+from colo_rollout.config.hf_config import hf_architecture
 from colo_rollout.checkpoint.loader import check_checkpoint
 from colo_rollout.checkpoint.store import CheckpointError, CheckpointStore
 from colo_rollout.config import ConfigError, config_from_dict, load_config

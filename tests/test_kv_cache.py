@@ -1,4 +1,4 @@
-"""Unit tests for colo_rollout.inference.kv_cache (pure Python, no processes)."""
+"""Unit tests for colo_rollout.sched.kv_cache (pure Python, no processes)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from colo_rollout.inference.kv_cache import KVCacheError, KVCacheManager, KVCacheStats
+from colo_rollout.sched.kv_cache import KVCacheError, KVCacheManager, KVCacheStats
 
 
 def test_constructor_validates_args() -> None:

@@ -83,7 +83,7 @@ def test_cancel_during_prefill_epoch_drains_then_frees(worker_groups):
 
 
 def test_injected_protocol_violation_raises_on_every_rank_within_timeout():
-    from colo_rollout.testing import WorkerGroup
+    from colo_rollout.runtime.spawn import WorkerGroup
 
     with WorkerGroup(4) as g:  # private: the protocol is broken afterwards
         res = g.run(f"{C}:injected_violation", timeout=120, adp=2, ep=4)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from colo_rollout.config import ConfigError, ParallelConfig
-from colo_rollout.inference.parallel import Layout, LayoutError
+from colo_rollout.runtime.parallel import Layout, LayoutError
 
 CASE = "tests.cases_parallel:layout_membership"
 

@@ -1,4 +1,4 @@
-"""Unit tests for colo_rollout.inference.planner (pure Python: no processes, no torch)."""
+"""Unit tests for colo_rollout.sched.planner (pure Python: no processes, no torch)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from colo_rollout.inference.plan import DecodeRow, Phase, PrefillItem, ReplicaWork, StepPlan
-from colo_rollout.inference.planner import (
+from colo_rollout.sched.plan import DecodeRow, Phase, PrefillItem, ReplicaWork, StepPlan
+from colo_rollout.sched.planner import (
     Admission,
     PlannerLimits,
     ReplicaView,

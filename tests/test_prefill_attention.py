@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from colo_rollout.inference.attention import (
+from colo_rollout.model.attention import (
     AttnMetadata,
     KVStorage,
     PagedSelfAttention,
@@ -115,7 +115,7 @@ def test_bucket_merging_partitions_and_respects_the_pair_budget(seed):
 def test_rope_angles_once_per_forward_equal_megatron_bitwise(dtype, head_dim):
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
-    from colo_rollout.inference.attention import RopeAngles, apply_rope
+    from colo_rollout.model.attention import RopeAngles, apply_rope
 
     g = torch.Generator().manual_seed(0)
     table = torch.randn(100, 1, 1, 16, generator=g)  # megatron's [positions, 1, 1, rot_dim]
@@ -131,7 +131,7 @@ def test_rope_on_q_and_k_together_equals_megatron_on_each_bitwise():
     """The attention rotates q's and k's heads of every query group in one pass."""
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
-    from colo_rollout.inference.attention import RopeAngles, apply_rope
+    from colo_rollout.model.attention import RopeAngles, apply_rope
 
     g = torch.Generator().manual_seed(1)
     T, groups, n, dim = 29, 2, 3, 16

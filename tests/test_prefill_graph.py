@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from colo_rollout.inference.prefill_graph import MIN_TOKENS, token_bucket, token_buckets
+from colo_rollout.worker.prefill_graph import MIN_TOKENS, token_bucket, token_buckets
 
 
 @pytest.mark.parametrize("cap", [32, 100, 1000, 16384])

@@ -88,7 +88,7 @@ if sys.argv[1] == "quiet":
     from colo_rollout.quiet import quiet_known_warnings
     quiet_known_warnings()
 from colo_rollout.config import ModelConfig
-from colo_rollout.inference.model import megatron_config
+from colo_rollout.model.model import megatron_config
 megatron_config(ModelConfig(), tp=1, init=False)  # imports megatron, builds its config
 import warnings
 warnings.warn("a warning of our own", UserWarning)

@@ -6,14 +6,14 @@ import time
 
 import pytest
 
-from colo_rollout.testing import WorkerTimeout
+from colo_rollout.runtime.spawn import WorkerTimeout
 
 C = "tests.cases_turnstile"
 
 
 @pytest.mark.parametrize("kind", ["shm", "gloo"])
 def test_stress_small_completes_with_identical_logs_and_delayed_p(worker_groups, kind):
-    res = worker_groups(4).run("colo_rollout.inference.stress:stress_turnstile", timeout=300,
+    res = worker_groups(4).run("colo_rollout.tools.stress:stress_turnstile", timeout=300,
                                seeds=2, cycles=64, max_skew_ms=5.0, span=2, control_cycles=64,
                                rendezvous=kind)
     for r in res:
@@ -49,7 +49,7 @@ def test_stalled_peer_raises_within_timeout(worker_groups, kind):
 
 
 def test_dead_rank_fails_the_group_fast():
-    from colo_rollout.testing import WorkerGroup
+    from colo_rollout.runtime.spawn import WorkerGroup
 
     with WorkerGroup(2) as g:
         t0 = time.monotonic()

@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 
-from colo_rollout.bench import STEP_FIELDS, bench_trace, report, step_stats, variants
+from colo_rollout.tools.bench import STEP_FIELDS, bench_trace, report, step_stats, variants
 from colo_rollout.config import load_config
 
 CFG = "configs/bench_cpu.yaml"
@@ -24,7 +24,7 @@ def test_bench_replays_every_turn_with_identical_work(worker_groups, tmp_path, c
     ov = _overrides(tmp_path, [0.0, 0.01])
     cfg = load_config(CFG, ov)
     assert [v for v, _ in variants(cfg)] == ["normal", "fine-2", "fine-sel", "fine-bal"]
-    results = worker_groups(2).run("colo_rollout.bench:run_bench", timeout=600,
+    results = worker_groups(2).run("colo_rollout.tools.bench:run_bench", timeout=600,
                                    config_path=CFG, overrides=ov, progress=False)
     runs = results[0]["runs"]
     assert len(runs) == 2 * 4
@@ -82,7 +82,7 @@ def test_step_stats_split_p_steps_by_whether_d_was_ready():
 
 
 def test_timeline_stats_split_busy_overlap_and_tail():
-    from colo_rollout.bench import timeline_stats
+    from colo_rollout.tools.bench import timeline_stats
 
     spans = [("P", 0.0, 0.010), ("D", 0.005, 0.008), ("P", 0.012, 0.020),
              ("D", 0.018, 0.022), ("D", 0.030, 0.034), ("D", 0.040, 0.042)]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from colo_rollout.config import EngineConfig
-from colo_rollout.inference.request import (
+from colo_rollout.sched.request import (
     Request,
     RequestError,
     SamplingParams,
@@ -18,7 +18,7 @@ from colo_rollout.inference.request import (
     checked_request,
     token_ids,
 )
-from colo_rollout.inference.scheduler import Scheduler
+from colo_rollout.sched.scheduler import Scheduler
 
 VOCAB = 50
 
@@ -89,7 +89,7 @@ def test_wrong_types_are_request_errors_not_type_errors(request_, fragment):
 def test_submission_refused_is_a_request_error_that_pickles():
     import pickle
 
-    from colo_rollout.inference.request import FinishReason, RequestOutput
+    from colo_rollout.sched.request import FinishReason, RequestOutput
 
     out = RequestOutput("x", 3, error="request 'x': duplicate request id")
     out.finish_reason = FinishReason.REJECTED

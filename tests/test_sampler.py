@@ -1,4 +1,4 @@
-"""Unit tests for colo_rollout.inference.sampler.sample (CPU torch; no processes)."""
+"""Unit tests for colo_rollout.worker.sampler.sample (CPU torch; no processes)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from collections import Counter
 import pytest
 import torch
 
-from colo_rollout.inference.request import SamplingParams
-from colo_rollout.inference.sampler import sample
+from colo_rollout.sched.request import SamplingParams
+from colo_rollout.worker.sampler import sample
 
 
 def gen(seed: int = 0) -> torch.Generator:
@@ -243,9 +243,9 @@ def test_tiny_temperature_is_greedy(top_k: int) -> None:
 def test_pending_sampled_unpacks_both_layouts():
     """A D graph's greedy rows come back as one [2, n] float64 (tokens, logprobs); eager
     sampling as two tensors. Both resolve to the same Sampled values, tokens as ints."""
-    from colo_rollout.inference.runner import PendingSampled
-    from colo_rollout.inference.plan import Sampled
-    from colo_rollout.inference.device import Pending
+    from colo_rollout.worker.runner import PendingSampled
+    from colo_rollout.sched.plan import Sampled
+    from colo_rollout.runtime.device import Pending
 
     tokens = torch.tensor([3, 70000])
     logprobs = torch.tensor([-0.5, -1.25], dtype=torch.float32)

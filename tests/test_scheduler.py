@@ -1,4 +1,4 @@
-"""Unit tests for colo_rollout.inference.scheduler (pure Python: no processes, no torch)."""
+"""Unit tests for colo_rollout.sched.scheduler (pure Python: no processes, no torch)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from collections import deque
 import pytest
 
 from colo_rollout.config import EngineConfig
-from colo_rollout.inference.plan import DecodeRow, Phase, PrefillItem, StepPlan
-from colo_rollout.inference.request import FinishReason, Request, RequestError, SamplingParams
-from colo_rollout.inference.plan import Sampled
-from colo_rollout.inference.scheduler import Scheduler
+from colo_rollout.sched.plan import DecodeRow, Phase, PrefillItem, StepPlan
+from colo_rollout.sched.request import FinishReason, Request, RequestError, SamplingParams
+from colo_rollout.sched.plan import Sampled
+from colo_rollout.sched.scheduler import Scheduler
 
 VOCAB = 50
 EOS = 3

@@ -1,4 +1,4 @@
-"""Unit tests for colo_rollout.inference.segment_policy (pure Python: no processes, no torch).
+"""Unit tests for colo_rollout.multiplex.segment_policy (pure Python: no processes, no torch).
 
 Expectations come from the module docstring: FixedSpan(K) always picks K; LoadSelectedSpan picks
 among validated ascending spans from D occupancy (d_rows / d_capacity) and P pressure
@@ -16,7 +16,7 @@ import random
 
 import pytest
 
-from colo_rollout.inference.segment_policy import (
+from colo_rollout.multiplex.segment_policy import (
     BalancedSpan,
     FixedSpan,
     Load,
@@ -310,7 +310,7 @@ class _FakePending:
 
 
 def test_held_clock_brackets_d_return_and_estimates_the_midpoint(monkeypatch):
-    from colo_rollout.inference import segment_policy as sp
+    from colo_rollout.multiplex import segment_policy as sp
 
     now = [0.0]
     monkeypatch.setattr(sp.time, "perf_counter", lambda: now[0])
@@ -330,7 +330,7 @@ def test_held_clock_brackets_d_return_and_estimates_the_midpoint(monkeypatch):
 
 
 def test_held_clock_is_zero_while_d_never_came_back(monkeypatch):
-    from colo_rollout.inference import segment_policy as sp
+    from colo_rollout.multiplex import segment_policy as sp
 
     now = [0.0]
     monkeypatch.setattr(sp.time, "perf_counter", lambda: now[0])

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from colo_rollout.config import EngineConfig
-from colo_rollout.inference.plan import Phase
-from colo_rollout.inference.request import Request, RequestError, SamplingParams
-from colo_rollout.inference.scheduler import Sampled, Scheduler
+from colo_rollout.sched.plan import Phase
+from colo_rollout.sched.request import Request, RequestError, SamplingParams
+from colo_rollout.sched.scheduler import Sampled, Scheduler
 
 
 def make(blocks: int = 32) -> Scheduler:

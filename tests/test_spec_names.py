@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from colo_rollout.config import ModelConfig
-from colo_rollout.inference.weights import random_state_dict, shard_for, to_spec_names
-from colo_rollout.inference.parallel import Layout
+from colo_rollout.model.weights import random_state_dict, shard_for, to_spec_names
+from colo_rollout.runtime.parallel import Layout
 
 CFG = ModelConfig(vocab_size=64, hidden_size=16, num_layers=2, num_attention_heads=4,
                   num_query_groups=2, moe_ffn_hidden_size=8, num_experts=4, moe_router_topk=2)

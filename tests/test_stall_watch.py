@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from colo_rollout.inference.stall_watch import StallWatch
+from colo_rollout.engine.stall_watch import StallWatch
 
 
 def _slow_part():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from colo_rollout.config import EngineConfig
-from colo_rollout.inference.segment_policy import BalancedSpan
-from colo_rollout.inference.strategy import Fine, Global, Normal, strategy_for
+from colo_rollout.multiplex.segment_policy import BalancedSpan
+from colo_rollout.multiplex.strategy import Fine, Global, Normal, strategy_for
 
 
 @pytest.mark.parametrize("mode,kind,pd,d_first,fence,whole,graphs", [

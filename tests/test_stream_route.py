@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from colo_rollout.config import STREAM_PRIORITIES
-from colo_rollout.inference.stream_route import HIGH_PRIORITY, StreamRoute, stream_priorities
+from colo_rollout.multiplex.stream_route import HIGH_PRIORITY, StreamRoute, stream_priorities
 
 
 def test_the_favoured_phase_gets_the_higher_priority():
@@ -30,7 +30,7 @@ def test_route_is_inactive_on_cpu_whatever_the_priority():
 def test_overlap_stats_of_a_timeline():
     """The GPU timeline test's helper (tests/cases_gpu.py), on a hand-made timeline in seconds:
     a P epoch (two segments) from 1.0 to 1.5 s with two D iterations inside it."""
-    from colo_rollout.inference.stream_route import Span
+    from colo_rollout.multiplex.stream_route import Span
     from tests.cases_gpu import overlap_stats
 
     spans = [Span("D", 0.90, 0.92), Span("P", 1.00, 1.20, epoch=0), Span("D", 1.21, 1.23, 0),
@@ -53,7 +53,7 @@ def test_overlap_stats_of_a_timeline():
     (1, 1, True, False),   # one rank: no collective pairs to cross
 ])
 def test_auto_route_follows_layout_and_p_graphs(adp, atp, p_graphs, expected):
-    from colo_rollout.inference.stream_route import routes_p_collective
+    from colo_rollout.multiplex.stream_route import routes_p_collective
 
     assert routes_p_collective("auto", adp, atp, p_graphs) is expected
     assert routes_p_collective("always", adp, atp, p_graphs) is True
@@ -75,7 +75,7 @@ class _Event:
 
 
 def test_bounded_wait_returns_when_the_work_is_done():
-    from colo_rollout.inference.device import wait_event
+    from colo_rollout.runtime.device import wait_event
 
     ev = _Event(after=50)
     wait_event(ev, 5.0, "D tokens")
@@ -88,8 +88,8 @@ def test_bounded_wait_returns_when_the_work_is_done():
 def test_bounded_wait_raises_naming_what_it_waited_for():
     import time
 
-    from colo_rollout.inference.runner import PendingSampled
-    from colo_rollout.inference.device import DeviceStall, wait_event
+    from colo_rollout.worker.runner import PendingSampled
+    from colo_rollout.runtime.device import DeviceStall, wait_event
 
     t0 = time.monotonic()
     with pytest.raises(DeviceStall, match=r"rank 1, step 9: D tokens: .* within 0.05 s"):

@@ -1,4 +1,4 @@
-"""Tests for colo_rollout.trace: loader error paths, round trip, transforms, statistics, the
+"""Tests for colo_rollout.workloads.trace: loader error paths, round trip, transforms, statistics, the
 paper-fitted generator and the Mooncake importer."""
 
 import json
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from colo_rollout.trace import (
+from colo_rollout.workloads.trace import (
     PAPER_TARGETS,
     Conversation,
     GeneratorParams,

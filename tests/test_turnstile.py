@@ -1,4 +1,4 @@
-"""Unit tests for colo_rollout.inference.turnstile (pure Python: no processes, no torch).
+"""Unit tests for colo_rollout.multiplex.turnstile (pure Python: no processes, no torch).
 
 Expectations come from the module docstring, DESIGN.md item 7 and paper section 4 ("The
 controller stores the largest reached boundary r (initially -1), permitted endpoint p, positive
@@ -15,7 +15,7 @@ import re
 
 import pytest
 
-from colo_rollout.inference.turnstile import Event, TaskState, TurnstileController, TurnstileError
+from colo_rollout.multiplex.turnstile import Event, TaskState, TurnstileController, TurnstileError
 
 PROD = "gather"
 RANK = 3  # a non-zero rank so the message must really come from the controller

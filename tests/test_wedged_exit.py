@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from colo_rollout.inference import parallel
-from colo_rollout.inference.device import DeviceStall
+from colo_rollout.runtime import parallel
+from colo_rollout.runtime.device import DeviceStall
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

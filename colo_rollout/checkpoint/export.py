@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from colo_rollout.checkpoint.hf_config import (
+from colo_rollout.config.hf_config import (
     GLM4,
     MIXTRAL,
     QWEN2,
@@ -29,14 +29,14 @@ from colo_rollout.checkpoint.hf_config import (
 from colo_rollout.checkpoint.hf_names import hf_sources
 from colo_rollout.checkpoint.store import write_checkpoint
 from colo_rollout.config import ModelConfig
-from colo_rollout.inference.weights import (
+from colo_rollout.model.weights import (
     DTYPES,
     loadable_tensors,
     shard_rule,
     tensor_shapes,
     to_spec_names,
 )
-from colo_rollout.inference.parallel import Layout
+from colo_rollout.runtime.parallel import Layout
 
 _MODEL_TYPES = {QWEN3: "qwen3_moe", QWEN2: "qwen2_moe", MIXTRAL: "mixtral", GLM4: "glm4_moe"}
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}

@@ -11,7 +11,7 @@ Both directions use the same table: import (checkpoint/loader.py cuts each rank'
 the sources) and export (checkpoint/export.py splits full tensors back into HF tensors).
 
 Must not go in here: file access (store.py), config.json parsing (hf_config.py), sharding rules
-(inference/model.py ``shard_rule``).
+(model/model.py ``shard_rule``).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from colo_rollout.checkpoint.hf_config import GLM4, MIXTRAL, QWEN2
+from colo_rollout.config.hf_config import GLM4, MIXTRAL, QWEN2
 from colo_rollout.config import ModelConfig
-from colo_rollout.inference.weights import tensor_shapes
+from colo_rollout.model.weights import tensor_shapes
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,12 @@ Must not go in here: name mapping (hf_names.py), file access beyond the store's 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from colo_rollout.checkpoint.hf_config import HFArchitecture, hf_architecture
+from colo_rollout.config.hf_config import HFArchitecture, hf_architecture
 from colo_rollout.checkpoint.hf_names import (
     QKV,
     Direct,
@@ -31,14 +32,14 @@ from colo_rollout.checkpoint.hf_names import (
 )
 from colo_rollout.checkpoint.store import CheckpointError, CheckpointStore
 from colo_rollout.config import ModelConfig
-from colo_rollout.inference.weights import (
+from colo_rollout.model.weights import (
     ShardRule,
     loadable_tensors,
     shard_rule,
     tensor_shapes,
     to_spec_names,
 )
-from colo_rollout.inference.parallel import Layout
+from colo_rollout.runtime.parallel import Layout
 
 
 @dataclass
@@ -165,3 +166,16 @@ def read_shard(store: CheckpointStore, src: Source, rule: ShardRule,
     k = store.read(src.k, rows=(g0 * d, g1 * d), dtype=dtype)
     v = store.read(src.v, rows=(g0 * d, g1 * d), dtype=dtype)
     return src.fuse(q, k, v)
+
+
+def megatron_loader(cfg: ModelConfig, tp: int, tp_rank: int, *,
+                    te: bool = False) -> Callable[[torch.nn.Module], None]:
+    """The weights argument of ``model.megatron_gpt.build_reference`` for a checkpoint: loads
+    rank ``tp_rank``'s TP-``tp`` slices of ``cfg.checkpoint`` into megatron's GPTModel."""
+    if cfg.checkpoint is None:
+        raise ValueError("megatron_loader: model.checkpoint is not set")
+
+    def load(model: torch.nn.Module) -> None:
+        load_checkpoint(model, cfg, Layout(world_size=tp, adp=1, ep=1), tp_rank, te=te)
+
+    return load

@@ -27,7 +27,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from colo_rollout.checkpoint.errors import CONFIG_NAME, CheckpointError
+from colo_rollout.config.checkpoint_errors import CONFIG_NAME, CheckpointError
 
 SINGLE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"

@@ -161,12 +161,12 @@ def config_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> Config:
 
 def _with_checkpoint_fields(data: Mapping[str, Any], source: str):
     """(``data`` with the model section's architecture fields read from ``model.checkpoint``'s
-    config.json (checkpoint/hf_config.py) when it names one, that HFArchitecture or None)."""
+    config.json (config/hf_config.py) when it names one, that HFArchitecture or None)."""
     model = data.get("model") if isinstance(data, Mapping) else None
     if not (isinstance(model, Mapping) and isinstance(model.get("checkpoint"), str)):
         return data, None  # no checkpoint (a wrong type is reported by the schema)
-    from colo_rollout.checkpoint.hf_config import ContradictionError, merge_checkpoint_fields
-    from colo_rollout.checkpoint.errors import CheckpointError
+    from colo_rollout.config.hf_config import ContradictionError, merge_checkpoint_fields
+    from colo_rollout.config.checkpoint_errors import CheckpointError
 
     try:
         merged, arch = merge_checkpoint_fields(dict(model), source)

@@ -91,7 +91,7 @@ class ModelConfig:
     SECTION: ClassVar[str] = "model"
 
     # Hugging Face checkpoint directory (config.json + safetensors). When set, the architecture
-    # fields below come from its config.json (checkpoint/hf_config.py; a field set here that
+    # fields below come from its config.json (config/hf_config.py; a field set here that
     # contradicts it is an error naming both) and Engine(cfg, groups) loads the weights itself,
     # each rank reading only its slices. params_dtype still comes from here.
     checkpoint: str | None = None
@@ -228,7 +228,7 @@ class ModelConfig:
                  "renormalises the top-k scores)")
         # megatron's TransformerConfig: "Please use --moe-router-pre-softmax when topk is 1"
         # (a softmax over one logit has no gradient); renormalised softmax top-k is its
-        # pre_softmax false (inference/model.py: megatron_config)
+        # pre_softmax false (model/model.py: megatron_config)
         _require(not (self.moe_router_topk == 1 and self.router_score == "softmax"
                       and self.router_norm_topk), "model.router_norm_topk",
                  "true with moe_router_topk 1 and router_score 'softmax' is refused by megatron "
@@ -332,7 +332,7 @@ class EngineConfig:
     # GPU, PD modes: which phase's stream gets the higher CUDA priority when both have kernels
     # queued -- "prefill" (P at near-Normal speed, D in what P leaves), "decode" (protect D's
     # iteration time), or "equal". Prefill measured better on all three bench metrics on 1 and
-    # 2 H200 (docs/benchmarks.md, session 4).
+    # 2 H200 (docs/benchmarks.md).
     stream_priority: str = "prefill"
     # P attention batches sequences by context-length bucket; neighbouring buckets are merged
     # while a merge adds at most this many padded (query, key) pairs. Each bucket costs a dozen
@@ -342,7 +342,7 @@ class EngineConfig:
     # GPU: record CUDA events around every P segment/epoch and D iteration (timelines).
     cuda_timing: bool = False
     # Diagnosis: when > 0, a rank whose step takes longer than this many seconds prints that
-    # step's Python stack to stderr (inference/stall_watch.py), so a stalled round shows where
+    # step's Python stack to stderr (engine/stall_watch.py), so a stalled round shows where
     # each host waits. 0: off.
     stall_dump_s: float = 0.0
     # GPU: D by CUDA-graph replay, one graph per (row bucket, block-table width); needs the

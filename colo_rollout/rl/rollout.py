@@ -24,8 +24,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from colo_rollout.inference.engine import Engine
-from colo_rollout.inference.request import FinishReason, Request, RequestError, SamplingParams
+from colo_rollout.engine.engine import Engine
+from colo_rollout.sched.request import FinishReason, Request, RequestError, SamplingParams
 
 
 class Environment(Protocol):

@@ -29,11 +29,11 @@ if __name__ in ("__main__", "__mp_main__"):
 import torch  # noqa: E402
 
 from colo_rollout.config import Config, load_config  # noqa: E402
-from colo_rollout.inference.engine import Engine  # noqa: E402
-from colo_rollout.inference.memory import MemoryReport  # noqa: E402
-from colo_rollout.inference.weights import random_state_dict  # noqa: E402
-from colo_rollout.inference.parallel import init_parallel  # noqa: E402
-from colo_rollout.inference.request import SamplingParams  # noqa: E402
+from colo_rollout.engine.engine import Engine  # noqa: E402
+from colo_rollout.worker.memory import MemoryReport  # noqa: E402
+from colo_rollout.model.weights import random_state_dict  # noqa: E402
+from colo_rollout.runtime.parallel import init_parallel  # noqa: E402
+from colo_rollout.sched.request import SamplingParams  # noqa: E402
 from colo_rollout.rl.rollout import rollout  # noqa: E402
 from colo_rollout.rl.trainer import Trainer  # noqa: E402
 from colo_rollout.rl.weight_sync import WeightSync  # noqa: E402

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from colo_rollout.config import Config
-from colo_rollout.inference.reference import build_reference, singleton_pg_collection
+from colo_rollout.checkpoint.loader import megatron_loader
+from colo_rollout.model.megatron_gpt import build_reference, singleton_pg_collection
 from colo_rollout.rl.grpo import clipped_loss, group_advantages, ppo_advantages, value_loss
 from colo_rollout.rl.rollout import Trajectory
 
@@ -59,7 +60,9 @@ class Trainer:
             raise ValueError("rl.trainer_tp > 1 is not supported yet: megatron trains MoE with "
                              "TP only under sequence parallelism; use trainer_tp: 1 (DP)")
         self.pgc = trainer_pg_collection(world, self.tp)
-        model = build_reference(cfg.model, state_dict, self.pgc, device)
+        weights = state_dict if state_dict is not None else megatron_loader(
+            cfg.model, self.pgc.tp.size(), self.pgc.tp.rank())
+        model = build_reference(cfg.model, weights, self.pgc, device)
         self.module = model  # megatron GPTModel (or Float16Module), what WeightSync reads
         self.module.train()
         if device.type == "cuda":

@@ -1,0 +1,337 @@
+"""config.json of a Hugging Face checkpoint -> the model section's architecture fields.
+
+Owns which families are supported (the ``architectures`` value picks one), how each family's
+keys map onto ``ModelConfig`` fields (both transformers-5 and older spellings: ``rope_parameters``
+or ``rope_theta``/``rope_scaling``/``partial_rotary_factor``, ``dtype`` or ``torch_dtype``,
+``num_experts`` or ``num_local_experts``), what megatron cannot express (refused with an error
+naming the config.json key), and the merge of those fields into a YAML model section, where an
+explicit field that contradicts the checkpoint is an error naming both.
+
+Must not go in here: tensor names and shapes (hf_names.py), reading weights (store.py).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from colo_rollout.config.checkpoint_errors import CONFIG_NAME, CheckpointError
+
+QWEN3 = "Qwen3MoeForCausalLM"
+QWEN2 = "Qwen2MoeForCausalLM"
+MIXTRAL = "MixtralForCausalLM"
+GLM4 = "Glm4MoeForCausalLM"
+FAMILIES = (QWEN3, QWEN2, MIXTRAL, GLM4)
+# families whose attention is multi-head latent attention: not in this engine
+MLA_FAMILIES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "KimiK2ForCausalLM")
+
+# ModelConfig fields a checkpoint determines (everything else -- params_dtype, use_te,
+# moe_compute, fp8, seed -- stays the run's choice)
+ARCH_FIELDS = (
+    "vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
+    "head_dim", "qk_layernorm", "norm_epsilon", "qkv_bias", "tie_embeddings",
+    "moe_ffn_hidden_size", "num_experts", "moe_router_topk", "router_score", "router_norm_topk",
+    "router_expert_bias", "router_scaling_factor", "router_num_groups", "router_group_topk",
+    "shared_expert_ffn_hidden_size", "shared_expert_gate", "first_k_dense", "ffn_hidden_size",
+    "max_position_embeddings", "rotary_base", "rotary_percent", "rope_scaling",
+    "rope_scaling_factor", "normalization",
+)
+# the YAML may lower these (a shorter RoPE table); raising them is an error
+AT_MOST_FIELDS = ("max_position_embeddings",)
+
+
+@dataclass(frozen=True)
+class HFArchitecture:
+    """What config.json says: the family, ModelConfig fields, and for each field the config.json
+    key it came from (for error messages)."""
+
+    path: pathlib.Path  # the config.json
+    family: str
+    fields: dict[str, Any]
+    sources: dict[str, str]
+    dtype: str | None  # the checkpoint's stored dtype name, when given
+    # layers stored beyond num_layers (GLM's MTP "nextn" layers): present, not loaded
+    extra_layers: int = 0
+    raw: dict = field(default_factory=dict, repr=False)
+
+
+class _Reader:
+    """Typed access to config.json keys, remembering which key fed which field."""
+
+    def __init__(self, config: dict, path: pathlib.Path) -> None:
+        self.c, self.path = config, path
+        self.fields: dict[str, Any] = {}
+        self.sources: dict[str, str] = {}
+
+    def error(self, key: str, problem: str) -> CheckpointError:
+        return CheckpointError(problem, path=self.path, name=key)
+
+    def get(self, key: str, kind: type, default: Any = ..., *, null_ok: bool = False) -> Any:
+        if key not in self.c or (self.c[key] is None and not null_ok and default is not ...):
+            if default is ...:
+                raise self.error(key, "missing")
+            return default
+        v = self.c[key]
+        if v is None and null_ok:
+            return None
+        ok = (isinstance(v, (int, float)) and not isinstance(v, bool) if kind is float
+              else isinstance(v, int) and not isinstance(v, bool) if kind is int
+              else isinstance(v, kind))
+        if not ok:
+            raise self.error(key, f"expected {kind.__name__}, got {type(v).__name__} {v!r}")
+        return float(v) if kind is float else v
+
+    def set(self, name: str, value: Any, key: str) -> None:
+        self.fields[name] = value
+        self.sources[name] = key
+
+    def take(self, name: str, key: str, kind: type, default: Any = ...) -> Any:
+        v = self.get(key, kind, default)
+        self.set(name, v, key)
+        return v
+
+    def refuse(self, key: str, cond: bool, problem: str) -> None:
+        if cond:
+            raise self.error(key, problem)
+
+
+def read_hf_config(directory: str | pathlib.Path) -> dict:
+    path = pathlib.Path(directory) / CONFIG_NAME
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise CheckpointError("missing (a Hugging Face checkpoint directory holds config.json "
+                              "and safetensors)", path=path) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"cannot read: {e}", path=path) from None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"line {e.lineno}: invalid JSON: {e.msg}", path=path) from None
+    if not isinstance(config, dict):
+        raise CheckpointError("expected a JSON object", path=path)
+    return config
+
+
+def hf_architecture(directory: str | pathlib.Path, config: dict | None = None) -> HFArchitecture:
+    """Parse ``directory``/config.json (or ``config``, already parsed from there)."""
+    path = pathlib.Path(directory) / CONFIG_NAME
+    config = read_hf_config(directory) if config is None else config
+    r = _Reader(config, path)
+    archs = config.get("architectures")
+    if not (isinstance(archs, list) and archs and all(isinstance(a, str) for a in archs)):
+        raise r.error("architectures", f"expected a non-empty list of names, got {archs!r}")
+    family = archs[0]
+    if family in MLA_FAMILIES or "kv_lora_rank" in config:
+        raise r.error("architectures", f"{family!r} uses multi-head latent attention (MLA), "
+                      f"which this engine does not support; supported: {', '.join(FAMILIES)}")
+    if family not in FAMILIES:
+        raise r.error("architectures", f"{family!r} is not supported; supported: "
+                      f"{', '.join(FAMILIES)}")
+    _common(r, family)
+    {QWEN3: _qwen3, QWEN2: _qwen2, MIXTRAL: _mixtral, GLM4: _glm4}[family](r)
+    dtype = config.get("dtype", config.get("torch_dtype"))
+    extra = 0
+    if family == GLM4:
+        extra = r.get("num_nextn_predict_layers", int, 0)
+    return HFArchitecture(path, family, r.fields, r.sources,
+                          dtype if isinstance(dtype, str) else None, extra, config)
+
+
+# ---------------------------------------------------------------------- the families
+# config.json keys whose absence transformers fills with a family default other than "none":
+# the model transformers builds from such a config.json is the reference, so read them alike
+_PARTIAL_ROTARY_DEFAULT = {GLM4: 0.5}  # Glm4MoeConfig: partial_rotary_factor 0.5 when absent
+
+
+def _common(r: _Reader, family: str) -> None:
+    r.take("vocab_size", "vocab_size", int)
+    r.take("hidden_size", "hidden_size", int)
+    r.take("num_layers", "num_hidden_layers", int)
+    heads = r.take("num_attention_heads", "num_attention_heads", int)
+    r.take("num_query_groups", "num_key_value_heads", int, heads)
+    head_dim = r.get("head_dim", int, None, null_ok=True)
+    if head_dim is None:
+        hidden = r.fields["hidden_size"]
+        r.refuse("hidden_size", hidden % heads != 0, f"{hidden} is not divisible by "
+                 f"num_attention_heads {heads} and head_dim is not given")
+        head_dim = hidden // heads
+    r.set("head_dim", head_dim, "head_dim")
+    r.take("norm_epsilon", "rms_norm_eps", float)
+    r.take("tie_embeddings", "tie_word_embeddings", bool, False)
+    r.take("max_position_embeddings", "max_position_embeddings", int)
+    r.take("moe_router_topk", "num_experts_per_tok", int)
+    r.set("normalization", "RMSNorm", "rms_norm_eps")
+    act = r.get("hidden_act", str, "silu")
+    r.refuse("hidden_act", act != "silu", f"{act!r}: only SwiGLU ('silu') MLPs are supported")
+    _rope(r, _PARTIAL_ROTARY_DEFAULT.get(family, 1.0))
+    # defaults that families override
+    for name, value in (("qk_layernorm", False), ("qkv_bias", False), ("router_score", "softmax"),
+                        ("router_norm_topk", True), ("router_expert_bias", False),
+                        ("router_scaling_factor", 1.0), ("router_num_groups", None),
+                        ("router_group_topk", None), ("shared_expert_ffn_hidden_size", None),
+                        ("shared_expert_gate", False), ("first_k_dense", 0),
+                        ("ffn_hidden_size", None)):
+        r.set(name, value, "architectures")
+
+
+def _rope(r: _Reader, partial_default: float = 1.0) -> None:
+    """transformers 5: rope_parameters {rope_theta, rope_type, partial_rotary_factor, factor};
+    older: top-level rope_theta, rope_scaling {type|rope_type, factor}, partial_rotary_factor.
+    ``partial_default``: the family's partial_rotary_factor when config.json gives none."""
+    params = r.c.get("rope_parameters")
+    if params is not None and not isinstance(params, dict):
+        raise r.error("rope_parameters", f"expected an object, got {params!r}")
+    params = params or {}
+    if any(isinstance(v, dict) for v in params.values()):
+        raise r.error("rope_parameters", "per-layer-type RoPE parameters are not supported")
+    legacy = r.c.get("rope_scaling") or {}
+    if not isinstance(legacy, dict):
+        raise r.error("rope_scaling", f"expected an object or null, got {legacy!r}")
+
+    def pick(key: str, default: Any, where: str) -> tuple[Any, str]:
+        for src, d in ((f"rope_parameters.{key}", params), (f"rope_scaling.{key}", legacy),
+                       (key, r.c)):
+            if d.get(key) is not None:
+                return d[key], src
+        return default, where
+
+    theta, src = pick("rope_theta", 10000.0, "rope_theta")
+    r.refuse(src, isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0,
+             f"expected a positive number, got {theta!r}")
+    r.set("rotary_base", float(theta), src)
+    partial, src = pick("partial_rotary_factor", partial_default, "partial_rotary_factor")
+    r.refuse(src, isinstance(partial, bool) or not isinstance(partial, (int, float))
+             or not 0 < partial <= 1, f"expected a number in (0, 1], got {partial!r}")
+    r.set("rotary_percent", float(partial), src)
+    rtype, src = pick("rope_type", None, "rope_type")
+    if rtype is None:
+        rtype, src = pick("type", "default", "rope_scaling.type")
+    if rtype == "default":
+        r.set("rope_scaling", None, src)
+        r.set("rope_scaling_factor", 8.0, src)
+        return
+    if rtype != "llama3":
+        raise r.error(src, f"RoPE type {rtype!r} is not supported (default, llama3)")
+    # megatron's llama3 scaling fixes the other three parameters; refuse different ones
+    for key, want in (("low_freq_factor", 1.0), ("high_freq_factor", 4.0),
+                      ("original_max_position_embeddings", 8192)):
+        got, ksrc = pick(key, want, key)
+        r.refuse(ksrc, got != want, f"{got!r}: megatron's llama3 RoPE scaling uses {want}")
+    factor, fsrc = pick("factor", 8.0, "factor")
+    r.refuse(fsrc, isinstance(factor, bool) or not isinstance(factor, (int, float))
+             or factor <= 0, f"expected a positive number, got {factor!r}")
+    r.set("rope_scaling", "llama3", src)
+    r.set("rope_scaling_factor", float(factor), fsrc)
+
+
+def _no_sliding_window(r: _Reader) -> None:
+    r.refuse("use_sliding_window", r.get("use_sliding_window", bool, False),
+             "sliding-window attention is not supported")
+
+
+def _qwen_dense_layers(r: _Reader) -> None:
+    """Qwen's mlp_only_layers / decoder_sparse_step make some layers dense; megatron's layer
+    pattern could hold them, this engine's model section holds only first_k_dense."""
+    only = r.get("mlp_only_layers", list, [])
+    r.refuse("mlp_only_layers", bool(only), f"{only}: dense layers other than the first k are "
+             "not supported")
+    step = r.get("decoder_sparse_step", int, 1)
+    r.refuse("decoder_sparse_step", step != 1, f"{step}: only every layer MoE (1) is supported")
+
+
+def _qwen3(r: _Reader) -> None:
+    key = "num_experts" if "num_experts" in r.c else "num_local_experts"
+    r.take("num_experts", key, int)
+    r.take("moe_ffn_hidden_size", "moe_intermediate_size", int)
+    r.take("router_norm_topk", "norm_topk_prob", bool, False)
+    r.set("qk_layernorm", True, "architectures")  # Qwen3 always has q_norm / k_norm
+    r.refuse("attention_bias", r.get("attention_bias", bool, False),
+             "true: Qwen3's attention bias includes o_proj, which megatron has no bias for")
+    _no_sliding_window(r)
+    _qwen_dense_layers(r)
+
+
+def _qwen2(r: _Reader) -> None:
+    key = "num_experts" if "num_experts" in r.c else "num_local_experts"
+    r.take("num_experts", key, int)
+    r.take("moe_ffn_hidden_size", "moe_intermediate_size", int)
+    r.take("router_norm_topk", "norm_topk_prob", bool, False)
+    r.take("qkv_bias", "qkv_bias", bool, True)  # older configs: Qwen2-MoE always has it
+    # Qwen2MoeConfig's default (5632) when absent: transformers then builds a shared expert
+    shared = r.get("shared_expert_intermediate_size", int, 5632)
+    if shared:
+        r.set("shared_expert_ffn_hidden_size", shared, "shared_expert_intermediate_size")
+        r.set("shared_expert_gate", True, "architectures")  # Qwen2-MoE's shared_expert_gate
+    _no_sliding_window(r)
+    _qwen_dense_layers(r)
+
+
+def _mixtral(r: _Reader) -> None:
+    r.take("num_experts", "num_local_experts", int)
+    r.take("moe_ffn_hidden_size", "intermediate_size", int)
+    r.set("router_norm_topk", True, "architectures")  # softmax over the top-k logits
+    window = r.get("sliding_window", int, None, null_ok=True)
+    r.refuse("sliding_window", window is not None, f"{window}: sliding-window attention is "
+             "not supported")
+
+
+def _glm4(r: _Reader) -> None:
+    r.take("num_experts", "n_routed_experts", int)
+    moe_ffn = r.take("moe_ffn_hidden_size", "moe_intermediate_size", int)
+    r.take("router_norm_topk", "norm_topk_prob", bool, True)
+    r.set("router_score", "sigmoid", "architectures")
+    r.set("router_expert_bias", True, "architectures")  # e_score_correction_bias
+    r.take("router_scaling_factor", "routed_scaling_factor", float, 1.0)
+    r.take("qkv_bias", "attention_bias", bool, False)
+    r.take("qk_layernorm", "use_qk_norm", bool, False)
+    groups = r.get("n_group", int, 1)
+    topk_group = r.get("topk_group", int, 1)
+    if groups > 1:
+        topk = r.fields["moe_router_topk"]
+        # HF scores a group by the sum of its top-2 experts; megatron by its top-(k / groups)
+        r.refuse("topk_group", topk_group <= 0 or topk % topk_group or topk // topk_group != 2,
+                 f"{topk_group}: group-limited routing scores groups by their top 2 experts; "
+                 f"megatron scores them by num_experts_per_tok / topk_group = {topk} / "
+                 f"{topk_group}, which must then be 2")
+        r.set("router_num_groups", groups, "n_group")
+        r.set("router_group_topk", topk_group, "topk_group")
+    shared = r.get("n_shared_experts", int, 1)  # Glm4MoeConfig's defaults when absent: 1, 1
+    if shared:
+        r.set("shared_expert_ffn_hidden_size", shared * moe_ffn, "n_shared_experts")
+    dense = r.take("first_k_dense", "first_k_dense_replace", int, 1)
+    if dense:
+        r.take("ffn_hidden_size", "intermediate_size", int)
+
+
+# ---------------------------------------------------------------------- merging into YAML
+def merge_checkpoint_fields(model: dict, source: str) -> tuple[dict, HFArchitecture]:
+    """The YAML model section ``model`` (a mapping with ``checkpoint`` set) with the
+    checkpoint's architecture fields filled in. A field given in the YAML must agree with the
+    checkpoint (``AT_MOST_FIELDS`` may be lower); otherwise a ``ValueError`` naming the YAML
+    key, both values and the config.json key. ``source`` names the YAML file."""
+    arch = hf_architecture(model["checkpoint"])
+    out = dict(model)
+    for name, value in arch.fields.items():
+        if name not in model or model[name] == value:
+            out[name] = value
+            continue
+        given = model[name]
+        if (name in AT_MOST_FIELDS and isinstance(given, int) and not isinstance(given, bool)
+                and 1 <= given <= value):
+            continue
+        src = arch.sources[name]
+        what = (f"{arch.family} (config.json architectures), which has {value!r}"
+                if src == "architectures" else f"config.json {src} = {value!r}")
+        raise ContradictionError(f"model.{name}: {given!r} contradicts {what} ({arch.path}); "
+                                 "drop the key or make them agree", key=f"model.{name}")
+    return out, arch
+
+
+class ContradictionError(ValueError):
+    def __init__(self, message: str, *, key: str) -> None:
+        super().__init__(message)
+        self.key = key
+

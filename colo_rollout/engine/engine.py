@@ -1,0 +1,602 @@
+"""The engine: ``step()`` = exchange -> schedule -> run -> keep results. In-process Python API.
+
+Owns the composition of control plane, scheduler, planner and runner for one rank, and the
+user-facing calls: ``submit``/``cancel`` (any rank, non-collective), ``step`` and ``generate``
+(collective: every rank of the world calls them together).
+
+One step, on every rank:
+  1. exchange: every rank's new submissions/cancels and the replica leaders' sampled tokens of
+     the previous step are all-gathered on the gloo control group (the only host agreement);
+  2. commit the previous step's tokens, then apply intake in rank order (so every rank's
+     scheduler sees identical inputs and stays identical);
+  3. plan (Normal mode: strict P priority) and run it -- every rank runs the phase, replicas
+     without work run matched empty/padded work so collectives match;
+  4. keep this step's sampled tokens for the next exchange.
+
+PD mode: a P epoch's first tokens are not waited for. When its host enqueue completes, the
+epoch awaits commit; each rank sends its P tokens (``Message.p_sampled``) at the first step end
+at which its own P GPU work is done, and every rank commits the epoch (promotion P -> D) at the
+step whose exchange completes the set -- the same step everywhere. Meanwhile D keeps running:
+a long P epoch on the GPU never blocks the host loop.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from colo_rollout.config import Config
+from colo_rollout.runtime.control import ControlError, ControlPlane, Message
+from colo_rollout.worker.memory import WEIGHT_POLICIES, MemoryReport
+from colo_rollout.runtime.parallel import ParallelGroups
+from colo_rollout.sched.plan import Phase, Sampled, StepPlan
+from colo_rollout.sched.planner import pick_bucket
+from colo_rollout.worker.prefill_graph import MAX_TOKENS as PREFILL_GRAPH_MAX_TOKENS
+from colo_rollout.sched.request import (
+    FinishReason,
+    Request,
+    RequestError,
+    RequestOutput,
+    SamplingParams,
+    SubmissionRefused,
+    checked_request,
+)
+from colo_rollout.multiplex.rendezvous import make_rendezvous
+from colo_rollout.runtime.shm import same_host
+from colo_rollout.worker.runner import PRODUCER, PendingSampled
+from colo_rollout.multiplex.segment_policy import HeldClock, Load, span_hint
+from colo_rollout.multiplex.strategy import strategy_for
+from colo_rollout.multiplex.turnstile import TurnstileController
+from colo_rollout.worker.worker import Worker
+from colo_rollout.sched.scheduler import Scheduler
+from colo_rollout.engine.stall_watch import StallWatch
+from colo_rollout.runtime.device import DeviceStall
+from colo_rollout.multiplex.stream_route import Span, StreamRoute
+
+
+@dataclass
+class StepStats:
+    step: int
+    phase: Phase
+    rows: int  # P tokens or D rows of the whole world this step
+    seconds: float
+    p_in_flight: bool = False  # PD mode: a P epoch was in flight during this round
+    d_rows: int = 0  # D rows of the D iteration run in this step (0: none ran)
+    d_wait_s: float = 0.0  # P time that held this D iteration back while its rows were ready
+    span: int = 0  # PD: boundaries P was permitted after this step's D iteration (0: none)
+    d_ready: int = 0  # D rows with a token when the step planned, whole world (d_rows <= it)
+
+
+class Engine:
+    """A serving session over a ``Worker`` (worker/worker.py: the model, KV storage and
+    graphs). ``worker``: serve on an existing worker, taking it over from the engine serving on
+    it (``hand_over``: idle, memory in place); otherwise a new worker is built from ``cfg``
+    and ``state_dict`` (full megatron-named weights; None: ``model.checkpoint``, else random
+    from ``model.seed``)."""
+
+    def __init__(self, cfg: Config, groups: ParallelGroups,
+                 state_dict: dict[str, torch.Tensor] | None = None, *,
+                 worker: Worker | None = None) -> None:
+        self.cfg = cfg
+        self.groups = groups
+        self._handed_over = False  # set by hand_over(): this engine must not step again
+        if worker is None:
+            worker = Worker(cfg, groups, state_dict)
+        else:
+            if state_dict is not None:
+                raise ValueError("Engine(worker=...) serves the worker's weights; load new "
+                                 "ones with WeightSync or load_full_state_dict")
+            worker.check_fits(cfg)
+            if worker.engine is not None and not worker.engine._handed_over:
+                worker.engine.hand_over()
+        worker.engine = self
+        self.worker = worker
+        self.model = worker.model
+        self.load_stats = worker.load_stats  # checkpoint load time and bytes
+        lay = groups.layout
+        self.scheduler = Scheduler(cfg.engine, lay.adp, lay.atp, cfg.model.vocab_size)
+        # the mode, typed (multiplex/strategy.py): what differs between the ladder's rungs
+        self.strategy = strategy_for(cfg.engine, self.model.boundaries_per_prefill)
+        self.pd = self.strategy.pd
+        p_graph_tokens = self._prefill_graph_tokens()
+        self.route = StreamRoute.for_layout(groups.device, self.pd, lay.adp, lay.atp,
+                                            cfg.engine.stream_route, cfg.engine.cuda_timing,
+                                            cfg.engine.stream_priority,
+                                            p_graphs=p_graph_tokens > 0)
+        e = cfg.engine
+        # the worker's KV storage and captured graphs stay; this engine's streams, sampler
+        # seed and P settings are set on it
+        self.runner = worker.runner
+        self.runner.renew(self.route, cfg.model.seed, e.prefill_merge_pairs, p_graph_tokens)
+        self.route.synchronize()  # KV storage was zeroed on the default stream
+        self.memory = worker.memory  # the worker's device memory (release/resume)
+        # host agreement (control exchange, PreD/PostD): shared memory when every rank is on
+        # this host (engine.rendezvous "auto"), else gloo; decided once, the same on all ranks
+        agree = cfg.engine.rendezvous
+        if agree == "auto":
+            agree = ("shm" if lay.world_size > 1 and same_host(groups.control, lay.world_size)
+                     else "gloo")
+        self.control = ControlPlane(groups.control, groups.rank, lay.world_size,
+                                    cfg.parallel.timeout_s, shm=agree == "shm")
+        self.turnstile = TurnstileController(rank=groups.rank)
+        self.turnstile.register_producer(PRODUCER)
+        self.rendezvous = (make_rendezvous(groups.control, groups.rank, lay.world_size,
+                                           cfg.parallel.timeout_s, agree)
+                           if self.pd else None)
+        self.policy = self.strategy.policy  # Fine's span policy (None otherwise)
+        self.balanced = self.strategy.balanced
+        self._epoch_id = -1
+        # PD: the epoch whose host enqueue completed, until every rank sent its P tokens
+        self._p_epoch: StepPlan | None = None
+        self._p_out: PendingSampled | None = None  # this rank's P tokens, until sent
+        self._p_got: dict[int, list] = {}  # rank -> the P tokens it sent for _p_epoch
+        self._outbox = Message(rank=groups.rank)
+        self._pending_ids: set[str] = set()
+        # every host wait for this engine's GPU work is bounded by the groups' timeout: D's
+        # collectives are graph-captured, which NCCL's watchdog does not watch
+        self._wait_s = cfg.parallel.timeout_s
+        self._wedged = False  # a step raised DeviceStall: the device cannot be drained
+        # engine.stall_dump_s: a step outlasting it prints this rank's stack (diagnosis)
+        self._stall_watch = (StallWatch(cfg.engine.stall_dump_s)
+                             if cfg.engine.stall_dump_s > 0 else None)
+        self._last_plan: StepPlan | None = None
+        self._last_sampled: list[Sampled] = []
+        self.rejected: list[RequestOutput] = []  # every refusal seen on this rank, in order
+        self._refused_here: list[RequestOutput] = []  # this rank's, refused at the exchange
+        self.history: list[StepStats] = []
+        self.timeline: list[Span] = []  # P segments and D iterations, perf_counter seconds
+        self._d_wait = 0.0  # P time accumulated while D rows were ready, since the last D
+        self.host_s: dict[str, float] = {}  # host seconds by part of the step (_clock)
+
+    # ------------------------------------------------------------------ non-collective API
+    def submit(self, request: Request) -> None:
+        """Queue a request on this rank; it enters every rank's scheduler at the next step.
+        Raises RequestError at once for a request that can never be served (token ids may be
+        any integral type: numpy integers are taken as ints). What only the next step's
+        exchange can show -- the same id submitted on a lower rank in the same step, say --
+        is raised to this rank by that ``step()`` (SubmissionRefused)."""
+        request = checked_request(request)  # types first: never a TypeError below
+        if request.request_id in self._pending_ids:
+            raise RequestError(f"request {request.request_id!r}: duplicate request id")
+        self.scheduler.validate(request)
+        self._outbox.submits.append({"id": request.request_id, "prompt": list(request.prompt),
+                                     "params": request.params.to_json(),
+                                     "session": request.session})
+        self._pending_ids.add(request.request_id)
+
+    def cancel(self, request_id: str) -> None:
+        if not isinstance(request_id, str):
+            raise RequestError(f"cancel: request id must be a string, got {request_id!r}")
+        if request_id not in self.scheduler.live and request_id not in self._pending_ids:
+            state = "already finished" if request_id in self.scheduler.by_id else "unknown"
+            raise RequestError(f"cancel of request {request_id!r}: {state} request id")
+        self._outbox.cancels.append(request_id)
+
+    def close_session(self, session: str) -> None:
+        """Forget a trajectory between turns (its retained KV is freed at the next step)."""
+        if not isinstance(session, str):
+            raise RequestError(f"close of session {session!r}: a session id is a string")
+        sess = self.scheduler.sessions.get(session)
+        if sess is None or sess.busy:
+            state = "unknown" if sess is None else "busy (a turn is in flight)"
+            raise RequestError(f"close of session {session!r}: {state}")
+        self._outbox.closes.append(session)
+
+    def has_unsent(self) -> bool:
+        """Submissions, cancels or closes made on this rank that the next step will send."""
+        o = self._outbox
+        return bool(o.submits or o.cancels or o.closes)
+
+    def output(self, request_id: str) -> RequestOutput:
+        return self.scheduler.by_id[request_id]
+
+    # ------------------------------------------------------------------ collective API
+    def step(self) -> list[RequestOutput]:
+        """One engine iteration (collective). Returns requests that finished in it.
+
+        Raises SubmissionRefused (a RequestError) on a rank whose own submissions were refused
+        by every rank when the ranks' submissions met in this step (its ``refused`` and
+        ``finished``: the step completed; keep stepping)."""
+        watch = self._stall_watch
+        if watch is not None:
+            watch.arm(f"rank {self.groups.rank} step {self.scheduler.step_no}")
+        try:
+            finished = self._step()
+            refused, self._refused_here = self._refused_here, []
+            if refused:
+                raise SubmissionRefused(refused, finished)
+            return finished
+        except DeviceStall as e:  # the waits name what they waited for; the step adds where
+            # this rank's device is wedged: nothing may wait on it again (close() skips the
+            # drain); the way out is parallel.abort_parallel() and a process exit
+            self._wedged = True
+            raise DeviceStall(f"rank {self.groups.rank}, step {self.scheduler.step_no}: "
+                              f"{e}") from e
+        finally:
+            if watch is not None:
+                watch.disarm()
+
+    def _step(self) -> list[RequestOutput]:
+        if self._handed_over:
+            raise RuntimeError("this engine handed its worker to another engine; step that one")
+        self.memory.check_ready()
+        if not self.busy():
+            # a step from idle: the only point where parameters may have been replaced
+            self.runner.check_weights()
+        t0 = time.perf_counter()
+        self._outbox.step = self.scheduler.step_no
+        self._outbox.sampled = _to_wire(self._last_sampled)
+        msgs = self.control.exchange(self._outbox)
+        self._clock("exchange", t0)
+        self._outbox = Message(rank=self.groups.rank)
+        self._pending_ids.clear()
+        now = time.perf_counter()
+        if self.balanced:  # every rank applies the same agreed hints, in rank order
+            self.policy.observe([m.span_hint for m in msgs])
+
+        finished: list[RequestOutput] = []
+        epoch_done = None
+        for m in msgs:
+            if m.p_sampled is not None:
+                if self._p_epoch is None or m.rank in self._p_got:
+                    raise ControlError(f"step {self.scheduler.step_no}: rank {m.rank} sent P "
+                                       "tokens with no P epoch awaiting them")
+                self._p_got[m.rank] = m.p_sampled
+        if self._p_epoch is not None and len(self._p_got) == len(msgs):
+            epoch_done = self._p_epoch
+        if self._last_plan is not None or epoch_done is not None:
+            sampled = [s for m in msgs for s in _from_wire(m.sampled)]
+            if epoch_done is not None:
+                sampled += [s for got in self._p_got.values() for s in _from_wire(got)]
+                self._p_epoch, self._p_got = None, {}
+            finished += self.scheduler.commit(self._last_plan, sampled, now,
+                                              epoch_done=epoch_done)
+        for m in msgs:  # rank order: identical on every rank
+            for s in m.submits:
+                req = Request(s["id"], tuple(s["prompt"]), SamplingParams.from_json(s["params"]),
+                              session=s.get("session"))
+                try:
+                    self.scheduler.add(req, now)
+                except RequestError as e:
+                    self.rejected.append(_rejected(req, str(e)))
+                    if m.rank == self.groups.rank:  # raised to this rank's caller by step()
+                        self._refused_here.append(self.rejected[-1])
+            for rid in m.cancels:
+                if rid in self.scheduler.live:
+                    finished.append(self.scheduler.cancel(rid, now))
+            for sid in m.closes:
+                if sid in self.scheduler.sessions and not self.scheduler.sessions[sid].busy:
+                    self.scheduler.close_session(sid)
+
+        d_ready = sum(1 for q in self.scheduler.seqs.values() if q.last_token is not None)
+        t = time.perf_counter()
+        plan = self.scheduler.plan(pd=self.pd)
+        self._clock("plan", t)
+        self._d_rows_run = 0
+        self._d_wait_run = 0.0
+        self._span_run = 0
+        if self.pd:
+            pending, p_out, epoch_plan = self._round(plan)
+            if p_out is not None:  # the epoch's enqueue completed: it now awaits commit
+                self._p_epoch, self._p_out = epoch_plan, p_out
+        else:
+            t = time.perf_counter()
+            pending = [self.runner.run(plan)]
+            te = time.perf_counter()
+            if plan.phase is Phase.PREFILL:
+                self.timeline.append(Span("P", t, te))
+                if d_ready:  # Normal: a whole P step holds every ready D row back
+                    self._d_wait += te - t
+            elif plan.phase is Phase.DECODE:
+                self.timeline.append(Span("D", t, te))
+                self._note_d(plan)
+        # the only host wait of a step: this step's sampled tokens, after both phases enqueued
+        # (PD: D's only -- P's are sent once done, see the module docstring)
+        t = time.perf_counter()
+        self._last_sampled = [x for p in pending
+                              for x in p.resolve(self._wait_s, "D tokens")]
+        self._clock("resolve", t)
+        self._last_plan = plan if plan.phase is not Phase.IDLE else None
+        if self._p_out is not None:
+            if not pending:  # nothing else to do this step: wait for P rather than spin
+                self._p_out.wait(self._wait_s, "P epoch")
+            if self._p_out.done():
+                self._outbox.p_sampled = _to_wire(
+                    self._p_out.resolve(self._wait_s, "P epoch"))
+                self._p_out = None
+        rows = sum(w.prefill_tokens if plan.phase is Phase.PREFILL else len(w.decode)
+                   for w in plan.replicas)
+        self.history.append(StepStats(plan.step, plan.phase, rows, time.perf_counter() - t0,
+                                      p_in_flight=(self.runner.epoch_active
+                                                   or self._p_epoch is not None),
+                                      d_rows=self._d_rows_run, d_wait_s=self._d_wait_run,
+                                      span=self._span_run, d_ready=d_ready))
+        return finished
+
+    def _clock(self, what: str, since: float) -> None:
+        """Host time by part of the step (where a round's time goes; see ``host_seconds``)."""
+        self.host_s[what] = self.host_s.get(what, 0.0) + time.perf_counter() - since
+
+    def host_seconds(self) -> dict[str, float]:
+        """Host time of this rank since the engine was made: the whole steps, their control
+        exchange, planning, token resolve (waits for D's GPU work), the P and D enqueues, and
+        the PreD/PostD rendezvous."""
+        out = dict(self.host_s)
+        out["steps"] = sum(h.seconds for h in self.history)
+        for kind in ("P", "D"):
+            out[f"{kind}_enqueue"] = sum(s.end - s.start for s in self.timeline if s.kind == kind)
+        out["rendezvous"] = self.rendezvous.seconds if self.rendezvous is not None else 0.0
+        return out
+
+    def _note_d(self, plan: StepPlan) -> None:
+        """A D iteration ran: it waited for the P time accumulated since the previous one."""
+        self._d_rows_run = sum(len(w.decode) for w in plan.replicas)
+        self._d_wait_run, self._d_wait = self._d_wait, 0.0
+
+    def _round(self, plan: StepPlan
+               ) -> tuple[list[PendingSampled], PendingSampled | None, StepPlan | None]:
+        """One turnstile round (PD modes): PreD -> one D iteration on every rank -> PostD ->
+        P gets K more boundaries, and P runs to its permitted endpoint. Returns D's pending
+        tokens, and -- when the P epoch's enqueue completed in this round -- its pending first
+        tokens and its plan.
+
+        Fine enqueues the round's D iteration *before* P's next segment (D first): P's host
+        enqueue then runs while D's iteration executes on the GPU, instead of delaying it, and
+        the step's only host wait (D's sampled tokens) covers both. The Global modes (the
+        baselines of the ladder) advance P first: the whole epoch, then D. Either way every
+        rank issues the same sequence -- ... P to p, D, p += K, P to p, D ... -- so the
+        collectives of the two phases are enqueued in one global order.
+
+        Global modes admit the whole P epoch as one segment (K = all its boundaries); Fine uses
+        the segment policy. With no D row anywhere there is nothing to protect: P runs on to the
+        end of its epoch in this round. Every rank takes the same branches (replicated state)."""
+        ctl, runner, sched = self.turnstile, self.runner, self.scheduler
+        if not plan.has_prefill and not runner.epoch_active:
+            # no P anywhere: only D collectives exist, so there is nothing to order -- the P/D
+            # machinery (rendezvous, controller) is off and D runs exactly as in Normal mode
+            if not plan.has_decode:
+                return [], None, None
+            t = time.perf_counter()
+            out = runner.run_decode(plan)
+            self.timeline.append(Span("D", t, time.perf_counter()))
+            self._note_d(plan)
+            return [out], None, None
+        if plan.has_prefill:
+            self._epoch_id += 1
+            runner.start_epoch(plan)
+            ctl.begin(self._epoch_id, d_enqueued=False, span=self._span(plan))
+        sampled: list[PendingSampled] = []
+        epoch_plan = sched.epoch
+        d_first = self.strategy.d_first and plan.has_decode
+        done = None
+        if not d_first and runner.epoch_active:
+            done = self._advance_p()
+            if done is not None and self.strategy.fence:
+                # whole-P completion fence before D may be enqueued (bounded, as every wait)
+                self.route.fence_p(self._wait_s)
+        if plan.has_decode:
+            self.rendezvous.pre_d(ctl.epoch, ctl.reached)
+            t = time.perf_counter()
+            d_out = runner.run_decode(plan, ctl.epoch)
+            sampled.append(d_out)
+            self.timeline.append(Span("D", t, time.perf_counter(), ctl.epoch))
+            self._note_d(plan)
+            self.rendezvous.post_d(ctl.epoch, ctl.reached)
+            if ctl.active:
+                if self.balanced:
+                    ctl.set_span(self.policy.span)  # agreed this step: the same K everywhere
+                self._span_run = ctl.span
+            ctl.post_d()
+            if d_first and runner.epoch_active:
+                done = self._advance_p(behind=d_out)
+        else:
+            while runner.epoch_active:  # no D to protect: finish the epoch now
+                ctl.post_d()
+                done = self._advance_p()
+        return sampled, done, (epoch_plan if done is not None else None)
+
+    def _advance_p(self, behind: PendingSampled | None = None):
+        """Run P to its permitted endpoint. Its host time counts as D wait when a D iteration
+        was ready meanwhile: D rows with tokens (all of it), or -- for a segment enqueued
+        ``behind`` this step's D iteration -- the part after that iteration's tokens came back
+        (to boundary precision, rounded up: the boundary during which they came back counts
+        whole). Before that, P's enqueue was hidden behind D's GPU time and held nothing back.
+
+        Balanced policy: the round's measurement (P's enqueue per boundary against the time D
+        was held, or the time the host then waited for D) goes out as this rank's span hint."""
+        ctl = self.turnstile
+        t = time.perf_counter()
+        d_ready = (behind is None
+                   and any(q.last_token is not None for q in self.scheduler.seqs.values()))
+        clock = HeldClock(behind, t) if behind is not None else None
+        reached = ctl.reached
+        done = self.runner.advance(ctl, clock)
+        te = time.perf_counter()
+        self.timeline.append(Span("P", t, te, ctl.epoch))
+        held = te - t if d_ready else (clock.held(te) if clock is not None else 0.0)
+        self._d_wait += held
+        if self.balanced and behind is not None:
+            waited = 0.0
+            if done is None and held == 0.0:  # parked at the endpoint before D was back
+                behind.wait(self._wait_s, "D tokens")
+                waited = time.perf_counter() - te
+                self._clock("resolve", te)
+            crossed = ctl.reached - reached + (1 if done is not None else 0)
+            est = clock.held_estimate(te) if held > 0.0 else 0.0
+            self._outbox.span_hint = span_hint(ctl.span, crossed, te - t, waited, est)
+        return done
+
+    def _span(self, plan: StepPlan) -> int:
+        if self.strategy.whole_epoch:
+            return self.model.boundaries_per_prefill
+        s = self.scheduler
+        load = Load(d_rows=sum(len(w.decode) for w in plan.replicas),
+                    d_capacity=self.cfg.engine.max_batch_size * len(plan.replicas),
+                    p_tokens=sum(w.prefill_tokens for w in plan.replicas)
+                    + sum(len(r.prompt) for r in s.waiting),
+                    p_budget=self.cfg.engine.max_prefill_tokens * len(plan.replicas))
+        return self.policy.choose(load)
+
+    def busy(self) -> bool:
+        """True while any rank may still have work. Identical on all ranks right after a step
+        (the state is replicated); a submission made since then shows up at the next step."""
+        return (self.scheduler.has_work() or self._last_plan is not None
+                or self._p_epoch is not None or self.runner.epoch_active)
+
+    def generate(self, requests: list[Request] | None = None,
+                 on_finish=None) -> dict[str, RequestOutput]:
+        """Collective: serve ``requests`` (submitted from rank 0; other ranks' argument is
+        ignored) until all finish; every rank returns every output. Requests refused at submit
+        come back with finish_reason REJECTED instead of raising, so the rest are served (a
+        refused duplicate id, and a request whose id is not a string, is listed in
+        ``self.rejected`` only: the id maps to the original, or cannot be a key). The same holds
+        for this rank's earlier ``submit()`` calls that the first step's exchange refuses (the
+        SubmissionRefused that step() raises is taken here: listed in ``self.rejected``)."""
+        ids: list[str] = []
+        rejected: dict[str, RequestOutput] = {}
+        if self.groups.rank == 0:
+            for req in requests or []:
+                try:
+                    self.submit(req)
+                    ids.append(req.request_id)
+                except RequestError as e:
+                    out = _rejected(req, str(e))
+                    self.rejected.append(out)
+                    rid = out.request_id
+                    # a refused duplicate must not shadow the accepted request's output
+                    if isinstance(rid, str) and rid not in self.scheduler.by_id \
+                            and rid not in ids:
+                        rejected[rid] = out
+
+        def step() -> list[RequestOutput]:
+            try:
+                return self.step()
+            except SubmissionRefused as e:  # already in self.rejected; keep serving
+                return e.finished
+
+        step()
+        while self.busy():
+            for out in step():
+                if on_finish is not None:
+                    on_finish(out)
+        done = {rid: out for rid, out in self.scheduler.by_id.items() if out.finished}
+        done.update(rejected)
+        return done
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+    # ------------------------------------------------------------------ memory between phases
+    def release_memory(self, weights: str = "keep") -> MemoryReport:
+        """Give the KV cache, the D graphs and (``offload``/``discard``) the weights back to
+        the device while the trainer runs; see worker/memory.py. Idle engine only: its
+        retained multi-turn contexts are evicted (their next turn re-prefills)."""
+        if weights not in WEIGHT_POLICIES:
+            raise ValueError(f"release weights={weights!r}: expected one of {WEIGHT_POLICIES}")
+        if self.memory.released is None and self.busy():
+            raise RuntimeError("release of engine memory while requests are in flight "
+                               "(finish or cancel them first)")
+        if self.memory.released is None:
+            self.memory.evicted += self.scheduler.evict_retained()
+        return self.memory.release(weights, drain=self.route.synchronize)
+
+    def resume_memory(self) -> MemoryReport:
+        return self.memory.resume(drain=self.route.synchronize)
+
+    def weights_loaded(self) -> None:
+        """The caller has written every parameter (weight sync after a discard)."""
+        if self.memory.released is not None:
+            raise RuntimeError("weights_loaded() before resume_memory()")
+        self.memory.weights_valid = True
+
+    def _prefill_graph_tokens(self) -> int:
+        """Capacity of the P graphs: the most P tokens one step can hold over all replicas, up
+        to prefill_graph.MAX_TOKENS (0: no P graphs)."""
+        e = self.cfg.engine
+        on = e.prefill_graphs == "always" or (e.prefill_graphs == "auto"
+                                              and self.strategy.p_graphs_by_default)
+        if not (e.cuda_graphs and on):
+            return 0
+        return min(e.max_prefill_tokens * self.groups.layout.adp, PREFILL_GRAPH_MAX_TOKENS)
+
+    def warmup(self, max_context: int | None = None) -> int:
+        """Collective, on an idle engine: capture the D graphs of every decode bucket and block
+        -table width needed for contexts up to ``max_context`` tokens (default: max_seq_len)
+        and P's MoE graphs of every token bucket, and run one P AllReduce so the P
+        communicator exists -- all otherwise happen inside the first requests' latency.
+        Returns the graphs captured."""
+        self.memory.check_ready()
+        n = 0
+        if self.runner.graphs is not None:
+            e = self.cfg.engine
+            ctx = e.max_seq_len if max_context is None else min(max_context, e.max_seq_len)
+            lim = self.scheduler.limits  # the row counts the planner can pick
+            rows = {pick_bucket(b, lim.decode_buckets, lim.atp)
+                    for b in (*lim.decode_buckets, lim.max_batch_size)}
+            n = self.runner.graphs.capture_all(sorted(rows), -(-ctx // e.kv_block_size))
+        if self.runner.prefill_graphs is not None:
+            n += self.runner.prefill_graphs.capture_all()
+        if self.groups.layout.world_size > 1:
+            probe = torch.zeros(1, device=self.groups.device)
+            torch.distributed.all_reduce(probe, group=self.groups.full_p)
+        self.route.synchronize()
+        return n
+
+    def hand_over(self) -> Worker:
+        """Collective, on an idle engine: end this session and return its worker for a new
+        engine (``Engine(cfg, groups, worker=...)``: another mode, span or policy on the same
+        weights, KV storage and graphs). This engine refuses to step afterwards. RuntimeError
+        when busy, or when the worker's memory is released or its weights were discarded."""
+        if self._handed_over:
+            raise RuntimeError("this engine was already handed over")
+        if self.busy() or self.has_unsent():
+            raise RuntimeError("hand_over() of an engine with requests in flight or unsent")
+        if self.memory.released is not None or not self.memory.weights_valid:
+            raise RuntimeError("hand_over() of an engine whose memory is released or whose "
+                               "weights were discarded")
+        self._close_host_agreement()
+        self._handed_over = True
+        return self.worker
+
+    def close(self) -> None:
+        """Drop the D graphs (they hold NCCL collectives) and drain both streams: call before
+        the process groups are destroyed. After a step raised DeviceStall only the host
+        resources are closed: the device cannot be drained (abort the communicators with
+        ``parallel.abort_parallel`` and exit the process)."""
+        if self._handed_over:
+            return  # the next engine on the worker owns the graphs; host agreement is closed
+        if not self._wedged:  # releasing graphs drains the device first
+            self.runner.release_graphs()
+        self._close_host_agreement()
+
+    def _close_host_agreement(self) -> None:
+        """Drain both streams, then close the control plane and the rendezvous (their shared
+        memory) and the stall watch: what ``close`` and ``hand_over`` both end this engine
+        with."""
+        if self._stall_watch is not None:
+            self._stall_watch.close()
+        if not self._wedged:
+            self.route.synchronize()
+        self.control.close()
+        if hasattr(self.rendezvous, "close"):
+            self.rendezvous.close()
+
+
+def _to_wire(samples: list[Sampled]) -> list[list]:
+    """Sampled tokens as the control message carries them: [lifetime, token, logprob]."""
+    return [[s.lifetime, s.token, s.logprob] for s in samples]
+
+
+def _from_wire(rows: list[list]) -> list[Sampled]:
+    """A peer's [lifetime, token, logprob] rows, typed (they arrived as JSON)."""
+    return [Sampled(int(lt), int(tok), float(lp)) for lt, tok, lp in rows]
+
+
+def _rejected(req: Request, error: str) -> RequestOutput:
+    """The REJECTED output of ``req`` (which may be malformed: a refusal's output never fails)."""
+    rid, prompt = getattr(req, "request_id", None), getattr(req, "prompt", ())
+    out = RequestOutput(rid, len(prompt) if hasattr(prompt, "__len__") else 0, error=error)
+    out.finish_reason = FinishReason.REJECTED
+    return out

@@ -1,0 +1,1 @@
+"""The inference model built from megatron-core modules (paged attention, expert-parallel MoE, dispatch comm), weight layout and sharding, and megatron GPTModel construction for the trainer and the reference."""

@@ -1,0 +1,141 @@
+"""Independent reference: a megatron-core ``GPTModel`` (local spec, TP1/EP1) full-recompute forward.
+
+Owns the construction of a single-rank megatron ``GPTModel`` of the same architecture, fed the
+same full state dict, and a no-KV-cache forward over whole token sequences. Tests compare the
+engine's tokens and logprobs against it; it shares no code path with the inference model beyond
+megatron's own modules and ``megatron_config``.
+
+The model gets a ``ProcessGroupCollection`` of single-rank groups so it can be built inside any
+multi-rank job without touching the job's layout (megatron's global parallel_state is not used).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from colo_rollout.config import ModelConfig
+from colo_rollout.model.model import megatron_config
+from colo_rollout.model.weights import load_sharded, to_spec_names
+from colo_rollout.runtime.parallel import Layout
+
+_PG_FIELDS = ("tp", "pp", "mp", "cp", "tp_cp", "ep", "expt_tp", "tp_ep", "tp_ep_pp", "embd",
+              "pos_embd", "dp", "dp_cp", "expt_dp", "tp_dp_cp", "intra_dp_cp", "intra_expt_dp")
+
+
+def singleton_pg_collection() -> ProcessGroupCollection:
+    """Every megatron group = {this rank}. Collective over the world (new_group is) the first
+    time in a process's world; later calls reuse that group (a fresh collection each call:
+    callers set their own TP/DP groups on it)."""
+    world = dist.group.WORLD
+    mine = _SINGLETON.get(id(world))
+    if mine is None:
+        me = dist.get_rank()
+        for r in range(dist.get_world_size()):
+            g = dist.new_group([r])
+            if r == me:
+                mine = g
+        _SINGLETON.clear()  # groups of an earlier default group are dead
+        _SINGLETON[id(world)] = mine
+    pgc = ProcessGroupCollection(**{f: mine for f in _PG_FIELDS})
+    pgc.hcp = [mine]
+    return pgc
+
+
+# id(default group) -> this rank's singleton group: identical every call, and each new group
+# holds threads for the life of the process
+_SINGLETON: dict[int, dist.ProcessGroup] = {}
+
+
+def tp_pg_collection(tp_group) -> ProcessGroupCollection:
+    """Groups for a TP-only megatron model over ``tp_group`` (experts TP-sharded over it too,
+    EP1); every other group is {this rank}. Collective over the world (new_group is)."""
+    pgc = singleton_pg_collection()
+    for f in ("tp", "mp", "tp_cp", "expt_tp", "tp_ep", "tp_ep_pp", "tp_dp_cp"):
+        setattr(pgc, f, tp_group)
+    return pgc
+
+
+def build_reference(cfg: ModelConfig,
+                    full_state: dict[str, torch.Tensor] | Callable[[torch.nn.Module], None],
+                    pg_collection: ProcessGroupCollection, device: torch.device,
+                    dtype: torch.dtype | None = None, te: bool = False) -> torch.nn.Module:
+    """``te``: build megatron's Transformer Engine layer spec (grouped-GEMM experts, fused
+    norm+qkv) instead of the local spec; ``full_state`` may use either spec's names.
+
+    With a TP group of size t in ``pg_collection`` (see ``tp_pg_collection``) the model is
+    megatron's TP-t model: its forward is collective over that group, and each rank loads its
+    shard of ``full_state``. That is the fair bf16 yardstick for an engine with ATP = t: both
+    round partial sums before reducing them.
+
+    ``full_state`` a callable: it loads the weights into the model (already on ``device``), e.g.
+    ``checkpoint.loader.megatron_loader`` reading each rank's TP slices of a Hugging Face
+    checkpoint; this module does not reach up into the checkpoint layer."""
+    # megatron's DotProductAttention enters get_cuda_rng_tracker().fork() even with dropout 0;
+    # the inference tracker makes that a no-op on CPU and GPU alike.
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    # megatron's DotProductAttention takes its matmul scratch from parallel_state's global
+    # memory buffer, which only initialize_model_parallel creates; this model may be built
+    # without it (it uses explicit groups), so create the buffer if it is missing.
+    from megatron.core import parallel_state as ps
+
+    if getattr(ps, "_GLOBAL_MEMORY_BUFFER", None) is None:
+        ps._set_global_memory_buffer()
+    tp = pg_collection.tp.size()
+    tcfg = megatron_config(cfg, dtype=dtype, init=False, use_te=te, tp=tp, etp=tp)
+    model = build_gpt_model(cfg, tcfg, te, pg_collection)
+    if callable(full_state):  # straight into the parameters on their device
+        model = model.to(device)
+        full_state(model)
+    elif tp == 1:
+        full_state = to_spec_names(full_state, te)
+        missing, unexpected = model.load_state_dict(full_state, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise KeyError(f"reference load: missing {missing}, unexpected {unexpected}")
+    else:
+        full_state = to_spec_names(full_state, te)
+        load_sharded(model, full_state, Layout(world_size=tp, adp=1, ep=1),
+                     pg_collection.tp.rank(), num_experts=cfg.num_experts)
+    model = model.to(device)
+    if tcfg.bf16 or tcfg.fp16:
+        # megatron runs half-precision models inside Float16Module (casts inputs, fp32 logits)
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(tcfg, model)
+    return model.eval()
+
+
+def build_gpt_model(cfg: ModelConfig, tcfg, te: bool, pg_collection) -> GPTModel:
+    """megatron's GPTModel of ``cfg``'s architecture (layer specs from megatron's own decoder
+    block spec: MoE and dense layers, qk norms, shared experts; its RoPE; tied embeddings)."""
+    # pp_rank 0: one pipeline stage (megatron would otherwise ask its global parallel state,
+    # which a model built on explicit groups may not have)
+    spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=te,
+                                      normalization=cfg.normalization, pp_rank=0)
+    return GPTModel(tcfg, spec, vocab_size=cfg.vocab_size,
+                    max_sequence_length=cfg.max_position_embeddings,
+                    position_embedding_type="rope", rotary_base=cfg.rotary_base,
+                    rotary_percent=cfg.rotary_percent,
+                    rope_scaling=cfg.rope_scaling == "llama3",
+                    rope_scaling_factor=cfg.rope_scaling_factor,
+                    share_embeddings_and_output_weights=cfg.tie_embeddings,
+                    parallel_output=False, pg_collection=pg_collection)
+
+
+@torch.inference_mode()
+def reference_logprobs(model: GPTModel, tokens: list[int]) -> torch.Tensor:
+    """Full-recompute log-softmax over the vocabulary for every position: [len, V] (fp32)."""
+    device = next(model.parameters()).device
+    ids = torch.tensor(tokens, device=device)[None]
+    pos = torch.arange(len(tokens), device=device)[None]
+    mask = torch.triu(torch.ones(len(tokens), len(tokens), dtype=torch.bool, device=device), 1)
+    logits = model(ids, pos, attention_mask=mask[None, None])
+    return torch.log_softmax(logits[0].float(), dim=-1)

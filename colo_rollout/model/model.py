@@ -1,0 +1,466 @@
+"""The inference MoE GPT: megatron-core modules, paged KV attention, per-phase gather comm.
+
+Owns
+  * ``megatron_config``: the one mapping from our ``ModelConfig`` + layout to megatron's
+    ``TransformerConfig`` (shared with the training/reference ``GPTModel`` so both agree);
+  * ``InferenceGPT``: embedding -> L x (norm, paged attention, norm, gather-MoE) -> norm -> head,
+    with ``forward_prefill`` (P, sum-len) and ``forward_decode`` (D, padded max-len);
+  * loading a full (unsharded) megatron-named state dict into this rank's shards (the rules:
+    model/weights.py).
+
+Parameter names equal megatron ``GPTModel``'s (local spec): ``embedding.word_embeddings``,
+``decoder.layers.{i}.{input_layernorm,self_attention.linear_qkv,self_attention.linear_proj,
+pre_mlp_layernorm,mlp.router,mlp.experts.local_experts.{j}.linear_fc{1,2}}``,
+``decoder.final_layernorm``, ``output_layer``.
+
+Residual-stream layout per phase (why: each phase has exactly the collectives DESIGN.md names):
+  P: every rank holds the hidden states of *all* replicas' P tokens; attention runs on this
+     replica's rows and its ATP-partial output is gathered+reduced with one full AllReduce.
+  D: every rank holds its ATP chunk [B/ATP, H] of its replica's padded rows; attention gathers
+     the chunks over ATP, the MoE gathers every rank's chunk over the full D group.
+
+Must not go in here: scheduling, sampling, block allocation, and any collective issued other
+than through ``GatherComm``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from colo_rollout.config import ModelConfig
+from colo_rollout.model.attention import (
+    AttnMetadata,
+    KVStorage,
+    PagedSelfAttention,
+    RopeAngles,
+)
+from colo_rollout.model.comm import GatherComm
+from colo_rollout.model.moe import GatherMoE, mlp_partial
+from colo_rollout.runtime.parallel import ParallelGroups
+from colo_rollout.model.weights import DTYPES, load_sharded, to_spec_names
+
+# (layer index, residual stream [N, H]) -> this rank's fp32 MoE partial [N, H]
+MoEBlock = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+
+def te_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # ImportError, or a broken install (missing CUDA libraries)
+        return False
+    return True
+
+
+def resolve_use_te(cfg: ModelConfig) -> bool:
+    """model.use_te: "on" requires Transformer Engine, "auto" uses it when importable on a CUDA
+    host, "off" never. FP8 (model.fp8) needs it."""
+    if cfg.use_te == "off":
+        if cfg.fp8:
+            raise ValueError("model.fp8 needs Transformer Engine but model.use_te is 'off'")
+        return False
+    have = te_available() and torch.cuda.is_available()
+    if cfg.use_te == "on" and not have:
+        raise RuntimeError("model.use_te is 'on' but Transformer Engine (with CUDA) is not "
+                           "available; install the 'te' extra or set model.use_te: 'off'")
+    if cfg.fp8:
+        # TE's FP8 GEMMs need token counts padded to multiples of 16 in every P/D batch and
+        # a calibrated scaling recipe; neither is wired into the runner yet, so refuse clearly
+        # rather than run something untested.
+        raise NotImplementedError(
+            f"model.fp8={cfg.fp8!r}: FP8 inference is not supported yet (bf16/fp32 with the "
+            "TE layer spec are); set model.fp8: null")
+    return have
+
+
+def spec_backend(use_te: bool) -> BackendSpecProvider:
+    """megatron's module provider: the same choice its GPT layer specs make."""
+    if use_te:
+        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+        return TESpecProvider()
+    return LocalSpecProvider()
+
+
+def megatron_config(cfg: ModelConfig, *, tp: int = 1, ep: int = 1, etp: int = 1,
+                    dtype: torch.dtype | None = None, init: bool = True,
+                    sequence_parallel: bool = False, use_te: bool = False) -> TransformerConfig:
+    """Megatron ``TransformerConfig`` for ``cfg``: SwiGLU experts, no linear biases (q/k/v bias
+    by ``qkv_bias``), RoPE, routing in fp32 without aux loss, dropout off; FP8 only with TE.
+    The one mapping of the architecture surface onto megatron: the engine, the reference and
+    the trainer all build from it."""
+    dtype = dtype or DTYPES[cfg.params_dtype]
+    init_std = cfg.init_method_std
+    fp8 = {"fp8": cfg.fp8, "fp8_recipe": "delayed"} if (use_te and cfg.fp8) else {}
+    # HF norm_topk_prob with softmax: renormalised top-k = softmax over the top-k logits
+    # (pre_softmax False); not renormalised = softmax over all experts first (pre_softmax True).
+    pre_softmax = cfg.router_score == "softmax" and not cfg.router_norm_topk
+    layer_freq = [0 if i < cfg.first_k_dense else 1 for i in range(cfg.num_layers)]
+    return TransformerConfig(
+        **fp8,
+        moe_grouped_gemm=use_te,
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        kv_channels=cfg.head_dim,
+        qk_layernorm=cfg.qk_layernorm,
+        add_qkv_bias=cfg.qkv_bias,
+        layernorm_epsilon=cfg.norm_epsilon,
+        ffn_hidden_size=cfg.dense_ffn_hidden_size,
+        moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
+        moe_layer_freq=layer_freq if cfg.first_k_dense else 1,
+        num_moe_experts=cfg.num_experts,
+        moe_router_topk=cfg.moe_router_topk,
+        moe_router_score_function=cfg.router_score,
+        moe_router_pre_softmax=pre_softmax,
+        moe_router_enable_expert_bias=cfg.router_expert_bias,
+        moe_router_topk_scaling_factor=(cfg.router_scaling_factor
+                                        if cfg.router_scaling_factor != 1.0 else None),
+        moe_router_num_groups=cfg.router_num_groups,
+        moe_router_group_topk=cfg.router_group_topk,
+        moe_shared_expert_intermediate_size=cfg.shared_expert_ffn_hidden_size,
+        moe_shared_expert_gate=cfg.shared_expert_gate,
+        moe_router_dtype="fp32",  # routing in fp32: bf16 logits flip near-tied top-k choices
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="allgather",
+        normalization=cfg.normalization,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        sequence_parallel=sequence_parallel,
+        use_cpu_initialization=True,
+        perform_initialization=init,
+        init_method_std=init_std,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+
+
+def rotary_embedding(cfg: ModelConfig) -> RotaryEmbedding:
+    """megatron's RoPE for ``cfg`` (partial rotary, llama3 scaling): what GPTModel builds."""
+    return RotaryEmbedding(
+        kv_channels=cfg.head_dim, rotary_percent=cfg.rotary_percent,
+        rotary_base=cfg.rotary_base, use_cpu_initialization=True,
+        rope_scaling=cfg.rope_scaling == "llama3", rope_scaling_factor=cfg.rope_scaling_factor,
+    )
+
+
+def _norm(backend: BackendSpecProvider, config: TransformerConfig) -> torch.nn.Module:
+    cls = backend.layer_norm(rms_norm=config.normalization == "RMSNorm", for_qk=False)
+    return build_module(cls, config=config, hidden_size=config.hidden_size,
+                        eps=config.layernorm_epsilon)
+
+
+class InferenceLayer(torch.nn.Module):
+    """One decoder layer, its modules chosen by megatron's backend provider (local or TE).
+
+    The FFN is either MoE (``GatherMoE``: router, routed experts, optional shared experts) or,
+    for the first ``first_k_dense`` layers, a dense MLP of megatron's ``MLP`` (ATP-sharded).
+    Names follow megatron's TransformerLayer (dense TE layers fuse the pre-MLP norm into
+    ``mlp.linear_fc1``, as its TE spec does)."""
+
+    def __init__(self, config: TransformerConfig, groups: ParallelGroups, layer_number: int,
+                 backend: BackendSpecProvider, is_moe: bool, moe_compute: str = "auto"):
+        super().__init__()
+        fused = backend.fuse_layernorm_and_linear()  # TE: norm lives in linear_qkv
+        self.is_moe = is_moe
+        self.input_layernorm = IdentityOp() if fused else _norm(backend, config)
+        qkv_cls = (backend.column_parallel_layer_norm_linear() if fused
+                   else backend.column_parallel_linear())
+        qk_norm = (backend.layer_norm(rms_norm=config.normalization == "RMSNorm", for_qk=True)
+                   if config.qk_layernorm else None)
+        self.self_attention = PagedSelfAttention(config, layer_number, groups.atp,
+                                                 config.init_method, qkv_cls,
+                                                 backend.row_parallel_linear(), qk_norm)
+        if is_moe:
+            self.pre_mlp_layernorm = _norm(backend, config)
+            ep_rank = groups.rank // groups.layout.etp  # EP index: experts are EP-major
+            self.mlp = GatherMoE(config, groups.pg_collection, ep_rank, groups.layout.ep,
+                                 layer_number, backend.grouped_mlp_modules(config.moe_grouped_gemm),
+                                 compute=moe_compute, shared_fc=backend.column_parallel_linear(),
+                                 shared_proj=backend.row_parallel_linear())
+        else:  # TE fuses the pre-MLP norm into fc1 here, as megatron's TE dense layer does
+            self.pre_mlp_layernorm = IdentityOp() if fused else _norm(backend, config)
+            fc1 = (backend.column_parallel_layer_norm_linear() if fused
+                   else backend.column_parallel_linear())
+            self.mlp = MLP(config, MLPSubmodules(linear_fc1=fc1,
+                                                 linear_fc2=backend.row_parallel_linear()),
+                           ffn_hidden_size=config.ffn_hidden_size, tp_group=groups.atp)
+
+    def dense_partial(self, x: torch.Tensor) -> torch.Tensor:
+        """Dense layer: this rank's ATP-partial MLP output on the normalised rows x (its
+        replica's rows); the caller's phase collective reduces it."""
+        return mlp_partial(self.mlp, x)
+
+
+class _Decoder(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, config, groups, backend, moe_compute="auto"):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            [InferenceLayer(config, groups, i + 1, backend, cfg.is_moe_layer(i), moe_compute)
+             for i in range(config.num_layers)]
+        )
+        self.final_layernorm = _norm(backend, config)
+
+
+class _Embedding(torch.nn.Module):
+    def __init__(self, config, vocab_size, atp_group):
+        super().__init__()
+        self.word_embeddings = VocabParallelEmbedding(
+            vocab_size, config.hidden_size, init_method=config.init_method, config=config,
+            tp_group=atp_group,
+        )
+
+    def partial(self, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's vocab-shard contribution (zero rows for ids outside the shard); the sum
+        over the ATP group is the embedding. megatron's forward would reduce it itself."""
+        emb = self.word_embeddings
+        outside = (ids < emb.vocab_start_index) | (ids >= emb.vocab_end_index)
+        local = (ids - emb.vocab_start_index).masked_fill(outside, 0)
+        out = F.embedding(local, emb.weight)
+        return out.masked_fill(outside[:, None], 0.0)
+
+
+@dataclass
+class PrefillInputs:
+    """One P forward. ``row_counts[r]`` = P tokens of replica r this step (all replicas)."""
+
+    token_ids: torch.Tensor  # [T_local] this replica's new tokens
+    attn: AttnMetadata
+    row_counts: list[int]
+    last_counts: list[int]  # sequences per replica (logit rows)
+    last_rows: torch.Tensor  # [n_all] global row index of each sequence's last token
+
+
+@dataclass
+class DecodeInputs:
+    """One D forward over a bucket of B rows per replica (padding rows target the sink)."""
+
+    token_ids: torch.Tensor  # [B]
+    attn: AttnMetadata
+
+
+class InferenceGPT(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, dtype: torch.dtype):
+        super().__init__()
+        lay = groups.layout
+        self.cfg = cfg
+        self.groups = groups
+        self.use_te = resolve_use_te(cfg)
+        self.config = megatron_config(cfg, tp=lay.atp, ep=lay.ep, etp=lay.etp, dtype=dtype,
+                                      init=False, use_te=self.use_te)
+        self.embedding = _Embedding(self.config, cfg.vocab_size, groups.atp)
+        self.decoder = _Decoder(cfg, self.config, groups, spec_backend(self.use_te),
+                                cfg.moe_compute)
+        # tied embeddings: no output_layer weight (megatron's GPTModel has none either); the
+        # logits use the embedding's vocab shard, which is the same [V/ATP, H] slice
+        self.output_layer = ColumnParallelLinear(
+            cfg.hidden_size, cfg.vocab_size, config=self.config,
+            init_method=self.config.init_method, bias=False, gather_output=False,
+            skip_bias_add=False, tp_group=groups.atp,
+            skip_weight_param_allocation=cfg.tie_embeddings,
+        )
+        self.rotary_pos_emb = rotary_embedding(cfg)
+        self.comm = GatherComm(groups)
+        self._rope: torch.Tensor | None = None
+        # diagnostics: when a list, P appends the residual stream after every attention and
+        # MoE block (fp32 copies) -- for locating precision loss against a reference
+        self.trace: list[torch.Tensor] | None = None
+        # megatron's groups for this model's parameters (TP = ATP, EP, expert TP): what
+        # megatron's resharding reads to know which shard each rank holds
+        self.pg_collection = groups.pg_collection
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """[V/ATP, H] weight of the logits (the embedding's when tied)."""
+        if self.cfg.tie_embeddings:
+            return self.embedding.word_embeddings.weight
+        return self.output_layer.weight
+
+    @property
+    def device(self) -> torch.device:
+        return self.embedding.word_embeddings.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embedding.word_embeddings.weight.dtype
+
+    def moe_layers(self) -> list[GatherMoE]:
+        """The MoE blocks of the MoE layers (dense layers have none)."""
+        return [layer.mlp for layer in self.decoder.layers if layer.is_moe]
+
+    # ------------------------------------------------------------------ weights
+    def load_full_state_dict(self, full: dict[str, torch.Tensor]) -> None:
+        """Copy this rank's shard of every parameter from an unsharded megatron state dict
+        (local-spec or TE-spec names; converted to this model's spec first)."""
+        full = to_spec_names(full, self.use_te)
+        load_sharded(self, full, self.groups.layout, self.groups.rank)
+
+    def rope_table(self) -> torch.Tensor:
+        if self._rope is None or self._rope.device != self.device:
+            self._rope = self.rotary_pos_emb.get_emb(self.cfg.max_position_embeddings).to(
+                self.device)
+        return self._rope
+
+    def new_kv_storage(self, num_blocks: int, block_size: int) -> KVStorage:
+        atp = self.groups.layout.atp
+        return KVStorage(self.cfg.num_layers, num_blocks, block_size,
+                         self.cfg.num_query_groups // atp, self.config.kv_channels,
+                         self.dtype, self.device)
+
+    # ------------------------------------------------------------------ P
+    def _precision(self):
+        """FP8 autocast for TE modules when model.fp8 is set (megatron's own context)."""
+        if self.config.fp8:
+            from megatron.core.fp8_utils import get_fp8_context
+
+            return get_fp8_context(self.config)
+        return contextlib.nullcontext()
+
+    def forward_prefill(self, inp: PrefillInputs, kv: KVStorage,
+                        moe: MoEBlock | None = None) -> torch.Tensor:
+        """The whole P epoch at once (Normal mode): every boundary is crossed immediately."""
+        return run_to_completion(self.prefill_segments(inp, kv, moe))
+
+    def moe_block(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        """MoE layer i's routed experts on the residual stream h [N, H] (all replicas' rows):
+        this rank's fp32 partial. Shared experts are added by the caller on its own rows."""
+        layer = self.decoder.layers[i]
+        return layer.mlp(layer.pre_mlp_layernorm(h))
+
+    @torch.inference_mode()
+    def prefill_segments(self, inp: PrefillInputs, kv: KVStorage,
+                         moe: MoEBlock | None = None) -> Generator[int, None, torch.Tensor]:
+        """P as segments (the gather backend's boundary producer).
+
+        Yields boundary id i (0, 1, ...) just before P's i-th registered full-group AllReduce;
+        resuming the generator issues that collective and computes up to the next boundary.
+        Returns this replica's last-token logits. An epoch has 2 * num_layers + 2 boundaries:
+        the embedding gather, per layer the attention gather and the MoE combine, the logits.
+        (torch.inference_mode wraps each resume; an FP8 autocast would have to as well, which is
+        one reason FP8 is not enabled yet.)
+
+        ``moe(i, h)`` computes layer i's MoE block (pre-MLP norm, router, local experts) on the
+        residual stream h: the P graphs' replay (worker/prefill_graph.py), or by default
+        the modules themselves.
+        """
+        if self.config.fp8:
+            raise NotImplementedError("FP8 prefill segments")
+        return (yield from self._forward_prefill(inp, kv, moe or self.moe_block))
+
+    @property
+    def boundaries_per_prefill(self) -> int:
+        return 2 * self.cfg.num_layers + 2
+
+    @torch.inference_mode()
+    def forward_decode(self, inp: DecodeInputs, kv: KVStorage) -> torch.Tensor:
+        with self._precision():
+            return self._forward_decode(inp, kv)
+
+    def _forward_prefill(self, inp: PrefillInputs, kv: KVStorage, moe: MoEBlock):
+        """Generator body: full-vocab logits [n_local_seqs, V] of this replica's last P tokens,
+        yielding a boundary id before every P collective."""
+        comm, r = self.comm, self.groups.replica
+        total = sum(inp.row_counts)
+        off = sum(inp.row_counts[:r])
+        n_local = inp.row_counts[r]
+        boundary = 0
+        emb_partial = self.embedding.partial(inp.token_ids)
+        rope = RopeAngles(self.rope_table(), inp.attn.positions)
+        yield boundary
+        boundary += 1
+        h = comm.p_gather(emb_partial, off, total)
+        own = slice(off, off + n_local)
+        for i, layer in enumerate(self.decoder.layers):
+            x = layer.input_layernorm(h[own])
+            attn = layer.self_attention(x, rope, inp.attn, kv, i)
+            yield boundary
+            boundary += 1
+            h = h + comm.p_gather(attn, off, total)
+            if self.trace is not None:
+                self.trace.append(h.float().clone())
+            if layer.is_moe:
+                partial = moe(i, h)  # routed experts: every replica's rows
+                if layer.mlp.shared_experts is not None:  # shared: this replica's rows
+                    layer.mlp.add_shared(partial[own], layer.pre_mlp_layernorm(h[own]))
+                yield boundary
+                boundary += 1
+                h = h + comm.p_allreduce(partial).to(h.dtype)  # combine in fp32, then round
+            else:  # dense MLP on this replica's rows, gathered like attention
+                partial = layer.dense_partial(layer.pre_mlp_layernorm(h[own]))
+                yield boundary
+                boundary += 1
+                h = h + comm.p_gather(partial, off, total)
+            if self.trace is not None:
+                self.trace.append(h.float().clone())
+        last = self.decoder.final_layernorm(h[inp.last_rows])  # all replicas' last tokens
+        n_all = last.shape[0]
+        seq_off = sum(inp.last_counts[:r])
+        n_seq = inp.last_counts[r]
+        shard = F.linear(last[seq_off : seq_off + n_seq], self.output_weight)  # [n_seq, V/ATP]
+        # Each (replica, vocab shard) block is written by exactly one rank: the sum is a gather.
+        full = shard.new_zeros((n_all, self.cfg.vocab_size))
+        emb = self.embedding.word_embeddings
+        full[seq_off : seq_off + n_seq, emb.vocab_start_index : emb.vocab_end_index] = shard
+        yield boundary
+        full = comm.p_allreduce(full)
+        return full[seq_off : seq_off + n_seq]
+
+    # ------------------------------------------------------------------ D
+    def _forward_decode(self, inp: DecodeInputs, kv: KVStorage) -> torch.Tensor:
+        """Returns full-vocab logits [B, V] for this replica's (padded) D rows."""
+        comm = self.comm
+        res = comm.d_reduce_scatter_atp(self.embedding.partial(inp.token_ids))
+        rope = RopeAngles(self.rope_table(), inp.attn.positions)
+        B = inp.token_ids.shape[0]  # rows per replica: replica r's rows of u are [r*B, r*B+B)
+        own = slice(self.groups.replica * B, (self.groups.replica + 1) * B)
+        for i, layer in enumerate(self.decoder.layers):
+            x = comm.d_all_gather_atp(layer.input_layernorm(res))
+            attn = layer.self_attention(x, rope, inp.attn, kv, i)
+            res = res + comm.d_reduce_scatter_atp(attn)
+            if layer.is_moe:
+                u = comm.d_all_gather_full(layer.pre_mlp_layernorm(res))
+                partial = layer.mlp(u)
+                if layer.mlp.shared_experts is not None:
+                    layer.mlp.add_shared(partial[own], u[own])
+                res = res + comm.d_reduce_scatter_full(partial).to(res.dtype)  # fp32 combine
+            else:  # dense: the replica's rows, ATP gather and reduce-scatter like attention
+                x = comm.d_all_gather_atp(layer.pre_mlp_layernorm(res))
+                res = res + comm.d_reduce_scatter_atp(layer.dense_partial(x)).to(res.dtype)
+        x = comm.d_all_gather_atp(self.decoder.final_layernorm(res))
+        shard = F.linear(x, self.output_weight)
+        return comm.d_all_gather_vocab(shard)
+
+
+def run_to_completion(gen: Generator[int, None, torch.Tensor]) -> torch.Tensor:
+    """Drive a segment generator without stopping at its boundaries."""
+    while True:
+        try:
+            next(gen)
+        except StopIteration as stop:
+            return stop.value

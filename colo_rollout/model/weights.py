@@ -1,0 +1,274 @@
+"""Megatron-named weights: which tensors a model section has, how each is sharded, state dicts.
+
+Owns ``tensor_shapes`` (every tensor of the full, unsharded state dict of a ``ModelConfig``, in
+megatron's local-spec names), ``ShardRule`` / ``shard_rule`` (megatron's partitioning: which
+slice of each full tensor a rank of a layout holds; pure, so the same rule cuts an in-memory
+tensor here and a checkpoint's slices in checkpoint/loader.py), the local <-> TE spec names,
+loading a full state dict into a model's shards, and ``random_state_dict``.
+
+Must not go in here: modules and forwards (model.py), files (checkpoint/).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from colo_rollout.config import ModelConfig
+from colo_rollout.runtime.parallel import Layout
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ---------------------------------------------------------------------- sharding rules
+@dataclass(frozen=True)
+class ShardRule:
+    """How a rank's local tensor ``local`` is cut from the full (unsharded) tensor: ``kind``
+    "full" (replicated), "rows" / "cols" (chunk ``rank`` of ``size`` along dim 0 / 1) or "glu"
+    (SwiGLU fc1 = [gate; up]: each half chunked along dim 0 and the chunks concatenated --
+    megatron's stride-2 layout). Pure: the same rule cuts an in-memory tensor here and a
+    checkpoint's slices in checkpoint/loader.py."""
+
+    local: str
+    kind: str
+    rank: int = 0
+    size: int = 1
+
+    def rows_of(self, n: int) -> tuple[int, int]:
+        """[start, end) of this rank's chunk of n rows (or columns): torch.chunk's split."""
+        step = -(-n // self.size)
+        return min(self.rank * step, n), min((self.rank + 1) * step, n)
+
+    def apply(self, full: torch.Tensor) -> torch.Tensor:
+        if self.kind == "full" or self.size == 1:
+            return full
+        if self.kind == "rows":
+            a, b = self.rows_of(full.shape[0])
+            return full[a:b]
+        if self.kind == "cols":
+            a, b = self.rows_of(full.shape[1])
+            return full[:, a:b]
+        gate, up = torch.chunk(full, 2, dim=0)
+        a, b = self.rows_of(gate.shape[0])
+        return torch.cat([gate[a:b], up[a:b]])
+
+
+def shard_rule(name: str, layout: Layout, rank: int, num_local_experts: int) -> ShardRule | None:
+    """The rule for full-model tensor ``name`` on ``rank``; None = this rank holds none of it.
+
+    megatron's partitioning: column-parallel -> rows over the group, row-parallel -> columns,
+    SwiGLU fc1 -> "glu"; routed experts -> only this EP rank's, each sharded over expert TP;
+    dense and shared-expert MLPs are ATP-sharded like attention; norms, router (weight and
+    expert bias) and the shared-expert gate are replicated."""
+    atp, atp_rank = layout.atp, layout.atp_rank_of(rank)
+    etp, etp_rank = layout.etp, rank % layout.etp
+    ep_rank = rank // layout.etp
+    te_expert = _TE_EXPERT.match(name)
+    if te_expert:  # TE grouped experts: {pre}.mlp.experts.linear_fc{1,2}.weight{global idx}
+        pre, fc, gidx = te_expert.group(1), te_expert.group(2), int(te_expert.group(3))
+        if gidx // num_local_experts != ep_rank:
+            return None
+        local = f"{pre}.mlp.experts.linear_fc{fc}.weight{gidx % num_local_experts}"
+        return ShardRule(local, "glu" if fc == "1" else "cols", etp_rank, etp)
+    if ".mlp.experts.local_experts." in name:
+        pre, rest = name.split(".mlp.experts.local_experts.")
+        gidx, tail = rest.split(".", 1)
+        gidx = int(gidx)
+        if gidx // num_local_experts != ep_rank:
+            return None
+        local = f"{pre}.mlp.experts.local_experts.{gidx % num_local_experts}.{tail}"
+        if tail.startswith("linear_fc1"):
+            return ShardRule(local, "glu", etp_rank, etp)
+        if tail.startswith("linear_fc2"):
+            return ShardRule(local, "cols", etp_rank, etp)
+        raise KeyError(name)
+    if name.endswith(("mlp.linear_fc1.weight", "shared_experts.linear_fc1.weight")):
+        return ShardRule(name, "glu", atp_rank, atp)
+    if name.endswith(("mlp.linear_fc2.weight", "shared_experts.linear_fc2.weight",
+                      "linear_proj.weight")):
+        return ShardRule(name, "cols", atp_rank, atp)
+    if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "output_layer.weight",
+                      "word_embeddings.weight")):
+        return ShardRule(name, "rows", atp_rank, atp)
+    return ShardRule(name, "full")  # norms, router, expert bias, shared-expert gate
+
+
+def shard_for(name: str, full: torch.Tensor, layout: Layout, rank: int,
+              num_local_experts: int) -> tuple[str, torch.Tensor] | None:
+    """(local name, local shard) of full-model tensor ``name`` on ``rank``; None = not held."""
+    rule = shard_rule(name, layout, rank, num_local_experts)
+    return None if rule is None else (rule.local, rule.apply(full))
+
+
+def loadable_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a state dict fills: the parameters and the persistent buffers (the router's
+    expert bias) by name, without TE's _extra_state."""
+    return {k: v for k, v in model.state_dict(keep_vars=True).items()
+            if not k.endswith("_extra_state")}
+
+
+_TE_EXPERT = re.compile(r"^(.*)\.mlp\.experts\.linear_fc([12])\.weight(\d+)$")
+_LOCAL_EXPERT = re.compile(r"^(.*)\.mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight$")
+
+
+def to_spec_names(sd: dict[str, torch.Tensor], te: bool) -> dict[str, torch.Tensor]:
+    """Rename a megatron GPT state dict between the local spec and the TE spec.
+
+    TE fuses the attention input norm into ``linear_qkv`` (``layer_norm_weight``) and stores
+    grouped experts as ``experts.linear_fc{1,2}.weight{e}``; the local spec has
+    ``input_layernorm.weight`` and ``experts.local_experts.{e}.linear_fc{1,2}.weight``.
+    ``_extra_state`` entries (TE's FP8 metadata) are dropped: they are not weights.
+    """
+    out = {}
+    # dense layers (an unrouted mlp.linear_fc1): TE fuses their pre-MLP norm into fc1 too
+    dense = {k[: -len("mlp.linear_fc1.weight")] for k in sd if k.endswith(".mlp.linear_fc1.weight")}
+    for k, v in sd.items():
+        if k.endswith("_extra_state"):
+            continue
+        if te:
+            k = k.replace(".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight")
+            if k.endswith(".pre_mlp_layernorm.weight") and k[: -len("pre_mlp_layernorm.weight")] in dense:
+                k = k.replace(".pre_mlp_layernorm.weight", ".mlp.linear_fc1.layer_norm_weight")
+            m = _LOCAL_EXPERT.match(k)
+            if m:
+                k = f"{m.group(1)}.mlp.experts.linear_fc{m.group(3)}.weight{m.group(2)}"
+        else:
+            k = k.replace(".self_attention.linear_qkv.layer_norm_weight", ".input_layernorm.weight")
+            k = k.replace(".mlp.linear_fc1.layer_norm_weight", ".pre_mlp_layernorm.weight")
+            m = _TE_EXPERT.match(k)
+            if m:
+                k = f"{m.group(1)}.mlp.experts.local_experts.{m.group(3)}.linear_fc{m.group(2)}.weight"
+        out[k] = v
+    return out
+
+
+def load_sharded(model: torch.nn.Module, full: dict[str, torch.Tensor], layout: Layout,
+                 rank: int, num_experts: int | None = None) -> None:
+    """Copy ``rank``'s shard of every tensor of ``full`` into ``model``'s parameters; every
+    parameter must be covered. Works for this inference model and for megatron GPTModels."""
+    num_local = (num_experts if num_experts is not None else model.cfg.num_experts) // layout.ep
+    params = loadable_tensors(model)
+    seen = set()
+    for name, t in full.items():
+        if name.endswith("_extra_state"):
+            continue
+        mapped = shard_for(name, t, layout, rank, num_local)
+        if mapped is None:
+            continue
+        local, shard = mapped
+        if local not in params:
+            raise KeyError(f"state dict has {name!r}; the inference model has no {local!r}")
+        p = params[local]
+        if p.shape != shard.shape:
+            raise ValueError(f"{name}: shard shape {tuple(shard.shape)} != {tuple(p.shape)}")
+        with torch.no_grad():
+            p.copy_(shard)
+        seen.add(local)
+    missing = sorted(set(params) - seen)
+    if missing:
+        raise KeyError(f"state dict is missing {missing[:5]}{'...' if len(missing) > 5 else ''}")
+
+
+def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the full (unsharded) megatron-named state dict of ``cfg`` (local-spec
+    names) with its shape, in state-dict order: what a checkpoint must provide."""
+    H, F_, E, hd = cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.num_experts, cfg.head_dim
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * hd
+    out: dict[str, tuple[int, ...]] = {"embedding.word_embeddings.weight": (cfg.vocab_size, H)}
+    for i in range(cfg.num_layers):
+        p = f"decoder.layers.{i}."
+        out[p + "input_layernorm.weight"] = (H,)
+        out[p + "self_attention.linear_qkv.weight"] = (qkv, H)
+        if cfg.qkv_bias:
+            out[p + "self_attention.linear_qkv.bias"] = (qkv,)
+        if cfg.qk_layernorm:
+            out[p + "self_attention.q_layernorm.weight"] = (hd,)
+            out[p + "self_attention.k_layernorm.weight"] = (hd,)
+        out[p + "self_attention.linear_proj.weight"] = (H, cfg.num_attention_heads * hd)
+        out[p + "pre_mlp_layernorm.weight"] = (H,)
+        if not cfg.is_moe_layer(i):
+            Fd = cfg.dense_ffn_hidden_size
+            out[p + "mlp.linear_fc1.weight"] = (2 * Fd, H)
+            out[p + "mlp.linear_fc2.weight"] = (H, Fd)
+            continue
+        out[p + "mlp.router.weight"] = (E, H)
+        if cfg.router_expert_bias:
+            out[p + "mlp.router.expert_bias"] = (E,)
+        for e in range(E):
+            q = p + f"mlp.experts.local_experts.{e}."
+            out[q + "linear_fc1.weight"] = (2 * F_, H)
+            out[q + "linear_fc2.weight"] = (H, F_)
+        if cfg.shared_expert_ffn_hidden_size is not None:
+            Fs = cfg.shared_expert_ffn_hidden_size
+            q = p + "mlp.shared_experts."
+            out[q + "linear_fc1.weight"] = (2 * Fs, H)
+            out[q + "linear_fc2.weight"] = (H, Fs)
+            if cfg.shared_expert_gate:
+                out[q + "gate_weight"] = (1, H)
+    out["decoder.final_layernorm.weight"] = (H,)
+    if not cfg.tie_embeddings:
+        out["output_layer.weight"] = (cfg.vocab_size, H)
+    return out
+
+
+def random_state_dict(cfg: ModelConfig, seed: int | None = None,
+                      device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+    """A full (unsharded) megatron-named state dict drawn from ``seed``: identical for every
+    layout, so any two models built from it compute the same function. ``device``: where to
+    draw it (default CPU). A CUDA generator gives other values than the CPU one, the same on
+    every GPU; it is what makes a multi-GB bench model quick to draw (the CPU draws ~1e8
+    values/s per thread, and torchrun gives each rank one thread)."""
+    device = torch.device("cpu" if device is None else device)
+    g = torch.Generator(device=device).manual_seed(cfg.seed if seed is None else seed)
+    std = cfg.init_method_std
+    H, F_, E = cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.num_experts
+    hd = cfg.head_dim
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * hd
+    dtype = DTYPES[cfg.params_dtype]
+
+    def normal(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device=device) * std * scale).to(dtype)
+
+    def norm_weight(n):
+        # around 1, not exactly 1: a norm weight loaded into the wrong place must show
+        return (1.0 + 0.1 * torch.randn(n, generator=g, device=device)).to(dtype)
+
+    out_scale = 1.0 / (2.0 * cfg.num_layers) ** 0.5  # megatron's scaled init for output projs
+    sd = {"embedding.word_embeddings.weight": normal(cfg.vocab_size, H)}
+    for i in range(cfg.num_layers):
+        p = f"decoder.layers.{i}."
+        sd[p + "input_layernorm.weight"] = torch.ones(H, dtype=dtype, device=device)
+        sd[p + "self_attention.linear_qkv.weight"] = normal(qkv, H)
+        if cfg.qkv_bias:
+            sd[p + "self_attention.linear_qkv.bias"] = normal(qkv, scale=5.0)
+        if cfg.qk_layernorm:
+            sd[p + "self_attention.q_layernorm.weight"] = norm_weight(hd)
+            sd[p + "self_attention.k_layernorm.weight"] = norm_weight(hd)
+        sd[p + "self_attention.linear_proj.weight"] = normal(H, cfg.num_attention_heads * hd,
+                                                             scale=out_scale)
+        sd[p + "pre_mlp_layernorm.weight"] = torch.ones(H, dtype=dtype, device=device)
+        if not cfg.is_moe_layer(i):
+            Fd = cfg.dense_ffn_hidden_size
+            sd[p + "mlp.linear_fc1.weight"] = normal(2 * Fd, H)
+            sd[p + "mlp.linear_fc2.weight"] = normal(H, Fd, scale=out_scale)
+            continue
+        sd[p + "mlp.router.weight"] = normal(E, H)
+        if cfg.router_expert_bias:  # fp32 buffer, as megatron keeps it
+            sd[p + "mlp.router.expert_bias"] = 0.05 * torch.randn(E, generator=g, device=device)
+        for e in range(E):
+            q = p + f"mlp.experts.local_experts.{e}."
+            sd[q + "linear_fc1.weight"] = normal(2 * F_, H)
+            sd[q + "linear_fc2.weight"] = normal(H, F_, scale=out_scale)
+        if cfg.shared_expert_ffn_hidden_size is not None:
+            Fs = cfg.shared_expert_ffn_hidden_size
+            q = p + "mlp.shared_experts."
+            sd[q + "linear_fc1.weight"] = normal(2 * Fs, H)
+            sd[q + "linear_fc2.weight"] = normal(H, Fs, scale=out_scale)
+            if cfg.shared_expert_gate:
+                sd[q + "gate_weight"] = normal(1, H, scale=10.0)
+    sd["decoder.final_layernorm.weight"] = torch.ones(H, dtype=dtype, device=device)
+    if not cfg.tie_embeddings:
+        sd["output_layer.weight"] = normal(cfg.vocab_size, H)
+    return sd

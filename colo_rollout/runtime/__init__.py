@@ -1,0 +1,1 @@
+"""Process plumbing: parallel layouts and process groups, the per-step control message, shared memory, the device layer (copies, pending results, bounded waits), CPU compatibility, and spawned CPU process groups."""

@@ -1,0 +1,1 @@
+"""Pure scheduling (no torch; tests/test_layers.py enforces it): requests and their lifecycle, the paged-KV block manager, the P/D planner, the scheduler, and the self-contained step plan it hands to the worker."""

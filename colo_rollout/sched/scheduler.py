@@ -1,0 +1,406 @@
+"""Request lifecycle and KV ownership of every replica: the replicated engine state.
+
+Every rank holds an identical ``Scheduler`` (all replicas, not only its own) and feeds it the
+same inputs in the same order -- intake messages and sampled tokens, agreed by the control
+plane -- so planning needs no further communication.
+
+Lifecycle: WAITING --admit--> PREFILL (lifetime id, KV reserved for prompt+max_tokens)
+--first token--> DECODE --EOS / max_tokens / cancel--> finished (KV freed).
+A result is applied only if the KV blocks still belong to the lifetime that produced it
+(``KVCacheManager.owns``): a stale result from a cancelled lifetime is discarded.
+
+PD mode: a P epoch spans several rounds. Its sequences are PREFILLING (admitted, no token yet);
+cancelling one retires its blocks (they drain) until the epoch's work is done, then they are
+released -- never reused while P may still write them.
+
+Pure Python: no torch, no torch.distributed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, replace
+
+from colo_rollout.config import EngineConfig
+from colo_rollout.sched.kv_cache import KVCacheManager
+from colo_rollout.sched.plan import (
+    DecodeRow,
+    Phase,
+    PrefillItem,
+    ReplicaWork,
+    Sampled,
+    StepPlan,
+)
+from colo_rollout.sched.planner import (
+    Admission,
+    PlannerLimits,
+    ReplicaView,
+    WaitingView,
+    plan_normal,
+    plan_round,
+)
+from colo_rollout.sched.request import (
+    FinishReason,
+    Request,
+    RequestError,
+    RequestOutput,
+    checked_request,
+)
+
+
+@dataclass
+class _Seq:
+    """A request admitted to a replica."""
+
+    request: Request
+    replica: int
+    lifetime: int
+    length: int  # tokens in the KV cache after the last completed forward
+    last_token: int | None = None  # input of the next D step
+    context_before: list[int] | None = None  # trajectory context before this turn (sessions)
+    p_blocks: tuple[int, ...] = ()  # the reservation P writes into (checked at promotion)
+
+
+@dataclass
+class _Session:
+    """A trajectory between turns. While ``lifetime`` is set its context is cached: the KV
+    owner ``lifetime`` on ``replica`` holds the first ``cached`` tokens of ``context`` (all but
+    the last output token, which the next turn prefills)."""
+
+    context: list[int]
+    replica: int | None = None
+    lifetime: int | None = None
+    cached: int = 0
+    busy: bool = True  # a turn is waiting or running
+    last_used: int = 0  # step of the last finished turn (LRU eviction)
+
+
+class Scheduler:
+    def __init__(self, cfg: EngineConfig, num_replicas: int, atp: int, vocab_size: int) -> None:
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        self.kv = [KVCacheManager(cfg.num_kv_blocks, cfg.kv_block_size)
+                   for _ in range(num_replicas)]
+        self.limits = PlannerLimits(cfg.max_batch_size, cfg.max_prefill_tokens,
+                                    tuple(cfg.decode_buckets), atp)
+        self.waiting: deque[Request] = deque()
+        self.seqs: dict[int, _Seq] = {}  # lifetime -> admitted sequence
+        self.by_id: dict[str, RequestOutput] = {}  # every known request id (incl. finished)
+        self.live: dict[str, int | None] = {}  # unfinished request id -> lifetime (None: waiting)
+        self.step_no = 0
+        self.next_lifetime = 0
+        # PD mode: the plan that started the in-flight P epoch (None: no epoch), and lifetimes
+        # cancelled while it runs -- their blocks drain until the epoch's work is done.
+        self.epoch: StepPlan | None = None
+        self.retired: set[int] = set()
+        self.sessions: dict[str, _Session] = {}
+        self.evictions = 0  # retained trajectory contexts dropped for capacity (re-prefilled)
+
+    # ------------------------------------------------------------------ intake
+    def validate(self, req: Request) -> None:
+        """Raise RequestError if ``req`` can never be served. Same answer on every rank.
+        Types first (request.checked_request: a str id, integral token ids), so a wrong type
+        is a RequestError too, never a TypeError."""
+        req = checked_request(req)
+        rid = req.request_id
+        if rid in self.by_id:
+            raise RequestError(f"request {rid!r}: duplicate request id")
+        req.params.validate(rid, self.vocab_size)
+        n = len(req.prompt)
+        if n == 0:
+            raise RequestError(f"request {rid!r}: empty prompt")
+        bad = [t for t in req.prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(
+                f"request {rid!r}: token id {bad[0]!r} outside the vocabulary [0, {self.vocab_size})")
+        cfg = self.cfg
+        sess = self.sessions.get(req.session) if req.session is not None else None
+        if sess is not None and sess.busy:
+            raise RequestError(f"request {rid!r}: session {req.session!r} already has a turn "
+                               "waiting or running")
+        ctx = len(sess.context) if sess is not None else 0
+        budget = ctx + n + req.params.max_tokens
+        if budget > cfg.max_seq_len:
+            raise RequestError(
+                f"request {rid!r}: context ({ctx}) + prompt ({n}) + max_tokens "
+                f"({req.params.max_tokens}) = {budget} exceeds engine.max_seq_len "
+                f"{cfg.max_seq_len}" if ctx else
+                f"request {rid!r}: prompt ({n}) + max_tokens ({req.params.max_tokens}) = {budget} "
+                f"exceeds engine.max_seq_len {cfg.max_seq_len}")
+        # the largest P this request may need: a re-prefill of the whole context after eviction
+        if ctx + n > cfg.max_prefill_tokens:
+            raise RequestError(
+                f"request {rid!r}: prompt of {ctx + n} tokens"
+                + (f" (with its session's context of {ctx})" if ctx else "")
+                + f" exceeds engine.max_prefill_tokens {cfg.max_prefill_tokens}")
+        if self.kv[0].blocks_needed(budget) > cfg.num_kv_blocks:
+            raise RequestError(
+                f"request {rid!r}: needs {self.kv[0].blocks_needed(budget)} KV blocks, a replica "
+                f"has {cfg.num_kv_blocks}")
+
+    def add(self, req: Request, now: float = 0.0) -> None:
+        self.validate(req)
+        self.waiting.append(req)
+        self.by_id[req.request_id] = RequestOutput(req.request_id, len(req.prompt),
+                                                   submit_time=now)
+        self.live[req.request_id] = None
+        if req.session is not None:
+            self.sessions.setdefault(req.session, _Session(context=[])).busy = True
+
+    def cancel(self, request_id: str, now: float = 0.0) -> RequestOutput:
+        """Cancel a waiting or running request at a step boundary; its KV is freed at once
+        (Normal mode has no P work in flight between steps)."""
+        if request_id not in self.live:
+            state = "already finished" if request_id in self.by_id else "unknown"
+            raise RequestError(f"cancel of request {request_id!r}: {state} request id")
+        lifetime = self.live.pop(request_id)
+        out = self.by_id[request_id]
+        if lifetime is None:
+            session = next(r.session for r in self.waiting if r.request_id == request_id)
+            self.waiting = deque(r for r in self.waiting if r.request_id != request_id)
+        else:
+            seq = self.seqs.pop(lifetime)
+            session = seq.request.session
+            if self._in_epoch(lifetime):
+                # P work writing these blocks may still be running: they are retired and only
+                # reused once the epoch is done (release in commit)
+                self.kv[seq.replica].retire(lifetime)
+                self.retired.add(lifetime)
+            else:
+                self.kv[seq.replica].free(lifetime)
+        out.finish_reason = FinishReason.CANCELLED
+        out.finish_time = now
+        if session is not None:  # a cancelled turn ends its trajectory
+            self._drop_session(session)
+        return out
+
+    def close_session(self, session: str) -> None:
+        """Forget a finished trajectory and free its retained context."""
+        sess = self.sessions.get(session)
+        if sess is None:
+            raise RequestError(f"close of unknown session {session!r}")
+        if sess.busy:
+            raise RequestError(f"close of session {session!r} while a turn is in flight")
+        self._drop_session(session)
+
+    def _drop_session(self, session: str) -> None:
+        sess = self.sessions.pop(session)
+        # a retained (idle) context still owns its blocks; a cancelled turn's blocks were
+        # already freed or retired by cancel()
+        if sess.lifetime is not None and sess.lifetime not in self.seqs \
+                and sess.lifetime in self.kv[sess.replica].owners():
+            self.kv[sess.replica].free(sess.lifetime)
+
+    # ------------------------------------------------------------------ planning
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.seqs)
+
+    def idle_sessions(self) -> list[str]:
+        return sorted(sid for sid, s in self.sessions.items() if not s.busy)
+
+    def _in_epoch(self, lifetime: int) -> bool:
+        return self.epoch is not None and any(
+            p.lifetime == lifetime for w in self.epoch.replicas for p in w.prefill)
+
+    def plan(self, pd: bool = False) -> StepPlan:
+        """Normal mode: a PREFILL or DECODE step. PD mode (``pd``): a ROUND with every ready D
+        row and, if no P epoch is in flight, a new epoch's P items."""
+        views = []
+        for i, kv in enumerate(self.kv):
+            running = [DecodeRow(s.lifetime, s.last_token, s.length)
+                       for s in self.seqs.values() if s.replica == i and s.last_token is not None]
+            views.append(ReplicaView(running=running, free_blocks=kv.num_free_blocks(),
+                                     block_size=kv.block_size))
+        # retained trajectory contexts are evicted only when the FIFO head lacks KV blocks
+        for _ in range(len(self.sessions) + 1):
+            waiting = [self._waiting_view(r) for r in self.waiting]
+            if not waiting or not self._blocked_by_kv(waiting[0], views):
+                break
+            if not self._evict_lru(views, keep=self.waiting[0].session):
+                break
+        if pd:
+            plan, admissions = plan_round(self.step_no, waiting, views, self.limits,
+                                          self.next_lifetime, admit=self.epoch is None)
+        else:
+            plan, admissions = plan_normal(self.step_no, waiting, views, self.limits,
+                                           self.next_lifetime)
+        for adm in admissions:
+            self._admit(adm)
+        plan = self._self_contained(plan)
+        if pd and plan.has_prefill:
+            self.epoch = plan
+        self.step_no += 1
+        return plan
+
+    def _self_contained(self, plan: StepPlan) -> StepPlan:
+        """``plan`` with every item's block table and sampling parameters, and the longest D
+        table: all the runner reads (plan.py)."""
+        reps = []
+        for r, w in enumerate(plan.replicas):
+            kv = self.kv[r]
+            reps.append(ReplicaWork(
+                prefill=tuple(replace(p, table=tuple(kv.block_table(p.lifetime)),
+                                      params=self.seqs[p.lifetime].request.params)
+                              for p in w.prefill),
+                decode=tuple(replace(d, table=tuple(kv.block_table(d.lifetime)),
+                                     params=self.seqs[d.lifetime].request.params)
+                             for d in w.decode)))
+        width = max((len(d.table) for w in reps for d in w.decode), default=1)
+        return replace(plan, replicas=tuple(reps), table_blocks=width)
+
+    def _waiting_view(self, req: Request) -> WaitingView:
+        sess = self.sessions.get(req.session) if req.session is not None else None
+        budget = len(req.prompt) + req.params.max_tokens
+        if sess is None or not sess.context:
+            return WaitingView(req.request_id, req.prompt, budget)
+        if sess.lifetime is None:  # evicted: re-prefill the whole context from its tokens
+            return WaitingView(req.request_id, tuple(sess.context) + req.prompt,
+                               len(sess.context) + budget)
+        # retained: prefill the last output token and the new tokens on top of the cache
+        tokens = tuple(sess.context[sess.cached:]) + req.prompt
+        return WaitingView(req.request_id, tokens, len(sess.context) + budget,
+                           start=sess.cached, replica=sess.replica, lifetime=sess.lifetime,
+                           held_blocks=len(self.kv[sess.replica].block_table(sess.lifetime)))
+
+    def _blocked_by_kv(self, w: WaitingView, views: list[ReplicaView]) -> bool:
+        cands = [w.replica] if w.replica is not None else range(len(views))
+        return all(views[i].blocks_for(w.budget_tokens) - w.held_blocks > views[i].free_blocks
+                   for i in cands)
+
+    def _evict_lru(self, views: list[ReplicaView], keep: str | None) -> bool:
+        """Drop the least recently used idle retained context (other than ``keep``'s if any
+        other exists); returns False when there is none."""
+        idle = sorted((s.last_used, sid) for sid, s in self.sessions.items()
+                      if not s.busy or (sid == keep and s.lifetime is not None)
+                      if s.lifetime is not None)
+        others = [x for x in idle if x[1] != keep]
+        pick = (others or idle)
+        if not pick:
+            return False
+        sess = self.sessions[pick[0][1]]
+        self.kv[sess.replica].free(sess.lifetime)
+        views[sess.replica].free_blocks = self.kv[sess.replica].num_free_blocks()
+        sess.lifetime = sess.replica = None
+        sess.cached = 0
+        self.evictions += 1
+        return True
+
+    def evict_retained(self) -> int:
+        """Drop every idle retained context (their next turn re-prefills); returns how many.
+        For a KV release between phases: no retained block may outlive the storage."""
+        n = 0
+        for sess in self.sessions.values():
+            if not sess.busy and sess.lifetime is not None:
+                self.kv[sess.replica].free(sess.lifetime)
+                sess.lifetime = sess.replica = None
+                sess.cached = 0
+                n += 1
+        return n
+
+    def _admit(self, adm: Admission) -> None:
+        req = self.waiting.popleft()
+        assert req.request_id == adm.request_id, "planner admits in FIFO order"
+        sess = self.sessions.get(req.session) if req.session is not None else None
+        context = list(sess.context) if sess is not None else []
+        total = len(context) + len(req.prompt) + req.params.max_tokens
+        if adm.new:
+            self.kv[adm.replica].reserve(adm.lifetime, total)
+            start = 0
+            self.next_lifetime = adm.lifetime + 1
+        else:  # a retained context grows by this turn's prompt and output budget
+            self.kv[adm.replica].grow(adm.lifetime, total)
+            start = sess.cached
+        self.seqs[adm.lifetime] = _Seq(
+            req, adm.replica, adm.lifetime, length=start,
+            context_before=context if sess is not None else None,
+            p_blocks=tuple(self.kv[adm.replica].block_table(adm.lifetime)))
+        if sess is not None:
+            sess.lifetime, sess.replica = adm.lifetime, adm.replica
+        self.live[req.request_id] = adm.lifetime
+        self.by_id[req.request_id].replica = adm.replica
+
+    def block_table(self, replica: int, lifetime: int) -> list[int]:
+        return self.kv[replica].block_table(lifetime)
+
+    # ------------------------------------------------------------------ results
+    def commit(self, plan: StepPlan | None, sampled: list[Sampled], now: float = 0.0,
+               epoch_done: StepPlan | None = None) -> list[RequestOutput]:
+        """Apply the agreed sampled tokens: D rows of ``plan`` (or its P items for a Normal
+        PREFILL step) and, when a PD epoch finished, the P items of ``epoch_done`` (promotion
+        P -> D). Returns the requests finished by them."""
+        by_lt = {s.lifetime: s for s in sampled}
+        finished: list[RequestOutput] = []
+        if plan is not None:
+            for r, work in enumerate(plan.replicas):
+                items = work.prefill if plan.phase is Phase.PREFILL else work.decode
+                for item in items:
+                    self._apply(plan.step, r, item, by_lt, now, finished)
+        if epoch_done is not None:
+            for r, work in enumerate(epoch_done.replicas):
+                for item in work.prefill:
+                    if item.lifetime in self.retired:  # cancelled mid-P: its work has drained
+                        self.kv[r].release_drained(item.lifetime)
+                        self.retired.discard(item.lifetime)
+                        continue
+                    self._apply(epoch_done.step, r, item, by_lt, now, finished)
+            self.epoch = None
+        return finished
+
+    def _apply(self, step: int, r: int, item, by_lt: dict, now: float,
+               finished: list[RequestOutput]) -> None:
+        seq = self.seqs.get(item.lifetime)
+        if seq is None:
+            return  # stale: the lifetime was cancelled while its work ran
+        if isinstance(item, PrefillItem) and not self.kv[r].owns(item.lifetime,
+                                                                 list(seq.p_blocks)):
+            # promotion P -> D: the blocks P wrote must still belong to this lifetime
+            raise RuntimeError(f"step {step}: lifetime {item.lifetime} lost its KV reservation")
+        s = by_lt.get(item.lifetime)
+        if s is None:
+            raise RuntimeError(f"step {step}: no sampled token for lifetime {item.lifetime}")
+        seq.length += len(item.tokens) if isinstance(item, PrefillItem) else 1
+        out = self.by_id[seq.request.request_id]
+        if out.first_token_time is None:
+            out.first_token_time = now
+        out.tokens.append(s.token)
+        out.logprobs.append(s.logprob)
+        seq.last_token = s.token
+        reason = self._stop_reason(seq, out)
+        if reason is not None:
+            self._finish(seq, out, reason, now)
+            finished.append(out)
+
+    def _stop_reason(self, seq: _Seq, out: RequestOutput) -> FinishReason | None:
+        p = seq.request.params
+        if (not p.ignore_eos and self.cfg.eos_token_id is not None
+                and out.tokens[-1] == self.cfg.eos_token_id):
+            return FinishReason.STOP
+        if len(out.tokens) >= p.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, seq: _Seq, out: RequestOutput, reason: FinishReason, now: float) -> None:
+        sess = self.sessions.get(seq.request.session) if seq.request.session else None
+        if sess is not None:  # keep the context cached for the next turn (until evicted)
+            sess.context = seq.context_before + list(seq.request.prompt) + out.tokens
+            sess.cached = seq.length  # every token but the last output is in the cache
+            sess.busy = False
+            sess.last_used = self.step_no
+        else:
+            self.kv[seq.replica].free(seq.lifetime)
+        del self.seqs[seq.lifetime]
+        del self.live[seq.request.request_id]
+        out.finish_reason = reason
+        out.finish_time = now
+
+    def check_integrity(self) -> None:
+        for kv in self.kv:
+            kv.check_integrity()
+        owners = {lt for kv in self.kv for lt in kv.owners()}
+        retained = {s.lifetime for s in self.sessions.values() if s.lifetime is not None}
+        if owners != set(self.seqs) | retained:
+            raise AssertionError(f"KV owners {sorted(owners)} != admitted {sorted(self.seqs)} "
+                                 f"+ retained contexts {sorted(retained)}")
+        draining = {lt for kv in self.kv for lt in kv.draining()}
+        if draining != self.retired:
+            raise AssertionError(f"KV draining {sorted(draining)} != retired {sorted(self.retired)}")

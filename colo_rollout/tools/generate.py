@@ -1,0 +1,242 @@
+"""Text in, text out over the engine: `generate_text()` for in-process callers and the
+`colo-rollout generate` command.
+
+Owns turning text prompts into requests (chat template, encode), serving them in one collective
+``engine.generate`` call, and turning the generated ids back into text (cut at the tokenizer's
+eos ids, decoded without special tokens). The engine and rollout() stay token-in/token-out.
+
+The command validates everything it can before any rank starts (tokenizer, config, vocabulary,
+sampling parameters, prompt lengths), each problem one ``error:`` line with exit code 2; then
+it serves the prompts on ``parallel.world_size`` ranks the way the other commands do
+(``launch._launch``: in-process under torchrun, otherwise spawned CPU ranks).
+
+Nothing heavy is imported at module import: the CLI's parser reads this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from colo_rollout.sched.request import Request, RequestError, SamplingParams
+from colo_rollout.text.tokenizer import Tokenizer, TokenizerError
+
+# kv_block_size of the default config (the engine's own default)
+_BLOCK = 16
+# most decode rows of the default config (the engine's default decode_buckets end at 32)
+_MAX_ROWS = 32
+# the engine's default prefill budget; raised to the longest prompt when that is longer
+_PREFILL_TOKENS = 2048
+
+
+class GenerateError(ValueError):
+    """A problem found at the door of `colo-rollout generate`; the message is one line."""
+
+
+# --------------------------------------------------------------------------- in-process API
+def _cut_at_eos(tokens: Sequence[int], eos_ids: Sequence[int]) -> list[int]:
+    """``tokens`` up to (without) the first of ``eos_ids``."""
+    stop = set(eos_ids)
+    for i, t in enumerate(tokens):
+        if t in stop:
+            return list(tokens[:i])
+    return list(tokens)
+
+
+def generate_text(engine: Any, tokenizer: Tokenizer, prompts: Sequence[str],
+                  params: SamplingParams, chat: bool | None = None) -> list[str]:
+    """The completion of each text prompt, in order (collective: every rank calls it with the
+    same arguments and gets the same texts).
+
+    Each prompt goes through the chat template when the tokenizer has one and ``chat`` is None
+    (``chat=False``: encoded as plain text; ``chat=True``: template required). All prompts are
+    served in one ``engine.generate`` call. A completion ends at the first of the tokenizer's
+    eos ids (unless ``params.ignore_eos``): the engine itself stops on ``engine.eos_token_id``
+    only (one id), a completion that hits another eos id is cut there. Text is decoded without
+    special tokens. Raises RequestError, on every rank alike, for a prompt the engine can never
+    serve (too long for engine.max_seq_len / max_prefill_tokens, bad sampling parameters)."""
+    token_prompts = [tokenizer.encode_prompt(p, chat=chat) for p in prompts]
+    sched = engine.scheduler
+    # ids unique over the engine's life, identical on every rank: the step counter is
+    # replicated state, and every generate() call advances it
+    base = f"text{sched.step_no}"
+    requests = [Request(f"{base}-{i}", tuple(ids), params) for i, ids in enumerate(token_prompts)]
+    for req in requests:
+        # every rank checks (deterministic on the replicated state), so all refuse together,
+        # before any collective; generate() would only report a refusal on rank 0
+        try:
+            sched.validate(req)
+        except RequestError as e:
+            i = int(req.request_id.rsplit("-", 1)[1])
+            raise RequestError(f"prompt {i} ({len(req.prompt)} tokens): {e}") from None
+    outs = engine.generate(requests)
+    eos = () if params.ignore_eos else tokenizer.eos_token_ids
+    texts = []
+    for req in requests:
+        out = outs[req.request_id]
+        if out.error is not None:  # not expected after validate(); never hide it
+            raise RequestError(out.error)
+        texts.append(tokenizer.decode(_cut_at_eos(out.tokens, eos), skip_special_tokens=True))
+    return texts
+
+
+# --------------------------------------------------------------------------- rank function
+def run_generate(rank: int, world: int, config_path: str, overrides: dict | None,
+                 prompts: list[str], params: dict, chat: bool | None) -> list[str]:
+    """One rank of `colo-rollout generate`: build the engine from the (door-validated) config,
+    serve the prompts, return the completions (the same on every rank)."""
+    from colo_rollout.config import load_config
+    from colo_rollout.quiet import quiet_known_warnings
+
+    quiet_known_warnings()
+    from colo_rollout.engine.engine import Engine
+    from colo_rollout.runtime.parallel import init_parallel
+
+    cfg = load_config(config_path, overrides)
+    tokenizer = Tokenizer.from_dir(cfg.model.checkpoint)
+    groups = init_parallel(cfg.parallel)
+    engine = Engine(cfg, groups)  # loads model.checkpoint, each rank its slices
+    try:
+        return generate_text(engine, tokenizer, prompts, SamplingParams.from_json(params), chat)
+    finally:
+        engine.close()  # D graphs hold NCCL collectives: drop them before the groups go away
+
+
+# --------------------------------------------------------------------------- the command
+def _default_config(model_dir: str, overrides: Mapping[str, Any], prompt_lens: list[int],
+                    max_tokens: int, eos: int | None):
+    """The config without --config: one rank, fp32 on CPU (bf16 with CUDA), engine limits sized
+    to the prompts; ``overrides`` (--set) win over all of it."""
+    import torch
+
+    from colo_rollout.config import config_from_dict
+    from colo_rollout.config.loader import _apply_overrides
+
+    source = f"{model_dir} (generate's default config)"
+    # workload: the demo's synthetic lengths must fit engine.max_seq_len (a cross-section rule);
+    # generate serves no synthetic workload, so they are set to the least
+    workload = {"prompt_len_min": 1, "prompt_len_max": 1, "output_len_min": 1,
+                "output_len_max": 1}
+
+    def build(engine: dict):
+        data = {"parallel": {"world_size": 1},
+                "model": {"checkpoint": model_dir,
+                          "params_dtype": "bfloat16" if torch.cuda.is_available() else "float32"},
+                "engine": engine, "workload": dict(workload)}
+        _apply_overrides(data, {**overrides, "model.checkpoint": model_dir})
+        return config_from_dict(data, source=source)
+
+    # first the model alone (the architecture read from config.json), to size the engine by
+    model = build({"max_seq_len": 2}).model
+    longest = max(prompt_lens)
+    need = longest + max_tokens
+    if need > model.max_position_embeddings:
+        i = prompt_lens.index(longest)
+        raise GenerateError(f"prompt {i} is {longest} tokens; with --max-tokens {max_tokens} "
+                            f"that is {need}, over the model's max_position_embeddings "
+                            f"{model.max_position_embeddings}")
+    rows = min(len(prompt_lens), _MAX_ROWS)
+    engine = {"max_seq_len": need, "max_prefill_tokens": max(_PREFILL_TOKENS, longest),
+              "kv_block_size": _BLOCK, "max_batch_size": rows,
+              "num_kv_blocks": rows * -(-need // _BLOCK), "eos_token_id": eos}
+    return build(engine)
+
+
+def _check_fits(cfg, prompt_lens: list[int], max_tokens: int) -> None:
+    """Every prompt fits the engine's limits (a --config may set them small)."""
+    e = cfg.engine
+    for i, n in enumerate(prompt_lens):
+        if n + max_tokens > e.max_seq_len:
+            raise GenerateError(f"prompt {i} is {n} tokens; with --max-tokens {max_tokens} that "
+                                f"is {n + max_tokens}, over engine.max_seq_len {e.max_seq_len}")
+        if n > e.max_prefill_tokens:
+            raise GenerateError(f"prompt {i} is {n} tokens, over engine.max_prefill_tokens "
+                                f"{e.max_prefill_tokens}")
+        blocks = -(-(n + max_tokens) // e.kv_block_size)
+        if blocks > e.num_kv_blocks:
+            raise GenerateError(f"prompt {i} needs {blocks} KV blocks, a replica has "
+                                f"engine.num_kv_blocks {e.num_kv_blocks}")
+
+
+def _check_params(params: SamplingParams, vocab: int) -> None:
+    try:
+        params.validate("generate", vocab)
+    except RequestError as e:  # "request 'generate': what" -> "sampling parameters: what"
+        raise GenerateError(f"sampling parameters: {str(e).split(': ', 1)[-1]}") from None
+
+
+def prepare(model_dir: str, config_path: str | None, overrides: Mapping[str, Any],
+            prompts: Sequence[str], params: SamplingParams, chat: bool | None):
+    """Everything `generate` checks before ranks start. Returns (config, tokenizer); raises
+    GenerateError, ConfigError, TokenizerError or RequestError with a one-line message."""
+    from colo_rollout.config import load_config
+
+    if not Tokenizer.available(model_dir):
+        raise GenerateError(f"{model_dir}: no tokenizer.json (generate needs the checkpoint's "
+                            "tokenizer; rollout() itself is token-in/token-out)")
+    tokenizer = Tokenizer.from_dir(model_dir)
+    if not prompts:
+        raise GenerateError("no prompt given")
+    lens = [len(tokenizer.encode_prompt(p, chat=chat)) for p in prompts]
+    if 0 in lens:
+        raise GenerateError(f"prompt {lens.index(0)} encodes to no tokens")
+    _check_params(params, sys.maxsize)  # before the engine is sized by max_tokens
+    eos = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None
+    if config_path is None:
+        cfg = _default_config(model_dir, overrides, lens, params.max_tokens, eos)
+    else:
+        cfg = load_config(config_path, {**overrides, "model.checkpoint": model_dir})
+        if cfg.engine.eos_token_id is None and eos is not None:  # not set: the tokenizer's
+            cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine,
+                                                                      eos_token_id=eos))
+    vocab = cfg.model.vocab_size
+    if tokenizer.vocab_size > vocab:
+        raise GenerateError(f"{model_dir}: the tokenizer has {tokenizer.vocab_size} ids, more "
+                            f"than the model's vocab_size {vocab}")
+    bad = [i for i in tokenizer.eos_token_ids if i >= vocab]
+    if bad:
+        raise GenerateError(f"{model_dir}: eos token id {bad[0]} is outside the model's "
+                            f"vocab_size {vocab}")
+    _check_params(params, vocab)
+    _check_fits(cfg, lens, params.max_tokens)
+    return cfg, tokenizer
+
+
+def main(args) -> int:
+    """`colo-rollout generate` (args from cli.py's parser). Exit code 0, or 2 for a problem
+    found at the door (one ``error:`` line on stderr)."""
+    from colo_rollout.launch import _launch, _overrides
+    from colo_rollout.config import ConfigError, dump_config
+
+    chat = False if args.no_chat else None
+    try:
+        overrides = _overrides(args.set)
+    except ConfigError as e:  # --set without '=', or a value that is not valid YAML
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k)
+    try:
+        cfg, _ = prepare(args.model, args.config, overrides, args.prompts, params, chat)
+    except (GenerateError, ConfigError, TokenizerError, RequestError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    # the ranks read exactly the validated config (sizing and eos included) from a file
+    fd, path = tempfile.mkstemp(prefix="colo_rollout_generate_", suffix=".yaml")
+    os.close(fd)
+    try:
+        dump_config(cfg, path)
+        texts = _launch("colo_rollout.tools.generate:run_generate", path, {},
+                        prompts=list(args.prompts), params=params.to_json(), chat=chat)[0]
+    finally:
+        Path(path).unlink(missing_ok=True)
+    if "WORLD_SIZE" in os.environ and os.environ.get("RANK") != "0":  # torchrun: rank 0 prints
+        return 0
+    for i, text in enumerate(texts):
+        print(f"[{i}] {text}", flush=True)
+    return 0

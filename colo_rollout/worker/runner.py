@@ -1,0 +1,320 @@
+"""Model runner: turns one ``StepPlan`` into this rank's tensors, runs the model, samples.
+
+Owns the device-side view of a plan (token ids, positions, slot mappings, block tables, padding
+to the D bucket) and the KV storage. Everything it needs comes in the plan (block tables and
+sampling parameters included: plan.py); it never reads the scheduler. It returns the sampled
+tokens of its replica (leader only) as plain values.
+
+Every rank runs every non-IDLE plan -- a replica without work still runs the phase with zero
+(P) or padding (D) rows -- because the phase's collectives span all ranks.
+
+On a GPU in PD modes, P is enqueued under the route's P stream and D under its D stream; the
+sampled tokens come back as ``PendingSampled`` so that neither phase's host enqueue waits for
+the other's GPU work (the engine resolves them at the end of its step).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from colo_rollout.model.attention import AttnMetadata, prefill_buckets
+from colo_rollout.worker.decode_graph import DecodeGraphs, graphs_supported
+from colo_rollout.model.model import DecodeInputs, InferenceGPT, PrefillInputs
+from colo_rollout.sched.plan import Phase, Sampled, StepPlan
+from colo_rollout.worker.prefill_graph import PrefillMoEGraphs
+from colo_rollout.worker.sampler import sample_tensors
+from colo_rollout.runtime.device import Pending, h2d, wait_event
+from colo_rollout.multiplex.stream_route import StreamRoute
+
+PRODUCER = "gather"  # the gather backend's boundary producer (registered layer points)
+
+
+def _nothing() -> None:
+    pass
+
+
+def _marker(device: torch.device) -> torch.cuda.Event | None:
+    """A CUDA event at the current stream's end (None on CPU: work there is already done)."""
+    if device.type != "cuda":
+        return None
+    ev = torch.cuda.Event()
+    ev.record()
+    return ev
+
+
+class PendingSampled:
+    """Sampled tokens of one phase run, their device->host copy in flight. A rank without
+    tokens to return (not a replica leader, or no rows) holds a CUDA event at the end of the
+    run instead, so ``done``/``wait`` still tell when its GPU work finished."""
+
+    def __init__(self, lifetimes: list[int] = (), pending: Pending | None = None,
+                 marker: torch.cuda.Event | None = None, packed: bool = False) -> None:
+        self.lifetimes = list(lifetimes)
+        # (tokens [n], logprobs [n]); ``packed``: one [2, n] float64 (a D graph's greedy rows)
+        self._pending = pending
+        self._packed = packed
+        self._marker = marker
+
+    def done(self) -> bool:
+        if self._pending is not None:
+            return self._pending.done()
+        return self._marker is None or self._marker.query()
+
+    def wait(self, timeout_s: float | None = None, what: str = "sampled tokens") -> None:
+        """Block until the run's GPU work (and its token copy) finished; values stay put.
+        ``timeout_s`` bounds the wait (DeviceStall, naming ``what``)."""
+        if self._pending is not None:
+            self._pending.wait(timeout_s, what)
+        elif self._marker is not None:
+            wait_event(self._marker, timeout_s, what)
+
+    def resolve(self, timeout_s: float | None = None,
+                what: str = "sampled tokens") -> list[Sampled]:
+        if self._pending is None:
+            return []
+        got = self._pending.get(timeout_s, what)
+        tokens, logprobs = got[0] if self._packed else got
+        return [Sampled(lt, int(t), lp) for lt, t, lp in zip(self.lifetimes, tokens, logprobs)]
+
+
+class ModelRunner:
+    def __init__(self, model: InferenceGPT, num_blocks: int, block_size: int, seed: int,
+                 route: StreamRoute | None = None, graphs_max_blocks: int = 0,
+                 prefill_merge_pairs: int = 0, prefill_graph_tokens: int = 0) -> None:
+        self.model = model
+        self.prefill_merge_pairs = prefill_merge_pairs  # see attention.prefill_buckets
+        self.route = route or StreamRoute(model.device, active=False,
+                                          route_p_collective=False)
+        model.comm.route = self.route
+        self.groups = model.groups
+        self.device = model.device
+        self.kv = model.new_kv_storage(num_blocks, block_size)
+        self.block_size = block_size
+        # one random stream per replica: replicas sample different rows, and identical streams
+        # would correlate their samples (the same noise for every replica's first row); renew()
+        # re-seeds it the same way
+        self.generator = torch.Generator(device=self.device).manual_seed(
+            seed * 1_000_003 + self.groups.replica)
+        self.num_blocks = num_blocks
+        # D by CUDA-graph replay (graphs_max_blocks > 0, CUDA, host-sync-free experts)
+        self.graphs_max_blocks = graphs_max_blocks
+        self._capture_stream = (torch.cuda.Stream(self.device)
+                                if self.device.type == "cuda" else None)
+        self.graphs = self._new_graphs()
+        # P's MoE blocks by CUDA-graph replay: wherever D graphs are, for P steps of up to
+        # prefill_graph_tokens tokens over all replicas (0: off)
+        self.prefill_graph_tokens = prefill_graph_tokens
+        self.prefill_graphs = self._new_prefill_graphs()
+        self._epoch = None  # the in-flight P epoch's segment generator (PD mode)
+        self._epoch_items = ()
+        self._at: int | None = None
+
+    def renew(self, route: StreamRoute, seed: int, prefill_merge_pairs: int,
+              prefill_graph_tokens: int) -> None:
+        """Serve a new engine on the worker (idle only): its streams, a re-seeded sampler, its P
+        settings. The KV storage and the D and P graphs stay (graphs replay on the current
+        stream)."""
+        if self._epoch is not None:
+            raise RuntimeError("renew() with a P epoch in flight")
+        self.route = route
+        self.model.comm.route = route
+        self.generator.manual_seed(seed * 1_000_003 + self.groups.replica)
+        self.prefill_merge_pairs = prefill_merge_pairs
+        if prefill_graph_tokens != self.prefill_graph_tokens:  # another capacity, or off
+            if self.prefill_graphs is not None:
+                self.prefill_graphs.release()
+            self.prefill_graph_tokens = prefill_graph_tokens
+            self.prefill_graphs = self._new_prefill_graphs()
+
+    def _new_graphs(self) -> DecodeGraphs | None:
+        if self.graphs_max_blocks > 0 and graphs_supported(self.model):
+            return DecodeGraphs(self.model, self.kv, self.graphs_max_blocks,
+                                self._capture_stream)
+        return None
+
+    def _new_prefill_graphs(self) -> PrefillMoEGraphs | None:
+        if self.graphs is not None and self.prefill_graph_tokens > 0:
+            return PrefillMoEGraphs(self.model, self.prefill_graph_tokens, self._capture_stream)
+        return None
+
+    def check_weights(self) -> None:
+        """Idle engine only: drop every graph that captured a replaced parameter's address
+        (both phases' graphs read the same parameters)."""
+        if self.graphs is not None and self.graphs.check_weights():
+            if self.prefill_graphs is not None:
+                self.prefill_graphs.release()
+
+    def release_graphs(self) -> None:
+        """Drop the D and P graphs (D's hold NCCL collectives: before groups are destroyed)."""
+        for g in (self.graphs, self.prefill_graphs):
+            if g is not None:
+                g.release()
+
+    def release_kv(self) -> None:
+        """Drop the KV storage and the graphs (D's point into it; P's and their buffers are
+        memory too) -- memory release."""
+        self.release_graphs()
+        self.graphs = self.prefill_graphs = None
+        self.kv = None
+
+    def resume_kv(self) -> None:
+        self.kv = self.model.new_kv_storage(self.num_blocks, self.block_size)
+        self.graphs = self._new_graphs()
+        self.prefill_graphs = self._new_prefill_graphs()
+
+    def _moe_block(self):
+        """How P computes its MoE blocks: graph replay where there are P graphs and the step
+        fits them, else the modules (None)."""
+        return self.prefill_graphs.moe if self.prefill_graphs is not None else None
+
+    def run(self, plan: StepPlan) -> PendingSampled:
+        """Normal mode: the whole plan (one P epoch or one D iteration)."""
+        if plan.phase is Phase.IDLE:
+            return PendingSampled()
+        if plan.phase is Phase.PREFILL:
+            with self.route.mark("P"):
+                logits = self.model.forward_prefill(self._prefill_inputs(plan), self.kv,
+                                                    self._moe_block())
+                return self._sample(logits, plan.replicas[self.groups.replica].prefill)
+        return self.run_decode(plan)
+
+    def run_decode(self, plan: StepPlan, epoch: int = -1) -> PendingSampled:
+        """One D iteration over the plan's D rows (every rank; padding where a replica has
+        fewer rows than the bucket), enqueued on D's stream."""
+        with self.route.d(), self.route.mark("D", epoch):
+            host = self._decode_host(plan)
+            rows = plan.replicas[self.groups.replica].decode
+            if self.graphs is None:
+                logits = self.model.forward_decode(self._decode_inputs(*host), self.kv)
+                return self._sample(logits, rows)
+            g = self.graphs.run(*host, plan.table_blocks)
+            if (self.groups.is_replica_leader and rows
+                    and all(d.params.greedy for d in rows)):
+                # greedy rows were sampled inside the graph: one copy brings them back
+                return PendingSampled([d.lifetime for d in rows],
+                                      Pending(g.packed[:, : len(rows)]), packed=True)
+            return self._sample(g.logits, rows)
+
+    # ------------------------------------------------------------------ P epochs (PD mode)
+    @property
+    def epoch_active(self) -> bool:
+        return self._epoch is not None
+
+    def start_epoch(self, plan: StepPlan) -> None:
+        """Build the epoch's inputs now (block tables as reserved at admission) and hold P as
+        a segment generator; nothing runs until ``advance``."""
+        if self._epoch is not None:
+            raise RuntimeError("a P epoch is already in flight")
+        with self.route.p():
+            inputs = self._prefill_inputs(plan)
+        gen = self.model.prefill_segments(inputs, self.kv, self._moe_block())
+        self._epoch = gen
+        self._epoch_items = plan.replicas[self.groups.replica].prefill
+        self._at = None  # boundary P is parked at (its collective not yet issued)
+
+    def advance(self, ctl, on_boundary=None) -> PendingSampled | None:
+        """Run P until it is parked at its permitted endpoint (returns None) or the epoch is
+        complete (returns the sampled first tokens; leader ranks only have values). P's
+        kernels go on P's stream (its routed collectives on D's). ``on_boundary()`` is called
+        after each boundary's work is enqueued (the engine's D-wait clock)."""
+        with self.route.p(), self.route.mark("P", ctl.epoch):
+            return self._advance(ctl, on_boundary or _nothing)
+
+    def _advance(self, ctl, on_boundary) -> PendingSampled | None:
+        if self._at is None:
+            self._at = next(self._epoch)  # compute up to boundary 0
+            ctl.publish(ctl.epoch, self._at, PRODUCER)
+            on_boundary()
+        while ctl.may_cross(self._at):
+            try:
+                nxt = next(self._epoch)  # issue the collective after self._at, compute on
+                on_boundary()
+            except StopIteration as done:
+                ctl.complete(ctl.epoch)
+                items, self._epoch, self._epoch_items = self._epoch_items, None, ()
+                # items cancelled during the epoch are sampled too: the scheduler's commit
+                # discards a result whose lifetime is no longer live
+                return self._sample(done.value, items)
+            ctl.publish(ctl.epoch, nxt, PRODUCER)
+            self._at = nxt
+        return None
+
+    def _sample(self, logits: torch.Tensor, items) -> PendingSampled:
+        lifetimes = [it.lifetime for it in items]
+        if not self.groups.is_replica_leader or not lifetimes:
+            return PendingSampled(marker=_marker(self.device))
+        params = [it.params for it in items]
+        tokens, logprobs = sample_tensors(logits[: len(lifetimes)], params, self.generator)
+        return PendingSampled(lifetimes, Pending(tokens, logprobs))
+
+    def _slots(self, table, positions: range) -> list[int]:
+        bs = self.block_size
+        return [table[p // bs] * bs + p % bs for p in positions]
+
+    def _tables(self, tables) -> torch.Tensor:
+        width = max((len(t) for t in tables), default=1)
+        sink = self.kv.sink_block
+        padded = [[*t, *[sink] * (width - len(t))] for t in tables]
+        return h2d(padded, torch.int64, self.device)
+
+    def _prefill_inputs(self, plan: StepPlan) -> PrefillInputs:
+        r = self.groups.replica
+        mine = plan.replicas[r].prefill
+        ids, pos, slots, tables, ctx, new = [], [], [], [], [], []
+        for item in mine:
+            table = item.table
+            span = range(item.start, item.start + len(item.tokens))
+            ids.extend(item.tokens)
+            pos.extend(span)
+            slots.extend(self._slots(table, span))
+            tables.append(table)
+            ctx.append(span.stop)
+            new.append(len(item.tokens))
+        row_counts = [w.prefill_tokens for w in plan.replicas]
+        last_counts = [len(w.prefill) for w in plan.replicas]
+        last_rows, off = [], 0
+        for w in plan.replicas:
+            for p in w.prefill:
+                off += len(p.tokens)
+                last_rows.append(off - 1)
+        dev, i64 = self.device, torch.int64
+        attn = AttnMetadata(
+            is_prefill=True,
+            positions=h2d(pos, i64, dev),
+            slot_mapping=h2d(slots, i64, dev),
+            block_tables=self._tables(tables) if tables else torch.zeros(0, 1, dtype=i64, device=dev),
+            context_lens=h2d(ctx, i64, dev),
+            seq_lens_new=new, context_lens_host=ctx,
+            buckets=prefill_buckets(new, ctx, self.block_size, lambda v, t: h2d(v, t, dev),
+                                    self.prefill_merge_pairs),
+        )
+        return PrefillInputs(
+            token_ids=h2d(ids, i64, dev), attn=attn,
+            row_counts=row_counts, last_counts=last_counts,
+            last_rows=h2d(last_rows, i64, dev),
+        )
+
+    def _decode_host(self, plan: StepPlan):
+        """Host values of one D iteration, padded to the bucket with sink rows:
+        (ids, positions, slots, context lengths, block tables)."""
+        r = self.groups.replica
+        rows = plan.replicas[r].decode
+        B = plan.bucket
+        sink = self.kv.sink_block
+        ids = [d.token for d in rows] + [0] * (B - len(rows))
+        pos = [d.position for d in rows] + [0] * (B - len(rows))
+        tables = [d.table for d in rows] + [(sink,)] * (B - len(rows))
+        slots = [self._slots(t, range(p, p + 1))[0] for t, p in zip(tables, pos)]
+        return ids, pos, slots, [p + 1 for p in pos], tables
+
+    def _decode_inputs(self, ids, pos, slots, ctx, tables) -> DecodeInputs:
+        dev, i64 = self.device, torch.int64
+        attn = AttnMetadata(
+            is_prefill=False,
+            positions=h2d(pos, i64, dev),
+            slot_mapping=h2d(slots, i64, dev),
+            block_tables=self._tables(tables),
+            context_lens=h2d(ctx, i64, dev),
+            seq_lens_new=[], context_lens_host=[],
+        )
+        return DecodeInputs(token_ids=h2d(ids, i64, dev), attn=attn)

@@ -1,0 +1,83 @@
+"""Token sampling from full-vocabulary logits: greedy, temperature, top-k, top-p; logprobs.
+
+Owns the math only. Runs on the replica leader's device; the engine's control plane shares the
+result with every rank. ``logprob`` is log p(token) under the unmodified model distribution
+(temperature 1, no truncation) -- what an RL trainer recomputes.
+
+Random draws use the exponential-race form of categorical sampling (argmax of p / Exp(1)) with
+one seeded generator per engine, so a run is reproducible for a fixed request order and layout.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from colo_rollout.sched.request import SamplingParams
+from colo_rollout.runtime.device import h2d
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generator: torch.Generator | None) -> tuple[list[int], list[float]]:
+    """logits [n, V] -> (tokens, logprobs) for each row."""
+    tokens, logprobs = sample_tensors(logits, params, generator)
+    return tokens.tolist(), logprobs.tolist()
+
+
+def sample_tensors(logits: torch.Tensor, params: list[SamplingParams],
+                   generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sample`` left on the device (no host wait): tokens [n] int64, logprobs [n] fp32."""
+    logits = logits.float()
+    dev = logits.device
+    logp = torch.log_softmax(logits, dim=-1)
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not random_rows:
+        return _greedy(logits, logp)
+    tokens = logits.argmax(dim=-1)
+    idx = h2d(random_rows, torch.int64, dev)
+    # shift by the row max first: (x - max) / T stays finite-or--inf for any T > 0, so a
+    # tiny temperature tends to greedy instead of overflowing to NaN
+    sub = logits[idx]
+    sub = sub - sub.max(dim=-1, keepdim=True).values
+    temps = h2d([params[i].temperature for i in random_rows], torch.float32, dev)[:, None]
+    sub = sub / temps
+    ks = [params[i].top_k for i in random_rows]
+    if any(k > 0 for k in ks):
+        sub = _top_k(sub, ks)
+    ps = [params[i].top_p for i in random_rows]
+    if any(p < 1.0 for p in ps):
+        sub = _top_p(sub, h2d(ps, torch.float32, dev))
+    probs = torch.softmax(sub, dim=-1)
+    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    tokens[idx] = (probs / noise).argmax(dim=-1)
+    chosen = logp.gather(1, tokens[:, None])[:, 0]
+    return tokens, chosen
+
+
+def greedy_tensors(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy tokens [n] and their logprobs [n] of every row: what ``sample_tensors`` returns
+    for all-greedy params, by the same ops (a D graph captures it with the forward)."""
+    logits = logits.float()
+    return _greedy(logits, torch.log_softmax(logits, dim=-1))
+
+
+def _greedy(logits: torch.Tensor, logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = logits.argmax(dim=-1)
+    return tokens, logp.gather(1, tokens[:, None])[:, 0]
+
+
+def _top_k(logits: torch.Tensor, ks: list[int]) -> torch.Tensor:
+    V = logits.shape[-1]
+    k = h2d([k if k > 0 else V for k in ks], torch.int64, logits.device)
+    sorted_desc = logits.sort(dim=-1, descending=True).values
+    kth = sorted_desc.gather(1, (k - 1)[:, None])
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def _top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    cum = probs.cumsum(dim=-1)
+    # drop a token when the mass strictly before it already reaches top_p (keeps >= 1 token)
+    drop_sorted = (cum - probs) >= top_p[:, None]
+    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))

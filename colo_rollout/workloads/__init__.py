@@ -1,0 +1,1 @@
+"""What the engine is driven with: traces (generated, JSONL, Mooncake) and their replay, and the demo workload."""
