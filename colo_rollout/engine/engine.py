@@ -1,17 +1,20 @@
-"""The engine: ``step()`` = exchange -> schedule -> run -> keep results. In-process Python API.
+"""The engine: a serving session over a worker, stepped collectively. In-process Python API.
 
-Owns the composition of control plane, scheduler, planner and runner for one rank, and the
+Owns the composition of control plane, scheduler, strategy and recorder for one rank, and the
 user-facing calls: ``submit``/``cancel`` (any rank, non-collective), ``step`` and ``generate``
-(collective: every rank of the world calls them together).
+(collective: every rank of the world calls them together). The device state (model, KV
+storage, graphs, memory) is the worker's (worker/worker.py).
 
-One step, on every rank:
+One step, on every rank (``_step``):
   1. exchange: every rank's new submissions/cancels and the replica leaders' sampled tokens of
-     the previous step are all-gathered on the gloo control group (the only host agreement);
-  2. commit the previous step's tokens, then apply intake in rank order (so every rank's
+     the previous step are all-gathered on the control group (the only host agreement);
+  2. apply: commit the previous step's tokens, then intake in rank order (so every rank's
      scheduler sees identical inputs and stays identical);
-  3. plan (Normal mode: strict P priority) and run it -- every rank runs the phase, replicas
-     without work run matched empty/padded work so collectives match;
-  4. keep this step's sampled tokens for the next exchange.
+  3. schedule: the scheduler's self-contained ``StepPlan``;
+  4. strategy.run: the mode's round (engine/strategy.py) enqueues the plan's phases -- every
+     rank runs them, replicas without work run matched empty/padded work so collectives match;
+  5. collect: wait (bounded) for this step's sampled tokens, kept for the next exchange;
+  6. record: the step's statistics (engine/recorder.py).
 
 PD mode: a P epoch's first tokens are not waited for. When its host enqueue completes, the
 epoch awaits commit; each rank sends its P tokens (``Message.p_sampled``) at the first step end
@@ -23,7 +26,6 @@ a long P epoch on the GPU never blocks the host loop.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -32,6 +34,7 @@ from colo_rollout.runtime.control import ControlError, ControlPlane, Message
 from colo_rollout.worker.memory import WEIGHT_POLICIES, MemoryReport
 from colo_rollout.runtime.parallel import ParallelGroups
 from colo_rollout.sched.plan import Phase, Sampled, StepPlan
+from colo_rollout.engine.recorder import Recorder
 from colo_rollout.sched.planner import pick_bucket
 from colo_rollout.worker.prefill_graph import MAX_TOKENS as PREFILL_GRAPH_MAX_TOKENS
 from colo_rollout.sched.request import (
@@ -46,27 +49,14 @@ from colo_rollout.sched.request import (
 from colo_rollout.multiplex.rendezvous import make_rendezvous
 from colo_rollout.runtime.shm import same_host
 from colo_rollout.worker.runner import PRODUCER, PendingSampled
-from colo_rollout.multiplex.segment_policy import HeldClock, Load, span_hint
-from colo_rollout.multiplex.strategy import strategy_for
+from colo_rollout.engine.strategy import RoundParts, strategy_for
 from colo_rollout.multiplex.turnstile import TurnstileController
 from colo_rollout.worker.worker import Worker
 from colo_rollout.sched.scheduler import Scheduler
 from colo_rollout.engine.stall_watch import StallWatch
 from colo_rollout.runtime.device import DeviceStall
-from colo_rollout.multiplex.stream_route import Span, StreamRoute
+from colo_rollout.multiplex.stream_route import StreamRoute
 
-
-@dataclass
-class StepStats:
-    step: int
-    phase: Phase
-    rows: int  # P tokens or D rows of the whole world this step
-    seconds: float
-    p_in_flight: bool = False  # PD mode: a P epoch was in flight during this round
-    d_rows: int = 0  # D rows of the D iteration run in this step (0: none ran)
-    d_wait_s: float = 0.0  # P time that held this D iteration back while its rows were ready
-    span: int = 0  # PD: boundaries P was permitted after this step's D iteration (0: none)
-    d_ready: int = 0  # D rows with a token when the step planned, whole world (d_rows <= it)
 
 
 class Engine:
@@ -97,7 +87,7 @@ class Engine:
         self.load_stats = worker.load_stats  # checkpoint load time and bytes
         lay = groups.layout
         self.scheduler = Scheduler(cfg.engine, lay.adp, lay.atp, cfg.model.vocab_size)
-        # the mode, typed (multiplex/strategy.py): what differs between the ladder's rungs
+        # the mode, typed (engine/strategy.py): what differs between the ladder's rungs
         self.strategy = strategy_for(cfg.engine, self.model.boundaries_per_prefill)
         self.pd = self.strategy.pd
         p_graph_tokens = self._prefill_graph_tokens()
@@ -126,8 +116,6 @@ class Engine:
                                            cfg.parallel.timeout_s, agree)
                            if self.pd else None)
         self.policy = self.strategy.policy  # Fine's span policy (None otherwise)
-        self.balanced = self.strategy.balanced
-        self._epoch_id = -1
         # PD: the epoch whose host enqueue completed, until every rank sent its P tokens
         self._p_epoch: StepPlan | None = None
         self._p_out: PendingSampled | None = None  # this rank's P tokens, until sent
@@ -145,10 +133,13 @@ class Engine:
         self._last_sampled: list[Sampled] = []
         self.rejected: list[RequestOutput] = []  # every refusal seen on this rank, in order
         self._refused_here: list[RequestOutput] = []  # this rank's, refused at the exchange
-        self.history: list[StepStats] = []
-        self.timeline: list[Span] = []  # P segments and D iterations, perf_counter seconds
-        self._d_wait = 0.0  # P time accumulated while D rows were ready, since the last D
-        self.host_s: dict[str, float] = {}  # host seconds by part of the step (_clock)
+        # step statistics, the P/D timeline, host seconds by part (engine/recorder.py)
+        self.recorder = Recorder()
+        self.history = self.recorder.history
+        self.timeline = self.recorder.timeline
+        self.parts = RoundParts(self.runner, self.turnstile, self.rendezvous, self.route,
+                                self.scheduler, self.recorder, self._wait_s, e.max_batch_size,
+                                e.max_prefill_tokens, self.model.boundaries_per_prefill)
 
     # ------------------------------------------------------------------ non-collective API
     def submit(self, request: Request) -> None:
@@ -219,23 +210,36 @@ class Engine:
                 watch.disarm()
 
     def _step(self) -> list[RequestOutput]:
+        """exchange -> apply -> schedule -> strategy.run -> collect -> record."""
         if self._handed_over:
             raise RuntimeError("this engine handed its worker to another engine; step that one")
         self.memory.check_ready()
         if not self.busy():
             # a step from idle: the only point where parameters may have been replaced
             self.runner.check_weights()
-        t0 = time.perf_counter()
+        rec = self.recorder
+        rec.begin_step()
         self._outbox.step = self.scheduler.step_no
         self._outbox.sampled = _to_wire(self._last_sampled)
-        msgs = self.control.exchange(self._outbox)
-        self._clock("exchange", t0)
+        with rec.clock("exchange"):
+            msgs = self.control.exchange(self._outbox)
         self._outbox = Message(rank=self.groups.rank)
         self._pending_ids.clear()
-        now = time.perf_counter()
-        if self.balanced:  # every rank applies the same agreed hints, in rank order
-            self.policy.observe([m.span_hint for m in msgs])
+        finished = self._apply(msgs, time.perf_counter())
+        d_ready = sum(1 for q in self.scheduler.seqs.values() if q.last_token is not None)
+        with rec.clock("plan"):
+            plan = self.scheduler.plan(pd=self.pd)
+        out = self.strategy.run(plan, self.parts, d_ready)
+        self._collect(plan, out)
+        rec.end_step(plan, p_in_flight=self.runner.epoch_active or self._p_epoch is not None,
+                     d_ready=d_ready)
+        return finished
 
+    def _apply(self, msgs: list[Message], now: float) -> list[RequestOutput]:
+        """Every rank's messages, in rank order (identical on every rank): span hints, the
+        previous step's tokens and a completed P epoch's (committed), then submissions,
+        cancels and session closes."""
+        self.strategy.observe([m.span_hint for m in msgs])
         finished: list[RequestOutput] = []
         epoch_done = None
         for m in msgs:
@@ -253,7 +257,7 @@ class Engine:
                 self._p_epoch, self._p_got = None, {}
             finished += self.scheduler.commit(self._last_plan, sampled, now,
                                               epoch_done=epoch_done)
-        for m in msgs:  # rank order: identical on every rank
+        for m in msgs:
             for s in m.submits:
                 req = Request(s["id"], tuple(s["prompt"]), SamplingParams.from_json(s["params"]),
                               session=s.get("session"))
@@ -269,175 +273,31 @@ class Engine:
             for sid in m.closes:
                 if sid in self.scheduler.sessions and not self.scheduler.sessions[sid].busy:
                     self.scheduler.close_session(sid)
+        return finished
 
-        d_ready = sum(1 for q in self.scheduler.seqs.values() if q.last_token is not None)
-        t = time.perf_counter()
-        plan = self.scheduler.plan(pd=self.pd)
-        self._clock("plan", t)
-        self._d_rows_run = 0
-        self._d_wait_run = 0.0
-        self._span_run = 0
-        if self.pd:
-            pending, p_out, epoch_plan = self._round(plan)
-            if p_out is not None:  # the epoch's enqueue completed: it now awaits commit
-                self._p_epoch, self._p_out = epoch_plan, p_out
-        else:
-            t = time.perf_counter()
-            pending = [self.runner.run(plan)]
-            te = time.perf_counter()
-            if plan.phase is Phase.PREFILL:
-                self.timeline.append(Span("P", t, te))
-                if d_ready:  # Normal: a whole P step holds every ready D row back
-                    self._d_wait += te - t
-            elif plan.phase is Phase.DECODE:
-                self.timeline.append(Span("D", t, te))
-                self._note_d(plan)
-        # the only host wait of a step: this step's sampled tokens, after both phases enqueued
-        # (PD: D's only -- P's are sent once done, see the module docstring)
-        t = time.perf_counter()
-        self._last_sampled = [x for p in pending
-                              for x in p.resolve(self._wait_s, "D tokens")]
-        self._clock("resolve", t)
+    def _collect(self, plan: StepPlan, out) -> None:
+        """The only host wait of a step: this step's sampled tokens, after both phases enqueued
+        (PD: D's only -- P's are sent once done, see the module docstring)."""
+        if out.p_out is not None:  # the epoch's enqueue completed: it now awaits commit
+            self._p_epoch, self._p_out = out.epoch_plan, out.p_out
+        if out.span_hint is not None:
+            self._outbox.span_hint = out.span_hint
+        with self.recorder.clock("resolve"):
+            self._last_sampled = [x for p in out.pending
+                                  for x in p.resolve(self._wait_s, "D tokens")]
         self._last_plan = plan if plan.phase is not Phase.IDLE else None
         if self._p_out is not None:
-            if not pending:  # nothing else to do this step: wait for P rather than spin
+            if not out.pending:  # nothing else to do this step: wait for P rather than spin
                 self._p_out.wait(self._wait_s, "P epoch")
             if self._p_out.done():
                 self._outbox.p_sampled = _to_wire(
                     self._p_out.resolve(self._wait_s, "P epoch"))
                 self._p_out = None
-        rows = sum(w.prefill_tokens if plan.phase is Phase.PREFILL else len(w.decode)
-                   for w in plan.replicas)
-        self.history.append(StepStats(plan.step, plan.phase, rows, time.perf_counter() - t0,
-                                      p_in_flight=(self.runner.epoch_active
-                                                   or self._p_epoch is not None),
-                                      d_rows=self._d_rows_run, d_wait_s=self._d_wait_run,
-                                      span=self._span_run, d_ready=d_ready))
-        return finished
-
-    def _clock(self, what: str, since: float) -> None:
-        """Host time by part of the step (where a round's time goes; see ``host_seconds``)."""
-        self.host_s[what] = self.host_s.get(what, 0.0) + time.perf_counter() - since
 
     def host_seconds(self) -> dict[str, float]:
-        """Host time of this rank since the engine was made: the whole steps, their control
-        exchange, planning, token resolve (waits for D's GPU work), the P and D enqueues, and
-        the PreD/PostD rendezvous."""
-        out = dict(self.host_s)
-        out["steps"] = sum(h.seconds for h in self.history)
-        for kind in ("P", "D"):
-            out[f"{kind}_enqueue"] = sum(s.end - s.start for s in self.timeline if s.kind == kind)
-        out["rendezvous"] = self.rendezvous.seconds if self.rendezvous is not None else 0.0
-        return out
-
-    def _note_d(self, plan: StepPlan) -> None:
-        """A D iteration ran: it waited for the P time accumulated since the previous one."""
-        self._d_rows_run = sum(len(w.decode) for w in plan.replicas)
-        self._d_wait_run, self._d_wait = self._d_wait, 0.0
-
-    def _round(self, plan: StepPlan
-               ) -> tuple[list[PendingSampled], PendingSampled | None, StepPlan | None]:
-        """One turnstile round (PD modes): PreD -> one D iteration on every rank -> PostD ->
-        P gets K more boundaries, and P runs to its permitted endpoint. Returns D's pending
-        tokens, and -- when the P epoch's enqueue completed in this round -- its pending first
-        tokens and its plan.
-
-        Fine enqueues the round's D iteration *before* P's next segment (D first): P's host
-        enqueue then runs while D's iteration executes on the GPU, instead of delaying it, and
-        the step's only host wait (D's sampled tokens) covers both. The Global modes (the
-        baselines of the ladder) advance P first: the whole epoch, then D. Either way every
-        rank issues the same sequence -- ... P to p, D, p += K, P to p, D ... -- so the
-        collectives of the two phases are enqueued in one global order.
-
-        Global modes admit the whole P epoch as one segment (K = all its boundaries); Fine uses
-        the segment policy. With no D row anywhere there is nothing to protect: P runs on to the
-        end of its epoch in this round. Every rank takes the same branches (replicated state)."""
-        ctl, runner, sched = self.turnstile, self.runner, self.scheduler
-        if not plan.has_prefill and not runner.epoch_active:
-            # no P anywhere: only D collectives exist, so there is nothing to order -- the P/D
-            # machinery (rendezvous, controller) is off and D runs exactly as in Normal mode
-            if not plan.has_decode:
-                return [], None, None
-            t = time.perf_counter()
-            out = runner.run_decode(plan)
-            self.timeline.append(Span("D", t, time.perf_counter()))
-            self._note_d(plan)
-            return [out], None, None
-        if plan.has_prefill:
-            self._epoch_id += 1
-            runner.start_epoch(plan)
-            ctl.begin(self._epoch_id, d_enqueued=False, span=self._span(plan))
-        sampled: list[PendingSampled] = []
-        epoch_plan = sched.epoch
-        d_first = self.strategy.d_first and plan.has_decode
-        done = None
-        if not d_first and runner.epoch_active:
-            done = self._advance_p()
-            if done is not None and self.strategy.fence:
-                # whole-P completion fence before D may be enqueued (bounded, as every wait)
-                self.route.fence_p(self._wait_s)
-        if plan.has_decode:
-            self.rendezvous.pre_d(ctl.epoch, ctl.reached)
-            t = time.perf_counter()
-            d_out = runner.run_decode(plan, ctl.epoch)
-            sampled.append(d_out)
-            self.timeline.append(Span("D", t, time.perf_counter(), ctl.epoch))
-            self._note_d(plan)
-            self.rendezvous.post_d(ctl.epoch, ctl.reached)
-            if ctl.active:
-                if self.balanced:
-                    ctl.set_span(self.policy.span)  # agreed this step: the same K everywhere
-                self._span_run = ctl.span
-            ctl.post_d()
-            if d_first and runner.epoch_active:
-                done = self._advance_p(behind=d_out)
-        else:
-            while runner.epoch_active:  # no D to protect: finish the epoch now
-                ctl.post_d()
-                done = self._advance_p()
-        return sampled, done, (epoch_plan if done is not None else None)
-
-    def _advance_p(self, behind: PendingSampled | None = None):
-        """Run P to its permitted endpoint. Its host time counts as D wait when a D iteration
-        was ready meanwhile: D rows with tokens (all of it), or -- for a segment enqueued
-        ``behind`` this step's D iteration -- the part after that iteration's tokens came back
-        (to boundary precision, rounded up: the boundary during which they came back counts
-        whole). Before that, P's enqueue was hidden behind D's GPU time and held nothing back.
-
-        Balanced policy: the round's measurement (P's enqueue per boundary against the time D
-        was held, or the time the host then waited for D) goes out as this rank's span hint."""
-        ctl = self.turnstile
-        t = time.perf_counter()
-        d_ready = (behind is None
-                   and any(q.last_token is not None for q in self.scheduler.seqs.values()))
-        clock = HeldClock(behind, t) if behind is not None else None
-        reached = ctl.reached
-        done = self.runner.advance(ctl, clock)
-        te = time.perf_counter()
-        self.timeline.append(Span("P", t, te, ctl.epoch))
-        held = te - t if d_ready else (clock.held(te) if clock is not None else 0.0)
-        self._d_wait += held
-        if self.balanced and behind is not None:
-            waited = 0.0
-            if done is None and held == 0.0:  # parked at the endpoint before D was back
-                behind.wait(self._wait_s, "D tokens")
-                waited = time.perf_counter() - te
-                self._clock("resolve", te)
-            crossed = ctl.reached - reached + (1 if done is not None else 0)
-            est = clock.held_estimate(te) if held > 0.0 else 0.0
-            self._outbox.span_hint = span_hint(ctl.span, crossed, te - t, waited, est)
-        return done
-
-    def _span(self, plan: StepPlan) -> int:
-        if self.strategy.whole_epoch:
-            return self.model.boundaries_per_prefill
-        s = self.scheduler
-        load = Load(d_rows=sum(len(w.decode) for w in plan.replicas),
-                    d_capacity=self.cfg.engine.max_batch_size * len(plan.replicas),
-                    p_tokens=sum(w.prefill_tokens for w in plan.replicas)
-                    + sum(len(r.prompt) for r in s.waiting),
-                    p_budget=self.cfg.engine.max_prefill_tokens * len(plan.replicas))
-        return self.policy.choose(load)
+        """Host time of this rank since the engine was made (engine/recorder.py)."""
+        return self.recorder.host_seconds(
+            self.rendezvous.seconds if self.rendezvous is not None else 0.0)
 
     def busy(self) -> bool:
         """True while any rank may still have work. Identical on all ranks right after a step

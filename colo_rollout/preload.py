@@ -1,0 +1,22 @@
+"""What a CPU rank process imports before it is forked (``runtime/spawn.py``'s forkserver).
+
+Owns the list of heavy imports every rank needs -- torch, megatron-core through the engine, the
+reference and the trainer -- so that a spawned group of N ranks pays for them once (the
+forkserver's import, ~6 s of CPU) instead of N times. Importing this module also installs the
+known-warning filters (``quiet``), so their import-time notices stay quiet in every rank.
+
+Invariant: nothing imported here initialises CUDA or starts threads (a forked process must not
+inherit either); GPU groups use plain spawn and never load this module.
+"""
+
+from __future__ import annotations
+
+from colo_rollout.quiet import quiet_known_warnings
+
+quiet_known_warnings()
+
+import torch.distributed  # noqa: E402,F401
+
+import colo_rollout.engine.engine  # noqa: E402,F401
+import colo_rollout.model.megatron_gpt  # noqa: E402,F401
+import colo_rollout.rl.trainer  # noqa: E402,F401
