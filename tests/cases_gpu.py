@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+
 import dataclasses
 import time
 
 import torch
+
+from colo_rollout.testing.attention_oracle import prefill_per_sequence
 
 from colo_rollout.config import Config, EngineConfig, ModelConfig, ParallelConfig
 from colo_rollout.engine.engine import Engine
@@ -393,7 +397,8 @@ def gpu_layer_errors(rank: int, world: int, adp: int, ep: int, moe_compute: str 
     engine = Engine(cfg, groups, sd)
     if prefill_attention == "loop":  # the per-sequence reference path instead of buckets
         for layer in engine.model.decoder.layers:  # this engine's instances only
-            layer.self_attention._prefill = layer.self_attention._prefill_loop
+            layer.self_attention._prefill = functools.partial(prefill_per_sequence,
+                                                              layer.self_attention)
     prompt = tuple((i * 37 + 11) % cfg.model.vocab_size for i in range(96))
 
     def hook_routers(layers) -> tuple[list[torch.Tensor], list]:

@@ -15,6 +15,7 @@ from colo_rollout.model.attention import (
     PagedSelfAttention,
     prefill_buckets,
 )
+from colo_rollout.testing.attention_oracle import prefill_per_sequence
 
 BLOCK = 4
 
@@ -55,10 +56,10 @@ def test_batched_prefill_equals_per_sequence_loop(seed, merge):
                         context_lens_host=ctx)
     q = torch.randn(sum(new), heads, dim)
     attn = _fake_attention(heads, groups, dim)
-    loop = PagedSelfAttention._prefill_loop(attn, q, kv, 0, meta)
+    loop = prefill_per_sequence(attn, q, kv, 0, meta)
     meta.buckets = prefill_buckets(new, ctx, BLOCK, lambda v, t: torch.tensor(v, dtype=t),
                                    merge)
-    batched = PagedSelfAttention._prefill_batched(attn, q, kv, 0, meta)
+    batched = PagedSelfAttention._prefill(attn, q, kv, 0, meta)
     torch.testing.assert_close(batched, loop, rtol=1e-5, atol=1e-5)
 
 

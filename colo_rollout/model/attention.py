@@ -257,14 +257,11 @@ class PagedSelfAttention(torch.nn.Module):
         return k, v
 
     def _prefill(self, q, kv, layer, meta: AttnMetadata) -> torch.Tensor:
-        if meta.buckets:
-            return self._prefill_batched(q, kv, layer, meta)
-        return self._prefill_loop(q, kv, layer, meta)
-
-    def _prefill_batched(self, q, kv, layer, meta: AttnMetadata) -> torch.Tensor:
         """One SDPA call per context bucket: queries [Sb, heads, n_max, dim] against the
         bucket's keys [Sb, heads, blocks*block, dim]; query j of a sequence sits at position
-        ctx - new + j and sees keys 0..that position (padding slots are computed and dropped)."""
+        ctx - new + j and sees keys 0..that position (padding slots are computed and dropped).
+        No P rows on this replica: no buckets, zero rows out (collectives still match).
+        Checked against testing/attention_oracle.py's per-sequence loop."""
         out = q.new_empty(q.shape)
         for b in meta.buckets:
             Sb = b.seqs.shape[0]
@@ -278,28 +275,6 @@ class PagedSelfAttention(torch.nn.Module):
             o = o.transpose(1, 2).reshape(Sb * b.n_max, self.heads, self.head_dim)
             out.index_copy_(0, b.out_rows, o.index_select(0, b.slots))  # no boolean mask: no sync
         return out
-
-    def _prefill_loop(self, q, kv, layer, meta: AttnMetadata) -> torch.Tensor:
-        outs = []
-        start = 0
-        for i, n in enumerate(meta.seq_lens_new):
-            ctx = meta.context_lens_host[i]
-            k, v = self._gather_kv(kv, layer, meta.block_tables[i : i + 1])
-            k, v = k[0, :ctx], v[0, :ctx]  # [ctx, heads, dim]
-            qi = q[start : start + n]  # [n, heads, dim]
-            # query j sits at absolute position ctx - n + j and sees keys 0..that position
-            qpos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
-            kpos = torch.arange(ctx, device=q.device)[None, :]
-            mask = kpos <= qpos  # [n, ctx] True = attend
-            o = F.scaled_dot_product_attention(
-                qi.transpose(0, 1), k.transpose(0, 1).to(qi.dtype), v.transpose(0, 1).to(qi.dtype),
-                attn_mask=mask, scale=self.scale,
-            )
-            outs.append(o.transpose(0, 1))
-            start += n
-        if not outs:  # this replica has no P this step: zero rows, collectives still match
-            return q.new_zeros((0, self.heads, self.head_dim))
-        return torch.cat(outs, dim=0)
 
     def _decode(self, q, kv, layer, meta: AttnMetadata) -> torch.Tensor:
         """One query per row against its whole table, grouped-query: the q heads of a KV
