@@ -1,4 +1,5 @@
-"""Shared fixtures: one spawned gloo process group per (test module, world size)."""
+"""Shared fixtures: one spawned gloo process group per (test module, world size); the test
+tiers (markers unit / dist / gpu, declared in pyproject.toml) set from what each test uses."""
 
 from __future__ import annotations
 
@@ -21,3 +22,21 @@ def worker_groups():
     yield get
     for g in groups.values():
         g.close()
+
+
+# modules whose tests start processes without the worker_groups fixture (a private
+# WorkerGroup, a subprocess, or a command that launches ranks)
+_DIST_MODULES = {"test_crossed_path", "test_eight_ranks", "test_generate_cli", "test_modes",
+                 "test_quiet", "test_rendezvous", "test_wedged_exit", "test_replay",
+                 "test_checkpoint_door", "test_door", "test_bench_speed"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        name = item.module.__name__.rsplit(".", 1)[-1]
+        if name == "test_gpu":
+            item.add_marker(pytest.mark.gpu)
+        elif "worker_groups" in item.fixturenames or name in _DIST_MODULES:
+            item.add_marker(pytest.mark.dist)
+        else:
+            item.add_marker(pytest.mark.unit)

@@ -1,18 +1,23 @@
 """Unit tests for the control plane's wire format (colo_rollout.runtime.control.Message):
-JSON round trip of every field, and a clear ControlError for what a peer must not send."""
+msgpack round trip of every field, and a clear ControlError for what a peer must not send."""
 
 from __future__ import annotations
 
-import json
-
+import msgspec
 import pytest
 
-from colo_rollout.runtime.control import ControlError, Message
+from colo_rollout.runtime.control import WIRE_VERSION, ControlError, Message
 
 
 def _full() -> Message:
     return Message(rank=1, submits=[{"id": "a", "prompt": [1, 2], "params": {}, "session": None}],
-                   cancels=["b"], closes=["s"], sampled=[[3, 7, -0.5]], step=12, span_hint=4.75)
+                   cancels=["b"], closes=["s"], sampled=[(3, 7, -0.5)], step=12, span_hint=4.75,
+                   p_sampled=[(4, 9, -1.25)])
+
+
+def _raw(m: Message) -> dict:
+    """The message as a peer's plain map, to be mutated and re-sent."""
+    return msgspec.msgpack.decode(m.encode())
 
 
 def test_round_trip_keeps_every_field():
@@ -27,25 +32,37 @@ def test_rank_mismatch_is_named():
         Message.decode(_full().encode(), 0)
 
 
-@pytest.mark.parametrize("bad", ["NaN", "Infinity", "-Infinity"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_non_finite_span_hint_is_refused(bad):
-    raw = _full().encode().decode().replace('"span_hint":4.75', f'"span_hint":{bad}')
+    d = _raw(_full())
+    d["span_hint"] = bad
     with pytest.raises(ControlError, match="span_hint .* not finite"):
-        Message.decode(raw.encode(), 1)
+        Message.decode(msgspec.msgpack.encode(d), 1)
 
 
 @pytest.mark.parametrize("mutate", [
-    lambda d: d.pop("span_hint"),  # a peer on another wire version
+    lambda d: d.update(speculative=[1, 2]),  # a field this rank does not know
     lambda d: d.update(span_hint="fast"),
     lambda d: d.update(step="x"),
+    lambda d: d.pop("rank"),
+    lambda d: d.update(sampled=[[1, 2]]),  # a sampled row is (lifetime, token, logprob)
+    lambda d: d.update(sampled=[[1, "tok", 0.0]]),
+    lambda d: d.update(cancels=[3]),
 ])
 def test_malformed_fields_raise_control_error(mutate):
-    d = json.loads(_full().encode())
+    d = _raw(_full())
     mutate(d)
     with pytest.raises(ControlError, match="malformed control message from rank 1"):
-        Message.decode(json.dumps(d).encode(), 1)
+        Message.decode(msgspec.msgpack.encode(d), 1)
+
+
+def test_a_peer_on_another_wire_version_is_named():
+    d = _raw(_full())
+    d["wire"] = WIRE_VERSION - 1
+    with pytest.raises(ControlError, match=f"rank 1 has wire version {WIRE_VERSION - 1}"):
+        Message.decode(msgspec.msgpack.encode(d), 1)
 
 
 def test_garbage_bytes_raise_control_error():
     with pytest.raises(ControlError, match="rank 2"):
-        Message.decode(b"\x80\x04not json", 2)
+        Message.decode(b"\xc1\x04not msgpack", 2)

@@ -444,14 +444,14 @@ class Engine:
             self.rendezvous.close()
 
 
-def _to_wire(samples: list[Sampled]) -> list[list]:
+def _to_wire(samples: list[Sampled]) -> list[tuple[int, int, float]]:
     """Sampled tokens as the control message carries them: [lifetime, token, logprob]."""
-    return [[s.lifetime, s.token, s.logprob] for s in samples]
+    return [(int(s.lifetime), int(s.token), float(s.logprob)) for s in samples]
 
 
-def _from_wire(rows: list[list]) -> list[Sampled]:
-    """A peer's [lifetime, token, logprob] rows, typed (they arrived as JSON)."""
-    return [Sampled(int(lt), int(tok), float(lp)) for lt, tok, lp in rows]
+def _from_wire(rows: list[tuple[int, int, float]]) -> list[Sampled]:
+    """A peer's (lifetime, token, logprob) rows (types checked when the message decoded)."""
+    return [Sampled(lt, tok, lp) for lt, tok, lp in rows]
 
 
 def _rejected(req: Request, error: str) -> RequestOutput:
