@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-import random
 
 import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from colo_rollout.sched.kv_cache import KVCacheError, KVCacheManager, KVCacheStats
 
@@ -274,76 +276,100 @@ def test_assert_empty_lists_leaks() -> None:
     kv.assert_empty()
 
 
-def test_randomized_against_model() -> None:
-    rng = random.Random(1234)
-    nb, bs = 48, 8
-    kv = KVCacheManager(nb, bs)
-    live: dict[int, int] = {}  # lifetime -> declared tokens
-    blocks: dict[int, int] = {}  # lifetime -> blocks held (live or draining)
-    draining: set[int] = set()
-    next_lt = 0
+class KVAgainstModel(RuleBasedStateMachine):
+    """The manager against a dictionary model of who holds how many blocks, driven by
+    hypothesis (random op sequences, shrunk to the shortest failing one)."""
 
-    def need(t: int) -> int:
-        return (t + bs - 1) // bs
+    NB, BS = 48, 8
 
-    def model_free() -> int:
-        return nb - sum(blocks.values())
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = KVCacheManager(self.NB, self.BS)
+        self.live: dict[int, int] = {}  # lifetime -> declared tokens
+        self.blocks: dict[int, int] = {}  # lifetime -> blocks held (live or draining)
+        self.draining: set[int] = set()
+        self.next_lt = 0
 
-    for _ in range(2000):
-        op = rng.choice(["reserve", "reserve", "grow", "grow", "free", "retire", "release"])
-        if op == "reserve":
-            t = rng.randint(1, 80)
-            ok = need(t) <= model_free()
-            assert kv.can_allocate(t) == ok
-            if ok:
-                table = kv.reserve(next_lt, t)
-                assert len(table) == need(t)
-                live[next_lt], blocks[next_lt] = t, need(t)
-            else:
-                with pytest.raises(KVCacheError):
-                    kv.reserve(next_lt, t)
-            next_lt += 1
-        elif op == "grow" and live:
-            lt = rng.choice(sorted(live))
-            t = max(0, live[lt] + rng.randint(-8, 40))
-            extra = max(0, need(t) - blocks[lt])
-            ok = extra <= model_free()
-            assert kv.can_grow(lt, t) == ok
-            if ok:
-                before = kv.block_table(lt)
-                added = kv.grow(lt, t)
-                assert len(added) == extra
-                assert kv.block_table(lt) == before + added
-                live[lt] = max(live[lt], t)
-                blocks[lt] += extra
-            else:
-                with pytest.raises(KVCacheError):
-                    kv.grow(lt, t)
-            assert kv.num_tokens(lt) == live[lt]
-        elif op == "free" and live:
-            lt = rng.choice(sorted(live))
-            kv.free(lt)
-            del live[lt], blocks[lt]
-        elif op == "retire" and live:
-            lt = rng.choice(sorted(live))
-            table = kv.block_table(lt)
-            kv.retire(lt)
-            assert not kv.owns(lt, table)
-            del live[lt]
-            draining.add(lt)
-        elif op == "release" and draining:
-            lt = rng.choice(sorted(draining))
-            kv.release_drained(lt)
-            draining.discard(lt)
-            del blocks[lt]
-        kv.check_integrity()
-        assert kv.num_free_blocks() == model_free()
-        assert kv.owners() == sorted(live)
-        assert kv.draining() == sorted(draining)
+    def need(self, t: int) -> int:
+        return -(-t // self.BS)
 
-    for lt in sorted(live):
-        kv.free(lt)
-    for lt in sorted(draining):
-        kv.release_drained(lt)
-    kv.assert_empty()
-    assert kv.num_free_blocks() == nb
+    def model_free(self) -> int:
+        return self.NB - sum(self.blocks.values())
+
+    @rule(t=st.integers(1, 80))
+    def reserve(self, t):
+        ok = self.need(t) <= self.model_free()
+        assert self.kv.can_allocate(t) == ok
+        if ok:
+            table = self.kv.reserve(self.next_lt, t)
+            assert len(table) == self.need(t)
+            self.live[self.next_lt], self.blocks[self.next_lt] = t, self.need(t)
+        else:
+            with pytest.raises(KVCacheError):
+                self.kv.reserve(self.next_lt, t)
+        self.next_lt += 1
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), delta=st.integers(-8, 40))
+    def grow(self, data, delta):
+        lt = data.draw(st.sampled_from(sorted(self.live)))
+        t = max(0, self.live[lt] + delta)
+        extra = max(0, self.need(t) - self.blocks[lt])
+        ok = extra <= self.model_free()
+        assert self.kv.can_grow(lt, t) == ok
+        if ok:
+            before = self.kv.block_table(lt)
+            added = self.kv.grow(lt, t)
+            assert len(added) == extra
+            assert self.kv.block_table(lt) == before + added
+            self.live[lt] = max(self.live[lt], t)
+            self.blocks[lt] += extra
+        else:
+            with pytest.raises(KVCacheError):
+                self.kv.grow(lt, t)
+        assert self.kv.num_tokens(lt) == self.live[lt]
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free(self, data):
+        lt = data.draw(st.sampled_from(sorted(self.live)))
+        self.kv.free(lt)
+        del self.live[lt], self.blocks[lt]
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def retire(self, data):
+        lt = data.draw(st.sampled_from(sorted(self.live)))
+        table = self.kv.block_table(lt)
+        self.kv.retire(lt)
+        assert not self.kv.owns(lt, table)
+        del self.live[lt]
+        self.draining.add(lt)
+
+    @precondition(lambda self: self.draining)
+    @rule(data=st.data())
+    def release(self, data):
+        lt = data.draw(st.sampled_from(sorted(self.draining)))
+        self.kv.release_drained(lt)
+        self.draining.discard(lt)
+        del self.blocks[lt]
+
+    @invariant()
+    def agrees_with_the_model(self):
+        self.kv.check_integrity()
+        assert self.kv.num_free_blocks() == self.model_free()
+        assert self.kv.owners() == sorted(self.live)
+        assert self.kv.draining() == sorted(self.draining)
+
+    def teardown(self):  # everything returned: nothing leaks
+        for lt in sorted(self.live):
+            self.kv.free(lt)
+        for lt in sorted(self.draining):
+            self.kv.release_drained(lt)
+        self.kv.assert_empty()
+        assert self.kv.num_free_blocks() == self.NB
+
+
+KVAgainstModel.TestCase.settings = settings(max_examples=60, stateful_step_count=60,
+                                            deadline=None, derandomize=True)
+test_randomized_against_model = KVAgainstModel.TestCase

@@ -322,7 +322,10 @@ _device_sync = _cuda_sync
 def _within(fn, timeout_s: float) -> tuple[bool, BaseException | None]:
     """Run ``fn`` on a daemon thread and wait at most ``timeout_s`` seconds: (finished, the
     error it raised). A call that never returns (a synchronize on a wedged device) is left
-    behind on its thread; the caller goes on."""
+    behind on its thread; the caller goes on.
+
+    Not ``concurrent.futures``: its worker threads are joined at interpreter exit, so a call
+    wedged on the device would hang the very exit this bound exists to allow."""
     done = threading.Event()
     failed: list[BaseException] = []
 
