@@ -358,6 +358,10 @@ class EngineConfig:
     # P's AllReduce onto D's stream (no stall in that run, and no Fine gain: -1.9%) -- "never"
     # nowhere (words YAML does not read as bools).
     prefill_graphs: str = "auto"
+    # D attention (model/paged_attention.py): "triton" = the split-KV paged kernel (CUDA and
+    # triton required: an error at model build otherwise), "torch" = gather + matmuls (the
+    # CPU path and the reference), "auto" = triton on CUDA when it imports, else torch.
+    decode_attention: str = "auto"
 
     def __post_init__(self) -> None:
         _check_field_types(self)
@@ -395,6 +399,7 @@ class EngineConfig:
         _require_choice(self, "prefill_graphs", PREFILL_GRAPHS)
         _require_choice(self, "stream_priority", STREAM_PRIORITIES)
         _require_choice(self, "rendezvous", ("auto", "shm", "gloo"))
+        _require_choice(self, "decode_attention", ("auto", "torch", "triton"))
         _require_min(self, ("segment_span",), 1)
         _require_min(self, ("prefill_merge_pairs",), 0)
         _require(0 <= self.stall_dump_s < float("inf"), "engine.stall_dump_s",

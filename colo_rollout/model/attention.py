@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from colo_rollout.model.paged_attention import decode_attention
+
 
 @dataclass
 class AttnMetadata:
@@ -277,18 +279,12 @@ class PagedSelfAttention(torch.nn.Module):
         return out
 
     def _decode(self, q, kv, layer, meta: AttnMetadata) -> torch.Tensor:
-        """One query per row against its whole table, grouped-query: the q heads of a KV
-        group are one matrix against that group's keys, so K and V are gathered once and never
-        repeated per head. (Repeating them, as ``_gather_kv`` does for P, multiplied a D
-        iteration's KV traffic by the group size and made it most of D's time on long
-        contexts.) Scores and softmax in fp32, as SDPA's kernels do."""
-        B, S = q.shape[0], meta.block_tables.shape[1] * kv.block_size
-        g, n, dim = self.groups, self.q_per_group, self.head_dim
-        k = kv.k[layer][meta.block_tables].view(B, S, g, dim).transpose(1, 2)  # [B, g, S, dim]
-        v = kv.v[layer][meta.block_tables].view(B, S, g, dim).transpose(1, 2)
-        qg = q.view(B, g, n, dim)
-        scores = torch.matmul(qg, _as(k, q.dtype).transpose(-1, -2)).float()  # [B, g, n, S]
-        keep = torch.arange(S, device=q.device)[None, :] < meta.context_lens[:, None]  # [B, S]
-        scores = (scores * self.scale).masked_fill(~keep[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        return torch.matmul(probs, _as(v, q.dtype)).reshape(B, self.heads, dim)
+        """One query per row against its whole table (model/paged_attention.py): the Triton
+        split-KV kernel, reading K/V through the block table, or the torch path (the CPU
+        path and the reference). ``decode_backend`` is set once at model build from
+        ``engine.decode_attention`` (``InferenceGPT``); a module built without it is "auto"
+        (triton on CUDA when it imports)."""
+        out = decode_attention(q, kv.k[layer], kv.v[layer], meta.block_tables,
+                               meta.context_lens, self.scale,
+                               backend=getattr(self, "decode_backend", "auto"))
+        return out.reshape(q.shape[0], self.heads, self.head_dim)

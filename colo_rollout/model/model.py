@@ -47,6 +47,7 @@ from colo_rollout.model.attention import (
     RopeAngles,
 )
 from colo_rollout.model.comm import GatherComm
+from colo_rollout.model.paged_attention import resolve_backend
 from colo_rollout.model.moe import GatherMoE, mlp_partial
 from colo_rollout.runtime.parallel import ParallelGroups
 from colo_rollout.model.weights import DTYPES, load_sharded, to_spec_names
@@ -266,8 +267,12 @@ class DecodeInputs:
 
 
 class InferenceGPT(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, dtype: torch.dtype,
+                 decode_attention: str = "auto"):
         super().__init__()
+        # D attention's backend (engine.decode_attention), chosen once for the model's device
+        # before anything is allocated: "triton" without CUDA or triton fails here
+        self.decode_attention = resolve_backend(decode_attention, groups.device)
         lay = groups.layout
         self.cfg = cfg
         self.groups = groups
@@ -277,6 +282,8 @@ class InferenceGPT(torch.nn.Module):
         self.embedding = _Embedding(self.config, cfg.vocab_size, groups.atp)
         self.decoder = _Decoder(cfg, self.config, groups, spec_backend(self.use_te),
                                 cfg.moe_compute)
+        for layer in self.decoder.layers:
+            layer.self_attention.decode_backend = self.decode_attention
         # tied embeddings: no output_layer weight (megatron's GPTModel has none either); the
         # logits use the embedding's vocab shard, which is the same [V/ATP, H] slice
         self.output_layer = ColumnParallelLinear(

@@ -1,0 +1,168 @@
+"""D attention's backends (model/paged_attention.py): the Triton split-KV paged kernel against
+the torch path, run by Triton's CPU interpreter in a subprocess (TRITON_INTERPRET is read when
+the kernels are decorated, so it must be set before the module is first imported; skipped when
+triton does not import), and the backend's resolution at model build."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from colo_rollout.config import ConfigError
+from colo_rollout.config.schema import EngineConfig
+from colo_rollout.model import paged_attention as pa
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+# (B, groups, q per group, dim, block size, contexts, dtype, splits, block_n, table dtype)
+# splits None: the engine's own choice (num_splits); the contexts cover 1, exact block
+# multiples, ragged tails, splits past a row's length (empty splits), and padding rows (-1:
+# context 1, the whole table the sink block, as the runner and the D graphs feed them)
+CASES = [
+    (1, 2, 1, 64, 16, [1], torch.float32, None, 16, torch.int64),
+    (3, 2, 2, 128, 16, [1, 32, 77], torch.float32, 3, 16, torch.int64),
+    (2, 1, 4, 64, 8, [64, 19], torch.float32, 4, 16, torch.int32),
+    (5, 1, 8, 128, 16, [1, 16, 100, 200, -1], torch.float32, 4, 32, torch.int64),
+    (1, 1, 4, 64, 16, [600], torch.float32, None, 64, torch.int64),  # default: 2 splits
+    (4, 1, 8, 128, 16, [1, 16, 100, 200], torch.bfloat16, 4, 32, torch.int64),
+    (2, 2, 2, 64, 16, [33, 48], torch.float16, 1, 16, torch.int64),  # single pass
+    (3, 2, 4, 64, 16, [5, 64, -1], torch.bfloat16, 2, 16, torch.int32),
+]
+
+
+def _case(B, g, n, dim, bs, ctx, dtype, table_dtype, seed):
+    """A paged cache of one layer (inside a 2-layer storage, so the layer is a strided
+    slice), shuffled block tables padded with the sink block; the sink and the tails of
+    reserved blocks hold large values that a masked key must never let through."""
+    gen = torch.Generator().manual_seed(seed)
+    pad = [c < 0 for c in ctx]
+    ctx = [1 if p else c for p, c in zip(pad, ctx)]
+    width = max(-(-c // bs) for c in ctx) + 1  # one extra sink column for every row
+    num_blocks = sum(-(-c // bs) for c in ctx) + 3
+    shape = (2, num_blocks + 1, bs, g, dim)
+    k_all = torch.randn(shape, generator=gen).to(dtype)
+    v_all = torch.randn(shape, generator=gen).to(dtype)
+    sink = num_blocks
+    k_all[1, sink] = 50.0
+    v_all[1, sink] = 1e4
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.full((B, width), sink, dtype=table_dtype)
+    for b, c in enumerate(ctx):
+        if pad[b]:
+            continue
+        nb = -(-c // bs)
+        tables[b, :nb] = torch.tensor([perm.pop() for _ in range(nb)], dtype=table_dtype)
+        last, used = int(tables[b, nb - 1]), c - (nb - 1) * bs
+        v_all[1, last, used:] = 1e4  # unwritten tail of the last block: masked
+    q = torch.randn(B, g * n, dim, generator=gen).to(dtype)
+    return q, k_all[1], v_all[1], tables, torch.tensor(ctx, dtype=torch.int64)
+
+
+def _interpreted() -> list[str]:
+    """Run every case through the interpreted kernel; returns the failures."""
+    fails = []
+    for i, (B, g, n, dim, bs, ctx, dtype, splits, block_n, tdt) in enumerate(CASES):
+        q, k, v, tables, lens = _case(B, g, n, dim, bs, ctx, dtype, tdt, seed=i)
+        scale = dim ** -0.5
+        got = pa.triton_decode_attention(q, k, v, tables, lens, scale, splits=splits,
+                                         block_n=block_n)
+        ref32 = pa.torch_decode_attention(q.float(), k.float(), v.float(), tables, lens, scale)
+        err = (got.float() - ref32).abs().max().item()
+        tol = 1e-3 if dtype == torch.float32 else 2e-2
+        if got.dtype != dtype or not torch.isfinite(got).all() or err > tol:
+            fails.append(f"case {i}: dtype {got.dtype}, err vs fp32 {err:.2e} > {tol}")
+        if dtype != torch.float32:  # and against the torch path in the same dtype
+            ref = pa.torch_decode_attention(q, k, v, tables, lens, scale)
+            err = (got.float() - ref.float()).abs().max().item()
+            if err > 5e-2:
+                fails.append(f"case {i}: err vs torch {dtype} {err:.2e}")
+        # the entry point's triton backend is this same kernel
+        via = pa.decode_attention(q, k, v, tables, lens, scale, backend="triton")
+        if (via.float() - ref32).abs().max().item() > tol:
+            fails.append(f"case {i}: decode_attention(backend='triton') differs")
+    # a row of length 0 (never fed: padding rows get 1) yields zeros, not NaN; splits > 1 too
+    q, k, v, tables, lens = _case(2, 1, 2, 64, 16, [40, 1], torch.float32, torch.int64, 99)
+    lens[1] = 0
+    for splits in (1, 2):
+        got = pa.triton_decode_attention(q, k, v, tables, lens, 0.125, splits=splits,
+                                         block_n=16)
+        if not torch.isfinite(got).all() or got[1].abs().max() != 0:
+            fails.append(f"length 0, {splits} splits: {got[1].abs().max()}")
+    return fails
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_triton_kernel_matches_torch_path_interpreted():
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "all cases pass" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_resolve_backend():
+    cpu = torch.device("cpu")
+    assert pa.resolve_backend("torch", cpu) == "torch"
+    assert pa.resolve_backend("auto", cpu) == "torch"
+    with pytest.raises(RuntimeError, match="triton was requested"):
+        pa.resolve_backend("triton", cpu)
+    with pytest.raises(ValueError, match="must be one of"):
+        pa.resolve_backend("flash", cpu)
+    if pa.triton_available():
+        assert pa.resolve_backend("auto", "cuda:0") == "triton"
+        assert pa.resolve_backend("triton", "cuda:0") == "triton"
+
+
+def test_auto_on_cpu_tensors_is_the_torch_path():
+    q, k, v, tables, lens = _case(2, 2, 2, 16, 4, [3, 9], torch.float32, torch.int64, 5)
+    got = pa.decode_attention(q, k, v, tables, lens, 0.25)
+    assert torch.equal(got, pa.torch_decode_attention(q, k, v, tables, lens, 0.25))
+    with pytest.raises(ValueError):
+        pa.decode_attention(q, k, v, tables, lens, 0.25, backend="flash")
+
+
+def test_num_splits_fills_the_machine_from_shapes_alone():
+    assert pa.num_splits(1, 4, 64) == 1  # short table: one pass
+    assert pa.num_splits(128, 4, 8192) == 1  # 512 programs already: one pass
+    assert pa.num_splits(32, 4, 4096) == 2  # one wave of 2 programs per multiprocessor
+    assert pa.num_splits(8, 4, 4096) == 8
+    assert pa.num_splits(64, 4, 4096) == 1
+    assert pa.num_splits(1, 4, 8192) == pa.MAX_SPLITS
+    for rows in (1, 8, 32, 64, 128):
+        for width in (64, 2048, 4096, 8192):
+            s = pa.num_splits(rows, 4, width)
+            assert 1 <= s <= pa.MAX_SPLITS
+            assert s * pa.MIN_TILES_PER_SPLIT * pa.BLOCK_N <= max(width, pa.BLOCK_N * 4)
+
+
+def test_tile_config_fits_shared_memory():
+    cpu = torch.device("cpu")  # no device properties: the conservative bound (99 KiB)
+    for dim, dtype in ((64, torch.bfloat16), (128, torch.bfloat16), (128, torch.float32),
+                       (256, torch.float16)):
+        n, stages = pa.tile_config(cpu, dim, dtype)
+        assert 16 <= n <= pa.BLOCK_N and 2 <= stages <= pa.NUM_STAGES
+        assert stages * 2 * n * dim * torch.finfo(dtype).bits // 8 + 16384 <= 99 * 1024
+
+
+def test_engine_config_key():
+    assert EngineConfig().decode_attention == "auto"
+    assert EngineConfig(decode_attention="torch").decode_attention == "torch"
+    with pytest.raises(ConfigError, match="engine.decode_attention"):
+        EngineConfig(decode_attention="flash")
+
+
+if __name__ == "__main__":  # the interpreted run (the test above starts it)
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    torch.set_num_threads(1)
+    failures = _interpreted()
+    print("\n".join(failures) if failures else "all cases pass")
+    sys.exit(1 if failures else 0)
