@@ -1,5 +1,5 @@
 """`colo-rollout` command line: demo, train, bench, generate, stress-turnstile, bench-rendezvous,
-bench-decode-overhead.
+bench-decode-overhead, bench-speed.
 
 Launch modes: under torchrun (WORLD_SIZE set) every process runs the job itself; otherwise the
 CLI spawns ``parallel.world_size`` CPU processes joined with gloo.
@@ -53,6 +53,11 @@ def main(argv: list[str] | None = None) -> int:
                         "ordering ladder; table, JSON and plots")
     bn.add_argument("config", help="YAML config with a bench: section, e.g. configs/bench_cpu.yaml")
     bn.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    bs = sub.add_parser("bench-speed", help="decode/prefill speed on one rank against the "
+                        "roofline, a kernel-time breakdown and the Hugging Face peer")
+    bs.add_argument("config", help="YAML config with a bench_speed: section, e.g. "
+                    "configs/bench_speed_cpu.yaml")
+    bs.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     tr = sub.add_parser("train", help="colocated GRPO: rollout, train, reshard (YAML config)")
     tr.add_argument("config", help="e.g. configs/grpo_cpu.yaml")
     tr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -75,6 +80,15 @@ def main(argv: list[str] | None = None) -> int:
         from colo_rollout.tools.generate import main as generate
 
         return generate(args)
+    if args.cmd == "bench-speed":
+        overrides = _door(_overrides, args.set)
+        cfg = _config_at_the_door(args.config, overrides, args.cmd)
+        res = _launch("colo_rollout.tools.bench_speed:run_bench_speed", args.config, overrides,
+                      cfg=cfg)[0]
+        from colo_rollout.tools.bench_speed import report
+
+        report(res, cfg, args.config)
+        return 0
     if args.cmd in ("demo", "train", "bench", "bench-decode-overhead"):
         overrides = _door(_overrides, args.set)
         extra = ({"reps": args.reps, "mode": args.mode} if args.cmd == "bench-decode-overhead"

@@ -3,7 +3,8 @@
 Owns the checks of each command's inputs -- the config (``load_config``: file, encoding, YAML,
 duplicate keys, schema), a named checkpoint's files, and what the command will ask of the
 engine: the demo's synthetic requests, the trainer's prompts, the bench's trace
-(``bench_trace``, which the bench's ranks use too), bench-decode-overhead's requests, and the
+(``bench_trace``, which the bench's ranks use too), bench-decode-overhead's requests,
+bench-speed's shapes against the engine's limits, and the
 arguments of stress-turnstile and bench-rendezvous -- and the one form a user mistake takes
 there: an exception (``is_user_error``) whose message is one line, ``FILE[:LINE]: KEY:
 problem``, which ``cli.main`` prints as ``error: ...`` and exits with 2 (no traceback).
@@ -55,7 +56,8 @@ def load(command: str, config_path: str | os.PathLike, overrides: Mapping[str, A
 
         check_checkpoint(cfg.model)
     check = {"demo": check_demo, "train": check_train, "bench": check_bench,
-             "bench-decode-overhead": check_decode_overhead}.get(command)
+             "bench-decode-overhead": check_decode_overhead,
+             "bench-speed": check_bench_speed}.get(command)
     if check is not None:
         check(cfg, source, **args)
     return cfg
@@ -133,6 +135,59 @@ def check_decode_overhead(cfg: Config, source: str, *, reps: int, mode: str) -> 
         raise ConfigError(f"{source}: engine: the decode-heavy requests (8 prompt tokens, "
                           f"{max(out_len, 0)} output tokens) would be refused: {why}",
                           key="engine", source=source)
+
+
+def check_bench_speed(cfg: Config, source: str) -> None:
+    """bench-speed (tools/bench_speed.py) runs on one rank, and every shape of its bench_speed
+    section fits the engine section: batch sizes within engine.max_batch_size, every sequence
+    within engine.max_seq_len, each step's KV blocks within engine.num_kv_blocks (the bench
+    lays every step's sequences out side by side from block 0), the peer's prefill within
+    model.max_position_embeddings."""
+    b, e = cfg.bench_speed, cfg.engine
+
+    def refuse(key: str, problem: str) -> None:
+        raise ConfigError(f"{source}: {key}: {problem}", key=key, source=source)
+
+    if cfg.parallel.world_size != 1:
+        refuse("parallel.world_size", f"bench-speed runs on one rank; got "
+               f"{cfg.parallel.world_size}")
+
+    def fits(key: str, seqs: list[tuple[int, int]], what: str) -> None:
+        """seqs: (cached, new) tokens of one step's sequences."""
+        longest = max(c + n for c, n in seqs)
+        if longest > e.max_seq_len:
+            refuse(key, f"{what}: a sequence of {longest} tokens exceeds engine.max_seq_len "
+                   f"{e.max_seq_len}")
+        need = sum(-(-(c + n) // e.kv_block_size) for c, n in seqs)
+        if need > e.num_kv_blocks:
+            refuse(key, f"{what} needs {need} KV blocks of {e.kv_block_size} tokens; "
+                   f"engine.num_kv_blocks is {e.num_kv_blocks}")
+
+    for key, batches, contexts in (("bench_speed.decode_batches", b.decode_batches,
+                                    [b.short_context]),
+                                   ("bench_speed.long_batches", b.long_batches,
+                                    b.long_contexts)):
+        for B in batches:
+            if B > e.max_batch_size:
+                refuse(key, f"{B} rows exceed engine.max_batch_size {e.max_batch_size}")
+            for ctx in contexts:
+                fits(key, [(ctx - 1, 1)] * B, f"decode of {B} rows at {ctx} tokens of context")
+    for n in b.prefill_lengths:
+        fits("bench_speed.prefill_lengths", [(0, n)], f"a prefill of {n} tokens")
+    if b.prefill_batch_seqs:
+        fits("bench_speed.prefill_batch_seqs", [(0, b.prefill_batch_len)] * b.prefill_batch_seqs,
+             f"{b.prefill_batch_seqs} prefills of {b.prefill_batch_len} tokens")
+    if b.continuation_seqs:
+        fits("bench_speed.continuation_context", b.continuation_shape(),
+             f"the continuation prefill ({b.continuation_seqs} sequences)")
+    if b.profile:
+        fits("bench_speed.profile_prefill", [(0, b.breakdown_prefill)],
+             f"the profiled prefill of {b.breakdown_prefill} tokens")
+    if b.hf_peer:
+        over = [n for n in b.hf_prefill_lengths if n > cfg.model.max_position_embeddings]
+        if over:
+            refuse("bench_speed.hf_prefill_lengths", f"{over[0]} tokens exceed "
+                   f"model.max_position_embeddings {cfg.model.max_position_embeddings}")
 
 
 # --------------------------------------------------------------------------- the bench's trace

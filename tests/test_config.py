@@ -136,7 +136,8 @@ def test_round_trip_shipped(tmp_path):
 
 def test_config_to_dict_shape():
     d = config_to_dict(Config())
-    assert set(d) == {"parallel", "model", "engine", "workload", "bench", "rl"}
+    assert set(d) == {"parallel", "model", "engine", "workload", "bench", "bench_speed",
+                      "rl"}
     assert d["parallel"]["adp"] == 1 and d["engine"]["decode_buckets"] == [1, 2, 4, 8, 16, 32]
 
 

@@ -25,6 +25,7 @@ from colo_rollout.config.checks import (
 )
 from colo_rollout.config.schema import (
     BenchConfig,
+    BenchSpeedConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
@@ -51,6 +52,8 @@ class Config:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     # Trace-replay benchmark.
     bench: BenchConfig = field(default_factory=BenchConfig)
+    # Decode/prefill speed against the roofline (colo-rollout bench-speed).
+    bench_speed: BenchSpeedConfig = field(default_factory=BenchSpeedConfig)
     # Colocated RL training.
     rl: RLConfig = field(default_factory=RLConfig)
 

@@ -534,6 +534,108 @@ class BenchConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class BenchSpeedConfig:
+    """`colo-rollout bench-speed`: decode and prefill speed on one rank against the roofline."""
+
+    SECTION: ClassVar[str] = "bench_speed"
+
+    # Decode batch sizes (rows, all running) at the short context.
+    decode_batches: list[int] = field(default_factory=lambda: [1, 8, 32, 64, 128])
+    # KV context of every short-context decode row: tokens its step attends (its own included).
+    short_context: int = 128
+    # Decode batch sizes at each of long_contexts (empty: no long-context rows).
+    long_batches: list[int] = field(default_factory=lambda: [8, 32, 64])
+    long_contexts: list[int] = field(default_factory=lambda: [2048, 4096, 8192])
+    # Prefill of one sequence of each length on an empty cache (empty: none).
+    prefill_lengths: list[int] = field(default_factory=lambda: [1024, 4096, 8192])
+    # Prefill of prefill_batch_seqs sequences of prefill_batch_len tokens in one step (0: none).
+    prefill_batch_seqs: int = 8
+    prefill_batch_len: int = 1024
+    # Continuation prefill in one step: continuation_seqs sequences whose new tokens spread
+    # evenly over [continuation_new[0], continuation_new[1]] on cached contexts spread over
+    # [continuation_context[0], continuation_context[1]] (0 sequences: none).
+    continuation_seqs: int = 16
+    continuation_new: list[int] = field(default_factory=lambda: [256, 1024])
+    continuation_context: list[int] = field(default_factory=lambda: [4096, 8192])
+    # Untimed runs of every shape first (graph capture, allocator growth, lazy inits), then
+    # timed ones; the median is reported. Prefill shapes take prefill_iters timed runs.
+    warmup: int = 2
+    iters: int = 10
+    prefill_iters: int = 3
+    # Kernel-time breakdown per layer part from torch.profiler over profile_steps decode steps
+    # (at profile_batch rows, short context; 0: the largest of decode_batches) and one prefill
+    # of profile_prefill tokens (0: the first of prefill_lengths, else prefill_batch_len).
+    profile: bool = True
+    profile_steps: int = 3
+    profile_batch: int = 0
+    profile_prefill: int = 0
+    # The same shapes through Hugging Face transformers (random weights of this model section)
+    # as the peer: decode at every decode_batches row (short context), prefill of one sequence
+    # of each hf_prefill_lengths. Skipped (with a note) when transformers is not installed.
+    hf_peer: bool = True
+    hf_prefill_lengths: list[int] = field(default_factory=lambda: [1024, 4096])
+    # The roofline's memory bandwidth (bytes/s) and the prefill's dense peak (FLOP/s); H200
+    # defaults (HBM3e 4.0 TB/s, bf16 dense 989 TFLOP/s). The ratios are against these also on
+    # CPU.
+    hbm_bytes_per_s: float = 4.0e12
+    peak_flops: float = 989e12
+    # Seed of the token ids fed to the model.
+    seed: int = 0
+    # Where JSON and the breakdown plot go.
+    out_dir: str = "runs/bench_speed"
+
+    def __post_init__(self) -> None:
+        _check_field_types(self)
+        _require(bool(self.decode_batches), "bench_speed.decode_batches", "must not be empty")
+        for name in ("decode_batches", "long_batches", "long_contexts", "prefill_lengths",
+                     "hf_prefill_lengths"):
+            values = getattr(self, name)
+            _require(all(v >= 1 for v in values), f"bench_speed.{name}",
+                     f"every value must be >= 1, got {values}")
+        _require(bool(self.long_batches) == bool(self.long_contexts), "bench_speed.long_batches",
+                 "set both long_batches and long_contexts, or leave both empty")
+        _require_min(self, ("prefill_batch_len", "iters", "prefill_iters", "warmup",
+                            "profile_steps"), 1)
+        _require_min(self, ("short_context",), 2)  # the peer's cache holds short_context - 1
+        _require_min(self, ("prefill_batch_seqs", "continuation_seqs", "profile_batch",
+                            "profile_prefill", "seed"), 0)
+        for name, low in (("continuation_new", 1), ("continuation_context", 0)):
+            lo_hi = getattr(self, name)
+            _require(len(lo_hi) == 2 and low <= lo_hi[0] <= lo_hi[1], f"bench_speed.{name}",
+                     f"must be [low, high] with {low} <= low <= high, got {lo_hi}")
+        _require(self.profile_batch == 0 or self.profile_batch in self.decode_batches,
+                 "bench_speed.profile_batch",
+                 f"{self.profile_batch} is not one of decode_batches {self.decode_batches} "
+                 "(0: the largest)")
+        for name in ("hbm_bytes_per_s", "peak_flops"):
+            v = getattr(self, name)
+            _require(0 < v < float("inf"), f"bench_speed.{name}", f"must be > 0, got {v}")
+
+    @property
+    def breakdown_batch(self) -> int:
+        """Decode rows of the profiled steps."""
+        return self.profile_batch or max(self.decode_batches)
+
+    @property
+    def breakdown_prefill(self) -> int:
+        """Tokens of the profiled prefill (one sequence)."""
+        if self.profile_prefill:
+            return self.profile_prefill
+        return self.prefill_lengths[0] if self.prefill_lengths else self.prefill_batch_len
+
+    def continuation_shape(self) -> list[tuple[int, int]]:
+        """(cached tokens, new tokens) of each continuation sequence: both spread evenly over
+        their ranges, the longest contexts paired with the fewest new tokens."""
+        n = self.continuation_seqs
+
+        def spread(lo: int, hi: int, i: int) -> int:
+            return lo if n == 1 else lo + round((hi - lo) * i / (n - 1))
+
+        (nlo, nhi), (clo, chi) = self.continuation_new, self.continuation_context
+        return [(spread(clo, chi, i), spread(nlo, nhi, n - 1 - i)) for i in range(n)]
+
+
+@dataclass(frozen=True, kw_only=True)
 class RLConfig:
     """`colo-rollout train` / `python -m colo_rollout.rl.train`: colocated GRPO."""
 

@@ -1,0 +1,791 @@
+"""`colo-rollout bench-speed CONFIG`: decode and prefill speed of one rank against the roofline.
+
+Owns the speed benchmark of one rank (issue 16, item 1): the shapes it measures, the roofline
+and FLOP formulas it holds them to, the kernel-time breakdown per layer part, the Hugging Face
+peer, and the table, JSON and bar plot. ``run_bench_speed`` runs on the rank (a spawned CPU
+process or torchrun's one process); ``report`` runs in the launching process.
+
+How it measures. An ``Engine`` (Normal mode, random weights from ``model.seed``) is built once;
+its runner is then driven with hand-built, self-contained ``StepPlan``s (sched/plan.py): every
+sequence of a step gets consecutive KV blocks from block 0 and its context length set, so a
+decode row at an 8k context costs no 8k prefill (the KV content is whatever the storage holds:
+the timing does not depend on it). A step is ``runner.run`` / ``run_decode`` up to its sampled
+tokens on the host -- on a GPU D replays the engine's CUDA graph of the row bucket and table
+width and P its MoE-block graphs, exactly as the engine's steps do -- and its time is the
+median of ``iters`` host-timed steps after ``warmup`` untimed ones (graph capture, allocator
+growth and lazy initialisation land there, never in a timed step).
+
+Formulas (``decode_roofline``, ``prefill_flops``; model section values, ``b`` = bytes per
+parameter of params_dtype):
+  * decode roofline bytes = weights the step must read + KV read. Weights: every layer's
+    attention (linear_qkv weight and bias, linear_proj), every MoE layer's router, the routed
+    experts the step's rows touch (3 x moe_ffn x hidden each), shared experts and dense MLPs in
+    full, and the output layer (V x H); norms and the embedding rows are left out (< 0.1%).
+    "Experts touched" is measured: a forward hook on every router counts the distinct
+    experts of that step's routing map (all computed rows, bucket padding included: the step
+    reads their experts too), on one eager run of the same plan. The expectation
+    E (1 - (1 - k/E)^rows) is reported beside it. KV read = sum over rows of context tokens x
+    layers x KV groups x head_dim x 2 (K and V) x b. Roofline time = bytes / hbm_bytes_per_s;
+    ratio = roofline time / measured step time (1.0 = at the bandwidth bound).
+  * prefill FLOPs = 2 x active parameters per token x tokens (attention projections, router,
+    top-k experts, shared experts, dense MLPs) + 2 x V x H per sequence (the output layer runs
+    on each sequence's last token only, as the engine does) + attention scores and values,
+    4 x head_dim x heads x layers per (query, key) pair, a causal sequence of n new tokens on c
+    cached ones having n c + n (n + 1) / 2 pairs. Fraction of peak = FLOPs / time / peak_flops.
+On a CPU the ratios are taken against the same (GPU) numbers: tiny, and labelled so.
+
+Breakdown: torch.profiler over ``profile_steps`` decode steps (``breakdown_batch`` rows, short
+context) and one prefill (``breakdown_prefill`` tokens), run eagerly (graphs hide which op
+launched a kernel). Forward hooks open a ``record_function`` range around the norms, the
+attention, the router, the MoE block and its experts module, and wrapped methods around the
+embedding, shared experts, dense MLPs and the runner's sampling; each op's time (GPU: the CUDA
+kernels it launched; CPU: its self CPU time) goes to the part of its innermost range. Inside
+the MoE block, ops are split by position: GEMMs are "expert GEMMs", what runs before the first
+is "permutation", after the last "combine", elementwise ops between them "activation". Ops in no
+range go by name: collectives, lm head (the one GEMM left: the logits), or other (residual adds,
+RoPE angles, input copies). With Transformer Engine modules the input norm is fused into linear_qkv
+and counts as attention. "launch gaps" = the step's
+wall time minus the summed parts: on a GPU the wall time is the measured (graph-replay) step,
+on a CPU the profiled steps' own wall time (Python and dispatch between ops). On a GPU the
+graph replay's own kernel total is in the JSON (``graph_kernel_ms``) as a cross-check.
+
+Peer: the same model section as a transformers model (``checkpoint/export.hf_config_dict``,
+``AutoModelForCausalLM.from_config``, random weights, its default sdpa attention and grouped_mm
+experts), decode with its own KV cache (one token per row on a cache of short_context - 1
+tokens, cropped back after every step) at every decode_batches row, and one-sequence prefills
+of hf_prefill_lengths; built after the engine is closed, in the same process.
+
+Must not go in here: engine, runner or model changes (they are measured as they are).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import inspect
+import json
+import os
+import random
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+from colo_rollout.config import Config, ModelConfig, load_config
+from colo_rollout.model.weights import DTYPES
+from colo_rollout.quiet import quiet_known_warnings
+from colo_rollout.sched.plan import DecodeRow, Phase, PrefillItem, ReplicaWork, StepPlan
+from colo_rollout.sched.planner import pick_bucket
+from colo_rollout.sched.request import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=1)
+# the breakdown's parts, in table and plot order
+PARTS = ("attention", "norms", "router/top-k", "permutation", "expert GEMMs", "activation",
+         "combine", "shared experts", "dense MLP", "embedding", "lm head", "sampling",
+         "collectives", "other", "launch gaps")
+_RANGE = "bs::"  # record_function prefix of the breakdown's ranges
+_GEMM_OPS = ("aten::_grouped_mm", "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
+             "aten::linear", "aten::matmul")
+_ACTIVATION_OPS = ("silu", "gelu", "sigmoid", "glu", "aten::mul", "aten::chunk", "aten::to",
+                   "aten::_to_copy", "aten::copy_")
+_SAMPLING_OPS = ("softmax", "argmax", "aten::max", "topk", "sort", "multinomial", "exponential",
+                 "gather", "cumsum", "aten::div")
+
+
+# --------------------------------------------------------------------------- formulas
+def _itemsize(m: ModelConfig) -> int:
+    return DTYPES[m.params_dtype].itemsize
+
+
+def _moe_layers(m: ModelConfig) -> int:
+    return sum(1 for i in range(m.num_layers) if m.is_moe_layer(i))
+
+
+def attention_params(m: ModelConfig) -> int:
+    """Parameters of one layer's attention projections (linear_qkv weight and bias,
+    linear_proj)."""
+    qkv = (m.num_attention_heads + 2 * m.num_query_groups) * m.head_dim
+    n = qkv * m.hidden_size + m.num_attention_heads * m.head_dim * m.hidden_size
+    return n + (qkv if m.qkv_bias else 0)
+
+
+def expert_params(m: ModelConfig) -> int:
+    """Parameters of one routed expert (SwiGLU: fc1 [2F, H], fc2 [H, F])."""
+    return 3 * m.moe_ffn_hidden_size * m.hidden_size
+
+
+def _shared_params(m: ModelConfig) -> int:
+    f = m.shared_expert_ffn_hidden_size
+    if f is None:
+        return 0
+    return 3 * f * m.hidden_size + (m.hidden_size if m.shared_expert_gate else 0)
+
+
+def _dense_params(m: ModelConfig) -> int:
+    return 3 * m.dense_ffn_hidden_size * m.hidden_size
+
+
+def expected_experts(num_experts: int, topk: int, rows: int) -> float:
+    """Distinct experts ``rows`` tokens touch in one layer when each picks ``topk`` of
+    ``num_experts`` uniformly."""
+    return num_experts * (1.0 - (1.0 - topk / num_experts) ** rows)
+
+
+def decode_roofline(m: ModelConfig, contexts: list[int], experts_touched: list[float],
+                    hbm_bytes_per_s: float) -> dict:
+    """Bytes one decode step must read -- weights (attention, router, the touched experts of
+    each MoE layer, shared experts, dense MLPs, output layer) and the rows' KV -- and their
+    time at ``hbm_bytes_per_s``. ``contexts``: tokens each row attends; ``experts_touched``:
+    distinct experts per MoE layer."""
+    moe = _moe_layers(m)
+    if len(experts_touched) != moe:
+        raise ValueError(f"{len(experts_touched)} expert counts for {moe} MoE layers")
+    b = _itemsize(m)
+    weights = {
+        "attention": m.num_layers * attention_params(m) * b,
+        "router": moe * m.num_experts * m.hidden_size * b,
+        "experts": sum(experts_touched) * expert_params(m) * b,
+        "shared experts": moe * _shared_params(m) * b,
+        "dense MLP": (m.num_layers - moe) * _dense_params(m) * b,
+        "output layer": m.vocab_size * m.hidden_size * b,
+    }
+    kv = sum(contexts) * m.num_layers * m.num_query_groups * m.head_dim * 2 * b
+    w = sum(weights.values())
+    return {"weight_bytes": w, "weight_bytes_by_part": weights, "kv_bytes": kv,
+            "roofline_bytes": w + kv, "roofline_s": (w + kv) / hbm_bytes_per_s}
+
+
+def prefill_flops(m: ModelConfig, seqs: list[tuple[int, int]]) -> dict:
+    """Model FLOPs of one prefill step over ``seqs`` (cached tokens, new tokens): the
+    projections and experts of every new token, the output layer on each sequence's last
+    token, and causal attention's scores and values."""
+    moe = _moe_layers(m)
+    per_token = (m.num_layers * attention_params(m)
+                 + moe * (m.num_experts * m.hidden_size + m.moe_router_topk * expert_params(m)
+                          + _shared_params(m))
+                 + (m.num_layers - moe) * _dense_params(m))
+    tokens = sum(n for _, n in seqs)
+    pairs = sum(n * c + n * (n + 1) // 2 for c, n in seqs)
+    gemm = 2 * per_token * tokens + 2 * m.vocab_size * m.hidden_size * len(seqs)
+    attn = 4 * m.head_dim * m.num_attention_heads * m.num_layers * pairs
+    return {"gemm_flops": gemm, "attention_flops": attn, "flops": gemm + attn,
+            "active_params_per_token": per_token}
+
+
+# --------------------------------------------------------------------------- plans
+def _tables(lengths: list[int], block_size: int) -> list[tuple[int, ...]]:
+    """Consecutive KV blocks from block 0 for sequences of ``lengths`` tokens."""
+    out, at = [], 0
+    for n in lengths:
+        k = -(-n // block_size)
+        out.append(tuple(range(at, at + k)))
+        at += k
+    return out
+
+
+def decode_plan(contexts: list[int], tokens: list[int], bucket: int,
+                block_size: int) -> StepPlan:
+    """One D iteration: row i attends contexts[i] tokens (its input token at position
+    contexts[i] - 1), padded to ``bucket`` rows."""
+    tables = _tables(contexts, block_size)
+    rows = tuple(DecodeRow(lifetime=i, token=t, position=c - 1, table=tb, params=GREEDY)
+                 for i, (c, t, tb) in enumerate(zip(contexts, tokens, tables)))
+    return StepPlan(step=0, phase=Phase.DECODE, replicas=(ReplicaWork(decode=rows),),
+                    bucket=bucket, table_blocks=max(len(t) for t in tables))
+
+
+def prefill_plan(seqs: list[tuple[int, int]], rng: random.Random, vocab: int,
+                 block_size: int) -> StepPlan:
+    """One P step: sequence i prefills seqs[i][1] new tokens on seqs[i][0] cached ones."""
+    tables = _tables([c + n for c, n in seqs], block_size)
+    items = tuple(PrefillItem(lifetime=i, tokens=tuple(rng.randrange(vocab) for _ in range(n)),
+                              start=c, table=tb, params=GREEDY)
+                  for i, ((c, n), tb) in enumerate(zip(seqs, tables)))
+    return StepPlan(step=0, phase=Phase.PREFILL, replicas=(ReplicaWork(prefill=items),))
+
+
+# --------------------------------------------------------------------------- the rank's run
+def run_bench_speed(rank: int, world: int, config_path: str,
+                    overrides: dict | None = None) -> dict:
+    """Every measurement of the bench_speed section on this (the only) rank; plain values."""
+    quiet_known_warnings()
+    from colo_rollout.runtime.parallel import init_parallel
+
+    cfg = load_config(config_path, overrides)
+    groups = init_parallel(cfg.parallel)
+    bench = _Bench(cfg, groups)
+    try:
+        out = bench.run()
+    finally:
+        bench.close()
+    if cfg.bench_speed.hf_peer:
+        try:
+            out["hf"] = hf_peer(cfg, groups.device)
+        except Exception as e:  # the engine's rows are measured: report them without the peer
+            out["hf"] = {"skipped": f"the peer failed: {type(e).__name__}: "
+                                    f"{' '.join(str(e).split())[:300]}"}
+    return out
+
+
+@contextlib.contextmanager
+def _eager(runner):
+    """The runner without its D and P graphs for a while (their kernels cannot be traced to
+    the ops that launched them, and routers in a replay call no hooks)."""
+    graphs, p_graphs = runner.graphs, runner.prefill_graphs
+    runner.graphs = runner.prefill_graphs = None
+    try:
+        yield
+    finally:
+        runner.graphs, runner.prefill_graphs = graphs, p_graphs
+
+
+class _Bench:
+    def __init__(self, cfg: Config, groups) -> None:
+        from colo_rollout.engine.engine import Engine
+        from colo_rollout.model.weights import random_state_dict
+
+        self.cfg, self.b, self.m = cfg, cfg.bench_speed, cfg.model
+        self.device = groups.device
+        self.gpu = self.device.type == "cuda"
+        t0 = time.perf_counter()
+        # drawn where the model runs (a multi-GB MoE takes minutes on one CPU thread)
+        sd = random_state_dict(cfg.model, device=self.device)
+        ecfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, mode="normal"))
+        self.engine = Engine(ecfg, groups, sd)
+        del sd
+        self.runner = self.engine.runner
+        self.model = self.engine.model
+        self.wait_s = cfg.parallel.timeout_s
+        self.rng = random.Random(self.b.seed)
+        self.setup_s = time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.engine.close()
+        self.engine = self.runner = self.model = None
+        gc.collect()
+        if self.gpu:
+            torch.cuda.empty_cache()
+
+    def sync(self) -> None:
+        if self.gpu:
+            torch.cuda.synchronize(self.device)
+
+    def step(self, plan: StepPlan) -> None:
+        """One step up to its sampled tokens on the host (what an engine step waits for)."""
+        run = self.runner.run if plan.phase is Phase.PREFILL else self.runner.run_decode
+        run(plan).resolve(self.wait_s, "bench-speed step")
+
+    def timed(self, plan: StepPlan, iters: int) -> list[float]:
+        for _ in range(self.b.warmup):
+            self.step(plan)
+        self.sync()
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            self.step(plan)
+            self.sync()
+            times.append(time.perf_counter() - t0)
+        return times
+
+    def experts_touched(self, plan: StepPlan) -> list[int]:
+        """Distinct experts of each MoE layer's routing map in one eager run of ``plan``."""
+        counts: list[torch.Tensor] = []
+
+        def hook(_mod, _args, out):
+            counts.append(out[1].reshape(-1, out[1].shape[-1]).any(0).sum())
+
+        hooks = [moe.router.register_forward_hook(hook) for moe in self.model.moe_layers()]
+        try:
+            with _eager(self.runner):
+                self.step(plan)
+        finally:
+            for h in hooks:
+                h.remove()
+        return [int(c) for c in counts]
+
+    # ------------------------------------------------------------------ shapes
+    def decode_row(self, rows: int, context: int) -> dict:
+        m, e = self.m, self.cfg.engine
+        bucket = pick_bucket(rows, tuple(e.decode_buckets), 1)
+        tokens = [self.rng.randrange(m.vocab_size) for _ in range(rows)]
+        plan = decode_plan([context] * rows, tokens, bucket, e.kv_block_size)
+        touched = self.experts_touched(plan)
+        times = self.timed(plan, self.b.iters)
+        step = statistics.median(times)
+        roof = decode_roofline(m, [context] * rows, touched, self.b.hbm_bytes_per_s)
+        return {"batch": rows, "context": context, "bucket": bucket, "step_s": step,
+                "times_s": times, "tok_s": rows / step, "experts_touched": touched,
+                "experts_expected": expected_experts(m.num_experts, m.moe_router_topk, bucket),
+                **roof, "ratio": roof["roofline_s"] / step}
+
+    def prefill_row(self, kind: str, shape: str, seqs: list[tuple[int, int]]) -> dict:
+        e = self.cfg.engine
+        plan = prefill_plan(seqs, self.rng, self.m.vocab_size, e.kv_block_size)
+        times = self.timed(plan, self.b.prefill_iters)
+        step = statistics.median(times)
+        fl = prefill_flops(self.m, seqs)
+        tokens = sum(n for _, n in seqs)
+        return {"kind": kind, "shape": shape, "seqs": len(seqs), "tokens": tokens,
+                "cached_tokens": sum(c for c, _ in seqs), "step_s": step, "times_s": times,
+                "tok_s": tokens / step, **fl, "flops_per_s": fl["flops"] / step,
+                "frac_peak": fl["flops"] / step / self.b.peak_flops}
+
+    def run(self) -> dict:
+        b = self.b
+        decode = [self.decode_row(B, b.short_context) for B in b.decode_batches]
+        decode += [self.decode_row(B, ctx) for ctx in b.long_contexts for B in b.long_batches]
+        prefill = [self.prefill_row("single", f"1 x {n}", [(0, n)]) for n in b.prefill_lengths]
+        if b.prefill_batch_seqs:
+            n, k = b.prefill_batch_len, b.prefill_batch_seqs
+            prefill.append(self.prefill_row("batch", f"{k} x {n}", [(0, n)] * k))
+        if b.continuation_seqs:
+            (nlo, nhi), (clo, chi) = b.continuation_new, b.continuation_context
+            prefill.append(self.prefill_row(
+                "continuation", f"{b.continuation_seqs} x {nlo}-{nhi} on {clo}-{chi}",
+                b.continuation_shape()))
+        out = {"device": str(self.device), "gpu": (torch.cuda.get_device_name(self.device)
+                                                   if self.gpu else None),
+               "dtype": self.m.params_dtype,
+               "decode_path": "CUDA graphs" if self.runner.graphs is not None else "eager",
+               "prefill_path": ("eager attention, MoE-block CUDA graphs"
+                                if self.runner.prefill_graphs is not None else "eager"),
+               "threads": torch.get_num_threads(), "setup_s": self.setup_s,
+               "hbm_bytes_per_s": b.hbm_bytes_per_s, "peak_flops": b.peak_flops,
+               "decode": decode, "prefill": prefill, "breakdown": {}}
+        if b.profile:
+            out["breakdown"] = self.breakdowns(decode, prefill)
+        return out
+
+    # ------------------------------------------------------------------ breakdown
+    def breakdowns(self, decode: list[dict], prefill: list[dict]) -> dict:
+        b, e = self.b, self.cfg.engine
+        rows = b.breakdown_batch
+        d_row = next(r for r in decode if r["batch"] == rows and r["context"] == b.short_context)
+        tokens = [self.rng.randrange(self.m.vocab_size) for _ in range(rows)]
+        d_plan = decode_plan([b.short_context] * rows, tokens, d_row["bucket"], e.kv_block_size)
+        n = b.breakdown_prefill
+        p_plan = prefill_plan([(0, n)], self.rng, self.m.vocab_size, e.kv_block_size)
+        p_row = next((r for r in prefill if r["kind"] == "single" and r["tokens"] == n), None)
+        p_wall = (p_row["step_s"] if p_row is not None
+                  else statistics.median(self.timed(p_plan, b.prefill_iters)))
+        return {"decode": {"shape": f"decode B={rows}, context {b.short_context}",
+                           **self.breakdown(d_plan, b.profile_steps, d_row["step_s"])},
+                "prefill": {"shape": f"prefill 1 x {n}", **self.breakdown(p_plan, 1, p_wall)}}
+
+    def breakdown(self, plan: StepPlan, steps: int, wall_s: float) -> dict:
+        """Per-step time of each part (ms) over ``steps`` profiled eager steps of ``plan``;
+        ``wall_s``: the measured step (GPU: the launch gaps are taken against it)."""
+        from torch.profiler import ProfilerActivity, profile, record_function
+
+        # libkineto's start/stop lines (and, on CPU, its failed GPU probe) on stderr: read
+        # when the profiler first starts
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.gpu else [])
+        hooks = _label_modules(self.model, self.runner)
+        try:
+            with _eager(self.runner):
+                self.step(plan)  # the eager path's own first-use costs stay out
+                self.sync()
+                with profile(activities=acts) as prof:
+                    for _ in range(steps):
+                        with record_function(_RANGE + "step"):
+                            self.step(plan)
+                            self.sync()
+        finally:
+            for h in hooks:
+                h.remove()
+        parts_us, step_us = attribute(prof.events(), device_time=self.gpu)
+        parts = {k: v / steps / 1e3 for k, v in parts_us.items()}
+        profiled_ms = step_us / steps / 1e3
+        wall_ms = 1e3 * wall_s if self.gpu else profiled_ms
+        out = {"parts_ms": parts, "wall_ms": wall_ms, "profiled_step_ms": profiled_ms,
+               "measured_ms": 1e3 * wall_s, "steps": steps,
+               "time": "CUDA kernel time" if self.gpu else "self CPU time"}
+        if self.gpu and not parts:
+            out["note"] = ("no CUDA kernel was recorded (CUPTI unavailable?); set "
+                           "KINETO_LOG_LEVEL=0 to see the profiler's messages")
+        out["parts_ms"]["launch gaps"] = max(0.0, wall_ms - sum(parts.values()))
+        if self.gpu and (self.runner.graphs is not None or self.runner.prefill_graphs is not None):
+            for _ in range(self.b.warmup):
+                self.step(plan)
+            self.sync()
+            with profile(activities=acts) as prof:
+                for _ in range(steps):
+                    self.step(plan)
+                    self.sync()
+            kernels = sum(ev.time_range.elapsed_us() for ev in prof.events()
+                          if ev.device_type == torch.autograd.DeviceType.CUDA)
+            out["graph_kernel_ms"] = kernels / steps / 1e3
+        return out
+
+
+class _Wrapped:
+    """``obj.name`` (a bound method) run inside a profiler range, as an instance attribute
+    that shadows the class's method until ``remove``: for the parts the model computes by
+    method calls rather than module calls (the embedding, shared experts, dense MLPs) and the
+    runner's sampling."""
+
+    def __init__(self, obj, name: str, label: str) -> None:
+        from torch.profiler import record_function
+
+        self.obj, self.name = obj, name
+        inner = getattr(obj, name)
+
+        def run(*args, **kwargs):
+            with record_function(_RANGE + label):
+                return inner(*args, **kwargs)
+
+        setattr(obj, name, run)
+
+    def remove(self) -> None:
+        delattr(self.obj, self.name)
+
+
+def _label_modules(model, runner=None) -> list:
+    """Forward hooks that open a profiler range (``bs::<label>``) around the modules of each
+    layer part, and wrapped methods for the rest; returns their handles."""
+    from torch.profiler import record_function
+
+    open_ranges: list = []
+
+    def hooks(module, label):
+        def pre(_mod, _args):
+            r = record_function(_RANGE + label)
+            r.__enter__()
+            open_ranges.append(r)
+
+        def post(_mod, _args, _out):
+            open_ranges.pop().__exit__(None, None, None)
+
+        return [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+
+    pairs = []
+    for layer in model.decoder.layers:
+        att = layer.self_attention
+        pairs += [(layer.input_layernorm, "norm"), (layer.pre_mlp_layernorm, "norm"),
+                  (att, "attention")]
+        pairs += [(n, "norm") for n in (att.q_layernorm, att.k_layernorm) if n is not None]
+        if layer.is_moe:
+            pairs += [(layer.mlp, "moe"), (layer.mlp.router, "router"),
+                      (layer.mlp.experts, "experts")]
+    pairs.append((model.decoder.final_layernorm, "norm"))
+    out = [h for mod, label in pairs for h in hooks(mod, label)]
+    methods = [(model.embedding, "partial", "embedding")]
+    for layer in model.decoder.layers:
+        methods.append((layer.mlp, "add_shared", "shared") if layer.is_moe
+                       else (layer, "dense_partial", "dense"))
+    if runner is not None:
+        methods.append((runner, "_sample", "sampling"))
+    return out + [_Wrapped(obj, name, label) for obj, name, label in methods
+                  if callable(getattr(obj, name, None))]
+
+
+def _is_gemm(chain: list[str]) -> bool:
+    return any(name in _GEMM_OPS for name in chain)
+
+
+def _named(chain: list[str], fragments: tuple[str, ...]) -> bool:
+    return any(f in name for name in chain for f in fragments)
+
+
+def _classify(label: str | None, chain: list[str]) -> str:
+    """The part of an op outside the MoE block: by its innermost range, else by its name."""
+    by_label = {"attention": "attention", "norm": "norms", "router": "router/top-k",
+                "shared": "shared experts", "dense": "dense MLP", "embedding": "embedding",
+                "sampling": "sampling"}
+    if label in by_label:
+        return by_label[label]
+    if _named(chain, ("c10d::", "nccl")):
+        return "collectives"
+    if _named(chain, ("embedding",)):
+        return "embedding"
+    if _is_gemm(chain):  # the one GEMM outside every range: the logits
+        return "lm head"
+    if _named(chain, _SAMPLING_OPS):
+        return "sampling"
+    return "other"
+
+
+def attribute(events, device_time: bool) -> tuple[dict[str, float], float]:
+    """({part: microseconds}, microseconds of the ``bs::step`` ranges) of a profile.
+
+    Each op inside a step range counts its CUDA kernels (``device_time``) or its self CPU time
+    once, for the part of its innermost ``bs::`` range; ops of a MoE block (its own range or its
+    experts') are split by position around the block's GEMMs. With ``device_time`` a range's
+    own kernels (launched by no aten op: Triton's) count for the range's part."""
+    parts: dict[str, float] = defaultdict(float)
+    moe: dict[int, list] = defaultdict(list)
+    step_us = 0.0
+    for ev in events:
+        if ev.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        if ev.name == _RANGE + "step":
+            step_us += ev.time_range.elapsed_us()
+        # a range's own CPU time is the Python between its ops (the gaps), but kernels launched
+        # outside any aten op -- Triton's -- are attached to the innermost range
+        if ev.name.startswith(_RANGE) and not device_time:
+            continue
+        t = (sum(k.duration for k in ev.kernels) if device_time else ev.self_cpu_time_total)
+        if t <= 0:
+            continue
+        chain, label, block, node = [], None, None, ev
+        while node is not None:
+            name = node.name
+            if name == _RANGE + "step":
+                break
+            if name.startswith(_RANGE):
+                label = label or name[len(_RANGE):]
+                if name == _RANGE + "moe":
+                    block = node
+            elif label is None:
+                chain.append(name)
+            node = node.cpu_parent
+        if node is None:  # outside the profiled steps
+            continue
+        if label in ("moe", "experts") and block is not None:
+            moe[id(block)].append((ev.time_range.start, chain, t))
+        else:
+            parts[_classify(label, chain)] += t
+    for ops in moe.values():
+        ops.sort(key=lambda o: o[0])
+        gemms = [i for i, (_, chain, _) in enumerate(ops) if _is_gemm(chain)]
+        for i, (_, chain, t) in enumerate(ops):
+            if i in gemms:
+                part = "expert GEMMs"
+            elif not gemms or i < gemms[0]:
+                part = "permutation"
+            elif i > gemms[-1]:
+                part = "combine"
+            elif _named(chain, _ACTIVATION_OPS):
+                part = "activation"
+            else:
+                part = "permutation"
+            parts[part] += t
+    return dict(parts), step_us
+
+
+# --------------------------------------------------------------------------- the peer
+def _crop(cache, length: int) -> None:
+    """Cut a transformers cache back to ``length`` tokens (a negative crop removes that many
+    tokens in transformers 4.x and 5.x alike)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def hf_peer(cfg: Config, device: torch.device) -> dict:
+    """The decode and prefill shapes through Hugging Face transformers (random weights of the
+    same model section); {"skipped": why} when it cannot be built."""
+    try:
+        import transformers
+    except ImportError:
+        return {"skipped": "transformers is not installed"}
+    from colo_rollout.checkpoint.export import hf_config_dict
+
+    b, m = cfg.bench_speed, cfg.model
+    try:
+        conf = dict(hf_config_dict(m, dtype=m.params_dtype))
+    except ValueError as e:
+        return {"skipped": f"no Hugging Face family holds this model section: {e}"}
+    arch = conf.pop("architectures")
+    hf_conf = transformers.AutoConfig.for_model(conf.pop("model_type"), **conf)
+    hf_conf.architectures = arch
+    dtype = DTYPES[m.params_dtype]
+    gpu = device.type == "cuda"
+    torch.manual_seed(m.seed)
+    t0 = time.perf_counter()
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(hf_conf, dtype=dtype).eval()
+    setup_s = time.perf_counter() - t0
+    # transformers 5 renames past_key_values to cache
+    cache_kw = ("cache" if "cache" in inspect.signature(model.forward).parameters
+                else "past_key_values")
+    g = torch.Generator().manual_seed(b.seed)
+
+    def sync() -> None:
+        if gpu:
+            torch.cuda.synchronize(device)
+
+    def timed(fn, iters: int, after=None) -> list[float]:
+        times = []
+        for i in range(b.warmup + iters):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            if i >= b.warmup:
+                times.append(time.perf_counter() - t0)
+            if after is not None:
+                after()
+        return times
+
+    decode, prefill = [], []
+    try:
+        with torch.inference_mode():
+            L = b.short_context
+            for B in b.decode_batches:
+                ids = torch.randint(0, m.vocab_size, (B, L - 1), generator=g).to(device)
+                out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+                cache = out.cache if getattr(out, "cache", None) is not None \
+                    else out.past_key_values
+                tok = out.logits[:, -1].argmax(-1, keepdim=True)
+                del out
+
+                def step(tok=tok, cache=cache):
+                    o = model(input_ids=tok, use_cache=True, logits_to_keep=1,
+                              **{cache_kw: cache})
+                    o.logits[:, -1].argmax(-1).cpu()
+
+                times = timed(step, b.iters, after=lambda cache=cache: _crop(cache, L - 1))
+                s = statistics.median(times)
+                decode.append({"batch": B, "context": L, "step_s": s, "times_s": times,
+                               "tok_s": B / s})
+                del cache, tok, ids
+            for n in b.hf_prefill_lengths:
+                ids = torch.randint(0, m.vocab_size, (1, n), generator=g).to(device)
+
+                def run(ids=ids):
+                    o = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+                    o.logits[:, -1].argmax(-1).cpu()
+
+                times = timed(run, b.prefill_iters)
+                s = statistics.median(times)
+                prefill.append({"tokens": n, "step_s": s, "times_s": times, "tok_s": n / s})
+    finally:
+        model = None  # the peer's weights go before the report
+        gc.collect()
+        if gpu:
+            torch.cuda.empty_cache()
+    return {"model": arch[0], "transformers": transformers.__version__,
+            "attention": hf_conf._attn_implementation,
+            "experts": getattr(hf_conf, "_experts_implementation", None), "setup_s": setup_s,
+            "decode": decode, "prefill": prefill}
+
+
+# --------------------------------------------------------------------------- the report
+def report(res: dict, cfg: Config, source: str = "<config>") -> None:
+    """The table on stdout, ``bench_speed.json`` and ``bench_speed_breakdown.png`` in
+    bench_speed.out_dir."""
+    b = cfg.bench_speed
+    os.makedirs(b.out_dir, exist_ok=True)
+    print(table(res, cfg, source))
+    path = os.path.join(b.out_dir, "bench_speed.json")
+    with open(path, "w") as fh:
+        json.dump({"config": source, **res}, fh, indent=1)
+    plot = os.path.join(b.out_dir, "bench_speed_breakdown.png")
+    if res.get("breakdown"):
+        plot_breakdown(res["breakdown"], plot)
+        print(f"JSON: {path}; breakdown plot: {plot}")
+    else:
+        print(f"JSON: {path}")
+
+
+def _hf_index(res: dict) -> tuple[dict, dict]:
+    hf = res.get("hf") or {}
+    return ({r["batch"]: r for r in hf.get("decode", [])},
+            {r["tokens"]: r for r in hf.get("prefill", [])})
+
+
+def table(res: dict, cfg: Config, source: str) -> str:
+    m = cfg.model
+    hbm, peak = res["hbm_bytes_per_s"], res["peak_flops"]
+    where = res["gpu"] or f"CPU ({res['threads']} thread{'s' if res['threads'] > 1 else ''})"
+    hf_d, hf_p = _hf_index(res)
+    hf = res.get("hf") or {}
+    lines = [f"bench-speed {source}: 1 rank on {where}, {m.params_dtype}, {m.num_layers} layers, "
+             f"hidden {m.hidden_size}, {m.num_experts} experts top-{m.moe_router_topk}; "
+             f"decode path {res['decode_path']}, prefill path {res['prefill_path']}",
+             f"ratios against bench_speed.hbm_bytes_per_s {hbm / 1e12:.2f} TB/s and "
+             f"peak_flops {peak / 1e12:.0f} TFLOP/s"
+             + (" -- GPU numbers: on this CPU the ratios are tiny by construction"
+                if res["gpu"] is None else "")]
+    if hf.get("skipped"):
+        lines.append(f"Hugging Face peer skipped: {hf['skipped']}")
+    elif hf:
+        lines.append(f"Hugging Face peer: {hf['model']} (transformers {hf['transformers']}, "
+                     f"{hf['attention']} attention, {hf['experts']} experts, its own KV cache)")
+    lines += ["", "decode: median host time of one step, all rows running; roofline = "
+              "(weights the step reads + KV read) / HBM bandwidth; ratio = roofline / step;",
+              "experts/layer = distinct experts the step's rows touch, measured (expected "
+              "for uniform routing); HF/ours = the peer's step time / ours (> 1: ours faster)",
+              f"{'B':>5} {'context':>7} {'step ms':>9} {'tok/s':>10} {'experts/layer':>14} "
+              f"{'weights MB':>10} {'KV MB':>8} {'roofline ms':>11} {'ratio':>8} "
+              f"{'HF ms':>9} {'HF tok/s':>10} {'HF/ours':>7}"]
+    for r in res["decode"]:
+        touched = statistics.fmean(r["experts_touched"]) if r["experts_touched"] else 0.0
+        peer = hf_d.get(r["batch"]) if r["context"] == cfg.bench_speed.short_context else None
+        lines.append(
+            f"{r['batch']:>5} {r['context']:>7} {1e3 * r['step_s']:>9.3f} {r['tok_s']:>10.1f} "
+            f"{touched:>6.1f} ({r['experts_expected']:>5.1f}) {r['weight_bytes'] / 1e6:>10.2f} "
+            f"{r['kv_bytes'] / 1e6:>8.2f} {_num(1e3 * r['roofline_s']):>11} {_num(r['ratio']):>8} "
+            + _peer_cols(peer, r["step_s"]))
+    lines += ["", "prefill: median host time of one step; FLOPs = 2 x active params x tokens "
+              "+ attention (output layer on last tokens); frac = FLOP/s / peak",
+              f"{'shape':<30} {'tokens':>7} {'step ms':>9} {'tok/s':>10} {'TFLOP':>9} "
+              f"{'TFLOP/s':>9} {'frac':>8} {'HF ms':>9} {'HF tok/s':>10} {'HF/ours':>7}"]
+    for r in res["prefill"]:
+        peer = hf_p.get(r["tokens"]) if r["kind"] == "single" else None
+        lines.append(
+            f"{r['shape']:<30} {r['tokens']:>7} {1e3 * r['step_s']:>9.2f} {r['tok_s']:>10.1f} "
+            f"{_num(r['flops'] / 1e12):>9} {_num(r['flops_per_s'] / 1e12):>9} "
+            f"{_num(r['frac_peak']):>8} "
+            + _peer_cols(peer, r["step_s"]))
+    bd = res.get("breakdown") or {}
+    if bd:
+        kinds = [k for k in ("decode", "prefill") if k in bd]
+        lines += ["", f"breakdown per step ({bd[kinds[0]]['time']} of eager steps by layer part; "
+                  "launch gaps = step wall time - the parts)",
+                  f"{'part':<16}" + "".join(f" {bd[k]['shape']:>28}" for k in kinds)]
+        for part in PARTS:
+            vals = [bd[k]["parts_ms"].get(part, 0.0) for k in kinds]
+            if not any(vals):
+                continue
+            lines.append(f"{part:<16}" + "".join(
+                f" {v:>18.3f} ms {100 * v / max(bd[k]['wall_ms'], 1e-12):>5.1f}%"
+                for v, k in zip(vals, kinds)))
+        lines.append(f"{'step wall':<16}" + "".join(f" {bd[k]['wall_ms']:>18.3f} ms {'':>6}"
+                                                   for k in kinds))
+        lines.append(f"{'(measured step)':<16}" + "".join(
+            f" {bd[k]['measured_ms']:>18.3f} ms {'':>6}" for k in kinds))
+        if res["gpu"] is None:
+            lines.append("(CPU: the step wall is the profiled steps' own; the profiler's per-op "
+                         "cost is in it)")
+        for k in kinds:
+            if bd[k].get("note"):
+                lines.append(f"{k}: {bd[k]['note']}")
+    return "\n".join(lines)
+
+
+def _num(v: float) -> str:
+    """Four decimals, or three significant digits when that would print zeros."""
+    return f"{v:.4f}" if v == 0 or abs(v) >= 1e-3 else f"{v:.2e}"
+
+
+def _peer_cols(peer: dict | None, ours_s: float) -> str:
+    if peer is None:
+        return f"{'-':>9} {'-':>10} {'-':>7}"
+    return (f"{1e3 * peer['step_s']:>9.3f} {peer['tok_s']:>10.1f} "
+            f"{peer['step_s'] / ours_s:>7.2f}")
+
+
+def plot_breakdown(breakdown: dict, path: str) -> None:
+    """Bars of each part's time per step (ms), one panel per profiled shape."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = [k for k in ("decode", "prefill") if k in breakdown]
+    fig, axes = plt.subplots(1, len(kinds), figsize=(6 * len(kinds), 4.5), squeeze=False)
+    for ax, k in zip(axes[0], kinds):
+        bd = breakdown[k]
+        parts = [p for p in PARTS if bd["parts_ms"].get(p, 0.0) > 0]
+        vals = [bd["parts_ms"][p] for p in parts]
+        ax.barh(parts[::-1], vals[::-1], color="tab:blue")
+        ax.set_xlabel(f"ms per step ({bd['time']}; gaps vs step wall)")
+        ax.set_title(f"{bd['shape']}: {bd['wall_ms']:.3f} ms")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

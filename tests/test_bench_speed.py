@@ -1,0 +1,164 @@
+"""`colo-rollout bench-speed`: the roofline and FLOP formulas on hand-computed cases, the CPU
+config end to end through the command line (one spawned rank: every decode and prefill row,
+positive ratios, the breakdown, the peer, the JSON and the plot), and its config refused at the
+door."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from colo_rollout.cli import main
+from colo_rollout.config import ModelConfig, load_config
+from colo_rollout.tools.bench_speed import (
+    PARTS,
+    attribute,
+    decode_roofline,
+    expected_experts,
+    prefill_flops,
+)
+from tests.test_door import door_error
+
+CPU = str(Path(__file__).resolve().parents[1] / "configs" / "bench_speed_cpu.yaml")
+
+# H 64, 4 heads of 16, 2 KV groups, 2 MoE layers of 8 experts (top-2) of width 128, vocab 256
+TINY = dict(vocab_size=256, hidden_size=64, num_layers=2, num_attention_heads=4,
+            num_query_groups=2, moe_ffn_hidden_size=128, num_experts=8, moe_router_topk=2)
+
+
+def test_decode_roofline_bytes_of_a_hand_computed_case():
+    m = ModelConfig(**TINY, params_dtype="float32")
+    # per layer: qkv (4 + 2 x 2) x 16 x 64 = 8192 + proj 64 x 64 = 4096 -> 2 x 12288 x 4 B
+    attention = 98_304
+    router = 2 * 8 * 64 * 4  # 4096
+    experts = (3 + 5) * 3 * 128 * 64 * 4  # 3 and 5 experts touched: 786432
+    output = 256 * 64 * 4  # 65536
+    kv = (10 + 20) * 2 * 2 * 16 * 2 * 4  # rows at 10 and 20 tokens: 15360
+    r = decode_roofline(m, [10, 20], [3, 5], 4.0e12)
+    assert r["weight_bytes_by_part"]["attention"] == attention
+    assert r["weight_bytes_by_part"]["experts"] == experts
+    assert r["kv_bytes"] == kv
+    assert r["roofline_bytes"] == 969_728 == attention + router + experts + output + kv
+    assert r["roofline_s"] == pytest.approx(969_728 / 4.0e12)
+    # bfloat16 halves every byte; the bandwidth scales the time only
+    r16 = decode_roofline(ModelConfig(**TINY, params_dtype="bfloat16"), [10, 20], [3, 5], 2e12)
+    assert r16["roofline_bytes"] == 969_728 // 2
+    assert r16["roofline_s"] == pytest.approx(969_728 / 2 / 2e12)
+    with pytest.raises(ValueError):
+        decode_roofline(m, [10], [3], 4.0e12)  # one count for two MoE layers
+
+
+def test_prefill_flops_of_a_hand_computed_case():
+    m = ModelConfig(**TINY)
+    # active params per token: 2 x 12288 attention + 2 x (router 512 + top-2 x 24576)
+    assert prefill_flops(m, [(0, 4)])["active_params_per_token"] == 123_904
+    # 4 new tokens on an empty cache: 2 x 123904 x 4 + output layer 2 x 256 x 64 on the last
+    # token; 1 + 2 + 3 + 4 = 10 causal pairs x 4 x 16 dims x 4 heads x 2 layers
+    f = prefill_flops(m, [(0, 4)])
+    assert (f["gemm_flops"], f["attention_flops"]) == (1_024_000, 5_120)
+    # a continuation of 2 tokens on 6 cached: 2 x 6 + 3 = 15 pairs; two sequences add
+    f = prefill_flops(m, [(0, 4), (6, 2)])
+    assert f["attention_flops"] == 512 * (10 + 15)
+    assert f["flops"] == 2 * 123_904 * 6 + 2 * 2 * 256 * 64 + 512 * 25
+
+
+def test_expected_experts_touched():
+    assert expected_experts(8, 2, 1) == pytest.approx(2.0)
+    assert expected_experts(8, 2, 2) == pytest.approx(8 * (1 - 0.75 ** 2))
+    assert expected_experts(64, 8, 10_000) == pytest.approx(64.0)
+
+
+def _event(name, parent, start=0.0, kernels=(), self_us=0.0, dur=0.0):
+    """A profiler FunctionEvent's fields that ``attribute`` reads."""
+    return SimpleNamespace(name=name, cpu_parent=parent, self_cpu_time_total=self_us,
+                           device_type=torch.autograd.DeviceType.CPU,
+                           kernels=[SimpleNamespace(duration=k) for k in kernels],
+                           time_range=SimpleNamespace(start=start, elapsed_us=lambda: dur))
+
+
+def test_breakdown_attributes_kernels_to_layer_parts():
+    """The GPU rule on a hand-built profile: kernels by innermost range (a Triton kernel on the
+    range itself included), the MoE block split around its GEMMs, the logits GEMM outside every
+    range as lm head, nothing outside a step."""
+    step = _event("bs::step", None, dur=1000.0)
+    att = _event("bs::attention", step, kernels=[50.0])  # a Triton launch: no aten op
+    moe = _event("bs::moe", step, start=100.0)
+    router = _event("bs::router", moe, start=101.0)
+    lm = _event("aten::linear", step, start=200.0)
+    events = [step, att, _event("aten::mm", att, kernels=[30.0]), moe, router,
+              _event("aten::mm", router, start=102.0, kernels=[5.0]),
+              _event("aten::sort", moe, start=110.0, kernels=[7.0]),
+              _event("aten::_grouped_mm", moe, start=120.0, kernels=[40.0]),
+              _event("aten::silu", moe, start=130.0, kernels=[3.0]),
+              _event("aten::_grouped_mm", moe, start=140.0, kernels=[20.0]),
+              _event("aten::index_add_", moe, start=150.0, kernels=[4.0]),
+              lm, _event("aten::mm", lm, start=201.0, kernels=[11.0]),
+              _event("aten::mm", None, kernels=[99.0])]  # outside the profiled steps
+    parts, step_us = attribute(events, device_time=True)
+    assert step_us == 1000.0
+    assert parts == {"attention": 80.0, "router/top-k": 5.0, "permutation": 7.0,
+                     "expert GEMMs": 60.0, "activation": 3.0, "combine": 4.0, "lm head": 11.0}
+    # CPU: self time of ops only (a range's own time is the gaps)
+    step.self_cpu_time_total = att.self_cpu_time_total = 500.0
+    events[2].self_cpu_time_total = 30.0
+    assert attribute(events[:3], device_time=False) == ({"attention": 30.0}, 1000.0)
+
+
+def test_cpu_config_end_to_end(tmp_path, capsys):
+    out_dir = tmp_path / "speed"
+    assert main(["bench-speed", CPU, "--set", f"bench_speed.out_dir={out_dir}",
+                 "--set", "bench_speed.iters=2", "--set", "bench_speed.prefill_iters=1"]) == 0
+    table = capsys.readouterr().out
+    cfg = load_config(CPU).bench_speed
+    res = json.loads((out_dir / "bench_speed.json").read_text())
+    shapes = [(r["batch"], r["context"]) for r in res["decode"]]
+    assert shapes == ([(b, cfg.short_context) for b in cfg.decode_batches]
+                      + [(b, c) for c in cfg.long_contexts for b in cfg.long_batches])
+    E, k = 8, 2
+    for r in res["decode"]:
+        assert r["step_s"] > 0 and r["tok_s"] > 0 and r["ratio"] > 0
+        assert r["roofline_bytes"] == r["weight_bytes"] + r["kv_bytes"]
+        assert all(1 <= n <= min(E, k * r["bucket"]) for n in r["experts_touched"])
+        assert f"\n{r['batch']:>5} {r['context']:>7} " in table  # its table row
+    assert [r["shape"] for r in res["prefill"]] == [
+        "1 x 64", "1 x 128", "1 x 256", "4 x 64", "4 x 16-64 on 128-256"]
+    for r in res["prefill"]:
+        assert r["frac_peak"] > 0 and r["tok_s"] > 0 and r["shape"] in table
+    cont = res["prefill"][-1]
+    assert (cont["seqs"], cont["tokens"], cont["cached_tokens"]) == (4, 16 + 32 + 48 + 64,
+                                                                       128 + 171 + 213 + 256)
+    for kind in ("decode", "prefill"):
+        bd = res["breakdown"][kind]
+        assert set(bd["parts_ms"]) <= set(PARTS)
+        for part in ("attention", "norms", "router/top-k", "expert GEMMs", "launch gaps"):
+            assert bd["parts_ms"][part] > 0, (kind, part)
+        assert sum(bd["parts_ms"].values()) == pytest.approx(bd["wall_ms"])
+    assert [r["batch"] for r in res["hf"]["decode"]] == cfg.decode_batches
+    assert [r["tokens"] for r in res["hf"]["prefill"]] == cfg.hf_prefill_lengths
+    assert all(r["tok_s"] > 0 for r in res["hf"]["decode"] + res["hf"]["prefill"])
+    png = out_dir / "bench_speed_breakdown.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_speed_config_is_checked_at_the_door(capsys, tmp_path):
+    line = door_error(capsys, "bench-speed", CPU, "--set", "bench_speed.decode_batchez=[1]")
+    assert line.startswith(f"error: {CPU}: bench_speed.decode_batchez: unknown override key")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(Path(CPU).read_text().replace("short_context: 32", "short_context: 0"))
+    line = door_error(capsys, "bench-speed", str(bad))
+    assert line == f"error: {bad}: bench_speed.short_context: must be >= 2, got 0"
+    line = door_error(capsys, "bench-speed", CPU, "--set", "bench_speed.long_contexts=[128, 600]")
+    assert line.startswith(f"error: {CPU}: bench_speed.long_batches: decode of 2 rows at 600 "
+                           "tokens of context: a sequence of 600 tokens exceeds "
+                           "engine.max_seq_len 512")
+    line = door_error(capsys, "bench-speed", CPU, "--set", "bench_speed.decode_batches=[64]")
+    assert "bench_speed.decode_batches: 64 rows exceed engine.max_batch_size 8" in line
+    line = door_error(capsys, "bench-speed", CPU, "--set", "engine.num_kv_blocks=40")
+    assert "needs 64 KV blocks of 16 tokens; engine.num_kv_blocks is 40" in line
+    line = door_error(capsys, "bench-speed", CPU, "--set", "parallel.world_size=2",
+                      "--set", "parallel.ep=2")
+    assert "parallel.world_size: bench-speed runs on one rank; got 2" in line
