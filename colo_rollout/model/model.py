@@ -48,6 +48,7 @@ from colo_rollout.model.attention import (
 )
 from colo_rollout.model.comm import GatherComm
 from colo_rollout.model.paged_attention import resolve_backend
+from colo_rollout.model.paged_prefill import resolve_backend as resolve_prefill_backend
 from colo_rollout.model.moe import GatherMoE, mlp_partial
 from colo_rollout.runtime.parallel import ParallelGroups
 from colo_rollout.model.weights import DTYPES, load_sharded, to_spec_names
@@ -266,13 +267,25 @@ class DecodeInputs:
     attn: AttnMetadata
 
 
+def _norms_to(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Norm weights in the model's dtype. megatron's torch norms are built in fp32 whatever
+    params_dtype says (its Float16Module converts them later, for megatron's own bf16 model);
+    an fp32 weight on bf16 activations also keeps torch's rms_norm off its fused kernel (on an
+    H200 the norms took 5% of a decode step). Same values as megatron's bf16 GPTModel."""
+    for m in model.modules():
+        if isinstance(m, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
+            m.to(dtype)
+
+
 class InferenceGPT(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups, dtype: torch.dtype,
-                 decode_attention: str = "auto"):
+                 decode_attention: str = "auto", prefill_attention: str = "auto"):
         super().__init__()
-        # D attention's backend (engine.decode_attention), chosen once for the model's device
-        # before anything is allocated: "triton" without CUDA or triton fails here
+        # D and P attention's backends (engine.decode_attention, engine.prefill_attention),
+        # chosen once for the model's device before anything is allocated: "triton" without
+        # CUDA or triton fails here
         self.decode_attention = resolve_backend(decode_attention, groups.device)
+        self.prefill_attention = resolve_prefill_backend(prefill_attention, groups.device)
         lay = groups.layout
         self.cfg = cfg
         self.groups = groups
@@ -284,6 +297,7 @@ class InferenceGPT(torch.nn.Module):
                                 cfg.moe_compute)
         for layer in self.decoder.layers:
             layer.self_attention.decode_backend = self.decode_attention
+            layer.self_attention.prefill_backend = self.prefill_attention
         # tied embeddings: no output_layer weight (megatron's GPTModel has none either); the
         # logits use the embedding's vocab shard, which is the same [V/ATP, H] slice
         self.output_layer = ColumnParallelLinear(
@@ -293,6 +307,7 @@ class InferenceGPT(torch.nn.Module):
             skip_weight_param_allocation=cfg.tie_embeddings,
         )
         self.rotary_pos_emb = rotary_embedding(cfg)
+        _norms_to(self, dtype)
         self.comm = GatherComm(groups)
         self._rope: torch.Tensor | None = None
         # diagnostics: when a list, P appends the residual stream after every attention and

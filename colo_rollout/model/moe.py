@@ -184,9 +184,12 @@ class GatherMoE(torch.nn.Module):
         y = torch._grouped_mm(h, fc2.transpose(1, 2), offs=offs)  # [N*k, H]
         valid = (sorted_key < E).unsqueeze(-1)  # this rank's rows (the rest are unwritten)
         y = torch.where(valid, y, 0.0)  # a Python scalar: no extra launch
-        out = torch.zeros(x.shape, dtype=COMBINE_DTYPE, device=x.device)
-        out.index_add_(0, token, y.to(out.dtype))
-        return out
+        # combine: each pair back to its (token, slot) place, then the k slots of a token
+        # summed in fp32 -- a fixed order, so bitwise reproducible (an fp32 index_add_ is
+        # atomics on a GPU), and one bf16 read instead of an fp32 copy plus atomic adds
+        pairs = torch.empty_like(y)
+        pairs.index_copy_(0, order, y)
+        return pairs.view(-1, k, y.shape[-1]).sum(dim=1, dtype=COMBINE_DTYPE)
 
     def _expert_ids(self, device: torch.device) -> torch.Tensor:
         """0..E_local-1 on ``device``, made once (a constant the grouped path reads each
