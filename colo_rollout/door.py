@@ -55,12 +55,38 @@ def load(command: str, config_path: str | os.PathLike, overrides: Mapping[str, A
         from colo_rollout.checkpoint.loader import check_checkpoint
 
         check_checkpoint(cfg.model)
+    check_kernels(cfg, source)
     check = {"demo": check_demo, "train": check_train, "bench": check_bench,
              "bench-decode-overhead": check_decode_overhead,
              "bench-speed": check_bench_speed}.get(command)
     if check is not None:
         check(cfg, source, **args)
     return cfg
+
+
+# engine keys that pick a kernel backend (auto | torch | triton)
+KERNEL_KEYS = ("decode_attention", "prefill_attention", "moe_kernel")
+
+
+def check_kernels(cfg: Config, source: str) -> None:
+    """A kernel backend asked for by name can run: "triton" needs GPU ranks (parallel.backend
+    nccl) and triton installed. (The model build refuses it too; here it is one line before
+    any rank starts.)"""
+    import importlib.util
+
+    for key in KERNEL_KEYS:
+        if getattr(cfg.engine, key, "auto") != "triton":
+            continue
+        if cfg.parallel.backend != "nccl":
+            why = (f"the Triton kernels run on GPU ranks, and parallel.backend is "
+                   f"{cfg.parallel.backend!r}")
+        elif importlib.util.find_spec("triton") is None:
+            why = "triton is not installed"
+        else:
+            continue
+        raise ConfigError(f"{source}: engine.{key}: 'triton' cannot run here: {why}; use "
+                          "'auto' (triton where it can run, else torch) or 'torch'",
+                          key=f"engine.{key}", source=source)
 
 
 def _refusal(cfg: Config, prompt: tuple[int, ...], params: SamplingParams) -> str | None:

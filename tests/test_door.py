@@ -108,6 +108,12 @@ def test_top1_without_pre_softmax(capsys):
                            "and router_score 'softmax' is refused by megatron")
 
 
+def test_a_triton_kernel_asked_for_on_cpu_ranks(capsys):
+    line = door_error(capsys, "demo", DEMO, "--set", "engine.decode_attention=triton")
+    assert line.startswith(f"error: {DEMO}: engine.decode_attention: 'triton' cannot run here: "
+                           "the Triton kernels run on GPU ranks, and parallel.backend is 'gloo'")
+
+
 def test_unsupported_trainer_width(capsys):
     line = door_error(capsys, "train", TRAIN, "--set", "rl.trainer_tp=2")
     assert line.startswith(f"error: {TRAIN}: rl.trainer_tp: 2 is not supported yet")
