@@ -61,4 +61,15 @@ if [ "${RUN_CHECKPOINT:-1}" = 1 ]; then
     | grep -v -i 'warn\|Loading weights' | tail -n 8 || echo "checkpoint run failed"
 fi
 
+# decode and prefill against the roofline, one GPU, with the transformers peer (bench-speed);
+# SPEED_CONFIGS picks the shapes, RUN_SPEED=0 skips it
+if [ "${RUN_SPEED:-1}" = 1 ] && [ "$NGPU" -ge 1 ]; then
+  for c in ${SPEED_CONFIGS:-configs/bench_speed_gpu.yaml configs/bench_speed_qwen3.yaml}; do
+    name=$(basename "$c" .yaml)
+    timeout "${SPEED_TIMEOUT:-400}" torchrun --standalone --nproc-per-node 1 -m colo_rollout.cli \
+      bench-speed "$c" --set bench_speed.out_dir="$OUT/$name" 2>&1 \
+      | grep -v -i 'warn' | tail -n 52 || echo "bench-speed $c failed"
+  done
+fi
+
 python3 scripts/gpu_table.py "$OUT"
