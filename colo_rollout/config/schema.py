@@ -362,6 +362,11 @@ class EngineConfig:
     # triton required: an error at model build otherwise), "torch" = gather + matmuls (the
     # CPU path and the reference), "auto" = triton on CUDA when it imports, else torch.
     decode_attention: str = "auto"
+    # P attention (model/paged_prefill.py): "triton" = the varlen paged flash-attention kernel
+    # (CUDA and triton required: an error at model build otherwise), "torch" = SDPA per
+    # context bucket (the CPU path and the reference), "auto" = triton on CUDA when it
+    # imports, else torch.
+    prefill_attention: str = "auto"
 
     def __post_init__(self) -> None:
         _check_field_types(self)
@@ -400,6 +405,7 @@ class EngineConfig:
         _require_choice(self, "stream_priority", STREAM_PRIORITIES)
         _require_choice(self, "rendezvous", ("auto", "shm", "gloo"))
         _require_choice(self, "decode_attention", ("auto", "torch", "triton"))
+        _require_choice(self, "prefill_attention", ("auto", "torch", "triton"))
         _require_min(self, ("segment_span",), 1)
         _require_min(self, ("prefill_merge_pairs",), 0)
         _require(0 <= self.stall_dump_s < float("inf"), "engine.stall_dump_s",

@@ -27,6 +27,11 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from colo_rollout.model.paged_attention import decode_attention
+from colo_rollout.model.paged_prefill import (
+    plan_prefill,
+    triton_available,
+    triton_prefill_attention,
+)
 
 
 @dataclass
@@ -47,6 +52,9 @@ class AttnMetadata:
     # P only: sequences batched by context-length bucket (built once per P epoch, used by
     # every layer); see prefill_buckets
     buckets: list[PrefillBucket] = field(default_factory=list)
+    # P only, triton backend: the kernel's launch plan (model/paged_prefill.py), made by the
+    # epoch's first layer from the host lists and read by the rest
+    prefill_plan: object | None = None
 
 
 class RopeAngles:
@@ -259,11 +267,30 @@ class PagedSelfAttention(torch.nn.Module):
         return k, v
 
     def _prefill(self, q, kv, layer, meta: AttnMetadata) -> torch.Tensor:
-        """One SDPA call per context bucket: queries [Sb, heads, n_max, dim] against the
-        bucket's keys [Sb, heads, blocks*block, dim]; query j of a sequence sits at position
-        ctx - new + j and sees keys 0..that position (padding slots are computed and dropped).
-        No P rows on this replica: no buckets, zero rows out (collectives still match).
-        Checked against testing/attention_oracle.py's per-sequence loop."""
+        """Queries [T, heads, dim] of every sequence back to back; query j of a sequence sits
+        at position ctx - new + j and sees keys 0..that position. No P rows on this replica:
+        zero rows out (collectives still match). Checked against testing/attention_oracle.py's
+        per-sequence loop.
+
+        ``prefill_backend`` (set once at model build from ``engine.prefill_attention``; a
+        module built without it is "auto": triton for CUDA tensors when it imports):
+          * triton: the varlen paged flash-attention kernel (model/paged_prefill.py), K/V read
+            through the block table, no copy per head; its plan (tiles, lengths on the device)
+            is made by the epoch's first layer and kept on ``meta``; the buckets are unused.
+          * torch (the CPU path and the reference): one SDPA call per context bucket, queries
+            [Sb, heads, n_max, dim] against the bucket's keys [Sb, heads, blocks*block, dim]
+            (padding slots are computed and dropped)."""
+        backend = getattr(self, "prefill_backend", "auto")
+        if backend == "auto":
+            backend = "triton" if q.is_cuda and triton_available() else "torch"
+        if backend == "triton":
+            plan = meta.prefill_plan
+            if plan is None:
+                plan = meta.prefill_plan = plan_prefill(
+                    meta.seq_lens_new, meta.context_lens_host, self.q_per_group,
+                    self.head_dim, q.dtype, q.device)
+            return triton_prefill_attention(q, kv.k[layer], kv.v[layer], meta.block_tables,
+                                            plan, self.scale)
         out = q.new_empty(q.shape)
         for b in meta.buckets:
             Sb = b.seqs.shape[0]

@@ -29,7 +29,7 @@ from colo_rollout.model.weights import DTYPES, random_state_dict
 # engine settings that size the device state (KV storage, D graphs): an engine taking over a
 # worker must have the same
 SIZING_FIELDS = ("num_kv_blocks", "kv_block_size", "max_seq_len", "cuda_graphs",
-                 "decode_attention")  # the model's D attention is chosen at its build
+                 "decode_attention", "prefill_attention")  # the model's attention: at its build
 
 
 def build_model(cfg: Config, groups: ParallelGroups,
@@ -45,12 +45,13 @@ def build_model(cfg: Config, groups: ParallelGroups,
 
         with CheckpointStore(cfg.model.checkpoint) as store:  # one open, one header read
             arch = check_checkpoint(cfg.model, store)  # before anything is allocated
-            model = InferenceGPT(cfg.model, groups, dtype,
-                                 cfg.engine.decode_attention).to(groups.device)
+            model = InferenceGPT(cfg.model, groups, dtype, cfg.engine.decode_attention,
+                                 cfg.engine.prefill_attention).to(groups.device)
             stats = load_checkpoint(model, cfg.model, groups.layout, groups.rank,
                                     te=model.use_te, store=store, arch=arch)
         return model.eval(), stats
-    model = InferenceGPT(cfg.model, groups, dtype, cfg.engine.decode_attention)
+    model = InferenceGPT(cfg.model, groups, dtype, cfg.engine.decode_attention,
+                         cfg.engine.prefill_attention)
     model.load_full_state_dict(state_dict if state_dict is not None
                                else random_state_dict(cfg.model))
     return model.to(groups.device).eval(), None
