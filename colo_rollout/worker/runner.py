@@ -285,8 +285,10 @@ class ModelRunner:
             block_tables=self._tables(tables) if tables else torch.zeros(0, 1, dtype=i64, device=dev),
             context_lens=h2d(ctx, i64, dev),
             seq_lens_new=new, context_lens_host=ctx,
-            buckets=prefill_buckets(new, ctx, self.block_size, lambda v, t: h2d(v, t, dev),
-                                    self.prefill_merge_pairs),
+            # the bucketed SDPA path's batches; the Triton kernel makes its own launch plan
+            buckets=(prefill_buckets(new, ctx, self.block_size, lambda v, t: h2d(v, t, dev),
+                                     self.prefill_merge_pairs)
+                     if self.model.prefill_attention != "triton" else []),
         )
         return PrefillInputs(
             token_ids=h2d(ids, i64, dev), attn=attn,
