@@ -367,6 +367,11 @@ class EngineConfig:
     # context bucket (the CPU path and the reference), "auto" = triton on CUDA when it
     # imports, else torch.
     prefill_attention: str = "auto"
+    # The grouped MoE path's expert GEMMs (model/fused_moe.py): "triton" = the fused-MoE
+    # kernel (row gather, per-expert tiles and SwiGLU fused; CUDA and triton required: an error
+    # at model build otherwise), "torch" = torch._grouped_mm (the CPU path and the reference),
+    # "auto" = triton on CUDA for bf16/fp16 models when it imports, else torch.
+    moe_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         _check_field_types(self)
@@ -406,6 +411,7 @@ class EngineConfig:
         _require_choice(self, "rendezvous", ("auto", "shm", "gloo"))
         _require_choice(self, "decode_attention", ("auto", "torch", "triton"))
         _require_choice(self, "prefill_attention", ("auto", "torch", "triton"))
+        _require_choice(self, "moe_kernel", ("auto", "torch", "triton"))
         _require_min(self, ("segment_span",), 1)
         _require_min(self, ("prefill_merge_pairs",), 0)
         _require(0 <= self.stall_dump_s < float("inf"), "engine.stall_dump_s",

@@ -47,6 +47,7 @@ from colo_rollout.model.attention import (
     RopeAngles,
 )
 from colo_rollout.model.comm import GatherComm
+from colo_rollout.model.fused_moe import resolve_backend as resolve_moe_kernel
 from colo_rollout.model.paged_attention import resolve_backend
 from colo_rollout.model.paged_prefill import resolve_backend as resolve_prefill_backend
 from colo_rollout.model.moe import GatherMoE, mlp_partial
@@ -187,7 +188,8 @@ class InferenceLayer(torch.nn.Module):
     ``mlp.linear_fc1``, as its TE spec does)."""
 
     def __init__(self, config: TransformerConfig, groups: ParallelGroups, layer_number: int,
-                 backend: BackendSpecProvider, is_moe: bool, moe_compute: str = "auto"):
+                 backend: BackendSpecProvider, is_moe: bool, moe_compute: str = "auto",
+                 moe_kernel: str = "auto"):
         super().__init__()
         fused = backend.fuse_layernorm_and_linear()  # TE: norm lives in linear_qkv
         self.is_moe = is_moe
@@ -205,7 +207,7 @@ class InferenceLayer(torch.nn.Module):
             self.mlp = GatherMoE(config, groups.pg_collection, ep_rank, groups.layout.ep,
                                  layer_number, backend.grouped_mlp_modules(config.moe_grouped_gemm),
                                  compute=moe_compute, shared_fc=backend.column_parallel_linear(),
-                                 shared_proj=backend.row_parallel_linear())
+                                 shared_proj=backend.row_parallel_linear(), kernel=moe_kernel)
         else:  # TE fuses the pre-MLP norm into fc1 here, as megatron's TE dense layer does
             self.pre_mlp_layernorm = IdentityOp() if fused else _norm(backend, config)
             fc1 = (backend.column_parallel_layer_norm_linear() if fused
@@ -221,10 +223,12 @@ class InferenceLayer(torch.nn.Module):
 
 
 class _Decoder(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, config, groups, backend, moe_compute="auto"):
+    def __init__(self, cfg: ModelConfig, config, groups, backend, moe_compute="auto",
+                 moe_kernel="auto"):
         super().__init__()
         self.layers = torch.nn.ModuleList(
-            [InferenceLayer(config, groups, i + 1, backend, cfg.is_moe_layer(i), moe_compute)
+            [InferenceLayer(config, groups, i + 1, backend, cfg.is_moe_layer(i), moe_compute,
+                            moe_kernel)
              for i in range(config.num_layers)]
         )
         self.final_layernorm = _norm(backend, config)
@@ -279,13 +283,17 @@ def _norms_to(model: torch.nn.Module, dtype: torch.dtype) -> None:
 
 class InferenceGPT(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups, dtype: torch.dtype,
-                 decode_attention: str = "auto", prefill_attention: str = "auto"):
+                 decode_attention: str = "auto", prefill_attention: str = "auto",
+                 moe_kernel: str = "auto"):
         super().__init__()
         # D and P attention's backends (engine.decode_attention, engine.prefill_attention),
         # chosen once for the model's device before anything is allocated: "triton" without
         # CUDA or triton fails here
         self.decode_attention = resolve_backend(decode_attention, groups.device)
         self.prefill_attention = resolve_prefill_backend(prefill_attention, groups.device)
+        # the grouped MoE path's expert GEMMs (engine.moe_kernel): torch._grouped_mm or the
+        # Triton fused-MoE kernel ("auto": triton on CUDA for bf16/fp16 models)
+        self.moe_kernel = resolve_moe_kernel(moe_kernel, groups.device, dtype)
         lay = groups.layout
         self.cfg = cfg
         self.groups = groups
@@ -294,7 +302,7 @@ class InferenceGPT(torch.nn.Module):
                                       init=False, use_te=self.use_te)
         self.embedding = _Embedding(self.config, cfg.vocab_size, groups.atp)
         self.decoder = _Decoder(cfg, self.config, groups, spec_backend(self.use_te),
-                                cfg.moe_compute)
+                                cfg.moe_compute, self.moe_kernel)
         for layer in self.decoder.layers:
             layer.self_attention.decode_backend = self.decode_attention
             layer.self_attention.prefill_backend = self.prefill_attention

@@ -15,10 +15,11 @@ Two ways to compute the experts, same weights, same math (tested equal):
   * ``grouped``: host-sync-free. Every (token, top-k slot) pair gets a fixed-size slot; pairs
     routed to other ranks' experts sort to the end and are masked out; per-expert offsets are
     a device-side cumsum fed to ``torch._grouped_mm`` (CUTLASS grouped GEMM on sm90, a loop
-    elsewhere). The experts' weights are stacked once into [E_local, out, in] tensors and the
-    module's parameters are re-pointed at views of them, so there is one copy of the weights
-    and in-place updates (load_state_dict, weight sync) reach both; a parameter that was
-    replaced rather than updated in place is detected and the stack rebuilt.
+    elsewhere) or to the Triton fused-MoE kernel (model/fused_moe.py; ``kernel``,
+    ``engine.moe_kernel``). The experts' weights are stacked once into [E_local, out, in]
+    tensors and the module's parameters are re-pointed at views of them, so there is one copy
+    of the weights and in-place updates (load_state_dict, weight sync) reach both; a parameter
+    that was replaced rather than updated in place is detected and the stack rebuilt.
 
 The output is fp32 (COMBINE_DTYPE): the caller's combine collective runs in fp32.
 
@@ -37,6 +38,13 @@ from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from colo_rollout.config import MOE_COMPUTE
+from colo_rollout.model.fused_moe import (
+    BACKENDS as MOE_KERNELS,
+    KERNEL_DTYPES,
+    moe_experts,
+    triton_available,
+    triton_supports,
+)
 
 # The partial MoE outputs are summed over experts and reduced across ranks in fp32 and rounded
 # to the model dtype once, after the combine collective -- as megatron's token dispatchers do
@@ -60,12 +68,23 @@ def mlp_partial(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 class GatherMoE(torch.nn.Module):
     def __init__(self, config: TransformerConfig, pg_collection, ep_rank: int, ep_size: int,
                  layer_number: int, experts_builder=None, compute: str = "auto",
-                 shared_fc=ColumnParallelLinear, shared_proj=RowParallelLinear) -> None:
+                 shared_fc=ColumnParallelLinear, shared_proj=RowParallelLinear,
+                 kernel: str = "auto") -> None:
         super().__init__()
         if compute not in MOE_COMPUTE:
             raise ValueError(f"moe compute {compute!r}: expected one of {MOE_COMPUTE}")
+        if kernel not in MOE_KERNELS:
+            raise ValueError(f"moe kernel {kernel!r}: expected one of {MOE_KERNELS}")
+        if kernel == "triton" and not (triton_available()
+                                       and triton_supports(config.activation_func)):
+            raise ValueError(f"moe kernel 'triton': no Triton epilogue for "
+                             f"{config.activation_func!r} (or triton does not import)")
         self.config = config
         self.compute = compute
+        # the grouped path's expert GEMMs (engine.moe_kernel, resolved at model build):
+        # "torch" (torch._grouped_mm), "triton" (model/fused_moe.py), "auto" (triton on CUDA
+        # bf16/fp16 when it imports and computes the activation)
+        self.kernel = kernel
         self.num_experts = config.num_moe_experts
         self.num_local = self.num_experts // ep_size
         self.first_expert = ep_rank * self.num_local
@@ -98,6 +117,7 @@ class GatherMoE(torch.nn.Module):
         # critical path, and walking the module tree per layer per forward cost ~0.1 ms
         self._weights: tuple[list, list] | None = None
         self._use_grouped: dict[tuple, bool] = {}  # (device, dtype) -> decision (constant)
+        self._kernel: dict[tuple, str] = {}  # (device, dtype) -> expert GEMM backend
         self._ids: torch.Tensor | None = None
 
     def uses_grouped(self, x: torch.Tensor) -> bool:
@@ -111,6 +131,19 @@ class GatherMoE(torch.nn.Module):
             else:
                 got = self.compute == "grouped"
             self._use_grouped[key] = got
+        return got
+
+    def kernel_for(self, x: torch.Tensor) -> str:
+        """The grouped path's expert GEMM backend for x's device and dtype: "torch" or
+        "triton" (``kernel``; "auto" as ``moe_experts`` reads it, decided once)."""
+        key = (x.device, x.dtype)
+        got = self._kernel.get(key)
+        if got is None:
+            got = self.kernel
+            if got == "auto":
+                got = ("triton" if x.is_cuda and triton_available() and x.dtype in KERNEL_DTYPES
+                       and triton_supports(self.config.activation_func) else "torch")
+            self._kernel[key] = got
         return got
 
     def forward(self, x: torch.Tensor, n_valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -174,14 +207,11 @@ class GatherMoE(torch.nn.Module):
         offs = torch.searchsorted(sorted_key, self._expert_ids(x.device), right=True,
                                   out_int32=True)
         fc1, fc2 = self._stacked()
-        h = torch._grouped_mm(x[token], fc1.transpose(1, 2), offs=offs)  # [N*k, 2F or F]
-        if self.config.gated_linear_unit:
-            gate, up = torch.chunk(h, 2, dim=-1)
-            h = self.config.activation_func(gate) * up
-        else:
-            h = self.config.activation_func(h)
-        h = (h * weight.flatten()[order].unsqueeze(-1)).to(x.dtype)  # megatron: probs after act
-        y = torch._grouped_mm(h, fc2.transpose(1, 2), offs=offs)  # [N*k, H]
+        # fc1 -> activation -> * router prob (megatron: probs after the activation) -> fc2, on
+        # the sorted pairs (model/fused_moe.py: torch._grouped_mm or the Triton kernel)
+        y = moe_experts(x, token, offs, weight.flatten()[order], fc1, fc2,
+                        self.config.activation_func, self.config.gated_linear_unit,
+                        self.kernel_for(x))  # [N*k, H], sorted order
         valid = (sorted_key < E).unsqueeze(-1)  # this rank's rows (the rest are unwritten)
         y = torch.where(valid, y, 0.0)  # a Python scalar: no extra launch
         # combine: each pair back to its (token, slot) place, then the k slots of a token

@@ -29,7 +29,8 @@ from colo_rollout.model.weights import DTYPES, random_state_dict
 # engine settings that size the device state (KV storage, D graphs): an engine taking over a
 # worker must have the same
 SIZING_FIELDS = ("num_kv_blocks", "kv_block_size", "max_seq_len", "cuda_graphs",
-                 "decode_attention", "prefill_attention")  # the model's attention: at its build
+                 "decode_attention", "prefill_attention",  # the model's attention: at its build
+                 "moe_kernel")  # and its experts' GEMMs
 
 
 def build_model(cfg: Config, groups: ParallelGroups,
@@ -46,12 +47,13 @@ def build_model(cfg: Config, groups: ParallelGroups,
         with CheckpointStore(cfg.model.checkpoint) as store:  # one open, one header read
             arch = check_checkpoint(cfg.model, store)  # before anything is allocated
             model = InferenceGPT(cfg.model, groups, dtype, cfg.engine.decode_attention,
-                                 cfg.engine.prefill_attention).to(groups.device)
+                                 cfg.engine.prefill_attention,
+                                 moe_kernel=cfg.engine.moe_kernel).to(groups.device)
             stats = load_checkpoint(model, cfg.model, groups.layout, groups.rank,
                                     te=model.use_te, store=store, arch=arch)
         return model.eval(), stats
     model = InferenceGPT(cfg.model, groups, dtype, cfg.engine.decode_attention,
-                         cfg.engine.prefill_attention)
+                         cfg.engine.prefill_attention, moe_kernel=cfg.engine.moe_kernel)
     model.load_full_state_dict(state_dict if state_dict is not None
                                else random_state_dict(cfg.model))
     return model.to(groups.device).eval(), None

@@ -1,0 +1,402 @@
+"""Routed experts of the grouped (host-sync-free) MoE path: two grouped GEMMs over sorted pairs.
+
+Owns ``moe_experts`` -- what ``GatherMoE._grouped`` calls between its routing and its combine
+-- with its two backends: the torch path (``x[token]`` gathered, ``torch._grouped_mm`` for fc1,
+the activation, the router probability, ``torch._grouped_mm`` for fc2: the CPU path and the
+reference) and a Triton fused-MoE kernel; plus the backend's resolution at model build
+(``resolve_backend``: ``engine.moe_kernel``).
+
+The input is the (token, top-k slot) pairs sorted by local expert: ``token`` [R] (the pair's
+row of x), ``offs`` [E] int32 (group ends: pairs < offs[e] belong to experts <= e; pairs past
+offs[-1] belong to other ranks' experts or padding rows), ``prob`` [R] (the router
+probability of each sorted pair). The output y [R, H] is in the same sorted order; rows past
+offs[-1] are zero (Triton) or unwritten (torch; the caller masks them).
+
+The Triton kernel (one launch for fc1, one for fc2, as vLLM/SGLang's fused_moe):
+  * per-expert tiles of ``BLOCK_M`` rows: every program reads ``offs`` (E values) and works
+    out, on the device, which expert its row block belongs to -- each expert's count padded up
+    to a multiple of BLOCK_M, as a "moe_align_block_size" would, but without materialising
+    the padded index. The grid has a fixed bound, cdiv(R, BLOCK_M) + min(E, R) row blocks
+    times the output's column tiles, so it depends on shapes alone: a CUDA graph replays it
+    with new routing. Row blocks past the last expert's write zeros over the rows past
+    offs[-1] (fc2) or nothing (fc1).
+  * fc1 reads its A rows through ``token`` (the gather is fused: no [R, H] copy of x), keeps
+    gate and up accumulators (fp32) side by side and applies the activation (SwiGLU: silu(gate)
+    * up; or plain silu/gelu/relu when ``gated_linear_unit`` is off) and the router probability
+    in the epilogue, writing h [R, F] in x's dtype; fc2 is a plain grouped GEMM writing y.
+  * the tile shape (``BLOCK_M`` x ``BLOCK_N`` x ``BLOCK_K``, warps, stages) comes from the
+    average rows per expert, R / E -- a host-known shape (``tile_config``): small row blocks
+    and column splits in decode, where the GEMMs are bound by reading the experts' weights;
+    larger tiles with grouped program order (weight tiles reused from L2) in prefill.
+
+Numerics: fp32 accumulation; the activation and the probability in fp32, rounded to x's dtype
+once (the torch path rounds h before the activation and again after the probability).
+Activations other than silu/gelu/relu have no Triton epilogue (``triton_supports``): the torch
+path serves them.
+
+Imports only torch (and triton when present): no megatron, so a GPU check can load it alone.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+try:  # triton is optional: the CPU path (and CI without it) must not need it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the host
+    triton = None
+    tl = None
+
+BACKENDS = ("auto", "torch", "triton")
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)  # what "auto" gives the kernel
+# the epilogue's activations (constexpr codes in the kernel); anything else: torch path
+ACTIVATIONS = {F.silu: 1, F.gelu: 2, F.relu: 3}
+ACT_NONE = 0
+# the expert-map vector's least width: one compiled kernel for every E_local up to 128 (the
+# map's work per program is a few vector ops on it either way)
+E_PAD_MIN = 128
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One launch's tile shape and pipelining."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 1  # row blocks per program group (L2 reuse of a weight tile)
+
+
+# Tile shapes by regime (average pairs per local expert, R / E), one for each GEMM (fc1: the
+# gated 2F x H weight, fc2: H x F). Hard-coded from the H200 sweep of scripts/gpu_fused_moe.py
+# (H 2048, F 1408 / 768, E 64 / 128, top-8, bf16; 30-48 tiles per shape, the pick the least
+# mean slowdown against each shape's best: <= 1.8% in every regime). Decode streams the
+# weights at 3.9-4.3 TB/s with 16-32-row blocks and 32-128 columns; prefill's 128 x 128 tiles
+# (wgmma) reach 43-51% of the bf16 peak at 4096 tokens.
+SMALL_ROWS = 1  # R / E at or under this: "small" (decode batches of a few rows)
+DECODE_ROWS = 32  # at or under this: "decode"; above it: "prefill"
+TILES = {
+    ("small", "fc1"): Tile(16, 32, 128, 4, 3),
+    ("small", "fc2"): Tile(16, 128, 128, 4, 4),
+    ("decode", "fc1"): Tile(16, 64, 128, 4, 3),
+    ("decode", "fc2"): Tile(32, 128, 64, 4, 3),
+    ("prefill", "fc1"): Tile(128, 128, 64, 8, 4, 1),
+    ("prefill", "fc2"): Tile(128, 128, 64, 8, 3, 8),
+}
+
+
+def triton_available() -> bool:
+    """Whether the Triton kernel can be launched at all (triton imports)."""
+    return triton is not None
+
+
+def triton_supports(activation) -> bool:
+    """Whether the kernel's epilogue computes ``activation`` (silu, gelu, relu)."""
+    return activation in ACTIVATIONS
+
+
+def resolve_backend(requested: str, device: torch.device | str,
+                    dtype: torch.dtype | None = None) -> str:
+    """``engine.moe_kernel`` -> the backend a model on ``device`` in ``dtype`` uses: "auto" =
+    triton on CUDA when triton imports and the dtype is bf16/fp16, else torch; "triton"
+    without CUDA or triton is an error at model build (never a silent fallback)."""
+    if requested not in BACKENDS:
+        raise ValueError(f"moe kernel backend must be one of {BACKENDS}, got {requested!r}")
+    device = torch.device(device)
+    if requested == "torch":
+        return "torch"
+    usable = device.type == "cuda" and triton_available()
+    if requested == "triton":
+        if not usable:
+            why = ("triton does not import" if not triton_available()
+                   else f"the device is {device}")
+            raise RuntimeError(f"engine.moe_kernel: triton was requested but {why}; "
+                               "set it to 'torch' or 'auto'")
+        return "triton"
+    return "triton" if usable and (dtype is None or dtype in KERNEL_DTYPES) else "torch"
+
+
+def torch_experts(x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor,
+                  prob: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor,
+                  activation, gated: bool) -> torch.Tensor:
+    """The reference (and CPU) path: ``torch._grouped_mm`` on the gathered rows. x [N, H];
+    token [R]; offs [E] int32 group ends; prob [R]; fc1 [E, 2F or F, H]; fc2 [E, H, F] ->
+    y [R, H] in x's dtype (rows past offs[-1] unwritten)."""
+    h = torch._grouped_mm(x[token], fc1.transpose(1, 2), offs=offs)  # [R, 2F or F]
+    if gated:
+        gate, up = torch.chunk(h, 2, dim=-1)
+        h = activation(gate) * up
+    else:
+        h = activation(h)
+    h = (h * prob.unsqueeze(-1)).to(x.dtype)  # megatron: probs after the activation
+    return torch._grouped_mm(h, fc2.transpose(1, 2), offs=offs)  # [R, H]
+
+
+if triton is not None:
+
+    @triton.jit
+    def _expert_block(Offs, pid_m, E, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+        """Row block ``pid_m`` of the padded layout -> (expert, its first row, the expert's
+        end row, the number of row blocks in use). Each expert's pairs, padded up to a
+        multiple of BLOCK_M, take consecutive row blocks in expert order."""
+        eids = tl.arange(0, E_PAD)
+        inside = eids < E
+        ends = tl.load(Offs + eids, mask=inside, other=0).to(tl.int32)
+        starts = tl.load(Offs + eids - 1, mask=inside & (eids > 0), other=0).to(tl.int32)
+        nblk = (tl.where(inside, ends - starts, 0) + BLOCK_M - 1) // BLOCK_M
+        cum = tl.cumsum(nblk, 0)  # inclusive: row blocks of experts <= e
+        total = tl.sum(nblk, 0)
+        e = tl.sum((cum <= pid_m).to(tl.int32), 0)  # the expert whose blocks hold pid_m
+        sel = eids == e
+        first_blk = tl.sum(tl.where(sel, cum - nblk, 0), 0)
+        row_lo = tl.sum(tl.where(sel, starts, 0), 0) + (pid_m - first_blk) * BLOCK_M
+        row_hi = tl.sum(tl.where(sel, ends, 0), 0)
+        return e, row_lo, row_hi, total
+
+    @triton.jit
+    def _activate(v, ACT: tl.constexpr):
+        if ACT == 1:  # silu
+            v = v / (1.0 + tl.exp(-v))
+        elif ACT == 2:  # gelu (erf)
+            v = 0.5 * v * (1.0 + tl.erf(v * 0.7071067811865476))
+        elif ACT == 3:  # relu
+            v = tl.maximum(v, 0.0)
+        return v
+
+    @triton.jit
+    def _rne_bf16(v):
+        """fp32 whose truncation to bf16 is the round-to-nearest-even one: the interpreter
+        truncates an fp32 -> bf16 cast, so the rounding bias is added to the bits first."""
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return bits.to(tl.float32, bitcast=True)
+
+    # the row counts (a graph bucket's), the group size and E change nothing in the code:
+    # never specialised on, so one compiled kernel serves every bucket
+    @triton.jit(do_not_specialize=["rows", "m_blocks", "group_m", "E"])
+    def _moe_gemm_kernel(
+        A, Tok, W, Offs, Prob, Out,
+        rows, m_blocks, group_m, n_out, k_dim, E,
+        stride_am, stride_tok, stride_we, stride_wn, stride_wk, stride_om, stride_p, up_off,
+        E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, GATHER: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
+        PROB: tl.constexpr, ZERO_TAIL: tl.constexpr, EVEN_K: tl.constexpr,
+        DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, RNE_BF16: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        n_tiles = tl.cdiv(n_out, BLOCK_N)
+        # grouped order: group_m row blocks sweep each column tile together (the weight tile
+        # stays in L2 while they read it); group_m 1 = column tiles of one row block in a row
+        per_group = group_m * n_tiles
+        first_m = (pid // per_group) * group_m
+        size_m = tl.minimum(m_blocks - first_m, group_m)
+        pid_m = first_m + (pid % per_group) % size_m
+        pid_n = (pid % per_group) // size_m
+
+        e, row_lo, row_hi, total = _expert_block(Offs, pid_m, E, E_PAD, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = offs_n < n_out
+        offs_m = tl.arange(0, BLOCK_M)
+        if pid_m >= total:  # a spare row block (the grid is a bound, fixed by shapes)
+            if ZERO_TAIL:  # the spare blocks zero the rows past the last expert's:
+                # (m_blocks - total) * BLOCK_M >= rows - offs[-1] (see row_blocks), so one
+                # block each covers them
+                r = tl.load(Offs + E - 1).to(tl.int32) + (pid_m - total) * BLOCK_M + offs_m
+                tl.store(Out + r.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
+                         tl.zeros([BLOCK_M, BLOCK_N], dtype=Out.dtype.element_ty),
+                         mask=(r < rows)[:, None] & nmask[None, :])
+            return
+
+        rows_m = row_lo + offs_m
+        mmask = rows_m < row_hi
+        if GATHER:  # A's rows through the pairs' token index
+            a_rows = tl.load(Tok + rows_m * stride_tok, mask=mmask, other=0).to(tl.int64)
+        else:
+            a_rows = rows_m.to(tl.int64)
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = A + a_rows[:, None] * stride_am + offs_k[None, :]
+        # weight columns wrapped into range (the stores mask them): no mask on the loads
+        offs_wn = offs_n % n_out
+        w_ptrs = (W + e.to(tl.int64) * stride_we + offs_wn[None, :] * stride_wn
+                  + offs_k[:, None] * stride_wk)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, k_dim, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
+                w = tl.load(w_ptrs)
+            else:
+                kmask = offs_k < k_dim - k0
+                a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=kmask[:, None], other=0.0)
+            if UPCAST:  # the interpreter's dot reads bf16 as integers: fp32 there
+                a = a.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+            if GATED:  # the up projection's rows sit up_off past the gate's
+                if EVEN_K:
+                    wu = tl.load(w_ptrs + up_off)
+                else:
+                    wu = tl.load(w_ptrs + up_off, mask=kmask[:, None], other=0.0)
+                if UPCAST:
+                    wu = wu.to(tl.float32)
+                acc_up = tl.dot(a, wu, acc_up, input_precision=DOT_PREC)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * stride_wk
+        if GATED:
+            acc = _activate(acc, ACT) * acc_up
+        else:
+            acc = _activate(acc, ACT)
+        if PROB:
+            p = tl.load(Prob + rows_m * stride_p, mask=mmask, other=0.0).to(tl.float32)
+            acc = acc * p[:, None]
+        if RNE_BF16:
+            acc = _rne_bf16(acc)
+        tl.store(Out + rows_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
+                 acc.to(Out.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+
+def row_blocks(rows: int, experts: int, block_m: int) -> int:
+    """The grid's row blocks: enough for every expert's count padded up to ``block_m``
+    (cdiv(rows, block_m) + one partial block per non-empty expert), and spare blocks enough
+    to zero the rest in one block each. With R = offs[-1] pairs over m <= min(E, R)
+    non-empty experts, the blocks in use are at most (R + m (block_m - 1)) / block_m, so the
+    spare ones hold at least rows - R + m rows: every row past R, and one block at least."""
+    return -(-rows // block_m) + min(experts, rows)
+
+
+def regime(rows: int, experts: int) -> str:
+    """"small", "decode" or "prefill" from the average pairs per expert (host shapes only)."""
+    per = rows / max(1, experts)
+    if per <= SMALL_ROWS:
+        return "small"
+    return "decode" if per <= DECODE_ROWS else "prefill"
+
+
+def _smem_limit(device: torch.device) -> int:
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024
+    return 1 << 30  # the interpreter: no limit
+
+
+_FIT: dict[tuple, Tile] = {}
+
+
+def fit_tile(tile: Tile, device: torch.device, esize: int, gated: bool) -> Tile:
+    """``tile`` with fewer stages, then a shorter K step, until every stage's A and weight
+    tiles fit the device's shared memory per block (smaller parts than the H200)."""
+    key = (tile, device.type, device.index, esize, gated)
+    got = _FIT.get(key)
+    if got is None:
+        limit = _smem_limit(device)
+        bm, bn, bk, stages = tile.block_m, tile.block_n, tile.block_k, tile.num_stages
+        ways = 2 if gated else 1
+        while bk > 16 and stages * (bm * bk + ways * bk * bn) * esize + 8192 > limit:
+            if stages > 2:
+                stages -= 1
+            else:
+                bk //= 2
+        got = _FIT[key] = Tile(bm, bn, bk, tile.num_warps, stages, tile.group_m)
+    return got
+
+
+def _pow2(x: int, floor: int = 1) -> int:
+    return max(floor, 1 << max(0, math.ceil(math.log2(max(1, x)))))
+
+
+def moe_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, rows: int, *,
+             token: torch.Tensor | None = None, prob: torch.Tensor | None = None,
+             gated: bool = False, act: int = ACT_NONE, zero_tail: bool = False,
+             out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+             tile: Tile) -> torch.Tensor:
+    """One grouped GEMM over ``rows`` sorted pairs: out[r] = epilogue(A[r] @ w[e(r)].T) for the
+    pairs r < offs[-1] (e(r): the expert whose group holds r). A[r] = a[token[r]] (fc1) or
+    a[r] (fc2, token None); w [E, n (2n if gated), K]; gated: columns [0, n) are the gate,
+    [n, 2n) the up projection, epilogue act(gate) * up; prob [rows]: a per-row factor after
+    the activation. ``zero_tail``: rows >= offs[-1] are written as zeros, else left as they
+    were. Host values read: shapes and strides only (graph-capturable)."""
+    if triton is None:
+        raise RuntimeError("triton is not importable: use the torch moe kernel backend")
+    E, wn, K = w.shape
+    if a.shape[-1] != K or offs.shape != (E,):
+        raise ValueError(f"a {tuple(a.shape)}, w {tuple(w.shape)}, offs {tuple(offs.shape)}")
+    if gated and wn % 2:
+        raise ValueError(f"a gated weight needs an even output width, got {wn}")
+    n_out = wn // 2 if gated else wn
+    if a.stride(-1) != 1:
+        a = a.contiguous()
+    if w.stride(-1) != 1:
+        raise ValueError("the expert weights' input dim must be contiguous")
+    if out is None:
+        out = torch.empty((rows, n_out), dtype=out_dtype or a.dtype, device=a.device)
+    if rows == 0:
+        return out
+    tile = fit_tile(tile, a.device, a.element_size(), gated)
+    m_blocks = row_blocks(rows, E, tile.block_m)
+    grid = (m_blocks * triton.cdiv(n_out, tile.block_n),)
+    upcast = not a.is_cuda  # CPU tensors run only under the interpreter: exact fp32 dots
+    prec = "ieee" if a.dtype == torch.float32 or upcast else "tf32"
+    tok = token if token is not None else offs  # unused when not gathering
+    pr = prob if prob is not None else offs
+    _moe_gemm_kernel[grid](
+        a, tok, w, offs, pr, out,
+        rows, m_blocks, tile.group_m, n_out, K, E,
+        a.stride(0), tok.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
+        pr.stride(0), n_out * w.stride(1),
+        E_PAD=_pow2(E, E_PAD_MIN), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k, GATHER=token is not None, GATED=gated, ACT=act,
+        PROB=prob is not None, ZERO_TAIL=zero_tail, EVEN_K=K % tile.block_k == 0,
+        DOT_PREC=prec, UPCAST=upcast, RNE_BF16=upcast and out.dtype == torch.bfloat16,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )
+    return out
+
+
+def triton_experts(x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor,
+                   prob: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, activation,
+                   gated: bool, *, out_dtype: torch.dtype | None = None,
+                   tiles: tuple[Tile, Tile] | None = None) -> torch.Tensor:
+    """The Triton path; same arguments and result as ``torch_experts``, except that rows past
+    offs[-1] are zeros. ``out_dtype``: y's dtype (default x's; fp32 keeps the accumulator's
+    precision for the combine). ``tiles``: (fc1, fc2) overrides for tests and the sweep."""
+    act = ACTIVATIONS.get(activation)
+    if act is None:
+        raise ValueError(f"no Triton epilogue for the activation {activation!r}")
+    rows = token.shape[0]
+    E = fc1.shape[0]
+    if tiles is None:
+        r = regime(rows, E)
+        tiles = (TILES[(r, "fc1")], TILES[(r, "fc2")])
+    # the group max is offs[-1]; the kernel reads offs, so int32 and int64 both do
+    h = moe_gemm(x, fc1, offs, rows, token=token, prob=prob, gated=gated, act=act,
+                 tile=tiles[0])
+    return moe_gemm(h, fc2, offs, rows, zero_tail=True, out_dtype=out_dtype or x.dtype,
+                    tile=tiles[1])
+
+
+def moe_experts(x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor, prob: torch.Tensor,
+                fc1: torch.Tensor, fc2: torch.Tensor, activation, gated: bool,
+                backend: str = "auto") -> torch.Tensor:
+    """The routed experts on sorted pairs: x [N, H]; token [R] (each pair's row of x, pairs
+    sorted by local expert); offs [E] int32 group ends; prob [R] router probabilities;
+    fc1 [E, 2F (gated) or F, H]; fc2 [E, H, F] -> y [R, H] in x's dtype, sorted order.
+
+    backend: "torch" (reference), "triton" (the kernel; also on CPU tensors under
+    TRITON_INTERPRET=1, which the tests use), "auto" (triton on CUDA bf16/fp16 tensors when
+    it imports and computes the activation, else torch)."""
+    if backend == "auto":
+        backend = ("triton" if x.is_cuda and triton is not None and x.dtype in KERNEL_DTYPES
+                   and triton_supports(activation) else "torch")
+    if backend == "triton":
+        return triton_experts(x, token, offs, prob, fc1, fc2, activation, gated)
+    if backend != "torch":
+        raise ValueError(f"moe kernel backend must be one of {BACKENDS}, got {backend!r}")
+    return torch_experts(x, token, offs, prob, fc1, fc2, activation, gated)

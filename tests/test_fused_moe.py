@@ -1,0 +1,210 @@
+"""The grouped MoE path's expert GEMMs (model/fused_moe.py): the Triton fused-MoE kernel against
+the torch path (torch._grouped_mm) and an fp32 reference, run by Triton's CPU interpreter in a
+subprocess (TRITON_INTERPRET is read when the kernels are decorated, so it must be set before
+the module is first imported; skipped when triton does not import); the tile regimes, the
+grid bound and the backend's resolution at model build."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from colo_rollout.config import ConfigError
+from colo_rollout.config.schema import EngineConfig
+from colo_rollout.model import fused_moe as fm
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+T = fm.Tile
+# (N tokens, E_local, E_global, top-k, H, F, dtype, activation, gated, padding rows, tiles)
+# E_global > E_local: pairs routed to other ranks' experts (key == E, sorted last); padding
+# rows (n_valid < N) go to no expert. tiles None: the engine's own choice (tile_config's
+# regimes); small tiles elsewhere, so K loops, column tiles and row blocks run several times
+CASES = [
+    (1, 4, 4, 2, 32, 32, torch.float32, F.silu, True, 0, None),
+    (7, 4, 8, 2, 32, 48, torch.float32, F.silu, True, 0,
+     (T(16, 16, 16, 4, 2), T(16, 32, 16, 4, 2))),
+    (40, 8, 8, 4, 64, 32, torch.float32, F.silu, True, 0,
+     (T(16, 32, 32, 4, 2), T(16, 32, 16, 4, 2))),
+    (23, 8, 16, 4, 48, 40, torch.float32, F.silu, True, 3,  # ragged F
+     (T(16, 16, 32, 4, 2), T(16, 16, 32, 4, 2))),
+    (33, 4, 8, 4, 32, 64, torch.float32, F.gelu, False, 0,  # grouped program order
+     (T(32, 32, 16, 4, 2, 4), T(16, 16, 32, 4, 2))),
+    (12, 8, 8, 2, 64, 48, torch.bfloat16, F.silu, True, 0,
+     (T(16, 16, 32, 4, 2), T(16, 32, 32, 4, 2))),
+    (29, 4, 16, 4, 32, 40, torch.bfloat16, F.silu, True, 2,
+     (T(16, 16, 16, 4, 2, 2), T(16, 16, 16, 4, 2))),
+    (18, 4, 4, 2, 32, 32, torch.bfloat16, F.relu, False, 0, None),
+    (5, 8, 32, 2, 32, 32, torch.bfloat16, F.silu, True, 0,
+     (T(16, 16, 16, 4, 2), T(16, 16, 16, 4, 2))),
+    (40, 4, 32, 4, 32, 32, torch.bfloat16, F.silu, True, 5,  # mostly other ranks' pairs
+     (T(16, 32, 32, 4, 2), T(16, 32, 32, 4, 2))),
+]
+
+
+def _pairs(N, E, E_global, k, pad, gen, first=None):
+    """The grouped path's routing, as GatherMoE._grouped computes it: top-k of random router
+    scores, this rank's experts [first, first + E), padding rows to no expert -> (token,
+    sorted_key, offs, prob sorted)."""
+    logits = torch.randn(N, E_global, generator=gen)
+    probs = torch.softmax(logits, dim=-1)
+    chosen = logits.topk(k, dim=1).indices
+    weight = probs.gather(1, chosen)
+    if first is None:
+        first = int(torch.randint(0, E_global - E + 1, (1,), generator=gen))
+    local = chosen - first
+    mine = (local >= 0) & (local < E)
+    mine &= (torch.arange(N) < N - pad).unsqueeze(1)
+    key = torch.where(mine, local, E).flatten()
+    sorted_key, order = torch.sort(key, stable=True)
+    offs = torch.searchsorted(sorted_key, torch.arange(E), right=True, out_int32=True)
+    return order // k, sorted_key, offs, weight.flatten()[order]
+
+
+def _case(i):
+    N, E, Eg, k, H, Fd, dtype, act, gated, pad, tiles = CASES[i]
+    gen = torch.Generator().manual_seed(i)
+    token, sorted_key, offs, prob = _pairs(N, E, Eg, k, pad, gen)
+    x = torch.randn(N, H, generator=gen).to(dtype)
+    fc1 = (torch.randn(E, 2 * Fd if gated else Fd, H, generator=gen) / H ** 0.5).to(dtype)
+    fc2 = (torch.randn(E, H, Fd, generator=gen) / Fd ** 0.5).to(dtype)
+    return x, token, sorted_key, offs, prob, fc1, fc2, act, gated, tiles
+
+
+def _interpreted() -> list[str]:
+    """Run every case through the interpreted kernels; returns the failures."""
+    fails = []
+    for i in range(len(CASES)):
+        x, token, sorted_key, offs, prob, fc1, fc2, act, gated, tiles = _case(i)
+        dtype, E = x.dtype, fc1.shape[0]
+        R = int(offs[-1])
+        rows = len(token)
+        # the two launches by hand, fc2's output poisoned (NaN): every row must be written
+        t1, t2 = tiles or (fm.TILES[(fm.regime(rows, E), "fc1")],
+                           fm.TILES[(fm.regime(rows, E), "fc2")])
+        h = fm.moe_gemm(x, fc1, offs, rows, token=token, prob=prob, gated=gated,
+                        act=fm.ACTIVATIONS[act], tile=t1)
+        poison = torch.full((rows, fc2.shape[1]), float("nan"), dtype=dtype)
+        got = fm.moe_gemm(h, fc2, offs, rows, zero_tail=True, out=poison, tile=t2)
+        ref = fm.torch_experts(x, token, offs, prob, fc1, fc2, act, gated)
+        ref32 = fm.torch_experts(x.float(), token, offs, prob, fc1.float(), fc2.float(), act,
+                                 gated)
+        if got.shape != ref.shape or got.dtype != dtype:
+            fails.append(f"case {i}: {tuple(got.shape)} {got.dtype}, want {tuple(ref.shape)}")
+            continue
+        if not torch.isfinite(got).all():
+            fails.append(f"case {i}: rows left unwritten (NaN)")
+        scale = ref32[:R].abs().max().item() if R else 1.0
+        err32 = (got[:R].float() - ref32[:R]).abs().max().item() / scale if R else 0.0
+        err = (got[:R].float() - ref[:R].float()).abs().max().item() / scale if R else 0.0
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        if err32 > tol or err > 2 * tol:
+            fails.append(f"case {i}: rel err vs fp32 {err32:.2e}, vs torch {err:.2e} > {tol}")
+        if dtype != torch.float32:  # one rounding: no worse than the torch path's two
+            err_ref = (ref[:R].float() - ref32[:R]).abs().max().item() / scale if R else 0.0
+            if err32 > 1.5 * err_ref + 1e-3:
+                fails.append(f"case {i}: err {err32:.2e} vs the torch path's {err_ref:.2e}")
+        if (got[R:] != 0).any():  # other ranks' experts and padding rows: zeros
+            fails.append(f"case {i}: rows past offs[-1] = {R} are not zero")
+        if R < rows and not (sorted_key[R:] == E).all():
+            fails.append(f"case {i}: the case's tail is not other ranks' pairs")
+        if tiles is None:  # the entry point's triton backend: the same launches
+            via = fm.moe_experts(x, token, offs, prob, fc1, fc2, act, gated, backend="triton")
+            if not torch.equal(via, got):
+                fails.append(f"case {i}: moe_experts(backend='triton') differs")
+    # no local pair at all (every pair another rank's): zeros; offs int64 reads the same
+    gen = torch.Generator().manual_seed(99)
+    x = torch.randn(6, 32, generator=gen)
+    token, sorted_key, offs, prob = _pairs(6, 4, 16, 2, 6, gen, first=0)  # all padding
+    fc1, fc2 = torch.randn(4, 64, 32, generator=gen), torch.randn(4, 32, 32, generator=gen)
+    got = fm.triton_experts(x, token, offs.long(), prob, fc1, fc2, F.silu, True)
+    if got.shape != (12, 32) or (got != 0).any():
+        fails.append(f"no local pairs: {tuple(got.shape)}, max {got.abs().max()}")
+    return fails
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_triton_kernel_matches_torch_path_interpreted():
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "all cases pass" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_resolve_backend():
+    cpu = torch.device("cpu")
+    assert fm.resolve_backend("torch", cpu) == "torch"
+    assert fm.resolve_backend("auto", cpu, torch.bfloat16) == "torch"
+    with pytest.raises(RuntimeError, match="triton was requested"):
+        fm.resolve_backend("triton", cpu)
+    with pytest.raises(ValueError, match="must be one of"):
+        fm.resolve_backend("cutlass", cpu)
+    if fm.triton_available():
+        assert fm.resolve_backend("auto", "cuda:0", torch.bfloat16) == "triton"
+        assert fm.resolve_backend("auto", "cuda:0", torch.float32) == "torch"
+        assert fm.resolve_backend("triton", "cuda:0", torch.float32) == "triton"
+
+
+def test_auto_on_cpu_tensors_is_the_torch_path():
+    x, token, _, offs, prob, fc1, fc2, act, gated, _ = _case(1)
+    R = int(offs[-1])  # the torch path leaves the rows past offs[-1] unwritten
+    got = fm.moe_experts(x, token, offs, prob, fc1, fc2, act, gated)
+    assert torch.equal(got[:R], fm.torch_experts(x, token, offs, prob, fc1, fc2, act, gated)[:R])
+    with pytest.raises(ValueError):
+        fm.moe_experts(x, token, offs, prob, fc1, fc2, act, gated, backend="cutlass")
+    assert fm.triton_supports(F.silu) and not fm.triton_supports(torch.tanh)
+
+
+def test_grid_bound_covers_every_padded_layout():
+    """row_blocks: every expert's count padded up to BLOCK_M fits, and the spare blocks
+    cover the rows past the local pairs (one block each zeroes them), for splits of the rows
+    up to the worst, every non-empty expert one row past a block multiple."""
+    for rows in (1, 7, 8, 64, 1024, 32768):
+        for E in (4, 64, 128):
+            for bm in (16, 32, 64):
+                bound = fm.row_blocks(rows, E, bm)
+                per = [rows // E + (e < rows % E) for e in range(E)]
+                worst = [max(0, rows - (E - 1))] + [1] * (E - 1) if rows >= E else [1] * rows
+                for counts in (per, worst, [rows], [rows // 3] + [1] * (E - 1), [1]):
+                    local = sum(counts)
+                    if local > rows:
+                        continue
+                    used = sum(-(-c // bm) for c in counts)
+                    assert used < bound, (rows, E, bm, counts[:4])
+                    assert (bound - used) * bm >= rows - local, (rows, E, bm, counts[:4])
+
+
+def test_regimes_and_tiles():
+    assert fm.regime(8, 64) == "small" and fm.regime(64, 64) == "small"
+    assert fm.regime(256, 128) == "decode"
+    assert fm.regime(1024, 64) == "decode" and fm.regime(8192, 64) == "prefill"
+    for (reg, which), t in fm.TILES.items():
+        assert reg in ("small", "decode", "prefill") and which in ("fc1", "fc2")
+        assert t.block_m >= 16 and t.block_n >= 16 and t.block_k >= 16
+    cpu = torch.device("cpu")
+    assert fm.fit_tile(fm.TILES[("prefill", "fc1")], cpu, 2, True) == fm.TILES[("prefill", "fc1")]
+
+
+def test_engine_config_key():
+    assert EngineConfig().moe_kernel == "auto"
+    assert EngineConfig(moe_kernel="torch").moe_kernel == "torch"
+    with pytest.raises(ConfigError, match="engine.moe_kernel"):
+        EngineConfig(moe_kernel="cutlass")
+
+
+if __name__ == "__main__":  # the interpreted run (the test above starts it)
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    torch.set_num_threads(1)
+    failures = _interpreted()
+    print("\n".join(failures) if failures else "all cases pass")
+    sys.exit(1 if failures else 0)
