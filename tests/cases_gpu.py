@@ -239,7 +239,8 @@ def overlap_stats(spans) -> dict:
             "d_ms_outside": mean(outside)}
 
 
-def gpu_graphs_vs_eager(rank: int, world: int, adp: int, ep: int) -> dict:
+def gpu_graphs_vs_eager(rank: int, world: int, adp: int, ep: int,
+                        kernels: str = "auto") -> dict:
     """D and P's MoE blocks by graph replay against eager on the same engine and requests
     (bf16), then after an in-place weight reload (graphs must see the new weights without
     re-capture) and after a replaced parameter that both phases' graphs read (both must be
@@ -249,6 +250,12 @@ def gpu_graphs_vs_eager(rank: int, world: int, adp: int, ep: int) -> dict:
     from colo_rollout.sched.request import Request, SamplingParams
 
     cfg = overlap_config(world, adp, ep, "normal")
+    # kernels: the MoE and P attention kernels ("auto": Triton; "torch": grouped_mm and SDPA;
+    # "moe" / "attention": only that one Triton)
+    moe, attn = {"moe": ("triton", "torch"), "attention": ("torch", "triton")}.get(
+        kernels, (kernels, kernels))
+    cfg = dataclasses.replace(cfg, engine=dataclasses.replace(
+        cfg.engine, moe_kernel=moe, prefill_attention=attn))
     groups = init_parallel(cfg.parallel)
     engine = Engine(cfg, groups, random_state_dict(cfg.model))
     graphs, pgraphs = engine.runner.graphs, engine.runner.prefill_graphs
@@ -289,7 +296,7 @@ def gpu_graphs_vs_eager(rank: int, world: int, adp: int, ep: int) -> dict:
     caps, pcaps = graphs.captures, pgraphs.captures
     run("w", True)  # every key this workload uses was captured by warmup
     after_warmup = graphs.captures - caps + pgraphs.captures - pcaps
-    run("we", False)
+    we1, _ = run("we", False)
     g1, t_graph = run("g", True)
     e1, t_eager = run("e", False)
     d1, _ = run("d", True, p_graphs=False)  # D graphs, eager P
@@ -297,6 +304,7 @@ def gpu_graphs_vs_eager(rank: int, world: int, adp: int, ep: int) -> dict:
     # P graphs against eager P: a bucket's GEMM shapes differ, so bf16 bits may too
     res = {"layout": groups.layout.name, "graph_keys": graphs.keys, "first": agree(d1, e1),
            "p_first_token": agree_first(g1, d1), "all_graphs_vs_eager": agree(g1, e1),
+           "eager_first_token": agree_first(we1, e1), "eager_vs_eager": agree(we1, e1),
            "t_graph_s": t_graph, "t_eager_s": t_eager, "replays": graphs.replays,
            "p_graph_keys": len(pgraphs.keys), "p_replays": pgraphs.replays,
            "warmup_captures": warm, "captured_after_warmup": after_warmup}

@@ -483,7 +483,8 @@ def _label_modules(model, runner=None) -> list:
 
 
 def _is_gemm(chain: list[str]) -> bool:
-    return any(name in _GEMM_OPS for name in chain)
+    # colo.moe_gemm: the range around the Triton fused-MoE launches (model/fused_moe.py)
+    return any(name in _GEMM_OPS or name == "colo.moe_gemm" for name in chain)
 
 
 def _named(chain: list[str], fragments: tuple[str, ...]) -> bool:
