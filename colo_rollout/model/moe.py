@@ -209,11 +209,13 @@ class GatherMoE(torch.nn.Module):
         fc1, fc2 = self._stacked()
         # fc1 -> activation -> * router prob (megatron: probs after the activation) -> fc2, on
         # the sorted pairs (model/fused_moe.py: torch._grouped_mm or the Triton kernel)
+        backend = self.kernel_for(x)
         y = moe_experts(x, token, offs, weight.flatten()[order], fc1, fc2,
                         self.config.activation_func, self.config.gated_linear_unit,
-                        self.kernel_for(x))  # [N*k, H], sorted order
-        valid = (sorted_key < E).unsqueeze(-1)  # this rank's rows (the rest are unwritten)
-        y = torch.where(valid, y, 0.0)  # a Python scalar: no extra launch
+                        backend)  # [N*k, H], sorted order
+        if backend != "triton":  # the Triton kernel writes rows past offs[-1] as zeros itself
+            valid = (sorted_key < E).unsqueeze(-1)  # this rank's rows (the rest unwritten)
+            y = torch.where(valid, y, 0.0)  # a Python scalar: no extra launch
         # combine: each pair back to its (token, slot) place, then the k slots of a token
         # summed in fp32 -- a fixed order, so bitwise reproducible (an fp32 index_add_ is
         # atomics on a GPU), and one bf16 read instead of an fp32 copy plus atomic adds
