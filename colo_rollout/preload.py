@@ -11,12 +11,14 @@ inherit either); GPU groups use plain spawn and never load this module.
 
 from __future__ import annotations
 
+import importlib
+
 from colo_rollout.quiet import quiet_known_warnings
 
+# what every CPU rank imports; the engine pulls in megatron-core, the model and the worker
+MODULES = ("torch.distributed", "colo_rollout.engine.engine", "colo_rollout.model.megatron_gpt",
+           "colo_rollout.rl.trainer")
+
 quiet_known_warnings()
-
-import torch.distributed  # noqa: E402,F401
-
-import colo_rollout.engine.engine  # noqa: E402,F401
-import colo_rollout.model.megatron_gpt  # noqa: E402,F401
-import colo_rollout.rl.trainer  # noqa: E402,F401
+for _name in MODULES:
+    importlib.import_module(_name)
