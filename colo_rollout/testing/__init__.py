@@ -1,1 +1,1 @@
-"""Test-only helpers kept out of the hot modules: host-emulated streams, the per-sequence prefill attention oracle."""
+"""Stand-ins and oracles kept out of the hot modules: host-emulated device streams (the CPU tests and the model-free `stress-turnstile` tool), and the per-sequence P attention oracle the batched and Triton paths are checked against."""
