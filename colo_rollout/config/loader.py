@@ -89,6 +89,12 @@ class Config:
             f"(world_size {par.world_size} / ep {par.ep})",
         )
         _require(
+            model.moe_dispatch != "alltoall" or par.ep == par.world_size,
+            "model.moe_dispatch",
+            f"'alltoall' needs every expert whole on one rank: parallel.ep {par.ep} must equal "
+            f"world_size {par.world_size} (expert TP {par.etp} is not supported by it)",
+        )
+        _require(
             model.num_experts % par.ep == 0,
             "model.num_experts",
             f"{model.num_experts} is not divisible by parallel.ep {par.ep}",

@@ -21,6 +21,10 @@ NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 PARAMS_DTYPES = ("float32", "bfloat16", "float16")
 USE_TE_MODES = ("auto", "on", "off")
 MOE_COMPUTE = ("auto", "grouped", "megatron")
+# MoE token dispatch (model/dispatch.py): "gather" (every rank computes every replica's rows,
+# GatherComm), "alltoall" (torch.distributed all-to-all of each rank's own rows), "deepep"
+# (refused until the DeepEP backend exists)
+MOE_DISPATCH = ("gather", "alltoall", "deepep")
 STREAM_ROUTES = ("auto", "off", "always")
 STREAM_PRIORITIES = ("decode", "prefill", "equal")
 PREFILL_GRAPHS = ("auto", "always", "never")
@@ -168,6 +172,13 @@ class ModelConfig:
     # "megatron" (the experts module's own forward; one host sync per MoE layer) or "auto"
     # (grouped on CUDA in bf16 on sm90+, megatron otherwise).
     moe_compute: str = "auto"
+    # MoE token dispatch: "gather" (default) or "alltoall" (needs parallel.ep == world_size);
+    # "deepep" is reserved and refused for now.
+    moe_dispatch: str = "gather"
+    # alltoall's D capacity: (token, expert) pairs per peer per layer; 0 = the worst case
+    # (rows x min(top-k, experts per rank)), which cannot overflow. A smaller value that
+    # overflows raises (naming rank, layer and counts) and cannot be captured in a D graph.
+    moe_dispatch_capacity: int = 0
     # FP8 recipe: null (off), "hybrid" or "e4m3"; requires use_te != "off".
     fp8: str | None = None
 
@@ -275,6 +286,10 @@ class ModelConfig:
         _require_choice(self, "params_dtype", PARAMS_DTYPES)
         _require_choice(self, "use_te", USE_TE_MODES)
         _require_choice(self, "moe_compute", MOE_COMPUTE)
+        _require_choice(self, "moe_dispatch", MOE_DISPATCH)
+        _require(self.moe_dispatch != "deepep", "model.moe_dispatch",
+                 "'deepep': the DeepEP backend does not exist yet; use 'gather' or 'alltoall'")
+        _require_min(self, ("moe_dispatch_capacity",), 0)
         _require_choice(self, "fp8", (None, *FP8_FORMATS))
         _require(
             self.fp8 is None or self.use_te != "off",

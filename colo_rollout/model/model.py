@@ -20,7 +20,7 @@ Residual-stream layout per phase (why: each phase has exactly the collectives DE
      the chunks over ATP, the MoE gathers every rank's chunk over the full D group.
 
 Must not go in here: scheduling, sampling, block allocation, and any collective issued other
-than through ``GatherComm``.
+than through ``GatherComm`` or a dispatcher (model/dispatch.py, ``model.moe_dispatch``).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from colo_rollout.model.attention import (
     RopeAngles,
 )
 from colo_rollout.model.comm import GatherComm
+from colo_rollout.model.dispatch import new_dispatchers
 from colo_rollout.model.fused_moe import resolve_backend as resolve_moe_kernel
 from colo_rollout.model.paged_attention import resolve_backend
 from colo_rollout.model.paged_prefill import resolve_backend as resolve_prefill_backend
@@ -317,6 +318,13 @@ class InferenceGPT(torch.nn.Module):
         self.rotary_pos_emb = rotary_embedding(cfg)
         _norms_to(self, dtype)
         self.comm = GatherComm(groups)
+        # model.moe_dispatch: None for "gather" (the MoE computes every replica's rows), else
+        # P's and D's dispatchers (model/dispatch.py), each with its own communicator --
+        # collective here: every rank builds the model with the same config
+        self.moe_dispatch = cfg.moe_dispatch
+        pair = new_dispatchers(cfg.moe_dispatch, groups, cfg.num_experts // lay.ep,
+                               cfg.moe_router_topk, cfg.moe_dispatch_capacity)
+        self.dispatch_p, self.dispatch_d = pair if pair is not None else (None, None)
         self._rope: torch.Tensor | None = None
         # diagnostics: when a list, P appends the residual stream after every attention and
         # MoE block (fp32 copies) -- for locating precision loss against a reference
@@ -435,7 +443,10 @@ class InferenceGPT(torch.nn.Module):
             if self.trace is not None:
                 self.trace.append(h.float().clone())
             if layer.is_moe:
-                partial = moe(i, h)  # routed experts: every replica's rows
+                if self.dispatch_p is not None:  # routed experts: this rank's share of rows
+                    partial = self._dispatch_prefill_moe(i, h, off, n_local)
+                else:
+                    partial = moe(i, h)  # routed experts: every replica's rows
                 if layer.mlp.shared_experts is not None:  # shared: this replica's rows
                     layer.mlp.add_shared(partial[own], layer.pre_mlp_layernorm(h[own]))
                 yield boundary
@@ -473,7 +484,9 @@ class InferenceGPT(torch.nn.Module):
             x = comm.d_all_gather_atp(layer.input_layernorm(res))
             attn = layer.self_attention(x, rope, inp.attn, kv, i)
             res = res + comm.d_reduce_scatter_atp(attn)
-            if layer.is_moe:
+            if layer.is_moe and self.dispatch_d is not None:  # all-to-all of this chunk
+                res = res + self._dispatch_decode_moe(i, layer, res).to(res.dtype)
+            elif layer.is_moe:
                 u = comm.d_all_gather_full(layer.pre_mlp_layernorm(res))
                 partial = layer.mlp(u)
                 if layer.mlp.shared_experts is not None:
@@ -485,6 +498,35 @@ class InferenceGPT(torch.nn.Module):
         x = comm.d_all_gather_atp(self.decoder.final_layernorm(res))
         shard = F.linear(x, self.output_weight)
         return comm.d_all_gather_vocab(shard)
+
+
+    # ------------------------------------------------------------------ dispatch backends
+    def _dispatch_prefill_moe(self, i: int, h: torch.Tensor, off: int, n_local: int):
+        """P, alltoall: this rank's share of its replica's rows (split over ATP) through the
+        routed experts by P's dispatcher, placed into a zero fp32 [N, H] partial -- the same
+        form as the gather backend's, so P's combine AllReduce completes it."""
+        layer = self.decoder.layers[i]
+        atp, a = self.groups.layout.atp, self.groups.atp_rank
+        lo = off + n_local * a // atp
+        hi = off + n_local * (a + 1) // atp
+        partial = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
+        x = layer.pre_mlp_layernorm(h[lo:hi])
+        partial[lo:hi] = self.dispatch_p.routed(layer.mlp, x, i)
+        return partial
+
+    def _dispatch_decode_moe(self, i: int, layer, res: torch.Tensor) -> torch.Tensor:
+        """D, alltoall: this rank's ATP chunk [B/ATP, H] of its replica's rows through the
+        routed experts by D's dispatcher (complete, fp32), plus the shared experts (ATP-sharded:
+        the replica's rows gathered over ATP, the partials reduce-scattered back)."""
+        comm = self.comm
+        x = layer.pre_mlp_layernorm(res)
+        out = self.dispatch_d.routed(layer.mlp, x, i)
+        if layer.mlp.shared_experts is not None:
+            rows = comm.d_all_gather_atp(x)
+            shared = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)
+            layer.mlp.add_shared(shared, rows)
+            out = out + comm.d_reduce_scatter_atp(shared)
+        return out
 
 
 def run_to_completion(gen: Generator[int, None, torch.Tensor]) -> torch.Tensor:
