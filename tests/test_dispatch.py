@@ -1,13 +1,16 @@
 """MoE dispatch backends (model/dispatch.py, model.moe_dispatch): the alltoall backend gives the
-gather backend's greedy tokens and logprobs in Normal and Fine mode (EP2/ADP2, EP4/ADP2/ATP2,
-shared experts), its P and D round trips equal the gather MoE's summed partials, a padded D
-capacity that overflows raises on every rank, and the config refuses what it cannot run."""
+gather backend's greedy tokens and logprobs in every engine mode (EP2/ADP2, EP4/ADP2/ATP2,
+family-shaped models), its P and D round trips equal the gather MoE's summed partials, a
+padded D capacity that overflows raises on every rank, and the config refuses what it cannot
+run."""
 
 from __future__ import annotations
 
 import pytest
 
 from colo_rollout.config import Config, ConfigError, ModelConfig, ParallelConfig, config_from_dict
+
+from tests.cases_engine import ARCHS
 
 CASES = "tests.cases_dispatch"
 TOL = 1e-4  # fp32: the backends differ in summation order only
@@ -18,6 +21,10 @@ TOL = 1e-4  # fp32: the backends differ in summation order only
     (2, 2, 2, "fine", None),
     (4, 2, 4, "normal", {"shared_expert_ffn_hidden_size": 48, "shared_expert_gate": True}),
     (4, 2, 4, "fine", None),
+    # the other modes, on family-shaped models: GLM (dense first layer, sigmoid routing with
+    # expert bias and groups, an ungated shared expert), Qwen2 (softmax without renormalising)
+    (4, 2, 4, "global_complete", ARCHS["glm"]),
+    (4, 2, 4, "global_enqueue", ARCHS["qwen2"]),
 ])
 def test_alltoall_gives_the_gather_backends_tokens_and_logprobs(worker_groups, world, adp, ep,
                                                                  mode, model_kw):
@@ -29,7 +36,7 @@ def test_alltoall_gives_the_gather_backends_tokens_and_logprobs(worker_groups, w
         assert r["n_tokens"] > 40
         assert min(r["a2a"]) > 0 and r["gather_a2a"] == [0, 0]  # the backend really ran
         assert r["tokens"] == res[0]["tokens"]
-    if mode == "fine":
+    if mode != "normal":
         assert res[0]["d_during_p"] > 0  # D ran inside P epochs: the phases interleaved
 
 
