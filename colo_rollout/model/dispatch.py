@@ -85,11 +85,7 @@ def new_phase_states(groups: ParallelGroups) -> dict[str, PhaseState]:
     for phase in PHASES:
         mine = None
         for ranks in lay.ep_groups():  # every rank creates every group (new_group is collective)
-            g = dist.new_group(ranks=ranks)
-            if dist.get_backend(g) == "gloo":
-                # freed by the next init_parallel with the layout's other gloo groups (each
-                # holds threads; a test process builds many models)
-                parallel._OWN_GLOO_GROUPS.append(g)
+            g = parallel.new_layout_group(list(ranks))
             if groups.rank in ranks:
                 mine = PhaseState(phase, g, list(ranks), ranks.index(groups.rank))
         states[phase] = mine

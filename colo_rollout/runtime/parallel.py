@@ -241,6 +241,16 @@ def init_parallel(cfg: ParallelConfig) -> ParallelGroups:
 _OWN_GLOO_GROUPS: list[dist.ProcessGroup] = []
 
 
+def new_layout_group(ranks: list[int]) -> dist.ProcessGroup:
+    """``dist.new_group(ranks)`` (collective over the world) that lives as long as the current
+    layout: on gloo it is freed by the next ``init_parallel`` with the layout's own groups (each
+    gloo group holds threads, and a test process builds many models)."""
+    g = dist.new_group(ranks=ranks)
+    if dist.get_backend(g) == "gloo":
+        _OWN_GLOO_GROUPS.append(g)
+    return g
+
+
 def _megatron_groups(ps) -> list[dist.ProcessGroup]:
     """Every process group megatron's parallel_state holds (module globals, lists of them)."""
     out: list[dist.ProcessGroup] = []
