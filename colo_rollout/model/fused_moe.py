@@ -45,14 +45,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-try:  # triton is optional: the CPU path (and CI without it) must not need it
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the host
-    triton = None
-    tl = None
-
-BACKENDS = ("auto", "torch", "triton")
+from colo_rollout.model.kernel_backend import BACKENDS, tl, triton, triton_available  # noqa: F401
+from colo_rollout.model.kernel_backend import resolve_backend as _resolve
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)  # what "auto" gives the kernel
 # the epilogue's activations (constexpr codes in the kernel); anything else: torch path
 ACTIVATIONS = {F.silu: 1, F.gelu: 2, F.relu: 3}
@@ -92,11 +86,6 @@ TILES = {
 }
 
 
-def triton_available() -> bool:
-    """Whether the Triton kernel can be launched at all (triton imports)."""
-    return triton is not None
-
-
 def triton_supports(activation) -> bool:
     """Whether the kernel's epilogue computes ``activation`` (silu, gelu, relu)."""
     return activation in ACTIVATIONS
@@ -104,24 +93,9 @@ def triton_supports(activation) -> bool:
 
 def resolve_backend(requested: str, device: torch.device | str,
                     dtype: torch.dtype | None = None) -> str:
-    """``engine.moe_kernel`` -> the backend a model on ``device`` in ``dtype`` uses: "auto" =
-    triton on CUDA when triton imports and the dtype is bf16/fp16, else torch; "triton"
-    without CUDA or triton is an error at model build (never a silent fallback)."""
-    if requested not in BACKENDS:
-        raise ValueError(f"moe kernel backend must be one of {BACKENDS}, got {requested!r}")
-    device = torch.device(device)
-    if requested == "torch":
-        return "torch"
-    usable = device.type == "cuda" and triton_available()
-    if requested == "triton":
-        if not usable:
-            why = ("triton does not import" if not triton_available()
-                   else f"the device is {device}")
-            raise RuntimeError(f"engine.moe_kernel: triton was requested but {why}; "
-                               "set it to 'torch' or 'auto'")
-        return "triton"
-    return "triton" if usable and (dtype is None or dtype in KERNEL_DTYPES) else "torch"
-
+    """``engine.moe_kernel`` -> the backend a model on ``device`` in ``dtype`` uses ("auto": triton on
+    CUDA for bf16/fp16 models; model/kernel_backend.py)."""
+    return _resolve("engine.moe_kernel", requested, device, dtype is None or dtype in KERNEL_DTYPES)
 
 def torch_experts(x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor,
                   prob: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor,

@@ -29,14 +29,8 @@ import math
 
 import torch
 
-try:  # triton is optional: the CPU path (and CI without it) must not need it
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the host
-    triton = None
-    tl = None
-
-BACKENDS = ("auto", "torch", "triton")
+from colo_rollout.model.kernel_backend import BACKENDS, tl, triton, triton_available  # noqa: F401
+from colo_rollout.model.kernel_backend import resolve_backend as _resolve
 # Defaults from a sweep on one H200 (scripts/gpu_attention.py --sweep; 32 q heads, 4 KV groups,
 # head dim 128, bf16, block size 16, B 1..128, contexts 128..8k): 128-key tiles, 4 warps, 3
 # stages and splits up to one wave of 2 programs per multiprocessor were the best or within a
@@ -50,27 +44,9 @@ MIN_TILES_PER_SPLIT = 1  # a split covers at least this many tiles
 MAX_SPLITS = 64
 
 
-def triton_available() -> bool:
-    """Whether the Triton kernel can be launched at all (triton imports)."""
-    return triton is not None
-
-
 def resolve_backend(requested: str, device: torch.device | str) -> str:
-    """``engine.decode_attention`` -> the backend a model on ``device`` uses: "auto" = triton
-    on CUDA when triton imports, else torch; "triton" without CUDA or triton is an error at
-    model build (never a silent fallback)."""
-    if requested not in BACKENDS:
-        raise ValueError(f"decode attention backend must be one of {BACKENDS}, got {requested!r}")
-    device = torch.device(device)
-    if requested == "torch":
-        return "torch"
-    usable = device.type == "cuda" and triton_available()
-    if requested == "triton" and not usable:
-        why = "triton does not import" if not triton_available() else f"the device is {device}"
-        raise RuntimeError(f"engine.decode_attention: triton was requested but {why}; "
-                           "set it to 'torch' or 'auto'")
-    return "triton" if usable else "torch"
-
+    """``engine.decode_attention`` -> the backend a model on ``device`` uses (model/kernel_backend.py)."""
+    return _resolve("engine.decode_attention", requested, device)
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)

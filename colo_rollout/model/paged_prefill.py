@@ -38,14 +38,8 @@ from typing import NamedTuple
 
 import torch
 
-try:  # triton is optional: the CPU path (and CI without it) must not need it
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the host
-    triton = None
-    tl = None
-
-BACKENDS = ("auto", "torch", "triton")
+from colo_rollout.model.kernel_backend import BACKENDS, tl, triton, triton_available  # noqa: F401
+from colo_rollout.model.kernel_backend import resolve_backend as _resolve
 
 
 class TileConfig(NamedTuple):
@@ -71,28 +65,9 @@ DEFAULT = TileConfig()
 PACK_SAVING = 0.75  # pack_group None: pack when it computes at most this fraction of the rows
 
 
-def triton_available() -> bool:
-    """Whether the Triton kernel can be launched at all (triton imports)."""
-    return triton is not None
-
-
 def resolve_backend(requested: str, device: torch.device | str) -> str:
-    """``engine.prefill_attention`` -> the backend a model on ``device`` uses: "auto" = triton
-    on CUDA when triton imports, else torch; "triton" without CUDA or triton is an error at
-    model build (never a silent fallback)."""
-    if requested not in BACKENDS:
-        raise ValueError(f"prefill attention backend must be one of {BACKENDS}, "
-                         f"got {requested!r}")
-    device = torch.device(device)
-    if requested == "torch":
-        return "torch"
-    usable = device.type == "cuda" and triton_available()
-    if requested == "triton" and not usable:
-        why = "triton does not import" if not triton_available() else f"the device is {device}"
-        raise RuntimeError(f"engine.prefill_attention: triton was requested but {why}; "
-                           "set it to 'torch' or 'auto'")
-    return "triton" if usable else "torch"
-
+    """``engine.prefill_attention`` -> the backend a model on ``device`` uses (model/kernel_backend.py)."""
+    return _resolve("engine.prefill_attention", requested, device)
 
 def _pow2(x: int, floor: int = 1) -> int:
     return max(floor, 1 << max(0, math.ceil(math.log2(max(1, x)))))

@@ -1,0 +1,48 @@
+"""Which kernels a model runs: the optional Triton import and the backend choice shared by the
+Triton kernel modules (paged_attention.py, paged_prefill.py, fused_moe.py).
+
+Owns ``triton`` / ``tl`` (None where triton does not import: the CPU path and CI without it
+must not need it), ``BACKENDS`` (auto | torch | triton) and ``resolve_backend``: the key's
+requested backend -> the one a model on a device uses, decided once at model build. "auto" is
+triton on CUDA when triton imports (and, where the caller says so, the dtype suits the kernel),
+else torch; "triton" that cannot run is an error naming the key, never a silent fallback.
+
+Imports only torch (and triton when present), so a GPU check can load a kernel module alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # triton is optional
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the host
+    triton = None
+    tl = None
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+def triton_available() -> bool:
+    """Whether a Triton kernel can be launched at all (triton imports)."""
+    return triton is not None
+
+
+def resolve_backend(key: str, requested: str, device: torch.device | str,
+                    suits: bool = True) -> str:
+    """``key`` (e.g. "engine.decode_attention") asked for ``requested`` on ``device``;
+    ``suits``: whether "auto" may pick triton for the model (e.g. its dtype)."""
+    if requested not in BACKENDS:
+        raise ValueError(f"{key} must be one of {BACKENDS}, got {requested!r}")
+    if requested == "torch":
+        return "torch"
+    device = torch.device(device)
+    usable = device.type == "cuda" and triton_available()
+    if requested == "triton":
+        if not usable:
+            why = "triton does not import" if not triton_available() else f"the device is {device}"
+            raise RuntimeError(f"{key}: triton was requested but {why}; set it to 'torch' or "
+                               "'auto'")
+        return "triton"
+    return "triton" if usable and suits else "torch"
