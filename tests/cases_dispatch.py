@@ -120,3 +120,79 @@ def overflow(rank: int, world: int, adp: int, ep: int) -> dict:
         except DispatchOverflow as e:
             res["tight_error"] = str(e)
     return res
+
+
+def _expected_boundaries(cfg) -> tuple[int, dict[int, str]]:
+    """One alltoall P epoch's boundary ids by kind: the embedding gather, per layer the
+    attention gather, (MoE) the dispatch split, the combine or dense gather; the logits."""
+    kinds, b = {0: "embed"}, 1
+    for i in range(cfg.model.num_layers):
+        kinds[b], b = "attn", b + 1
+        if cfg.model.is_moe_layer(i):
+            kinds[b], b = "split", b + 1
+        kinds[b], b = "ffn", b + 1
+    kinds[b] = "logits"
+    return b + 1, kinds
+
+
+def split_boundary(rank: int, world: int, adp: int, ep: int, model_kw: dict | None = None):
+    """Fine mode, span 1, alltoall: every P epoch's boundary ids as P's segment generator
+    yields them, with P's dispatch counters (collectives, host reads of counts) at each
+    yield, and where P was parked whenever a D iteration ran; then the gather backend's
+    tokens and logprobs on the same requests."""
+    cfg, groups, sd, engine = _engine(world, adp, ep, max_batch_size=3,
+                                      decode_buckets=[1, 2, 4], mode="fine", segment_span=1,
+                                      model_kw={**(model_kw or {}), "moe_dispatch": "alltoall"})
+    model, st = engine.model, engine.model.dispatch_p.state
+    engine.turnstile.record = True
+    epochs: list[list] = []
+    orig = model.prefill_segments
+
+    def recorded(*a, **kw):
+        gen = orig(*a, **kw)
+        log: list = []
+        epochs.append(log)
+
+        def body():
+            try:
+                b = next(gen)
+                while True:
+                    log.append((b, st.collectives, st.host_reads))
+                    yield b
+                    b = next(gen)
+            except StopIteration as stop:
+                log.append(("end", st.collectives, st.host_reads))
+                return stop.value
+        return body()
+
+    model.prefill_segments = recorded
+    requests = mixed_requests(10, 0, cfg.model.vocab_size)
+    outs = engine.generate(requests)
+    engine.check_integrity()
+    n, kinds = _expected_boundaries(cfg)
+    # where P was parked at each D iteration inside an epoch: its last published boundary
+    parked, last = [], None
+    for e in engine.turnstile.log:
+        if e.kind == "begin":
+            last = None
+        elif e.kind == "publish":
+            last = e.boundary
+        elif e.kind == "post_d" and last is not None:
+            parked.append(kinds[last])
+    g_kw = {**(model_kw or {}), "moe_dispatch": "gather"}
+    cfg_g, _, _, gather = _engine(world, adp, ep, max_batch_size=3, decode_buckets=[1, 2, 4],
+                                  mode="fine", segment_span=1, model_kw=g_kw)
+    g_outs = gather.generate(requests)
+    worst = max((abs(x - y) for r in requests for x, y in
+                 zip(outs[r.request_id].logprobs, g_outs[r.request_id].logprobs)),
+                default=0.0)
+    return {"epochs": epochs, "kinds": {str(k): v for k, v in kinds.items()},
+            "expected": n, "boundaries_per_prefill": model.boundaries_per_prefill,
+            "gather_boundaries": gather.model.boundaries_per_prefill,
+            "gather_layers": cfg_g.model.num_layers,
+            "parked": parked,
+            "d_during_p": sum(1 for h in engine.history if h.p_in_flight and h.rows > 0),
+            "same_tokens": all(outs[r.request_id].tokens == g_outs[r.request_id].tokens
+                               for r in requests),
+            "max_logprob_diff": worst,
+            "n_tokens": sum(len(outs[r.request_id].tokens) for r in requests)}

@@ -1,8 +1,8 @@
 """MoE dispatch backends (model/dispatch.py, model.moe_dispatch): the alltoall backend gives the
 gather backend's greedy tokens and logprobs in every engine mode (EP2/ADP2, EP4/ADP2/ATP2,
 family-shaped models), its P and D round trips equal the gather MoE's summed partials, a
-padded D capacity that overflows raises on every rank, and the config refuses what it cannot
-run."""
+padded D capacity that overflows raises on every rank, P's dispatch split (after the count
+exchange) is a turnstile boundary D can run at, and the config refuses what it cannot run."""
 
 from __future__ import annotations
 
@@ -85,3 +85,36 @@ def test_config_moe_dispatch_choices():
         config_from_dict(_cfg(moe_dispatch="alltoall", ep=2))
     Config(parallel=ParallelConfig(world_size=4, adp=2, ep=2),
            model=ModelConfig(num_experts=8))  # gather: any layout
+
+
+@pytest.mark.parametrize("model_kw", [None, {"first_k_dense": 1, "num_layers": 3}])
+def test_alltoall_dispatch_split_is_a_turnstile_boundary(worker_groups, model_kw):
+    """P's dispatch split (after the expert-count exchange, before the counts' host read and
+    the payload all-to-all) is a boundary: ids monotone, as many as boundaries_per_prefill
+    (gather's count unchanged), the counts exchanged before its yield and read and sent after,
+    D iterations run while P is parked there, tokens and logprobs equal gather's."""
+    res = worker_groups(2).run(f"{CASES}:split_boundary", adp=2, ep=2, model_kw=model_kw)
+    for r in res:
+        n, kinds = r["expected"], r["kinds"]
+        layers = r["gather_layers"]
+        assert r["gather_boundaries"] == 2 * layers + 2
+        moe_layers = layers - (model_kw or {}).get("first_k_dense", 0)
+        assert r["boundaries_per_prefill"] == n == 2 * layers + 2 + moe_layers
+        assert r["epochs"]
+        for log in r["epochs"]:
+            ids = [b for b, _, _ in log[:-1]]
+            assert ids == list(range(n))  # monotone from 0, one per boundary, none skipped
+            assert log[-1][0] == "end"
+            for (b, c0, h0), (_, c1, h1) in zip(log, log[1:]):
+                kind = kinds[str(b)]  # what runs between boundary b's yield and the next
+                nxt = kinds.get(str(b + 1))
+                if nxt == "split":  # the attention gather, then route + count exchange only
+                    assert (c1 - c0, h1 - h0) == (1, 0), (b, log)
+                elif kind == "split":  # the counts' host read, payload + metadata, combine
+                    assert (c1 - c0, h1 - h0) == (3, 1), (b, log)
+                else:  # no P dispatch collective anywhere else
+                    assert (c1 - c0, h1 - h0) == (0, 0), (b, log)
+        assert r["d_during_p"] > 0
+        assert "split" in r["parked"]  # a D iteration ran between P's counts and its payload
+        assert r["same_tokens"] and r["max_logprob_diff"] < TOL and r["n_tokens"] > 40
+    assert res[0]["parked"] == res[1]["parked"]  # every rank parked at the same boundaries

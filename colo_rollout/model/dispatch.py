@@ -14,10 +14,13 @@ torch.distributed backend including gloo on CPU:
     (``model.moe_dispatch_capacity``) is checked on the host after the metadata exchange, on
     every rank from the same exchanged counts, so every rank raises the same error (naming
     the overflowing rank, the layer and the counts) -- tokens are never dropped silently.
-  * P (``VariableAllToAll``): the expert-count exchange (an all-to-all of per-peer pair counts,
-    read on the host) and then the variable-split payload all-to-all, as two separate calls
-    (``exchange_counts``, ``send``): the safe boundary between them, where the turnstile may
-    cut P, is later work.
+  * P (``VariableAllToAll``): split-phase, as the paper's section 5. The expert-count
+    exchange (``notify``: an all-to-all of per-peer pair counts, not read yet), then the host
+    read of the counts (``read_counts``: the split sizes; a device sync on a GPU), then the
+    variable-split payload all-to-all (``send``). ``routed_split`` is a generator that stops
+    once between the count exchange and the host read: that point is a safe turnstile
+    boundary (model.py yields its id there), so a D iteration can go between P's count
+    notification and its data movement. ``dispatch``/``routed`` run the halves back to back.
 
 Each rank dispatches only its own rows (D: its ATP chunk of its replica's rows; P: its share
 of its replica's rows), routed with the replicated router; the combine returns those rows'
@@ -35,6 +38,7 @@ backends read its router, stacked weights and kernel choice), scheduling, sampli
 from __future__ import annotations
 
 import abc
+from collections.abc import Generator
 from dataclasses import dataclass, field
 
 import torch
@@ -62,6 +66,7 @@ class PhaseState:
     ranks: list[int]  # the group's global ranks, in group order (= EP index order)
     rank: int  # this rank's index in ``group``
     collectives: int = 0  # all-to-alls issued so far (monotone)
+    host_reads: int = 0  # P: count exchanges read on the host so far (monotone)
     workspace: dict = field(default_factory=dict)
     stream: object = None  # the phase's stream on a GPU (set by the runner; unused on CPU)
 
@@ -261,6 +266,18 @@ class PaddedAllToAll(Dispatcher):
 
 
 @dataclass
+class CountNotice:
+    """P's count exchange issued but not read: the per-peer pair counts sent and received
+    (device tensors) and the pairs' order by peer."""
+
+    sent: torch.Tensor  # [S] pairs for each peer
+    received: torch.Tensor  # [S] pairs from each peer
+    order: torch.Tensor  # [n*k] pair indices sorted by peer (stable)
+    n: int
+    k: int
+
+
+@dataclass
 class CountPlan:
     """P's count exchange: the per-peer pair counts sent and received (host lists) and the
     pairs' order by peer."""
@@ -275,16 +292,27 @@ class CountPlan:
 class VariableAllToAll(Dispatcher):
     """P: the expert-count exchange, then the variable-split payload all-to-all."""
 
-    def exchange_counts(self, chosen: torch.Tensor) -> CountPlan:
-        """First half: how many pairs go to each peer, exchanged, read on the host (the
-        split sizes of the payload collective)."""
+    def notify(self, chosen: torch.Tensor) -> CountNotice:
+        """First half, the notification: how many pairs go to each peer, exchanged (one
+        collective on P's communicator); nothing is read on the host yet."""
         st, E = self.state, self.num_local
         n, k = chosen.shape
         dest = (chosen // E).flatten()
         counts = torch.bincount(dest, minlength=st.size)
         recv = st.all_to_all(torch.empty_like(counts), counts)
         order = torch.sort(dest, stable=True).indices
-        return CountPlan(counts.tolist(), recv.tolist(), order, n, k)
+        return CountNotice(counts, recv, order, n, k)
+
+    def read_counts(self, notice: CountNotice) -> CountPlan:
+        """The exchanged counts on the host: the payload collective's split sizes (on a GPU
+        this waits for the count exchange)."""
+        self.state.host_reads += 1
+        return CountPlan(notice.sent.tolist(), notice.received.tolist(), notice.order,
+                         notice.n, notice.k)
+
+    def exchange_counts(self, chosen: torch.Tensor) -> CountPlan:
+        """The notification and its host read, back to back."""
+        return self.read_counts(self.notify(chosen))
 
     def send(self, x: torch.Tensor, chosen: torch.Tensor, weight: torch.Tensor,
              plan: CountPlan) -> tuple[ExpertInputs, CountPlan]:
@@ -301,9 +329,20 @@ class VariableAllToAll(Dispatcher):
         return ExpertInputs(recv, rmeta[:, 0].to(torch.int64), rmeta[:, 1]), plan
 
     def dispatch(self, x, chosen, weight, layer):
-        plan = self.exchange_counts(chosen)
-        # (the safe boundary goes here: the turnstile may cut P between the two halves)
+        plan = self.exchange_counts(chosen)  # no stop between the halves (see routed_split)
         return self.send(x, chosen, weight, plan)
+
+    def routed_split(self, moe: GatherMoE, x: torch.Tensor,
+                     layer: int) -> Generator[None, None, torch.Tensor]:
+        """``routed`` in two steps: the first ``next`` routes and issues the count exchange,
+        then stops (the safe boundary: P's count notification is out, its data movement is
+        not); resuming reads the counts on the host, sends the payload, runs the local
+        experts and the combine, and returns the routed output [n, H] fp32."""
+        chosen, weight = route(moe, x)
+        notice = self.notify(chosen)
+        yield
+        inputs, handle = self.send(x, chosen, weight, self.read_counts(notice))
+        return self.combine(local_experts(moe, inputs), handle)
 
     def combine(self, y, handle):
         plan = handle

@@ -394,12 +394,17 @@ class InferenceGPT(torch.nn.Module):
     @torch.inference_mode()
     def prefill_segments(self, inp: PrefillInputs, kv: KVStorage,
                          moe: MoEBlock | None = None) -> Generator[int, None, torch.Tensor]:
-        """P as segments (the gather backend's boundary producer).
+        """P as segments (the boundary producer).
 
-        Yields boundary id i (0, 1, ...) just before P's i-th registered full-group AllReduce;
-        resuming the generator issues that collective and computes up to the next boundary.
-        Returns this replica's last-token logits. An epoch has 2 * num_layers + 2 boundaries:
-        the embedding gather, per layer the attention gather and the MoE combine, the logits.
+        Yields boundary id i (0, 1, ...) just before P's i-th registered collective; resuming
+        the generator issues that collective and computes up to the next boundary. Returns
+        this replica's last-token logits. With the gather backend an epoch has
+        2 * num_layers + 2 boundaries (each before a full-group AllReduce): the embedding
+        gather, per layer the attention gather and the MoE combine (or dense gather), the
+        logits. With ``model.moe_dispatch: alltoall`` each MoE layer has one more, between
+        the attention gather's and the combine's: the split point of P's dispatch, after the
+        expert-count exchange and before the host read of the counts and the payload
+        all-to-all (``boundaries_per_prefill`` counts them).
         (torch.inference_mode wraps each resume; an FP8 autocast would have to as well, which is
         one reason FP8 is not enabled yet.)
 
@@ -413,7 +418,12 @@ class InferenceGPT(torch.nn.Module):
 
     @property
     def boundaries_per_prefill(self) -> int:
-        return 2 * self.cfg.num_layers + 2
+        """One P epoch's boundary count (the turnstile's epoch length): 2 per layer and 2
+        more, plus one per MoE layer (its dispatch split) with the alltoall backend."""
+        n = 2 * self.cfg.num_layers + 2
+        if self.dispatch_p is not None:
+            n += sum(1 for i in range(self.cfg.num_layers) if self.cfg.is_moe_layer(i))
+        return n
 
     @torch.inference_mode()
     def forward_decode(self, inp: DecodeInputs, kv: KVStorage) -> torch.Tensor:
@@ -444,7 +454,10 @@ class InferenceGPT(torch.nn.Module):
                 self.trace.append(h.float().clone())
             if layer.is_moe:
                 if self.dispatch_p is not None:  # routed experts: this rank's share of rows
-                    partial = self._dispatch_prefill_moe(i, h, off, n_local)
+                    # yields the dispatch split's boundary (after the count exchange)
+                    partial = yield from self._dispatch_prefill_moe(i, h, off, n_local,
+                                                                    boundary)
+                    boundary += 1
                 else:
                     partial = moe(i, h)  # routed experts: every replica's rows
                 if layer.mlp.shared_experts is not None:  # shared: this replica's rows
@@ -501,17 +514,23 @@ class InferenceGPT(torch.nn.Module):
 
 
     # ------------------------------------------------------------------ dispatch backends
-    def _dispatch_prefill_moe(self, i: int, h: torch.Tensor, off: int, n_local: int):
-        """P, alltoall: this rank's share of its replica's rows (split over ATP) through the
-        routed experts by P's dispatcher, placed into a zero fp32 [N, H] partial -- the same
-        form as the gather backend's, so P's combine AllReduce completes it."""
+    def _dispatch_prefill_moe(self, i: int, h: torch.Tensor, off: int, n_local: int,
+                              boundary: int) -> Generator[int, None, torch.Tensor]:
+        """P, alltoall (a generator): this rank's share of its replica's rows (split over ATP)
+        through the routed experts by P's dispatcher, placed into a zero fp32 [N, H] partial
+        -- the same form as the gather backend's, so P's combine AllReduce completes it.
+        Yields ``boundary`` once, after the expert-count exchange and before the counts'
+        host read and the payload all-to-all (the split-phase dispatch's safe boundary)."""
         layer = self.decoder.layers[i]
         atp, a = self.groups.layout.atp, self.groups.atp_rank
         lo = off + n_local * a // atp
         hi = off + n_local * (a + 1) // atp
         partial = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
         x = layer.pre_mlp_layernorm(h[lo:hi])
-        partial[lo:hi] = self.dispatch_p.routed(layer.mlp, x, i)
+        split = self.dispatch_p.routed_split(layer.mlp, x, i)
+        next(split)  # route, issue the count exchange
+        yield boundary
+        partial[lo:hi] = run_to_completion(split)
         return partial
 
     def _dispatch_decode_moe(self, i: int, layer, res: torch.Tensor) -> torch.Tensor:
