@@ -6,10 +6,7 @@ grid bound and the backend's resolution at model build."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import pathlib
-import subprocess
 import sys
 
 import pytest
@@ -19,9 +16,8 @@ import torch.nn.functional as F
 from colo_rollout.config import ConfigError
 from colo_rollout.config.schema import EngineConfig
 from colo_rollout.model import fused_moe as fm
+from tests.interpreted import HAS_TRITON, run_interpreted
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 T = fm.Tile
 # (N tokens, E_local, E_global, top-k, H, F, dtype, activation, gated, padding rows, tiles)
@@ -133,12 +129,7 @@ def _interpreted() -> list[str]:
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_triton_kernel_matches_torch_path_interpreted():
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "all cases pass" in proc.stdout, proc.stdout + proc.stderr
+    run_interpreted(__file__)
 
 
 def test_resolve_backend():

@@ -6,11 +6,8 @@ model build and ``PagedSelfAttention._prefill``'s dispatch to the kernel."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import pathlib
 import random
-import subprocess
 import sys
 import types
 
@@ -19,9 +16,8 @@ import torch
 
 from colo_rollout.model import paged_prefill as pp
 from colo_rollout.testing.attention_oracle import prefill_per_sequence
+from tests.interpreted import HAS_TRITON, run_interpreted
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 T = pp.TileConfig
 
@@ -129,12 +125,7 @@ def _interpreted() -> list[str]:
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_triton_kernel_matches_oracle_interpreted():
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "all cases pass" in proc.stdout, proc.stdout + proc.stderr
+    run_interpreted(__file__)
 
 
 @pytest.mark.parametrize("pack_group", [True, False])

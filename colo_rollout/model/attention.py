@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from colo_rollout.model.kernel_backend import as_dtype
 from colo_rollout.model.paged_attention import decode_attention
 from colo_rollout.model.paged_prefill import (
     plan_prefill,
@@ -169,11 +170,6 @@ def prefill_buckets(seq_lens_new: list[int], context_lens: list[int], block_size
     return out
 
 
-def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t.to(dtype)`` without dispatching anything when it already is (P's host time)."""
-    return t if t.dtype == dtype else t.to(dtype)
-
-
 class KVStorage:
     """K and V tensors of every layer for this rank: [L, num_blocks + 1, block, kv_heads, dim]."""
 
@@ -248,8 +244,8 @@ class PagedSelfAttention(torch.nn.Module):
         # Write the new K/V into their slots before attending (a prefill sees its own tokens).
         kc = kv.k[layer].view(-1, self.groups, self.head_dim)
         vc = kv.v[layer].view(-1, self.groups, self.head_dim)
-        kc.index_copy_(0, meta.slot_mapping, _as(k, kc.dtype))
-        vc.index_copy_(0, meta.slot_mapping, _as(v, vc.dtype))
+        kc.index_copy_(0, meta.slot_mapping, as_dtype(k, kc.dtype))
+        vc.index_copy_(0, meta.slot_mapping, as_dtype(v, vc.dtype))
 
         if meta.is_prefill:
             out = self._prefill(q, kv, layer, meta)
@@ -297,8 +293,8 @@ class PagedSelfAttention(torch.nn.Module):
             k, v = self._gather_kv(kv, layer, meta.block_tables[b.seqs, : b.blocks])
             qb = q[b.q_rows]  # [Sb, n_max, heads, dim]
             o = F.scaled_dot_product_attention(
-                qb.transpose(1, 2), _as(k, q.dtype).transpose(1, 2),
-                _as(v, q.dtype).transpose(1, 2),
+                qb.transpose(1, 2), as_dtype(k, q.dtype).transpose(1, 2),
+                as_dtype(v, q.dtype).transpose(1, 2),
                 attn_mask=b.causal_mask(k.shape[1]), scale=self.scale,
             )  # [Sb, heads, n_max, dim]
             o = o.transpose(1, 2).reshape(Sb * b.n_max, self.heads, self.head_dim)

@@ -39,7 +39,6 @@ Imports only torch (and triton when present): no megatron, so a GPU check can lo
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +46,8 @@ import torch.nn.functional as F
 
 from colo_rollout.model.kernel_backend import BACKENDS, tl, triton, triton_available  # noqa: F401
 from colo_rollout.model.kernel_backend import resolve_backend as _resolve
+from colo_rollout.model.kernel_backend import pow2, smem_per_block
+
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)  # what "auto" gives the kernel
 # the epilogue's activations (constexpr codes in the kernel); anything else: torch path
 ACTIVATIONS = {F.silu: 1, F.gelu: 2, F.relu: 3}
@@ -254,13 +255,6 @@ def regime(rows: int, experts: int) -> str:
     return "decode" if per <= DECODE_ROWS else "prefill"
 
 
-def _smem_limit(device: torch.device) -> int:
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        return getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024
-    return 1 << 30  # the interpreter: no limit
-
-
 _FIT: dict[tuple, Tile] = {}
 
 
@@ -270,7 +264,7 @@ def fit_tile(tile: Tile, device: torch.device, esize: int, gated: bool) -> Tile:
     key = (tile, device.type, device.index, esize, gated)
     got = _FIT.get(key)
     if got is None:
-        limit = _smem_limit(device)
+        limit = smem_per_block(device) or 1 << 30  # the interpreter: no limit
         bm, bn, bk, stages = tile.block_m, tile.block_n, tile.block_k, tile.num_stages
         ways = 2 if gated else 1
         while bk > 16 and stages * (bm * bk + ways * bk * bn) * esize + 8192 > limit:
@@ -280,10 +274,6 @@ def fit_tile(tile: Tile, device: torch.device, esize: int, gated: bool) -> Tile:
                 bk //= 2
         got = _FIT[key] = Tile(bm, bn, bk, tile.num_warps, stages, tile.group_m)
     return got
-
-
-def _pow2(x: int, floor: int = 1) -> int:
-    return max(floor, 1 << max(0, math.ceil(math.log2(max(1, x)))))
 
 
 def moe_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, rows: int, *,
@@ -325,7 +315,7 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, rows: int, *,
         rows, m_blocks, tile.group_m, n_out, K, E,
         a.stride(0), tok.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
         pr.stride(0), n_out * w.stride(1),
-        E_PAD=_pow2(E, E_PAD_MIN), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+        E_PAD=pow2(E, E_PAD_MIN), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, GATHER=token is not None, GATED=gated, ACT=act,
         PROB=prob is not None, ZERO_TAIL=zero_tail, EVEN_K=K % tile.block_k == 0,
         DOT_PREC=prec, UPCAST=upcast, RNE_BF16=upcast and out.dtype == torch.bfloat16,

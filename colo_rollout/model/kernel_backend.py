@@ -7,10 +7,15 @@ requested backend -> the one a model on a device uses, decided once at model bui
 triton on CUDA when triton imports (and, where the caller says so, the dtype suits the kernel),
 else torch; "triton" that cannot run is an error naming the key, never a silent fallback.
 
+Also the kernels' small shared helpers: ``pow2`` (block sizes), ``as_dtype`` (a cast that
+dispatches nothing when there is nothing to cast) and ``smem_per_block`` (what a tiling must fit).
+
 Imports only torch (and triton when present), so a GPU check can load a kernel module alone.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -46,3 +51,22 @@ def resolve_backend(key: str, requested: str, device: torch.device | str,
                                "'auto'")
         return "triton"
     return "triton" if usable and suits else "torch"
+
+
+def pow2(x: int, floor: int = 1) -> int:
+    """The smallest power of two >= x, at least ``floor``."""
+    return max(floor, 1 << max(0, math.ceil(math.log2(max(1, x)))))
+
+
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)`` without dispatching anything when it already is (P's host time)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def smem_per_block(device: torch.device) -> int | None:
+    """Shared memory a kernel's block may use on ``device`` (the opt-in limit; 99 KiB where
+    torch does not say), or None off CUDA (the interpreter): the caller picks its bound."""
+    if device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    return getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024

@@ -25,12 +25,12 @@ Imports only torch (and triton when present): no megatron, so a GPU check can lo
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from colo_rollout.model.kernel_backend import BACKENDS, tl, triton, triton_available  # noqa: F401
 from colo_rollout.model.kernel_backend import resolve_backend as _resolve
+from colo_rollout.model.kernel_backend import as_dtype, pow2, smem_per_block
+
 # Defaults from a sweep on one H200 (scripts/gpu_attention.py --sweep; 32 q heads, 4 KV groups,
 # head dim 128, bf16, block size 16, B 1..128, contexts 128..8k): 128-key tiles, 4 warps, 3
 # stages and splits up to one wave of 2 programs per multiprocessor were the best or within a
@@ -48,10 +48,6 @@ def resolve_backend(requested: str, device: torch.device | str) -> str:
     """``engine.decode_attention`` -> the backend a model on ``device`` uses (model/kernel_backend.py)."""
     return _resolve("engine.decode_attention", requested, device)
 
-def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t if t.dtype == dtype else t.to(dtype)
-
-
 def torch_decode_attention(q: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Tensor,
                            tables: torch.Tensor, ctx_lens: torch.Tensor,
                            scale: float) -> torch.Tensor:
@@ -68,11 +64,11 @@ def torch_decode_attention(q: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Tens
     k = kv_k[tables].view(B, S, g, dim).transpose(1, 2)  # [B, g, S, dim]
     v = kv_v[tables].view(B, S, g, dim).transpose(1, 2)
     qg = q.view(B, g, n, dim)
-    scores = torch.matmul(qg, _as(k, q.dtype).transpose(-1, -2)).float()  # [B, g, n, S]
+    scores = torch.matmul(qg, as_dtype(k, q.dtype).transpose(-1, -2)).float()  # [B, g, n, S]
     keep = torch.arange(S, device=q.device)[None, :] < ctx_lens[:, None]  # [B, S]
     scores = (scores * scale).masked_fill(~keep[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    return torch.matmul(probs, _as(v, q.dtype)).reshape(B, heads, dim)
+    return torch.matmul(probs, as_dtype(v, q.dtype)).reshape(B, heads, dim)
 
 
 def num_splits(rows: int, groups: int, width_tokens: int, block_n: int = BLOCK_N,
@@ -199,10 +195,6 @@ if triton is not None:
                  mask=dmask)
 
 
-def _pow2(x: int, floor: int = 1) -> int:
-    return max(floor, 1 << max(0, math.ceil(math.log2(max(1, x)))))
-
-
 _TILES: dict[tuple, tuple[int, int]] = {}
 
 
@@ -212,13 +204,10 @@ def tile_config(device: torch.device, dim: int, dtype: torch.dtype) -> tuple[int
     key = (device.type, device.index, dim, dtype)
     got = _TILES.get(key)
     if got is None:
-        smem = 99 * 1024  # unknown (the interpreter, older torch): a conservative bound
-        if device.type == "cuda":
-            props = torch.cuda.get_device_properties(device)
-            smem = getattr(props, "shared_memory_per_block_optin", 0) or smem
+        smem = smem_per_block(device) or 99 * 1024  # the interpreter: a conservative bound
         esize = torch.finfo(dtype).bits // 8
         block_n, stages = BLOCK_N, NUM_STAGES
-        while block_n > 16 and stages * 2 * block_n * _pow2(dim, 16) * esize + 16384 > smem:
+        while block_n > 16 and stages * 2 * block_n * pow2(dim, 16) * esize + 16384 > smem:
             if stages > 2:
                 stages -= 1
             else:
@@ -259,7 +248,7 @@ def triton_decode_attention(q: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Ten
         splits = num_splits(B, g, width_tokens, block_n, programs_per_sm=programs_per_sm)
     split_tokens = -(-(-(-width_tokens // splits)) // block_n) * block_n  # tile multiple
     splits = max(1, -(-width_tokens // split_tokens))
-    n_pad, d_pad = _pow2(n, 16), _pow2(dim, 16)
+    n_pad, d_pad = pow2(n, 16), pow2(dim, 16)
     # fp32: exact products (no tf32). CPU tensors run only under the interpreter: upcast there
     upcast = not q.is_cuda
     prec = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
@@ -289,7 +278,7 @@ def triton_decode_attention(q: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Ten
     if not single:
         _decode_reduce_kernel[(B, heads)](
             part, lse, out, *sp, *sl, out.stride(0), out.stride(1), splits,
-            HEAD_DIM=dim, D_PAD=d_pad, S_PAD=_pow2(splits), num_warps=4,
+            HEAD_DIM=dim, D_PAD=d_pad, S_PAD=pow2(splits), num_warps=4,
         )
     return out
 

@@ -32,7 +32,6 @@ Imports only torch (and triton when present): no megatron, so a GPU check can lo
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -40,6 +39,7 @@ import torch
 
 from colo_rollout.model.kernel_backend import BACKENDS, tl, triton, triton_available  # noqa: F401
 from colo_rollout.model.kernel_backend import resolve_backend as _resolve
+from colo_rollout.model.kernel_backend import pow2, smem_per_block
 
 
 class TileConfig(NamedTuple):
@@ -68,10 +68,6 @@ PACK_SAVING = 0.75  # pack_group None: pack when it computes at most this fracti
 def resolve_backend(requested: str, device: torch.device | str) -> str:
     """``engine.prefill_attention`` -> the backend a model on ``device`` uses (model/kernel_backend.py)."""
     return _resolve("engine.prefill_attention", requested, device)
-
-def _pow2(x: int, floor: int = 1) -> int:
-    return max(floor, 1 << max(0, math.ceil(math.log2(max(1, x)))))
-
 
 def group_pack(q_per_group: int, block_m: int) -> int:
     """q heads per program when packing the group: the largest power of two that divides the
@@ -108,12 +104,9 @@ def tile_config(device: torch.device, dim: int, dtype: torch.dtype) -> TileConfi
     key = (device.type, device.index, dim, dtype)
     got = _TILES.get(key)
     if got is None:
-        smem = 99 * 1024  # unknown (the interpreter, older torch): a conservative bound
-        if device.type == "cuda":
-            props = torch.cuda.get_device_properties(device)
-            smem = getattr(props, "shared_memory_per_block_optin", 0) or smem
+        smem = smem_per_block(device) or 99 * 1024  # the interpreter: a conservative bound
         esize = torch.finfo(dtype).bits // 8
-        d = _pow2(dim, 16)
+        d = pow2(dim, 16)
         m, n, stages = DEFAULT.block_m, DEFAULT.block_n, DEFAULT.num_stages
 
         def need() -> int:
@@ -182,10 +175,6 @@ def plan_prefill(seq_lens_new: list[int], context_lens: list[int], q_per_group: 
                        tiles=dev[3 * S : 3 * S + 2 * len(tiles)].view(len(tiles), 2),
                        n_tiles=len(tiles), tokens=off, q_per_group=q_per_group, cfg=cfg,
                        pack=pack)
-
-
-def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t if t.dtype == dtype else t.to(dtype)
 
 
 def torch_prefill_attention(q: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Tensor,
@@ -376,7 +365,7 @@ def triton_prefill_attention(q: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Te
         kv_v.stride(0), kv_v.stride(1), kv_v.stride(2),
         tables.stride(0), tables.stride(1),
         out.stride(0), out.stride(1),
-        N_Q=heads // g, PACK=pack, HEAD_DIM=dim, D_PAD=_pow2(dim, 16),
+        N_Q=heads // g, PACK=pack, HEAD_DIM=dim, D_PAD=pow2(dim, 16),
         BLOCK_SIZE=block_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         DOT_PREC=prec, UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
