@@ -446,7 +446,7 @@ class Engine:
 
 def _to_wire(samples: list[Sampled]) -> list[tuple[int, int, float]]:
     """Sampled tokens as the control message carries them: [lifetime, token, logprob]."""
-    return [(int(s.lifetime), int(s.token), float(s.logprob)) for s in samples]
+    return [(s.lifetime, s.token, s.logprob) for s in samples]  # Python ints/floats
 
 
 def _from_wire(rows: list[tuple[int, int, float]]) -> list[Sampled]:

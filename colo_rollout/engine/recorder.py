@@ -7,7 +7,7 @@ they pass; they compute nothing for it.
 
 Each timed part is also a ``torch.profiler`` range (``colo.P``, ``colo.D``, ``colo.exchange``,
 ...), so a profiler trace of a run shows the engine's phases over the kernels they launch.
-With no profiler active a range costs about a microsecond.
+Ranges are entered only while a profiler runs (otherwise nothing is dispatched per step).
 
 Invariants: ``history`` gets exactly one entry per ``end_step``; a D iteration's ``d_wait_s``
 is the P time held since the previous D iteration (``held`` adds, ``d_ran`` takes and resets).
@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
+import torch.autograd.profiler as autograd_profiler
 from torch.profiler import record_function
 
 from colo_rollout.multiplex.stream_route import Span
@@ -64,7 +65,7 @@ class Recorder:
     def clock(self, what: str) -> Iterator[None]:
         """Host time of one part of the step (exchange, plan, resolve), summed by name."""
         t = time.perf_counter()
-        with record_function(f"colo.{what}"):
+        with _range(f"colo.{what}"):
             yield
         self.add_host(what, time.perf_counter() - t)
 
@@ -76,7 +77,7 @@ class Recorder:
         """One P segment or D iteration's host enqueue, appended to the timeline; the yielded
         ``Timed`` has its ``start``, and its ``end`` once the block exits."""
         timed = Timed(time.perf_counter())
-        with record_function(f"colo.{kind}"):
+        with _range(f"colo.{kind}"):
             yield timed
         timed.end = time.perf_counter()
         self.timeline.append(Span(kind, timed.start, timed.end, epoch))
@@ -112,3 +113,9 @@ class Recorder:
             out[f"{kind}_enqueue"] = sum(s.end - s.start for s in self.timeline if s.kind == kind)
         out["rendezvous"] = rendezvous_s
         return out
+
+
+def _range(name: str):
+    """A profiler range while a profiler runs, else nothing (the step's hot path)."""
+    return (record_function(name) if autograd_profiler._is_profiler_enabled
+            else nullcontext())
