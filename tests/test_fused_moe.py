@@ -62,24 +62,24 @@ def _pairs(N, E, E_global, k, pad, gen, first=None):
     key = torch.where(mine, local, E).flatten()
     sorted_key, order = torch.sort(key, stable=True)
     offs = torch.searchsorted(sorted_key, torch.arange(E), right=True, out_int32=True)
-    return order // k, sorted_key, offs, weight.flatten()[order]
+    return order // k, sorted_key, offs, weight.flatten()[order], order
 
 
 def _case(i):
     N, E, Eg, k, H, Fd, dtype, act, gated, pad, tiles = CASES[i]
     gen = torch.Generator().manual_seed(i)
-    token, sorted_key, offs, prob = _pairs(N, E, Eg, k, pad, gen)
+    token, sorted_key, offs, prob, order = _pairs(N, E, Eg, k, pad, gen)
     x = torch.randn(N, H, generator=gen).to(dtype)
     fc1 = (torch.randn(E, 2 * Fd if gated else Fd, H, generator=gen) / H ** 0.5).to(dtype)
     fc2 = (torch.randn(E, H, Fd, generator=gen) / Fd ** 0.5).to(dtype)
-    return x, token, sorted_key, offs, prob, fc1, fc2, act, gated, tiles
+    return x, token, sorted_key, offs, prob, fc1, fc2, act, gated, tiles, order
 
 
 def _interpreted() -> list[str]:
     """Run every case through the interpreted kernels; returns the failures."""
     fails = []
     for i in range(len(CASES)):
-        x, token, sorted_key, offs, prob, fc1, fc2, act, gated, tiles = _case(i)
+        x, token, sorted_key, offs, prob, fc1, fc2, act, gated, tiles, order = _case(i)
         dtype, E = x.dtype, fc1.shape[0]
         R = int(offs[-1])
         rows = len(token)
@@ -116,10 +116,15 @@ def _interpreted() -> list[str]:
             via = fm.moe_experts(x, token, offs, prob, fc1, fc2, act, gated, backend="triton")
             if not torch.equal(via, got):
                 fails.append(f"case {i}: moe_experts(backend='triton') differs")
+        # fc2 storing each sorted row at its pair's place (order): the same rows, permuted
+        sc = fm.triton_experts(x, token, offs, prob, fc1, fc2, act, gated, order=order,
+                               tiles=tiles)
+        if not torch.equal(sc[order], got):
+            fails.append(f"case {i}: the scattered fc2 is not the sorted one permuted")
     # no local pair at all (every pair another rank's): zeros; offs int64 reads the same
     gen = torch.Generator().manual_seed(99)
     x = torch.randn(6, 32, generator=gen)
-    token, sorted_key, offs, prob = _pairs(6, 4, 16, 2, 6, gen, first=0)  # all padding
+    token, sorted_key, offs, prob, _ = _pairs(6, 4, 16, 2, 6, gen, first=0)  # all padding
     fc1, fc2 = torch.randn(4, 64, 32, generator=gen), torch.randn(4, 32, 32, generator=gen)
     got = fm.triton_experts(x, token, offs.long(), prob, fc1, fc2, F.silu, True)
     if got.shape != (12, 32) or (got != 0).any():
@@ -147,10 +152,14 @@ def test_resolve_backend():
 
 
 def test_auto_on_cpu_tensors_is_the_torch_path():
-    x, token, _, offs, prob, fc1, fc2, act, gated, _ = _case(1)
+    x, token, _, offs, prob, fc1, fc2, act, gated, _, order = _case(1)
     R = int(offs[-1])  # the torch path leaves the rows past offs[-1] unwritten
     got = fm.moe_experts(x, token, offs, prob, fc1, fc2, act, gated)
-    assert torch.equal(got[:R], fm.torch_experts(x, token, offs, prob, fc1, fc2, act, gated)[:R])
+    ref = fm.torch_experts(x, token, offs, prob, fc1, fc2, act, gated)
+    assert torch.equal(got[:R], ref[:R])
+    # in the pairs' own order: sorted row r at order[r], other ranks' rows zero
+    placed = fm.moe_experts(x, token, offs, prob, fc1, fc2, act, gated, order=order)
+    assert torch.equal(placed[order][:R], ref[:R]) and (placed[order][R:] == 0).all()
     with pytest.raises(ValueError):
         fm.moe_experts(x, token, offs, prob, fc1, fc2, act, gated, backend="cutlass")
     assert fm.triton_supports(F.silu) and not fm.triton_supports(torch.tanh)

@@ -28,6 +28,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from colo_rollout.model.kernel_backend import as_dtype
 from colo_rollout.model.paged_attention import decode_attention
+from colo_rollout.model.rope_kv import rope_and_store, rotate
 from colo_rollout.model.paged_prefill import (
     plan_prefill,
     triton_available,
@@ -80,17 +81,9 @@ class RopeAngles:
 
 
 def apply_rope(t: torch.Tensor, rope: RopeAngles) -> torch.Tensor:
-    """megatron's ``_apply_rotary_pos_emb_bshd`` (not interleaved, mscale 1) on t [T, ...,
-    dim] with precomputed angles: the same elementwise ops on the same values, so bitwise the
-    same -- also when q's and k's heads go through it together."""
-    cos, sin = rope.cos_sin(t.dtype, t.dim())
-    rot = cos.shape[-1]
-    t_pass = None
-    if rot != t.shape[-1]:
-        t, t_pass = t[..., :rot], t[..., rot:]
-    x1, x2 = torch.chunk(t, 2, dim=-1)
-    t = (t * cos) + (torch.cat((-x2, x1), dim=-1) * sin)
-    return t if t_pass is None else torch.cat((t, t_pass), dim=-1)
+    """megatron's ``_apply_rotary_pos_emb_bshd`` on t [T, ..., dim] with the forward's angles
+    (model/rope_kv.py: ``rotate``)."""
+    return rotate(t, *rope.cos_sin(t.dtype, t.dim()))
 
 
 @dataclass
@@ -228,24 +221,19 @@ class PagedSelfAttention(torch.nn.Module):
         if T == 0:  # a replica without P rows this step (TE's fused norm rejects empty input)
             return x.new_zeros((0, self.linear_proj.weight.shape[0]))
         qkv, _ = self.linear_qkv(x)
-        # per query group: q_0..q_{n-1}, k, v (megatron's layout); rotate q and k in one pass
-        n = self.q_per_group
-        qkv = qkv.view(T, self.groups, n + 2, self.head_dim)
-        v = qkv[:, :, n + 1]
-        if self.q_layernorm is None:
-            qk = apply_rope(qkv[:, :, : n + 1], rope)  # [T, groups, n + 1, dim]
-            q = qk[:, :, :n].reshape(T, self.heads, self.head_dim)
-            k = qk[:, :, n]
-        else:  # normalise each head of q and k, then rotate (megatron's order)
-            q = apply_rope(self.q_layernorm(qkv[:, :, :n].reshape(T, self.heads, self.head_dim)),
-                           rope)
-            k = apply_rope(self.k_layernorm(qkv[:, :, n].contiguous()), rope)
-
-        # Write the new K/V into their slots before attending (a prefill sees its own tokens).
-        kc = kv.k[layer].view(-1, self.groups, self.head_dim)
-        vc = kv.v[layer].view(-1, self.groups, self.head_dim)
-        kc.index_copy_(0, meta.slot_mapping, as_dtype(k, kc.dtype))
-        vc.index_copy_(0, meta.slot_mapping, as_dtype(v, vc.dtype))
+        # per query group: q_0..q_{n-1}, k, v (megatron's layout)
+        n, G, D = self.q_per_group, self.groups, self.head_dim
+        qkv = qkv.view(T, G, n + 2, D)
+        q, k, v = qkv[:, :, :n], qkv[:, :, n], qkv[:, :, n + 1]
+        if self.q_layernorm is not None:  # normalise each head of q and k, then rotate
+            q = self.q_layernorm(q.reshape(T, self.heads, D)).view(T, G, n, D)
+            k = self.k_layernorm(k.contiguous())
+        # rotate q and k, and write the new K/V into their slots before attending (a prefill
+        # sees its own tokens): one Triton launch, or the torch ops (model/rope_kv.py)
+        cos, sin = rope.cos_sin(q.dtype, 2)
+        q = rope_and_store(q, k, v, cos, sin, kv.k[layer].view(-1, G, D),
+                           kv.v[layer].view(-1, G, D), meta.slot_mapping,
+                           backend=self._rope_backend(q, meta))
 
         if meta.is_prefill:
             out = self._prefill(q, kv, layer, meta)
@@ -253,6 +241,15 @@ class PagedSelfAttention(torch.nn.Module):
             out = self._decode(q, kv, layer, meta)
         out = out.reshape(T, self.heads * self.head_dim)
         return F.linear(out, self.linear_proj.weight)  # partial over ATP: caller reduces
+
+    def _rope_backend(self, q: torch.Tensor, meta: AttnMetadata) -> str:
+        """The rope-and-store kernel follows the phase's attention backend (set at model
+        build; "auto": triton for CUDA tensors when it imports)."""
+        backend = getattr(self, "prefill_backend" if meta.is_prefill else "decode_backend",
+                          "auto")
+        if backend == "auto":
+            backend = "triton" if q.is_cuda and triton_available() else "torch"
+        return backend
 
     def _gather_kv(self, kv: KVStorage, layer: int, tables: torch.Tensor):
         # tables [S, nb] -> [S, nb*block, groups, dim], expanded to query heads (GQA).

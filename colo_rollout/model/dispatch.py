@@ -47,6 +47,7 @@ import torch.distributed as dist
 from colo_rollout.runtime import parallel
 from colo_rollout.runtime.parallel import ParallelGroups
 from colo_rollout.model.fused_moe import moe_experts
+from colo_rollout.model.moe_align import align
 from colo_rollout.model.moe import COMBINE_DTYPE, GatherMoE
 
 PHASES = ("P", "D")
@@ -117,9 +118,8 @@ def route(moe: GatherMoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.shape[0] == 0:
         return (torch.zeros((0, k), dtype=torch.int64, device=x.device),
                 torch.zeros((0, k), dtype=torch.float32, device=x.device))
-    probs, routing_map = moe.router(x.unsqueeze(1))  # [n, E] each
-    chosen = routing_map.to(torch.int8).topk(k, dim=1).indices
-    return chosen, probs.gather(1, chosen).float()
+    weight, chosen = moe.route(x)
+    return chosen, weight.float()
 
 
 def local_experts(moe: GatherMoE, inp: ExpertInputs) -> torch.Tensor:
@@ -130,17 +130,14 @@ def local_experts(moe: GatherMoE, inp: ExpertInputs) -> torch.Tensor:
     rows = inp.rows
     if rows.shape[0] == 0:
         return rows.new_zeros(rows.shape)
-    sorted_key, order = torch.sort(inp.expert, stable=True)
-    offs = torch.searchsorted(sorted_key, moe._expert_ids(rows.device), right=True,
-                              out_int32=True)
+    backend = moe.kernel_for(rows)
+    # one "slot" per row: its local expert id (E: an empty slot, sorted last)
+    al = align(inp.expert.unsqueeze(1), inp.weight.float().unsqueeze(1), 0, E,
+               backend=backend, expert_ids=moe._expert_ids(rows.device))
     fc1, fc2 = moe._stacked()
-    y = moe_experts(rows, order, offs, inp.weight[order].to(torch.float32), fc1, fc2,
-                    moe.config.activation_func, moe.config.gated_linear_unit,
-                    moe.kernel_for(rows))
-    y = torch.where((sorted_key < E).unsqueeze(-1), y, 0.0)
-    out = torch.empty_like(y)
-    out.index_copy_(0, order, y)
-    return out
+    return moe_experts(rows, al.token, al.offs, al.prob, fc1, fc2,
+                       moe.config.activation_func, moe.config.gated_linear_unit, backend,
+                       order=al.order)
 
 
 class Dispatcher(abc.ABC):

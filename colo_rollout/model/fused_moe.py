@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from colo_rollout.model.kernel_backend import BACKENDS, tl, triton, triton_available  # noqa: F401
 from colo_rollout.model.kernel_backend import resolve_backend as _resolve
-from colo_rollout.model.kernel_backend import pow2, smem_per_block
+from colo_rollout.model.kernel_backend import pow2, rne_bf16, smem_per_block
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)  # what "auto" gives the kernel
 # the epilogue's activations (constexpr codes in the kernel); anything else: torch path
@@ -145,24 +145,17 @@ if triton is not None:
             v = tl.maximum(v, 0.0)
         return v
 
-    @triton.jit
-    def _rne_bf16(v):
-        """fp32 whose truncation to bf16 is the round-to-nearest-even one: the interpreter
-        truncates an fp32 -> bf16 cast, so the rounding bias is added to the bits first."""
-        bits = v.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        return bits.to(tl.float32, bitcast=True)
-
     # the row counts (a graph bucket's), the group size and E change nothing in the code:
     # never specialised on, so one compiled kernel serves every bucket
     @triton.jit(do_not_specialize=["rows", "m_blocks", "group_m", "E"])
     def _moe_gemm_kernel(
-        A, Tok, W, Offs, Prob, Out,
+        A, Tok, W, Offs, Prob, Out, Scatter,
         rows, m_blocks, group_m, n_out, k_dim, E,
         stride_am, stride_tok, stride_we, stride_wn, stride_wk, stride_om, stride_p, up_off,
         E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, GATHER: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
-        PROB: tl.constexpr, ZERO_TAIL: tl.constexpr, EVEN_K: tl.constexpr,
+        PROB: tl.constexpr, ZERO_TAIL: tl.constexpr, SCATTER: tl.constexpr,
+        EVEN_K: tl.constexpr,
         DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, RNE_BF16: tl.constexpr,
     ):
         pid = tl.program_id(0)
@@ -184,7 +177,11 @@ if triton is not None:
                 # (m_blocks - total) * BLOCK_M >= rows - offs[-1] (see row_blocks), so one
                 # block each covers them
                 r = tl.load(Offs + E - 1).to(tl.int32) + (pid_m - total) * BLOCK_M + offs_m
-                tl.store(Out + r.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
+                if SCATTER:
+                    r_out = tl.load(Scatter + r, mask=r < rows, other=0).to(tl.int64)
+                else:
+                    r_out = r.to(tl.int64)
+                tl.store(Out + r_out[:, None] * stride_om + offs_n[None, :],
                          tl.zeros([BLOCK_M, BLOCK_N], dtype=Out.dtype.element_ty),
                          mask=(r < rows)[:, None] & nmask[None, :])
             return
@@ -233,8 +230,12 @@ if triton is not None:
             p = tl.load(Prob + rows_m * stride_p, mask=mmask, other=0.0).to(tl.float32)
             acc = acc * p[:, None]
         if RNE_BF16:
-            acc = _rne_bf16(acc)
-        tl.store(Out + rows_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
+            acc = rne_bf16(acc)
+        if SCATTER:  # row r of the sorted pairs goes to its pair's place, Scatter[r]
+            out_rows = tl.load(Scatter + rows_m, mask=mmask, other=0).to(tl.int64)
+        else:
+            out_rows = rows_m.to(tl.int64)
+        tl.store(Out + out_rows[:, None] * stride_om + offs_n[None, :],
                  acc.to(Out.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
 
@@ -279,14 +280,15 @@ def fit_tile(tile: Tile, device: torch.device, esize: int, gated: bool) -> Tile:
 def moe_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, rows: int, *,
              token: torch.Tensor | None = None, prob: torch.Tensor | None = None,
              gated: bool = False, act: int = ACT_NONE, zero_tail: bool = False,
-             out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+             scatter: torch.Tensor | None = None, out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
              tile: Tile) -> torch.Tensor:
     """One grouped GEMM over ``rows`` sorted pairs: out[r] = epilogue(A[r] @ w[e(r)].T) for the
     pairs r < offs[-1] (e(r): the expert whose group holds r). A[r] = a[token[r]] (fc1) or
     a[r] (fc2, token None); w [E, n (2n if gated), K]; gated: columns [0, n) are the gate,
     [n, 2n) the up projection, epilogue act(gate) * up; prob [rows]: a per-row factor after
     the activation. ``zero_tail``: rows >= offs[-1] are written as zeros, else left as they
-    were. Host values read: shapes and strides only (graph-capturable)."""
+    were. ``scatter`` [rows]: row r is stored at out[scatter[r]] (a permutation of the rows:
+    the pairs' own order) instead of out[r]. Host values read: shapes and strides only (graph-capturable)."""
     if triton is None:
         raise RuntimeError("triton is not importable: use the torch moe kernel backend")
     E, wn, K = w.shape
@@ -310,14 +312,16 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, rows: int, *,
     prec = "ieee" if a.dtype == torch.float32 or upcast else "tf32"
     tok = token if token is not None else offs  # unused when not gathering
     pr = prob if prob is not None else offs
+    sc = scatter if scatter is not None else offs
     _moe_gemm_kernel[grid](
-        a, tok, w, offs, pr, out,
+        a, tok, w, offs, pr, out, sc,
         rows, m_blocks, tile.group_m, n_out, K, E,
         a.stride(0), tok.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
         pr.stride(0), n_out * w.stride(1),
         E_PAD=pow2(E, E_PAD_MIN), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, GATHER=token is not None, GATED=gated, ACT=act,
-        PROB=prob is not None, ZERO_TAIL=zero_tail, EVEN_K=K % tile.block_k == 0,
+        PROB=prob is not None, ZERO_TAIL=zero_tail, SCATTER=scatter is not None,
+        EVEN_K=K % tile.block_k == 0,
         DOT_PREC=prec, UPCAST=upcast, RNE_BF16=upcast and out.dtype == torch.bfloat16,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
@@ -326,11 +330,14 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, rows: int, *,
 
 def triton_experts(x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor,
                    prob: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, activation,
-                   gated: bool, *, out_dtype: torch.dtype | None = None,
+                   gated: bool, *, order: torch.Tensor | None = None,
+                   out_dtype: torch.dtype | None = None,
                    tiles: tuple[Tile, Tile] | None = None) -> torch.Tensor:
     """The Triton path; same arguments and result as ``torch_experts``, except that rows past
-    offs[-1] are zeros. ``out_dtype``: y's dtype (default x's; fp32 keeps the accumulator's
-    precision for the combine). ``tiles``: (fc1, fc2) overrides for tests and the sweep."""
+    offs[-1] are zeros. ``order``: fc2 stores sorted row r at order[r] (y in the pairs' own
+    order; no separate permute back). ``out_dtype``: y's dtype (default x's; fp32 keeps the
+    accumulator's precision for the combine). ``tiles``: (fc1, fc2) overrides for tests and
+    the sweep."""
     act = ACTIVATIONS.get(activation)
     if act is None:
         raise ValueError(f"no Triton epilogue for the activation {activation!r}")
@@ -342,16 +349,19 @@ def triton_experts(x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor,
     # the group max is offs[-1]; the kernel reads offs, so int32 and int64 both do
     h = moe_gemm(x, fc1, offs, rows, token=token, prob=prob, gated=gated, act=act,
                  tile=tiles[0])
-    return moe_gemm(h, fc2, offs, rows, zero_tail=True, out_dtype=out_dtype or x.dtype,
-                    tile=tiles[1])
+    return moe_gemm(h, fc2, offs, rows, zero_tail=True, scatter=order,
+                    out_dtype=out_dtype or x.dtype, tile=tiles[1])
 
 
 def moe_experts(x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor, prob: torch.Tensor,
                 fc1: torch.Tensor, fc2: torch.Tensor, activation, gated: bool,
-                backend: str = "auto") -> torch.Tensor:
+                backend: str = "auto", order: torch.Tensor | None = None) -> torch.Tensor:
     """The routed experts on sorted pairs: x [N, H]; token [R] (each pair's row of x, pairs
     sorted by local expert); offs [E] int32 group ends; prob [R] router probabilities;
-    fc1 [E, 2F (gated) or F, H]; fc2 [E, H, F] -> y [R, H] in x's dtype, sorted order.
+    fc1 [E, 2F (gated) or F, H]; fc2 [E, H, F] -> y [R, H] in x's dtype, sorted order -- or,
+    given ``order`` [R] (the pair index at each sorted position, a permutation), in the
+    pairs' own order with the rows of pairs past offs[-1] (other ranks' experts, padding)
+    zero.
 
     backend: "torch" (reference), "triton" (the kernel; also on CPU tensors under
     TRITON_INTERPRET=1, which the tests use), "auto" (triton on CUDA bf16/fp16 tensors when
@@ -364,8 +374,16 @@ def moe_experts(x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor, prob: 
             # a named range the profiler links the Triton launches to (bench-speed's "expert
             # GEMMs"); entered only under a profiler, never in a graph capture of serving
             with torch.profiler.record_function("colo.moe_gemm"):
-                return triton_experts(x, token, offs, prob, fc1, fc2, activation, gated)
-        return triton_experts(x, token, offs, prob, fc1, fc2, activation, gated)
+                return triton_experts(x, token, offs, prob, fc1, fc2, activation, gated,
+                                      order=order)
+        return triton_experts(x, token, offs, prob, fc1, fc2, activation, gated, order=order)
     if backend != "torch":
         raise ValueError(f"moe kernel backend must be one of {BACKENDS}, got {backend!r}")
-    return torch_experts(x, token, offs, prob, fc1, fc2, activation, gated)
+    y = torch_experts(x, token, offs, prob, fc1, fc2, activation, gated)
+    if order is None:
+        return y
+    # rows past offs[-1] are unwritten: zero them (a Python scalar: no extra launch), then
+    # each sorted row back to its pair's place
+    valid = torch.arange(y.shape[0], device=y.device) < offs[-1]
+    y = torch.where(valid.unsqueeze(-1), y, 0.0)
+    return torch.empty_like(y).index_copy_(0, order.long(), y)

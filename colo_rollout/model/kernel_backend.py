@@ -8,7 +8,8 @@ triton on CUDA when triton imports (and, where the caller says so, the dtype sui
 else torch; "triton" that cannot run is an error naming the key, never a silent fallback.
 
 Also the kernels' small shared helpers: ``pow2`` (block sizes), ``as_dtype`` (a cast that
-dispatches nothing when there is nothing to cast) and ``smem_per_block`` (what a tiling must fit).
+dispatches nothing when there is nothing to cast), ``smem_per_block`` (what a tiling must fit)
+and ``rne_bf16`` (a Triton helper: round-to-nearest-even bf16 under the interpreter too).
 
 Imports only torch (and triton when present), so a GPU check can load a kernel module alone.
 """
@@ -70,3 +71,17 @@ def smem_per_block(device: torch.device) -> int | None:
         return None
     props = torch.cuda.get_device_properties(device)
     return getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024
+
+
+rne_bf16 = None  # a Triton function where triton imports
+if triton is not None:
+
+    @triton.jit
+    def rne_bf16(v):  # noqa: F811
+        """fp32 whose truncation to bf16 is the round-to-nearest-even one: the interpreter
+        truncates an fp32 -> bf16 cast, so the rounding bias is added to the bits first (on a
+        GPU the cast rounds to nearest even already, and this changes nothing)."""
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        # zeros stay zeros (the bias would make a subnormal the interpreter rounds up)
+        return tl.where(v == 0, v, bits.to(tl.float32, bitcast=True))

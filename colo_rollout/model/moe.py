@@ -33,6 +33,7 @@ import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -45,6 +46,7 @@ from colo_rollout.model.fused_moe import (
     triton_available,
     triton_supports,
 )
+from colo_rollout.model.moe_align import align
 
 # The partial MoE outputs are summed over experts and reduced across ranks in fp32 and rounded
 # to the model dtype once, after the combine collective -- as megatron's token dispatchers do
@@ -119,6 +121,16 @@ class GatherMoE(torch.nn.Module):
         self._use_grouped: dict[tuple, bool] = {}  # (device, dtype) -> decision (constant)
         self._kernel: dict[tuple, str] = {}  # (device, dtype) -> expert GEMM backend
         self._ids: torch.Tensor | None = None
+        c = config
+        # megatron's top-k routing in its dense form ([N, k] probabilities and expert ids, as
+        # its InferenceTopKRouter computes them) where the router has nothing else to do: no
+        # sinkhorn or quantile balancing, token dropping, fused TE kernel or forced/jittered
+        # logits. The rest go through the router's own forward and its [N, E] maps.
+        self._dense_routing = (
+            self.router.routing_type not in ("sinkhorn", "quantile_balancing")
+            and c.moe_expert_capacity_factor is None and not c.moe_router_fusion
+            and not c.moe_router_force_load_balancing and c.moe_router_force_biased is None
+            and c.moe_input_jitter_eps is None)
 
     def uses_grouped(self, x: torch.Tensor) -> bool:
         key = (x.device, x.dtype)
@@ -152,12 +164,33 @@ class GatherMoE(torch.nn.Module):
         ``n_valid`` (grouped path; a 0-dim int64 tensor on x's device): only rows < n_valid are
         tokens, the rest padding -- a P graph's token bucket. Padding rows are routed (the
         router is per row) but given to no expert, and their output rows are zero."""
-        probs, routing_map = self.router(x.unsqueeze(1))  # [N, E] each
         if self.uses_grouped(x):
-            return self._grouped(x, probs, routing_map, n_valid)
+            weight, chosen = self.route(x)
+            return self._grouped(x, weight, chosen, n_valid)
         if n_valid is not None:
             raise ValueError("n_valid (padded rows) needs the grouped expert path")
+        probs, routing_map = self.router(x.unsqueeze(1))  # [N, E] each
         return self._megatron(x, probs, routing_map)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H] -> (router probabilities [N, k], chosen global expert ids [N, k]) by
+        megatron's routing: ``topk_routing_with_score_function`` in its dense form on the
+        router's own logits, else (the router configurations it does not cover, or training)
+        the router's forward with the k ids read back from its routing map."""
+        r = self.router
+        if not self._dense_routing or (r.training and torch.is_grad_enabled()):
+            probs, routing_map = r(x.unsqueeze(1))  # [N, E] each
+            # the k routed experts of each token (exactly k True per row of routing_map)
+            chosen = routing_map.to(torch.int8).topk(self.topk, dim=1).indices
+            return probs.gather(1, chosen), chosen
+        r._maintain_float32_expert_bias()
+        c = self.config
+        return topk_routing_with_score_function(
+            r.gating(x), self.topk, use_pre_softmax=c.moe_router_pre_softmax,
+            num_groups=c.moe_router_num_groups, group_topk=c.moe_router_group_topk,
+            scaling_factor=c.moe_router_topk_scaling_factor, score_function=r.score_function,
+            expert_bias=r.expert_bias, fused=False, router_replay=r.router_replay,
+            dense_output=True)
 
     def add_shared(self, out: torch.Tensor, x: torch.Tensor) -> None:
         """out [n, H] fp32 += this rank's ATP-partial shared-expert output on x [n, H] (the
@@ -189,39 +222,22 @@ class GatherMoE(torch.nn.Module):
         return out
 
     # ------------------------------------------------------------------ grouped, sync-free
-    def _grouped(self, x, probs, routing_map, n_valid=None) -> torch.Tensor:
-        k, E = self.topk, self.num_local
-        # the k routed experts of each token (exactly k True per row of routing_map)
-        chosen = routing_map.to(torch.int8).topk(k, dim=1).indices  # [N, k] global ids
-        weight = probs.gather(1, chosen)  # [N, k]
-        local = chosen - self.first_expert
-        mine = (local >= 0) & (local < E)
-        if n_valid is not None:  # padding rows go to no expert (sorted last, like other ranks')
-            rows = torch.arange(x.shape[0], device=x.device)
-            mine = mine & (rows < n_valid).unsqueeze(1)
-        key = torch.where(mine, local, E).flatten()  # other ranks' experts sort last
-        sorted_key, order = torch.sort(key, stable=True)  # expert-major, token order within
-        token = order // k
-        # group ends: how many sorted keys are <= e, for each local expert e; rows past
-        # offs[-1] (other ranks' experts) are unused
-        offs = torch.searchsorted(sorted_key, self._expert_ids(x.device), right=True,
-                                  out_int32=True)
+    def _grouped(self, x, weight, chosen, n_valid=None) -> torch.Tensor:
+        k = self.topk
+        backend = self.kernel_for(x)
+        # the pairs sorted by local expert (other ranks' experts and padding rows last, past
+        # offs[-1]; model/moe_align.py: one Triton kernel or torch's sort)
+        al = align(chosen, weight, self.first_expert, self.num_local, n_valid,
+                   backend=backend, expert_ids=self._expert_ids(x.device))
         fc1, fc2 = self._stacked()
         # fc1 -> activation -> * router prob (megatron: probs after the activation) -> fc2, on
-        # the sorted pairs (model/fused_moe.py: torch._grouped_mm or the Triton kernel)
-        backend = self.kernel_for(x)
-        y = moe_experts(x, token, offs, weight.flatten()[order], fc1, fc2,
-                        self.config.activation_func, self.config.gated_linear_unit,
-                        backend)  # [N*k, H], sorted order
-        if backend != "triton":  # the Triton kernel writes rows past offs[-1] as zeros itself
-            valid = (sorted_key < E).unsqueeze(-1)  # this rank's rows (the rest unwritten)
-            y = torch.where(valid, y, 0.0)  # a Python scalar: no extra launch
-        # combine: each pair back to its (token, slot) place, then the k slots of a token
-        # summed in fp32 -- a fixed order, so bitwise reproducible (an fp32 index_add_ is
-        # atomics on a GPU), and one bf16 read instead of an fp32 copy plus atomic adds
-        pairs = torch.empty_like(y)
-        pairs.index_copy_(0, order, y)
-        return pairs.view(-1, k, y.shape[-1]).sum(dim=1, dtype=COMBINE_DTYPE)
+        # the sorted pairs, each result row stored back at its (token, slot) place (model/
+        # fused_moe.py: torch._grouped_mm or the Triton kernel); other ranks' rows are zero
+        y = moe_experts(x, al.token, al.offs, al.prob, fc1, fc2, self.config.activation_func,
+                        self.config.gated_linear_unit, backend, order=al.order)  # [N*k, H]
+        # combine: the k slots of a token summed in fp32 -- a fixed order, so bitwise
+        # reproducible (an fp32 index_add_ is atomics on a GPU)
+        return y.view(-1, k, y.shape[-1]).sum(dim=1, dtype=COMBINE_DTYPE)
 
     def _expert_ids(self, device: torch.device) -> torch.Tensor:
         """0..E_local-1 on ``device``, made once (a constant the grouped path reads each

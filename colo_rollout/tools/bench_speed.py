@@ -415,10 +415,25 @@ class _Bench:
                 for _ in range(steps):
                     self.step(plan)
                     self.sync()
-            kernels = sum(ev.time_range.elapsed_us() for ev in prof.events()
-                          if ev.device_type == torch.autograd.DeviceType.CUDA)
-            out["graph_kernel_ms"] = kernels / steps / 1e3
+            kernels = [ev for ev in prof.events()
+                       if ev.device_type == torch.autograd.DeviceType.CUDA]
+            out["graph_kernel_ms"] = sum(ev.time_range.elapsed_us() for ev in kernels) / steps / 1e3
+            out["graph_kernels"] = kernel_table(kernels, steps)
         return out
+
+
+def kernel_table(kernels, steps: int, top: int = 20) -> dict:
+    """The replayed step's kernels: how many per step, and the ``top`` names by time (count and
+    microseconds per step) -- which kernels a fused path would remove, and what they cost."""
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for ev in kernels:
+        row = by_name[ev.name]
+        row[0] += 1
+        row[1] += ev.time_range.elapsed_us()
+    rows = sorted(by_name.items(), key=lambda kv: -kv[1][1])
+    return {"per_step": len(kernels) / steps,
+            "top": [{"name": name, "count": n / steps, "us": us / steps}
+                    for name, (n, us) in rows[:top]]}
 
 
 class _Wrapped:
@@ -756,6 +771,14 @@ def table(res: dict, cfg: Config, source: str) -> str:
         for k in kinds:
             if bd[k].get("note"):
                 lines.append(f"{k}: {bd[k]['note']}")
+        for k in kinds:
+            gk = bd[k].get("graph_kernels")
+            if not gk:
+                continue
+            lines += ["", f"{bd[k]['shape']}, replayed: {gk['per_step']:.0f} kernels per step, "
+                      f"{bd[k]['graph_kernel_ms']:.3f} ms of kernel time; the longest by name "
+                      "(per step)", f"{'count':>7} {'us':>9}  kernel"]
+            lines += [f"{r['count']:>7.0f} {r['us']:>9.1f}  {r['name'][:100]}" for r in gk["top"]]
     return "\n".join(lines)
 
 

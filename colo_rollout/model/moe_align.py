@@ -1,0 +1,156 @@
+"""Pairs sorted by local expert: the permutation between the router and the expert GEMMs.
+
+Owns ``align``: the routed (token, top-k slot) pairs of a MoE layer -> the layout the grouped
+expert GEMMs read (model/fused_moe.py) -- each pair's sorted position, its token row, the
+per-expert group ends and the router probability in sorted order. Two backends, bitwise the
+same result (a stable sort by (local expert, pair index)):
+
+  * ``torch``: a stable ``torch.sort`` of the keys, ``searchsorted`` for the group ends and a
+    gather of the probabilities (the reference; ~10 kernels, the sort's radix passes the
+    costliest: 28 us per layer at 1024 pairs on an H200);
+  * ``triton``: one kernel. Each program ranks a block of pairs by counting, over all pairs,
+    those with a smaller key or an equal key and a smaller index (O(P^2) compares, spread over
+    the programs: nothing to synchronise, so one launch); the same pass counts the keys <= e
+    for a block of experts (the group ends). Host values read: shapes only, so a CUDA graph
+    replays it with new routing. Used up to ``TRITON_MAX_PAIRS`` pairs (decode, short
+    prefill); past that the quadratic count costs more than the sort.
+
+Keys: a pair routed to local expert e (global id - first_expert, in [0, E)) has key e; pairs
+routed to other ranks' experts and the padding rows of a P graph's bucket (token >= n_valid)
+have key E and sort last, past offs[-1].
+
+Imports only torch (and triton when present): no megatron.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from colo_rollout.model.kernel_backend import tl, triton
+
+# past this many pairs the Triton kernel's P^2 / programs compares cost more than torch's sort
+# (H200: ~10 us at 8192 pairs against the sort's ~50 us)
+TRITON_MAX_PAIRS = 16384
+_BLOCK_I = 64  # pairs ranked per program
+_BLOCK_J = 64  # pairs compared per loop step
+_BLOCK_E = 16  # experts whose group ends a program counts
+
+
+@dataclass(frozen=True)
+class Aligned:
+    """The sorted layout of R = N x k pairs (pair index p = token * k + slot)."""
+
+    order: torch.Tensor  # [R] the pair index at each sorted position
+    token: torch.Tensor  # [R] the token row (of x) at each sorted position
+    offs: torch.Tensor  # [E] int32 group ends: positions < offs[e] hold experts <= e
+    prob: torch.Tensor  # [R] each sorted pair's router probability (the weights' dtype)
+
+
+def torch_align(chosen: torch.Tensor, weight: torch.Tensor, first: int, experts: int,
+                n_valid: torch.Tensor | None = None,
+                expert_ids: torch.Tensor | None = None) -> Aligned:
+    """The reference: chosen [N, k] global expert ids, weight [N, k] router probabilities;
+    this rank's experts are [first, first + experts); ``n_valid`` (0-dim int64 on the device):
+    rows >= n_valid are padding. ``expert_ids``: 0..experts-1 on the device (a cached
+    constant; made here when absent)."""
+    k = chosen.shape[1]
+    local = chosen - first
+    mine = (local >= 0) & (local < experts)
+    if n_valid is not None:
+        rows = torch.arange(chosen.shape[0], device=chosen.device)
+        mine = mine & (rows < n_valid).unsqueeze(1)
+    key = torch.where(mine, local, experts).flatten()
+    sorted_key, order = torch.sort(key, stable=True)
+    if expert_ids is None:
+        expert_ids = torch.arange(experts, device=chosen.device)
+    offs = torch.searchsorted(sorted_key, expert_ids, right=True, out_int32=True)
+    return Aligned(order, order // k, offs, weight.flatten()[order])
+
+
+def triton_align(chosen: torch.Tensor, weight: torch.Tensor, first: int, experts: int,
+                 n_valid: torch.Tensor | None = None) -> Aligned:
+    """``torch_align`` in one Triton launch (int32 order and token). CPU tensors run under
+    TRITON_INTERPRET=1 only (the tests)."""
+    if triton is None:
+        raise RuntimeError("triton is not importable: use the torch moe kernel backend")
+    n, k = chosen.shape
+    pairs = n * k
+    if not chosen.is_contiguous():
+        chosen = chosen.contiguous()
+    if not weight.is_contiguous():
+        weight = weight.contiguous()
+    dev = chosen.device
+    order = torch.empty(pairs, dtype=torch.int32, device=dev)
+    token = torch.empty(pairs, dtype=torch.int32, device=dev)
+    prob = torch.empty(pairs, dtype=weight.dtype, device=dev)
+    offs = torch.empty(experts, dtype=torch.int32, device=dev)
+    grid = (max(triton.cdiv(pairs, _BLOCK_I), triton.cdiv(experts, _BLOCK_E)),)
+    nv = n_valid if n_valid is not None else offs  # unread without HAS_NVALID
+    _align_kernel[grid](
+        chosen, weight, nv, order, token, prob, offs, pairs, first, experts,
+        K=k, HAS_NVALID=n_valid is not None,
+        BLOCK_I=_BLOCK_I, BLOCK_J=_BLOCK_J, BLOCK_E=_BLOCK_E, num_warps=4,
+    )
+    return Aligned(order, token, offs, prob)
+
+
+def use_triton(backend: str, pairs: int) -> bool:
+    """Whether ``align`` takes the kernel for a layer whose expert GEMMs run on ``backend``
+    ("torch" or "triton", resolved) with ``pairs`` pairs (a host shape)."""
+    return backend == "triton" and triton is not None and pairs <= TRITON_MAX_PAIRS
+
+
+def align(chosen: torch.Tensor, weight: torch.Tensor, first: int, experts: int,
+          n_valid: torch.Tensor | None = None, *, backend: str = "torch",
+          expert_ids: torch.Tensor | None = None) -> Aligned:
+    """The sorted layout of the pairs (see the module docstring): the kernel when
+    ``use_triton(backend, pairs)``, else the torch reference."""
+    if use_triton(backend, chosen.numel()):
+        return triton_align(chosen, weight, first, experts, n_valid)
+    return torch_align(chosen, weight, first, experts, n_valid, expert_ids)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _pair_keys(Chosen, NValid, idx, pairs, first, E, K: tl.constexpr,
+                   HAS_NVALID: tl.constexpr):
+        """Sort keys of the pairs ``idx``: the local expert, E for other ranks' experts and
+        padding rows, E + 1 past the last pair (never counted as smaller or equal)."""
+        inside = idx < pairs
+        local = tl.load(Chosen + idx, mask=inside, other=0).to(tl.int32) - first
+        mine = (local >= 0) & (local < E)
+        if HAS_NVALID:
+            mine = mine & ((idx // K) < tl.load(NValid).to(tl.int32))
+        key = tl.where(mine, local, E)
+        return tl.where(inside, key, E + 1)
+
+    # the pair and expert counts change nothing in the code: one compiled kernel per top-k
+    @triton.jit(do_not_specialize=["pairs", "first", "E"])
+    def _align_kernel(Chosen, Weight, NValid, Order, Token, Prob, Offs, pairs, first, E,
+                      K: tl.constexpr, HAS_NVALID: tl.constexpr, BLOCK_I: tl.constexpr,
+                      BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr):
+        pid = tl.program_id(0)
+        i = pid * BLOCK_I + tl.arange(0, BLOCK_I)
+        ki = _pair_keys(Chosen, NValid, i, pairs, first, E, K, HAS_NVALID)
+        e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
+        counts_ends = pid * BLOCK_E < E
+        ranks_pairs = pid * BLOCK_I < pairs
+        rank = tl.zeros([BLOCK_I], dtype=tl.int32)
+        ends = tl.zeros([BLOCK_E], dtype=tl.int32)
+        for j0 in range(0, pairs, BLOCK_J):
+            j = j0 + tl.arange(0, BLOCK_J)
+            kj = _pair_keys(Chosen, NValid, j, pairs, first, E, K, HAS_NVALID)
+            if ranks_pairs:  # stable: smaller key, or the same key at a smaller index
+                before = ((kj[None, :] < ki[:, None])
+                          | ((kj[None, :] == ki[:, None]) & (j[None, :] < i[:, None])))
+                rank += tl.sum(before.to(tl.int32), axis=1)
+            if counts_ends:
+                ends += tl.sum((kj[None, :] <= e[:, None]).to(tl.int32), axis=1)
+        ok = i < pairs
+        tl.store(Order + rank, i, mask=ok)
+        tl.store(Token + rank, i // K, mask=ok)
+        tl.store(Prob + rank, tl.load(Weight + i, mask=ok, other=0.0), mask=ok)
+        tl.store(Offs + e, ends, mask=e < E)
