@@ -8,12 +8,11 @@ same result (a stable sort by (local expert, pair index)):
   * ``torch``: a stable ``torch.sort`` of the keys, ``searchsorted`` for the group ends and a
     gather of the probabilities (the reference; ~10 kernels, the sort's radix passes the
     costliest: 28 us per layer at 1024 pairs on an H200);
-  * ``triton``: one kernel. Each program ranks a block of pairs by counting, over all pairs,
-    those with a smaller key or an equal key and a smaller index (O(P^2) compares, spread over
-    the programs: nothing to synchronise, so one launch); the same pass counts the keys <= e
-    for a block of experts (the group ends). Host values read: shapes only, so a CUDA graph
-    replays it with new routing. Used up to ``TRITON_MAX_PAIRS`` pairs (decode, short
-    prefill); past that the quadratic count costs more than the sort.
+  * ``triton``: one kernel of one program: a bitonic sort (``tl.sort``) of the unique
+    composites key * P_PAD + pair (so the order of equal keys is the pairs' own), the group
+    ends a histogram's running sum. Host values read: shapes only, so a CUDA graph replays it
+    with new routing. Used up to ``TRITON_MAX_PAIRS`` pairs (decode, short prefill), which one
+    program's registers hold.
 
 Keys: a pair routed to local expert e (global id - first_expert, in [0, E)) has key e; pairs
 routed to other ranks' experts and the padding rows of a P graph's bucket (token >= n_valid)
@@ -28,14 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
-from colo_rollout.model.kernel_backend import tl, triton
+from colo_rollout.model.kernel_backend import pow2, tl, triton
 
-# past this many pairs the Triton kernel's P^2 / programs compares cost more than torch's sort
-# (H200: ~10 us at 8192 pairs against the sort's ~50 us)
-TRITON_MAX_PAIRS = 16384
-_BLOCK_I = 64  # pairs ranked per program
-_BLOCK_J = 64  # pairs compared per loop step
-_BLOCK_E = 16  # experts whose group ends a program counts
+# the kernel sorts in one program (its registers hold every pair): past this many pairs
+# torch's multi-block radix sort is the better tool
+TRITON_MAX_PAIRS = 8192
 
 
 @dataclass(frozen=True)
@@ -86,12 +82,15 @@ def triton_align(chosen: torch.Tensor, weight: torch.Tensor, first: int, experts
     token = torch.empty(pairs, dtype=torch.int32, device=dev)
     prob = torch.empty(pairs, dtype=weight.dtype, device=dev)
     offs = torch.empty(experts, dtype=torch.int32, device=dev)
-    grid = (max(triton.cdiv(pairs, _BLOCK_I), triton.cdiv(experts, _BLOCK_E)),)
+    if pairs == 0:
+        offs.zero_()
+        return Aligned(order, token, offs, prob)
+    p_pad = pow2(pairs, 16)
     nv = n_valid if n_valid is not None else offs  # unread without HAS_NVALID
-    _align_kernel[grid](
+    _align_kernel[(1,)](
         chosen, weight, nv, order, token, prob, offs, pairs, first, experts,
-        K=k, HAS_NVALID=n_valid is not None,
-        BLOCK_I=_BLOCK_I, BLOCK_J=_BLOCK_J, BLOCK_E=_BLOCK_E, num_warps=4,
+        K=k, HAS_NVALID=n_valid is not None, P_PAD=p_pad, E_BINS=pow2(experts + 2, 16),
+        num_warps=4 if p_pad <= 1024 else (8 if p_pad <= 4096 else 16),
     )
     return Aligned(order, token, offs, prob)
 
@@ -128,29 +127,20 @@ if triton is not None:
         return tl.where(inside, key, E + 1)
 
     # the pair and expert counts change nothing in the code: one compiled kernel per top-k
+    # and power-of-two bucket of pairs
     @triton.jit(do_not_specialize=["pairs", "first", "E"])
     def _align_kernel(Chosen, Weight, NValid, Order, Token, Prob, Offs, pairs, first, E,
-                      K: tl.constexpr, HAS_NVALID: tl.constexpr, BLOCK_I: tl.constexpr,
-                      BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr):
-        pid = tl.program_id(0)
-        i = pid * BLOCK_I + tl.arange(0, BLOCK_I)
-        ki = _pair_keys(Chosen, NValid, i, pairs, first, E, K, HAS_NVALID)
-        e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
-        counts_ends = pid * BLOCK_E < E
-        ranks_pairs = pid * BLOCK_I < pairs
-        rank = tl.zeros([BLOCK_I], dtype=tl.int32)
-        ends = tl.zeros([BLOCK_E], dtype=tl.int32)
-        for j0 in range(0, pairs, BLOCK_J):
-            j = j0 + tl.arange(0, BLOCK_J)
-            kj = _pair_keys(Chosen, NValid, j, pairs, first, E, K, HAS_NVALID)
-            if ranks_pairs:  # stable: smaller key, or the same key at a smaller index
-                before = ((kj[None, :] < ki[:, None])
-                          | ((kj[None, :] == ki[:, None]) & (j[None, :] < i[:, None])))
-                rank += tl.sum(before.to(tl.int32), axis=1)
-            if counts_ends:
-                ends += tl.sum((kj[None, :] <= e[:, None]).to(tl.int32), axis=1)
+                      K: tl.constexpr, HAS_NVALID: tl.constexpr, P_PAD: tl.constexpr,
+                      E_BINS: tl.constexpr):
+        i = tl.arange(0, P_PAD)
+        key = _pair_keys(Chosen, NValid, i, pairs, first, E, K, HAS_NVALID)  # <= E + 1
+        # one sort of unique (key, pair) composites: the stable order by key
+        src = tl.sort(key * P_PAD + i) % P_PAD
         ok = i < pairs
-        tl.store(Order + rank, i, mask=ok)
-        tl.store(Token + rank, i // K, mask=ok)
-        tl.store(Prob + rank, tl.load(Weight + i, mask=ok, other=0.0), mask=ok)
+        tl.store(Order + i, src, mask=ok)
+        tl.store(Token + i, src // K, mask=ok)
+        tl.store(Prob + i, tl.load(Weight + src, mask=ok, other=0.0), mask=ok)
+        # group ends: keys <= e, counted by a histogram (E_BINS > E + 1: every key in range)
+        ends = tl.cumsum(tl.histogram(key, E_BINS), 0)
+        e = tl.arange(0, E_BINS)
         tl.store(Offs + e, ends, mask=e < E)

@@ -290,19 +290,42 @@ class _Bench:
         return times
 
     def experts_touched(self, plan: StepPlan) -> list[int]:
-        """Distinct experts of each MoE layer's routing map in one eager run of ``plan``."""
+        """Distinct experts each MoE layer routes to in one eager run of ``plan``: read from
+        ``GatherMoE.route``'s expert ids (the grouped path) or the router's routing map (the
+        megatron path; the router's own calls from inside ``route`` are not counted twice)."""
         counts: list[torch.Tensor] = []
+        inside_route = [False]
 
         def hook(_mod, _args, out):
-            counts.append(out[1].reshape(-1, out[1].shape[-1]).any(0).sum())
+            if not inside_route[0]:
+                counts.append(out[1].reshape(-1, out[1].shape[-1]).any(0).sum())
+
+        def counting(moe):
+            inner = moe.route
+
+            def route(x):
+                inside_route[0] = True
+                try:
+                    weight, chosen = inner(x)
+                finally:
+                    inside_route[0] = False
+                seen = torch.zeros(moe.num_experts, dtype=torch.bool, device=chosen.device)
+                counts.append(seen.index_fill_(0, chosen.flatten(), True).sum())
+                return weight, chosen
+
+            return route
 
         hooks = [moe.router.register_forward_hook(hook) for moe in self.model.moe_layers()]
+        for moe in self.model.moe_layers():
+            moe.route = counting(moe)  # an instance attribute over the method, removed below
         try:
             with _eager(self.runner):
                 self.step(plan)
         finally:
             for h in hooks:
                 h.remove()
+            for moe in self.model.moe_layers():
+                del moe.route
         return [int(c) for c in counts]
 
     # ------------------------------------------------------------------ shapes
