@@ -50,6 +50,7 @@ from colo_rollout.model.comm import GatherComm
 from colo_rollout.model.dispatch import new_dispatchers
 from colo_rollout.model.fused_moe import resolve_backend as resolve_moe_kernel
 from colo_rollout.model.paged_attention import resolve_backend
+from colo_rollout.model.residual import add_rounded
 from colo_rollout.model.paged_prefill import resolve_backend as resolve_prefill_backend
 from colo_rollout.model.moe import GatherMoE, mlp_partial
 from colo_rollout.runtime.parallel import ParallelGroups
@@ -295,6 +296,8 @@ class InferenceGPT(torch.nn.Module):
         # the grouped MoE path's expert GEMMs (engine.moe_kernel): torch._grouped_mm or the
         # Triton fused-MoE kernel ("auto": triton on CUDA for bf16/fp16 models)
         self.moe_kernel = resolve_moe_kernel(moe_kernel, groups.device, dtype)
+        # the residual add of the fp32 MLP/MoE partials (model/residual.py) follows it
+        self.residual_kernel = self.moe_kernel
         lay = groups.layout
         self.cfg = cfg
         self.groups = groups
@@ -464,7 +467,7 @@ class InferenceGPT(torch.nn.Module):
                     layer.mlp.add_shared(partial[own], layer.pre_mlp_layernorm(h[own]))
                 yield boundary
                 boundary += 1
-                h = h + comm.p_allreduce(partial).to(h.dtype)  # combine in fp32, then round
+                h = add_rounded(h, comm.p_allreduce(partial), self.residual_kernel)  # fp32 combine, round
             else:  # dense MLP on this replica's rows, gathered like attention
                 partial = layer.dense_partial(layer.pre_mlp_layernorm(h[own]))
                 yield boundary
@@ -498,16 +501,16 @@ class InferenceGPT(torch.nn.Module):
             attn = layer.self_attention(x, rope, inp.attn, kv, i)
             res = res + comm.d_reduce_scatter_atp(attn)
             if layer.is_moe and self.dispatch_d is not None:  # all-to-all of this chunk
-                res = res + self._dispatch_decode_moe(i, layer, res).to(res.dtype)
+                res = add_rounded(res, self._dispatch_decode_moe(i, layer, res), self.residual_kernel)
             elif layer.is_moe:
                 u = comm.d_all_gather_full(layer.pre_mlp_layernorm(res))
                 partial = layer.mlp(u)
                 if layer.mlp.shared_experts is not None:
                     layer.mlp.add_shared(partial[own], u[own])
-                res = res + comm.d_reduce_scatter_full(partial).to(res.dtype)  # fp32 combine
+                res = add_rounded(res, comm.d_reduce_scatter_full(partial), self.residual_kernel)  # fp32 combine
             else:  # dense: the replica's rows, ATP gather and reduce-scatter like attention
                 x = comm.d_all_gather_atp(layer.pre_mlp_layernorm(res))
-                res = res + comm.d_reduce_scatter_atp(layer.dense_partial(x)).to(res.dtype)
+                res = add_rounded(res, comm.d_reduce_scatter_atp(layer.dense_partial(x)), self.residual_kernel)
         x = comm.d_all_gather_atp(self.decoder.final_layernorm(res))
         shard = F.linear(x, self.output_weight)
         return comm.d_all_gather_vocab(shard)
