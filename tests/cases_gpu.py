@@ -384,6 +384,16 @@ def gpu_memory_phases(rank: int, world: int, adp: int, ep: int) -> dict:
     return res
 
 
+class _Unroute:
+    """Removes a wrapped ``route`` (the instance attribute over GatherMoE's method)."""
+
+    def __init__(self, moe) -> None:
+        self.moe = moe
+
+    def remove(self) -> None:
+        del self.moe.route
+
+
 def gpu_layer_errors(rank: int, world: int, adp: int, ep: int, moe_compute: str = "auto",
                      backend: str = "nccl", prefill_attention: str = "batched") -> dict:
     """Diagnosis of bf16 error growth: the residual stream after every attention and MoE block
@@ -416,7 +426,33 @@ def gpu_layer_errors(rank: int, world: int, adp: int, ep: int, moe_compute: str 
             for layer in layers]
         return maps, hooks
 
-    emaps, ehooks = hook_routers(engine.model.decoder.layers)
+    def hook_engine_routes(layers) -> tuple[list[torch.Tensor], list]:
+        """The engine's routing maps [N, E], read from GatherMoE.route's expert ids (its
+        grouped path routes without the router's forward; the other path calls it)."""
+        maps: list[torch.Tensor] = []
+        hooked = []
+        for layer in layers:
+            moe = layer.mlp
+            inner = moe.route
+
+            def route(x, inner=inner, moe=moe):
+                weight, chosen = inner(x)
+                maps.append(torch.zeros(x.shape[0], moe.num_experts, dtype=torch.bool,
+                                        device=x.device).scatter_(1, chosen, True))
+                return weight, chosen
+
+            moe.route = route
+            hooked.append(moe)
+        uses_route = [m.uses_grouped(torch.zeros(1, device=groups.device,
+                                                 dtype=m.router.weight.dtype))
+                      for m in hooked]
+        if all(uses_route):
+            return maps, [_Unroute(m) for m in hooked]
+        for m in hooked:
+            del m.route
+        return hook_routers(layers)
+
+    emaps, ehooks = hook_engine_routes(engine.model.decoder.layers)
     engine.model.trace = []
     engine.generate([Request("x", prompt, SamplingParams(max_tokens=1, ignore_eos=True))])
     eng = engine.model.trace

@@ -47,7 +47,6 @@ from colo_rollout.model.fused_moe import (
     triton_supports,
 )
 from colo_rollout.model.moe_align import align
-from colo_rollout.model import router_kernel
 
 # The partial MoE outputs are summed over experts and reduced across ranks in fp32 and rounded
 # to the model dtype once, after the combine collective -- as megatron's token dispatchers do
@@ -132,12 +131,6 @@ class GatherMoE(torch.nn.Module):
             and c.moe_expert_capacity_factor is None and not c.moe_router_fusion
             and not c.moe_router_force_load_balancing and c.moe_router_force_biased is None
             and c.moe_input_jitter_eps is None)
-        # decode-sized routing in one Triton launch (model/router_kernel.py) where the kernel
-        # covers the router and the experts run on Triton too
-        self._router_kernel = self._dense_routing and c.moe_router_dtype != "fp64" \
-            and router_kernel.supports(self.router.score_function, self.topk,
-                                       self.num_experts, c.moe_router_num_groups,
-                                       c.moe_router_group_topk, None)
 
     def uses_grouped(self, x: torch.Tensor) -> bool:
         key = (x.device, x.dtype)
@@ -182,9 +175,8 @@ class GatherMoE(torch.nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] -> (router probabilities [N, k], chosen global expert ids [N, k]) by
         megatron's routing: ``topk_routing_with_score_function`` in its dense form on the
-        router's own logits (decode-sized rows on the Triton path: the same routing in one
-        kernel, model/router_kernel.py), else (the router configurations it does not cover,
-        or training) the router's forward with the k ids read back from its routing map."""
+        router's own logits, else (the router configurations it does not cover, or training)
+        the router's forward with the k ids read back from its routing map."""
         r = self.router
         if not self._dense_routing or (r.training and torch.is_grad_enabled()):
             probs, routing_map = r(x.unsqueeze(1))  # [N, E] each
@@ -193,13 +185,6 @@ class GatherMoE(torch.nn.Module):
             return probs.gather(1, chosen), chosen
         r._maintain_float32_expert_bias()
         c = self.config
-        if (self._router_kernel and r.router_replay is None
-                and x.shape[0] <= router_kernel.MAX_ROWS and self.kernel_for(x) == "triton"):
-            return router_kernel.route_rows(
-                x, r.weight, r.bias, r.expert_bias, self.topk, score_function=r.score_function,
-                pre_softmax=c.moe_router_pre_softmax,
-                scaling_factor=c.moe_router_topk_scaling_factor,
-                router_dtype=torch.float32 if c.moe_router_dtype == "fp32" else x.dtype)
         return topk_routing_with_score_function(
             r.gating(x), self.topk, use_pre_softmax=c.moe_router_pre_softmax,
             num_groups=c.moe_router_num_groups, group_topk=c.moe_router_group_topk,
