@@ -32,7 +32,10 @@ from colo_rollout.model.kernel_backend import pow2, tl, triton
 # the kernel sorts in one program: past this many pairs torch's multi-block radix sort is the
 # better tool (H200: the kernel 1.5 us at 8 pairs and 9 us at 1024, where torch's sort took
 # 28 us; 186 us at 8192, where torch's took 48)
-TRITON_MAX_PAIRS = 2048
+TRITON_MAX_PAIRS = 1024
+# the sort's widths: three compiled variants (a few rows, tens, a hundred), so no shape met
+# while serving compiles a new one (``warm`` compiles them at model build)
+_WIDTHS = (64, 256, TRITON_MAX_PAIRS)
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,7 @@ def triton_align(chosen: torch.Tensor, weight: torch.Tensor, first: int, experts
     if pairs == 0:
         offs.zero_()
         return Aligned(order, token, offs, prob)
-    p_pad = pow2(pairs, 16)
+    p_pad = next(w for w in _WIDTHS if pairs <= w)
     nv = n_valid if n_valid is not None else offs  # unread without HAS_NVALID
     _align_kernel[(1,)](
         chosen, weight, nv, order, token, prob, offs, pairs, first, experts,
@@ -94,6 +97,19 @@ def triton_align(chosen: torch.Tensor, weight: torch.Tensor, first: int, experts
         num_warps=4 if p_pad <= 1024 else (8 if p_pad <= 4096 else 16),
     )
     return Aligned(order, token, offs, prob)
+
+
+def warm(topk: int, experts: int, device: torch.device, weight_dtype: torch.dtype) -> None:
+    """Compile the kernel's variants for a layer (every width, with and without padding rows)
+    now, at model build: a first compile while serving stalls the host for a second."""
+    if triton is None or device.type != "cuda":
+        return
+    for width in _WIDTHS:
+        rows = max(1, width // topk)
+        chosen = torch.zeros((rows, topk), dtype=torch.int64, device=device)
+        weight = torch.zeros((rows, topk), dtype=weight_dtype, device=device)
+        for n_valid in (None, torch.tensor(rows, device=device)):
+            triton_align(chosen, weight, 0, experts, n_valid)
 
 
 def use_triton(backend: str, pairs: int) -> bool:
