@@ -1,4 +1,4 @@
-"""GRPO objective on hand-made numbers."""
+"""GRPO objective and the mismatch correction on hand-made numbers."""
 
 from __future__ import annotations
 
@@ -6,7 +6,18 @@ import math
 
 import torch
 
-from colo_rollout.rl.grpo import clipped_loss, group_advantages, ppo_advantages, value_loss
+import pytest
+
+from colo_rollout.config import ConfigError
+from colo_rollout.config.schema import RLConfig
+from colo_rollout.rl.grpo import (
+    MismatchCorrection,
+    clipped_loss,
+    group_advantages,
+    mismatch_metrics,
+    ppo_advantages,
+    value_loss,
+)
 
 
 def test_group_advantages_normalise_within_groups():
@@ -66,3 +77,64 @@ def test_per_token_advantages_in_clipped_loss():
     logp = torch.log(torch.tensor([[0.5, 0.5]]))
     adv = torch.tensor([[1.0, -1.0]])
     assert float(clipped_loss(logp, logp, adv, torch.ones(1, 2))) == 0.0  # ratio 1: -mean(A)
+
+
+# trainer and rollout logprobs of 2 trajectories x 3 tokens; the last token of row 1 is masked
+TRAIN = torch.log(torch.tensor([[0.5, 0.2, 0.9], [0.3, 0.6, 0.1]]))
+ROLL = torch.log(torch.tensor([[0.5, 0.05, 0.6], [0.6, 0.6, 0.7]]))
+MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])
+
+
+def test_token_truncated_weights_are_the_ratio_capped():
+    w, kept = MismatchCorrection("token", "truncate", cap=2.0).weights(TRAIN, ROLL, MASK)
+    # ratios 1, 4, 1.5 ; 0.5, 1, (masked: log-ratio zeroed -> 1)
+    assert torch.allclose(w, torch.tensor([[1.0, 2.0, 1.5], [0.5, 1.0, 1.0]]))
+    assert torch.equal(kept, MASK.bool())
+
+
+def test_token_masked_weights_drop_tokens_outside_the_band():
+    w, kept = MismatchCorrection("token", "mask", cap=2.0, floor=0.6).weights(TRAIN, ROLL, MASK)
+    assert torch.equal(w, torch.ones_like(TRAIN))
+    assert kept.tolist() == [[True, False, True], [False, True, False]]
+
+
+def test_sequence_level_is_the_geometric_mean_over_generated_tokens():
+    w, _ = MismatchCorrection("sequence", "truncate", cap=10.0).weights(TRAIN, ROLL, MASK)
+    g0 = (1.0 * 4.0 * 1.5) ** (1 / 3)
+    g1 = (0.5 * 1.0) ** (1 / 2)  # the masked token does not count
+    assert torch.allclose(w, torch.tensor([[g0] * 3, [g1] * 3]), rtol=1e-5)
+    _, kept = MismatchCorrection("sequence", "mask", cap=1.5).weights(TRAIN, ROLL, MASK)
+    assert kept.tolist() == [[False] * 3, [True, True, False]]  # row 0 (1.82) out whole
+
+
+def test_weighted_loss_scales_each_tokens_gradient_by_its_weight():
+    new = TRAIN.clone().requires_grad_(True)
+    adv = torch.tensor([1.0, -1.0])
+    w, kept = MismatchCorrection("token").weights(new, ROLL, MASK)
+    loss = clipped_loss(new, new.detach(), adv, MASK * kept, weights=w)
+    loss.backward()
+    # ratio exp(new - new.detach()) is 1 with gradient 1: d loss / d new = -w * A / n_tokens
+    want = -(w * adv[:, None] * MASK) / MASK.sum()
+    assert torch.allclose(new.grad, want)
+    assert not w.requires_grad
+
+
+def test_mismatch_metrics():
+    got = mismatch_metrics(TRAIN, ROLL, MASK, clip=0.2)
+    d = torch.log(torch.tensor([1.0, 4.0, 1.5, 0.5, 1.0]))
+    assert math.isclose(got["logprob_gap_max"], math.log(4.0), rel_tol=1e-6)
+    assert math.isclose(got["mismatch_kl_k1"], float(-d.mean()), rel_tol=1e-6)
+    assert math.isclose(got["mismatch_kl_k3"], float((d.exp() - d - 1).mean()), rel_tol=1e-5)
+    assert math.isclose(got["mismatch_clip_frac"], 3 / 5)  # 4, 1.5 and 0.5 outside [0.8, 1.2]
+    w, kept = MismatchCorrection("token", cap=2.0).weights(TRAIN, ROLL, MASK)
+    got = mismatch_metrics(TRAIN, ROLL, MASK, 0.2, w, kept, cap=2.0)
+    assert math.isclose(got["is_weight_max"], 2.0) and math.isclose(got["is_corrected_frac"], 0.2)
+    identical = mismatch_metrics(TRAIN, TRAIN, MASK, 0.2)
+    assert identical["mismatch_kl_k3"] == 0.0 and identical["mismatch_clip_frac"] == 0.0
+
+
+@pytest.mark.parametrize("key,value", [("is_level", "tokens"), ("is_mode", "clip"),
+                                       ("is_cap", 1.0), ("is_floor", 1.0)])
+def test_correction_keys_are_checked(key, value):
+    with pytest.raises(ConfigError, match=f"rl.{key}"):
+        RLConfig(**{key: value})

@@ -11,12 +11,16 @@ CFG = "configs/grpo_cpu.yaml"
 
 # grpo releases the engine's memory while training, weights discarded and refilled by the
 # sync: the logprob gap below would be O(1) if any inference weight were not refilled
-@pytest.mark.parametrize("algorithm,release", [("grpo", "discard"), ("ppo", "off")])
-def test_reward_rises_and_logprobs_agree(worker_groups, tmp_path, algorithm, release):
+# ppo also runs the mismatch correction (token-level truncated IS): fp32 here, so its weights
+# stay at ~1 and the task is learnt as without it
+@pytest.mark.parametrize("algorithm,release,is_level", [("grpo", "discard", "none"),
+                                                        ("ppo", "off", "token")])
+def test_reward_rises_and_logprobs_agree(worker_groups, tmp_path, algorithm, release, is_level):
     res = worker_groups(2).run("colo_rollout.rl.train:run_train", timeout=600, config_path=CFG,
                                overrides={"rl.out_dir": str(tmp_path),
                                           "rl.algorithm": algorithm,
-                                          "rl.release_memory": release}, quiet=True)
+                                          "rl.release_memory": release,
+                                          "rl.is_level": is_level}, quiet=True)
     h = res[0]["history"]
     assert len(h) == 20
     assert [x["reward"] for x in res[1]["history"]] == [x["reward"] for x in h]  # replicated
@@ -34,6 +38,11 @@ def test_reward_rises_and_logprobs_agree(worker_groups, tmp_path, algorithm, rel
         assert all("mem_engine_released" in x for x in h)
     if algorithm == "ppo":  # the value head learns the (rising) return
         assert all("value_loss" in x for x in h)
+    assert all(x["mismatch_kl_k3"] < 1e-8 and x["mismatch_clip_frac"] == 0.0 for x in h)
+    if is_level != "none":
+        assert all(abs(x["is_weight_mean"] - 1) < 1e-4 and x["is_corrected_frac"] == 0.0
+                   for x in h)
+        assert all("is_weight_mean" in r for r in rows)
 
 
 def test_train_from_a_hf_checkpoint_and_export(worker_groups, tmp_path):

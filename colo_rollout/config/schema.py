@@ -687,6 +687,16 @@ class RLConfig:
     clip: float = 0.2
     # Weight of the KL term to the initial (reference) policy; 0 = off.
     kl_coef: float = 0.0
+    # Train/inference mismatch correction (rl/grpo.py: MismatchCorrection): importance weights
+    # w = pi_trainer / pi_rollout of the sampled tokens. "none": the rollout's logprobs are
+    # PPO's old policy (the ratio clip absorbs the mismatch); "token": a weight per token;
+    # "sequence": one per trajectory (the geometric mean over its generated tokens).
+    is_level: str = "none"
+    # "truncate": weights capped at is_cap (truncated IS); "mask": tokens (or trajectories)
+    # whose weight is outside [is_floor, is_cap] are left out of the loss (masked IS).
+    is_mode: str = "truncate"
+    is_cap: float = 2.0
+    is_floor: float = 0.0
     # Trainer tensor-parallel width (trainer DP = world / trainer_tp); may differ from the
     # inference layout: weights are resharded after every step. Only 1 for now (issue 18).
     trainer_tp: int = 1
@@ -724,6 +734,13 @@ class RLConfig:
         _require_min(self, ("seed", "target_token"), 0)
         _require(self.lr > 0, "rl.lr", f"must be > 0, got {self.lr}")
         _require(0 < self.clip < 1, "rl.clip", f"must be in (0, 1), got {self.clip}")
+        _require(self.is_level in ("none", "token", "sequence"), "rl.is_level",
+                 f"must be none, token or sequence, got {self.is_level!r}")
+        _require(self.is_mode in ("truncate", "mask"), "rl.is_mode",
+                 f"must be truncate or mask, got {self.is_mode!r}")
+        _require(self.is_cap > 1, "rl.is_cap", f"must be > 1 (a weight cap), got {self.is_cap}")
+        _require(0 <= self.is_floor < 1, "rl.is_floor",
+                 f"must be in [0, 1) (the mask's lower bound), got {self.is_floor}")
         _require(self.kl_coef >= 0, "rl.kl_coef", f"must be >= 0, got {self.kl_coef}")
         _require(self.temperature > 0, "rl.temperature",
                  f"must be > 0 for exploration, got {self.temperature}")

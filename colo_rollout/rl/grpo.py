@@ -1,10 +1,13 @@
 """Policy-gradient math: GRPO group-relative advantages, PPO token advantages from a value
-baseline, the clipped policy-ratio loss and the value loss. Pure torch.
+baseline, the clipped policy-ratio loss, the value loss, and the train/inference mismatch
+correction (truncated or masked importance sampling) with its metrics. Pure torch.
 
 Owns the objective only (no models, no processes), so it is unit-tested on hand-made numbers.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -26,15 +29,18 @@ def group_advantages(rewards: list[float], groups: list[int], eps: float = 1e-6)
 
 def clipped_loss(new_logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
                  mask: torch.Tensor, clip: float = 0.2, kl_coef: float = 0.0,
-                 ref_logp: torch.Tensor | None = None) -> torch.Tensor:
-    """-mean over masked tokens of min(ratio * A, clip(ratio, 1-e, 1+e) * A) [+ kl_coef * KL].
+                 ref_logp: torch.Tensor | None = None,
+                 weights: torch.Tensor | None = None) -> torch.Tensor:
+    """-mean over masked tokens of w * min(ratio * A, clip(ratio, 1-e, 1+e) * A)
+    [+ kl_coef * KL].
 
-    new/old/ref_logp, mask: [B, T]; adv: [B] (one advantage per trajectory). KL uses the k3
-    estimator exp(ref - new) - (ref - new) - 1 (non-negative, unbiased)."""
+    new/old/ref_logp, mask: [B, T]; adv: [B] (one advantage per trajectory) or [B, T];
+    ``weights`` [B, T] (no gradient): the mismatch correction's importance weights w (None:
+    1). KL uses the k3 estimator exp(ref - new) - (ref - new) - 1 (non-negative, unbiased)."""
     ratio = torch.exp(new_logp - old_logp)
     a = adv[:, None] if adv.dim() == 1 else adv  # per trajectory (GRPO) or per token (PPO)
     obj = torch.minimum(ratio * a, torch.clamp(ratio, 1 - clip, 1 + clip) * a)
-    per_tok = -obj
+    per_tok = -obj if weights is None else -weights * obj
     if kl_coef and ref_logp is not None:
         d = ref_logp - new_logp
         per_tok = per_tok + kl_coef * (torch.exp(d) - d - 1)
@@ -58,3 +64,62 @@ def ppo_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tens
 def value_loss(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     m = mask.to(values.dtype)
     return (((values - returns) ** 2) * m).sum() / m.sum().clamp(min=1)
+
+
+@dataclass(frozen=True)
+class MismatchCorrection:
+    """Importance sampling between the policy that sampled the tokens (the rollout engine's
+    numbers) and the trainer's numbers for the same weights (``rl.is_level``, ``is_mode``,
+    ``is_cap``, ``is_floor``): w = pi_trainer / pi_rollout of each sampled token --
+    ``token`` level -- or, per trajectory, the geometric mean over its generated tokens --
+    ``sequence`` level. ``truncate`` caps w at ``cap`` (truncated IS); ``mask`` leaves out of
+    the loss the tokens (or trajectories) whose w is outside [floor, cap] and weighs the rest
+    by 1 (masked IS). With a correction, PPO's old policy is the trainer's own logprobs, so the
+    ratio clip sees the update and the weight sees the mismatch."""
+
+    level: str  # "token" | "sequence"
+    mode: str = "truncate"  # "truncate" | "mask"
+    cap: float = 2.0
+    floor: float = 0.0
+
+    def weights(self, trainer_logp: torch.Tensor, rollout_logp: torch.Tensor,
+                mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """trainer/rollout logp, mask [B, T] -> (weights [B, T], kept [B, T] bool): the
+        weight of each token in the loss and whether it stays in; no gradient."""
+        m = mask.to(torch.float64)
+        log_w = (trainer_logp.detach() - rollout_logp).to(torch.float64) * m
+        if self.level == "sequence":  # geometric mean over the trajectory's tokens
+            n = m.sum(dim=1, keepdim=True).clamp(min=1)
+            log_w = (log_w.sum(dim=1, keepdim=True) / n).expand_as(log_w)
+        w = torch.exp(log_w)
+        if self.mode == "truncate":
+            return torch.clamp(w, max=self.cap).to(trainer_logp.dtype), mask.bool()
+        kept = mask.bool() & (w <= self.cap) & (w >= self.floor)
+        return torch.ones_like(trainer_logp), kept
+
+
+def mismatch_metrics(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor,
+                     mask: torch.Tensor, clip: float, weights: torch.Tensor | None = None,
+                     kept: torch.Tensor | None = None, cap: float | None = None) -> dict:
+    """Per-step numbers of the train/inference mismatch over the masked (generated) tokens:
+    the logprob gap's max and mean, KL(rollout || trainer) by the k1 and k3 estimators on the
+    rollout's samples, the share of tokens whose ratio trainer/rollout falls outside PPO's clip
+    band (what the uncorrected loss clips), and with a correction the weights' mean and max
+    and the share truncated (weight at the cap) or masked out."""
+    m = mask.bool()
+    n = max(int(m.sum()), 1)
+    d = (trainer_logp.detach() - rollout_logp).double()[m]  # log(pi_train / pi_rollout)
+    ratio = torch.exp(d)
+    out = {"logprob_gap_max": float(d.abs().max()) if d.numel() else 0.0,
+           "logprob_gap_mean": float(d.abs().sum() / n),
+           "mismatch_kl_k1": float(-d.sum() / n),
+           "mismatch_kl_k3": float((ratio - d - 1).sum() / n),
+           "mismatch_clip_frac": int(((ratio < 1 - clip) | (ratio > 1 + clip)).sum()) / n}
+    if weights is not None:
+        w = weights.double()[m]
+        out["is_weight_mean"] = float(w.sum() / n)
+        out["is_weight_max"] = float(w.max()) if w.numel() else 0.0
+        dropped = int((~kept[m]).sum()) if kept is not None else 0
+        at_cap = int((w >= cap).sum()) if cap is not None else 0
+        out["is_corrected_frac"] = (at_cap + dropped) / n
+    return out

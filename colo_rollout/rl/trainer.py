@@ -19,7 +19,14 @@ import torch.distributed as dist
 from colo_rollout.config import Config
 from colo_rollout.checkpoint.loader import megatron_loader
 from colo_rollout.model.megatron_gpt import build_reference, singleton_pg_collection
-from colo_rollout.rl.grpo import clipped_loss, group_advantages, ppo_advantages, value_loss
+from colo_rollout.rl.grpo import (
+    MismatchCorrection,
+    clipped_loss,
+    group_advantages,
+    mismatch_metrics,
+    ppo_advantages,
+    value_loss,
+)
 from colo_rollout.rl.rollout import Trajectory
 
 
@@ -83,6 +90,10 @@ class Trainer:
                                          lr=cfg.rl.lr, weight_decay=0.0)
             self._megatron_opt = False
         self.device = device
+        rl = cfg.rl
+        # the mismatch correction (None: the rollout's logprobs are PPO's old policy)
+        self.correction = (None if rl.is_level == "none" else MismatchCorrection(
+            rl.is_level, rl.is_mode, rl.is_cap, rl.is_floor))
         self.value_head = None
         if cfg.rl.algorithm == "ppo":
             # PPO's baseline: a linear value head on the final hidden states (trainer only;
@@ -146,17 +157,29 @@ class Trainer:
         new, valid = self.token_logprobs(batch)
         new = new[:, :T]
         m = lmask * valid[:, :T]
-        gap = ((new.detach() - old).abs() * m)
+        clip = self.cfg.rl.clip
+        # PPO's old policy and the importance weights (rl/grpo.py: MismatchCorrection): one
+        # update per rollout, so the trainer's old logprobs are this forward's, detached
+        weights, base = None, old
+        corr = self.correction
+        if corr is not None:
+            weights, kept = corr.weights(new, old, m)
+            base = new.detach()
+            metrics = mismatch_metrics(new, old, m, clip, weights, kept,
+                                       corr.cap if corr.mode == "truncate" else None)
+            m = m * kept
+        else:
+            metrics = mismatch_metrics(new, old, m, clip)
         extra = {}
         if self.value_head is None:
-            loss = clipped_loss(new, old, adv, m, clip=self.cfg.rl.clip)
+            loss = clipped_loss(new, base, adv, m, clip=clip, weights=weights)
         else:
             # hidden [S, B, H] (megatron is sequence-first): V(h_j) scores the token at j+1
             h = self._hidden.transpose(0, 1)[:, :-1][:, :T].float()
             values = self.value_head(h)[..., 0]
             tok_adv, returns = ppo_advantages(rewards, values.detach(), m)
             v_loss = value_loss(values, returns, m)
-            loss = clipped_loss(new, old, tok_adv, m, clip=self.cfg.rl.clip) \
+            loss = clipped_loss(new, base, tok_adv, m, clip=clip, weights=weights) \
                 + self.cfg.rl.vf_coef * v_loss
             extra = {"value_loss": float(v_loss.detach())}
         # every DP rank contributes its share: scale so the all-reduce sum is the mean
@@ -178,5 +201,4 @@ class Trainer:
                     dist.all_reduce(p.grad, group=self.pgc.dp)
                     p.grad /= self.dp
             self.opt.step()
-        return {"loss": float(loss.detach()), "logprob_gap_max": float(gap.max()),
-                "logprob_gap_mean": float(gap.sum() / m.sum().clamp(min=1)), **extra}
+        return {"loss": float(loss.detach()), **metrics, **extra}
