@@ -13,14 +13,18 @@ CFG = "configs/grpo_cpu.yaml"
 # sync: the logprob gap below would be O(1) if any inference weight were not refilled
 # ppo also runs the mismatch correction (token-level truncated IS): fp32 here, so its weights
 # stay at ~1 and the task is learnt as without it
-@pytest.mark.parametrize("algorithm,release,is_level", [("grpo", "discard", "none"),
-                                                        ("ppo", "off", "token")])
-def test_reward_rises_and_logprobs_agree(worker_groups, tmp_path, algorithm, release, is_level):
+# grpo also replays the rollout's routing in the trainer (engine.record_routing on)
+@pytest.mark.parametrize("algorithm,release,is_level,replay", [
+    ("grpo", "discard", "none", True), ("ppo", "off", "token", False)])
+def test_reward_rises_and_logprobs_agree(worker_groups, tmp_path, algorithm, release, is_level,
+                                         replay):
     res = worker_groups(2).run("colo_rollout.rl.train:run_train", timeout=600, config_path=CFG,
                                overrides={"rl.out_dir": str(tmp_path),
                                           "rl.algorithm": algorithm,
                                           "rl.release_memory": release,
-                                          "rl.is_level": is_level}, quiet=True)
+                                          "rl.is_level": is_level,
+                                          "engine.record_routing": replay,
+                                          "rl.routing_replay": replay}, quiet=True)
     h = res[0]["history"]
     assert len(h) == 20
     assert [x["reward"] for x in res[1]["history"]] == [x["reward"] for x in h]  # replicated
@@ -43,6 +47,9 @@ def test_reward_rises_and_logprobs_agree(worker_groups, tmp_path, algorithm, rel
         assert all(abs(x["is_weight_mean"] - 1) < 1e-4 and x["is_corrected_frac"] == 0.0
                    for x in h)
         assert all("is_weight_mean" in r for r in rows)
+    if replay:  # fp32: the trainer's own routing is the rollout's, so replay changes nothing
+        assert all(x["routing_disagree_frac"] == 0.0 and x["logprob_gap_max_no_replay"] < 1e-4
+                   for x in h)
 
 
 def test_train_from_a_hf_checkpoint_and_export(worker_groups, tmp_path):

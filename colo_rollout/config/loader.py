@@ -95,6 +95,18 @@ class Config:
             f"world_size {par.world_size} (expert TP {par.etp} is not supported by it)",
         )
         _require(
+            not engine.record_routing or model.moe_dispatch == "gather",
+            "engine.record_routing",
+            f"not supported with model.moe_dispatch {model.moe_dispatch!r} yet: the gather "
+            "backend is the one where every rank routes every replica's tokens",
+        )
+        _require(
+            not self.rl.routing_replay or engine.record_routing,
+            "rl.routing_replay",
+            "needs engine.record_routing: true (the rollout must record what the trainer "
+            "replays)",
+        )
+        _require(
             model.num_experts % par.ep == 0,
             "model.num_experts",
             f"{model.num_experts} is not divisible by parallel.ep {par.ep}",

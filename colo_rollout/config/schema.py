@@ -327,6 +327,10 @@ class EngineConfig:
     decode_buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
     # Token id that ends a sequence; null = never stop on EOS.
     eos_token_id: int | None = None
+    # Routing replay's rollout side: record the top-k expert ids of every token at every MoE
+    # layer, in P and in D (D graphs write them to static buffers); rollout() returns them per
+    # trajectory (Trajectory.routing) for rl.routing_replay.
+    record_routing: bool = False
     # Scheduling mode; one of ENGINE_MODES.
     mode: str = "normal"
     # fine mode: boundary intervals P may advance per turnstile round ("fixed"), chosen per
@@ -697,6 +701,9 @@ class RLConfig:
     is_mode: str = "truncate"
     is_cap: float = 2.0
     is_floor: float = 0.0
+    # Routing replay ("R3"): the trainer routes every token to the experts the rollout engine
+    # chose for it (engine.record_routing must be on), in forward and in backward recompute.
+    routing_replay: bool = False
     # Trainer tensor-parallel width (trainer DP = world / trainer_tp); may differ from the
     # inference layout: weights are resharded after every step. Only 1 for now (issue 18).
     trainer_tp: int = 1

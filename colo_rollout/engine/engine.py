@@ -34,6 +34,7 @@ from colo_rollout.runtime.control import ControlError, ControlPlane, Message
 from colo_rollout.worker.memory import WEIGHT_POLICIES, MemoryReport
 from colo_rollout.runtime.parallel import ParallelGroups
 from colo_rollout.sched.plan import Phase, Sampled, StepPlan
+from colo_rollout.engine.routing_store import RoutingStore
 from colo_rollout.engine.recorder import Recorder
 from colo_rollout.sched.planner import pick_bucket
 from colo_rollout.worker.prefill_graph import MAX_TOKENS as PREFILL_GRAPH_MAX_TOKENS
@@ -87,6 +88,10 @@ class Engine:
         self.load_stats = worker.load_stats  # checkpoint load time and bytes
         lay = groups.layout
         self.scheduler = Scheduler(cfg.engine, lay.adp, lay.atp, cfg.model.vocab_size)
+        m = cfg.model
+        self.routes = (RoutingStore(sum(1 for i in range(m.num_layers) if m.is_moe_layer(i)),
+                                    m.moe_router_topk, m.num_experts)
+                       if cfg.engine.record_routing else None)
         # the mode, typed (engine/strategy.py): what differs between the ladder's rungs
         self.strategy = strategy_for(cfg.engine, self.model.boundaries_per_prefill)
         self.pd = self.strategy.pd
@@ -285,6 +290,7 @@ class Engine:
         with self.recorder.clock("resolve"):
             self._last_sampled = [x for p in out.pending
                                   for x in p.resolve(self._wait_s, "D tokens")]
+            self._store_routing(out.pending)
         self._last_plan = plan if plan.phase is not Phase.IDLE else None
         if self._p_out is not None:
             if not out.pending:  # nothing else to do this step: wait for P rather than spin
@@ -292,7 +298,30 @@ class Engine:
             if self._p_out.done():
                 self._outbox.p_sampled = _to_wire(
                     self._p_out.resolve(self._wait_s, "P epoch"))
+                self._store_routing([self._p_out])
                 self._p_out = None
+
+    def _store_routing(self, pending) -> None:
+        """The runs' recorded expert ids (engine.record_routing) into the routing store, by
+        the request's session (else its id); rows of lifetimes no longer admitted (cancelled)
+        are dropped."""
+        if self.routes is None:
+            return
+        for p in pending:
+            if p.routing is None:
+                continue
+            for lifetime, first, ids in p.routing.resolve(self._wait_s):
+                seq = self.scheduler.seqs.get(lifetime)
+                if seq is not None:
+                    req = seq.request
+                    self.routes.add(req.session or req.request_id, first, ids)
+
+    def take_routing(self, key: str):
+        """The recorded expert ids of a trajectory (a session id, or the id of a request
+        without one): [positions, MoE layers, k] for its positions 0 .. n-1 (every token that
+        was an input; engine/routing_store.py), forgotten here; None when nothing was
+        recorded (engine.record_routing off, or an unknown key)."""
+        return self.routes.take(key) if self.routes is not None else None
 
     def host_seconds(self) -> dict[str, float]:
         """Host time of this rank since the engine was made (engine/recorder.py)."""

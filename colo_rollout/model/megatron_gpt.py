@@ -64,9 +64,12 @@ def tp_pg_collection(tp_group) -> ProcessGroupCollection:
 def build_reference(cfg: ModelConfig,
                     full_state: dict[str, torch.Tensor] | Callable[[torch.nn.Module], None],
                     pg_collection: ProcessGroupCollection, device: torch.device,
-                    dtype: torch.dtype | None = None, te: bool = False) -> torch.nn.Module:
+                    dtype: torch.dtype | None = None, te: bool = False,
+                    routing_replay: bool = False) -> torch.nn.Module:
     """``te``: build megatron's Transformer Engine layer spec (grouped-GEMM experts, fused
     norm+qkv) instead of the local spec; ``full_state`` may use either spec's names.
+    ``routing_replay``: megatron's ``moe_enable_routing_replay`` (every router gets a
+    ``RouterReplay``; the trainer sets what it replays, rl/trainer.py).
 
     With a TP group of size t in ``pg_collection`` (see ``tp_pg_collection``) the model is
     megatron's TP-t model: its forward is collective over that group, and each rank loads its
@@ -90,6 +93,7 @@ def build_reference(cfg: ModelConfig,
         ps._set_global_memory_buffer()
     tp = pg_collection.tp.size()
     tcfg = megatron_config(cfg, dtype=dtype, init=False, use_te=te, tp=tp, etp=tp)
+    tcfg.moe_enable_routing_replay = routing_replay
     model = build_gpt_model(cfg, tcfg, te, pg_collection)
     if callable(full_state):  # straight into the parameters on their device
         model = model.to(device)

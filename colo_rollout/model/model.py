@@ -298,6 +298,9 @@ class InferenceGPT(torch.nn.Module):
         self.moe_kernel = resolve_moe_kernel(moe_kernel, groups.device, dtype)
         # the residual add of the fp32 MLP/MoE partials (model/residual.py) follows it
         self.residual_kernel = self.moe_kernel
+        # routing replay's record (model/routing_record.py), set by the worker when
+        # engine.record_routing is on; None: the routers write nothing
+        self.routing = None
         lay = groups.layout
         self.cfg = cfg
         self.groups = groups
@@ -392,7 +395,14 @@ class InferenceGPT(torch.nn.Module):
         """MoE layer i's routed experts on the residual stream h [N, H] (all replicas' rows):
         this rank's fp32 partial. Shared experts are added by the caller on its own rows."""
         layer = self.decoder.layers[i]
-        return layer.mlp(layer.pre_mlp_layernorm(h))
+        return layer.mlp(layer.pre_mlp_layernorm(h), record=self.route_record("P", i,
+                                                                              h.shape[0]))
+
+    def route_record(self, phase: str, i: int, rows: int) -> torch.Tensor | None:
+        """Where MoE layer i's router writes the expert ids of ``rows`` rows of ``phase`` (the
+        routing record's slot, model/routing_record.py), or None when nothing is recorded."""
+        rec = self.routing
+        return None if rec is None else rec.view(phase, i, rows)
 
     @torch.inference_mode()
     def prefill_segments(self, inp: PrefillInputs, kv: KVStorage,
@@ -504,7 +514,7 @@ class InferenceGPT(torch.nn.Module):
                 res = add_rounded(res, self._dispatch_decode_moe(i, layer, res), self.residual_kernel)
             elif layer.is_moe:
                 u = comm.d_all_gather_full(layer.pre_mlp_layernorm(res))
-                partial = layer.mlp(u)
+                partial = layer.mlp(u, record=self.route_record("D", i, u.shape[0]))
                 if layer.mlp.shared_experts is not None:
                     layer.mlp.add_shared(partial[own], u[own])
                 res = add_rounded(res, comm.d_reduce_scatter_full(partial), self.residual_kernel)  # fp32 combine

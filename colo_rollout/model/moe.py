@@ -158,18 +158,24 @@ class GatherMoE(torch.nn.Module):
             self._kernel[key] = got
         return got
 
-    def forward(self, x: torch.Tensor, n_valid: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, n_valid: torch.Tensor | None = None,
+                record: torch.Tensor | None = None) -> torch.Tensor:
         """x [N, H] (all replicas' tokens) -> this rank's partial MoE output [N, H], fp32.
 
         ``n_valid`` (grouped path; a 0-dim int64 tensor on x's device): only rows < n_valid are
         tokens, the rest padding -- a P graph's token bucket. Padding rows are routed (the
-        router is per row) but given to no expert, and their output rows are zero."""
+        router is per row) but given to no expert, and their output rows are zero.
+        ``record`` [N, k] (routing replay): the rows' chosen expert ids are written into it."""
         if self.uses_grouped(x):
             weight, chosen = self.route(x)
+            if record is not None:
+                record.copy_(chosen)
             return self._grouped(x, weight, chosen, n_valid)
         if n_valid is not None:
             raise ValueError("n_valid (padded rows) needs the grouped expert path")
         probs, routing_map = self.router(x.unsqueeze(1))  # [N, E] each
+        if record is not None:
+            record.copy_(routing_map.to(torch.int8).topk(self.topk, dim=1).indices)
         return self._megatron(x, probs, routing_map)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

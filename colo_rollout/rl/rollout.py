@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 from colo_rollout.engine.engine import Engine
 from colo_rollout.sched.request import FinishReason, Request, RequestError, SamplingParams
@@ -50,6 +50,10 @@ class Trajectory:
     error: str | None = None
     turns: int = 0
     weight_version: int = 0
+    # engine.record_routing: the experts each token was routed to, [n, MoE layers, k]
+    # (uint8, or int16 past 256 experts) for positions 0..n-1 -- every token that was an
+    # input (n = len(tokens) - 1 for a finished trajectory); rl.routing_replay replays them
+    routing: Any = None
 
     def _append(self, tokens: list[int], logprobs: list[float] | None) -> None:
         self.tokens += tokens
@@ -162,6 +166,8 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
     engine.step()  # collective on every rank: flushes the leader's last session closes
     while engine.busy():
         engine.step()
+    for sid, t in trajs.items():  # every rank recorded the same routing (gather backend)
+        t.routing = engine.take_routing(sid)
     return list(trajs.values())
 
 

@@ -69,7 +69,8 @@ class Trainer:
         self.pgc = trainer_pg_collection(world, self.tp)
         weights = state_dict if state_dict is not None else megatron_loader(
             cfg.model, self.pgc.tp.size(), self.pgc.tp.rank())
-        model = build_reference(cfg.model, weights, self.pgc, device)
+        model = build_reference(cfg.model, weights, self.pgc, device,
+                                routing_replay=cfg.rl.routing_replay)
         self.module = model  # megatron GPTModel (or Float16Module), what WeightSync reads
         self.module.train()
         if device.type == "cuda":
@@ -122,10 +123,90 @@ class Trainer:
         dist.barrier()
         return files
 
-    def token_logprobs(self, trajs: list[Trajectory]) -> tuple[torch.Tensor, torch.Tensor]:
+    def routers(self) -> list:
+        """The model's MoE routers in layer order (megatron TopKRouter modules)."""
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        return [m for m in self.module.modules() if isinstance(m, TopKRouter)]
+
+    def replay_routing(self, trajs: list[Trajectory], length: int) -> None:
+        """Routing replay: every router of the next forward routes each token to the experts
+        the rollout engine chose for it (``Trajectory.routing``: [positions, MoE layers, k]).
+        Positions the rollout never computed -- a trajectory's last token, the batch's
+        padding -- route to experts 0..k-1: their outputs reach no loss term (causal
+        attention, per-token experts). Megatron's ``RouterReplay`` gathers the router's own
+        scores at the replayed ids, so the probabilities still train the router."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        routers = self.routers()
+        k, B = self.cfg.model.moe_router_topk, len(trajs)
+        E = self.cfg.model.num_experts
+        ids = torch.arange(k, dtype=torch.long).repeat(length, B, len(routers), 1)
+        for b, t in enumerate(trajs):
+            r = t.routing
+            if r is None:
+                raise ValueError(f"routing replay: trajectory (group {t.group}, sample "
+                                 f"{t.sample}) has no recorded routing (engine.record_routing "
+                                 "off, or it failed before any forward)")
+            if r.shape[1:] != (len(routers), k) or r.shape[0] > length:
+                raise ValueError(f"routing replay: recorded routing {tuple(r.shape)} does not "
+                                 f"fit the trainer's {len(routers)} MoE layers x top-{k} for "
+                                 f"{len(t.tokens)} tokens")
+            got = torch.from_numpy(r.astype("int64"))
+            if got.numel() and int(got.max()) >= E:
+                raise ValueError(f"routing replay: an expert id {int(got.max())} >= the "
+                                 f"trainer's {E} experts")
+            ids[: r.shape[0], b] = got
+        # megatron's router sees [S, B] tokens flattened sequence-first: row = s * B + b
+        for j, router in enumerate(routers):
+            rep = router.router_replay
+            rep.clear_indices()
+            rep.set_target_indices(ids[:, :, j].reshape(length * B, k).to(self.device))
+            rep.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def own_routing(self, trajs: list[Trajectory]) -> tuple[torch.Tensor, float]:
+        """The trainer's forward without replay (no gradient): (its logprobs [B, T-1], the
+        share of (token, MoE layer) routing decisions -- top-k sets -- that differ from the
+        rollout's recorded ones). What replay corrects, measured each step."""
+        maps: list[torch.Tensor] = []
+        hooks = [r.register_forward_hook(lambda _m, _a, out: maps.append(out[1].detach()))
+                 for r in self.routers()]
+        try:
+            with torch.no_grad():
+                logp, _ = self.token_logprobs(trajs, replay=False)
+        finally:
+            for h in hooks:
+                h.remove()
+        B, E = len(trajs), self.cfg.model.num_experts
+        differ = total = 0
+        for j, m in enumerate(maps):
+            m = m.view(-1, B, E)  # megatron's rows: s * B + b
+            for b, t in enumerate(trajs):
+                r = t.routing
+                if r is None or r.shape[0] == 0:
+                    continue
+                ids = torch.from_numpy(r[:, j].astype("int64")).to(m.device)
+                want = torch.zeros((r.shape[0], E), dtype=torch.bool, device=m.device)
+                want.scatter_(1, ids, True)
+                differ += int((want != m[: r.shape[0], b]).any(dim=1).sum())
+                total += r.shape[0]
+        return logp, differ / max(total, 1)
+
+    def end_replay(self) -> None:
+        for router in self.routers():
+            if router.router_replay is not None:
+                router.router_replay.clear_router_replay_action()
+                router.router_replay.clear_indices()
+
+    def token_logprobs(self, trajs: list[Trajectory],
+                       replay: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """log p(token_t | tokens_<t) under the trainer for every position t >= 1, padded:
-        returns (logp [B, T-1], valid [B, T-1])."""
+        returns (logp [B, T-1], valid [B, T-1]). ``replay`` (default ``rl.routing_replay``):
+        the forward routes as the rollout did (``replay_routing``)."""
         L = max(len(t.tokens) for t in trajs)
+        replay = self.cfg.rl.routing_replay if replay is None else replay
+        if replay:
+            self.replay_routing(trajs, L)
         ids = torch.zeros(len(trajs), L, dtype=torch.long, device=self.device)
         valid = torch.zeros(len(trajs), L - 1, dtype=torch.bool, device=self.device)
         for i, t in enumerate(trajs):
@@ -133,7 +214,13 @@ class Trainer:
             valid[i, : len(t.tokens) - 1] = True
         pos = torch.arange(L, device=self.device)[None].expand(len(trajs), L)
         mask = torch.triu(torch.ones(L, L, dtype=torch.bool, device=self.device), 1)
-        logits = self.ddp(ids, pos, attention_mask=mask[None, None]).float()
+        try:
+            logits = self.ddp(ids, pos, attention_mask=mask[None, None]).float()
+        finally:
+            if replay:
+                # backward recomputes nothing here (no activation recompute): the forward's
+                # saved tensors hold the replayed routing
+                self.end_replay()
         logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
         return logp, valid
 
@@ -151,6 +238,15 @@ class Trainer:
             n = len(t.tokens) - 1
             old[i, :n] = torch.tensor(t.logprobs[1:], device=self.device)
             lmask[i, :n] = torch.tensor(t.loss_mask[1:], device=self.device, dtype=torch.float)
+        replay_stats = {}
+        if self.cfg.rl.routing_replay:  # the mismatch replay removes, measured without it
+            own, differ = self.own_routing(batch)
+            own = own[:, :T]
+            gap = (own - old).abs() * lmask
+            replay_stats = {"routing_disagree_frac": differ,
+                            "logprob_gap_max_no_replay": float(gap.max()),
+                            "logprob_gap_mean_no_replay":
+                                float(gap.sum() / lmask.sum().clamp(min=1))}
         if self._megatron_opt:
             self.ddp.zero_grad_buffer()
         self.opt.zero_grad()
@@ -201,4 +297,4 @@ class Trainer:
                     dist.all_reduce(p.grad, group=self.pgc.dp)
                     p.grad /= self.dp
             self.opt.step()
-        return {"loss": float(loss.detach()), **metrics, **extra}
+        return {"loss": float(loss.detach()), **metrics, **replay_stats, **extra}

@@ -78,3 +78,9 @@ class Pending:
     def get(self, timeout_s: float | None = None, what: str = "device->host copy") -> list[list]:
         self.wait(timeout_s, what)
         return [h.tolist() for h in self._host]
+
+    def tensors(self, timeout_s: float | None = None,
+                what: str = "device->host copy") -> list[torch.Tensor]:
+        """The host copies as tensors (no Python lists: large copies stay cheap to read)."""
+        self.wait(timeout_s, what)
+        return list(self._host)

@@ -102,7 +102,8 @@ class PrefillMoEGraphs:
     def _block(self, i: int, T: int) -> None:
         layer = self.model.decoder.layers[i]
         x = layer.pre_mlp_layernorm(self._in[:T])
-        self._out[:T].copy_(layer.mlp(x, n_valid=self._n))
+        self._out[:T].copy_(layer.mlp(x, n_valid=self._n,
+                                      record=self.model.route_record("P", i, T)))
 
     @torch.inference_mode()
     def _capture(self, i: int, T: int) -> torch.cuda.CUDAGraph:

@@ -15,6 +15,8 @@ the other's GPU work (the engine resolves them at the end of its step).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from colo_rollout.model.attention import AttnMetadata, prefill_buckets
@@ -42,18 +44,36 @@ def _marker(device: torch.device) -> torch.cuda.Event | None:
     return ev
 
 
+@dataclass
+class RoutingRows:
+    """A phase run's recorded expert ids (model/routing_record.py) on their way to the host,
+    and whose they are: ``rows`` (lifetime, first position, count, first buffer row) -- every
+    replica's rows, on every rank (the gather backend routes them all everywhere)."""
+
+    pending: Pending
+    rows: list[tuple[int, int, int, int]]
+
+    def resolve(self, timeout_s: float | None = None):
+        """[(lifetime, first position, ids [count, MoE layers, k] int16)]."""
+        ids = self.pending.tensors(timeout_s, "recorded routing")[0]  # [L, rows, k]
+        return [(lt, pos, ids[:, b : b + n].transpose(0, 1)) for lt, pos, n, b in self.rows]
+
+
 class PendingSampled:
     """Sampled tokens of one phase run, their device->host copy in flight. A rank without
     tokens to return (not a replica leader, or no rows) holds a CUDA event at the end of the
-    run instead, so ``done``/``wait`` still tell when its GPU work finished."""
+    run instead, so ``done``/``wait`` still tell when its GPU work finished. ``routing``: the
+    run's recorded expert ids (engine.record_routing), on every rank."""
 
     def __init__(self, lifetimes: list[int] = (), pending: Pending | None = None,
-                 marker: torch.cuda.Event | None = None, packed: bool = False) -> None:
+                 marker: torch.cuda.Event | None = None, packed: bool = False,
+                 routing: RoutingRows | None = None) -> None:
         self.lifetimes = list(lifetimes)
         # (tokens [n], logprobs [n]); ``packed``: one [2, n] float64 (a D graph's greedy rows)
         self._pending = pending
         self._packed = packed
         self._marker = marker
+        self.routing = routing
 
     def done(self) -> bool:
         if self._pending is not None:
@@ -106,6 +126,7 @@ class ModelRunner:
         self.prefill_graph_tokens = prefill_graph_tokens
         self.prefill_graphs = self._new_prefill_graphs()
         self._epoch = None  # the in-flight P epoch's segment generator (PD mode)
+        self._epoch_plan = None
         self._epoch_items = ()
         self._at: int | None = None
 
@@ -175,8 +196,33 @@ class ModelRunner:
             with self.route.mark("P"):
                 logits = self.model.forward_prefill(self._prefill_inputs(plan), self.kv,
                                                     self._moe_block())
-                return self._sample(logits, plan.replicas[self.groups.replica].prefill)
+                out = self._sample(logits, plan.replicas[self.groups.replica].prefill)
+                out.routing = self._p_routing(plan)
+                return out
         return self.run_decode(plan)
+
+    def _p_routing(self, plan: StepPlan) -> RoutingRows | None:
+        """P's recorded ids: every replica's items, their tokens in the order P's rows hold
+        them (replica by replica)."""
+        rec = self.model.routing
+        if rec is None:
+            return None
+        rows, off = [], 0
+        for w in plan.replicas:
+            for p in w.prefill:
+                rows.append((p.lifetime, p.start, len(p.tokens), off))
+                off += len(p.tokens)
+        return RoutingRows(rec.read("P", off), rows)
+
+    def _d_routing(self, plan: StepPlan) -> RoutingRows | None:
+        """D's recorded ids: replica r's rows sit at [r * bucket, r * bucket + rows)."""
+        rec = self.model.routing
+        if rec is None:
+            return None
+        B = plan.bucket
+        rows = [(d.lifetime, d.position, 1, r * B + j)
+                for r, w in enumerate(plan.replicas) for j, d in enumerate(w.decode)]
+        return RoutingRows(rec.read("D", B * len(plan.replicas)), rows)
 
     def run_decode(self, plan: StepPlan, epoch: int = -1) -> PendingSampled:
         """One D iteration over the plan's D rows (every rank; padding where a replica has
@@ -186,14 +232,18 @@ class ModelRunner:
             rows = plan.replicas[self.groups.replica].decode
             if self.graphs is None:
                 logits = self.model.forward_decode(self._decode_inputs(*host), self.kv)
-                return self._sample(logits, rows)
-            g = self.graphs.run(*host, plan.table_blocks)
-            if (self.groups.is_replica_leader and rows
-                    and all(d.params.greedy for d in rows)):
-                # greedy rows were sampled inside the graph: one copy brings them back
-                return PendingSampled([d.lifetime for d in rows],
-                                      Pending(g.packed[:, : len(rows)]), packed=True)
-            return self._sample(g.logits, rows)
+                out = self._sample(logits, rows)
+            else:
+                g = self.graphs.run(*host, plan.table_blocks)
+                if (self.groups.is_replica_leader and rows
+                        and all(d.params.greedy for d in rows)):
+                    # greedy rows were sampled inside the graph: one copy brings them back
+                    out = PendingSampled([d.lifetime for d in rows],
+                                         Pending(g.packed[:, : len(rows)]), packed=True)
+                else:
+                    out = self._sample(g.logits, rows)
+            out.routing = self._d_routing(plan)
+            return out
 
     # ------------------------------------------------------------------ P epochs (PD mode)
     @property
@@ -209,6 +259,7 @@ class ModelRunner:
             inputs = self._prefill_inputs(plan)
         gen = self.model.prefill_segments(inputs, self.kv, self._moe_block())
         self._epoch = gen
+        self._epoch_plan = plan
         self._epoch_items = plan.replicas[self.groups.replica].prefill
         self._at = None  # boundary P is parked at (its collective not yet issued)
 
@@ -234,7 +285,10 @@ class ModelRunner:
                 items, self._epoch, self._epoch_items = self._epoch_items, None, ()
                 # items cancelled during the epoch are sampled too: the scheduler's commit
                 # discards a result whose lifetime is no longer live
-                return self._sample(done.value, items)
+                out = self._sample(done.value, items)
+                out.routing = self._p_routing(self._epoch_plan)
+                self._epoch_plan = None
+                return out
             ctl.publish(ctl.epoch, nxt, PRODUCER)
             self._at = nxt
         return None

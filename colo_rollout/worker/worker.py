@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from colo_rollout.model.routing_record import RoutingRecord
 from colo_rollout.config import Config
 from colo_rollout.worker.memory import WorkerMemory
 from colo_rollout.model.model import InferenceGPT
@@ -30,7 +31,8 @@ from colo_rollout.model.weights import DTYPES, random_state_dict
 # worker must have the same
 SIZING_FIELDS = ("num_kv_blocks", "kv_block_size", "max_seq_len", "cuda_graphs",
                  "decode_attention", "prefill_attention",  # the model's attention: at its build
-                 "moe_kernel")  # and its experts' GEMMs
+                 "moe_kernel",  # and its experts' GEMMs
+                 "record_routing", "max_prefill_tokens", "decode_buckets")  # the routing record
 
 
 def build_model(cfg: Config, groups: ParallelGroups,
@@ -67,6 +69,12 @@ class Worker:
         self.model, self.load_stats = build_model(cfg, groups, state_dict)
         self.model.rope_table()  # made once on the default stream, read by both phases
         e = cfg.engine
+        if e.record_routing:  # the routers' expert ids of every P token and D row
+            adp = groups.layout.adp
+            self.model.routing = RoutingRecord(
+                [i for i in range(cfg.model.num_layers) if cfg.model.is_moe_layer(i)],
+                p_rows=e.max_prefill_tokens * adp, d_rows=e.decode_buckets[-1] * adp,
+                topk=cfg.model.moe_router_topk, device=groups.device)
         # the engine serving on it sets its streams, sampler seed and P settings (renew)
         self.runner = ModelRunner(self.model, e.num_kv_blocks, e.kv_block_size,
                                   seed=cfg.model.seed,
