@@ -138,3 +138,27 @@ def test_mismatch_metrics():
 def test_correction_keys_are_checked(key, value):
     with pytest.raises(ConfigError, match=f"rl.{key}"):
         RLConfig(**{key: value})
+
+
+def test_reverse_task_rewards_positions():
+    import random
+
+    from colo_rollout.rl.tasks import Reverse, TargetToken
+
+    task = Reverse(length=3, alphabet=4)
+    p = task.prompt(random.Random(0))
+    assert len(p) == 4 and p[-1] == 5 and all(1 <= t <= 4 for t in p[:3])
+    assert task.reward([1, 2, 3, 5], [3, 2, 1]) == 1.0
+    assert task.reward([1, 2, 3, 5], [3, 9, 9]) == 1 / 3
+    assert task.reward([1, 2, 3, 5], [1, 2, 3]) == 1 / 3  # copying is not reversing
+    assert task.reward([1, 2, 3, 5], [3]) == 1 / 3  # a short completion loses the rest
+    assert TargetToken(64, 7, 8).reward([1], [7, 7, 1, 2]) == 0.5
+
+
+def test_reverse_task_keys_are_checked():
+    from colo_rollout.config import Config
+
+    with pytest.raises(ConfigError, match="rl.max_new_tokens"):
+        RLConfig(task="reverse", reverse_len=4, max_new_tokens=3)
+    with pytest.raises(ConfigError, match="rl.reverse_alphabet"):
+        Config(rl=RLConfig(task="reverse", reverse_alphabet=255, max_new_tokens=3))

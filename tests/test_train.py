@@ -84,3 +84,18 @@ def test_train_from_a_hf_checkpoint_and_export(worker_groups, tmp_path):
     before, after = hf.state_dict(), back.state_dict()
     assert sorted(before) == sorted(after)
     assert any(not torch.equal(before[k], after[k]) for k in before)  # it trained
+
+
+def test_reverse_task_needs_the_prompt_and_is_learnt(worker_groups, tmp_path):
+    """A task of several tokens (rl/tasks.py: Reverse): the completion must read the prompt
+    at a position that moves with each output token. A prompt-blind policy scores at most
+    0.25; within 100 steps (~30 s) GRPO with routing replay gets past 0.4."""
+    res = worker_groups(2).run("colo_rollout.rl.train:run_train", timeout=600,
+                               config_path="configs/grpo_reverse_cpu.yaml",
+                               overrides={"rl.out_dir": str(tmp_path), "rl.steps": 100},
+                               quiet=True)
+    h = res[0]["history"]
+    first = sum(x["reward"] for x in h[:10]) / 10
+    last = sum(x["reward"] for x in h[-25:]) / 25
+    assert first < 0.2 and last > 0.4, (first, last)
+    assert all(x["routing_disagree_frac"] == 0.0 for x in h)

@@ -95,6 +95,12 @@ class Config:
             f"world_size {par.world_size} (expert TP {par.etp} is not supported by it)",
         )
         _require(
+            self.rl.task != "reverse" or self.rl.reverse_alphabet + 1 < model.vocab_size,
+            "rl.reverse_alphabet",
+            f"{self.rl.reverse_alphabet} symbols and a separator do not fit model.vocab_size "
+            f"{model.vocab_size}",
+        )
+        _require(
             not engine.record_routing or model.moe_dispatch == "gather",
             "engine.record_routing",
             f"not supported with model.moe_dispatch {model.moe_dispatch!r} yet: the gather "

@@ -707,10 +707,13 @@ class RLConfig:
     # Trainer tensor-parallel width (trainer DP = world / trainer_tp); may differ from the
     # inference layout: weights are resharded after every step. Only 1 for now (issue 18).
     trainer_tp: int = 1
-    # The verifiable task: "target_token" (reward = fraction of generated tokens equal to
-    # target_token).
+    # The verifiable task (rl/tasks.py): "target_token" (reward = fraction of generated tokens
+    # equal to target_token) or "reverse" (the prompt's reverse_len symbols, ids 1 ..
+    # reverse_alphabet, are to be generated in reverse order; reward = share of positions right).
     task: str = "target_token"
     target_token: int = 7
+    reverse_len: int = 3
+    reverse_alphabet: int = 4
     # Prompt lengths are drawn in [2, prompt_len_max] (so >= 2); seed of the prompt stream.
     prompt_len_max: int = 8
     seed: int = 0
@@ -751,7 +754,11 @@ class RLConfig:
         _require(self.kl_coef >= 0, "rl.kl_coef", f"must be >= 0, got {self.kl_coef}")
         _require(self.temperature > 0, "rl.temperature",
                  f"must be > 0 for exploration, got {self.temperature}")
-        _require_choice(self, "task", ("target_token",))
+        _require_choice(self, "task", ("target_token", "reverse"))
+        _require_min(self, ("reverse_len", "reverse_alphabet"), 1)
+        _require(self.task != "reverse" or self.max_new_tokens >= self.reverse_len,
+                 "rl.max_new_tokens", f"{self.max_new_tokens} is shorter than rl.reverse_len "
+                 f"{self.reverse_len}: the reversed sequence would not fit")
         _require_choice(self, "algorithm", ("grpo", "ppo"))
         _require_choice(self, "release_memory", ("off", "keep", "offload", "discard"))
         _require(self.vf_coef >= 0, "rl.vf_coef", f"must be >= 0, got {self.vf_coef}")

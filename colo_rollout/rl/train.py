@@ -35,17 +35,9 @@ from colo_rollout.model.weights import random_state_dict  # noqa: E402
 from colo_rollout.runtime.parallel import init_parallel  # noqa: E402
 from colo_rollout.sched.request import SamplingParams  # noqa: E402
 from colo_rollout.rl.rollout import rollout  # noqa: E402
+from colo_rollout.rl.tasks import task_for  # noqa: E402
 from colo_rollout.rl.trainer import Trainer  # noqa: E402
 from colo_rollout.rl.weight_sync import WeightSync  # noqa: E402
-
-
-def task_reward(cfg: Config):
-    target = cfg.rl.target_token
-
-    def reward(prompt: list[int], completion: list[int]) -> float:
-        return sum(t == target for t in completion) / max(len(completion), 1)
-
-    return reward
 
 
 def run_train(rank: int, world: int, config_path: str, overrides: dict | None = None,
@@ -61,7 +53,7 @@ def run_train(rank: int, world: int, config_path: str, overrides: dict | None = 
     sync = WeightSync()
     sync(trainer.module, engine.model)  # start from identical weights (checks the plan too)
     rng = random.Random(cfg.rl.seed)
-    reward_fn = task_reward(cfg)
+    task = task_for(cfg.rl, cfg.model.vocab_size)
     params = SamplingParams(temperature=cfg.rl.temperature, max_tokens=cfg.rl.max_new_tokens,
                             ignore_eos=True)
     os.makedirs(cfg.rl.out_dir, exist_ok=True)
@@ -74,12 +66,10 @@ def run_train(rank: int, world: int, config_path: str, overrides: dict | None = 
         bar = tqdm(total=cfg.rl.steps, unit="step", desc="grpo", dynamic_ncols=True)
     history = []
     for step in range(cfg.rl.steps):
-        prompts = [[rng.randrange(1, cfg.model.vocab_size)
-                    for _ in range(rng.randint(2, cfg.rl.prompt_len_max))]
-                   for _ in range(cfg.rl.prompts_per_step)]
+        prompts = [task.prompt(rng) for _ in range(cfg.rl.prompts_per_step)]
         t0 = time.perf_counter()
         trajs = rollout(engine, prompts, n=cfg.rl.samples_per_prompt, params=params,
-                        reward_fn=reward_fn, weight_version=sync.version, tag=f"s{step}")
+                        reward_fn=task.reward, weight_version=sync.version, tag=f"s{step}")
         t1 = time.perf_counter()
         ok = [t for t in trajs if t.status in ("completed", "truncated")]
         mem = {}
