@@ -88,6 +88,7 @@ class Engine:
         self.load_stats = worker.load_stats  # checkpoint load time and bytes
         lay = groups.layout
         self.scheduler = Scheduler(cfg.engine, lay.adp, lay.atp, cfg.model.vocab_size)
+        self.paused = False  # pause() .. resume(): submits refused (a weight update)
         m = cfg.model
         self.routes = (RoutingStore(sum(1 for i in range(m.num_layers) if m.is_moe_layer(i)),
                                     m.moe_router_topk, m.num_experts)
@@ -150,10 +151,14 @@ class Engine:
     def submit(self, request: Request) -> None:
         """Queue a request on this rank; it enters every rank's scheduler at the next step.
         Raises RequestError at once for a request that can never be served (token ids may be
-        any integral type: numpy integers are taken as ints). What only the next step's
-        exchange can show -- the same id submitted on a lower rank in the same step, say --
-        is raised to this rank by that ``step()`` (SubmissionRefused)."""
+        any integral type: numpy integers are taken as ints), and while the engine is paused.
+        What only the next step's exchange can show -- the same id submitted on a lower rank
+        in the same step, say -- is raised to this rank by that ``step()``
+        (SubmissionRefused)."""
         request = checked_request(request)  # types first: never a TypeError below
+        if self.paused:
+            raise RequestError(f"request {request.request_id!r}: the engine is paused (a "
+                               "weight update is in progress); submit after resume()")
         if request.request_id in self._pending_ids:
             raise RequestError(f"request {request.request_id!r}: duplicate request id")
         self.scheduler.validate(request)
@@ -161,6 +166,28 @@ class Engine:
                                      "params": request.params.to_json(),
                                      "session": request.session})
         self._pending_ids.add(request.request_id)
+
+    def pause(self) -> dict[str, RequestOutput]:
+        """Collective, at a weight update: cancel every request in flight (rank 0 sends the
+        cancels), serve until idle, and refuse submits until ``resume()``. Returns the
+        outputs of the requests it cancelled: their tokens and logprobs so far (a partial
+        rollout resumes them as prompts under the new weights: rl/rollout.py)."""
+        if self.groups.rank == 0:
+            for rid in list(self.scheduler.live):
+                self.cancel(rid)
+        outs: dict[str, RequestOutput] = {}
+        for out in self.step():
+            outs[out.request_id] = out
+        while self.busy():
+            for out in self.step():
+                outs[out.request_id] = out
+        self.paused = True
+        return {rid: o for rid, o in outs.items()
+                if o.finish_reason is FinishReason.CANCELLED}
+
+    def resume(self) -> None:
+        """Accept submits again after ``pause()``."""
+        self.paused = False
 
     def cancel(self, request_id: str) -> None:
         if not isinstance(request_id, str):

@@ -14,8 +14,17 @@ same trajectory (its tokens appended after the generated ones), nothing is re-to
 
 Statuses: completed (the environment said done, or a single-turn sample finished), truncated
 (the trajectory hit ``max_total_tokens`` or ``max_turns``), aborted (cancelled), failed (the
-environment or reward function raised, or the reward was not finite; ``error`` says which).
-A failure ends only that trajectory; every other trajectory of the call goes on.
+environment or reward function raised, or the reward was not finite; ``error`` says which),
+paused (partial rollout: stopped mid-generation, to be resumed). A failure ends only that
+trajectory; every other trajectory of the call goes on.
+
+Partial rollout (over-sampling; single-turn prompts): with ``finish_groups`` the call returns
+once that many GRPO groups have every sample finished. The in-flight samples are cancelled,
+their tokens so far kept (status paused), and every trajectory of an unfinished group goes to
+``carry`` instead of the result. The next call resumes them first, under its weight version:
+each paused trajectory is submitted again as one prompt of all its tokens (the KV recomputed
+under the new weights), for the rest of its token budget; ``Trajectory.segments`` records the
+weight version of each generated segment. No token is lost or generated twice.
 """
 
 from __future__ import annotations
@@ -49,7 +58,10 @@ class Trajectory:
     status: str = "completed"  # completed | truncated | aborted | failed
     error: str | None = None
     turns: int = 0
-    weight_version: int = 0
+    weight_version: int = 0  # the version the trajectory started under
+    # generated segments: (index of the segment's first token in ``tokens``, weight version);
+    # a resumed partial rollout starts a new one
+    segments: list[tuple[int, int]] = field(default_factory=list)
     # engine.record_routing: the experts each token was routed to, [n, MoE layers, k]
     # (uint8, or int16 past 256 experts) for positions 0..n-1 -- every token that was an
     # input (n = len(tokens) - 1 for a finished trajectory); rl.routing_replay replays them
@@ -64,20 +76,51 @@ class Trajectory:
 RewardFn = Callable[[list[int], list[int]], float]  # (prompt tokens, completion) -> reward
 
 
+@dataclass
+class Carry:
+    """Partial rollout's carried trajectories: every trajectory of the groups a
+    ``rollout(finish_groups=...)`` call left unfinished (the paused ones and their finished
+    siblings). Pass the same object to the next call: it resumes them and refills this."""
+
+    trajectories: list[Trajectory] = field(default_factory=list)
+    prompts: dict[int, list[int]] = field(default_factory=dict)  # group -> its prompt
+
+
 def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
             params: SamplingParams, n: int = 1, envs: list[Environment] | None = None,
             reward_fn: RewardFn | None = None, max_turns: int = 8,
             max_total_tokens: int | None = None, weight_version: int = 0,
-            tag: str = "rollout") -> list[Trajectory]:
+            tag: str = "rollout", finish_groups: int | None = None,
+            carry: Carry | None = None) -> list[Trajectory]:
     """Generate ``n`` samples per prompt (single turn, scored by ``reward_fn``) or run each
-    environment to completion (multi-turn; ``n`` is ignored: one trajectory per env)."""
+    environment to completion (multi-turn; ``n`` is ignored: one trajectory per env).
+    ``finish_groups`` / ``carry``: partial rollout (the module docstring); new prompts' groups
+    are numbered after the carried ones."""
     if (prompts is None) == (envs is None):
         raise ValueError("rollout() takes either prompts or envs")
+    if engine.paused:
+        raise RuntimeError("rollout() on a paused engine: call engine.resume() once the "
+                           "weight update is done")
+    if (finish_groups is not None or carry is not None) and envs is not None:
+        raise ValueError("partial rollout (finish_groups, carry) takes prompts, not envs")
+    if finish_groups is not None and (carry is None or finish_groups < 1):
+        raise ValueError("finish_groups needs a Carry to hold the unfinished groups and must "
+                         f"be >= 1, got {finish_groups}")
+    carried = list(carry.trajectories) if carry is not None else []
+    for t in carried:
+        last = t.segments[-1][1] if t.segments else t.weight_version
+        if last > weight_version:
+            raise ValueError(f"resume of trajectory (group {t.group}, sample {t.sample}) under "
+                             f"weight version {weight_version}: it already has tokens of "
+                             f"version {last} (a stale version)")
     cap = max_total_tokens or engine.cfg.engine.max_seq_len
     leader = engine.groups.rank == 0
     trajs: dict[str, Trajectory] = {}
     live: dict[str, int] = {}  # session -> index of the env (multi-turn) or -1
     prompt_of: dict[str, list[int]] = {}
+    budget: dict[str, int] = {}  # session -> tokens it may still generate (this turn)
+    inflight: dict[str, str] = {}  # session -> its request in flight
+    pausing = False
 
     def submit(sid: str, tokens: list[int], turn: int) -> None:
         """``tokens`` were already appended to the trajectory."""
@@ -88,8 +131,9 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
             return
         p = SamplingParams(temperature=params.temperature, top_k=params.top_k,
                            top_p=params.top_p, ignore_eos=params.ignore_eos,
-                           max_tokens=min(params.max_tokens, room))
+                           max_tokens=min(budget.get(sid, params.max_tokens), room))
         req = Request(f"{sid}#{turn}", tuple(tokens), p, session=sid)
+        inflight[sid] = req.request_id
         try:
             # every rank validates (deterministic on the replicated state): all agree on refusals
             engine.scheduler.validate(req)
@@ -99,9 +143,21 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
             t.status, t.error = "failed", str(e)
             return
         live[sid] = live.get(sid, -1)
+        t.segments.append((len(t.tokens), weight_version))
 
     if prompts is not None:
-        for g, prompt in enumerate(prompts):
+        for i, t in enumerate(carried):  # resumed first: the oldest work
+            sid = f"{tag}-{weight_version}-c{i}"
+            trajs[sid] = t
+            prompt_of[sid] = carry.prompts[t.group]
+            if t.status == "paused":  # all its tokens as one prompt: KV under these weights
+                done = len(t.tokens) - len(prompt_of[sid])
+                budget[sid] = params.max_tokens - done
+                t.status = "completed"
+                submit(sid, list(t.tokens), t.turns)
+        base = 1 + max((t.group for t in carried), default=-1)
+        for g0, prompt in enumerate(prompts):
+            g = base + g0
             for k in range(n):
                 sid = f"{tag}-{weight_version}-{g}-{k}"
                 trajs[sid] = Trajectory(g, k, weight_version=weight_version)
@@ -131,16 +187,26 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
             t._append(out.tokens, out.logprobs)
             t.turns = int(turn) + 1
             if out.finish_reason is FinishReason.CANCELLED:
-                t.status = "aborted"
+                t.status = "paused" if pausing else "aborted"
                 _end(engine, live, sid, leader)
                 continue
             g = live[sid]
-            if g < 0:  # single turn: score it
-                _score(t, lambda: reward_fn(prompt_of[sid], out.tokens) if reward_fn else 0.0)
+            if g < 0:  # single turn: score it on its whole completion (every segment)
+                completion = t.tokens[len(prompt_of[sid]):]
+                _score(t, lambda: reward_fn(prompt_of[sid], completion) if reward_fn else 0.0)
                 if out.finish_reason is FinishReason.LENGTH and t.status == "completed" \
                         and len(t.tokens) >= cap:
                     t.status = "truncated"
                 _end(engine, live, sid, leader)
+                if (finish_groups is not None and not pausing
+                        and _groups_done(trajs, live) >= finish_groups):
+                    pausing = True  # the rest stop where they are, to be resumed
+                    if leader:
+                        for other in live:
+                            try:
+                                engine.cancel(inflight[other])
+                            except RequestError:  # it finished this step: its output follows
+                                pass
                 continue
             try:
                 obs, reward, done = envs[g].step(list(out.tokens))
@@ -167,8 +233,23 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
     while engine.busy():
         engine.step()
     for sid, t in trajs.items():  # every rank recorded the same routing (gather backend)
-        t.routing = engine.take_routing(sid)
-    return list(trajs.values())
+        got = engine.take_routing(sid)
+        if got is not None or t.routing is None:
+            t.routing = got  # a resumed trajectory's whole context was recomputed: the latest
+    if carry is None:
+        return list(trajs.values())
+    # partial rollout: groups with a paused member go (whole) to the carry
+    unfinished = {t.group for t in trajs.values() if t.status == "paused"}
+    carry.trajectories = [t for t in trajs.values() if t.group in unfinished]
+    carry.prompts = {t.group: prompt_of[sid] for sid, t in trajs.items()
+                     if t.group in unfinished}
+    return [t for t in trajs.values() if t.group not in unfinished]
+
+
+def _groups_done(trajs: dict[str, Trajectory], live: dict[str, int]) -> int:
+    """Groups none of whose trajectories is still generating."""
+    busy = {trajs[sid].group for sid in live}
+    return len({t.group for t in trajs.values()} - busy)
 
 
 def _score(t: Trajectory, fn: Callable[[], float], accumulate: bool = False) -> None:

@@ -1,0 +1,83 @@
+"""Partial rollout's cases on CPU ranks (run by tests/test_partial_rollout.py through one
+WorkerGroup): finish_groups pauses the unfinished groups, the next call resumes them under a
+new weight version; engine.pause() aborts what is in flight and refuses submits."""
+
+from __future__ import annotations
+
+from colo_rollout.engine.engine import Engine
+from colo_rollout.model.weights import random_state_dict
+from colo_rollout.rl.rollout import Carry, rollout
+from colo_rollout.runtime.parallel import init_parallel
+from colo_rollout.sched.request import Request, RequestError, SamplingParams
+from tests.cases_engine import tiny_config
+
+# prompts of 4..16 tokens under a 24-token cap: budgets 16, 12, 8, 4 -> groups finish apart
+PROMPTS = [[(7 * i + 3 * j) % 250 + 1 for j in range(16 - 4 * i)] for i in range(4)]
+CAP = 24
+
+
+def partial_round_trip(rank: int, world: int, adp: int, ep: int, mode: str) -> dict:
+    cfg = tiny_config(world, adp, ep, mode=mode, record_routing=True)
+    groups = init_parallel(cfg.parallel)
+    engine = Engine(cfg, groups, random_state_dict(cfg.model))
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    whole = rollout(engine, PROMPTS, params=params, n=2, max_total_tokens=CAP, tag="w")
+    carry = Carry()
+    first = rollout(engine, PROMPTS, params=params, n=2, max_total_tokens=CAP, tag="a",
+                    finish_groups=1, carry=carry)
+    paused = [t for t in carry.trajectories if t.status == "paused"]
+    # (tokens generated so far, the budget) of each paused trajectory
+    paused_lens = [(len(t.tokens) - len(PROMPTS[t.group]),
+                    min(16, CAP - len(PROMPTS[t.group]))) for t in paused]
+    second = rollout(engine, [], params=params, n=2, max_total_tokens=CAP, tag="b",
+                     weight_version=1, carry=carry)
+    # groups keep their prompt's index across the calls: greedy, same weights -> the
+    # uninterrupted rollout's tokens, logprobs to the P-vs-D recompute's rounding
+    ref = {(t.group, t.sample): t for t in whole}
+    joined = first + second
+    same_tokens = all(t.tokens == ref[(t.group, t.sample)].tokens for t in joined)
+    gap = max(max(abs(a - b) for a, b in zip(t.logprobs, ref[(t.group, t.sample)].logprobs))
+              for t in joined)
+    masks_ok = all(t.loss_mask == ref[(t.group, t.sample)].loss_mask for t in joined)
+    errors = {}
+    try:
+        rollout(engine, [], params=params, carry=Carry([paused[0]] if paused else [],
+                                                        {paused[0].group: PROMPTS[0]}
+                                                        if paused else {}),
+                weight_version=0)
+    except ValueError as e:
+        errors["stale"] = str(e)
+    try:
+        rollout(engine, PROMPTS, params=params, finish_groups=1)
+    except ValueError as e:
+        errors["no_carry"] = str(e)
+    # engine.pause(): in-flight requests come back with their tokens so far
+    if rank == 0:
+        for i, p in enumerate(PROMPTS):
+            engine.submit(Request(f"p{i}", tuple(p), SamplingParams(max_tokens=6,
+                                                                     ignore_eos=True)))
+    for _ in range(3):
+        engine.step()
+    outs = engine.pause()
+    try:
+        engine.submit(Request("late", (1, 2), SamplingParams(max_tokens=2)))
+    except RequestError as e:
+        errors["paused_submit"] = str(e)
+    try:
+        rollout(engine, PROMPTS, params=params)
+    except RuntimeError as e:
+        errors["paused_rollout"] = str(e)
+    engine.resume()
+    after = rollout(engine, PROMPTS[:1], params=params, n=1, tag="z")
+    engine.close()
+    return {"first": [(t.group, t.sample, t.status) for t in first],
+            "paused": len(paused), "paused_lens": paused_lens,
+            "second": [(t.group, t.sample, t.status, t.segments) for t in second],
+            "count": len(joined), "same_tokens": same_tokens, "logprob_gap": gap,
+            "masks_ok": masks_ok,
+            "routing_ok": all(t.routing is not None and t.routing.shape[0] == len(t.tokens) - 1
+                              for t in joined),
+            "errors": errors, "leftover": len(carry.trajectories),
+            "pause_outs": sorted((rid, o.finish_reason.value, len(o.tokens))
+                                 for rid, o in outs.items()),
+            "after_resume": [t.status for t in after]}
