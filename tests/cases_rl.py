@@ -105,7 +105,7 @@ def _trainer_pgc(world: int, tp: int):
 
 
 def weight_sync_exact(rank: int, world: int, adp: int, ep: int, trainer_tp: int,
-                      model_kw: dict | None = None) -> dict:
+                      model_kw: dict | None = None, trainer_ep: int = 1) -> dict:
     """After the sync hook, every inference weight equals the trainer's bit for bit, and the
     engine generates what megatron computes with the trainer's weights."""
     import dataclasses
@@ -116,8 +116,13 @@ def weight_sync_exact(rank: int, world: int, adp: int, ep: int, trainer_tp: int,
 
     cfg, groups, sd, engine = _engine(world, adp, ep, model_kw=model_kw)
     trained_sd = random_state_dict(dataclasses.replace(cfg.model, seed=99))  # "after a step"
-    trainer = build_reference(cfg.model, trained_sd, _trainer_pgc(world, trainer_tp),
-                              torch.device("cpu"))
+    if trainer_ep > 1:  # the RL trainer's own layout: experts split over EP groups
+        from colo_rollout.rl.trainer import trainer_pg_collection
+
+        pgc = trainer_pg_collection(world, 1, trainer_ep)
+    else:
+        pgc = _trainer_pgc(world, trainer_tp)
+    trainer = build_reference(cfg.model, trained_sd, pgc, torch.device("cpu"))
     sync = WeightSync()
     stats = [sync(trainer, engine.model) for _ in range(2)]  # second call: cached plan
     params = loadable_tensors(engine.model)  # parameters and the router's expert bias
@@ -195,3 +200,52 @@ def weight_sync_two_model_pairs(rank: int, world: int, adp: int, ep: int,
             if mapped is not None and not torch.equal(params[mapped[0]], mapped[1]):
                 mismatched.append((which, mapped[0]))
     return {"mismatched": mismatched}
+
+
+def expert_parallel_trainer_grads(rank: int, world: int) -> dict:
+    """One GRPO step of an EP2 trainer (experts split over the 2 ranks) and of a TP1 x DP2
+    trainer (every expert on every rank) on the same trajectories -- an odd count of uneven
+    lengths, so the EP ranks pad to one shape: the gradients agree parameter by parameter
+    (expert ones mapped to their global index)."""
+    import dataclasses
+    import random
+    import re
+
+    from colo_rollout.config import RLConfig
+    from colo_rollout.model.weights import random_state_dict
+    from colo_rollout.rl.rollout import Trajectory
+    from colo_rollout.rl.trainer import Trainer
+    from colo_rollout.runtime.parallel import init_parallel
+    from tests.cases_engine import tiny_config
+
+    base = tiny_config(world, world, world)
+    groups = init_parallel(base.parallel)
+    sd = random_state_dict(base.model)
+    rng = random.Random(5)
+    trajs = []
+    for i in range(5):  # 3 on rank 0, 2 on rank 1; lengths 5..14
+        n_prompt, n_gen = rng.randint(2, 8), rng.randint(3, 6)
+        t = Trajectory(i // 2, i % 2)
+        t._append([rng.randrange(1, 256) for _ in range(n_prompt)], None)
+        t._append([rng.randrange(1, 256) for _ in range(n_gen)],
+                  [-rng.uniform(1, 5) for _ in range(n_gen)])
+        t.reward = rng.random()
+        trajs.append(t)
+    grads, stats = {}, {}
+    for ep in (1, world):
+        cfg = dataclasses.replace(base, rl=RLConfig(trainer_ep=ep, lr=1e-3))
+        trainer = Trainer(cfg, sd, groups.device)
+        stats[ep] = trainer.step(trajs)
+        n_local = base.model.num_experts // ep
+        out = {}
+        for name, p in trainer.module.named_parameters():
+            m = re.match(r"(.*local_experts\.)(\d+)(\..*)", name)
+            if m and ep > 1:  # local expert j of EP rank r is global expert r * n_local + j
+                name = f"{m[1]}{trainer.pgc.ep.rank() * n_local + int(m[2])}{m[3]}"
+            out[name] = p.grad.clone()
+        grads[ep] = out
+    worst = max((grads[1][k] - g).abs().max().item() / (grads[1][k].abs().max().item() + 1e-12)
+                for k, g in grads[world].items())
+    return {"worst_rel": worst, "compared": len(grads[world]),
+            "experts": sum(1 for k in grads[world] if "local_experts" in k),
+            "loss": [stats[1]["loss"], stats[world]["loss"]]}

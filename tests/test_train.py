@@ -13,18 +13,21 @@ CFG = "configs/grpo_cpu.yaml"
 # sync: the logprob gap below would be O(1) if any inference weight were not refilled
 # ppo also runs the mismatch correction (token-level truncated IS): fp32 here, so its weights
 # stay at ~1 and the task is learnt as without it
-# grpo also replays the rollout's routing in the trainer (engine.record_routing on)
-@pytest.mark.parametrize("algorithm,release,is_level,replay", [
-    ("grpo", "discard", "none", True), ("ppo", "off", "token", False)])
+# grpo also replays the rollout's routing in the trainer (engine.record_routing on); ppo
+# trains with its experts split over the two ranks (rl.trainer_ep 2: EP2 x DP1 beside the
+# engine's EP2/ADP2)
+@pytest.mark.parametrize("algorithm,release,is_level,replay,trainer_ep", [
+    ("grpo", "discard", "none", True, 1), ("ppo", "off", "token", False, 2)])
 def test_reward_rises_and_logprobs_agree(worker_groups, tmp_path, algorithm, release, is_level,
-                                         replay):
+                                         replay, trainer_ep):
     res = worker_groups(2).run("colo_rollout.rl.train:run_train", timeout=600, config_path=CFG,
                                overrides={"rl.out_dir": str(tmp_path),
                                           "rl.algorithm": algorithm,
                                           "rl.release_memory": release,
                                           "rl.is_level": is_level,
                                           "engine.record_routing": replay,
-                                          "rl.routing_replay": replay}, quiet=True)
+                                          "rl.routing_replay": replay,
+                                          "rl.trainer_ep": trainer_ep}, quiet=True)
     h = res[0]["history"]
     assert len(h) == 20
     assert [x["reward"] for x in res[1]["history"]] == [x["reward"] for x in h]  # replicated

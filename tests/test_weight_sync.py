@@ -47,8 +47,33 @@ def test_sync_of_every_architecture_tensor_is_bit_exact(worker_groups, world, ad
     assert r0["mismatches"] == [] and r0["max_logprob_diff"] < LOGPROB_TOL
 
 
+@pytest.mark.parametrize("world,adp,ep,trainer_ep", [
+    (2, 2, 2, 2),  # trainer EP2          -> inference EP2/ADP2
+    (2, 1, 1, 2),  # trainer EP2          -> inference ATP2 (experts ETP2)
+    (4, 2, 4, 2),  # trainer EP2 x DP2    -> inference EP4/ADP2/ATP2
+])
+def test_sync_from_an_expert_parallel_trainer_is_bit_exact(worker_groups, world, adp, ep,
+                                                          trainer_ep):
+    res = worker_groups(world).run("tests.cases_rl:weight_sync_exact", adp=adp, ep=ep,
+                                   trainer_tp=1, trainer_ep=trainer_ep)
+    for r in res:
+        assert r["checked"] > 10 and r["mismatched"] == []
+    r0 = res[0]
+    assert r0["mismatches"] == [] and r0["max_logprob_diff"] < LOGPROB_TOL
+
+
 def test_two_model_pairs_of_one_layout_each_sync_exactly(worker_groups):
     res = worker_groups(2).run("tests.cases_rl:weight_sync_two_model_pairs", adp=2, ep=2,
                                trainer_tp=2)
     for r in res:
         assert r["mismatched"] == []
+
+
+def test_expert_parallel_trainer_takes_the_same_gradient(worker_groups):
+    """rl.trainer_ep: megatron's token dispatcher over the trainer's EP group (uneven batches
+    padded to one shape), expert gradients summed over the ranks holding the same experts:
+    the step's gradient is the data-parallel trainer's, parameter by parameter."""
+    res = worker_groups(2).run("tests.cases_rl:expert_parallel_trainer_grads")
+    for r in res:
+        assert r["compared"] > 10 and r["experts"] > 0
+        assert r["worst_rel"] < 1e-5, r

@@ -107,6 +107,13 @@ class Config:
             "backend is the one where every rank routes every replica's tokens",
         )
         _require(
+            par.world_size % self.rl.trainer_ep == 0
+            and model.num_experts % self.rl.trainer_ep == 0,
+            "rl.trainer_ep",
+            f"{self.rl.trainer_ep} must divide parallel.world_size {par.world_size} and "
+            f"model.num_experts {model.num_experts}",
+        )
+        _require(
             not self.rl.routing_replay or engine.record_routing,
             "rl.routing_replay",
             "needs engine.record_routing: true (the rollout must record what the trainer "

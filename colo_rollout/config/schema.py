@@ -707,6 +707,10 @@ class RLConfig:
     # Trainer tensor-parallel width (trainer DP = world / trainer_tp); may differ from the
     # inference layout: weights are resharded after every step. Only 1 for now (issue 18).
     trainer_tp: int = 1
+    # Trainer expert-parallel width (rl.trainer_tp must then be 1): each expert lives on one
+    # rank of every group of trainer_ep consecutive ranks and is data-parallel over the groups
+    # (world / trainer_ep); megatron's MoE token dispatcher moves the tokens.
+    trainer_ep: int = 1
     # The verifiable task (rl/tasks.py): "target_token" (reward = fraction of generated tokens
     # equal to target_token) or "reverse" (the prompt's reverse_len symbols, ids 1 ..
     # reverse_alphabet, are to be generated in reverse order; reward = share of positions right).
@@ -731,7 +735,7 @@ class RLConfig:
     def __post_init__(self) -> None:
         _check_field_types(self)
         _require_min(self, ("steps", "prompts_per_step", "samples_per_prompt", "max_new_tokens",
-                            "trainer_tp"), 1)
+                            "trainer_tp", "trainer_ep"), 1)
         _require(self.prompt_len_max >= 2, "rl.prompt_len_max",
                  f"must be >= 2 (prompt lengths are drawn in [2, prompt_len_max]), got "
                  f"{self.prompt_len_max}")

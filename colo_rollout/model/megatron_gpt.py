@@ -92,12 +92,20 @@ def build_reference(cfg: ModelConfig,
     if getattr(ps, "_GLOBAL_MEMORY_BUFFER", None) is None:
         ps._set_global_memory_buffer()
     tp = pg_collection.tp.size()
-    tcfg = megatron_config(cfg, dtype=dtype, init=False, use_te=te, tp=tp, etp=tp)
+    ep = pg_collection.ep.size()
+    if tp > 1 and ep > 1:
+        raise ValueError(f"reference/trainer model: TP {tp} with EP {ep} is not supported "
+                         "(one of them must be 1)")
+    tcfg = megatron_config(cfg, dtype=dtype, init=False, use_te=te, tp=tp, etp=tp, ep=ep)
     tcfg.moe_enable_routing_replay = routing_replay
     model = build_gpt_model(cfg, tcfg, te, pg_collection)
     if callable(full_state):  # straight into the parameters on their device
         model = model.to(device)
         full_state(model)
+    elif ep > 1:  # experts split over the EP group, everything else replicated
+        full_state = to_spec_names(full_state, te)
+        load_sharded(model, full_state, Layout(world_size=ep, adp=ep, ep=ep),
+                     pg_collection.ep.rank(), num_experts=cfg.num_experts)
     elif tp == 1:
         full_state = to_spec_names(full_state, te)
         missing, unexpected = model.load_state_dict(full_state, strict=False)

@@ -1,4 +1,5 @@
-"""The trainer colocated with the engine: a megatron GPTModel in a TP x DP layout of its own.
+"""The trainer colocated with the engine: a megatron GPTModel in a layout of its own (TP x DP,
+or EP x DP with the experts split over expert-parallel groups).
 
 Owns the training model, megatron's DistributedDataParallel wrapper and the optimizer, and one
 GRPO or PPO update from trajectories (PPO adds a value head on the final hidden states). Its layout (trainer TP, DP = world / TP) is independent of the
@@ -30,11 +31,16 @@ from colo_rollout.rl.grpo import (
 from colo_rollout.rl.rollout import Trajectory
 
 
-def trainer_pg_collection(world: int, tp: int):
-    """Megatron groups for a TP-``tp`` x DP-``world/tp`` trainer (experts TP-sharded, EP1).
-    Collective: every rank creates every group in the same order."""
+def trainer_pg_collection(world: int, tp: int, ep: int = 1):
+    """Megatron groups for a TP-``tp`` x DP-``world/tp`` trainer; with ``ep`` > 1 (TP 1) the
+    experts are split over EP groups of ``ep`` consecutive ranks (megatron carves expert
+    parallelism out of data parallelism) and each expert is data-parallel over the ranks
+    holding the same share (expt_dp, stride ``ep``). Collective: every rank creates every
+    group in the same order."""
     if world % tp:
         raise ValueError(f"rl.trainer_tp {tp} does not divide the world size {world}")
+    if world % ep:
+        raise ValueError(f"rl.trainer_ep {ep} does not divide the world size {world}")
     me = dist.get_rank()
     tp_groups = [dist.new_group(list(range(i, i + tp))) for i in range(0, world, tp)]
     dp_groups = [dist.new_group(list(range(j, world, tp))) for j in range(tp)]
@@ -43,6 +49,15 @@ def trainer_pg_collection(world: int, tp: int):
         setattr(pgc, f, tp_groups[me // tp])
     for f in ("dp", "dp_cp", "expt_dp", "intra_dp_cp", "intra_expt_dp"):
         setattr(pgc, f, dp_groups[me % tp])
+    if ep > 1:
+        if tp > 1:
+            raise ValueError(f"rl.trainer_ep {ep} with rl.trainer_tp {tp}: one of them must be 1")
+        ep_groups = [dist.new_group(list(range(i, i + ep))) for i in range(0, world, ep)]
+        expt_dp = [dist.new_group(list(range(j, world, ep))) for j in range(ep)]
+        for f in ("ep", "tp_ep", "tp_ep_pp"):
+            setattr(pgc, f, ep_groups[me // ep])
+        for f in ("expt_dp", "intra_expt_dp"):
+            setattr(pgc, f, expt_dp[me % ep])
     return pgc
 
 
@@ -66,7 +81,11 @@ class Trainer:
             # refuse; the TE spec would be needed (not wired for the trainer yet)
             raise ValueError("rl.trainer_tp > 1 is not supported yet: megatron trains MoE with "
                              "TP only under sequence parallelism; use trainer_tp: 1 (DP)")
-        self.pgc = trainer_pg_collection(world, self.tp)
+        self.ep = cfg.rl.trainer_ep
+        if cfg.model.num_experts % self.ep:
+            raise ValueError(f"rl.trainer_ep {self.ep} does not divide model.num_experts "
+                             f"{cfg.model.num_experts}")
+        self.pgc = trainer_pg_collection(world, self.tp, self.ep)
         weights = state_dict if state_dict is not None else megatron_loader(
             cfg.model, self.pgc.tp.size(), self.pgc.tp.rank())
         model = build_reference(cfg.model, weights, self.pgc, device,
@@ -129,7 +148,8 @@ class Trainer:
 
         return [m for m in self.module.modules() if isinstance(m, TopKRouter)]
 
-    def replay_routing(self, trajs: list[Trajectory], length: int) -> None:
+    def replay_routing(self, trajs: list[Trajectory], length: int,
+                       rows: int | None = None) -> None:
         """Routing replay: every router of the next forward routes each token to the experts
         the rollout engine chose for it (``Trajectory.routing``: [positions, MoE layers, k]).
         Positions the rollout never computed -- a trajectory's last token, the batch's
@@ -139,7 +159,7 @@ class Trainer:
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         routers = self.routers()
-        k, B = self.cfg.model.moe_router_topk, len(trajs)
+        k, B = self.cfg.model.moe_router_topk, rows or len(trajs)
         E = self.cfg.model.num_experts
         ids = torch.arange(k, dtype=torch.long).repeat(length, B, len(routers), 1)
         for b, t in enumerate(trajs):
@@ -164,7 +184,20 @@ class Trainer:
             rep.set_target_indices(ids[:, :, j].reshape(length * B, k).to(self.device))
             rep.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
-    def own_routing(self, trajs: list[Trajectory]) -> tuple[torch.Tensor, float]:
+    def _batch_shape(self, batch: list[Trajectory]) -> tuple[int, int]:
+        """(rows, tokens) of this rank's forward: its trajectories and the longest of them;
+        with the experts split over EP, the largest over the EP group -- megatron's token
+        dispatcher exchanges equal token counts, so every EP rank pads to the same shape
+        (padding rows are masked out of the loss)."""
+        shape = [max(len(batch), 1), max((len(t.tokens) for t in batch), default=2)]
+        if self.ep > 1:
+            agreed = torch.tensor(shape, dtype=torch.long, device=self.device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.pgc.ep)
+            shape = agreed.tolist()
+        return shape[0], shape[1]
+
+    def own_routing(self, trajs: list[Trajectory],
+                    shape: tuple[int, int] | None = None) -> tuple[torch.Tensor, float]:
         """The trainer's forward without replay (no gradient): (its logprobs [B, T-1], the
         share of (token, MoE layer) routing decisions -- top-k sets -- that differ from the
         rollout's recorded ones). What replay corrects, measured each step."""
@@ -173,11 +206,11 @@ class Trainer:
                  for r in self.routers()]
         try:
             with torch.no_grad():
-                logp, _ = self.token_logprobs(trajs, replay=False)
+                logp, _ = self.token_logprobs(trajs, replay=False, shape=shape)
         finally:
             for h in hooks:
                 h.remove()
-        B, E = len(trajs), self.cfg.model.num_experts
+        B, E = logp.shape[0], self.cfg.model.num_experts
         differ = total = 0
         for j, m in enumerate(maps):
             m = m.view(-1, B, E)  # megatron's rows: s * B + b
@@ -198,21 +231,22 @@ class Trainer:
                 router.router_replay.clear_router_replay_action()
                 router.router_replay.clear_indices()
 
-    def token_logprobs(self, trajs: list[Trajectory],
-                       replay: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def token_logprobs(self, trajs: list[Trajectory], replay: bool | None = None,
+                       shape: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """log p(token_t | tokens_<t) under the trainer for every position t >= 1, padded:
-        returns (logp [B, T-1], valid [B, T-1]). ``replay`` (default ``rl.routing_replay``):
-        the forward routes as the rollout did (``replay_routing``)."""
-        L = max(len(t.tokens) for t in trajs)
+        returns (logp [B, T-1], valid [B, T-1]); ``shape`` (rows B, tokens T): at least the
+        trajectories' (default: exactly), the rest padding. ``replay`` (default
+        ``rl.routing_replay``): the forward routes as the rollout did (``replay_routing``)."""
+        rows, L = shape or (len(trajs), max(len(t.tokens) for t in trajs))
         replay = self.cfg.rl.routing_replay if replay is None else replay
         if replay:
-            self.replay_routing(trajs, L)
-        ids = torch.zeros(len(trajs), L, dtype=torch.long, device=self.device)
-        valid = torch.zeros(len(trajs), L - 1, dtype=torch.bool, device=self.device)
+            self.replay_routing(trajs, L, rows)
+        ids = torch.zeros(rows, L, dtype=torch.long, device=self.device)
+        valid = torch.zeros(rows, L - 1, dtype=torch.bool, device=self.device)
         for i, t in enumerate(trajs):
             ids[i, : len(t.tokens)] = torch.tensor(t.tokens, device=self.device)
             valid[i, : len(t.tokens) - 1] = True
-        pos = torch.arange(L, device=self.device)[None].expand(len(trajs), L)
+        pos = torch.arange(L, device=self.device)[None].expand(rows, L)
         mask = torch.triu(torch.ones(L, L, dtype=torch.bool, device=self.device), 1)
         try:
             logits = self.ddp(ids, pos, attention_mask=mask[None, None]).float()
@@ -229,18 +263,21 @@ class Trainer:
         adv_all = group_advantages([t.reward for t in trajs], [t.group for t in trajs])
         mine = [i for i in range(len(trajs)) if i % self.dp == self.dp_rank]
         batch = [trajs[i] for i in mine]
-        adv = torch.tensor([adv_all[i] for i in mine], device=self.device)
-        rewards = torch.tensor([t.reward for t in batch], device=self.device)
-        T = max(len(t.tokens) for t in batch) - 1
-        old = torch.zeros(len(batch), T, device=self.device)
-        lmask = torch.zeros(len(batch), T, device=self.device)
+        shape = self._batch_shape(batch)
+        rows, T = shape[0], shape[1] - 1
+        adv = torch.zeros(rows, device=self.device)
+        adv[: len(batch)] = torch.tensor([adv_all[i] for i in mine], device=self.device)
+        rewards = torch.zeros(rows, device=self.device)
+        rewards[: len(batch)] = torch.tensor([t.reward for t in batch], device=self.device)
+        old = torch.zeros(rows, T, device=self.device)
+        lmask = torch.zeros(rows, T, device=self.device)
         for i, t in enumerate(batch):
             n = len(t.tokens) - 1
             old[i, :n] = torch.tensor(t.logprobs[1:], device=self.device)
             lmask[i, :n] = torch.tensor(t.loss_mask[1:], device=self.device, dtype=torch.float)
         replay_stats = {}
         if self.cfg.rl.routing_replay:  # the mismatch replay removes, measured without it
-            own, differ = self.own_routing(batch)
+            own, differ = self.own_routing(batch, shape)
             own = own[:, :T]
             gap = (own - old).abs() * lmask
             replay_stats = {"routing_disagree_frac": differ,
@@ -250,7 +287,7 @@ class Trainer:
         if self._megatron_opt:
             self.ddp.zero_grad_buffer()
         self.opt.zero_grad()
-        new, valid = self.token_logprobs(batch)
+        new, valid = self.token_logprobs(batch, shape=shape)
         new = new[:, :T]
         m = lmask * valid[:, :T]
         clip = self.cfg.rl.clip
@@ -293,8 +330,13 @@ class Trainer:
                 self.value_opt.zero_grad()
         else:
             for p in self.module.parameters():
-                if p.grad is not None and self.dp > 1:
-                    dist.all_reduce(p.grad, group=self.pgc.dp)
-                    p.grad /= self.dp
+                if p.grad is None or self.dp == 1:
+                    continue
+                # an expert split over EP (megatron marks it allreduce=False) already holds
+                # its EP group's tokens' gradient: summed over the ranks holding the same
+                # share; either way the sum over every trajectory, then the mean (/ dp)
+                expert = not getattr(p, "allreduce", True)
+                dist.all_reduce(p.grad, group=self.pgc.expt_dp if expert else self.pgc.dp)
+                p.grad /= self.dp
             self.opt.step()
         return {"loss": float(loss.detach()), **metrics, **replay_stats, **extra}
