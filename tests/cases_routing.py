@@ -82,6 +82,13 @@ def routing_round_trip(rank: int, world: int, adp: int, ep: int, mode: str,
     shapes_ok = all(t.routing is not None and t.routing.shape == (len(t.tokens) - 1, layers, k)
                     for t in trajs + multi)
     leftover = len(engine.routes)
+    # a plain request (no session): its routing comes with its output
+    from colo_rollout.sched.request import Request
+
+    out = engine.generate([Request("g0", (1, 2, 3, 4), SamplingParams(max_tokens=3,
+                                                                      ignore_eos=True))])["g0"]
+    plain_ok = (out.routing is not None and out.routing.shape == (4 + 3 - 1, layers, k)
+                and len(engine.routes) == 0)
     batch = trajs + multi
     # the trainer's own routing (fp32: the same numbers up to summation order) and the
     # replayed one, against what the engine recorded
@@ -111,7 +118,7 @@ def routing_round_trip(rank: int, world: int, adp: int, ep: int, mode: str,
         except ValueError as e:
             errors.append(str(e))
     engine.close()
-    return {"shapes_ok": shapes_ok, "leftover": leftover, "compared": compared,
+    return {"shapes_ok": shapes_ok, "leftover": leftover, "plain_ok": plain_ok, "compared": compared,
             "own_disagree": own_bad, "replay_disagree": rep_bad, "shift_disagree": sh_bad,
             "replay_vs_free_logp": float((rep_logp - free_logp)[valid].abs().max()),
             "shift_vs_free_logp": float((sh_logp - free_logp)[valid].abs().max()),

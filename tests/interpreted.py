@@ -1,8 +1,9 @@
 """Running a test file's Triton cases under Triton's CPU interpreter, in a subprocess.
 
 TRITON_INTERPRET is read when kernels are decorated, so it must be set before the kernel
-module is imported: the test file re-runs itself (its ``__main__`` block drives the cases and
-prints "all cases pass") in a fresh interpreter with the flag set.
+module is imported: the test file re-runs itself (its ``__main__`` block calls
+``interpreted_main`` with its cases, which prints "all cases pass") in a fresh interpreter with
+the flag set.
 """
 
 from __future__ import annotations
@@ -25,3 +26,15 @@ def run_interpreted(test_file: str, timeout: float = 300) -> None:
                           text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "all cases pass" in proc.stdout, proc.stdout + proc.stderr
+
+
+def interpreted_main(cases) -> None:
+    """A test file's ``__main__`` under the interpreter: run ``cases()`` (it returns the
+    failures as lines), print them or "all cases pass", exit non-zero on any failure."""
+    import torch
+
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    torch.set_num_threads(1)
+    failures = cases()
+    print("\n".join(failures) if failures else "all cases pass")
+    sys.exit(1 if failures else 0)

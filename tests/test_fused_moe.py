@@ -6,8 +6,6 @@ grid bound and the backend's resolution at model build."""
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 import torch
@@ -16,7 +14,7 @@ import torch.nn.functional as F
 from colo_rollout.config import ConfigError
 from colo_rollout.config.schema import EngineConfig
 from colo_rollout.model import fused_moe as fm
-from tests.interpreted import HAS_TRITON, run_interpreted
+from tests.interpreted import HAS_TRITON, interpreted_main, run_interpreted
 
 
 T = fm.Tile
@@ -203,8 +201,4 @@ def test_engine_config_key():
 
 
 if __name__ == "__main__":  # the interpreted run (the test above starts it)
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    torch.set_num_threads(1)
-    failures = _interpreted()
-    print("\n".join(failures) if failures else "all cases pass")
-    sys.exit(1 if failures else 0)
+    interpreted_main(_interpreted)

@@ -6,14 +6,12 @@ ranks and more experts than one program counts."""
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 import torch
 
 from colo_rollout.model import moe_align as ma
-from tests.interpreted import HAS_TRITON, run_interpreted
+from tests.interpreted import HAS_TRITON, interpreted_main, run_interpreted
 
 # (N tokens, top-k, E_local, E_global, first expert, valid rows (None: all), weight dtype)
 CASES = [
@@ -97,8 +95,4 @@ def test_triton_align_matches_torch_path_interpreted():
 
 
 if __name__ == "__main__":  # the interpreted run (the test above starts it)
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    torch.set_num_threads(1)
-    failures = _interpreted()
-    print("\n".join(failures) if failures else "all cases pass")
-    sys.exit(1 if failures else 0)
+    interpreted_main(_interpreted)

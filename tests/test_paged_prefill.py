@@ -6,9 +6,7 @@ model build and ``PagedSelfAttention._prefill``'s dispatch to the kernel."""
 
 from __future__ import annotations
 
-import os
 import random
-import sys
 import types
 
 import pytest
@@ -16,7 +14,7 @@ import torch
 
 from colo_rollout.model import paged_prefill as pp
 from colo_rollout.testing.attention_oracle import prefill_per_sequence
-from tests.interpreted import HAS_TRITON, run_interpreted
+from tests.interpreted import HAS_TRITON, interpreted_main, run_interpreted
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 T = pp.TileConfig
@@ -245,8 +243,4 @@ def test_prefill_dispatches_to_the_kernel_with_one_plan_per_epoch(monkeypatch):
 
 
 if __name__ == "__main__":  # the interpreted run (the test above starts it)
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    torch.set_num_threads(1)
-    failures = _interpreted()
-    print("\n".join(failures) if failures else "all cases pass")
-    sys.exit(1 if failures else 0)
+    interpreted_main(_interpreted)

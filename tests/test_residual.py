@@ -5,14 +5,12 @@ the kernel does not apply."""
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 import torch
 
 from colo_rollout.model.residual import add_rounded
-from tests.interpreted import HAS_TRITON, run_interpreted
+from tests.interpreted import HAS_TRITON, interpreted_main, run_interpreted
 
 CASES = [((1, 37), torch.bfloat16), ((3, 2048), torch.bfloat16), ((5, 1100), torch.float16)]
 
@@ -52,8 +50,4 @@ def test_kernel_is_bitwise_the_torch_expression_interpreted():
 
 
 if __name__ == "__main__":  # the interpreted run (the test above starts it)
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    torch.set_num_threads(1)
-    failures = _interpreted()
-    print("\n".join(failures) if failures else "all cases pass")
-    sys.exit(1 if failures else 0)
+    interpreted_main(_interpreted)

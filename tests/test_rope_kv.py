@@ -7,14 +7,12 @@ counts and head dims that are not powers of two."""
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 import torch
 
 from colo_rollout.model import rope_kv
-from tests.interpreted import HAS_TRITON, run_interpreted
+from tests.interpreted import HAS_TRITON, interpreted_main, run_interpreted
 
 # (tokens, KV groups, q heads per group, head dim, rotary dim, dtype)
 CASES = [
@@ -94,8 +92,4 @@ def test_triton_kernel_matches_torch_path_bitwise_interpreted():
 
 
 if __name__ == "__main__":  # the interpreted run (the test above starts it)
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    torch.set_num_threads(1)
-    failures = _interpreted()
-    print("\n".join(failures) if failures else "all cases pass")
-    sys.exit(1 if failures else 0)
+    interpreted_main(_interpreted)

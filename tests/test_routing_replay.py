@@ -21,7 +21,7 @@ from colo_rollout.engine.routing_store import RoutingStore
 def test_recorded_routing_is_replayed_by_the_trainer(worker_groups, mode, moe_compute):
     r0, r1 = worker_groups(2).run("tests.cases_routing:routing_round_trip", timeout=300,
                                   adp=2, ep=2, mode=mode, moe_compute=moe_compute)
-    assert r0["shapes_ok"] and r0["leftover"] == 0
+    assert r0["shapes_ok"] and r0["leftover"] == 0 and r0["plain_ok"]
     assert r0["routing"] == r1["routing"]  # every rank returns the same trajectories
     assert r0["compared"] > 200  # (position, layer) rows of 11 trajectories
     # the replayed forward routes exactly as recorded; the trainer's own fp32 routing agrees

@@ -258,6 +258,9 @@ class Engine:
         self._outbox = Message(rank=self.groups.rank)
         self._pending_ids.clear()
         finished = self._apply(msgs, time.perf_counter())
+        if self.routes is not None:  # a request without a session: its routing goes with it
+            for out in finished:  # (a session's is keyed by the session: take_routing)
+                out.routing = self.routes.take(out.request_id)
         d_ready = sum(1 for q in self.scheduler.seqs.values() if q.last_token is not None)
         with rec.clock("plan"):
             plan = self.scheduler.plan(pd=self.pd)

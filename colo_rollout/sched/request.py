@@ -6,6 +6,8 @@ request) and the shape of what comes back. Pure Python; no torch.
 
 from __future__ import annotations
 
+from typing import Any
+
 import math
 import operator
 from dataclasses import dataclass, field, replace
@@ -166,6 +168,9 @@ class RequestOutput:
     submit_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+    # engine.record_routing, a request without a session: its input tokens' experts
+    # [positions, MoE layers, k] (engine/routing_store.py); a session's: Engine.take_routing
+    routing: Any = None
 
     @property
     def finished(self) -> bool:
