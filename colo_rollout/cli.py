@@ -1,5 +1,5 @@
 """`colo-rollout` command line: demo, train, bench, generate, stress-turnstile, bench-rendezvous,
-bench-decode-overhead, bench-speed.
+bench-decode-overhead, bench-speed, bench-sync.
 
 Launch modes: under torchrun (WORLD_SIZE set) every process runs the job itself; otherwise the
 CLI spawns ``parallel.world_size`` CPU processes joined with gloo.
@@ -58,6 +58,13 @@ def main(argv: list[str] | None = None) -> int:
     bs.add_argument("config", help="YAML config with a bench_speed: section, e.g. "
                     "configs/bench_speed_cpu.yaml")
     bs.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    bw = sub.add_parser("bench-sync", help="the weight sync (trainer -> inference layout) "
+                        "against the device's copy bandwidth")
+    bw.add_argument("config", help="YAML config (its model, parallel layout and rl.trainer_tp "
+                    "/ rl.trainer_ep), e.g. configs/bench_speed_gpu.yaml")
+    bw.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    bw.add_argument("--iters", type=int, default=5, help="timed syncs after the first")
+    bw.add_argument("--out", default="runs/bench_sync", help="directory of bench_sync.json")
     tr = sub.add_parser("train", help="colocated GRPO: rollout, train, reshard (YAML config)")
     tr.add_argument("config", help="e.g. configs/grpo_cpu.yaml")
     tr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -88,6 +95,19 @@ def main(argv: list[str] | None = None) -> int:
         from colo_rollout.tools.bench_speed import report
 
         report(res, cfg, args.config)
+        return 0
+    if args.cmd == "bench-sync":
+        if args.iters < 1:
+            print(f"error: --iters: must be >= 1, got {args.iters}", file=sys.stderr)
+            return 2
+        overrides = _door(_overrides, args.set)
+        cfg = _config_at_the_door(args.config, overrides, args.cmd)
+        res = _launch("colo_rollout.tools.bench_sync:run_bench_sync", args.config, overrides,
+                      cfg=cfg, iters=args.iters)[0]
+        if int(os.environ.get("RANK", "0")) == 0:
+            from colo_rollout.tools.bench_sync import report
+
+            report(res, args.out)
         return 0
     if args.cmd in ("demo", "train", "bench", "bench-decode-overhead"):
         overrides = _door(_overrides, args.set)

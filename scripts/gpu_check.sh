@@ -52,6 +52,13 @@ if [ "${RUN_BENCH:-1}" = 1 ]; then
   done
 fi
 
+# the weight sync against the copy bandwidth (issue 18 item 2): the bench-speed shape on one
+# GPU (trainer TP1 beside the engine); RUN_SYNC=0 skips it
+if [ "${RUN_SYNC:-1}" = 1 ]; then
+  timeout 300 torchrun --standalone --nproc-per-node 1 -m colo_rollout.cli bench-sync \
+    configs/bench_speed_gpu.yaml --out "$OUT/sync" 2>&1 | tail -n 4 || echo "bench-sync failed"
+fi
+
 # a random Qwen3-30B-A3B-shaped checkpoint (CKPT_LAYERS layers, ~1.35 GB each in bf16) written to
 # CKPT_DIR, served through model.checkpoint, against transformers in bf16 and fp32;
 # RUN_CHECKPOINT=0 skips it

@@ -28,7 +28,7 @@ def worker_groups():
 # WorkerGroup, a subprocess, or a command that launches ranks)
 _DIST_MODULES = {"test_crossed_path", "test_eight_ranks", "test_generate_cli", "test_modes",
                  "test_quiet", "test_rendezvous", "test_wedged_exit", "test_replay",
-                 "test_checkpoint_door", "test_door", "test_bench_speed"}
+                 "test_checkpoint_door", "test_door", "test_bench_speed", "test_bench_sync"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -7,6 +7,7 @@ appends its measurements to $COLO_GPU_REPORT (JSON lines) for the summary table.
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -231,6 +232,36 @@ def test_gpu_grpo_learns(gpu_groups, tmp_path):
                           "mismatches": 0, "wall_s": sum(x["rollout_s"] + x["train_s"] for x in h),
                           "tok_per_s": 0.0, "device": "cuda", "passed": last > first + 0.5})
     assert last > first + 0.5
+
+
+@pytest.mark.parametrize("world,trainer_ep", [(1, 1), (2, 2)])
+def test_gpu_routing_replay_in_bf16(gpu_groups, tmp_path, world, trainer_ep):
+    """Issue 18's measurement: GRPO in bf16 with routing replay (the engine records its
+    routing, the trainer replays it), per step the rollout/trainer logprob gap with replay and
+    without (the trainer's own routing), and how many routing decisions differ. 1 GPU: trainer
+    DP1; 2 GPUs: trainer EP2 beside the engine's EP2/ADP2."""
+    layout = ({"parallel.world_size": 1, "parallel.adp": 1, "parallel.ep": 1}
+              if world == 1 else {})
+    res = gpu_groups(world).run(
+        "colo_rollout.rl.train:run_train", timeout=600, config_path="configs/grpo_cpu.yaml",
+        overrides={**layout, "parallel.backend": "nccl", "rl.out_dir": str(tmp_path),
+                   "model.params_dtype": "bfloat16", "rl.steps": 8,
+                   "engine.record_routing": True, "rl.routing_replay": True,
+                   "rl.trainer_ep": trainer_ep}, quiet=True)
+    h = res[0]["history"]
+    mean = lambda k: sum(x[k] for x in h) / len(h)  # noqa: E731
+    row = {"steps": len(h), "disagree_frac": mean("routing_disagree_frac"),
+           "gap_max_replay": max(x["logprob_gap_max"] for x in h),
+           "gap_mean_replay": mean("logprob_gap_mean"),
+           "gap_max_no_replay": max(x["logprob_gap_max_no_replay"] for x in h),
+           "gap_mean_no_replay": mean("logprob_gap_mean_no_replay")}
+    _record("routing_replay_bf16", {"gpus": world, "trainer_ep": trainer_ep, **row,
+                                    "passed": row["gap_mean_replay"]
+                                    <= row["gap_mean_no_replay"] + 1e-6})
+    # replay removes the part of the gap that routing flips cause (the kernels' bf16 rounding
+    # stays); with no flip at all both are the same
+    assert row["gap_mean_replay"] <= row["gap_mean_no_replay"] + 1e-6, row
+    assert all(math.isfinite(v) for v in row.values()), row
 
 
 @pytest.mark.parametrize("variant", ["auto", "megatron", "loop"])
