@@ -234,8 +234,9 @@ def test_gpu_grpo_learns(gpu_groups, tmp_path):
     assert last > first + 0.5
 
 
-@pytest.mark.parametrize("world,trainer_ep", [(1, 1), (2, 2)])
-def test_gpu_routing_replay_in_bf16(gpu_groups, tmp_path, world, trainer_ep):
+@pytest.mark.parametrize("world,trainer_ep,recompute", [(1, 1, "none"), (1, 1, "full"),
+                                                       (2, 2, "none")])
+def test_gpu_routing_replay_in_bf16(gpu_groups, tmp_path, world, trainer_ep, recompute):
     """Issue 18's measurement: GRPO in bf16 with routing replay (the engine records its
     routing, the trainer replays it), per step the rollout/trainer logprob gap with replay and
     without (the trainer's own routing), and how many routing decisions differ. 1 GPU: trainer
@@ -247,7 +248,7 @@ def test_gpu_routing_replay_in_bf16(gpu_groups, tmp_path, world, trainer_ep):
         overrides={**layout, "parallel.backend": "nccl", "rl.out_dir": str(tmp_path),
                    "model.params_dtype": "bfloat16", "rl.steps": 8,
                    "engine.record_routing": True, "rl.routing_replay": True,
-                   "rl.trainer_ep": trainer_ep}, quiet=True)
+                   "rl.trainer_ep": trainer_ep, "rl.recompute": recompute}, quiet=True)
     h = res[0]["history"]
     mean = lambda k: sum(x[k] for x in h) / len(h)  # noqa: E731
     row = {"steps": len(h), "disagree_frac": mean("routing_disagree_frac"),
@@ -255,7 +256,8 @@ def test_gpu_routing_replay_in_bf16(gpu_groups, tmp_path, world, trainer_ep):
            "gap_mean_replay": mean("logprob_gap_mean"),
            "gap_max_no_replay": max(x["logprob_gap_max_no_replay"] for x in h),
            "gap_mean_no_replay": mean("logprob_gap_mean_no_replay")}
-    _record("routing_replay_bf16", {"gpus": world, "trainer_ep": trainer_ep, **row,
+    _record("routing_replay_bf16", {"gpus": world, "trainer_ep": trainer_ep,
+                                    "recompute": recompute, **row,
                                     "passed": row["gap_mean_replay"]
                                     <= row["gap_mean_no_replay"] + 1e-6})
     # replay removes the part of the gap that routing flips cause (the kernels' bf16 rounding

@@ -59,3 +59,13 @@ def test_door_refuses_replay_without_record_and_record_with_alltoall():
                engine=EngineConfig(record_routing=True))
     ok = Config(engine=EngineConfig(record_routing=True), rl=RLConfig(routing_replay=True))
     assert dataclasses.asdict(ok)["rl"]["routing_replay"]
+
+
+def test_recompute_needs_gpus_at_the_door():
+    from colo_rollout.config import ParallelConfig
+
+    with pytest.raises(ConfigError, match="rl.recompute"):
+        Config(rl=RLConfig(recompute="full"))  # gloo
+    with pytest.raises(ConfigError, match="rl.recompute"):
+        RLConfig(recompute="selective")
+    assert Config(parallel=ParallelConfig(backend="nccl"), rl=RLConfig(recompute="full"))

@@ -114,6 +114,12 @@ class Config:
             f"model.num_experts {model.num_experts}",
         )
         _require(
+            self.rl.recompute == "none" or par.backend == "nccl",
+            "rl.recompute",
+            "'full' needs GPUs (parallel.backend nccl): megatron's recompute saves and restores "
+            "CUDA RNG states",
+        )
+        _require(
             not self.rl.routing_replay or engine.record_routing,
             "rl.routing_replay",
             "needs engine.record_routing: true (the rollout must record what the trainer "

@@ -704,6 +704,10 @@ class RLConfig:
     # Routing replay ("R3"): the trainer routes every token to the experts the rollout engine
     # chose for it (engine.record_routing must be on), in forward and in backward recompute.
     routing_replay: bool = False
+    # Trainer activation recompute: "none" or "full" (megatron's full recompute, one layer per
+    # unit: the backward re-runs each layer's forward; with routing_replay the recomputed
+    # routers replay the rollout's routing too). Needs CUDA (megatron saves CUDA RNG states).
+    recompute: str = "none"
     # Trainer tensor-parallel width (trainer DP = world / trainer_tp); may differ from the
     # inference layout: weights are resharded after every step. Only 1 for now (issue 18).
     trainer_tp: int = 1
@@ -748,6 +752,8 @@ class RLConfig:
         _require_min(self, ("seed", "target_token"), 0)
         _require(self.lr > 0, "rl.lr", f"must be > 0, got {self.lr}")
         _require(0 < self.clip < 1, "rl.clip", f"must be in (0, 1), got {self.clip}")
+        _require(self.recompute in ("none", "full"), "rl.recompute",
+                 f"must be none or full, got {self.recompute!r}")
         _require(self.is_level in ("none", "token", "sequence"), "rl.is_level",
                  f"must be none, token or sequence, got {self.is_level!r}")
         _require(self.is_mode in ("truncate", "mask"), "rl.is_mode",

@@ -65,11 +65,12 @@ def build_reference(cfg: ModelConfig,
                     full_state: dict[str, torch.Tensor] | Callable[[torch.nn.Module], None],
                     pg_collection: ProcessGroupCollection, device: torch.device,
                     dtype: torch.dtype | None = None, te: bool = False,
-                    routing_replay: bool = False) -> torch.nn.Module:
+                    routing_replay: bool = False, recompute: bool = False) -> torch.nn.Module:
     """``te``: build megatron's Transformer Engine layer spec (grouped-GEMM experts, fused
     norm+qkv) instead of the local spec; ``full_state`` may use either spec's names.
     ``routing_replay``: megatron's ``moe_enable_routing_replay`` (every router gets a
-    ``RouterReplay``; the trainer sets what it replays, rl/trainer.py).
+    ``RouterReplay``; the trainer sets what it replays, rl/trainer.py). ``recompute``:
+    megatron's full activation recompute, one layer per unit (CUDA only).
 
     With a TP group of size t in ``pg_collection`` (see ``tp_pg_collection``) the model is
     megatron's TP-t model: its forward is collective over that group, and each rank loads its
@@ -98,6 +99,9 @@ def build_reference(cfg: ModelConfig,
                          "(one of them must be 1)")
     tcfg = megatron_config(cfg, dtype=dtype, init=False, use_te=te, tp=tp, etp=tp, ep=ep)
     tcfg.moe_enable_routing_replay = routing_replay
+    if recompute:
+        tcfg.recompute_granularity, tcfg.recompute_method = "full", "uniform"
+        tcfg.recompute_num_layers = 1
     model = build_gpt_model(cfg, tcfg, te, pg_collection)
     if callable(full_state):  # straight into the parameters on their device
         model = model.to(device)

@@ -88,8 +88,9 @@ class Trainer:
         self.pgc = trainer_pg_collection(world, self.tp, self.ep)
         weights = state_dict if state_dict is not None else megatron_loader(
             cfg.model, self.pgc.tp.size(), self.pgc.tp.rank())
+        self.recompute = cfg.rl.recompute == "full"
         model = build_reference(cfg.model, weights, self.pgc, device,
-                                routing_replay=cfg.rl.routing_replay)
+                                routing_replay=cfg.rl.routing_replay, recompute=self.recompute)
         self.module = model  # megatron GPTModel (or Float16Module), what WeightSync reads
         self.module.train()
         if device.type == "cuda":
@@ -248,12 +249,23 @@ class Trainer:
             valid[i, : len(t.tokens) - 1] = True
         pos = torch.arange(L, device=self.device)[None].expand(rows, L)
         mask = torch.triu(torch.ones(L, L, dtype=torch.bool, device=self.device), 1)
+        grad = torch.is_grad_enabled()
         try:
             logits = self.ddp(ids, pos, attention_mask=mask[None, None]).float()
-        finally:
+        except BaseException:
             if replay:
-                # backward recomputes nothing here (no activation recompute): the forward's
-                # saved tensors hold the replayed routing
+                self.end_replay()
+            raise
+        if replay:
+            if self.recompute and grad:
+                # the backward re-runs every layer's forward: its routers take the same ids
+                # again (megatron's REPLAY_BACKWARD pops them); step() ends it after backward
+                from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+                for router in self.routers():
+                    router.router_replay.set_router_replay_action(
+                        RouterReplayAction.REPLAY_BACKWARD)
+            else:  # the forward's saved tensors hold the replayed routing
                 self.end_replay()
         logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
         return logp, valid
@@ -316,7 +328,11 @@ class Trainer:
                 + self.cfg.rl.vf_coef * v_loss
             extra = {"value_loss": float(v_loss.detach())}
         # every DP rank contributes its share: scale so the all-reduce sum is the mean
-        (loss * len(batch) / max(len(trajs), 1) * self.dp).backward()
+        try:
+            (loss * len(batch) / max(len(trajs), 1) * self.dp).backward()
+        finally:
+            if self.cfg.rl.routing_replay and self.recompute:
+                self.end_replay()  # the recompute took its replayed ids
         head = list(self.value_head.parameters()) if self.value_head is not None else []
         if self.dp > 1:  # the value head is outside megatron's DDP: average it here
             for p in head:
