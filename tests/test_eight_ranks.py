@@ -31,3 +31,16 @@ def test_modes_match_normal_on_eight_ranks(eight, adp, n_requests):
         if mode == "fine":
             assert res[0]["d_during_p"] > 0  # D ran while a P epoch was in flight
             assert res[0]["rendezvous"] > 0 and res[0]["rendezvous"] % 2 == 0
+
+
+def test_alltoall_dispatch_gives_gathers_tokens_on_eight_ranks(eight):
+    """Issue 17 item 5 at 8 ranks: EP8/ADP2 (ATP4) in Fine, the routed all-to-all backend
+    (P's and D's own communicators, P's split-phase boundary) against the gather backend."""
+    from tests.test_dispatch import TOL
+
+    res = eight.run("tests.cases_dispatch:alltoall_matches_gather", timeout=900, adp=2, ep=8,
+                    mode="fine", model_kw=MODEL)
+    for r in res:
+        assert r["same_tokens"] and r["max_logprob_diff"] < TOL
+        assert min(r["a2a"]) > 0 and r["tokens"] == res[0]["tokens"]
+    assert res[0]["d_during_p"] > 0
