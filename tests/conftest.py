@@ -24,6 +24,19 @@ def worker_groups():
         g.close()
 
 
+@pytest.fixture(scope="session")
+def interpreted(request):
+    """The kernel tests' interpreted runs (tests/interpreted.py), started together: those of
+    the session's collected test files that have them."""
+    from tests.interpreted import KERNEL_TESTS, InterpretedRuns
+
+    collected = {item.path.name for item in request.session.items
+                 if "interpreted" in item.fixturenames}
+    runs = InterpretedRuns([f for f in KERNEL_TESTS if f in collected])
+    yield runs
+    runs.close()
+
+
 # modules whose tests start processes without the worker_groups fixture (a private
 # WorkerGroup, a subprocess, or a command that launches ranks)
 _DIST_MODULES = {"test_crossed_path", "test_eight_ranks", "test_generate_cli", "test_modes",

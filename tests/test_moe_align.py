@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from colo_rollout.model import moe_align as ma
-from tests.interpreted import HAS_TRITON, interpreted_main, run_interpreted
+from tests.interpreted import HAS_TRITON, interpreted_main
 
 # (N tokens, top-k, E_local, E_global, first expert, valid rows (None: all), weight dtype)
 CASES = [
@@ -90,8 +90,8 @@ def _interpreted() -> list[str]:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-def test_triton_align_matches_torch_path_interpreted():
-    run_interpreted(__file__)
+def test_triton_align_matches_torch_path_interpreted(interpreted):
+    interpreted.check(__file__)
 
 
 if __name__ == "__main__":  # the interpreted run (the test above starts it)

@@ -12,7 +12,7 @@ import torch
 from colo_rollout.config import ConfigError
 from colo_rollout.config.schema import EngineConfig
 from colo_rollout.model import paged_attention as pa
-from tests.interpreted import HAS_TRITON, interpreted_main, run_interpreted
+from tests.interpreted import HAS_TRITON, interpreted_main
 
 
 
@@ -94,8 +94,8 @@ def _interpreted() -> list[str]:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-def test_triton_kernel_matches_torch_path_interpreted():
-    run_interpreted(__file__)
+def test_triton_kernel_matches_torch_path_interpreted(interpreted):
+    interpreted.check(__file__)
 
 
 def test_resolve_backend():

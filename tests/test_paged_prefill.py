@@ -14,7 +14,7 @@ import torch
 
 from colo_rollout.model import paged_prefill as pp
 from colo_rollout.testing.attention_oracle import prefill_per_sequence
-from tests.interpreted import HAS_TRITON, interpreted_main, run_interpreted
+from tests.interpreted import HAS_TRITON, interpreted_main
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 T = pp.TileConfig
@@ -122,8 +122,8 @@ def _interpreted() -> list[str]:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-def test_triton_kernel_matches_oracle_interpreted():
-    run_interpreted(__file__)
+def test_triton_kernel_matches_oracle_interpreted(interpreted):
+    interpreted.check(__file__)
 
 
 @pytest.mark.parametrize("pack_group", [True, False])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from colo_rollout.model.residual import add_rounded
-from tests.interpreted import HAS_TRITON, interpreted_main, run_interpreted
+from tests.interpreted import HAS_TRITON, interpreted_main
 
 CASES = [((1, 37), torch.bfloat16), ((3, 2048), torch.bfloat16), ((5, 1100), torch.float16)]
 
@@ -45,8 +45,8 @@ def _interpreted() -> list[str]:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-def test_kernel_is_bitwise_the_torch_expression_interpreted():
-    run_interpreted(__file__)
+def test_kernel_is_bitwise_the_torch_expression_interpreted(interpreted):
+    interpreted.check(__file__)
 
 
 if __name__ == "__main__":  # the interpreted run (the test above starts it)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from colo_rollout.model import rope_kv
-from tests.interpreted import HAS_TRITON, interpreted_main, run_interpreted
+from tests.interpreted import HAS_TRITON, interpreted_main
 
 # (tokens, KV groups, q heads per group, head dim, rotary dim, dtype)
 CASES = [
@@ -87,8 +87,8 @@ def _interpreted() -> list[str]:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-def test_triton_kernel_matches_torch_path_bitwise_interpreted():
-    run_interpreted(__file__)
+def test_triton_kernel_matches_torch_path_bitwise_interpreted(interpreted):
+    interpreted.check(__file__)
 
 
 if __name__ == "__main__":  # the interpreted run (the test above starts it)
