@@ -704,6 +704,10 @@ class RLConfig:
     # Routing replay ("R3"): the trainer routes every token to the experts the rollout engine
     # chose for it (engine.record_routing must be on), in forward and in backward recompute.
     routing_replay: bool = False
+    # Partial rollout (over-sampling): a step's rollout returns once this many of its GRPO
+    # groups are done; the in-flight rest is paused and resumed first by the next step under
+    # the new weights (rl/rollout.py: Carry). 0: every group finishes within its step.
+    finish_groups: int = 0
     # Trainer activation recompute: "none" or "full" (megatron's full recompute, one layer per
     # unit: the backward re-runs each layer's forward; with routing_replay the recomputed
     # routers replay the rollout's routing too). Needs CUDA (megatron saves CUDA RNG states).
@@ -752,6 +756,9 @@ class RLConfig:
         _require_min(self, ("seed", "target_token"), 0)
         _require(self.lr > 0, "rl.lr", f"must be > 0, got {self.lr}")
         _require(0 < self.clip < 1, "rl.clip", f"must be in (0, 1), got {self.clip}")
+        _require(0 <= self.finish_groups <= self.prompts_per_step, "rl.finish_groups",
+                 f"must be in [0, rl.prompts_per_step {self.prompts_per_step}], got "
+                 f"{self.finish_groups}")
         _require(self.recompute in ("none", "full"), "rl.recompute",
                  f"must be none or full, got {self.recompute!r}")
         _require(self.is_level in ("none", "token", "sequence"), "rl.is_level",

@@ -34,7 +34,7 @@ from colo_rollout.worker.memory import MemoryReport  # noqa: E402
 from colo_rollout.model.weights import random_state_dict  # noqa: E402
 from colo_rollout.runtime.parallel import init_parallel  # noqa: E402
 from colo_rollout.sched.request import SamplingParams  # noqa: E402
-from colo_rollout.rl.rollout import rollout  # noqa: E402
+from colo_rollout.rl.rollout import Carry, rollout  # noqa: E402
 from colo_rollout.rl.tasks import task_for  # noqa: E402
 from colo_rollout.rl.trainer import Trainer  # noqa: E402
 from colo_rollout.rl.weight_sync import WeightSync  # noqa: E402
@@ -65,18 +65,26 @@ def run_train(rank: int, world: int, config_path: str, overrides: dict | None = 
 
         bar = tqdm(total=cfg.rl.steps, unit="step", desc="grpo", dynamic_ncols=True)
     history = []
+    # partial rollout: the groups a step leaves unfinished, resumed by the next
+    carry = Carry() if cfg.rl.finish_groups else None
     for step in range(cfg.rl.steps):
-        prompts = [task.prompt(rng) for _ in range(cfg.rl.prompts_per_step)]
+        # with a carry, its groups count against the step's prompts: the groups in flight stay
+        # rl.prompts_per_step, and the backlog cannot grow
+        backlog = len({t.group for t in carry.trajectories}) if carry is not None else 0
+        prompts = [task.prompt(rng) for _ in range(cfg.rl.prompts_per_step - backlog)]
         t0 = time.perf_counter()
         trajs = rollout(engine, prompts, n=cfg.rl.samples_per_prompt, params=params,
-                        reward_fn=task.reward, weight_version=sync.version, tag=f"s{step}")
+                        reward_fn=task.reward, weight_version=sync.version, tag=f"s{step}",
+                        finish_groups=cfg.rl.finish_groups or None, carry=carry)
         t1 = time.perf_counter()
         ok = [t for t in trajs if t.status in ("completed", "truncated")]
         mem = {}
         if cfg.rl.release_memory != "off":  # the trainer gets the rollout's device memory
             mem["mem_engine_before"] = MemoryReport.now(groups.device).allocated
             mem["mem_engine_released"] = engine.release_memory(cfg.rl.release_memory).allocated
-        stats = trainer.step(ok)
+        # (every rank holds the same trajectories: all skip an empty step together)
+        stats = trainer.step(ok) if ok else {"loss": 0.0, "logprob_gap_max": 0.0,
+                                             "logprob_gap_mean": 0.0}
         if cfg.rl.release_memory != "off":
             if groups.device.type == "cuda":
                 mem["mem_train_peak"] = torch.cuda.max_memory_allocated(groups.device)
@@ -86,6 +94,9 @@ def run_train(rank: int, world: int, config_path: str, overrides: dict | None = 
         s = sync(trainer.module, engine.model)
         if cfg.rl.release_memory == "discard":
             engine.weights_loaded()  # the sync wrote every inference parameter
+        if carry is not None:
+            stats["carried"] = len(carry.trajectories)
+            stats["resumed_segments"] = sum(len(t.segments) > 1 for t in ok)
         row = {"step": step, "reward": sum(t.reward for t in ok) / max(len(ok), 1),
                "response_len": sum(sum(t.loss_mask) for t in ok) / max(len(ok), 1),
                "failed": len(trajs) - len(ok), "rollout_s": t1 - t0, "train_s": t2 - t1,
