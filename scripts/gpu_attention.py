@@ -21,13 +21,14 @@ import argparse
 import itertools
 import json
 import os
-import statistics
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_timing import graph_time  # noqa: E402
 from colo_rollout.model import paged_attention as pa  # noqa: E402
 
 HEADS, GROUPS, DIM, BS = 32, 4, 128, 16
@@ -58,32 +59,6 @@ class Cache:
         idx = torch.randperm(self.blocks, generator=gen, device=self.dev)[: B * width]
         return idx.view(B, width).contiguous()
 
-
-def graph_time(fn_list, reps: int = 20, warm: int = 3) -> float:
-    """Median seconds of one call: fn_list's calls captured in one CUDA graph, replayed."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for fn in fn_list[:2]:
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for fn in fn_list:
-            fn()
-    for _ in range(warm):
-        g.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / len(fn_list))
-    del g
-    return statistics.median(times)
 
 
 def calls(B: int, ctx: int, cache: Cache, gen, cap: int = 200):

@@ -44,6 +44,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_timing  # noqa: E402
 from colo_rollout.model import fused_moe as fm  # noqa: E402
 
 MODELS = {"gpu_large": dict(H=2048, F=1408, E=64, k=8),
@@ -135,30 +137,8 @@ def touched_bytes(offs, H, F_) -> int:
 
 # ---------------------------------------------------------------------------- timing
 def graph_time(fns, reps: int = 5, warm: int = 1) -> float:
-    """Median seconds of one call: the calls captured in one CUDA graph, replayed."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for fn in fns[:2]:
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for fn in fns:
-            fn()
-    for _ in range(warm):
-        g.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / len(fns))
-    del g
-    return statistics.median(times)
+    """Median seconds of one call (scripts/gpu_timing.py), this script's repetitions."""
+    return gpu_timing.graph_time(fns, reps=reps, warm=warm)
 
 
 def calls_per_graph(N: int) -> int:
@@ -291,15 +271,7 @@ def graph_check(dev, gen, models, rec) -> None:
     def run():
         return fm.triton_experts(x, token, offs, prob, ex.fc1[0], ex.fc2[0], F.silu, True)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        y = run()
+    g, y = gpu_timing.capture([run])
     worst = 0.0
     for trial in range(3):
         t2, _, o2, p2 = routing(N, ex.E, 8, dev, gen, E_global=ex.E + 16 * trial)

@@ -30,7 +30,6 @@ import itertools
 import json
 import math
 import os
-import statistics
 import sys
 import time
 
@@ -39,6 +38,8 @@ import torch.nn.attention  # noqa: F401  (sdpa_kernel, for the flash ceiling)
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_timing  # noqa: E402
 from colo_rollout.model import paged_prefill as pp  # noqa: E402
 
 HEADS, GROUPS, DIM, BS = 32, 4, 128, 16
@@ -123,30 +124,10 @@ class SdpaPath:
 
 
 def graph_time(fn, est_s: float, reps: int = 10, target_s: float = 5e-3) -> float:
-    """Median seconds of one call: R calls of fn captured in one CUDA graph, replayed."""
+    """Median seconds of one call: R calls of fn (about ``target_s`` of work, from the eager
+    estimate ``est_s``) captured in one CUDA graph, replayed (scripts/gpu_timing.py)."""
     R = max(1, min(50, int(target_s / max(est_s, 1e-6))))
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(R):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / R)
-    del g
-    return statistics.median(times)
+    return gpu_timing.graph_time([fn] * R, reps=reps, warm=1)
 
 
 def eager_time(fn) -> float:

@@ -53,6 +53,7 @@ from colo_rollout.model.paged_attention import resolve_backend
 from colo_rollout.model.residual import add_rounded
 from colo_rollout.model.paged_prefill import resolve_backend as resolve_prefill_backend
 from colo_rollout.model.moe import GatherMoE, mlp_partial
+from colo_rollout.model.moe_align import warm as warm_align
 from colo_rollout.runtime.parallel import ParallelGroups
 from colo_rollout.model.weights import DTYPES, load_sharded, to_spec_names
 
@@ -359,6 +360,13 @@ class InferenceGPT(torch.nn.Module):
         return [layer.mlp for layer in self.decoder.layers if layer.is_moe]
 
     # ------------------------------------------------------------------ weights
+    def warm_kernels(self) -> None:
+        """Compile the kernel variants the model's shapes need now, at build: a first compile
+        while serving stalls the host for about a second (model/moe_align.py: ``warm``). Each
+        distinct variant once, however many layers share it."""
+        for args in set().union(*(moe.align_variants() for moe in self.moe_layers())):
+            warm_align(*args)
+
     def load_full_state_dict(self, full: dict[str, torch.Tensor]) -> None:
         """Copy this rank's shard of every parameter from an unsharded megatron state dict
         (local-spec or TE-spec names; converted to this model's spec first)."""

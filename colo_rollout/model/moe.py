@@ -46,7 +46,7 @@ from colo_rollout.model.fused_moe import (
     triton_available,
     triton_supports,
 )
-from colo_rollout.model.moe_align import align, warm as warm_align
+from colo_rollout.model.moe_align import align
 
 # The partial MoE outputs are summed over experts and reduced across ranks in fp32 and rounded
 # to the model dtype once, after the combine collective -- as megatron's token dispatchers do
@@ -257,13 +257,20 @@ class GatherMoE(torch.nn.Module):
         """Make the grouped path's weight stacks current now (no-op for the megatron path), so
         the expert parameters' addresses are final before anything records them (D graphs)."""
         w = self._expert_weights()[0][0]
-        probe = torch.empty(0, dtype=w.dtype, device=w.device)
-        if self.uses_grouped(probe):
+        if self.uses_grouped(torch.empty(0, dtype=w.dtype, device=w.device)):
             self._stacked()
-            if self.kernel_for(probe) == "triton":  # the align kernel's variants, compiled now
-                fp32 = self.config.moe_router_dtype == "fp32"
-                warm_align(self.topk, self.num_local, w.device, torch.float32 if fp32 else w.dtype)
-                warm_align(1, self.num_local, w.device, torch.float32)  # dispatch's local rows
+
+    def align_variants(self) -> set[tuple]:
+        """The align kernel's launches this layer can make, as ``moe_align.warm`` arguments
+        (topk, local experts, device, weight dtype): none off the Triton path."""
+        w = self._expert_weights()[0][0]
+        probe = torch.empty(0, dtype=w.dtype, device=w.device)
+        if not (self.uses_grouped(probe) and self.kernel_for(probe) == "triton"):
+            return set()
+        router = torch.float32 if self.config.moe_router_dtype == "fp32" else w.dtype
+        # the routed pairs, and the dispatch backends' one slot per received row (fp32)
+        return {(self.topk, self.num_local, w.device, router),
+                (1, self.num_local, w.device, torch.float32)}
 
     def drop_stack(self) -> None:
         """Forget the stacked views (memory release: the parameters' storage is replaced)."""

@@ -68,6 +68,7 @@ class Worker:
         self.groups = groups
         self.model, self.load_stats = build_model(cfg, groups, state_dict)
         self.model.rope_table()  # made once on the default stream, read by both phases
+        self.model.warm_kernels()  # every kernel variant compiled before serving starts
         e = cfg.engine
         if e.record_routing:  # the routers' expert ids of every P token and D row
             adp = groups.layout.adp
