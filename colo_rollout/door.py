@@ -56,6 +56,7 @@ def load(command: str, config_path: str | os.PathLike, overrides: Mapping[str, A
 
         check_checkpoint(cfg.model)
     check_kernels(cfg, source)
+    check_dispatch(cfg, source)
     check = {"demo": check_demo, "train": check_train, "bench": check_bench,
              "bench-decode-overhead": check_decode_overhead,
              "bench-speed": check_bench_speed}.get(command)
@@ -87,6 +88,18 @@ def check_kernels(cfg: Config, source: str) -> None:
         raise ConfigError(f"{source}: engine.{key}: 'triton' cannot run here: {why}; use "
                           "'auto' (triton where it can run, else torch) or 'torch'",
                           key=f"engine.{key}", source=source)
+
+
+def check_dispatch(cfg: Config, source: str) -> None:
+    """``model.moe_dispatch: deepep`` needs the deep_ep package importable here (the ranks
+    import it at model build; whether it carries colo_rollout's patch is checked there)."""
+    import importlib.util
+
+    if cfg.model.moe_dispatch == "deepep" and importlib.util.find_spec("deep_ep") is None:
+        raise ConfigError(f"{source}: model.moe_dispatch: 'deepep' needs the deep_ep package, "
+                          "which is not importable here (build it on the GPU host: "
+                          "scripts/deepep_setup.sh); use 'alltoall' or 'gather'",
+                          key="model.moe_dispatch", source=source)
 
 
 def _refusal(cfg: Config, prompt: tuple[int, ...], params: SamplingParams) -> str | None:

@@ -80,6 +80,9 @@ def gpu_engine_matches_reference(rank: int, world: int, adp: int, ep: int, dtype
     res = {"layout": groups.layout.name, "wall_s": wall,
            "device": torch.cuda.get_device_name() if backend == "nccl" else "cpu",
            "te": engine.model.use_te,
+           "dispatch": [d.report().row() for d in (engine.model.dispatch_p,
+                                                   engine.model.dispatch_d)
+                        if hasattr(d, "report")],
            "tokens": {r.request_id: outs[r.request_id].tokens for r in requests},
            "generated": sum(len(outs[r.request_id].tokens) for r in requests)}
     dev = groups.device

@@ -74,8 +74,6 @@ def _cfg(**model_kw) -> dict:
 def test_config_moe_dispatch_choices():
     assert ModelConfig().moe_dispatch == "gather"
     assert config_from_dict(_cfg(moe_dispatch="alltoall")).model.moe_dispatch == "alltoall"
-    with pytest.raises(ConfigError, match="model.moe_dispatch.*DeepEP backend does not exist"):
-        ModelConfig(moe_dispatch="deepep")
     with pytest.raises(ConfigError, match="model.moe_dispatch.*expected one of"):
         ModelConfig(moe_dispatch="nvshmem")
     with pytest.raises(ConfigError, match="model.moe_dispatch_capacity"):
@@ -118,3 +116,69 @@ def test_alltoall_dispatch_split_is_a_turnstile_boundary(worker_groups, model_kw
         assert "split" in r["parked"]  # a D iteration ran between P's counts and its payload
         assert r["same_tokens"] and r["max_logprob_diff"] < TOL and r["n_tokens"] > 40
     assert res[0]["parked"] == res[1]["parked"]  # every rank parked at the same boundaries
+
+
+def _deepep(**kw) -> dict:
+    d = {"parallel": {"world_size": 2, "adp": 2, "ep": 2, "backend": "nccl"},
+         "model": {"num_experts": 8, "hidden_size": 2048, "moe_dispatch": "deepep"}}
+    for key, value in kw.items():
+        section, name = key.split("__")
+        d[section][name] = value
+    return d
+
+
+def test_config_deepep_refuses_what_deepep_cannot_run():
+    """model.moe_dispatch deepep: the layouts, shapes and backends DeepEP V1 cannot run are
+    refused at load, one line naming the key (before any rank starts)."""
+    assert config_from_dict(_deepep()).model.moe_dispatch == "deepep"
+    assert config_from_dict(_deepep(model__deepep_p_sms=12)).model.deepep_p_sms == 12
+    cases = [
+        ({"model__hidden_size": 512}, "model.moe_dispatch.*hidden sizes 2048, 2560"),
+        ({"model__moe_router_topk": 12, "model__num_experts": 16},
+         "model.moe_dispatch.*top-k <= 11"),
+        ({"parallel__backend": "gloo"}, "model.moe_dispatch.*GPU ranks"),
+        ({"parallel__ep": 1}, "model.moe_dispatch.*parallel.ep 1 must equal world_size 2"),
+        ({"parallel__world_size": 6, "parallel__adp": 6, "parallel__ep": 6,
+          "model__num_experts": 12}, "model.moe_dispatch.*2, 4 or 8 EP ranks"),
+        ({"model__deepep_p_sms": 7}, "model.deepep_p_sms.*even"),
+    ]
+    for kw, match in cases:
+        with pytest.raises(ConfigError, match=match):
+            config_from_dict(_deepep(**kw))
+
+
+def test_door_refuses_deepep_without_the_package(tmp_path, monkeypatch):
+    """Where deep_ep does not import, a deepep config is one error line at the door."""
+    import importlib.util
+
+    import yaml
+
+    from colo_rollout import door
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "deep_ep" else real(name, *a))
+    path = tmp_path / "deepep.yaml"
+    path.write_text(yaml.safe_dump(_deepep()))
+    with pytest.raises(ConfigError) as e:
+        door.load("demo", path, {})
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{path}: model.moe_dispatch: 'deepep' needs")
+    assert door.is_user_error(e.value)
+
+
+@pytest.mark.parametrize("counts,M", [([3, 0, 2], 4), ([0, 0], 2), ([2, 2], 2), ([1], 4)])
+def test_low_latency_rows_as_sorted_pairs(counts, M):
+    """DeepEP's low-latency receive layout (expert-major, M rows per expert, the first
+    count[e] valid) as the fused MoE's sorted pairs, without a sort: valid rows expert by
+    expert in row order, then the padding rows; a permutation; group ends = cumsum."""
+    import torch
+
+    from colo_rollout.model.deepep import grouped_rows
+
+    count = torch.tensor(counts, dtype=torch.int32)
+    order, offs = grouped_rows(count, M)
+    valid = [e * M + c for e in range(len(counts)) for c in range(counts[e])]
+    padding = [r for r in range(len(counts) * M) if r not in valid]
+    assert order.tolist() == valid + padding
+    assert offs.dtype == torch.int32 and offs.tolist() == torch.tensor(counts).cumsum(0).tolist()

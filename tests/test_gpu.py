@@ -283,3 +283,53 @@ def test_gpu_bf16_error_by_layer(gpu_groups, world, adp, ep, variant):
         print(r["layout"], variant, json.dumps(x))
     assert len(r["rows"]) == 8  # 4 layers x (attention, MoE)
     assert all(x["ranks_max_diff"] == 0.0 for x in r["rows"])
+
+
+def _have_deep_ep() -> bool:
+    try:
+        from colo_rollout.model.deepep import load_deep_ep
+
+        load_deep_ep()
+        return True
+    except Exception:
+        return False
+
+
+DEEPEP_MODEL = {"moe_dispatch": "deepep", "hidden_size": 2048, "num_attention_heads": 16,
+                "num_query_groups": 4, "moe_ffn_hidden_size": 512}
+
+
+@pytest.mark.skipif(not _have_deep_ep(), reason="needs deep_ep with colo_rollout's patch "
+                    "(scripts/deepep_setup.sh)")
+def test_gpu_deepep_world1_low_latency_decode_matches_reference(gpu_groups):
+    """model.moe_dispatch deepep on one GPU: D's MoE through DeepEP's low-latency
+    dispatch/combine (captured in D's graphs), P's experts in place (one EP rank has no
+    peer); the engine against megatron's GPTModel like the gather backend's row."""
+    res = gpu_groups(1).run("tests.cases_gpu:gpu_engine_matches_reference", timeout=600,
+                            adp=1, ep=1, dtype="bfloat16", n_requests=64,
+                            model_kw=DEEPEP_MODEL)
+    _record("deepep_buffers_world1", {"gpus": 1, "phases": res[0]["dispatch"]})
+    assert [p["mode"] for p in res[0]["dispatch"]] == ["local", "low_latency"]
+    _check_against_reference("deepep_world1_vs_reference_bf16", res, 1, "bfloat16")
+
+
+@pytest.mark.skipif(not _have_deep_ep(), reason="needs deep_ep with colo_rollout's patch "
+                    "(scripts/deepep_setup.sh)")
+def test_gpu_deepep_normal_split_dispatch_two_ranks_share_the_gpu():
+    """P's split-phase normal dispatch (notify, a gap, counts, send) with 2 ranks on one GPU
+    (gloo group): the notified counts are the true ones, the combined output is the
+    routing's reference, a second pending dispatch is refused, an abandoned one retires
+    the buffer until quiesce, after which it works again."""
+    g = WorkerGroup(2, backend="gloo")
+    try:
+        res = g.run("tests.cases_deepep:deepep_normal_split_shared_gpu", timeout=300)
+    finally:
+        g.close()
+    _record("deepep_normal_split_shared_gpu", {"gpus": 1, "ranks": 2, **{
+        k: res[0][k] for k in ("err_split", "err_after_quiesce", "report")}})
+    for r in res:
+        assert r["counts"] == r["expected_counts"]
+        assert r["err_split"] < 1e-2 and r["err_after_quiesce"] < 1e-2
+        assert "already pending" in r["second_pending"]
+        assert "retired" in r["retired"]
+        assert r["report"]["mode"] == "normal" and r["report"]["sms"] == 20

@@ -31,6 +31,7 @@ from colo_rollout.config.schema import (
     ParallelConfig,
     RLConfig,
     WorkloadConfig,
+    deepep_layout_problem,
 )
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,6 +94,21 @@ class Config:
             "model.moe_dispatch",
             f"'alltoall' needs every expert whole on one rank: parallel.ep {par.ep} must equal "
             f"world_size {par.world_size} (expert TP {par.etp} is not supported by it)",
+        )
+        _require(
+            model.moe_dispatch != "deepep" or par.ep == par.world_size,
+            "model.moe_dispatch",
+            f"'deepep' needs every expert whole on one rank: parallel.ep {par.ep} must equal "
+            f"world_size {par.world_size}",
+        )
+        why = (deepep_layout_problem(par.ep, model.hidden_size, model.moe_router_topk)
+               if model.moe_dispatch == "deepep" else None)
+        _require(why is None, "model.moe_dispatch", f"'deepep': {why}")
+        _require(
+            model.moe_dispatch != "deepep" or par.backend == "nccl",
+            "model.moe_dispatch",
+            f"'deepep' runs on GPU ranks (NVLink/NVSHMEM), and parallel.backend is "
+            f"{par.backend!r}; use 'alltoall' (every backend) or 'gather'",
         )
         _require(
             self.rl.task != "reverse" or self.rl.reverse_alphabet + 1 < model.vocab_size,

@@ -23,8 +23,28 @@ USE_TE_MODES = ("auto", "on", "off")
 MOE_COMPUTE = ("auto", "grouped", "megatron")
 # MoE token dispatch (model/dispatch.py): "gather" (every rank computes every replica's rows,
 # GatherComm), "alltoall" (torch.distributed all-to-all of each rank's own rows), "deepep"
-# (refused until the DeepEP backend exists)
+# (model/deepep.py: DeepEP normal mode for P, low-latency for D)
 MOE_DISPATCH = ("gather", "alltoall", "deepep")
+# What DeepEP V1 (567632d) can run: its low-latency kernels' hidden sizes and top-k
+# (csrc/kernels/launch.cuh, internode_ll.cu), its intranode kernels' rank counts (EP 1: D
+# only, P has no peer)
+DEEPEP_LL_HIDDEN = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
+DEEPEP_LL_MAX_TOPK = 11
+DEEPEP_EP_SIZES = (1, 2, 4, 8)
+
+
+def deepep_layout_problem(ep: int, hidden: int, topk: int) -> str | None:
+    """Why this EP size / hidden size / top-k cannot run the deepep backend (None: it can)."""
+    if ep not in DEEPEP_EP_SIZES:
+        return f"DeepEP's intranode kernels take 2, 4 or 8 EP ranks (or 1), not {ep}"
+    if hidden not in DEEPEP_LL_HIDDEN:
+        return (f"DeepEP's low-latency kernels (D) take hidden sizes "
+                f"{', '.join(map(str, DEEPEP_LL_HIDDEN))}; model.hidden_size is {hidden}")
+    if topk > DEEPEP_LL_MAX_TOPK:
+        return (f"DeepEP's low-latency kernels take top-k <= {DEEPEP_LL_MAX_TOPK}; "
+                f"model.moe_router_topk is {topk}")
+    return None
+
 STREAM_ROUTES = ("auto", "off", "always")
 STREAM_PRIORITIES = ("decode", "prefill", "equal")
 PREFILL_GRAPHS = ("auto", "always", "never")
@@ -172,9 +192,12 @@ class ModelConfig:
     # "megatron" (the experts module's own forward; one host sync per MoE layer) or "auto"
     # (grouped on CUDA in bf16 on sm90+, megatron otherwise).
     moe_compute: str = "auto"
-    # MoE token dispatch: "gather" (default) or "alltoall" (needs parallel.ep == world_size);
-    # "deepep" is reserved and refused for now.
+    # MoE token dispatch: "gather" (default), "alltoall" (needs parallel.ep == world_size) or
+    # "deepep" (GPU, the deep_ep package built with scripts/deepep_setup.sh; ep == world_size
+    # in 1, 2, 4, 8; hidden_size one of DeepEP's low-latency sizes; model/deepep.py).
     moe_dispatch: str = "gather"
+    # deepep: the SMs P's normal-mode dispatch/combine kernels may occupy (even, >= 2).
+    deepep_p_sms: int = 20
     # alltoall's D capacity: (token, expert) pairs per peer per layer; 0 = the worst case
     # (rows x min(top-k, experts per rank)), which cannot overflow. A smaller value that
     # overflows raises (naming rank, layer and counts) and cannot be captured in a D graph.
@@ -287,8 +310,9 @@ class ModelConfig:
         _require_choice(self, "use_te", USE_TE_MODES)
         _require_choice(self, "moe_compute", MOE_COMPUTE)
         _require_choice(self, "moe_dispatch", MOE_DISPATCH)
-        _require(self.moe_dispatch != "deepep", "model.moe_dispatch",
-                 "'deepep': the DeepEP backend does not exist yet; use 'gather' or 'alltoall'")
+        _require(self.deepep_p_sms >= 2 and self.deepep_p_sms % 2 == 0, "model.deepep_p_sms",
+                 f"must be even and >= 2 (DeepEP runs one channel on two SMs), got "
+                 f"{self.deepep_p_sms}")
         _require_min(self, ("moe_dispatch_capacity",), 0)
         _require_choice(self, "fp8", (None, *FP8_FORMATS))
         _require(

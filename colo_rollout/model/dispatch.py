@@ -104,7 +104,10 @@ def new_phase_states(groups: ParallelGroups) -> dict[str, PhaseState]:
 class ExpertInputs:
     """What a rank's local experts compute on: rows [R, H] (model dtype), each with one local
     expert id [R] (int64; ``num_local`` marks an empty padding slot) and its router
-    probability [R] (fp32)."""
+    probability [R] (fp32) -- or, where a row travels once per rank (DeepEP's normal mode),
+    j slots per row: expert [R, j], weight [R, j], the rank's output being the row's slots
+    summed. A backend with its own receive layout (DeepEP's low-latency one) documents
+    what it puts here."""
 
     rows: torch.Tensor
     expert: torch.Tensor
@@ -124,20 +127,27 @@ def route(moe: GatherMoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def local_experts(moe: GatherMoE, inp: ExpertInputs) -> torch.Tensor:
     """The rank's local experts on the received rows -> y [R, H] (rows' dtype) in the rows'
-    order; empty slots give zero rows. The gather backend's grouped math with one expert per
-    row (fc1 -> activation -> * probability -> fc2)."""
+    order; empty slots give zero. The gather backend's grouped math (fc1 -> activation ->
+    * probability -> fc2); with j > 1 slots per row, the slots summed in fp32 (in slot
+    order, as the gather backend's combine) and rounded to the rows' dtype once."""
     E = moe.num_local
     rows = inp.rows
     if rows.shape[0] == 0:
         return rows.new_zeros(rows.shape)
     backend = moe.kernel_for(rows)
-    # one "slot" per row: its local expert id (E: an empty slot, sorted last)
-    al = align(inp.expert.unsqueeze(1), inp.weight.float().unsqueeze(1), 0, E,
-               backend=backend, expert_ids=moe._expert_ids(rows.device))
+    expert = inp.expert if inp.expert.dim() == 2 else inp.expert.unsqueeze(1)
+    weight = inp.weight if inp.weight.dim() == 2 else inp.weight.unsqueeze(1)
+    # each slot's local expert id (E: an empty slot, sorted last)
+    al = align(expert, weight.float(), 0, E, backend=backend,
+               expert_ids=moe._expert_ids(rows.device))
     fc1, fc2 = moe._stacked()
-    return moe_experts(rows, al.token, al.offs, al.prob, fc1, fc2,
-                       moe.config.activation_func, moe.config.gated_linear_unit, backend,
-                       order=al.order)
+    y = moe_experts(rows, al.token, al.offs, al.prob, fc1, fc2,
+                    moe.config.activation_func, moe.config.gated_linear_unit, backend,
+                    order=al.order)
+    j = expert.shape[1]
+    if j == 1:
+        return y
+    return y.view(-1, j, y.shape[-1]).sum(dim=1, dtype=COMBINE_DTYPE).to(rows.dtype)
 
 
 class Dispatcher(abc.ABC):
@@ -351,16 +361,26 @@ class VariableAllToAll(Dispatcher):
 
 
 def new_dispatchers(kind: str, groups: ParallelGroups, num_local: int, topk: int,
-                    capacity: int = 0) -> tuple[Dispatcher, Dispatcher] | None:
+                    capacity: int = 0, *, hidden: int = 0, max_decode_tokens: int = 0,
+                    p_sms: int = 20, timeout_s: float = 60.0
+                    ) -> tuple[Dispatcher, Dispatcher] | None:
     """``model.moe_dispatch`` at model build: None for "gather" (GatherComm's path), else
-    (P's, D's) dispatchers, each on its own PhaseState (collective: new communicators)."""
+    (P's, D's) dispatchers, each on its own PhaseState (collective: new communicators).
+    "deepep" (model/deepep.py) also needs the hidden size, D's most rows per rank, P's SM
+    budget and the host-wait bound."""
     if kind == "gather":
         return None
-    if kind != "alltoall":
-        raise ValueError(f"model.moe_dispatch {kind!r}: no such backend here (gather, alltoall)")
+    if kind not in ("alltoall", "deepep"):
+        raise ValueError(f"model.moe_dispatch {kind!r}: no such backend here (gather, "
+                         "alltoall, deepep)")
     if groups.layout.etp != 1:
-        raise ValueError(f"model.moe_dispatch 'alltoall' needs expert TP 1 (parallel.ep == "
+        raise ValueError(f"model.moe_dispatch {kind!r} needs expert TP 1 (parallel.ep == "
                          f"world_size), got {groups.layout.name}")
     states = new_phase_states(groups)
+    if kind == "deepep":
+        from colo_rollout.model.deepep import new_deepep_dispatchers  # imports deep_ep
+
+        return new_deepep_dispatchers(states, num_local, num_local * states["D"].size,
+                                      hidden, topk, max_decode_tokens, p_sms, timeout_s)
     return (VariableAllToAll(states["P"], num_local),
             PaddedAllToAll(states["D"], num_local, topk, capacity))

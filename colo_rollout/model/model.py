@@ -287,7 +287,10 @@ def _norms_to(model: torch.nn.Module, dtype: torch.dtype) -> None:
 class InferenceGPT(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups, dtype: torch.dtype,
                  decode_attention: str = "auto", prefill_attention: str = "auto",
-                 moe_kernel: str = "auto"):
+                 moe_kernel: str = "auto", *, max_decode_rows: int = 0,
+                 timeout_s: float = 60.0):
+        """``max_decode_rows``: D's most rows per replica (the largest decode bucket), which
+        sizes the deepep backend's low-latency buffer; ``timeout_s`` bounds its host waits."""
         super().__init__()
         # D and P attention's backends (engine.decode_attention, engine.prefill_attention),
         # chosen once for the model's device before anything is allocated: "triton" without
@@ -330,7 +333,10 @@ class InferenceGPT(torch.nn.Module):
         # collective here: every rank builds the model with the same config
         self.moe_dispatch = cfg.moe_dispatch
         pair = new_dispatchers(cfg.moe_dispatch, groups, cfg.num_experts // lay.ep,
-                               cfg.moe_router_topk, cfg.moe_dispatch_capacity)
+                               cfg.moe_router_topk, cfg.moe_dispatch_capacity,
+                               hidden=cfg.hidden_size,
+                               max_decode_tokens=-(-max_decode_rows // lay.atp),
+                               p_sms=cfg.deepep_p_sms, timeout_s=timeout_s)
         self.dispatch_p, self.dispatch_d = pair if pair is not None else (None, None)
         self._rope: torch.Tensor | None = None
         # diagnostics: when a list, P appends the residual stream after every attention and

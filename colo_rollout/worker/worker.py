@@ -49,16 +49,25 @@ def build_model(cfg: Config, groups: ParallelGroups,
         with CheckpointStore(cfg.model.checkpoint) as store:  # one open, one header read
             arch = check_checkpoint(cfg.model, store)  # before anything is allocated
             model = InferenceGPT(cfg.model, groups, dtype, cfg.engine.decode_attention,
-                                 cfg.engine.prefill_attention,
-                                 moe_kernel=cfg.engine.moe_kernel).to(groups.device)
+                                 cfg.engine.prefill_attention, moe_kernel=cfg.engine.moe_kernel,
+                                 **_dispatch_sizes(cfg)).to(groups.device)
             stats = load_checkpoint(model, cfg.model, groups.layout, groups.rank,
                                     te=model.use_te, store=store, arch=arch)
         return model.eval(), stats
     model = InferenceGPT(cfg.model, groups, dtype, cfg.engine.decode_attention,
-                         cfg.engine.prefill_attention, moe_kernel=cfg.engine.moe_kernel)
+                         cfg.engine.prefill_attention, moe_kernel=cfg.engine.moe_kernel,
+                         **_dispatch_sizes(cfg))
     model.load_full_state_dict(state_dict if state_dict is not None
                                else random_state_dict(cfg.model))
     return model.to(groups.device).eval(), None
+
+
+
+def _dispatch_sizes(cfg: Config) -> dict:
+    """What a dispatch backend's buffers are sized by: D's most rows per replica (the D
+    batch is padded to a decode bucket) and the bound of its host waits."""
+    return {"max_decode_rows": max(cfg.engine.decode_buckets[-1], cfg.engine.max_batch_size),
+            "timeout_s": cfg.parallel.timeout_s}
 
 
 class Worker:
