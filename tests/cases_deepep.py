@@ -82,3 +82,61 @@ def deepep_normal_split_shared_gpu(rank: int, world: int, n: int = 96, hidden: i
     dist.barrier(group=group)
     d.close()
     return res
+
+
+def deepep_phase_isolation_shared_gpu(rank: int, world: int, n_p: int = 512, n_d: int = 32,
+                                      hidden: int = 2048, k: int = 8, per_rank: int = 8,
+                                      iters: int = 20) -> dict:
+    """Phase-owned state on one GPU: each of 2 ranks (gloo, one GPU) holds P's normal-mode
+    Buffer over both ranks and its own D low-latency Buffer (world 1: NVSHMEM takes one PE
+    per GPU). D's low-latency dispatch + combine is timed (CUDA events) with P idle, and
+    again while a P dispatch is pending on the other state (notified, its data not sent);
+    then P completes and is checked. D never waits for P: it owns its buffers."""
+    torch.cuda.set_device(0)
+    from colo_rollout.model.deepep import LowLatencyDispatch, NormalSplitDispatch
+    from colo_rollout.model.dispatch import PhaseState
+
+    pg = dist.new_group(list(range(world)), backend="gloo")
+    singles = [dist.new_group([r], backend="gloo") for r in range(world)]
+    p = NormalSplitDispatch(PhaseState("P", pg, list(range(world)), rank), per_rank,
+                            per_rank * world, hidden, num_sms=20, timeout_s=60.0)
+    d_experts = per_rank * world
+    d = LowLatencyDispatch(PhaseState("D", singles[rank], [rank], 0), d_experts, d_experts,
+                           hidden, n_d)
+    xd, cd, wd = _routing(rank, n_d, hidden, k, d_experts, 7)
+
+    def d_round() -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        recv, count, handle, _, _ = d.buffer.low_latency_dispatch(xd, cd, d.max_tokens,
+                                                                  d_experts, use_fp8=False)
+        out, _, _ = d.buffer.low_latency_combine(recv, cd, wd, handle)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e3, out
+
+    for _ in range(3):
+        d_round()
+    idle = sorted(d_round()[0] for _ in range(iters))
+    x, chosen, weight = _routing(rank, n_p, hidden, k, per_rank * world, 8)
+    notice = p.notify(chosen, weight, layer=0)  # P pending on its own buffer
+    during = []
+    for _ in range(iters):
+        t, out = d_round()
+        during.append(t)
+    # the D result while P was pending: each row summed over its k experts' copies, weighted
+    ref = xd.float() * wd.sum(dim=1, keepdim=True)
+    d_err = float((out.float() - ref).abs().max() / ref.abs().max())
+    counts = p.counts(notice)
+    inputs, handle = p.send(x, notice, counts)
+    p_out = p.combine(_experts(inputs, rank, per_rank), handle)
+    torch.cuda.synchronize()
+    p_ref = x.float() * ((chosen + 1).float() * weight).sum(dim=1, keepdim=True)
+    p_err = float((p_out - p_ref).abs().max() / p_ref.abs().max())
+    during.sort()
+    dist.barrier(group=pg)
+    p.close()
+    d.close()
+    return {"d_us_idle_p50": idle[len(idle) // 2], "d_us_p_pending_p50": during[len(during) // 2],
+            "d_err_p_pending": d_err, "p_err": p_err, "d_rows": n_d, "p_rows": n_p,
+            "buffers": [p.report().row(), d.report().row()]}

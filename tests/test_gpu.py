@@ -320,7 +320,7 @@ def test_gpu_deepep_normal_split_dispatch_two_ranks_share_the_gpu():
     (gloo group): the notified counts are the true ones, the combined output is the
     routing's reference, a second pending dispatch is refused, an abandoned one retires
     the buffer until quiesce, after which it works again."""
-    g = WorkerGroup(2, backend="gloo")
+    g = WorkerGroup(2, backend="gloo", fresh=True)
     try:
         res = g.run("tests.cases_deepep:deepep_normal_split_shared_gpu", timeout=300)
     finally:
@@ -333,3 +333,19 @@ def test_gpu_deepep_normal_split_dispatch_two_ranks_share_the_gpu():
         assert "already pending" in r["second_pending"]
         assert "retired" in r["retired"]
         assert r["report"]["mode"] == "normal" and r["report"]["sms"] == 20
+
+
+@pytest.mark.skipif(not _have_deep_ep(), reason="needs deep_ep with colo_rollout's patch "
+                    "(scripts/deepep_setup.sh)")
+def test_gpu_deepep_d_runs_low_latency_while_p_dispatch_is_pending():
+    """Phase-owned DeepEP state on one GPU (2 ranks, gloo): D's low-latency dispatch/combine
+    runs, correct, while P's normal-mode dispatch is pending after its notification on P's
+    own buffer; P then completes correctly. Records D's latency with P idle and pending."""
+    g = WorkerGroup(2, backend="gloo", fresh=True)
+    try:
+        res = g.run("tests.cases_deepep:deepep_phase_isolation_shared_gpu", timeout=300)
+    finally:
+        g.close()
+    _record("deepep_phase_isolation_shared_gpu", {"gpus": 1, "ranks": 2, **res[0]})
+    for r in res:
+        assert r["d_err_p_pending"] < 1e-2 and r["p_err"] < 1e-2

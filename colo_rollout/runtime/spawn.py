@@ -78,10 +78,14 @@ def _cpu_context():
 
 class WorkerGroup:
     def __init__(self, world_size: int, env: dict[str, str] | None = None,
-                 backend: str = "gloo") -> None:
+                 backend: str = "gloo", *, fresh: bool = False) -> None:
+        """``fresh``: spawned interpreters even for gloo -- ranks that use CUDA themselves
+        (e.g. several on one GPU over a gloo group) cannot fork from the preloaded server,
+        whose imports touched CUDA."""
         self.world = world_size
         self._dir = tempfile.mkdtemp(prefix="colo_rollout_pg_")
-        ctx = _cpu_context() if backend == "gloo" else mp.get_context("spawn")
+        ctx = (_cpu_context() if backend == "gloo" and not fresh
+               else mp.get_context("spawn"))
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
         child_env = {"OMP_NUM_THREADS": "1", **MULTICAST_OFF, **(env or {})}
