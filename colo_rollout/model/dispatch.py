@@ -29,7 +29,8 @@ Requires expert TP 1 (EP = world: every expert lives whole on one rank; config/l
 refuses other layouts).
 
 The gather backend (``GatherComm`` + ``GatherMoE``) is not routed through this interface: it
-computes every replica's rows on every rank, which has no dispatch step.
+computes every replica's rows on every rank, which has no dispatch step. The DeepEP backend
+(``deepep``) implements the same contract in model/deepep.py (imported only when chosen).
 
 Must not go in here: the router's and experts' parameters (``GatherMoE`` owns them; the
 backends read its router, stacked weights and kernel choice), scheduling, sampling.

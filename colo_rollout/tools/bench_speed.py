@@ -374,6 +374,11 @@ class _Bench:
                "decode_path": "CUDA graphs" if self.runner.graphs is not None else "eager",
                "prefill_path": ("eager attention, MoE-block CUDA graphs"
                                 if self.runner.prefill_graphs is not None else "eager"),
+               "moe_dispatch": self.m.moe_dispatch,
+               # the dispatch backend's per-phase state on this rank (buffer bytes, SMs)
+               "dispatch_state": [d.report().row() for d in (self.runner.model.dispatch_p,
+                                                             self.runner.model.dispatch_d)
+                                  if hasattr(d, "report")],
                "threads": torch.get_num_threads(), "setup_s": self.setup_s,
                "hbm_bytes_per_s": b.hbm_bytes_per_s, "peak_flops": b.peak_flops,
                "decode": decode, "prefill": prefill, "breakdown": {}}
@@ -740,6 +745,10 @@ def table(res: dict, cfg: Config, source: str) -> str:
              f"peak_flops {peak / 1e12:.0f} TFLOP/s"
              + (" -- GPU numbers: on this CPU the ratios are tiny by construction"
                 if res["gpu"] is None else "")]
+    if res.get("dispatch_state"):
+        lines.append(f"MoE dispatch {res['moe_dispatch']}: " + "; ".join(
+            f"{d['phase']} {d['mode']} (NVLink buffer {d['nvl_MiB']} MiB, RDMA buffer "
+            f"{d['rdma_MiB']} MiB, {d['sms'] or 'unfixed'} SMs)" for d in res["dispatch_state"]))
     if hf.get("skipped"):
         lines.append(f"Hugging Face peer skipped: {hf['skipped']}")
     elif hf:
