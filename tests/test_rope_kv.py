@@ -3,7 +3,17 @@ bitwise against megatron's ``_apply_rotary_pos_emb_bshd`` on q and k with the ca
 written, and the one-launch Triton kernel bitwise against the torch path, run by Triton's CPU
 interpreter in a subprocess (tests/interpreted.py; skipped when triton does not import):
 fp32 and bf16, full and partial rotary, q as a strided view of the QKV projection, head
-counts and head dims that are not powers of two."""
+counts and head dims that are not powers of two.
+
+With the q/k RMSNorm fused in (``QKRMSNorm``): the torch path bitwise the modules the
+attention layer would run (torch's RMSNorm on q's heads and on k, then the rope), and the
+kernel within NORM_EPS of the torch path -- the order of its sum of squares is the one
+difference. Measured (interpreter vs torch 2.14 on CPU): the bf16 cases below are bitwise,
+as were 48-token sweeps of bf16 heads of 24, 80 and 128 (one earlier draw of 33 tokens x 6
+heads of 80 had one k element one bf16 ulp apart, 0.002 at its magnitude); fp16, 1 element of
+24576 by 0.02 eps of its head; fp32, where nothing rounds the rstd difference away, 0.86 eps
+of the head in case 4 and up to 2.1 in a 48-token sweep. A wrong weight, eps or a missing
+norm moves values by orders of magnitude more."""
 
 from __future__ import annotations
 
@@ -12,6 +22,7 @@ import pytest
 import torch
 
 from colo_rollout.model import rope_kv
+from colo_rollout.model.attention import PagedSelfAttention
 from tests.interpreted import HAS_TRITON, interpreted_main
 
 # (tokens, KV groups, q heads per group, head dim, rotary dim, dtype)
@@ -21,6 +32,7 @@ CASES = [
     (13, 4, 4, 24, 16, torch.bfloat16),  # partial rotary
     (6, 1, 8, 80, 80, torch.bfloat16),  # head dim not a power of two
     (5, 3, 2, 32, 8, torch.float32),
+    (2, 2, 4, 128, 128, torch.bfloat16),  # Qwen3's head dim: the normed cases' long sum
 ]
 
 
@@ -36,13 +48,53 @@ def _case(i):
     return qkv, slots, freqs, cos, sin
 
 
-def _run(fn, qkv, slots, cos, sin):
+def _run(fn, qkv, slots, cos, sin, qk_norm=None):
     T, G, n2, D = qkv.shape
     n = n2 - 2
     kc = torch.full((3 * T, G, D), 7.0, dtype=qkv.dtype)
     vc = torch.full((3 * T, G, D), 7.0, dtype=qkv.dtype)
-    q = fn(qkv[:, :, :n], qkv[:, :, n], qkv[:, :, n + 1], cos, sin, kc, vc, slots)
+    extra = {} if qk_norm is None else {"qk_norm": qk_norm}
+    q = fn(qkv[:, :, :n], qkv[:, :, n], qkv[:, :, n + 1], cos, sin, kc, vc, slots, **extra)
     return q, kc, vc
+
+
+# fused norm, kernel vs torch path: per head, the largest difference in units of the dtype's
+# epsilon times the head's largest value (a relative measure: the rope's sums cancel, so an
+# element near zero can be many of its own ulps off when its inputs are one ulp off)
+NORM_EPS = 4.0
+
+
+def _norms(i):
+    """Qwen3's q/k norms for case i: torch's RMSNorm over the head dim, weights around 1 (not
+    1: a weight applied to the wrong head or dim must show), eps 1e-6, in the model dtype."""
+    D, dtype = CASES[i][3], CASES[i][5]
+    g = torch.Generator().manual_seed(50 + i)
+    mods = []
+    for _ in range(2):
+        m = torch.nn.RMSNorm(D, eps=1e-6).to(dtype)
+        with torch.no_grad():
+            m.weight.copy_(1 + 0.3 * torch.randn(D, generator=g))
+        mods.append(m)
+    return mods
+
+
+def _scaled_case(i, tokens: int | None = None):
+    """Case i with the heads at magnitudes 1e-2 .. 1e2 (a norm that matters); its first
+    ``tokens`` tokens only, if given (the interpreter's time is per token)."""
+    qkv, slots, freqs, cos, sin = _case(i)
+    if tokens is not None:
+        qkv, cos, sin = qkv[:tokens], cos[:tokens], sin[:tokens]
+        slots = slots[:tokens].argsort().argsort() * 3  # distinct, within _run's 3 * T slots
+    T, G, n2, _ = qkv.shape
+    scale = torch.logspace(-2, 2, T * G * n2).view(T, G, n2, 1)
+    return (qkv.float() * scale).to(qkv.dtype), slots, cos, sin
+
+
+def _head_eps(a, b, dtype) -> float:
+    """max over heads (the last dim) of max |a - b| / (eps(dtype) * max |b|)."""
+    a, b = a.float(), b.float()
+    scale = b.abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(dtype).tiny)
+    return ((a - b).abs() / scale).max().item() / torch.finfo(dtype).eps
 
 
 @pytest.mark.parametrize("i", range(len(CASES)))
@@ -60,6 +112,56 @@ def test_torch_path_equals_megatron_rope_and_writes_the_slots(i):
     others = torch.ones(3 * T, dtype=torch.bool)
     others[slots] = False
     assert (kc[others] == 7).all() and (vc[others] == 7).all()  # no other slot touched
+
+
+@pytest.mark.parametrize("i", range(len(CASES)))
+def test_fused_norm_torch_path_is_the_modules_then_the_rope(i):
+    qkv, slots, cos, sin = _scaled_case(i)
+    T, G, n2, D = qkv.shape
+    n = n2 - 2
+    qn, kn = _norms(i)
+    # what PagedSelfAttention.forward runs without the fusion
+    with torch.inference_mode():
+        q = qn(qkv[:, :, :n].reshape(T, G * n, D)).view(T, G, n, D)
+        k = kn(qkv[:, :, n].contiguous())
+        kc = torch.full((3 * T, G, D), 7.0, dtype=qkv.dtype)
+        vc = kc.clone()
+        want = (rope_kv.torch_rope_and_store(q, k, qkv[:, :, n + 1], cos, sin, kc, vc, slots),
+                kc, vc)
+        got = _run(rope_kv.torch_rope_and_store, qkv, slots, cos, sin,
+                   rope_kv.QKRMSNorm(qn.weight, kn.weight, qn.eps))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_only_torch_rmsnorm_q_k_norms_are_fused():
+    from types import SimpleNamespace
+
+    D = 16
+    rms = [torch.nn.RMSNorm(D, eps=1e-6) for _ in range(2)]
+    fused = PagedSelfAttention._fused_qk_norm
+    got = fused(SimpleNamespace(q_layernorm=rms[0], k_layernorm=rms[1], head_dim=D))
+    assert got is not None and got.q_weight is rms[0].weight and got.eps == 1e-6
+    for q_norm, k_norm in [(None, None), (torch.nn.LayerNorm(D), torch.nn.LayerNorm(D)),
+                           (rms[0], torch.nn.RMSNorm(D, eps=1e-5)),  # two eps
+                           (rms[0], torch.nn.RMSNorm(D, eps=None)),
+                           (rms[0], torch.nn.RMSNorm(D, eps=1e-6, elementwise_affine=False)),
+                           (torch.nn.RMSNorm(2 * D, eps=1e-6), rms[1])]:  # not the head dim
+        assert fused(SimpleNamespace(q_layernorm=q_norm, k_layernorm=k_norm, head_dim=D)) is None
+
+
+def test_fused_norm_weights_the_kernel_cannot_read_take_the_torch_path():
+    qkv, slots, cos, sin = _scaled_case(1)
+    qn, kn = _norms(1)
+    D = qkv.shape[-1]
+    w2 = torch.stack([qn.weight.detach()] * 2, dim=1)[:, 0]  # a strided view [D]
+    assert w2.stride(-1) != 1
+    norm = rope_kv.QKRMSNorm(w2, kn.weight.detach(), 1e-6)
+    # backend triton on CPU tensors outside the interpreter: only the torch path can run
+    got = _run(lambda *a, **kw: rope_kv.rope_and_store(*a, backend="triton", **kw), qkv, slots,
+               cos, sin, norm)
+    want = _run(rope_kv.torch_rope_and_store, qkv, slots, cos, sin, norm)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and D == w2.shape[0]
 
 
 def test_kernel_takes_only_one_dtype_throughout():
@@ -83,6 +185,20 @@ def _interpreted() -> list[str]:
             if a.shape != b.shape or not torch.equal(a, b):
                 diff = (a.float() - b.float()).abs().max().item() if a.shape == b.shape else "-"
                 fails.append(f"case {i}: {name} differs (max {diff})")
+    for i in range(len(CASES)):
+        qkv, slots, cos, sin = _scaled_case(i, tokens=3)
+        qn, kn = _norms(i)
+        norm = rope_kv.QKRMSNorm(qn.weight.detach(), kn.weight.detach(), qn.eps)
+        ref = _run(rope_kv.torch_rope_and_store, qkv, slots, cos, sin, norm)
+        got = _run(rope_kv.triton_rope_and_store, qkv, slots, cos, sin, norm)
+        for name, a, b in zip(("q", "k cache", "v cache"), got, ref):
+            gap = _head_eps(a, b, qkv.dtype)
+            bad = gap > NORM_EPS if name != "v cache" else not torch.equal(a, b)
+            print(f"normed case {i}: {name} {int((a != b).sum())} of {a.numel()} differ, "
+                  f"max {gap:.2f} eps of the head")
+            if bad:
+                fails.append(f"normed case {i}: {name} {gap:.2f} eps of the head from the "
+                             "torch path")
     return fails
 
 

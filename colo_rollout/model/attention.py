@@ -28,7 +28,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from colo_rollout.model.kernel_backend import as_dtype
 from colo_rollout.model.paged_attention import decode_attention
-from colo_rollout.model.rope_kv import rope_and_store, rotate
+from colo_rollout.model.rope_kv import QKRMSNorm, rope_and_store, rotate
 from colo_rollout.model.paged_prefill import (
     plan_prefill,
     triton_available,
@@ -225,15 +225,19 @@ class PagedSelfAttention(torch.nn.Module):
         n, G, D = self.q_per_group, self.groups, self.head_dim
         qkv = qkv.view(T, G, n + 2, D)
         q, k, v = qkv[:, :, :n], qkv[:, :, n], qkv[:, :, n + 1]
-        if self.q_layernorm is not None:  # normalise each head of q and k, then rotate
+        backend = self._rope_backend(q, meta)
+        # the Triton path normalises q and k inside the rope kernel where the norms are
+        # torch's RMSNorm (model/rope_kv.py: the same rms_norm); else the modules do it here
+        qk_norm = self._fused_qk_norm() if backend == "triton" else None
+        if self.q_layernorm is not None and qk_norm is None:  # each head of q and k
             q = self.q_layernorm(q.reshape(T, self.heads, D)).view(T, G, n, D)
             k = self.k_layernorm(k.contiguous())
         # rotate q and k, and write the new K/V into their slots before attending (a prefill
         # sees its own tokens): one Triton launch, or the torch ops (model/rope_kv.py)
         cos, sin = rope.cos_sin(q.dtype, 2)
         q = rope_and_store(q, k, v, cos, sin, kv.k[layer].view(-1, G, D),
-                           kv.v[layer].view(-1, G, D), meta.slot_mapping,
-                           backend=self._rope_backend(q, meta))
+                           kv.v[layer].view(-1, G, D), meta.slot_mapping, backend=backend,
+                           qk_norm=qk_norm)
 
         if meta.is_prefill:
             out = self._prefill(q, kv, layer, meta)
@@ -241,6 +245,20 @@ class PagedSelfAttention(torch.nn.Module):
             out = self._decode(q, kv, layer, meta)
         out = out.reshape(T, self.heads * self.head_dim)
         return F.linear(out, self.linear_proj.weight)  # partial over ATP: caller reduces
+
+    def _fused_qk_norm(self) -> QKRMSNorm | None:
+        """The q/k norms as the rope kernel's fused RMSNorm: when both are exactly torch's
+        ``RMSNorm`` (megatron's local spec, WrappedTorchNorm) over the head dim with a
+        weight and one eps -- its forward is ``F.rms_norm(x, (D,), weight, eps)``, which the
+        fused path computes. None otherwise (no norms, LayerNorm, TE's norms, a subclass):
+        those stay modules."""
+        qn, kn = self.q_layernorm, self.k_layernorm
+        if not all(type(m) is torch.nn.RMSNorm and m.weight is not None and m.eps is not None
+                   and tuple(m.normalized_shape) == (self.head_dim,) for m in (qn, kn)):
+            return None
+        if qn.eps != kn.eps:
+            return None
+        return QKRMSNorm(qn.weight, kn.weight, float(qn.eps))
 
     def _rope_backend(self, q: torch.Tensor, meta: AttnMetadata) -> str:
         """The rope-and-store kernel follows the phase's attention backend (set at model

@@ -50,7 +50,7 @@ from colo_rollout.model.comm import GatherComm
 from colo_rollout.model.dispatch import new_dispatchers
 from colo_rollout.model.fused_moe import resolve_backend as resolve_moe_kernel
 from colo_rollout.model.paged_attention import resolve_backend
-from colo_rollout.model.residual import add_rounded
+from colo_rollout.model.residual import add_rounded, add_rounded_slots
 from colo_rollout.model.paged_prefill import resolve_backend as resolve_prefill_backend
 from colo_rollout.model.moe import GatherMoE, mlp_partial
 from colo_rollout.model.moe_align import warm as warm_align
@@ -405,12 +405,22 @@ class InferenceGPT(torch.nn.Module):
         """The whole P epoch at once (Normal mode): every boundary is crossed immediately."""
         return run_to_completion(self.prefill_segments(inp, kv, moe))
 
-    def moe_block(self, i: int, h: torch.Tensor) -> torch.Tensor:
+    def moe_block(self, i: int, h: torch.Tensor, pairs: bool = False) -> torch.Tensor:
         """MoE layer i's routed experts on the residual stream h [N, H] (all replicas' rows):
-        this rank's fp32 partial. Shared experts are added by the caller on its own rows."""
+        this rank's fp32 partial. Shared experts are added by the caller on its own rows.
+        ``pairs``: the unsummed slots instead (``GatherMoE``; see ``_slots_into_residual``)."""
         layer = self.decoder.layers[i]
         return layer.mlp(layer.pre_mlp_layernorm(h), record=self.route_record("P", i,
-                                                                              h.shape[0]))
+                                                                              h.shape[0]),
+                         pairs=pairs)
+
+    def _slots_into_residual(self, mlp: GatherMoE, x: torch.Tensor) -> bool:
+        """Whether an MoE layer's k slots go straight into the residual stream (model/
+        residual.py: ``add_rounded_slots``, one launch for the slot sum and the add): its
+        combine collective is the identity -- one rank, where GatherComm's full-group
+        collectives return their input -- no shared expert adds into the fp32 sum, and the
+        grouped expert path (the one with unsummed slots) computes x's rows."""
+        return self.comm.world == 1 and mlp.shared_experts is None and mlp.uses_grouped(x)
 
     def route_record(self, phase: str, i: int, rows: int) -> torch.Tensor | None:
         """Where MoE layer i's router writes the expert ids of ``rows`` rows of ``phase`` (the
@@ -480,18 +490,26 @@ class InferenceGPT(torch.nn.Module):
             if self.trace is not None:
                 self.trace.append(h.float().clone())
             if layer.is_moe:
+                # one rank and the modules' own block (not a P graph's replay): the unsummed
+                # slots, summed into h after the boundary, and no AllReduce over one rank
+                slots = (self.dispatch_p is None and moe == self.moe_block
+                         and self._slots_into_residual(layer.mlp, h))
                 if self.dispatch_p is not None:  # routed experts: this rank's share of rows
                     # yields the dispatch split's boundary (after the count exchange)
                     partial = yield from self._dispatch_prefill_moe(i, h, off, n_local,
                                                                     boundary)
                     boundary += 1
                 else:
-                    partial = moe(i, h)  # routed experts: every replica's rows
+                    partial = self.moe_block(i, h, pairs=True) if slots else moe(i, h)
                 if layer.mlp.shared_experts is not None:  # shared: this replica's rows
                     layer.mlp.add_shared(partial[own], layer.pre_mlp_layernorm(h[own]))
                 yield boundary
                 boundary += 1
-                h = add_rounded(h, comm.p_allreduce(partial), self.residual_kernel)  # fp32 combine, round
+                if slots:
+                    h = add_rounded_slots(h, partial, self.residual_kernel)
+                else:
+                    # fp32 combine, round
+                    h = add_rounded(h, comm.p_allreduce(partial), self.residual_kernel)
             else:  # dense MLP on this replica's rows, gathered like attention
                 partial = layer.dense_partial(layer.pre_mlp_layernorm(h[own]))
                 yield boundary
@@ -528,10 +546,16 @@ class InferenceGPT(torch.nn.Module):
                 res = add_rounded(res, self._dispatch_decode_moe(i, layer, res), self.residual_kernel)
             elif layer.is_moe:
                 u = comm.d_all_gather_full(layer.pre_mlp_layernorm(res))
-                partial = layer.mlp(u, record=self.route_record("D", i, u.shape[0]))
-                if layer.mlp.shared_experts is not None:
-                    layer.mlp.add_shared(partial[own], u[own])
-                res = add_rounded(res, comm.d_reduce_scatter_full(partial), self.residual_kernel)  # fp32 combine
+                record = self.route_record("D", i, u.shape[0])
+                if self._slots_into_residual(layer.mlp, u):  # one rank: no combine
+                    res = add_rounded_slots(res, layer.mlp(u, record=record, pairs=True),
+                                            self.residual_kernel)
+                else:
+                    partial = layer.mlp(u, record=record)
+                    if layer.mlp.shared_experts is not None:
+                        layer.mlp.add_shared(partial[own], u[own])
+                    res = add_rounded(res, comm.d_reduce_scatter_full(partial),  # fp32 combine
+                                      self.residual_kernel)
             else:  # dense: the replica's rows, ATP gather and reduce-scatter like attention
                 x = comm.d_all_gather_atp(layer.pre_mlp_layernorm(res))
                 res = add_rounded(res, comm.d_reduce_scatter_atp(layer.dense_partial(x)), self.residual_kernel)

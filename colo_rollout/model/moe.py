@@ -21,7 +21,9 @@ Two ways to compute the experts, same weights, same math (tested equal):
     of the weights and in-place updates (load_state_dict, weight sync) reach both; a parameter
     that was replaced rather than updated in place is detected and the stack rebuilt.
 
-The output is fp32 (COMBINE_DTYPE): the caller's combine collective runs in fp32.
+The output is fp32 (COMBINE_DTYPE): the caller's combine collective runs in fp32. Or, on the
+grouped path when the caller asks (``pairs``), the k slots of each token unsummed: where the
+combine is the identity the caller sums them into the residual in one launch (model/residual.py).
 
 Must not go in here: collectives (the expert fc2 skips its reduction by megatron's
 ``explicit_expert_comm`` whenever EP > 1 or ETP > 1; with EP = ETP = 1 its group has one rank).
@@ -159,20 +161,26 @@ class GatherMoE(torch.nn.Module):
         return got
 
     def forward(self, x: torch.Tensor, n_valid: torch.Tensor | None = None,
-                record: torch.Tensor | None = None) -> torch.Tensor:
+                record: torch.Tensor | None = None, pairs: bool = False) -> torch.Tensor:
         """x [N, H] (all replicas' tokens) -> this rank's partial MoE output [N, H], fp32.
 
         ``n_valid`` (grouped path; a 0-dim int64 tensor on x's device): only rows < n_valid are
         tokens, the rest padding -- a P graph's token bucket. Padding rows are routed (the
         router is per row) but given to no expert, and their output rows are zero.
-        ``record`` [N, k] (routing replay): the rows' chosen expert ids are written into it."""
+        ``record`` [N, k] (routing replay): the rows' chosen expert ids are written into it.
+        ``pairs`` (grouped path only, ``uses_grouped``): the k slots of each token unsummed,
+        [N, k, H] in x's dtype (other ranks' experts' and padding rows' slots zero) -- for a
+        caller that sums them into the residual itself (model/residual.py:
+        ``add_rounded_slots``, one launch where the combine collective is the identity)."""
         if self.uses_grouped(x):
             weight, chosen = self.route(x)
             if record is not None:
                 record.copy_(chosen)
-            return self._grouped(x, weight, chosen, n_valid)
+            return self._grouped(x, weight, chosen, n_valid, pairs)
         if n_valid is not None:
             raise ValueError("n_valid (padded rows) needs the grouped expert path")
+        if pairs:
+            raise ValueError("pairs (the unsummed slots) need the grouped expert path")
         probs, routing_map = self.router(x.unsqueeze(1))  # [N, E] each
         if record is not None:
             record.copy_(routing_map.to(torch.int8).topk(self.topk, dim=1).indices)
@@ -228,7 +236,7 @@ class GatherMoE(torch.nn.Module):
         return out
 
     # ------------------------------------------------------------------ grouped, sync-free
-    def _grouped(self, x, weight, chosen, n_valid=None) -> torch.Tensor:
+    def _grouped(self, x, weight, chosen, n_valid=None, pairs: bool = False) -> torch.Tensor:
         k = self.topk
         backend = self.kernel_for(x)
         # the pairs sorted by local expert (other ranks' experts and padding rows last, past
@@ -241,9 +249,12 @@ class GatherMoE(torch.nn.Module):
         # fused_moe.py: torch._grouped_mm or the Triton kernel); other ranks' rows are zero
         y = moe_experts(x, al.token, al.offs, al.prob, fc1, fc2, self.config.activation_func,
                         self.config.gated_linear_unit, backend, order=al.order)  # [N*k, H]
+        y = y.view(-1, k, y.shape[-1])
+        if pairs:  # the caller sums the slots (into the residual, in one launch)
+            return y
         # combine: the k slots of a token summed in fp32 -- a fixed order, so bitwise
         # reproducible (an fp32 index_add_ is atomics on a GPU)
-        return y.view(-1, k, y.shape[-1]).sum(dim=1, dtype=COMBINE_DTYPE)
+        return y.sum(dim=1, dtype=COMBINE_DTYPE)
 
     def _expert_ids(self, device: torch.device) -> torch.Tensor:
         """0..E_local-1 on ``device``, made once (a constant the grouped path reads each

@@ -1,12 +1,26 @@
-"""The residual add of a layer's fp32 partial: ``res + partial.to(res.dtype)`` in one launch.
+"""The residual add of a layer's partial: ``res + partial.to(res.dtype)`` in one launch, and,
+where the combine collective is the identity, the k-slot sum of the MoE pairs fused into it.
 
-Owns ``add_rounded``: the MoE (and dense MLP) output is combined in fp32 (model/moe.py:
-COMBINE_DTYPE) and rounded to the model dtype once before it joins the residual stream -- two
-kernels on the torch path (the cast, the add). The Triton kernel does both per element with
-the same two roundings to nearest even (the partial to the model dtype, then the sum), so
-the result is bitwise the torch path's. Where it does not apply (CPU tensors, equal dtypes,
-non-contiguous inputs) it is the torch expression.
+Owns
+  * ``add_rounded``: the MoE (and dense MLP) output is combined in fp32 (model/moe.py:
+    COMBINE_DTYPE) and rounded to the model dtype once before it joins the residual stream --
+    two kernels on the torch path (the cast, the add). The Triton kernel does both per element
+    with the same two roundings to nearest even (the partial to the model dtype, then the
+    sum), so the result is bitwise the torch path's.
+  * ``add_rounded_slots``: ``res + round(sum_k pairs[:, j])`` for the gather MoE's unsummed
+    (token, slot) outputs [n, k, H] (``GatherMoE(pairs=True)``), when nothing has to happen
+    to the fp32 sum between the experts and the residual (one rank, no shared experts: the
+    caller decides). The fp32 sum runs over the slots in a fixed order -- slot 0, then 1, ...
+    one after the other -- on both paths, so the kernel is bitwise the torch path on every
+    device. (``torch.sum`` over the slot dim does not promise that order: on CPU it is
+    sequential only for k <= 4, or k <= 16 with H a multiple of the vector width -- measured
+    -- and CUDA's reduction keeps several accumulators; the torch path therefore spells the
+    order out.) One launch instead of the slot sum's reduction and the add.
 
+Where a kernel does not apply (backend torch, CPU tensors outside the interpreter's tests,
+fp32 models, non-contiguous inputs) it is the torch expression.
+
+Must not go in here: the decision which combine is the identity (model.py), collectives.
 Imports only torch (and triton when present): no megatron.
 """
 
@@ -17,6 +31,7 @@ import torch
 from colo_rollout.model.kernel_backend import rne_bf16, tl, triton
 
 _BLOCK = 1024
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def add_rounded(res: torch.Tensor, partial: torch.Tensor, backend: str = "torch") -> torch.Tensor:
@@ -24,7 +39,7 @@ def add_rounded(res: torch.Tensor, partial: torch.Tensor, backend: str = "torch"
     ``backend`` "triton": one kernel where it applies (see the module docstring)."""
     if (backend != "triton" or partial.dtype == res.dtype or res.shape != partial.shape
             or not (res.is_contiguous() and partial.is_contiguous())
-            or res.dtype not in (torch.bfloat16, torch.float16)):
+            or res.dtype not in _KERNEL_DTYPES):
         return res + partial.to(res.dtype)
     out = torch.empty_like(res)
     n = res.numel()
@@ -32,6 +47,37 @@ def add_rounded(res: torch.Tensor, partial: torch.Tensor, backend: str = "torch"
         _add_rounded_kernel[(triton.cdiv(n, _BLOCK),)](
             res, partial, out, n, BLOCK=_BLOCK, RNE_BF16=not res.is_cuda
             and res.dtype == torch.bfloat16, num_warps=4)
+    return out
+
+
+def slot_sum(pairs: torch.Tensor) -> torch.Tensor:
+    """pairs [n, k, H] -> their fp32 sum over k [n, H], slot 0 first and one slot after the
+    other (the order the kernel sums in; see the module docstring)."""
+    acc = pairs[:, 0].to(torch.float32, copy=True)  # a copy (fp32 pairs too): pairs unchanged
+    for j in range(1, pairs.shape[1]):
+        acc += pairs[:, j]  # fp32 += model dtype: the slot widened exactly, one fp32 add
+    return acc
+
+
+def add_rounded_slots(res: torch.Tensor, pairs: torch.Tensor,
+                      backend: str = "torch") -> torch.Tensor:
+    """res [n, H] (model dtype) + the fp32 sum of pairs [n, k, H] over k rounded to res's
+    dtype -> a new tensor: ``add_rounded(res, slot_sum(pairs))``. ``backend`` "triton": one
+    kernel where it applies (bf16/fp16, contiguous, pairs in res's dtype)."""
+    n, H = res.shape
+    if pairs.dim() != 3 or pairs.shape[0] != n or pairs.shape[2] != H or pairs.shape[1] < 1:
+        raise ValueError(f"add_rounded_slots: pairs {tuple(pairs.shape)} do not match "
+                         f"res {tuple(res.shape)} as [n, k, H]")
+    if (backend != "triton" or pairs.dtype != res.dtype or res.dtype not in _KERNEL_DTYPES
+            or not (res.is_contiguous() and pairs.is_contiguous())):
+        return res + slot_sum(pairs).to(res.dtype)
+    out = torch.empty_like(res)
+    if n and H:
+        # a 2-D grid (row, column block): no division per element, and at decode (n = 1) a
+        # handful of programs; k is a constant of the model, so the slot loop unrolls
+        _add_rounded_slots_kernel[(n, triton.cdiv(H, _BLOCK))](
+            res, pairs, out, H, K=pairs.shape[1], BLOCK=_BLOCK,
+            RNE_BF16=not res.is_cuda and res.dtype == torch.bfloat16, num_warps=4)
     return out
 
 
@@ -53,3 +99,20 @@ if triton is not None:
                      RNE_BF16)
         r = tl.load(Res + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(Out + offs, _rounded(r + p, dtype, RNE_BF16).to(dtype), mask=mask)
+
+    @triton.jit
+    def _add_rounded_slots_kernel(Res, Pairs, Out, H, K: tl.constexpr, BLOCK: tl.constexpr,
+                                  RNE_BF16: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < H
+        dtype = Out.dtype.element_ty
+        base = Pairs + row * K * H + cols
+        # slot_sum's order: slot 0 widened, then each further slot added in fp32 (no
+        # products, so no contraction into FMAs can change a rounding)
+        acc = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+        for j in tl.static_range(1, K):
+            acc += tl.load(base + j * H, mask=mask, other=0.0).to(tl.float32)
+        p = _rounded(acc, dtype, RNE_BF16)
+        r = tl.load(Res + row * H + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(Out + row * H + cols, _rounded(r + p, dtype, RNE_BF16).to(dtype), mask=mask)

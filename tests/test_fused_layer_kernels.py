@@ -1,0 +1,175 @@
+"""Issue 16's two fusions at the model level, run by Triton's CPU interpreter in a subprocess
+(tests/interpreted.py; skipped when triton does not import): a one-rank bf16 Qwen3-shaped
+model (per-head q/k RMSNorm, 4 query heads on one KV head, top-8 of 8 experts, the grouped
+expert path) with its kernels forced to Triton -- attention, the rope-and-store kernel, the
+residual adds -- runs a prefill of two sequences and a decode step on them three ways:
+
+  * unfused: the q/k norms as modules, the k slots summed in fp32 and added by add_rounded;
+  * slots: the slot sum fused into the residual add (model/residual.py: add_rounded_slots);
+  * both: the q/k norms fused into the rope kernel as well (model/rope_kv.py).
+
+"slots" must give the unfused run's logits and KV caches bitwise (the fusion's promise).
+"both" may differ only by the rope kernel's sum of squares: its K cache (normalised, rotated
+keys) by at most one bf16 ulp per element, its logits by LOGIT_TOL -- room for such a flip to
+travel through two layers into bf16 logits of magnitude ~2, whose ulp is 1/64. Measured on
+these inputs: no element and no logit differs at all. (For scale: the q and k norm weights
+swapped moves the logits by 0.11 and 331 of the 336 K cache elements, by up to 256 ulps.)
+That the fused paths really ran is counted, not assumed. The torch path at one rank -- the
+slot sum fused there too, by slot_sum -- is what tests/test_engine.py's
+test_grouped_expert_path_matches_megatron_reference[1-1-1] compares with megatron's
+GPTModel."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.interpreted import HAS_TRITON, interpreted_main
+
+LOGIT_TOL = 2 / 64  # "both" vs "unfused": two ulps of the largest logits (measured: 0)
+
+
+def _model():
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+
+    from colo_rollout.config import ModelConfig, ParallelConfig
+    from colo_rollout.model.model import InferenceGPT
+    from colo_rollout.model.weights import random_state_dict
+    from colo_rollout.runtime.parallel import init_parallel
+
+    # a file rendezvous in a fresh directory: no port to collide with a parallel run
+    dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/rdzv", rank=0,
+                            world_size=1)
+    groups = init_parallel(ParallelConfig(world_size=1, backend="gloo"))
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, num_layers=2, num_attention_heads=4,
+                      num_query_groups=1, head_dim=24, qk_layernorm=True, norm_epsilon=1e-6,
+                      moe_ffn_hidden_size=32, num_experts=8, moe_router_topk=8,
+                      max_position_embeddings=64, init_method_std=0.1, seed=3,
+                      params_dtype="bfloat16", moe_compute="grouped")
+    model = InferenceGPT(cfg, groups, torch.bfloat16, "torch", "torch", "torch")
+    model.load_full_state_dict(random_state_dict(cfg))
+    # the Triton kernels, under the interpreter (model build refuses "triton" off CUDA)
+    model.residual_kernel = "triton"
+    for layer in model.decoder.layers:
+        layer.self_attention.decode_backend = "triton"
+        layer.self_attention.prefill_backend = "triton"
+    return model
+
+
+def _inputs(device):
+    import torch
+
+    from colo_rollout.model.attention import AttnMetadata
+    from colo_rollout.model.model import DecodeInputs, PrefillInputs
+
+    i64 = torch.int64
+    lens = [3, 2]  # two sequences, block size 4: blocks (0, 1) and (2, 4); the sink is 5
+    tables = torch.tensor([[0, 1], [2, 4]], dtype=i64)
+    p = PrefillInputs(
+        token_ids=torch.tensor([7, 3, 60, 22, 41], dtype=i64), row_counts=[5], last_counts=[2],
+        last_rows=torch.tensor([2, 4], dtype=i64),
+        attn=AttnMetadata(is_prefill=True, positions=torch.tensor([0, 1, 2, 0, 1], dtype=i64),
+                          slot_mapping=torch.tensor([0, 1, 2, 8, 9], dtype=i64),
+                          block_tables=tables, context_lens=torch.tensor(lens, dtype=i64),
+                          seq_lens_new=lens, context_lens_host=lens))
+    steps = []
+    for j, toks in enumerate(([12, 33],)):  # positions (3, 2): reads the prefill's K/V
+        ps = [lens[0] + j, lens[1] + j]
+        steps.append(DecodeInputs(
+            token_ids=torch.tensor(toks, dtype=i64),
+            attn=AttnMetadata(is_prefill=False, positions=torch.tensor(ps, dtype=i64),
+                              slot_mapping=torch.tensor([ps[0], 8 + ps[1]], dtype=i64),
+                              block_tables=tables,
+                              context_lens=torch.tensor([q + 1 for q in ps], dtype=i64),
+                              seq_lens_new=[], context_lens_host=[])))
+    return p, steps
+
+
+def _run(model, fuse_slots: bool, fuse_norm: bool):
+    """(prefill logits, decode logits per step, K cache, V cache), and the fused calls
+    counted: (slot adds, rope launches given a q/k norm)."""
+    from colo_rollout.model import attention, model as model_mod
+
+    counts = [0, 0]
+    add_slots, rope = model_mod.add_rounded_slots, attention.rope_and_store
+
+    def counted_slots(*a, **kw):
+        counts[0] += 1
+        return add_slots(*a, **kw)
+
+    def counted_rope(*a, **kw):
+        counts[1] += kw.get("qk_norm") is not None
+        return rope(*a, **kw)
+
+    # the unfused paths: the fusions' own predicates say no (instance attributes, removed
+    # after the run; the module functions are restored likewise)
+    if not fuse_slots:
+        model._slots_into_residual = lambda mlp, x: False
+    if not fuse_norm:
+        for layer in model.decoder.layers:
+            layer.self_attention._fused_qk_norm = lambda: None
+    model_mod.add_rounded_slots, attention.rope_and_store = counted_slots, counted_rope
+    try:
+        kv = model.new_kv_storage(num_blocks=5, block_size=4)
+        p, steps = _inputs(model.device)
+        logits = [model.forward_prefill(p, kv)]
+        logits += [model.forward_decode(s, kv) for s in steps]
+    finally:
+        model_mod.add_rounded_slots, attention.rope_and_store = add_slots, rope
+        model.__dict__.pop("_slots_into_residual", None)
+        for layer in model.decoder.layers:
+            layer.self_attention.__dict__.pop("_fused_qk_norm", None)
+    return logits, kv.k.clone(), kv.v.clone(), counts
+
+
+def _interpreted() -> list[str]:
+    import torch
+
+    fails = []
+    model = _model()
+    unfused = _run(model, False, False)
+    slots = _run(model, True, False)
+    both = _run(model, True, True)
+    forwards, layers = 2, 2  # one prefill, one decode step; two MoE layers
+    if unfused[3] != [0, 0] or slots[3] != [forwards * layers, 0] \
+            or both[3] != [forwards * layers, forwards * layers]:
+        fails.append(f"fused calls (slot adds, normed ropes): unfused {unfused[3]}, "
+                     f"slots {slots[3]}, both {both[3]}")
+    for name, a, b in zip(("prefill", "decode"), slots[0], unfused[0]):
+        if not torch.equal(a, b):
+            fails.append(f"slots vs unfused: {name} logits differ, max "
+                         f"{(a.float() - b.float()).abs().max().item():.3g}")
+    for name, a, b in zip(("K cache", "V cache"), slots[1:3], unfused[1:3]):
+        if not torch.equal(a, b):
+            fails.append(f"slots vs unfused: {name} differs")
+    worst = max((a.float() - b.float()).abs().max().item()
+                for a, b in zip(both[0], unfused[0]))
+    if not worst <= LOGIT_TOL:
+        fails.append(f"both vs unfused: logits differ by {worst:.3g} > {LOGIT_TOL}")
+    k_ulps = _bf16_ulps(both[1], unfused[1])
+    if not k_ulps <= 1 or not torch.equal(both[2], unfused[2]):
+        fails.append(f"both vs unfused: K cache {k_ulps} bf16 ulps apart (at most 1), or the "
+                     "V cache differs")
+    print(f"both vs unfused: max logit difference {worst:.3g}, K cache {k_ulps} ulps")
+    return fails
+
+
+def _bf16_ulps(a, b) -> float:
+    """The largest |a - b| over bf16 tensors in units of the larger value's bf16 ulp."""
+    import torch
+
+    a, b = a.float(), b.float()
+    exp = torch.frexp(torch.maximum(a.abs(), b.abs())).exponent  # x = m 2^e, m in [0.5, 1)
+    ulp = torch.ldexp(torch.ones_like(a), exp - 8).clamp_min(2.0 ** -133)  # 8 bits: 1 + 7
+    return ((a - b).abs() / ulp).max().item()
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_fused_norm_and_slot_sum_keep_the_model_interpreted(interpreted):
+    interpreted.check(__file__)
+
+
+if __name__ == "__main__":  # the interpreted run (the test above starts it)
+    interpreted_main(_interpreted)
