@@ -105,9 +105,12 @@ def _trainer_pgc(world: int, tp: int):
 
 
 def weight_sync_exact(rank: int, world: int, adp: int, ep: int, trainer_tp: int,
-                      model_kw: dict | None = None, trainer_ep: int = 1) -> dict:
+                      model_kw: dict | None = None, trainer_ep: int = 1,
+                      rl_trainer: bool = False) -> dict:
     """After the sync hook, every inference weight equals the trainer's bit for bit, and the
-    engine generates what megatron computes with the trainer's weights."""
+    engine generates what megatron computes with the trainer's weights. ``rl_trainer``: the
+    RL ``Trainer``'s own model (at TP > 1 sequence-parallel) instead of a bare megatron TP
+    model; with ``trainer_ep`` > 1 the trainer's EP layout."""
     import dataclasses
 
     from colo_rollout.model.weights import loadable_tensors, random_state_dict, shard_for
@@ -116,13 +119,23 @@ def weight_sync_exact(rank: int, world: int, adp: int, ep: int, trainer_tp: int,
 
     cfg, groups, sd, engine = _engine(world, adp, ep, model_kw=model_kw)
     trained_sd = random_state_dict(dataclasses.replace(cfg.model, seed=99))  # "after a step"
-    if trainer_ep > 1:  # the RL trainer's own layout: experts split over EP groups
+    sp_params = 0
+    if rl_trainer:
+        from colo_rollout.config import RLConfig
+        from colo_rollout.rl.trainer import Trainer
+
+        rl = RLConfig(trainer_tp=trainer_tp, trainer_ep=trainer_ep)
+        trainer = Trainer(dataclasses.replace(cfg, rl=rl), trained_sd, groups.device).module
+        sp_params = sum(bool(getattr(p, "sequence_parallel", False))
+                        for p in trainer.parameters())
+    elif trainer_ep > 1:  # the RL trainer's own layout: experts split over EP groups
         from colo_rollout.rl.trainer import trainer_pg_collection
 
         pgc = trainer_pg_collection(world, 1, trainer_ep)
+        trainer = build_reference(cfg.model, trained_sd, pgc, torch.device("cpu"))
     else:
-        pgc = _trainer_pgc(world, trainer_tp)
-    trainer = build_reference(cfg.model, trained_sd, pgc, torch.device("cpu"))
+        trainer = build_reference(cfg.model, trained_sd, _trainer_pgc(world, trainer_tp),
+                                  torch.device("cpu"))
     sync = WeightSync()
     stats = [sync(trainer, engine.model) for _ in range(2)]  # second call: cached plan
     params = loadable_tensors(engine.model)  # parameters and the router's expert bias
@@ -140,7 +153,7 @@ def weight_sync_exact(rank: int, world: int, adp: int, ep: int, trainer_tp: int,
     outs = engine.generate(requests)
     res = {"mismatched": mismatched, "checked": checked, "version": sync.version,
            "seconds": [s.seconds for s in stats], "bytes_remote": stats[0].bytes_remote,
-           "bytes_local": stats[0].bytes_local}
+           "bytes_local": stats[0].bytes_local, "sp_params": sp_params}
     if rank == 0:
         ref = build_reference(cfg.model, trained_sd, singleton_pg_collection(),
                               torch.device("cpu"))
@@ -249,3 +262,96 @@ def expert_parallel_trainer_grads(rank: int, world: int) -> dict:
     return {"worst_rel": worst, "compared": len(grads[world]),
             "experts": sum(1 for k in grads[world] if "local_experts" in k),
             "loss": [stats[1]["loss"], stats[world]["loss"]]}
+
+
+def _random_trajectories(n: int, vocab: int, seed: int,
+                         routing: tuple[int, int, int] | None = None) -> list:
+    """``n`` trajectories in GRPO groups of two, of uneven lengths (prompts of 2..8 tokens,
+    2..6 generated: odd and even totals, so a TP2 trainer pads some forwards). ``routing``
+    (MoE layers, k, experts): a random recorded routing per input position, to replay."""
+    import random
+
+    import numpy as np
+
+    from colo_rollout.rl.rollout import Trajectory
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        t = Trajectory(i // 2, i % 2)
+        t._append([rng.randrange(1, vocab) for _ in range(rng.randint(2, 8))], None)
+        n_gen = rng.randint(2, 6)
+        t._append([rng.randrange(1, vocab) for _ in range(n_gen)],
+                  [-rng.uniform(1, 5) for _ in range(n_gen)])
+        t.reward = rng.random()
+        if routing is not None:
+            layers, k, experts = routing
+            t.routing = np.array([[rng.sample(range(experts), k) for _ in range(layers)]
+                                  for _ in range(len(t.tokens) - 1)], dtype=np.uint8)
+        out.append(t)
+    return out
+
+
+def tensor_parallel_trainer_grads(rank: int, world: int, tp: int = 2,
+                                  model_kw: dict | None = None, replay: bool = False,
+                                  algorithm: str = "grpo", is_level: str = "none") -> dict:
+    """One update of a TP-``tp`` trainer (sequence parallel, DP world/tp) and of a TP1 x
+    DP-world trainer: the loss, the step's metrics and every gradient agree -- the TP
+    gradients against the TP1 ones cut to this TP rank's shard (column/row/SwiGLU/vocab
+    splits; replicated ones whole). ``replay``: both replay one recorded routing.
+
+    The TP1 trainer gets every trajectory ``tp`` times in a row: its DP rank r then takes
+    exactly the share the TP trainer's replica r // tp takes (the duplicates of a GRPO group
+    leave its mean and population std as they are), so the two optimise the same objective
+    -- PPO's batch-whitened advantages included -- and report the same per-rank metrics."""
+    import dataclasses
+
+    from colo_rollout.config import RLConfig
+    from colo_rollout.model.weights import random_state_dict, shard_for
+    from colo_rollout.rl.trainer import Trainer
+    from colo_rollout.runtime.parallel import Layout, init_parallel
+    from tests.cases_engine import tiny_config
+
+    base = tiny_config(world, world, world, model_kw=model_kw, record_routing=replay)
+    groups = init_parallel(base.parallel)
+    sd = random_state_dict(base.model)
+    layers = sum(1 for i in range(base.model.num_layers) if base.model.is_moe_layer(i))
+    trajs = _random_trajectories(
+        5 * world // tp, base.model.vocab_size, seed=11,
+        routing=(layers, base.model.moe_router_topk, base.model.num_experts) if replay else None)
+    grads, stats = {}, {}
+    for t, batch in ((1, [x for x in trajs for _ in range(tp)]), (tp, trajs)):
+        rl = RLConfig(trainer_tp=t, lr=1e-3, routing_replay=replay, algorithm=algorithm,
+                      is_level=is_level)
+        trainer = Trainer(dataclasses.replace(base, rl=rl), sd, groups.device)
+        if trainer.value_head is not None:
+            # a value head that is not zero (its start): the value loss then reaches the
+            # trunk through the gathered hidden states
+            with torch.no_grad():
+                trainer.value_head.weight.copy_(torch.randn(
+                    trainer.value_head.weight.shape, generator=torch.Generator().manual_seed(3)))
+        stats[t] = trainer.step(batch)
+        grads[t] = {n: p.grad.clone() for n, p in trainer.module.named_parameters()}
+        if trainer.value_head is not None:
+            grads[t].update({f"value_head.{n}": p.grad.clone()
+                             for n, p in trainer.value_head.named_parameters()})
+    layout = Layout(world_size=tp, adp=1, ep=1)  # the TP trainer's shards, by TP rank
+    worst, worst_name, compared, sharded = 0.0, "", 0, 0
+    for name, g in grads[tp].items():
+        full = grads[1][name]
+        if name.startswith("value_head."):
+            local, want = name, full  # replicated on every rank
+        else:
+            local, want = shard_for(name, full, layout, rank % tp, base.model.num_experts)
+        assert local == name and want.shape == g.shape, (name, tuple(want.shape), g.shape)
+        rel = (want - g).abs().max().item() / (want.abs().max().item() + 1e-12)
+        if rel > worst:
+            worst, worst_name = rel, name
+        compared += 1
+        sharded += want.shape != full.shape
+    # relative past 1 (a random value head's loss is large)
+    worst_stat = max(abs(v - stats[1][k]) / max(1.0, abs(stats[1][k]))
+                     for k, v in stats[tp].items())
+    return {"worst_rel": worst, "worst_name": worst_name, "compared": compared,
+            "sharded": sharded, "keys": sorted(stats[tp]), "worst_stat": worst_stat,
+            "stats": [stats[1], stats[tp]]}

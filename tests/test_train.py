@@ -15,11 +15,13 @@ CFG = "configs/grpo_cpu.yaml"
 # stay at ~1 and the task is learnt as without it
 # grpo also replays the rollout's routing in the trainer (engine.record_routing on); ppo
 # trains with its experts split over the two ranks (rl.trainer_ep 2: EP2 x DP1 beside the
-# engine's EP2/ADP2)
-@pytest.mark.parametrize("algorithm,release,is_level,replay,trainer_ep", [
-    ("grpo", "discard", "none", True, 1), ("ppo", "off", "token", False, 2)])
+# engine's EP2/ADP2); the third trains TP2 (sequence parallel, experts TP-sharded) with
+# replay, each TP rank replaying its shard of the sequence
+@pytest.mark.parametrize("algorithm,release,is_level,replay,trainer_ep,trainer_tp", [
+    ("grpo", "discard", "none", True, 1, 1), ("ppo", "off", "token", False, 2, 1),
+    ("grpo", "off", "none", True, 1, 2)])
 def test_reward_rises_and_logprobs_agree(worker_groups, tmp_path, algorithm, release, is_level,
-                                         replay, trainer_ep):
+                                         replay, trainer_ep, trainer_tp):
     res = worker_groups(2).run("colo_rollout.rl.train:run_train", timeout=600, config_path=CFG,
                                overrides={"rl.out_dir": str(tmp_path),
                                           "rl.algorithm": algorithm,
@@ -27,15 +29,16 @@ def test_reward_rises_and_logprobs_agree(worker_groups, tmp_path, algorithm, rel
                                           "rl.is_level": is_level,
                                           "engine.record_routing": replay,
                                           "rl.routing_replay": replay,
-                                          "rl.trainer_ep": trainer_ep}, quiet=True)
+                                          "rl.trainer_ep": trainer_ep,
+                                          "rl.trainer_tp": trainer_tp}, quiet=True)
     h = res[0]["history"]
     assert len(h) == 20
     assert [x["reward"] for x in res[1]["history"]] == [x["reward"] for x in h]  # replicated
     first = sum(x["reward"] for x in h[:3]) / 3
     last = sum(x["reward"] for x in h[-3:]) / 3
     assert first < 0.2 and last > first + 0.5, (first, last)  # random policy: ~1/64
-    # the trainer (megatron GPTModel, TP1xDP2) recomputes the rollout engine's (EP2/ADP2)
-    # logprobs: only summation order differs
+    # the trainer (megatron GPTModel, TP1xDP2, EP2 or TP2) recomputes the rollout engine's
+    # (EP2/ADP2) logprobs: only summation order differs
     assert max(x["logprob_gap_max"] for x in h) < 1e-4
     assert all(x["failed"] == 0 and x["sync_bytes"] > 0 for x in h)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -55,10 +58,12 @@ def test_reward_rises_and_logprobs_agree(worker_groups, tmp_path, algorithm, rel
                    for x in h)
 
 
-def test_train_from_a_hf_checkpoint_and_export(worker_groups, tmp_path):
-    # the engine (EP2/ADP2) and the trainer (TP1 x DP2) each read their slices of a checkpoint
-    # transformers saved; their logprobs agree from the first step; the trained weights are
-    # exported as a checkpoint transformers loads
+@pytest.mark.parametrize("trainer_tp", [1, 2])
+def test_train_from_a_hf_checkpoint_and_export(worker_groups, tmp_path, trainer_tp):
+    # the engine (EP2/ADP2) and the trainer (TP1 x DP2, or TP2 sequence parallel) each read
+    # their slices of a checkpoint transformers saved; their logprobs agree from the first
+    # step; the trained weights are exported as a checkpoint transformers loads (TP2: the
+    # TP group gathers each tensor)
     import torch
 
     transformers = pytest.importorskip("transformers")
@@ -71,7 +76,8 @@ def test_train_from_a_hf_checkpoint_and_export(worker_groups, tmp_path):
     hf.save_pretrained(src)
     out = tmp_path / "exported"
     overrides = {"rl.out_dir": str(tmp_path / "run"), "rl.steps": 3,
-                 "model.checkpoint": str(src), "rl.export_dir": str(out)}
+                 "model.checkpoint": str(src), "rl.export_dir": str(out),
+                 "rl.trainer_tp": trainer_tp}
     # the YAML's own architecture keys describe the toy model, not this checkpoint: drop them
     import yaml
 

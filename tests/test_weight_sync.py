@@ -62,6 +62,24 @@ def test_sync_from_an_expert_parallel_trainer_is_bit_exact(worker_groups, world,
     assert r0["mismatches"] == [] and r0["max_logprob_diff"] < LOGPROB_TOL
 
 
+@pytest.mark.parametrize("world,adp,ep,model_kw", [
+    (2, 2, 2, None),  # RL trainer TP2 (sequence parallel)  -> inference EP2/ADP2
+    (4, 2, 4, None),  # RL trainer TP2 x DP2                -> inference EP4/ADP2/ATP2
+    (4, 2, 4, ARCH),  # the same, every architecture tensor (q/k norms, gates, dense layers)
+])
+def test_sync_from_a_sequence_parallel_trainer_is_bit_exact(worker_groups, world, adp, ep,
+                                                            model_kw):
+    """The RL Trainer's own model at rl.trainer_tp 2: megatron's sequence parallelism (norms
+    marked sequence_parallel), experts TP-sharded, vocab-parallel embedding and output."""
+    res = worker_groups(world).run("tests.cases_rl:weight_sync_exact", adp=adp, ep=ep,
+                                   trainer_tp=2, model_kw=model_kw, rl_trainer=True)
+    for r in res:
+        assert r["checked"] > 10 and r["mismatched"] == []
+        assert r["sp_params"] > 0  # the trainer really is sequence parallel
+    r0 = res[0]
+    assert r0["mismatches"] == [] and r0["max_logprob_diff"] < LOGPROB_TOL
+
+
 def test_two_model_pairs_of_one_layout_each_sync_exactly(worker_groups):
     res = worker_groups(2).run("tests.cases_rl:weight_sync_two_model_pairs", adp=2, ep=2,
                                trainer_tp=2)
@@ -77,3 +95,28 @@ def test_expert_parallel_trainer_takes_the_same_gradient(worker_groups):
     for r in res:
         assert r["compared"] > 10 and r["experts"] > 0
         assert r["worst_rel"] < 1e-5, r
+
+
+@pytest.mark.parametrize("world,algorithm,is_level,replay,model_kw", [
+    (2, "grpo", "none", True, ARCH),  # TP2: q/k norms, shared-expert gate, dense layer
+    (2, "ppo", "token", False, None),  # TP2: the value head on the gathered hidden states
+    (4, "ppo", "none", True, None),  # TP2 x DP2
+])
+def test_tensor_parallel_trainer_takes_the_same_gradient(worker_groups, world, algorithm,
+                                                         is_level, replay, model_kw):
+    """rl.trainer_tp 2 (sequence parallel, experts TP-sharded): each TP rank's gradient is
+    the TP1 trainer's cut to its shard, the parameters trained on a sequence shard (norms,
+    routers, gates) or a head shard (q/k norms) summed over TP; with routing replay each TP
+    rank replays its shard of the sequence. Loss and metrics are the TP1 trainer's too: TP
+    and SP change the summation order only."""
+    res = worker_groups(world).run("tests.cases_rl:tensor_parallel_trainer_grads", tp=2,
+                                   model_kw=model_kw, replay=replay, algorithm=algorithm,
+                                   is_level=is_level)
+    for r in res:
+        assert r["compared"] > 40 and r["sharded"] > 30
+        assert r["worst_rel"] < 2e-5, (r["worst_name"], r["worst_rel"])
+        assert r["worst_stat"] < 1e-5, r["stats"]
+        if replay:
+            assert "routing_disagree_frac" in r["keys"]
+        if algorithm == "ppo":
+            assert "value_loss" in r["keys"]

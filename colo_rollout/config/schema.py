@@ -737,7 +737,10 @@ class RLConfig:
     # routers replay the rollout's routing too). Needs CUDA (megatron saves CUDA RNG states).
     recompute: str = "none"
     # Trainer tensor-parallel width (trainer DP = world / trainer_tp); may differ from the
-    # inference layout: weights are resharded after every step. Only 1 for now (issue 18).
+    # inference layout: weights are resharded after every step. Above 1 the trainer runs
+    # megatron's sequence parallelism (megatron trains MoE under TP only so) with the experts
+    # TP-sharded too; it must divide the world size, the heads, KV groups, vocabulary and FFN
+    # widths (checked when the trainer starts).
     trainer_tp: int = 1
     # Trainer expert-parallel width (rl.trainer_tp must then be 1): each expert lives on one
     # rank of every group of trainer_ep consecutive ranks and is data-parallel over the groups
@@ -771,12 +774,11 @@ class RLConfig:
         _require(self.prompt_len_max >= 2, "rl.prompt_len_max",
                  f"must be >= 2 (prompt lengths are drawn in [2, prompt_len_max]), got "
                  f"{self.prompt_len_max}")
-        # the trainer refuses it at start, on every rank (rl/trainer.py)
-        _require(self.trainer_tp == 1, "rl.trainer_tp",
-                 f"{self.trainer_tp} is not supported yet: megatron trains MoE with TP only "
-                 "under sequence parallelism, which its torch norms refuse (the TE spec is not "
-                 "wired for the trainer); use trainer_tp: 1 (the trainer is then data-parallel "
-                 "over all ranks)")
+        # TP x EP in one trainer is not built (trainer_pg_collection carves EP out of DP at
+        # TP 1 only); the trainer refuses it at start too, on every rank (rl/trainer.py)
+        _require(self.trainer_tp == 1 or self.trainer_ep == 1, "rl.trainer_tp",
+                 f"{self.trainer_tp} with rl.trainer_ep {self.trainer_ep} is not supported: "
+                 "the trainer is TP x DP or EP x DP; set one of them to 1")
         _require_min(self, ("seed", "target_token"), 0)
         _require(self.lr > 0, "rl.lr", f"must be > 0, got {self.lr}")
         _require(0 < self.clip < 1, "rl.clip", f"must be in (0, 1), got {self.clip}")

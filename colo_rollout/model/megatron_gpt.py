@@ -1,16 +1,22 @@
-"""Independent reference: a megatron-core ``GPTModel`` (local spec, TP1/EP1) full-recompute forward.
+"""Independent reference: a megatron-core ``GPTModel`` (local or TE spec) full-recompute forward.
 
-Owns the construction of a single-rank megatron ``GPTModel`` of the same architecture, fed the
-same full state dict, and a no-KV-cache forward over whole token sequences. Tests compare the
-engine's tokens and logprobs against it; it shares no code path with the inference model beyond
-megatron's own modules and ``megatron_config``.
+Owns the construction of a megatron ``GPTModel`` of the same architecture, fed the same full
+state dict, and a no-KV-cache forward over whole token sequences. Tests compare the engine's
+tokens and logprobs against it; it shares no code path with the inference model beyond
+megatron's own modules and ``megatron_config``. The RL trainer builds its model here too
+(TP x DP, EP x DP; with TP > 1 under sequence parallelism, see ``build_reference``).
 
 The model gets a ``ProcessGroupCollection`` of single-rank groups so it can be built inside any
 multi-rank job without touching the job's layout (megatron's global parallel_state is not used).
+
+Must not go in here: the training step (rl/trainer.py), the trainer's groups
+(``rl.trainer.trainer_pg_collection``), checkpoint reading (checkpoint/loader.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
 
 import torch
@@ -18,6 +24,8 @@ import torch.distributed as dist
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 from colo_rollout.config import ModelConfig
 from colo_rollout.model.model import megatron_config
@@ -65,9 +73,17 @@ def build_reference(cfg: ModelConfig,
                     full_state: dict[str, torch.Tensor] | Callable[[torch.nn.Module], None],
                     pg_collection: ProcessGroupCollection, device: torch.device,
                     dtype: torch.dtype | None = None, te: bool = False,
-                    routing_replay: bool = False, recompute: bool = False) -> torch.nn.Module:
+                    routing_replay: bool = False, recompute: bool = False,
+                    sequence_parallel: bool = False) -> torch.nn.Module:
     """``te``: build megatron's Transformer Engine layer spec (grouped-GEMM experts, fused
     norm+qkv) instead of the local spec; ``full_state`` may use either spec's names.
+    ``sequence_parallel`` (TP > 1 only): megatron's sequence parallelism -- what it needs to
+    train MoE with TP (``MoELayer.forward`` refuses training under TP without it). The
+    activations between the TP regions are split along the sequence over the TP group (the
+    input's sequence length must be divisible by TP); the logits come back whole. The local
+    spec's norms are then ``SequenceParallelTorchNorm`` (megatron's torch-norm wrapper refuses
+    sequence parallelism); the parameters each TP rank trains on its own tokens only carry
+    ``sequence_parallel=True``, their gradients are partial sums over the TP group.
     ``routing_replay``: megatron's ``moe_enable_routing_replay`` (every router gets a
     ``RouterReplay``; the trainer sets what it replays, rl/trainer.py). ``recompute``:
     megatron's full activation recompute, one layer per unit (CUDA only).
@@ -97,7 +113,14 @@ def build_reference(cfg: ModelConfig,
     if tp > 1 and ep > 1:
         raise ValueError(f"reference/trainer model: TP {tp} with EP {ep} is not supported "
                          "(one of them must be 1)")
-    tcfg = megatron_config(cfg, dtype=dtype, init=False, use_te=te, tp=tp, etp=tp, ep=ep)
+    if sequence_parallel and tp == 1:
+        raise ValueError("reference/trainer model: sequence parallelism needs a TP group of "
+                         "more than one rank")
+    # experts TP-sharded over the TP group (ETP = TP, megatron's default
+    # expert_tensor_parallel_size): the allgather dispatcher then gathers each TP rank's
+    # sequence shard of tokens over tp_ep (= TP with EP 1) and reduce-scatters the output
+    tcfg = megatron_config(cfg, dtype=dtype, init=False, use_te=te, tp=tp, etp=tp, ep=ep,
+                           sequence_parallel=sequence_parallel)
     tcfg.moe_enable_routing_replay = routing_replay
     if recompute:
         tcfg.recompute_granularity, tcfg.recompute_method = "full", "uniform"
@@ -136,14 +159,81 @@ def build_gpt_model(cfg: ModelConfig, tcfg, te: bool, pg_collection) -> GPTModel
     # which a model built on explicit groups may not have)
     spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=te,
                                       normalization=cfg.normalization, pp_rank=0)
-    return GPTModel(tcfg, spec, vocab_size=cfg.vocab_size,
-                    max_sequence_length=cfg.max_position_embeddings,
-                    position_embedding_type="rope", rotary_base=cfg.rotary_base,
-                    rotary_percent=cfg.rotary_percent,
-                    rope_scaling=cfg.rope_scaling == "llama3",
-                    rope_scaling_factor=cfg.rope_scaling_factor,
-                    share_embeddings_and_output_weights=cfg.tie_embeddings,
-                    parallel_output=False, pg_collection=pg_collection)
+    if tcfg.sequence_parallel and not te:  # TE's norms take sequence parallelism themselves
+        spec = _sequence_parallel_norms(spec)
+    model = GPTModel(tcfg, spec, vocab_size=cfg.vocab_size,
+                     max_sequence_length=cfg.max_position_embeddings,
+                     position_embedding_type="rope", rotary_base=cfg.rotary_base,
+                     rotary_percent=cfg.rotary_percent,
+                     rope_scaling=cfg.rope_scaling == "llama3",
+                     rope_scaling_factor=cfg.rope_scaling_factor,
+                     share_embeddings_and_output_weights=cfg.tie_embeddings,
+                     parallel_output=False, pg_collection=pg_collection)
+    if tcfg.sequence_parallel:
+        # a norm built outside the swapped spec slots would train on its TP rank's tokens
+        # alone, its gradient never summed: refuse it here rather than diverge silently
+        unmarked = [n for n, m in model.named_modules()
+                    if isinstance(m, (torch.nn.RMSNorm, torch.nn.LayerNorm))
+                    and not getattr(m.weight, "sequence_parallel", False)]
+        if unmarked:
+            raise TypeError(f"sequence-parallel model: norms not marked sequence_parallel "
+                            f"(a spec slot megatron added?): {unmarked}")
+    return model
+
+
+class SequenceParallelTorchNorm:
+    """megatron's ``WrappedTorchNorm`` (``torch.nn.RMSNorm`` or ``LayerNorm`` by
+    ``config.normalization``, the same numerics) for a sequence-parallel model.
+
+    ``WrappedTorchNorm`` asserts ``not config.sequence_parallel`` (transformer/torch_norm.py),
+    and it is what the local spec builds for RMSNorm even with apex installed
+    (models/backends.py ``LocalSpecProvider.layer_norm``). The torch norm itself computes per
+    token, so it runs on a sequence shard unchanged; what sequence parallelism needs of a norm
+    is its parameters marked: a norm sees its TP rank's shard, so its weight's gradient is a
+    partial sum over the TP group.
+    megatron's SP-capable norms (apex ``FusedLayerNorm``, TE's ``TENorm``) mark their
+    parameters ``sequence_parallel``, and the gradient reduction sums exactly the marked ones
+    over TP (``_allreduce_non_tensor_model_parallel_grads`` in
+    distributed/finalize_model_grads.py; the CPU trainer the same, rl/trainer.py). This builder
+    does the marking; it follows megatron's norm-builder protocol (a class called with
+    ``config``, ``hidden_size``, ``eps``)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused) -> torch.nn.Module:
+        if config.layernorm_zero_centered_gamma or config.persist_layer_norm \
+                or config.memory_efficient_layer_norm:
+            raise ValueError("SequenceParallelTorchNorm: zero-centered gamma, persistent and "
+                             "memory-efficient layer norms are not torch norms")
+        norms = {"RMSNorm": torch.nn.RMSNorm, "LayerNorm": torch.nn.LayerNorm}
+        if config.normalization not in norms:
+            raise ValueError(f"SequenceParallelTorchNorm: normalization "
+                             f"{config.normalization!r} is not one of {sorted(norms)}")
+        norm = norms[config.normalization](normalized_shape=hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def _sequence_parallel_norms(spec):
+    """A copy of megatron's decoder block spec with every ``WrappedTorchNorm`` slot (the
+    block's final norm, each layer's input and pre-MLP norms, the q/k norms) built by
+    ``SequenceParallelTorchNorm``; megatron's own spec objects are left as they are. Walks
+    ModuleSpecs, submodule dataclasses, partials and lists."""
+
+    def swap(obj):
+        if obj is WrappedTorchNorm:
+            return SequenceParallelTorchNorm
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(swap(o) for o in obj)
+        if isinstance(obj, functools.partial):
+            return functools.partial(swap(obj.func), *map(swap, obj.args),
+                                     **{k: swap(v) for k, v in obj.keywords.items()})
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            if isinstance(obj, ModuleSpec) or type(obj).__name__.endswith("Submodules"):
+                return dataclasses.replace(obj, **{f.name: swap(getattr(obj, f.name))
+                                                   for f in dataclasses.fields(obj) if f.init})
+        return obj
+
+    return swap(spec)
 
 
 @torch.inference_mode()

@@ -2,14 +2,29 @@
 or EP x DP with the experts split over expert-parallel groups).
 
 Owns the training model, megatron's DistributedDataParallel wrapper and the optimizer, and one
-GRPO or PPO update from trajectories (PPO adds a value head on the final hidden states). Its layout (trainer TP, DP = world / TP) is independent of the
-inference layout (ADP/ATP/EP): ``WeightSync`` reshards after every step.
+GRPO or PPO update from trajectories (PPO adds a value head on the final hidden states). Its
+layout (trainer TP, DP = world / TP) is independent of the inference layout (ADP/ATP/EP):
+``WeightSync`` reshards after every step.
+
+TP > 1 runs under megatron's sequence parallelism (megatron trains MoE with TP only so:
+``MoELayer.forward`` refuses it otherwise), the experts TP-sharded over the same group (ETP =
+TP), EP 1. The TP ranks of a replica take the same trajectories and compute the same loss
+(the logits are gathered whole); each forward's sequence length is padded to a multiple of TP
+(SP splits the sequence over the TP group; the padding is causal-masked out of every real
+token and out of the loss). What each TP rank trains on its own sequence shard only -- the
+norms, the routers, a shared-expert gate (``sequence_parallel``-marked) and q/k norms (their
+heads split over TP) -- has its gradient summed over TP, megatron's finalize-grads rule.
 
 Optimizer and gradient sync: on GPUs megatron-core's ``DistributedDataParallel`` and
 ``get_megatron_optimizer`` (NOT yet run on a GPU -- see docs/status.md). On CPU ranks neither
 can run (megatron's DDP grad sync is CUDA-stream bound, its FP32Optimizer allocates on CUDA), so
 the CPU tier averages gradients over the trainer's DP group with one all-reduce per parameter
-and steps ``torch.optim.AdamW`` -- the same update, spelled out.
+and steps ``torch.optim.AdamW`` -- the same update, spelled out. The TP sum of the
+sequence-shard gradients runs on both (``_sum_sequence_shard_grads``: on GPUs on megatron
+DDP's ``main_grad`` -- not yet run on a GPU either).
+
+Must not go in here: rollout, weight resharding (weight_sync.py), the model's construction
+(model/megatron_gpt.py), the loss arithmetic (grpo.py).
 """
 
 from __future__ import annotations
@@ -29,6 +44,25 @@ from colo_rollout.rl.grpo import (
     value_loss,
 )
 from colo_rollout.rl.rollout import Trajectory
+
+
+def check_trainer_tp(model, tp: int) -> None:
+    """Refuse a trainer TP width the model's shapes cannot be split by (megatron would fail
+    deep inside a layer constructor): heads and KV groups, the vocab-parallel embedding, the
+    column/row-parallel FFN widths (experts ETP = TP)."""
+    if tp == 1:
+        return
+    widths = {"num_attention_heads": model.num_attention_heads,
+              "num_query_groups": model.num_query_groups, "vocab_size": model.vocab_size,
+              "moe_ffn_hidden_size": model.moe_ffn_hidden_size}
+    if model.first_k_dense:
+        widths["ffn_hidden_size"] = model.dense_ffn_hidden_size
+    if model.shared_expert_ffn_hidden_size is not None:
+        widths["shared_expert_ffn_hidden_size"] = model.shared_expert_ffn_hidden_size
+    bad = {k: v for k, v in widths.items() if v % tp}
+    if bad:
+        raise ValueError(f"rl.trainer_tp {tp} does not divide model {bad} (the trainer's TP "
+                         "splits heads, KV groups, the vocabulary and the FFN widths)")
 
 
 def trainer_pg_collection(world: int, tp: int, ep: int = 1):
@@ -76,11 +110,7 @@ class Trainer:
         self.tp = cfg.rl.trainer_tp
         self.dp = world // self.tp
         self.dp_rank = dist.get_rank() // self.tp
-        if self.tp > 1:
-            # megatron trains MoE + TP only with sequence parallelism, which its torch norms
-            # refuse; the TE spec would be needed (not wired for the trainer yet)
-            raise ValueError("rl.trainer_tp > 1 is not supported yet: megatron trains MoE with "
-                             "TP only under sequence parallelism; use trainer_tp: 1 (DP)")
+        check_trainer_tp(cfg.model, self.tp)
         self.ep = cfg.rl.trainer_ep
         if cfg.model.num_experts % self.ep:
             raise ValueError(f"rl.trainer_ep {self.ep} does not divide model.num_experts "
@@ -89,8 +119,10 @@ class Trainer:
         weights = state_dict if state_dict is not None else megatron_loader(
             cfg.model, self.pgc.tp.size(), self.pgc.tp.rank())
         self.recompute = cfg.rl.recompute == "full"
+        # TP > 1: sequence parallel (megatron's MoE refuses to train under TP without it)
         model = build_reference(cfg.model, weights, self.pgc, device,
-                                routing_replay=cfg.rl.routing_replay, recompute=self.recompute)
+                                routing_replay=cfg.rl.routing_replay, recompute=self.recompute,
+                                sequence_parallel=self.tp > 1)
         self.module = model  # megatron GPTModel (or Float16Module), what WeightSync reads
         self.module.train()
         if device.type == "cuda":
@@ -130,6 +162,30 @@ class Trainer:
                 self.value_opt = torch.optim.AdamW(self.value_head.parameters(), lr=cfg.rl.lr)
             else:
                 self.opt.add_param_group({"params": list(self.value_head.parameters())})
+
+    def _sum_sequence_shard_grads(self, attr: str) -> None:
+        """TP > 1: sum over the TP group the gradients each TP rank took from its part of the
+        tokens or heads alone -- parameters marked ``sequence_parallel`` (norms, routers,
+        shared-expert gates: they see the rank's sequence shard) and the q/k norms (shared by
+        the heads TP splits). megatron's rule, ``_allreduce_non_tensor_model_parallel_grads``
+        (distributed/finalize_model_grads.py), which its DDP's ``finish_grad_sync`` does not
+        run. ``attr``: where the gradient lives ("grad"; "main_grad" under megatron's DDP).
+        One all-reduce of the flattened gradients per dtype (parameter order: the same on
+        every TP rank)."""
+        if self.tp == 1:
+            return
+        qk = self.module.config.qk_layernorm
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for n, p in self.module.named_parameters():
+            g = getattr(p, attr, None)
+            if g is not None and (getattr(p, "sequence_parallel", False)
+                                  or (qk and ("q_layernorm" in n or "k_layernorm" in n))):
+                by_dtype.setdefault(g.dtype, []).append(g)
+        for grads in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self.pgc.tp)
+            for g, synced in zip(grads, torch.split(flat, [g.numel() for g in grads])):
+                g.copy_(synced.view_as(g))
 
     def export(self, directory: str) -> list:
         """Write the trainer's weights as a Hugging Face checkpoint (checkpoint/export.py).
@@ -178,24 +234,44 @@ class Trainer:
                 raise ValueError(f"routing replay: an expert id {int(got.max())} >= the "
                                  f"trainer's {E} experts")
             ids[: r.shape[0], b] = got
-        # megatron's router sees [S, B] tokens flattened sequence-first: row = s * B + b
+        # megatron's router sees [S, B] tokens flattened sequence-first: row = s * B + b; under
+        # sequence parallelism only this TP rank's shard of S
+        ids = ids[self._sequence_shard(length)]
         for j, router in enumerate(routers):
             rep = router.router_replay
             rep.clear_indices()
-            rep.set_target_indices(ids[:, :, j].reshape(length * B, k).to(self.device))
+            rep.set_target_indices(ids[:, :, j].reshape(-1, k).to(self.device))
             rep.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
     def _batch_shape(self, batch: list[Trajectory]) -> tuple[int, int]:
         """(rows, tokens) of this rank's forward: its trajectories and the longest of them;
         with the experts split over EP, the largest over the EP group -- megatron's token
         dispatcher exchanges equal token counts, so every EP rank pads to the same shape
-        (padding rows are masked out of the loss)."""
-        shape = [max(len(batch), 1), max((len(t.tokens) for t in batch), default=2)]
+        (padding rows are masked out of the loss); with TP, tokens rounded up to a multiple
+        of TP (``_padded_length``)."""
+        shape = [max(len(batch), 1),
+                 self._padded_length(max((len(t.tokens) for t in batch), default=2))]
         if self.ep > 1:
             agreed = torch.tensor(shape, dtype=torch.long, device=self.device)
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.pgc.ep)
             shape = agreed.tolist()
         return shape[0], shape[1]
+
+    def _padded_length(self, length: int) -> int:
+        """``length`` rounded up to a multiple of TP: sequence parallelism splits the sequence
+        over the TP group in equal shards. The extra positions come last, so causal attention
+        keeps them out of every real token; their logprobs are masked."""
+        return -(-length // self.tp) * self.tp
+
+    def _sequence_shard(self, length: int) -> slice:
+        """The positions of a ``length``-token forward this TP rank's routers see: under
+        sequence parallelism each TP rank routes its own contiguous shard (megatron scatters
+        the sequence dimension in TP-rank order); TP 1 routes them all."""
+        if self.tp == 1:
+            return slice(0, length)
+        n = length // self.tp
+        r = self.pgc.tp.rank()
+        return slice(r * n, (r + 1) * n)
 
     def own_routing(self, trajs: list[Trajectory],
                     shape: tuple[int, int] | None = None) -> tuple[torch.Tensor, float]:
@@ -212,18 +288,26 @@ class Trainer:
             for h in hooks:
                 h.remove()
         B, E = logp.shape[0], self.cfg.model.num_experts
+        shard = self._sequence_shard(logp.shape[1] + 1)  # this TP rank's routed positions
         differ = total = 0
         for j, m in enumerate(maps):
-            m = m.view(-1, B, E)  # megatron's rows: s * B + b
+            m = m.view(-1, B, E)  # megatron's rows: s * B + b, s in this rank's shard
             for b, t in enumerate(trajs):
                 r = t.routing
-                if r is None or r.shape[0] == 0:
+                if r is None:
+                    continue
+                r = r[shard.start: shard.stop]
+                if r.shape[0] == 0:
                     continue
                 ids = torch.from_numpy(r[:, j].astype("int64")).to(m.device)
                 want = torch.zeros((r.shape[0], E), dtype=torch.bool, device=m.device)
                 want.scatter_(1, ids, True)
                 differ += int((want != m[: r.shape[0], b]).any(dim=1).sum())
                 total += r.shape[0]
+        if self.tp > 1:  # the shards' counts: every TP rank reports the whole sequence's share
+            counts = torch.tensor([differ, total], dtype=torch.long, device=self.device)
+            dist.all_reduce(counts, group=self.pgc.tp)
+            differ, total = counts.tolist()
         return logp, differ / max(total, 1)
 
     def end_replay(self) -> None:
@@ -237,8 +321,13 @@ class Trainer:
         """log p(token_t | tokens_<t) under the trainer for every position t >= 1, padded:
         returns (logp [B, T-1], valid [B, T-1]); ``shape`` (rows B, tokens T): at least the
         trajectories' (default: exactly), the rest padding. ``replay`` (default
-        ``rl.routing_replay``): the forward routes as the rollout did (``replay_routing``)."""
-        rows, L = shape or (len(trajs), max(len(t.tokens) for t in trajs))
+        ``rl.routing_replay``): the forward routes as the rollout did (``replay_routing``).
+        With TP the tokens are padded to a multiple of TP (``_padded_length``): T may exceed
+        the longest trajectory."""
+        rows, L = shape or (len(trajs), self._padded_length(max(len(t.tokens) for t in trajs)))
+        if L % self.tp:
+            raise ValueError(f"trainer forward of {L} tokens: sequence parallelism needs a "
+                             f"multiple of rl.trainer_tp {self.tp}")
         replay = self.cfg.rl.routing_replay if replay is None else replay
         if replay:
             self.replay_routing(trajs, L, rows)
@@ -320,7 +409,16 @@ class Trainer:
             loss = clipped_loss(new, base, adv, m, clip=clip, weights=weights)
         else:
             # hidden [S, B, H] (megatron is sequence-first): V(h_j) scores the token at j+1
-            h = self._hidden.transpose(0, 1)[:, :-1][:, :T].float()
+            h = self._hidden
+            if self.tp > 1:
+                # sequence parallel: the final norm's output is this TP rank's shard of S.
+                # Every TP rank computes the same value loss from the gathered whole, so the
+                # backward takes its own shard of the gradient (no reduce-scatter sum)
+                from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+                h = gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=False,
+                                                         group=self.pgc.tp)
+            h = h.transpose(0, 1)[:, :-1][:, :T].float()
             values = self.value_head(h)[..., 0]
             tok_adv, returns = ppo_advantages(rewards, values.detach(), m)
             v_loss = value_loss(values, returns, m)
@@ -340,11 +438,13 @@ class Trainer:
                 p.grad /= self.dp
         if self._megatron_opt:
             self.ddp.finish_grad_sync()
+            self._sum_sequence_shard_grads("main_grad")
             self.opt.step()
             if head:
                 self.value_opt.step()
                 self.value_opt.zero_grad()
         else:
+            self._sum_sequence_shard_grads("grad")
             for p in self.module.parameters():
                 if p.grad is None or self.dp == 1:
                     continue
