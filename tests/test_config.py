@@ -313,10 +313,15 @@ def test_top1_softmax_with_renormalisation_is_refused_like_megatron(tmp_path):
         assert load_config(path, ok).model.moe_router_topk == 1
 
 
-def test_trainer_tp_above_one_is_refused_with_the_reason(tmp_path):
-    path = write(tmp_path, "rl:\n  trainer_tp: 2\n")
-    assert_load_error(path, "rl.trainer_tp", "2 is not supported yet",
-                      "sequence parallelism", "use trainer_tp: 1")
+def test_trainer_tp_widths_and_tp_with_ep_are_refused_with_the_reason(tmp_path):
+    path = write(tmp_path, "parallel:\n  world_size: 2\n  adp: 2\n  ep: 2\n"
+                           "model:\n  num_experts: 4\nrl:\n  trainer_tp: 2\n")
+    assert load_config(path).rl.trainer_tp == 2  # TP x DP under sequence parallelism
+    assert_load_error(path, "rl.trainer_tp", "2 with rl.trainer_ep 2 is not supported",
+                      "set one of them to 1", overrides={"rl.trainer_ep": 2})
+    assert_load_error(path, "rl.trainer_tp", "2 does not divide", "model.num_query_groups 3",
+                      overrides={"model.num_attention_heads": 6, "model.num_query_groups": 3,
+                                 "model.hidden_size": 96})
 
 
 def test_rl_prompt_len_max_must_leave_the_drawn_range(tmp_path):

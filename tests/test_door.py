@@ -115,8 +115,9 @@ def test_a_triton_kernel_asked_for_on_cpu_ranks(capsys):
 
 
 def test_unsupported_trainer_width(capsys):
-    line = door_error(capsys, "train", TRAIN, "--set", "rl.trainer_tp=2")
-    assert line.startswith(f"error: {TRAIN}: rl.trainer_tp: 2 is not supported yet")
+    line = door_error(capsys, "train", TRAIN, "--set", "rl.trainer_tp=3")
+    assert line.startswith(f"error: {TRAIN}: rl.trainer_tp: 3 does not divide "
+                           "parallel.world_size 2")
 
 
 # --------------------------------------------------------------------------- workloads

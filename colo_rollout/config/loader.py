@@ -122,6 +122,22 @@ class Config:
             f"not supported with model.moe_dispatch {model.moe_dispatch!r} yet: the gather "
             "backend is the one where every rank routes every replica's tokens",
         )
+        tp = self.rl.trainer_tp
+        tp_widths = {"parallel.world_size": par.world_size,
+                     "model.num_attention_heads": model.num_attention_heads,
+                     "model.num_query_groups": model.num_query_groups,
+                     "model.vocab_size": model.vocab_size,
+                     "model.moe_ffn_hidden_size": model.moe_ffn_hidden_size}
+        if model.first_k_dense:
+            tp_widths["model.ffn_hidden_size"] = model.dense_ffn_hidden_size
+        if model.shared_expert_ffn_hidden_size is not None:
+            tp_widths["model.shared_expert_ffn_hidden_size"] = model.shared_expert_ffn_hidden_size
+        bad = [f"{k} {v}" for k, v in tp_widths.items() if v % tp]
+        _require(
+            not bad, "rl.trainer_tp",
+            f"{tp} does not divide {', '.join(bad)} (the trainer's TP splits the ranks, heads, "
+            "KV groups, the vocabulary and the FFN widths)",
+        )
         _require(
             par.world_size % self.rl.trainer_ep == 0
             and model.num_experts % self.rl.trainer_ep == 0,

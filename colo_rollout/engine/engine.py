@@ -489,6 +489,8 @@ class Engine:
         if not self._wedged:  # releasing graphs drains the device first
             self.runner.release_graphs()
         self._close_host_agreement()
+        if not self._wedged:  # the dispatch buffers, once no graph can replay into them
+            self.model.close_dispatch()
 
     def _close_host_agreement(self) -> None:
         """Drain both streams, then close the control plane and the rendezvous (their shared

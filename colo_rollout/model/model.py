@@ -373,6 +373,14 @@ class InferenceGPT(torch.nn.Module):
         for args in set().union(*(moe.align_variants() for moe in self.moe_layers())):
             warm_align(*args)
 
+    def close_dispatch(self) -> None:
+        """Release the dispatch backends' own buffers (DeepEP's: collective over the EP
+        group, after every graph that captured them is gone)."""
+        for d in (self.dispatch_p, self.dispatch_d):
+            close = getattr(d, "close", None)
+            if close is not None:
+                close()
+
     def load_full_state_dict(self, full: dict[str, torch.Tensor]) -> None:
         """Copy this rank's shard of every parameter from an unsharded megatron state dict
         (local-spec or TE-spec names; converted to this model's spec first)."""
