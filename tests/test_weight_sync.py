@@ -120,3 +120,28 @@ def test_tensor_parallel_trainer_takes_the_same_gradient(worker_groups, world, a
             assert "routing_disagree_frac" in r["keys"]
         if algorithm == "ppo":
             assert "value_loss" in r["keys"]
+
+
+def test_refit_view_unwraps_megatrons_module_prefix():
+    """A half-precision trainer is megatron's Float16Module (and DDP on GPU): its parameters
+    are named 'module.<name>'; the refit planner matches trainer and inference parameters by
+    name, so the view yields them unwrapped (the GPU bf16 sync failed with 'Destination
+    parameter embedding.word_embeddings.weight not found in source model' before)."""
+    import torch
+
+    from colo_rollout.rl.weight_sync import RefitView
+
+    inner = torch.nn.Module()
+    inner.embedding = torch.nn.Linear(2, 2)
+    inner.config, inner.pg_collection = object(), object()
+
+    class Wrapper(torch.nn.Module):  # Float16Module's shape: the model under .module
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+            self.config, self.pg_collection = module.config, module.pg_collection
+
+    view = RefitView(Wrapper(Wrapper(inner)))
+    names = [n for n, _ in view.named_parameters()]
+    assert names == ["embedding.weight", "embedding.bias"]
+    assert next(view.named_parameters())[1] is inner.embedding.weight

@@ -96,7 +96,9 @@ class RefitView(torch.nn.Module):
     index across EP ranks. The view yields the same Parameter objects (shared storage, their
     TP/EP attributes intact) under the grouped names; everything else passes through. The
     wrapped model is held as a plain attribute, not a child, so the planner sees exactly these
-    tensors."""
+    tensors. Names are unwrapped (megatron's Float16Module and DDP prefix ``module.``): a
+    half-precision trainer is a Float16Module, the inference model is not, and the planner
+    matches parameters by name."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
@@ -107,6 +109,7 @@ class RefitView(torch.nn.Module):
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True):
         for name, p in self.inner.named_parameters(prefix, recurse, remove_duplicate):
+            name = _unwrapped(name)
             m = _SEQ_EXPERT.match(name)
             yield (f"{m.group(1)}.mlp.experts.linear_fc{m.group(3)}.weight{m.group(2)}"
                    if m else name), p
