@@ -64,9 +64,9 @@ def _disagree(maps, batch, routing_of) -> tuple[int, int]:
 
 
 def routing_round_trip(rank: int, world: int, adp: int, ep: int, mode: str,
-                       moe_compute: str = "auto") -> dict:
+                       moe_compute: str = "auto", model_kw: dict | None = None) -> dict:
     cfg = tiny_config(world, adp, ep, record_routing=True, mode=mode,
-                      model_kw={"moe_compute": moe_compute})
+                      model_kw={"moe_compute": moe_compute, **(model_kw or {})})
     cfg = dataclasses.replace(cfg, rl=RLConfig(routing_replay=True))
     groups = init_parallel(cfg.parallel)
     sd = random_state_dict(cfg.model)
@@ -89,6 +89,7 @@ def routing_round_trip(rank: int, world: int, adp: int, ep: int, mode: str,
                                                                       ignore_eos=True))])["g0"]
     plain_ok = (out.routing is not None and out.routing.shape == (4 + 3 - 1, layers, k)
                 and len(engine.routes) == 0)
+    leftover += len(engine.routes)
     batch = trajs + multi
     # the trainer's own routing (fp32: the same numbers up to summation order) and the
     # replayed one, against what the engine recorded

@@ -36,6 +36,30 @@ def test_recorded_routing_is_replayed_by_the_trainer(worker_groups, mode, moe_co
     assert "does not fit" in r0["errors"][1]
 
 
+@pytest.mark.parametrize("mode", ["normal", "fine"])
+def test_alltoall_records_each_replicas_rows_and_rollout_merges_them(worker_groups, mode):
+    """With the alltoall backend (EP2/ADP2) each rank routes and records only its replica's
+    rows; rollout() merges them over the ranks: every rank returns every trajectory's
+    routing, which the trainer replays exactly and which equals its own fp32 routing; the
+    same ids as the gather backend records for the same rollout."""
+    kw = {"moe_dispatch": "alltoall"}
+    r0, r1 = worker_groups(2).run("tests.cases_routing:routing_round_trip", timeout=300,
+                                  adp=2, ep=2, mode=mode, model_kw=kw)
+    g0, _ = worker_groups(2).run("tests.cases_routing:routing_round_trip", timeout=300,
+                                 adp=2, ep=2, mode=mode)
+    assert r0["shapes_ok"] and r1["shapes_ok"] and r0["leftover"] == r1["leftover"] == 0
+    assert r0["routing"] == r1["routing"]
+    # the same experts per (token, layer) as the gather backend (its megatron path lists them
+    # in expert order, the grouped router by probability: compared as sets)
+    for a, b in zip(r0["routing"], g0["routing"]):
+        assert np.array_equal(np.sort(np.array(a), axis=-1), np.sort(np.array(b), axis=-1))
+    assert r0["compared"] > 200
+    assert r0["replay_disagree"] == 0 and r0["own_disagree"] == 0
+    assert r0["rollout_vs_replay_logp"] < 1e-4
+    # a plain request's routing comes with its output on its replica's rank only
+    assert r0["plain_ok"] != r1["plain_ok"]
+
+
 def test_store_keeps_positions_in_order_and_forgets_on_take():
     st = RoutingStore(moe_layers=2, topk=2, num_experts=8)
     st.add("a", 0, torch.tensor([[[1, 2], [3, 4]]] * 3, dtype=torch.int16))  # positions 0-2
@@ -54,9 +78,16 @@ def test_store_keeps_positions_in_order_and_forgets_on_take():
 def test_door_refuses_replay_without_record_and_record_with_alltoall():
     with pytest.raises(ConfigError, match="rl.routing_replay"):
         Config(rl=RLConfig(routing_replay=True))
-    with pytest.raises(ConfigError, match="engine.record_routing"):
-        Config(model=ModelConfig(moe_dispatch="alltoall"),
+    from colo_rollout.config import ParallelConfig
+
+    # a dispatch backend under attention TP: each rank routes a chunk of its replica's rows
+    with pytest.raises(ConfigError, match="engine.record_routing.*attention TP 1"):
+        Config(parallel=ParallelConfig(world_size=2, adp=1, ep=2),
+               model=ModelConfig(moe_dispatch="alltoall"),
                engine=EngineConfig(record_routing=True))
+    assert Config(parallel=ParallelConfig(world_size=2, adp=2, ep=2),
+                  model=ModelConfig(moe_dispatch="alltoall"),
+                  engine=EngineConfig(record_routing=True)).engine.record_routing
     ok = Config(engine=EngineConfig(record_routing=True), rl=RLConfig(routing_replay=True))
     assert dataclasses.asdict(ok)["rl"]["routing_replay"]
 

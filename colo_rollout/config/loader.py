@@ -117,10 +117,11 @@ class Config:
             f"{model.vocab_size}",
         )
         _require(
-            not engine.record_routing or model.moe_dispatch == "gather",
+            not engine.record_routing or model.moe_dispatch == "gather" or par.atp == 1,
             "engine.record_routing",
-            f"not supported with model.moe_dispatch {model.moe_dispatch!r} yet: the gather "
-            "backend is the one where every rank routes every replica's tokens",
+            f"with model.moe_dispatch {model.moe_dispatch!r} needs attention TP 1 (parallel.adp "
+            f"== world_size, got adp {par.adp} of {par.world_size}): a rank then routes its "
+            "replica's rows whole; under ATP each rank routes a chunk of them",
         )
         tp = self.rl.trainer_tp
         tp_widths = {"parallel.world_size": par.world_size,

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from colo_rollout.config import Config
@@ -352,6 +353,45 @@ class Engine:
         was an input; engine/routing_store.py), forgotten here; None when nothing was
         recorded (engine.record_routing off, or an unknown key)."""
         return self.routes.take(key) if self.routes is not None else None
+
+    def take_routings(self, keys: list[str]) -> list:
+        """``take_routing`` of many keys, the same on every rank. With a dispatch backend a
+        rank records only its own replica's rows (``InferenceGPT.records_own_rows``), so a
+        key's ids sit on the ranks of the replica that computed it: collective then (every
+        rank calls it with the same keys, between steps), the longest copy of each key
+        (the latest whole-context recompute; ties to the lowest rank) summed over the
+        world from its one owner. Else local."""
+        mine = [self.take_routing(k) for k in keys]
+        world = self.groups.layout.world_size
+        if self.routes is None or world == 1 or not self.model.records_own_rows:
+            return mine
+        import torch.distributed as dist
+
+        dev, rank = self.groups.device, self.groups.rank
+        # (length, owner) in one int64 per key: MAX picks the longest, then the lowest rank
+        have = torch.tensor([(-1 if a is None else a.shape[0]) * world + (world - 1 - rank)
+                             for a in mine], dtype=torch.int64, device=dev)
+        dist.all_reduce(have, op=dist.ReduceOp.MAX)
+        best = have.tolist()
+        lengths = [max(v // world, -1) for v in best]
+        owners = [world - 1 - v % world for v in best]
+        layers, k = self.routes.shape
+        # NCCL has no int16: uint8 ids (<= 256 experts) travel as uint8, others as int32
+        dtype = torch.uint8 if self.routes.dtype == np.uint8 else torch.int32
+        total = sum(n for n in lengths if n > 0)
+        buf = torch.zeros((total, layers, k), dtype=dtype, device=dev)
+        at = 0
+        for a, n, owner in zip(mine, lengths, owners):
+            if n > 0 and owner == rank:
+                buf[at : at + n] = torch.from_numpy(a.astype(np.int64)).to(dtype)
+            at += max(n, 0)
+        dist.all_reduce(buf)
+        host = buf.cpu().numpy().astype(self.routes.dtype)
+        out, at = [], 0
+        for n in lengths:
+            out.append(None if n < 0 else host[at : at + n].copy())
+            at += max(n, 0)
+        return out
 
     def host_seconds(self) -> dict[str, float]:
         """Host time of this rank since the engine was made (engine/recorder.py)."""

@@ -4,8 +4,9 @@ Owns ``RoutingStore``: per trajectory key (the request's session, else its id) a
 [positions, MoE layers, k] of expert ids, written at the absolute positions P and D computed
 (a continuation turn's positions follow its context's; a re-prefill after eviction writes the
 same positions again). ``take`` hands a trajectory's ids over (and forgets them). Ids are
-uint8 where the model has <= 256 experts, else int16. Every rank keeps its own (identical)
-store: the gather backend routes every replica's tokens on every rank.
+uint8 where the model has <= 256 experts, else int16. Every rank keeps its own store:
+identical ones with the gather backend (every replica's tokens routed on every rank); with a
+dispatch backend only its replica's keys (``Engine.take_routings`` merges them over the ranks).
 
 Host only (numpy); the device side is model/routing_record.py.
 """

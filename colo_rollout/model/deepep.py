@@ -188,8 +188,8 @@ class LowLatencyDispatch(Dispatcher):
                                                     weight.contiguous(), handle)
         return out.to(COMBINE_DTYPE)
 
-    def routed(self, moe, x, layer):
-        chosen, weight = route(moe, x)
+    def routed(self, moe, x, layer, record=None):
+        chosen, weight = route(moe, x, record)
         inputs, handle = self.dispatch(x, chosen, weight, layer)
         return self.combine(self.experts(moe, inputs), handle)
 
@@ -309,13 +309,13 @@ class NormalSplitDispatch(Dispatcher):
         out, _, _ = self.buffer.combine(y.contiguous(), handle, config=self.combine_config)
         return out.to(COMBINE_DTYPE)
 
-    def routed_split(self, moe: GatherMoE, x: torch.Tensor,
-                     layer: int) -> Generator[None, None, torch.Tensor]:
+    def routed_split(self, moe: GatherMoE, x: torch.Tensor, layer: int,
+                     record: torch.Tensor | None = None) -> Generator[None, None, torch.Tensor]:
         """``routed`` in two steps: the first ``next`` routes and notifies, then stops (the
         safe boundary: peers know the dispatch shape, no data has moved); resuming polls the
         counts, sends, runs the local experts and the combine, and returns the routed output
         [n, H] fp32. Closing it while stopped retires the buffer."""
-        chosen, weight = route(moe, x)
+        chosen, weight = route(moe, x, record)
         notice = self.notify(chosen, weight, layer)
         try:
             yield
@@ -365,8 +365,8 @@ class LocalPrefill(Dispatcher):
     def combine(self, y, handle):
         return y.to(COMBINE_DTYPE)
 
-    def routed_split(self, moe, x, layer):
-        chosen, weight = route(moe, x)
+    def routed_split(self, moe, x, layer, record=None):
+        chosen, weight = route(moe, x, record)
         yield
         return self.combine(local_experts(moe, ExpertInputs(x, chosen, weight)), None)
 

@@ -115,14 +115,18 @@ class ExpertInputs:
     weight: torch.Tensor
 
 
-def route(moe: GatherMoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def route(moe: GatherMoE, x: torch.Tensor,
+          record: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [n, H] (normalised) -> the k chosen global expert ids [n, k] and their router
-    probabilities [n, k] (fp32), as the gather backend's grouped path reads the router."""
+    probabilities [n, k] (fp32), as the gather backend's grouped path reads the router.
+    ``record`` [n, k] (routing replay): the chosen ids are written into it."""
     k = moe.topk
     if x.shape[0] == 0:
         return (torch.zeros((0, k), dtype=torch.int64, device=x.device),
                 torch.zeros((0, k), dtype=torch.float32, device=x.device))
     weight, chosen = moe.route(x)
+    if record is not None:
+        record.copy_(chosen)
     return chosen, weight.float()
 
 
@@ -182,10 +186,11 @@ class Dispatcher(abc.ABC):
     def combine(self, y: torch.Tensor, handle) -> torch.Tensor:
         ...
 
-    def routed(self, moe: GatherMoE, x: torch.Tensor, layer: int) -> torch.Tensor:
+    def routed(self, moe: GatherMoE, x: torch.Tensor, layer: int,
+               record: torch.Tensor | None = None) -> torch.Tensor:
         """The routed experts' output [n, H] fp32 on this rank's rows x [n, H]: route,
-        dispatch, local experts, combine."""
-        chosen, weight = route(moe, x)
+        dispatch, local experts, combine. ``record``: see ``route``."""
+        chosen, weight = route(moe, x, record)
         inputs, handle = self.dispatch(x, chosen, weight, layer)
         return self.combine(local_experts(moe, inputs), handle)
 
@@ -340,13 +345,13 @@ class VariableAllToAll(Dispatcher):
         plan = self.exchange_counts(chosen)  # no stop between the halves (see routed_split)
         return self.send(x, chosen, weight, plan)
 
-    def routed_split(self, moe: GatherMoE, x: torch.Tensor,
-                     layer: int) -> Generator[None, None, torch.Tensor]:
+    def routed_split(self, moe: GatherMoE, x: torch.Tensor, layer: int,
+                     record: torch.Tensor | None = None) -> Generator[None, None, torch.Tensor]:
         """``routed`` in two steps: the first ``next`` routes and issues the count exchange,
         then stops (the safe boundary: P's count notification is out, its data movement is
         not); resuming reads the counts on the host, sends the payload, runs the local
         experts and the combine, and returns the routed output [n, H] fp32."""
-        chosen, weight = route(moe, x)
+        chosen, weight = route(moe, x, record)
         notice = self.notify(chosen)
         yield
         inputs, handle = self.send(x, chosen, weight, self.read_counts(notice))

@@ -430,6 +430,13 @@ class InferenceGPT(torch.nn.Module):
         grouped expert path (the one with unsummed slots) computes x's rows."""
         return self.comm.world == 1 and mlp.shared_experts is None and mlp.uses_grouped(x)
 
+    @property
+    def records_own_rows(self) -> bool:
+        """Whether a rank's routing record holds only its own rows: with a dispatch backend
+        each rank routes its share of its replica's rows (the gather backend routes every
+        replica's rows on every rank)."""
+        return self.dispatch_p is not None
+
     def route_record(self, phase: str, i: int, rows: int) -> torch.Tensor | None:
         """Where MoE layer i's router writes the expert ids of ``rows`` rows of ``phase`` (the
         routing record's slot, model/routing_record.py), or None when nothing is recorded."""
@@ -586,7 +593,9 @@ class InferenceGPT(torch.nn.Module):
         hi = off + n_local * (a + 1) // atp
         partial = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
         x = layer.pre_mlp_layernorm(h[lo:hi])
-        split = self.dispatch_p.routed_split(layer.mlp, x, i)
+        record = self.route_record("P", i, h.shape[0])  # all replicas' rows; this rank's
+        split = self.dispatch_p.routed_split(layer.mlp, x, i,
+                                             None if record is None else record[lo:hi])
         next(split)  # route, issue the count exchange
         yield boundary
         partial[lo:hi] = run_to_completion(split)
@@ -598,7 +607,13 @@ class InferenceGPT(torch.nn.Module):
         the replica's rows gathered over ATP, the partials reduce-scattered back)."""
         comm = self.comm
         x = layer.pre_mlp_layernorm(res)
-        out = self.dispatch_d.routed(layer.mlp, x, i)
+        # the record holds replica r's rows at [r * B, r * B + B); this rank's ATP chunk
+        c, atp = res.shape[0], self.groups.layout.atp
+        record = self.route_record("D", i, c * atp * self.groups.layout.adp)
+        if record is not None:
+            first = (self.groups.replica * atp + self.groups.atp_rank) * c
+            record = record[first : first + c]
+        out = self.dispatch_d.routed(layer.mlp, x, i, record)
         if layer.mlp.shared_experts is not None:
             rows = comm.d_all_gather_atp(x)
             shared = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)

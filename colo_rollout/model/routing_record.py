@@ -3,7 +3,8 @@
 Owns ``RoutingRecord``: two buffers [MoE layers, rows, k] of expert ids, P's and D's own (the
 phases interleave, so nothing here is shared between them), that every MoE layer's router
 writes its top-k ids into (``GatherMoE.forward``'s ``record``): rows are the layer's input rows
--- all replicas' tokens, as the gather backend routes them on every rank. Captured graphs (D's,
+-- all replicas' tokens, as the gather backend routes them on every rank; a dispatch backend
+writes only the rows its rank routes (model.py: ``records_own_rows``). Captured graphs (D's,
 P's MoE blocks) write through the same addresses, so the buffers are made once, at their
 largest: P's for ``p_rows`` tokens of a step, D's for ``d_rows`` rows of an iteration.
 

@@ -232,8 +232,8 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
     engine.step()  # collective on every rank: flushes the leader's last session closes
     while engine.busy():
         engine.step()
-    for sid, t in trajs.items():  # every rank recorded the same routing (gather backend)
-        got = engine.take_routing(sid)
+    # the same routing on every rank (a dispatch backend's is merged over the ranks here)
+    for (sid, t), got in zip(trajs.items(), engine.take_routings(list(trajs))):
         if got is not None or t.routing is None:
             t.routing = got  # a resumed trajectory's whole context was recomputed: the latest
     if carry is None:

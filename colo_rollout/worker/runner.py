@@ -203,26 +203,38 @@ class ModelRunner:
 
     def _p_routing(self, plan: StepPlan) -> RoutingRows | None:
         """P's recorded ids: every replica's items, their tokens in the order P's rows hold
-        them (replica by replica)."""
+        them (replica by replica) -- or only this replica's where the record holds a rank's
+        own rows (a dispatch backend: ``InferenceGPT.records_own_rows``)."""
         rec = self.model.routing
         if rec is None:
             return None
         rows, off = [], 0
-        for w in plan.replicas:
+        mine = self._routed_replicas()
+        for r, w in enumerate(plan.replicas):
             for p in w.prefill:
-                rows.append((p.lifetime, p.start, len(p.tokens), off))
+                if r in mine:
+                    rows.append((p.lifetime, p.start, len(p.tokens), off))
                 off += len(p.tokens)
         return RoutingRows(rec.read("P", off), rows)
 
     def _d_routing(self, plan: StepPlan) -> RoutingRows | None:
-        """D's recorded ids: replica r's rows sit at [r * bucket, r * bucket + rows)."""
+        """D's recorded ids: replica r's rows sit at [r * bucket, r * bucket + rows) (only
+        this replica's, as for P, with a dispatch backend)."""
         rec = self.model.routing
         if rec is None:
             return None
         B = plan.bucket
+        mine = self._routed_replicas()
         rows = [(d.lifetime, d.position, 1, r * B + j)
-                for r, w in enumerate(plan.replicas) for j, d in enumerate(w.decode)]
+                for r, w in enumerate(plan.replicas) if r in mine
+                for j, d in enumerate(w.decode)]
         return RoutingRows(rec.read("D", B * len(plan.replicas)), rows)
+
+    def _routed_replicas(self) -> range:
+        """The replicas whose rows this rank's routing record holds."""
+        if self.model.records_own_rows:
+            return range(self.groups.replica, self.groups.replica + 1)
+        return range(self.groups.layout.adp)
 
     def run_decode(self, plan: StepPlan, epoch: int = -1) -> PendingSampled:
         """One D iteration over the plan's D rows (every rank; padding where a replica has
