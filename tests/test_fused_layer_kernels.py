@@ -1,12 +1,15 @@
-"""Issue 16's two fusions at the model level, run by Triton's CPU interpreter in a subprocess
+"""Issue 16's fusions at the model level, run by Triton's CPU interpreter in a subprocess
 (tests/interpreted.py; skipped when triton does not import): a one-rank bf16 Qwen3-shaped
 model (per-head q/k RMSNorm, 4 query heads on one KV head, top-8 of 8 experts, the grouped
 expert path) with its kernels forced to Triton -- attention, the rope-and-store kernel, the
-residual adds -- runs a prefill of two sequences and a decode step on them three ways:
+residual adds -- runs a prefill of two sequences and a decode step on them four ways:
 
   * unfused: the q/k norms as modules, the k slots summed in fp32 and added by add_rounded;
   * slots: the slot sum fused into the residual add (model/residual.py: add_rounded_slots);
-  * both: the q/k norms fused into the rope kernel as well (model/rope_kv.py).
+  * both: the q/k norms fused into the rope kernel as well (model/rope_kv.py);
+  * norms: and in decode each residual add fused with the RMSNorm after it (model/norm_add.py:
+    the attention's add with the pre-MLP norm, the slots' add with the next layer's input norm
+    or the final norm).
 
 "slots" must give the unfused run's logits and KV caches bitwise (the fusion's promise).
 "both" may differ only by the rope kernel's sum of squares: its K cache (normalised, rotated
@@ -14,7 +17,10 @@ keys) by at most one bf16 ulp per element, its logits by LOGIT_TOL -- room for s
 travel through two layers into bf16 logits of magnitude ~2, whose ulp is 1/64. Measured on
 these inputs: no element and no logit differs at all. (For scale: the q and k norm weights
 swapped moves the logits by 0.11 and 331 of the 336 K cache elements, by up to 256 ulps.)
-That the fused paths really ran is counted, not assumed. The torch path at one rank -- the
+"norms" may differ from "both" by the add+norm kernel's sum of squares alone (its residual
+stream is bitwise), which reaches layer 1's q, k and v in decode: the same bounds, V_ULPS for
+its v. Measured: no element and no logit differs. That the fused paths really ran -- and the
+norm modules they replace did not -- is counted, not assumed. The torch path at one rank -- the
 slot sum fused there too, by slot_sum -- is what tests/test_engine.py's
 test_grouped_expert_path_matches_megatron_reference[1-1-1] compares with megatron's
 GPTModel."""
@@ -25,7 +31,11 @@ import pytest
 
 from tests.interpreted import HAS_TRITON, interpreted_main
 
-LOGIT_TOL = 2 / 64  # "both" vs "unfused": two ulps of the largest logits (measured: 0)
+LOGIT_TOL = 2 / 64  # "both", "norms" vs "unfused": two ulps of the largest logits (measured: 0)
+# V cache vs unfused, bf16 ulps: "both" leaves v alone (the q/k norms do not touch it);
+# "norms" computes layer 1's v from the fused input norm, so a one-ulp flip there may move a
+# projected v by an ulp (measured: 0)
+V_ULPS = {"both": 0, "norms": 1}
 
 
 def _model():
@@ -87,22 +97,36 @@ def _inputs(device):
     return p, steps
 
 
-def _run(model, fuse_slots: bool, fuse_norm: bool):
+def _run(model, fuse_slots: bool, fuse_norm: bool, fuse_add_norm: bool):
     """(prefill logits, decode logits per step, K cache, V cache), and the fused calls
-    counted: (slot adds, rope launches given a q/k norm)."""
-    from colo_rollout.model import attention, model as model_mod
+    counted: [slot adds (fused with a norm or not), rope launches given a q/k norm, attention
+    adds fused with the pre-MLP norm, slot adds fused with the next norm, add+norm kernel
+    launches, calls of the layers' and the final RMSNorm modules]."""
+    from colo_rollout.model import attention, model as model_mod, norm_add
 
-    counts = [0, 0]
+    counts = [0, 0, 0, 0, 0, 0]
     add_slots, rope = model_mod.add_rounded_slots, attention.rope_and_store
+    add_norm, slots_norm = model_mod.add_rms_norm, model_mod.add_slots_rms_norm
+    launch = norm_add._launch
 
-    def counted_slots(*a, **kw):
-        counts[0] += 1
-        return add_slots(*a, **kw)
+    def counted(fn, *slots):
+        def call(*a, **kw):
+            for j in slots:
+                counts[j] += 1
+            return fn(*a, **kw)
+        return call
 
     def counted_rope(*a, **kw):
         counts[1] += kw.get("qk_norm") is not None
         return rope(*a, **kw)
 
+    def counted_norm(*_):
+        counts[5] += 1
+
+    norms = [m for layer in model.decoder.layers
+             for m in (layer.input_layernorm, layer.pre_mlp_layernorm)]
+    hooks = [m.register_forward_hook(counted_norm)
+             for m in norms + [model.decoder.final_layernorm]]
     # the unfused paths: the fusions' own predicates say no (instance attributes, removed
     # after the run; the module functions are restored likewise)
     if not fuse_slots:
@@ -110,7 +134,12 @@ def _run(model, fuse_slots: bool, fuse_norm: bool):
     if not fuse_norm:
         for layer in model.decoder.layers:
             layer.self_attention._fused_qk_norm = lambda: None
-    model_mod.add_rounded_slots, attention.rope_and_store = counted_slots, counted_rope
+    if not fuse_add_norm:
+        model._fusable_norm = lambda norm: None
+    model_mod.add_rounded_slots, attention.rope_and_store = counted(add_slots, 0), counted_rope
+    model_mod.add_rms_norm = counted(add_norm, 2)
+    model_mod.add_slots_rms_norm = counted(slots_norm, 0, 3)
+    norm_add._launch = counted(launch, 4)
     try:
         kv = model.new_kv_storage(num_blocks=5, block_size=4)
         p, steps = _inputs(model.device)
@@ -118,7 +147,12 @@ def _run(model, fuse_slots: bool, fuse_norm: bool):
         logits += [model.forward_decode(s, kv) for s in steps]
     finally:
         model_mod.add_rounded_slots, attention.rope_and_store = add_slots, rope
+        model_mod.add_rms_norm, model_mod.add_slots_rms_norm = add_norm, slots_norm
+        norm_add._launch = launch
+        for h in hooks:
+            h.remove()
         model.__dict__.pop("_slots_into_residual", None)
+        model.__dict__.pop("_fusable_norm", None)
         for layer in model.decoder.layers:
             layer.self_attention.__dict__.pop("_fused_qk_norm", None)
     return logits, kv.k.clone(), kv.v.clone(), counts
@@ -129,14 +163,24 @@ def _interpreted() -> list[str]:
 
     fails = []
     model = _model()
-    unfused = _run(model, False, False)
-    slots = _run(model, True, False)
-    both = _run(model, True, True)
+    unfused = _run(model, False, False, False)
+    slots = _run(model, True, False, False)
+    both = _run(model, True, True, False)
+    norms = _run(model, True, True, True)
     forwards, layers = 2, 2  # one prefill, one decode step; two MoE layers
-    if unfused[3] != [0, 0] or slots[3] != [forwards * layers, 0] \
-            or both[3] != [forwards * layers, forwards * layers]:
-        fails.append(f"fused calls (slot adds, normed ropes): unfused {unfused[3]}, "
-                     f"slots {slots[3]}, both {both[3]}")
+    modules = forwards * (2 * layers + 1)  # per forward: two norms a layer and the final one
+    want = {"unfused": [0, 0, 0, 0, 0, modules],
+            "slots": [forwards * layers, 0, 0, 0, 0, modules],
+            "both": [forwards * layers, forwards * layers, 0, 0, 0, modules],
+            # decode: both adds of each layer fused with their norms (the kernel, not the
+            # torch path), which leaves layer 0's input norm the one module called in it
+            # (prefill: all 2 * layers + 1)
+            "norms": [forwards * layers, forwards * layers, layers, layers, 2 * layers,
+                      2 * layers + 1 + 1]}
+    got = {"unfused": unfused[3], "slots": slots[3], "both": both[3], "norms": norms[3]}
+    if got != want:
+        fails.append(f"fused calls (slot adds, normed ropes, add+norm, slots+norm, their "
+                     f"kernel launches, norm modules): {got}, expected {want}")
     for name, a, b in zip(("prefill", "decode"), slots[0], unfused[0]):
         if not torch.equal(a, b):
             fails.append(f"slots vs unfused: {name} logits differ, max "
@@ -144,15 +188,19 @@ def _interpreted() -> list[str]:
     for name, a, b in zip(("K cache", "V cache"), slots[1:3], unfused[1:3]):
         if not torch.equal(a, b):
             fails.append(f"slots vs unfused: {name} differs")
-    worst = max((a.float() - b.float()).abs().max().item()
-                for a, b in zip(both[0], unfused[0]))
-    if not worst <= LOGIT_TOL:
-        fails.append(f"both vs unfused: logits differ by {worst:.3g} > {LOGIT_TOL}")
-    k_ulps = _bf16_ulps(both[1], unfused[1])
-    if not k_ulps <= 1 or not torch.equal(both[2], unfused[2]):
-        fails.append(f"both vs unfused: K cache {k_ulps} bf16 ulps apart (at most 1), or the "
-                     "V cache differs")
-    print(f"both vs unfused: max logit difference {worst:.3g}, K cache {k_ulps} ulps")
+    if not torch.equal(norms[0][0], both[0][0]):
+        fails.append("norms vs both: the prefill logits differ (P has no add+norm fusion)")
+    for name, run in (("both", both), ("norms", norms)):
+        worst = max((a.float() - b.float()).abs().max().item()
+                    for a, b in zip(run[0], unfused[0]))
+        if not worst <= LOGIT_TOL:
+            fails.append(f"{name} vs unfused: logits differ by {worst:.3g} > {LOGIT_TOL}")
+        k_ulps, v_ulps = _bf16_ulps(run[1], unfused[1]), _bf16_ulps(run[2], unfused[2])
+        if not (k_ulps <= 1 and v_ulps <= V_ULPS[name]):
+            fails.append(f"{name} vs unfused: K cache {k_ulps} bf16 ulps apart (at most 1), V "
+                         f"cache {v_ulps} (at most {V_ULPS[name]})")
+        print(f"{name} vs unfused: max logit difference {worst:.3g}, K cache {k_ulps} ulps, "
+              f"V cache {v_ulps} ulps")
     return fails
 
 

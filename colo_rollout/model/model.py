@@ -50,6 +50,12 @@ from colo_rollout.model.comm import GatherComm
 from colo_rollout.model.dispatch import new_dispatchers
 from colo_rollout.model.fused_moe import resolve_backend as resolve_moe_kernel
 from colo_rollout.model.paged_attention import resolve_backend
+from colo_rollout.model.norm_add import (
+    FusedRMSNorm,
+    add_rms_norm,
+    add_slots_rms_norm,
+    fused_rms_norm,
+)
 from colo_rollout.model.residual import add_rounded, add_rounded_slots
 from colo_rollout.model.paged_prefill import resolve_backend as resolve_prefill_backend
 from colo_rollout.model.moe import GatherMoE, mlp_partial
@@ -547,36 +553,63 @@ class InferenceGPT(torch.nn.Module):
 
     # ------------------------------------------------------------------ D
     def _forward_decode(self, inp: DecodeInputs, kv: KVStorage) -> torch.Tensor:
-        """Returns full-vocab logits [B, V] for this replica's (padded) D rows."""
-        comm = self.comm
+        """Returns full-vocab logits [B, V] for this replica's (padded) D rows.
+
+        Where an MoE layer's slots go straight into the residual (``_slots_into_residual``:
+        one rank, so every collective around the adds is the identity) each residual add is
+        fused with the RMSNorm that reads it (model/norm_add.py, where ``_fusable_norm``
+        says the norm is torch's RMSNorm): the attention's add with the pre-MLP norm, the
+        slots' add with the next layer's input norm (the final norm after the last layer),
+        which that layer then does not run."""
+        comm, backend = self.comm, self.residual_kernel
         res = comm.d_reduce_scatter_atp(self.embedding.partial(inp.token_ids))
         rope = RopeAngles(self.rope_table(), inp.attn.positions)
         B = inp.token_ids.shape[0]  # rows per replica: replica r's rows of u are [r*B, r*B+B)
         own = slice(self.groups.replica * B, (self.groups.replica + 1) * B)
-        for i, layer in enumerate(self.decoder.layers):
-            x = comm.d_all_gather_atp(layer.input_layernorm(res))
+        layers = self.decoder.layers
+        normed = None  # the next layer's normalised input, when the last add computed it
+        for i, layer in enumerate(layers):
+            x = comm.d_all_gather_atp(layer.input_layernorm(res)) if normed is None else normed
+            normed = None
             attn = layer.self_attention(x, rope, inp.attn, kv, i)
-            res = res + comm.d_reduce_scatter_atp(attn)
+            slots = (layer.is_moe and self.dispatch_d is None
+                     and self._slots_into_residual(layer.mlp, res))
+            pre = self._fusable_norm(layer.pre_mlp_layernorm) if slots else None
+            if pre is not None:  # one rank: the add and the pre-MLP norm in one launch
+                res, u = add_rms_norm(res, attn, pre, backend)
+            else:
+                res = res + comm.d_reduce_scatter_atp(attn)
             if layer.is_moe and self.dispatch_d is not None:  # all-to-all of this chunk
-                res = add_rounded(res, self._dispatch_decode_moe(i, layer, res), self.residual_kernel)
+                res = add_rounded(res, self._dispatch_decode_moe(i, layer, res), backend)
+            elif slots:  # one rank: no combine, the k slots summed into the residual
+                if pre is None:
+                    u = comm.d_all_gather_full(layer.pre_mlp_layernorm(res))
+                pairs = layer.mlp(u, record=self.route_record("D", i, u.shape[0]), pairs=True)
+                after = self._fusable_norm(layers[i + 1].input_layernorm if i + 1 < len(layers)
+                                           else self.decoder.final_layernorm)
+                if after is not None:  # and the next norm in the same launch
+                    res, normed = add_slots_rms_norm(res, pairs, after, backend)
+                else:
+                    res = add_rounded_slots(res, pairs, backend)
             elif layer.is_moe:
                 u = comm.d_all_gather_full(layer.pre_mlp_layernorm(res))
-                record = self.route_record("D", i, u.shape[0])
-                if self._slots_into_residual(layer.mlp, u):  # one rank: no combine
-                    res = add_rounded_slots(res, layer.mlp(u, record=record, pairs=True),
-                                            self.residual_kernel)
-                else:
-                    partial = layer.mlp(u, record=record)
-                    if layer.mlp.shared_experts is not None:
-                        layer.mlp.add_shared(partial[own], u[own])
-                    res = add_rounded(res, comm.d_reduce_scatter_full(partial),  # fp32 combine
-                                      self.residual_kernel)
+                partial = layer.mlp(u, record=self.route_record("D", i, u.shape[0]))
+                if layer.mlp.shared_experts is not None:
+                    layer.mlp.add_shared(partial[own], u[own])
+                res = add_rounded(res, comm.d_reduce_scatter_full(partial),  # fp32 combine
+                                  backend)
             else:  # dense: the replica's rows, ATP gather and reduce-scatter like attention
                 x = comm.d_all_gather_atp(layer.pre_mlp_layernorm(res))
-                res = add_rounded(res, comm.d_reduce_scatter_atp(layer.dense_partial(x)), self.residual_kernel)
-        x = comm.d_all_gather_atp(self.decoder.final_layernorm(res))
-        shard = F.linear(x, self.output_weight)
+                res = add_rounded(res, comm.d_reduce_scatter_atp(layer.dense_partial(x)), backend)
+        if normed is None:
+            normed = comm.d_all_gather_atp(self.decoder.final_layernorm(res))
+        shard = F.linear(normed, self.output_weight)
         return comm.d_all_gather_vocab(shard)
+
+    def _fusable_norm(self, norm: torch.nn.Module) -> FusedRMSNorm | None:
+        """``norm`` as norm_add's fused RMSNorm (exactly torch's RMSNorm over the hidden
+        dim), or None: it stays a module (TE's norms, LayerNorm, TE's IdentityOp)."""
+        return fused_rms_norm(norm, self.cfg.hidden_size)
 
 
     # ------------------------------------------------------------------ dispatch backends

@@ -18,7 +18,8 @@ Owns
     order out.) One launch instead of the slot sum's reduction and the add.
 
 Where a kernel does not apply (backend torch, CPU tensors outside the interpreter's tests,
-fp32 models, non-contiguous inputs) it is the torch expression.
+fp32 models, non-contiguous inputs) it is the torch expression. The same adds fused with the
+RMSNorm that reads their result: model/norm_add.py.
 
 Must not go in here: the decision which combine is the identity (model.py), collectives.
 Imports only torch (and triton when present): no megatron.

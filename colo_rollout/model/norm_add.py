@@ -1,0 +1,155 @@
+"""A residual add fused with the RMSNorm that reads its result: the new residual stream and its
+normalised rows in one launch, both returned.
+
+Owns
+  * ``FusedRMSNorm`` and ``fused_rms_norm``: which norm modules the kernel stands in for --
+    exactly ``torch.nn.RMSNorm`` over the hidden dim with a weight and an eps (megatron's local
+    spec: ``WrappedTorchNorm`` builds one), whose forward is ``F.rms_norm(x, (H,), weight,
+    eps)``. Anything else -- LayerNorm, TE's norms, an ``IdentityOp``, a subclass, no weight,
+    eps None -- is None: it stays a module.
+  * ``add_rms_norm``: ``add_rounded(res, partial)`` (model/residual.py; with the partial in the
+    model dtype that is torch's add, one rounding) and the RMSNorm of the sum;
+  * ``add_slots_rms_norm``: ``add_rounded_slots(res, pairs)`` (the MoE's k slots summed in fp32
+    slot 0 first, rounded, added) and the RMSNorm of the sum.
+
+The residual output is bitwise the unfused expression's: the kernel does residual.py's ops in
+its order with its roundings. The normalised output is torch's rms_norm on that residual as
+model/rope_kv.py's note establishes it (torch 2.14: matched bitwise on CPU, model-dtype
+weights): rstd = rsqrt(mean(x^2) + eps) in fp32 from the widened row, the mean an IEEE division
+by H, then (x * rstd) * weight in fp32, rounded to the model dtype once. The one difference is
+the order of the sum of squares (a tree in the kernel): rstd may move by an fp32 ulp, which the
+rounding to bf16/fp16 mostly absorbs (tests/test_norm_add.py states what was measured). On a
+GPU, torch's CUDA kernel (Welford-style sums, its rsqrtf) and Triton's rsqrt are their own: not
+compared there yet.
+
+Where the kernel does not apply (backend torch, fp32 models, a weight in another dtype than the
+rows -- torch's rms_norm then rounds differently --, non-contiguous inputs, H > MAX_HIDDEN) it
+is the torch expression: the residual.py function, then ``F.rms_norm``.
+
+Must not go in here: the decision which adds may fuse (model.py: one rank, where the collectives
+around them are the identity), collectives. Imports only torch (and triton when present).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from colo_rollout.model.kernel_backend import pow2, rne_bf16, tl, triton
+from colo_rollout.model.residual import add_rounded, add_rounded_slots
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+# one program holds a whole row (its sum of squares needs all of it): up to 16K columns, 32
+# fp32 values per thread at 16 warps
+MAX_HIDDEN = 16384
+
+
+class FusedRMSNorm(NamedTuple):
+    """An RMSNorm the kernel computes: weight [H] and eps."""
+
+    weight: torch.Tensor
+    eps: float
+
+
+def fused_rms_norm(norm: torch.nn.Module, hidden: int) -> FusedRMSNorm | None:
+    """``norm`` as the kernel's RMSNorm when it is exactly torch's RMSNorm over (hidden,) with
+    a weight and an eps (its forward then is ``F.rms_norm(x, (hidden,), weight, eps)``), else
+    None (see the module docstring)."""
+    if (type(norm) is not torch.nn.RMSNorm or norm.weight is None or norm.eps is None
+            or tuple(norm.normalized_shape) != (hidden,)):
+        return None
+    return FusedRMSNorm(norm.weight, float(norm.eps))
+
+
+def add_rms_norm(res: torch.Tensor, partial: torch.Tensor, norm: FusedRMSNorm,
+                 backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+    """res [n, H] (model dtype) + partial [n, H] (model dtype or fp32) rounded to res's dtype
+    -> (that sum, its RMSNorm): ``add_rounded(res, partial)`` and ``F.rms_norm`` of it, in one
+    kernel with ``backend`` "triton" where it applies."""
+    n, H = res.shape
+    if partial.shape != res.shape:
+        raise ValueError(f"add_rms_norm: partial {tuple(partial.shape)} does not match "
+                         f"res {tuple(res.shape)}")
+    if not _kernel_applies(res, partial, norm, backend):
+        new = add_rounded(res, partial)
+        return new, F.rms_norm(new, (H,), norm.weight, norm.eps)
+    return _launch(res, partial.view(n, 1, H), norm)
+
+
+def add_slots_rms_norm(res: torch.Tensor, pairs: torch.Tensor, norm: FusedRMSNorm,
+                       backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+    """res [n, H] (model dtype) + the fp32 sum of pairs [n, k, H] over k rounded to res's dtype
+    -> (that sum, its RMSNorm): ``add_rounded_slots(res, pairs)`` and ``F.rms_norm`` of it, in
+    one kernel with ``backend`` "triton" where it applies."""
+    n, H = res.shape
+    if pairs.dim() != 3 or pairs.shape[0] != n or pairs.shape[2] != H or pairs.shape[1] < 1:
+        raise ValueError(f"add_slots_rms_norm: pairs {tuple(pairs.shape)} do not match "
+                         f"res {tuple(res.shape)} as [n, k, H]")
+    if not _kernel_applies(res, pairs, norm, backend):
+        new = add_rounded_slots(res, pairs)
+        return new, F.rms_norm(new, (H,), norm.weight, norm.eps)
+    return _launch(res, pairs, norm)
+
+
+def _kernel_applies(res, partial, norm: FusedRMSNorm, backend: str) -> bool:
+    w = norm.weight
+    return (backend == "triton" and res.dtype in _KERNEL_DTYPES
+            and partial.dtype in (res.dtype, torch.float32) and w.dtype == res.dtype
+            and w.shape == (res.shape[-1],) and res.shape[-1] <= MAX_HIDDEN
+            and res.is_contiguous() and partial.is_contiguous() and w.is_contiguous())
+
+
+def _launch(res: torch.Tensor, pairs: torch.Tensor, norm: FusedRMSNorm):
+    n, k, H = pairs.shape
+    new, normed = torch.empty_like(res), torch.empty_like(res)
+    if n and H:
+        block = pow2(H, 16)
+        # one program per row: decode's one row is one program (launch-bound either way); k
+        # and the block are constants of the model, so a model shape compiles one variant
+        _add_rms_norm_kernel[(n,)](
+            res, pairs, norm.weight, new, normed, H, norm.eps, K=k, BLOCK=block,
+            RNE_BF16=not res.is_cuda and res.dtype == torch.bfloat16,
+            num_warps=min(16, max(1, block // 256)))
+    return new, normed
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rounded(v, dtype: tl.constexpr, RNE_BF16: tl.constexpr):
+        """fp32 -> the model dtype to nearest even (as torch's casts round), back in fp32."""
+        if RNE_BF16:  # the interpreter truncates: round to nearest even by hand
+            v = rne_bf16(v)
+        return v.to(dtype).to(tl.float32)
+
+    @triton.jit
+    def _add_rms_norm_kernel(Res, Pairs, W, New, Normed, H, eps, K: tl.constexpr,
+                             BLOCK: tl.constexpr, RNE_BF16: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < H
+        dtype = New.dtype.element_ty
+        base = Pairs + row * K * H + cols
+        # residual.py's slot sum (K = 1: the partial itself): slot 0 widened, each further slot
+        # added in fp32 one after the other; rounded to the model dtype; added to the residual
+        # and rounded again -- bitwise add_rounded / add_rounded_slots
+        acc = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+        for j in tl.static_range(1, K):
+            acc += tl.load(base + j * H, mask=mask, other=0.0).to(tl.float32)
+        p = _rounded(acc, dtype, RNE_BF16)
+        r = tl.load(Res + row * H + cols, mask=mask, other=0.0).to(tl.float32)
+        x = _rounded(r + p, dtype, RNE_BF16)  # the new residual (exact in fp32; masked: 0)
+        tl.store(New + row * H + cols, x.to(dtype), mask=mask)
+        # torch's rms_norm on it: rstd = rsqrt(mean(x^2) + eps), the mean an IEEE division by
+        # H (masked lanes add zeros), then (x * rstd) * w rounded once -- no rounding before
+        # the weight, and no add next to a product that could contract into an FMA but the
+        # sum of squares (whose order differs from torch's anyway)
+        ss = tl.sum(x * x, axis=0)
+        rstd = tl.rsqrt(tl.math.div_rn(ss, tl.zeros_like(ss) + H) + eps)
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        y = (x * rstd) * w
+        if RNE_BF16:
+            y = rne_bf16(y)
+        tl.store(Normed + row * H + cols, y.to(dtype), mask=mask)
