@@ -81,3 +81,61 @@ def partial_round_trip(rank: int, world: int, adp: int, ep: int, mode: str) -> d
             "pause_outs": sorted((rid, o.finish_reason.value, len(o.tokens))
                                  for rid, o in outs.items()),
             "after_resume": [t.status for t in after]}
+
+
+class _Turns:
+    """A deterministic multi-turn environment; it records every turn's output it is given
+    (the test compares them with an uninterrupted run). Seed 0 ends after one turn, the
+    others after three; first observations of 4, 60, 70 and 200 tokens: the longest does
+    not fit the first P step (max_prefill_tokens 256), so its turns run a step behind the
+    others' -- mid-turn when seed 0 ends, while seeds 1 and 2 are between turns."""
+
+    LENGTHS = (4, 60, 70, 200)
+
+    def __init__(self, seed: int) -> None:
+        self.seed, self.turn, self.seen = seed, 0, []
+
+    def reset(self) -> list[int]:
+        return [(self.seed * 13 + j) % 250 + 1 for j in range(self.LENGTHS[self.seed])]
+
+    def step(self, generated: list[int]) -> tuple[list[int], float, bool]:
+        self.seen.append(list(generated))
+        self.turn += 1
+        return ([(self.seed + 7 * self.turn + j) % 250 + 1 for j in range(2)],
+                float(len(generated)), self.turn >= (1 if self.seed == 0 else 3))
+
+
+def partial_multi_turn(rank: int, world: int, adp: int, ep: int, mode: str) -> dict:
+    """Multi-turn partial rollout: finish_groups stops mid-episode, the carry keeps the
+    environments; the next call (envs=[]) resumes them under a new weight version; greedy,
+    same weights -> the uninterrupted episodes' tokens and env inputs."""
+    cfg = tiny_config(world, adp, ep, mode=mode)
+    groups = init_parallel(cfg.parallel)
+    engine = Engine(cfg, groups, random_state_dict(cfg.model))
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    whole_envs = [_Turns(s) for s in range(4)]
+    whole = rollout(engine, envs=whole_envs, params=params, max_turns=3, tag="w")
+    carry = Carry()
+    envs = [_Turns(s) for s in range(4)]
+    first = rollout(engine, envs=envs, params=params, max_turns=3, tag="a", finish_groups=1,
+                    carry=carry)
+    paused = sum(t.status == "paused" for t in carry.trajectories)
+    # mid-turn (some of the turn's tokens, < its budget) and between turns (none yet)
+    where = sorted(len(t.tokens) - t.turn_start for t in carry.trajectories
+                   if t.status == "paused")
+    carried_envs = sorted(carry.envs)
+    second = rollout(engine, envs=[], params=params, max_turns=3, tag="b", weight_version=1,
+                     carry=carry)
+    ref = {t.group: t for t in whole}
+    joined = first + second
+    engine.close()
+    return {"first": sorted(t.group for t in first), "paused": paused, "where": where,
+            "carried_envs": carried_envs, "count": len(joined),
+            "same_tokens": all(t.tokens == ref[t.group].tokens for t in joined),
+            "masks_ok": all(t.loss_mask == ref[t.group].loss_mask for t in joined),
+            "same_env_inputs": [e.seen for e in envs] == [e.seen for e in whole_envs],
+            "rewards_ok": all(t.reward == ref[t.group].reward for t in joined),
+            "turns": sorted((t.group, t.turns, t.status) for t in joined),
+            "ref_turns": sorted((t.group, t.turns, t.status) for t in whole),
+            "versions": sorted({v for t in second for _, v in t.segments}),
+            "leftover": len(carry.trajectories)}

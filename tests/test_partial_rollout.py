@@ -31,3 +31,19 @@ def test_paused_groups_resume_to_the_uninterrupted_tokens(worker_groups, mode):
     assert [o[1] for o in r0["pause_outs"]] == ["cancelled"] * 4
     assert all(0 <= o[2] < 6 for o in r0["pause_outs"])
     assert r0["after_resume"] == ["completed"]
+
+
+def test_multi_turn_partial_rollout_resumes_mid_episode(worker_groups):
+    """Multi-turn (environments): the unfinished episodes are carried with their
+    environments and resumed mid-turn; greedy on the same weights, the episodes are the
+    uninterrupted ones -- tokens, loss masks, rewards, turn counts, and the very turn outputs
+    each environment was given."""
+    r0, r1 = worker_groups(2).run("tests.cases_partial:partial_multi_turn", timeout=300,
+                                  adp=2, ep=2, mode="fine")
+    assert r0 == r1
+    assert 0 in r0["first"] and r0["paused"] >= 2 and r0["carried_envs"]
+    assert r0["where"][0] == 0 and 0 < r0["where"][-1] < 6  # between turns, and mid-turn
+    assert r0["count"] == 4 and r0["leftover"] == 0
+    assert r0["same_tokens"] and r0["masks_ok"] and r0["same_env_inputs"] and r0["rewards_ok"]
+    assert r0["turns"] == r0["ref_turns"]
+    assert 1 in r0["versions"]

@@ -18,13 +18,16 @@ environment or reward function raised, or the reward was not finite; ``error`` s
 paused (partial rollout: stopped mid-generation, to be resumed). A failure ends only that
 trajectory; every other trajectory of the call goes on.
 
-Partial rollout (over-sampling; single-turn prompts): with ``finish_groups`` the call returns
-once that many GRPO groups have every sample finished. The in-flight samples are cancelled,
+Partial rollout (over-sampling): with ``finish_groups`` the call returns once that many GRPO
+groups (or environments) have every trajectory finished. The in-flight samples are cancelled,
 their tokens so far kept (status paused), and every trajectory of an unfinished group goes to
 ``carry`` instead of the result. The next call resumes them first, under its weight version:
 each paused trajectory is submitted again as one prompt of all its tokens (the KV recomputed
-under the new weights), for the rest of its token budget; ``Trajectory.segments`` records the
-weight version of each generated segment. No token is lost or generated twice.
+under the new weights), for the rest of its turn's token budget; ``Trajectory.segments``
+records the weight version of each generated segment. No token is lost or generated twice.
+Multi-turn: the carry keeps each unfinished group's environment (its state mid-episode); a
+resumed turn's tokens reach ``env.step`` whole (those before the pause and after), and the
+episode goes on from there. The next call passes ``envs=[]`` for no new environments.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class Trajectory:
     status: str = "completed"  # completed | truncated | aborted | failed
     error: str | None = None
     turns: int = 0
+    turn_start: int = 0  # index in ``tokens`` where the current (last) turn's output began
     weight_version: int = 0  # the version the trajectory started under
     # generated segments: (index of the segment's first token in ``tokens``, weight version);
     # a resumed partial rollout starts a new one
@@ -84,6 +88,7 @@ class Carry:
 
     trajectories: list[Trajectory] = field(default_factory=list)
     prompts: dict[int, list[int]] = field(default_factory=dict)  # group -> its prompt
+    envs: dict[int, Any] = field(default_factory=dict)  # group -> its environment (multi-turn)
 
 
 def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
@@ -101,8 +106,6 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
     if engine.paused:
         raise RuntimeError("rollout() on a paused engine: call engine.resume() once the "
                            "weight update is done")
-    if (finish_groups is not None or carry is not None) and envs is not None:
-        raise ValueError("partial rollout (finish_groups, carry) takes prompts, not envs")
     if finish_groups is not None and (carry is None or finish_groups < 1):
         raise ValueError("finish_groups needs a Carry to hold the unfinished groups and must "
                          f"be >= 1, got {finish_groups}")
@@ -117,6 +120,7 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
     leader = engine.groups.rank == 0
     trajs: dict[str, Trajectory] = {}
     live: dict[str, int] = {}  # session -> index of the env (multi-turn) or -1
+    env_of: dict[str, Environment] = {}  # session -> its environment (multi-turn)
     prompt_of: dict[str, list[int]] = {}
     budget: dict[str, int] = {}  # session -> tokens it may still generate (this turn)
     inflight: dict[str, str] = {}  # session -> its request in flight
@@ -131,7 +135,7 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
             return
         p = SamplingParams(temperature=params.temperature, top_k=params.top_k,
                            top_p=params.top_p, ignore_eos=params.ignore_eos,
-                           max_tokens=min(budget.get(sid, params.max_tokens), room))
+                           max_tokens=min(budget.pop(sid, params.max_tokens), room))
         req = Request(f"{sid}#{turn}", tuple(tokens), p, session=sid)
         inflight[sid] = req.request_id
         try:
@@ -143,19 +147,27 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
             t.status, t.error = "failed", str(e)
             return
         live[sid] = live.get(sid, -1)
+        t.turn_start = len(t.tokens) if t.status != "paused" else t.turn_start
         t.segments.append((len(t.tokens), weight_version))
 
-    if prompts is not None:
-        for i, t in enumerate(carried):  # resumed first: the oldest work
-            sid = f"{tag}-{weight_version}-c{i}"
-            trajs[sid] = t
+    for i, t in enumerate(carried):  # resumed first: the oldest work
+        sid = f"{tag}-{weight_version}-c{i}"
+        trajs[sid] = t
+        multi = t.group in carry.envs
+        if multi:
+            env_of[sid] = carry.envs[t.group]
+        else:
             prompt_of[sid] = carry.prompts[t.group]
-            if t.status == "paused":  # all its tokens as one prompt: KV under these weights
-                done = len(t.tokens) - len(prompt_of[sid])
-                budget[sid] = params.max_tokens - done
-                t.status = "completed"
-                submit(sid, list(t.tokens), t.turns)
-        base = 1 + max((t.group for t in carried), default=-1)
+        if t.status == "paused":  # all its tokens as one prompt: KV under these weights
+            # the rest of the interrupted turn's budget (single turn: the whole completion)
+            start = t.turn_start if multi else len(prompt_of[sid])
+            budget[sid] = params.max_tokens - (len(t.tokens) - start)
+            submit(sid, list(t.tokens), t.turns)  # (a paused one keeps its turn_start)
+            t.status = "completed" if t.status == "paused" else t.status
+            if sid in live and multi:
+                live[sid] = 1
+    base = 1 + max((t.group for t in carried), default=-1)
+    if prompts is not None:
         for g0, prompt in enumerate(prompts):
             g = base + g0
             for k in range(n):
@@ -165,9 +177,11 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
                 prompt_of[sid] = list(prompt)
                 submit(sid, list(prompt), 0)
     else:
-        for g, env in enumerate(envs):
+        for g0, env in enumerate(envs):
+            g = base + g0
             sid = f"{tag}-{weight_version}-{g}-0"
             trajs[sid] = Trajectory(g, 0, weight_version=weight_version)
+            env_of[sid] = env
             try:
                 obs = list(env.reset())
             except Exception as e:  # noqa: BLE001 - an environment's failure is its own
@@ -176,7 +190,20 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
             trajs[sid]._append(obs, None)
             submit(sid, obs, 0)
             if sid in live:
-                live[sid] = g
+                live[sid] = 1
+
+    def pause_the_rest() -> bool:
+        """With ``finish_groups`` groups done: cancel the rest where they are (to be
+        resumed); returns whether pausing started."""
+        if finish_groups is None or _groups_done(trajs, live) < finish_groups:
+            return False
+        if leader:
+            for other in live:
+                try:
+                    engine.cancel(inflight[other])
+                except RequestError:  # it finished this step: its output follows
+                    pass
+        return True
 
     while live:
         for out in engine.step():
@@ -188,6 +215,8 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
             t.turns = int(turn) + 1
             if out.finish_reason is FinishReason.CANCELLED:
                 t.status = "paused" if pausing else "aborted"
+                if pausing:  # the interrupted turn is not done: resumed as turn ``turns``
+                    t.turns = int(turn)
                 _end(engine, live, sid, leader)
                 continue
             g = live[sid]
@@ -198,18 +227,10 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
                         and len(t.tokens) >= cap:
                     t.status = "truncated"
                 _end(engine, live, sid, leader)
-                if (finish_groups is not None and not pausing
-                        and _groups_done(trajs, live) >= finish_groups):
-                    pausing = True  # the rest stop where they are, to be resumed
-                    if leader:
-                        for other in live:
-                            try:
-                                engine.cancel(inflight[other])
-                            except RequestError:  # it finished this step: its output follows
-                                pass
+                pausing = pausing or pause_the_rest()
                 continue
-            try:
-                obs, reward, done = envs[g].step(list(out.tokens))
+            try:  # the whole turn's output (a resumed turn: from before the pause too)
+                obs, reward, done = env_of[sid].step(list(t.tokens[t.turn_start:]))
                 obs = list(obs)
             except Exception as e:  # noqa: BLE001
                 t.status, t.error = "failed", f"environment step raised {e!r}"
@@ -226,9 +247,14 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
                 _end(engine, live, sid, leader)
             else:
                 t._append(obs, None)
+                if pausing:  # between turns: resumed from this observation on
+                    t.status, t.turn_start = "paused", len(t.tokens)
+                    _end(engine, live, sid, leader)
+                    continue
                 submit(sid, obs, t.turns)
                 if t.status != "completed":
                     _end(engine, live, sid, leader)
+            pausing = pausing or pause_the_rest()
     engine.step()  # collective on every rank: flushes the leader's last session closes
     while engine.busy():
         engine.step()
@@ -242,7 +268,9 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
     unfinished = {t.group for t in trajs.values() if t.status == "paused"}
     carry.trajectories = [t for t in trajs.values() if t.group in unfinished]
     carry.prompts = {t.group: prompt_of[sid] for sid, t in trajs.items()
-                     if t.group in unfinished}
+                     if t.group in unfinished and sid in prompt_of}
+    carry.envs = {t.group: env_of[sid] for sid, t in trajs.items()
+                  if t.group in unfinished and sid in env_of}
     return [t for t in trajs.values() if t.group not in unfinished]
 
 
