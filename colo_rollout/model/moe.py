@@ -55,6 +55,8 @@ from colo_rollout.model.moe_align import align
 # (they reduce in the router-probs dtype). Rounding each rank's partial to bf16 first loses
 # ~1.5x more per MoE layer and compounds through later layers (measured on 2 GPUs, ATP2).
 COMBINE_DTYPE = torch.float32
+# torch.mm(a, b, out_dtype=...) (16-bit operands into fp32; CUDA kernels only)
+_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
 
 
 
@@ -200,11 +202,27 @@ class GatherMoE(torch.nn.Module):
         r._maintain_float32_expert_bias()
         c = self.config
         return topk_routing_with_score_function(
-            r.gating(x), self.topk, use_pre_softmax=c.moe_router_pre_softmax,
+            self._gate_logits(x), self.topk, use_pre_softmax=c.moe_router_pre_softmax,
             num_groups=c.moe_router_num_groups, group_topk=c.moe_router_group_topk,
             scaling_factor=c.moe_router_topk_scaling_factor, score_function=r.score_function,
             expert_bias=r.expert_bias, fused=False, router_replay=r.router_replay,
             dense_output=True)
+
+    def _gate_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The router's fp32 logits [N, E]. On CUDA, for a bias-free gate whose weight has
+        x's 16-bit dtype: one GEMM of the 16-bit operands into fp32 (``torch.mm`` with
+        ``out_dtype``), as megatron's gate computes it where Transformer Engine is installed
+        (``te_general_gemm`` in ``RouterGatingLinearFunction``) -- a 16-bit product is exact
+        in fp32, so it is megatron's fp32 GEMM of the upcast operands up to summation order,
+        without casting x and the [E, H] weight to fp32 on every call (two copy kernels per
+        layer, the weight's the larger). Else megatron's ``gating``."""
+        r = self.router
+        if (x.is_cuda and r.bias is None and self.config.moe_router_dtype == "fp32"
+                and x.dtype in (torch.bfloat16, torch.float16) and r.weight.dtype == x.dtype
+                and _MM_OUT_DTYPE):
+            return torch.mm(x.reshape(-1, x.shape[-1]), r.weight.t(),
+                            out_dtype=torch.float32).view(*x.shape[:-1], -1)
+        return r.gating(x)
 
     def add_shared(self, out: torch.Tensor, x: torch.Tensor) -> None:
         """out [n, H] fp32 += this rank's ATP-partial shared-expert output on x [n, H] (the
