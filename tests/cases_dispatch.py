@@ -123,8 +123,12 @@ def overflow(rank: int, world: int, adp: int, ep: int) -> dict:
 
 
 def _expected_boundaries(cfg) -> tuple[int, dict[int, str]]:
-    """One alltoall P epoch's boundary ids by kind: the embedding gather, per layer the
+    """One alltoall P epoch's boundary ids by kind: at attention TP 1 (P on its own rows)
+    the MoE layers' dispatch splits only; else the embedding gather, per layer the
     attention gather, (MoE) the dispatch split, the combine or dense gather; the logits."""
+    if cfg.parallel.atp == 1:
+        splits = [i for i in range(cfg.model.num_layers) if cfg.model.is_moe_layer(i)]
+        return len(splits), {b: "split" for b in range(len(splits))}
     kinds, b = {0: "embed"}, 1
     for i in range(cfg.model.num_layers):
         kinds[b], b = "attn", b + 1
@@ -189,7 +193,7 @@ def split_boundary(rank: int, world: int, adp: int, ep: int, model_kw: dict | No
     return {"epochs": epochs, "kinds": {str(k): v for k, v in kinds.items()},
             "expected": n, "boundaries_per_prefill": model.boundaries_per_prefill,
             "gather_boundaries": gather.model.boundaries_per_prefill,
-            "gather_layers": cfg_g.model.num_layers,
+            "gather_layers": cfg_g.model.num_layers, "producer": model.boundary_producer,
             "parked": parked,
             "d_during_p": sum(1 for h in engine.history if h.p_in_flight and h.rows > 0),
             "same_tokens": all(outs[r.request_id].tokens == g_outs[r.request_id].tokens

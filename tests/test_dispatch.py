@@ -85,24 +85,37 @@ def test_config_moe_dispatch_choices():
            model=ModelConfig(num_experts=8))  # gather: any layout
 
 
+@pytest.mark.parametrize("adp", [2, 1])
 @pytest.mark.parametrize("model_kw", [None, {"first_k_dense": 1, "num_layers": 3}])
-def test_alltoall_dispatch_split_is_a_turnstile_boundary(worker_groups, model_kw):
+def test_alltoall_dispatch_split_is_a_turnstile_boundary(worker_groups, model_kw, adp):
     """P's dispatch split (after the expert-count exchange, before the counts' host read and
-    the payload all-to-all) is a boundary: ids monotone, as many as boundaries_per_prefill
-    (gather's count unchanged), the counts exchanged before its yield and read and sent after,
-    D iterations run while P is parked there, tokens and logprobs equal gather's."""
-    res = worker_groups(2).run(f"{CASES}:split_boundary", adp=2, ep=2, model_kw=model_kw)
+    the payload all-to-all) is a boundary: ids monotone, as many as boundaries_per_prefill,
+    the counts exchanged before its yield and read and sent after, D iterations run while P
+    is parked there, tokens and logprobs equal gather's. At attention TP 1 (EP2/ADP2) P
+    computes its own rows and the splits are the epoch's only boundaries (the backend is
+    the one producer); under ATP (EP2/ATP2) the gather points stay and the split is one
+    more per MoE layer."""
+    res = worker_groups(2).run(f"{CASES}:split_boundary", adp=adp, ep=2, model_kw=model_kw)
     for r in res:
         n, kinds = r["expected"], r["kinds"]
         layers = r["gather_layers"]
         assert r["gather_boundaries"] == 2 * layers + 2
         moe_layers = layers - (model_kw or {}).get("first_k_dense", 0)
-        assert r["boundaries_per_prefill"] == n == 2 * layers + 2 + moe_layers
+        own = adp == 2
+        assert r["producer"] == ("alltoall" if own else "gather")
+        assert r["boundaries_per_prefill"] == n == (moe_layers if own
+                                                    else 2 * layers + 2 + moe_layers)
         assert r["epochs"]
-        for log in r["epochs"]:
+        for prev, log in zip([None] + r["epochs"], r["epochs"]):
             ids = [b for b, _, _ in log[:-1]]
             assert ids == list(range(n))  # monotone from 0, one per boundary, none skipped
             assert log[-1][0] == "end"
+            if own:  # embedding .. first count exchange | read, payload, combine, next count
+                steps = [(c1 - c0, h1 - h0) for (_, c0, h0), (_, c1, h1) in zip(log, log[1:])]
+                assert steps == [(4, 1)] * (n - 1) + [(3, 1)], log
+                if prev is not None:  # (the counters are P's, cumulative over epochs)
+                    assert (log[0][1] - prev[-1][1], log[0][2] - prev[-1][2]) == (1, 0)
+                continue
             for (b, c0, h0), (_, c1, h1) in zip(log, log[1:]):
                 kind = kinds[str(b)]  # what runs between boundary b's yield and the next
                 nxt = kinds.get(str(b + 1))

@@ -50,7 +50,7 @@ from colo_rollout.sched.request import (
 )
 from colo_rollout.multiplex.rendezvous import make_rendezvous
 from colo_rollout.runtime.shm import same_host
-from colo_rollout.worker.runner import PRODUCER, PendingSampled
+from colo_rollout.worker.runner import PendingSampled
 from colo_rollout.engine.strategy import RoundParts, strategy_for
 from colo_rollout.multiplex.turnstile import TurnstileController
 from colo_rollout.worker.worker import Worker
@@ -118,7 +118,7 @@ class Engine:
         self.control = ControlPlane(groups.control, groups.rank, lay.world_size,
                                     cfg.parallel.timeout_s, shm=agree == "shm")
         self.turnstile = TurnstileController(rank=groups.rank)
-        self.turnstile.register_producer(PRODUCER)
+        self.turnstile.register_producer(self.model.boundary_producer)
         self.rendezvous = (make_rendezvous(groups.control, groups.rank, lay.world_size,
                                            cfg.parallel.timeout_s, agree)
                            if self.pd else None)

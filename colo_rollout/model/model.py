@@ -459,10 +459,14 @@ class InferenceGPT(torch.nn.Module):
         this replica's last-token logits. With the gather backend an epoch has
         2 * num_layers + 2 boundaries (each before a full-group AllReduce): the embedding
         gather, per layer the attention gather and the MoE combine (or dense gather), the
-        logits. With ``model.moe_dispatch: alltoall`` each MoE layer has one more, between
-        the attention gather's and the combine's: the split point of P's dispatch, after the
-        expert-count exchange and before the host read of the counts and the payload
-        all-to-all (``boundaries_per_prefill`` counts them).
+        logits. With a dispatch backend (``model.moe_dispatch``: alltoall, deepep) each MoE
+        layer has one more, between the attention gather's and the combine's: the split point
+        of P's dispatch, after the expert-count exchange (DeepEP: its notification) and before
+        the host read of the counts and the payload (``boundaries_per_prefill`` counts them).
+        With a dispatch backend at attention TP 1 the rank computes its replica's rows alone
+        (``_forward_prefill_own``): P has no collectives but the dispatcher's, and the split
+        points are the epoch's only boundaries -- one producer, the backend
+        (``boundary_producer``).
         (torch.inference_mode wraps each resume; an FP8 autocast would have to as well, which is
         one reason FP8 is not enabled yet.)
 
@@ -472,21 +476,75 @@ class InferenceGPT(torch.nn.Module):
         """
         if self.config.fp8:
             raise NotImplementedError("FP8 prefill segments")
+        if self.own_rows_prefill:
+            return (yield from self._forward_prefill_own(inp, kv))
         return (yield from self._forward_prefill(inp, kv, moe or self.moe_block))
+
+    @property
+    def own_rows_prefill(self) -> bool:
+        """P computes only its replica's rows: a dispatch backend moves the MoE rows, and at
+        attention TP 1 nothing else needs another replica's rows or a partial's sum."""
+        return self.dispatch_p is not None and self.groups.layout.atp == 1
+
+    @property
+    def boundary_producer(self) -> str:
+        """Who publishes P's boundaries (the turnstile takes exactly one): the dispatch
+        backend's split points where P computes its own rows, else the model's registered
+        collective points ("gather")."""
+        return self.moe_dispatch if self.own_rows_prefill else "gather"
 
     @property
     def boundaries_per_prefill(self) -> int:
         """One P epoch's boundary count (the turnstile's epoch length): 2 per layer and 2
         more, plus one per MoE layer (its dispatch split) with the alltoall backend."""
+        moe_layers = sum(1 for i in range(self.cfg.num_layers) if self.cfg.is_moe_layer(i))
+        if self.own_rows_prefill:
+            return moe_layers  # the dispatch splits only
         n = 2 * self.cfg.num_layers + 2
         if self.dispatch_p is not None:
-            n += sum(1 for i in range(self.cfg.num_layers) if self.cfg.is_moe_layer(i))
+            n += moe_layers
         return n
 
     @torch.inference_mode()
     def forward_decode(self, inp: DecodeInputs, kv: KVStorage) -> torch.Tensor:
         with self._precision():
             return self._forward_decode(inp, kv)
+
+    def _forward_prefill_own(self, inp: PrefillInputs, kv: KVStorage):
+        """Generator body, a dispatch backend at attention TP 1: this replica's rows only
+        (every module's output complete on its rank), the routed experts through P's
+        dispatcher, one boundary per MoE layer at its dispatch split. The same numbers as
+        ``_forward_prefill``'s path for the backend (its gathers place rows, its sums add
+        zeros); ``trace`` holds this replica's rows."""
+        r = self.groups.replica
+        off, n_local = sum(inp.row_counts[:r]), inp.row_counts[r]
+        record_rows = sum(inp.row_counts)  # the record's P rows: every replica's
+        h = self.embedding.partial(inp.token_ids)  # attention TP 1: the whole embedding
+        rope = RopeAngles(self.rope_table(), inp.attn.positions)
+        boundary = 0
+        for i, layer in enumerate(self.decoder.layers):
+            h = h + layer.self_attention(layer.input_layernorm(h), rope, inp.attn, kv, i)
+            if self.trace is not None:
+                self.trace.append(h.float().clone())
+            x = layer.pre_mlp_layernorm(h)
+            if layer.is_moe:
+                record = self.route_record("P", i, record_rows)
+                split = self.dispatch_p.routed_split(
+                    layer.mlp, x, i, None if record is None else record[off : off + n_local])
+                next(split)  # route, notify the counts
+                yield boundary
+                boundary += 1
+                out = run_to_completion(split)  # counts, payload, experts, combine: fp32
+                if layer.mlp.shared_experts is not None:
+                    layer.mlp.add_shared(out, x)
+                h = add_rounded(h, out, self.residual_kernel)
+            else:  # dense MLP: complete on this rank at attention TP 1
+                h = h + layer.dense_partial(x)
+            if self.trace is not None:
+                self.trace.append(h.float().clone())
+        seq_off, n_seq = sum(inp.last_counts[:r]), inp.last_counts[r]
+        last = self.decoder.final_layernorm(h[inp.last_rows[seq_off : seq_off + n_seq] - off])
+        return F.linear(last, self.output_weight)  # attention TP 1: the whole vocabulary
 
     def _forward_prefill(self, inp: PrefillInputs, kv: KVStorage, moe: MoEBlock):
         """Generator body: full-vocab logits [n_local_seqs, V] of this replica's last P tokens,

@@ -28,7 +28,6 @@ from colo_rollout.worker.sampler import sample_tensors
 from colo_rollout.runtime.device import Pending, h2d, wait_event
 from colo_rollout.multiplex.stream_route import StreamRoute
 
-PRODUCER = "gather"  # the gather backend's boundary producer (registered layer points)
 
 
 def _nothing() -> None:
@@ -286,7 +285,7 @@ class ModelRunner:
     def _advance(self, ctl, on_boundary) -> PendingSampled | None:
         if self._at is None:
             self._at = next(self._epoch)  # compute up to boundary 0
-            ctl.publish(ctl.epoch, self._at, PRODUCER)
+            ctl.publish(ctl.epoch, self._at, self.model.boundary_producer)
             on_boundary()
         while ctl.may_cross(self._at):
             try:
@@ -301,7 +300,7 @@ class ModelRunner:
                 out.routing = self._p_routing(self._epoch_plan)
                 self._epoch_plan = None
                 return out
-            ctl.publish(ctl.epoch, nxt, PRODUCER)
+            ctl.publish(ctl.epoch, nxt, self.model.boundary_producer)
             self._at = nxt
         return None
 
