@@ -40,6 +40,9 @@ import torch.nn.functional as F
 from colo_rollout.model.kernel_backend import pow2, rne_bf16, tl, triton
 from colo_rollout.model.residual import add_rounded, add_rounded_slots
 
+if triton is not None:
+    from colo_rollout.model.residual import slot_residual
+
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 # one program holds a whole row (its sum of squares needs all of it): up to 16K columns, 32
 # fp32 values per thread at 16 warps
@@ -118,29 +121,14 @@ def _launch(res: torch.Tensor, pairs: torch.Tensor, norm: FusedRMSNorm):
 if triton is not None:
 
     @triton.jit
-    def _rounded(v, dtype: tl.constexpr, RNE_BF16: tl.constexpr):
-        """fp32 -> the model dtype to nearest even (as torch's casts round), back in fp32."""
-        if RNE_BF16:  # the interpreter truncates: round to nearest even by hand
-            v = rne_bf16(v)
-        return v.to(dtype).to(tl.float32)
-
-    @triton.jit
     def _add_rms_norm_kernel(Res, Pairs, W, New, Normed, H, eps, K: tl.constexpr,
                              BLOCK: tl.constexpr, RNE_BF16: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < H
         dtype = New.dtype.element_ty
-        base = Pairs + row * K * H + cols
-        # residual.py's slot sum (K = 1: the partial itself): slot 0 widened, each further slot
-        # added in fp32 one after the other; rounded to the model dtype; added to the residual
-        # and rounded again -- bitwise add_rounded / add_rounded_slots
-        acc = tl.load(base, mask=mask, other=0.0).to(tl.float32)
-        for j in tl.static_range(1, K):
-            acc += tl.load(base + j * H, mask=mask, other=0.0).to(tl.float32)
-        p = _rounded(acc, dtype, RNE_BF16)
-        r = tl.load(Res + row * H + cols, mask=mask, other=0.0).to(tl.float32)
-        x = _rounded(r + p, dtype, RNE_BF16)  # the new residual (exact in fp32; masked: 0)
+        # the new residual, bitwise add_rounded / add_rounded_slots (exact in fp32; masked: 0)
+        x = slot_residual(Res, Pairs, row, cols, mask, H, K, dtype, RNE_BF16)
         tl.store(New + row * H + cols, x.to(dtype), mask=mask)
         # torch's rms_norm on it: rstd = rsqrt(mean(x^2) + eps), the mean an IEEE division by
         # H (masked lanes add zeros), then (x * rstd) * w rounded once -- no rounding before

@@ -102,18 +102,26 @@ if triton is not None:
         tl.store(Out + offs, _rounded(r + p, dtype, RNE_BF16).to(dtype), mask=mask)
 
     @triton.jit
+    def slot_residual(Res, Pairs, row, cols, mask, H, K: tl.constexpr, dtype: tl.constexpr,
+                      RNE_BF16: tl.constexpr):
+        """Row ``row``'s new residual at ``cols`` (fp32, exact in ``dtype``): its K slots in
+        slot_sum's order -- slot 0 widened, then each further slot added in fp32 (no
+        products, so no contraction into FMAs can change a rounding) -- rounded to the model
+        dtype, added to the residual, rounded again (K = 1: add_rounded's partial)."""
+        base = Pairs + row * K * H + cols
+        acc = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+        for j in tl.static_range(1, K):
+            acc += tl.load(base + j * H, mask=mask, other=0.0).to(tl.float32)
+        p = _rounded(acc, dtype, RNE_BF16)
+        r = tl.load(Res + row * H + cols, mask=mask, other=0.0).to(tl.float32)
+        return _rounded(r + p, dtype, RNE_BF16)
+
+    @triton.jit
     def _add_rounded_slots_kernel(Res, Pairs, Out, H, K: tl.constexpr, BLOCK: tl.constexpr,
                                   RNE_BF16: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < H
         dtype = Out.dtype.element_ty
-        base = Pairs + row * K * H + cols
-        # slot_sum's order: slot 0 widened, then each further slot added in fp32 (no
-        # products, so no contraction into FMAs can change a rounding)
-        acc = tl.load(base, mask=mask, other=0.0).to(tl.float32)
-        for j in tl.static_range(1, K):
-            acc += tl.load(base + j * H, mask=mask, other=0.0).to(tl.float32)
-        p = _rounded(acc, dtype, RNE_BF16)
-        r = tl.load(Res + row * H + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(Out + row * H + cols, _rounded(r + p, dtype, RNE_BF16).to(dtype), mask=mask)
+        x = slot_residual(Res, Pairs, row, cols, mask, H, K, dtype, RNE_BF16)
+        tl.store(Out + row * H + cols, x.to(dtype), mask=mask)
