@@ -16,6 +16,16 @@ NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 echo "GPUs: $NGPU  ($(python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())'))"
 python3 -c "import transformer_engine as te; print('Transformer Engine', te.__version__)" 2>/dev/null \
   || echo "Transformer Engine: not installed (TE-spec tests skip)"
+# DeepEP (the deepep rows): staged here by `bash scripts/deepep_setup.sh` and carried as .deepep;
+# unpacked (or compiled, ~90 s) on this host; without it those rows skip
+if [ -f .deepep/build.sh ]; then
+  if bash .deepep/build.sh build > "$OUT/deepep_build.log" 2>&1; then
+    export PYTHONPATH=/tmp/deepep/site:$PYTHONPATH
+    echo "DeepEP: $(grep -m1 '^PASS build' "$OUT/deepep_build.log" | cut -c1-100)"
+  else
+    echo "DeepEP: build failed ($OUT/deepep_build.log); the deepep rows skip"
+  fi
+fi
 export COLO_GPU_REPORT=$OUT/gpu_tests.jsonl
 rm -f "$COLO_GPU_REPORT"
 
