@@ -106,7 +106,7 @@ def _trainer_pgc(world: int, tp: int):
 
 def weight_sync_exact(rank: int, world: int, adp: int, ep: int, trainer_tp: int,
                       model_kw: dict | None = None, trainer_ep: int = 1,
-                      rl_trainer: bool = False) -> dict:
+                      rl_trainer: bool = False, perturb: float = 0.0) -> dict:
     """After the sync hook, every inference weight equals the trainer's bit for bit, and the
     engine generates what megatron computes with the trainer's weights. ``rl_trainer``: the
     RL ``Trainer``'s own model (at TP > 1 sequence-parallel) instead of a bare megatron TP
@@ -138,6 +138,15 @@ def weight_sync_exact(rank: int, world: int, adp: int, ep: int, trainer_tp: int,
                                   torch.device("cpu"))
     sync = WeightSync()
     stats = [sync(trainer, engine.model) for _ in range(2)]  # second call: cached plan
+    replayed = bool(sync._replays)  # the plan was same-rank and direct: a LocalReplay
+    if perturb:  # "another step": every trainer parameter moves; the next sync must follow
+        with torch.no_grad():
+            for q in trainer.parameters():
+                q.add_(perturb)
+        stats.append(sync(trainer, engine.model))
+        # (the router's expert bias is a buffer, synced apart and not moved here)
+        trained_sd = {k: v if k.endswith("expert_bias") else v + perturb
+                      for k, v in trained_sd.items()}
     params = loadable_tensors(engine.model)  # parameters and the router's expert bias
     n_local = cfg.model.num_experts // groups.layout.ep
     mismatched, checked = [], 0
@@ -153,7 +162,8 @@ def weight_sync_exact(rank: int, world: int, adp: int, ep: int, trainer_tp: int,
     outs = engine.generate(requests)
     res = {"mismatched": mismatched, "checked": checked, "version": sync.version,
            "seconds": [s.seconds for s in stats], "bytes_remote": stats[0].bytes_remote,
-           "bytes_local": stats[0].bytes_local, "sp_params": sp_params}
+           "bytes_local": stats[0].bytes_local, "sp_params": sp_params,
+           "replayed": replayed, "replays_left": len(sync._replays)}
     if rank == 0:
         ref = build_reference(cfg.model, trained_sd, singleton_pg_collection(),
                               torch.device("cpu"))

@@ -145,3 +145,22 @@ def test_refit_view_unwraps_megatrons_module_prefix():
     names = [n for n, _ in view.named_parameters()]
     assert names == ["embedding.weight", "embedding.bias"]
     assert next(view.named_parameters())[1] is inner.embedding.weight
+
+
+@pytest.mark.parametrize("world,adp,ep,trainer_tp,replay", [
+    (2, 2, 2, 1, True),   # trainer TP1 x DP2 -> EP2/ADP2: every slice on its own rank
+    (2, 2, 2, 2, False),  # trainer TP2 -> EP2/ADP2: the TP shards cross ranks
+])
+def test_same_rank_refit_is_replayed_and_follows_the_trainer(worker_groups, world, adp, ep,
+                                                            trainer_tp, replay):
+    """A refit whose transfers are all same-rank views of the parameters is recorded once and
+    replayed as batched copies (no plan execution); after the trainer's weights move the
+    replay brings the new values, bit-exact; a layout with point-to-point transfers keeps
+    megatron's path."""
+    res = worker_groups(world).run("tests.cases_rl:weight_sync_exact", adp=adp, ep=ep,
+                                   trainer_tp=trainer_tp, perturb=0.5)
+    for r in res:
+        assert r["checked"] > 10 and r["mismatched"] == []
+        assert r["version"] == 3
+        assert r["replayed"] == replay and r["replays_left"] == int(replay)
+    assert res[0]["mismatches"] == [] and res[0]["max_logprob_diff"] < LOGPROB_TOL

@@ -38,23 +38,30 @@ from megatron.core.resharding.copy_services.base import (
 )
 
 
-def local_copies(pairs) -> int:
-    """The same-rank (send, recv) pairs' copies, batched: one ``torch._foreach_copy_`` per
-    (device, dtypes) group instead of a Python-level ``copy_`` per tensor (a sync touches
-    thousands of tensors; per call the host cost, not the bytes, set the time). Returns the
-    bytes copied."""
+def copy_tensors(pairs) -> int:
+    """(src, dst) tensor pairs copied, batched: one ``torch._foreach_copy_`` per (device,
+    dtypes) group instead of a Python-level ``copy_`` per tensor (a sync touches thousands of
+    tensors; per call the host cost, not the bytes, set the time). Returns the bytes."""
     groups: dict[tuple, tuple[list, list]] = {}
     moved = 0
-    for s, r in pairs:
-        key = (r.tensor.device, r.tensor.dtype, s.tensor.dtype)
-        dst, src = groups.setdefault(key, ([], []))
-        dst.append(r.tensor)
-        src.append(s.tensor)
-        moved += r.tensor.numel() * r.tensor.element_size()
+    for src, dst in pairs:
+        d, s_ = groups.setdefault((dst.device, dst.dtype, src.dtype), ([], []))
+        d.append(dst)
+        s_.append(src)
+        moved += dst.numel() * dst.element_size()
     with torch.no_grad():
-        for dst, src in groups.values():
-            torch._foreach_copy_(dst, src)
+        for d, s_ in groups.values():
+            torch._foreach_copy_(d, s_)
     return moved
+
+
+def local_copies(pairs, record: list | None = None) -> int:
+    """The same-rank (send op, recv op) pairs' copies (``copy_tensors``); with ``record``
+    the (src, dst) tensors are appended to it (``LocalReplay``)."""
+    tensors = [(s.tensor, r.tensor) for s, r in pairs]
+    if record is not None:
+        record.extend(tensors)
+    return copy_tensors(tensors)
 
 
 def new_gpu_copy_service(group=None) -> CopyService:
@@ -63,6 +70,9 @@ def new_gpu_copy_service(group=None) -> CopyService:
     from megatron.core.resharding.copy_services.nccl_copy_service import NCCLCopyService
 
     class BatchedNCCLCopyService(NCCLCopyService):
+        record: list | None = None  # LocalReplay's recording of the same-rank pairs
+        remote_ops = 0  # point-to-point ops of the runs since the recording started
+
         def run(self) -> None:
             local_s = [s for s in self.send_ops if s.dest_rank == self.rank]
             local_r = [r for r in self.recv_ops if r.src_rank == self.rank]
@@ -71,9 +81,10 @@ def new_gpu_copy_service(group=None) -> CopyService:
                                                    self.rank)
                 self._copy_stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(self._copy_stream):
-                    local_copies(pairs)
+                    local_copies(pairs, self.record)
                 self.send_ops = [s for s in self.send_ops if s.dest_rank != self.rank]
                 self.recv_ops = [r for r in self.recv_ops if r.src_rank != self.rank]
+            self.remote_ops += len(self.send_ops) + len(self.recv_ops)
             super().run()  # the point-to-point rest; waits for the copy stream
 
     return BatchedNCCLCopyService(group=group)
@@ -89,6 +100,8 @@ class CpuCopyService(CopyService):
         self.recv_ops: list[RecvOp] = []
         self.bytes_moved = 0  # remote bytes of the last run
         self.bytes_local = 0  # same-rank bytes of the last run
+        self.record: list | None = None  # LocalReplay's recording of the same-rank pairs
+        self.remote_ops = 0  # point-to-point ops of the runs since the recording started
 
     def submit_send(self, src_tensor: torch.Tensor, dest_rank: int, task_id=None) -> None:
         self.send_ops.append(SendOp(task_id=task_id, tensor=src_tensor, dest_rank=dest_rank))
@@ -101,7 +114,10 @@ class CpuCopyService(CopyService):
         local_r = [r for r in self.recv_ops if r.src_rank == self.rank]
         self.bytes_local = self.bytes_moved = 0
         self.bytes_local = local_copies(
-            match_local_ops_by_task_id(local_s, local_r, "CpuCopyService", self.rank))
+            match_local_ops_by_task_id(local_s, local_r, "CpuCopyService", self.rank),
+            self.record)
+        self.remote_ops += (len(self.send_ops) - len(local_s)) + (len(self.recv_ops)
+                                                                  - len(local_r))
         ops, staged = [], []
         for s in self.send_ops:
             if s.dest_rank != self.rank:
@@ -194,6 +210,60 @@ class SyncStats:
     bytes_local: int
 
 
+def _layout(model: torch.nn.Module) -> list[tuple]:
+    """Each parameter's shape, strides, storage offset and dtype, in parameter order."""
+    return [(tuple(p.shape), p.stride(), p.storage_offset(), p.dtype)
+            for p in model.parameters()]
+
+
+class LocalReplay:
+    """A refit whose every transfer was same-rank and straight between parameters: each
+    (trainer slice, inference slice) pair a view of the parameters themselves (no staging
+    buffer, no write-back, no transform, no point-to-point op). Replaying those pairs is the
+    whole sync -- the plan's per-op Python (views, submits, matching) is gone, one batched
+    copy per dtype is left -- for as long as both models' parameters keep their shapes.
+
+    The pairs are kept as (parameter index, size, stride, offset) descriptors, not tensors,
+    and rebuilt on the live parameters at each replay: holding views would keep storages
+    alive that the engine frees between RL phases (worker/memory.py replaces ``p.data``)."""
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
+                 trainer: torch.nn.Module, inference: torch.nn.Module) -> None:
+        self.layouts = (_layout(trainer), _layout(inference))
+        src, dst = _owners(trainer), _owners(inference)
+        self.pairs = [(_describe(s, src), _describe(d, dst)) for s, d in pairs]
+
+    @staticmethod
+    def direct(pairs: list, trainer: torch.nn.Module, inference: torch.nn.Module) -> bool:
+        """Every pair is a view of a trainer parameter into a view of an inference one."""
+        src, dst = _owners(trainer), _owners(inference)
+        return bool(pairs) and all(s.untyped_storage().data_ptr() in src
+                                   and d.untyped_storage().data_ptr() in dst
+                                   for s, d in pairs)
+
+    def valid(self, trainer: torch.nn.Module, inference: torch.nn.Module) -> bool:
+        return self.layouts == (_layout(trainer), _layout(inference))
+
+    def run(self, trainer: torch.nn.Module, inference: torch.nn.Module) -> int:
+        src, dst = list(trainer.parameters()), list(inference.parameters())
+        return copy_tensors([(_view(src, a), _view(dst, b)) for a, b in self.pairs])
+
+
+def _owners(model: torch.nn.Module) -> dict[int, int]:
+    """Storage address -> the index of the parameter that owns it."""
+    return {p.untyped_storage().data_ptr(): i for i, p in enumerate(model.parameters())}
+
+
+def _describe(view: torch.Tensor, owners: dict[int, int]) -> tuple:
+    return (owners[view.untyped_storage().data_ptr()], tuple(view.shape), view.stride(),
+            view.storage_offset())
+
+
+def _view(params: list[torch.Tensor], d: tuple) -> torch.Tensor:
+    i, size, stride, offset = d
+    return params[i].data.as_strided(size, stride, offset)
+
+
 class WeightSync:
     """Refits ``inference_model`` from ``trainer_model`` (collective on every rank).
 
@@ -209,20 +279,47 @@ class WeightSync:
         self.history: list[SyncStats] = []
         self._views: dict = {}  # (trainer id, inference id) -> views
         self._plans: dict = {}  # (trainer id, inference id) -> megatron's plan-cache entries
+        self._replays: dict = {}  # (trainer id, inference id) -> LocalReplay
+        self.group = group
+
+    def _everywhere(self, ok: bool, device: torch.device) -> bool:
+        """``ok`` on every rank (collective: a replay skips megatron's collective plan, so all
+        ranks must take the same path)."""
+        if not dist.is_initialized() or dist.get_world_size(self.group) == 1:
+            return ok
+        flag = torch.tensor([int(ok)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())
 
     def __call__(self, trainer_model, inference_model) -> SyncStats:
         t0 = time.perf_counter()
         pair = (id(trainer_model), id(inference_model))  # the views keep both alive: ids stay
         views = self._views.setdefault(pair, (RefitView(trainer_model),
                                               RefitView(inference_model)))
-        # megatron caches plans in one process-wide dict keyed by rank and group sizes, not by
-        # model: a plan built for another pair of the same layout (another architecture, or
-        # the same shapes in other objects) would be replayed on this one. Install this
-        # pair's own plans around the call.
-        _refit._plan_cache.clear()
-        _refit._plan_cache.update(self._plans.get(pair, {}))
-        swap_model_weights(views[0], views[1], self.service)
-        self._plans[pair] = dict(_refit._plan_cache)
+        device = next(inference_model.parameters()).device
+        replay = self._replays.get(pair)
+        if replay is not None and self._everywhere(
+                replay.valid(trainer_model, inference_model), device):
+            moved = replay.run(trainer_model, inference_model)  # the whole sync, batched
+            self.service.bytes_moved, self.service.bytes_local = 0, moved
+        else:
+            self._replays.pop(pair, None)
+            self.service.record, self.service.remote_ops = [], 0
+            # megatron caches plans in one process-wide dict keyed by rank and group sizes,
+            # not by model: a plan built for another pair of the same layout (another
+            # architecture, or the same shapes in other objects) would be replayed on this
+            # one. Install this pair's own plans around the call.
+            _refit._plan_cache.clear()
+            _refit._plan_cache.update(self._plans.get(pair, {}))
+            try:
+                swap_model_weights(views[0], views[1], self.service)
+            finally:
+                record, self.service.record = self.service.record, None
+            self._plans[pair] = dict(_refit._plan_cache)
+            direct = (self.service.remote_ops == 0
+                      and LocalReplay.direct(record, trainer_model, inference_model))
+            if self._everywhere(direct, device):
+                self._replays[pair] = LocalReplay(record, trainer_model, inference_model)
         sync_buffers(trainer_model, inference_model)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
