@@ -2,7 +2,8 @@
 sort by (local expert, pair index), and the one-launch Triton kernel bitwise against the torch
 path, run by Triton's CPU interpreter in a subprocess (tests/interpreted.py; skipped when
 triton does not import): other ranks' experts, padding rows, more pairs than one program
-ranks and more experts than one program counts."""
+ranks and more experts than one program counts; past one program's 1024 pairs, the counting
+sort over blocks (its scan walking more than one chunk of blocks)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ CASES = [
     (31, 2, 4, 64, 60, None, torch.float32),  # mostly other ranks' pairs
     (12, 1, 5, 5, 0, 12, torch.float32),  # one slot per row (the dispatch's local experts)
     (128, 8, 64, 64, 0, 120, torch.bfloat16),  # 1024 pairs (the widest), padding rows
+    # past one program: the counting sort over blocks of BLOCK_PAIRS pairs (its scan walks
+    # the blocks one at a time in the interpreted run: more than one chunk)
+    (129, 8, 128, 128, 0, None, torch.float32),  # 1032 pairs: a second block of 8; 256 bins
+    (260, 4, 8, 16, 8, 250, torch.bfloat16),  # 1040 pairs, other ranks' experts, padding
 ]
 
 
@@ -65,13 +70,14 @@ def test_use_triton_by_backend_and_size():
     assert not ma.use_triton("torch", 8)
     if HAS_TRITON:
         assert ma.use_triton("triton", 8) and ma.use_triton("triton", ma.TRITON_MAX_PAIRS)
-        assert not ma.use_triton("triton", ma.TRITON_MAX_PAIRS + 1)
+        assert ma.use_triton("triton", 64 * ma.TRITON_MAX_PAIRS)  # the counting sort
     chosen, weight, first, E, n_valid = _case(2)  # torch backend: the reference, any size
     got = ma.align(chosen, weight, first, E, n_valid, backend="torch")
     assert got.order.dtype == torch.int64
 
 
 def _interpreted() -> list[str]:
+    ma._SCAN_ROWS = 1  # the counting sort's scan a block at a time (2 blocks: 2 chunks)
     fails = []
     for i in range(len(CASES)):
         chosen, weight, first, E, n_valid = _case(i)
@@ -83,6 +89,8 @@ def _interpreted() -> list[str]:
                              f"{getattr(ref, name).tolist()[:12]}")
         if not torch.equal(got.prob, ref.prob):
             fails.append(f"case {i}: prob differs")
+        if chosen.numel() > ma.TRITON_MAX_PAIRS:
+            continue  # (align is triton_align there too: the interpreter's minutes saved)
         via = ma.align(chosen, weight, first, E, n_valid, backend="triton")
         if not torch.equal(via.order.long(), ref.order):
             fails.append(f"case {i}: align(backend='triton') differs")

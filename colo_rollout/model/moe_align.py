@@ -8,11 +8,14 @@ same result (a stable sort by (local expert, pair index)):
   * ``torch``: a stable ``torch.sort`` of the keys, ``searchsorted`` for the group ends and a
     gather of the probabilities (the reference; ~10 kernels, the sort's radix passes the
     costliest: 28 us per layer at 1024 pairs on an H200);
-  * ``triton``: one kernel of one program: a bitonic sort (``tl.sort``) of the unique
-    composites key * P_PAD + pair (so the order of equal keys is the pairs' own), the group
-    ends a histogram's running sum. Host values read: shapes only, so a CUDA graph replays it
-    with new routing. Used up to ``TRITON_MAX_PAIRS`` pairs (decode, short prefill), which one
-    program's registers hold.
+  * ``triton``: up to ``TRITON_MAX_PAIRS`` pairs (decode, short prefill), one kernel of one
+    program: a bitonic sort (``tl.sort``) of the unique composites key * P_PAD + pair (so the
+    order of equal keys is the pairs' own), the group ends a histogram's running sum. Past
+    that (prefill), a counting sort over blocks of ``BLOCK_PAIRS`` pairs in three launches:
+    each block's key histogram; per key the blocks' exclusive running sum (so block b's pairs
+    of expert e follow every earlier block's -- the stable order); each block's own bitonic
+    sort scattered to (expert's start + earlier blocks' count + rank in the block). Host values
+    read: shapes only, so a CUDA graph replays either with new routing.
 
 Keys: a pair routed to local expert e (global id - first_expert, in [0, E)) has key e; pairs
 routed to other ranks' experts and the padding rows of a P graph's bucket (token >= n_valid)
@@ -29,13 +32,17 @@ import torch
 
 from colo_rollout.model.kernel_backend import pow2, tl, triton
 
-# the kernel sorts in one program: past this many pairs torch's multi-block radix sort is the
-# better tool (H200: the kernel 1.5 us at 8 pairs and 9 us at 1024, where torch's sort took
-# 28 us; 186 us at 8192, where torch's took 48)
+# the one-program kernel's limit: past it one program's sort is slow (H200: 1.5 us at 8 pairs
+# and 9 us at 1024, where torch's sort took 28 us; 186 us at 8192, where torch's took 48), and
+# the counting sort over blocks of 1024 takes over (not yet timed on a GPU)
 TRITON_MAX_PAIRS = 1024
 # the sort's widths: three compiled variants (a few rows, tens, a hundred), so no shape met
 # while serving compiles a new one (``warm`` compiles them at model build)
 _WIDTHS = (64, 256, TRITON_MAX_PAIRS)
+# the counting sort's block (one program's bitonic sort) and its scan's rows per iteration:
+# fixed, so one compiled variant serves every prefill size
+BLOCK_PAIRS = 1024
+_SCAN_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -89,6 +96,9 @@ def triton_align(chosen: torch.Tensor, weight: torch.Tensor, first: int, experts
     if pairs == 0:
         offs.zero_()
         return Aligned(order, token, offs, prob)
+    if pairs > TRITON_MAX_PAIRS:
+        return _blocked_align(chosen, weight, first, experts, n_valid,
+                              Aligned(order, token, offs, prob))
     p_pad = next(w for w in _WIDTHS if pairs <= w)
     nv = n_valid if n_valid is not None else offs  # unread without HAS_NVALID
     _align_kernel[(1,)](
@@ -99,13 +109,35 @@ def triton_align(chosen: torch.Tensor, weight: torch.Tensor, first: int, experts
     return Aligned(order, token, offs, prob)
 
 
+def _blocked_align(chosen: torch.Tensor, weight: torch.Tensor, first: int, experts: int,
+                   n_valid: torch.Tensor | None, out: Aligned) -> Aligned:
+    """The counting sort over blocks (the module docstring) into ``out``'s tensors."""
+    n, k = chosen.shape
+    pairs = n * k
+    blocks = triton.cdiv(pairs, BLOCK_PAIRS)
+    bins = pow2(experts + 2, 16)  # keys 0..E+1 (E + 1: past the last pair)
+    dev = chosen.device
+    counts = torch.empty((blocks, bins), dtype=torch.int32, device=dev)
+    base = torch.empty((blocks, bins), dtype=torch.int32, device=dev)
+    nv = n_valid if n_valid is not None else counts  # unread without HAS_NVALID
+    kw = dict(K=k, HAS_NVALID=n_valid is not None, BLOCK=BLOCK_PAIRS, E_BINS=bins)
+    _block_hist_kernel[(blocks,)](chosen, nv, counts, pairs, first, experts, **kw,
+                                  num_warps=4)
+    _block_scan_kernel[(1,)](counts, base, out.offs, blocks, experts, E_BINS=bins,
+                             ROWS=_SCAN_ROWS, num_warps=4)
+    _block_scatter_kernel[(blocks,)](chosen, weight, nv, base, out.order, out.token, out.prob,
+                                     pairs, first, experts, **kw, num_warps=4)
+    return out
+
+
 def warm(topk: int, experts: int, device: torch.device, weight_dtype: torch.dtype) -> None:
-    """Compile the kernel's variants for a layer (every width, with and without padding rows)
-    now, at model build: a first compile while serving stalls the host for a second."""
+    """Compile the kernel's variants for a layer (every width, with and without padding rows,
+    and the counting sort's three kernels) now, at model build: a first compile while
+    serving stalls the host for a second."""
     if triton is None or device.type != "cuda":
         return
-    for width in _WIDTHS:
-        rows = max(1, width // topk)
+    # the widths, then one shape past them (the counting sort: one variant for all sizes)
+    for rows in (*(max(1, w // topk) for w in _WIDTHS), TRITON_MAX_PAIRS // topk + 1):
         chosen = torch.zeros((rows, topk), dtype=torch.int64, device=device)
         weight = torch.zeros((rows, topk), dtype=weight_dtype, device=device)
         for n_valid in (None, torch.tensor(rows, device=device)):
@@ -113,9 +145,9 @@ def warm(topk: int, experts: int, device: torch.device, weight_dtype: torch.dtyp
 
 
 def use_triton(backend: str, pairs: int) -> bool:
-    """Whether ``align`` takes the kernel for a layer whose expert GEMMs run on ``backend``
-    ("torch" or "triton", resolved) with ``pairs`` pairs (a host shape)."""
-    return backend == "triton" and triton is not None and pairs <= TRITON_MAX_PAIRS
+    """Whether ``align`` takes the kernels for a layer whose expert GEMMs run on ``backend``
+    ("torch" or "triton", resolved): every pair count (``pairs``, a host shape)."""
+    return backend == "triton" and triton is not None
 
 
 def align(chosen: torch.Tensor, weight: torch.Tensor, first: int, experts: int,
@@ -161,3 +193,66 @@ if triton is not None:
         ends = tl.cumsum(tl.histogram(key, E_BINS), 0)
         e = tl.arange(0, E_BINS)
         tl.store(Offs + e, ends, mask=e < E)
+
+    @triton.jit(do_not_specialize=["pairs", "first", "E"])
+    def _block_hist_kernel(Chosen, NValid, Counts, pairs, first, E, K: tl.constexpr,
+                           HAS_NVALID: tl.constexpr, BLOCK: tl.constexpr,
+                           E_BINS: tl.constexpr):
+        """Counts[b, e]: block b's pairs of key e."""
+        b = tl.program_id(0).to(tl.int64)
+        key = _pair_keys(Chosen, NValid, b * BLOCK + tl.arange(0, BLOCK), pairs, first, E, K,
+                         HAS_NVALID)
+        tl.store(Counts + b * E_BINS + tl.arange(0, E_BINS), tl.histogram(key, E_BINS))
+
+    @triton.jit(do_not_specialize=["blocks", "E"])
+    def _block_scan_kernel(Counts, Base, Offs, blocks, E, E_BINS: tl.constexpr,
+                           ROWS: tl.constexpr):
+        """Base[b, e] = (pairs of keys < e) + (block b's predecessors' pairs of key e) -- where
+        block b's first pair of key e goes -- and the group ends Offs[e] (keys <= e), in one
+        program walking the blocks ROWS at a time (any block count, one compiled variant)."""
+        e = tl.arange(0, E_BINS)
+        total = tl.zeros([E_BINS], dtype=tl.int32)
+        for start in range(0, blocks, ROWS):  # first pass: each key's total
+            r = start + tl.arange(0, ROWS)
+            c = tl.load(Counts + r[:, None] * E_BINS + e[None, :], mask=(r < blocks)[:, None],
+                        other=0)
+            total += tl.sum(c, axis=0)
+        ends = tl.cumsum(total, 0)
+        tl.store(Offs + e, ends, mask=e < E)
+        run = ends - total  # the keys < e
+        for start in range(0, blocks, ROWS):  # second pass: the blocks' running sums
+            r = start + tl.arange(0, ROWS)
+            inside = (r < blocks)[:, None]
+            c = tl.load(Counts + r[:, None] * E_BINS + e[None, :], mask=inside, other=0)
+            before = tl.cumsum(c, 0) - c  # earlier rows of this chunk
+            tl.store(Base + r[:, None] * E_BINS + e[None, :], run[None, :] + before,
+                     mask=inside)
+            run += tl.sum(c, axis=0)
+
+    @triton.jit(do_not_specialize=["pairs", "first", "E"])
+    def _block_scatter_kernel(Chosen, Weight, NValid, Base, Order, Token, Prob, pairs, first,
+                              E, K: tl.constexpr, HAS_NVALID: tl.constexpr,
+                              BLOCK: tl.constexpr, E_BINS: tl.constexpr):
+        """Block b's pairs sorted by (key, pair) in the block, each stored at its global sorted
+        position: Base[b, key] + its rank among the block's pairs of that key."""
+        b = tl.program_id(0).to(tl.int64)
+        i = tl.arange(0, BLOCK)
+        key = _pair_keys(Chosen, NValid, b * BLOCK + i, pairs, first, E, K, HAS_NVALID)
+        srt = tl.sort(key * BLOCK + i)
+        key_s, src = srt // BLOCK, srt % BLOCK
+        # the block's pairs of keys < key_s come first in the sorted block: rank = position -
+        # their count (an exclusive running sum of the block's own histogram)
+        hist = tl.histogram(key, E_BINS)
+        excl = tl.cumsum(hist, 0) - hist
+        # per sorted position: Base[b, key] - excl[key], read through memory (a vector cannot
+        # index a vector); the block's row of Base becomes that difference first
+        row = Base + b * E_BINS
+        e = tl.arange(0, E_BINS)
+        tl.store(row + e, tl.load(row + e) - excl)
+        tl.debug_barrier()
+        ok = key_s <= E  # E + 1: past the last pair
+        dest = tl.load(row + key_s, mask=ok, other=0) + i
+        pair = b * BLOCK + src
+        tl.store(Order + dest, pair.to(tl.int32), mask=ok)
+        tl.store(Token + dest, (pair // K).to(tl.int32), mask=ok)
+        tl.store(Prob + dest, tl.load(Weight + pair, mask=ok, other=0.0), mask=ok)
