@@ -119,19 +119,23 @@ def weight_sync_exact(rank: int, world: int, adp: int, ep: int, trainer_tp: int,
 
     cfg, groups, sd, engine = _engine(world, adp, ep, model_kw=model_kw)
     trained_sd = random_state_dict(dataclasses.replace(cfg.model, seed=99))  # "after a step"
-    sp_params = 0
+    sp_params, trainer_groups = 0, {}
     if rl_trainer:
         from colo_rollout.config import RLConfig
         from colo_rollout.rl.trainer import Trainer
 
         rl = RLConfig(trainer_tp=trainer_tp, trainer_ep=trainer_ep)
-        trainer = Trainer(dataclasses.replace(cfg, rl=rl), trained_sd, groups.device).module
+        rl_trainer = Trainer(dataclasses.replace(cfg, rl=rl), trained_sd, groups.device)
+        trainer = rl_trainer.module
         sp_params = sum(bool(getattr(p, "sequence_parallel", False))
                         for p in trainer.parameters())
+        pgc = rl_trainer.pgc
+        trainer_groups = {k: getattr(pgc, k).size() for k in ("tp", "dp", "ep", "expt_tp",
+                                                                "tp_ep", "expt_dp")}
     elif trainer_ep > 1:  # the RL trainer's own layout: experts split over EP groups
         from colo_rollout.rl.trainer import trainer_pg_collection
 
-        pgc = trainer_pg_collection(world, 1, trainer_ep)
+        pgc = trainer_pg_collection(world, trainer_tp, trainer_ep)
         trainer = build_reference(cfg.model, trained_sd, pgc, torch.device("cpu"))
     else:
         trainer = build_reference(cfg.model, trained_sd, _trainer_pgc(world, trainer_tp),
@@ -163,6 +167,9 @@ def weight_sync_exact(rank: int, world: int, adp: int, ep: int, trainer_tp: int,
     res = {"mismatched": mismatched, "checked": checked, "version": sync.version,
            "seconds": [s.seconds for s in stats], "bytes_remote": stats[0].bytes_remote,
            "bytes_local": stats[0].bytes_local, "sp_params": sp_params,
+           "trainer_groups": trainer_groups,
+           # the trainer's experts megatron marks expert-parallel (what the planner reads)
+           "ep_params": sum(not getattr(q, "allreduce", True) for q in trainer.parameters()),
            "replayed": replayed, "replays_left": len(sync._replays)}
     if rank == 0:
         ref = build_reference(cfg.model, trained_sd, singleton_pg_collection(),
@@ -304,11 +311,13 @@ def _random_trajectories(n: int, vocab: int, seed: int,
 
 def tensor_parallel_trainer_grads(rank: int, world: int, tp: int = 2,
                                   model_kw: dict | None = None, replay: bool = False,
-                                  algorithm: str = "grpo", is_level: str = "none") -> dict:
-    """One update of a TP-``tp`` trainer (sequence parallel, DP world/tp) and of a TP1 x
-    DP-world trainer: the loss, the step's metrics and every gradient agree -- the TP
-    gradients against the TP1 ones cut to this TP rank's shard (column/row/SwiGLU/vocab
-    splits; replicated ones whole). ``replay``: both replay one recorded routing.
+                                  algorithm: str = "grpo", is_level: str = "none",
+                                  ep: int = 1) -> dict:
+    """One update of a TP-``tp`` trainer (sequence parallel, DP world/tp; with ``ep`` > 1 its
+    experts whole over EP groups) and of a TP1 x DP-world trainer: the loss, the step's
+    metrics and every gradient agree -- the TP gradients against the TP1 ones cut to this
+    rank's shard (``shard_layout``: column/row/SwiGLU/vocab splits over TP, this EP rank's
+    experts; replicated ones whole). ``replay``: both replay one recorded routing.
 
     The TP1 trainer gets every trajectory ``tp`` times in a row: its DP rank r then takes
     exactly the share the TP trainer's replica r // tp takes (the duplicates of a GRPO group
@@ -317,9 +326,10 @@ def tensor_parallel_trainer_grads(rank: int, world: int, tp: int = 2,
     import dataclasses
 
     from colo_rollout.config import RLConfig
+    from colo_rollout.model.megatron_gpt import shard_layout
     from colo_rollout.model.weights import random_state_dict, shard_for
     from colo_rollout.rl.trainer import Trainer
-    from colo_rollout.runtime.parallel import Layout, init_parallel
+    from colo_rollout.runtime.parallel import init_parallel
     from tests.cases_engine import tiny_config
 
     base = tiny_config(world, world, world, model_kw=model_kw, record_routing=replay)
@@ -331,9 +341,10 @@ def tensor_parallel_trainer_grads(rank: int, world: int, tp: int = 2,
         routing=(layers, base.model.moe_router_topk, base.model.num_experts) if replay else None)
     grads, stats = {}, {}
     for t, batch in ((1, [x for x in trajs for _ in range(tp)]), (tp, trajs)):
-        rl = RLConfig(trainer_tp=t, lr=1e-3, routing_replay=replay, algorithm=algorithm,
-                      is_level=is_level)
+        rl = RLConfig(trainer_tp=t, trainer_ep=ep if t == tp else 1, lr=1e-3,
+                      routing_replay=replay, algorithm=algorithm, is_level=is_level)
         trainer = Trainer(dataclasses.replace(base, rl=rl), sd, groups.device)
+        layout, shard_rank = shard_layout(trainer.pgc)  # the last: the TP trainer's
         if trainer.value_head is not None:
             # a value head that is not zero (its start): the value loss then reaches the
             # trunk through the gathered hidden states
@@ -345,23 +356,29 @@ def tensor_parallel_trainer_grads(rank: int, world: int, tp: int = 2,
         if trainer.value_head is not None:
             grads[t].update({f"value_head.{n}": p.grad.clone()
                              for n, p in trainer.value_head.named_parameters()})
-    layout = Layout(world_size=tp, adp=1, ep=1)  # the TP trainer's shards, by TP rank
-    worst, worst_name, compared, sharded = 0.0, "", 0, 0
-    for name, g in grads[tp].items():
-        full = grads[1][name]
+    n_local = base.model.num_experts // ep
+    worst, worst_name, compared, sharded, experts = 0.0, "", 0, 0, 0
+    for name, full in grads[1].items():  # the TP1 names: every tensor whole, every expert
         if name.startswith("value_head."):
             local, want = name, full  # replicated on every rank
         else:
-            local, want = shard_for(name, full, layout, rank % tp, base.model.num_experts)
-        assert local == name and want.shape == g.shape, (name, tuple(want.shape), g.shape)
+            mapped = shard_for(name, full, layout, shard_rank, n_local)
+            if mapped is None:  # an expert of another EP rank
+                continue
+            local, want = mapped
+        g = grads[tp][local]
+        assert want.shape == g.shape, (name, local, tuple(want.shape), g.shape)
         rel = (want - g).abs().max().item() / (want.abs().max().item() + 1e-12)
         if rel > worst:
             worst, worst_name = rel, name
         compared += 1
         sharded += want.shape != full.shape
+        experts += ".local_experts." in name
+    assert compared == len(grads[tp]), (compared, len(grads[tp]))  # every local one
     # relative past 1 (a random value head's loss is large)
     worst_stat = max(abs(v - stats[1][k]) / max(1.0, abs(stats[1][k]))
                      for k, v in stats[tp].items())
     return {"worst_rel": worst, "worst_name": worst_name, "compared": compared,
-            "sharded": sharded, "keys": sorted(stats[tp]), "worst_stat": worst_stat,
+            "sharded": sharded, "experts": experts, "keys": sorted(stats[tp]),
+            "worst_stat": worst_stat,
             "stats": [stats[1], stats[tp]]}

@@ -314,14 +314,29 @@ def test_top1_softmax_with_renormalisation_is_refused_like_megatron(tmp_path):
 
 
 def test_trainer_tp_widths_and_tp_with_ep_are_refused_with_the_reason(tmp_path):
-    path = write(tmp_path, "parallel:\n  world_size: 2\n  adp: 2\n  ep: 2\n"
+    path = write(tmp_path, "parallel:\n  world_size: 4\n  adp: 4\n  ep: 4\n"
                            "model:\n  num_experts: 4\nrl:\n  trainer_tp: 2\n")
     assert load_config(path).rl.trainer_tp == 2  # TP x DP under sequence parallelism
-    assert_load_error(path, "rl.trainer_tp", "2 with rl.trainer_ep 2 is not supported",
-                      "set one of them to 1", overrides={"rl.trainer_ep": 2})
+    for ep in (2, 4):  # TP x EP: the experts whole (ETP 1), EP a multiple of TP
+        assert load_config(path, {"rl.trainer_ep": ep}).rl.trainer_ep == ep
+    assert_load_error(path, "rl.trainer_ep", "2 with rl.trainer_tp 4 is not supported",
+                      "a multiple of trainer_tp",
+                      overrides={"rl.trainer_tp": 4, "rl.trainer_ep": 2})
     assert_load_error(path, "rl.trainer_tp", "2 does not divide", "model.num_query_groups 3",
                       overrides={"model.num_attention_heads": 6, "model.num_query_groups": 3,
                                  "model.hidden_size": 96})
+    # the experts' FFN width is TP-split only at EP 1 (with EP: expert TP 1)
+    odd = {"model.moe_ffn_hidden_size": 65}
+    assert_load_error(path, "rl.trainer_tp", "model.moe_ffn_hidden_size 65", overrides=odd)
+    assert load_config(path, {**odd, "rl.trainer_ep": 2}).rl.trainer_ep == 2
+
+
+def test_export_with_an_expert_parallel_trainer_is_refused(tmp_path):
+    path = write(tmp_path, "parallel:\n  world_size: 2\n  adp: 2\n  ep: 2\n"
+                           "model:\n  num_experts: 4\nrl:\n  export_dir: out\n")
+    assert load_config(path).rl.export_dir == "out"
+    assert_load_error(path, "rl.trainer_ep", "2 with rl.export_dir", "TP group only",
+                      overrides={"rl.trainer_ep": 2})
 
 
 def test_rl_prompt_len_max_must_leave_the_drawn_range(tmp_path):

@@ -120,6 +120,14 @@ def test_unsupported_trainer_width(capsys):
                            "parallel.world_size 2")
 
 
+def test_trainer_ep_not_a_multiple_of_trainer_tp(capsys):
+    line = door_error(capsys, "train", TRAIN, "--set", "parallel.world_size=4",
+                      "--set", "rl.trainer_tp=4", "--set", "rl.trainer_ep=2")
+    assert line.startswith(f"error: {TRAIN}: rl.trainer_ep: 2 with rl.trainer_tp 4 is not "
+                           "supported: with both above 1 trainer_ep must be a multiple of "
+                           "trainer_tp")
+
+
 # --------------------------------------------------------------------------- workloads
 def test_demo_workload_over_the_prefill_budget(capsys):
     line = door_error(capsys, "demo", DEMO, "--set", "engine.max_prefill_tokens=32")

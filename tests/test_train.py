@@ -58,13 +58,32 @@ def test_reward_rises_and_logprobs_agree(worker_groups, tmp_path, algorithm, rel
                    for x in h)
 
 
-@pytest.mark.parametrize("trainer_tp", [1, 2])
-def test_train_from_a_hf_checkpoint_and_export(worker_groups, tmp_path, trainer_tp):
-    # the engine (EP2/ADP2) and the trainer (TP1 x DP2, or TP2 sequence parallel) each read
-    # their slices of a checkpoint transformers saved; their logprobs agree from the first
-    # step; the trained weights are exported as a checkpoint transformers loads (TP2: the
-    # TP group gathers each tensor)
+def test_reward_rises_with_a_tensor_and_expert_parallel_trainer(worker_groups, tmp_path):
+    """4 CPU ranks: the trainer TP2 x EP2 (x DP2: sequence parallel, experts whole over EP
+    groups {0,1}/{2,3}, data-parallel over {0,2}/{1,3}) beside the engine's EP4/ADP2/ATP2,
+    with routing replay; every step's sync reshards TP2 x EP2 -> EP4/ADP2/ATP2."""
+    res = worker_groups(4).run("colo_rollout.rl.train:run_train", timeout=600, config_path=CFG,
+                               overrides={"rl.out_dir": str(tmp_path),
+                                          "parallel.world_size": 4, "parallel.adp": 2,
+                                          "parallel.ep": 4, "rl.trainer_tp": 2,
+                                          "rl.trainer_ep": 2, "engine.record_routing": True,
+                                          "rl.routing_replay": True}, quiet=True)
+    h = res[0]["history"]
+    assert len(h) == 20
+    assert all([x["reward"] for x in r["history"]] == [x["reward"] for x in h] for r in res)
+    first = sum(x["reward"] for x in h[:3]) / 3
+    last = sum(x["reward"] for x in h[-3:]) / 3
+    assert first < 0.2 and last > first + 0.5, (first, last)
+    assert max(x["logprob_gap_max"] for x in h) < 1e-4
+    assert all(x["failed"] == 0 and x["sync_bytes"] > 0 for x in h)
+    assert all(x["routing_disagree_frac"] == 0.0 for x in h)
+
+
+def _hf_checkpoint(tmp_path):
+    """A tiny Qwen3-MoE checkpoint transformers saved, and a copy of CFG whose model section
+    leaves the architecture to it: (the model, its directory, the config path)."""
     import torch
+    import yaml
 
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
@@ -74,17 +93,28 @@ def test_train_from_a_hf_checkpoint_and_export(worker_groups, tmp_path, trainer_
         num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=256))
     src = tmp_path / "src"
     hf.save_pretrained(src)
-    out = tmp_path / "exported"
-    overrides = {"rl.out_dir": str(tmp_path / "run"), "rl.steps": 3,
-                 "model.checkpoint": str(src), "rl.export_dir": str(out),
-                 "rl.trainer_tp": trainer_tp}
     # the YAML's own architecture keys describe the toy model, not this checkpoint: drop them
-    import yaml
-
     data = yaml.safe_load(open(CFG))
     data["model"] = {"init_method_std": 0.02}
     cfg_path = tmp_path / "grpo.yaml"
     cfg_path.write_text(yaml.safe_dump(data))
+    return hf, src, cfg_path
+
+
+@pytest.mark.parametrize("trainer_tp", [1, 2])
+def test_train_from_a_hf_checkpoint_and_export(worker_groups, tmp_path, trainer_tp):
+    # the engine (EP2/ADP2) and the trainer (TP1 x DP2, or TP2 sequence parallel) each read
+    # their slices of a checkpoint transformers saved; their logprobs agree from the first
+    # step; the trained weights are exported as a checkpoint transformers loads (TP2: the
+    # TP group gathers each tensor)
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    hf, src, cfg_path = _hf_checkpoint(tmp_path)
+    out = tmp_path / "exported"
+    overrides = {"rl.out_dir": str(tmp_path / "run"), "rl.steps": 3,
+                 "model.checkpoint": str(src), "rl.export_dir": str(out),
+                 "rl.trainer_tp": trainer_tp}
     res = worker_groups(2).run("colo_rollout.rl.train:run_train", timeout=600,
                                config_path=str(cfg_path), overrides=overrides, quiet=True)
     h = res[0]["history"]
@@ -93,6 +123,20 @@ def test_train_from_a_hf_checkpoint_and_export(worker_groups, tmp_path, trainer_
     before, after = hf.state_dict(), back.state_dict()
     assert sorted(before) == sorted(after)
     assert any(not torch.equal(before[k], after[k]) for k in before)  # it trained
+
+
+def test_tensor_and_expert_parallel_trainer_reads_a_hf_checkpoint(worker_groups, tmp_path):
+    # trainer TP2 x EP2 on 4 ranks: each rank reads its TP slices of the dense tensors and
+    # its EP rank's experts whole; the engine (EP4/ADP2/ATP2) its own slices -- their
+    # logprobs agree from the first step
+    _, src, cfg_path = _hf_checkpoint(tmp_path)
+    overrides = {"rl.out_dir": str(tmp_path / "run"), "rl.steps": 2,
+                 "model.checkpoint": str(src), "parallel.world_size": 4, "parallel.adp": 2,
+                 "parallel.ep": 4, "rl.trainer_tp": 2, "rl.trainer_ep": 2}
+    res = worker_groups(4).run("colo_rollout.rl.train:run_train", timeout=600,
+                               config_path=str(cfg_path), overrides=overrides, quiet=True)
+    h = res[0]["history"]
+    assert len(h) == 2 and max(x["logprob_gap_max"] for x in h) < 1e-4
 
 
 def test_reverse_task_needs_the_prompt_and_is_learnt(worker_groups, tmp_path):

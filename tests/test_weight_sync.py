@@ -80,6 +80,29 @@ def test_sync_from_a_sequence_parallel_trainer_is_bit_exact(worker_groups, world
     assert r0["mismatches"] == [] and r0["max_logprob_diff"] < LOGPROB_TOL
 
 
+@pytest.mark.parametrize("adp,ep,trainer_ep", [
+    (2, 4, 2),  # RL trainer TP2 x EP2 (x DP2) -> inference EP4/ADP2/ATP2
+    (4, 2, 2),  # RL trainer TP2 x EP2 (x DP2) -> inference EP2/ADP4 (experts ETP2 there)
+    (2, 2, 4),  # RL trainer TP2 x EP4 (x DP2) -> inference EP2/ADP2/ATP2
+])
+def test_sync_from_a_tensor_and_expert_parallel_trainer_is_bit_exact(worker_groups, adp, ep,
+                                                                     trainer_ep):
+    """rl.trainer_tp 2 with rl.trainer_ep on 4 ranks: dense tensors TP-sharded over
+    {0,1}/{2,3} (sequence parallel), DP over {0,2}/{1,3}; experts whole (ETP 1) over EP groups
+    of trainer_ep consecutive ranks, data-parallel over the rest (EP2: {0,2}/{1,3}; EP4:
+    none): megatron's planner reads the expert ownership from the EP group and the expert TP
+    width from expt_tp."""
+    res = worker_groups(4).run("tests.cases_rl:weight_sync_exact", adp=adp, ep=ep,
+                               trainer_tp=2, trainer_ep=trainer_ep, rl_trainer=True)
+    for r in res:
+        assert r["checked"] > 10 and r["mismatched"] == []
+        assert r["trainer_groups"] == {"tp": 2, "dp": 2, "ep": trainer_ep, "expt_tp": 1,
+                                       "tp_ep": trainer_ep, "expt_dp": 4 // trainer_ep}
+        assert r["sp_params"] > 0 and r["ep_params"] > 0
+    r0 = res[0]
+    assert r0["mismatches"] == [] and r0["max_logprob_diff"] < LOGPROB_TOL
+
+
 def test_two_model_pairs_of_one_layout_each_sync_exactly(worker_groups):
     res = worker_groups(2).run("tests.cases_rl:weight_sync_two_model_pairs", adp=2, ep=2,
                                trainer_tp=2)
@@ -114,6 +137,30 @@ def test_tensor_parallel_trainer_takes_the_same_gradient(worker_groups, world, a
                                    is_level=is_level)
     for r in res:
         assert r["compared"] > 40 and r["sharded"] > 30
+        assert r["worst_rel"] < 2e-5, (r["worst_name"], r["worst_rel"])
+        assert r["worst_stat"] < 1e-5, r["stats"]
+        if replay:
+            assert "routing_disagree_frac" in r["keys"]
+        if algorithm == "ppo":
+            assert "value_loss" in r["keys"]
+
+
+@pytest.mark.parametrize("ep,algorithm,replay", [
+    (2, "grpo", True),  # TP2 x EP2: expt_dp {0,2}/{1,3}
+    (2, "ppo", False),
+    (4, "grpo", True),  # TP2 x EP4: tp_ep spans both replicas (they pad to one shape),
+])                      # expt_dp is 1 while DP is 2
+def test_tensor_and_expert_parallel_trainer_takes_the_same_gradient(worker_groups, ep,
+                                                                    algorithm, replay):
+    """rl.trainer_tp 2 x rl.trainer_ep on 4 ranks (DP2; experts whole, ETP 1): megatron's
+    allgather dispatcher moves each rank's sequence shard over tp_ep, the expert gradients are
+    summed over expt_dp, the sequence-shard ones over TP, the dense ones over DP, both then
+    / DP -- and every gradient, the loss and the metrics are the TP1 x DP4 trainer's (ARCH:
+    q/k norms, shared experts and their gate, a dense layer, the router's expert bias)."""
+    res = worker_groups(4).run("tests.cases_rl:tensor_parallel_trainer_grads", tp=2, ep=ep,
+                               model_kw=ARCH, replay=replay, algorithm=algorithm)
+    for r in res:
+        assert r["compared"] > 40 and r["sharded"] > 10 and r["experts"] > 0
         assert r["worst_rel"] < 2e-5, (r["worst_name"], r["worst_rel"])
         assert r["worst_stat"] < 1e-5, r["stats"]
         if replay:

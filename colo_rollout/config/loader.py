@@ -127,8 +127,9 @@ class Config:
         tp_widths = {"parallel.world_size": par.world_size,
                      "model.num_attention_heads": model.num_attention_heads,
                      "model.num_query_groups": model.num_query_groups,
-                     "model.vocab_size": model.vocab_size,
-                     "model.moe_ffn_hidden_size": model.moe_ffn_hidden_size}
+                     "model.vocab_size": model.vocab_size}
+        if self.rl.trainer_ep == 1:  # experts TP-sharded only at EP 1 (with EP: ETP 1)
+            tp_widths["model.moe_ffn_hidden_size"] = model.moe_ffn_hidden_size
         if model.first_k_dense:
             tp_widths["model.ffn_hidden_size"] = model.dense_ffn_hidden_size
         if model.shared_expert_ffn_hidden_size is not None:
@@ -145,6 +146,13 @@ class Config:
             "rl.trainer_ep",
             f"{self.rl.trainer_ep} must divide parallel.world_size {par.world_size} and "
             f"model.num_experts {model.num_experts}",
+        )
+        _require(
+            self.rl.trainer_ep == 1 or self.rl.export_dir is None,
+            "rl.trainer_ep",
+            f"{self.rl.trainer_ep} with rl.export_dir: the export gathers over the trainer's "
+            "TP group only (checkpoint/export.py: every expert on every rank); train at "
+            "trainer_ep 1 to export",
         )
         _require(
             self.rl.recompute == "none" or par.backend == "nccl",

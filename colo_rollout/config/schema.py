@@ -738,13 +738,15 @@ class RLConfig:
     recompute: str = "none"
     # Trainer tensor-parallel width (trainer DP = world / trainer_tp); may differ from the
     # inference layout: weights are resharded after every step. Above 1 the trainer runs
-    # megatron's sequence parallelism (megatron trains MoE under TP only so) with the experts
-    # TP-sharded too; it must divide the world size, the heads, KV groups, vocabulary and FFN
-    # widths (checked when the trainer starts).
+    # megatron's sequence parallelism (megatron trains MoE under TP only so), with the experts
+    # TP-sharded too when trainer_ep is 1; it must divide the world size, the heads, KV
+    # groups, vocabulary and FFN widths (the experts' only at trainer_ep 1).
     trainer_tp: int = 1
-    # Trainer expert-parallel width (rl.trainer_tp must then be 1): each expert lives on one
-    # rank of every group of trainer_ep consecutive ranks and is data-parallel over the groups
-    # (world / trainer_ep); megatron's MoE token dispatcher moves the tokens.
+    # Trainer expert-parallel width: each expert lives on one rank of every group of
+    # trainer_ep consecutive ranks, whole (expert TP 1), and is data-parallel over the groups
+    # (world / trainer_ep); megatron carves the groups out of TP x DP, its MoE token
+    # dispatcher moves the tokens. With trainer_tp > 1 it must be a multiple of trainer_tp
+    # (an EP group is whole TP groups), e.g. TP2 x EP2 or TP2 x EP4 on 4 ranks.
     trainer_ep: int = 1
     # The verifiable task (rl/tasks.py): "target_token" (reward = fraction of generated tokens
     # equal to target_token) or "reverse" (the prompt's reverse_len symbols, ids 1 ..
@@ -774,11 +776,15 @@ class RLConfig:
         _require(self.prompt_len_max >= 2, "rl.prompt_len_max",
                  f"must be >= 2 (prompt lengths are drawn in [2, prompt_len_max]), got "
                  f"{self.prompt_len_max}")
-        # TP x EP in one trainer is not built (trainer_pg_collection carves EP out of DP at
-        # TP 1 only); the trainer refuses it at start too, on every rank (rl/trainer.py)
-        _require(self.trainer_tp == 1 or self.trainer_ep == 1, "rl.trainer_tp",
-                 f"{self.trainer_tp} with rl.trainer_ep {self.trainer_ep} is not supported: "
-                 "the trainer is TP x DP or EP x DP; set one of them to 1")
+        # TP x EP: the experts whole (ETP 1), an EP group whole TP groups -- the layouts the
+        # weight shard rules cut (model/megatron_gpt.py shard_layout); the trainer refuses the
+        # rest at start too, on every rank (rl/trainer.py check_trainer_layout)
+        _require(self.trainer_tp == 1 or self.trainer_ep == 1
+                 or self.trainer_ep % self.trainer_tp == 0,
+                 "rl.trainer_ep",
+                 f"{self.trainer_ep} with rl.trainer_tp {self.trainer_tp} is not supported: "
+                 "with both above 1 trainer_ep must be a multiple of trainer_tp (an EP group "
+                 "is whole TP groups)")
         _require_min(self, ("seed", "target_token"), 0)
         _require(self.lr > 0, "rl.lr", f"must be > 0, got {self.lr}")
         _require(0 < self.clip < 1, "rl.clip", f"must be in (0, 1), got {self.clip}")

@@ -4,7 +4,8 @@ Owns the construction of a megatron ``GPTModel`` of the same architecture, fed t
 state dict, and a no-KV-cache forward over whole token sequences. Tests compare the engine's
 tokens and logprobs against it; it shares no code path with the inference model beyond
 megatron's own modules and ``megatron_config``. The RL trainer builds its model here too
-(TP x DP, EP x DP; with TP > 1 under sequence parallelism, see ``build_reference``).
+(TP x DP, EP x DP, TP x EP x DP; with TP > 1 under sequence parallelism, see
+``build_reference``; each rank's shard of the weights: ``shard_layout``).
 
 The model gets a ``ProcessGroupCollection`` of single-rank groups so it can be built inside any
 multi-rank job without touching the job's layout (megatron's global parallel_state is not used).
@@ -69,6 +70,30 @@ def tp_pg_collection(tp_group) -> ProcessGroupCollection:
     return pgc
 
 
+def shard_layout(pg_collection: ProcessGroupCollection) -> tuple[Layout, int]:
+    """This rank's shard of the full weights as an inference ``Layout`` and a rank in it --
+    what model/weights.py's rules and the checkpoint loader cut: dense tensors over TP,
+    experts over EP, each over expert TP.
+
+    ``Layout(world = EP x ETP, ADP = world / TP, EP)`` at rank ``ep_rank x ETP + etp_rank``
+    has ATP = TP, that ETP and that EP rank; its ATP rank must be this rank's TP rank. True in
+    megatron's layouts of TP x DP (ETP = TP, EP 1: the expert TP group is the TP group), EP x
+    DP (TP 1) and TP x EP with ETP 1 and EP a multiple of TP: megatron's expert rank order
+    ("tp-ep-dp") makes an ETP-1 EP group EP consecutive ranks, so EP rank = rank mod EP and
+    TP rank = rank mod TP = EP rank mod TP. Other layouts are refused: one rank's dense and
+    expert shards are then not one (ATP, EP) position, which is all the shard rules
+    describe."""
+    tp, ep, etp = (pg_collection.tp.size(), pg_collection.ep.size(),
+                   pg_collection.expt_tp.size())
+    world = ep * etp
+    rank = pg_collection.ep.rank() * etp + pg_collection.expt_tp.rank()
+    if world % tp or (rank % tp) != pg_collection.tp.rank():
+        raise ValueError(f"reference/trainer model: TP {tp} x EP {ep} with expert TP {etp} is "
+                         "not a layout the shard rules cut (experts whole, ETP 1, and EP a "
+                         "multiple of TP; or EP 1 with the experts TP-sharded)")
+    return Layout(world_size=world, adp=world // tp, ep=ep), rank
+
+
 def build_reference(cfg: ModelConfig,
                     full_state: dict[str, torch.Tensor] | Callable[[torch.nn.Module], None],
                     pg_collection: ProcessGroupCollection, device: torch.device,
@@ -91,7 +116,9 @@ def build_reference(cfg: ModelConfig,
     With a TP group of size t in ``pg_collection`` (see ``tp_pg_collection``) the model is
     megatron's TP-t model: its forward is collective over that group, and each rank loads its
     shard of ``full_state``. That is the fair bf16 yardstick for an engine with ATP = t: both
-    round partial sums before reducing them.
+    round partial sums before reducing them. With an EP group as well (the trainer's TP x EP,
+    experts whole: expert TP 1) each rank holds its EP rank's experts; megatron's allgather
+    dispatcher moves the tokens over tp_ep (``shard_layout`` says which layouts load).
 
     ``full_state`` a callable: it loads the weights into the model (already on ``device``), e.g.
     ``checkpoint.loader.megatron_loader`` reading each rank's TP slices of a Hugging Face
@@ -108,18 +135,17 @@ def build_reference(cfg: ModelConfig,
 
     if getattr(ps, "_GLOBAL_MEMORY_BUFFER", None) is None:
         ps._set_global_memory_buffer()
-    tp = pg_collection.tp.size()
-    ep = pg_collection.ep.size()
-    if tp > 1 and ep > 1:
-        raise ValueError(f"reference/trainer model: TP {tp} with EP {ep} is not supported "
-                         "(one of them must be 1)")
+    tp, ep = pg_collection.tp.size(), pg_collection.ep.size()
+    # the experts' TP width is the collection's: ETP = TP with EP 1 (megatron's default
+    # expert_tensor_parallel_size; the allgather dispatcher then gathers each TP rank's
+    # sequence shard over tp_ep = TP and reduce-scatters the output), ETP 1 with EP > 1 (the
+    # trainer's TP x EP: experts whole, rl/trainer.py trainer_pg_collection)
+    etp = pg_collection.expt_tp.size()
     if sequence_parallel and tp == 1:
         raise ValueError("reference/trainer model: sequence parallelism needs a TP group of "
                          "more than one rank")
-    # experts TP-sharded over the TP group (ETP = TP, megatron's default
-    # expert_tensor_parallel_size): the allgather dispatcher then gathers each TP rank's
-    # sequence shard of tokens over tp_ep (= TP with EP 1) and reduce-scatters the output
-    tcfg = megatron_config(cfg, dtype=dtype, init=False, use_te=te, tp=tp, etp=tp, ep=ep,
+    layout, shard_rank = shard_layout(pg_collection)  # refuses a layout it cannot cut
+    tcfg = megatron_config(cfg, dtype=dtype, init=False, use_te=te, tp=tp, etp=etp, ep=ep,
                            sequence_parallel=sequence_parallel)
     tcfg.moe_enable_routing_replay = routing_replay
     if recompute:
@@ -129,20 +155,15 @@ def build_reference(cfg: ModelConfig,
     if callable(full_state):  # straight into the parameters on their device
         model = model.to(device)
         full_state(model)
-    elif ep > 1:  # experts split over the EP group, everything else replicated
-        full_state = to_spec_names(full_state, te)
-        load_sharded(model, full_state, Layout(world_size=ep, adp=ep, ep=ep),
-                     pg_collection.ep.rank(), num_experts=cfg.num_experts)
-    elif tp == 1:
+    elif layout.world_size == 1:  # every tensor whole
         full_state = to_spec_names(full_state, te)
         missing, unexpected = model.load_state_dict(full_state, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
             raise KeyError(f"reference load: missing {missing}, unexpected {unexpected}")
-    else:
-        full_state = to_spec_names(full_state, te)
-        load_sharded(model, full_state, Layout(world_size=tp, adp=1, ep=1),
-                     pg_collection.tp.rank(), num_experts=cfg.num_experts)
+    else:  # dense tensors cut over TP, experts over EP (and expert TP)
+        load_sharded(model, to_spec_names(full_state, te), layout, shard_rank,
+                     num_experts=cfg.num_experts)
     model = model.to(device)
     if tcfg.bf16 or tcfg.fp16:
         # megatron runs half-precision models inside Float16Module (casts inputs, fp32 logits)

@@ -1,27 +1,39 @@
-"""The trainer colocated with the engine: a megatron GPTModel in a layout of its own (TP x DP,
-or EP x DP with the experts split over expert-parallel groups).
+"""The trainer colocated with the engine: a megatron GPTModel in a layout of its own -- TP x DP,
+EP x DP, or TP x EP x DP, the expert groups derived from TP, EP and DP as megatron's
+``initialize_model_parallel`` derives them (``trainer_pg_collection``).
 
 Owns the training model, megatron's DistributedDataParallel wrapper and the optimizer, and one
 GRPO or PPO update from trajectories (PPO adds a value head on the final hidden states). Its
-layout (trainer TP, DP = world / TP) is independent of the inference layout (ADP/ATP/EP):
-``WeightSync`` reshards after every step.
+layout (trainer TP, EP; DP = world / TP) is independent of the inference layout
+(ADP/ATP/EP): ``WeightSync`` reshards after every step.
 
 TP > 1 runs under megatron's sequence parallelism (megatron trains MoE with TP only so:
-``MoELayer.forward`` refuses it otherwise), the experts TP-sharded over the same group (ETP =
-TP), EP 1. The TP ranks of a replica take the same trajectories and compute the same loss
-(the logits are gathered whole); each forward's sequence length is padded to a multiple of TP
-(SP splits the sequence over the TP group; the padding is causal-masked out of every real
-token and out of the loss). What each TP rank trains on its own sequence shard only -- the
-norms, the routers, a shared-expert gate (``sequence_parallel``-marked) and q/k norms (their
-heads split over TP) -- has its gradient summed over TP, megatron's finalize-grads rule.
+``MoELayer.forward`` refuses it otherwise). The TP ranks of a replica take the same
+trajectories and compute the same loss (the logits are gathered whole); each forward's sequence
+length is padded to a multiple of TP (SP splits the sequence over the TP group; the padding is
+causal-masked out of every real token and out of the loss). What each TP rank trains on its
+own sequence shard only -- the norms, the routers, a shared-expert gate
+(``sequence_parallel``-marked) and q/k norms (their heads split over TP) -- has its gradient
+summed over TP, megatron's finalize-grads rule.
+
+The experts: with EP 1 they are TP-sharded over the TP group (ETP = TP, megatron's default).
+With EP > 1 they are whole (ETP = 1, megatron's usual MoE choice: the expert GEMMs stay whole
+and need no TP collectives, and EP can span the whole TP x DP world, e.g. TP2 x EP4 on 4 ranks,
+where ETP = TP would cap EP at DP); megatron carves the EP groups out of TP x DP in its expert
+rank order ("tp-ep-dp": EP groups of EP consecutive ranks), and each expert is data-parallel
+over the ranks holding it (expt_dp). megatron's allgather token dispatcher gathers every
+rank's sequence shard over tp_ep (= the EP group) and reduce-scatters the expert output, so
+every rank of a tp_ep group forwards one shape (``_batch_shape``). EP must be a multiple of TP
+(an EP group is whole TP groups; ``shard_layout`` in model/megatron_gpt.py says why).
 
 Optimizer and gradient sync: on GPUs megatron-core's ``DistributedDataParallel`` and
 ``get_megatron_optimizer`` (NOT yet run on a GPU -- see docs/status.md). On CPU ranks neither
 can run (megatron's DDP grad sync is CUDA-stream bound, its FP32Optimizer allocates on CUDA), so
-the CPU tier averages gradients over the trainer's DP group with one all-reduce per parameter
-and steps ``torch.optim.AdamW`` -- the same update, spelled out. The TP sum of the
-sequence-shard gradients runs on both (``_sum_sequence_shard_grads``: on GPUs on megatron
-DDP's ``main_grad`` -- not yet run on a GPU either).
+the CPU tier all-reduces gradients itself -- dense ones over the DP group, expert ones over
+expt_dp, both then divided by DP, as megatron's DDP scales them -- and steps
+``torch.optim.AdamW``: the same update, spelled out. The TP sum of the sequence-shard gradients
+runs on both (``_sum_sequence_shard_grads``: on GPUs on megatron DDP's ``main_grad`` -- not yet
+run on a GPU either).
 
 Must not go in here: rollout, weight resharding (weight_sync.py), the model's construction
 (model/megatron_gpt.py), the loss arithmetic (grpo.py).
@@ -33,8 +45,12 @@ import torch
 import torch.distributed as dist
 
 from colo_rollout.config import Config
-from colo_rollout.checkpoint.loader import megatron_loader
-from colo_rollout.model.megatron_gpt import build_reference, singleton_pg_collection
+from colo_rollout.checkpoint.loader import load_checkpoint
+from colo_rollout.model.megatron_gpt import (
+    build_reference,
+    shard_layout,
+    singleton_pg_collection,
+)
 from colo_rollout.rl.grpo import (
     MismatchCorrection,
     clipped_loss,
@@ -46,15 +62,16 @@ from colo_rollout.rl.grpo import (
 from colo_rollout.rl.rollout import Trajectory
 
 
-def check_trainer_tp(model, tp: int) -> None:
+def check_trainer_tp(model, tp: int, ep: int = 1) -> None:
     """Refuse a trainer TP width the model's shapes cannot be split by (megatron would fail
     deep inside a layer constructor): heads and KV groups, the vocab-parallel embedding, the
-    column/row-parallel FFN widths (experts ETP = TP)."""
+    column/row-parallel FFN widths (the experts' only with EP 1, where ETP = TP)."""
     if tp == 1:
         return
     widths = {"num_attention_heads": model.num_attention_heads,
-              "num_query_groups": model.num_query_groups, "vocab_size": model.vocab_size,
-              "moe_ffn_hidden_size": model.moe_ffn_hidden_size}
+              "num_query_groups": model.num_query_groups, "vocab_size": model.vocab_size}
+    if ep == 1:
+        widths["moe_ffn_hidden_size"] = model.moe_ffn_hidden_size
     if model.first_k_dense:
         widths["ffn_hidden_size"] = model.dense_ffn_hidden_size
     if model.shared_expert_ffn_hidden_size is not None:
@@ -65,33 +82,61 @@ def check_trainer_tp(model, tp: int) -> None:
                          "splits heads, KV groups, the vocabulary and the FFN widths)")
 
 
-def trainer_pg_collection(world: int, tp: int, ep: int = 1):
-    """Megatron groups for a TP-``tp`` x DP-``world/tp`` trainer; with ``ep`` > 1 (TP 1) the
-    experts are split over EP groups of ``ep`` consecutive ranks (megatron carves expert
-    parallelism out of data parallelism) and each expert is data-parallel over the ranks
-    holding the same share (expt_dp, stride ``ep``). Collective: every rank creates every
-    group in the same order."""
+def check_trainer_layout(world: int, tp: int, ep: int) -> None:
+    """Refuse the trainer widths ``trainer_pg_collection`` cannot lay out over ``world``
+    ranks (the same rules as the door's, config/schema.py and config/loader.py)."""
     if world % tp:
         raise ValueError(f"rl.trainer_tp {tp} does not divide the world size {world}")
     if world % ep:
         raise ValueError(f"rl.trainer_ep {ep} does not divide the world size {world}")
-    me = dist.get_rank()
-    tp_groups = [dist.new_group(list(range(i, i + tp))) for i in range(0, world, tp)]
-    dp_groups = [dist.new_group(list(range(j, world, tp))) for j in range(tp)]
+    if tp > 1 and ep > 1 and ep % tp:
+        raise ValueError(f"rl.trainer_ep {ep} is not a multiple of rl.trainer_tp {tp} (with "
+                         "both above 1 an EP group must be whole TP groups)")
+
+
+def trainer_pg_collection(world: int, tp: int, ep: int = 1):
+    """Megatron's groups for a TP-``tp`` x DP-``world/tp`` trainer with its experts over EP
+    ``ep``, laid out by megatron's own rank arithmetic (``parallel_state.RankGenerator`` in
+    its default order "tp-cp-ep-dp-pp", as ``initialize_model_parallel`` builds them; no
+    global parallel state is touched). Dense: TP groups of ``tp`` consecutive ranks, DP
+    groups of stride ``tp``. Experts: expert TP ``etp`` = ``tp`` with EP 1, else 1 (module
+    docstring); EP groups of ``ep`` consecutive ranks at ETP 1 (megatron carves EP out of
+    TP x DP, expert TP varying fastest); tp_ep = expert TP x EP (the dispatcher's group);
+    expt_dp = the ranks holding the same experts (world / (etp x ep) of them).
+
+    Collective: every rank walks every group of every kind in the same order and creates each
+    distinct multi-rank group once (identical lists -- e.g. tp_ep and ep at ETP 1, or EP and
+    TP groups at TP = EP -- share one group); single-rank groups are this rank's singleton."""
+    from megatron.core.parallel_state import RankGenerator
+
+    check_trainer_layout(world, tp, ep)
+    etp = tp if ep == 1 else 1
+    order = "tp-cp-ep-dp-pp"  # megatron's default
+    dense = RankGenerator(tp=tp, ep=1, dp=world // tp, pp=1, cp=1, order=order)
+    expert = RankGenerator(tp=etp, ep=ep, dp=world // (etp * ep), pp=1, cp=1, order=order)
     pgc = singleton_pg_collection()
-    for f in ("tp", "mp", "tp_cp", "expt_tp", "tp_ep", "tp_ep_pp", "tp_dp_cp"):
-        setattr(pgc, f, tp_groups[me // tp])
-    for f in ("dp", "dp_cp", "expt_dp", "intra_dp_cp", "intra_expt_dp"):
-        setattr(pgc, f, dp_groups[me % tp])
-    if ep > 1:
-        if tp > 1:
-            raise ValueError(f"rl.trainer_ep {ep} with rl.trainer_tp {tp}: one of them must be 1")
-        ep_groups = [dist.new_group(list(range(i, i + ep))) for i in range(0, world, ep)]
-        expt_dp = [dist.new_group(list(range(j, world, ep))) for j in range(ep)]
-        for f in ("ep", "tp_ep", "tp_ep_pp"):
-            setattr(pgc, f, ep_groups[me // ep])
-        for f in ("expt_dp", "intra_expt_dp"):
-            setattr(pgc, f, expt_dp[me % ep])
+    single, me = pgc.pp, dist.get_rank()
+    made: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+    def mine(gen, token: str):
+        own = None
+        for ranks in gen.get_ranks(token):
+            key = tuple(ranks)
+            if len(key) > 1 and key not in made:
+                made[key] = dist.new_group(list(key))
+            if me in key:
+                own = made[key] if len(key) > 1 else single
+        return own
+
+    groups = {"tp": mine(dense, "tp"), "dp": mine(dense, "dp"), "tp_dp": mine(dense, "tp-dp"),
+              "expt_tp": mine(expert, "tp"), "ep": mine(expert, "ep"),
+              "tp_ep": mine(expert, "tp-ep"), "expt_dp": mine(expert, "dp")}
+    fields = {"tp": ("tp", "mp", "tp_cp"), "dp": ("dp", "dp_cp", "intra_dp_cp"),
+              "tp_dp": ("tp_dp_cp",), "expt_tp": ("expt_tp",), "ep": ("ep",),
+              "tp_ep": ("tp_ep", "tp_ep_pp"), "expt_dp": ("expt_dp", "intra_expt_dp")}
+    for kind, names in fields.items():
+        for f in names:
+            setattr(pgc, f, groups[kind])
     return pgc
 
 
@@ -110,14 +155,13 @@ class Trainer:
         self.tp = cfg.rl.trainer_tp
         self.dp = world // self.tp
         self.dp_rank = dist.get_rank() // self.tp
-        check_trainer_tp(cfg.model, self.tp)
         self.ep = cfg.rl.trainer_ep
+        check_trainer_tp(cfg.model, self.tp, self.ep)
         if cfg.model.num_experts % self.ep:
             raise ValueError(f"rl.trainer_ep {self.ep} does not divide model.num_experts "
                              f"{cfg.model.num_experts}")
         self.pgc = trainer_pg_collection(world, self.tp, self.ep)
-        weights = state_dict if state_dict is not None else megatron_loader(
-            cfg.model, self.pgc.tp.size(), self.pgc.tp.rank())
+        weights = state_dict if state_dict is not None else self._checkpoint_loader(cfg)
         self.recompute = cfg.rl.recompute == "full"
         # TP > 1: sequence parallel (megatron's MoE refuses to train under TP without it)
         model = build_reference(cfg.model, weights, self.pgc, device,
@@ -163,6 +207,14 @@ class Trainer:
             else:
                 self.opt.add_param_group({"params": list(self.value_head.parameters())})
 
+    def _checkpoint_loader(self, cfg: Config):
+        """``cfg.model.checkpoint``'s shards of this rank (``shard_layout``: its TP slices of
+        the dense tensors, its EP rank's experts), read straight into the model."""
+        if cfg.model.checkpoint is None:
+            raise ValueError("trainer: no state dict and model.checkpoint is not set")
+        layout, rank = shard_layout(self.pgc)
+        return lambda model: load_checkpoint(model, cfg.model, layout, rank)
+
     def _sum_sequence_shard_grads(self, attr: str) -> None:
         """TP > 1: sum over the TP group the gradients each TP rank took from its part of the
         tokens or heads alone -- parameters marked ``sequence_parallel`` (norms, routers,
@@ -192,6 +244,10 @@ class Trainer:
         Collective over the world; DP replica 0's TP group gathers, global rank 0 writes."""
         from colo_rollout.checkpoint.export import export_checkpoint
 
+        if self.ep > 1:  # the door refuses it too (config/loader.py)
+            raise ValueError(f"rl.export_dir with rl.trainer_ep {self.ep}: the export gathers "
+                             "over the trainer's TP group only (checkpoint/export.py: every "
+                             "expert on every rank)")
         files = []
         if self.dp_rank == 0:
             files = export_checkpoint(self.module, self.cfg.model, directory,
@@ -245,15 +301,16 @@ class Trainer:
 
     def _batch_shape(self, batch: list[Trajectory]) -> tuple[int, int]:
         """(rows, tokens) of this rank's forward: its trajectories and the longest of them;
-        with the experts split over EP, the largest over the EP group -- megatron's token
-        dispatcher exchanges equal token counts, so every EP rank pads to the same shape
-        (padding rows are masked out of the loss); with TP, tokens rounded up to a multiple
-        of TP (``_padded_length``)."""
+        with the experts split over EP, the largest over the tp_ep group -- megatron's
+        allgather dispatcher gathers equal token counts from every rank of it (at TP > 1 a
+        tp_ep group spans EP / TP replicas), so they all pad to the same shape (padding rows
+        are masked out of the loss); with TP, tokens rounded up to a multiple of TP
+        (``_padded_length``)."""
         shape = [max(len(batch), 1),
                  self._padded_length(max((len(t.tokens) for t in batch), default=2))]
         if self.ep > 1:
             agreed = torch.tensor(shape, dtype=torch.long, device=self.device)
-            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.pgc.ep)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.pgc.tp_ep)
             shape = agreed.tolist()
         return shape[0], shape[1]
 
@@ -446,13 +503,19 @@ class Trainer:
         else:
             self._sum_sequence_shard_grads("grad")
             for p in self.module.parameters():
-                if p.grad is None or self.dp == 1:
+                if p.grad is None:
                     continue
-                # an expert split over EP (megatron marks it allreduce=False) already holds
-                # its EP group's tokens' gradient: summed over the ranks holding the same
-                # share; either way the sum over every trajectory, then the mean (/ dp)
+                # a dense parameter holds its replica's gradient: summed over DP. An expert
+                # split over EP (megatron marks it allreduce=False) holds the gradient of its
+                # tp_ep group's tokens (EP / TP replicas' worth): summed over the ranks
+                # holding the same experts (expt_dp), every token counted once. Either way
+                # the sum over every replica's (dp-scaled) loss, then the mean: / dp, as
+                # megatron's DDP scales both (expt_dp may be 1 while DP is not)
                 expert = not getattr(p, "allreduce", True)
-                dist.all_reduce(p.grad, group=self.pgc.expt_dp if expert else self.pgc.dp)
-                p.grad /= self.dp
+                group = self.pgc.expt_dp if expert else self.pgc.dp
+                if group.size() > 1:
+                    dist.all_reduce(p.grad, group=group)
+                if self.dp > 1:
+                    p.grad /= self.dp
             self.opt.step()
         return {"loss": float(loss.detach()), **metrics, **replay_stats, **extra}
