@@ -6,9 +6,10 @@ from both models' parameter metadata (TP partition dims, expert ownership from t
 ``pg_collection``), caches it per model pair, and a copy service moves the bytes -- same-rank
 slices are local copies, the rest point-to-point.
 
-The trainer's layouts (rl/trainer.py): TP1 x DP, EP x DP, and TP x DP under sequence
+The trainer's layouts (rl/trainer.py): TP1 x DP, EP x DP, TP x DP under sequence
 parallelism with the experts TP-sharded over the same group (ETP = TP) and the embedding and
-output vocab-parallel. Sequence parallelism splits activations only: no parameter's shape or
+output vocab-parallel, and TP x EP (ETP 1: whole experts over EP groups carved out of TP x DP;
+the planner reads expert ownership from the groups). Sequence parallelism splits activations only: no parameter's shape or
 partition metadata changes (its norms, routers and gates are replicated over TP, marked
 ``sequence_parallel`` for the gradient sum), so the plan is the TP model's; the replicated
 copies are identical on every TP rank after each step, so any of them is a valid source.
