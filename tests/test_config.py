@@ -331,12 +331,10 @@ def test_trainer_tp_widths_and_tp_with_ep_are_refused_with_the_reason(tmp_path):
     assert load_config(path, {**odd, "rl.trainer_ep": 2}).rl.trainer_ep == 2
 
 
-def test_export_with_an_expert_parallel_trainer_is_refused(tmp_path):
+def test_export_with_an_expert_parallel_trainer_is_accepted(tmp_path):
     path = write(tmp_path, "parallel:\n  world_size: 2\n  adp: 2\n  ep: 2\n"
                            "model:\n  num_experts: 4\nrl:\n  export_dir: out\n")
-    assert load_config(path).rl.export_dir == "out"
-    assert_load_error(path, "rl.trainer_ep", "2 with rl.export_dir", "TP group only",
-                      overrides={"rl.trainer_ep": 2})
+    assert load_config(path, {"rl.trainer_ep": 2}).rl.export_dir == "out"
 
 
 def test_rl_prompt_len_max_must_leave_the_drawn_range(tmp_path):

@@ -125,6 +125,27 @@ def test_train_from_a_hf_checkpoint_and_export(worker_groups, tmp_path, trainer_
     assert any(not torch.equal(before[k], after[k]) for k in before)  # it trained
 
 
+def test_expert_parallel_trainer_exports_every_expert_in_place(worker_groups, tmp_path):
+    # trainer TP1 x EP2 (each rank half the experts, whole): the export broadcasts each expert
+    # from its EP rank to the writer. With a learning rate too small to move a weight, the
+    # exported checkpoint is the source one bit for bit -- every expert at its own index
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    hf, src, cfg_path = _hf_checkpoint(tmp_path)
+    out = tmp_path / "exported"
+    overrides = {"rl.out_dir": str(tmp_path / "run"), "rl.steps": 1, "rl.lr": 1e-30,
+                 "model.checkpoint": str(src), "rl.export_dir": str(out),
+                 "rl.trainer_ep": 2}
+    worker_groups(2).run("colo_rollout.rl.train:run_train", timeout=600,
+                         config_path=str(cfg_path), overrides=overrides, quiet=True)
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    before, after = hf.state_dict(), back.state_dict()
+    assert sorted(before) == sorted(after)
+    experts = [k for k in before if ".experts." in k]
+    assert experts and all(torch.equal(before[k], after[k]) for k in before)
+
+
 def test_tensor_and_expert_parallel_trainer_reads_a_hf_checkpoint(worker_groups, tmp_path):
     # trainer TP2 x EP2 on 4 ranks: each rank reads its TP slices of the dense tensors and
     # its EP rank's experts whole; the engine (EP4/ADP2/ATP2) its own slices -- their

@@ -2,9 +2,10 @@
 
 Owns ``hf_config_dict`` (the config.json of a model section in one of the supported families,
 checked to parse back to the same fields) and ``export_checkpoint``: the full tensors of a
-TP-sharded megatron model (the trainer's layout: TP x DP, EP1) gathered one at a time over its
-TP group onto global rank 0, split into HF tensors (``hf_names``) and streamed into sharded
-safetensors (``store.write_checkpoint``). At most one full tensor and one shard are in memory.
+TP-sharded megatron model (the trainer's layout: TP x DP, optionally with whole experts split
+over an EP group, ETP 1) gathered one at a time onto global rank 0 -- dense tensors over the TP
+group, each expert broadcast from its EP rank -- split into HF tensors (``hf_names``) and
+streamed into sharded safetensors (``store.write_checkpoint``). At most one full tensor and one shard are in memory.
 transformers loads the result, and loading it back gives the same weights bit for bit.
 
 Must not go in here: name mapping (hf_names.py), file format (store.py).
@@ -121,12 +122,15 @@ def _full_tensor(local: torch.Tensor, kind: str, group, size: int) -> torch.Tens
 
 
 def export_checkpoint(model: torch.nn.Module, cfg: ModelConfig, directory: str | pathlib.Path,
-                      *, tp_group=None, te: bool = False, family: str | None = None,
-                      dtype: str | None = None, max_shard_bytes: int = 5 * 2**30,
+                      *, tp_group=None, ep_group=None, te: bool = False,
+                      family: str | None = None, dtype: str | None = None,
+                      max_shard_bytes: int = 5 * 2**30,
                       writer: bool | None = None) -> list[pathlib.Path]:
-    """Write ``model`` (megatron-named, TP-sharded over ``tp_group``, all experts on every
-    rank) as a Hugging Face checkpoint in ``directory``. Collective over ``tp_group``; every
-    other TP group holding a replica of the same weights may skip the call. ``writer`` (default:
+    """Write ``model`` (megatron-named, TP-sharded over ``tp_group``; all experts on every
+    rank, or with ``ep_group`` each EP rank's experts whole) as a Hugging Face checkpoint in
+    ``directory``. Collective over ``tp_group`` (and ``ep_group``: every rank of it calls, each
+    with its own TP group inside it); every other group holding a replica of the same
+    weights may skip the call. ``writer`` (default:
     global rank 0, or the only process) writes the files; the others only send their shards.
     ``dtype`` (default: the model's) is the stored dtype; config.json is the source
     checkpoint's (``cfg.checkpoint``) with that dtype when there is one, else generated for
@@ -137,6 +141,9 @@ def export_checkpoint(model: torch.nn.Module, cfg: ModelConfig, directory: str |
     if writer is None:
         writer = (dist.get_rank() == 0) if dist.is_initialized() else True
     layout = Layout(world_size=size, adp=1, ep=1)
+    ep = ep_group.size() if ep_group is not None else 1
+    ep_layout = Layout(world_size=ep, adp=1, ep=ep)  # experts whole (ETP 1) over EP
+    n_local = cfg.num_experts // ep
     params = loadable_tensors(model)
     model_dtype = next(iter(params.values())).dtype
     dtype_name = dtype or _DTYPE_NAMES.get(model_dtype, "bfloat16")
@@ -147,9 +154,13 @@ def export_checkpoint(model: torch.nn.Module, cfg: ModelConfig, directory: str |
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for name, src in sources.items():
-            rule = shard_rule(spec[name], layout, tp_rank, cfg.num_experts)
-            local = _param(params, rule.local)
-            full = _full_tensor(local.detach(), rule.kind, tp_group, size)
+            if ep > 1 and _is_expert(spec[name]):
+                full = _expert_tensor(spec[name], shapes[name], params, ep_group, ep_layout,
+                                      n_local, model_dtype)
+            else:
+                rule = shard_rule(spec[name], layout, tp_rank, cfg.num_experts)
+                local = _param(params, rule.local)
+                full = _full_tensor(local.detach(), rule.kind, tp_group, size)
             if tuple(full.shape) != shapes[name]:
                 raise ValueError(f"export: {name} gathered to {tuple(full.shape)}, expected "
                                  f"{shapes[name]}")
@@ -171,6 +182,27 @@ def export_checkpoint(model: torch.nn.Module, cfg: ModelConfig, directory: str |
     extra = _tokenizer_files(cfg.checkpoint)
     return write_checkpoint(directory, tensors(), config, max_shard_bytes=max_shard_bytes,
                             extra_files=extra)
+
+
+def _is_expert(name: str) -> bool:
+    return ".mlp.experts." in name
+
+
+def _expert_tensor(name: str, shape: tuple, params: dict, ep_group, ep_layout: Layout,
+                   n_local: int, dtype: torch.dtype) -> torch.Tensor:
+    """Routed expert tensor ``name`` (whole: expert TP 1) broadcast over the EP group from the
+    EP rank that holds it."""
+    me = ep_group.rank()
+    owner = next(r for r in range(ep_group.size())
+                 if shard_rule(name, ep_layout, r, n_local) is not None)
+    if owner == me:
+        buf = _param(params, shard_rule(name, ep_layout, me, n_local).local).detach()
+        buf = buf.contiguous()
+    else:
+        device = next(iter(params.values())).device
+        buf = torch.empty(shape, dtype=dtype, device=device)
+    dist.broadcast(buf, src=dist.get_global_rank(ep_group, owner), group=ep_group)
+    return buf
 
 
 def _source_family(cfg: ModelConfig) -> str:

@@ -148,13 +148,6 @@ class Config:
             f"model.num_experts {model.num_experts}",
         )
         _require(
-            self.rl.trainer_ep == 1 or self.rl.export_dir is None,
-            "rl.trainer_ep",
-            f"{self.rl.trainer_ep} with rl.export_dir: the export gathers over the trainer's "
-            "TP group only (checkpoint/export.py: every expert on every rank); train at "
-            "trainer_ep 1 to export",
-        )
-        _require(
             self.rl.recompute == "none" or par.backend == "nccl",
             "rl.recompute",
             "'full' needs GPUs (parallel.backend nccl): megatron's recompute saves and restores "

@@ -241,15 +241,16 @@ class Trainer:
 
     def export(self, directory: str) -> list:
         """Write the trainer's weights as a Hugging Face checkpoint (checkpoint/export.py).
-        Collective over the world; DP replica 0's TP group gathers, global rank 0 writes."""
+        Collective over the world; DP replica 0's TP group gathers (with EP: the EP group of
+        rank 0, each expert broadcast from its EP rank), global rank 0 writes."""
         from colo_rollout.checkpoint.export import export_checkpoint
 
-        if self.ep > 1:  # the door refuses it too (config/loader.py)
-            raise ValueError(f"rl.export_dir with rl.trainer_ep {self.ep}: the export gathers "
-                             "over the trainer's TP group only (checkpoint/export.py: every "
-                             "expert on every rank)")
         files = []
-        if self.dp_rank == 0:
+        if self.ep > 1:  # the EP group holding rank 0 (consecutive ranks) holds every expert
+            if dist.get_rank() < self.ep:
+                files = export_checkpoint(self.module, self.cfg.model, directory,
+                                          tp_group=self.pgc.tp, ep_group=self.pgc.ep)
+        elif self.dp_rank == 0:
             files = export_checkpoint(self.module, self.cfg.model, directory,
                                       tp_group=self.pgc.tp)
         dist.barrier()
