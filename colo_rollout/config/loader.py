@@ -32,6 +32,7 @@ from colo_rollout.config.schema import (
     RLConfig,
     WorkloadConfig,
     deepep_layout_problem,
+    trainer_tp_widths,
 )
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,15 +126,7 @@ class Config:
         )
         tp = self.rl.trainer_tp
         tp_widths = {"parallel.world_size": par.world_size,
-                     "model.num_attention_heads": model.num_attention_heads,
-                     "model.num_query_groups": model.num_query_groups,
-                     "model.vocab_size": model.vocab_size}
-        if self.rl.trainer_ep == 1:  # experts TP-sharded only at EP 1 (with EP: ETP 1)
-            tp_widths["model.moe_ffn_hidden_size"] = model.moe_ffn_hidden_size
-        if model.first_k_dense:
-            tp_widths["model.ffn_hidden_size"] = model.dense_ffn_hidden_size
-        if model.shared_expert_ffn_hidden_size is not None:
-            tp_widths["model.shared_expert_ffn_hidden_size"] = model.shared_expert_ffn_hidden_size
+                     **trainer_tp_widths(model, self.rl.trainer_ep)}
         bad = [f"{k} {v}" for k, v in tp_widths.items() if v % tp]
         _require(
             not bad, "rl.trainer_tp",

@@ -33,6 +33,24 @@ DEEPEP_LL_MAX_TOPK = 11
 DEEPEP_EP_SIZES = (1, 2, 4, 8)
 
 
+def trainer_tp_widths(model: "ModelConfig", ep: int = 1) -> dict[str, int]:
+    """The model widths a trainer TP group splits (keyed by their ``model.`` key): heads, KV
+    groups, the vocabulary (vocab-parallel embedding), the dense and shared-expert FFNs, and
+    the experts' FFN only at EP 1 (expert TP = TP there; with EP the experts are whole). The
+    door (config/loader.py) and the trainer (rl/trainer.py) both refuse a TP that leaves a
+    remainder in one of them."""
+    widths = {"model.num_attention_heads": model.num_attention_heads,
+              "model.num_query_groups": model.num_query_groups,
+              "model.vocab_size": model.vocab_size}
+    if ep == 1:
+        widths["model.moe_ffn_hidden_size"] = model.moe_ffn_hidden_size
+    if model.first_k_dense:
+        widths["model.ffn_hidden_size"] = model.dense_ffn_hidden_size
+    if model.shared_expert_ffn_hidden_size is not None:
+        widths["model.shared_expert_ffn_hidden_size"] = model.shared_expert_ffn_hidden_size
+    return widths
+
+
 def deepep_layout_problem(ep: int, hidden: int, topk: int) -> str | None:
     """Why this EP size / hidden size / top-k cannot run the deepep backend (None: it can)."""
     if ep not in DEEPEP_EP_SIZES:

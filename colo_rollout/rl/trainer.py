@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from colo_rollout.config import Config
+from colo_rollout.config.schema import trainer_tp_widths
 from colo_rollout.checkpoint.loader import load_checkpoint
 from colo_rollout.model.megatron_gpt import (
     build_reference,
@@ -68,14 +69,7 @@ def check_trainer_tp(model, tp: int, ep: int = 1) -> None:
     column/row-parallel FFN widths (the experts' only with EP 1, where ETP = TP)."""
     if tp == 1:
         return
-    widths = {"num_attention_heads": model.num_attention_heads,
-              "num_query_groups": model.num_query_groups, "vocab_size": model.vocab_size}
-    if ep == 1:
-        widths["moe_ffn_hidden_size"] = model.moe_ffn_hidden_size
-    if model.first_k_dense:
-        widths["ffn_hidden_size"] = model.dense_ffn_hidden_size
-    if model.shared_expert_ffn_hidden_size is not None:
-        widths["shared_expert_ffn_hidden_size"] = model.shared_expert_ffn_hidden_size
+    widths = {k.removeprefix("model."): v for k, v in trainer_tp_widths(model, ep).items()}
     bad = {k: v for k, v in widths.items() if v % tp}
     if bad:
         raise ValueError(f"rl.trainer_tp {tp} does not divide model {bad} (the trainer's TP "
