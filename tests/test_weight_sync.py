@@ -219,3 +219,39 @@ def test_same_rank_refit_is_replayed_and_follows_the_trainer(worker_groups, worl
         assert r["version"] == 3
         assert r["replayed"] == replay and r["replays_left"] == int(replay)
     assert res[0]["mismatches"] == [] and res[0]["max_logprob_diff"] < LOGPROB_TOL
+
+
+def test_local_replay_merges_halves_and_keeps_whole_parameters_static():
+    """LocalReplay's recording, without processes: a GLU weight moved as its two halves (as
+    megatron's plan does) replays as one whole-parameter copy from lists made once; a slice
+    of a larger parameter stays a view rebuilt per replay; both bring the trainer's new
+    values; a parameter whose storage is replaced with the same layout (the engine's memory
+    release) is followed, and one whose layout changed makes the replay invalid."""
+    import torch
+
+    from colo_rollout.rl.weight_sync import LocalReplay
+
+    torch.manual_seed(0)
+    trainer = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(8, 4)),
+                                      torch.nn.Parameter(torch.randn(3, 4))])
+    stack = torch.zeros(2, 8, 4)
+    inference = torch.nn.ParameterList([torch.nn.Parameter(stack[0]),
+                                        torch.nn.Parameter(torch.zeros(6, 4))])
+    t0, t1 = trainer[0], trainer[1]
+    i0, i1 = inference[0], inference[1]
+    pairs = [(t0.data[:4], i0.data[:4]), (t0.data[4:], i0.data[4:]),  # gate, up halves
+             (t1.data, i1.data[2:5])]  # into a slice
+    rep = LocalReplay(pairs, trainer, inference)
+    assert sum(len(d) for d, _ in rep.static) == 1 and len(rep.views) == 1
+    assert rep.valid() and rep.run() == (32 + 12) * 4
+    assert torch.equal(i0.data, t0.data) and torch.equal(i1.data[2:5], t1.data)
+    assert not i1.data[:2].any() and not i1.data[5:].any()
+    with torch.no_grad():
+        t0.mul_(3.0)
+        t1.add_(1.0)
+    i1.data = torch.zeros(6, 4)  # released and restored: a new storage, the same layout
+    assert rep.valid() and rep.run() > 0
+    assert torch.equal(i0.data, t0.data) and torch.equal(i1.data[2:5], t1.data)
+    assert torch.equal(stack[0], t0.data)  # written through the stack's view
+    i1.data = torch.zeros(7, 4)  # another layout: the recording no longer applies
+    assert not rep.valid()

@@ -178,29 +178,43 @@ def _unwrapped(name: str) -> str:
     return name
 
 
-def sync_buffers(trainer_model: torch.nn.Module, inference_model: torch.nn.Module) -> int:
-    """Copy the persistent buffers that are weights -- the routers' score-correction bias
+class BufferSync:
+    """Copies the persistent buffers that are weights -- the routers' score-correction bias
     (megatron's ``expert_bias``, which aux-loss-free balancing updates in training) -- from the
     trainer into the inference model. megatron's refit plans parameters only. Both models hold
     the whole buffer on every rank (the router is replicated), so this is a local copy.
-    Returns the number of buffers copied."""
-    src = {_unwrapped(n): b for n, b in trainer_model.named_buffers()
-           if n.endswith(".router.expert_bias")}
-    n = 0
-    with torch.no_grad():
+
+    The pairs are found once (a walk over both models' modules costs milliseconds at thousands
+    of modules); each call reads the buffers from their modules by name, so a buffer that was
+    re-assigned is still the one copied."""
+
+    SUFFIX = ".router.expert_bias"
+
+    def __init__(self, trainer_model: torch.nn.Module, inference_model: torch.nn.Module) -> None:
+        src = {_unwrapped(n): n for n, _ in trainer_model.named_buffers()
+               if n.endswith(self.SUFFIX)}
+        t_mods, i_mods = dict(trainer_model.named_modules()), dict(inference_model.named_modules())
+        self.pairs = []
         for name, dst in inference_model.named_buffers():
-            if not name.endswith(".router.expert_bias"):
+            if not name.endswith(self.SUFFIX):
                 continue
             got = src.get(_unwrapped(name))
-            if got is None or got.shape != dst.shape:
+            if got is None or trainer_model.get_buffer(got).shape != dst.shape:
                 raise KeyError(f"weight sync: the trainer has no router buffer matching "
                                f"{name!r} {tuple(dst.shape)}")
-            dst.copy_(got)
-            n += 1
-    if n != len(src):
-        raise KeyError(f"weight sync: the trainer has {len(src)} router expert-bias buffers, "
-                       f"the inference model {n}")
-    return n
+            leaf = self.SUFFIX.rsplit(".", 1)[1]
+            self.pairs.append((t_mods[got.rsplit(".", 1)[0]], i_mods[name.rsplit(".", 1)[0]],
+                               leaf))
+        if len(self.pairs) != len(src):
+            raise KeyError(f"weight sync: the trainer has {len(src)} router expert-bias "
+                           f"buffers, the inference model {len(self.pairs)}")
+
+    def __call__(self) -> int:
+        """Copies every pair; returns how many."""
+        with torch.no_grad():
+            for t_mod, i_mod, leaf in self.pairs:
+                getattr(i_mod, leaf).copy_(getattr(t_mod, leaf))
+        return len(self.pairs)
 
 
 @dataclass
@@ -209,12 +223,12 @@ class SyncStats:
     seconds: float
     bytes_remote: int
     bytes_local: int
+    path: str = "plan"  # "replay": LocalReplay's batched copies; "plan": megatron's refit
 
 
-def _layout(model: torch.nn.Module) -> list[tuple]:
+def _layout(params: list[torch.Tensor]) -> list[tuple]:
     """Each parameter's shape, strides, storage offset and dtype, in parameter order."""
-    return [(tuple(p.shape), p.stride(), p.storage_offset(), p.dtype)
-            for p in model.parameters()]
+    return [(tuple(p.shape), p.stride(), p.storage_offset(), p.dtype) for p in params]
 
 
 class LocalReplay:
@@ -222,46 +236,133 @@ class LocalReplay:
     (trainer slice, inference slice) pair a view of the parameters themselves (no staging
     buffer, no write-back, no transform, no point-to-point op). Replaying those pairs is the
     whole sync -- the plan's per-op Python (views, submits, matching) is gone, one batched
-    copy per dtype is left -- for as long as both models' parameters keep their shapes.
+    copy per dtype is left -- for as long as both models' parameters keep their layouts.
 
-    The pairs are kept as (parameter index, size, stride, offset) descriptors, not tensors,
-    and rebuilt on the live parameters at each replay: holding views would keep storages
-    alive that the engine frees between RL phases (worker/memory.py replaces ``p.data``)."""
+    Per call the host work, not the bytes, sets the time (thousands of tensors against ~9 ms
+    of bytes at HBM speed), so at the recording:
+      * pairs that continue each other in both storages merge (megatron's plan moves a GLU
+        weight as its gate and up halves: two copies become one);
+      * a merged pair that is a whole parameter of the same shape on both sides is kept as
+        the two Parameter objects -- they outlive ``p.data`` replacements, which is how the
+        engine frees and restores memory (worker/memory.py) -- in lists made once, so a
+        replay of such pairs is one ``torch._foreach_copy_`` per dtype and no Python per
+        tensor;
+      * any other pair is kept as (parameter index, size, stride, offset) and rebuilt as a
+        view at each replay (holding views would keep alive storages the engine frees).
+    The layouts are re-read only when a data pointer moved; nothing walks the modules.
+    Invariant: the models' Parameter objects are the ones listed at the recording (a model
+    that replaces its Parameters needs a new WeightSync)."""
 
     def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
                  trainer: torch.nn.Module, inference: torch.nn.Module) -> None:
-        self.layouts = (_layout(trainer), _layout(inference))
-        src, dst = _owners(trainer), _owners(inference)
-        self.pairs = [(_describe(s, src), _describe(d, dst)) for s, d in pairs]
+        self.params = (list(trainer.parameters()), list(inference.parameters()))
+        self.layouts = (_layout(self.params[0]), _layout(self.params[1]))
+        self.ptrs = self._ptrs()
+        src, dst = _owners(self.params[0]), _owners(self.params[1])
+        static: dict[tuple, tuple[list, list]] = {}
+        self.views: list[tuple[tuple, tuple]] = []  # (src, dst) descriptors built per replay
+        self.static_bytes = 0
+        for s_, d_ in _merged([(_describe(s_, src), _describe(d_, dst)) for s_, d_ in pairs]):
+            ws, wd = _whole(s_, src), _whole(d_, dst)
+            if ws is not None and wd is not None \
+                    and self.params[0][ws].shape == self.params[1][wd].shape:
+                ps, pd = self.params[0][ws], self.params[1][wd]
+                d_list, s_list = static.setdefault((pd.device, pd.dtype, ps.dtype), ([], []))
+                d_list.append(pd)
+                s_list.append(ps)
+                self.static_bytes += pd.numel() * pd.element_size()
+            else:
+                self.views.append((s_, d_))
+        self.static = list(static.values())
+
+    def _ptrs(self) -> tuple[list[int], list[int]]:
+        return [p.data_ptr() for p in self.params[0]], [p.data_ptr() for p in self.params[1]]
 
     @staticmethod
     def direct(pairs: list, trainer: torch.nn.Module, inference: torch.nn.Module) -> bool:
         """Every pair is a view of a trainer parameter into a view of an inference one."""
-        src, dst = _owners(trainer), _owners(inference)
+        src, dst = _owners(list(trainer.parameters())), _owners(list(inference.parameters()))
         return bool(pairs) and all(s.untyped_storage().data_ptr() in src
                                    and d.untyped_storage().data_ptr() in dst
                                    for s, d in pairs)
 
-    def valid(self, trainer: torch.nn.Module, inference: torch.nn.Module) -> bool:
-        return self.layouts == (_layout(trainer), _layout(inference))
+    def valid(self) -> bool:
+        """The parameters still have the recorded layouts (re-read when a pointer moved)."""
+        ptrs = self._ptrs()
+        if ptrs == self.ptrs:
+            return True
+        if (_layout(self.params[0]), _layout(self.params[1])) != self.layouts:
+            return False
+        self.ptrs = ptrs
+        return True
 
-    def run(self, trainer: torch.nn.Module, inference: torch.nn.Module) -> int:
-        src, dst = list(trainer.parameters()), list(inference.parameters())
-        return copy_tensors([(_view(src, a), _view(dst, b)) for a, b in self.pairs])
+    def run(self) -> int:
+        src, dst = self.params
+        with torch.no_grad():
+            for d_list, s_list in self.static:
+                torch._foreach_copy_(d_list, s_list)
+        return self.static_bytes + copy_tensors(
+            [(_view(src, a), _view(dst, b)) for a, b in self.views])
 
 
-def _owners(model: torch.nn.Module) -> dict[int, int]:
-    """Storage address -> the index of the parameter that owns it."""
-    return {p.untyped_storage().data_ptr(): i for i, p in enumerate(model.parameters())}
+def _owners(params: list[torch.Tensor]) -> dict:
+    """Storage address -> the index of a parameter in it (parameters may share a storage: the
+    engine's experts are views of one stack); (address, offset, numel) -> the index of the
+    contiguous parameter that spans exactly that range."""
+    owners: dict = {}
+    for i, p in enumerate(params):
+        ptr = p.untyped_storage().data_ptr()
+        owners[ptr] = i
+        if p.is_contiguous():
+            owners[(ptr, p.storage_offset(), p.numel())] = i
+    return owners
 
 
-def _describe(view: torch.Tensor, owners: dict[int, int]) -> tuple:
-    return (owners[view.untyped_storage().data_ptr()], tuple(view.shape), view.stride(),
-            view.storage_offset())
+def _describe(view: torch.Tensor, owners: dict) -> tuple:
+    """(storage address, index of a parameter in that storage, size, stride, offset):
+    as_strided on any tensor of a storage addresses all of it."""
+    ptr = view.untyped_storage().data_ptr()
+    return (ptr, owners[ptr], tuple(view.shape), view.stride(), view.storage_offset())
+
+
+def _flat(d: tuple) -> tuple | None:
+    """(address, offset, numel) of a descriptor that is one contiguous range, else None."""
+    ptr, _, size, stride, offset = d
+    n, want = 1, 1
+    for sz, st in zip(reversed(size), reversed(stride)):
+        if sz != 1 and st != want:
+            return None  # not row-major dense
+        want *= sz
+        n *= sz
+    return (ptr, offset, n)
+
+
+def _merged(pairs: list[tuple[tuple, tuple]]) -> list[tuple[tuple, tuple]]:
+    """Consecutive pairs whose source and destination ranges both continue the previous
+    pair's, as one flat pair."""
+    out: list[tuple[tuple, tuple]] = []
+    for s_, d_ in pairs:
+        fs, fd = _flat(s_), _flat(d_)
+        if out and fs is not None and fd is not None:
+            ps, pd = _flat(out[-1][0]), _flat(out[-1][1])
+            if (ps is not None and pd is not None and ps[0] == fs[0] and pd[0] == fd[0]
+                    and ps[1] + ps[2] == fs[1] and pd[1] + pd[2] == fd[1]):
+                n = ps[2] + fs[2]
+                out[-1] = ((ps[0], out[-1][0][1], (n,), (1,), ps[1]),
+                           (pd[0], out[-1][1][1], (n,), (1,), pd[1]))
+                continue
+        out.append((s_, d_))
+    return out
+
+
+def _whole(d: tuple, owners: dict) -> int | None:
+    """The index of the parameter that ``d`` spans exactly, or None."""
+    f = _flat(d)
+    return None if f is None else owners.get(f)
 
 
 def _view(params: list[torch.Tensor], d: tuple) -> torch.Tensor:
-    i, size, stride, offset = d
+    _, i, size, stride, offset = d
     return params[i].data.as_strided(size, stride, offset)
 
 
@@ -281,6 +382,7 @@ class WeightSync:
         self._views: dict = {}  # (trainer id, inference id) -> views
         self._plans: dict = {}  # (trainer id, inference id) -> megatron's plan-cache entries
         self._replays: dict = {}  # (trainer id, inference id) -> LocalReplay
+        self._buffers: dict = {}  # (trainer id, inference id) -> BufferSync
         self.group = group
 
     def _everywhere(self, ok: bool, device: torch.device) -> bool:
@@ -295,15 +397,17 @@ class WeightSync:
     def __call__(self, trainer_model, inference_model) -> SyncStats:
         t0 = time.perf_counter()
         pair = (id(trainer_model), id(inference_model))  # the views keep both alive: ids stay
-        views = self._views.setdefault(pair, (RefitView(trainer_model),
-                                              RefitView(inference_model)))
+        if pair not in self._views:
+            self._views[pair] = (RefitView(trainer_model), RefitView(inference_model))
+        views = self._views[pair]
         device = next(inference_model.parameters()).device
         replay = self._replays.get(pair)
-        if replay is not None and self._everywhere(
-                replay.valid(trainer_model, inference_model), device):
-            moved = replay.run(trainer_model, inference_model)  # the whole sync, batched
+        if replay is not None and self._everywhere(replay.valid(), device):
+            moved = replay.run()  # the whole sync, batched
             self.service.bytes_moved, self.service.bytes_local = 0, moved
+            path = "replay"
         else:
+            path = "plan"
             self._replays.pop(pair, None)
             self.service.record, self.service.remote_ops = [], 0
             # megatron caches plans in one process-wide dict keyed by rank and group sizes,
@@ -321,12 +425,14 @@ class WeightSync:
                       and LocalReplay.direct(record, trainer_model, inference_model))
             if self._everywhere(direct, device):
                 self._replays[pair] = LocalReplay(record, trainer_model, inference_model)
-        sync_buffers(trainer_model, inference_model)
+        if pair not in self._buffers:
+            self._buffers[pair] = BufferSync(trainer_model, inference_model)
+        self._buffers[pair]()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.version += 1
         stats = SyncStats(self.version, time.perf_counter() - t0,
                           getattr(self.service, "bytes_moved", -1),
-                          getattr(self.service, "bytes_local", -1))
+                          getattr(self.service, "bytes_local", -1), path)
         self.history.append(stats)
         return stats

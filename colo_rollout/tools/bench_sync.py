@@ -73,7 +73,8 @@ def run_bench_sync(rank: int, world: int, config_path: str, overrides: dict | No
     trainer = build_reference(cfg.model, lambda m: _fill(m, seed=2), pgc, dev)
     sync = WeightSync()
     first = sync(trainer, engine_model).seconds
-    steady = [sync(trainer, engine_model).seconds for _ in range(iters)]
+    runs = [sync(trainer, engine_model) for _ in range(iters)]
+    steady = [r.seconds for r in runs]
     params = loadable_tensors(engine_model)
     mine = sum(t.numel() * t.element_size() for t in params.values())
     # every inference tensor equals the trainer's shard of it (a TP1 x EP1 trainer rank holds
@@ -98,6 +99,7 @@ def run_bench_sync(rank: int, world: int, config_path: str, overrides: dict | No
             "trainer": f"TP{cfg.rl.trainer_tp} x EP{cfg.rl.trainer_ep}",
             "bytes_per_rank": mine, "bytes_total": float(total[0]),
             "first_s": first, "steady_s": statistics.median(steady), "all_s": steady,
+            "paths": [r.path for r in runs],
             "copy_s": copy_s, "checked": checked, "equal": equal}
 
 
@@ -111,6 +113,9 @@ def report(res: dict, out_dir: str) -> None:
     print(f"{res['bytes_per_rank'] / 1e9:>10.3f}GB {res['first_s']:>9.3f} {res['steady_s']:>9.4f} "
           f"{gbs:>8.1f} {copy:>10.1f} {100 * gbs / copy:>7.1f}% "
           f"{res['equal']:>4}/{res['checked']:<4}")
+    paths = sorted(set(res["paths"]))
+    print(f"steady path: {', '.join(paths)} ("
+          "replay: the recorded same-rank copies, batched; plan: megatron's refit)")
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "bench_sync.json")
     with open(path, "w") as fh:
