@@ -124,6 +124,24 @@ class Config:
             f"== world_size, got adp {par.adp} of {par.world_size}): a rank then routes its "
             "replica's rows whole; under ATP each rank routes a chunk of them",
         )
+        _require(
+            not engine.mtp or model.mtp_num_layers >= 1,
+            "engine.mtp",
+            "drafts with the model's MTP layer, and model.mtp_num_layers is 0 (a checkpoint "
+            "ships one as num_nextn_predict_layers)",
+        )
+        _require(
+            not engine.mtp or model.moe_dispatch == "gather",
+            "engine.mtp",
+            f"with model.moe_dispatch {model.moe_dispatch!r}: MTP drafting runs with the gather "
+            "backend only (D's dispatch buffers are sized for one row per sequence)",
+        )
+        _require(
+            not engine.mtp or not engine.record_routing,
+            "engine.mtp",
+            "with engine.record_routing: the verify rows' routing of rejected drafts is not "
+            "separated from the accepted tokens' yet; record routing without MTP",
+        )
         tp = self.rl.trainer_tp
         tp_widths = {"parallel.world_size": par.world_size,
                      **trainer_tp_widths(model, self.rl.trainer_ep)}

@@ -222,6 +222,12 @@ class ModelConfig:
     moe_dispatch_capacity: int = 0
     # FP8 recipe: null (off), "hybrid" or "e4m3"; requires use_te != "off".
     fp8: str | None = None
+    # Multi-token prediction layers after the decoder (megatron's mtp_num_layers; DeepSeek-V3 /
+    # GLM-4.5's num_nextn_predict_layers): 0 = none, 1 = one MTP layer (enorm, hnorm, eh_proj,
+    # a transformer layer of the last decoder layer's kind, final norm; embedding and output
+    # layer shared with the model). engine.mtp drafts with it. More than 1 is refused: one
+    # draft token per D iteration.
+    mtp_num_layers: int = 0
 
     def __post_init__(self) -> None:
         _check_field_types(self)
@@ -240,7 +246,10 @@ class ModelConfig:
             ),
             1,
         )
-        _require_min(self, ("seed", "first_k_dense"), 0)
+        _require_min(self, ("seed", "first_k_dense", "mtp_num_layers"), 0)
+        _require(self.mtp_num_layers <= 1, "model.mtp_num_layers",
+                 f"{self.mtp_num_layers} MTP layers: at most 1 is supported (one draft token "
+                 "per D iteration)")
         if self.head_dim is None:
             _require(
                 self.hidden_size % self.num_attention_heads == 0,
@@ -373,6 +382,11 @@ class EngineConfig:
     # layer, in P and in D (D graphs write them to static buffers); rollout() returns them per
     # trajectory (Trajectory.routing) for rl.routing_replay.
     record_routing: bool = False
+    # Speculative decoding with the model's MTP layer (model.mtp_num_layers = 1): every D
+    # iteration verifies the last draft and drafts the next token in one forward (2 rows per
+    # sequence), so a D iteration emits 1 or 2 tokens; sampled rows accept the draft exactly
+    # when the target's own sample equals it (the output distribution is the target's).
+    mtp: bool = False
     # Scheduling mode; one of ENGINE_MODES.
     mode: str = "normal"
     # fine mode: boundary intervals P may advance per turnstile round ("fixed"), chosen per

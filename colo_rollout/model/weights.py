@@ -90,7 +90,7 @@ def shard_rule(name: str, layout: Layout, rank: int, num_local_experts: int) -> 
                       "linear_proj.weight")):
         return ShardRule(name, "cols", atp_rank, atp)
     if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "output_layer.weight",
-                      "word_embeddings.weight")):
+                      "word_embeddings.weight", "eh_proj.weight")):
         return ShardRule(name, "rows", atp_rank, atp)
     return ShardRule(name, "full")  # norms, router, expert bias, shared-expert gate
 
@@ -171,43 +171,74 @@ def load_sharded(model: torch.nn.Module, full: dict[str, torch.Tensor], layout: 
         raise KeyError(f"state dict is missing {missing[:5]}{'...' if len(missing) > 5 else ''}")
 
 
-def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the full (unsharded) megatron-named state dict of ``cfg`` (local-spec
-    names) with its shape, in state-dict order: what a checkpoint must provide."""
+MTP_PREFIX = "mtp.layers."  # megatron's MTP block: mtp.layers.{j}.{enorm,hnorm,eh_proj,...}
+
+
+def mtp_layer_prefix(j: int) -> str:
+    """Megatron's name prefix of MTP layer j's transformer layer."""
+    return f"{MTP_PREFIX}{j}.mtp_model_layer."
+
+
+def mtp_is_moe(cfg: ModelConfig) -> bool:
+    """MTP's transformer layer is of the last decoder layer's kind (megatron's
+    get_gpt_mtp_block_spec takes the last layer spec)."""
+    return cfg.is_moe_layer(cfg.num_layers - 1)
+
+
+def _layer_shapes(cfg: ModelConfig, p: str, is_moe: bool) -> dict[str, tuple[int, ...]]:
+    """One transformer layer's tensors under prefix ``p``."""
     H, F_, E, hd = cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.num_experts, cfg.head_dim
     qkv = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * hd
+    out: dict[str, tuple[int, ...]] = {}
+    out[p + "input_layernorm.weight"] = (H,)
+    out[p + "self_attention.linear_qkv.weight"] = (qkv, H)
+    if cfg.qkv_bias:
+        out[p + "self_attention.linear_qkv.bias"] = (qkv,)
+    if cfg.qk_layernorm:
+        out[p + "self_attention.q_layernorm.weight"] = (hd,)
+        out[p + "self_attention.k_layernorm.weight"] = (hd,)
+    out[p + "self_attention.linear_proj.weight"] = (H, cfg.num_attention_heads * hd)
+    out[p + "pre_mlp_layernorm.weight"] = (H,)
+    if not is_moe:
+        Fd = cfg.dense_ffn_hidden_size
+        out[p + "mlp.linear_fc1.weight"] = (2 * Fd, H)
+        out[p + "mlp.linear_fc2.weight"] = (H, Fd)
+        return out
+    out[p + "mlp.router.weight"] = (E, H)
+    if cfg.router_expert_bias:
+        out[p + "mlp.router.expert_bias"] = (E,)
+    for e in range(E):
+        q = p + f"mlp.experts.local_experts.{e}."
+        out[q + "linear_fc1.weight"] = (2 * F_, H)
+        out[q + "linear_fc2.weight"] = (H, F_)
+    if cfg.shared_expert_ffn_hidden_size is not None:
+        Fs = cfg.shared_expert_ffn_hidden_size
+        q = p + "mlp.shared_experts."
+        out[q + "linear_fc1.weight"] = (2 * Fs, H)
+        out[q + "linear_fc2.weight"] = (H, Fs)
+        if cfg.shared_expert_gate:
+            out[q + "gate_weight"] = (1, H)
+    return out
+
+
+def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the full (unsharded) megatron-named state dict of ``cfg`` (local-spec
+    names) with its shape, in state-dict order: what a checkpoint must provide. MTP layers
+    (``model.mtp_num_layers``) under megatron's ``mtp.layers.{j}.`` names: enorm, hnorm,
+    eh_proj [H, 2H] (its input [enorm(embedding); hnorm(hidden)]), the transformer layer
+    (``mtp_model_layer.``), final_layernorm."""
+    H = cfg.hidden_size
     out: dict[str, tuple[int, ...]] = {"embedding.word_embeddings.weight": (cfg.vocab_size, H)}
     for i in range(cfg.num_layers):
-        p = f"decoder.layers.{i}."
-        out[p + "input_layernorm.weight"] = (H,)
-        out[p + "self_attention.linear_qkv.weight"] = (qkv, H)
-        if cfg.qkv_bias:
-            out[p + "self_attention.linear_qkv.bias"] = (qkv,)
-        if cfg.qk_layernorm:
-            out[p + "self_attention.q_layernorm.weight"] = (hd,)
-            out[p + "self_attention.k_layernorm.weight"] = (hd,)
-        out[p + "self_attention.linear_proj.weight"] = (H, cfg.num_attention_heads * hd)
-        out[p + "pre_mlp_layernorm.weight"] = (H,)
-        if not cfg.is_moe_layer(i):
-            Fd = cfg.dense_ffn_hidden_size
-            out[p + "mlp.linear_fc1.weight"] = (2 * Fd, H)
-            out[p + "mlp.linear_fc2.weight"] = (H, Fd)
-            continue
-        out[p + "mlp.router.weight"] = (E, H)
-        if cfg.router_expert_bias:
-            out[p + "mlp.router.expert_bias"] = (E,)
-        for e in range(E):
-            q = p + f"mlp.experts.local_experts.{e}."
-            out[q + "linear_fc1.weight"] = (2 * F_, H)
-            out[q + "linear_fc2.weight"] = (H, F_)
-        if cfg.shared_expert_ffn_hidden_size is not None:
-            Fs = cfg.shared_expert_ffn_hidden_size
-            q = p + "mlp.shared_experts."
-            out[q + "linear_fc1.weight"] = (2 * Fs, H)
-            out[q + "linear_fc2.weight"] = (H, Fs)
-            if cfg.shared_expert_gate:
-                out[q + "gate_weight"] = (1, H)
+        out.update(_layer_shapes(cfg, f"decoder.layers.{i}.", cfg.is_moe_layer(i)))
     out["decoder.final_layernorm.weight"] = (H,)
+    for j in range(cfg.mtp_num_layers):
+        m = f"{MTP_PREFIX}{j}."
+        out[m + "enorm.weight"] = (H,)
+        out[m + "hnorm.weight"] = (H,)
+        out[m + "eh_proj.weight"] = (H, 2 * H)
+        out.update(_layer_shapes(cfg, mtp_layer_prefix(j), mtp_is_moe(cfg)))
+        out[m + "final_layernorm.weight"] = (H,)
     if not cfg.tie_embeddings:
         out["output_layer.weight"] = (cfg.vocab_size, H)
     return out
@@ -236,9 +267,8 @@ def random_state_dict(cfg: ModelConfig, seed: int | None = None,
         return (1.0 + 0.1 * torch.randn(n, generator=g, device=device)).to(dtype)
 
     out_scale = 1.0 / (2.0 * cfg.num_layers) ** 0.5  # megatron's scaled init for output projs
-    sd = {"embedding.word_embeddings.weight": normal(cfg.vocab_size, H)}
-    for i in range(cfg.num_layers):
-        p = f"decoder.layers.{i}."
+
+    def layer(p: str, is_moe: bool) -> None:
         sd[p + "input_layernorm.weight"] = torch.ones(H, dtype=dtype, device=device)
         sd[p + "self_attention.linear_qkv.weight"] = normal(qkv, H)
         if cfg.qkv_bias:
@@ -249,11 +279,11 @@ def random_state_dict(cfg: ModelConfig, seed: int | None = None,
         sd[p + "self_attention.linear_proj.weight"] = normal(H, cfg.num_attention_heads * hd,
                                                              scale=out_scale)
         sd[p + "pre_mlp_layernorm.weight"] = torch.ones(H, dtype=dtype, device=device)
-        if not cfg.is_moe_layer(i):
+        if not is_moe:
             Fd = cfg.dense_ffn_hidden_size
             sd[p + "mlp.linear_fc1.weight"] = normal(2 * Fd, H)
             sd[p + "mlp.linear_fc2.weight"] = normal(H, Fd, scale=out_scale)
-            continue
+            return
         sd[p + "mlp.router.weight"] = normal(E, H)
         if cfg.router_expert_bias:  # fp32 buffer, as megatron keeps it
             sd[p + "mlp.router.expert_bias"] = 0.05 * torch.randn(E, generator=g, device=device)
@@ -268,7 +298,19 @@ def random_state_dict(cfg: ModelConfig, seed: int | None = None,
             sd[q + "linear_fc2.weight"] = normal(H, Fs, scale=out_scale)
             if cfg.shared_expert_gate:
                 sd[q + "gate_weight"] = normal(1, H, scale=10.0)
+
+    sd = {"embedding.word_embeddings.weight": normal(cfg.vocab_size, H)}
+    for i in range(cfg.num_layers):
+        layer(f"decoder.layers.{i}.", cfg.is_moe_layer(i))
     sd["decoder.final_layernorm.weight"] = torch.ones(H, dtype=dtype, device=device)
     if not cfg.tie_embeddings:
         sd["output_layer.weight"] = normal(cfg.vocab_size, H)
+    # MTP layers last: a model without them draws the same values as before
+    for j in range(cfg.mtp_num_layers):
+        m = f"{MTP_PREFIX}{j}."
+        sd[m + "enorm.weight"] = norm_weight(H)
+        sd[m + "hnorm.weight"] = norm_weight(H)
+        sd[m + "eh_proj.weight"] = normal(H, 2 * H)
+        layer(mtp_layer_prefix(j), mtp_is_moe(cfg))
+        sd[m + "final_layernorm.weight"] = norm_weight(H)
     return sd
