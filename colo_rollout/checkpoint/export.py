@@ -8,11 +8,17 @@ group, each expert broadcast from its EP rank -- split into HF tensors (``hf_nam
 streamed into sharded safetensors (``store.write_checkpoint``). At most one full tensor and one shard are in memory.
 transformers loads the result, and loading it back gives the same weights bit for bit.
 
+A model with MTP layers (megatron's ``mtp.layers.{j}.*``) is written with them at
+``model.layers.{num_layers + j}.``, each with the copies of the embedding and lm_head GLM-4.5
+ships (``hf_names.mtp_duplicates``), and config.json's ``num_nextn_predict_layers`` says how
+many were written (0 for a model without them, whatever the source checkpoint declared).
+
 Must not go in here: name mapping (hf_names.py), file format (store.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 from collections.abc import Iterator
 
@@ -27,11 +33,12 @@ from colo_rollout.config.hf_config import (
     hf_architecture,
     read_hf_config,
 )
-from colo_rollout.checkpoint.hf_names import hf_sources
+from colo_rollout.checkpoint.hf_names import MTP_FAMILIES, hf_sources, mtp_duplicates
 from colo_rollout.checkpoint.store import write_checkpoint
 from colo_rollout.config import ModelConfig
 from colo_rollout.model.weights import (
     DTYPES,
+    MTP_PREFIX,
     loadable_tensors,
     shard_rule,
     tensor_shapes,
@@ -98,7 +105,7 @@ def hf_config_dict(cfg: ModelConfig, family: str | None = None,
                  routed_scaling_factor=cfg.router_scaling_factor,
                  n_group=cfg.router_num_groups or 1, topk_group=cfg.router_group_topk or 1,
                  norm_topk_prob=cfg.router_norm_topk, attention_bias=cfg.qkv_bias,
-                 use_qk_norm=cfg.qk_layernorm, num_nextn_predict_layers=0)
+                 use_qk_norm=cfg.qk_layernorm, num_nextn_predict_layers=cfg.mtp_num_layers)
     back = hf_architecture(".", c).fields
     wrong = {k: (getattr(cfg, k), v) for k, v in back.items() if getattr(cfg, k) != v}
     if wrong:
@@ -134,8 +141,10 @@ def export_checkpoint(model: torch.nn.Module, cfg: ModelConfig, directory: str |
     global rank 0, or the only process) writes the files; the others only send their shards.
     ``dtype`` (default: the model's) is the stored dtype; config.json is the source
     checkpoint's (``cfg.checkpoint``) with that dtype when there is one, else generated for
-    ``family``. The tokenizer files of the source checkpoint are copied beside it. Returns
-    the written weight files (empty on non-writers)."""
+    ``family``. The tokenizer files of the source checkpoint are copied beside it. MTP layers
+    are written when ``cfg`` has them and the model holds them (a trainer built without its
+    MTP layer exports a checkpoint without one). Returns the written weight files (empty on
+    non-writers)."""
     size = tp_group.size() if tp_group is not None else 1
     tp_rank = tp_group.rank() if tp_group is not None else 0
     if writer is None:
@@ -145,12 +154,16 @@ def export_checkpoint(model: torch.nn.Module, cfg: ModelConfig, directory: str |
     ep_layout = Layout(world_size=ep, adp=1, ep=ep)  # experts whole (ETP 1) over EP
     n_local = cfg.num_experts // ep
     params = loadable_tensors(model)
+    if cfg.mtp_num_layers and not _has_param(params, f"{MTP_PREFIX}0.enorm.weight"):
+        cfg = dataclasses.replace(cfg, mtp_num_layers=0)
     model_dtype = next(iter(params.values())).dtype
     dtype_name = dtype or _DTYPE_NAMES.get(model_dtype, "bfloat16")
     out_dtype = DTYPES[dtype_name]
     shapes = tensor_shapes(cfg)
     spec = {local: name for name, local in to_spec_names({n: n for n in shapes}, te).items()}
-    sources = hf_sources(cfg, family or _source_family(cfg))
+    family = family or _source_family(cfg)
+    sources = hf_sources(cfg, family)
+    duplicates = mtp_duplicates(cfg)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for name, src in sources.items():
@@ -168,6 +181,7 @@ def export_checkpoint(model: torch.nn.Module, cfg: ModelConfig, directory: str |
                 # the score-correction bias stays fp32, as HF stores it
                 keep = full if name.endswith("expert_bias") else full.to(out_dtype)
                 yield from ((n, t.cpu().clone()) for n, t in src.split(keep))
+                yield from ((n, keep.cpu().clone()) for n in duplicates.get(name, ()))
 
     if not writer:
         for _ in tensors():
@@ -177,6 +191,9 @@ def export_checkpoint(model: torch.nn.Module, cfg: ModelConfig, directory: str |
         config = read_hf_config(cfg.checkpoint)
         config["dtype"] = dtype_name
         config.pop("torch_dtype", None)
+        if family in MTP_FAMILIES:
+            config.pop("num_mtp_layers", None)  # transformers 5's alias
+            config["num_nextn_predict_layers"] = cfg.mtp_num_layers
     else:
         config = hf_config_dict(cfg, family, dtype_name)
     extra = _tokenizer_files(cfg.checkpoint)
@@ -211,11 +228,18 @@ def _source_family(cfg: ModelConfig) -> str:
     return default_family(cfg)
 
 
+_WRAPPERS = ("", "module.", "module.module.")  # megatron's Float16Module, DDP
+
+
+def _has_param(params: dict[str, torch.Tensor], local: str) -> bool:
+    return any(w + local in params for w in _WRAPPERS)
+
+
 def _param(params: dict[str, torch.Tensor], local: str) -> torch.Tensor:
     """``local`` in the model, also under megatron's wrappers (Float16Module, DDP: 'module.')."""
-    for key in (local, f"module.{local}", f"module.module.{local}"):
-        if key in params:
-            return params[key]
+    for w in _WRAPPERS:
+        if w + local in params:
+            return params[w + local]
     raise KeyError(f"export: the model has no {local!r}")
 
 

@@ -10,6 +10,14 @@ local-spec names), where it lives in a Hugging Face checkpoint of a family:
 Both directions use the same table: import (checkpoint/loader.py cuts each rank's slices from
 the sources) and export (checkpoint/export.py splits full tensors back into HF tensors).
 
+MTP layer j (megatron ``mtp.layers.{j}.``; GLM-4.5 / DeepSeek-V3's "nextn" layer) lives at HF
+``model.layers.{num_layers + j}.``: enorm, hnorm, eh_proj [H, 2H] and final_layernorm
+(= ``shared_head.norm``) under their own names, and its transformer layer
+(``mtp_model_layer.``) under exactly the decoder-layer names. The layer also stores
+``embed_tokens`` and ``shared_head.head``, duplicates of the main model's embedding and lm_head
+(``mtp_duplicates``): GLM-4.5 ships them, GLM-4.6 omits them. They are never read (the MTP
+layer shares the main model's) and export writes them as copies.
+
 Must not go in here: file access (store.py), config.json parsing (hf_config.py), sharding rules
 (model/model.py ``shard_rule``).
 """
@@ -23,7 +31,10 @@ import torch
 
 from colo_rollout.config.hf_config import GLM4, MIXTRAL, QWEN2
 from colo_rollout.config import ModelConfig
-from colo_rollout.model.weights import tensor_shapes
+from colo_rollout.model.weights import MTP_PREFIX, tensor_shapes
+
+# families whose format stores MTP layers after the decoder layers (DeepSeek-V3's naming)
+MTP_FAMILIES = (GLM4,)
 
 
 @dataclass(frozen=True)
@@ -107,9 +118,30 @@ def _source(name: str, cfg: ModelConfig, moe: str, shared: str | None,
     if name == "output_layer.weight":
         return Direct("lm_head.weight")
     m = re.match(r"decoder\.layers\.(\d+)\.(.*)$", name)
+    if m is not None:
+        return _layer_source(name, f"model.layers.{m.group(1)}.", m.group(2), cfg, moe,
+                             shared, gud, n, family)
+    m = re.match(re.escape(MTP_PREFIX) + r"(\d+)\.(.*)$", name)
     if m is None:  # pragma: no cover - tensor_shapes names nothing else
         raise KeyError(name)
-    p, rest = f"model.layers.{m.group(1)}.", m.group(2)
+    if family not in MTP_FAMILIES:
+        raise ValueError(f"{name}: the {family} format stores no MTP layers (model."
+                         "mtp_num_layers must be 0 for it)")
+    p, rest = mtp_hf_prefix(cfg, int(m.group(1))), m.group(2)
+    own = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight",
+           "eh_proj.weight": "eh_proj.weight", "final_layernorm.weight": "shared_head.norm.weight"}
+    if rest in own:
+        return Direct(p + own[rest])
+    if rest.startswith("mtp_model_layer."):
+        return _layer_source(name, p, rest[len("mtp_model_layer."):], cfg, moe, shared, gud, n,
+                             family)
+    raise KeyError(name)  # pragma: no cover - tensor_shapes names nothing else
+
+
+def _layer_source(name: str, p: str, rest: str, cfg: ModelConfig, moe: str, shared: str | None,
+                  gud: tuple[str, str, str], n: int, family: str) -> Source:
+    """Tensor ``rest`` of a transformer layer whose HF names start with ``p`` (a decoder layer,
+    or an MTP layer's)."""
     simple = {
         "input_layernorm.weight": "input_layernorm.weight",
         "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
@@ -146,6 +178,25 @@ def _source(name: str, cfg: ModelConfig, moe: str, shared: str | None,
                      "asks for something this family does not store)")
 
 
+def mtp_hf_prefix(cfg: ModelConfig, j: int) -> str:
+    """HF name prefix of MTP layer ``j``: the layer after the decoder's last."""
+    return f"model.layers.{cfg.num_layers + j}."
+
+
+def mtp_duplicates(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """megatron name -> the HF names of the MTP layers' copies of it: each MTP layer's
+    ``embed_tokens`` (the embedding) and ``shared_head.head`` (the output layer; the embedding
+    when tied). Optional on import (never read), written on export."""
+    emb = "embedding.word_embeddings.weight"
+    head = emb if cfg.tie_embeddings else "output_layer.weight"
+    prefixes = [mtp_hf_prefix(cfg, j) for j in range(cfg.mtp_num_layers)]
+    if not prefixes:
+        return {}
+    copies = {emb: [p + "embed_tokens.weight" for p in prefixes]}
+    copies.setdefault(head, []).extend(p + "shared_head.head.weight" for p in prefixes)
+    return {k: tuple(v) for k, v in copies.items()}
+
+
 def expected_hf_shapes(cfg: ModelConfig, family: str) -> dict[str, tuple[int, ...]]:
     """Every HF tensor a checkpoint of ``cfg`` in ``family``'s format holds, with its shape."""
     shapes = tensor_shapes(cfg)
@@ -155,14 +206,22 @@ def expected_hf_shapes(cfg: ModelConfig, family: str) -> dict[str, tuple[int, ..
     return out
 
 
+def optional_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensors a checkpoint of ``cfg`` may hold or omit, with the shape they must have when
+    present: the MTP layers' duplicates of the embedding and lm_head (``mtp_duplicates``)."""
+    shapes = tensor_shapes(cfg)
+    return {dup: shapes[name] for name, dups in mtp_duplicates(cfg).items() for dup in dups}
+
+
 def ignorable(name: str, cfg: ModelConfig, extra_layers: int) -> bool:
     """HF tensors a checkpoint may hold that the model does not use: lm_head beside tied
-    embeddings, old checkpoints' rotary inv_freq buffers, and layers past num_layers that
-    config.json declares (GLM's MTP "nextn" layers, which the model does not load yet)."""
+    embeddings, old checkpoints' rotary inv_freq buffers, and the MTP layers config.json
+    declares (``extra_layers``, at num_layers ..) beyond the model section's
+    ``mtp_num_layers`` (a model section that serves without them)."""
     if name == "lm_head.weight" and cfg.tie_embeddings:
         return True
     if name.endswith("rotary_emb.inv_freq"):
         return True
     m = re.match(r"model\.layers\.(\d+)\.", name)
-    return bool(m) and cfg.num_layers <= int(m.group(1)) < cfg.num_layers + extra_layers
-
+    first = cfg.num_layers + cfg.mtp_num_layers
+    return bool(m) and first <= int(m.group(1)) < cfg.num_layers + extra_layers

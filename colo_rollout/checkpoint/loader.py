@@ -1,7 +1,8 @@
 """Per-rank loading of a Hugging Face checkpoint into a megatron-named model.
 
 Owns ``check_checkpoint`` (every tensor the model needs is present with its shape, nothing
-unexpected is there -- from the safetensors headers only, before any model is allocated) and
+unexpected is there -- from the safetensors headers only, before any model is allocated; the
+MTP layer's optional copies of the embedding and lm_head, when present, have their shapes) and
 ``load_checkpoint``: each rank reads only the slices it owns (``inference.model.shard_rule``
 applied to the HF sources of ``hf_names``), tensor by tensor, straight into its parameters. No
 rank ever holds the whole model, nor more than one tensor's slice in host memory.
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from colo_rollout.config.hf_config import HFArchitecture, hf_architecture
+from colo_rollout.config.hf_config import AT_MOST_FIELDS, HFArchitecture, hf_architecture
 from colo_rollout.checkpoint.hf_names import (
     QKV,
     Direct,
@@ -29,6 +30,8 @@ from colo_rollout.checkpoint.hf_names import (
     expected_hf_shapes,
     hf_sources,
     ignorable,
+    mtp_hf_prefix,
+    optional_hf_shapes,
 )
 from colo_rollout.checkpoint.store import CheckpointError, CheckpointStore
 from colo_rollout.config import ModelConfig
@@ -60,7 +63,7 @@ def check_checkpoint(cfg: ModelConfig, store: CheckpointStore | None = None,
     checkpoint's config.json (a config built by config_from_dict does)."""
     arch = arch or hf_architecture(cfg.checkpoint)
     mismatched = {k: (getattr(cfg, k), v) for k, v in arch.fields.items()
-                  if getattr(cfg, k) != v and k != "max_position_embeddings"}
+                  if _disagrees(k, getattr(cfg, k), v)}
     if mismatched:
         k, (mine, theirs) = next(iter(mismatched.items()))
         raise CheckpointError(f"the model section has {k} = {mine!r}, the checkpoint "
@@ -71,17 +74,23 @@ def check_checkpoint(cfg: ModelConfig, store: CheckpointStore | None = None,
     store = store or CheckpointStore(cfg.checkpoint)
     try:
         want = expected_hf_shapes(cfg, arch.family)
+        optional = optional_hf_shapes(cfg)
         have = set(store.names())
+        mtp = tuple(mtp_hf_prefix(cfg, j) for j in range(cfg.mtp_num_layers))
         for name, shape in want.items():
             if name not in have:
+                hint = (f"; config.json {arch.sources['mtp_num_layers']} = {arch.extra_layers} "
+                        "declares the MTP layer (model.mtp_num_layers: 0 loads without it)"
+                        if name.startswith(mtp) else "")
                 raise CheckpointError(f"missing: a {arch.family} checkpoint of this config "
-                                      f"needs it (shape {list(shape)})", path=store.directory,
-                                      name=name)
-            got = tuple(store.shape(name))
+                                      f"needs it (shape {list(shape)}){hint}",
+                                      path=store.directory, name=name)
+        for name, shape in (want | optional).items():
+            got = tuple(store.shape(name)) if name in have else shape
             if got != shape:
                 raise CheckpointError(f"shape {list(got)}, expected {list(shape)} (from "
                                       "config.json)", path=store.file_of(name), name=name)
-        unexpected = sorted(n for n in have - set(want)
+        unexpected = sorted(n for n in have - set(want) - set(optional)
                             if not ignorable(n, cfg, arch.extra_layers))
         if unexpected:
             raise CheckpointError(
@@ -93,6 +102,17 @@ def check_checkpoint(cfg: ModelConfig, store: CheckpointStore | None = None,
         if own:
             store.close()
     return arch
+
+
+def _disagrees(field: str, mine, theirs) -> bool:
+    """The model section's ``field`` cannot be the checkpoint's: a different value, or for
+    ``AT_MOST_FIELDS`` a larger one (max_position_embeddings is not checked here: no tensor
+    depends on it)."""
+    if field == "max_position_embeddings":
+        return False
+    if field in AT_MOST_FIELDS:
+        return mine > theirs
+    return mine != theirs
 
 
 def load_checkpoint(model: torch.nn.Module, cfg: ModelConfig, layout: Layout, rank: int, *,

@@ -3,9 +3,10 @@
 Owns which families are supported (the ``architectures`` value picks one), how each family's
 keys map onto ``ModelConfig`` fields (both transformers-5 and older spellings: ``rope_parameters``
 or ``rope_theta``/``rope_scaling``/``partial_rotary_factor``, ``dtype`` or ``torch_dtype``,
-``num_experts`` or ``num_local_experts``), what megatron cannot express (refused with an error
-naming the config.json key), and the merge of those fields into a YAML model section, where an
-explicit field that contradicts the checkpoint is an error naming both.
+``num_experts`` or ``num_local_experts``, ``num_nextn_predict_layers`` or ``num_mtp_layers``),
+what megatron cannot express (refused with an error naming the config.json key), and the merge of
+those fields into a YAML model section, where an explicit field that contradicts the checkpoint
+is an error naming both.
 
 Must not go in here: tensor names and shapes (hf_names.py), reading weights (store.py).
 """
@@ -36,10 +37,14 @@ ARCH_FIELDS = (
     "router_expert_bias", "router_scaling_factor", "router_num_groups", "router_group_topk",
     "shared_expert_ffn_hidden_size", "shared_expert_gate", "first_k_dense", "ffn_hidden_size",
     "max_position_embeddings", "rotary_base", "rotary_percent", "rope_scaling",
-    "rope_scaling_factor", "normalization",
+    "rope_scaling_factor", "normalization", "mtp_num_layers",
 )
-# the YAML may lower these (a shorter RoPE table); raising them is an error
-AT_MOST_FIELDS = ("max_position_embeddings",)
+# the YAML may lower these (a shorter RoPE table; 0 MTP layers: serve without the checkpoint's
+# MTP layer, whose tensors are then not read); raising them is an error
+AT_MOST_FIELDS = {"max_position_embeddings": 1, "mtp_num_layers": 0}  # field -> least value
+# config.json keys of the MTP ("nextn") layer count: GLM-4.5 / DeepSeek-V3's, and the
+# transformers-5 alias (Glm4MoeConfig.attribute_map)
+MTP_KEYS = ("num_nextn_predict_layers", "num_mtp_layers")
 
 
 @dataclass(frozen=True)
@@ -52,7 +57,8 @@ class HFArchitecture:
     fields: dict[str, Any]
     sources: dict[str, str]
     dtype: str | None  # the checkpoint's stored dtype name, when given
-    # layers stored beyond num_layers (GLM's MTP "nextn" layers): present, not loaded
+    # layers config.json declares beyond num_layers (GLM's MTP "nextn" layers, at
+    # model.layers.{num_layers + j}); loaded as MTP layers unless the model section has fewer
     extra_layers: int = 0
     raw: dict = field(default_factory=dict, repr=False)
 
@@ -133,11 +139,9 @@ def hf_architecture(directory: str | pathlib.Path, config: dict | None = None) -
     _common(r, family)
     {QWEN3: _qwen3, QWEN2: _qwen2, MIXTRAL: _mixtral, GLM4: _glm4}[family](r)
     dtype = config.get("dtype", config.get("torch_dtype"))
-    extra = 0
-    if family == GLM4:
-        extra = r.get("num_nextn_predict_layers", int, 0)
     return HFArchitecture(path, family, r.fields, r.sources,
-                          dtype if isinstance(dtype, str) else None, extra, config)
+                          dtype if isinstance(dtype, str) else None, r.fields["mtp_num_layers"],
+                          config)
 
 
 # ---------------------------------------------------------------------- the families
@@ -173,7 +177,7 @@ def _common(r: _Reader, family: str) -> None:
                         ("router_scaling_factor", 1.0), ("router_num_groups", None),
                         ("router_group_topk", None), ("shared_expert_ffn_hidden_size", None),
                         ("shared_expert_gate", False), ("first_k_dense", 0),
-                        ("ffn_hidden_size", None)):
+                        ("ffn_hidden_size", None), ("mtp_num_layers", 0)):
         r.set(name, value, "architectures")
 
 
@@ -304,6 +308,26 @@ def _glm4(r: _Reader) -> None:
     dense = r.take("first_k_dense", "first_k_dense_replace", int, 1)
     if dense:
         r.take("ffn_hidden_size", "intermediate_size", int)
+    _mtp(r)
+
+
+def _mtp(r: _Reader) -> None:
+    """MTP layers (``num_nextn_predict_layers``; transformers 5 also reads ``num_mtp_layers``).
+    Absent: 0 -- not Glm4MoeConfig's default 1: a config.json without the key declares no
+    tensors at model.layers.{num_hidden_layers}, and transformers' main model never builds
+    them. At most 1 (one draft token per D iteration)."""
+    given = [k for k in MTP_KEYS if r.c.get(k) is not None]
+    values = {k: r.get(k, int) for k in given}
+    if len(set(values.values())) > 1:
+        raise r.error(given[1], f"{values[given[1]]} contradicts {given[0]} {values[given[0]]}")
+    if not given:
+        return
+    key = given[0]
+    n = values[key]
+    r.refuse(key, n < 0, f"{n}: expected a count >= 0")
+    r.refuse(key, n > 1, f"{n} MTP layers: at most 1 is supported (one draft token per D "
+             "iteration)")
+    r.set("mtp_num_layers", n, key)
 
 
 # ---------------------------------------------------------------------- merging into YAML
@@ -320,7 +344,7 @@ def merge_checkpoint_fields(model: dict, source: str) -> tuple[dict, HFArchitect
             continue
         given = model[name]
         if (name in AT_MOST_FIELDS and isinstance(given, int) and not isinstance(given, bool)
-                and 1 <= given <= value):
+                and AT_MOST_FIELDS[name] <= given <= value):
             continue
         src = arch.sources[name]
         what = (f"{arch.family} (config.json architectures), which has {value!r}"
