@@ -39,10 +39,10 @@ def ckpt(tmp_path_factory):
     out = {}
     for fam in FAMILIES:
         d = root / fam
-        # transformers saves no MTP layer, so the GLM config.json declares none (its default,
-        # 1, would ask for one); MTP checkpoints: tests/test_hf_mtp.py
-        save_tiny_checkpoint(d, fam, sharded=fam == SHARDED,
-                             **({"num_nextn_predict_layers": 0} if fam == "glm" else {}))
+        # the GLM one as transformers saves it: config.json declares num_nextn_predict_layers
+        # 1 (Glm4MoeConfig's default) and no MTP tensor is stored, so it loads without the
+        # layer; MTP checkpoints: tests/test_hf_mtp.py
+        save_tiny_checkpoint(d, fam, sharded=fam == SHARDED)
         out[fam] = str(d)
     return out
 
@@ -172,7 +172,8 @@ EXPECTED = {
             "router_scaling_factor": 2.5, "router_num_groups": 4, "router_group_topk": 2,
             "router_norm_topk": True, "shared_expert_ffn_hidden_size": 32,
             "shared_expert_gate": False, "qkv_bias": True, "qk_layernorm": True,
-            "rotary_percent": 0.5},
+            "rotary_percent": 0.5,
+            "mtp_num_layers": 0},  # declared (transformers' default 1), not stored
 }
 
 

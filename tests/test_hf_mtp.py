@@ -8,6 +8,11 @@ tensor's megatron value is known from a mapping test_hf_import.py checks against
 and differs from the layer it copies). GLM-4.5 style: in a shard of its own with the
 embed_tokens / shared_head.head duplicates; GLM-4.6 style: one file, no duplicates. Loading
 goes into a flat megatron-named state dict (no processes), export writes it back.
+
+Which MTP layer a checkpoint has is decided by what it stores: declared (num_nextn_predict_layers
+1) with none of its tensors -- every GLM checkpoint transformers saves -- loads as
+mtp_num_layers 0, as transformers loads it; part of them is refused naming a missing one; all of
+them load as 1.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from colo_rollout.checkpoint.export import export_checkpoint, hf_config_dict
 from colo_rollout.checkpoint.loader import check_checkpoint, load_checkpoint
 from colo_rollout.checkpoint.store import CheckpointError, CheckpointStore
 from colo_rollout.config import ConfigError, config_from_dict
+from colo_rollout.config.checkpoint_index import stored_tensor_names
 from colo_rollout.config.hf_config import GLM4, QWEN3, hf_architecture
 from colo_rollout.model.weights import shard_rule, tensor_shapes
 from colo_rollout.runtime.parallel import Layout
@@ -77,8 +83,22 @@ def ckpt(tmp_path_factory):
     return out
 
 
-def model_cfg(directory: str, **model):
-    return config_from_dict({"engine": {"max_seq_len": 128},
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """GLM checkpoints as transformers' save_pretrained writes them: config.json declares
+    num_nextn_predict_layers 1 (Glm4MoeConfig's default), no MTP tensor is stored. 'single':
+    model.safetensors; 'sharded': ~50 KB shards with model.safetensors.index.json."""
+    root = tmp_path_factory.mktemp("saved")
+    out = {}
+    for name in ("single", "sharded"):
+        d = str(root / name)
+        save_tiny_checkpoint(d, "glm", sharded=name == "sharded")
+        out[name] = d
+    return out
+
+
+def model_cfg(directory: str, engine: dict | None = None, **model):
+    return config_from_dict({"engine": {"max_seq_len": 128, **(engine or {})},
                              "model": {"checkpoint": directory, **model}}).model
 
 
@@ -255,6 +275,126 @@ def test_a_model_section_without_mtp_ignores_the_layer_but_not_beyond(ckpt, tmp_
     with pytest.raises(ConfigError, match=r"model\.mtp_num_layers: 1 contradicts config\.json "
                                           r"num_nextn_predict_layers = 0"):
         model_cfg(d, mtp_num_layers=1)
+
+
+# ---------------------------------------------------------------------- what is stored decides
+@pytest.mark.parametrize("layout", ["single", "sharded"])
+def test_a_transformers_saved_checkpoint_loads_without_the_mtp_layer(saved, tmp_path, layout):
+    import transformers as tf
+
+    d = saved[layout]
+    with open(os.path.join(d, "config.json")) as f:
+        assert json.load(f)["num_nextn_predict_layers"] == 1  # declared
+    with CheckpointStore(d) as store:
+        names = store.names()
+    assert not any(n.startswith(MTP) for n in names)  # not stored
+    assert stored_tensor_names(d) == frozenset(names)  # the store's names, without torch
+    assert hf_architecture(d).fields["mtp_num_layers"] == 1  # config.json alone
+    cfg = model_cfg(d)
+    assert cfg.mtp_num_layers == 0  # not an error: transformers ignores those layers too
+    assert check_checkpoint(cfg).fields["mtp_num_layers"] == 0
+    sd = load(cfg)
+    assert not any(n.startswith("mtp.") for n in sd)
+    # the same config and tensors as before: config.json declaring no MTP layer, or the
+    # YAML's model.mtp_num_layers: 0
+    none = str(tmp_path / "none")
+    shutil.copytree(d, none)
+    edit_config(none, num_nextn_predict_layers=0)
+    for other in (model_cfg(none), model_cfg(d, mtp_num_layers=0)):
+        assert {**vars(other), "checkpoint": None} == {**vars(cfg), "checkpoint": None}
+        before = load(other)
+        assert sorted(before) == sorted(sd)
+        assert [n for n in sd if not torch.equal(sd[n], before[n])] == []
+    # transformers loads it whole, nothing missing or left over
+    _, info = tf.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32,
+                                                      output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+
+
+def test_a_transformers_saved_checkpoint_exports_without_the_mtp_layer(saved, tmp_path):
+    d = saved["single"]
+    cfg = model_cfg(d)
+    out = str(tmp_path / "out")
+    export_checkpoint(Flat(load(cfg)), cfg, out)
+    src, back = hf_tensors(d), hf_tensors(out)
+    assert sorted(back) == sorted(src)
+    assert [n for n in src if not torch.equal(src[n], back[n])] == []
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["num_nextn_predict_layers"] == 0  # what was written
+    assert model_cfg(out).mtp_num_layers == 0
+
+
+def test_asking_for_an_mtp_layer_a_checkpoint_does_not_store_is_one_line(saved):
+    d = saved["single"]
+    with pytest.raises(ConfigError) as e:  # the YAML's 1
+        model_cfg(d, mtp_num_layers=1)
+    msg = str(e.value)
+    assert e.value.key == "model.mtp_num_layers" and "\n" not in msg
+    assert ("model.mtp_num_layers: 1 contradicts the checkpoint, which stores no MTP layer "
+            "(config.json num_nextn_predict_layers = 1 declares one, but no tensor is stored "
+            f"under {MTP}") in msg, msg
+    assert os.path.join(d, "config.json") in msg
+    with pytest.raises(ConfigError) as e:  # drafting with it
+        model_cfg(d, engine={"mtp": True})
+    assert e.value.key == "engine.mtp" and "model.mtp_num_layers is 0" in str(e.value)
+    # a hand-built model section with the layer: the first of its tensors is named
+    wrong = dataclasses.replace(model_cfg(d), mtp_num_layers=1)
+    with pytest.raises(CheckpointError) as e:
+        check_checkpoint(wrong)
+    msg = str(e.value)
+    assert e.value.name == MTP + "enorm.weight" and "\n" not in msg
+    assert f"{d}: {MTP}enorm.weight: missing" in msg and "stores no MTP layer" in msg, msg
+
+
+@pytest.mark.parametrize("kept", ["eh_proj.weight", "mlp.experts.7.up_proj.weight",
+                                  "embed_tokens.weight"])  # even a duplicate alone is a part
+def test_a_checkpoint_holding_part_of_the_mtp_layer_is_refused_naming_a_missing_tensor(
+        ckpt, tmp_path, kept):
+    d = str(tmp_path / "m")
+    shutil.copytree(ckpt["glm46"], d)
+    path = os.path.join(d, "model.safetensors")
+    tensors = {n: t for n, t in load_file(path).items() if not n.startswith(MTP)}
+    tensors[MTP + kept] = hf_tensors(ckpt["glm45"])[MTP + kept]
+    save_file(tensors, path, metadata={"format": "pt"})
+    cfg = model_cfg(d)
+    assert cfg.mtp_num_layers == 1  # some of it is stored: the declared layer stands
+    with pytest.raises(CheckpointError) as e:
+        check_checkpoint(cfg)
+    msg, name = str(e.value), e.value.name
+    assert name.startswith(MTP) and name != MTP + kept and "\n" not in msg
+    assert f"{d}: {name}: missing" in msg, msg
+    assert "num_nextn_predict_layers = 1 declares the MTP layer" in msg, msg
+    cfg = model_cfg(d, mtp_num_layers=0)  # the YAML may still ignore what is there
+    check_checkpoint(cfg)
+    assert not any(n.startswith("mtp.") for n in load(cfg))
+
+
+@pytest.mark.parametrize("style", ["glm45", "glm46"])
+def test_a_checkpoint_holding_the_whole_mtp_layer_loads_it(ckpt, style):
+    assert stored_tensor_names(ckpt[style]) == frozenset(hf_tensors(ckpt[style]))
+    cfg = model_cfg(ckpt[style])
+    assert cfg.mtp_num_layers == 1
+    assert check_checkpoint(cfg).fields["mtp_num_layers"] == 1
+    mtp = [n for n in tensor_shapes(cfg) if n.startswith("mtp.layers.0.")]
+    sd = load(cfg)
+    assert mtp and all(not sd[n].isnan().any() for n in mtp)
+
+
+def test_weights_that_cannot_be_listed_leave_the_declared_layer_to_the_store(ckpt, tmp_path):
+    # config loading lists the names without torch; where it cannot, config.json's count
+    # stands and the store names the problem when the checkpoint is checked
+    d = tmp_path / "m"
+    shutil.copytree(ckpt["glm46"], d)
+    (d / "model.safetensors").write_bytes(b"\xff" * 16)  # not safetensors
+    assert stored_tensor_names(d) is None
+    cfg = model_cfg(str(d))
+    assert cfg.mtp_num_layers == 1
+    with pytest.raises(CheckpointError, match="model.safetensors: cannot open as safetensors"):
+        check_checkpoint(cfg)
+    (d / "model.safetensors").unlink()
+    assert stored_tensor_names(d) is None
+    with pytest.raises(CheckpointError, match="no weights"):
+        check_checkpoint(model_cfg(str(d)))
 
 
 # ---------------------------------------------------------------------- export

@@ -21,7 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
-from colo_rollout.config.hf_config import AT_MOST_FIELDS, HFArchitecture, hf_architecture
+from colo_rollout.config.hf_config import (
+    AT_MOST_FIELDS,
+    HFArchitecture,
+    hf_architecture,
+    mtp_unstored,
+    stored_architecture,
+)
 from colo_rollout.checkpoint.hf_names import (
     QKV,
     Direct,
@@ -60,7 +66,9 @@ def check_checkpoint(cfg: ModelConfig, store: CheckpointStore | None = None,
                      arch: HFArchitecture | None = None) -> HFArchitecture:
     """Raise CheckpointError unless ``cfg.model.checkpoint`` holds exactly the tensors ``cfg``
     needs, with their shapes (headers only: no weights are read). ``cfg`` must agree with the
-    checkpoint's config.json (a config built by config_from_dict does)."""
+    checkpoint's config.json (a config built by config_from_dict does; its mtp_num_layers is 0
+    for a declared MTP layer the checkpoint stores none of). Returns the checkpoint's
+    architecture as stored (``hf_config.stored_architecture``)."""
     arch = arch or hf_architecture(cfg.checkpoint)
     mismatched = {k: (getattr(cfg, k), v) for k, v in arch.fields.items()
                   if _disagrees(k, getattr(cfg, k), v)}
@@ -76,12 +84,11 @@ def check_checkpoint(cfg: ModelConfig, store: CheckpointStore | None = None,
         want = expected_hf_shapes(cfg, arch.family)
         optional = optional_hf_shapes(cfg)
         have = set(store.names())
+        stored = stored_architecture(arch, have)
         mtp = tuple(mtp_hf_prefix(cfg, j) for j in range(cfg.mtp_num_layers))
         for name, shape in want.items():
             if name not in have:
-                hint = (f"; config.json {arch.sources['mtp_num_layers']} = {arch.extra_layers} "
-                        "declares the MTP layer (model.mtp_num_layers: 0 loads without it)"
-                        if name.startswith(mtp) else "")
+                hint = _mtp_hint(arch, stored, mtp[0]) if name.startswith(mtp) else ""
                 raise CheckpointError(f"missing: a {arch.family} checkpoint of this config "
                                       f"needs it (shape {list(shape)}){hint}",
                                       path=store.directory, name=name)
@@ -101,7 +108,18 @@ def check_checkpoint(cfg: ModelConfig, store: CheckpointStore | None = None,
     finally:
         if own:
             store.close()
-    return arch
+    return stored
+
+
+def _mtp_hint(arch: HFArchitecture, stored: HFArchitecture, prefix: str) -> str:
+    """What a missing tensor of the MTP layer (at ``prefix``) the model section asks for means:
+    the checkpoint stores none of the layer (as transformers saves GLM), or only part of it."""
+    key = f"config.json {arch.sources['mtp_num_layers']} = {arch.extra_layers}"
+    if mtp_unstored(stored):
+        return (f"; the checkpoint stores no MTP layer ({key} declares one, but no tensor is "
+                f"stored under {prefix}; transformers' save_pretrained writes none): "
+                "model.mtp_num_layers: 0 loads without it, as config_from_dict derives")
+    return f"; {key} declares the MTP layer (model.mtp_num_layers: 0 loads without it)"
 
 
 def _disagrees(field: str, mine, theirs) -> bool:

@@ -8,6 +8,12 @@ what megatron cannot express (refused with an error naming the config.json key),
 those fields into a YAML model section, where an explicit field that contradicts the checkpoint
 is an error naming both.
 
+One field depends on the stored tensors too: a declared MTP layer none of whose tensors is
+stored (every GLM checkpoint transformers' save_pretrained writes: Glm4MoeConfig declares
+num_nextn_predict_layers 1, its model holds no such layer) is no MTP layer, as transformers
+loads it (``stored_architecture``; the merge lists the names with config/checkpoint_index.py,
+without torch). ``hf_architecture`` itself reads config.json only.
+
 Must not go in here: tensor names and shapes (hf_names.py), reading weights (store.py).
 """
 
@@ -15,10 +21,12 @@ from __future__ import annotations
 
 import json
 import pathlib
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from colo_rollout.config.checkpoint_errors import CONFIG_NAME, CheckpointError
+from colo_rollout.config.checkpoint_index import stored_tensor_names
 
 QWEN3 = "Qwen3MoeForCausalLM"
 QWEN2 = "Qwen2MoeForCausalLM"
@@ -58,7 +66,9 @@ class HFArchitecture:
     sources: dict[str, str]
     dtype: str | None  # the checkpoint's stored dtype name, when given
     # layers config.json declares beyond num_layers (GLM's MTP "nextn" layers, at
-    # model.layers.{num_layers + j}); loaded as MTP layers unless the model section has fewer
+    # model.layers.{num_layers + j}); loaded as MTP layers unless the model section has fewer.
+    # fields["mtp_num_layers"] is this count, or 0 in a ``stored_architecture`` whose
+    # checkpoint stores none of those layers' tensors
     extra_layers: int = 0
     raw: dict = field(default_factory=dict, repr=False)
 
@@ -330,13 +340,42 @@ def _mtp(r: _Reader) -> None:
     r.set("mtp_num_layers", n, key)
 
 
+# ---------------------------------------------------------------------- stored tensors
+def mtp_layer_prefixes(arch: HFArchitecture) -> tuple[str, ...]:
+    """HF name prefixes of the MTP layers config.json declares: model.layers.{num_layers + j}."""
+    n = arch.fields["num_layers"]
+    return tuple(f"model.layers.{n + j}." for j in range(arch.extra_layers))
+
+
+def mtp_unstored(arch: HFArchitecture) -> bool:
+    """config.json declares MTP layers and the checkpoint stores none of their tensors
+    (``arch`` from ``stored_architecture``)."""
+    return arch.extra_layers > 0 and arch.fields["mtp_num_layers"] == 0
+
+
+def stored_architecture(arch: HFArchitecture, names: Iterable[str] | None) -> HFArchitecture:
+    """``arch`` (config.json's) as the checkpoint holding tensors ``names`` has it: declared MTP
+    layers of which no tensor is stored (nothing under model.layers.{num_hidden_layers}.) are
+    not there -- mtp_num_layers 0, what transformers loads (it ignores those layers). Any of
+    their tensors stored: the declared count stands, and ``check_checkpoint`` names the ones
+    missing. ``names`` None (the weights could not be listed): ``arch`` unchanged; the store
+    reports why when the checkpoint is checked."""
+    prefixes = mtp_layer_prefixes(arch)
+    if not prefixes or names is None or any(n.startswith(prefixes) for n in names):
+        return arch
+    return replace(arch, fields={**arch.fields, "mtp_num_layers": 0})
+
+
 # ---------------------------------------------------------------------- merging into YAML
 def merge_checkpoint_fields(model: dict, source: str) -> tuple[dict, HFArchitecture]:
     """The YAML model section ``model`` (a mapping with ``checkpoint`` set) with the
-    checkpoint's architecture fields filled in. A field given in the YAML must agree with the
-    checkpoint (``AT_MOST_FIELDS`` may be lower); otherwise a ``ValueError`` naming the YAML
-    key, both values and the config.json key. ``source`` names the YAML file."""
+    checkpoint's architecture fields filled in (``stored_architecture``: a declared MTP layer
+    the checkpoint does not store gives mtp_num_layers 0). A field given in the YAML must agree
+    with the checkpoint (``AT_MOST_FIELDS`` may be lower); otherwise a ``ValueError`` naming the
+    YAML key, both values and the config.json key. ``source`` names the YAML file."""
     arch = hf_architecture(model["checkpoint"])
+    if arch.extra_layers:
+        arch = stored_architecture(arch, stored_tensor_names(model["checkpoint"]))
     out = dict(model)
     for name, value in arch.fields.items():
         if name not in model or model[name] == value:
@@ -349,6 +388,10 @@ def merge_checkpoint_fields(model: dict, source: str) -> tuple[dict, HFArchitect
         src = arch.sources[name]
         what = (f"{arch.family} (config.json architectures), which has {value!r}"
                 if src == "architectures" else f"config.json {src} = {value!r}")
+        if name == "mtp_num_layers" and mtp_unstored(arch):
+            what = (f"the checkpoint, which stores no MTP layer (config.json {src} = "
+                    f"{arch.extra_layers} declares one, but no tensor is stored under "
+                    f"{mtp_layer_prefixes(arch)[0]}; transformers' save_pretrained writes none)")
         raise ContradictionError(f"model.{name}: {given!r} contradicts {what} ({arch.path}); "
                                  "drop the key or make them agree", key=f"model.{name}")
     return out, arch

@@ -128,7 +128,8 @@ class Config:
             not engine.mtp or model.mtp_num_layers >= 1,
             "engine.mtp",
             "drafts with the model's MTP layer, and model.mtp_num_layers is 0 (a checkpoint "
-            "ships one as num_nextn_predict_layers)",
+            "ships one as num_nextn_predict_layers with the layer's tensors; transformers' "
+            "save_pretrained writes none)",
         )
         _require(
             not engine.mtp or model.moe_dispatch == "gather",
