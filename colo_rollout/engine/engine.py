@@ -545,14 +545,30 @@ class Engine:
             self.rendezvous.close()
 
 
-def _to_wire(samples: list[Sampled]) -> list[tuple[int, int, float]]:
-    """Sampled tokens as the control message carries them: [lifetime, token, logprob]."""
-    return [(s.lifetime, s.token, s.logprob) for s in samples]  # Python ints/floats
+def _to_wire(samples: list[Sampled]) -> list[tuple[int, int, float, int, int]]:
+    """Sampled tokens as the control message carries them: (lifetime, token, logprob, draft,
+    index) rows, index 0 the forward's first token (with the draft), 1.. its bonus tokens."""
+    rows = []
+    for s in samples:  # Python ints/floats
+        rows.append((s.lifetime, s.token, s.logprob, s.draft, 0))
+        rows.extend((s.lifetime, t, lp, -1, i + 1) for i, (t, lp) in enumerate(s.more))
+    return rows
 
 
-def _from_wire(rows: list[tuple[int, int, float]]) -> list[Sampled]:
-    """A peer's (lifetime, token, logprob) rows (types checked when the message decoded)."""
-    return [Sampled(lt, tok, lp) for lt, tok, lp in rows]
+def _from_wire(rows: list[tuple[int, int, float, int, int]]) -> list[Sampled]:
+    """A peer's rows (types checked when the message decoded) as ``Sampled``: a bonus row must
+    follow its lifetime's first row, else the message is not one this code sent."""
+    out: list[Sampled] = []
+    for lt, tok, lp, draft, idx in rows:
+        if idx == 0:
+            out.append(Sampled(lt, tok, lp, (), draft))
+            continue
+        last = out[-1] if out else None
+        if last is None or last.lifetime != lt or len(last.more) + 1 != idx:
+            raise ControlError(f"sampled row {(lt, tok, lp, draft, idx)} does not follow its "
+                               "lifetime's first token")
+        out[-1] = Sampled(lt, last.token, last.logprob, (*last.more, (tok, lp)), last.draft)
+    return out
 
 
 def _rejected(req: Request, error: str) -> RequestOutput:

@@ -22,7 +22,10 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_mtp_block_spec,
+)
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -182,7 +185,10 @@ def build_gpt_model(cfg: ModelConfig, tcfg, te: bool, pg_collection) -> GPTModel
                                       normalization=cfg.normalization, pp_rank=0)
     if tcfg.sequence_parallel and not te:  # TE's norms take sequence parallelism themselves
         spec = _sequence_parallel_norms(spec)
-    model = GPTModel(tcfg, spec, vocab_size=cfg.vocab_size,
+    # MTP (model.mtp_num_layers): megatron's block, its layer of the last decoder layer's spec
+    mtp = (get_gpt_mtp_block_spec(tcfg, spec, use_transformer_engine=te, pp_rank=0)
+           if cfg.mtp_num_layers else None)
+    model = GPTModel(tcfg, spec, vocab_size=cfg.vocab_size, mtp_block_spec=mtp,
                      max_sequence_length=cfg.max_position_embeddings,
                      position_embedding_type="rope", rotary_base=cfg.rotary_base,
                      rotary_percent=cfg.rotary_percent,
@@ -266,3 +272,31 @@ def reference_logprobs(model: GPTModel, tokens: list[int]) -> torch.Tensor:
     mask = torch.triu(torch.ones(len(tokens), len(tokens), dtype=torch.bool, device=device), 1)
     logits = model(ids, pos, attention_mask=mask[None, None])
     return torch.log_softmax(logits[0].float(), dim=-1)
+
+
+@torch.inference_mode()
+def reference_mtp_logprobs(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
+    """The MTP layer's log-softmax at every position of ``tokens``, teacher-forced as megatron
+    trains it: row i reads the decoder's output at i and the embedding of token i + 1 and
+    predicts token i + 2 -- [len - 1, V] (the last position has no next token; megatron fills
+    it with token 0 and masks its loss). What an MTP draft of the engine must be the argmax of.
+    Runs megatron's own modules: the decoder, then ``model.mtp`` (MultiTokenPredictionBlock)
+    with the main model's embedding and RoPE, then the output layer."""
+    core = getattr(model, "module", model)  # Float16Module
+    device = next(core.parameters()).device
+    n = len(tokens)
+    ids = torch.tensor(tokens, device=device)[None]
+    pos = torch.arange(n, device=device)[None]
+    mask = torch.triu(torch.ones(n, n, dtype=torch.bool, device=device), 1)[None, None]
+    emb = core.embedding(input_ids=ids, position_ids=pos)
+    if emb.dtype != core.config.params_dtype:
+        emb = emb.to(core.config.params_dtype)
+    rope = core.rotary_pos_emb(n)
+    hidden = core.decoder(hidden_states=emb, attention_mask=mask, rotary_pos_emb=rope)
+    out = core.mtp(input_ids=ids, position_ids=pos, hidden_states=hidden, attention_mask=mask,
+                   rotary_pos_emb=rope, embedding=core.embedding)
+    depth1 = torch.chunk(out, 1 + core.config.mtp_num_layers, dim=0)[1]  # [n, 1, H]
+    weight = core.shared_embedding_or_output_weight() if core.share_embeddings_and_output_weights \
+        else None
+    logits, _ = core.output_layer(depth1, weight=weight)
+    return torch.log_softmax(logits[: n - 1, 0].float(), dim=-1)

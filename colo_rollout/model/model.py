@@ -150,6 +150,7 @@ def megatron_config(cfg: ModelConfig, *, tp: int = 1, ep: int = 1, etp: int = 1,
         moe_aux_loss_coeff=0.0,
         moe_token_dispatcher_type="allgather",
         normalization=cfg.normalization,
+        mtp_num_layers=cfg.mtp_num_layers or None,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
@@ -294,9 +295,12 @@ class InferenceGPT(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups, dtype: torch.dtype,
                  decode_attention: str = "auto", prefill_attention: str = "auto",
                  moe_kernel: str = "auto", *, max_decode_rows: int = 0,
-                 timeout_s: float = 60.0):
+                 timeout_s: float = 60.0, mtp_draft: bool = False):
         """``max_decode_rows``: D's most rows per replica (the largest decode bucket), which
-        sizes the deepep backend's low-latency buffer; ``timeout_s`` bounds its host waits."""
+        sizes the deepep backend's low-latency buffer; ``timeout_s`` bounds its host waits.
+        ``mtp_draft`` (engine.mtp): the MTP layer drafts -- its KV is allocated (layer
+        ``num_layers`` of the storage) and P runs it after sampling (model/mtp.py). The MTP
+        layer's weights exist whenever ``cfg.mtp_num_layers`` is 1 (loaded and synced)."""
         super().__init__()
         # D and P attention's backends (engine.decode_attention, engine.prefill_attention),
         # chosen once for the model's device before anything is allocated: "triton" without
@@ -320,7 +324,19 @@ class InferenceGPT(torch.nn.Module):
         self.embedding = _Embedding(self.config, cfg.vocab_size, groups.atp)
         self.decoder = _Decoder(cfg, self.config, groups, spec_backend(self.use_te),
                                 cfg.moe_compute, self.moe_kernel)
-        for layer in self.decoder.layers:
+        self.mtp = None
+        if cfg.mtp_num_layers:
+            from colo_rollout.model.mtp import MTPBlock, MTPLayer
+            from colo_rollout.model.weights import mtp_is_moe
+
+            self.mtp = MTPBlock([MTPLayer(self.config, groups, cfg.num_layers + 1 + j,
+                                          spec_backend(self.use_te), mtp_is_moe(cfg),
+                                          cfg.moe_compute, self.moe_kernel)
+                                 for j in range(cfg.mtp_num_layers)])
+        if mtp_draft and self.mtp is None:
+            raise ValueError("engine.mtp needs the model's MTP layer (model.mtp_num_layers: 1)")
+        self.mtp_draft = mtp_draft
+        for layer in self._all_layers():
             layer.self_attention.decode_backend = self.decode_attention
             layer.self_attention.prefill_backend = self.prefill_attention
         # tied embeddings: no output_layer weight (megatron's GPTModel has none either); the
@@ -367,9 +383,14 @@ class InferenceGPT(torch.nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embedding.word_embeddings.weight.dtype
 
+    def _all_layers(self) -> list[InferenceLayer]:
+        """The decoder's layers, then the MTP layers' transformer layers."""
+        mtp = [m.mtp_model_layer for m in self.mtp.layers] if self.mtp is not None else []
+        return [*self.decoder.layers, *mtp]
+
     def moe_layers(self) -> list[GatherMoE]:
-        """The MoE blocks of the MoE layers (dense layers have none)."""
-        return [layer.mlp for layer in self.decoder.layers if layer.is_moe]
+        """The MoE blocks of the MoE layers (dense layers have none), the MTP layer's last."""
+        return [layer.mlp for layer in self._all_layers() if layer.is_moe]
 
     # ------------------------------------------------------------------ weights
     def warm_kernels(self) -> None:
@@ -401,7 +422,8 @@ class InferenceGPT(torch.nn.Module):
 
     def new_kv_storage(self, num_blocks: int, block_size: int) -> KVStorage:
         atp = self.groups.layout.atp
-        return KVStorage(self.cfg.num_layers, num_blocks, block_size,
+        layers = self.cfg.num_layers + (self.cfg.mtp_num_layers if self.mtp_draft else 0)
+        return KVStorage(layers, num_blocks, block_size,
                          self.cfg.num_query_groups // atp, self.config.kv_channels,
                          self.dtype, self.device)
 
@@ -415,9 +437,9 @@ class InferenceGPT(torch.nn.Module):
         return contextlib.nullcontext()
 
     def forward_prefill(self, inp: PrefillInputs, kv: KVStorage,
-                        moe: MoEBlock | None = None) -> torch.Tensor:
+                        moe: MoEBlock | None = None, sample=None):
         """The whole P epoch at once (Normal mode): every boundary is crossed immediately."""
-        return run_to_completion(self.prefill_segments(inp, kv, moe))
+        return run_to_completion(self.prefill_segments(inp, kv, moe, sample))
 
     def moe_block(self, i: int, h: torch.Tensor, pairs: bool = False) -> torch.Tensor:
         """MoE layer i's routed experts on the residual stream h [N, H] (all replicas' rows):
@@ -451,7 +473,8 @@ class InferenceGPT(torch.nn.Module):
 
     @torch.inference_mode()
     def prefill_segments(self, inp: PrefillInputs, kv: KVStorage,
-                         moe: MoEBlock | None = None) -> Generator[int, None, torch.Tensor]:
+                         moe: MoEBlock | None = None, sample=None
+                         ) -> Generator[int, None, torch.Tensor]:
         """P as segments (the boundary producer).
 
         Yields boundary id i (0, 1, ...) just before P's i-th registered collective; resuming
@@ -478,6 +501,10 @@ class InferenceGPT(torch.nn.Module):
             raise NotImplementedError("FP8 prefill segments")
         if self.own_rows_prefill:
             return (yield from self._forward_prefill_own(inp, kv))
+        if self.mtp_draft:
+            if sample is None:
+                raise ValueError("an MTP-drafting P needs the sampler (sample=)")
+            return (yield from self._forward_prefill(inp, kv, moe or self.moe_block, sample))
         return (yield from self._forward_prefill(inp, kv, moe or self.moe_block))
 
     @property
@@ -503,12 +530,19 @@ class InferenceGPT(torch.nn.Module):
         n = 2 * self.cfg.num_layers + 2
         if self.dispatch_p is not None:
             n += moe_layers
+        if self.mtp_draft:  # the MTP pass after the first token is sampled (model/mtp.py)
+            from colo_rollout.model.mtp import prefill_boundaries
+
+            n += prefill_boundaries(self.groups.layout.atp)
         return n
 
     @torch.inference_mode()
-    def forward_decode(self, inp: DecodeInputs, kv: KVStorage) -> torch.Tensor:
+    def forward_decode(self, inp: DecodeInputs, kv: KVStorage, hidden: bool = False):
+        """Full-vocab logits [B, V] of this replica's D rows; with ``hidden``, (logits, the
+        final-normed decoder output [B, H] of the rows -- MTP's input, whole on every ATP
+        rank)."""
         with self._precision():
-            return self._forward_decode(inp, kv)
+            return self._forward_decode(inp, kv, hidden)
 
     def _forward_prefill_own(self, inp: PrefillInputs, kv: KVStorage):
         """Generator body, a dispatch backend at attention TP 1: this replica's rows only
@@ -546,9 +580,12 @@ class InferenceGPT(torch.nn.Module):
         last = self.decoder.final_layernorm(h[inp.last_rows[seq_off : seq_off + n_seq] - off])
         return F.linear(last, self.output_weight)  # attention TP 1: the whole vocabulary
 
-    def _forward_prefill(self, inp: PrefillInputs, kv: KVStorage, moe: MoEBlock):
+    def _forward_prefill(self, inp: PrefillInputs, kv: KVStorage, moe: MoEBlock, sample=None):
         """Generator body: full-vocab logits [n_local_seqs, V] of this replica's last P tokens,
-        yielding a boundary id before every P collective."""
+        yielding a boundary id before every P collective. With ``sample`` (MTP drafting):
+        ``sample(logits)`` -> (tokens, logprobs) of this replica's sequences, on every rank of
+        the replica, then the MTP pass (model/mtp.py); returns (tokens, logprobs, draft
+        logits)."""
         comm, r = self.comm, self.groups.replica
         total = sum(inp.row_counts)
         off = sum(inp.row_counts[:r])
@@ -596,7 +633,11 @@ class InferenceGPT(torch.nn.Module):
                 h = h + comm.p_gather(partial, off, total)
             if self.trace is not None:
                 self.trace.append(h.float().clone())
-        last = self.decoder.final_layernorm(h[inp.last_rows])  # all replicas' last tokens
+        if sample is not None:  # every row's normed output: the MTP layer reads them all
+            hidden_all = self.decoder.final_layernorm(h)
+            last = hidden_all[inp.last_rows]
+        else:
+            last = self.decoder.final_layernorm(h[inp.last_rows])  # all replicas' last tokens
         n_all = last.shape[0]
         seq_off = sum(inp.last_counts[:r])
         n_seq = inp.last_counts[r]
@@ -607,10 +648,18 @@ class InferenceGPT(torch.nn.Module):
         full[seq_off : seq_off + n_seq, emb.vocab_start_index : emb.vocab_end_index] = shard
         yield boundary
         full = comm.p_allreduce(full)
-        return full[seq_off : seq_off + n_seq]
+        if sample is None:
+            return full[seq_off : seq_off + n_seq]
+        from colo_rollout.model.mtp import mtp_prefill, shift_tokens
+
+        tokens, logprobs = sample(full[seq_off : seq_off + n_seq])
+        local_last = inp.last_rows[seq_off : seq_off + n_seq] - off
+        nxt = shift_tokens(inp.token_ids, local_last, tokens)
+        drafts = yield from mtp_prefill(self, hidden_all, nxt, inp, kv, boundary + 1)
+        return tokens, logprobs, drafts
 
     # ------------------------------------------------------------------ D
-    def _forward_decode(self, inp: DecodeInputs, kv: KVStorage) -> torch.Tensor:
+    def _forward_decode(self, inp: DecodeInputs, kv: KVStorage, hidden: bool = False):
         """Returns full-vocab logits [B, V] for this replica's (padded) D rows.
 
         Where an MoE layer's slots go straight into the residual (``_slots_into_residual``:
@@ -662,7 +711,8 @@ class InferenceGPT(torch.nn.Module):
         if normed is None:
             normed = comm.d_all_gather_atp(self.decoder.final_layernorm(res))
         shard = F.linear(normed, self.output_weight)
-        return comm.d_all_gather_vocab(shard)
+        logits = comm.d_all_gather_vocab(shard)
+        return (logits, normed) if hidden else logits
 
     def _fusable_norm(self, norm: torch.nn.Module) -> FusedRMSNorm | None:
         """``norm`` as norm_add's fused RMSNorm (exactly torch's RMSNorm over the hidden

@@ -33,7 +33,7 @@ class ControlError(RuntimeError):
     """A peer sent something that is not a valid control message."""
 
 
-WIRE_VERSION = 2  # bumped whenever Message's fields change: mixed versions are refused
+WIRE_VERSION = 3  # bumped whenever Message's fields change: mixed versions are refused
 
 
 class Message(msgspec.Struct, forbid_unknown_fields=True):
@@ -44,15 +44,18 @@ class Message(msgspec.Struct, forbid_unknown_fields=True):
     submits: list[dict[str, Any]] = []  # {"id", "prompt", "params", "session"}
     cancels: list[str] = []
     closes: list[str] = []  # sessions to forget
-    sampled: list[tuple[int, int, float]] = []  # (lifetime, token, logprob)
+    # (lifetime, token, logprob, draft, index): index 0 is a forward's first token of the
+    # lifetime (draft: the MTP draft after its last token, -1 none), 1.. its accepted bonus
+    # tokens (engine.mtp), in order
+    sampled: list[tuple[int, int, float, int, int]] = []
     step: int = -1  # sender's step counter: all ranks must agree
     # balanced segment policy: the span that would have balanced the sender's last round
     # (segment_policy.span_hint), None when that round measured nothing
     span_hint: float | None = None
-    # PD mode: the sender's first tokens of the P epoch awaiting commit ((lifetime, token,
-    # logprob); empty for a rank that samples none), sent once, when its P GPU work is done;
+    # PD mode: the sender's first tokens of the P epoch awaiting commit (rows as ``sampled``;
+    # empty for a rank that samples none), sent once, when its P GPU work is done;
     # None: not done yet, or no epoch awaits commit
-    p_sampled: list[tuple[int, int, float]] | None = None
+    p_sampled: list[tuple[int, int, float, int, int]] | None = None
     wire: int = WIRE_VERSION
 
     def encode(self) -> bytes:

@@ -42,6 +42,9 @@ class DecodeRow:
     position: int  # its absolute position
     table: tuple[int, ...] = field(default=(), compare=False)  # its KV blocks
     params: Any = field(default=None, compare=False)  # its SamplingParams
+    # engine.mtp: the MTP layer's draft of the token after ``token`` (verified at position + 1
+    # in this iteration; the KV reservation covers it: prompt + max_tokens); -1 without MTP
+    draft: int = -1
 
 
 @dataclass(frozen=True)
@@ -78,8 +81,12 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class Sampled:
-    """One sampled token of one lifetime (from the replica leader, agreed by all ranks)."""
+    """The tokens one lifetime got from one forward (from the replica leader, agreed by all
+    ranks): ``token`` and, with MTP, the accepted draft's bonus tokens ``more`` ((token,
+    logprob) in order) and the next ``draft`` (-1: none)."""
 
     lifetime: int
     token: int
     logprob: float
+    more: tuple[tuple[int, float], ...] = ()
+    draft: int = -1

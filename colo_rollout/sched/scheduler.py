@@ -57,6 +57,7 @@ class _Seq:
     lifetime: int
     length: int  # tokens in the KV cache after the last completed forward
     last_token: int | None = None  # input of the next D step
+    draft: int = -1  # engine.mtp: the MTP layer's draft of the token after last_token
     context_before: list[int] | None = None  # trajectory context before this turn (sessions)
     p_blocks: tuple[int, ...] = ()  # the reservation P writes into (checked at promotion)
 
@@ -95,6 +96,9 @@ class Scheduler:
         self.retired: set[int] = set()
         self.sessions: dict[str, _Session] = {}
         self.evictions = 0  # retained trajectory contexts dropped for capacity (re-prefilled)
+        # engine.mtp: D rows that verified a draft, and how many of those drafts were accepted
+        self.drafts_verified = 0
+        self.drafts_accepted = 0
 
     # ------------------------------------------------------------------ intake
     def validate(self, req: Request) -> None:
@@ -207,7 +211,7 @@ class Scheduler:
         row and, if no P epoch is in flight, a new epoch's P items."""
         views = []
         for i, kv in enumerate(self.kv):
-            running = [DecodeRow(s.lifetime, s.last_token, s.length)
+            running = [DecodeRow(s.lifetime, s.last_token, s.length, draft=s.draft)
                        for s in self.seqs.values() if s.replica == i and s.last_token is not None]
             views.append(ReplicaView(running=running, free_blocks=kv.num_free_blocks(),
                                      block_size=kv.block_size))
@@ -358,17 +362,27 @@ class Scheduler:
         s = by_lt.get(item.lifetime)
         if s is None:
             raise RuntimeError(f"step {step}: no sampled token for lifetime {item.lifetime}")
-        seq.length += len(item.tokens) if isinstance(item, PrefillItem) else 1
         out = self.by_id[seq.request.request_id]
         if out.first_token_time is None:
             out.first_token_time = now
-        out.tokens.append(s.token)
-        out.logprobs.append(s.logprob)
-        seq.last_token = s.token
-        reason = self._stop_reason(seq, out)
-        if reason is not None:
-            self._finish(seq, out, reason, now)
-            finished.append(out)
+        if isinstance(item, DecodeRow) and item.draft >= 0:
+            self.drafts_verified += 1
+            self.drafts_accepted += len(s.more)
+        # the forward wrote the KV of the item's tokens (P) or of its input token (D) and,
+        # for each accepted draft, of the draft's position: one position per token emitted.
+        # Tokens after a stop are dropped (their KV, if written, is never counted).
+        seq.length += len(item.tokens) - 1 if isinstance(item, PrefillItem) else 0
+        for token, logprob in ((s.token, s.logprob), *s.more):
+            seq.length += 1
+            out.tokens.append(token)
+            out.logprobs.append(logprob)
+            seq.last_token = token
+            reason = self._stop_reason(seq, out)
+            if reason is not None:
+                self._finish(seq, out, reason, now)
+                finished.append(out)
+                return
+        seq.draft = s.draft
 
     def _stop_reason(self, seq: _Seq, out: RequestOutput) -> FinishReason | None:
         p = seq.request.params

@@ -39,6 +39,7 @@ from colo_rollout.model.attention import AttnMetadata
 from colo_rollout.model.model import DecodeInputs, InferenceGPT
 from colo_rollout.model.weights import loadable_tensors
 from colo_rollout.worker.sampler import greedy_tensors
+from colo_rollout.worker.speculate import ROWS_PER_SEQUENCE, verify_and_draft
 from colo_rollout.runtime.device import h2d
 
 MIN_WIDTH = 4  # smallest block-table width bucket (blocks)
@@ -83,7 +84,9 @@ class _Graph:
         )
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
-        self.packed: torch.Tensor | None = None  # [2, B] float64: greedy tokens, logprobs
+        self.hidden: torch.Tensor | None = None  # engine.mtp: the rows' final-normed output
+        # [2, B] float64: greedy tokens, logprobs; engine.mtp: [6, B / 2], worker/speculate.py
+        self.packed: torch.Tensor | None = None
 
 
 class DecodeGraphs:
@@ -173,29 +176,43 @@ class DecodeGraphs:
         side.wait_stream(stream)
         with torch.cuda.stream(side):  # warm-up outside capture (allocator, lazy inits)
             for _ in range(2):
-                self.model.forward_decode(g.inputs, self.kv)
+                if self.model.mtp_draft:
+                    logits, hidden = self.model.forward_decode(g.inputs, self.kv, hidden=True)
+                    tokens, logprobs = greedy_tensors(logits)
+                    verify_and_draft(self.model, self.kv, g.inputs, logits, hidden, tokens,
+                                     logprobs)
+                else:
+                    self.model.forward_decode(g.inputs, self.kv)
         stream.wait_stream(side)
         g.graph = torch.cuda.CUDAGraph()
         # thread-local capture: the NCCL watchdog thread keeps polling the events of P's eager
         # collectives, which may be in flight on other streams during the capture
         with torch.cuda.graph(g.graph, pool=self._pool, stream=side,
                               capture_error_mode="thread_local"):
-            g.logits = self.model.forward_decode(g.inputs, self.kv)
-            tokens, logprobs = greedy_tensors(g.logits)
-            g.packed = torch.stack([tokens.double(), logprobs.double()])
+            if self.model.mtp_draft:  # verify + draft in the one graph (greedy rows)
+                g.logits, g.hidden = self.model.forward_decode(g.inputs, self.kv, hidden=True)
+                tokens, logprobs = greedy_tensors(g.logits)
+                g.packed = verify_and_draft(self.model, self.kv, g.inputs, g.logits, g.hidden,
+                                            tokens, logprobs)
+            else:
+                g.logits = self.model.forward_decode(g.inputs, self.kv)
+                tokens, logprobs = greedy_tensors(g.logits)
+                g.packed = torch.stack([tokens.double(), logprobs.double()])
         stream.wait_stream(side)
         self._graphs[(rows, width)] = g
         self.captures += 1
         return g
 
     def capture_all(self, rows: list[int], max_blocks: int | None = None) -> int:
-        """Capture every (row bucket, width bucket) key up to ``max_blocks`` table width ahead
+        """Capture every (row bucket -- sequences; 2 graph rows each with engine.mtp --, width
+        bucket) key up to ``max_blocks`` table width ahead
         of serving (collective: every rank calls it with the same arguments), so no capture
         lands inside a timed run. Returns the number of graphs captured now."""
         self.check_weights()
         limit = self.max_blocks if max_blocks is None else min(max_blocks, self.max_blocks)
         before = self.captures
-        for r in sorted(set(rows)):
+        per = ROWS_PER_SEQUENCE if self.model.mtp_draft else 1  # graph rows per sequence
+        for r in sorted({per * r for r in rows}):
             for w in width_buckets(limit, self.max_blocks):
                 if (r, w) not in self._graphs:
                     self._capture(r, w)

@@ -25,6 +25,7 @@ from colo_rollout.model.model import DecodeInputs, InferenceGPT, PrefillInputs
 from colo_rollout.sched.plan import Phase, Sampled, StepPlan
 from colo_rollout.worker.prefill_graph import PrefillMoEGraphs
 from colo_rollout.worker.sampler import sample_tensors
+from colo_rollout.worker.speculate import ROWS_PER_SEQUENCE, verify_and_draft
 from colo_rollout.runtime.device import Pending, h2d, wait_event
 from colo_rollout.multiplex.stream_route import StreamRoute
 
@@ -64,13 +65,19 @@ class PendingSampled:
     run instead, so ``done``/``wait`` still tell when its GPU work finished. ``routing``: the
     run's recorded expert ids (engine.record_routing), on every rank."""
 
+    # the pending copy's layouts: "plain" (tokens [n], logprobs [n]); packed in one float64
+    # tensor: "greedy" [2, n] (a D graph's greedy rows), "mtp_p" [3, n] (tokens, logprobs,
+    # drafts: an MTP-drafting P), "mtp_d" [6, n] (worker/speculate.py)
+    LAYOUTS = ("plain", "greedy", "mtp_p", "mtp_d")
+
     def __init__(self, lifetimes: list[int] = (), pending: Pending | None = None,
-                 marker: torch.cuda.Event | None = None, packed: bool = False,
+                 marker: torch.cuda.Event | None = None, packed: bool | str = False,
                  routing: RoutingRows | None = None) -> None:
         self.lifetimes = list(lifetimes)
-        # (tokens [n], logprobs [n]); ``packed``: one [2, n] float64 (a D graph's greedy rows)
         self._pending = pending
-        self._packed = packed
+        self._layout = packed if isinstance(packed, str) else ("greedy" if packed else "plain")
+        if self._layout not in self.LAYOUTS:
+            raise ValueError(f"unknown sampled layout {packed!r}")
         self._marker = marker
         self.routing = routing
 
@@ -92,8 +99,17 @@ class PendingSampled:
         if self._pending is None:
             return []
         got = self._pending.get(timeout_s, what)
-        tokens, logprobs = got[0] if self._packed else got
-        return [Sampled(lt, int(t), lp) for lt, t, lp in zip(self.lifetimes, tokens, logprobs)]
+        lts = self.lifetimes
+        if self._layout == "mtp_p":
+            tokens, logprobs, drafts = got[0]
+            return [Sampled(lt, int(t), lp, (), int(d))
+                    for lt, t, lp, d in zip(lts, tokens, logprobs, drafts)]
+        if self._layout == "mtp_d":
+            y0, lp0, y1, lp1, acc, drafts = got[0]
+            return [Sampled(lt, int(a), la, ((int(b), lb),) if ok else (), int(d))
+                    for lt, a, la, b, lb, ok, d in zip(lts, y0, lp0, y1, lp1, acc, drafts)]
+        tokens, logprobs = got[0] if self._layout == "greedy" else got
+        return [Sampled(lt, int(t), lp) for lt, t, lp in zip(lts, tokens, logprobs)]
 
 
 class ModelRunner:
@@ -193,12 +209,36 @@ class ModelRunner:
             return PendingSampled()
         if plan.phase is Phase.PREFILL:
             with self.route.mark("P"):
-                logits = self.model.forward_prefill(self._prefill_inputs(plan), self.kv,
-                                                    self._moe_block())
-                out = self._sample(logits, plan.replicas[self.groups.replica].prefill)
+                items = plan.replicas[self.groups.replica].prefill
+                got = self.model.forward_prefill(self._prefill_inputs(plan), self.kv,
+                                                 self._moe_block(), self._p_sampler(items))
+                out = self._prefill_out(got, items)
                 out.routing = self._p_routing(plan)
                 return out
         return self.run_decode(plan)
+
+    def _p_sampler(self, items):
+        """What an MTP-drafting P samples its first tokens with, inside the forward (the MTP
+        pass reads them): every rank of the replica samples alike -- the full-vocabulary
+        logits and the replica's generator are the same on each -- so every rank holds the
+        tokens its MTP pass embeds. None without MTP (the leader samples after P)."""
+        if not self.model.mtp_draft:
+            return None
+        params = [it.params for it in items]
+        return lambda logits: sample_tensors(logits[: len(params)], params, self.generator)
+
+    def _prefill_out(self, got, items) -> PendingSampled:
+        """P's result as the pending tokens: logits sampled now (the leader), or an MTP P's
+        (tokens, logprobs, draft logits)."""
+        if not self.model.mtp_draft:
+            return self._sample(got, items)
+        tokens, logprobs, draft_logits = got
+        lifetimes = [it.lifetime for it in items]
+        if not self.groups.is_replica_leader or not lifetimes:
+            return PendingSampled(marker=_marker(self.device))
+        packed = torch.stack([tokens.double(), logprobs.double(),
+                              draft_logits.argmax(dim=-1).double()])
+        return PendingSampled(lifetimes, Pending(packed), packed="mtp_p")
 
     def _p_routing(self, plan: StepPlan) -> RoutingRows | None:
         """P's recorded ids: every replica's items, their tokens in the order P's rows hold
@@ -241,6 +281,8 @@ class ModelRunner:
         with self.route.d(), self.route.mark("D", epoch):
             host = self._decode_host(plan)
             rows = plan.replicas[self.groups.replica].decode
+            if self.model.mtp_draft:
+                return self._run_mtp_decode(plan, host, rows)
             if self.graphs is None:
                 logits = self.model.forward_decode(self._decode_inputs(*host), self.kv)
                 out = self._sample(logits, rows)
@@ -256,6 +298,37 @@ class ModelRunner:
             out.routing = self._d_routing(plan)
             return out
 
+    def _run_mtp_decode(self, plan: StepPlan, host, rows) -> PendingSampled:
+        """One MTP D iteration (worker/speculate.py): the verify forward over 2 rows per
+        sequence and the MTP draft, by one graph replay when every row is greedy (sampled
+        inside it), else the forward (replayed, or eager) then sampling and the MTP pass
+        eagerly. Every rank samples (the MTP pass embeds the tokens)."""
+        n = len(rows)
+        if self.graphs is not None:
+            g = self.graphs.run(*host, plan.table_blocks)
+            if all(d.params.greedy for d in rows):
+                packed = g.packed
+            else:
+                packed = self._verify_eagerly(g.inputs, g.logits, g.hidden, rows)
+        else:
+            inputs = self._decode_inputs(*host)
+            logits, hidden = self.model.forward_decode(inputs, self.kv, hidden=True)
+            packed = self._verify_eagerly(inputs, logits, hidden, rows)
+        if not self.groups.is_replica_leader or not rows:
+            return PendingSampled(marker=_marker(self.device))
+        return PendingSampled([d.lifetime for d in rows], Pending(packed[:, :n]),
+                              packed="mtp_d")
+
+    def _verify_eagerly(self, inputs, logits, hidden, rows) -> torch.Tensor:
+        n = len(rows)
+        params = [d.params for d in rows for _ in range(ROWS_PER_SEQUENCE)]
+        tokens, logprobs = sample_tensors(logits[: 2 * n], params, self.generator)
+        pad = logits.shape[0] - 2 * n
+        if pad:
+            tokens = torch.cat([tokens, tokens.new_zeros(pad)])
+            logprobs = torch.cat([logprobs, logprobs.new_zeros(pad)])
+        return verify_and_draft(self.model, self.kv, inputs, logits, hidden, tokens, logprobs)
+
     # ------------------------------------------------------------------ P epochs (PD mode)
     @property
     def epoch_active(self) -> bool:
@@ -268,7 +341,9 @@ class ModelRunner:
             raise RuntimeError("a P epoch is already in flight")
         with self.route.p():
             inputs = self._prefill_inputs(plan)
-        gen = self.model.prefill_segments(inputs, self.kv, self._moe_block())
+        gen = self.model.prefill_segments(inputs, self.kv, self._moe_block(),
+                                          self._p_sampler(plan.replicas[self.groups.replica]
+                                                          .prefill))
         self._epoch = gen
         self._epoch_plan = plan
         self._epoch_items = plan.replicas[self.groups.replica].prefill
@@ -296,7 +371,7 @@ class ModelRunner:
                 items, self._epoch, self._epoch_items = self._epoch_items, None, ()
                 # items cancelled during the epoch are sampled too: the scheduler's commit
                 # discards a result whose lifetime is no longer live
-                out = self._sample(done.value, items)
+                out = self._prefill_out(done.value, items)
                 out.routing = self._p_routing(self._epoch_plan)
                 self._epoch_plan = None
                 return out
@@ -368,9 +443,18 @@ class ModelRunner:
         rows = plan.replicas[r].decode
         B = plan.bucket
         sink = self.kv.sink_block
-        ids = [d.token for d in rows] + [0] * (B - len(rows))
-        pos = [d.position for d in rows] + [0] * (B - len(rows))
-        tables = [d.table for d in rows] + [(sink,)] * (B - len(rows))
+        if self.model.mtp_draft:  # the verify rows: (token, n) and (draft, n + 1) per sequence
+            ids = [t for d in rows for t in (d.token, max(d.draft, 0))]
+            pos = [p for d in rows for p in (d.position, d.position + 1)]
+            tables = [d.table for d in rows for _ in range(ROWS_PER_SEQUENCE)]
+            B, pad = ROWS_PER_SEQUENCE * B, ROWS_PER_SEQUENCE * (B - len(rows))
+        else:
+            ids = [d.token for d in rows]
+            pos = [d.position for d in rows]
+            tables = [d.table for d in rows]
+            pad = B - len(rows)
+        ids, pos = ids + [0] * pad, pos + [0] * pad
+        tables = tables + [(sink,)] * pad
         slots = [self._slots(t, range(p, p + 1))[0] for t, p in zip(tables, pos)]
         return ids, pos, slots, [p + 1 for p in pos], tables
 

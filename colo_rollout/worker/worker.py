@@ -64,10 +64,11 @@ def build_model(cfg: Config, groups: ParallelGroups,
 
 
 def _dispatch_sizes(cfg: Config) -> dict:
-    """What a dispatch backend's buffers are sized by: D's most rows per replica (the D
-    batch is padded to a decode bucket) and the bound of its host waits."""
+    """The model's build options from the engine config: what a dispatch backend's buffers are
+    sized by (D's most rows per replica -- the D batch is padded to a decode bucket -- and the
+    bound of its host waits) and whether the MTP layer drafts (engine.mtp)."""
     return {"max_decode_rows": max(cfg.engine.decode_buckets[-1], cfg.engine.max_batch_size),
-            "timeout_s": cfg.parallel.timeout_s}
+            "timeout_s": cfg.parallel.timeout_s, "mtp_draft": cfg.engine.mtp}
 
 
 class Worker:

@@ -1,0 +1,182 @@
+"""The MTP layer (multi-token prediction, DeepSeek-V3 / GLM-4.5; megatron's
+``MultiTokenPredictionLayer``) and its two forwards inside the engine's phases.
+
+Owns ``MTPLayer`` (parameter names megatron's: ``mtp.layers.0.{enorm, hnorm, eh_proj,
+mtp_model_layer.*, final_layernorm}``) and the draft computations:
+
+  * ``mtp_decode``: D's draft, in the same D iteration as the verify forward (worker/runner.py);
+  * ``mtp_prefill``: P's MTP pass over the prompt (a segment generator: its collectives are
+    P boundaries, numbered after the decoder's), which fills the MTP layer's KV and drafts the
+    token after the first sampled one.
+
+The math (megatron's, and every engine loading the released weights): at position i the layer
+reads the decoder's output h_i *after* the final norm and the embedding of token i + 1,
+``x_i = eh_proj([enorm(emb(t_{i+1})); hnorm(h_i)])``, runs one transformer layer (of the last
+decoder layer's kind; RoPE at position i, causal attention over the MTP layer's own KV of
+positions <= i), ``final_layernorm``, and the shared output layer: logits for token i + 2.
+
+Invariants:
+  * The MTP layer's KV is layer index ``num_layers`` of the engine's KV storage: the same
+    blocks, slots and tables as the decoder's, so a cached prefix keeps its MTP entries and a
+    rejected draft's entry (position n + 1) is overwritten by the next iteration before any
+    query attends to it (causal: only positions <= the query's).
+  * Every MTP position the decoder computed gets an MTP entry: P writes all prompt positions
+    (the last with the sampled token), each D iteration both verify positions -- position n
+    with the token the iteration emitted there, n + 1 with the bonus token (valid when the
+    draft was accepted; else overwritten next iteration). No hole, as vLLM does it.
+  * No routing is recorded for the MTP layer (engine.mtp refuses record_routing at the door).
+  * The collectives are the gather backend's (engine.mtp refuses a dispatch backend).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+from colo_rollout.model.attention import RopeAngles
+from colo_rollout.model.residual import add_rounded
+
+
+class MTPLayer(torch.nn.Module):
+    """One MTP depth: enorm, hnorm, eh_proj [H, 2H] (column-parallel over ATP), the transformer
+    layer ``mtp_model_layer`` (an ``InferenceLayer``), final_layernorm."""
+
+    def __init__(self, config, groups, layer_number: int, backend, is_moe: bool,
+                 moe_compute: str, moe_kernel: str) -> None:
+        super().__init__()
+        from colo_rollout.model.model import InferenceLayer, _norm
+
+        self.enorm = _norm(backend, config)
+        self.hnorm = _norm(backend, config)
+        self.eh_proj = ColumnParallelLinear(
+            2 * config.hidden_size, config.hidden_size, config=config,
+            init_method=config.init_method, bias=False, gather_output=False,
+            skip_bias_add=False, tp_group=groups.atp)
+        self.mtp_model_layer = InferenceLayer(config, groups, layer_number, backend, is_moe,
+                                              moe_compute, moe_kernel)
+        self.final_layernorm = _norm(backend, config)
+
+    def project(self, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's ATP shard of eh_proj([enorm(emb); hnorm(hidden)]): [N, H / ATP]."""
+        return F.linear(torch.cat([self.enorm(emb), self.hnorm(hidden)], dim=-1),
+                        self.eh_proj.weight)
+
+
+class MTPBlock(torch.nn.Module):
+    """megatron's ``mtp`` block: ``layers`` (one MTPLayer here)."""
+
+    def __init__(self, layers: list[MTPLayer]) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(layers)
+
+
+def shift_tokens(token_ids: torch.Tensor, local_last: torch.Tensor,
+                 sampled: torch.Tensor) -> torch.Tensor:
+    """P's MTP input tokens: each row's next token -- the prompt shifted left by one within
+    each sequence, each sequence's last row the token sampled after it. ``local_last``: the
+    last row of each sequence in ``token_ids`` (ascending)."""
+    e = torch.roll(token_ids, -1)
+    e[local_last] = sampled
+    return e
+
+
+@torch.inference_mode()
+def mtp_decode(model, hidden: torch.Tensor, tokens: torch.Tensor, inp, kv,
+               select: torch.Tensor) -> torch.Tensor:
+    """D's MTP pass over this replica's verify rows (every rank of the world: the layer's
+    collectives span it). ``hidden`` [B2, H]: the decoder's final-normed output of the
+    replica's rows (whole on every ATP rank); ``tokens`` [B2]: the token after each row's (what
+    the iteration emitted there; padding rows anything); ``inp``: the verify forward's
+    DecodeInputs (positions, slots, tables); ``select`` [S]: the rows whose drafts are wanted.
+    Returns full-vocabulary draft logits [S, V]. Unfused, the gather backend's generic path."""
+    comm = model.comm
+    mtp = model.mtp.layers[0]
+    L = model.cfg.num_layers
+    B2 = tokens.shape[0]
+    atp, a = model.groups.layout.atp, model.groups.atp_rank
+    c = B2 // atp
+    emb = comm.d_all_gather_atp(comm.d_reduce_scatter_atp(model.embedding.partial(tokens)))
+    y = comm.d_all_gather_vocab(mtp.project(emb, hidden))  # [B2, H]
+    res = y[a * c : (a + 1) * c]
+    rope = RopeAngles(model.rope_table(), inp.attn.positions)
+    layer = mtp.mtp_model_layer
+    own = slice(model.groups.replica * B2, (model.groups.replica + 1) * B2)
+    x = comm.d_all_gather_atp(layer.input_layernorm(res))
+    res = res + comm.d_reduce_scatter_atp(layer.self_attention(x, rope, inp.attn, kv, L))
+    if layer.is_moe:
+        u = comm.d_all_gather_full(layer.pre_mlp_layernorm(res))
+        partial = layer.mlp(u, record=None)
+        if layer.mlp.shared_experts is not None:
+            layer.mlp.add_shared(partial[own], u[own])
+        res = add_rounded(res, comm.d_reduce_scatter_full(partial), model.residual_kernel)
+    else:
+        x = comm.d_all_gather_atp(layer.pre_mlp_layernorm(res))
+        res = add_rounded(res, comm.d_reduce_scatter_atp(layer.dense_partial(x)),
+                          model.residual_kernel)
+    normed = comm.d_all_gather_atp(mtp.final_layernorm(res))
+    return comm.d_all_gather_vocab(F.linear(normed[select], model.output_weight))
+
+
+def mtp_prefill(model, hidden_all: torch.Tensor, tokens_local: torch.Tensor, inp, kv,
+                boundary: int) -> Generator[int, None, torch.Tensor]:
+    """P's MTP pass (a generator; yields boundary ids from ``boundary`` on, one before each
+    collective: ``prefill_boundaries`` counts them). ``hidden_all`` [T, H]: the decoder's
+    final-normed output of every replica's P rows (the gather backend's P layout);
+    ``tokens_local`` [T_local]: this replica's next tokens (``shift_tokens``). Writes the MTP
+    layer's KV of this replica's positions; returns the draft logits [n_seq, V] of this
+    replica's sequences (their last rows)."""
+    comm, r = model.comm, model.groups.replica
+    mtp = model.mtp.layers[0]
+    L = model.cfg.num_layers
+    total = sum(inp.row_counts)
+    off, n_local = sum(inp.row_counts[:r]), inp.row_counts[r]
+    own = slice(off, off + n_local)
+    atp, a = model.groups.layout.atp, model.groups.atp_rank
+    yield boundary
+    boundary += 1
+    emb = comm.p_gather(model.embedding.partial(tokens_local), off, total)
+    if atp == 1:  # every rank has every row: the whole projection here, no collective
+        h = mtp.project(emb, hidden_all)
+    else:  # this replica's rows, this rank's column shard, gathered by one AllReduce
+        shard = mtp.project(emb[own], hidden_all[own])
+        w = shard.shape[1]
+        h = hidden_all.new_zeros((total, w * atp))
+        h[own, a * w : (a + 1) * w] = shard
+        yield boundary
+        boundary += 1
+        h = comm.p_allreduce(h)
+    rope = RopeAngles(model.rope_table(), inp.attn.positions)
+    layer = mtp.mtp_model_layer
+    attn = layer.self_attention(layer.input_layernorm(h[own]), rope, inp.attn, kv, L)
+    yield boundary
+    boundary += 1
+    h = h + comm.p_gather(attn, off, total)
+    if layer.is_moe:
+        partial = layer.mlp(layer.pre_mlp_layernorm(h), record=None)
+        if layer.mlp.shared_experts is not None:
+            layer.mlp.add_shared(partial[own], layer.pre_mlp_layernorm(h[own]))
+        yield boundary
+        boundary += 1
+        h = add_rounded(h, comm.p_allreduce(partial), model.residual_kernel)
+    else:
+        partial = layer.dense_partial(layer.pre_mlp_layernorm(h[own]))
+        yield boundary
+        boundary += 1
+        h = h + comm.p_gather(partial, off, total)
+    seq_off, n_seq = sum(inp.last_counts[:r]), inp.last_counts[r]
+    last = mtp.final_layernorm(h[inp.last_rows[seq_off : seq_off + n_seq]])
+    shard = F.linear(last, model.output_weight)  # [n_seq, V/ATP]
+    full = shard.new_zeros((int(inp.last_rows.shape[0]), model.cfg.vocab_size))
+    emb_w = model.embedding.word_embeddings
+    full[seq_off : seq_off + n_seq, emb_w.vocab_start_index : emb_w.vocab_end_index] = shard
+    yield boundary
+    return comm.p_allreduce(full)[seq_off : seq_off + n_seq]
+
+
+def prefill_boundaries(atp: int) -> int:
+    """The boundaries ``mtp_prefill`` yields: the embedding gather, the projection's gather
+    (attention TP > 1 only), the layer's two, the draft logits' gather."""
+    return 4 + (atp > 1)

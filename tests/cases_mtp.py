@@ -1,0 +1,100 @@
+"""Per-rank bodies of the MTP tests (tests/test_mtp.py), run by the spawned worker group."""
+
+from __future__ import annotations
+
+import torch
+
+from colo_rollout.engine.engine import Engine
+from colo_rollout.model.megatron_gpt import (
+    build_reference,
+    reference_mtp_logprobs,
+    singleton_pg_collection,
+)
+from colo_rollout.model.weights import random_state_dict
+from colo_rollout.runtime.cpu_compat import install_cpu_compat
+from colo_rollout.runtime.parallel import init_parallel
+from tests.cases_engine import compare_with_reference, mixed_requests, tiny_config
+
+# a draft is "the reference's argmax" when its reference logprob is within this of the max
+# (fp32 CPU: the engine and megatron differ by ~1e-6)
+DRAFT_TOL = 1e-4
+
+
+def oracle_state_dict(cfg) -> dict:
+    """Weights under which the MTP layer predicts exactly what the model will say two tokens
+    on, so a greedy engine accepts (nearly) every draft: one decoder layer whose attention adds
+    nothing (linear_proj zero), so a position's logits depend on its own token alone (t_{i+1}
+    = f(t_i)); embedding rows of RMS 1 and unit enorm, so eh_proj = [I 0] hands the MTP layer
+    emb(t_{i+1}) as its residual stream; the MTP layer a copy of the decoder layer and its
+    final norm the decoder's. Then the MTP output at i is f(t_{i+1}) = t_{i+2}."""
+    sd = random_state_dict(cfg.model)
+    H = cfg.model.hidden_size
+    emb = sd["embedding.word_embeddings.weight"]
+    sd["embedding.word_embeddings.weight"] = emb / emb.pow(2).mean(-1, keepdim=True).sqrt()
+    sd["decoder.layers.0.self_attention.linear_proj.weight"].zero_()
+    for k in list(sd):
+        if k.startswith("decoder.layers.0."):
+            sd["mtp.layers.0.mtp_model_layer." + k[len("decoder.layers.0."):]] = sd[k].clone()
+    sd["mtp.layers.0.enorm.weight"] = torch.ones(H)
+    sd["mtp.layers.0.hnorm.weight"] = torch.ones(H)
+    sd["mtp.layers.0.eh_proj.weight"] = torch.cat([torch.eye(H), torch.zeros(H, H)], dim=1)
+    sd["mtp.layers.0.final_layernorm.weight"] = sd["decoder.final_layernorm.weight"].clone()
+    return sd
+
+
+def mtp_tokens(rank: int, world: int, adp: int, ep: int, mode: str = "normal", mtp: bool = True,
+               weights: str = "random", span: int = 1, n_requests: int = 12,
+               check_reference: bool = False) -> dict:
+    """Serve the same greedy requests with a model that has an MTP layer, drafting with it
+    (``mtp``) or not; report tokens, logprobs, D iterations, the drafts proposed (lifetime-free:
+    per request, (tokens emitted so far, draft)) and the scheduler's acceptance counts. With
+    ``check_reference`` (rank 0): logprobs against megatron's GPTModel and every draft against
+    megatron's MTP block (teacher-forced over the final sequence)."""
+    model_kw = {"mtp_num_layers": 1, "norm_epsilon": 1e-6}
+    if weights == "oracle":
+        model_kw["num_layers"] = 1
+    cfg = tiny_config(world, adp, ep, max_batch_size=3, decode_buckets=[1, 2, 4], mode=mode,
+                      segment_span=span, mtp=mtp, model_kw=model_kw)
+    groups = init_parallel(cfg.parallel)
+    install_cpu_compat()
+    sd = oracle_state_dict(cfg) if weights == "oracle" else random_state_dict(cfg.model)
+    engine = Engine(cfg, groups, sd)
+    drafts: dict[str, list] = {}
+    sched = engine.scheduler
+    apply = sched._apply
+
+    def recording_apply(step, r, item, by_lt, now, finished):
+        seq = sched.seqs.get(item.lifetime)
+        apply(step, r, item, by_lt, now, finished)
+        if seq is not None and item.lifetime in sched.seqs:
+            out = sched.by_id[seq.request.request_id]
+            drafts.setdefault(seq.request.request_id, []).append(
+                (len(out.tokens), by_lt[item.lifetime].draft))
+
+    sched._apply = recording_apply
+    requests = mixed_requests(n_requests, 0, cfg.model.vocab_size)
+    outs = engine.generate(requests)
+    engine.check_integrity()
+    for kv in sched.kv:
+        kv.assert_empty()
+    res = {"tokens": {r.request_id: outs[r.request_id].tokens for r in requests},
+           "logprobs": {r.request_id: outs[r.request_id].logprobs for r in requests},
+           "d_iterations": sum(1 for h in engine.history if h.rows > 0),
+           "verified": sched.drafts_verified, "accepted": sched.drafts_accepted,
+           "drafts": drafts, "layout": groups.layout.name}
+    pgc = singleton_pg_collection() if check_reference else None  # collective: every rank
+    if check_reference and rank == 0:
+        ref = build_reference(cfg.model, sd, pgc, torch.device("cpu"))
+        res.update(compare_with_reference(ref, requests, outs))
+        bad, checked = [], 0
+        for req in requests:
+            full = list(req.prompt) + outs[req.request_id].tokens
+            mtp_lp = reference_mtp_logprobs(ref, full)
+            for emitted, draft in drafts.get(req.request_id, []):
+                last = len(req.prompt) + emitted - 1  # the last emitted token's position
+                row = mtp_lp[last - 1]  # (h at last - 1, token at last) -> token last + 1
+                checked += 1
+                if not 0 <= draft < row.shape[0] or float(row[draft]) < float(row.max()) - DRAFT_TOL:
+                    bad.append((req.request_id, emitted, draft, int(row.argmax())))
+        res["draft_mismatches"], res["drafts_checked"] = bad, checked
+    return res

@@ -1,0 +1,88 @@
+"""MTP speculative decoding (engine.mtp; model/mtp.py, worker/speculate.py): one draft token per
+D iteration, verified and re-drafted in one forward.
+
+Against independent references, on CPU ranks in fp32: with MTP the engine emits exactly the
+greedy tokens it emits without (every layout and mode below), its logprobs are megatron
+GPTModel's, and every draft it proposes is the argmax of megatron's own MTP block
+(MultiTokenPredictionBlock, teacher-forced over the final sequence). On random weights the
+drafts are almost never accepted (the reject path); on "oracle" weights, under which the MTP
+layer provably predicts the token two ahead (tests/cases_mtp.py), nearly all are, and D runs
+about half as many iterations (the accept path: two tokens per iteration, the KV of both)."""
+
+from __future__ import annotations
+
+import pytest
+
+from colo_rollout.config import ConfigError, config_from_dict
+from colo_rollout.engine.engine import _from_wire, _to_wire
+from colo_rollout.runtime.control import ControlError
+from colo_rollout.sched.plan import Sampled
+
+CASES = "tests.cases_mtp"
+TOL = 1e-4
+
+
+@pytest.mark.parametrize("world,adp,ep,mode", [
+    (1, 1, 1, "normal"),
+    (2, 2, 2, "fine"),  # EP2/ADP2: D iterations inside P epochs (the MTP pass has boundaries)
+    (2, 1, 2, "normal"),  # EP2/ATP2: eh_proj column-parallel, its outputs gathered
+    (4, 2, 4, "global_complete"),  # EP4/ADP2/ATP2
+    (4, 2, 4, "fine"),
+])
+def test_mtp_gives_the_same_greedy_tokens_and_megatrons_drafts(worker_groups, world, adp, ep,
+                                                               mode):
+    group = worker_groups(world)
+    for weights in ("random", "oracle"):
+        off = group.run(f"{CASES}:mtp_tokens", adp=adp, ep=ep, mode=mode, mtp=False,
+                        weights=weights)
+        on = group.run(f"{CASES}:mtp_tokens", adp=adp, ep=ep, mode=mode, mtp=True,
+                       weights=weights, check_reference=True)
+        r = on[0]
+        assert r["tokens"] == off[0]["tokens"], weights  # greedy output unchanged by MTP
+        assert all(x["tokens"] == r["tokens"] for x in on)
+        assert r["mismatches"] == [] and r["max_logprob_diff"] < TOL
+        assert r["drafts_checked"] > 40 and r["draft_mismatches"] == []
+        # each D row verified one draft and emitted 1 token, or 2 when it was accepted (the
+        # bonus dropped when the first one ended the request)
+        emitted = sum(max(len(t) - 1, 0) for t in r["tokens"].values())
+        assert r["verified"] <= emitted <= r["verified"] + r["accepted"]
+        if weights == "oracle":  # the accept path: ~2 tokens per D iteration
+            assert r["accepted"] >= 0.9 * r["verified"]
+            assert r["d_iterations"] < 0.8 * off[0]["d_iterations"]
+        else:
+            assert r["accepted"] <= 0.1 * r["verified"]
+
+
+def test_bonus_tokens_travel_in_order_and_malformed_rows_are_refused():
+    samples = [Sampled(3, 10, -0.5, ((11, -0.25),), 12), Sampled(4, 20, -1.0, (), 21),
+               Sampled(5, 30, -2.0)]
+    assert _from_wire(_to_wire(samples)) == samples
+    with pytest.raises(ControlError, match="does not follow"):
+        _from_wire([(3, 11, -0.25, -1, 1)])  # a bonus row without its first token
+    with pytest.raises(ControlError, match="does not follow"):
+        _from_wire([(3, 10, -0.5, 12, 0), (4, 11, -0.25, -1, 1)])  # another lifetime's
+
+
+def _cfg(**over):
+    base = {"parallel": {"world_size": 1, "adp": 1, "ep": 1, "backend": "gloo"},
+            "model": {"vocab_size": 64, "hidden_size": 32, "num_layers": 2,
+                      "num_attention_heads": 4, "num_query_groups": 2,
+                      "moe_ffn_hidden_size": 16, "num_experts": 4, "moe_router_topk": 2}}
+    for key, val in over.items():
+        sec, k = key.split(".")
+        base.setdefault(sec, {})[k] = val
+    return config_from_dict(base)
+
+
+@pytest.mark.parametrize("over,key", [
+    ({"engine.mtp": True}, "engine.mtp"),  # no MTP layer to draft with
+    ({"model.mtp_num_layers": 2}, "model.mtp_num_layers"),  # one draft token per iteration
+    ({"model.mtp_num_layers": 1, "engine.mtp": True, "engine.record_routing": True},
+     "engine.mtp"),
+    ({"model.mtp_num_layers": 1, "engine.mtp": True, "model.moe_dispatch": "alltoall",
+      "parallel.ep": 1}, "engine.mtp"),
+])
+def test_mtp_it_cannot_hold_is_refused_naming_the_key(over, key):
+    with pytest.raises(ConfigError) as err:
+        _cfg(**over)
+    assert key in str(err.value)
