@@ -1,5 +1,5 @@
 """`colo-rollout` command line: demo, train, bench, generate, stress-turnstile, bench-rendezvous,
-bench-decode-overhead, bench-speed, bench-sync.
+bench-decode-overhead, bench-speed, bench-sync, bench-mtp.
 
 Launch modes: under torchrun (WORLD_SIZE set) every process runs the job itself; otherwise the
 CLI spawns ``parallel.world_size`` CPU processes joined with gloo.
@@ -65,6 +65,16 @@ def main(argv: list[str] | None = None) -> int:
     bw.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     bw.add_argument("--iters", type=int, default=5, help="timed syncs after the first")
     bw.add_argument("--out", default="runs/bench_sync", help="directory of bench_sync.json")
+    bm = sub.add_parser("bench-mtp", help="decode tokens/s with MTP drafting against without "
+                        "(random and oracle-drafting weights), same run")
+    bm.add_argument("config", help="YAML config (model, layout, engine limits), e.g. "
+                    "configs/bench_speed_gpu.yaml")
+    bm.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    bm.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    bm.add_argument("--prompt-len", type=int, default=128)
+    bm.add_argument("--new-tokens", type=int, default=128)
+    bm.add_argument("--reps", type=int, default=2)
+    bm.add_argument("--out", default="runs/bench_mtp", help="directory of bench_mtp.json")
     tr = sub.add_parser("train", help="colocated GRPO: rollout, train, reshard (YAML config)")
     tr.add_argument("config", help="e.g. configs/grpo_cpu.yaml")
     tr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -109,6 +119,33 @@ def main(argv: list[str] | None = None) -> int:
 
             report(res, args.out)
         return 0
+    if args.cmd == "bench-mtp":
+        bad = ([f"--batches: every batch must be >= 1, got {args.batches}"]
+               if min(args.batches) < 1 else [])
+        bad += [f"--{k.replace('_', '-')}: must be >= {lo}, got {getattr(args, k)}"
+                for k, lo in (("prompt_len", 1), ("new_tokens", 2), ("reps", 1))
+                if getattr(args, k) < lo]
+        if bad:
+            print(f"error: {bad[0]}", file=sys.stderr)
+            return 2
+        overrides = _door(_overrides, args.set)
+        overrides["model.mtp_num_layers"] = 1
+        cfg = _config_at_the_door(args.config, overrides, args.cmd)
+        longest = args.prompt_len + args.new_tokens
+        if max(args.batches) > cfg.engine.max_batch_size or longest > cfg.engine.max_seq_len:
+            print(f"error: {args.config}: engine: --batches up to {max(args.batches)} and "
+                  f"{longest}-token sequences exceed engine.max_batch_size "
+                  f"{cfg.engine.max_batch_size} / engine.max_seq_len {cfg.engine.max_seq_len}",
+                  file=sys.stderr)
+            return 2
+        res = _launch("colo_rollout.tools.bench_mtp:run_bench_mtp", args.config, overrides,
+                      cfg=cfg, batches=tuple(args.batches), prompt_len=args.prompt_len,
+                      new_tokens=args.new_tokens, reps=args.reps)[0]
+        if int(os.environ.get("RANK", "0")) == 0:
+            from colo_rollout.tools.bench_mtp import report
+
+            report(res, args.out)
+        return 0 if res["same_tokens"] else 1
     if args.cmd in ("demo", "train", "bench", "bench-decode-overhead"):
         overrides = _door(_overrides, args.set)
         extra = ({"reps": args.reps, "mode": args.mode} if args.cmd == "bench-decode-overhead"

@@ -515,3 +515,59 @@ def gpu_layer_errors(rank: int, world: int, adp: int, ep: int, moe_compute: str 
     engine.close()
     return {"layout": groups.layout.name, "rows": rows, "moe_compute": moe_compute,
             "prefill_attention": prefill_attention}
+
+
+def gpu_mtp_tokens(rank: int, world: int, adp: int, ep: int, dtype: str = "bfloat16",
+                   backend: str = "nccl") -> dict:
+    """engine.mtp on a GPU (D graphs: verify + draft captured for the greedy rows; the Triton
+    kernels in bf16): the same greedy requests served with and without MTP, on random weights
+    and on the MTP oracle (testing/mtp_oracle.py). Reports per weight set: the share of
+    streams identical to the non-MTP run, their common-prefix share, the first tokens (P's,
+    which MTP does not change), the acceptance rate and the D iterations of each run. In fp32
+    the two runs differ by summation order only; in bf16 the verify forward's 2B-row GEMMs
+    may round differently from the B-row ones, so a stream may part at a near-tie."""
+    import dataclasses
+
+    from colo_rollout.testing.mtp_oracle import oracle_state_dict
+
+    base = gpu_config(world, adp, ep, dtype, backend=backend, model_kw={"mtp_num_layers": 1})
+    groups = init_parallel(base.parallel)
+    if backend == "gloo":  # the CPU smoke run of this case
+        from colo_rollout.runtime.cpu_compat import install_cpu_compat
+
+        install_cpu_compat()
+    requests = mixed_requests(16, 0, base.model.vocab_size)
+    weights = {"random": random_state_dict(base.model), "oracle": oracle_state_dict(base.model)}
+    runs: dict = {}
+    for mtp in (False, True):
+        cfg = dataclasses.replace(base, engine=dataclasses.replace(base.engine, mtp=mtp))
+        engine = Engine(cfg, groups, weights["random"])
+        for name, sd in weights.items():
+            engine.model.load_full_state_dict(sd)
+            engine.warmup(max_context=128)
+            reqs = [dataclasses.replace(r, request_id=f"{name}-{r.request_id}") for r in requests]
+            v0, a0 = engine.scheduler.drafts_verified, engine.scheduler.drafts_accepted
+            d0 = sum(1 for h in engine.history if h.rows > 0)
+            outs = engine.generate(reqs)
+            runs[name, mtp] = {
+                "tokens": [outs[r.request_id].tokens for r in reqs],
+                "d_iterations": sum(1 for h in engine.history if h.rows > 0) - d0,
+                "verified": engine.scheduler.drafts_verified - v0,
+                "accepted": engine.scheduler.drafts_accepted - a0,
+                "graphs": engine.runner.graphs is not None}
+        engine.close()
+    res = {"layout": groups.layout.name, "dtype": dtype}
+    for name in weights:
+        off, on = runs[name, False], runs[name, True]
+        same = [a == b for a, b in zip(off["tokens"], on["tokens"])]
+        prefix = []
+        for a, b in zip(off["tokens"], on["tokens"]):
+            k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            prefix.append(k / max(len(a), 1))
+        res[name] = {"identical": sum(same) / len(same), "prefix": sum(prefix) / len(prefix),
+                     "first_equal": all(a[:1] == b[:1] for a, b in zip(off["tokens"],
+                                                                         on["tokens"])),
+                     "acceptance": on["accepted"] / max(on["verified"], 1),
+                     "d_iterations": (off["d_iterations"], on["d_iterations"]),
+                     "graphs": on["graphs"]}
+    return res

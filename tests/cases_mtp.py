@@ -12,34 +12,13 @@ from colo_rollout.model.megatron_gpt import (
 )
 from colo_rollout.model.weights import random_state_dict
 from colo_rollout.runtime.cpu_compat import install_cpu_compat
+from colo_rollout.testing.mtp_oracle import oracle_state_dict
 from colo_rollout.runtime.parallel import init_parallel
 from tests.cases_engine import compare_with_reference, mixed_requests, tiny_config
 
 # a draft is "the reference's argmax" when its reference logprob is within this of the max
 # (fp32 CPU: the engine and megatron differ by ~1e-6)
 DRAFT_TOL = 1e-4
-
-
-def oracle_state_dict(cfg) -> dict:
-    """Weights under which the MTP layer predicts exactly what the model will say two tokens
-    on, so a greedy engine accepts (nearly) every draft: one decoder layer whose attention adds
-    nothing (linear_proj zero), so a position's logits depend on its own token alone (t_{i+1}
-    = f(t_i)); embedding rows of RMS 1 and unit enorm, so eh_proj = [I 0] hands the MTP layer
-    emb(t_{i+1}) as its residual stream; the MTP layer a copy of the decoder layer and its
-    final norm the decoder's. Then the MTP output at i is f(t_{i+1}) = t_{i+2}."""
-    sd = random_state_dict(cfg.model)
-    H = cfg.model.hidden_size
-    emb = sd["embedding.word_embeddings.weight"]
-    sd["embedding.word_embeddings.weight"] = emb / emb.pow(2).mean(-1, keepdim=True).sqrt()
-    sd["decoder.layers.0.self_attention.linear_proj.weight"].zero_()
-    for k in list(sd):
-        if k.startswith("decoder.layers.0."):
-            sd["mtp.layers.0.mtp_model_layer." + k[len("decoder.layers.0."):]] = sd[k].clone()
-    sd["mtp.layers.0.enorm.weight"] = torch.ones(H)
-    sd["mtp.layers.0.hnorm.weight"] = torch.ones(H)
-    sd["mtp.layers.0.eh_proj.weight"] = torch.cat([torch.eye(H), torch.zeros(H, H)], dim=1)
-    sd["mtp.layers.0.final_layernorm.weight"] = sd["decoder.final_layernorm.weight"].clone()
-    return sd
 
 
 def mtp_tokens(rank: int, world: int, adp: int, ep: int, mode: str = "normal", mtp: bool = True,
@@ -51,13 +30,11 @@ def mtp_tokens(rank: int, world: int, adp: int, ep: int, mode: str = "normal", m
     ``check_reference`` (rank 0): logprobs against megatron's GPTModel and every draft against
     megatron's MTP block (teacher-forced over the final sequence)."""
     model_kw = {"mtp_num_layers": 1, "norm_epsilon": 1e-6}
-    if weights == "oracle":
-        model_kw["num_layers"] = 1
     cfg = tiny_config(world, adp, ep, max_batch_size=3, decode_buckets=[1, 2, 4], mode=mode,
                       segment_span=span, mtp=mtp, model_kw=model_kw)
     groups = init_parallel(cfg.parallel)
     install_cpu_compat()
-    sd = oracle_state_dict(cfg) if weights == "oracle" else random_state_dict(cfg.model)
+    sd = oracle_state_dict(cfg.model) if weights == "oracle" else random_state_dict(cfg.model)
     engine = Engine(cfg, groups, sd)
     drafts: dict[str, list] = {}
     sched = engine.scheduler

@@ -349,3 +349,25 @@ def test_gpu_deepep_d_runs_low_latency_while_p_dispatch_is_pending():
     _record("deepep_phase_isolation_shared_gpu", {"gpus": 1, "ranks": 2, **res[0]})
     for r in res:
         assert r["d_err_p_pending"] < 1e-2 and r["p_err"] < 1e-2
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_mtp_keeps_the_greedy_tokens(gpu_groups, dtype):
+    """engine.mtp on one GPU with D graphs (verify + draft in one graph): the greedy streams of
+    the run without MTP -- in fp32 all of them; in bf16 the verify forward's GEMMs over 2B rows
+    may round otherwise than over B, so a stream may part at a near-tie (as graphs vs eager
+    do) -- P's first tokens always equal; the oracle's drafts accepted (>= 90%, D iterations
+    cut), the random weights' almost never."""
+    r = gpu_groups(1).run("tests.cases_gpu:gpu_mtp_tokens", timeout=600, adp=1, ep=1,
+                          dtype=dtype)[0]
+    _record("mtp_tokens", {"layout": r["layout"], "gpus": 1, "dtype": dtype, "result": r,
+                           "passed": r["random"]["first_equal"]})
+    for name in ("random", "oracle"):
+        assert r[name]["graphs"] and r[name]["first_equal"], (name, r[name])
+        if dtype == "float32":
+            assert r[name]["identical"] == 1.0, (name, r[name])
+        else:
+            assert r[name]["prefix"] >= 0.5, (name, r[name])
+    assert r["oracle"]["acceptance"] >= 0.9, r["oracle"]
+    assert r["oracle"]["d_iterations"][1] < 0.8 * r["oracle"]["d_iterations"][0]
+    assert r["random"]["acceptance"] <= 0.1, r["random"]

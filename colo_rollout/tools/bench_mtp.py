@@ -1,0 +1,122 @@
+"""`colo-rollout bench-mtp CONFIG`: decode throughput with MTP drafting against without, same run.
+
+Owns one measurement (issue 19 item 1): the config's model with an MTP layer
+(``model.mtp_num_layers`` forced to 1) served by two engines side by side on the same ranks --
+``engine.mtp`` off and on -- each with its D graphs captured first. For every batch size B of
+``--batches``: B greedy requests of ``--prompt-len`` random tokens and ``--new-tokens`` new
+tokens, served once with 1 new token (the prefill alone) and once in full; decode tokens/s =
+B * (new - 1) / (full - prefill-only). Two weight sets, loaded in place into both engines:
+
+  * ``random``: drafts almost never accepted -- what MTP costs when it does not help;
+  * ``oracle`` (testing/mtp_oracle.py): a per-token model whose MTP layer provably drafts right,
+    every layer's GEMMs still full size -- the most MTP can give at this shape.
+
+The acceptance rate and tokens per D iteration come from the MTP engine's scheduler; the
+greedy tokens of both engines are compared (they must be equal). Any acceptance rate between
+the two rows interpolates. Table on stdout, ``bench_mtp.json`` in ``--out``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import time
+
+import torch
+
+from colo_rollout.config import load_config
+from colo_rollout.runtime.parallel import init_parallel
+
+
+def _requests(B: int, prompt_len: int, new: int, vocab: int, seed: int, tag: str):
+    from colo_rollout.sched.request import Request, SamplingParams
+
+    rng = random.Random(seed)
+    return [Request(f"{tag}{i}", tuple(rng.randrange(vocab) for _ in range(prompt_len)),
+                    SamplingParams(max_tokens=new, ignore_eos=True)) for i in range(B)]
+
+
+def _timed(engine, reqs) -> tuple[float, dict]:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = engine.generate(reqs)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0, outs
+
+
+def run_bench_mtp(rank: int, world: int, config_path: str, overrides: dict | None = None,
+                  batches: tuple[int, ...] = (1, 8, 32, 64), prompt_len: int = 128,
+                  new_tokens: int = 128, reps: int = 2) -> dict:
+    from colo_rollout.engine.engine import Engine
+    from colo_rollout.model.weights import random_state_dict
+    from colo_rollout.testing.mtp_oracle import oracle_state_dict
+
+    base = load_config(config_path, {**(overrides or {}), "model.mtp_num_layers": 1})
+    groups = init_parallel(base.parallel)
+    dev = groups.device
+    weights = {"random": random_state_dict(base.model, device=dev),
+               "oracle": oracle_state_dict(base.model, device=dev)}
+    ctx = prompt_len + new_tokens + 1
+    got: dict[tuple, dict] = {}  # (weights, batch, mtp) -> measurements
+    for mtp in (False, True):  # one engine at a time: each holds a model and its KV
+        cfg = dataclasses.replace(base, engine=dataclasses.replace(base.engine, mtp=mtp))
+        eng = Engine(cfg, groups, weights["random"])
+        sched = eng.scheduler
+        for wname, sd in weights.items():
+            eng.model.load_full_state_dict(sd)  # in place: captured graphs stay valid
+            eng.warmup(max_context=ctx)
+            for B in batches:
+                best_pre = best_full = float("inf")
+                for rep in range(reps):
+                    tag = f"{wname}-{B}-{rep}-"
+                    pre, _ = _timed(eng, _requests(B, prompt_len, 1, base.model.vocab_size,
+                                                   rep, tag + "p"))
+                    v0, a0 = sched.drafts_verified, sched.drafts_accepted
+                    d0 = sum(1 for h in eng.history if h.rows > 0)
+                    full, outs = _timed(eng, _requests(B, prompt_len, new_tokens,
+                                                       base.model.vocab_size, rep, tag + "f"))
+                    best_pre, best_full = min(best_pre, pre), min(best_full, full)
+                    d_iters = sum(1 for h in eng.history if h.rows > 0) - d0
+                    verified, accepted = sched.drafts_verified - v0, sched.drafts_accepted - a0
+                got[wname, B, mtp] = {
+                    "tok_s": B * (new_tokens - 1) / max(best_full - best_pre, 1e-9),
+                    "d_iterations": d_iters, "acceptance": accepted / max(verified, 1),
+                    "tokens": [outs[r].tokens for r in sorted(outs)]}
+        eng.close()
+    rows, same = [], True
+    for wname in weights:
+        for B in batches:
+            off, on = got[wname, B, False], got[wname, B, True]
+            row = {"weights": wname, "batch": B, "base_tok_s": off["tok_s"],
+                   "mtp_tok_s": on["tok_s"], "speedup": on["tok_s"] / off["tok_s"],
+                   "acceptance": on["acceptance"],
+                   "base_d_iterations": off["d_iterations"],
+                   "mtp_d_iterations": on["d_iterations"],
+                   # tokens one sequence gets per D iteration (all B rows run throughout)
+                   "tokens_per_d_iteration": (new_tokens - 1) / max(on["d_iterations"], 1),
+                   "same_tokens": off["tokens"] == on["tokens"]}
+            same &= row["same_tokens"]
+            rows.append(row)
+    return {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU",
+            "layout": groups.layout.name, "prompt_len": prompt_len, "new_tokens": new_tokens,
+            "rows": rows, "same_tokens": same}
+
+
+def report(res: dict, out_dir: str) -> None:
+    print(f"bench-mtp on {res['device']}: layout {res['layout']}, {res['prompt_len']}-token "
+          f"prompts, {res['new_tokens']} new tokens, greedy")
+    print(f"{'weights':>8} {'B':>4} {'base tok/s':>11} {'MTP tok/s':>10} {'speedup':>8} "
+          f"{'accept':>7} {'tok/D-iter':>10} {'same tokens':>12}")
+    for r in res["rows"]:
+        print(f"{r['weights']:>8} {r['batch']:>4} {r['base_tok_s']:>11.1f} {r['mtp_tok_s']:>10.1f} "
+              f"{r['speedup']:>7.2f}x {r['acceptance']:>7.3f} {r['tokens_per_d_iteration']:>10.2f} "
+              f"{'yes' if r['same_tokens'] else 'NO':>12}")
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "bench_mtp.json")
+    with open(path, "w") as fh:
+        json.dump(res, fh, indent=1)
+    print(f"JSON: {path}")

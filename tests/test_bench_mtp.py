@@ -1,0 +1,39 @@
+"""`colo-rollout bench-mtp`: MTP drafting's decode throughput against none, through the command
+line on a CPU rank: the table and JSON, the same greedy tokens with and without MTP, the
+oracle weights' drafts (nearly) all accepted and the random weights' (nearly) none, fewer D
+iterations with the oracle; bad arguments refused at the door."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from colo_rollout.cli import main
+from tests.test_door import door_error
+
+CFG = str(Path(__file__).resolve().parents[1] / "configs" / "bench_speed_cpu.yaml")
+
+
+def test_bench_mtp_runs_and_reports(tmp_path, capsys):
+    assert main(["bench-mtp", CFG, "--batches", "1", "4", "--prompt-len", "8",
+                 "--new-tokens", "12", "--reps", "1", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "bench-mtp on CPU" in out and "speedup" in out
+    res = json.loads((tmp_path / "bench_mtp.json").read_text())
+    assert res["same_tokens"] and len(res["rows"]) == 4
+    for r in res["rows"]:
+        assert r["same_tokens"] and r["base_tok_s"] > 0 and r["mtp_tok_s"] > 0
+        if r["weights"] == "oracle":
+            assert r["acceptance"] > 0.9 and r["mtp_d_iterations"] < r["base_d_iterations"]
+            assert r["tokens_per_d_iteration"] > 1.5
+        else:
+            assert r["acceptance"] < 0.2
+
+
+def test_bench_mtp_bad_arguments(capsys, tmp_path):
+    assert main(["bench-mtp", CFG, "--new-tokens", "1", "--out", str(tmp_path)]) == 2
+    assert "error: --new-tokens" in capsys.readouterr().err
+    assert main(["bench-mtp", CFG, "--batches", "64", "--out", str(tmp_path)]) == 2
+    assert "engine.max_batch_size" in capsys.readouterr().err
+    line = door_error(capsys, "bench-mtp", CFG, "--set", "engine.mtp=maybe")
+    assert "engine.mtp" in line
