@@ -17,11 +17,14 @@ CFG = "configs/grpo_cpu.yaml"
 # trains with its experts split over the two ranks (rl.trainer_ep 2: EP2 x DP1 beside the
 # engine's EP2/ADP2); the third trains TP2 (sequence parallel, experts TP-sharded) with
 # replay, each TP rank replaying its shard of the sequence
-@pytest.mark.parametrize("algorithm,release,is_level,replay,trainer_ep,trainer_tp", [
-    ("grpo", "discard", "none", True, 1, 1), ("ppo", "off", "token", False, 2, 1),
-    ("grpo", "off", "none", True, 1, 2)])
+# the fourth drafts with an MTP layer (engine.mtp, sampled rows at temperature 1: two tokens
+# per D iteration when a draft is accepted) and releases memory with the MTP layer's KV; the
+# trainer's logprobs of every emitted token must still be the engine's
+@pytest.mark.parametrize("algorithm,release,is_level,replay,trainer_ep,trainer_tp,mtp", [
+    ("grpo", "discard", "none", True, 1, 1, False), ("ppo", "off", "token", False, 2, 1, False),
+    ("grpo", "off", "none", True, 1, 2, False), ("grpo", "discard", "none", False, 1, 1, True)])
 def test_reward_rises_and_logprobs_agree(worker_groups, tmp_path, algorithm, release, is_level,
-                                         replay, trainer_ep, trainer_tp):
+                                         replay, trainer_ep, trainer_tp, mtp):
     res = worker_groups(2).run("colo_rollout.rl.train:run_train", timeout=600, config_path=CFG,
                                overrides={"rl.out_dir": str(tmp_path),
                                           "rl.algorithm": algorithm,
@@ -30,9 +33,13 @@ def test_reward_rises_and_logprobs_agree(worker_groups, tmp_path, algorithm, rel
                                           "engine.record_routing": replay,
                                           "rl.routing_replay": replay,
                                           "rl.trainer_ep": trainer_ep,
-                                          "rl.trainer_tp": trainer_tp}, quiet=True)
+                                          "rl.trainer_tp": trainer_tp,
+                                          "model.mtp_num_layers": int(mtp),
+                                          "engine.mtp": mtp}, quiet=True)
     h = res[0]["history"]
     assert len(h) == 20
+    if mtp:
+        assert all(x["mtp_drafts"] > 0 and 0.0 <= x["mtp_acceptance"] <= 1.0 for x in h)
     assert [x["reward"] for x in res[1]["history"]] == [x["reward"] for x in h]  # replicated
     first = sum(x["reward"] for x in h[:3]) / 3
     last = sum(x["reward"] for x in h[-3:]) / 3

@@ -73,6 +73,7 @@ def run_train(rank: int, world: int, config_path: str, overrides: dict | None = 
         backlog = len({t.group for t in carry.trajectories}) if carry is not None else 0
         prompts = [task.prompt(rng) for _ in range(cfg.rl.prompts_per_step - backlog)]
         t0 = time.perf_counter()
+        drafted = (engine.scheduler.drafts_verified, engine.scheduler.drafts_accepted)
         trajs = rollout(engine, prompts, n=cfg.rl.samples_per_prompt, params=params,
                         reward_fn=task.reward, weight_version=sync.version, tag=f"s{step}",
                         finish_groups=cfg.rl.finish_groups or None, carry=carry)
@@ -94,6 +95,11 @@ def run_train(rank: int, world: int, config_path: str, overrides: dict | None = 
         s = sync(trainer.module, engine.model)
         if cfg.rl.release_memory == "discard":
             engine.weights_loaded()  # the sync wrote every inference parameter
+        if cfg.engine.mtp:  # this step's MTP drafts: verified, share accepted
+            verified = engine.scheduler.drafts_verified - drafted[0]
+            stats["mtp_drafts"] = verified
+            stats["mtp_acceptance"] = ((engine.scheduler.drafts_accepted - drafted[1])
+                                       / max(verified, 1))
         if carry is not None:
             stats["carried"] = len(carry.trajectories)
             stats["resumed_segments"] = sum(len(t.segments) > 1 for t in ok)

@@ -163,6 +163,7 @@ class Trainer:
                                 sequence_parallel=self.tp > 1)
         self.module = model  # megatron GPTModel (or Float16Module), what WeightSync reads
         self.module.train()
+        _freeze_mtp(model)
         if device.type == "cuda":
             ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=False,
                                                     overlap_grad_reduce=False)
@@ -514,3 +515,19 @@ class Trainer:
                     p.grad /= self.dp
             self.opt.step()
         return {"loss": float(loss.detach()), **metrics, **replay_stats, **extra}
+
+
+def _freeze_mtp(model: torch.nn.Module) -> None:
+    """The MTP layer (model.mtp_num_layers) is not trained by the RL loss: megatron's forward
+    would add its MTP loss from the shifted input ids (process_mtp_loss), which the policy
+    loss does not ask for (and whose backward breaks on the trainer's logits on CPU). Its
+    forward is skipped and its parameters frozen, so the engine drafts with the checkpoint's
+    MTP weights (kept in sync, unchanged) -- drafts may be accepted less as the policy moves."""
+    core = getattr(model, "module", model)
+    if getattr(core, "mtp_process", False):
+        # both: GPTModel runs the block by mtp_process and its loss by config.mtp_num_layers
+        core.mtp_process = False
+        core.config.mtp_num_layers = None
+        for name, p in core.named_parameters():
+            if name.startswith("mtp."):
+                p.requires_grad_(False)
