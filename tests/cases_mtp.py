@@ -12,7 +12,7 @@ from colo_rollout.model.megatron_gpt import (
 )
 from colo_rollout.model.weights import random_state_dict
 from colo_rollout.runtime.cpu_compat import install_cpu_compat
-from colo_rollout.testing.mtp_oracle import oracle_state_dict
+from colo_rollout.model.mtp_oracle import oracle_state_dict
 from colo_rollout.runtime.parallel import init_parallel
 from tests.cases_engine import compare_with_reference, mixed_requests, tiny_config
 

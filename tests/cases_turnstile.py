@@ -74,7 +74,7 @@ def control_exchanges(rank: int, world: int, shm: bool, slot_bytes: int = 4096) 
     for step in range(40):
         big = step % 7 == 3 and rank == step % world  # one rank's message outgrows the slot
         msg = Message(rank=rank, step=step, cancels=[f"r{rank}s{step}"] * (1000 if big else 1),
-                      sampled=[[step, rank, -0.5]] * rank, span_hint=None if rank else 1.5)
+                      sampled=[[step, rank, -0.5, -1, 0]] * rank, span_hint=None if rank else 1.5)
         got.append([(m.rank, m.step, len(m.cancels), m.cancels[0], len(m.sampled), m.span_hint)
                     for m in cp.exchange(msg)])
     used = cp.mailbox is not None

@@ -11,8 +11,8 @@ from colo_rollout.runtime.control import WIRE_VERSION, ControlError, Message
 
 def _full() -> Message:
     return Message(rank=1, submits=[{"id": "a", "prompt": [1, 2], "params": {}, "session": None}],
-                   cancels=["b"], closes=["s"], sampled=[(3, 7, -0.5)], step=12, span_hint=4.75,
-                   p_sampled=[(4, 9, -1.25)])
+                   cancels=["b"], closes=["s"], sampled=[(3, 7, -0.5, 8, 0), (3, 8, -0.25, -1, 1)], step=12,
+                   span_hint=4.75, p_sampled=[(4, 9, -1.25, -1, 0)])
 
 
 def _raw(m: Message) -> dict:
@@ -45,8 +45,10 @@ def test_non_finite_span_hint_is_refused(bad):
     lambda d: d.update(span_hint="fast"),
     lambda d: d.update(step="x"),
     lambda d: d.pop("rank"),
-    lambda d: d.update(sampled=[[1, 2]]),  # a sampled row is (lifetime, token, logprob)
-    lambda d: d.update(sampled=[[1, "tok", 0.0]]),
+    # a sampled row is (lifetime, token, logprob, draft, index)
+    lambda d: d.update(sampled=[[1, 2]]),
+    lambda d: d.update(sampled=[[1, 2, 0.0]]),  # wire 2's row
+    lambda d: d.update(sampled=[[1, "tok", 0.0, -1, 0]]),
     lambda d: d.update(cancels=[3]),
 ])
 def test_malformed_fields_raise_control_error(mutate):

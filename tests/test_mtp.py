@@ -22,33 +22,39 @@ CASES = "tests.cases_mtp"
 TOL = 1e-4
 
 
-@pytest.mark.parametrize("world,adp,ep,mode", [
-    (1, 1, 1, "normal"),
-    (2, 2, 2, "fine"),  # EP2/ADP2: D iterations inside P epochs (the MTP pass has boundaries)
-    (2, 1, 2, "normal"),  # EP2/ATP2: eh_proj column-parallel, its outputs gathered
-    (4, 2, 4, "global_complete"),  # EP4/ADP2/ATP2
-    (4, 2, 4, "fine"),
+# (world, adp, ep, mode, against the engine without MTP too): every run is checked against
+# megatron (tokens its greedy argmax, logprobs, drafts its MTP block's argmax); the runs
+# without MTP (a second engine each) only where marked, to keep the module's time down
+@pytest.mark.parametrize("world,adp,ep,mode,with_off", [
+    (1, 1, 1, "normal", True),
+    (2, 2, 2, "fine", True),  # EP2/ADP2: D iterations inside P epochs (the MTP pass's boundaries)
+    (2, 1, 2, "normal", False),  # EP2/ATP2: eh_proj column-parallel, its outputs gathered
+    (4, 2, 4, "global_complete", False),  # EP4/ADP2/ATP2
+    (4, 2, 4, "fine", True),
 ])
 def test_mtp_gives_the_same_greedy_tokens_and_megatrons_drafts(worker_groups, world, adp, ep,
-                                                               mode):
+                                                               mode, with_off):
     group = worker_groups(world)
     for weights in ("random", "oracle"):
-        off = group.run(f"{CASES}:mtp_tokens", adp=adp, ep=ep, mode=mode, mtp=False,
-                        weights=weights)
         on = group.run(f"{CASES}:mtp_tokens", adp=adp, ep=ep, mode=mode, mtp=True,
                        weights=weights, check_reference=True)
         r = on[0]
-        assert r["tokens"] == off[0]["tokens"], weights  # greedy output unchanged by MTP
+        if with_off:
+            off = group.run(f"{CASES}:mtp_tokens", adp=adp, ep=ep, mode=mode, mtp=False,
+                            weights=weights)
+            assert r["tokens"] == off[0]["tokens"], weights  # greedy output unchanged by MTP
+            if weights == "oracle":  # the accept path: ~2 tokens per D iteration
+                assert r["d_iterations"] < 0.8 * off[0]["d_iterations"]
         assert all(x["tokens"] == r["tokens"] for x in on)
+        # every token megatron's greedy argmax (near-tie tolerant), its logprob megatron's
         assert r["mismatches"] == [] and r["max_logprob_diff"] < TOL
         assert r["drafts_checked"] > 40 and r["draft_mismatches"] == []
         # each D row verified one draft and emitted 1 token, or 2 when it was accepted (the
         # bonus dropped when the first one ended the request)
         emitted = sum(max(len(t) - 1, 0) for t in r["tokens"].values())
         assert r["verified"] <= emitted <= r["verified"] + r["accepted"]
-        if weights == "oracle":  # the accept path: ~2 tokens per D iteration
+        if weights == "oracle":
             assert r["accepted"] >= 0.9 * r["verified"]
-            assert r["d_iterations"] < 0.8 * off[0]["d_iterations"]
         else:
             assert r["accepted"] <= 0.1 * r["verified"]
 

@@ -8,7 +8,7 @@ tokens, served once with 1 new token (the prefill alone) and once in full; decod
 B * (new - 1) / (full - prefill-only). Two weight sets, loaded in place into both engines:
 
   * ``random``: drafts almost never accepted -- what MTP costs when it does not help;
-  * ``oracle`` (testing/mtp_oracle.py): a per-token model whose MTP layer provably drafts right,
+  * ``oracle`` (model/mtp_oracle.py): a per-token model whose MTP layer provably drafts right,
     every layer's GEMMs still full size -- the most MTP can give at this shape.
 
 The acceptance rate and tokens per D iteration come from the MTP engine's scheduler; the
@@ -53,7 +53,7 @@ def run_bench_mtp(rank: int, world: int, config_path: str, overrides: dict | Non
                   new_tokens: int = 128, reps: int = 2) -> dict:
     from colo_rollout.engine.engine import Engine
     from colo_rollout.model.weights import random_state_dict
-    from colo_rollout.testing.mtp_oracle import oracle_state_dict
+    from colo_rollout.model.mtp_oracle import oracle_state_dict
 
     base = load_config(config_path, {**(overrides or {}), "model.mtp_num_layers": 1})
     groups = init_parallel(base.parallel)
