@@ -75,3 +75,45 @@ def mtp_tokens(rank: int, world: int, adp: int, ep: int, mode: str = "normal", m
                     bad.append((req.request_id, emitted, draft, int(row.argmax())))
         res["draft_mismatches"], res["drafts_checked"] = bad, checked
     return res
+
+
+def mtp_sampling_marginals(rank: int, world: int, adp: int, ep: int, mtp: bool = True,
+                           n: int = 600, temperature: float = 0.15, max_tokens: int = 3,
+                           prompt: int = 5) -> dict:
+    """Sampled rows with MTP drafting against the exact distribution. On the oracle weights the
+    model is a Markov chain over tokens (model/mtp_oracle.py: the logits at a position depend
+    on its token alone), so the exact marginal of the k-th output token is e_prompt P^(k+1),
+    P[t] = softmax(logits(t) / T) read from megatron's GPTModel one token at a time. The engine
+    serves ``n`` copies of the one-token prompt; returns each position's empirical
+    distribution, the exact marginals, and the acceptance rate."""
+    from colo_rollout.model.megatron_gpt import reference_logprobs
+    from colo_rollout.sched.request import Request, SamplingParams
+
+    cfg = tiny_config(world, adp, ep, max_batch_size=8, decode_buckets=[1, 2, 4, 8],
+                      mtp=mtp, model_kw={"mtp_num_layers": 1, "norm_epsilon": 1e-6})
+    groups = init_parallel(cfg.parallel)
+    install_cpu_compat()
+    sd = oracle_state_dict(cfg.model)
+    engine = Engine(cfg, groups, sd)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
+    outs = engine.generate([Request(f"s{i}", (prompt,), params) for i in range(n)])
+    V = cfg.model.vocab_size
+    counts = torch.zeros(max_tokens, V)
+    for o in outs.values():
+        for k, t in enumerate(o.tokens):
+            counts[k, t] += 1
+    res = {"empirical": (counts / n).tolist(),
+           "acceptance": engine.scheduler.drafts_accepted / max(engine.scheduler.drafts_verified, 1)}
+    pgc = singleton_pg_collection()
+    if rank == 0:
+        ref = build_reference(cfg.model, sd, pgc, torch.device("cpu"))
+        logits = torch.stack([reference_logprobs(ref, [t])[0] for t in range(V)])  # [V, V]
+        P = torch.softmax(logits.double() / temperature, dim=-1)
+        dist = torch.zeros(V, dtype=torch.float64)
+        dist[prompt] = 1.0
+        exact = []
+        for _ in range(max_tokens):
+            dist = dist @ P
+            exact.append(dist.tolist())
+        res["exact"] = exact
+    return res

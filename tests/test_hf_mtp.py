@@ -35,6 +35,7 @@ from colo_rollout.config.hf_config import GLM4, QWEN3, hf_architecture
 from colo_rollout.model.weights import shard_rule, tensor_shapes
 from colo_rollout.runtime.parallel import Layout
 from tests.cases_hf import save_tiny_checkpoint
+from tests.test_hf_import import edit_config
 
 L = 3  # the tiny GLM's num_hidden_layers: the MTP layer is model.layers.3
 MTP = f"model.layers.{L}."
@@ -105,19 +106,6 @@ def model_cfg(directory: str, engine: dict | None = None, **model):
 def hf_tensors(directory: str) -> dict[str, torch.Tensor]:
     with CheckpointStore(directory) as store:
         return {n: store.read(n).clone() for n in store.names()}
-
-
-def edit_config(directory: str, **changes) -> None:
-    path = os.path.join(directory, "config.json")
-    with open(path) as f:
-        config = json.load(f)
-    for k, v in changes.items():
-        if v is None:
-            config.pop(k, None)
-        else:
-            config[k] = v
-    with open(path, "w") as f:
-        json.dump(config, f, indent=2)
 
 
 class Flat(torch.nn.Module):

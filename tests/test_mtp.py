@@ -28,8 +28,9 @@ TOL = 1e-4
 @pytest.mark.parametrize("world,adp,ep,mode,with_off", [
     (1, 1, 1, "normal", True),
     (2, 2, 2, "fine", True),  # EP2/ADP2: D iterations inside P epochs (the MTP pass's boundaries)
-    (2, 1, 2, "normal", False),  # EP2/ATP2: eh_proj column-parallel, its outputs gathered
-    (4, 2, 4, "global_complete", False),  # EP4/ADP2/ATP2
+    # EP4/ADP2/ATP2: eh_proj column-parallel over ATP 2, its outputs gathered (P: the
+    # zero-padded AllReduce boundary; D: the vocab-style gather)
+    (4, 2, 4, "global_complete", False),
     (4, 2, 4, "fine", True),
 ])
 def test_mtp_gives_the_same_greedy_tokens_and_megatrons_drafts(worker_groups, world, adp, ep,
@@ -92,3 +93,19 @@ def test_mtp_it_cannot_hold_is_refused_naming_the_key(over, key):
     with pytest.raises(ConfigError) as err:
         _cfg(**over)
     assert key in str(err.value)
+
+
+def test_sampled_rows_keep_the_targets_distribution(worker_groups):
+    """Speculative sampling is exact: on the oracle weights (a Markov chain over tokens whose
+    MTP layer drafts the chain's argmax two ahead) the k-th sampled token's distribution with
+    MTP drafting equals the chain's exact marginal e_prompt P^(k+1) -- within the sampling
+    noise of 600 draws (total variation: measured 0.015 / 0.066 / 0.105 with MTP, 0.027 / 0.057
+    / 0.102 without; the chain moves each step -- consecutive marginals are 0.96 apart -- so a
+    bonus token sampled from the wrong row lands far outside)."""
+    r = worker_groups(1).run(f"{CASES}:mtp_sampling_marginals", adp=1, ep=1, n=600,
+                             temperature=0.15)[0]
+    assert 0.2 < r["acceptance"] < 0.95  # both paths taken: accepted drafts and rejections
+    bounds = (0.08, 0.15, 0.2)  # the support widens along the chain: more noise per position
+    for k, (emp, exact) in enumerate(zip(r["empirical"], r["exact"])):
+        tv = 0.5 * sum(abs(a - b) for a, b in zip(emp, exact))
+        assert tv < bounds[k], (k, tv)
