@@ -64,9 +64,11 @@ def _disagree(maps, batch, routing_of) -> tuple[int, int]:
 
 
 def routing_round_trip(rank: int, world: int, adp: int, ep: int, mode: str,
-                       moe_compute: str = "auto", model_kw: dict | None = None) -> dict:
-    cfg = tiny_config(world, adp, ep, record_routing=True, mode=mode,
-                      model_kw={"moe_compute": moe_compute, **(model_kw or {})})
+                       moe_compute: str = "auto", model_kw: dict | None = None,
+                       mtp: bool = False) -> dict:
+    cfg = tiny_config(world, adp, ep, record_routing=True, mode=mode, mtp=mtp,
+                      model_kw={"moe_compute": moe_compute, **(model_kw or {}),
+                                **({"mtp_num_layers": 1} if mtp else {})})
     cfg = dataclasses.replace(cfg, rl=RLConfig(routing_replay=True))
     groups = init_parallel(cfg.parallel)
     sd = random_state_dict(cfg.model)

@@ -84,8 +84,6 @@ def _cfg(**over):
 @pytest.mark.parametrize("over,key", [
     ({"engine.mtp": True}, "engine.mtp"),  # no MTP layer to draft with
     ({"model.mtp_num_layers": 2}, "model.mtp_num_layers"),  # one draft token per iteration
-    ({"model.mtp_num_layers": 1, "engine.mtp": True, "engine.record_routing": True},
-     "engine.mtp"),
     ({"model.mtp_num_layers": 1, "engine.mtp": True, "model.moe_dispatch": "alltoall",
       "parallel.ep": 1}, "engine.mtp"),
 ])

@@ -15,12 +15,16 @@ from colo_rollout.config import Config, ConfigError, EngineConfig, ModelConfig, 
 from colo_rollout.engine.routing_store import RoutingStore
 
 
-# moe_compute grouped: the sync-free expert path (the GPU's) records from its own top-k
-@pytest.mark.parametrize("mode,moe_compute", [("normal", "auto"), ("fine", "auto"),
-                                              ("fine", "grouped")])
-def test_recorded_routing_is_replayed_by_the_trainer(worker_groups, mode, moe_compute):
+# moe_compute grouped: the sync-free expert path (the GPU's) records from its own top-k;
+# mtp: MTP drafting (two verify rows per sequence, positions n and n + 1; a rejected draft's
+# n + 1 re-recorded by the next iteration, and cut from a trajectory that ended at n + 1)
+@pytest.mark.parametrize("mode,moe_compute,mtp", [("normal", "auto", False),
+                                                  ("fine", "auto", False),
+                                                  ("fine", "grouped", False),
+                                                  ("fine", "auto", True)])
+def test_recorded_routing_is_replayed_by_the_trainer(worker_groups, mode, moe_compute, mtp):
     r0, r1 = worker_groups(2).run("tests.cases_routing:routing_round_trip", timeout=300,
-                                  adp=2, ep=2, mode=mode, moe_compute=moe_compute)
+                                  adp=2, ep=2, mode=mode, moe_compute=moe_compute, mtp=mtp)
     assert r0["shapes_ok"] and r0["leftover"] == 0 and r0["plain_ok"]
     assert r0["routing"] == r1["routing"]  # every rank returns the same trajectories
     assert r0["compared"] > 200  # (position, layer) rows of 11 trajectories

@@ -18,11 +18,12 @@ CFG = "configs/grpo_cpu.yaml"
 # engine's EP2/ADP2); the third trains TP2 (sequence parallel, experts TP-sharded) with
 # replay, each TP rank replaying its shard of the sequence
 # the fourth drafts with an MTP layer (engine.mtp, sampled rows at temperature 1: two tokens
-# per D iteration when a draft is accepted) and releases memory with the MTP layer's KV; the
-# trainer's logprobs of every emitted token must still be the engine's
+# per D iteration when a draft is accepted), records and replays the routing of both verify
+# rows, and releases memory with the MTP layer's KV; the trainer's logprobs of every emitted
+# token must still be the engine's
 @pytest.mark.parametrize("algorithm,release,is_level,replay,trainer_ep,trainer_tp,mtp", [
     ("grpo", "discard", "none", True, 1, 1, False), ("ppo", "off", "token", False, 2, 1, False),
-    ("grpo", "off", "none", True, 1, 2, False), ("grpo", "discard", "none", False, 1, 1, True)])
+    ("grpo", "off", "none", True, 1, 2, False), ("grpo", "discard", "none", True, 1, 1, True)])
 def test_reward_rises_and_logprobs_agree(worker_groups, tmp_path, algorithm, release, is_level,
                                          replay, trainer_ep, trainer_tp, mtp):
     res = worker_groups(2).run("colo_rollout.rl.train:run_train", timeout=600, config_path=CFG,

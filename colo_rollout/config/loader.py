@@ -137,12 +137,6 @@ class Config:
             f"with model.moe_dispatch {model.moe_dispatch!r}: MTP drafting runs with the gather "
             "backend only (D's dispatch buffers are sized for one row per sequence)",
         )
-        _require(
-            not engine.mtp or not engine.record_routing,
-            "engine.mtp",
-            "with engine.record_routing: the verify rows' routing of rejected drafts is not "
-            "separated from the accepted tokens' yet; record routing without MTP",
-        )
         tp = self.rl.trainer_tp
         tp_widths = {"parallel.world_size": par.world_size,
                      **trainer_tp_widths(model, self.rl.trainer_ep)}

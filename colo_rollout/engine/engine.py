@@ -261,7 +261,8 @@ class Engine:
         finished = self._apply(msgs, time.perf_counter())
         if self.routes is not None:  # a request without a session: its routing goes with it
             for out in finished:  # (a session's is keyed by the session: take_routing)
-                out.routing = self.routes.take(out.request_id)
+                out.routing = self.routes.take(out.request_id,
+                                               out.prompt_len + len(out.tokens) - 1)
         d_ready = sum(1 for q in self.scheduler.seqs.values() if q.last_token is not None)
         with rec.clock("plan"):
             plan = self.scheduler.plan(pd=self.pd)
@@ -347,21 +348,23 @@ class Engine:
                     req = seq.request
                     self.routes.add(req.session or req.request_id, first, ids)
 
-    def take_routing(self, key: str):
+    def take_routing(self, key: str, inputs: int | None = None):
         """The recorded expert ids of a trajectory (a session id, or the id of a request
         without one): [positions, MoE layers, k] for its positions 0 .. n-1 (every token that
         was an input; engine/routing_store.py), forgotten here; None when nothing was
-        recorded (engine.record_routing off, or an unknown key)."""
-        return self.routes.take(key) if self.routes is not None else None
+        recorded (engine.record_routing off, or an unknown key). ``inputs``: the trajectory's
+        input count (its length - 1), which bounds what is returned (routing_store.py)."""
+        return self.routes.take(key, inputs) if self.routes is not None else None
 
-    def take_routings(self, keys: list[str]) -> list:
+    def take_routings(self, keys: list[str], inputs: list[int] | None = None) -> list:
         """``take_routing`` of many keys, the same on every rank. With a dispatch backend a
         rank records only its own replica's rows (``InferenceGPT.records_own_rows``), so a
         key's ids sit on the ranks of the replica that computed it: collective then (every
         rank calls it with the same keys, between steps), the longest copy of each key
         (the latest whole-context recompute; ties to the lowest rank) summed over the
         world from its one owner. Else local."""
-        mine = [self.take_routing(k) for k in keys]
+        mine = [self.take_routing(k, None if inputs is None else n)
+                for k, n in zip(keys, inputs or [None] * len(keys))]
         world = self.groups.layout.world_size
         if self.routes is None or world == 1 or not self.model.records_own_rows:
             return mine

@@ -42,12 +42,16 @@ class RoutingStore:
         if first <= known:  # contiguous from 0 (later positions of a re-prefill extend it)
             self._known[key] = max(known, need)
 
-    def take(self, key: str) -> np.ndarray | None:
+    def take(self, key: str, inputs: int | None = None) -> np.ndarray | None:
         """The ids of ``key``'s positions 0 .. n-1 (every position written so far, in order;
         a trajectory's last token was never an input, so n = its length - 1), forgotten
-        here; None if nothing was recorded."""
+        here; None if nothing was recorded. ``inputs``: at most that many positions -- with
+        MTP drafting a D iteration also routes the draft's position, which is past the last
+        input when the draft was rejected and the sequence ended there."""
         arr = self._ids.pop(key, None)
         known = self._known.pop(key, 0)
+        if inputs is not None:
+            known = min(known, inputs)
         return None if arr is None else arr[:known].copy()
 
     def __len__(self) -> int:

@@ -24,7 +24,8 @@ Invariants:
     (the last with the sampled token), each D iteration both verify positions -- position n
     with the token the iteration emitted there, n + 1 with the bonus token (valid when the
     draft was accepted; else overwritten next iteration). No hole, as vLLM does it.
-  * No routing is recorded for the MTP layer (engine.mtp refuses record_routing at the door).
+  * No routing is recorded for the MTP layer: routing replay replays the decoder's layers
+    (the trainer does not run the MTP layer; rl/trainer.py).
   * The collectives are the gather backend's (engine.mtp refuses a dispatch backend).
 """
 

@@ -259,7 +259,8 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
     while engine.busy():
         engine.step()
     # the same routing on every rank (a dispatch backend's is merged over the ranks here)
-    for (sid, t), got in zip(trajs.items(), engine.take_routings(list(trajs))):
+    got_all = engine.take_routings(list(trajs), [len(t.tokens) - 1 for t in trajs.values()])
+    for (sid, t), got in zip(trajs.items(), got_all):
         if got is not None or t.routing is None:
             t.routing = got  # a resumed trajectory's whole context was recomputed: the latest
     if carry is None:

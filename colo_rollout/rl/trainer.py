@@ -252,10 +252,13 @@ class Trainer:
         return files
 
     def routers(self) -> list:
-        """The model's MoE routers in layer order (megatron TopKRouter modules)."""
+        """The decoder's MoE routers in layer order (megatron TopKRouter modules) -- not the
+        MTP layer's: the trainer never runs it (``_freeze_mtp``), and the rollout records the
+        decoder's layers only."""
         from megatron.core.transformer.moe.router import TopKRouter
 
-        return [m for m in self.module.modules() if isinstance(m, TopKRouter)]
+        return [m for n, m in self.module.named_modules() if isinstance(m, TopKRouter)
+                and "mtp" not in n.split(".")]
 
     def replay_routing(self, trajs: list[Trajectory], length: int,
                        rows: int | None = None) -> None:

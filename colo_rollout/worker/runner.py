@@ -262,9 +262,12 @@ class ModelRunner:
         rec = self.model.routing
         if rec is None:
             return None
-        B = plan.bucket
+        # engine.mtp: each sequence's two verify rows, positions n and n + 1 (a rejected
+        # draft's n + 1 is recomputed, and re-recorded, by the next iteration)
+        per = ROWS_PER_SEQUENCE if self.model.mtp_draft else 1
+        B = per * plan.bucket
         mine = self._routed_replicas()
-        rows = [(d.lifetime, d.position, 1, r * B + j)
+        rows = [(d.lifetime, d.position, per, r * B + per * j)
                 for r, w in enumerate(plan.replicas) if r in mine
                 for j, d in enumerate(w.decode)]
         return RoutingRows(rec.read("D", B * len(plan.replicas)), rows)
@@ -282,7 +285,9 @@ class ModelRunner:
             host = self._decode_host(plan)
             rows = plan.replicas[self.groups.replica].decode
             if self.model.mtp_draft:
-                return self._run_mtp_decode(plan, host, rows)
+                out = self._run_mtp_decode(plan, host, rows)
+                out.routing = self._d_routing(plan)
+                return out
             if self.graphs is None:
                 logits = self.model.forward_decode(self._decode_inputs(*host), self.kv)
                 out = self._sample(logits, rows)

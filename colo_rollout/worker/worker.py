@@ -84,7 +84,9 @@ class Worker:
             adp = groups.layout.adp
             self.model.routing = RoutingRecord(
                 [i for i in range(cfg.model.num_layers) if cfg.model.is_moe_layer(i)],
-                p_rows=e.max_prefill_tokens * adp, d_rows=e.decode_buckets[-1] * adp,
+                p_rows=e.max_prefill_tokens * adp,
+                # engine.mtp: two verify rows per sequence (worker/speculate.py)
+                d_rows=e.decode_buckets[-1] * adp * (2 if e.mtp else 1),
                 topk=cfg.model.moe_router_topk, device=groups.device)
         # the engine serving on it sets its streams, sampler seed and P settings (renew)
         self.runner = ModelRunner(self.model, e.num_kv_blocks, e.kv_block_size,
