@@ -18,9 +18,9 @@ CFG = "configs/grpo_cpu.yaml"
 # engine's EP2/ADP2); the third trains TP2 (sequence parallel, experts TP-sharded) with
 # replay, each TP rank replaying its shard of the sequence
 # the fourth drafts with an MTP layer (engine.mtp, sampled rows at temperature 1: two tokens
-# per D iteration when a draft is accepted), records and replays the routing of both verify
-# rows, and releases memory with the MTP layer's KV; the trainer's logprobs of every emitted
-# token must still be the engine's
+# per D iteration when a draft is accepted) that the trainer trains too (megatron's MTP loss),
+# records and replays the routing of both verify rows, and releases memory with the MTP
+# layer's KV; the trainer's logprobs of every emitted token must still be the engine's
 @pytest.mark.parametrize("algorithm,release,is_level,replay,trainer_ep,trainer_tp,mtp", [
     ("grpo", "discard", "none", True, 1, 1, False), ("ppo", "off", "token", False, 2, 1, False),
     ("grpo", "off", "none", True, 1, 2, False), ("grpo", "discard", "none", True, 1, 1, True)])
@@ -39,8 +39,11 @@ def test_reward_rises_and_logprobs_agree(worker_groups, tmp_path, algorithm, rel
                                           "engine.mtp": mtp}, quiet=True)
     h = res[0]["history"]
     assert len(h) == 20
-    if mtp:
-        assert all(x["mtp_drafts"] > 0 and 0.0 <= x["mtp_acceptance"] <= 1.0 for x in h)
+    if mtp:  # the trainer trains the MTP layer (rl.mtp_loss_scale 0.1): its drafts follow
+        # the policy -- measured 0.01-0.03 at the start, 1.0 at the end (frozen: 0.0 at the end)
+        acc = [x["mtp_acceptance"] for x in h]
+        assert all(x["mtp_drafts"] > 0 for x in h)
+        assert sum(acc[:3]) / 3 < 0.2 and sum(acc[-3:]) / 3 > 0.8, acc
     assert [x["reward"] for x in res[1]["history"]] == [x["reward"] for x in h]  # replicated
     first = sum(x["reward"] for x in h[:3]) / 3
     last = sum(x["reward"] for x in h[-3:]) / 3

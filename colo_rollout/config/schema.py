@@ -760,6 +760,11 @@ class RLConfig:
     # Routing replay ("R3"): the trainer routes every token to the experts the rollout engine
     # chose for it (engine.record_routing must be on), in forward and in backward recompute.
     routing_replay: bool = False
+    # The MTP layer (model.mtp_num_layers 1) in training: megatron's MTP loss on the batch's
+    # own tokens (the layer predicts each token two ahead, as it drafts), scaled by this and
+    # added to the policy loss -- so the drafts follow the policy as it moves. 0: the layer
+    # is frozen (synced unchanged).
+    mtp_loss_scale: float = 0.1
     # Partial rollout (over-sampling): a step's rollout returns once this many of its GRPO
     # groups are done; the in-flight rest is paused and resumed first by the next step under
     # the new weights (rl/rollout.py: Carry). 0: every group finishes within its step.
@@ -819,6 +824,8 @@ class RLConfig:
                  "is whole TP groups)")
         _require_min(self, ("seed", "target_token"), 0)
         _require(self.lr > 0, "rl.lr", f"must be > 0, got {self.lr}")
+        _require(self.mtp_loss_scale >= 0, "rl.mtp_loss_scale",
+                 f"must be >= 0, got {self.mtp_loss_scale}")
         _require(0 < self.clip < 1, "rl.clip", f"must be in (0, 1), got {self.clip}")
         _require(0 <= self.finish_groups <= self.prompts_per_step, "rl.finish_groups",
                  f"must be in [0, rl.prompts_per_step {self.prompts_per_step}], got "

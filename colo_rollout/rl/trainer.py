@@ -163,7 +163,7 @@ class Trainer:
                                 sequence_parallel=self.tp > 1)
         self.module = model  # megatron GPTModel (or Float16Module), what WeightSync reads
         self.module.train()
-        _freeze_mtp(model)
+        self.train_mtp = setup_mtp(model, cfg.rl.mtp_loss_scale)
         if device.type == "cuda":
             ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=False,
                                                     overlap_grad_reduce=False)
@@ -253,8 +253,8 @@ class Trainer:
 
     def routers(self) -> list:
         """The decoder's MoE routers in layer order (megatron TopKRouter modules) -- not the
-        MTP layer's: the trainer never runs it (``_freeze_mtp``), and the rollout records the
-        decoder's layers only."""
+        MTP layer's: the rollout records the decoder's layers only (the MTP layer, when it
+        trains, routes on its own; ``setup_mtp``)."""
         from megatron.core.transformer.moe.router import TopKRouter
 
         return [m for n, m in self.module.named_modules() if isinstance(m, TopKRouter)
@@ -395,8 +395,15 @@ class Trainer:
         pos = torch.arange(L, device=self.device)[None].expand(rows, L)
         mask = torch.triu(torch.ones(L, L, dtype=torch.bool, device=self.device), 1)
         grad = torch.is_grad_enabled()
+        # the MTP layer's loss (setup_mtp) over real tokens only: padding predicts nothing
+        extra = {}
+        if self.train_mtp:
+            real = torch.zeros(rows, L, device=self.device)
+            for i, t in enumerate(trajs):
+                real[i, : len(t.tokens)] = 1.0
+            extra = {"loss_mask": real}
         try:
-            logits = self.ddp(ids, pos, attention_mask=mask[None, None]).float()
+            logits = self.ddp(ids, pos, attention_mask=mask[None, None], **extra).float()
         except BaseException:
             if replay:
                 self.end_replay()
@@ -520,17 +527,35 @@ class Trainer:
         return {"loss": float(loss.detach()), **metrics, **replay_stats, **extra}
 
 
-def _freeze_mtp(model: torch.nn.Module) -> None:
-    """The MTP layer (model.mtp_num_layers) is not trained by the RL loss: megatron's forward
-    would add its MTP loss from the shifted input ids (process_mtp_loss), which the policy
-    loss does not ask for (and whose backward breaks on the trainer's logits on CPU). Its
-    forward is skipped and its parameters frozen, so the engine drafts with the checkpoint's
-    MTP weights (kept in sync, unchanged) -- drafts may be accepted less as the policy moves."""
+def setup_mtp(model: torch.nn.Module, scale: float) -> bool:
+    """The MTP layer (model.mtp_num_layers) in training; returns whether it trains.
+
+    ``scale`` > 0 (rl.mtp_loss_scale): megatron's own MTP loss -- from the batch's input ids
+    rolled left (process_mtp_loss: the layer at position i predicts token i + 2, what it
+    drafts), masked by the forward's ``loss_mask`` -- scaled by ``scale`` and added to the
+    policy loss through megatron's MTPLossAutoScaler, so the drafts follow the policy. One
+    shim: megatron's vocab-parallel cross entropy subtracts the row max from its input in
+    place, and fp32 logits are the output layer's own tensor (a view at TP 1), which autograd
+    refuses; those are copied first (bf16 logits are copied by its own cast).
+    ``scale`` 0: the layer's forward and loss are skipped and its parameters frozen (synced
+    unchanged; the drafts are the checkpoint's)."""
     core = getattr(model, "module", model)
-    if getattr(core, "mtp_process", False):
-        # both: GPTModel runs the block by mtp_process and its loss by config.mtp_num_layers
-        core.mtp_process = False
-        core.config.mtp_num_layers = None
-        for name, p in core.named_parameters():
-            if name.startswith("mtp."):
-                p.requires_grad_(False)
+    if not getattr(core, "mtp_process", False):
+        return False
+    if scale > 0:
+        core.config.mtp_loss_scaling_factor = scale
+        base = type(core).compute_language_model_loss
+
+        def compute_language_model_loss(labels, logits):
+            return base(core, labels, logits.clone() if logits.dtype == torch.float32
+                        else logits)
+
+        core.compute_language_model_loss = compute_language_model_loss
+        return True
+    # both: GPTModel runs the block by mtp_process and its loss by config.mtp_num_layers
+    core.mtp_process = False
+    core.config.mtp_num_layers = None
+    for name, p in core.named_parameters():
+        if name.startswith("mtp."):
+            p.requires_grad_(False)
+    return False
