@@ -57,6 +57,7 @@ def load(command: str, config_path: str | os.PathLike, overrides: Mapping[str, A
         check_checkpoint(cfg.model)
     check_kernels(cfg, source)
     check_dispatch(cfg, source)
+    check_fp8(cfg, source)
     check = {"demo": check_demo, "train": check_train, "bench": check_bench,
              "bench-decode-overhead": check_decode_overhead,
              "bench-speed": check_bench_speed}.get(command)
@@ -88,6 +89,22 @@ def check_kernels(cfg: Config, source: str) -> None:
         raise ConfigError(f"{source}: engine.{key}: 'triton' cannot run here: {why}; use "
                           "'auto' (triton where it can run, else torch) or 'torch'",
                           key=f"engine.{key}", source=source)
+
+
+def check_fp8(cfg: Config, source: str) -> None:
+    """``model.fp8`` is refused before any rank starts (the model build refuses it too): the
+    reason in one line -- Transformer Engine missing here, or FP8 rollouts not built yet."""
+    import importlib.util
+
+    if cfg.model.fp8 is None:
+        return
+    if importlib.util.find_spec("transformer_engine") is None:
+        why = "needs Transformer Engine, which is not installed here"
+    else:
+        why = ("FP8 rollouts are not supported yet (P/D token counts are not padded to FP8 "
+               "GEMM multiples, and the engine's MoE and attention kernels are 16-bit)")
+    raise ConfigError(f"{source}: model.fp8: {cfg.model.fp8!r} {why}; set model.fp8: null",
+                      key="model.fp8", source=source)
 
 
 def check_dispatch(cfg: Config, source: str) -> None:
