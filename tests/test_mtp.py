@@ -28,6 +28,7 @@ TOL = 1e-4
 @pytest.mark.parametrize("world,adp,ep,mode,with_off", [
     (1, 1, 1, "normal", True),
     (2, 2, 2, "fine", True),  # EP2/ADP2: D iterations inside P epochs (the MTP pass's boundaries)
+    (2, 2, 2, "global_enqueue", False),
     # EP4/ADP2/ATP2: eh_proj column-parallel over ATP 2, its outputs gathered (P: the
     # zero-padded AllReduce boundary; D: the vocab-style gather)
     (4, 2, 4, "global_complete", False),
