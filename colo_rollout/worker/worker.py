@@ -32,7 +32,8 @@ from colo_rollout.model.weights import DTYPES, random_state_dict
 SIZING_FIELDS = ("num_kv_blocks", "kv_block_size", "max_seq_len", "cuda_graphs",
                  "decode_attention", "prefill_attention",  # the model's attention: at its build
                  "moe_kernel",  # and its experts' GEMMs
-                 "record_routing", "max_prefill_tokens", "decode_buckets")  # the routing record
+                 "record_routing", "max_prefill_tokens", "decode_buckets",  # the routing record
+                 "mtp")  # the MTP layer's KV and the model's drafting (model build)
 
 
 def build_model(cfg: Config, groups: ParallelGroups,
