@@ -62,6 +62,10 @@ def run_demo(rank: int, world: int, config_path: str, overrides: dict | None = N
     rep["warmup_s"], rep["graphs"] = warm, graphs
     rep["layout"] = groups.layout.name
     rep["device"] = str(groups.device)
+    if cfg.engine.mtp:  # MTP drafting: the share of drafts accepted
+        sched = engine.scheduler
+        rep["mtp"] = {"drafts": sched.drafts_verified, "accepted": sched.drafts_accepted,
+                      "acceptance": sched.drafts_accepted / max(sched.drafts_verified, 1)}
     if rank == 0 and not quiet:
         print_report(rep)
     if rank == 0 and report:
@@ -96,6 +100,10 @@ def print_report(rep: dict) -> None:
         v = rep[name]
         print(f"  {name:10s} {v['p50']:9.3f} {v['p90']:9.3f} {v['p99']:9.3f}")
     print(f"  steps      : {rep['steps']['prefill']} prefill, {rep['steps']['decode']} decode")
+    if "mtp" in rep:
+        m = rep["mtp"]
+        print(f"  MTP drafts : {m['drafts']} verified, {m['accepted']} accepted "
+              f"({100 * m['acceptance']:.1f}%)")
     if "warmup_s" in rep:
         print(f"  warm-up    : {rep['warmup_s']:.2f} s, {rep['graphs']} graphs (not in the above)")
     print(json.dumps({k: rep[k] for k in ('requests_per_s', 'tokens_per_s')}))
