@@ -199,6 +199,10 @@ def check_bench_speed(cfg: Config, source: str) -> None:
     within engine.max_seq_len, each step's KV blocks within engine.num_kv_blocks (the bench
     lays every step's sequences out side by side from block 0), the peer's prefill within
     model.max_position_embeddings."""
+    if cfg.engine.mtp:
+        raise ConfigError(f"{source}: engine.mtp: bench-speed times the plain D step (one row "
+                          "per sequence) against its roofline; MTP drafting's decode speed is "
+                          "`colo-rollout bench-mtp`", key="engine.mtp", source=source)
     b, e = cfg.bench_speed, cfg.engine
 
     def refuse(key: str, problem: str) -> None:
