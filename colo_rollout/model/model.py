@@ -60,8 +60,15 @@ from colo_rollout.model.residual import add_rounded, add_rounded_slots
 from colo_rollout.model.paged_prefill import resolve_backend as resolve_prefill_backend
 from colo_rollout.model.moe import GatherMoE, mlp_partial
 from colo_rollout.model.moe_align import warm as warm_align
+from colo_rollout.model.mtp import (
+    MTPBlock,
+    MTPLayer,
+    mtp_prefill,
+    prefill_boundaries,
+    shift_tokens,
+)
 from colo_rollout.runtime.parallel import ParallelGroups
-from colo_rollout.model.weights import DTYPES, load_sharded, to_spec_names
+from colo_rollout.model.weights import DTYPES, load_sharded, mtp_is_moe, to_spec_names
 
 # (layer index, residual stream [N, H]) -> this rank's fp32 MoE partial [N, H]
 MoEBlock = Callable[[int, torch.Tensor], torch.Tensor]
@@ -326,9 +333,6 @@ class InferenceGPT(torch.nn.Module):
                                 cfg.moe_compute, self.moe_kernel)
         self.mtp = None
         if cfg.mtp_num_layers:
-            from colo_rollout.model.mtp import MTPBlock, MTPLayer
-            from colo_rollout.model.weights import mtp_is_moe
-
             self.mtp = MTPBlock([MTPLayer(self.config, groups, cfg.num_layers + 1 + j,
                                           spec_backend(self.use_te), mtp_is_moe(cfg),
                                           cfg.moe_compute, self.moe_kernel)
@@ -501,11 +505,10 @@ class InferenceGPT(torch.nn.Module):
             raise NotImplementedError("FP8 prefill segments")
         if self.own_rows_prefill:
             return (yield from self._forward_prefill_own(inp, kv))
-        if self.mtp_draft:
-            if sample is None:
-                raise ValueError("an MTP-drafting P needs the sampler (sample=)")
-            return (yield from self._forward_prefill(inp, kv, moe or self.moe_block, sample))
-        return (yield from self._forward_prefill(inp, kv, moe or self.moe_block))
+        if self.mtp_draft and sample is None:
+            raise ValueError("an MTP-drafting P needs the sampler (sample=)")
+        return (yield from self._forward_prefill(inp, kv, moe or self.moe_block,
+                                                 sample if self.mtp_draft else None))
 
     @property
     def own_rows_prefill(self) -> bool:
@@ -531,8 +534,6 @@ class InferenceGPT(torch.nn.Module):
         if self.dispatch_p is not None:
             n += moe_layers
         if self.mtp_draft:  # the MTP pass after the first token is sampled (model/mtp.py)
-            from colo_rollout.model.mtp import prefill_boundaries
-
             n += prefill_boundaries(self.groups.layout.atp)
         return n
 
@@ -650,8 +651,6 @@ class InferenceGPT(torch.nn.Module):
         full = comm.p_allreduce(full)
         if sample is None:
             return full[seq_off : seq_off + n_seq]
-        from colo_rollout.model.mtp import mtp_prefill, shift_tokens
-
         tokens, logprobs = sample(full[seq_off : seq_off + n_seq])
         local_last = inp.last_rows[seq_off : seq_off + n_seq] - off
         nxt = shift_tokens(inp.token_ids, local_last, tokens)
@@ -698,21 +697,33 @@ class InferenceGPT(torch.nn.Module):
                     res, normed = add_slots_rms_norm(res, pairs, after, backend)
                 else:
                     res = add_rounded_slots(res, pairs, backend)
-            elif layer.is_moe:
-                u = comm.d_all_gather_full(layer.pre_mlp_layernorm(res))
-                partial = layer.mlp(u, record=self.route_record("D", i, u.shape[0]))
-                if layer.mlp.shared_experts is not None:
-                    layer.mlp.add_shared(partial[own], u[own])
-                res = add_rounded(res, comm.d_reduce_scatter_full(partial),  # fp32 combine
-                                  backend)
-            else:  # dense: the replica's rows, ATP gather and reduce-scatter like attention
-                x = comm.d_all_gather_atp(layer.pre_mlp_layernorm(res))
-                res = add_rounded(res, comm.d_reduce_scatter_atp(layer.dense_partial(x)), backend)
+            else:
+                res = self.d_mlp(layer, res, own, i if layer.is_moe else None)
         if normed is None:
             normed = comm.d_all_gather_atp(self.decoder.final_layernorm(res))
         shard = F.linear(normed, self.output_weight)
         logits = comm.d_all_gather_vocab(shard)
         return (logits, normed) if hidden else logits
+
+    def d_mlp(self, layer: InferenceLayer, res: torch.Tensor, own: slice,
+              record_layer: int | None) -> torch.Tensor:
+        """D's MLP half of ``layer`` on the gather backend, unfused: the residual chunk
+        ``res`` [B/ATP, H] after the pre-MLP norm, the MoE over every rank's rows (``own``:
+        this replica's among them, for the shared experts; routing recorded as MoE layer
+        ``record_layer``, None: not recorded) or the dense MLP over the replica's rows, added
+        back rounded. The decoder's layers and the MTP layer's (model/mtp.py) share it."""
+        comm, backend = self.comm, self.residual_kernel
+        if layer.is_moe:
+            u = comm.d_all_gather_full(layer.pre_mlp_layernorm(res))
+            record = (None if record_layer is None
+                      else self.route_record("D", record_layer, u.shape[0]))
+            partial = layer.mlp(u, record=record)
+            if layer.mlp.shared_experts is not None:
+                layer.mlp.add_shared(partial[own], u[own])
+            return add_rounded(res, comm.d_reduce_scatter_full(partial), backend)  # fp32 sum
+        # dense: the replica's rows, ATP gather and reduce-scatter like attention
+        x = comm.d_all_gather_atp(layer.pre_mlp_layernorm(res))
+        return add_rounded(res, comm.d_reduce_scatter_atp(layer.dense_partial(x)), backend)
 
     def _fusable_norm(self, norm: torch.nn.Module) -> FusedRMSNorm | None:
         """``norm`` as norm_add's fused RMSNorm (exactly torch's RMSNorm over the hidden

@@ -107,16 +107,7 @@ def mtp_decode(model, hidden: torch.Tensor, tokens: torch.Tensor, inp, kv,
     own = slice(model.groups.replica * B2, (model.groups.replica + 1) * B2)
     x = comm.d_all_gather_atp(layer.input_layernorm(res))
     res = res + comm.d_reduce_scatter_atp(layer.self_attention(x, rope, inp.attn, kv, L))
-    if layer.is_moe:
-        u = comm.d_all_gather_full(layer.pre_mlp_layernorm(res))
-        partial = layer.mlp(u, record=None)
-        if layer.mlp.shared_experts is not None:
-            layer.mlp.add_shared(partial[own], u[own])
-        res = add_rounded(res, comm.d_reduce_scatter_full(partial), model.residual_kernel)
-    else:
-        x = comm.d_all_gather_atp(layer.pre_mlp_layernorm(res))
-        res = add_rounded(res, comm.d_reduce_scatter_atp(layer.dense_partial(x)),
-                          model.residual_kernel)
+    res = model.d_mlp(layer, res, own, None)  # the decoder's unfused MLP half, not recorded
     normed = comm.d_all_gather_atp(mtp.final_layernorm(res))
     return comm.d_all_gather_vocab(F.linear(normed[select], model.output_weight))
 

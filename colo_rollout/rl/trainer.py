@@ -389,19 +389,16 @@ class Trainer:
             self.replay_routing(trajs, L, rows)
         ids = torch.zeros(rows, L, dtype=torch.long, device=self.device)
         valid = torch.zeros(rows, L - 1, dtype=torch.bool, device=self.device)
+        real = torch.zeros(rows, L, device=self.device)  # the MTP loss's mask: real tokens
         for i, t in enumerate(trajs):
             ids[i, : len(t.tokens)] = torch.tensor(t.tokens, device=self.device)
             valid[i, : len(t.tokens) - 1] = True
+            real[i, : len(t.tokens)] = 1.0
         pos = torch.arange(L, device=self.device)[None].expand(rows, L)
         mask = torch.triu(torch.ones(L, L, dtype=torch.bool, device=self.device), 1)
         grad = torch.is_grad_enabled()
         # the MTP layer's loss (setup_mtp) over real tokens only: padding predicts nothing
-        extra = {}
-        if self.train_mtp:
-            real = torch.zeros(rows, L, device=self.device)
-            for i, t in enumerate(trajs):
-                real[i, : len(t.tokens)] = 1.0
-            extra = {"loss_mask": real}
+        extra = {"loss_mask": real} if self.train_mtp else {}
         try:
             logits = self.ddp(ids, pos, attention_mask=mask[None, None], **extra).float()
         except BaseException:

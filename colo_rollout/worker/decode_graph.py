@@ -176,32 +176,31 @@ class DecodeGraphs:
         side.wait_stream(stream)
         with torch.cuda.stream(side):  # warm-up outside capture (allocator, lazy inits)
             for _ in range(2):
-                if self.model.mtp_draft:
-                    logits, hidden = self.model.forward_decode(g.inputs, self.kv, hidden=True)
-                    tokens, logprobs = greedy_tensors(logits)
-                    verify_and_draft(self.model, self.kv, g.inputs, logits, hidden, tokens,
-                                     logprobs)
-                else:
-                    self.model.forward_decode(g.inputs, self.kv)
+                self._step(g.inputs)
         stream.wait_stream(side)
         g.graph = torch.cuda.CUDAGraph()
         # thread-local capture: the NCCL watchdog thread keeps polling the events of P's eager
         # collectives, which may be in flight on other streams during the capture
         with torch.cuda.graph(g.graph, pool=self._pool, stream=side,
                               capture_error_mode="thread_local"):
-            if self.model.mtp_draft:  # verify + draft in the one graph (greedy rows)
-                g.logits, g.hidden = self.model.forward_decode(g.inputs, self.kv, hidden=True)
-                tokens, logprobs = greedy_tensors(g.logits)
-                g.packed = verify_and_draft(self.model, self.kv, g.inputs, g.logits, g.hidden,
-                                            tokens, logprobs)
-            else:
-                g.logits = self.model.forward_decode(g.inputs, self.kv)
-                tokens, logprobs = greedy_tensors(g.logits)
-                g.packed = torch.stack([tokens.double(), logprobs.double()])
+            g.logits, g.hidden, g.packed = self._step(g.inputs)
         stream.wait_stream(side)
         self._graphs[(rows, width)] = g
         self.captures += 1
         return g
+
+    def _step(self, inputs: DecodeInputs):
+        """What a graph runs (and its warm-up): the D forward and the greedy sample --
+        with engine.mtp the verify forward, then verify + draft (worker/speculate.py).
+        Returns (logits, hidden or None, packed)."""
+        if self.model.mtp_draft:
+            logits, hidden = self.model.forward_decode(inputs, self.kv, hidden=True)
+            tokens, logprobs = greedy_tensors(logits)
+            return logits, hidden, verify_and_draft(self.model, self.kv, inputs, logits,
+                                                    hidden, tokens, logprobs)
+        logits = self.model.forward_decode(inputs, self.kv)
+        tokens, logprobs = greedy_tensors(logits)
+        return logits, None, torch.stack([tokens.double(), logprobs.double()])
 
     def capture_all(self, rows: list[int], max_blocks: int | None = None) -> int:
         """Capture every (row bucket -- sequences; 2 graph rows each with engine.mtp --, width

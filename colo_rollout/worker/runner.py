@@ -325,10 +325,10 @@ class ModelRunner:
                               packed="mtp_d")
 
     def _verify_eagerly(self, inputs, logits, hidden, rows) -> torch.Tensor:
-        n = len(rows)
+        """Sample every verify row with its sequence's parameters, then verify + draft."""
         params = [d.params for d in rows for _ in range(ROWS_PER_SEQUENCE)]
-        tokens, logprobs = sample_tensors(logits[: 2 * n], params, self.generator)
-        pad = logits.shape[0] - 2 * n
+        tokens, logprobs = sample_tensors(logits[: len(params)], params, self.generator)
+        pad = logits.shape[0] - len(params)
         if pad:
             tokens = torch.cat([tokens, tokens.new_zeros(pad)])
             logprobs = torch.cat([logprobs, logprobs.new_zeros(pad)])
@@ -452,7 +452,7 @@ class ModelRunner:
             ids = [t for d in rows for t in (d.token, max(d.draft, 0))]
             pos = [p for d in rows for p in (d.position, d.position + 1)]
             tables = [d.table for d in rows for _ in range(ROWS_PER_SEQUENCE)]
-            B, pad = ROWS_PER_SEQUENCE * B, ROWS_PER_SEQUENCE * (B - len(rows))
+            pad = ROWS_PER_SEQUENCE * (B - len(rows))
         else:
             ids = [d.token for d in rows]
             pos = [d.position for d in rows]
