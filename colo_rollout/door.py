@@ -226,7 +226,9 @@ def check_bench_speed(cfg: Config, source: str) -> None:
     for key, batches, contexts in (("bench_speed.decode_batches", b.decode_batches,
                                     [b.short_context]),
                                    ("bench_speed.long_batches", b.long_batches,
-                                    b.long_contexts)):
+                                    b.long_contexts),
+                                   ("bench_speed.sampled_batches", b.sampled_batches,
+                                    [b.short_context])):
         for B in batches:
             if B > e.max_batch_size:
                 refuse(key, f"{B} rows exceed engine.max_batch_size {e.max_batch_size}")

@@ -571,3 +571,85 @@ def gpu_mtp_tokens(rank: int, world: int, adp: int, ep: int, dtype: str = "bfloa
                      "d_iterations": (off["d_iterations"], on["d_iterations"]),
                      "graphs": on["graphs"]}
     return res
+
+
+def gpu_sampled_graphs(rank: int, world: int, adp: int, ep: int, mtp: bool = False,
+                       backend: str = "nccl") -> dict:
+    """Temperature rows drawn inside the D graphs (the draw graph, worker/decode_graph.py)
+    against eager D on the same engine, requests and seed (P eager in both, so P's first
+    tokens see the same noise): the share of identical streams and the logprob gap along
+    their common prefix, the draw-graph replays, wall times; a greedy run of the same prompts
+    shows the draw really sampled. With ``mtp`` the verify + draft of the drawn tokens is in
+    the draw graph too (random weights: drafts almost never accepted)."""
+    import random
+
+    from colo_rollout.sched.request import Request, SamplingParams
+
+    cfg = gpu_config(world, adp, ep, "bfloat16", backend=backend,
+                     model_kw={"mtp_num_layers": 1} if mtp else None)
+    cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, mtp=mtp))
+    groups = init_parallel(cfg.parallel)
+    if backend == "gloo":  # the CPU smoke run of this case
+        from colo_rollout.runtime.cpu_compat import install_cpu_compat
+
+        install_cpu_compat()
+    engine = Engine(cfg, groups, random_state_dict(cfg.model))
+    runner = engine.runner
+    graphs, pgraphs = runner.graphs, runner.prefill_graphs
+    V = cfg.model.vocab_size
+    rng = random.Random(4)
+    prompts = [tuple(rng.randrange(V) for _ in range(rng.choice([8, 40, 120])))
+               for _ in range(8 * adp)]
+    # mostly T = 0.8, every fourth greedy: a Draw.TEMPERATURE iteration mixes both
+    params = [SamplingParams(temperature=0.0 if i % 4 == 3 else 0.8, max_tokens=32,
+                             ignore_eos=True) for i in range(len(prompts))]
+    greedy = SamplingParams(max_tokens=32, ignore_eos=True)
+
+    def run(tag: str, use_graphs: bool, ps) -> tuple[list, float]:
+        runner.graphs = graphs if use_graphs else None
+        runner.prefill_graphs = None  # eager P in every run
+        runner.generator.manual_seed(1234)
+        if graphs is not None:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outs = engine.generate([Request(f"{tag}{i}", p, q)
+                                for i, (p, q) in enumerate(zip(prompts, ps))])
+        if graphs is not None:
+            torch.cuda.synchronize()
+        runner.graphs, runner.prefill_graphs = graphs, pgraphs
+        return [outs[f"{tag}{i}"] for i in range(len(prompts))], time.perf_counter() - t0
+
+    def agree(a, b) -> dict:
+        same = sum(x.tokens == y.tokens for x, y in zip(a, b))
+        diffs, prefix = [], []
+        for x, y in zip(a, b):
+            k = 0
+            for tx, ty, lx, ly in zip(x.tokens, y.tokens, x.logprobs, y.logprobs):
+                if tx != ty:
+                    break
+                diffs.append(abs(lx - ly))
+                k += 1
+            prefix.append(k / len(x.tokens))
+        return {"identical": same / len(a), "prefix": sum(prefix) / len(prefix),
+                "max_dlogp": max(diffs, default=0.0)}
+
+    warm = engine.warmup(max_context=max(len(p) for p in prompts) + 32)
+    run("w", True, params)  # the draw graphs' first replays, off the clock
+    draws0 = graphs.draws if graphs is not None else 0
+    v0, a0 = engine.scheduler.drafts_verified, engine.scheduler.drafts_accepted
+    g, t_graph = run("g", True, params)
+    draws = (graphs.draws - draws0) if graphs is not None else 0
+    verified = engine.scheduler.drafts_verified - v0
+    accepted = engine.scheduler.drafts_accepted - a0
+    e, t_eager = run("e", False, params)
+    gg, _ = run("gg", True, [greedy] * len(prompts))
+    sampled_rows = [i for i, q in enumerate(params) if not q.greedy]
+    res = {"layout": groups.layout.name, "mtp": mtp, "graphs": graphs is not None,
+           "warmup_captures": warm, "draws": draws, "graph_vs_eager": agree(g, e),
+           "greedy_rows_vs_greedy_run": agree([g[i] for i in range(len(g)) if params[i].greedy],
+                                              [gg[i] for i in range(len(g)) if params[i].greedy]),
+           "sampled_vs_greedy": agree([g[i] for i in sampled_rows], [gg[i] for i in sampled_rows]),
+           "t_graph_s": t_graph, "t_eager_s": t_eager,
+           "acceptance": accepted / max(verified, 1) if mtp else None}
+    engine.close()
+    return res

@@ -124,6 +124,13 @@ def test_cpu_config_end_to_end(tmp_path, capsys):
         assert r["roofline_bytes"] == r["weight_bytes"] + r["kv_bytes"]
         assert all(1 <= n <= min(E, k * r["bucket"]) for n in r["experts_touched"])
         assert f"\n{r['batch']:>5} {r['context']:>7} " in table  # its table row
+    # the sampled rows (temperature 1) against the greedy step of the same shape
+    assert [r["batch"] for r in res["decode_sampled"]] == cfg.sampled_batches
+    greedy = {r["batch"]: r["step_s"] for r in res["decode"] if r["context"] == cfg.short_context}
+    for r in res["decode_sampled"]:
+        assert r["step_s"] > 0 and r["greedy_step_s"] == greedy[r["batch"]]
+        assert not r["in_graph"]  # CPU: no graphs
+    assert "sampled decode: every row drawn at temperature 1 (eagerly)" in table
     assert [r["shape"] for r in res["prefill"]] == [
         "1 x 64", "1 x 128", "1 x 256", "4 x 64", "4 x 16-64 on 128-256"]
     for r in res["prefill"]:
@@ -155,6 +162,8 @@ def test_bench_speed_config_is_checked_at_the_door(capsys, tmp_path):
     assert line.startswith(f"error: {CPU}: bench_speed.long_batches: decode of 2 rows at 600 "
                            "tokens of context: a sequence of 600 tokens exceeds "
                            "engine.max_seq_len 512")
+    line = door_error(capsys, "bench-speed", CPU, "--set", "bench_speed.sampled_batches=[16]")
+    assert "bench_speed.sampled_batches: 16 rows exceed engine.max_batch_size 8" in line
     line = door_error(capsys, "bench-speed", CPU, "--set", "bench_speed.decode_batches=[64]")
     assert "bench_speed.decode_batches: 64 rows exceed engine.max_batch_size 8" in line
     line = door_error(capsys, "bench-speed", CPU, "--set", "engine.num_kv_blocks=40")

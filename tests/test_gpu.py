@@ -373,3 +373,23 @@ def test_gpu_mtp_keeps_the_greedy_tokens(gpu_groups, dtype):
     assert r["oracle"]["acceptance"] >= 0.9, r["oracle"]
     assert r["oracle"]["d_iterations"][1] < 0.8 * r["oracle"]["d_iterations"][0]
     assert r["random"]["acceptance"] <= 0.1, r["random"]
+
+
+@pytest.mark.parametrize("mtp", [False, True])
+def test_gpu_temperature_rows_are_drawn_inside_the_d_graphs(gpu_groups, mtp):
+    """Temperature rows by the draw graph: every sampled D iteration replays it (no eager
+    sampling), a seed gives eager D's streams -- but where bf16 graphs and eager D part at a
+    near-tie (as greedy streams do: test_gpu_decode_graphs_match_eager_and_follow_weights) --
+    the draw really samples (streams unlike the greedy run's), and graphs stay faster."""
+    r = gpu_groups(1).run("tests.cases_gpu:gpu_sampled_graphs", timeout=600, adp=1, ep=1,
+                          mtp=mtp)[0]
+    ok = r["draws"] > 0 and r["graph_vs_eager"]["identical"] >= 0.75
+    _record("sampled_graphs", {"layout": r["layout"], "gpus": 1, "mtp": mtp, "result": r,
+                               "passed": ok})
+    assert r["graphs"] and r["draws"] > 0, r
+    assert r["graph_vs_eager"]["identical"] >= 0.75, r["graph_vs_eager"]
+    assert r["graph_vs_eager"]["prefix"] >= 0.9 and r["graph_vs_eager"]["max_dlogp"] < 0.05, r
+    assert r["sampled_vs_greedy"]["identical"] <= 0.25, r["sampled_vs_greedy"]
+    assert r["t_graph_s"] < r["t_eager_s"], r
+    if mtp:
+        assert r["acceptance"] is not None and r["acceptance"] <= 0.2, r

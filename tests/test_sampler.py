@@ -256,3 +256,81 @@ def test_pending_sampled_unpacks_both_layouts():
     for p in (pair, packed):
         got = p.resolve()
         assert got == want and all(type(s.token) is int for s in got)
+
+
+# --------------------------------------------------------------------------- in-graph draws
+
+
+def test_draw_for_is_the_least_capable_kind_covering_every_row() -> None:
+    from colo_rollout.worker.sampler import Draw, draw_for
+
+    g, t = SamplingParams(), SamplingParams(temperature=0.7)
+    assert draw_for([]) is Draw.GREEDY
+    assert draw_for([g, g]) is Draw.GREEDY
+    # top-k / top-p do nothing to a greedy row: still greedy
+    assert draw_for([g, SamplingParams(top_k=5, top_p=0.5)]) is Draw.GREEDY
+    assert draw_for([g, t]) is Draw.TEMPERATURE
+    assert draw_for([t, SamplingParams(temperature=1.0, top_k=3)]) is Draw.TRUNCATED
+    assert draw_for([SamplingParams(temperature=1.0, top_p=0.9), g]) is Draw.TRUNCATED
+
+
+def test_temperature_draw_greedy_rows_are_argmax_bit_for_bit() -> None:
+    from colo_rollout.worker.sampler import greedy_tensors, temperature_tensors
+
+    torch.manual_seed(3)
+    logits = torch.randn(6, 50) * 4
+    temps = torch.tensor([0.0, 1.0, 0.0, 0.3, 0.0, 2.0])
+    tokens, logprobs = temperature_tensors(logits, temps, gen(1))
+    gt, glp = greedy_tensors(logits)
+    for i in (0, 2, 4):
+        assert tokens[i] == gt[i] and logprobs[i] == glp[i]
+    # every logprob is the unmodified distribution's, whatever the temperature
+    ref = torch.log_softmax(logits.float(), dim=-1)
+    assert torch.equal(logprobs, ref.gather(1, tokens[:, None])[:, 0])
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
+def test_temperature_draw_follows_softmax_of_logits_over_t(temperature: float) -> None:
+    from colo_rollout.worker.sampler import temperature_tensors
+
+    n = 20000
+    tokens, _ = temperature_tensors(repeat(L4, n), torch.full((n,), temperature), gen(7))
+    assert_frequencies(tokens.tolist(), softmax64([x / temperature for x in L4]))
+
+
+def test_temperature_draw_matches_the_eager_sampler_in_distribution() -> None:
+    """The draw graph's ops and sample_tensors draw from one distribution (different noise)."""
+    from colo_rollout.worker.sampler import temperature_tensors
+
+    n, T = 20000, 0.8
+    a, _ = temperature_tensors(repeat(L4, n), torch.full((n,), T), gen(11))
+    b, _ = sample(repeat(L4, n), [SamplingParams(temperature=T)] * n, gen(12))
+    probs = softmax64([x / T for x in L4])
+    assert_frequencies(a.tolist(), probs)
+    assert_frequencies(b, probs)
+
+
+def test_temperature_draw_advances_the_stream_by_the_shape_alone() -> None:
+    """Noise is drawn for every row, greedy ones too: the generator ends at the same state for
+    a given shape whichever rows are greedy (a graph's fixed RNG advance), and a seed repeats
+    the draw."""
+    from colo_rollout.worker.sampler import temperature_tensors
+
+    torch.manual_seed(5)
+    logits = torch.randn(4, 30)
+    g1, g2 = gen(9), gen(9)
+    a, _ = temperature_tensors(logits, torch.tensor([1.0, 0.0, 0.0, 0.0]), g1)
+    temperature_tensors(logits, torch.tensor([0.0, 0.5, 1.0, 3.0]), g2)
+    assert torch.equal(g1.get_state(), g2.get_state())
+    again, _ = temperature_tensors(logits, torch.tensor([1.0, 0.0, 0.0, 0.0]), gen(9))
+    assert torch.equal(a, again)
+
+
+def test_temperature_draw_tiny_temperature_tends_to_greedy_without_nan() -> None:
+    from colo_rollout.worker.sampler import temperature_tensors
+
+    torch.manual_seed(8)
+    logits = torch.randn(64, 40) * 3
+    tokens, logprobs = temperature_tensors(logits, torch.full((64,), 1e-6), gen(2))
+    assert torch.equal(tokens, logits.argmax(dim=-1))
+    assert torch.isfinite(logprobs).all()

@@ -633,6 +633,9 @@ class BenchSpeedConfig:
     # Decode batch sizes at each of long_contexts (empty: no long-context rows).
     long_batches: list[int] = field(default_factory=lambda: [8, 32, 64])
     long_contexts: list[int] = field(default_factory=lambda: [2048, 4096, 8192])
+    # Decode batch sizes (short context) also timed with every row sampled at temperature 1
+    # (drawn inside the D graph where there are graphs), against the greedy step (empty: none).
+    sampled_batches: list[int] = field(default_factory=lambda: [1, 32])
     # Prefill of one sequence of each length on an empty cache (empty: none).
     prefill_lengths: list[int] = field(default_factory=lambda: [1024, 4096, 8192])
     # Prefill of prefill_batch_seqs sequences of prefill_batch_len tokens in one step (0: none).
@@ -674,8 +677,8 @@ class BenchSpeedConfig:
     def __post_init__(self) -> None:
         _check_field_types(self)
         _require(bool(self.decode_batches), "bench_speed.decode_batches", "must not be empty")
-        for name in ("decode_batches", "long_batches", "long_contexts", "prefill_lengths",
-                     "hf_prefill_lengths"):
+        for name in ("decode_batches", "long_batches", "long_contexts", "sampled_batches",
+                     "prefill_lengths", "hf_prefill_lengths"):
             values = getattr(self, name)
             _require(all(v >= 1 for v in values), f"bench_speed.{name}",
                      f"every value must be >= 1, got {values}")

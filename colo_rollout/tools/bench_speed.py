@@ -81,6 +81,7 @@ from colo_rollout.sched.planner import pick_bucket
 from colo_rollout.sched.request import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=1)
+SAMPLED = SamplingParams(temperature=1.0, max_tokens=1)  # the sampled decode rows' draw
 # the breakdown's parts, in table and plot order
 PARTS = ("attention", "norms", "router/top-k", "permutation", "expert GEMMs", "activation",
          "combine", "shared experts", "dense MLP", "embedding", "lm head", "sampling",
@@ -186,11 +187,11 @@ def _tables(lengths: list[int], block_size: int) -> list[tuple[int, ...]]:
 
 
 def decode_plan(contexts: list[int], tokens: list[int], bucket: int,
-                block_size: int) -> StepPlan:
+                block_size: int, params: SamplingParams = GREEDY) -> StepPlan:
     """One D iteration: row i attends contexts[i] tokens (its input token at position
-    contexts[i] - 1), padded to ``bucket`` rows."""
+    contexts[i] - 1), padded to ``bucket`` rows, every row sampled by ``params``."""
     tables = _tables(contexts, block_size)
-    rows = tuple(DecodeRow(lifetime=i, token=t, position=c - 1, table=tb, params=GREEDY)
+    rows = tuple(DecodeRow(lifetime=i, token=t, position=c - 1, table=tb, params=params)
                  for i, (c, t, tb) in enumerate(zip(contexts, tokens, tables)))
     return StepPlan(step=0, phase=Phase.DECODE, replicas=(ReplicaWork(decode=rows),),
                     bucket=bucket, table_blocks=max(len(t) for t in tables))
@@ -343,6 +344,19 @@ class _Bench:
                 "experts_expected": expected_experts(m.num_experts, m.moe_router_topk, bucket),
                 **roof, "ratio": roof["roofline_s"] / step}
 
+    def sampled_row(self, rows: int, greedy: dict) -> dict:
+        """The short-context D step of ``rows`` rows all sampled at temperature 1 (the draw
+        graph where there are graphs), against ``greedy``, the same shape's greedy row."""
+        e = self.cfg.engine
+        tokens = [self.rng.randrange(self.m.vocab_size) for _ in range(rows)]
+        plan = decode_plan([greedy["context"]] * rows, tokens, greedy["bucket"],
+                           e.kv_block_size, SAMPLED)
+        step = statistics.median(self.timed(plan, self.b.iters))
+        return {"batch": rows, "context": greedy["context"], "temperature": SAMPLED.temperature,
+                "step_s": step, "greedy_step_s": greedy["step_s"],
+                "overhead": step / greedy["step_s"] - 1.0,
+                "in_graph": self.runner.graphs is not None}
+
     def prefill_row(self, kind: str, shape: str, seqs: list[tuple[int, int]]) -> dict:
         e = self.cfg.engine
         plan = prefill_plan(seqs, self.rng, self.m.vocab_size, e.kv_block_size)
@@ -358,6 +372,9 @@ class _Bench:
     def run(self) -> dict:
         b = self.b
         decode = [self.decode_row(B, b.short_context) for B in b.decode_batches]
+        short = {r["batch"]: r for r in decode}
+        sampled = [self.sampled_row(B, short.get(B) or self.decode_row(B, b.short_context))
+                   for B in b.sampled_batches]
         decode += [self.decode_row(B, ctx) for ctx in b.long_contexts for B in b.long_batches]
         prefill = [self.prefill_row("single", f"1 x {n}", [(0, n)]) for n in b.prefill_lengths]
         if b.prefill_batch_seqs:
@@ -381,7 +398,8 @@ class _Bench:
                                   if hasattr(d, "report")],
                "threads": torch.get_num_threads(), "setup_s": self.setup_s,
                "hbm_bytes_per_s": b.hbm_bytes_per_s, "peak_flops": b.peak_flops,
-               "decode": decode, "prefill": prefill, "breakdown": {}}
+               "decode": decode, "decode_sampled": sampled, "prefill": prefill,
+               "breakdown": {}}
         if b.profile:
             out["breakdown"] = self.breakdowns(decode, prefill)
         return out
@@ -769,6 +787,14 @@ def table(res: dict, cfg: Config, source: str) -> str:
             f"{touched:>6.1f} ({r['experts_expected']:>5.1f}) {r['weight_bytes'] / 1e6:>10.2f} "
             f"{r['kv_bytes'] / 1e6:>8.2f} {_num(1e3 * r['roofline_s']):>11} {_num(r['ratio']):>8} "
             + _peer_cols(peer, r["step_s"]))
+    if res.get("decode_sampled"):
+        lines += ["", "sampled decode: every row drawn at temperature 1 ("
+                  + ("inside the D graph's draw graph" if res["decode_sampled"][0]["in_graph"]
+                     else "eagerly") + "), short context, against the greedy step",
+                  f"{'B':>5} {'greedy ms':>10} {'sampled ms':>11} {'overhead':>9}"]
+        lines += [f"{r['batch']:>5} {1e3 * r['greedy_step_s']:>10.3f} "
+                  f"{1e3 * r['step_s']:>11.3f} {100 * r['overhead']:>8.1f}%"
+                  for r in res["decode_sampled"]]
     lines += ["", "prefill: median host time of one step; FLOPs = 2 x active params x tokens "
               "+ attention (output layer on last tokens); frac = FLOP/s / peak",
               f"{'shape':<30} {'tokens':>7} {'step ms':>9} {'tok/s':>10} {'TFLOP':>9} "

@@ -27,6 +27,12 @@ Invariants:
     the same stream before the next replay. Greedy sampling is captured with the forward (the
     sampler's greedy ops, so bitwise the sampler's result): an all-greedy D iteration then
     enqueues the replay and one device->host copy, nothing else.
+  * Rows with temperatures (no top-k/top-p: ``Draw.TEMPERATURE``) are drawn by a second, small
+    graph per key, the draw graph (``draw``): the sampler's ``temperature_tensors`` on the D
+    graph's logits with the rows' temperatures in a static buffer -- with engine.mtp also the
+    verify and the MTP draft on the drawn tokens. It draws from the runner's generator
+    (registered with the graph, so each replay advances it as the same ops eagerly would):
+    a seed gives the eager D path's tokens. Capturing one leaves the generator as it was.
   * Graphs hold NCCL collectives: ``release`` (and synchronize) before process groups are
     destroyed, or the destroy hangs.
 """
@@ -38,7 +44,7 @@ import torch
 from colo_rollout.model.attention import AttnMetadata
 from colo_rollout.model.model import DecodeInputs, InferenceGPT
 from colo_rollout.model.weights import loadable_tensors
-from colo_rollout.worker.sampler import greedy_tensors
+from colo_rollout.worker.sampler import greedy_tensors, temperature_tensors
 from colo_rollout.worker.speculate import ROWS_PER_SEQUENCE, verify_and_draft
 from colo_rollout.runtime.device import h2d
 
@@ -87,12 +93,18 @@ class _Graph:
         self.hidden: torch.Tensor | None = None  # engine.mtp: the rows' final-normed output
         # [2, B] float64: greedy tokens, logprobs; engine.mtp: [6, B / 2], worker/speculate.py
         self.packed: torch.Tensor | None = None
+        # the draw graph (DecodeGraphs.draw): its rows' temperatures, its packed output
+        self.temperature = torch.zeros(rows, dtype=torch.float32, device=device)
+        self.draw_graph: torch.cuda.CUDAGraph | None = None
+        self.drawn: torch.Tensor | None = None
 
 
 class DecodeGraphs:
     def __init__(self, model: InferenceGPT, kv, max_blocks: int,
-                 capture_stream: torch.cuda.Stream | None = None) -> None:
+                 capture_stream: torch.cuda.Stream | None = None,
+                 generator: torch.Generator | None = None) -> None:
         self.model = model
+        self.generator = generator  # what the draw graphs draw from (the runner's)
         # one capture stream for the runner's lifetime: every new stream that runs a GEMM gets
         # its own cuBLAS workspace (32 MiB on sm90), so a stream per capture would leak them
         self.capture_stream = capture_stream or torch.cuda.Stream(model.device)
@@ -108,6 +120,7 @@ class DecodeGraphs:
         self._fingerprint = self._settled_fingerprint()
         self.captures = 0  # graphs captured so far (re-captures included)
         self.replays = 0
+        self.draws = 0  # draw-graph replays (temperature rows sampled inside a graph)
 
     def _weights_fingerprint(self) -> tuple[int, ...]:
         return tuple(p.data_ptr() for p in self._params)
@@ -189,6 +202,50 @@ class DecodeGraphs:
         self.captures += 1
         return g
 
+    def draw(self, g: _Graph, temperatures: list[float]) -> torch.Tensor:
+        """Temperature rows of the D iteration ``g`` just replayed, drawn by g's draw graph on
+        the current stream (captured at first use; with engine.mtp it holds the MTP pass's
+        collectives, so every rank draws in the same iterations: ``Draw`` of every replica's
+        rows). ``temperatures``: the replica's rows' (graph rows; padding rows are greedy).
+        Returns the packed result, g.packed's layout; a static output like g.packed."""
+        if g.draw_graph is None:
+            self._capture_draw(g)
+        pad = g.rows - len(temperatures)
+        g.temperature.copy_(h2d([*temperatures, *[0.0] * pad], torch.float32, self.device),
+                            non_blocking=True)
+        g.draw_graph.replay()
+        self.draws += 1
+        return g.drawn
+
+    def _capture_draw(self, g: _Graph) -> None:
+        gen = self.generator
+        if gen is None:
+            raise RuntimeError("these D graphs have no generator to draw from")
+        state = gen.get_state()
+        stream = torch.cuda.current_stream()
+        side = self.capture_stream
+        side.wait_stream(stream)
+        with torch.cuda.stream(side):  # warm-up outside capture
+            self._draw_step(g)
+        stream.wait_stream(side)
+        g.draw_graph = torch.cuda.CUDAGraph()
+        g.draw_graph.register_generator_state(gen)
+        with torch.cuda.graph(g.draw_graph, pool=self._pool, stream=side,
+                              capture_error_mode="thread_local"):
+            g.drawn = self._draw_step(g)
+        stream.wait_stream(side)
+        gen.set_state(state)  # neither the warm-up nor the capture consumed the stream
+        self.captures += 1
+
+    def _draw_step(self, g: _Graph) -> torch.Tensor:
+        """What a draw graph runs: the temperature draw of g's logits (engine.mtp: then the
+        verify and the MTP draft on the drawn tokens)."""
+        tokens, logprobs = temperature_tensors(g.logits, g.temperature, self.generator)
+        if self.model.mtp_draft:
+            return verify_and_draft(self.model, self.kv, g.inputs, g.logits, g.hidden,
+                                    tokens, logprobs)
+        return torch.stack([tokens.double(), logprobs.double()])
+
     def _step(self, inputs: DecodeInputs):
         """What a graph runs (and its warm-up): the D forward and the greedy sample --
         with engine.mtp the verify forward, then verify + draft (worker/speculate.py).
@@ -204,17 +261,18 @@ class DecodeGraphs:
 
     def capture_all(self, rows: list[int], max_blocks: int | None = None) -> int:
         """Capture every (row bucket -- sequences; 2 graph rows each with engine.mtp --, width
-        bucket) key up to ``max_blocks`` table width ahead
-        of serving (collective: every rank calls it with the same arguments), so no capture
-        lands inside a timed run. Returns the number of graphs captured now."""
+        bucket) key up to ``max_blocks`` table width ahead of serving, with its draw graph
+        (collective: every rank calls it with the same arguments), so no capture lands inside
+        a timed run. Returns the number of graphs captured now."""
         self.check_weights()
         limit = self.max_blocks if max_blocks is None else min(max_blocks, self.max_blocks)
         before = self.captures
         per = ROWS_PER_SEQUENCE if self.model.mtp_draft else 1  # graph rows per sequence
         for r in sorted({per * r for r in rows}):
             for w in width_buckets(limit, self.max_blocks):
-                if (r, w) not in self._graphs:
-                    self._capture(r, w)
+                g = self._graphs.get((r, w)) or self._capture(r, w)
+                if g.draw_graph is None and self.generator is not None:
+                    self._capture_draw(g)
         return self.captures - before
 
     def release(self) -> None:

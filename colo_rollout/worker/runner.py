@@ -24,7 +24,7 @@ from colo_rollout.worker.decode_graph import DecodeGraphs, graphs_supported
 from colo_rollout.model.model import DecodeInputs, InferenceGPT, PrefillInputs
 from colo_rollout.sched.plan import Phase, Sampled, StepPlan
 from colo_rollout.worker.prefill_graph import PrefillMoEGraphs
-from colo_rollout.worker.sampler import sample_tensors
+from colo_rollout.worker.sampler import Draw, draw_for, sample_tensors, temperature_tensors
 from colo_rollout.worker.speculate import ROWS_PER_SEQUENCE, verify_and_draft
 from colo_rollout.runtime.device import Pending, h2d, wait_event
 from colo_rollout.multiplex.stream_route import StreamRoute
@@ -165,7 +165,7 @@ class ModelRunner:
     def _new_graphs(self) -> DecodeGraphs | None:
         if self.graphs_max_blocks > 0 and graphs_supported(self.model):
             return DecodeGraphs(self.model, self.kv, self.graphs_max_blocks,
-                                self._capture_stream)
+                                self._capture_stream, self.generator)
         return None
 
     def _new_prefill_graphs(self) -> PrefillMoEGraphs | None:
@@ -290,48 +290,78 @@ class ModelRunner:
                 return out
             if self.graphs is None:
                 logits = self.model.forward_decode(self._decode_inputs(*host), self.kv)
-                out = self._sample(logits, rows)
+                out = self._sample_decode(logits, rows)
             else:
                 g = self.graphs.run(*host, plan.table_blocks)
-                if (self.groups.is_replica_leader and rows
-                        and all(d.params.greedy for d in rows)):
-                    # greedy rows were sampled inside the graph: one copy brings them back
+                draw = draw_for(d.params for d in rows)
+                if not self.groups.is_replica_leader or not rows or draw is Draw.TRUNCATED:
+                    out = self._sample_decode(g.logits, rows)
+                else:  # sampled inside a graph: one copy brings the rows back
+                    packed = (g.packed if draw is Draw.GREEDY else
+                              self.graphs.draw(g, [d.params.temperature for d in rows]))
                     out = PendingSampled([d.lifetime for d in rows],
-                                         Pending(g.packed[:, : len(rows)]), packed=True)
-                else:
-                    out = self._sample(g.logits, rows)
+                                         Pending(packed[:, : len(rows)]), packed=True)
             out.routing = self._d_routing(plan)
             return out
 
+    def _sample_decode(self, logits: torch.Tensor, rows) -> PendingSampled:
+        """A D iteration's rows sampled eagerly (leader only), as the graphs would: temperature
+        rows over the whole bucket (``logits`` [bucket, V], padding rows greedy) by the draw
+        graph's ops, so a seed gives the same tokens with and without graphs."""
+        if draw_for(d.params for d in rows) is not Draw.TEMPERATURE:
+            return self._sample(logits, rows)
+        if not self.groups.is_replica_leader:
+            return PendingSampled(marker=_marker(self.device))
+        temps = [d.params.temperature for d in rows]
+        temps += [0.0] * (logits.shape[0] - len(temps))
+        tokens, logprobs = temperature_tensors(
+            logits, h2d(temps, torch.float32, self.device), self.generator)
+        n = len(rows)
+        return PendingSampled([d.lifetime for d in rows], Pending(tokens[:n], logprobs[:n]))
+
     def _run_mtp_decode(self, plan: StepPlan, host, rows) -> PendingSampled:
         """One MTP D iteration (worker/speculate.py): the verify forward over 2 rows per
-        sequence and the MTP draft, by one graph replay when every row is greedy (sampled
-        inside it), else the forward (replayed, or eager) then sampling and the MTP pass
-        eagerly. Every rank samples (the MTP pass embeds the tokens)."""
+        sequence and the MTP draft -- one graph replay when every row of every replica is
+        greedy (sampled inside it); the replay and its draw graph when they are greedy or
+        temperature-only; else the forward (replayed, or eager) then sampling and the MTP pass
+        eagerly. The draw is decided over every replica's rows: the MTP pass after it has
+        collectives over the world, so every rank must take the same path. Every rank samples
+        (the MTP pass embeds the tokens)."""
         n = len(rows)
+        draw = draw_for(d.params for w in plan.replicas for d in w.decode)
         if self.graphs is not None:
             g = self.graphs.run(*host, plan.table_blocks)
-            if all(d.params.greedy for d in rows):
+            if draw is Draw.GREEDY:
                 packed = g.packed
+            elif draw is Draw.TEMPERATURE:
+                packed = self.graphs.draw(g, [d.params.temperature for d in rows
+                                              for _ in range(ROWS_PER_SEQUENCE)])
             else:
-                packed = self._verify_eagerly(g.inputs, g.logits, g.hidden, rows)
+                packed = self._verify_eagerly(g.inputs, g.logits, g.hidden, rows, draw)
         else:
             inputs = self._decode_inputs(*host)
             logits, hidden = self.model.forward_decode(inputs, self.kv, hidden=True)
-            packed = self._verify_eagerly(inputs, logits, hidden, rows)
+            packed = self._verify_eagerly(inputs, logits, hidden, rows, draw)
         if not self.groups.is_replica_leader or not rows:
             return PendingSampled(marker=_marker(self.device))
         return PendingSampled([d.lifetime for d in rows], Pending(packed[:, :n]),
                               packed="mtp_d")
 
-    def _verify_eagerly(self, inputs, logits, hidden, rows) -> torch.Tensor:
-        """Sample every verify row with its sequence's parameters, then verify + draft."""
+    def _verify_eagerly(self, inputs, logits, hidden, rows, draw: Draw) -> torch.Tensor:
+        """Sample every verify row with its sequence's parameters (``draw``: the world's, as
+        ``_run_mtp_decode`` decides it; a temperature draw by the draw graph's ops over every
+        row), then verify + draft."""
         params = [d.params for d in rows for _ in range(ROWS_PER_SEQUENCE)]
-        tokens, logprobs = sample_tensors(logits[: len(params)], params, self.generator)
         pad = logits.shape[0] - len(params)
-        if pad:
-            tokens = torch.cat([tokens, tokens.new_zeros(pad)])
-            logprobs = torch.cat([logprobs, logprobs.new_zeros(pad)])
+        if draw is Draw.TEMPERATURE:
+            temps = h2d([p.temperature for p in params] + [0.0] * pad, torch.float32,
+                        self.device)
+            tokens, logprobs = temperature_tensors(logits, temps, self.generator)
+        else:
+            tokens, logprobs = sample_tensors(logits[: len(params)], params, self.generator)
+            if pad:
+                tokens = torch.cat([tokens, tokens.new_zeros(pad)])
+                logprobs = torch.cat([logprobs, logprobs.new_zeros(pad)])
         return verify_and_draft(self.model, self.kv, inputs, logits, hidden, tokens, logprobs)
 
     # ------------------------------------------------------------------ P epochs (PD mode)

@@ -6,9 +6,18 @@ result with every rank. ``logprob`` is log p(token) under the unmodified model d
 
 Random draws use the exponential-race form of categorical sampling (argmax of p / Exp(1)) with
 one seeded generator per engine, so a run is reproducible for a fixed request order and layout.
+
+A D iteration's rows are drawn one of three ways (``Draw``, decided by ``draw_for``):
+greedy rows by argmax; rows with a temperature and nothing else (top-k off, top-p 1) by
+``temperature_tensors`` -- fixed shapes, per-row temperatures in a tensor, no host value
+read: what a D graph captures (worker/decode_graph.py), and what D runs without graphs too,
+so a seed draws the same tokens either way; any truncation by ``sample_tensors``.
 """
 
 from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
 
 import torch
 
@@ -51,6 +60,47 @@ def sample_tensors(logits: torch.Tensor, params: list[SamplingParams],
     tokens[idx] = (probs / noise).argmax(dim=-1)
     chosen = logp.gather(1, tokens[:, None])[:, 0]
     return tokens, chosen
+
+
+class Draw(enum.Enum):
+    """How a D iteration's rows are sampled (``draw_for``)."""
+
+    GREEDY = "greedy"  # every row argmax: inside the D graph itself
+    TEMPERATURE = "temperature"  # greedy or temperature-only rows: ``temperature_tensors``
+    TRUNCATED = "truncated"  # some row has top-k or top-p: ``sample_tensors``, eagerly
+
+
+def draw_for(params: Iterable[SamplingParams]) -> Draw:
+    """The draw of a set of rows: the least capable kind that covers every row. A caller
+    whose draw involves collectives (an MTP pass after the draw) passes every replica's rows,
+    so that every rank takes the same path."""
+    kind = Draw.GREEDY
+    for p in params:
+        if p.greedy:
+            continue
+        if p.top_k > 0 or p.top_p < 1.0:
+            return Draw.TRUNCATED
+        kind = Draw.TEMPERATURE
+    return kind
+
+
+def temperature_tensors(logits: torch.Tensor, temperature: torch.Tensor,
+                        generator: torch.Generator | None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row of ``logits`` [n, V] drawn at its ``temperature`` [n] (fp32 on the logits'
+    device; 0 = greedy, the row's argmax bit for bit as ``greedy_tensors``): tokens [n] int64,
+    logprobs [n] fp32 under the unmodified distribution. Fixed shapes and no host read, so a
+    CUDA graph can capture it; noise is drawn for every row (greedy ones too), so the random
+    stream advances by the same amount for a given n whichever rows are greedy."""
+    logits = logits.float()
+    logp = torch.log_softmax(logits, dim=-1)
+    greedy = logits.argmax(dim=-1)
+    hot = temperature > 0
+    t = torch.where(hot, temperature, torch.ones_like(temperature))[:, None]
+    probs = torch.softmax((logits - logits.max(dim=-1, keepdim=True).values) / t, dim=-1)
+    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    tokens = torch.where(hot, (probs / noise).argmax(dim=-1), greedy)
+    return tokens, logp.gather(1, tokens[:, None])[:, 0]
 
 
 def greedy_tensors(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
