@@ -92,19 +92,53 @@ def check_kernels(cfg: Config, source: str) -> None:
 
 
 def check_fp8(cfg: Config, source: str) -> None:
-    """``model.fp8`` is refused before any rank starts (the model build refuses it too): the
-    reason in one line -- Transformer Engine missing here, or FP8 rollouts not built yet."""
-    import importlib.util
-
-    if cfg.model.fp8 is None:
+    """``model.fp8`` before any rank starts: this host's GPU has FP8 tensor cores (sm89+; a
+    host without CUDA has none), the MoE dispatch backend runs FP8 experts (deepep is not
+    verified with them), and every FP8 GEMM's shard has both dims in multiples of 16
+    (model/fp8.py; the model build checks the same on each rank)."""
+    m = cfg.model
+    if m.fp8 is None:
         return
-    if importlib.util.find_spec("transformer_engine") is None:
-        why = "needs Transformer Engine, which is not installed here"
-    else:
-        why = ("FP8 rollouts are not supported yet (P/D token counts are not padded to FP8 "
-               "GEMM multiples, and the engine's MoE and attention kernels are 16-bit)")
-    raise ConfigError(f"{source}: model.fp8: {cfg.model.fp8!r} {why}; set model.fp8: null",
-                      key="model.fp8", source=source)
+    import torch
+
+    from colo_rollout.config.schema import FP8_MIN_CAPABILITY as MIN_CAPABILITY
+    from colo_rollout.config.schema import FP8_ROW_MULTIPLE as ROW_MULTIPLE
+
+    def refuse(problem: str, key: str = "model.fp8") -> None:
+        raise ConfigError(f"{source}: {key}: {problem}", key=key, source=source)
+
+    if not torch.cuda.is_available():
+        refuse(f"{m.fp8!r} needs a CUDA GPU with FP8 tensor cores (sm89 or later), and this "
+               "host has no CUDA device; set model.fp8: null")
+    cap = torch.cuda.get_device_capability(0)
+    if cap < MIN_CAPABILITY:
+        refuse(f"{m.fp8!r} needs FP8 tensor cores (sm89 or later); "
+               f"{torch.cuda.get_device_name(0)} is sm{cap[0]}{cap[1]}; set model.fp8: null")
+    if m.params_dtype != "bfloat16":
+        refuse(f"{m.fp8!r} needs params_dtype 'bfloat16' (the FP8 GEMMs' inputs and outputs), "
+               f"got {m.params_dtype!r}; set model.params_dtype: bfloat16 or model.fp8: null")
+    if m.use_te == "on":
+        refuse(f"{m.fp8!r} runs colo_rollout's FP8 GEMMs on the local layer spec, but use_te "
+               "is 'on' (Transformer Engine's modules would not run); set model.use_te: auto, "
+               "or model.fp8: null", key="model.use_te")
+    if m.moe_dispatch == "deepep":
+        refuse("FP8 experts are not verified with the deepep backend; use "
+               "model.moe_dispatch: gather or alltoall", key="model.moe_dispatch")
+    atp = cfg.parallel.atp
+    widths = {"model.hidden_size": m.hidden_size,
+              "model.num_attention_heads x head_dim / parallel.atp":
+                  m.num_attention_heads * m.head_dim // atp,
+              "model.num_query_groups x head_dim / parallel.atp":
+                  m.num_query_groups * m.head_dim // atp}
+    if m.first_k_dense:
+        widths["model.ffn_hidden_size / parallel.atp"] = m.dense_ffn_hidden_size // atp
+    if m.shared_expert_ffn_hidden_size is not None:
+        widths["model.shared_expert_ffn_hidden_size / parallel.atp"] = (
+            m.shared_expert_ffn_hidden_size // atp)
+    for what, v in widths.items():
+        if v % ROW_MULTIPLE:
+            refuse(f"FP8 GEMMs need every dimension in multiples of {ROW_MULTIPLE}; {what} "
+                   f"is {v}")
 
 
 def check_dispatch(cfg: Config, source: str) -> None:

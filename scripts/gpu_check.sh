@@ -81,11 +81,16 @@ fi
 # decode and prefill against the roofline, one GPU, with the transformers peer (bench-speed);
 # SPEED_CONFIGS picks the shapes, RUN_SPEED=0 skips it
 if [ "${RUN_SPEED:-1}" = 1 ] && [ "$NGPU" -ge 1 ]; then
+  # SPEED_FP8: the GEMM precisions to run each shape in ("off": bf16; "e4m3": model.fp8);
+  # SPEED_ARGS adds overrides (e.g. fewer shapes)
   for c in ${SPEED_CONFIGS:-configs/bench_speed_gpu.yaml configs/bench_speed_qwen3.yaml}; do
-    name=$(basename "$c" .yaml)
-    timeout "${SPEED_TIMEOUT:-400}" torchrun --standalone --nproc-per-node 1 -m colo_rollout.cli \
-      bench-speed "$c" --set bench_speed.out_dir="$OUT/$name" 2>&1 \
-      | grep -v -i 'warn' | tail -n 52 || echo "bench-speed $c failed"
+    for fp8 in ${SPEED_FP8:-off e4m3}; do
+      name=$(basename "$c" .yaml); fp8_set=""
+      if [ "$fp8" != off ]; then name=${name}_fp8; fp8_set="--set model.fp8=$fp8"; fi
+      timeout "${SPEED_TIMEOUT:-400}" torchrun --standalone --nproc-per-node 1 -m colo_rollout.cli \
+        bench-speed "$c" $fp8_set --set bench_speed.out_dir="$OUT/$name" ${SPEED_ARGS:-} 2>&1 \
+        | grep -v -i 'warn' | tail -n 60 || echo "bench-speed $c ($fp8) failed"
+    done
   done
 fi
 

@@ -653,3 +653,84 @@ def gpu_sampled_graphs(rank: int, world: int, adp: int, ep: int, mtp: bool = Fal
            "acceptance": accepted / max(verified, 1) if mtp else None}
     engine.close()
     return res
+
+
+def gpu_fp8_kernels(rank: int, world: int) -> dict:
+    """The FP8 kernels on the GPU against the torch reference math (model/fp8.py,
+    model/fused_moe.py): the row quantiser bitwise (the interpreter cannot check its cast),
+    the FP8 linear (torch._scaled_mm, row-wise scales) and the FP8 expert GEMMs against the
+    dequantised operands' fp32 products."""
+    import torch.nn.functional as F
+
+    from colo_rollout.model import fp8 as f8
+    from colo_rollout.model import fused_moe as fm
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    res = {}
+    same = True
+    for M, K in ((1, 2048), (37, 768), (512, 4096)):
+        x = torch.randn(M, K, generator=g, device=dev).bfloat16() * 3
+        a, b = f8.quantize_rows(x, backend="triton"), f8.quantize_rows(x, backend="torch")
+        same &= torch.equal(a[0].float(), b[0].float()) and torch.equal(a[1], b[1])
+    res["quantize_bitwise"] = bool(same)
+    x = torch.randn(45, 2048, generator=g, device=dev).bfloat16()
+    w = (torch.randn(1536, 2048, generator=g, device=dev) / 45).bfloat16()
+    fw = f8.Fp8Weight.of(w)
+    y = f8.fp8_linear(x, fw)
+    q, s = f8.quantize_rows(x)
+    ref = F.linear(f8.dequantize_rows(q[:45], s[:45]), fw.dequantized())
+    exact = F.linear(x.float(), w.float())
+    res["linear_vs_reference"] = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+    res["linear_vs_bf16"] = ((y.float() - exact).abs().max() / exact.abs().max()).item()
+    N, E, k, H, Fd = 300, 16, 4, 2048, 768
+    logits = torch.randn(N, E, generator=g, device=dev)
+    chosen = logits.topk(k, dim=1).indices
+    prob = torch.softmax(logits, -1).gather(1, chosen).flatten()
+    key, order = torch.sort(chosen.flatten(), stable=True)
+    offs = torch.searchsorted(key, torch.arange(E, device=dev), right=True, out_int32=True)
+    token, prob = order // k, prob[order]
+    xm = torch.randn(N, H, generator=g, device=dev).bfloat16()
+    fc1 = (torch.randn(E, 2 * Fd, H, generator=g, device=dev) / H ** 0.5).bfloat16()
+    fc2 = (torch.randn(E, H, Fd, generator=g, device=dev) / Fd ** 0.5).bfloat16()
+    w1, w2 = f8.Fp8Weight.of(fc1), f8.Fp8Weight.of(fc2)
+    got = fm.triton_experts(xm, token, offs, prob, w1, w2, F.silu, True)
+    ref = fm.torch_experts_fp8(xm.float(), token, offs, prob, w1, w2, F.silu, True)
+    b16 = fm.torch_experts(xm.float(), token, offs, prob, fc1.float(), fc2.float(), F.silu,
+                           True)
+    scale = b16.abs().max()
+    res["moe_vs_reference"] = ((got.float() - ref).abs().max() / scale).item()
+    res["moe_vs_bf16"] = ((got.float() - b16).abs().max() / scale).item()
+    return res
+
+
+def gpu_fp8_graphs(rank: int, world: int) -> dict:
+    """The FP8 engine's D graphs against its eager D (P eager in both), greedy, and the D
+    step's path: graphs captured with the FP8 copies."""
+    from colo_rollout.sched.request import Request, SamplingParams
+
+    cfg = gpu_config(1, 1, 1, "bfloat16")
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, fp8="e4m3"))
+    groups = init_parallel(cfg.parallel)
+    engine = Engine(cfg, groups, random_state_dict(cfg.model))
+    runner = engine.runner
+    graphs, pgraphs = runner.graphs, runner.prefill_graphs
+    reqs = mixed_requests(12, 5, cfg.model.vocab_size)
+    reqs = [dataclasses.replace(r, params=SamplingParams(max_tokens=24, ignore_eos=True))
+            for r in reqs]
+
+    def run(tag, use_graphs):
+        runner.graphs = graphs if use_graphs else None
+        runner.prefill_graphs = None
+        outs = engine.generate([dataclasses.replace(r, request_id=tag + r.request_id)
+                                for r in reqs])
+        runner.graphs, runner.prefill_graphs = graphs, pgraphs
+        return [outs[tag + r.request_id].tokens for r in reqs]
+
+    engine.warmup(max_context=128)
+    g, e = run("g", True), run("e", False)
+    res = {"graphs": graphs is not None, "replays": graphs.replays if graphs else 0,
+           "identical": sum(a == b for a, b in zip(g, e)) / len(g),
+           "first_equal": sum(a[:1] == b[:1] for a, b in zip(g, e)) / len(g)}
+    engine.close()
+    return res

@@ -447,9 +447,15 @@ def test_unquoted_off_is_a_bool_with_hint(tmp_path):
     assert load_config(write(tmp_path, "model: {use_te: 'off'}\n", "q.yaml")).model.use_te == "off"
 
 
-def test_fp8_requires_te(tmp_path):
-    path = write(tmp_path, "model: {fp8: hybrid, use_te: 'off'}\n")
-    assert_load_error(path, "model.fp8", "use_te")
+def test_fp8_needs_bf16_params_not_te(tmp_path):
+    """FP8 rollouts are colo_rollout's own GEMMs (model/fp8.py): no Transformer Engine needed
+    (the door checks the GPU and the parameters' dtype); the recipe is one of the known ones."""
+    ok = load_config(write(tmp_path, "model: {fp8: e4m3, use_te: 'off', params_dtype: "
+                                     "bfloat16}\n"))
+    assert ok.model.fp8 == "e4m3" and ok.model.fp8_recipe == "rowwise"
+    path = write(tmp_path, "model: {fp8: e4m3, params_dtype: bfloat16, fp8_recipe: delayed}\n",
+                 "c.yaml")
+    assert_load_error(path, "model.fp8_recipe", "expected one of", "'delayed'")
 
 
 def test_bad_buckets_order(tmp_path):

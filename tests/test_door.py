@@ -62,11 +62,15 @@ def test_every_config_command_checks_at_the_door(capsys, cmd, config):
 
 @pytest.mark.parametrize("cmd, config", [("demo", DEMO), ("train", TRAIN)])
 def test_fp8_is_refused_at_the_door_naming_the_key(capsys, cmd, config):
-    """model.fp8 (not built yet; Transformer Engine absent on this host): one line naming the
-    key, before any rank starts."""
+    """model.fp8 on a host without an FP8 GPU (this one has no CUDA): one line naming the key,
+    before any rank starts."""
     line = door_error(capsys, cmd, config, "--set", "model.fp8=hybrid", "--set",
                       "model.use_te=auto")
     assert line.startswith(f"error: {config}: model.fp8: 'hybrid' ") and "model.fp8: null" in line
+    line = door_error(capsys, cmd, config, "--set", "model.fp8=e4m3", "--set",
+                      "model.params_dtype=bfloat16")
+    assert line == (f"error: {config}: model.fp8: 'e4m3' needs a CUDA GPU with FP8 tensor cores "
+                    "(sm89 or later), and this host has no CUDA device; set model.fp8: null")
 
 
 def test_config_that_is_not_utf8(tmp_path, capsys):

@@ -393,3 +393,57 @@ def test_gpu_temperature_rows_are_drawn_inside_the_d_graphs(gpu_groups, mtp):
     assert r["t_graph_s"] < r["t_eager_s"], r
     if mtp:
         assert r["acceptance"] is not None and r["acceptance"] <= 0.2, r
+
+
+def test_gpu_fp8_kernels_match_the_reference(gpu_groups):
+    r = gpu_groups(1).run("tests.cases_gpu:gpu_fp8_kernels", timeout=300)[0]
+    ok = (r["quantize_bitwise"] and r["linear_vs_reference"] < 1e-2
+          and r["moe_vs_reference"] < 2e-2)
+    _record("fp8_kernels", {"gpus": 1, "result": r, "passed": ok})
+    assert r["quantize_bitwise"], r
+    # fp32 accumulation in both; the kernels' sums run in another order
+    assert r["linear_vs_reference"] < 1e-2 and r["moe_vs_reference"] < 2e-2, r
+    assert 1e-4 < r["linear_vs_bf16"] < 0.1 and 1e-4 < r["moe_vs_bf16"] < 0.15, r
+
+
+@pytest.mark.parametrize("world,adp,ep", [(1, 1, 1), (2, 2, 2), (2, 1, 2)])
+def test_gpu_fp8_engine_against_fp32_beside_bf16(gpu_groups, world, adp, ep):
+    """model.fp8 on the GPU: the FP8 kernels, D graphs in FP8. Its logprobs against the fp32
+    megatron model beside the bf16 engine's and megatron bf16's (docs/gpu.md)."""
+    r = gpu_groups(world).run("tests.cases_fp8:fp8_vs_reference", timeout=600, adp=adp,
+                              ep=ep, backend="nccl", n_requests=16)[0]
+    b, f = r["bf16"], r["fp8"]
+    ok = f["mean_logprob_diff"] < 0.15 and f["argmax_agreement"] >= 0.85 and f["graphs"]
+    _record("fp8_engine", {"layout": r["layout"], "gpus": world, "result": r, "passed": ok})
+    assert f["graphs"] and f["fp8_bytes"] > 0, r
+    assert f["mean_logprob_diff"] < 0.15 and f["argmax_agreement"] >= 0.85, r
+
+
+def test_gpu_fp8_graphs_match_eager(gpu_groups):
+    r = gpu_groups(1).run("tests.cases_gpu:gpu_fp8_graphs", timeout=600)[0]
+    _record("fp8_graphs", {"gpus": 1, "result": r, "passed": r["identical"] >= 0.9})
+    assert r["graphs"] and r["replays"] > 0, r
+    assert r["first_equal"] == 1.0 and r["identical"] >= 0.75, r
+
+
+def test_gpu_fp8_rollout_bf16_training_mismatch(gpu_groups, tmp_path):
+    """FP8 rollouts, bf16 trainer (GRPO, 1 GPU, routing replay on): the per-step rollout/
+    trainer logprob gap (issue 18's metrics), beside the same run with bf16 rollouts."""
+    rows = {}
+    for fp8 in (None, "e4m3"):
+        res = gpu_groups(1).run(
+            "colo_rollout.rl.train:run_train", timeout=600, config_path="configs/grpo_cpu.yaml",
+            overrides={"parallel.world_size": 1, "parallel.adp": 1, "parallel.ep": 1,
+                       "parallel.backend": "nccl", "rl.out_dir": str(tmp_path / str(fp8)),
+                       "model.params_dtype": "bfloat16", "model.fp8": fp8, "rl.steps": 6,
+                       "engine.record_routing": True, "rl.routing_replay": True}, quiet=True)
+        h = res[0]["history"]
+        rows[fp8 or "bf16"] = {
+            "gap_mean": sum(x["logprob_gap_mean"] for x in h) / len(h),
+            "gap_max": max(x["logprob_gap_max"] for x in h),
+            "mismatch_kl_k3": sum(x.get("mismatch_kl_k3", 0.0) for x in h) / len(h),
+            "reward_first": h[0]["reward"], "reward_last": h[-1]["reward"]}
+    _record("fp8_rl_mismatch", {"gpus": 1, "result": rows,
+                                "passed": rows["e4m3"]["gap_mean"] > rows["bf16"]["gap_mean"]})
+    assert all(math.isfinite(v) for r in rows.values() for v in r.values()), rows
+    assert rows["e4m3"]["gap_mean"] > rows["bf16"]["gap_mean"], rows  # FP8 really rolled out

@@ -67,6 +67,9 @@ STREAM_ROUTES = ("auto", "off", "always")
 STREAM_PRIORITIES = ("decode", "prefill", "equal")
 PREFILL_GRAPHS = ("auto", "always", "never")
 FP8_FORMATS = ("hybrid", "e4m3")
+FP8_RECIPES = ("rowwise",)  # model/fp8.py
+FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm89), Hopper (sm90) and later
+FP8_ROW_MULTIPLE = 16  # the FP8 GEMMs' dimension multiple (torch._scaled_mm)
 ROUTER_SCORES = ("softmax", "sigmoid")
 ROPE_SCALINGS = (None, "llama3")
 # normal: strict P priority, no multiplexing. The ordering ladder of P/D multiplexing (PD mode):
@@ -220,8 +223,21 @@ class ModelConfig:
     # (rows x min(top-k, experts per rank)), which cannot overflow. A smaller value that
     # overflows raises (naming rank, layer and counts) and cannot be captured in a D graph.
     moe_dispatch_capacity: int = 0
-    # FP8 recipe: null (off), "hybrid" or "e4m3"; requires use_te != "off".
+    # FP8 rollouts: null (off), "e4m3" or "hybrid" (TE's name for e4m3 forward / e5m2
+    # gradients: a rollout is forward only, so the same). The engine's GEMMs -- attention
+    # projections, routed and shared experts, dense MLPs -- run e4m3 operands with fp32
+    # accumulation (model/fp8.py); embedding, router, norms, attention and the output layer
+    # stay in params_dtype (bfloat16), and so do the weights weight sync writes (the FP8
+    # copies are re-quantised after every write). The trainer and the megatron reference do
+    # not read this key. Needs a CUDA GPU with FP8 tensor cores (sm89+) and params_dtype
+    # "bfloat16" (both checked at the door and at model build); the engine then runs
+    # the local layer spec whatever use_te says ("on" is refused at the door: the FP8 GEMMs
+    # read the weights directly, TE's modules would not run).
     fp8: str | None = None
+    # How FP8 operands are scaled: "rowwise" -- each GEMM input row (token, or MoE pair) by its
+    # own amax, each weight output channel by its own, both computed from the current tensors
+    # (no calibration, nothing lags a weight update).
+    fp8_recipe: str = "rowwise"
     # Multi-token prediction layers after the decoder (megatron's mtp_num_layers; DeepSeek-V3 /
     # GLM-4.5's num_nextn_predict_layers): 0 = none, 1 = one MTP layer (enorm, hnorm, eh_proj,
     # a transformer layer of the last decoder layer's kind, final norm; embedding and output
@@ -342,11 +358,7 @@ class ModelConfig:
                  f"{self.deepep_p_sms}")
         _require_min(self, ("moe_dispatch_capacity",), 0)
         _require_choice(self, "fp8", (None, *FP8_FORMATS))
-        _require(
-            self.fp8 is None or self.use_te != "off",
-            "model.fp8",
-            f"fp8 {self.fp8!r} requires Transformer Engine, but use_te is 'off'",
-        )
+        _require_choice(self, "fp8_recipe", FP8_RECIPES)
 
     @property
     def dense_ffn_hidden_size(self) -> int:

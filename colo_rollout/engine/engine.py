@@ -471,6 +471,7 @@ class Engine:
         """The caller has written every parameter (weight sync after a discard)."""
         if self.memory.released is not None:
             raise RuntimeError("weights_loaded() before resume_memory()")
+        self.model.weights_updated()  # model.fp8: re-quantise what the caller wrote
         self.memory.weights_valid = True
 
     def _prefill_graph_tokens(self) -> int:

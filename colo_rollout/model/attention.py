@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from colo_rollout.model.fp8 import fp8_linear
 from colo_rollout.model.kernel_backend import as_dtype
 from colo_rollout.model.paged_attention import decode_attention
 from colo_rollout.model.rope_kv import QKRMSNorm, rope_and_store, rotate
@@ -220,7 +221,11 @@ class PagedSelfAttention(torch.nn.Module):
         T = x.shape[0]
         if T == 0:  # a replica without P rows this step (TE's fused norm rejects empty input)
             return x.new_zeros((0, self.linear_proj.weight.shape[0]))
-        qkv, _ = self.linear_qkv(x)
+        fp8 = getattr(self, "colo_fp8", None)  # model.fp8: (qkv, proj) as FP8 (model/fp8.py)
+        if fp8 is not None:
+            qkv = fp8_linear(x, fp8[0], bias=self.linear_qkv.bias)
+        else:
+            qkv, _ = self.linear_qkv(x)
         # per query group: q_0..q_{n-1}, k, v (megatron's layout)
         n, G, D = self.q_per_group, self.groups, self.head_dim
         qkv = qkv.view(T, G, n + 2, D)
@@ -244,6 +249,8 @@ class PagedSelfAttention(torch.nn.Module):
         else:
             out = self._decode(q, kv, layer, meta)
         out = out.reshape(T, self.heads * self.head_dim)
+        if fp8 is not None:
+            return fp8_linear(out, fp8[1])
         return F.linear(out, self.linear_proj.weight)  # partial over ATP: caller reduces
 
     def _fused_qk_norm(self) -> QKRMSNorm | None:

@@ -176,7 +176,7 @@ class LowLatencyDispatch(Dispatcher):
         if ones is None or ones.shape[0] != E * M:
             ones = self._ones[rows.device] = torch.ones(E * M, dtype=torch.float32,
                                                         device=rows.device)
-        fc1, fc2 = moe._stacked()
+        fc1, fc2 = moe.expert_weights()
         y = moe_experts(rows, order, offs, ones, fc1, fc2, moe.config.activation_func,
                         moe.config.gated_linear_unit, moe.kernel_for(rows), order=order)
         return y.view(E, M, H)

@@ -145,7 +145,7 @@ def local_experts(moe: GatherMoE, inp: ExpertInputs) -> torch.Tensor:
     # each slot's local expert id (E: an empty slot, sorted last)
     al = align(expert, weight.float(), 0, E, backend=backend,
                expert_ids=moe._expert_ids(rows.device))
-    fc1, fc2 = moe._stacked()
+    fc1, fc2 = moe.expert_weights()
     y = moe_experts(rows, al.token, al.offs, al.prob, fc1, fc2,
                     moe.config.activation_func, moe.config.gated_linear_unit, backend,
                     order=al.order)

@@ -34,7 +34,8 @@ once (the torch path rounds h before the activation and again after the probabil
 Activations other than silu/gelu/relu have no Triton epilogue (``triton_supports``): the torch
 path serves them.
 
-Imports only torch (and triton when present): no megatron, so a GPU check can load it alone.
+Imports torch (and triton when present) and model/fp8.py: no megatron, so a GPU check can load
+it alone.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ import torch.nn.functional as F
 from colo_rollout.model.kernel_backend import BACKENDS, tl, triton, triton_available  # noqa: F401
 from colo_rollout.model.kernel_backend import resolve_backend as _resolve
 from colo_rollout.model.kernel_backend import pow2, rne_bf16, smem_per_block
+from colo_rollout.model.fp8 import Fp8Weight, dequantize_rows, quantize_rows
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)  # what "auto" gives the kernel
 # the epilogue's activations (constexpr codes in the kernel); anything else: torch path
@@ -114,6 +116,24 @@ def torch_experts(x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor,
     return torch._grouped_mm(h, fc2.transpose(1, 2), offs=offs)  # [R, H]
 
 
+def torch_experts_fp8(x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor,
+                      prob: torch.Tensor, fc1: Fp8Weight, fc2: Fp8Weight,
+                      activation, gated: bool) -> torch.Tensor:
+    """The FP8 reference: ``torch_experts``'s math on the dequantised operands in fp32 -- x
+    quantised per token row, h (after the activation and the probability, rounded to x's
+    dtype as the kernel stores it) per pair row, the weights per channel (model/fp8.py)."""
+    xd = dequantize_rows(*quantize_rows(x, pad=False))
+    h = torch._grouped_mm(xd[token], fc1.dequantized().transpose(1, 2), offs=offs)
+    if gated:
+        gate, up = torch.chunk(h, 2, dim=-1)
+        h = activation(gate) * up
+    else:
+        h = activation(h)
+    h = (h * prob.unsqueeze(-1)).to(x.dtype)
+    hd = dequantize_rows(*quantize_rows(h, pad=False))
+    return torch._grouped_mm(hd, fc2.dequantized().transpose(1, 2), offs=offs).to(x.dtype)
+
+
 if triton is not None:
 
     @triton.jit
@@ -149,14 +169,16 @@ if triton is not None:
     # never specialised on, so one compiled kernel serves every bucket
     @triton.jit(do_not_specialize=["rows", "m_blocks", "group_m", "E"])
     def _moe_gemm_kernel(
-        A, Tok, W, Offs, Prob, Out, Scatter,
+        A, Tok, W, Offs, Prob, Out, Scatter, AScale, WScale,
         rows, m_blocks, group_m, n_out, k_dim, E,
         stride_am, stride_tok, stride_we, stride_wn, stride_wk, stride_om, stride_p, up_off,
+        stride_wse,
         E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, GATHER: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
         PROB: tl.constexpr, ZERO_TAIL: tl.constexpr, SCATTER: tl.constexpr,
         EVEN_K: tl.constexpr,
         DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, RNE_BF16: tl.constexpr,
+        FP8: tl.constexpr,
     ):
         pid = tl.program_id(0)
         n_tiles = tl.cdiv(n_out, BLOCK_N)
@@ -222,6 +244,12 @@ if triton is not None:
                 acc_up = tl.dot(a, wu, acc_up, input_precision=DOT_PREC)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K * stride_wk
+        if FP8:  # row-wise x channel-wise scales of the FP8 operands (model/fp8.py), in fp32
+            a_s = tl.load(AScale + a_rows, mask=mmask, other=0.0)
+            ws_ptrs = WScale + e.to(tl.int64) * stride_wse + offs_wn
+            acc = acc * a_s[:, None] * tl.load(ws_ptrs)[None, :]
+            if GATED:
+                acc_up = acc_up * a_s[:, None] * tl.load(ws_ptrs + n_out)[None, :]
         if GATED:
             acc = _activate(acc, ACT) * acc_up
         else:
@@ -280,15 +308,20 @@ def fit_tile(tile: Tile, device: torch.device, esize: int, gated: bool) -> Tile:
 def moe_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, rows: int, *,
              token: torch.Tensor | None = None, prob: torch.Tensor | None = None,
              gated: bool = False, act: int = ACT_NONE, zero_tail: bool = False,
-             scatter: torch.Tensor | None = None, out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-             tile: Tile) -> torch.Tensor:
+             scatter: torch.Tensor | None = None, out: torch.Tensor | None = None,
+             out_dtype: torch.dtype | None = None, tile: Tile,
+             a_scale: torch.Tensor | None = None,
+             w_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One grouped GEMM over ``rows`` sorted pairs: out[r] = epilogue(A[r] @ w[e(r)].T) for the
     pairs r < offs[-1] (e(r): the expert whose group holds r). A[r] = a[token[r]] (fc1) or
     a[r] (fc2, token None); w [E, n (2n if gated), K]; gated: columns [0, n) are the gate,
     [n, 2n) the up projection, epilogue act(gate) * up; prob [rows]: a per-row factor after
     the activation. ``zero_tail``: rows >= offs[-1] are written as zeros, else left as they
     were. ``scatter`` [rows]: row r is stored at out[scatter[r]] (a permutation of the rows:
-    the pairs' own order) instead of out[r]. Host values read: shapes and strides only (graph-capturable)."""
+    the pairs' own order) instead of out[r]. FP8 (``a`` and ``w`` e4m3, model/fp8.py):
+    ``a_scale`` [len(a)] per A row and ``w_scale`` [E, wn] per weight row multiply the fp32
+    product before the epilogue. Host values read: shapes and strides only
+    (graph-capturable)."""
     if triton is None:
         raise RuntimeError("triton is not importable: use the torch moe kernel backend")
     E, wn, K = w.shape
@@ -301,6 +334,11 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, rows: int, *,
         a = a.contiguous()
     if w.stride(-1) != 1:
         raise ValueError("the expert weights' input dim must be contiguous")
+    fp8 = a_scale is not None
+    if fp8 != (w_scale is not None) or (fp8 and w_scale.shape != (E, wn)):
+        raise ValueError("FP8 operands need both a_scale and w_scale [E, wn]")
+    if fp8 and out_dtype is None and out is None:
+        raise ValueError("an FP8 GEMM needs out_dtype")
     if out is None:
         out = torch.empty((rows, n_out), dtype=out_dtype or a.dtype, device=a.device)
     if rows == 0:
@@ -313,17 +351,19 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, rows: int, *,
     tok = token if token is not None else offs  # unused when not gathering
     pr = prob if prob is not None else offs
     sc = scatter if scatter is not None else offs
+    a_s = a_scale if fp8 else offs
+    w_s = w_scale if fp8 else offs
     _moe_gemm_kernel[grid](
-        a, tok, w, offs, pr, out, sc,
+        a, tok, w, offs, pr, out, sc, a_s, w_s,
         rows, m_blocks, tile.group_m, n_out, K, E,
         a.stride(0), tok.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
-        pr.stride(0), n_out * w.stride(1),
+        pr.stride(0), n_out * w.stride(1), w_s.stride(0) if fp8 else 0,
         E_PAD=pow2(E, E_PAD_MIN), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, GATHER=token is not None, GATED=gated, ACT=act,
         PROB=prob is not None, ZERO_TAIL=zero_tail, SCATTER=scatter is not None,
         EVEN_K=K % tile.block_k == 0,
         DOT_PREC=prec, UPCAST=upcast, RNE_BF16=upcast and out.dtype == torch.bfloat16,
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        FP8=fp8, num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return out
 
@@ -342,11 +382,19 @@ def triton_experts(x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor,
     if act is None:
         raise ValueError(f"no Triton epilogue for the activation {activation!r}")
     rows = token.shape[0]
-    E = fc1.shape[0]
+    E = (fc1.q if isinstance(fc1, Fp8Weight) else fc1).shape[0]
     if tiles is None:
         r = regime(rows, E)
         tiles = (TILES[(r, "fc1")], TILES[(r, "fc2")])
     # the group max is offs[-1]; the kernel reads offs, so int32 and int64 both do
+    if isinstance(fc1, Fp8Weight):  # FP8 operands: x and h quantised per row on the way in
+        xq, xs = quantize_rows(x, pad=False)
+        h = moe_gemm(xq, fc1.q, offs, rows, token=token, prob=prob, gated=gated, act=act,
+                     tile=tiles[0], a_scale=xs, w_scale=fc1.scale, out_dtype=x.dtype)
+        hq, hs = quantize_rows(h, pad=False)
+        return moe_gemm(hq, fc2.q, offs, rows, zero_tail=True, scatter=order,
+                        out_dtype=out_dtype or x.dtype, tile=tiles[1], a_scale=hs,
+                        w_scale=fc2.scale)
     h = moe_gemm(x, fc1, offs, rows, token=token, prob=prob, gated=gated, act=act,
                  tile=tiles[0])
     return moe_gemm(h, fc2, offs, rows, zero_tail=True, scatter=order,
@@ -358,7 +406,8 @@ def moe_experts(x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor, prob: 
                 backend: str = "auto", order: torch.Tensor | None = None) -> torch.Tensor:
     """The routed experts on sorted pairs: x [N, H]; token [R] (each pair's row of x, pairs
     sorted by local expert); offs [E] int32 group ends; prob [R] router probabilities;
-    fc1 [E, 2F (gated) or F, H]; fc2 [E, H, F] -> y [R, H] in x's dtype, sorted order -- or,
+    fc1 [E, 2F (gated) or F, H]; fc2 [E, H, F] (or both ``Fp8Weight``: the FP8 GEMMs, x and h
+    quantised per row) -> y [R, H] in x's dtype, sorted order -- or,
     given ``order`` [R] (the pair index at each sorted position, a permutation), in the
     pairs' own order with the rows of pairs past offs[-1] (other ranks' experts, padding)
     zero.
@@ -379,7 +428,8 @@ def moe_experts(x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor, prob: 
         return triton_experts(x, token, offs, prob, fc1, fc2, activation, gated, order=order)
     if backend != "torch":
         raise ValueError(f"moe kernel backend must be one of {BACKENDS}, got {backend!r}")
-    y = torch_experts(x, token, offs, prob, fc1, fc2, activation, gated)
+    experts = torch_experts_fp8 if isinstance(fc1, Fp8Weight) else torch_experts
+    y = experts(x, token, offs, prob, fc1, fc2, activation, gated)
     if order is None:
         return y
     # rows past offs[-1] are unwritten: zero them (a Python scalar: no extra launch), then

@@ -25,7 +25,6 @@ than through ``GatherComm`` or a dispatcher (model/dispatch.py, ``model.moe_disp
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
@@ -48,6 +47,7 @@ from colo_rollout.model.attention import (
 )
 from colo_rollout.model.comm import GatherComm
 from colo_rollout.model.dispatch import new_dispatchers
+from colo_rollout.model.fp8 import ROW_MULTIPLE, Fp8Weight, fp8_supported
 from colo_rollout.model.fused_moe import resolve_backend as resolve_moe_kernel
 from colo_rollout.model.paged_attention import resolve_backend
 from colo_rollout.model.norm_add import (
@@ -85,23 +85,27 @@ def te_available() -> bool:
 
 def resolve_use_te(cfg: ModelConfig) -> bool:
     """model.use_te: "on" requires Transformer Engine, "auto" uses it when importable on a CUDA
-    host, "off" never. FP8 (model.fp8) needs it."""
-    if cfg.use_te == "off":
-        if cfg.fp8:
-            raise ValueError("model.fp8 needs Transformer Engine but model.use_te is 'off'")
+    host, "off" never. FP8 rollouts (model.fp8) run on the local spec: their GEMMs read the
+    weights directly (model/fp8.py), so "auto" resolves to it there."""
+    if cfg.use_te == "off" or cfg.fp8 is not None:
         return False
     have = te_available() and torch.cuda.is_available()
     if cfg.use_te == "on" and not have:
         raise RuntimeError("model.use_te is 'on' but Transformer Engine (with CUDA) is not "
                            "available; install the 'te' extra or set model.use_te: 'off'")
-    if cfg.fp8:
-        # TE's FP8 GEMMs need token counts padded to multiples of 16 in every P/D batch and
-        # a calibrated scaling recipe; neither is wired into the runner yet, so refuse clearly
-        # rather than run something untested.
-        raise NotImplementedError(
-            f"model.fp8={cfg.fp8!r}: FP8 inference is not supported yet (bf16/fp32 with the "
-            "TE layer spec are); set model.fp8: null")
     return have
+
+
+def _check_fp8_shapes(holder: torch.nn.Module, weights) -> None:
+    """The FP8 linear's GEMM (torch._scaled_mm) needs both dims of each weight (this rank's
+    shard) in multiples of 16."""
+    for w in weights:
+        if w.dim() != 2 or w.shape[0] % ROW_MULTIPLE or w.shape[1] % ROW_MULTIPLE:
+            raise ValueError(
+                f"model.fp8: {type(holder).__name__} has a weight of shape {tuple(w.shape)} "
+                f"on this rank; FP8 GEMMs need both dims in multiples of {ROW_MULTIPLE} "
+                "(hidden_size, the attention heads x head_dim per attention-TP rank, the FFN "
+                "sizes per rank)")
 
 
 def spec_backend(use_te: bool) -> BackendSpecProvider:
@@ -122,13 +126,11 @@ def megatron_config(cfg: ModelConfig, *, tp: int = 1, ep: int = 1, etp: int = 1,
     the trainer all build from it."""
     dtype = dtype or DTYPES[cfg.params_dtype]
     init_std = cfg.init_method_std
-    fp8 = {"fp8": cfg.fp8, "fp8_recipe": "delayed"} if (use_te and cfg.fp8) else {}
     # HF norm_topk_prob with softmax: renormalised top-k = softmax over the top-k logits
     # (pre_softmax False); not renormalised = softmax over all experts first (pre_softmax True).
     pre_softmax = cfg.router_score == "softmax" and not cfg.router_norm_topk
     layer_freq = [0 if i < cfg.first_k_dense else 1 for i in range(cfg.num_layers)]
     return TransformerConfig(
-        **fp8,
         moe_grouped_gemm=use_te,
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -371,6 +373,18 @@ class InferenceGPT(torch.nn.Module):
         # megatron's groups for this model's parameters (TP = ATP, EP, expert TP): what
         # megatron's resharding reads to know which shard each rank holds
         self.pg_collection = groups.pg_collection
+        # model.fp8: the FP8 copies of the GEMM weights (model/fp8.py), made and re-made from
+        # the 16-bit parameters by weights_updated(); the sources' addresses at that point
+        self.fp8 = cfg.fp8 is not None
+        self._fp8_ptrs: list[int] | None = None
+        if self.fp8:
+            ok, why = fp8_supported(groups.device)
+            if not ok:
+                raise ValueError(f"model.fp8: {why}")
+            if dtype != torch.bfloat16:
+                raise ValueError(f"model.fp8 needs bfloat16 parameters, got {dtype}")
+            for moe in self.moe_layers():
+                moe.fp8 = True
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -391,6 +405,72 @@ class InferenceGPT(torch.nn.Module):
         """The decoder's layers, then the MTP layers' transformer layers."""
         mtp = [m.mtp_model_layer for m in self.mtp.layers] if self.mtp is not None else []
         return [*self.decoder.layers, *mtp]
+
+    # ------------------------------------------------------------------ FP8 weights
+    def _fp8_sites(self) -> list[tuple[torch.nn.Module, tuple[torch.Tensor, ...]]]:
+        """(holder, its 16-bit GEMM weights) of every FP8 GEMM but the routed experts': each
+        layer's attention projections, its dense MLP or its MoE's shared experts."""
+        sites = []
+        for layer in self._all_layers():
+            att = layer.self_attention
+            sites.append((att, (att.linear_qkv.weight, att.linear_proj.weight)))
+            mlp = layer.mlp
+            if isinstance(mlp, GatherMoE):
+                mlp = mlp.shared_experts
+            if mlp is not None:
+                sites.append((mlp, (mlp.linear_fc1.weight, mlp.linear_fc2.weight)))
+        return sites
+
+    def _fp8_sources(self) -> list[torch.Tensor]:
+        return ([w for _, ws in self._fp8_sites() for w in ws]
+                + [w for moe in self.moe_layers() for w in moe.expert_params()])
+
+    def weights_updated(self) -> None:
+        """The 16-bit weights were written (a load, a weight sync, a resume): re-quantise every
+        FP8 copy from them -- in place where its shape and device still match, so captured
+        graphs read the new values. No-op without model.fp8. Collective-free."""
+        if not self.fp8:
+            return
+        with torch.inference_mode(False), torch.no_grad():
+            for holder, ws in self._fp8_sites():
+                _check_fp8_shapes(holder, ws)
+                old = getattr(holder, "colo_fp8", None)
+                if old is not None and all(o.matches(w) for o, w in zip(old, ws)):
+                    for o, w in zip(old, ws):
+                        o.refresh(w)
+                else:
+                    holder.colo_fp8 = tuple(Fp8Weight.of(w) for w in ws)
+            for moe in self.moe_layers():
+                moe.refresh_fp8()
+        self._fp8_ptrs = [w.data_ptr() for w in self._fp8_sources()]
+
+    def check_fp8(self) -> bool:
+        """Idle engine only: re-quantise when a 16-bit source was replaced (its address moved)
+        since the last weights_updated(). In-place writes are not seen here: the writers call
+        weights_updated() (weight sync, the loaders). Returns whether it re-quantised."""
+        if not self.fp8 or [w.data_ptr() for w in self._fp8_sources()] == self._fp8_ptrs:
+            return False
+        self.weights_updated()
+        return True
+
+    def drop_fp8(self) -> None:
+        """Free the FP8 copies (memory release of the weights); weights_updated() remakes them."""
+        for holder, _ in self._fp8_sites():
+            holder.colo_fp8 = None
+        for moe in self.moe_layers():
+            moe.fp8_weights = None
+        self._fp8_ptrs = None
+
+    def fp8_tensors(self) -> list[torch.Tensor]:
+        """Every FP8 copy's tensors (what graphs read besides the parameters)."""
+        out = []
+        for holder, _ in self._fp8_sites():
+            for w in getattr(holder, "colo_fp8", None) or ():
+                out += [w.q, w.scale]
+        for moe in self.moe_layers():
+            for w in moe.fp8_weights or ():
+                out += [w.q, w.scale]
+        return out
 
     def moe_layers(self) -> list[GatherMoE]:
         """The MoE blocks of the MoE layers (dense layers have none), the MTP layer's last."""
@@ -417,6 +497,8 @@ class InferenceGPT(torch.nn.Module):
         (local-spec or TE-spec names; converted to this model's spec first)."""
         full = to_spec_names(full, self.use_te)
         load_sharded(self, full, self.groups.layout, self.groups.rank)
+        if self._fp8_ptrs is not None:  # FP8 copies exist: follow the new weights (a first
+            self.weights_updated()  # load's are made where the model runs: build_model)
 
     def rope_table(self) -> torch.Tensor:
         if self._rope is None or self._rope.device != self.device:
@@ -432,14 +514,6 @@ class InferenceGPT(torch.nn.Module):
                          self.dtype, self.device)
 
     # ------------------------------------------------------------------ P
-    def _precision(self):
-        """FP8 autocast for TE modules when model.fp8 is set (megatron's own context)."""
-        if self.config.fp8:
-            from megatron.core.fp8_utils import get_fp8_context
-
-            return get_fp8_context(self.config)
-        return contextlib.nullcontext()
-
     def forward_prefill(self, inp: PrefillInputs, kv: KVStorage,
                         moe: MoEBlock | None = None, sample=None):
         """The whole P epoch at once (Normal mode): every boundary is crossed immediately."""
@@ -494,15 +568,11 @@ class InferenceGPT(torch.nn.Module):
         (``_forward_prefill_own``): P has no collectives but the dispatcher's, and the split
         points are the epoch's only boundaries -- one producer, the backend
         (``boundary_producer``).
-        (torch.inference_mode wraps each resume; an FP8 autocast would have to as well, which is
-        one reason FP8 is not enabled yet.)
 
         ``moe(i, h)`` computes layer i's MoE block (pre-MLP norm, router, local experts) on the
         residual stream h: the P graphs' replay (worker/prefill_graph.py), or by default
         the modules themselves.
         """
-        if self.config.fp8:
-            raise NotImplementedError("FP8 prefill segments")
         if self.own_rows_prefill:
             return (yield from self._forward_prefill_own(inp, kv))
         if self.mtp_draft and sample is None:
@@ -542,8 +612,7 @@ class InferenceGPT(torch.nn.Module):
         """Full-vocab logits [B, V] of this replica's D rows; with ``hidden``, (logits, the
         final-normed decoder output [B, H] of the rows -- MTP's input, whole on every ATP
         rank)."""
-        with self._precision():
-            return self._forward_decode(inp, kv, hidden)
+        return self._forward_decode(inp, kv, hidden)
 
     def _forward_prefill_own(self, inp: PrefillInputs, kv: KVStorage):
         """Generator body, a dispatch backend at attention TP 1: this replica's rows only

@@ -48,6 +48,7 @@ from colo_rollout.model.fused_moe import (
     triton_available,
     triton_supports,
 )
+from colo_rollout.model.fp8 import Fp8Weight, fp8_linear
 from colo_rollout.model.moe_align import align
 
 # The partial MoE outputs are summed over experts and reduced across ranks in fp32 and rounded
@@ -66,6 +67,10 @@ def mlp_partial(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     parallel with gather_output off; fc2's reduction belongs to the comm path)."""
     if x.shape[0] == 0:  # TE's fused norm rejects empty input
         return x.new_zeros((0, mlp.linear_fc2.weight.shape[0]))
+    fp8 = getattr(mlp, "colo_fp8", None)  # model.fp8: (fc1, fc2) as FP8 (model/fp8.py)
+    if fp8 is not None:
+        gate, up = torch.chunk(fp8_linear(x, fp8[0]), 2, dim=-1)
+        return fp8_linear(mlp.config.activation_func(gate) * up, fp8[1])
     h, _ = mlp.linear_fc1(x)
     gate, up = torch.chunk(h, 2, dim=-1)
     return torch.nn.functional.linear(mlp.config.activation_func(gate) * up, mlp.linear_fc2.weight)
@@ -125,6 +130,10 @@ class GatherMoE(torch.nn.Module):
         self._use_grouped: dict[tuple, bool] = {}  # (device, dtype) -> decision (constant)
         self._kernel: dict[tuple, str] = {}  # (device, dtype) -> expert GEMM backend
         self._ids: torch.Tensor | None = None
+        # model.fp8 (set by the model): the routed experts' GEMMs take FP8 copies of the
+        # stacks (``fp8_weights``, re-quantised by ``refresh_fp8`` after every weight write)
+        self.fp8 = False
+        self.fp8_weights: tuple[Fp8Weight, Fp8Weight] | None = None
         c = config
         # megatron's top-k routing in its dense form ([N, k] probabilities and expert ids, as
         # its InferenceTopKRouter computes them) where the router has nothing else to do: no
@@ -140,9 +149,14 @@ class GatherMoE(torch.nn.Module):
         key = (x.device, x.dtype)
         got = self._use_grouped.get(key)
         if got is None:
-            if self.compute == "auto":
-                # sm90 CUTLASS grouped GEMM (bf16); FP8 keeps megatron's padded quantised path
-                got = (x.is_cuda and x.dtype == torch.bfloat16 and not self.config.fp8
+            if self.fp8:  # the FP8 expert GEMMs are the grouped path's (model/fused_moe.py)
+                if self.compute == "megatron":
+                    raise ValueError("model.fp8 needs the grouped expert path; "
+                                     "model.moe_compute is 'megatron'")
+                got = True
+            elif self.compute == "auto":
+                # sm90 CUTLASS grouped GEMM (bf16)
+                got = (x.is_cuda and x.dtype == torch.bfloat16
                        and torch.cuda.get_device_capability(x.device)[0] >= 9)
             else:
                 got = self.compute == "grouped"
@@ -261,7 +275,7 @@ class GatherMoE(torch.nn.Module):
         # offs[-1]; model/moe_align.py: one Triton kernel or torch's sort)
         al = align(chosen, weight, self.first_expert, self.num_local, n_valid,
                    backend=backend, expert_ids=self._expert_ids(x.device))
-        fc1, fc2 = self._stacked()
+        fc1, fc2 = self.expert_weights()
         # fc1 -> activation -> * router prob (megatron: probs after the activation) -> fc2, on
         # the sorted pairs, each result row stored back at its (token, slot) place (model/
         # fused_moe.py: torch._grouped_mm or the Triton kernel); other ranks' rows are zero
@@ -287,7 +301,7 @@ class GatherMoE(torch.nn.Module):
         the expert parameters' addresses are final before anything records them (D graphs)."""
         w = self._expert_weights()[0][0]
         if self.uses_grouped(torch.empty(0, dtype=w.dtype, device=w.device)):
-            self._stacked()
+            self.expert_weights()  # the stacks (and with model.fp8 their FP8 copies)
 
     def align_variants(self) -> set[tuple]:
         """The align kernel's launches this layer can make, as ``moe_align.warm`` arguments
@@ -300,6 +314,32 @@ class GatherMoE(torch.nn.Module):
         # the routed pairs, and the dispatch backends' one slot per received row (fp32)
         return {(self.topk, self.num_local, w.device, router),
                 (1, self.num_local, w.device, torch.float32)}
+
+    def expert_weights(self):
+        """What the grouped path's expert GEMMs multiply by: the [E_local, out, in] stacks, or
+        with model.fp8 their FP8 copies (made now if missing)."""
+        if not self.fp8:
+            return self._stacked()
+        if self.fp8_weights is None:
+            self.refresh_fp8()
+        return self.fp8_weights
+
+    def expert_params(self) -> list[torch.nn.Parameter]:
+        w1, w2 = self._expert_weights()
+        return [*w1, *w2]
+
+    def refresh_fp8(self) -> None:
+        """Re-quantise the FP8 expert copies from the 16-bit stacks, in place where they still
+        match (model.fp8; see InferenceGPT.weights_updated)."""
+        if not self.fp8:
+            return
+        st = self._stacked()
+        old = self.fp8_weights
+        if old is not None and all(o.matches(w) for o, w in zip(old, st)):
+            for o, w in zip(old, st):
+                o.refresh(w)
+        else:
+            self.fp8_weights = (Fp8Weight.of(st[0]), Fp8Weight.of(st[1]))
 
     def drop_stack(self) -> None:
         """Forget the stacked views (memory release: the parameters' storage is replaced)."""

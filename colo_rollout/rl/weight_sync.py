@@ -428,6 +428,9 @@ class WeightSync:
         if pair not in self._buffers:
             self._buffers[pair] = BufferSync(trainer_model, inference_model)
         self._buffers[pair]()
+        refresh = getattr(inference_model, "weights_updated", None)
+        if refresh is not None:  # model.fp8: re-quantise the FP8 copies of what was written
+            refresh()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.version += 1

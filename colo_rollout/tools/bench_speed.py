@@ -144,12 +144,13 @@ def decode_roofline(m: ModelConfig, contexts: list[int], experts_touched: list[f
     if len(experts_touched) != moe:
         raise ValueError(f"{len(experts_touched)} expert counts for {moe} MoE layers")
     b = _itemsize(m)
+    g = 1 if m.fp8 else b  # model.fp8: the GEMM weights' FP8 copies, a byte each
     weights = {
-        "attention": m.num_layers * attention_params(m) * b,
+        "attention": m.num_layers * attention_params(m) * g,
         "router": moe * m.num_experts * m.hidden_size * b,
-        "experts": sum(experts_touched) * expert_params(m) * b,
-        "shared experts": moe * _shared_params(m) * b,
-        "dense MLP": (m.num_layers - moe) * _dense_params(m) * b,
+        "experts": sum(experts_touched) * expert_params(m) * g,
+        "shared experts": moe * _shared_params(m) * g,
+        "dense MLP": (m.num_layers - moe) * _dense_params(m) * g,
         "output layer": m.vocab_size * m.hidden_size * b,
     }
     kv = sum(contexts) * m.num_layers * m.num_query_groups * m.head_dim * 2 * b
@@ -171,8 +172,10 @@ def prefill_flops(m: ModelConfig, seqs: list[tuple[int, int]]) -> dict:
     pairs = sum(n * c + n * (n + 1) // 2 for c, n in seqs)
     gemm = 2 * per_token * tokens + 2 * m.vocab_size * m.hidden_size * len(seqs)
     attn = 4 * m.head_dim * m.num_attention_heads * m.num_layers * pairs
+    # model.fp8: the GEMMs that run in FP8 (all but the router's and the output layer's)
+    fp8 = 2 * (per_token - moe * m.num_experts * m.hidden_size) * tokens if m.fp8 else 0
     return {"gemm_flops": gemm, "attention_flops": attn, "flops": gemm + attn,
-            "active_params_per_token": per_token}
+            "fp8_flops": fp8, "active_params_per_token": per_token}
 
 
 # --------------------------------------------------------------------------- plans
@@ -364,10 +367,13 @@ class _Bench:
         step = statistics.median(times)
         fl = prefill_flops(self.m, seqs)
         tokens = sum(n for _, n in seqs)
+        # the step's time at the hardware limit: FP8 GEMMs (model.fp8) at twice the 16-bit peak
+        peak = self.b.peak_flops
+        limit_s = fl["fp8_flops"] / (2 * peak) + (fl["flops"] - fl["fp8_flops"]) / peak
         return {"kind": kind, "shape": shape, "seqs": len(seqs), "tokens": tokens,
                 "cached_tokens": sum(c for c, _ in seqs), "step_s": step, "times_s": times,
                 "tok_s": tokens / step, **fl, "flops_per_s": fl["flops"] / step,
-                "frac_peak": fl["flops"] / step / self.b.peak_flops}
+                "frac_peak": limit_s / step}
 
     def run(self) -> dict:
         b = self.b
@@ -756,7 +762,9 @@ def table(res: dict, cfg: Config, source: str) -> str:
     where = res["gpu"] or f"CPU ({res['threads']} thread{'s' if res['threads'] > 1 else ''})"
     hf_d, hf_p = _hf_index(res)
     hf = res.get("hf") or {}
-    lines = [f"bench-speed {source}: 1 rank on {where}, {m.params_dtype}, {m.num_layers} layers, "
+    lines = [f"bench-speed {source}: 1 rank on {where}, {m.params_dtype}"
+             + (f" with FP8 GEMMs ({m.fp8}, {m.fp8_recipe})" if m.fp8 else "")
+             + f", {m.num_layers} layers, "
              f"hidden {m.hidden_size}, {m.num_experts} experts top-{m.moe_router_topk}; "
              f"decode path {res['decode_path']}, prefill path {res['prefill_path']}",
              f"ratios against bench_speed.hbm_bytes_per_s {hbm / 1e12:.2f} TB/s and "
@@ -796,7 +804,9 @@ def table(res: dict, cfg: Config, source: str) -> str:
                   f"{1e3 * r['step_s']:>11.3f} {100 * r['overhead']:>8.1f}%"
                   for r in res["decode_sampled"]]
     lines += ["", "prefill: median host time of one step; FLOPs = 2 x active params x tokens "
-              "+ attention (output layer on last tokens); frac = FLOP/s / peak",
+              "+ attention (output layer on last tokens); frac = FLOP/s / peak"
+              + (" (model.fp8: time at the limit / step, FP8 GEMMs at 2 x peak)"
+                 if m.fp8 else ""),
               f"{'shape':<30} {'tokens':>7} {'step ms':>9} {'tok/s':>10} {'TFLOP':>9} "
               f"{'TFLOP/s':>9} {'frac':>8} {'HF ms':>9} {'HF tok/s':>10} {'HF/ours':>7}"]
     for r in res["prefill"]:

@@ -123,7 +123,9 @@ class DecodeGraphs:
         self.draws = 0  # draw-graph replays (temperature rows sampled inside a graph)
 
     def _weights_fingerprint(self) -> tuple[int, ...]:
-        return tuple(p.data_ptr() for p in self._params)
+        # model.fp8: the FP8 copies are read too (remade when a source moved device or shape)
+        return (tuple(p.data_ptr() for p in self._params)
+                + tuple(t.data_ptr() for t in self.model.fp8_tensors()))
 
     def check_weights(self) -> bool:
         """Idle engine only: drop (and later re-capture) the graphs if a parameter was

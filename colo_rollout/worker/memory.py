@@ -76,6 +76,7 @@ class WorkerMemory:
         if weights != "keep":
             for moe in self.model.moe_layers():
                 moe.drop_stack()  # else the stacks keep the expert weights alive
+            self.model.drop_fp8()  # model.fp8: remade from the weights on resume / sync
             pin = self.device.type == "cuda"
             for name, p in self.model.named_parameters():
                 if weights == "offload":
@@ -103,6 +104,8 @@ class WorkerMemory:
                 else:
                     p.data = torch.empty(shapes[name], dtype=p.dtype, device=p.device)
             self.weights_valid = self.released == "offload"
+            if self.weights_valid:
+                self.model.weights_updated()  # model.fp8: the restored weights' FP8 copies
         self.runner.resume_kv()
         self.released = None
         drain()

@@ -175,7 +175,9 @@ class ModelRunner:
 
     def check_weights(self) -> None:
         """Idle engine only: drop every graph that captured a replaced parameter's address
-        (both phases' graphs read the same parameters)."""
+        (both phases' graphs read the same parameters). model.fp8: a replaced parameter's FP8
+        copy is re-quantised first (InferenceGPT.check_fp8)."""
+        self.model.check_fp8()
         if self.graphs is not None and self.graphs.check_weights():
             if self.prefill_graphs is not None:
                 self.prefill_graphs.release()

@@ -54,13 +54,16 @@ def build_model(cfg: Config, groups: ParallelGroups,
                                  **_dispatch_sizes(cfg)).to(groups.device)
             stats = load_checkpoint(model, cfg.model, groups.layout, groups.rank,
                                     te=model.use_te, store=store, arch=arch)
+        model.weights_updated()  # model.fp8: the FP8 copies of what was loaded
         return model.eval(), stats
     model = InferenceGPT(cfg.model, groups, dtype, cfg.engine.decode_attention,
                          cfg.engine.prefill_attention, moe_kernel=cfg.engine.moe_kernel,
                          **_dispatch_sizes(cfg))
     model.load_full_state_dict(state_dict if state_dict is not None
                                else random_state_dict(cfg.model))
-    return model.to(groups.device).eval(), None
+    model = model.to(groups.device).eval()
+    model.weights_updated()  # model.fp8: the FP8 copies, on the device
+    return model, None
 
 
 

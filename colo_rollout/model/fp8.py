@@ -1,0 +1,177 @@
+"""FP8 (e4m3) GEMM operands for rollouts: row-wise quantisation, FP8 weights, the FP8 linear.
+
+Owns the recipe ``rowwise`` (``model.fp8_recipe``): every GEMM input row (a token, or a
+sorted (token, expert) pair in the MoE) is scaled by its own amax, every weight output
+channel by its own -- both "current" scales, computed from the tensor being quantised, so no
+calibration and no scaling history (nothing lags a weight update, and a CUDA graph replays the
+scale computation with the data). What serving engines run for FP8 MoE (vLLM/SGLang's
+per-token x per-channel W8A8); the product is rescaled in fp32 by s_row * s_col.
+
+  * ``quantize_rows(x)``: x [M, K] -> (q [Mp, K] e4m3, scale [Mp] fp32), Mp = M rounded up to
+    ``ROW_MULTIPLE`` with zero rows (FP8 GEMMs want 16-row multiples: the token counts of P
+    and D are padded here, where an FP8 GEMM consumes them). q = rne(x / scale) with
+    scale = max(amax, tiny) / 448, so |q| <= 448 (e4m3's largest finite value).
+  * ``Fp8Weight``: a weight's q [..., N, K] and per-channel scale [..., N], made once and
+    ``refresh``-ed in place from the 16-bit weight (the addresses a D graph captured stay).
+  * ``fp8_linear(x, w)``: x @ W^T through ``torch._scaled_mm`` with row-wise scales on CUDA
+    (sm89+); elsewhere the same math on dequantised operands in fp32 (the CPU reference).
+
+The 16-bit weights stay the source of truth (weight sync and checkpoint loads write them); the
+model re-quantises after every write (``InferenceGPT.weights_updated``).
+
+Imports torch (and triton when present) and the config's FP8 constants.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from colo_rollout.config.schema import FP8_MIN_CAPABILITY as MIN_CAPABILITY
+from colo_rollout.config.schema import FP8_RECIPES as RECIPES  # noqa: F401
+from colo_rollout.config.schema import FP8_ROW_MULTIPLE as ROW_MULTIPLE
+from colo_rollout.model.kernel_backend import pow2, tl, triton
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3fn's largest finite magnitude
+TINY = 1e-12  # the least amax a scale is made from (an all-zero row quantises to zeros)
+MAX_K = 16384  # one program quantises a whole row (its amax needs all of it)
+
+
+def fp8_supported(device: torch.device) -> tuple[bool, str]:
+    """Whether ``device`` runs the FP8 GEMMs natively, and why not. CPU runs the reference
+    (dequantised fp32 math): supported, slowly."""
+    if device.type == "cpu":
+        return True, ""
+    if device.type != "cuda":
+        return False, f"device {device} has no FP8 GEMMs"
+    cap = torch.cuda.get_device_capability(device)
+    if cap < MIN_CAPABILITY:
+        name = torch.cuda.get_device_name(device)
+        return False, (f"{name} (sm{cap[0]}{cap[1]}) has no FP8 tensor cores (sm89 or later "
+                       "needed)")
+    if not hasattr(torch, "_scaled_mm"):
+        return False, f"torch {torch.__version__} has no _scaled_mm"
+    return True, ""
+
+
+def padded_rows(m: int) -> int:
+    return -(-m // ROW_MULTIPLE) * ROW_MULTIPLE
+
+
+def quantize_rows(x: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  pad: bool = True, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (any float dtype) -> (q [Mp, K] e4m3, scale [Mp] fp32); rows past M are zero
+    with scale 1. ``pad`` False: Mp = M. ``out``: (q, scale) to write into (Mp rows).
+    ``backend``: "auto" (the Triton kernel on CUDA, else torch), "torch", "triton" (also CPU
+    tensors under TRITON_INTERPRET=1: the tests)."""
+    M, K = x.shape
+    Mp = padded_rows(M) if pad else M
+    if out is None:
+        q = torch.empty((Mp, K), dtype=FP8_DTYPE, device=x.device)
+        s = torch.empty(Mp, dtype=torch.float32, device=x.device)
+    else:
+        q, s = out
+        if q.shape != (Mp, K) or s.shape != (Mp,):
+            raise ValueError(f"quantize_rows out {tuple(q.shape)}, {tuple(s.shape)} for "
+                             f"x {tuple(x.shape)} -> {Mp} rows")
+    if Mp == 0:
+        return q, s
+    if backend == "auto":
+        backend = ("triton" if x.is_cuda and triton is not None and K <= MAX_K
+                   and x.stride(-1) == 1 else "torch")
+    if backend == "triton":
+        _quantize_rows_kernel[(Mp,)](x, q, s, M, K, x.stride(0), q.stride(0),
+                                     BLOCK=pow2(K, 16), num_warps=4 if K <= 4096 else 8)
+        return q, s
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1).clamp_min(TINY) / FP8_MAX
+    q[:M].copy_((xf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX))
+    s[:M].copy_(scale)
+    if Mp > M:
+        q[M:].zero_()
+        s[M:].fill_(1.0)
+    return q, s
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q [..., K] e4m3, scale [...] -> fp32 values (the reference's operands)."""
+    return q.float() * scale[..., None]
+
+
+if triton is not None:
+
+    @triton.jit
+    def _quantize_rows_kernel(X, Q, S, rows, K, stride_x, stride_q, BLOCK: tl.constexpr):
+        r = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        cmask = cols < K
+        if r >= rows:  # padding rows: zeros, scale 1
+            tl.store(Q + r.to(tl.int64) * stride_q + cols,
+                     tl.zeros([BLOCK], dtype=tl.float32).to(Q.dtype.element_ty), mask=cmask)
+            tl.store(S + r, 1.0)
+            return
+        x = tl.load(X + r.to(tl.int64) * stride_x + cols, mask=cmask, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=0)
+        scale = tl.maximum(amax, 1e-12) / 448.0
+        q = tl.math.div_rn(x, scale)  # IEEE division: the torch reference's quotient
+        q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+        tl.store(Q + r.to(tl.int64) * stride_q + cols, q.to(Q.dtype.element_ty), mask=cmask)
+        tl.store(S + r, scale)
+
+
+@dataclass
+class Fp8Weight:
+    """A 16-bit weight [..., N, K] as FP8: q [..., N, K] e4m3 and scale [..., N] fp32, one scale
+    per output channel. ``refresh`` re-quantises in place (the same tensors: captured graphs
+    read the new values)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+
+    @classmethod
+    def of(cls, w: torch.Tensor) -> Fp8Weight:
+        K = w.shape[-1]
+        q, s = quantize_rows(w.detach().reshape(-1, K), pad=False)
+        return cls(q.view(w.shape), s.view(w.shape[:-1]))
+
+    def matches(self, w: torch.Tensor) -> bool:
+        return self.q.shape == w.shape and self.q.device == w.device
+
+    def refresh(self, w: torch.Tensor) -> None:
+        K = w.shape[-1]
+        quantize_rows(w.detach().reshape(-1, K), out=(self.q.view(-1, K), self.scale.view(-1)),
+                      pad=False)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight the FP8 GEMM multiplies by, in fp32."""
+        return dequantize_rows(self.q, self.scale)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() * self.q.element_size() + self.scale.numel() * 4
+
+
+def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, K] @ W^T (+ bias) with x quantised per row and W per channel: [M, N] in
+    ``out_dtype`` (default x's). CUDA: ``torch._scaled_mm`` (fp32 accumulation, the scales
+    applied to the fp32 product); CPU: the dequantised operands' fp32 product."""
+    out_dtype = out_dtype or x.dtype
+    M = x.shape[0]
+    if M == 0:
+        return x.new_zeros((0, w.q.shape[0]), dtype=out_dtype)
+    q, s = quantize_rows(x)
+    if x.is_cuda:
+        y = torch._scaled_mm(q, w.q.t(), scale_a=s[:, None], scale_b=w.scale[None, :],
+                             out_dtype=out_dtype if out_dtype != torch.float32 else torch.bfloat16)
+        y = y[:M]
+        if out_dtype == torch.float32:
+            y = y.float()
+    else:
+        y = F.linear(dequantize_rows(q[:M], s[:M]), w.dequantized()).to(out_dtype)
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y
