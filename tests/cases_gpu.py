@@ -683,6 +683,15 @@ def gpu_fp8_kernels(rank: int, world: int) -> dict:
     exact = F.linear(x.float(), w.float())
     res["linear_vs_reference"] = ((y.float() - ref).abs().max() / ref.abs().max()).item()
     res["linear_vs_bf16"] = ((y.float() - exact).abs().max() / exact.abs().max()).item()
+    # the few-rows path (the fused-MoE kernel as one group) against torch._scaled_mm
+    res["linear_rows"] = {}
+    for M in (1, 16, 64, 256):
+        xs = torch.randn(M, 2048, generator=g, device=dev).bfloat16()
+        t = f8.fp8_linear(xs, fw, backend="triton")
+        m = f8.fp8_linear(xs, fw, backend="scaled_mm")
+        row = {"triton_vs_scaled_mm": ((t.float() - m.float()).abs().max()
+                                       / m.float().abs().max()).item()}
+        res["linear_rows"][M] = row
     N, E, k, H, Fd = 300, 16, 4, 2048, 768
     logits = torch.randn(N, E, generator=g, device=dev)
     chosen = logits.topk(k, dim=1).indices

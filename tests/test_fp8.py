@@ -159,6 +159,15 @@ def _interpreted() -> list[str]:
                               order=order)
         if (via.float() - tref.float()).abs().max().item() / scale > 1e-2:
             fails.append(f"fp8 moe case {i}: moe_experts triton vs torch backends differ")
+    # the FP8 linear's one-group kernel path against its reference
+    for M, K, N in ((1, 64, 48), (16, 128, 96), (40, 80, 32)):
+        xl = torch.randn(M, K, generator=g).bfloat16()
+        wl = f8.Fp8Weight.of((torch.randn(N, K, generator=g) / K ** 0.5).bfloat16())
+        a = f8.fp8_linear(xl, wl, backend="triton")
+        b = f8.fp8_linear(xl, wl, backend="torch")
+        err = ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+        if a.shape != (M, N) or a.dtype != torch.bfloat16 or err > 1e-2:
+            fails.append(f"fp8_linear triton {M}x{K}x{N}: {tuple(a.shape)} {a.dtype} err {err:.2e}")
     try:
         fm.moe_gemm(x, w1.q, offs, 3, a_scale=torch.ones(3), tile=T(16, 16, 32, 4, 2))
         fails.append("an FP8 GEMM without w_scale was accepted")

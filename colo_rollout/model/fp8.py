@@ -154,24 +154,50 @@ class Fp8Weight:
         return self.q.numel() * self.q.element_size() + self.scale.numel() * 4
 
 
+# rows up to which "auto" runs the FP8 linear through the fused-MoE kernel as one group: none.
+# Measured on an H200 (decode graphs, bench_speed_gpu, 2026-12-02): its decode tiles give a
+# single [3072 x 2048] weight 48 programs, 8.7 us per projection at B = 1 -- no faster than
+# torch._scaled_mm's 8.4 us (cuBLASLt's 128 x 128 FP8 tiles), and slower at B = 32 (decode
+# step 4.51 vs 3.95 ms in two runs). Both are above bf16's 5.8 us: the lever is a split-K
+# FP8 GEMV, not a choice between these two.
+SMALL_ROWS = 0
+LINEAR_BACKENDS = ("auto", "scaled_mm", "triton", "torch")
+
+
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
-               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+               out_dtype: torch.dtype | None = None, backend: str = "auto") -> torch.Tensor:
     """x [M, K] @ W^T (+ bias) with x quantised per row and W per channel: [M, N] in
-    ``out_dtype`` (default x's). CUDA: ``torch._scaled_mm`` (fp32 accumulation, the scales
-    applied to the fp32 product); CPU: the dequantised operands' fp32 product."""
+    ``out_dtype`` (default x's). ``backend``: "scaled_mm" (torch._scaled_mm, the rows padded
+    to 16), "triton" (model/fused_moe.py's kernel as one group: CUDA, or CPU tensors under
+    the interpreter), "torch" (the dequantised operands' fp32 product, the reference), "auto"
+    (CUDA: triton up to SMALL_ROWS rows -- none today --, else scaled_mm; CPU: torch). fp32
+    accumulation in all; host values read: shapes only (graph-capturable)."""
     out_dtype = out_dtype or x.dtype
     M = x.shape[0]
     if M == 0:
         return x.new_zeros((0, w.q.shape[0]), dtype=out_dtype)
-    q, s = quantize_rows(x)
-    if x.is_cuda:
+    if backend == "auto":
+        backend = ("torch" if not x.is_cuda else
+                   "triton" if M <= SMALL_ROWS and triton is not None else "scaled_mm")
+    if backend == "triton":
+        from colo_rollout.model.fused_moe import TILES, moe_gemm, regime
+
+        q, s = quantize_rows(x, pad=False)
+        ends = torch.full((1,), M, dtype=torch.int32, device=x.device)  # one group: every row
+        y = moe_gemm(q, w.q[None], ends, M, tile=TILES[(regime(M, 1), "fc2")], a_scale=s,
+                     w_scale=w.scale[None], out_dtype=out_dtype)
+    elif backend == "scaled_mm":
+        q, s = quantize_rows(x)
         y = torch._scaled_mm(q, w.q.t(), scale_a=s[:, None], scale_b=w.scale[None, :],
                              out_dtype=out_dtype if out_dtype != torch.float32 else torch.bfloat16)
         y = y[:M]
         if out_dtype == torch.float32:
             y = y.float()
+    elif backend == "torch":
+        q, s = quantize_rows(x, pad=False)
+        y = F.linear(dequantize_rows(q, s), w.dequantized()).to(out_dtype)
     else:
-        y = F.linear(dequantize_rows(q[:M], s[:M]), w.dequantized()).to(out_dtype)
+        raise ValueError(f"fp8_linear backend must be one of {LINEAR_BACKENDS}, got {backend!r}")
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y
