@@ -23,7 +23,8 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 # all, so the single-threaded interpreters run side by side on the host's cores
 KERNEL_TESTS = ("test_fused_moe.py", "test_moe_align.py", "test_paged_attention.py",
                 "test_paged_prefill.py", "test_residual.py", "test_rope_kv.py",
-                "test_fused_layer_kernels.py", "test_norm_add.py", "test_fp8.py")
+                "test_fused_layer_kernels.py", "test_norm_add.py", "test_fp8.py",
+                "test_multi_copy.py")
 
 
 class InterpretedRuns:

@@ -38,6 +38,8 @@ from megatron.core.resharding.copy_services.base import (
     match_local_ops_by_task_id,
 )
 
+from colo_rollout.rl.multi_copy import MultiCopy, eligible
+
 
 def copy_tensors(pairs) -> int:
     """(src, dst) tensor pairs copied, batched: one ``torch._foreach_copy_`` per (device,
@@ -245,8 +247,9 @@ class LocalReplay:
       * a merged pair that is a whole parameter of the same shape on both sides is kept as
         the two Parameter objects -- they outlive ``p.data`` replacements, which is how the
         engine frees and restores memory (worker/memory.py) -- in lists made once, so a
-        replay of such pairs is one ``torch._foreach_copy_`` per dtype and no Python per
-        tensor;
+        replay of such pairs is one launch per dtype pair: rl/multi_copy.py's table of
+        chunks on CUDA (no host work per tensor; its addresses re-read when a pointer
+        moved), else one ``torch._foreach_copy_``;
       * any other pair is kept as (parameter index, size, stride, offset) and rebuilt as a
         view at each replay (holding views would keep alive storages the engine frees).
     The layouts are re-read only when a data pointer moved; nothing walks the modules.
@@ -273,7 +276,11 @@ class LocalReplay:
                 self.static_bytes += pd.numel() * pd.element_size()
             else:
                 self.views.append((s_, d_))
-        self.static = list(static.values())
+        # per (device, dtypes) group: its lists and, where every pair is a same-dtype
+        # contiguous copy on CUDA, the one-launch copy of them
+        self.static = [(d_list, s_list, _multi_copy(d_list, s_list))
+                       for d_list, s_list in static.values()]
+        self._moved = False  # a data pointer moved since the copy tables were built
 
     def _ptrs(self) -> tuple[list[int], list[int]]:
         return [p.data_ptr() for p in self.params[0]], [p.data_ptr() for p in self.params[1]]
@@ -294,15 +301,28 @@ class LocalReplay:
         if (_layout(self.params[0]), _layout(self.params[1])) != self.layouts:
             return False
         self.ptrs = ptrs
+        self._moved = True
         return True
 
     def run(self) -> int:
         src, dst = self.params
+        moved, self._moved = self._moved, False
         with torch.no_grad():
-            for d_list, s_list in self.static:
-                torch._foreach_copy_(d_list, s_list)
+            for d_list, s_list, multi in self.static:
+                if multi is None:
+                    torch._foreach_copy_(d_list, s_list)
+                    continue
+                if moved:
+                    multi.refresh()
+                multi.run()
         return self.static_bytes + copy_tensors(
             [(_view(src, a), _view(dst, b)) for a, b in self.views])
+
+
+def _multi_copy(d_list: list, s_list: list) -> MultiCopy | None:
+    if all(eligible(d, s) for d, s in zip(d_list, s_list)):
+        return MultiCopy(d_list, s_list)
+    return None
 
 
 def _owners(params: list[torch.Tensor]) -> dict:
