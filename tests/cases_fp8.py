@@ -19,11 +19,7 @@ from colo_rollout.model.megatron_gpt import (
 from colo_rollout.model.weights import random_state_dict
 from colo_rollout.runtime.parallel import init_parallel
 from tests.cases_engine import mixed_requests
-from tests.cases_gpu import BF16_ARGMAX_SLACK, gpu_config
-
-
-def _teacher(req, out) -> list[int]:
-    return (list(req.prompt) + out.tokens)[:-1]
+from tests.cases_gpu import _teacher, compare_bf16, gpu_config
 
 
 def fp8_vs_reference(rank: int, world: int, adp: int, ep: int, backend: str = "gloo",
@@ -66,29 +62,13 @@ def fp8_vs_reference(rank: int, world: int, adp: int, ep: int, backend: str = "g
         wall = time.perf_counter() - t0
         engine.check_integrity()
         outs_by[name] = outs
-        lp16 = [reference_logprobs(ref16, _teacher(r, outs[r.request_id])) for r in requests]
+        lp16 = [reference_logprobs(ref16, _teacher(r, outs)) for r in requests]
         row = {"wall_s": wall, "graphs": engine.runner.graphs is not None,
                "fp8_bytes": sum(t.numel() * t.element_size()
                                 for t in engine.model.fp8_tensors())}
-        if ref32 is not None:
-            err = ref_err = worst = 0.0
-            agree = ref_agree = n = 0
-            for req, l16 in zip(requests, lp16):
-                out = outs[req.request_id]
-                lp32 = reference_logprobs(ref32, _teacher(req, out))
-                for j, (tok, lp) in enumerate(zip(out.tokens, out.logprobs)):
-                    r = len(req.prompt) - 1 + j
-                    truth = float(lp32[r, tok])
-                    top = float(lp32[r].max()) - BF16_ARGMAX_SLACK
-                    err += abs(lp - truth)
-                    worst = max(worst, abs(lp - truth))
-                    ref_err += abs(float(l16[r, tok]) - truth)
-                    agree += truth >= top
-                    ref_agree += float(lp32[r, int(l16[r].argmax())]) >= top
-                    n += 1
-            row.update(checked=n, mean_logprob_diff=err / n, max_logprob_diff=worst,
-                       megatron_bf16_mean_diff=ref_err / n, argmax_agreement=agree / n,
-                       megatron_bf16_argmax_agreement=ref_agree / n)
+        if ref32 is not None:  # the GPU tier's bf16 comparison (cases_gpu.compare_bf16)
+            row.update({k: v for k, v in compare_bf16(ref32, lp16, requests, outs).items()
+                        if k != "mismatches"})
         res[name] = row
         engine.close()
     same = [outs_by["bf16"][r.request_id].tokens == outs_by["fp8"][r.request_id].tokens

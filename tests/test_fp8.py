@@ -201,8 +201,7 @@ def test_fp8_copies_follow_every_weight_write(worker_groups):
 
 @pytest.mark.parametrize("world,adp,ep,extra", [
     (1, 1, 1, {}),
-    (2, 2, 2, {}),
-    (4, 2, 4, {}),  # EP4/ADP2/ATP2
+    (4, 2, 4, {}),  # EP4/ADP2/ATP2 (EP2/ADP2: the alltoall row and the PD-modes test)
     (2, 2, 2, {"model_kw": {"moe_dispatch": "alltoall"}}),
     (1, 1, 1, {"model_kw": {"first_k_dense": 1, "shared_expert_ffn_hidden_size": 128}}),
     (1, 1, 1, {"model_kw": {"mtp_num_layers": 1}, "engine_kw": {"mtp": True}}),

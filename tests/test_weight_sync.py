@@ -242,7 +242,7 @@ def test_local_replay_merges_halves_and_keeps_whole_parameters_static():
     pairs = [(t0.data[:4], i0.data[:4]), (t0.data[4:], i0.data[4:]),  # gate, up halves
              (t1.data, i1.data[2:5])]  # into a slice
     rep = LocalReplay(pairs, trainer, inference)
-    assert sum(len(d) for d, _ in rep.static) == 1 and len(rep.views) == 1
+    assert sum(len(d) for d, _, _ in rep.static) == 1 and len(rep.views) == 1
     assert rep.valid() and rep.run() == (32 + 12) * 4
     assert torch.equal(i0.data, t0.data) and torch.equal(i1.data[2:5], t1.data)
     assert not i1.data[:2].any() and not i1.data[5:].any()

@@ -463,6 +463,8 @@ class InferenceGPT(torch.nn.Module):
 
     def fp8_tensors(self) -> list[torch.Tensor]:
         """Every FP8 copy's tensors (what graphs read besides the parameters)."""
+        if not self.fp8:
+            return []
         out = []
         for holder, _ in self._fp8_sites():
             for w in getattr(holder, "colo_fp8", None) or ():
