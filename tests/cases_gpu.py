@@ -574,13 +574,14 @@ def gpu_mtp_tokens(rank: int, world: int, adp: int, ep: int, dtype: str = "bfloa
 
 
 def gpu_sampled_graphs(rank: int, world: int, adp: int, ep: int, mtp: bool = False,
-                       backend: str = "nccl") -> dict:
+                       truncate: bool = False, backend: str = "nccl") -> dict:
     """Temperature rows drawn inside the D graphs (the draw graph, worker/decode_graph.py)
     against eager D on the same engine, requests and seed (P eager in both, so P's first
     tokens see the same noise): the share of identical streams and the logprob gap along
     their common prefix, the draw-graph replays, wall times; a greedy run of the same prompts
     shows the draw really sampled. With ``mtp`` the verify + draft of the drawn tokens is in
-    the draw graph too (random weights: drafts almost never accepted)."""
+    the draw graph too (random weights: drafts almost never accepted); with ``truncate`` the
+    sampled rows have top-k 20 and top-p 0.9 (the truncated draw graph)."""
     import random
 
     from colo_rollout.sched.request import Request, SamplingParams
@@ -601,8 +602,10 @@ def gpu_sampled_graphs(rank: int, world: int, adp: int, ep: int, mtp: bool = Fal
     prompts = [tuple(rng.randrange(V) for _ in range(rng.choice([8, 40, 120])))
                for _ in range(8 * adp)]
     # mostly T = 0.8, every fourth greedy: a Draw.TEMPERATURE iteration mixes both
+    cut = {"top_k": 20, "top_p": 0.9} if truncate else {}
     params = [SamplingParams(temperature=0.0 if i % 4 == 3 else 0.8, max_tokens=32,
-                             ignore_eos=True) for i in range(len(prompts))]
+                             ignore_eos=True, **({} if i % 4 == 3 else cut))
+              for i in range(len(prompts))]
     greedy = SamplingParams(max_tokens=32, ignore_eos=True)
 
     def run(tag: str, use_graphs: bool, ps) -> tuple[list, float]:
@@ -644,7 +647,8 @@ def gpu_sampled_graphs(rank: int, world: int, adp: int, ep: int, mtp: bool = Fal
     e, t_eager = run("e", False, params)
     gg, _ = run("gg", True, [greedy] * len(prompts))
     sampled_rows = [i for i, q in enumerate(params) if not q.greedy]
-    res = {"layout": groups.layout.name, "mtp": mtp, "graphs": graphs is not None,
+    res = {"layout": groups.layout.name, "mtp": mtp, "truncate": truncate,
+           "graphs": graphs is not None,
            "warmup_captures": warm, "draws": draws, "graph_vs_eager": agree(g, e),
            "greedy_rows_vs_greedy_run": agree([g[i] for i in range(len(g)) if params[i].greedy],
                                               [gg[i] for i in range(len(g)) if params[i].greedy]),

@@ -375,17 +375,19 @@ def test_gpu_mtp_keeps_the_greedy_tokens(gpu_groups, dtype):
     assert r["random"]["acceptance"] <= 0.1, r["random"]
 
 
+@pytest.mark.parametrize("truncate", [False, True])
 @pytest.mark.parametrize("mtp", [False, True])
-def test_gpu_temperature_rows_are_drawn_inside_the_d_graphs(gpu_groups, mtp):
-    """Temperature rows by the draw graph: every sampled D iteration replays it (no eager
-    sampling), a seed gives eager D's streams -- but where bf16 graphs and eager D part at a
-    near-tie (as greedy streams do: test_gpu_decode_graphs_match_eager_and_follow_weights) --
-    the draw really samples (streams unlike the greedy run's), and graphs stay faster."""
+def test_gpu_temperature_rows_are_drawn_inside_the_d_graphs(gpu_groups, mtp, truncate):
+    """Sampled rows by the draw graph (temperature only, or with top-k/top-p: ``truncate``):
+    every sampled D iteration replays it (no eager sampling), a seed gives eager D's streams --
+    but where bf16 graphs and eager D part at a near-tie (as greedy streams do:
+    test_gpu_decode_graphs_match_eager_and_follow_weights) -- the draw really samples (streams
+    unlike the greedy run's), and graphs stay faster."""
     r = gpu_groups(1).run("tests.cases_gpu:gpu_sampled_graphs", timeout=600, adp=1, ep=1,
-                          mtp=mtp)[0]
+                          mtp=mtp, truncate=truncate)[0]
     ok = r["draws"] > 0 and r["graph_vs_eager"]["identical"] >= 0.75
-    _record("sampled_graphs", {"layout": r["layout"], "gpus": 1, "mtp": mtp, "result": r,
-                               "passed": ok})
+    _record("sampled_graphs", {"layout": r["layout"], "gpus": 1, "mtp": mtp,
+                               "truncate": truncate, "result": r, "passed": ok})
     assert r["graphs"] and r["draws"] > 0, r
     assert r["graph_vs_eager"]["identical"] >= 0.75, r["graph_vs_eager"]
     assert r["graph_vs_eager"]["prefix"] >= 0.9 and r["graph_vs_eager"]["max_dlogp"] < 0.05, r

@@ -334,3 +334,62 @@ def test_temperature_draw_tiny_temperature_tends_to_greedy_without_nan() -> None
     tokens, logprobs = temperature_tensors(logits, torch.full((64,), 1e-6), gen(2))
     assert torch.equal(tokens, logits.argmax(dim=-1))
     assert torch.isfinite(logprobs).all()
+
+
+def _truncated(logits, temps, ks, ps, g):
+    from colo_rollout.worker.sampler import truncated_tensors
+
+    return truncated_tensors(logits, torch.tensor(temps, dtype=torch.float32),
+                             torch.tensor(ks, dtype=torch.int64),
+                             torch.tensor(ps, dtype=torch.float32), g)
+
+
+@pytest.mark.parametrize("T,k,p", [(1.0, 2, 1.0), (1.0, 0, 0.7), (0.5, 3, 0.6), (2.0, 4, 1.0)])
+def test_truncated_draw_follows_the_eager_samplers_truncation(T, k, p):
+    """The draw graph's truncation (tensor ops over a sort) keeps sample_tensors' rules:
+    top-k first, then the nucleus of what is left; frequencies of both within sampling noise
+    of the truncated softmax."""
+    n = 20000
+    a, _ = _truncated(repeat(L4, n), [T] * n, [k] * n, [p] * n, gen(3))
+    b, _ = sample(repeat(L4, n), [SamplingParams(temperature=T, top_k=k, top_p=p)] * n, gen(4))
+    q = softmax64([x / T for x in L4])
+    keep = list(range(k)) if k else list(range(4))  # L4 is in descending order
+    z = sum(q[i] for i in keep)
+    q = [q[i] / z if i in keep else 0.0 for i in range(4)]
+    if p < 1.0:  # drop a token once the mass before it reaches p
+        cum, kept = 0.0, []
+        for i in range(4):
+            if q[i] > 0 and cum < p:
+                kept.append(i)
+            cum += q[i]
+        z = sum(q[i] for i in kept)
+        q = [q[i] / z if i in kept else 0.0 for i in range(4)]
+    assert_frequencies(a.tolist(), q)
+    assert_frequencies(b, q)
+
+
+def test_truncated_draw_mixes_greedy_plain_and_truncated_rows():
+    torch.manual_seed(4)
+    logits = torch.randn(5, 40) * 3
+    tokens, logprobs = _truncated(logits, [0.0, 1.0, 1.0, 0.0, 0.7], [5, 0, 1, 0, 3],
+                                  [0.5, 1.0, 1.0, 1.0, 0.9], gen(6))
+    assert tokens[0] == logits[0].argmax() and tokens[3] == logits[3].argmax()  # greedy rows
+    assert tokens[2] == logits[2].argmax()  # top-k 1: the argmax whatever the noise
+    assert tokens[4] in logits[4].topk(3).indices  # within its top 3
+    ref = torch.log_softmax(logits, dim=-1)
+    assert torch.equal(logprobs, ref.gather(1, tokens[:, None])[:, 0])
+
+
+def test_draw_params_layout_and_padding():
+    from colo_rollout.worker.sampler import Draw, draw_params, draw_tensors
+
+    ps = [SamplingParams(temperature=0.5, top_k=3, top_p=0.9), SamplingParams()]
+    flat = draw_params(ps, 4)
+    assert flat == [0.5, 0.0, 0.0, 0.0, 3.0, 0.0, 0.0, 0.0, 0.9, 1.0, 1.0, 1.0]
+    torch.manual_seed(1)
+    logits = torch.randn(4, 16)
+    table = torch.tensor(flat, dtype=torch.float32).view(3, 4)
+    tokens, _ = draw_tensors(Draw.TRUNCATED, logits, table, gen(2))
+    assert torch.equal(tokens[1:], logits[1:].argmax(dim=-1))  # greedy and padding rows
+    with pytest.raises(ValueError, match="no tensor draw"):
+        draw_tensors(Draw.GREEDY, logits, table, gen(2))

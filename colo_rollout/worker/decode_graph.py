@@ -27,12 +27,13 @@ Invariants:
     the same stream before the next replay. Greedy sampling is captured with the forward (the
     sampler's greedy ops, so bitwise the sampler's result): an all-greedy D iteration then
     enqueues the replay and one device->host copy, nothing else.
-  * Rows with temperatures (no top-k/top-p: ``Draw.TEMPERATURE``) are drawn by a second, small
-    graph per key, the draw graph (``draw``): the sampler's ``temperature_tensors`` on the D
-    graph's logits with the rows' temperatures in a static buffer -- with engine.mtp also the
-    verify and the MTP draft on the drawn tokens. It draws from the runner's generator
-    (registered with the graph, so each replay advances it as the same ops eagerly would):
-    a seed gives the eager D path's tokens. Capturing one leaves the generator as it was.
+  * Sampled rows are drawn by a second, small graph per (key, ``Draw``), the draw graph
+    (``draw``): the sampler's ``draw_tensors`` on the D graph's logits with the rows'
+    temperature, top-k and top-p in a static buffer -- with engine.mtp also the verify and the
+    MTP draft on the drawn tokens. It draws from the runner's generator (registered with the
+    graph, so each replay advances it as the same ops eagerly would): a seed gives the eager D
+    path's tokens. Capturing one leaves the generator as it was. ``capture_all`` captures the
+    temperature draw of every key; a truncated draw (a sort of every row) at its first use.
   * Graphs hold NCCL collectives: ``release`` (and synchronize) before process groups are
     destroyed, or the destroy hangs.
 """
@@ -44,7 +45,7 @@ import torch
 from colo_rollout.model.attention import AttnMetadata
 from colo_rollout.model.model import DecodeInputs, InferenceGPT
 from colo_rollout.model.weights import loadable_tensors
-from colo_rollout.worker.sampler import greedy_tensors, temperature_tensors
+from colo_rollout.worker.sampler import Draw, draw_params, draw_tensors, greedy_tensors
 from colo_rollout.worker.speculate import ROWS_PER_SEQUENCE, verify_and_draft
 from colo_rollout.runtime.device import h2d
 
@@ -93,10 +94,12 @@ class _Graph:
         self.hidden: torch.Tensor | None = None  # engine.mtp: the rows' final-normed output
         # [2, B] float64: greedy tokens, logprobs; engine.mtp: [6, B / 2], worker/speculate.py
         self.packed: torch.Tensor | None = None
-        # the draw graph (DecodeGraphs.draw): its rows' temperatures, its packed output
-        self.temperature = torch.zeros(rows, dtype=torch.float32, device=device)
-        self.draw_graph: torch.cuda.CUDAGraph | None = None
-        self.drawn: torch.Tensor | None = None
+        # the draw graphs (DecodeGraphs.draw): the rows' temperature, top_k, top_p (padding
+        # rows greedy), and per Draw the graph and its packed output
+        self.draw_params = torch.zeros(3, rows, dtype=torch.float32, device=device)
+        self.draw_params[2].fill_(1.0)
+        self.draw_graphs: dict[Draw, torch.cuda.CUDAGraph] = {}
+        self.drawn: dict[Draw, torch.Tensor] = {}
 
 
 class DecodeGraphs:
@@ -204,22 +207,22 @@ class DecodeGraphs:
         self.captures += 1
         return g
 
-    def draw(self, g: _Graph, temperatures: list[float]) -> torch.Tensor:
-        """Temperature rows of the D iteration ``g`` just replayed, drawn by g's draw graph on
-        the current stream (captured at first use; with engine.mtp it holds the MTP pass's
-        collectives, so every rank draws in the same iterations: ``Draw`` of every replica's
-        rows). ``temperatures``: the replica's rows' (graph rows; padding rows are greedy).
-        Returns the packed result, g.packed's layout; a static output like g.packed."""
-        if g.draw_graph is None:
-            self._capture_draw(g)
-        pad = g.rows - len(temperatures)
-        g.temperature.copy_(h2d([*temperatures, *[0.0] * pad], torch.float32, self.device),
-                            non_blocking=True)
-        g.draw_graph.replay()
+    def draw(self, g: _Graph, params, kind: Draw) -> torch.Tensor:
+        """The sampled rows of the D iteration ``g`` just replayed, drawn (``kind``: TEMPERATURE
+        or TRUNCATED) by g's draw graph on the current stream (captured at first use; with
+        engine.mtp it holds the MTP pass's collectives, so every rank draws in the same
+        iterations: ``Draw`` of every replica's rows). ``params``: the replica's rows'
+        SamplingParams (graph rows; padding rows are greedy). Returns the packed result,
+        g.packed's layout; a static output like g.packed."""
+        if kind not in g.draw_graphs:
+            self._capture_draw(g, kind)
+        g.draw_params.copy_(h2d(draw_params(params, g.rows), torch.float32,
+                                self.device).view(3, g.rows), non_blocking=True)
+        g.draw_graphs[kind].replay()
         self.draws += 1
-        return g.drawn
+        return g.drawn[kind]
 
-    def _capture_draw(self, g: _Graph) -> None:
+    def _capture_draw(self, g: _Graph, kind: Draw) -> None:
         gen = self.generator
         if gen is None:
             raise RuntimeError("these D graphs have no generator to draw from")
@@ -228,21 +231,22 @@ class DecodeGraphs:
         side = self.capture_stream
         side.wait_stream(stream)
         with torch.cuda.stream(side):  # warm-up outside capture
-            self._draw_step(g)
+            self._draw_step(g, kind)
         stream.wait_stream(side)
-        g.draw_graph = torch.cuda.CUDAGraph()
-        g.draw_graph.register_generator_state(gen)
-        with torch.cuda.graph(g.draw_graph, pool=self._pool, stream=side,
+        graph = torch.cuda.CUDAGraph()
+        graph.register_generator_state(gen)
+        with torch.cuda.graph(graph, pool=self._pool, stream=side,
                               capture_error_mode="thread_local"):
-            g.drawn = self._draw_step(g)
+            g.drawn[kind] = self._draw_step(g, kind)
         stream.wait_stream(side)
         gen.set_state(state)  # neither the warm-up nor the capture consumed the stream
+        g.draw_graphs[kind] = graph
         self.captures += 1
 
-    def _draw_step(self, g: _Graph) -> torch.Tensor:
-        """What a draw graph runs: the temperature draw of g's logits (engine.mtp: then the
-        verify and the MTP draft on the drawn tokens)."""
-        tokens, logprobs = temperature_tensors(g.logits, g.temperature, self.generator)
+    def _draw_step(self, g: _Graph, kind: Draw) -> torch.Tensor:
+        """What a draw graph runs: the draw of g's logits (engine.mtp: then the verify and the
+        MTP draft on the drawn tokens)."""
+        tokens, logprobs = draw_tensors(kind, g.logits, g.draw_params, self.generator)
         if self.model.mtp_draft:
             return verify_and_draft(self.model, self.kv, g.inputs, g.logits, g.hidden,
                                     tokens, logprobs)
@@ -273,8 +277,8 @@ class DecodeGraphs:
         for r in sorted({per * r for r in rows}):
             for w in width_buckets(limit, self.max_blocks):
                 g = self._graphs.get((r, w)) or self._capture(r, w)
-                if g.draw_graph is None and self.generator is not None:
-                    self._capture_draw(g)
+                if Draw.TEMPERATURE not in g.draw_graphs and self.generator is not None:
+                    self._capture_draw(g, Draw.TEMPERATURE)
         return self.captures - before
 
     def release(self) -> None:

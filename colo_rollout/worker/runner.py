@@ -24,7 +24,14 @@ from colo_rollout.worker.decode_graph import DecodeGraphs, graphs_supported
 from colo_rollout.model.model import DecodeInputs, InferenceGPT, PrefillInputs
 from colo_rollout.sched.plan import Phase, Sampled, StepPlan
 from colo_rollout.worker.prefill_graph import PrefillMoEGraphs
-from colo_rollout.worker.sampler import Draw, draw_for, sample_tensors, temperature_tensors
+from colo_rollout.worker.sampler import (
+    Draw,
+    draw_for,
+    draw_params,
+    draw_tensors,
+    greedy_tensors,
+    sample_tensors,
+)
 from colo_rollout.worker.speculate import ROWS_PER_SEQUENCE, verify_and_draft
 from colo_rollout.runtime.device import Pending, h2d, wait_event
 from colo_rollout.multiplex.stream_route import StreamRoute
@@ -296,30 +303,36 @@ class ModelRunner:
             else:
                 g = self.graphs.run(*host, plan.table_blocks)
                 draw = draw_for(d.params for d in rows)
-                if not self.groups.is_replica_leader or not rows or draw is Draw.TRUNCATED:
-                    out = self._sample_decode(g.logits, rows)
+                if not self.groups.is_replica_leader or not rows:
+                    out = PendingSampled(marker=_marker(self.device))
                 else:  # sampled inside a graph: one copy brings the rows back
                     packed = (g.packed if draw is Draw.GREEDY else
-                              self.graphs.draw(g, [d.params.temperature for d in rows]))
+                              self.graphs.draw(g, [d.params for d in rows], draw))
                     out = PendingSampled([d.lifetime for d in rows],
                                          Pending(packed[:, : len(rows)]), packed=True)
             out.routing = self._d_routing(plan)
             return out
 
     def _sample_decode(self, logits: torch.Tensor, rows) -> PendingSampled:
-        """A D iteration's rows sampled eagerly (leader only), as the graphs would: temperature
-        rows over the whole bucket (``logits`` [bucket, V], padding rows greedy) by the draw
-        graph's ops, so a seed gives the same tokens with and without graphs."""
-        if draw_for(d.params for d in rows) is not Draw.TEMPERATURE:
-            return self._sample(logits, rows)
-        if not self.groups.is_replica_leader:
+        """A D iteration's rows sampled eagerly (leader only), as the graphs would: greedy rows
+        by the greedy ops, sampled ones over the whole bucket (``logits`` [bucket, V], padding
+        rows greedy) by the draw graphs' ops, so a seed gives the same tokens with and without
+        graphs."""
+        if not self.groups.is_replica_leader or not rows:
             return PendingSampled(marker=_marker(self.device))
-        temps = [d.params.temperature for d in rows]
-        temps += [0.0] * (logits.shape[0] - len(temps))
-        tokens, logprobs = temperature_tensors(
-            logits, h2d(temps, torch.float32, self.device), self.generator)
         n = len(rows)
+        draw = draw_for(d.params for d in rows)
+        if draw is Draw.GREEDY:
+            tokens, logprobs = greedy_tensors(logits[:n])
+        else:
+            tokens, logprobs = self._draw(draw, logits, [d.params for d in rows])
         return PendingSampled([d.lifetime for d in rows], Pending(tokens[:n], logprobs[:n]))
+
+    def _draw(self, draw: Draw, logits: torch.Tensor, params):
+        """``draw_tensors`` over every row of ``logits`` from the rows' ``params``."""
+        rows = logits.shape[0]
+        table = h2d(draw_params(params, rows), torch.float32, self.device).view(3, rows)
+        return draw_tensors(draw, logits, table, self.generator)
 
     def _run_mtp_decode(self, plan: StepPlan, host, rows) -> PendingSampled:
         """One MTP D iteration (worker/speculate.py): the verify forward over 2 rows per
@@ -335,11 +348,9 @@ class ModelRunner:
             g = self.graphs.run(*host, plan.table_blocks)
             if draw is Draw.GREEDY:
                 packed = g.packed
-            elif draw is Draw.TEMPERATURE:
-                packed = self.graphs.draw(g, [d.params.temperature for d in rows
-                                              for _ in range(ROWS_PER_SEQUENCE)])
             else:
-                packed = self._verify_eagerly(g.inputs, g.logits, g.hidden, rows, draw)
+                packed = self.graphs.draw(g, [d.params for d in rows
+                                              for _ in range(ROWS_PER_SEQUENCE)], draw)
         else:
             inputs = self._decode_inputs(*host)
             logits, hidden = self.model.forward_decode(inputs, self.kv, hidden=True)
@@ -351,19 +362,13 @@ class ModelRunner:
 
     def _verify_eagerly(self, inputs, logits, hidden, rows, draw: Draw) -> torch.Tensor:
         """Sample every verify row with its sequence's parameters (``draw``: the world's, as
-        ``_run_mtp_decode`` decides it; a temperature draw by the draw graph's ops over every
-        row), then verify + draft."""
-        params = [d.params for d in rows for _ in range(ROWS_PER_SEQUENCE)]
-        pad = logits.shape[0] - len(params)
-        if draw is Draw.TEMPERATURE:
-            temps = h2d([p.temperature for p in params] + [0.0] * pad, torch.float32,
-                        self.device)
-            tokens, logprobs = temperature_tensors(logits, temps, self.generator)
+        ``_run_mtp_decode`` decides it; by the draw graphs' ops over every row), then verify +
+        draft."""
+        if draw is Draw.GREEDY:
+            tokens, logprobs = greedy_tensors(logits)
         else:
-            tokens, logprobs = sample_tensors(logits[: len(params)], params, self.generator)
-            if pad:
-                tokens = torch.cat([tokens, tokens.new_zeros(pad)])
-                logprobs = torch.cat([logprobs, logprobs.new_zeros(pad)])
+            tokens, logprobs = self._draw(draw, logits, [d.params for d in rows
+                                                         for _ in range(ROWS_PER_SEQUENCE)])
         return verify_and_draft(self.model, self.kv, inputs, logits, hidden, tokens, logprobs)
 
     # ------------------------------------------------------------------ P epochs (PD mode)

@@ -9,9 +9,10 @@ one seeded generator per engine, so a run is reproducible for a fixed request or
 
 A D iteration's rows are drawn one of three ways (``Draw``, decided by ``draw_for``):
 greedy rows by argmax; rows with a temperature and nothing else (top-k off, top-p 1) by
-``temperature_tensors`` -- fixed shapes, per-row temperatures in a tensor, no host value
-read: what a D graph captures (worker/decode_graph.py), and what D runs without graphs too,
-so a seed draws the same tokens either way; any truncation by ``sample_tensors``.
+``temperature_tensors``; rows with a truncation too by ``truncated_tensors`` (a sort of every
+row). Both take their per-row parameters as tensors, have fixed shapes and read no host value:
+what a D graph captures (worker/decode_graph.py), and what D runs without graphs too, so a
+seed draws the same tokens either way. P's first tokens are drawn by ``sample_tensors``.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class Draw(enum.Enum):
 
     GREEDY = "greedy"  # every row argmax: inside the D graph itself
     TEMPERATURE = "temperature"  # greedy or temperature-only rows: ``temperature_tensors``
-    TRUNCATED = "truncated"  # some row has top-k or top-p: ``sample_tensors``, eagerly
+    TRUNCATED = "truncated"  # some row has top-k or top-p: ``truncated_tensors``
 
 
 def draw_for(params: Iterable[SamplingParams]) -> Draw:
@@ -101,6 +102,57 @@ def temperature_tensors(logits: torch.Tensor, temperature: torch.Tensor,
     noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
     tokens = torch.where(hot, (probs / noise).argmax(dim=-1), greedy)
     return tokens, logp.gather(1, tokens[:, None])[:, 0]
+
+
+def truncated_tensors(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                      top_p: torch.Tensor, generator: torch.Generator | None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``temperature_tensors`` with each row's top-k (``top_k`` [n] int64, 0 = off) and then
+    nucleus (``top_p`` [n] fp32, 1 = off) truncation of its tempered distribution -- the
+    rules of ``sample_tensors`` (a row keeps the logits >= its k-th largest; then drops a
+    token when the mass strictly before it already reaches top_p), as tensor ops over a sort of
+    every row: graph-capturable. Greedy rows are their argmax bit for bit."""
+    logits = logits.float()
+    logp = torch.log_softmax(logits, dim=-1)
+    greedy = logits.argmax(dim=-1)
+    hot = temperature > 0
+    t = torch.where(hot, temperature, torch.ones_like(temperature))[:, None]
+    sub = (logits - logits.max(dim=-1, keepdim=True).values) / t
+    V = sub.shape[-1]
+    ordered, order = sub.sort(dim=-1, descending=True)
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V)).clamp(max=V)
+    kth = ordered.gather(1, (k - 1)[:, None])
+    ordered = ordered.masked_fill(ordered < kth, float("-inf"))  # still in descending order
+    probs = ordered.softmax(dim=-1)
+    cum = probs.cumsum(dim=-1)
+    drop_sorted = ((cum - probs) >= top_p[:, None]) & (top_p < 1.0)[:, None]
+    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+    sub = sub.masked_fill((sub < kth) | drop, float("-inf"))
+    probs = torch.softmax(sub, dim=-1)
+    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    tokens = torch.where(hot, (probs / noise).argmax(dim=-1), greedy)
+    return tokens, logp.gather(1, tokens[:, None])[:, 0]
+
+
+def draw_tensors(kind: Draw, logits: torch.Tensor, params: torch.Tensor,
+                 generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A TEMPERATURE or TRUNCATED draw of ``logits`` [n, V] from ``params`` [3, n] fp32 (rows:
+    temperature, top_k, top_p; ``draw_params`` makes it): what the D graphs' draw graphs and
+    eager D both run."""
+    if kind is Draw.TEMPERATURE:
+        return temperature_tensors(logits, params[0], generator)
+    if kind is Draw.TRUNCATED:
+        return truncated_tensors(logits, params[0], params[1].long(), params[2], generator)
+    raise ValueError(f"no tensor draw for {kind}")
+
+
+def draw_params(params: list[SamplingParams], rows: int) -> list[float]:
+    """The flat [3, rows] host values of ``draw_tensors``'s parameters: each row's
+    temperature, top_k, top_p; rows past ``params`` greedy (padding)."""
+    pad = rows - len(params)
+    return ([p.temperature for p in params] + [0.0] * pad
+            + [float(p.top_k) for p in params] + [0.0] * pad
+            + [p.top_p for p in params] + [1.0] * pad)
 
 
 def greedy_tensors(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
