@@ -121,6 +121,11 @@ def check_fp8(cfg: Config, source: str) -> None:
         refuse(f"{m.fp8!r} runs colo_rollout's FP8 GEMMs on the local layer spec, but use_te "
                "is 'on' (Transformer Engine's modules would not run); set model.use_te: auto, "
                "or model.fp8: null", key="model.use_te")
+    if cfg.engine.moe_kernel == "torch":
+        refuse("'torch' is the FP8 experts' CPU reference (dequantised fp32 grouped GEMMs, "
+               "whose CUDA fallback reads the group sizes on the host: no D graphs); FP8 on "
+               "the GPU runs the Triton kernel: set engine.moe_kernel: auto",
+               key="engine.moe_kernel")
     if m.moe_dispatch == "deepep":
         refuse("FP8 experts are not verified with the deepep backend; use "
                "model.moe_dispatch: gather or alltoall", key="model.moe_dispatch")

@@ -251,7 +251,7 @@ def test_fp8_rollouts_beside_a_bf16_trainer(worker_groups, tmp_path):
 
 def test_door_fp8_refusals_on_an_fp8_gpu_host(monkeypatch):
     """The door's other FP8 checks, as a GPU host would see them (CUDA stubbed)."""
-    from colo_rollout.config import Config, ConfigError, ModelConfig, ParallelConfig
+    from colo_rollout.config import Config, ConfigError, EngineConfig, ModelConfig, ParallelConfig
     from colo_rollout.door import check_fp8
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -274,6 +274,9 @@ def test_door_fp8_refusals_on_an_fp8_gpu_host(monkeypatch):
                  parallel=ParallelConfig(backend="nccl")).startswith(
         "c.yaml: model.moe_dispatch: FP8 experts")
     assert "model.hidden_size is 72" in error(hidden_size=72, num_attention_heads=4, head_dim=16)
+    with pytest.raises(ConfigError, match="engine.moe_kernel: 'torch' is the FP8 experts' CPU"):
+        check_fp8(Config(model=ModelConfig(params_dtype="bfloat16", fp8="e4m3"),
+                         engine=EngineConfig(moe_kernel="torch")), "c.yaml")
     got = error(hidden_size=128, num_attention_heads=8, num_query_groups=4, head_dim=8,
                 parallel=ParallelConfig(world_size=4, adp=1, ep=1))  # ATP4: 4 x 8 / 4 per rank
     assert "num_query_groups x head_dim / parallel.atp is 8" in got

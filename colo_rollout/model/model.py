@@ -383,6 +383,9 @@ class InferenceGPT(torch.nn.Module):
                 raise ValueError(f"model.fp8: {why}")
             if dtype != torch.bfloat16:
                 raise ValueError(f"model.fp8 needs bfloat16 parameters, got {dtype}")
+            if groups.device.type == "cuda" and self.moe_kernel != "triton":
+                raise ValueError("model.fp8 on a GPU needs the Triton expert kernel "
+                                 f"(engine.moe_kernel resolved to {self.moe_kernel!r})")
             for moe in self.moe_layers():
                 moe.fp8 = True
 
