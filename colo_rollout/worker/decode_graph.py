@@ -123,7 +123,7 @@ class DecodeGraphs:
         self._fingerprint = self._settled_fingerprint()
         self.captures = 0  # graphs captured so far (re-captures included)
         self.replays = 0
-        self.draws = 0  # draw-graph replays (temperature rows sampled inside a graph)
+        self.draws = 0  # draw-graph replays (sampled rows drawn inside a graph)
 
     def _weights_fingerprint(self) -> tuple[int, ...]:
         # model.fp8: the FP8 copies are read too (remade when a source moved device or shape)

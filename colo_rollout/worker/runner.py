@@ -336,9 +336,9 @@ class ModelRunner:
 
     def _run_mtp_decode(self, plan: StepPlan, host, rows) -> PendingSampled:
         """One MTP D iteration (worker/speculate.py): the verify forward over 2 rows per
-        sequence and the MTP draft -- one graph replay when every row of every replica is
-        greedy (sampled inside it); the replay and its draw graph when they are greedy or
-        temperature-only; else the forward (replayed, or eager) then sampling and the MTP pass
+        sequence and the MTP draft -- with graphs, one replay when every row of every replica
+        is greedy (sampled inside it), else the replay and its draw graph (temperature or
+        truncated rows: the draw, the verify and the MTP pass); without graphs the same ops
         eagerly. The draw is decided over every replica's rows: the MTP pass after it has
         collectives over the world, so every rank must take the same path. Every rank samples
         (the MTP pass embeds the tokens)."""
