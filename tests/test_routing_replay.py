@@ -40,19 +40,23 @@ def test_recorded_routing_is_replayed_by_the_trainer(worker_groups, mode, moe_co
     assert "does not fit" in r0["errors"][1]
 
 
-@pytest.mark.parametrize("mode", ["normal", "fine"])
-def test_alltoall_records_each_replicas_rows_and_rollout_merges_them(worker_groups, mode):
-    """With the alltoall backend (EP2/ADP2) each rank routes and records only its replica's
-    rows; rollout() merges them over the ranks: every rank returns every trajectory's
-    routing, which the trainer replays exactly and which equals its own fp32 routing; the
-    same ids as the gather backend records for the same rollout."""
+@pytest.mark.parametrize("world,adp,ep,mode", [(2, 2, 2, "normal"), (2, 2, 2, "fine"),
+                                               (4, 2, 4, "normal"), (4, 2, 4, "fine")])
+def test_alltoall_records_each_replicas_rows_and_rollout_merges_them(worker_groups, world, adp,
+                                                                     ep, mode):
+    """With the alltoall backend each rank routes and records only its rows -- its replica's
+    at attention TP 1 (EP2/ADP2), its ATP chunk of them under attention TP (EP4/ADP2/ATP2);
+    rollout() merges them over the ranks: every rank returns every trajectory's routing,
+    which the trainer replays exactly and which equals its own fp32 routing; the same ids as
+    the gather backend records for the same rollout."""
     kw = {"moe_dispatch": "alltoall"}
-    r0, r1 = worker_groups(2).run("tests.cases_routing:routing_round_trip", timeout=300,
-                                  adp=2, ep=2, mode=mode, model_kw=kw)
-    g0, _ = worker_groups(2).run("tests.cases_routing:routing_round_trip", timeout=300,
-                                 adp=2, ep=2, mode=mode)
-    assert r0["shapes_ok"] and r1["shapes_ok"] and r0["leftover"] == r1["leftover"] == 0
-    assert r0["routing"] == r1["routing"]
+    rs = worker_groups(world).run("tests.cases_routing:routing_round_trip", timeout=300,
+                                  adp=adp, ep=ep, mode=mode, model_kw=kw)
+    g0 = worker_groups(world).run("tests.cases_routing:routing_round_trip", timeout=300,
+                                  adp=adp, ep=ep, mode=mode)[0]
+    r0, r1 = rs[0], rs[-1]
+    assert all(r["shapes_ok"] and r["leftover"] == 0 for r in rs), [r["leftover"] for r in rs]
+    assert all(r["routing"] == r0["routing"] for r in rs)
     # the same experts per (token, layer) as the gather backend (its megatron path lists them
     # in expert order, the grouped router by probability: compared as sets)
     for a, b in zip(r0["routing"], g0["routing"]):
@@ -60,8 +64,10 @@ def test_alltoall_records_each_replicas_rows_and_rollout_merges_them(worker_grou
     assert r0["compared"] > 200
     assert r0["replay_disagree"] == 0 and r0["own_disagree"] == 0
     assert r0["rollout_vs_replay_logp"] < 1e-4
-    # a plain request's routing comes with its output on its replica's rank only
-    assert r0["plain_ok"] != r1["plain_ok"]
+    if adp == world:  # a plain request's routing comes with its output on its replica's rank
+        assert r0["plain_ok"] != r1["plain_ok"]
+    else:  # under attention TP no rank holds it whole: none (rollout() assembles them)
+        assert not any(r["plain_ok"] for r in rs)
 
 
 def test_store_keeps_positions_in_order_and_forgets_on_take():
@@ -77,18 +83,28 @@ def test_store_keeps_positions_in_order_and_forgets_on_take():
     st.add("b", 0, torch.zeros((2, 2, 2), dtype=torch.int16))
     st.add("b", 0, torch.ones((3, 2, 2), dtype=torch.int16))  # a re-prefill writes again
     assert st.take("b").tolist() == np.ones((3, 2, 2)).tolist()
+    # a rank's chunk: holes kept with their stamps (0: never written), up to the last write
+    st.add("c", 2, torch.full((2, 2, 2), 3, dtype=torch.int16), stamp=5)
+    st.add("c", 0, torch.full((1, 2, 2), 4, dtype=torch.int16), stamp=7)
+    ids, stamps = st.take_partial("c")
+    assert stamps.tolist() == [7, 0, 5, 5] and ids[:, 0, 0].tolist() == [4, 0, 3, 3]
+    assert st.take_partial("c") is None
+    st.add("d", 1, torch.ones((4, 2, 2), dtype=torch.int16), stamp=2)
+    assert st.take_partial("d", inputs=3)[1].tolist() == [0, 2, 2]
+    with pytest.raises(ValueError, match="stamp"):
+        st.add("e", 0, torch.ones((1, 2, 2), dtype=torch.int16), stamp=0)
 
 
-def test_door_refuses_replay_without_record_and_record_with_alltoall():
+def test_door_refuses_replay_without_record_and_takes_record_with_alltoall():
     with pytest.raises(ConfigError, match="rl.routing_replay"):
         Config(rl=RLConfig(routing_replay=True))
     from colo_rollout.config import ParallelConfig
 
-    # a dispatch backend under attention TP: each rank routes a chunk of its replica's rows
-    with pytest.raises(ConfigError, match="engine.record_routing.*attention TP 1"):
-        Config(parallel=ParallelConfig(world_size=2, adp=1, ep=2),
-               model=ModelConfig(moe_dispatch="alltoall"),
-               engine=EngineConfig(record_routing=True))
+    # a dispatch backend under attention TP (each rank routes a chunk of its replica's
+    # rows: take_routings assembles them)
+    assert Config(parallel=ParallelConfig(world_size=2, adp=1, ep=2),
+                  model=ModelConfig(moe_dispatch="alltoall"),
+                  engine=EngineConfig(record_routing=True)).engine.record_routing
     assert Config(parallel=ParallelConfig(world_size=2, adp=2, ep=2),
                   model=ModelConfig(moe_dispatch="alltoall"),
                   engine=EngineConfig(record_routing=True)).engine.record_routing

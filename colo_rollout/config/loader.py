@@ -118,13 +118,6 @@ class Config:
             f"{model.vocab_size}",
         )
         _require(
-            not engine.record_routing or model.moe_dispatch == "gather" or par.atp == 1,
-            "engine.record_routing",
-            f"with model.moe_dispatch {model.moe_dispatch!r} needs attention TP 1 (parallel.adp "
-            f"== world_size, got adp {par.adp} of {par.world_size}): a rank then routes its "
-            "replica's rows whole; under ATP each rank routes a chunk of them",
-        )
-        _require(
             not engine.mtp or model.mtp_num_layers >= 1,
             "engine.mtp",
             "drafts with the model's MTP layer, and model.mtp_num_layers is 0 (a checkpoint "

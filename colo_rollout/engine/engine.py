@@ -260,9 +260,16 @@ class Engine:
         self._pending_ids.clear()
         finished = self._apply(msgs, time.perf_counter())
         if self.routes is not None:  # a request without a session: its routing goes with it
-            for out in finished:  # (a session's is keyed by the session: take_routing)
-                out.routing = self.routes.take(out.request_id,
-                                               out.prompt_len + len(out.tokens) - 1)
+            # (a session's is keyed by the session: take_routing). A dispatch backend under
+            # attention TP leaves each rank a chunk of the rows: only the collective
+            # take_routings (rollout()) can assemble them, so a plain output gets none
+            chunked = self.model.records_own_rows and self.groups.layout.atp > 1
+            for out in finished:
+                n = out.prompt_len + len(out.tokens) - 1
+                if chunked:
+                    self.routes.take_partial(out.request_id, n)
+                else:
+                    out.routing = self.routes.take(out.request_id, n)
         d_ready = sum(1 for q in self.scheduler.seqs.values() if q.last_token is not None)
         with rec.clock("plan"):
             plan = self.scheduler.plan(pd=self.pd)
@@ -346,7 +353,8 @@ class Engine:
                 seq = self.scheduler.seqs.get(lifetime)
                 if seq is not None:
                     req = seq.request
-                    self.routes.add(req.session or req.request_id, first, ids)
+                    self.routes.add(req.session or req.request_id, first, ids,
+                                    p.routing.stamp)
 
     def take_routing(self, key: str, inputs: int | None = None):
         """The recorded expert ids of a trajectory (a session id, or the id of a request
@@ -358,42 +366,63 @@ class Engine:
 
     def take_routings(self, keys: list[str], inputs: list[int] | None = None) -> list:
         """``take_routing`` of many keys, the same on every rank. With a dispatch backend a
-        rank records only its own replica's rows (``InferenceGPT.records_own_rows``), so a
-        key's ids sit on the ranks of the replica that computed it: collective then (every
-        rank calls it with the same keys, between steps), the longest copy of each key
-        (the latest whole-context recompute; ties to the lowest rank) summed over the
-        world from its one owner. Else local."""
-        mine = [self.take_routing(k, None if inputs is None else n)
-                for k, n in zip(keys, inputs or [None] * len(keys))]
+        rank records only the rows it routed (``InferenceGPT.records_own_rows``: its
+        replica's, under attention TP its ATP chunk of them), so a key's ids are spread over
+        ranks: collective then (every rank calls it with the same keys, between steps) --
+        per position the latest recording wins (its stamp; ties to the lowest rank) and is
+        summed over the world from that one owner; a key's ids are its positions from 0 up
+        to the first that no rank recorded. Else local."""
         world = self.groups.layout.world_size
         if self.routes is None or world == 1 or not self.model.records_own_rows:
-            return mine
+            return [self.take_routing(k, None if inputs is None else n)
+                    for k, n in zip(keys, inputs or [None] * len(keys))]
         import torch.distributed as dist
 
+        mine = [self.routes.take_partial(k, None if inputs is None else n)
+                for k, n in zip(keys, inputs or [None] * len(keys))]
         dev, rank = self.groups.device, self.groups.rank
-        # (length, owner) in one int64 per key: MAX picks the longest, then the lowest rank
-        have = torch.tensor([(-1 if a is None else a.shape[0]) * world + (world - 1 - rank)
-                             for a in mine], dtype=torch.int64, device=dev)
-        dist.all_reduce(have, op=dist.ReduceOp.MAX)
-        best = have.tolist()
-        lengths = [max(v // world, -1) for v in best]
-        owners = [world - 1 - v % world for v in best]
+        # each key's positions recorded anywhere (-1: nowhere), then per position the
+        # latest stamp, then its lowest-ranked holder (as world - 1 - rank under MAX)
+        lengths = torch.tensor([-1 if a is None else a[0].shape[0] for a in mine],
+                               dtype=torch.int64, device=dev)
+        dist.all_reduce(lengths, op=dist.ReduceOp.MAX)
+        lengths = lengths.tolist()
+        total = sum(max(n, 0) for n in lengths)
+        stamps = np.zeros(total, dtype=np.int64)
+        at = 0
+        for a, n in zip(mine, lengths):
+            if a is not None:
+                stamps[at : at + a[1].shape[0]] = a[1]
+            at += max(n, 0)
+        best = torch.tensor(stamps, device=dev)  # a copy: on CPU from_numpy would alias
+        dist.all_reduce(best, op=dist.ReduceOp.MAX)
+        best = best.cpu().numpy()
+        holder = np.where((stamps == best) & (best > 0), world - 1 - rank, -1)
+        owner = torch.from_numpy(holder).to(dev)
+        dist.all_reduce(owner, op=dist.ReduceOp.MAX)
+        owned = owner.cpu().numpy() == world - 1 - rank
         layers, k = self.routes.shape
         # NCCL has no int16: uint8 ids (<= 256 experts) travel as uint8, others as int32
         dtype = torch.uint8 if self.routes.dtype == np.uint8 else torch.int32
-        total = sum(n for n in lengths if n > 0)
-        buf = torch.zeros((total, layers, k), dtype=dtype, device=dev)
+        ids = np.zeros((total, layers, k), dtype=np.int64)
         at = 0
-        for a, n, owner in zip(mine, lengths, owners):
-            if n > 0 and owner == rank:
-                buf[at : at + n] = torch.from_numpy(a.astype(np.int64)).to(dtype)
+        for a, n in zip(mine, lengths):
+            if a is not None:
+                m = a[0].shape[0]
+                ids[at : at + m] = np.where(owned[at : at + m, None, None], a[0], 0)
             at += max(n, 0)
+        buf = torch.from_numpy(ids).to(dtype).to(dev)
         dist.all_reduce(buf)
         host = buf.cpu().numpy().astype(self.routes.dtype)
         out, at = [], 0
         for n in lengths:
-            out.append(None if n < 0 else host[at : at + n].copy())
-            at += max(n, 0)
+            if n < 0:
+                out.append(None)
+                continue
+            unwritten = np.flatnonzero(best[at : at + n] == 0)
+            known = int(unwritten[0]) if unwritten.size else n
+            out.append(host[at : at + known].copy())
+            at += n
         return out
 
     def host_seconds(self) -> dict[str, float]:

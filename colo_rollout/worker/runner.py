@@ -55,10 +55,13 @@ def _marker(device: torch.device) -> torch.cuda.Event | None:
 class RoutingRows:
     """A phase run's recorded expert ids (model/routing_record.py) on their way to the host,
     and whose they are: ``rows`` (lifetime, first position, count, first buffer row) -- every
-    replica's rows, on every rank (the gather backend routes them all everywhere)."""
+    replica's rows, on every rank (the gather backend routes them all everywhere); with a
+    dispatch backend the rank's own (``ModelRunner._record_span``). ``stamp``: the run's plan
+    step + 1, the same on every rank (the routing store keeps the latest per position)."""
 
     pending: Pending
     rows: list[tuple[int, int, int, int]]
+    stamp: int = 1
 
     def resolve(self, timeout_s: float | None = None):
         """[(lifetime, first position, ids [count, MoE layers, k] int16)]."""
@@ -251,23 +254,25 @@ class ModelRunner:
 
     def _p_routing(self, plan: StepPlan) -> RoutingRows | None:
         """P's recorded ids: every replica's items, their tokens in the order P's rows hold
-        them (replica by replica) -- or only this replica's where the record holds a rank's
-        own rows (a dispatch backend: ``InferenceGPT.records_own_rows``)."""
+        them (replica by replica) -- or only the rows this rank routed where the record holds
+        a rank's own rows (a dispatch backend: ``InferenceGPT.records_own_rows``)."""
         rec = self.model.routing
         if rec is None:
             return None
+        counts = [w.prefill_tokens for w in plan.replicas]
+        lo, hi = self._record_span(counts)
         rows, off = [], 0
-        mine = self._routed_replicas()
-        for r, w in enumerate(plan.replicas):
+        for w in plan.replicas:
             for p in w.prefill:
-                if r in mine:
-                    rows.append((p.lifetime, p.start, len(p.tokens), off))
+                a, b = max(off, lo), min(off + len(p.tokens), hi)
+                if b > a:
+                    rows.append((p.lifetime, p.start + a - off, b - a, a))
                 off += len(p.tokens)
-        return RoutingRows(rec.read("P", off), rows)
+        return RoutingRows(rec.read("P", off), rows, plan.step + 1)
 
     def _d_routing(self, plan: StepPlan) -> RoutingRows | None:
         """D's recorded ids: replica r's rows sit at [r * bucket, r * bucket + rows) (only
-        this replica's, as for P, with a dispatch backend)."""
+        the rows this rank routed, as for P, with a dispatch backend)."""
         rec = self.model.routing
         if rec is None:
             return None
@@ -275,17 +280,27 @@ class ModelRunner:
         # draft's n + 1 is recomputed, and re-recorded, by the next iteration)
         per = ROWS_PER_SEQUENCE if self.model.mtp_draft else 1
         B = per * plan.bucket
-        mine = self._routed_replicas()
-        rows = [(d.lifetime, d.position, per, r * B + per * j)
-                for r, w in enumerate(plan.replicas) if r in mine
-                for j, d in enumerate(w.decode)]
-        return RoutingRows(rec.read("D", B * len(plan.replicas)), rows)
+        lo, hi = self._record_span([B] * len(plan.replicas))
+        rows = []
+        for r, w in enumerate(plan.replicas):
+            for j, d in enumerate(w.decode):
+                first = r * B + per * j
+                a, b = max(first, lo), min(first + per, hi)
+                if b > a:
+                    rows.append((d.lifetime, d.position + a - first, b - a, a))
+        return RoutingRows(rec.read("D", B * len(plan.replicas)), rows, plan.step + 1)
 
-    def _routed_replicas(self) -> range:
-        """The replicas whose rows this rank's routing record holds."""
-        if self.model.records_own_rows:
-            return range(self.groups.replica, self.groups.replica + 1)
-        return range(self.groups.layout.adp)
+    def _record_span(self, counts: list[int]) -> tuple[int, int]:
+        """The record rows [lo, hi) this rank's routers wrote, of a phase run whose replicas
+        hold ``counts`` rows each, replica by replica: all of them with the gather backend;
+        with a dispatch backend its replica's, split over attention TP as the dispatchers
+        split them (model.py: ``_dispatch_prefill_moe``, ``_dispatch_decode_moe``)."""
+        if not self.model.records_own_rows:
+            return 0, sum(counts)
+        r = self.groups.replica
+        atp, a = self.groups.layout.atp, self.groups.atp_rank
+        off, n = sum(counts[:r]), counts[r]
+        return off + n * a // atp, off + n * (a + 1) // atp
 
     def run_decode(self, plan: StepPlan, epoch: int = -1) -> PendingSampled:
         """One D iteration over the plan's D rows (every rank; padding where a replica has
