@@ -5,7 +5,6 @@ weights, on CPU (gloo: the dequantised reference math) and on GPU (NCCL: the FP8
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import torch
 
@@ -19,7 +18,7 @@ from colo_rollout.model.megatron_gpt import (
 from colo_rollout.model.weights import random_state_dict
 from colo_rollout.runtime.parallel import init_parallel
 from tests.cases_engine import mixed_requests
-from tests.cases_gpu import _teacher, compare_bf16, gpu_config
+from tests.cases_gpu import _teacher, compare_bf16, gpu_config, timed_generate
 
 
 def fp8_vs_reference(rank: int, world: int, adp: int, ep: int, backend: str = "gloo",
@@ -38,7 +37,6 @@ def fp8_vs_reference(rank: int, world: int, adp: int, ep: int, backend: str = "g
         from colo_rollout.runtime.cpu_compat import install_cpu_compat
 
         install_cpu_compat()
-    sync = torch.cuda.synchronize if groups.device.type == "cuda" else (lambda: None)
     sd = random_state_dict(base.model)
     requests = mixed_requests(n_requests, 3, base.model.vocab_size)
     dev = groups.device
@@ -55,12 +53,7 @@ def fp8_vs_reference(rank: int, world: int, adp: int, ep: int, backend: str = "g
         cfg = dataclasses.replace(base, model=dataclasses.replace(base.model, fp8=fp8))
         engine = Engine(cfg, groups, sd)
         engine.warmup(max_context=128)
-        sync()
-        t0 = time.perf_counter()
-        outs = engine.generate(requests)
-        sync()
-        wall = time.perf_counter() - t0
-        engine.check_integrity()
+        outs, wall = timed_generate(engine, requests)
         outs_by[name] = outs
         lp16 = [reference_logprobs(ref16, _teacher(r, outs)) for r in requests]
         row = {"wall_s": wall, "graphs": engine.runner.graphs is not None,

@@ -66,16 +66,10 @@ def gpu_engine_matches_reference(rank: int, world: int, adp: int, ep: int, dtype
         from colo_rollout.runtime.cpu_compat import install_cpu_compat
 
         install_cpu_compat()
-    sync = torch.cuda.synchronize if groups.device.type == "cuda" else (lambda: None)
     sd = random_state_dict(cfg.model)
     engine = Engine(cfg, groups, sd)
     requests = mixed_requests(n_requests, seed, cfg.model.vocab_size)
-    sync()
-    t0 = time.perf_counter()
-    outs = engine.generate(requests)
-    sync()
-    wall = time.perf_counter() - t0
-    engine.check_integrity()
+    outs, wall = timed_generate(engine, requests)
     pgc = singleton_pg_collection()
     res = {"layout": groups.layout.name, "wall_s": wall,
            "device": torch.cuda.get_device_name() if backend == "nccl" else "cpu",
@@ -101,6 +95,19 @@ def gpu_engine_matches_reference(rank: int, world: int, adp: int, ep: int, dtype
         else:
             res.update(compare_bf16(ref32, lp16, requests, outs))
     return res
+
+
+def timed_generate(engine, requests) -> tuple[dict, float]:
+    """``engine.generate(requests)`` timed between device syncs, then the KV integrity
+    check: (outputs, wall seconds)."""
+    sync = torch.cuda.synchronize if engine.groups.device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    outs = engine.generate(requests)
+    sync()
+    wall = time.perf_counter() - t0
+    engine.check_integrity()
+    return outs, wall
 
 
 def _teacher(req, outs) -> list[int]:
