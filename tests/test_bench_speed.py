@@ -129,8 +129,10 @@ def test_cpu_config_end_to_end(tmp_path, capsys):
     greedy = {r["batch"]: r["step_s"] for r in res["decode"] if r["context"] == cfg.short_context}
     for r in res["decode_sampled"]:
         assert r["step_s"] > 0 and r["greedy_step_s"] == greedy[r["batch"]]
+        assert r["truncated_step_s"] > 0 and (r["top_k"], r["top_p"]) == (50, 0.95)
         assert not r["in_graph"]  # CPU: no graphs
-    assert "sampled decode: every row drawn at temperature 1 (eagerly)" in table
+    assert ("sampled decode: every row drawn at temperature 1, then also with top-k 50 / top-p "
+            "0.95 (eagerly)") in table
     assert [r["shape"] for r in res["prefill"]] == [
         "1 x 64", "1 x 128", "1 x 256", "4 x 64", "4 x 16-64 on 128-256"]
     for r in res["prefill"]:

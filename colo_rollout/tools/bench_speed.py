@@ -82,6 +82,8 @@ from colo_rollout.sched.request import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=1)
 SAMPLED = SamplingParams(temperature=1.0, max_tokens=1)  # the sampled decode rows' draw
+# ... and the truncated one (top-k and top-p: the draw that sorts every row)
+TRUNCATED = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, max_tokens=1)
 # the breakdown's parts, in table and plot order
 PARTS = ("attention", "norms", "router/top-k", "permutation", "expert GEMMs", "activation",
          "combine", "shared experts", "dense MLP", "embedding", "lm head", "sampling",
@@ -348,16 +350,22 @@ class _Bench:
                 **roof, "ratio": roof["roofline_s"] / step}
 
     def sampled_row(self, rows: int, greedy: dict) -> dict:
-        """The short-context D step of ``rows`` rows all sampled at temperature 1 (the draw
-        graph where there are graphs), against ``greedy``, the same shape's greedy row."""
+        """The short-context D step of ``rows`` rows all sampled at temperature 1 -- and with
+        top-k 50 / top-p 0.95 (``truncated_*``) -- (the draw graphs where there are graphs),
+        against ``greedy``, the same shape's greedy row."""
         e = self.cfg.engine
-        tokens = [self.rng.randrange(self.m.vocab_size) for _ in range(rows)]
-        plan = decode_plan([greedy["context"]] * rows, tokens, greedy["bucket"],
-                           e.kv_block_size, SAMPLED)
-        step = statistics.median(self.timed(plan, self.b.iters))
+        steps = {}
+        for name, params in (("", SAMPLED), ("truncated_", TRUNCATED)):
+            tokens = [self.rng.randrange(self.m.vocab_size) for _ in range(rows)]
+            plan = decode_plan([greedy["context"]] * rows, tokens, greedy["bucket"],
+                               e.kv_block_size, params)
+            steps[name] = statistics.median(self.timed(plan, self.b.iters))
+        g = greedy["step_s"]
         return {"batch": rows, "context": greedy["context"], "temperature": SAMPLED.temperature,
-                "step_s": step, "greedy_step_s": greedy["step_s"],
-                "overhead": step / greedy["step_s"] - 1.0,
+                "step_s": steps[""], "greedy_step_s": g, "overhead": steps[""] / g - 1.0,
+                "top_k": TRUNCATED.top_k, "top_p": TRUNCATED.top_p,
+                "truncated_step_s": steps["truncated_"],
+                "truncated_overhead": steps["truncated_"] / g - 1.0,
                 "in_graph": self.runner.graphs is not None}
 
     def prefill_row(self, kind: str, shape: str, seqs: list[tuple[int, int]]) -> dict:
@@ -796,12 +804,16 @@ def table(res: dict, cfg: Config, source: str) -> str:
             f"{r['kv_bytes'] / 1e6:>8.2f} {_num(1e3 * r['roofline_s']):>11} {_num(r['ratio']):>8} "
             + _peer_cols(peer, r["step_s"]))
     if res.get("decode_sampled"):
-        lines += ["", "sampled decode: every row drawn at temperature 1 ("
-                  + ("inside the D graph's draw graph" if res["decode_sampled"][0]["in_graph"]
-                     else "eagerly") + "), short context, against the greedy step",
-                  f"{'B':>5} {'greedy ms':>10} {'sampled ms':>11} {'overhead':>9}"]
+        r0 = res["decode_sampled"][0]
+        lines += ["", "sampled decode: every row drawn at temperature 1, then also with top-k "
+                  f"{r0['top_k']} / top-p {r0['top_p']} ("
+                  + ("inside the D graphs' draw graphs" if r0["in_graph"] else "eagerly")
+                  + "), short context, against the greedy step",
+                  f"{'B':>5} {'greedy ms':>10} {'sampled ms':>11} {'overhead':>9} "
+                  f"{'top-k/p ms':>11} {'overhead':>9}"]
         lines += [f"{r['batch']:>5} {1e3 * r['greedy_step_s']:>10.3f} "
-                  f"{1e3 * r['step_s']:>11.3f} {100 * r['overhead']:>8.1f}%"
+                  f"{1e3 * r['step_s']:>11.3f} {100 * r['overhead']:>8.1f}% "
+                  f"{1e3 * r['truncated_step_s']:>11.3f} {100 * r['truncated_overhead']:>8.1f}%"
                   for r in res["decode_sampled"]]
     lines += ["", "prefill: median host time of one step; FLOPs = 2 x active params x tokens "
               "+ attention (output layer on last tokens); frac = FLOP/s / peak"
