@@ -313,6 +313,18 @@ def test_gpu_deepep_world1_low_latency_decode_matches_reference(gpu_groups):
     _check_against_reference("deepep_world1_vs_reference_bf16", res, 1, "bfloat16")
 
 
+@pytest.mark.parametrize("world,adp,ep", [(1, 1, 1), (2, 2, 2), (2, 1, 2)])
+def test_gpu_alltoall_matches_reference(gpu_groups, world, adp, ep):
+    """model.moe_dispatch alltoall on NCCL (issue 17 item 2 on a GPU): D's padded
+    fixed-capacity all-to-all captured in D's graphs, P's count exchange then payload; the
+    engine against megatron's GPTModel like the gather backend's row (written in session 13,
+    not yet run on a GPU)."""
+    res = gpu_groups(world).run("tests.cases_gpu:gpu_engine_matches_reference", timeout=600,
+                                adp=adp, ep=ep, dtype="bfloat16", n_requests=32,
+                                model_kw={"moe_dispatch": "alltoall"})
+    _check_against_reference("alltoall_vs_reference_bf16", res, world, "bfloat16")
+
+
 @pytest.mark.skipif(not _have_deep_ep(), reason="needs deep_ep with colo_rollout's patch "
                     "(scripts/deepep_setup.sh)")
 def test_gpu_deepep_normal_split_dispatch_two_ranks_share_the_gpu():
