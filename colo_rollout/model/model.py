@@ -713,14 +713,9 @@ class InferenceGPT(torch.nn.Module):
             last = hidden_all[inp.last_rows]
         else:
             last = self.decoder.final_layernorm(h[inp.last_rows])  # all replicas' last tokens
-        n_all = last.shape[0]
         seq_off = sum(inp.last_counts[:r])
         n_seq = inp.last_counts[r]
-        shard = F.linear(last[seq_off : seq_off + n_seq], self.output_weight)  # [n_seq, V/ATP]
-        # Each (replica, vocab shard) block is written by exactly one rank: the sum is a gather.
-        full = shard.new_zeros((n_all, self.cfg.vocab_size))
-        emb = self.embedding.word_embeddings
-        full[seq_off : seq_off + n_seq, emb.vocab_start_index : emb.vocab_end_index] = shard
+        full = self.p_logits_partial(last[seq_off : seq_off + n_seq], last.shape[0], seq_off)
         yield boundary
         full = comm.p_allreduce(full)
         if sample is None:
@@ -778,6 +773,17 @@ class InferenceGPT(torch.nn.Module):
         shard = F.linear(normed, self.output_weight)
         logits = comm.d_all_gather_vocab(shard)
         return (logits, normed) if hidden else logits
+
+    def p_logits_partial(self, last: torch.Tensor, n_all: int, seq_off: int) -> torch.Tensor:
+        """P's logits of this replica's last rows ``last`` [n_seq, H] (final-normed) as this
+        rank's block of the [n_all, V] result -- its vocabulary shard of rows seq_off ..
+        seq_off + n_seq, zeros elsewhere. Each (replica, vocab shard) block is written by
+        exactly one rank, so the phase's AllReduce of it is a gather."""
+        shard = F.linear(last, self.output_weight)  # [n_seq, V/ATP]
+        full = shard.new_zeros((n_all, self.cfg.vocab_size))
+        emb = self.embedding.word_embeddings
+        full[seq_off : seq_off + last.shape[0], emb.vocab_start_index : emb.vocab_end_index] = shard
+        return full
 
     def d_mlp(self, layer: InferenceLayer, res: torch.Tensor, own: slice,
               record_layer: int | None) -> torch.Tensor:

@@ -160,10 +160,7 @@ def mtp_prefill(model, hidden_all: torch.Tensor, tokens_local: torch.Tensor, inp
         h = h + comm.p_gather(partial, off, total)
     seq_off, n_seq = sum(inp.last_counts[:r]), inp.last_counts[r]
     last = mtp.final_layernorm(h[inp.last_rows[seq_off : seq_off + n_seq]])
-    shard = F.linear(last, model.output_weight)  # [n_seq, V/ATP]
-    full = shard.new_zeros((int(inp.last_rows.shape[0]), model.cfg.vocab_size))
-    emb_w = model.embedding.word_embeddings
-    full[seq_off : seq_off + n_seq, emb_w.vocab_start_index : emb_w.vocab_end_index] = shard
+    full = model.p_logits_partial(last, int(inp.last_rows.shape[0]), seq_off)
     yield boundary
     return comm.p_allreduce(full)[seq_off : seq_off + n_seq]
 
