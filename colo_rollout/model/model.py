@@ -673,41 +673,17 @@ class InferenceGPT(torch.nn.Module):
         h = comm.p_gather(emb_partial, off, total)
         own = slice(off, off + n_local)
         for i, layer in enumerate(self.decoder.layers):
-            x = layer.input_layernorm(h[own])
-            attn = layer.self_attention(x, rope, inp.attn, kv, i)
-            yield boundary
-            boundary += 1
-            h = h + comm.p_gather(attn, off, total)
-            if self.trace is not None:
-                self.trace.append(h.float().clone())
+            slots = dispatch = False
             if layer.is_moe:
                 # one rank and the modules' own block (not a P graph's replay): the unsummed
                 # slots, summed into h after the boundary, and no AllReduce over one rank
                 slots = (self.dispatch_p is None and moe == self.moe_block
                          and self._slots_into_residual(layer.mlp, h))
-                if self.dispatch_p is not None:  # routed experts: this rank's share of rows
-                    # yields the dispatch split's boundary (after the count exchange)
-                    partial = yield from self._dispatch_prefill_moe(i, h, off, n_local,
-                                                                    boundary)
-                    boundary += 1
-                else:
-                    partial = self.moe_block(i, h, pairs=True) if slots else moe(i, h)
-                if layer.mlp.shared_experts is not None:  # shared: this replica's rows
-                    layer.mlp.add_shared(partial[own], layer.pre_mlp_layernorm(h[own]))
-                yield boundary
-                boundary += 1
-                if slots:
-                    h = add_rounded_slots(h, partial, self.residual_kernel)
-                else:
-                    # fp32 combine, round
-                    h = add_rounded(h, comm.p_allreduce(partial), self.residual_kernel)
-            else:  # dense MLP on this replica's rows, gathered like attention
-                partial = layer.dense_partial(layer.pre_mlp_layernorm(h[own]))
-                yield boundary
-                boundary += 1
-                h = h + comm.p_gather(partial, off, total)
-            if self.trace is not None:
-                self.trace.append(h.float().clone())
+                dispatch = self.dispatch_p is not None
+            h, boundary = yield from self.prefill_layer(
+                layer, i, h, rope, inp, kv, own, total, boundary,
+                (lambda x, i=i, slots=slots: self.moe_block(i, x, pairs=True) if slots
+                 else moe(i, x)), dispatch=dispatch, slots=slots, trace=True)
         if sample is not None:  # every row's normed output: the MTP layer reads them all
             hidden_all = self.decoder.final_layernorm(h)
             last = hidden_all[inp.last_rows]
@@ -773,6 +749,54 @@ class InferenceGPT(torch.nn.Module):
         shard = F.linear(normed, self.output_weight)
         logits = comm.d_all_gather_vocab(shard)
         return (logits, normed) if hidden else logits
+
+    def prefill_layer(self, layer: InferenceLayer, kv_layer: int, h: torch.Tensor, rope,
+                      inp: PrefillInputs, kv: KVStorage, own: slice, total: int,
+                      boundary: int, moe_partial, *, dispatch: bool = False,
+                      slots: bool = False, trace: bool = False
+                      ) -> Generator[int, None, tuple[torch.Tensor, int]]:
+        """One layer of P on the gather backend's layout (a generator; yields ``boundary``
+        on, one id before each collective): ``h`` [T, H] holds every replica's rows on every
+        rank, this replica's at ``own``. Attention on this replica's rows (KV of layer
+        ``kv_layer``), gathered; then the MLP half: a dense MLP on this replica's rows,
+        gathered; or the MoE -- ``moe_partial(h)`` (fp32 partial [T, H]; with ``slots`` the
+        unsummed [T, k, H] slots, added into h without a collective), or with ``dispatch``
+        this rank's share of the rows through P's dispatcher (one more boundary, at its
+        split) -- plus the shared experts on this replica's rows, reduced by P's AllReduce.
+        ``trace``: append the residual stream after each half (model.trace). Returns
+        (h, the next boundary id). The decoder's layers and the MTP layer's share it."""
+        comm = self.comm
+        off, n_local = own.start, own.stop - own.start
+        attn = layer.self_attention(layer.input_layernorm(h[own]), rope, inp.attn, kv,
+                                    kv_layer)
+        yield boundary
+        boundary += 1
+        h = h + comm.p_gather(attn, off, total)
+        if trace and self.trace is not None:
+            self.trace.append(h.float().clone())
+        if layer.is_moe:
+            if dispatch:  # routed experts: this rank's share of rows; yields the split's id
+                partial = yield from self._dispatch_prefill_moe(kv_layer, h, off, n_local,
+                                                                boundary)
+                boundary += 1
+            else:
+                partial = moe_partial(h)
+            if layer.mlp.shared_experts is not None:  # shared: this replica's rows
+                layer.mlp.add_shared(partial[own], layer.pre_mlp_layernorm(h[own]))
+            yield boundary
+            boundary += 1
+            if slots:
+                h = add_rounded_slots(h, partial, self.residual_kernel)
+            else:  # fp32 combine, round
+                h = add_rounded(h, comm.p_allreduce(partial), self.residual_kernel)
+        else:  # dense MLP on this replica's rows, gathered like attention
+            partial = layer.dense_partial(layer.pre_mlp_layernorm(h[own]))
+            yield boundary
+            boundary += 1
+            h = h + comm.p_gather(partial, off, total)
+        if trace and self.trace is not None:
+            self.trace.append(h.float().clone())
+        return h, boundary
 
     def p_logits_partial(self, last: torch.Tensor, n_all: int, seq_off: int) -> torch.Tensor:
         """P's logits of this replica's last rows ``last`` [n_seq, H] (final-normed) as this

@@ -38,7 +38,6 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
 from colo_rollout.model.attention import RopeAngles
-from colo_rollout.model.residual import add_rounded
 
 
 class MTPLayer(torch.nn.Module):
@@ -142,22 +141,10 @@ def mtp_prefill(model, hidden_all: torch.Tensor, tokens_local: torch.Tensor, inp
         h = comm.p_allreduce(h)
     rope = RopeAngles(model.rope_table(), inp.attn.positions)
     layer = mtp.mtp_model_layer
-    attn = layer.self_attention(layer.input_layernorm(h[own]), rope, inp.attn, kv, L)
-    yield boundary
-    boundary += 1
-    h = h + comm.p_gather(attn, off, total)
-    if layer.is_moe:
-        partial = layer.mlp(layer.pre_mlp_layernorm(h), record=None)
-        if layer.mlp.shared_experts is not None:
-            layer.mlp.add_shared(partial[own], layer.pre_mlp_layernorm(h[own]))
-        yield boundary
-        boundary += 1
-        h = add_rounded(h, comm.p_allreduce(partial), model.residual_kernel)
-    else:
-        partial = layer.dense_partial(layer.pre_mlp_layernorm(h[own]))
-        yield boundary
-        boundary += 1
-        h = h + comm.p_gather(partial, off, total)
+    # the decoder's P layer body (gather layout), its MoE unrecorded
+    h, boundary = yield from model.prefill_layer(
+        layer, L, h, rope, inp, kv, own, total, boundary,
+        lambda x: layer.mlp(layer.pre_mlp_layernorm(x), record=None))
     seq_off, n_seq = sum(inp.last_counts[:r]), inp.last_counts[r]
     last = mtp.final_layernorm(h[inp.last_rows[seq_off : seq_off + n_seq]])
     full = model.p_logits_partial(last, int(inp.last_rows.shape[0]), seq_off)
