@@ -154,13 +154,6 @@ class Fp8Weight:
         return self.q.numel() * self.q.element_size() + self.scale.numel() * 4
 
 
-# rows up to which "auto" runs the FP8 linear through the fused-MoE kernel as one group: none.
-# Measured on an H200 (decode graphs, bench_speed_gpu, 2026-12-02): its decode tiles give a
-# single [3072 x 2048] weight 48 programs, 8.7 us per projection at B = 1 -- no faster than
-# torch._scaled_mm's 8.4 us (cuBLASLt's 128 x 128 FP8 tiles), and slower at B = 32 (decode
-# step 4.51 vs 3.95 ms in two runs). Both are above bf16's 5.8 us: the lever is a split-K
-# FP8 GEMV, not a choice between these two.
-SMALL_ROWS = 0
 LINEAR_BACKENDS = ("auto", "scaled_mm", "triton", "torch")
 
 
@@ -170,15 +163,18 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
     ``out_dtype`` (default x's). ``backend``: "scaled_mm" (torch._scaled_mm, the rows padded
     to 16), "triton" (model/fused_moe.py's kernel as one group: CUDA, or CPU tensors under
     the interpreter), "torch" (the dequantised operands' fp32 product, the reference), "auto"
-    (CUDA: triton up to SMALL_ROWS rows -- none today --, else scaled_mm; CPU: torch). fp32
-    accumulation in all; host values read: shapes only (graph-capturable)."""
+    (CUDA: scaled_mm; CPU: torch). fp32 accumulation in all; host values read: shapes only
+    (graph-capturable). "auto" never picks triton: on an H200 (decode graphs,
+    bench_speed_gpu, 2026-12-02) its decode tiles give a single [3072 x 2048] weight 48
+    programs, 8.7 us per projection at B = 1 -- no faster than _scaled_mm's 8.4 us
+    (cuBLASLt's 128 x 128 FP8 tiles) and slower at B = 32 (step 4.51 vs 3.95 ms); both are
+    above bf16's 5.8 us, so the lever is a split-K FP8 GEMV."""
     out_dtype = out_dtype or x.dtype
     M = x.shape[0]
     if M == 0:
         return x.new_zeros((0, w.q.shape[0]), dtype=out_dtype)
     if backend == "auto":
-        backend = ("torch" if not x.is_cuda else
-                   "triton" if M <= SMALL_ROWS and triton is not None else "scaled_mm")
+        backend = "scaled_mm" if x.is_cuda else "torch"
     if backend == "triton":
         from colo_rollout.model.fused_moe import TILES, moe_gemm, regime
 

@@ -24,14 +24,7 @@ from colo_rollout.worker.decode_graph import DecodeGraphs, graphs_supported
 from colo_rollout.model.model import DecodeInputs, InferenceGPT, PrefillInputs
 from colo_rollout.sched.plan import Phase, Sampled, StepPlan
 from colo_rollout.worker.prefill_graph import PrefillMoEGraphs
-from colo_rollout.worker.sampler import (
-    Draw,
-    draw_for,
-    draw_params,
-    draw_tensors,
-    greedy_tensors,
-    sample_tensors,
-)
+from colo_rollout.worker.sampler import Draw, draw_for, sample_tensors
 from colo_rollout.worker.speculate import ROWS_PER_SEQUENCE, verify_and_draft
 from colo_rollout.runtime.device import Pending, h2d, wait_event
 from colo_rollout.multiplex.stream_route import StreamRoute
@@ -329,25 +322,14 @@ class ModelRunner:
             return out
 
     def _sample_decode(self, logits: torch.Tensor, rows) -> PendingSampled:
-        """A D iteration's rows sampled eagerly (leader only), as the graphs would: greedy rows
-        by the greedy ops, sampled ones over the whole bucket (``logits`` [bucket, V], padding
-        rows greedy) by the draw graphs' ops, so a seed gives the same tokens with and without
-        graphs."""
+        """A D iteration's rows sampled eagerly (leader only), as the graphs would: over the
+        whole bucket (``logits`` [bucket, V], padding rows greedy) by the draw graphs' ops,
+        so a seed gives the same tokens with and without graphs."""
         if not self.groups.is_replica_leader or not rows:
             return PendingSampled(marker=_marker(self.device))
         n = len(rows)
-        draw = draw_for(d.params for d in rows)
-        if draw is Draw.GREEDY:
-            tokens, logprobs = greedy_tensors(logits[:n])
-        else:
-            tokens, logprobs = self._draw(draw, logits, [d.params for d in rows])
+        tokens, logprobs = sample_tensors(logits, [d.params for d in rows], self.generator)
         return PendingSampled([d.lifetime for d in rows], Pending(tokens[:n], logprobs[:n]))
-
-    def _draw(self, draw: Draw, logits: torch.Tensor, params):
-        """``draw_tensors`` over every row of ``logits`` from the rows' ``params``."""
-        rows = logits.shape[0]
-        table = h2d(draw_params(params, rows), torch.float32, self.device).view(3, rows)
-        return draw_tensors(draw, logits, table, self.generator)
 
     def _run_mtp_decode(self, plan: StepPlan, host, rows) -> PendingSampled:
         """One MTP D iteration (worker/speculate.py): the verify forward over 2 rows per
@@ -377,13 +359,10 @@ class ModelRunner:
 
     def _verify_eagerly(self, inputs, logits, hidden, rows, draw: Draw) -> torch.Tensor:
         """Sample every verify row with its sequence's parameters (``draw``: the world's, as
-        ``_run_mtp_decode`` decides it; by the draw graphs' ops over every row), then verify +
-        draft."""
-        if draw is Draw.GREEDY:
-            tokens, logprobs = greedy_tensors(logits)
-        else:
-            tokens, logprobs = self._draw(draw, logits, [d.params for d in rows
-                                                         for _ in range(ROWS_PER_SEQUENCE)])
+        ``_run_mtp_decode`` decides it, so the random stream advances as the draw graphs'
+        would), then verify + draft."""
+        params = [d.params for d in rows for _ in range(ROWS_PER_SEQUENCE)]
+        tokens, logprobs = sample_tensors(logits, params, self.generator, draw)
         return verify_and_draft(self.model, self.kv, inputs, logits, hidden, tokens, logprobs)
 
     # ------------------------------------------------------------------ P epochs (PD mode)

@@ -34,33 +34,18 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
 
 
 def sample_tensors(logits: torch.Tensor, params: list[SamplingParams],
-                   generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``sample`` left on the device (no host wait): tokens [n] int64, logprobs [n] fp32."""
-    logits = logits.float()
-    dev = logits.device
-    logp = torch.log_softmax(logits, dim=-1)
-    random_rows = [i for i, p in enumerate(params) if not p.greedy]
-    if not random_rows:
-        return _greedy(logits, logp)
-    tokens = logits.argmax(dim=-1)
-    idx = h2d(random_rows, torch.int64, dev)
-    # shift by the row max first: (x - max) / T stays finite-or--inf for any T > 0, so a
-    # tiny temperature tends to greedy instead of overflowing to NaN
-    sub = logits[idx]
-    sub = sub - sub.max(dim=-1, keepdim=True).values
-    temps = h2d([params[i].temperature for i in random_rows], torch.float32, dev)[:, None]
-    sub = sub / temps
-    ks = [params[i].top_k for i in random_rows]
-    if any(k > 0 for k in ks):
-        sub = _top_k(sub, ks)
-    ps = [params[i].top_p for i in random_rows]
-    if any(p < 1.0 for p in ps):
-        sub = _top_p(sub, h2d(ps, torch.float32, dev))
-    probs = torch.softmax(sub, dim=-1)
-    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
-    tokens[idx] = (probs / noise).argmax(dim=-1)
-    chosen = logp.gather(1, tokens[:, None])[:, 0]
-    return tokens, chosen
+                   generator: torch.Generator | None,
+                   kind: Draw | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sample`` left on the device (no host wait): tokens [n] int64, logprobs [n] fp32 for
+    every row of ``logits`` [n, V]; rows past ``params`` (padding) are greedy. The draw the
+    rows need (``draw_for``; ``kind``: one that covers them, decided by the caller), by the
+    same ops as the D graphs' draw graphs."""
+    kind = kind or draw_for(params)
+    if kind is Draw.GREEDY:
+        return greedy_tensors(logits)
+    rows = logits.shape[0]
+    table = h2d(draw_params(params, rows), torch.float32, logits.device).view(3, rows)
+    return draw_tensors(kind, logits, table, generator)
 
 
 class Draw(enum.Enum):
@@ -85,6 +70,26 @@ def draw_for(params: Iterable[SamplingParams]) -> Draw:
     return kind
 
 
+def _tempered(logits: torch.Tensor, temperature: torch.Tensor):
+    """(logprobs [n, V] of the unmodified distribution, greedy tokens [n], rows that draw
+    [n], the tempered logits [n, V]). Shifted by the row max first: (x - max) / T stays
+    finite-or--inf for any T > 0, so a tiny temperature tends to greedy instead of NaN."""
+    logits = logits.float()
+    hot = temperature > 0
+    t = torch.where(hot, temperature, torch.ones_like(temperature))[:, None]
+    sub = (logits - logits.max(dim=-1, keepdim=True).values) / t
+    return torch.log_softmax(logits, dim=-1), logits.argmax(dim=-1), hot, sub
+
+
+def _race(logp, greedy, hot, sub, generator):
+    """The exponential race over softmax(sub) for the rows that draw, argmax for the rest;
+    noise is drawn for every row, so the random stream advances by the shape alone."""
+    probs = torch.softmax(sub, dim=-1)
+    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    tokens = torch.where(hot, (probs / noise).argmax(dim=-1), greedy)
+    return tokens, logp.gather(1, tokens[:, None])[:, 0]
+
+
 def temperature_tensors(logits: torch.Tensor, temperature: torch.Tensor,
                         generator: torch.Generator | None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,31 +98,18 @@ def temperature_tensors(logits: torch.Tensor, temperature: torch.Tensor,
     logprobs [n] fp32 under the unmodified distribution. Fixed shapes and no host read, so a
     CUDA graph can capture it; noise is drawn for every row (greedy ones too), so the random
     stream advances by the same amount for a given n whichever rows are greedy."""
-    logits = logits.float()
-    logp = torch.log_softmax(logits, dim=-1)
-    greedy = logits.argmax(dim=-1)
-    hot = temperature > 0
-    t = torch.where(hot, temperature, torch.ones_like(temperature))[:, None]
-    probs = torch.softmax((logits - logits.max(dim=-1, keepdim=True).values) / t, dim=-1)
-    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
-    tokens = torch.where(hot, (probs / noise).argmax(dim=-1), greedy)
-    return tokens, logp.gather(1, tokens[:, None])[:, 0]
+    return _race(*_tempered(logits, temperature), generator)
 
 
 def truncated_tensors(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                       top_p: torch.Tensor, generator: torch.Generator | None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """``temperature_tensors`` with each row's top-k (``top_k`` [n] int64, 0 = off) and then
-    nucleus (``top_p`` [n] fp32, 1 = off) truncation of its tempered distribution -- the
-    rules of ``sample_tensors`` (a row keeps the logits >= its k-th largest; then drops a
-    token when the mass strictly before it already reaches top_p), as tensor ops over a sort of
-    every row: graph-capturable. Greedy rows are their argmax bit for bit."""
-    logits = logits.float()
-    logp = torch.log_softmax(logits, dim=-1)
-    greedy = logits.argmax(dim=-1)
-    hot = temperature > 0
-    t = torch.where(hot, temperature, torch.ones_like(temperature))[:, None]
-    sub = (logits - logits.max(dim=-1, keepdim=True).values) / t
+    nucleus (``top_p`` [n] fp32, 1 = off) truncation of its tempered distribution -- a row
+    keeps the logits >= its k-th largest, then drops a token when the mass strictly before it
+    already reaches top_p (keeping >= 1) -- as tensor ops over a sort of every row:
+    graph-capturable. Greedy rows are their argmax bit for bit."""
+    logp, greedy, hot, sub = _tempered(logits, temperature)
     V = sub.shape[-1]
     ordered, order = sub.sort(dim=-1, descending=True)
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V)).clamp(max=V)
@@ -127,11 +119,8 @@ def truncated_tensors(logits: torch.Tensor, temperature: torch.Tensor, top_k: to
     cum = probs.cumsum(dim=-1)
     drop_sorted = ((cum - probs) >= top_p[:, None]) & (top_p < 1.0)[:, None]
     drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-    sub = sub.masked_fill((sub < kth) | drop, float("-inf"))
-    probs = torch.softmax(sub, dim=-1)
-    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
-    tokens = torch.where(hot, (probs / noise).argmax(dim=-1), greedy)
-    return tokens, logp.gather(1, tokens[:, None])[:, 0]
+    return _race(logp, greedy, hot, sub.masked_fill((sub < kth) | drop, float("-inf")),
+                 generator)
 
 
 def draw_tensors(kind: Draw, logits: torch.Tensor, params: torch.Tensor,
@@ -157,29 +146,7 @@ def draw_params(params: list[SamplingParams], rows: int) -> list[float]:
 
 def greedy_tensors(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy tokens [n] and their logprobs [n] of every row: what ``sample_tensors`` returns
-    for all-greedy params, by the same ops (a D graph captures it with the forward)."""
+    for all-greedy params (a D graph captures it with the forward)."""
     logits = logits.float()
-    return _greedy(logits, torch.log_softmax(logits, dim=-1))
-
-
-def _greedy(logits: torch.Tensor, logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     tokens = logits.argmax(dim=-1)
-    return tokens, logp.gather(1, tokens[:, None])[:, 0]
-
-
-def _top_k(logits: torch.Tensor, ks: list[int]) -> torch.Tensor:
-    V = logits.shape[-1]
-    k = h2d([k if k > 0 else V for k in ks], torch.int64, logits.device)
-    sorted_desc = logits.sort(dim=-1, descending=True).values
-    kth = sorted_desc.gather(1, (k - 1)[:, None])
-    return logits.masked_fill(logits < kth, float("-inf"))
-
-
-def _top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    probs = sorted_logits.softmax(dim=-1)
-    cum = probs.cumsum(dim=-1)
-    # drop a token when the mass strictly before it already reaches top_p (keeps >= 1 token)
-    drop_sorted = (cum - probs) >= top_p[:, None]
-    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
+    return tokens, torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
