@@ -395,12 +395,12 @@ def sweep(dev, gen, models, failed, deadline) -> dict:
 
 
 def _group(t: fm.Tile, group_m: int) -> fm.Tile:
-    return fm.Tile(t.block_m, t.block_n, t.block_k, t.num_warps, t.num_stages, group_m)
+    return fm.Tile(t.block_m, t.block_n, t.block_k, t.num_warps, t.num_stages, group_m, t.tma)
 
 
 def _fmt(t: fm.Tile) -> str:
     return (f"BM{t.block_m} BN{t.block_n} BK{t.block_k} w{t.num_warps} s{t.num_stages}"
-            f" g{t.group_m}")
+            f" g{t.group_m}" + (" tma" if t.tma else ""))
 
 
 # ---------------------------------------------------------------------------- table

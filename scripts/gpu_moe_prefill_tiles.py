@@ -12,6 +12,7 @@ weight copies, median of replays). One CUDA device, torch + triton only.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -30,6 +31,12 @@ FC1 = [fm.TILES[("prefill", "fc1")], T(128, 128, 64, 8, 3, 1), T(128, 128, 64, 8
 FC2 = [fm.TILES[("prefill", "fc2")], T(128, 256, 64, 8, 3, 8), T(128, 256, 64, 8, 4, 8),
        T(256, 128, 64, 8, 3, 8), T(128, 128, 64, 8, 4, 8), T(128, 128, 128, 8, 3, 8),
        T(128, 256, 32, 8, 5, 8), T(128, 128, 64, 8, 5, 8)]
+# the same kernel fed by TMA descriptors (the weights; fc2's contiguous A too): the current
+# tiles and the deeper or wider ones that TMA's freed registers may now afford
+FC1 += [dataclasses.replace(t, tma=True) for t in (FC1[0], FC1[1], FC1[2], FC1[3])] + [
+    T(128, 128, 64, 8, 4, 8, True), T(128, 64, 64, 4, 4, 1, True), T(64, 128, 64, 4, 4, 1, True)]
+FC2 += [dataclasses.replace(t, tma=True) for t in (FC2[0], FC2[1], FC2[2], FC2[4])] + [
+    T(128, 256, 64, 8, 3, 1, True), T(128, 128, 128, 8, 3, 8, True), T(128, 128, 64, 4, 4, 8, True)]
 
 
 def main() -> int:

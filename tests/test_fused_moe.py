@@ -41,6 +41,12 @@ CASES = [
      (T(16, 16, 16, 4, 2), T(16, 16, 16, 4, 2))),
     (40, 4, 32, 4, 32, 32, torch.bfloat16, F.silu, True, 5,  # mostly other ranks' pairs
      (T(16, 32, 32, 4, 2), T(16, 32, 32, 4, 2))),
+    # TMA descriptors for the weights (and fc2's A): ragged F (gate tiles reading into the
+    # up rows, fc2's K tail past the descriptor's end), other ranks' pairs, padding rows
+    (29, 4, 16, 4, 32, 40, torch.bfloat16, F.silu, True, 2,
+     (T(16, 16, 16, 4, 2, 2, True), T(16, 16, 16, 4, 2, 1, True))),
+    (33, 8, 8, 2, 48, 32, torch.bfloat16, F.gelu, False, 0,
+     (T(32, 32, 16, 4, 2, 4, True), T(16, 16, 32, 4, 2, 1, True))),
 ]
 
 
@@ -81,6 +87,8 @@ def _interpreted() -> list[str]:
         dtype, E = x.dtype, fc1.shape[0]
         R = int(offs[-1])
         rows = len(token)
+        if tiles and tiles[0].tma and not fm.tma_usable(x, fc1):
+            fails.append(f"case {i}: the TMA case would run on pointer loads")
         # the two launches by hand, fc2's output poisoned (NaN): every row must be written
         t1, t2 = tiles or (fm.TILES[(fm.regime(rows, E), "fc1")],
                            fm.TILES[(fm.regime(rows, E), "fc2")])

@@ -50,6 +50,11 @@ from colo_rollout.model.kernel_backend import resolve_backend as _resolve
 from colo_rollout.model.kernel_backend import pow2, rne_bf16, smem_per_block
 from colo_rollout.model.fp8 import Fp8Weight, dequantize_rows, quantize_rows
 
+try:  # TMA descriptors (triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - depends on the host
+    TensorDescriptor = None
+
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)  # what "auto" gives the kernel
 # the epilogue's activations (constexpr codes in the kernel); anything else: torch path
 ACTIVATIONS = {F.silu: 1, F.gelu: 2, F.relu: 3}
@@ -69,14 +74,19 @@ class Tile:
     num_warps: int
     num_stages: int
     group_m: int = 1  # row blocks per program group (L2 reuse of a weight tile)
+    # the weight tiles (and fc2's contiguous A tiles) through TMA tensor descriptors instead
+    # of pointer loads (sm90+, bf16/fp16 operands; ``tma_usable``)
+    tma: bool = False
 
 
 # Tile shapes by regime (average pairs per local expert, R / E), one for each GEMM (fc1: the
 # gated 2F x H weight, fc2: H x F). Hard-coded from the H200 sweep of scripts/gpu_fused_moe.py
 # (H 2048, F 1408 / 768, E 64 / 128, top-8, bf16; 30-48 tiles per shape, the pick the least
 # mean slowdown against each shape's best: <= 1.8% in every regime). Decode streams the
-# weights at 3.9-4.3 TB/s with 16-32-row blocks and 32-128 columns; prefill's 128 x 128 tiles
-# (wgmma) reach 43-51% of the bf16 peak at 4096 tokens.
+# weights at 3.9-4.3 TB/s with 16-32-row blocks and 32-128 columns. Prefill's tiles are fed
+# by TMA descriptors (scripts/gpu_moe_prefill_tiles.py, 2026-12-02: 1.09-1.22x the pointer-fed
+# kernel's best, 46-61% of the bf16 peak at 4096-8192 tokens); fc2's 256 columns pay off
+# once its A tiles come through TMA.
 SMALL_ROWS = 1  # R / E at or under this: "small" (decode batches of a few rows)
 DECODE_ROWS = 32  # at or under this: "decode"; above it: "prefill"
 TILES = {
@@ -84,8 +94,8 @@ TILES = {
     ("small", "fc2"): Tile(16, 128, 128, 4, 4),
     ("decode", "fc1"): Tile(16, 64, 128, 4, 3),
     ("decode", "fc2"): Tile(32, 128, 64, 4, 3),
-    ("prefill", "fc1"): Tile(128, 128, 64, 8, 4, 1),
-    ("prefill", "fc2"): Tile(128, 128, 64, 8, 3, 8),
+    ("prefill", "fc1"): Tile(128, 128, 64, 8, 4, 1, True),
+    ("prefill", "fc2"): Tile(128, 256, 64, 8, 4, 8, True),
 }
 
 
@@ -178,7 +188,7 @@ if triton is not None:
         PROB: tl.constexpr, ZERO_TAIL: tl.constexpr, SCATTER: tl.constexpr,
         EVEN_K: tl.constexpr,
         DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, RNE_BF16: tl.constexpr,
-        FP8: tl.constexpr,
+        FP8: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr,
     ):
         pid = tl.program_id(0)
         n_tiles = tl.cdiv(n_out, BLOCK_N)
@@ -215,15 +225,31 @@ if triton is not None:
         else:
             a_rows = rows_m.to(tl.int64)
         offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = A + a_rows[:, None] * stride_am + offs_k[None, :]
         # weight columns wrapped into range (the stores mask them): no mask on the loads
         offs_wn = offs_n % n_out
-        w_ptrs = (W + e.to(tl.int64) * stride_we + offs_wn[None, :] * stride_wn
-                  + offs_k[:, None] * stride_wk)
+        if not A_TMA:
+            a_ptrs = A + a_rows[:, None] * stride_am + offs_k[None, :]
+        if not W_TMA:
+            w_ptrs = (W + e.to(tl.int64) * stride_we + offs_wn[None, :] * stride_wn
+                      + offs_k[:, None] * stride_wk)
+        # TMA: W is a descriptor over the [E * wn, K] rows. A tile's columns past n_out read
+        # the up half's (gate) or the next expert's rows, and fc2's A rows past row_hi the
+        # next expert's pairs -- finite values whose products the stores mask; past the
+        # tensors' ends the descriptor reads zeros
+        w_row = e * (stride_we // stride_wn) + pid_n * BLOCK_N
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, k_dim, BLOCK_K):
-            if EVEN_K:
+            if W_TMA:
+                if A_TMA:
+                    a = A.load([row_lo, k0])
+                elif EVEN_K:
+                    a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
+                else:
+                    kmask = offs_k < k_dim - k0
+                    a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
+                w = W.load([w_row, k0]).T
+            elif EVEN_K:
                 a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
                 w = tl.load(w_ptrs)
             else:
@@ -235,15 +261,19 @@ if triton is not None:
                 w = w.to(tl.float32)
             acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
             if GATED:  # the up projection's rows sit up_off past the gate's
-                if EVEN_K:
+                if W_TMA:
+                    wu = W.load([w_row + n_out, k0]).T
+                elif EVEN_K:
                     wu = tl.load(w_ptrs + up_off)
                 else:
                     wu = tl.load(w_ptrs + up_off, mask=kmask[:, None], other=0.0)
                 if UPCAST:
                     wu = wu.to(tl.float32)
                 acc_up = tl.dot(a, wu, acc_up, input_precision=DOT_PREC)
-            a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K * stride_wk
+            if not A_TMA:
+                a_ptrs += BLOCK_K
+            if not W_TMA:
+                w_ptrs += BLOCK_K * stride_wk
         if FP8:  # row-wise x channel-wise scales of the FP8 operands (model/fp8.py), in fp32
             a_s = tl.load(AScale + a_rows, mask=mmask, other=0.0)
             ws_ptrs = WScale + e.to(tl.int64) * stride_wse + offs_wn
@@ -301,7 +331,7 @@ def fit_tile(tile: Tile, device: torch.device, esize: int, gated: bool) -> Tile:
                 stages -= 1
             else:
                 bk //= 2
-        got = _FIT[key] = Tile(bm, bn, bk, tile.num_warps, stages, tile.group_m)
+        got = _FIT[key] = Tile(bm, bn, bk, tile.num_warps, stages, tile.group_m, tile.tma)
     return got
 
 
@@ -353,8 +383,16 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, rows: int, *,
     sc = scatter if scatter is not None else offs
     a_s = a_scale if fp8 else offs
     w_s = w_scale if fp8 else offs
+    w_tma = tile.tma and tma_usable(a, w)
+    a_tma = w_tma and token is None
+    a_arg, w_arg = a, w
+    if w_tma:
+        w_arg = TensorDescriptor(w, [E * wn, K], [w.stride(1), 1], [tile.block_n, tile.block_k])
+        if a_tma:
+            a_arg = TensorDescriptor(a, [a.shape[0], K], [a.stride(0), 1],
+                                     [tile.block_m, tile.block_k])
     _moe_gemm_kernel[grid](
-        a, tok, w, offs, pr, out, sc, a_s, w_s,
+        a_arg, tok, w_arg, offs, pr, out, sc, a_s, w_s,
         rows, m_blocks, tile.group_m, n_out, K, E,
         a.stride(0), tok.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
         pr.stride(0), n_out * w.stride(1), w_s.stride(0) if fp8 else 0,
@@ -363,9 +401,24 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, rows: int, *,
         PROB=prob is not None, ZERO_TAIL=zero_tail, SCATTER=scatter is not None,
         EVEN_K=K % tile.block_k == 0,
         DOT_PREC=prec, UPCAST=upcast, RNE_BF16=upcast and out.dtype == torch.bfloat16,
-        FP8=fp8, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        FP8=fp8, W_TMA=w_tma, A_TMA=a_tma, num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
     )
     return out
+
+
+def tma_usable(a: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether TMA descriptors can feed this GEMM: triton has them, the device is sm90+ (or
+    the interpreter's CPU tensors), 16-bit operands, the weight stack one [E * wn, K] block
+    of rows, and every row 16-byte aligned (TMA's rule for base and strides)."""
+    if TensorDescriptor is None or a.dtype not in KERNEL_DTYPES or w.dtype != a.dtype:
+        return False
+    if a.is_cuda and torch.cuda.get_device_capability(a.device)[0] < 9:
+        return False
+    E, wn, K = w.shape
+    rows_ok = w.stride(0) == wn * w.stride(1) and a.stride(-1) == 1
+    aligned = all(v * a.element_size() % 16 == 0 for v in (w.stride(1), a.stride(0)))
+    return (rows_ok and aligned and w.data_ptr() % 16 == 0 and a.data_ptr() % 16 == 0)
 
 
 def triton_experts(x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor,

@@ -50,6 +50,7 @@ from colo_rollout.model.fused_moe import (
 )
 from colo_rollout.model.fp8 import Fp8Weight, fp8_linear
 from colo_rollout.model.moe_align import align
+from colo_rollout.model import router_topk
 
 # The partial MoE outputs are summed over experts and reduced across ranks in fp32 and rounded
 # to the model dtype once, after the combine collective -- as megatron's token dispatchers do
@@ -130,6 +131,7 @@ class GatherMoE(torch.nn.Module):
         self._use_grouped: dict[tuple, bool] = {}  # (device, dtype) -> decision (constant)
         self._kernel: dict[tuple, str] = {}  # (device, dtype) -> expert GEMM backend
         self._ids: torch.Tensor | None = None
+        self._use_fused_topk: dict[torch.device, bool] = {}  # device -> decision (constant)
         # model.fp8 (set by the model): the routed experts' GEMMs take FP8 copies of the
         # stacks (``fp8_weights``, re-quantised by ``refresh_fp8`` after every weight write)
         self.fp8 = False
@@ -215,12 +217,31 @@ class GatherMoE(torch.nn.Module):
             return probs.gather(1, chosen), chosen
         r._maintain_float32_expert_bias()
         c = self.config
+        if self._fused_topk(x):  # one launch for top-k + softmax (model/router_topk.py)
+            return router_topk.softmax_topk(
+                self._gate_logits(x), self.topk, pre_softmax=c.moe_router_pre_softmax,
+                scaling_factor=c.moe_router_topk_scaling_factor)
         return topk_routing_with_score_function(
             self._gate_logits(x), self.topk, use_pre_softmax=c.moe_router_pre_softmax,
             num_groups=c.moe_router_num_groups, group_topk=c.moe_router_group_topk,
             scaling_factor=c.moe_router_topk_scaling_factor, score_function=r.score_function,
             expert_bias=r.expert_bias, fused=False, router_replay=r.router_replay,
             dense_output=True)
+
+    def _fused_topk(self, x: torch.Tensor) -> bool:
+        """Whether the dense routing's top-k and softmax run as router_topk's one kernel:
+        the Triton expert path on CUDA, a router it computes (softmax, no groups, bias or
+        replay), fp32 router logits (megatron's ``moe_router_dtype: fp32``)."""
+        got = self._use_fused_topk.get(x.device)
+        if got is None:
+            r, c = self.router, self.config
+            got = (x.is_cuda and self.kernel_for(x) == "triton"
+                   and c.moe_router_dtype == "fp32"
+                   and router_topk.supports(r.score_function, c.moe_router_num_groups,
+                                            c.moe_router_group_topk, r.expert_bias,
+                                            r.router_replay, self.topk, self.num_experts))
+            self._use_fused_topk[x.device] = got
+        return got
 
     def _gate_logits(self, x: torch.Tensor) -> torch.Tensor:
         """The router's fp32 logits [N, E]. On CUDA, for a bias-free gate whose weight has
