@@ -195,6 +195,14 @@ class Dispatcher(abc.ABC):
         return self.combine(local_experts(moe, inputs), handle)
 
 
+def _counts(dest: torch.Tensor, size: int) -> torch.Tensor:
+    """How many of ``dest``'s entries name each of 0..size-1 (int64 [size]): torch.bincount's
+    result without its host read of the maximum (CUDA's bincount syncs), so a D graph can
+    capture it."""
+    return torch.zeros(size, dtype=torch.int64, device=dest.device).scatter_add_(
+        0, dest, torch.ones_like(dest, dtype=torch.int64))
+
+
 def _meta(inp_expert: torch.Tensor, inp_weight: torch.Tensor) -> torch.Tensor:
     """[R, 2] fp32: the local expert id (exact in fp32) and the probability, one collective."""
     return torch.stack([inp_expert.to(torch.float32), inp_weight.to(torch.float32)], dim=1)
@@ -229,7 +237,7 @@ class PaddedAllToAll(Dispatcher):
                                f"{self.worst_case(n)}: its overflow check reads the host and "
                                "cannot be captured in a D graph")
         dest = (chosen // E).flatten()  # [n*k] peer (EP index) of each (token, slot) pair
-        counts = torch.bincount(dest, minlength=S)  # [S]
+        counts = _counts(dest, S)  # [S]
         sorted_dest, order = torch.sort(dest, stable=True)
         starts = torch.cumsum(counts, 0) - counts
         pos = torch.empty_like(order)
@@ -311,7 +319,7 @@ class VariableAllToAll(Dispatcher):
         st, E = self.state, self.num_local
         n, k = chosen.shape
         dest = (chosen // E).flatten()
-        counts = torch.bincount(dest, minlength=st.size)
+        counts = _counts(dest, st.size)
         recv = st.all_to_all(torch.empty_like(counts), counts)
         order = torch.sort(dest, stable=True).indices
         return CountNotice(counts, recv, order, n, k)
