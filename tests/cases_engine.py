@@ -747,17 +747,25 @@ def prefill_graph_data_path(rank: int, world: int, adp: int, ep: int) -> dict:
     """P's MoE graphs without the capture (CPU): a subclass whose 'graph' runs the captured
     function eagerly on the shared buffers exercises everything else -- bucket choice, the
     input copy over stale rows, the row count, padding given to no expert, the output view,
-    the fallback past capacity -- against the modules, per layer and through a whole engine."""
+    the fallback past capacity -- against the modules, per layer and through a whole engine.
+    Both kinds: the partial everywhere, the new residual (the slots summed into h inside the
+    graph) where the model takes that path (one rank), against ``ModulesMoE``."""
     from types import SimpleNamespace
 
+    from colo_rollout.model.model import ModulesMoE
     from colo_rollout.worker.prefill_graph import PrefillMoEGraphs
 
     class EagerReplay(PrefillMoEGraphs):
-        def _capture(self, i, T):
-            g = SimpleNamespace(replay=lambda: self._block(i, T))
-            self._graphs[(i, T)] = g
+        def _capture(self, kind, i, T):
+            self._out(kind)
+            g = SimpleNamespace(replay=lambda: self._block(kind, i, T))
+            self._graphs[(kind, i, T)] = g
             self.captures += 1
             return g
+
+        def _replay(self, kind, i, h):
+            self.kinds.append(kind)
+            return super()._replay(kind, i, h)
 
     cfg = tiny_config(world, adp, ep, model_kw={"moe_compute": "grouped"}, max_batch_size=4,
                       decode_buckets=[1, 2, 4])
@@ -766,23 +774,35 @@ def prefill_graph_data_path(rank: int, world: int, adp: int, ep: int) -> dict:
     engine = Engine(cfg, groups, random_state_dict(cfg.model))
     model = engine.model
     graphs = EagerReplay(model, max_tokens=100, capture_stream=None)
+    graphs.kinds = []  # the kind of every replay, in order
     gen = torch.Generator().manual_seed(11)
-    worst = 0.0
+    modules = ModulesMoE(model)
+    worst = worst_residual = 0.0
+    residual_layers = set()
     for n in (1, 33, 100, 7, 130):  # 130: past capacity, the modules
         for i in range(cfg.model.num_layers):
             h = torch.randn(n, cfg.model.hidden_size, generator=gen)
-            worst = max(worst, (graphs.moe(i, h) - model.moe_block(i, h)).abs().max().item())
+            with torch.inference_mode():  # as P runs them
+                d = (graphs.partial(i, h) - modules.partial(i, h)).abs().max()
+                worst = max(worst, d.item())
+                if model.p_moe_into_residual(i, h):
+                    residual_layers.add(i)
+                    d = (graphs.residual(i, h).float() - modules.residual(i, h).float()).abs()
+                    worst_residual = max(worst_residual, d.max().item())
     keys = graphs.keys
     requests = mixed_requests(6, 4, cfg.model.vocab_size)
     eager = engine.generate(requests)
     engine.runner.prefill_graphs = graphs
-    replays = graphs.replays
+    replays, kinds = graphs.replays, len(graphs.kinds)
     graphed = engine.generate([Request(f"g{r.request_id}", r.prompt, r.params)
                                for r in requests])
     same = all(eager[r.request_id].tokens == graphed[f"g{r.request_id}"].tokens
                and eager[r.request_id].logprobs == graphed[f"g{r.request_id}"].logprobs
                for r in requests)
-    return {"max_diff": worst, "keys": keys, "engine_replays": graphs.replays - replays,
+    return {"max_diff": worst, "max_diff_residual": worst_residual,
+            "residual_layers": sorted(residual_layers), "keys": keys,
+            "engine_kinds": sorted(set(graphs.kinds[kinds:])),
+            "engine_replays": graphs.replays - replays,
             "engine_same": same}
 
 

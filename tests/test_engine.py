@@ -67,8 +67,23 @@ def test_prefill_graph_data_path_equals_the_modules(worker_groups):
     for r in res:
         assert r["max_diff"] < 1e-5
         # buckets 32, 48 (for 33) and the 100-token cap, per layer; none for the 130-token step
-        assert r["keys"] == [(i, T) for i in range(2) for T in (32, 48, 100)]
+        assert r["keys"] == [("partial", i, T) for i in range(2) for T in (32, 48, 100)]
+        assert r["residual_layers"] == []  # two ranks: the combine is an AllReduce
+        assert r["engine_kinds"] == ["partial"]
         assert r["engine_replays"] > 0 and r["engine_same"]
+
+
+def test_one_rank_prefill_graphs_sum_the_slots_into_the_residual(worker_groups):
+    # one rank, no shared experts: P's combine is the identity, so the graph returns the new
+    # residual (the slots summed into h in one kernel) -- the same numbers as the modules'
+    r = worker_groups(1).run(f"{CASES}:prefill_graph_data_path", adp=1, ep=1)[0]
+    assert r["max_diff"] < 1e-5
+    assert r["residual_layers"] == [0, 1] and r["max_diff_residual"] < 1e-5  # bucket-sized GEMMs
+    assert r["keys"] == sorted((kind, i, T) for kind in ("partial", "residual")
+                               for i in range(2) for T in (32, 48, 100))
+    # the engine's P steps take the residual graphs only
+    assert r["engine_kinds"] == ["residual"]
+    assert r["engine_replays"] > 0 and r["engine_same"]
 
 
 def test_stall_dump_prints_each_ranks_stacks_from_a_slow_step(worker_groups):

@@ -48,13 +48,22 @@ class GatherComm:
     # ---- P: sum-len, zero-filled global buffer + full-group AllReduce -------------------------
     def p_gather(self, partial: torch.Tensor, row_offset: int, total_rows: int) -> torch.Tensor:
         """Sum over ranks of ``partial`` placed at rows [row_offset, row_offset+len) of a
-        zero [total_rows, ...] buffer. Every rank of the world must call it with the same total."""
+        zero [total_rows, ...] buffer. Every rank of the world must call it with the same total.
+        One rank: ``partial`` itself (counted as a collective all the same)."""
+        if self.world == 1:
+            self.p_collectives += 1
+            return partial
         buf = partial.new_zeros((total_rows, *partial.shape[1:]))
         buf[row_offset : row_offset + partial.shape[0]] = partial
         return self.p_allreduce(buf)
 
     def p_allreduce(self, x: torch.Tensor) -> torch.Tensor:
+        """In place over ``full_p``; one rank: the identity, launching nothing (a one-rank
+        NCCL AllReduce still costs c10d's host path and cross-stream event waits on the GPU:
+        docs/benchmarks.md, session 15)."""
         self.p_collectives += 1
+        if self.world == 1:
+            return x
         if self.route is None:
             dist.all_reduce(x, group=self.groups.full_p)
         else:

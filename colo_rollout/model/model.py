@@ -25,8 +25,9 @@ than through ``GatherComm`` or a dispatcher (model/dispatch.py, ``model.moe_disp
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -70,8 +71,32 @@ from colo_rollout.model.mtp import (
 from colo_rollout.runtime.parallel import ParallelGroups
 from colo_rollout.model.weights import DTYPES, load_sharded, mtp_is_moe, to_spec_names
 
-# (layer index, residual stream [N, H]) -> this rank's fp32 MoE partial [N, H]
-MoEBlock = Callable[[int, torch.Tensor], torch.Tensor]
+class MoEBlock(Protocol):
+    """How P computes MoE layer i's routed experts on the residual stream h [N, H] (every
+    replica's rows): the modules (``ModulesMoE``, the default) or the P graphs' replays
+    (worker/prefill_graph.py)."""
+
+    def partial(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        """This rank's fp32 partial [N, H], which P's combine collective sums."""
+
+    def residual(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        """h + the k slots' fp32 sum rounded to h's dtype (model/residual.py:
+        ``add_rounded_slots``), where the combine is the identity
+        (``InferenceGPT.p_moe_into_residual``)."""
+
+
+@dataclass(frozen=True)
+class ModulesMoE:
+    """P's MoE blocks computed by the model's modules (no graphs)."""
+
+    model: "InferenceGPT"
+
+    def partial(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        return self.model.moe_block(i, h)
+
+    def residual(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        return add_rounded_slots(h, self.model.moe_block(i, h, pairs=True),
+                                 self.model.residual_kernel)
 
 
 
@@ -533,6 +558,14 @@ class InferenceGPT(torch.nn.Module):
                                                                               h.shape[0]),
                          pairs=pairs)
 
+    def p_moe_into_residual(self, i: int, h: torch.Tensor) -> bool:
+        """Whether P's MoE layer i on the residual stream h goes through
+        ``MoEBlock.residual`` (the slots summed straight into h) rather than a partial and
+        P's combine: the gather backend where ``_slots_into_residual`` holds."""
+        layer = self.decoder.layers[i]
+        return (self.dispatch_p is None and layer.is_moe
+                and self._slots_into_residual(layer.mlp, h))
+
     def _slots_into_residual(self, mlp: GatherMoE, x: torch.Tensor) -> bool:
         """Whether an MoE layer's k slots go straight into the residual stream (model/
         residual.py: ``add_rounded_slots``, one launch for the slot sum and the add): its
@@ -582,7 +615,7 @@ class InferenceGPT(torch.nn.Module):
             return (yield from self._forward_prefill_own(inp, kv))
         if self.mtp_draft and sample is None:
             raise ValueError("an MTP-drafting P needs the sampler (sample=)")
-        return (yield from self._forward_prefill(inp, kv, moe or self.moe_block,
+        return (yield from self._forward_prefill(inp, kv, moe or ModulesMoE(self),
                                                  sample if self.mtp_draft else None))
 
     @property
@@ -673,17 +706,14 @@ class InferenceGPT(torch.nn.Module):
         h = comm.p_gather(emb_partial, off, total)
         own = slice(off, off + n_local)
         for i, layer in enumerate(self.decoder.layers):
-            slots = dispatch = False
-            if layer.is_moe:
-                # one rank and the modules' own block (not a P graph's replay): the unsummed
-                # slots, summed into h after the boundary, and no AllReduce over one rank
-                slots = (self.dispatch_p is None and moe == self.moe_block
-                         and self._slots_into_residual(layer.mlp, h))
-                dispatch = self.dispatch_p is not None
+            # one rank, no shared experts: the unsummed slots summed straight into h (no
+            # fp32 partial, no combine over one rank)
+            slots = self.p_moe_into_residual(i, h)
+            dispatch = layer.is_moe and self.dispatch_p is not None
             h, boundary = yield from self.prefill_layer(
                 layer, i, h, rope, inp, kv, own, total, boundary,
-                (lambda x, i=i, slots=slots: self.moe_block(i, x, pairs=True) if slots
-                 else moe(i, x)), dispatch=dispatch, slots=slots, trace=True)
+                (lambda x, i=i: moe.residual(i, x)) if slots else (lambda x, i=i: moe.partial(i, x)),
+                dispatch=dispatch, slots=slots, trace=True)
         if sample is not None:  # every row's normed output: the MTP layer reads them all
             hidden_all = self.decoder.final_layernorm(h)
             last = hidden_all[inp.last_rows]
@@ -760,7 +790,7 @@ class InferenceGPT(torch.nn.Module):
         rank, this replica's at ``own``. Attention on this replica's rows (KV of layer
         ``kv_layer``), gathered; then the MLP half: a dense MLP on this replica's rows,
         gathered; or the MoE -- ``moe_partial(h)`` (fp32 partial [T, H]; with ``slots`` the
-        unsummed [T, k, H] slots, added into h without a collective), or with ``dispatch``
+        new residual, the k slots summed into h without a collective), or with ``dispatch``
         this rank's share of the rows through P's dispatcher (one more boundary, at its
         split) -- plus the shared experts on this replica's rows, reduced by P's AllReduce.
         ``trace``: append the residual stream after each half (model.trace). Returns
@@ -785,8 +815,8 @@ class InferenceGPT(torch.nn.Module):
                 layer.mlp.add_shared(partial[own], layer.pre_mlp_layernorm(h[own]))
             yield boundary
             boundary += 1
-            if slots:
-                h = add_rounded_slots(h, partial, self.residual_kernel)
+            if slots:  # moe_partial gave the new residual already
+                h = partial
             else:  # fp32 combine, round
                 h = add_rounded(h, comm.p_allreduce(partial), self.residual_kernel)
         else:  # dense MLP on this replica's rows, gathered like attention

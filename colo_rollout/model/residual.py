@@ -60,19 +60,27 @@ def slot_sum(pairs: torch.Tensor) -> torch.Tensor:
     return acc
 
 
-def add_rounded_slots(res: torch.Tensor, pairs: torch.Tensor,
-                      backend: str = "torch") -> torch.Tensor:
+def add_rounded_slots(res: torch.Tensor, pairs: torch.Tensor, backend: str = "torch",
+                      out: torch.Tensor | None = None) -> torch.Tensor:
     """res [n, H] (model dtype) + the fp32 sum of pairs [n, k, H] over k rounded to res's
-    dtype -> a new tensor: ``add_rounded(res, slot_sum(pairs))``. ``backend`` "triton": one
-    kernel where it applies (bf16/fp16, contiguous, pairs in res's dtype)."""
+    dtype -> a new tensor (or ``out``, [n, H] contiguous in res's dtype: a P graph's shared
+    output rows): ``add_rounded(res, slot_sum(pairs))``. ``backend`` "triton": one kernel
+    where it applies (bf16/fp16, contiguous, pairs in res's dtype)."""
     n, H = res.shape
     if pairs.dim() != 3 or pairs.shape[0] != n or pairs.shape[2] != H or pairs.shape[1] < 1:
         raise ValueError(f"add_rounded_slots: pairs {tuple(pairs.shape)} do not match "
                          f"res {tuple(res.shape)} as [n, k, H]")
+    if out is not None and (out.shape != res.shape or out.dtype != res.dtype
+                            or not out.is_contiguous()):
+        raise ValueError(f"add_rounded_slots: out {tuple(out.shape)} {out.dtype} is not "
+                         f"res's {tuple(res.shape)} {res.dtype}, contiguous")
     if (backend != "triton" or pairs.dtype != res.dtype or res.dtype not in _KERNEL_DTYPES
             or not (res.is_contiguous() and pairs.is_contiguous())):
-        return res + slot_sum(pairs).to(res.dtype)
-    out = torch.empty_like(res)
+        if out is None:
+            return res + slot_sum(pairs).to(res.dtype)
+        return torch.add(res, slot_sum(pairs).to(res.dtype), out=out)
+    if out is None:
+        out = torch.empty_like(res)
     if n and H:
         # a 2-D grid (row, column block): no division per element, and at decode (n = 1) a
         # handful of programs; k is a constant of the model, so the slot loop unrolls

@@ -11,15 +11,19 @@ without any cross-rank agreement, and a P segment then enqueues one replay per l
 Attention stays eager: its batched calls are shaped by the epoch's context buckets, which a
 static graph cannot follow.
 
-Owns: one input buffer [max_tokens, H] (model dtype), one output buffer [max_tokens, H]
-(fp32, the combine dtype) and one row-count scalar, all shared by every graph -- graph g of
-bucket T reads and writes rows [:T] of them -- and a private memory pool.
+Owns: one input buffer [max_tokens, H] (model dtype), an output buffer [max_tokens, H] per
+kind of graph -- "partial": fp32, the combine dtype, summed by P's AllReduce; "residual"
+(the combine is the identity: one rank, no shared experts): the model dtype, the new residual
+rows, the k slots summed into the input inside the graph -- and one row-count scalar, all
+shared by every graph (graph g of bucket T reads and writes rows [:T] of them), and a
+private memory pool.
 
 Invariants:
   * Shared buffers are safe because every replay, its input copy and the consumers of its
     output are on P's stream, in order: a layer's combine AllReduce (in place on the output
     rows; routed collectives hand back with an event edge) and the residual add that reads
-    it are enqueued before the next layer's input copy and replay.
+    it -- or, for a residual graph, the next layer's norm and attention residual add, which
+    make a new tensor -- are enqueued before the next layer's input copy and replay.
   * Rows [n:T] of a bucket are padding (stale activations of earlier epochs, always finite):
     the grouped experts exclude rows >= n from every expert group (``GatherMoE(n_valid=)``),
     so padding costs router and norm work only, and the returned rows [:n] are those the
@@ -36,6 +40,8 @@ Invariants:
 from __future__ import annotations
 
 import torch
+
+from colo_rollout.model.residual import add_rounded_slots
 
 MIN_TOKENS = 32  # smallest token bucket
 # Largest P step (tokens over all replicas) that replays graphs; larger steps run the modules.
@@ -68,6 +74,11 @@ def token_buckets(max_tokens: int) -> list[int]:
 
 
 class PrefillMoEGraphs:
+    """P's MoE blocks as graph replays; a ``MoEBlock`` (model/model.py): ``partial`` (this
+    rank's fp32 partial, which P's combine collective sums) and ``residual`` (the new residual
+    stream: the k slots summed into h inside the graph, where the combine is the identity --
+    ``InferenceGPT.p_moe_into_residual``). Graphs are kept per (kind, layer, bucket)."""
+
     def __init__(self, model, max_tokens: int, capture_stream: torch.cuda.Stream) -> None:
         self.model = model
         self.max_tokens = max_tokens
@@ -75,45 +86,73 @@ class PrefillMoEGraphs:
         self.device = model.device
         H = model.cfg.hidden_size
         self._in = torch.zeros(max_tokens, H, dtype=model.dtype, device=self.device)
-        self._out = torch.zeros(max_tokens, H, dtype=torch.float32, device=self.device)
+        # the outputs, made at a kind's first use (a one-rank model needs only "residual")
+        self._outs: dict[str, torch.Tensor] = {}
+        self._out_dtypes = {"partial": torch.float32, "residual": model.dtype}
         self._n = torch.zeros((), dtype=torch.int64, device=self.device)
-        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[str, int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None  # made at the first capture (a fresh one after release)
         self.captures = 0
         self.replays = 0
 
-    def moe(self, i: int, h: torch.Tensor) -> torch.Tensor:
+    def partial(self, i: int, h: torch.Tensor) -> torch.Tensor:
         """MoE layer i's routed experts on h [n, H] -> this rank's fp32 partial [n, H] (a view
         of the shared output buffer: consume it on this stream before the next replay; the
         caller may add its shared-expert rows into it in place)."""
-        n = h.shape[0]
-        if n > self.max_tokens:  # larger than any bucket: the modules themselves
+        if h.shape[0] > self.max_tokens:  # larger than any bucket: the modules themselves
             return self.model.moe_block(i, h)
+        return self._replay("partial", i, h)
+
+    def residual(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        """h [n, H] + MoE layer i's k slots summed and rounded -> the new residual rows [n, H]
+        (a view of the shared output buffer: consume it on this stream before the next
+        replay). Saves the partial's fp32 sum, its copy out of the graph and the add that
+        reads it back: one kernel over the slots, inside the graph."""
+        if h.shape[0] > self.max_tokens:
+            m = self.model
+            return add_rounded_slots(h, m.moe_block(i, h, pairs=True), m.residual_kernel)
+        return self._replay("residual", i, h)
+
+    def _replay(self, kind: str, i: int, h: torch.Tensor) -> torch.Tensor:
+        n = h.shape[0]
         T = token_bucket(n, self.max_tokens)
-        g = self._graphs.get((i, T))
+        g = self._graphs.get((kind, i, T))
         if g is None:
-            g = self._capture(i, T)
+            g = self._capture(kind, i, T)
         self._in[:n].copy_(h)
         self._n.fill_(n)
         g.replay()
         self.replays += 1
-        return self._out[:n]
+        return self._outs[kind][:n]
 
-    def _block(self, i: int, T: int) -> None:
-        layer = self.model.decoder.layers[i]
-        x = layer.pre_mlp_layernorm(self._in[:T])
-        self._out[:T].copy_(layer.mlp(x, n_valid=self._n,
-                                      record=self.model.route_record("P", i, T)))
+    def _out(self, kind: str) -> torch.Tensor:
+        if kind not in self._outs:
+            self._outs[kind] = torch.zeros(self.max_tokens, self._in.shape[1],
+                                           dtype=self._out_dtypes[kind], device=self.device)
+        return self._outs[kind]
+
+    def _block(self, kind: str, i: int, T: int) -> None:
+        m = self.model
+        layer = m.decoder.layers[i]
+        h = self._in[:T]
+        x = layer.pre_mlp_layernorm(h)
+        record = m.route_record("P", i, T)
+        if kind == "partial":
+            self._out(kind)[:T].copy_(layer.mlp(x, n_valid=self._n, record=record))
+        else:  # padding rows' slots are zero (given to no expert): their sums stay finite
+            pairs = layer.mlp(x, n_valid=self._n, record=record, pairs=True)
+            add_rounded_slots(h, pairs, m.residual_kernel, out=self._out(kind)[:T])
 
     @torch.inference_mode()
-    def _capture(self, i: int, T: int) -> torch.cuda.CUDAGraph:
+    def _capture(self, kind: str, i: int, T: int) -> torch.cuda.CUDAGraph:
         stream = torch.cuda.current_stream()
         side = self.capture_stream
         side.wait_stream(stream)
+        self._out(kind)  # outside the capture: the shared buffer is not the pool's
         with torch.cuda.stream(side):  # warm-up outside capture (allocator, lazy inits)
             self._n.fill_(T)
             for _ in range(2):
-                self._block(i, T)
+                self._block(kind, i, T)
         stream.wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -125,11 +164,11 @@ class PrefillMoEGraphs:
         with torch.cuda.stream(side):
             g.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:
-                self._block(i, T)
+                self._block(kind, i, T)
             finally:
                 g.capture_end()
         stream.wait_stream(side)
-        self._graphs[(i, T)] = g
+        self._graphs[(kind, i, T)] = g
         self.captures += 1
         return g
 
@@ -140,8 +179,12 @@ class PrefillMoEGraphs:
         before = self.captures
         for T in token_buckets(limit):
             for i, layer in enumerate(self.model.decoder.layers):
-                if layer.is_moe and (i, T) not in self._graphs:
-                    self._capture(i, T)
+                if not layer.is_moe:
+                    continue
+                kind = ("residual" if self.model.p_moe_into_residual(i, self._in[:T])
+                        else "partial")
+                if (kind, i, T) not in self._graphs:
+                    self._capture(kind, i, T)
         return self.captures - before
 
     def release(self) -> None:

@@ -206,7 +206,7 @@ class ModelRunner:
     def _moe_block(self):
         """How P computes its MoE blocks: graph replay where there are P graphs and the step
         fits them, else the modules (None)."""
-        return self.prefill_graphs.moe if self.prefill_graphs is not None else None
+        return self.prefill_graphs
 
     def run(self, plan: StepPlan) -> PendingSampled:
         """Normal mode: the whole plan (one P epoch or one D iteration)."""

@@ -1,0 +1,192 @@
+"""Where a P step's GPU sits idle (diagnosis for issue 16's prefill target).
+
+  torchrun --standalone --nproc-per-node 1 scripts/gpu_prefill_timeline.py CONFIG [--tokens 4096] [--json PATH]
+
+Builds bench-speed's one-rank engine on CONFIG (random weights), times one fresh prefill of
+``--tokens`` tokens as bench-speed does (graphs as configured), then records two more steps
+under torch.profiler (CPU ops and CUDA kernels, graph replays included) and reads the trace:
+
+  * the step's wall time, the union of its kernels' intervals (GPU busy) and the rest (idle);
+  * the idle time before the first kernel (host preparation of the step), between kernels,
+    and after the last one (the host's read-back of the sampled tokens);
+  * every idle interval between kernels charged to the host op that launched the kernel
+    after it (the innermost CPU op around that kernel's launch call): which launches come
+    late, summed over the step;
+  * the kernels by name (count, total us) -- the same list bench-speed's JSON has.
+
+Owns nothing of the engine. Plain numbers on stdout (and the JSON with --json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import collections
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import sys
+import tempfile
+
+import torch
+
+
+def _events(trace: dict) -> tuple[list, list, dict]:
+    """(kernels, cpu ops, launch calls by correlation id) of a chrome trace."""
+    kernels, ops, launches = [], [], {}
+    for ev in trace.get("traceEvents", []):
+        if ev.get("ph") != "X":
+            continue
+        cat = ev.get("cat", "")
+        if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
+            kernels.append(ev)
+        elif cat in ("cpu_op", "user_annotation", "python_function"):
+            ops.append(ev)
+        elif cat == "cuda_runtime" or cat == "cuda_driver":
+            corr = ev.get("args", {}).get("correlation")
+            if corr is not None:
+                launches[corr] = ev
+    kernels.sort(key=lambda e: e["ts"])
+    ops.sort(key=lambda e: e["ts"])
+    return kernels, ops, launches
+
+
+def _innermost(ops: list, starts: list, ts: float, tid) -> str:
+    """Name of the innermost CPU op on thread ``tid`` whose span holds ``ts``: nested ops
+    start after their parents, so it is the latest-starting op that holds it."""
+    for i in range(bisect.bisect_right(starts, ts) - 1, -1, -1):
+        op = ops[i]
+        if op.get("tid") == tid and ts <= op["ts"] + op["dur"]:
+            return op["name"]
+    return "(no op)"
+
+
+def analyse(trace: dict, steps: int) -> dict:
+    kernels, ops, launches = _events(trace)
+    starts = [op["ts"] for op in ops]
+    marks = [op for op in ops if op["name"].startswith("timeline.step")]
+    out = {"steps": []}
+    for mark in marks:
+        t0, t1 = mark["ts"], mark["ts"] + mark["dur"]
+        ks = [k for k in kernels if t0 <= k["ts"] <= t1]
+        if not ks:
+            continue
+        busy, end, idle_between = 0.0, ks[0]["ts"], collections.Counter()
+        gaps = []
+        for k in ks:
+            s, e = k["ts"], k["ts"] + k["dur"]
+            if s > end:
+                gap = s - end
+                corr = k.get("args", {}).get("correlation")
+                launch = launches.get(corr)
+                who = (_innermost(ops, starts, launch["ts"], launch.get("tid")) if launch is not None
+                       else f"(graph node) {k['name'][:40]}")
+                idle_between[who] += gap
+                gaps.append(gap)
+                busy += e - s
+                end = e
+            elif e > end:
+                busy += e - end
+                end = e
+        runtime = collections.defaultdict(lambda: [0, 0.0, 0.0])
+        for ev in launches.values():
+            if t0 <= ev["ts"] <= t1:
+                r = runtime[ev["name"]]
+                r[0] += 1
+                r[1] += ev["dur"]
+                r[2] = max(r[2], ev["dur"])
+        by_kernel = collections.defaultdict(lambda: [0, 0.0])
+        for k in ks:
+            by_kernel[k["name"][:90]][0] += 1
+            by_kernel[k["name"][:90]][1] += k["dur"]
+        out["steps"].append({
+            "wall_us": t1 - t0, "busy_us": busy, "kernels": len(ks),
+            "before_first_us": ks[0]["ts"] - t0, "after_last_us": t1 - end,
+            "between_us": sum(idle_between.values()),
+            "gaps_over_20us": sum(1 for g in gaps if g > 20),
+            "idle_by_launcher_us": dict(idle_between.most_common(25)),
+            "runtime_calls": dict(sorted(runtime.items(), key=lambda kv: -kv[1][1])[:12]),
+            "kernels_by_name": dict(sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:30]),
+        })
+    return out
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("config")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--seqs", type=int, default=1)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from colo_rollout.config import load_config
+    from colo_rollout.runtime.parallel import init_parallel
+    from colo_rollout.tools.bench_speed import _Bench, prefill_plan
+
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    cfg = load_config(args.config, {"bench_speed.hf_peer": False})
+    groups = init_parallel(cfg.parallel)
+    bench = _Bench(cfg, groups)
+    try:
+        n = args.tokens // args.seqs
+        plan = prefill_plan([(0, n)] * args.seqs, bench.rng, cfg.model.vocab_size,
+                            cfg.engine.kv_block_size)
+        times = bench.timed(plan, 5)
+        steps = 2
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for i in range(steps):
+                with record_function(f"timeline.step{i}"):
+                    bench.step(plan)
+                    bench.sync()
+        prof_host = cProfile.Profile()
+        prof_host.enable()
+        for _ in range(3):
+            bench.step(plan)
+            bench.sync()
+        prof_host.disable()
+        with tempfile.NamedTemporaryFile("r", suffix=".json") as f:
+            prof.export_chrome_trace(f.name)
+            trace = json.load(open(f.name))
+    finally:
+        bench.close()
+    res = analyse(trace, steps)
+    res["config"], res["tokens"], res["seqs"] = args.config, args.tokens, args.seqs
+    res["timed_ms"] = [1e3 * t for t in times]
+    print(f"{args.config}: prefill {args.seqs} x {n}, timed step median "
+          f"{1e3 * statistics.median(times):.2f} ms")
+    for s in res["steps"]:
+        print(f"  profiled step: wall {s['wall_us'] / 1e3:.2f} ms, busy {s['busy_us'] / 1e3:.2f}, "
+              f"{s['kernels']} kernels; idle before first {s['before_first_us'] / 1e3:.2f}, "
+              f"between {s['between_us'] / 1e3:.2f} ({s['gaps_over_20us']} gaps > 20 us), "
+              f"after last {s['after_last_us'] / 1e3:.2f}")
+    if not res["steps"]:
+        print("  no CUDA kernel in the trace (a CPU run, or CUPTI unavailable)")
+        return 0
+    s = res["steps"][-1]
+    print("  idle between kernels, by the host op launching the kernel after the gap (us):")
+    for who, us in s["idle_by_launcher_us"].items():
+        print(f"    {us:9.1f}  {who}")
+    print("  CUDA runtime calls (count, total us, max us):")
+    for name, (c, us, mx) in s["runtime_calls"].items():
+        print(f"    {c:5d} {us:10.1f} {mx:9.1f}  {name}")
+    print("  host functions of 3 steps by own time (cProfile):")
+    buf = io.StringIO()
+    pstats.Stats(prof_host, stream=buf).sort_stats("tottime").print_stats(18)
+    print("\n".join("    " + ln for ln in buf.getvalue().splitlines()
+                    if ln.strip() and not ln.startswith(("   Ordered", "   List"))))
+    print("  kernels by name (count, us):")
+    for name, (c, us) in s["kernels_by_name"].items():
+        print(f"    {c:5d} {us:10.1f}  {name}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
