@@ -75,7 +75,7 @@ def analyse(trace: dict, steps: int) -> dict:
         if not ks:
             continue
         busy, end, idle_between = 0.0, ks[0]["ts"], collections.Counter()
-        gaps = []
+        gaps, detail, prev_name = [], [], ""
         for k in ks:
             s, e = k["ts"], k["ts"] + k["dur"]
             if s > end:
@@ -86,11 +86,17 @@ def analyse(trace: dict, steps: int) -> dict:
                        else f"(graph node) {k['name'][:40]}")
                 idle_between[who] += gap
                 gaps.append(gap)
+                # lag > 0: the launch call came after the GPU ran dry (host-bound); lag << gap:
+                # the kernel waited on the GPU side (a stream/event dependency, a copy engine)
+                detail.append({"at_us": s - t0, "gap_us": gap, "who": who,
+                               "lag_us": (launch["ts"] - end) if launch is not None else None,
+                               "prev": prev_name[:50], "next": k["name"][:50]})
                 busy += e - s
                 end = e
             elif e > end:
                 busy += e - end
                 end = e
+            prev_name = k["name"] if e >= end else prev_name
         runtime = collections.defaultdict(lambda: [0, 0.0, 0.0])
         for ev in launches.values():
             if t0 <= ev["ts"] <= t1:
@@ -108,6 +114,7 @@ def analyse(trace: dict, steps: int) -> dict:
             "between_us": sum(idle_between.values()),
             "gaps_over_20us": sum(1 for g in gaps if g > 20),
             "idle_by_launcher_us": dict(idle_between.most_common(25)),
+            "largest_gaps": sorted(detail, key=lambda d: -d["gap_us"])[:24],
             "runtime_calls": dict(sorted(runtime.items(), key=lambda kv: -kv[1][1])[:12]),
             "kernels_by_name": dict(sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:30]),
         })
@@ -171,6 +178,11 @@ def main(argv: list[str]) -> int:
     print("  idle between kernels, by the host op launching the kernel after the gap (us):")
     for who, us in s["idle_by_launcher_us"].items():
         print(f"    {us:9.1f}  {who}")
+    print("  largest gaps (at ms into the step, gap us, launch lag us, launcher: prev -> next):")
+    for d in sorted(s["largest_gaps"], key=lambda d: d["at_us"]):
+        lag = "-" if d["lag_us"] is None else f"{d['lag_us']:.1f}"
+        print(f"    {d['at_us'] / 1e3:7.2f} {d['gap_us']:7.1f} {lag:>7}  {d['who'][:28]}: "
+              f"{d['prev'][:34]} -> {d['next'][:34]}")
     print("  CUDA runtime calls (count, total us, max us):")
     for name, (c, us, mx) in s["runtime_calls"].items():
         print(f"    {c:5d} {us:10.1f} {mx:9.1f}  {name}")

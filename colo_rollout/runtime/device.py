@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 
@@ -27,6 +28,28 @@ def h2d(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def h2d_packed(arrays, device: torch.device) -> list[torch.Tensor]:
+    """Host int64 arrays (numpy, 1-D or 2-D) as device tensors through ONE pinned buffer and
+    ONE copy, enqueued on the current stream without a host wait; the results are views of
+    that one device tensor, in order and in the arrays' shapes. (A P step's index tensors:
+    one pinned allocation and copy instead of one per list -- each ``h2d`` of a 4k-entry
+    list costs ~0.15 ms of host time.)"""
+    flat = np.concatenate([np.asarray(a, dtype=np.int64).ravel() for a in arrays]
+                          or [np.zeros(0, np.int64)])
+    host = torch.from_numpy(flat)
+    if device.type == "cuda":
+        dev = torch.empty(host.shape, dtype=torch.int64, pin_memory=True).copy_(host)
+        dev = dev.to(device, non_blocking=True)
+    else:
+        dev = host.to(device, copy=True)
+    out, at = [], 0
+    for a in arrays:
+        n = int(np.prod(np.shape(a)))
+        out.append(dev[at : at + n].view(np.shape(a)))
+        at += n
+    return out
 
 
 class DeviceStall(RuntimeError):

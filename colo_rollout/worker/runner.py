@@ -15,8 +15,10 @@ the other's GPU work (the engine resolves them at the end of its step).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from colo_rollout.model.attention import AttnMetadata, prefill_buckets
@@ -26,7 +28,7 @@ from colo_rollout.sched.plan import Phase, Sampled, StepPlan
 from colo_rollout.worker.prefill_graph import PrefillMoEGraphs
 from colo_rollout.worker.sampler import Draw, draw_for, sample_tensors
 from colo_rollout.worker.speculate import ROWS_PER_SEQUENCE, verify_and_draft
-from colo_rollout.runtime.device import Pending, h2d, wait_event
+from colo_rollout.runtime.device import Pending, h2d, h2d_packed, wait_event
 from colo_rollout.multiplex.stream_route import StreamRoute
 
 
@@ -113,6 +115,28 @@ class PendingSampled:
                     for lt, a, la, b, lb, ok, d in zip(lts, y0, lp0, y1, lp1, acc, drafts)]
         tokens, logprobs = got[0] if self._layout == "greedy" else got
         return [Sampled(lt, int(t), lp) for lt, t, lp in zip(lts, tokens, logprobs)]
+
+
+def prefill_index(items, block_size: int, sink: int):
+    """Host index arrays of one replica's P items (numpy int64, no per-token Python loop):
+    token ids [T], positions [T] (item i's tokens at start_i, start_i + 1, ...), KV slots [T]
+    (``table[p // block_size] * block_size + p % block_size``) and the block tables [S, W]
+    padded with ``sink`` to the longest (W >= 1; [0, 1] without items)."""
+    S = len(items)
+    news = np.fromiter((len(it.tokens) for it in items), dtype=np.int64, count=S)
+    T = int(news.sum())
+    ids = np.fromiter(itertools.chain.from_iterable(it.tokens for it in items),
+                      dtype=np.int64, count=T)
+    W = max((len(it.table) for it in items), default=1)
+    tables = np.full((S, W), sink, dtype=np.int64)
+    for s, it in enumerate(items):
+        tables[s, : len(it.table)] = it.table
+    starts = np.fromiter((it.start for it in items), dtype=np.int64, count=S)
+    first = np.cumsum(news) - news  # each item's first row
+    seq = np.repeat(np.arange(S), news)
+    pos = np.arange(T, dtype=np.int64) + (starts - first)[seq]
+    slots = tables[seq, pos // block_size] * block_size + pos % block_size
+    return ids, pos, slots, tables
 
 
 class ModelRunner:
@@ -436,16 +460,9 @@ class ModelRunner:
     def _prefill_inputs(self, plan: StepPlan) -> PrefillInputs:
         r = self.groups.replica
         mine = plan.replicas[r].prefill
-        ids, pos, slots, tables, ctx, new = [], [], [], [], [], []
-        for item in mine:
-            table = item.table
-            span = range(item.start, item.start + len(item.tokens))
-            ids.extend(item.tokens)
-            pos.extend(span)
-            slots.extend(self._slots(table, span))
-            tables.append(table)
-            ctx.append(span.stop)
-            new.append(len(item.tokens))
+        new = [len(item.tokens) for item in mine]
+        ctx = [item.start + n for item, n in zip(mine, new)]
+        ids, pos, slots, tables = prefill_index(mine, self.block_size, self.kv.sink_block)
         row_counts = [w.prefill_tokens for w in plan.replicas]
         last_counts = [len(w.prefill) for w in plan.replicas]
         last_rows, off = [], 0
@@ -453,13 +470,15 @@ class ModelRunner:
             for p in w.prefill:
                 off += len(p.tokens)
                 last_rows.append(off - 1)
-        dev, i64 = self.device, torch.int64
+        dev = self.device
+        ids_d, pos_d, slots_d, tables_d, ctx_d, last_d = h2d_packed(
+            [ids, pos, slots, tables, ctx, last_rows], dev)
         attn = AttnMetadata(
             is_prefill=True,
-            positions=h2d(pos, i64, dev),
-            slot_mapping=h2d(slots, i64, dev),
-            block_tables=self._tables(tables) if tables else torch.zeros(0, 1, dtype=i64, device=dev),
-            context_lens=h2d(ctx, i64, dev),
+            positions=pos_d,
+            slot_mapping=slots_d,
+            block_tables=tables_d,
+            context_lens=ctx_d,
             seq_lens_new=new, context_lens_host=ctx,
             # the bucketed SDPA path's batches; the Triton kernel makes its own launch plan
             buckets=(prefill_buckets(new, ctx, self.block_size, lambda v, t: h2d(v, t, dev),
@@ -467,9 +486,9 @@ class ModelRunner:
                      if self.model.prefill_attention != "triton" else []),
         )
         return PrefillInputs(
-            token_ids=h2d(ids, i64, dev), attn=attn,
+            token_ids=ids_d, attn=attn,
             row_counts=row_counts, last_counts=last_counts,
-            last_rows=h2d(last_rows, i64, dev),
+            last_rows=last_d,
         )
 
     def _decode_host(self, plan: StepPlan):
