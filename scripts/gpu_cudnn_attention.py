@@ -1,0 +1,149 @@
+"""Probe: cuDNN's fused attention against the engine's Triton P-attention kernel, for fresh
+prefills (every sequence's keys are its own new tokens: K/V packed, no paging needed).
+
+  PYTHONPATH=$PWD python3 scripts/gpu_cudnn_attention.py [--json PATH]
+
+What it answers before an engine path is built on it (issue 16, P attention): does this
+torch build have cuDNN's varlen forward (``aten::_cudnn_attention_forward`` with cumulative
+sequence offsets) and which cuDNN; how fast is it on the bench shapes -- causal, bf16, head dim
+128, the KV heads expanded to the query heads (torch's varlen wrapper does not hand GQA to
+cuDNN) -- and dense SDPA on the cuDNN backend for one sequence; and the max abs error of each
+against an fp32 reference. The engine's kernel (model/paged_prefill.py, K/V in a block cache
+with consecutive tables) is timed beside it. FLOPs: 4 x heads x dim x causal pairs.
+
+Owns nothing of the engine; loads only paged_prefill.py and torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from colo_rollout.model.paged_prefill import plan_prefill, triton_prefill_attention
+
+SHAPES = [  # (name, q heads, kv groups, sequence lengths)
+    ("first 1 x 4k", 16, 4, [4096]), ("first 1 x 8k", 16, 4, [8192]),
+    ("first 8 x 1k", 16, 4, [1024] * 8),
+    ("qwen3 1 x 4k", 32, 4, [4096]), ("qwen3 1 x 8k", 32, 4, [8192]),
+    ("qwen3 8 x 1k", 32, 4, [1024] * 8),
+]
+D, BS = 128, 16
+
+
+def _time(fn, reps: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / reps
+
+
+def _reference(q, k, v, lens, scale):
+    out, at = torch.empty_like(q, dtype=torch.float32), 0
+    n = q.shape[1] // k.shape[1]
+    for L in lens:
+        qs = q[at:at + L].float().transpose(0, 1)
+        ks = k[at:at + L].float().repeat_interleave(n, 1).transpose(0, 1)
+        vs = v[at:at + L].float().repeat_interleave(n, 1).transpose(0, 1)
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+        out[at:at + L] = o.transpose(0, 1)
+        at += L
+    return out
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda")
+    info = {"torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
+            "varlen_op": hasattr(torch.ops.aten, "_cudnn_attention_forward")}
+    print(info)
+    rows = []
+    g = torch.Generator(device=dev).manual_seed(0)
+    for name, hq, kvg, lens in SHAPES:
+        T = sum(lens)
+        q = torch.randn(T, hq, D, device=dev, dtype=torch.bfloat16, generator=g)
+        k = torch.randn(T, kvg, D, device=dev, dtype=torch.bfloat16, generator=g)
+        v = torch.randn(T, kvg, D, device=dev, dtype=torch.bfloat16, generator=g)
+        scale = D ** -0.5
+        pairs = sum(L * (L + 1) // 2 for L in lens)
+        flops = 4 * hq * D * pairs
+        ref = _reference(q, k, v, lens, scale)
+        row = {"shape": name, "tflop": flops / 1e12}
+        # the engine's kernel: K/V in a block cache, consecutive tables
+        nb = [-(-L // BS) for L in lens]
+        kc = torch.zeros(sum(nb), BS, kvg, D, device=dev, dtype=torch.bfloat16)
+        vc = torch.zeros_like(kc)
+        tables = torch.zeros(len(lens), max(nb), dtype=torch.int64, device=dev)
+        at = blk = 0
+        for s, L in enumerate(lens):
+            kc.view(-1, kvg, D)[blk * BS: blk * BS + L] = k[at:at + L]
+            vc.view(-1, kvg, D)[blk * BS: blk * BS + L] = v[at:at + L]
+            tables[s, : nb[s]] = torch.arange(blk, blk + nb[s], device=dev)
+            at += L
+            blk += nb[s]
+        plan = plan_prefill(lens, lens, hq // kvg, D, q.dtype, dev)
+        ours = lambda: triton_prefill_attention(q, kc, vc, tables, plan, scale)  # noqa: E731
+        row["triton_ms"] = _time(ours)
+        row["triton_err"] = (ours().float() - ref).abs().max().item()
+        # cuDNN varlen, the KV heads expanded to the q heads
+        cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32,
+                          device=dev)
+        ke = k.repeat_interleave(hq // kvg, 1)
+        ve = v.repeat_interleave(hq // kvg, 1)
+
+        def cudnn_varlen(expand=False):
+            kk, vv = (k.repeat_interleave(hq // kvg, 1), v.repeat_interleave(hq // kvg, 1)) \
+                if expand else (ke, ve)
+            return torch.ops.aten._cudnn_attention_forward(
+                q, kk, vv, None, cu, cu, max(lens), max(lens), False, 0.0, True, False,
+                scale=scale)[0]
+
+        for key, fn in (("cudnn_varlen", cudnn_varlen),
+                        ("cudnn_varlen_with_expand", lambda: cudnn_varlen(True))):
+            try:
+                row[key + "_ms"] = _time(fn)
+                row[key + "_err"] = (fn().float() - ref).abs().max().item()
+            except Exception as e:  # the op or the shape is not supported here
+                row[key + "_ms"] = None
+                row[key + "_error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
+        if len(lens) == 1:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            qd, kd, vd = (t.transpose(0, 1).unsqueeze(0) for t in (q, ke, ve))
+
+            def dense():
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True,
+                                                          scale=scale)
+            try:
+                row["cudnn_dense_ms"] = _time(dense)
+                row["cudnn_dense_err"] = (dense()[0].transpose(0, 1).float() - ref).abs().max().item()
+            except Exception as e:
+                row["cudnn_dense_ms"] = None
+                row["cudnn_dense_error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
+        for key in ("triton", "cudnn_varlen", "cudnn_varlen_with_expand", "cudnn_dense"):
+            ms = row.get(key + "_ms")
+            if ms:
+                row[key + "_tflops"] = flops / ms / 1e9
+        rows.append(row)
+        print(" | ".join(f"{k_}={v_:.4g}" if isinstance(v_, float) else f"{k_}={v_}"
+                         for k_, v_ in row.items()))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"info": info, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
