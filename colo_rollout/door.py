@@ -66,7 +66,7 @@ def load(command: str, config_path: str | os.PathLike, overrides: Mapping[str, A
     return cfg
 
 
-# engine keys that pick a kernel backend (auto | torch | triton)
+# engine keys that pick a kernel backend (auto | torch | triton; prefill_attention: | cudnn)
 KERNEL_KEYS = ("decode_attention", "prefill_attention", "moe_kernel")
 
 
@@ -77,16 +77,31 @@ def check_kernels(cfg: Config, source: str) -> None:
     import importlib.util
 
     for key in KERNEL_KEYS:
-        if getattr(cfg.engine, key, "auto") != "triton":
+        asked = getattr(cfg.engine, key, "auto")
+        if asked not in ("triton", "cudnn"):
             continue
         if cfg.parallel.backend != "nccl":
-            why = (f"the Triton kernels run on GPU ranks, and parallel.backend is "
-                   f"{cfg.parallel.backend!r}")
+            what = "cuDNN's attention and the Triton kernels" if asked == "cudnn" else \
+                "the Triton kernels"
+            why = f"{what} run on GPU ranks, and parallel.backend is {cfg.parallel.backend!r}"
         elif importlib.util.find_spec("triton") is None:
             why = "triton is not installed"
+        elif asked == "cudnn":
+            import torch
+
+            from colo_rollout.config.schema import CUDNN_MIN_VERSION
+
+            version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() \
+                else None
+            if not torch.cuda.is_available():
+                why = "this host has no CUDA device"
+            elif version is None or version < CUDNN_MIN_VERSION:
+                why = f"cuDNN {version} is older than {CUDNN_MIN_VERSION} (or absent)"
+            else:
+                continue
         else:
             continue
-        raise ConfigError(f"{source}: engine.{key}: 'triton' cannot run here: {why}; use "
+        raise ConfigError(f"{source}: engine.{key}: {asked!r} cannot run here: {why}; use "
                           "'auto' (triton where it can run, else torch) or 'torch'",
                           key=f"engine.{key}", source=source)
 

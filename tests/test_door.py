@@ -127,6 +127,12 @@ def test_a_triton_kernel_asked_for_on_cpu_ranks(capsys):
                            "the Triton kernels run on GPU ranks, and parallel.backend is 'gloo'")
 
 
+def test_cudnn_attention_asked_for_on_cpu_ranks(capsys):
+    line = door_error(capsys, "demo", DEMO, "--set", "engine.prefill_attention=cudnn")
+    assert line.startswith(f"error: {DEMO}: engine.prefill_attention: 'cudnn' cannot run here: "
+                           "cuDNN's attention and the Triton kernels run on GPU ranks")
+
+
 def test_unsupported_trainer_width(capsys):
     line = door_error(capsys, "train", TRAIN, "--set", "rl.trainer_tp=3")
     assert line.startswith(f"error: {TRAIN}: rl.trainer_tp: 3 does not divide "

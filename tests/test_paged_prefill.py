@@ -111,6 +111,23 @@ def _interpreted() -> list[str]:
                                           tables, plan, dim ** -0.5)
         if (mine - ref32).abs().max().item() > 1e-4:
             fails.append(f"case {i}: torch_prefill_attention differs from the oracle")
+    # engine.prefill_attention cudnn: sequences 0 and 2 (fresh) left out of the tiles and
+    # computed by the dense call (model/dense_prefill.py; torch's SDPA on CPU) into the rows
+    # the kernel leaves: together the oracle's output
+    from colo_rollout.model.dense_prefill import dense_prefill_attention
+
+    g, n, dim, bs, new, ctx = 2, 4, 64, 16, [40, 9, 33, 5], [40, 30, 33, 5]
+    q, k_all, v_all, tables = _case(g, n, dim, bs, new, ctx, F32, torch.int64, seed=77)
+    plan = pp.plan_prefill(new, ctx, n, dim, F32, q.device, T(16, 16, 4, 2, True), dense=(0, 2))
+    got = pp.triton_prefill_attention(q, k_all[1], v_all[1], tables, plan, dim ** -0.5)
+    for s, q0, m in plan.dense:
+        slots = torch.tensor([int(tables[s, p // bs]) * bs + p % bs for p in range(m)])
+        got[q0 : q0 + m] = dense_prefill_attention(q[q0 : q0 + m], k_all[1], v_all[1], slots,
+                                                   dim ** -0.5, 16)
+    ref = _oracle(q, k_all, v_all, tables, new, ctx, g, n, dim)
+    err = (got - ref).abs().max().item()
+    if plan.dense != ((0, 0, 40), (2, 49, 33)) or not err < 1e-4:
+        fails.append(f"dense + kernel: plan {plan.dense}, err vs oracle {err:.2e}")
     # zero sequences: zero rows, no launch
     plan = pp.plan_prefill([], [], 2, 64, F32, "cpu", T(16, 16, 4, 2, True))
     got = pp.triton_prefill_attention(torch.zeros(0, 4, 64), torch.zeros(3, 16, 2, 64),

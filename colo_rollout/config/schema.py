@@ -69,6 +69,9 @@ PREFILL_GRAPHS = ("auto", "always", "never")
 FP8_FORMATS = ("hybrid", "e4m3")
 FP8_RECIPES = ("rowwise",)  # model/fp8.py
 FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm89), Hopper (sm90) and later
+# engine.prefill_attention "cudnn": the oldest cuDNN (torch.backends.cudnn.version()) whose
+# fused attention it calls (model/dense_prefill.py; measured with 9.19 on one H200)
+CUDNN_MIN_VERSION = 90000
 FP8_ROW_MULTIPLE = 16  # the FP8 GEMMs' dimension multiple (torch._scaled_mm)
 ROUTER_SCORES = ("softmax", "sigmoid")
 ROPE_SCALINGS = (None, "llama3")
@@ -452,7 +455,9 @@ class EngineConfig:
     # P attention (model/paged_prefill.py): "triton" = the varlen paged flash-attention kernel
     # (CUDA and triton required: an error at model build otherwise), "torch" = SDPA per
     # context bucket (the CPU path and the reference), "auto" = triton on CUDA when it
-    # imports, else torch.
+    # imports, else torch. "cudnn" = triton, except long fresh sequences (>= 2048 new tokens,
+    # no cached prefix), which go one per call through cuDNN's dense attention
+    # (model/dense_prefill.py; CUDA, cuDNN >= 9 and triton required).
     prefill_attention: str = "auto"
     # The grouped MoE path's expert GEMMs (model/fused_moe.py): "triton" = the fused-MoE
     # kernel (row gather, per-expert tiles and SwiGLU fused; CUDA and triton required: an error
@@ -497,7 +502,7 @@ class EngineConfig:
         _require_choice(self, "stream_priority", STREAM_PRIORITIES)
         _require_choice(self, "rendezvous", ("auto", "shm", "gloo"))
         _require_choice(self, "decode_attention", ("auto", "torch", "triton"))
-        _require_choice(self, "prefill_attention", ("auto", "torch", "triton"))
+        _require_choice(self, "prefill_attention", ("auto", "torch", "triton", "cudnn"))
         _require_choice(self, "moe_kernel", ("auto", "torch", "triton"))
         _require_min(self, ("segment_span",), 1)
         _require_min(self, ("prefill_merge_pairs",), 0)

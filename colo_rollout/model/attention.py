@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from colo_rollout.model.dense_prefill import dense_prefill_attention, dense_sequences
 from colo_rollout.model.fp8 import fp8_linear
 from colo_rollout.model.kernel_backend import as_dtype
 from colo_rollout.model.paged_attention import decode_attention
@@ -295,20 +296,29 @@ class PagedSelfAttention(torch.nn.Module):
           * triton: the varlen paged flash-attention kernel (model/paged_prefill.py), K/V read
             through the block table, no copy per head; its plan (tiles, lengths on the device)
             is made by the epoch's first layer and kept on ``meta``; the buckets are unused.
+          * cudnn: the same, but long fresh sequences (model/dense_prefill.py) are left out of
+            the kernel's tiles and computed one per call by cuDNN's dense attention.
           * torch (the CPU path and the reference): one SDPA call per context bucket, queries
             [Sb, heads, n_max, dim] against the bucket's keys [Sb, heads, blocks*block, dim]
             (padding slots are computed and dropped)."""
         backend = getattr(self, "prefill_backend", "auto")
         if backend == "auto":
             backend = "triton" if q.is_cuda and triton_available() else "torch"
-        if backend == "triton":
+        if backend in ("triton", "cudnn"):
             plan = meta.prefill_plan
             if plan is None:
+                dense = (dense_sequences(meta.seq_lens_new, meta.context_lens_host)
+                         if backend == "cudnn" else ())
                 plan = meta.prefill_plan = plan_prefill(
                     meta.seq_lens_new, meta.context_lens_host, self.q_per_group,
-                    self.head_dim, q.dtype, q.device)
-            return triton_prefill_attention(q, kv.k[layer], kv.v[layer], meta.block_tables,
-                                            plan, self.scale)
+                    self.head_dim, q.dtype, q.device, dense=dense)
+            out = triton_prefill_attention(q, kv.k[layer], kv.v[layer], meta.block_tables,
+                                           plan, self.scale)
+            for _, q0, n in plan.dense:  # rows the kernel left unwritten
+                out[q0 : q0 + n] = dense_prefill_attention(
+                    q[q0 : q0 + n], kv.k[layer], kv.v[layer], meta.slot_mapping[q0 : q0 + n],
+                    self.scale)
+            return out
         out = q.new_empty(q.shape)
         for b in meta.buckets:
             Sb = b.seqs.shape[0]

@@ -66,7 +66,17 @@ PACK_SAVING = 0.75  # pack_group None: pack when it computes at most this fracti
 
 
 def resolve_backend(requested: str, device: torch.device | str) -> str:
-    """``engine.prefill_attention`` -> the backend a model on ``device`` uses (model/kernel_backend.py)."""
+    """``engine.prefill_attention`` -> the backend a model on ``device`` uses (model/
+    kernel_backend.py); "cudnn": this kernel plus cuDNN's dense attention for long fresh
+    sequences (model/dense_prefill.py), which needs CUDA, cuDNN 9 and triton."""
+    if requested == "cudnn":
+        from colo_rollout.model.dense_prefill import cudnn_usable
+
+        why = cudnn_usable(device) or (None if triton_available() else "triton does not import")
+        if why is not None:
+            raise RuntimeError(f"engine.prefill_attention: cudnn was requested but {why}; set "
+                               "it to 'triton', 'torch' or 'auto'")
+        return "cudnn"
     return _resolve("engine.prefill_attention", requested, device)
 
 def group_pack(q_per_group: int, block_m: int) -> int:
@@ -138,27 +148,37 @@ class PrefillPlan:
     q_per_group: int
     cfg: TileConfig
     pack: int  # q heads per program (rows of one token in a tile)
+    # (sequence, first row, new tokens) of the sequences left out of the tiles: their rows
+    # are computed by the dense kernel (model/dense_prefill.py) and unwritten by this one
+    dense: tuple[tuple[int, int, int], ...] = ()
 
 
 def plan_prefill(seq_lens_new: list[int], context_lens: list[int], q_per_group: int,
                  dim: int, dtype: torch.dtype, device: torch.device | str,
-                 cfg: TileConfig | None = None) -> PrefillPlan:
+                 cfg: TileConfig | None = None, dense: tuple[int, ...] = ()) -> PrefillPlan:
     """The plan of one P epoch from the host lists (what ``AttnMetadata`` carries): tiles of
     ``block_m // pack`` tokens per sequence, sorted by keys visited (longest first), all in one
-    host->device copy (pinned, no host wait on CUDA). ``cfg`` None: ``tile_config``."""
+    host->device copy (pinned, no host wait on CUDA). ``cfg`` None: ``tile_config``.
+    ``dense``: indices of sequences given no tiles (another kernel computes their rows)."""
     device = torch.device(device)
     if len(seq_lens_new) != len(context_lens):
         raise ValueError("one new count per context length")
     if cfg is None:
         cfg = tile_config(device, dim, dtype)
-    pack = plan_pack(seq_lens_new, q_per_group, cfg)
+    skip = set(dense)
+    if any(not 0 <= s < len(seq_lens_new) for s in skip):
+        raise ValueError(f"dense sequences {sorted(skip)} are not among {len(seq_lens_new)}")
+    pack = plan_pack([n for s, n in enumerate(seq_lens_new) if s not in skip], q_per_group, cfg)
     per_tile = cfg.block_m // pack
-    starts, tiles, off = [], [], 0
+    starts, tiles, off, held = [], [], 0, []
     for s, (n, c) in enumerate(zip(seq_lens_new, context_lens)):
         if n > c:
             raise ValueError(f"sequence {s}: {n} new tokens exceed its context {c}")
         starts.append(off)
         off += n
+        if s in skip:
+            held.append((s, off - n, n))
+            continue
         for t0 in range(0, n, per_tile):
             tiles.append((c - n + min(t0 + per_tile, n), s, t0))  # keys its last row sees
     tiles.sort(key=lambda t: -t[0])  # stable: ties keep sequence order
@@ -174,7 +194,7 @@ def plan_prefill(seq_lens_new: list[int], context_lens: list[int], q_per_group: 
     return PrefillPlan(q_starts=dev[:S], new_lens=dev[S : 2 * S], ctx_lens=dev[2 * S : 3 * S],
                        tiles=dev[3 * S : 3 * S + 2 * len(tiles)].view(len(tiles), 2),
                        n_tiles=len(tiles), tokens=off, q_per_group=q_per_group, cfg=cfg,
-                       pack=pack)
+                       pack=pack, dense=tuple(held))
 
 
 def torch_prefill_attention(q: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Tensor,

@@ -483,7 +483,7 @@ class ModelRunner:
             # the bucketed SDPA path's batches; the Triton kernel makes its own launch plan
             buckets=(prefill_buckets(new, ctx, self.block_size, lambda v, t: h2d(v, t, dev),
                                      self.prefill_merge_pairs)
-                     if self.model.prefill_attention != "triton" else []),
+                     if self.model.prefill_attention == "torch" else []),
         )
         return PrefillInputs(
             token_ids=ids_d, attn=attn,

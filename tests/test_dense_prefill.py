@@ -1,0 +1,116 @@
+"""Long fresh sequences through a dense attention call (model/dense_prefill.py,
+``engine.prefill_attention: cudnn``): which sequences go dense, the padded call against the
+per-sequence oracle (CPU: torch's default SDPA runs the same code; cuDNN itself only on a
+GPU), the plan that leaves them out of the Triton kernel's tiles, ``_prefill``'s dispatch, and
+the key's refusals where it cannot run."""
+
+from __future__ import annotations
+
+import random
+import types
+
+import pytest
+import torch
+
+from colo_rollout.model import dense_prefill as dp
+from colo_rollout.model import paged_prefill as pp
+from colo_rollout.testing.attention_oracle import prefill_per_sequence
+from tests.test_paged_prefill import _case, _oracle
+
+F32 = torch.float32
+
+
+def test_only_long_fresh_sequences_go_dense():
+    new, ctx = [4096, 4096, 100, 2048, 2047, 1], [4096, 8192, 100, 2048, 2047, 1]
+    assert dp.dense_sequences(new, ctx) == (0, 3)  # 1 has a cached prefix; 2, 4, 5 short
+    assert dp.dense_sequences(new, ctx, min_tokens=100) == (0, 2, 3, 4)
+    assert [dp.padded_len(n) for n in (1, 256, 257, 4096, 4097)] == [256, 256, 512, 4096, 4352]
+
+
+def _slots(tables, s, n, bs):
+    return torch.tensor([int(tables[s, p // bs]) * bs + p % bs for p in range(n)])
+
+
+@pytest.mark.parametrize("g, n_q, n, multiple", [(2, 4, 37, 16), (1, 1, 64, 64), (4, 2, 5, 256)])
+def test_the_padded_dense_call_is_the_oracle(g, n_q, n, multiple):
+    dim, bs = 32, 8
+    q, k_all, v_all, tables = _case(g, n_q, dim, bs, [n], [n], F32, torch.int64, seed=n)
+    got = dp.dense_prefill_attention(q, k_all[1], v_all[1], _slots(tables, 0, n, bs),
+                                     dim ** -0.5, multiple)
+    ref = _oracle(q, k_all, v_all, tables, [n], [n], g, n_q, dim)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_the_dense_call_refuses_heads_that_are_not_a_multiple_of_the_groups():
+    with pytest.raises(ValueError, match="not a multiple"):
+        dp.dense_prefill_attention(torch.zeros(4, 3, 8), torch.zeros(2, 4, 2, 8),
+                                   torch.zeros(2, 4, 2, 8), torch.arange(4), 0.3)
+
+
+def test_the_plan_leaves_dense_sequences_out_of_its_tiles():
+    new, ctx = [40, 9, 17, 3], [40, 30, 17, 3]
+    cfg = pp.TileConfig(16, 16, 4, 2, False)
+    plan = pp.plan_prefill(new, ctx, 2, 64, F32, "cpu", cfg, dense=(0, 2))
+    assert plan.dense == ((0, 0, 40), (2, 49, 17))
+    assert {s for s, _ in plan.tiles.tolist()} == {1, 3}
+    assert plan.tokens == sum(new) and plan.q_starts.tolist() == [0, 40, 49, 66]
+    assert pp.plan_prefill(new, ctx, 2, 64, F32, "cpu", cfg).dense == ()
+    with pytest.raises(ValueError, match="not among"):
+        pp.plan_prefill(new, ctx, 2, 64, F32, "cpu", cfg, dense=(4,))
+
+
+def test_prefill_on_cudnn_fills_the_rows_the_kernel_leaves(monkeypatch):
+    """``_prefill`` with the cudnn backend: the plan leaves the long fresh sequences out, the
+    kernel's stand-in writes only its tiles' sequences (NaN elsewhere), and the dense call
+    fills the rest: the oracle's output for every row."""
+    from colo_rollout.model import attention as at
+
+    heads, groups, dim, bs = 8, 2, 16, 4
+    new, ctx = [12, 1, 20, 9], [12, 9, 20, 30]
+    kv = at.KVStorage(2, 60, bs, groups, dim, F32, torch.device("cpu"))
+    kv.k.normal_()
+    kv.v.normal_()
+    free = list(range(60))
+    random.Random(1).shuffle(free)
+    tables = [[free.pop() for _ in range(-(-c // bs))] for c in ctx]
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [kv.sink_block] * (width - len(t)) for t in tables])
+    slots = torch.cat([_slots(bt, s, c, bs)[c - n:] for s, (n, c) in enumerate(zip(new, ctx))])
+    meta = at.AttnMetadata(is_prefill=True, positions=torch.zeros(0), slot_mapping=slots,
+                           block_tables=bt, context_lens=torch.tensor(ctx), seq_lens_new=new,
+                           context_lens_host=ctx)
+    fake = types.SimpleNamespace(heads=heads, groups=groups, head_dim=dim,
+                                 q_per_group=heads // groups, scale=dim ** -0.5,
+                                 prefill_backend="cudnn")
+    fake._gather_kv = lambda kv, layer, tab: at.PagedSelfAttention._gather_kv(fake, kv, layer,
+                                                                              tab)
+    q = torch.randn(sum(new), heads, dim)
+
+    def kernel(q, k, v, tables, plan, scale):
+        out = pp.torch_prefill_attention(q, k, v, tables, plan, scale)
+        for _, q0, n in plan.dense:
+            out[q0 : q0 + n] = float("nan")  # this kernel never writes them
+        return out
+
+    monkeypatch.setattr(at, "triton_prefill_attention", kernel)
+    monkeypatch.setattr(at, "dense_sequences",
+                        lambda n, c: dp.dense_sequences(n, c, min_tokens=10))
+    got = at.PagedSelfAttention._prefill(fake, q, kv, 1, meta)
+    assert [s for s, _, _ in meta.prefill_plan.dense] == [0, 2]
+    torch.testing.assert_close(got, prefill_per_sequence(fake, q, kv, 1, meta),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_cudnn_is_refused_where_it_cannot_run(tmp_path):
+    cpu = torch.device("cpu")
+    assert "the device is cpu" in dp.cudnn_usable(cpu)
+    with pytest.raises(RuntimeError, match="engine.prefill_attention: cudnn was requested"):
+        pp.resolve_backend("cudnn", cpu)
+
+    from colo_rollout.config import ConfigError
+    from colo_rollout.config.schema import EngineConfig
+
+    assert EngineConfig(prefill_attention="cudnn").prefill_attention == "cudnn"
+    with pytest.raises(ConfigError, match="engine.prefill_attention"):
+        EngineConfig(prefill_attention="cudnn9")
