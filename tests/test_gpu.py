@@ -467,3 +467,60 @@ def test_gpu_fp8_rollout_bf16_training_mismatch(gpu_groups, tmp_path):
                                 "passed": rows["e4m3"]["gap_mean"] > rows["bf16"]["gap_mean"]})
     assert all(math.isfinite(v) for r in rows.values() for v in r.values()), rows
     assert rows["e4m3"]["gap_mean"] > rows["bf16"]["gap_mean"], rows  # FP8 really rolled out
+
+
+def test_gpu_cudnn_prefill_rows_match_the_kernel():
+    """engine.prefill_attention cudnn on the GPU: a fresh 4k sequence through cuDNN's dense
+    attention beside a continuation on the Triton kernel (one plan), against the fp32
+    reference -- no worse than the Triton kernel alone -- and both paths' times."""
+    from colo_rollout.model import paged_prefill as pp
+    from colo_rollout.model.dense_prefill import cudnn_usable, dense_prefill_attention
+
+    dev = torch.device("cuda")
+    why = cudnn_usable(dev)
+    if why is not None:
+        pytest.skip(why)
+    g, n, dim, bs = 4, 8, 128, 16
+    new, ctx = [4096, 512], [4096, 4608]
+    gen = torch.Generator(device=dev).manual_seed(0)
+    nb = [-(-c // bs) for c in ctx]
+    blocks = torch.randperm(sum(nb) + 1, generator=gen, device=dev)
+    k = torch.randn(sum(nb) + 1, bs, g, dim, device=dev, generator=gen).bfloat16()
+    v = torch.randn(sum(nb) + 1, bs, g, dim, device=dev, generator=gen).bfloat16()
+    tables = torch.stack([torch.nn.functional.pad(blocks[a:a + m], (0, max(nb) - m))
+                          for a, m in ((0, nb[0]), (nb[0], nb[1]))])
+    q = torch.randn(sum(new), g * n, dim, device=dev, generator=gen).bfloat16()
+    scale = dim ** -0.5
+    ref = pp.torch_prefill_attention(q.float(), k.float(), v.float(), tables,
+                                     pp.plan_prefill(new, ctx, n, dim, q.dtype, dev), scale)
+    full = pp.plan_prefill(new, ctx, n, dim, q.dtype, dev)
+    split = pp.plan_prefill(new, ctx, n, dim, q.dtype, dev, dense=(0,))
+    slots = (tables[0, torch.arange(4096, device=dev) // bs] * bs
+             + torch.arange(4096, device=dev) % bs)
+
+    def kernel():
+        return pp.triton_prefill_attention(q, k, v, tables, full, scale)
+
+    def mixed():
+        out = pp.triton_prefill_attention(q, k, v, tables, split, scale)
+        out[:4096] = dense_prefill_attention(q[:4096], k, v, slots, scale)
+        return out
+
+    def ms(fn):
+        for _ in range(3):
+            fn()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(10):
+            fn()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) / 10
+
+    err_kernel = (kernel().float() - ref).abs().max().item()
+    err_mixed = (mixed().float() - ref).abs().max().item()
+    row = {"gpus": 1, "err_kernel": err_kernel, "err_cudnn": err_mixed,
+           "kernel_ms": ms(kernel), "cudnn_ms": ms(mixed), "cudnn": torch.backends.cudnn.version()}
+    row["passed"] = err_mixed <= 2 * err_kernel + 1e-2
+    _record("cudnn_prefill", row)
+    assert row["passed"], row
