@@ -290,6 +290,11 @@ class _Embedding(torch.nn.Module):
         """This rank's vocab-shard contribution (zero rows for ids outside the shard); the sum
         over the ATP group is the embedding. megatron's forward would reduce it itself."""
         emb = self.word_embeddings
+        if emb.vocab_start_index == 0 and emb.vocab_end_index == emb.num_embeddings:
+            # the whole vocabulary here (attention TP 1): every id is inside (the scheduler
+            # refuses others at submit, D's padding rows are token 0), so the mask is all
+            # false -- six launches fewer per P step and D iteration, the same rows
+            return F.embedding(ids, emb.weight)
         outside = (ids < emb.vocab_start_index) | (ids >= emb.vocab_end_index)
         local = (ids - emb.vocab_start_index).masked_fill(outside, 0)
         out = F.embedding(local, emb.weight)
