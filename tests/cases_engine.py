@@ -844,3 +844,26 @@ def wedged_close(rank: int, world: int, adp: int, ep: int) -> dict:
         except AssertionError as e:
             out[f"close_wedged={wedge}"] = str(e)
     return out
+
+
+def plain_qkv_is_the_module(rank: int, world: int, adp: int, ep: int) -> dict:
+    """The attention's direct QKV call (``plain_column_linear``) against megatron's
+    ColumnParallelLinear forward, bitwise, with and without the q/k/v bias, at this layout."""
+    from colo_rollout.model.attention import plain_column_linear
+
+    out = {}
+    for bias in (False, True):
+        cfg = tiny_config(world, adp, ep, model_kw={"qkv_bias": bias})
+        groups = init_parallel(cfg.parallel)
+        engine = Engine(cfg, groups, random_state_dict(cfg.model))
+        x = torch.randn(5, cfg.model.hidden_size, generator=torch.Generator().manual_seed(3))
+        rows = []
+        with torch.inference_mode():
+            for layer in engine.model.decoder.layers:
+                att = layer.self_attention
+                rows.append((att._plain_qkv, att.linear_qkv.bias is not None,
+                             torch.equal(plain_column_linear(att.linear_qkv, x),
+                                         att.linear_qkv(x)[0])))
+        out[str(bias)] = rows
+        engine.close()
+    return out

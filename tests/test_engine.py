@@ -86,6 +86,11 @@ def test_one_rank_prefill_graphs_sum_the_slots_into_the_residual(worker_groups):
     assert r["engine_replays"] > 0 and r["engine_same"]
 
 
+def test_the_direct_qkv_call_is_megatrons_column_linear_bitwise(worker_groups):
+    r = worker_groups(1).run(f"{CASES}:plain_qkv_is_the_module", adp=1, ep=1)[0]
+    assert r == {"False": [(True, False, True)] * 2, "True": [(True, True, True)] * 2}
+
+
 def test_stall_dump_prints_each_ranks_stacks_from_a_slow_step(worker_groups):
     res = worker_groups(2).run(f"{CASES}:stall_dump", adp=2, ep=2)
     for r in res:  # a 0.1 ms threshold: every step is "slow"

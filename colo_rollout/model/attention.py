@@ -38,6 +38,14 @@ from colo_rollout.model.paged_prefill import (
 )
 
 
+def plain_column_linear(linear: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
+    """``linear(x)[0]`` for megatron's ColumnParallelLinear without sequence parallelism,
+    output gather or skipped bias, in inference: the same ops its forward runs
+    (``torch.matmul(x, weight.t())``, then ``+ bias``), so the same bits."""
+    out = torch.matmul(x, linear.weight.t())
+    return out if linear.bias is None else out + linear.bias
+
+
 @dataclass
 class AttnMetadata:
     """Where one forward's tokens live in the paged cache (this replica's rows only).
@@ -215,6 +223,13 @@ class PagedSelfAttention(torch.nn.Module):
             is_expert=False, tp_group=atp_group,
         )
         self.scale = self.head_dim ** -0.5
+        # megatron's own ColumnParallelLinear with nothing to gather: its inference forward is
+        # one matmul (+ bias), called here directly (its autograd Function and checks cost
+        # ~18 us of host per call: eager P and D enqueue it every layer); TE's fused
+        # norm + linear stays the module
+        q = self.linear_qkv
+        self._plain_qkv = (type(q) is ColumnParallelLinear and not q.sequence_parallel
+                           and not q.gather_output and not q.skip_bias_add)
 
     def forward(self, x: torch.Tensor, rope: RopeAngles, meta: AttnMetadata,
                 kv: KVStorage, layer: int) -> torch.Tensor:
@@ -225,6 +240,8 @@ class PagedSelfAttention(torch.nn.Module):
         fp8 = getattr(self, "colo_fp8", None)  # model.fp8: (qkv, proj) as FP8 (model/fp8.py)
         if fp8 is not None:
             qkv = fp8_linear(x, fp8[0], bias=self.linear_qkv.bias)
+        elif self._plain_qkv:
+            qkv = plain_column_linear(self.linear_qkv, x)
         else:
             qkv, _ = self.linear_qkv(x)
         # per query group: q_0..q_{n-1}, k, v (megatron's layout)
