@@ -64,7 +64,7 @@ def _innermost(ops: list, starts: list, ts: float, tid) -> str:
     return "(no op)"
 
 
-def analyse(trace: dict, steps: int) -> dict:
+def analyse(trace: dict) -> dict:
     kernels, ops, launches = _events(trace)
     starts = [op["ts"] for op in ops]
     marks = [op for op in ops if op["name"].startswith("timeline.step")]
@@ -161,7 +161,7 @@ def main(argv: list[str]) -> int:
             trace = json.load(open(f.name))
     finally:
         bench.close()
-    res = analyse(trace, steps)
+    res = analyse(trace)
     res["config"], res["tokens"], res["seqs"] = args.config, args.tokens, args.seqs
     res["timed_ms"] = [1e3 * t for t in times]
     print(f"{args.config}: prefill {args.seqs} x {n}, timed step median "

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import torch
 
+from colo_rollout.model.model import ModulesMoE
 from colo_rollout.model.residual import add_rounded_slots
 
 MIN_TOKENS = 32  # smallest token bucket
@@ -81,6 +82,7 @@ class PrefillMoEGraphs:
 
     def __init__(self, model, max_tokens: int, capture_stream: torch.cuda.Stream) -> None:
         self.model = model
+        self._modules = ModulesMoE(model)  # past the largest bucket
         self.max_tokens = max_tokens
         self.capture_stream = capture_stream
         self.device = model.device
@@ -100,7 +102,7 @@ class PrefillMoEGraphs:
         of the shared output buffer: consume it on this stream before the next replay; the
         caller may add its shared-expert rows into it in place)."""
         if h.shape[0] > self.max_tokens:  # larger than any bucket: the modules themselves
-            return self.model.moe_block(i, h)
+            return self._modules.partial(i, h)
         return self._replay("partial", i, h)
 
     def residual(self, i: int, h: torch.Tensor) -> torch.Tensor:
@@ -109,8 +111,7 @@ class PrefillMoEGraphs:
         replay). Saves the partial's fp32 sum, its copy out of the graph and the add that
         reads it back: one kernel over the slots, inside the graph."""
         if h.shape[0] > self.max_tokens:
-            m = self.model
-            return add_rounded_slots(h, m.moe_block(i, h, pairs=True), m.residual_kernel)
+            return self._modules.residual(i, h)
         return self._replay("residual", i, h)
 
     def _replay(self, kind: str, i: int, h: torch.Tensor) -> torch.Tensor:
