@@ -99,7 +99,6 @@ class ModulesMoE:
                                  self.model.residual_kernel)
 
 
-
 def te_available() -> bool:
     try:
         import transformer_engine  # noqa: F401
