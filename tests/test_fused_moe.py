@@ -47,6 +47,13 @@ CASES = [
      (T(16, 16, 16, 4, 2, 2, True), T(16, 16, 16, 4, 2, 1, True))),
     (33, 8, 8, 2, 48, 32, torch.bfloat16, F.gelu, False, 0,
      (T(32, 32, 16, 4, 2, 4, True), T(16, 16, 32, 4, 2, 1, True))),
+    # the persistent fc2 (4 programs under the interpreter walking more tiles than that):
+    # K tail past the descriptor's end, other ranks' pairs and padding rows zeroed by the
+    # spare row blocks' loop, grouped order; and every pair local, one column tile
+    (29, 4, 16, 4, 48, 40, torch.bfloat16, F.silu, True, 2,
+     (T(16, 16, 16, 4, 2, 2, True), T(16, 16, 16, 4, 2, 2, True, True))),
+    (37, 4, 4, 2, 16, 32, torch.bfloat16, F.silu, True, 0,
+     (T(16, 16, 16, 4, 2, 1, True), T(16, 16, 16, 4, 2, 1, True, True))),
 ]
 
 
@@ -89,6 +96,9 @@ def _interpreted() -> list[str]:
         rows = len(token)
         if tiles and tiles[0].tma and not fm.tma_usable(x, fc1):
             fails.append(f"case {i}: the TMA case would run on pointer loads")
+        if tiles and tiles[1].persistent and not fm.runs_persistent(
+                torch.empty(1, fc2.shape[2], dtype=dtype), fc2, tiles[1]):
+            fails.append(f"case {i}: the persistent case would run the other kernel")
         # the two launches by hand, fc2's output poisoned (NaN): every row must be written
         t1, t2 = tiles or (fm.TILES[(fm.regime(rows, E), "fc1")],
                            fm.TILES[(fm.regime(rows, E), "fc2")])
@@ -199,6 +209,15 @@ def test_regimes_and_tiles():
         assert t.block_m >= 16 and t.block_n >= 16 and t.block_k >= 16
     cpu = torch.device("cpu")
     assert fm.fit_tile(fm.TILES[("prefill", "fc1")], cpu, 2, True) == fm.TILES[("prefill", "fc1")]
+    # fitting keeps the launch's kind (the persistent fc2 of prefill)
+    small = fm.fit_tile(fm.TILES[("prefill", "fc2")], cpu, 2, False)
+    assert small.persistent and small.tma
+    w = torch.empty(4, 64, 32, dtype=torch.bfloat16)
+    a = torch.empty(8, 32, dtype=torch.bfloat16)
+    assert fm.runs_persistent(a, w, small)
+    assert not fm.runs_persistent(a, w, small, token=torch.zeros(8, dtype=torch.long))
+    assert not fm.runs_persistent(a, w, small, fp8=True)
+    assert not fm.runs_persistent(a.float(), w.float(), small)  # no TMA for fp32
 
 
 def test_engine_config_key():

@@ -40,6 +40,7 @@ it alone.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -77,6 +78,11 @@ class Tile:
     # the weight tiles (and fc2's contiguous A tiles) through TMA tensor descriptors instead
     # of pointer loads (sm90+, bf16/fp16 operands; ``tma_usable``)
     tma: bool = False
+    # one program per SM walking the tiles, the tile loop flattened into the K loop so the
+    # next tile's loads run under this tile's epilogue (``_moe_gemm_persistent_kernel``);
+    # only where both operands come through TMA and the epilogue is a plain store (fc2 in
+    # 16 bits): elsewhere the launch falls back to the one-tile-per-program kernel
+    persistent: bool = False
 
 
 # Tile shapes by regime (average pairs per local expert, R / E), one for each GEMM (fc1: the
@@ -86,7 +92,10 @@ class Tile:
 # weights at 3.9-4.3 TB/s with 16-32-row blocks and 32-128 columns. Prefill's tiles are fed
 # by TMA descriptors (scripts/gpu_moe_prefill_tiles.py, 2026-12-02: 1.09-1.22x the pointer-fed
 # kernel's best, 46-61% of the bf16 peak at 4096-8192 tokens); fc2's 256 columns pay off
-# once its A tiles come through TMA.
+# once its A tiles come through TMA. fc2 in prefill is persistent with the epilogue under the
+# next tile's loads (scripts/gpu_moe_gemm_ceiling.py, 2026-12-03: 1.05-1.26x the
+# one-tile-per-program kernel at 4096-8192 tokens; fc1's two accumulators lose 15-30% that
+# way, so fc1 stays as it is).
 SMALL_ROWS = 1  # R / E at or under this: "small" (decode batches of a few rows)
 DECODE_ROWS = 32  # at or under this: "decode"; above it: "prefill"
 TILES = {
@@ -95,7 +104,7 @@ TILES = {
     ("decode", "fc1"): Tile(16, 64, 128, 4, 3),
     ("decode", "fc2"): Tile(32, 128, 64, 4, 3),
     ("prefill", "fc1"): Tile(128, 128, 64, 8, 4, 1, True),
-    ("prefill", "fc2"): Tile(128, 256, 64, 8, 4, 8, True),
+    ("prefill", "fc2"): Tile(128, 256, 64, 8, 3, 8, True, True),
 }
 
 
@@ -296,6 +305,77 @@ if triton is not None:
         tl.store(Out + out_rows[:, None] * stride_om + offs_n[None, :],
                  acc.to(Out.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
+    @triton.jit(do_not_specialize=["rows", "m_blocks", "group_m", "E"])
+    def _moe_gemm_persistent_kernel(
+        A, W, Offs, Out, Scatter,
+        rows, m_blocks, group_m, n_out, k_dim, E, w_rows_per_expert, stride_om,
+        E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, ZERO_TAIL: tl.constexpr, SCATTER: tl.constexpr,
+        NPROG: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+        RNE_BF16: tl.constexpr,
+    ):
+        """``_moe_gemm_kernel``'s plain GEMM (no gather, gate or probability; A and W
+        through TMA descriptors) with NPROG programs walking the tiles in use: tile t of
+        program p is p + t * NPROG, in the same grouped order. The tile loop is flattened
+        into the K loop (the software pipeline loads the next tile's operands while this
+        tile's epilogue stores). The row blocks past the last expert's then zero the rows
+        past offs[-1] (``ZERO_TAIL``), one block each, as in the other kernel."""
+        pid = tl.program_id(0)
+        eids = tl.arange(0, E_PAD)
+        inside = eids < E
+        ends = tl.load(Offs + eids, mask=inside, other=0).to(tl.int32)
+        starts = tl.load(Offs + eids - 1, mask=inside & (eids > 0), other=0).to(tl.int32)
+        nblk = (tl.where(inside, ends - starts, 0) + BLOCK_M - 1) // BLOCK_M
+        cum = tl.cumsum(nblk, 0)
+        total = tl.sum(nblk, 0)  # row blocks in use
+        n_tiles = tl.cdiv(n_out, BLOCK_N)
+        per_group = group_m * n_tiles
+        offs_m = tl.arange(0, BLOCK_M)
+        for t in tl.range(pid, total * n_tiles, NPROG, flatten=True):
+            first_m = (t // per_group) * group_m
+            size_m = tl.minimum(total - first_m, group_m)
+            pid_m = first_m + (t % per_group) % size_m
+            pid_n = (t % per_group) // size_m
+            e = tl.sum((cum <= pid_m).to(tl.int32), 0)
+            sel = eids == e
+            first_blk = tl.sum(tl.where(sel, cum - nblk, 0), 0)
+            row_lo = tl.sum(tl.where(sel, starts, 0), 0) + (pid_m - first_blk) * BLOCK_M
+            row_hi = tl.sum(tl.where(sel, ends, 0), 0)
+            w_row = e * w_rows_per_expert + pid_n * BLOCK_N
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, k_dim, BLOCK_K):
+                a = A.load([row_lo, k0])
+                w = W.load([w_row, k0]).T
+                if UPCAST:
+                    a = a.to(tl.float32)
+                    w = w.to(tl.float32)
+                acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+            if RNE_BF16:
+                acc = rne_bf16(acc)
+            rows_m = row_lo + offs_m
+            mmask = rows_m < row_hi
+            if SCATTER:
+                out_rows = tl.load(Scatter + rows_m, mask=mmask, other=0).to(tl.int64)
+            else:
+                out_rows = rows_m.to(tl.int64)
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            tl.store(Out + out_rows[:, None] * stride_om + offs_n[None, :],
+                     acc.to(Out.dtype.element_ty),
+                     mask=mmask[:, None] & (offs_n < n_out)[None, :])
+        if ZERO_TAIL:  # spare row blocks (see row_blocks): the rows past offs[-1]
+            tail = tl.load(Offs + E - 1).to(tl.int32)
+            for t in range(total * n_tiles + pid, m_blocks * n_tiles, NPROG):
+                pid_m = t // n_tiles
+                offs_n = (t % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+                r = tail + (pid_m - total) * BLOCK_M + offs_m
+                if SCATTER:
+                    r_out = tl.load(Scatter + r, mask=r < rows, other=0).to(tl.int64)
+                else:
+                    r_out = r.to(tl.int64)
+                tl.store(Out + r_out[:, None] * stride_om + offs_n[None, :],
+                         tl.zeros([BLOCK_M, BLOCK_N], dtype=Out.dtype.element_ty),
+                         mask=(r < rows)[:, None] & (offs_n < n_out)[None, :])
+
 
 def row_blocks(rows: int, experts: int, block_m: int) -> int:
     """The grid's row blocks: enough for every expert's count padded up to ``block_m``
@@ -331,7 +411,7 @@ def fit_tile(tile: Tile, device: torch.device, esize: int, gated: bool) -> Tile:
                 stages -= 1
             else:
                 bk //= 2
-        got = _FIT[key] = Tile(bm, bn, bk, tile.num_warps, stages, tile.group_m, tile.tma)
+        got = _FIT[key] = dataclasses.replace(tile, block_k=bk, num_stages=stages)
     return got
 
 
@@ -385,6 +465,9 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, rows: int, *,
     w_s = w_scale if fp8 else offs
     w_tma = tile.tma and tma_usable(a, w)
     a_tma = w_tma and token is None
+    if runs_persistent(a, w, tile, token=token, gated=gated, prob=prob, act=act, fp8=fp8):
+        _persistent_gemm(a, w, offs, rows, out, tile, m_blocks, zero_tail, scatter)
+        return out
     a_arg, w_arg = a, w
     if w_tma:
         w_arg = TensorDescriptor(w, [E * wn, K], [w.stride(1), 1], [tile.block_n, tile.block_k])
@@ -405,6 +488,46 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, rows: int, *,
         num_stages=tile.num_stages,
     )
     return out
+
+
+def runs_persistent(a: torch.Tensor, w: torch.Tensor, tile: Tile, *,
+                    token: torch.Tensor | None = None, gated: bool = False,
+                    prob: torch.Tensor | None = None, act: int = ACT_NONE,
+                    fp8: bool = False) -> bool:
+    """Whether ``moe_gemm`` with these arguments launches the persistent kernel: the tile
+    asks for it, both operands come through TMA (no row gather) and the epilogue is a plain
+    store (no gate, activation, probability or FP8 scales)."""
+    return (tile.persistent and tile.tma and token is None and tma_usable(a, w)
+            and not (fp8 or gated or prob is not None or act))
+
+
+def _programs(device: torch.device) -> int:
+    """Programs of a persistent launch: the device's SMs (4 under the interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _persistent_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, rows: int,
+                     out: torch.Tensor, tile: Tile, m_blocks: int, zero_tail: bool,
+                     scatter: torch.Tensor | None) -> None:
+    """``moe_gemm``'s plain case (A and W through TMA, no epilogue but the store) on the
+    persistent kernel: one program per SM, whatever the shapes (one compiled kernel for every
+    bucket; programs past the tiles find their loops empty)."""
+    E, wn, K = w.shape
+    nprog = _programs(a.device)
+    upcast = not a.is_cuda
+    sc = scatter if scatter is not None else offs
+    _moe_gemm_persistent_kernel[(nprog,)](
+        TensorDescriptor(a, [a.shape[0], K], [a.stride(0), 1], [tile.block_m, tile.block_k]),
+        TensorDescriptor(w, [E * wn, K], [w.stride(1), 1], [tile.block_n, tile.block_k]),
+        offs, out, sc, rows, m_blocks, tile.group_m, wn, K, E, wn, out.stride(0),
+        E_PAD=pow2(E, E_PAD_MIN), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k, ZERO_TAIL=zero_tail, SCATTER=scatter is not None,
+        NPROG=nprog,
+        DOT_PREC="ieee" if a.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
+        RNE_BF16=upcast and out.dtype == torch.bfloat16, num_warps=tile.num_warps,
+        num_stages=tile.num_stages)
 
 
 def tma_usable(a: torch.Tensor, w: torch.Tensor) -> bool:
