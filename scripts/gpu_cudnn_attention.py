@@ -7,8 +7,10 @@ What it answers before an engine path is built on it (issue 16, P attention): do
 torch build have cuDNN's varlen forward (``aten::_cudnn_attention_forward`` with cumulative
 sequence offsets) and which cuDNN; how fast is it on the bench shapes -- causal, bf16, head dim
 128, the KV heads expanded to the query heads (torch's varlen wrapper does not hand GQA to
-cuDNN) -- and dense SDPA on the cuDNN backend for one sequence; and the max abs error of each
-against an fp32 reference. The engine's kernel (model/paged_prefill.py, K/V in a block cache
+cuDNN; only with CUDNN_VARLEN=1: it rebuilt its plan on every call, ~50 ms) -- and dense SDPA
+on the cuDNN backend (one sequence, or equal fresh ones as a batch; KV heads expanded, and
+GQA handed to the kernel), with the first call's time (cuDNN builds a plan per shape); and
+the max abs error of each against an fp32 reference. The engine's kernel (model/paged_prefill.py, K/V in a block cache
 with consecutive tables) is timed beside it. FLOPs: 4 x heads x dim x causal pairs.
 
 Owns nothing of the engine; loads only paged_prefill.py and torch.
@@ -18,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -109,30 +113,45 @@ def main(argv: list[str]) -> int:
                 q, kk, vv, None, cu, cu, max(lens), max(lens), False, 0.0, True, False,
                 scale=scale)[0]
 
-        for key, fn in (("cudnn_varlen", cudnn_varlen),
-                        ("cudnn_varlen_with_expand", lambda: cudnn_varlen(True))):
+        for key, fn in (() if os.environ.get("CUDNN_VARLEN") != "1" else
+                        (("cudnn_varlen", cudnn_varlen),
+                         ("cudnn_varlen_with_expand", lambda: cudnn_varlen(True)))):
             try:
                 row[key + "_ms"] = _time(fn)
                 row[key + "_err"] = (fn().float() - ref).abs().max().item()
             except Exception as e:  # the op or the shape is not supported here
                 row[key + "_ms"] = None
                 row[key + "_error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
-        if len(lens) == 1:
+        if len(set(lens)) == 1:  # one sequence, or equal fresh ones: a batched dense call
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
-            qd, kd, vd = (t.transpose(0, 1).unsqueeze(0) for t in (q, ke, ve))
+            S, L = len(lens), lens[0]
 
-            def dense():
+            def batched(t):  # [S * L, h, D] -> [S, h, L, D] (a view)
+                return t.view(S, L, t.shape[1], D).transpose(1, 2)
+
+            def dense(gqa=False):
+                kk, vv = (k, v) if gqa else (ke, ve)
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True,
-                                                          scale=scale)
-            try:
-                row["cudnn_dense_ms"] = _time(dense)
-                row["cudnn_dense_err"] = (dense()[0].transpose(0, 1).float() - ref).abs().max().item()
-            except Exception as e:
-                row["cudnn_dense_ms"] = None
-                row["cudnn_dense_error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
-        for key in ("triton", "cudnn_varlen", "cudnn_varlen_with_expand", "cudnn_dense"):
+                    return F.scaled_dot_product_attention(
+                        batched(q), batched(kk), batched(vv), is_causal=True, scale=scale,
+                        enable_gqa=gqa)
+
+            for key, fn in (("cudnn_dense", dense), ("cudnn_dense_gqa", lambda: dense(True))):
+                try:
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    fn()  # the first call of a shape builds cuDNN's plan
+                    torch.cuda.synchronize()
+                    row[key + "_first_call_ms"] = 1e3 * (time.perf_counter() - t0)
+                    row[key + "_ms"] = _time(fn)
+                    got = fn().transpose(1, 2).reshape(T, hq, D)
+                    row[key + "_err"] = (got.float() - ref).abs().max().item()
+                except Exception as e:
+                    row[key + "_ms"] = None
+                    row[key + "_error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
+        for key in ("triton", "cudnn_varlen", "cudnn_varlen_with_expand", "cudnn_dense",
+                    "cudnn_dense_gqa"):
             ms = row.get(key + "_ms")
             if ms:
                 row[key + "_tflops"] = flops / ms / 1e9

@@ -1,6 +1,12 @@
 """Where a P step's GPU sits idle (diagnosis for issue 16's prefill target).
 
-  torchrun --standalone --nproc-per-node 1 scripts/gpu_prefill_timeline.py CONFIG [--tokens 4096] [--json PATH]
+  torchrun --standalone --nproc-per-node 1 scripts/gpu_prefill_timeline.py CONFIG [--tokens 4096]
+      [--shapes 4096,8192,8x1024] [--attention triton,cudnn] [--json PATH]
+
+``--shapes`` (N or SxN, comma-separated) and ``--attention`` (P attention backends, set on the
+built model's attention modules in turn: ``engine.prefill_attention``'s values) run every
+combination on one engine build (the build is most of a run's time); the full report is
+printed for the first combination, a summary line for each.
 
 Builds bench-speed's one-rank engine on CONFIG (random weights), times one fresh prefill of
 ``--tokens`` tokens as bench-speed does (graphs as configured), then records two more steps
@@ -121,59 +127,7 @@ def analyse(trace: dict) -> dict:
     return out
 
 
-def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("config")
-    ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--seqs", type=int, default=1)
-    ap.add_argument("--json")
-    args = ap.parse_args(argv)
-
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    from colo_rollout.config import load_config
-    from colo_rollout.runtime.parallel import init_parallel
-    from colo_rollout.tools.bench_speed import _Bench, prefill_plan
-
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-    cfg = load_config(args.config, {"bench_speed.hf_peer": False})
-    groups = init_parallel(cfg.parallel)
-    bench = _Bench(cfg, groups)
-    try:
-        n = args.tokens // args.seqs
-        plan = prefill_plan([(0, n)] * args.seqs, bench.rng, cfg.model.vocab_size,
-                            cfg.engine.kv_block_size)
-        times = bench.timed(plan, 5)
-        steps = 2
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for i in range(steps):
-                with record_function(f"timeline.step{i}"):
-                    bench.step(plan)
-                    bench.sync()
-        prof_host = cProfile.Profile()
-        prof_host.enable()
-        for _ in range(3):
-            bench.step(plan)
-            bench.sync()
-        prof_host.disable()
-        with tempfile.NamedTemporaryFile("r", suffix=".json") as f:
-            prof.export_chrome_trace(f.name)
-            trace = json.load(open(f.name))
-    finally:
-        bench.close()
-    res = analyse(trace)
-    res["config"], res["tokens"], res["seqs"] = args.config, args.tokens, args.seqs
-    res["timed_ms"] = [1e3 * t for t in times]
-    print(f"{args.config}: prefill {args.seqs} x {n}, timed step median "
-          f"{1e3 * statistics.median(times):.2f} ms")
-    for s in res["steps"]:
-        print(f"  profiled step: wall {s['wall_us'] / 1e3:.2f} ms, busy {s['busy_us'] / 1e3:.2f}, "
-              f"{s['kernels']} kernels; idle before first {s['before_first_us'] / 1e3:.2f}, "
-              f"between {s['between_us'] / 1e3:.2f} ({s['gaps_over_20us']} gaps > 20 us), "
-              f"after last {s['after_last_us'] / 1e3:.2f}")
-    if not res["steps"]:
-        print("  no CUDA kernel in the trace (a CPU run, or CUPTI unavailable)")
-        return 0
+def _report(res: dict, prof_host) -> None:
     s = res["steps"][-1]
     print("  idle between kernels, by the host op launching the kernel after the gap (us):")
     for who, us in s["idle_by_launcher_us"].items():
@@ -188,15 +142,90 @@ def main(argv: list[str]) -> int:
         print(f"    {c:5d} {us:10.1f} {mx:9.1f}  {name}")
     print("  host functions of 3 steps by own time (cProfile):")
     buf = io.StringIO()
-    pstats.Stats(prof_host, stream=buf).sort_stats("tottime").print_stats(18)
+    pstats.Stats(prof_host, stream=buf).sort_stats("tottime").print_stats(24)
     print("\n".join("    " + ln for ln in buf.getvalue().splitlines()
                     if ln.strip() and not ln.startswith(("   Ordered", "   List"))))
     print("  kernels by name (count, us):")
     for name, (c, us) in s["kernels_by_name"].items():
         print(f"    {c:5d} {us:10.1f}  {name}")
+
+
+def _shape(text: str) -> tuple[int, int]:
+    """"N" or "SxN" -> (sequences, tokens per sequence)."""
+    if "x" in text:
+        seqs, n = text.split("x")
+        return int(seqs), int(n)
+    return 1, int(text)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("config")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--seqs", type=int, default=1)
+    ap.add_argument("--shapes", help="N or SxN, comma-separated (overrides --tokens/--seqs)")
+    ap.add_argument("--attention", default="", help="P attention backends to run in turn")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from colo_rollout.config import load_config
+    from colo_rollout.runtime.parallel import init_parallel
+    from colo_rollout.tools.bench_speed import _Bench, prefill_plan
+
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    cfg = load_config(args.config, {"bench_speed.hf_peer": False})
+    groups = init_parallel(cfg.parallel)
+    bench = _Bench(cfg, groups)
+    shapes = ([_shape(t) for t in args.shapes.split(",")] if args.shapes
+              else [(args.seqs, args.tokens // args.seqs)])
+    attentions = [a for a in args.attention.split(",") if a] or [None]
+    out = []
+    try:
+        for backend in attentions:
+            if backend is not None:
+                for layer in bench.runner.model.decoder.layers:
+                    layer.self_attention.prefill_backend = backend
+            for seqs, n in shapes:
+                plan = prefill_plan([(0, n)] * seqs, bench.rng, cfg.model.vocab_size,
+                                    cfg.engine.kv_block_size)
+                times = bench.timed(plan, 5)
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    for i in range(2):
+                        with record_function(f"timeline.step{i}"):
+                            bench.step(plan)
+                            bench.sync()
+                prof_host = cProfile.Profile()
+                prof_host.enable()
+                for _ in range(3):
+                    bench.step(plan)
+                    bench.sync()
+                prof_host.disable()
+                with tempfile.NamedTemporaryFile("r", suffix=".json") as f:
+                    prof.export_chrome_trace(f.name)
+                    trace = json.load(open(f.name))
+                res = analyse(trace)
+                res.update(config=args.config, tokens=seqs * n, seqs=seqs, attention=backend,
+                           timed_ms=[1e3 * t for t in times])
+                out.append(res)
+                print(f"{args.config}: prefill {seqs} x {n}, attention {backend or 'as built'}, "
+                      f"timed step median {1e3 * statistics.median(times):.2f} ms")
+                for st in res["steps"]:
+                    print(f"  profiled step: wall {st['wall_us'] / 1e3:.2f} ms, busy "
+                          f"{st['busy_us'] / 1e3:.2f}, {st['kernels']} kernels; idle before "
+                          f"first {st['before_first_us'] / 1e3:.2f}, between "
+                          f"{st['between_us'] / 1e3:.2f} ({st['gaps_over_20us']} gaps > 20 us), "
+                          f"after last {st['after_last_us'] / 1e3:.2f}")
+                if not res["steps"]:
+                    print("  no CUDA kernel in the trace (a CPU run, or CUPTI unavailable)")
+                elif len(out) == 1 or os.environ.get("TIMELINE_FULL"):
+                    _report(res, prof_host)
+    finally:
+        bench.close()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+            json.dump(out, f, indent=1)
     return 0
 
 

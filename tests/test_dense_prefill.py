@@ -21,31 +21,69 @@ F32 = torch.float32
 
 
 def test_only_long_fresh_sequences_go_dense():
-    new, ctx = [4096, 4096, 100, 2048, 2047, 1], [4096, 8192, 100, 2048, 2047, 1]
+    new, ctx = [4096, 4096, 100, 1024, 1023, 1], [4096, 8192, 100, 1024, 1023, 1]
     assert dp.dense_sequences(new, ctx) == (0, 3)  # 1 has a cached prefix; 2, 4, 5 short
     assert dp.dense_sequences(new, ctx, min_tokens=100) == (0, 2, 3, 4)
     assert [dp.padded_len(n) for n in (1, 256, 257, 4096, 4097)] == [256, 256, 512, 4096, 4352]
+
+
+def test_dense_calls_group_by_padded_length_in_batch_sizes():
+    # (sequence, first row, new tokens): eleven of 512 back to back, one of 300 between them,
+    # two of 1024 apart
+    held = [(s, 512 * s, 512) for s in range(5)] + [(5, 2560, 300)]
+    held += [(6 + s, 2860 + 512 * s, 512) for s in range(6)]
+    held += [(12, 6000, 1024), (14, 8000, 1024)]
+    calls = dp.dense_calls(tuple(held), "cpu")
+    assert [(c.length, [s for s, _, _ in c.seqs]) for c in calls] == [
+        (512, [0, 1, 2, 3, 4, 5, 6, 7]), (512, [8, 9, 10, 11]), (1024, [12, 14])]
+    assert calls[1].rows is None  # four back to back, unpadded: views
+    rows = calls[0].rows.tolist()  # 300 padded to 512: the last row repeated
+    assert len(rows) == 8 * 512
+    assert rows[5 * 512 : 5 * 512 + 300] == list(range(2560, 2860))
+    assert rows[5 * 512 + 300 : 6 * 512] == [2859] * 212
+    assert rows[6 * 512 : 7 * 512] == list(range(2860, 3372))
+    assert calls[2].rows.tolist() == list(range(6000, 7024)) + list(range(8000, 9024))
+    assert dp.dense_calls((), "cpu") == []
 
 
 def _slots(tables, s, n, bs):
     return torch.tensor([int(tables[s, p // bs]) * bs + p % bs for p in range(n)])
 
 
-@pytest.mark.parametrize("g, n_q, n, multiple", [(2, 4, 37, 16), (1, 1, 64, 64), (4, 2, 5, 256)])
-def test_the_padded_dense_call_is_the_oracle(g, n_q, n, multiple):
+@pytest.mark.parametrize("g, n_q, lens, multiple",
+                         [(2, 4, [37], 16), (1, 1, [64], 64), (4, 2, [5], 256),
+                          (2, 2, [32, 32, 32], 16), (2, 4, [20, 9, 32], 16)])
+def test_the_dense_calls_are_the_oracle(g, n_q, lens, multiple):
+    """Every sequence fresh: its calls (batched, padded or views) give the oracle's rows,
+    written into ``out`` or, for one unpadded call over all rows, returned as the result."""
     dim, bs = 32, 8
-    q, k_all, v_all, tables = _case(g, n_q, dim, bs, [n], [n], F32, torch.int64, seed=n)
-    got = dp.dense_prefill_attention(q, k_all[1], v_all[1], _slots(tables, 0, n, bs),
-                                     dim ** -0.5, multiple)
-    ref = _oracle(q, k_all, v_all, tables, [n], [n], g, n_q, dim)
-    assert got.shape == q.shape and got.dtype == q.dtype
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    q, k_all, v_all, tables = _case(g, n_q, dim, bs, lens, lens, F32, torch.int64,
+                                    seed=sum(lens))
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    slots = torch.cat([_slots(tables, s, n, bs) for s, n in enumerate(lens)])
+    calls = dp.dense_calls(tuple((s, starts[s], n) for s, n in enumerate(lens)), "cpu",
+                           multiple)
+    ref = _oracle(q, k_all, v_all, tables, lens, lens, g, n_q, dim)
+    out = torch.full_like(q, float("nan"))
+    for call in calls:
+        got = dp.dense_prefill_attention(q, k_all[1], v_all[1], slots, call, dim ** -0.5, out)
+        assert got is out
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    if len(calls) == 1 and calls[0].rows is None:
+        whole = dp.dense_prefill_attention(q, k_all[1], v_all[1], slots, calls[0],
+                                           dim ** -0.5, None)
+        assert whole.shape == q.shape and whole.dtype == q.dtype
+        torch.testing.assert_close(whole, ref, rtol=1e-5, atol=1e-5)
+    elif calls[0].rows is not None:
+        with pytest.raises(ValueError, match="needs out"):
+            dp.dense_prefill_attention(q, k_all[1], v_all[1], slots, calls[0], 0.3, None)
 
 
 def test_the_dense_call_refuses_heads_that_are_not_a_multiple_of_the_groups():
     with pytest.raises(ValueError, match="not a multiple"):
         dp.dense_prefill_attention(torch.zeros(4, 3, 8), torch.zeros(2, 4, 2, 8),
-                                   torch.zeros(2, 4, 2, 8), torch.arange(4), 0.3)
+                                   torch.zeros(2, 4, 2, 8), torch.arange(4),
+                                   dp.DenseCall(4, ((0, 0, 4),), None), 0.3, None)
 
 
 def test_the_plan_leaves_dense_sequences_out_of_its_tiles():
@@ -114,3 +152,14 @@ def test_cudnn_is_refused_where_it_cannot_run(tmp_path):
     assert EngineConfig(prefill_attention="cudnn").prefill_attention == "cudnn"
     with pytest.raises(ConfigError, match="engine.prefill_attention"):
         EngineConfig(prefill_attention="cudnn9")
+
+
+def test_the_cudnn_backend_keeps_the_rope_kernel():
+    """cudnn's P is the Triton kernel's plus dense calls: the rope and KV write stay the
+    Triton kernel's (with the q/k norms fused), as for the triton backend."""
+    from colo_rollout.model import attention as at
+
+    for backend, want in (("cudnn", "triton"), ("triton", "triton"), ("torch", "torch")):
+        fake = types.SimpleNamespace(prefill_backend=backend)
+        meta = types.SimpleNamespace(is_prefill=True)
+        assert at.PagedSelfAttention._rope_backend(fake, torch.zeros(1), meta) == want

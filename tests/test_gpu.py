@@ -470,40 +470,49 @@ def test_gpu_fp8_rollout_bf16_training_mismatch(gpu_groups, tmp_path):
 
 
 def test_gpu_cudnn_prefill_rows_match_the_kernel():
-    """engine.prefill_attention cudnn on the GPU: a fresh 4k sequence through cuDNN's dense
-    attention beside a continuation on the Triton kernel (one plan), against the fp32
-    reference -- no worse than the Triton kernel alone -- and both paths' times."""
+    """engine.prefill_attention cudnn on the GPU: a fresh 4k sequence and two fresh 1000-token
+    ones (one batched call, padded to 1024) through cuDNN's dense attention beside a
+    continuation on the Triton kernel (one plan), against the fp32 reference -- no worse than
+    the Triton kernel alone -- and both paths' times."""
     from colo_rollout.model import paged_prefill as pp
-    from colo_rollout.model.dense_prefill import cudnn_usable, dense_prefill_attention
+    from colo_rollout.model.dense_prefill import (cudnn_usable, dense_calls,
+                                                  dense_prefill_attention, dense_sequences)
 
     dev = torch.device("cuda")
     why = cudnn_usable(dev)
     if why is not None:
         pytest.skip(why)
     g, n, dim, bs = 4, 8, 128, 16
-    new, ctx = [4096, 512], [4096, 4608]
+    new, ctx = [4096, 1000, 512, 1000], [4096, 1000, 4608, 1000]
     gen = torch.Generator(device=dev).manual_seed(0)
     nb = [-(-c // bs) for c in ctx]
     blocks = torch.randperm(sum(nb) + 1, generator=gen, device=dev)
     k = torch.randn(sum(nb) + 1, bs, g, dim, device=dev, generator=gen).bfloat16()
     v = torch.randn(sum(nb) + 1, bs, g, dim, device=dev, generator=gen).bfloat16()
+    firsts = [sum(nb[:i]) for i in range(len(nb))]
     tables = torch.stack([torch.nn.functional.pad(blocks[a:a + m], (0, max(nb) - m))
-                          for a, m in ((0, nb[0]), (nb[0], nb[1]))])
+                          for a, m in zip(firsts, nb)])
     q = torch.randn(sum(new), g * n, dim, device=dev, generator=gen).bfloat16()
     scale = dim ** -0.5
     ref = pp.torch_prefill_attention(q.float(), k.float(), v.float(), tables,
                                      pp.plan_prefill(new, ctx, n, dim, q.dtype, dev), scale)
     full = pp.plan_prefill(new, ctx, n, dim, q.dtype, dev)
-    split = pp.plan_prefill(new, ctx, n, dim, q.dtype, dev, dense=(0,))
-    slots = (tables[0, torch.arange(4096, device=dev) // bs] * bs
-             + torch.arange(4096, device=dev) % bs)
+    dense = dense_sequences(new, ctx)
+    assert dense == (0, 1, 3)
+    split = pp.plan_prefill(new, ctx, n, dim, q.dtype, dev, dense=dense)
+    calls = dense_calls(split.dense, dev)
+    assert [len(c.seqs) for c in calls] == [1, 2]
+    slots = torch.cat([tables[s, torch.arange(c - m, c, device=dev) // bs] * bs
+                       + torch.arange(c - m, c, device=dev) % bs
+                       for s, (m, c) in enumerate(zip(new, ctx))])
 
     def kernel():
         return pp.triton_prefill_attention(q, k, v, tables, full, scale)
 
     def mixed():
         out = pp.triton_prefill_attention(q, k, v, tables, split, scale)
-        out[:4096] = dense_prefill_attention(q[:4096], k, v, slots, scale)
+        for call in calls:
+            dense_prefill_attention(q, k, v, slots, call, scale, out)
         return out
 
     def ms(fn):

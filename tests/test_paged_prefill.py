@@ -114,16 +114,17 @@ def _interpreted() -> list[str]:
     # engine.prefill_attention cudnn: sequences 0 and 2 (fresh) left out of the tiles and
     # computed by the dense call (model/dense_prefill.py; torch's SDPA on CPU) into the rows
     # the kernel leaves: together the oracle's output
-    from colo_rollout.model.dense_prefill import dense_prefill_attention
+    from colo_rollout.model.dense_prefill import dense_calls, dense_prefill_attention
 
     g, n, dim, bs, new, ctx = 2, 4, 64, 16, [40, 9, 33, 5], [40, 30, 33, 5]
     q, k_all, v_all, tables = _case(g, n, dim, bs, new, ctx, F32, torch.int64, seed=77)
     plan = pp.plan_prefill(new, ctx, n, dim, F32, q.device, T(16, 16, 4, 2, True), dense=(0, 2))
     got = pp.triton_prefill_attention(q, k_all[1], v_all[1], tables, plan, dim ** -0.5)
-    for s, q0, m in plan.dense:
-        slots = torch.tensor([int(tables[s, p // bs]) * bs + p % bs for p in range(m)])
-        got[q0 : q0 + m] = dense_prefill_attention(q[q0 : q0 + m], k_all[1], v_all[1], slots,
-                                                   dim ** -0.5, 16)
+    slots = torch.cat([torch.tensor([int(tables[s, p // bs]) * bs + p % bs
+                                     for p in range(c - m, c)]) for s, (m, c) in
+                       enumerate(zip(new, ctx))])
+    for call in dense_calls(plan.dense, "cpu", 16):  # one call: 40 and 33 padded to 48
+        dense_prefill_attention(q, k_all[1], v_all[1], slots, call, dim ** -0.5, got)
     ref = _oracle(q, k_all, v_all, tables, new, ctx, g, n, dim)
     err = (got - ref).abs().max().item()
     if plan.dense != ((0, 0, 40), (2, 49, 33)) or not err < 1e-4:

@@ -455,9 +455,9 @@ class EngineConfig:
     # P attention (model/paged_prefill.py): "triton" = the varlen paged flash-attention kernel
     # (CUDA and triton required: an error at model build otherwise), "torch" = SDPA per
     # context bucket (the CPU path and the reference), "auto" = triton on CUDA when it
-    # imports, else torch. "cudnn" = triton, except long fresh sequences (>= 2048 new tokens,
-    # no cached prefix), which go one per call through cuDNN's dense attention
-    # (model/dense_prefill.py; CUDA, cuDNN >= 9 and triton required).
+    # imports, else torch. "cudnn" = triton, except fresh sequences (>= 1024 new tokens, no
+    # cached prefix), which go through cuDNN's dense attention, up to 8 of one padded length
+    # per call (model/dense_prefill.py; CUDA, cuDNN >= 9 and triton required).
     prefill_attention: str = "auto"
     # The grouped MoE path's expert GEMMs (model/fused_moe.py): "triton" = the fused-MoE
     # kernel (row gather, per-expert tiles and SwiGLU fused; CUDA and triton required: an error

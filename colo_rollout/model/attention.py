@@ -26,7 +26,11 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from colo_rollout.model.dense_prefill import dense_prefill_attention, dense_sequences
+from colo_rollout.model.dense_prefill import (
+    dense_calls,
+    dense_prefill_attention,
+    dense_sequences,
+)
 from colo_rollout.model.fp8 import fp8_linear
 from colo_rollout.model.kernel_backend import as_dtype
 from colo_rollout.model.paged_attention import decode_attention
@@ -67,6 +71,9 @@ class AttnMetadata:
     # P only, triton backend: the kernel's launch plan (model/paged_prefill.py), made by the
     # epoch's first layer from the host lists and read by the rest
     prefill_plan: object | None = None
+    # P only, cudnn backend: the dense calls of the sequences the plan leaves out (model/
+    # dense_prefill.py), made with the plan
+    dense_calls: list = field(default_factory=list)
 
 
 class RopeAngles:
@@ -292,7 +299,8 @@ class PagedSelfAttention(torch.nn.Module):
                           "auto")
         if backend == "auto":
             backend = "triton" if q.is_cuda and triton_available() else "torch"
-        return backend
+        # cudnn's P is the Triton kernel's plus dense calls: the same rope kernel
+        return "triton" if backend == "cudnn" else backend
 
     def _gather_kv(self, kv: KVStorage, layer: int, tables: torch.Tensor):
         # tables [S, nb] -> [S, nb*block, groups, dim], expanded to query heads (GQA).
@@ -313,8 +321,9 @@ class PagedSelfAttention(torch.nn.Module):
           * triton: the varlen paged flash-attention kernel (model/paged_prefill.py), K/V read
             through the block table, no copy per head; its plan (tiles, lengths on the device)
             is made by the epoch's first layer and kept on ``meta``; the buckets are unused.
-          * cudnn: the same, but long fresh sequences (model/dense_prefill.py) are left out of
-            the kernel's tiles and computed one per call by cuDNN's dense attention.
+          * cudnn: the same, but fresh sequences of >= 1024 tokens (model/dense_prefill.py)
+            are left out of the kernel's tiles and computed by cuDNN's dense attention, up to
+            8 sequences of one padded length per call.
           * torch (the CPU path and the reference): one SDPA call per context bucket, queries
             [Sb, heads, n_max, dim] against the bucket's keys [Sb, heads, blocks*block, dim]
             (padding slots are computed and dropped)."""
@@ -329,12 +338,20 @@ class PagedSelfAttention(torch.nn.Module):
                 plan = meta.prefill_plan = plan_prefill(
                     meta.seq_lens_new, meta.context_lens_host, self.q_per_group,
                     self.head_dim, q.dtype, q.device, dense=dense)
-            out = triton_prefill_attention(q, kv.k[layer], kv.v[layer], meta.block_tables,
-                                           plan, self.scale)
-            for _, q0, n in plan.dense:  # rows the kernel left unwritten
-                out[q0 : q0 + n] = dense_prefill_attention(
-                    q[q0 : q0 + n], kv.k[layer], kv.v[layer], meta.slot_mapping[q0 : q0 + n],
-                    self.scale)
+                meta.dense_calls = dense_calls(plan.dense, q.device)
+            calls = meta.dense_calls
+            k_cache, v_cache = kv.k[layer], kv.v[layer]
+            if (plan.n_tiles == 0 and len(calls) == 1 and calls[0].rows is None
+                    and calls[0].seqs[0][1] == 0
+                    and len(calls[0].seqs) * calls[0].length == q.shape[0]):
+                # one dense call over every row: its result is the output (no copy)
+                return dense_prefill_attention(q, k_cache, v_cache, meta.slot_mapping,
+                                               calls[0], self.scale, None)
+            out = triton_prefill_attention(q, k_cache, v_cache, meta.block_tables, plan,
+                                           self.scale)
+            for call in calls:  # the rows the kernel left unwritten
+                dense_prefill_attention(q, k_cache, v_cache, meta.slot_mapping, call,
+                                        self.scale, out)
             return out
         out = q.new_empty(q.shape)
         for b in meta.buckets:

@@ -1,28 +1,33 @@
-"""P attention of long fresh sequences through a dense fused-attention library kernel
-(cuDNN's, via torch's SDPA) -- ``engine.prefill_attention: cudnn``.
+"""P attention of fresh sequences through a dense fused-attention library kernel (cuDNN's,
+via torch's SDPA) -- ``engine.prefill_attention: cudnn``.
 
-Why: on one H200 cuDNN's dense causal attention ran 1.3-1.6x the engine's Triton kernel on
-fresh 4k-8k sequences (530-616 TFLOP/s at the Qwen3 shape against ~350-377; docs/
-benchmarks.md, session 15), while its varlen entry point rebuilt its plan on every call
-(~50 ms). So the dense kernel takes one fresh sequence per call, padded to a length bucket
-(one cuDNN plan per bucket), and everything else -- continuations, short sequences -- stays
-on the Triton kernel in the same P step (``plan_prefill(dense=...)`` leaves those sequences
-out of its tiles).
+Why: on one H200 cuDNN's dense causal attention ran 1.3-1.65x the engine's Triton kernel on
+fresh sequences (4k-8k single, 8 x 1k batched: 390-600 TFLOP/s against 250-375; docs/
+benchmarks.md, sessions 15-16), while its varlen entry point rebuilt its plan on every call
+(~50 ms). So fresh sequences go through dense calls -- up to ``BATCHES[0]`` sequences of one
+padded length per call, [S, heads, L, dim] -- and everything else (continuations, short
+sequences) stays on the Triton kernel in the same P step (``plan_prefill(dense=...)`` leaves
+the dense sequences out of its tiles).
 
-Owns: which sequences go dense (``dense_sequences``), their padded length (``padded_len``)
-and the call (``dense_prefill_attention``).
+Owns: which sequences go dense (``dense_sequences``), their padded length (``padded_len``),
+their grouping into calls (``dense_calls``: made once per P epoch with the plan, read by every
+layer) and the call (``dense_prefill_attention``).
 
 Invariants:
   * Only fresh sequences (every key is one of the step's new tokens: ctx == new) of at least
     ``MIN_TOKENS`` go dense; their keys are read back from the cache rows the rope kernel
     wrote (``slot_mapping``), so K is the rotated K the Triton kernel would read.
-  * Padding sits at the end of the sequence (zeros): causal attention is exact under it -- a
-    real query at position j sees keys 0..j, all real -- and the padded queries' rows are
-    dropped.
-  * The KV heads are expanded to the query heads (torch's SDPA hands GQA to cuDNN only as
-    full heads); the copies are O(T x heads x dim), small beside the O(T^2) attention.
-  * On CPU (the tests) the same code runs torch's default SDPA backend: the padding, the
-    gather and the head expansion are what is tested there; cuDNN itself only on a GPU.
+  * A call's sequences share one padded length L (a multiple of ``PAD_MULTIPLE``) and a batch
+    size from ``BATCHES``: cuDNN builds one plan per (S, L) shape (~50 ms, on its first use),
+    so the shapes are few -- at most len(BATCHES) x max_seq_len / PAD_MULTIPLE.
+  * Padding sits at the end of each sequence: the padded rows repeat the sequence's last row
+    (finite values; the rows are gathered by a per-epoch index); causal attention is exact
+    under it -- a real query at position j sees keys 0..j, all real -- and the padded queries'
+    rows are dropped. A call whose sequences lie back to back with no padding reads q and
+    writes its rows as views (no gather).
+  * GQA is handed to the kernel (``enable_gqa``): the KV heads are never expanded.
+  * On CPU (the tests) the same code runs torch's default SDPA backend: the grouping, the
+    padding, the gathers and GQA are what is tested there; cuDNN itself only on a GPU.
 
 Imports only torch (and the config's constant).
 """
@@ -30,18 +35,33 @@ Imports only torch (and the config's constant).
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from colo_rollout.config.schema import CUDNN_MIN_VERSION
 
-# A fresh sequence goes dense from this many new tokens: the probe measured 4k and 8k
-# (1.3-1.6x); at 1k the Triton kernel's packed grid over many sequences is not yet compared.
-MIN_TOKENS = 2048
-# Dense lengths are padded to multiples of this: one cuDNN plan per multiple (at most
-# max_seq_len / 256 plans, built lazily on first use), at most 255 padded rows per call.
+# A fresh sequence goes dense from this many new tokens: the 1k rows of the probe (8 x 1k
+# batched) were 1.5-1.65x the Triton kernel's packed grid; shorter ones are not compared.
+MIN_TOKENS = 1024
+# Dense lengths are padded to multiples of this: one cuDNN plan per multiple and batch size
+# (built lazily on first use), at most 255 padded rows per sequence.
 PAD_MULTIPLE = 256
+# Sequences per dense call: a group of one padded length is cut greedily into these sizes.
+BATCHES = (8, 4, 2, 1)
+
+
+@dataclass(frozen=True)
+class DenseCall:
+    """One dense attention call of an epoch: ``seqs`` (sequence, first row, new tokens), all
+    padded to ``length``; ``rows`` [S * length] the flat q row of each padded slot (a
+    sequence's padding repeats its last row), or None when the sequences lie back to back
+    from ``seqs[0]``'s first row with no padding (the call then works on views)."""
+
+    length: int
+    seqs: tuple[tuple[int, int, int], ...]
+    rows: torch.Tensor | None
 
 
 def dense_sequences(seq_lens_new: list[int], context_lens: list[int],
@@ -53,6 +73,37 @@ def dense_sequences(seq_lens_new: list[int], context_lens: list[int],
 
 def padded_len(n: int, multiple: int = PAD_MULTIPLE) -> int:
     return -(-n // multiple) * multiple
+
+
+def dense_calls(held: tuple[tuple[int, int, int], ...], device: torch.device | str,
+                multiple: int = PAD_MULTIPLE,
+                batches: tuple[int, ...] = BATCHES) -> list[DenseCall]:
+    """The epoch's dense calls for ``held`` (sequence, first row, new tokens -- the plan's
+    ``dense``): grouped by padded length in sequence order, each group cut greedily into
+    ``batches`` sizes; the padded row index of a call that needs one, built on the host and
+    copied once (the epoch's layers share it)."""
+    by_len: dict[int, list[tuple[int, int, int]]] = {}
+    for seq in held:
+        by_len.setdefault(padded_len(seq[2], multiple), []).append(seq)
+    calls = []
+    for L, group in by_len.items():
+        at = 0
+        while at < len(group):
+            S = next(b for b in batches if b <= len(group) - at)
+            seqs = tuple(group[at : at + S])
+            at += S
+            flat = all(n == L and q0 == seqs[0][1] + i * L for i, (_, q0, n) in enumerate(seqs))
+            rows = None
+            if not flat:
+                idx = []
+                for _, q0, n in seqs:
+                    idx.extend(range(q0, q0 + n))
+                    idx.extend([q0 + n - 1] * (L - n))
+                rows = torch.tensor(idx, dtype=torch.int64)
+                rows = (rows.pin_memory().to(device, non_blocking=True)
+                        if torch.device(device).type == "cuda" else rows.to(device))
+            calls.append(DenseCall(L, seqs, rows))
+    return calls
 
 
 def cudnn_usable(device: torch.device | str) -> str | None:
@@ -77,30 +128,41 @@ def _cudnn_kernel(device: torch.device):
 
 
 def dense_prefill_attention(q: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Tensor,
-                            slots: torch.Tensor, scale: float,
-                            multiple: int = PAD_MULTIPLE) -> torch.Tensor:
-    """One fresh sequence: q [n, heads, dim] (its new tokens, rotated) against its own keys,
-    read from one layer's cache kv_k/kv_v [blocks, block_size, groups, dim] at ``slots`` [n]
-    (where the rope kernel wrote them) -> [n, heads, dim] in q's dtype, causal."""
-    n, heads, dim = q.shape
+                            slot_mapping: torch.Tensor, call: DenseCall, scale: float,
+                            out: torch.Tensor | None) -> torch.Tensor:
+    """One dense call: the rows of ``call``'s sequences in q [T, heads, dim] (rotated)
+    against their own keys, read from one layer's cache kv_k/kv_v [blocks, block_size,
+    groups, dim] at ``slot_mapping`` [T] (where the rope kernel wrote them), causal. Writes
+    the sequences' rows of ``out`` [T, heads, dim] and returns it; ``out`` None (the call
+    covers every row of q back to back): returns the result itself, a view."""
+    T, heads, dim = q.shape
     g = kv_k.shape[2]
     if heads % g:
         raise ValueError(f"q's {heads} heads are not a multiple of the cache's {g} groups")
-    L = padded_len(n, multiple)
-    k = kv_k.view(-1, g, dim).index_select(0, slots)  # [n, g, dim]
+    S, L = len(call.seqs), call.length
+    if call.rows is None:  # back to back, unpadded: views
+        q0 = call.seqs[0][1]
+        qb = q[q0 : q0 + S * L]
+        slots = slot_mapping[q0 : q0 + S * L]
+    else:
+        qb = q.index_select(0, call.rows)
+        slots = slot_mapping.index_select(0, call.rows)
+    k = kv_k.view(-1, g, dim).index_select(0, slots)  # [S * L, g, dim]
     v = kv_v.view(-1, g, dim).index_select(0, slots)
-    qp = q.new_zeros((L, heads, dim))
-    qp[:n] = q
-    kp = k.new_zeros((L, g, dim))
-    kp[:n] = k
-    vp = v.new_zeros((L, g, dim))
-    vp[:n] = v
-    rep = heads // g
-    if rep > 1:  # megatron's layout: q head h reads KV group h // rep
-        kp = kp.repeat_interleave(rep, dim=1)
-        vp = vp.repeat_interleave(rep, dim=1)
-    # [1, heads, L, dim] views of the token-major buffers (SDPA takes the strides)
-    qd, kd, vd = (t.transpose(0, 1).unsqueeze(0) for t in (qp, kp, vp))
+    # [S, h, L, dim] views of the token-major rows (SDPA takes the strides)
+    qd, kd, vd = (t.view(S, L, t.shape[1], dim).transpose(1, 2) for t in (qb, k, v))
     with _cudnn_kernel(q.device):
-        o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale)
-    return o[0].transpose(0, 1)[:n]
+        o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale,
+                                           enable_gqa=heads != g)
+    o = o.transpose(1, 2)  # [S, L, heads, dim]
+    if out is None:
+        if call.rows is not None or S * L != T:
+            raise ValueError("a call that does not cover q back to back needs out")
+        return o.reshape(T, heads, dim)
+    if call.rows is None:
+        q0 = call.seqs[0][1]
+        out[q0 : q0 + S * L] = o.reshape(S * L, heads, dim)
+    else:
+        for i, (_, q0, n) in enumerate(call.seqs):
+            out[q0 : q0 + n] = o[i, :n]
+    return out
