@@ -93,10 +93,15 @@ def check_kernels(cfg: Config, source: str) -> None:
 
             version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() \
                 else None
+            m = cfg.model
             if not torch.cuda.is_available():
                 why = "this host has no CUDA device"
             elif version is None or version < CUDNN_MIN_VERSION:
                 why = f"cuDNN {version} is older than {CUDNN_MIN_VERSION} (or absent)"
+            elif m.params_dtype not in ("bfloat16", "float16"):  # dense_prefill.cudnn_fits
+                why = f"model.params_dtype is {m.params_dtype} (cuDNN's fused attention takes 16-bit)"
+            elif m.head_dim % 8 or m.head_dim > 128:
+                why = f"model.head_dim {m.head_dim} is not a multiple of 8 up to 128"
             else:
                 continue
         else:

@@ -163,3 +163,24 @@ def test_the_cudnn_backend_keeps_the_rope_kernel():
         fake = types.SimpleNamespace(prefill_backend=backend)
         meta = types.SimpleNamespace(is_prefill=True)
         assert at.PagedSelfAttention._rope_backend(fake, torch.zeros(1), meta) == want
+
+
+def test_warm_plans_runs_every_shape_the_calls_can_take():
+    """One call per (batch size, padded length) a P step of up to ``max_tokens`` rows with
+    sequences up to ``max_len`` can make (CPU: torch's SDPA runs them)."""
+    assert dp.warm_plans(2, 1, 8, F32, torch.device("cpu"), max_tokens=2048, max_len=1536,
+                         multiple=512) == 3  # (2, 1024), (1, 1024), (1, 1536)
+    assert dp.warm_plans(2, 1, 8, F32, torch.device("cpu"), max_tokens=512, max_len=4096,
+                         multiple=512) == 0  # no fresh sequence of MIN_TOKENS fits
+
+
+def test_auto_takes_cudnn_only_where_it_runs():
+    assert pp.resolve_backend("auto", torch.device("cpu")) == "torch"
+
+
+def test_cudnn_fits_16_bit_models_with_head_dims_it_takes():
+    assert dp.cudnn_fits(torch.bfloat16, 128) is None and dp.cudnn_fits(torch.float16, 64) is None
+    assert dp.cudnn_fits(None, None) is None
+    assert "16-bit" in dp.cudnn_fits(torch.float32, 128)
+    assert "head_dim 192" in dp.cudnn_fits(torch.bfloat16, 192)
+    assert "head_dim 100" in dp.cudnn_fits(torch.bfloat16, 100)

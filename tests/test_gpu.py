@@ -470,8 +470,8 @@ def test_gpu_fp8_rollout_bf16_training_mismatch(gpu_groups, tmp_path):
 
 
 def test_gpu_cudnn_prefill_rows_match_the_kernel():
-    """engine.prefill_attention cudnn on the GPU: a fresh 4k sequence and two fresh 1000-token
-    ones (one batched call, padded to 1024) through cuDNN's dense attention beside a
+    """engine.prefill_attention cudnn on the GPU: a fresh 4k sequence and two fresh 1100-token
+    ones (one batched call, padded to 1280) through cuDNN's dense attention beside a
     continuation on the Triton kernel (one plan), against the fp32 reference -- no worse than
     the Triton kernel alone -- and both paths' times."""
     from colo_rollout.model import paged_prefill as pp
@@ -483,7 +483,7 @@ def test_gpu_cudnn_prefill_rows_match_the_kernel():
     if why is not None:
         pytest.skip(why)
     g, n, dim, bs = 4, 8, 128, 16
-    new, ctx = [4096, 1000, 512, 1000], [4096, 1000, 4608, 1000]
+    new, ctx = [4096, 1100, 512, 1100], [4096, 1100, 4608, 1100]
     gen = torch.Generator(device=dev).manual_seed(0)
     nb = [-(-c // bs) for c in ctx]
     blocks = torch.randperm(sum(nb) + 1, generator=gen, device=dev)

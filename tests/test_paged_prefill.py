@@ -200,7 +200,11 @@ def test_resolve_backend():
     with pytest.raises(ValueError, match="must be one of"):
         pp.resolve_backend("flash", cpu)
     if pp.triton_available():
-        assert pp.resolve_backend("auto", "cuda:0") == "triton"
+        from colo_rollout.model.dense_prefill import cudnn_usable
+
+        # auto: cuDNN's dense calls beside the kernel where cuDNN >= 9 is there
+        want = "cudnn" if cudnn_usable("cuda:0") is None else "triton"
+        assert pp.resolve_backend("auto", "cuda:0") == want
         assert pp.resolve_backend("triton", "cuda:0") == "triton"
 
 

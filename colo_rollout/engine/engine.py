@@ -516,7 +516,8 @@ class Engine:
     def warmup(self, max_context: int | None = None) -> int:
         """Collective, on an idle engine: capture the D graphs of every decode bucket and block
         -table width needed for contexts up to ``max_context`` tokens (default: max_seq_len)
-        and P's MoE graphs of every token bucket, and run one P AllReduce so the P
+        and P's MoE graphs of every token bucket, build cuDNN's plans of P's dense attention
+        shapes (``engine.prefill_attention`` cudnn), and run one P AllReduce so the P
         communicator exists -- all otherwise happen inside the first requests' latency.
         Returns the graphs captured."""
         self.memory.check_ready()
@@ -530,6 +531,8 @@ class Engine:
             n = self.runner.graphs.capture_all(sorted(rows), -(-ctx // e.kv_block_size))
         if self.runner.prefill_graphs is not None:
             n += self.runner.prefill_graphs.capture_all()
+        e = self.cfg.engine  # cuDNN's plans of the dense P-attention shapes (no collective)
+        self.runner.model.warm_prefill_attention(e.max_prefill_tokens, e.max_seq_len)
         if self.groups.layout.world_size > 1:
             probe = torch.zeros(1, device=self.groups.device)
             torch.distributed.all_reduce(probe, group=self.groups.full_p)

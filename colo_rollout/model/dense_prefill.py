@@ -118,6 +118,17 @@ def cudnn_usable(device: torch.device | str) -> str | None:
     return None
 
 
+def cudnn_fits(dtype: torch.dtype | None, head_dim: int | None) -> str | None:
+    """None when cuDNN's fused attention takes a model of ``dtype`` and ``head_dim`` (16-bit,
+    a head dim that is a multiple of 8 up to 128 -- the range measured; None: unchecked),
+    else why not (one line)."""
+    if dtype is not None and dtype not in (torch.bfloat16, torch.float16):
+        return f"the model is {dtype} (cuDNN's fused attention takes 16-bit)"
+    if head_dim is not None and (head_dim % 8 or head_dim > 128):
+        return f"head_dim {head_dim} is not a multiple of 8 up to 128"
+    return None
+
+
 def _cudnn_kernel(device: torch.device):
     """Context: SDPA on cuDNN's backend (CUDA), the default selection elsewhere (CPU tests)."""
     if device.type != "cuda":
@@ -166,3 +177,24 @@ def dense_prefill_attention(q: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Ten
         for i, (_, q0, n) in enumerate(call.seqs):
             out[q0 : q0 + n] = o[i, :n]
     return out
+
+
+def warm_plans(heads: int, groups: int, dim: int, dtype: torch.dtype, device: torch.device,
+               max_tokens: int, max_len: int, multiple: int = PAD_MULTIPLE,
+               batches: tuple[int, ...] = BATCHES) -> int:
+    """Run one dense call of every shape ``dense_calls`` can make for P steps of up to
+    ``max_tokens`` tokens and sequences of up to ``max_len``, so that cuDNN builds each plan
+    (40-70 ms apiece on one H200) before serving rather than inside a P epoch. Returns the
+    shapes run."""
+    n = 0
+    for S in batches:
+        L = padded_len(MIN_TOKENS, multiple)
+        while L <= min(max_len, max_tokens // S):
+            q = torch.zeros(S * L, heads, dim, dtype=dtype, device=device)
+            kv = torch.zeros(S * L, 1, groups, dim, dtype=dtype, device=device)
+            slots = torch.arange(S * L, device=device)
+            call = DenseCall(L, tuple((s, s * L, L) for s in range(S)), None)
+            dense_prefill_attention(q, kv, kv, slots, call, dim ** -0.5, None)
+            n += 1
+            L += multiple
+    return n

@@ -58,6 +58,7 @@ from colo_rollout.model.norm_add import (
     fused_rms_norm,
 )
 from colo_rollout.model.residual import add_rounded, add_rounded_slots
+from colo_rollout.model.dense_prefill import warm_plans as warm_dense_plans
 from colo_rollout.model.paged_prefill import resolve_backend as resolve_prefill_backend
 from colo_rollout.model.moe import GatherMoE, mlp_partial
 from colo_rollout.model.moe_align import warm as warm_align
@@ -344,7 +345,8 @@ class InferenceGPT(torch.nn.Module):
         # chosen once for the model's device before anything is allocated: "triton" without
         # CUDA or triton fails here
         self.decode_attention = resolve_backend(decode_attention, groups.device)
-        self.prefill_attention = resolve_prefill_backend(prefill_attention, groups.device)
+        self.prefill_attention = resolve_prefill_backend(prefill_attention, groups.device,
+                                                         dtype, cfg.head_dim)
         # the grouped MoE path's expert GEMMs (engine.moe_kernel): torch._grouped_mm or the
         # Triton fused-MoE kernel ("auto": triton on CUDA for bf16/fp16 models)
         self.moe_kernel = resolve_moe_kernel(moe_kernel, groups.device, dtype)
@@ -517,6 +519,16 @@ class InferenceGPT(torch.nn.Module):
         distinct variant once, however many layers share it."""
         for args in set().union(*(moe.align_variants() for moe in self.moe_layers())):
             warm_align(*args)
+
+    def warm_prefill_attention(self, max_tokens: int, max_len: int) -> int:
+        """Build cuDNN's plans for every dense P-attention shape (model/dense_prefill.py)
+        of P steps up to ``max_tokens`` rows on this rank and sequences up to ``max_len``,
+        where P attention is "cudnn" (else nothing). Returns the shapes run."""
+        if self.prefill_attention != "cudnn":
+            return 0
+        att = self.decoder.layers[0].self_attention
+        return warm_dense_plans(att.heads, att.groups, att.head_dim, self.dtype, self.device,
+                                max_tokens, max_len)
 
     def close_dispatch(self) -> None:
         """Release the dispatch backends' own buffers (DeepEP's: collective over the EP

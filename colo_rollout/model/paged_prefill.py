@@ -65,19 +65,28 @@ DEFAULT = TileConfig()
 PACK_SAVING = 0.75  # pack_group None: pack when it computes at most this fraction of the rows
 
 
-def resolve_backend(requested: str, device: torch.device | str) -> str:
-    """``engine.prefill_attention`` -> the backend a model on ``device`` uses (model/
-    kernel_backend.py); "cudnn": this kernel plus cuDNN's dense attention for long fresh
-    sequences (model/dense_prefill.py), which needs CUDA, cuDNN 9 and triton."""
-    if requested == "cudnn":
-        from colo_rollout.model.dense_prefill import cudnn_usable
+def resolve_backend(requested: str, device: torch.device | str,
+                    dtype: torch.dtype | None = None, head_dim: int | None = None) -> str:
+    """``engine.prefill_attention`` -> the backend a model on ``device`` (in ``dtype``, with
+    ``head_dim``; None: not checked) uses (model/kernel_backend.py); "cudnn": this kernel plus
+    cuDNN's dense attention for fresh sequences (model/dense_prefill.py), which needs CUDA,
+    cuDNN 9, triton, a 16-bit model and a head dim cuDNN's fused kernels take. "auto" takes
+    cudnn where it can run (measured 1.0-1.16x the kernel alone per P step on one H200, docs/
+    benchmarks.md session 16), else triton on CUDA, else torch."""
+    from colo_rollout.model.dense_prefill import cudnn_fits, cudnn_usable
 
-        why = cudnn_usable(device) or (None if triton_available() else "triton does not import")
+    if requested == "cudnn":
+        why = (cudnn_usable(device) or cudnn_fits(dtype, head_dim)
+               or (None if triton_available() else "triton does not import"))
         if why is not None:
             raise RuntimeError(f"engine.prefill_attention: cudnn was requested but {why}; set "
                                "it to 'triton', 'torch' or 'auto'")
         return "cudnn"
-    return _resolve("engine.prefill_attention", requested, device)
+    got = _resolve("engine.prefill_attention", requested, device)
+    if (requested == "auto" and got == "triton" and cudnn_usable(device) is None
+            and cudnn_fits(dtype, head_dim) is None):
+        return "cudnn"
+    return got
 
 def group_pack(q_per_group: int, block_m: int) -> int:
     """q heads per program when packing the group: the largest power of two that divides the
