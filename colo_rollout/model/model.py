@@ -85,6 +85,10 @@ class MoEBlock(Protocol):
         ``add_rounded_slots``), where the combine is the identity
         (``InferenceGPT.p_moe_into_residual``)."""
 
+    def input(self, n: int) -> torch.Tensor | None:
+        """Where the caller may write the next block's h [n, H] (a graph's input buffer:
+        its replay then copies nothing), or None."""
+
 
 @dataclass(frozen=True)
 class ModulesMoE:
@@ -98,6 +102,9 @@ class ModulesMoE:
     def residual(self, i: int, h: torch.Tensor) -> torch.Tensor:
         return add_rounded_slots(h, self.model.moe_block(i, h, pairs=True),
                                  self.model.residual_kernel)
+
+    def input(self, n: int) -> None:
+        return None
 
 
 def te_available() -> bool:
@@ -729,7 +736,8 @@ class InferenceGPT(torch.nn.Module):
             h, boundary = yield from self.prefill_layer(
                 layer, i, h, rope, inp, kv, own, total, boundary,
                 (lambda x, i=i: moe.residual(i, x)) if slots else (lambda x, i=i: moe.partial(i, x)),
-                dispatch=dispatch, slots=slots, trace=True)
+                dispatch=dispatch, slots=slots, trace=True,
+                moe_input=None if dispatch or not layer.is_moe else moe.input)
         if sample is not None:  # every row's normed output: the MTP layer reads them all
             hidden_all = self.decoder.final_layernorm(h)
             last = hidden_all[inp.last_rows]
@@ -799,7 +807,7 @@ class InferenceGPT(torch.nn.Module):
     def prefill_layer(self, layer: InferenceLayer, kv_layer: int, h: torch.Tensor, rope,
                       inp: PrefillInputs, kv: KVStorage, own: slice, total: int,
                       boundary: int, moe_partial, *, dispatch: bool = False,
-                      slots: bool = False, trace: bool = False
+                      slots: bool = False, trace: bool = False, moe_input=None
                       ) -> Generator[int, None, tuple[torch.Tensor, int]]:
         """One layer of P on the gather backend's layout (a generator; yields ``boundary``
         on, one id before each collective): ``h`` [T, H] holds every replica's rows on every
@@ -809,15 +817,21 @@ class InferenceGPT(torch.nn.Module):
         new residual, the k slots summed into h without a collective), or with ``dispatch``
         this rank's share of the rows through P's dispatcher (one more boundary, at its
         split) -- plus the shared experts on this replica's rows, reduced by P's AllReduce.
-        ``trace``: append the residual stream after each half (model.trace). Returns
-        (h, the next boundary id). The decoder's layers and the MTP layer's share it."""
+        ``trace``: append the residual stream after each half (model.trace). ``moe_input``
+        (``MoEBlock.input``): where the attention half's residual add may write h for
+        ``moe_partial`` (a P graph's input: no copy into it). Returns (h, the next boundary
+        id). The decoder's layers and the MTP layer's share it."""
         comm = self.comm
         off, n_local = own.start, own.stop - own.start
         attn = layer.self_attention(layer.input_layernorm(h[own]), rope, inp.attn, kv,
                                     kv_layer)
         yield boundary
         boundary += 1
-        h = h + comm.p_gather(attn, off, total)
+        buf = None if moe_input is None else moe_input(h.shape[0])
+        if buf is not None:  # the add straight into the MoE graph's input
+            h = torch.add(h, comm.p_gather(attn, off, total), out=buf)
+        else:
+            h = h + comm.p_gather(attn, off, total)
         if trace and self.trace is not None:
             self.trace.append(h.float().clone())
         if layer.is_moe:

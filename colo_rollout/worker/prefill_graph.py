@@ -92,6 +92,7 @@ class PrefillMoEGraphs:
         self._outs: dict[str, torch.Tensor] = {}
         self._out_dtypes = {"partial": torch.float32, "residual": model.dtype}
         self._n = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._n_host = 0  # what _n holds (every write is this object's, on P's stream)
         self._graphs: dict[tuple[str, int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None  # made at the first capture (a fresh one after release)
         self.captures = 0
@@ -114,14 +115,22 @@ class PrefillMoEGraphs:
             return self._modules.residual(i, h)
         return self._replay("residual", i, h)
 
+    def input(self, n: int) -> torch.Tensor | None:
+        """Rows [:n] of the graphs' shared input, for the caller to write the next block's
+        h into (the replay then copies nothing); None past the largest bucket."""
+        return self._in[:n] if n <= self.max_tokens else None
+
     def _replay(self, kind: str, i: int, h: torch.Tensor) -> torch.Tensor:
         n = h.shape[0]
         T = token_bucket(n, self.max_tokens)
         g = self._graphs.get((kind, i, T))
         if g is None:
             g = self._capture(kind, i, T)
-        self._in[:n].copy_(h)
-        self._n.fill_(n)
+        if h.data_ptr() != self._in.data_ptr():  # written there already (``input``): no copy
+            self._in[:n].copy_(h)
+        if self._n_host != n:  # one fill per P step, not per layer
+            self._n.fill_(n)
+            self._n_host = n
         g.replay()
         self.replays += 1
         return self._outs[kind][:n]
@@ -152,6 +161,7 @@ class PrefillMoEGraphs:
         self._out(kind)  # outside the capture: the shared buffer is not the pool's
         with torch.cuda.stream(side):  # warm-up outside capture (allocator, lazy inits)
             self._n.fill_(T)
+            self._n_host = T
             for _ in range(2):
                 self._block(kind, i, T)
         stream.wait_stream(side)
