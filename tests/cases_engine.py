@@ -765,6 +765,8 @@ def prefill_graph_data_path(rank: int, world: int, adp: int, ep: int) -> dict:
 
         def _replay(self, kind, i, h):
             self.kinds.append(kind)
+            # whether the caller wrote h into the input buffer itself (``input``): no copy
+            self.in_place.append(h.data_ptr() == self._in.data_ptr())
             return super()._replay(kind, i, h)
 
     cfg = tiny_config(world, adp, ep, model_kw={"moe_compute": "grouped"}, max_batch_size=4,
@@ -775,6 +777,7 @@ def prefill_graph_data_path(rank: int, world: int, adp: int, ep: int) -> dict:
     model = engine.model
     graphs = EagerReplay(model, max_tokens=100, capture_stream=None)
     graphs.kinds = []  # the kind of every replay, in order
+    graphs.in_place = []  # per replay: h already in the graphs' input buffer
     gen = torch.Generator().manual_seed(11)
     modules = ModulesMoE(model)
     worst = worst_residual = 0.0
@@ -803,6 +806,8 @@ def prefill_graph_data_path(rank: int, world: int, adp: int, ep: int) -> dict:
             "residual_layers": sorted(residual_layers), "keys": keys,
             "engine_kinds": sorted(set(graphs.kinds[kinds:])),
             "engine_replays": graphs.replays - replays,
+            "engine_in_place": sorted(set(graphs.in_place[kinds:])),
+            "direct_in_place": sorted(set(graphs.in_place[:kinds])),
             "engine_same": same}
 
 

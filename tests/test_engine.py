@@ -71,6 +71,8 @@ def test_prefill_graph_data_path_equals_the_modules(worker_groups):
         assert r["residual_layers"] == []  # two ranks: the combine is an AllReduce
         assert r["engine_kinds"] == ["partial"]
         assert r["engine_replays"] > 0 and r["engine_same"]
+    # the engine's P wrote h into the graphs' input (no copy); the direct calls copied
+    assert r["engine_in_place"] == [True] and r["direct_in_place"] == [False]
 
 
 def test_one_rank_prefill_graphs_sum_the_slots_into_the_residual(worker_groups):
@@ -84,6 +86,8 @@ def test_one_rank_prefill_graphs_sum_the_slots_into_the_residual(worker_groups):
     # the engine's P steps take the residual graphs only
     assert r["engine_kinds"] == ["residual"]
     assert r["engine_replays"] > 0 and r["engine_same"]
+    # the engine's P wrote h into the graphs' input (no copy); the direct calls copied
+    assert r["engine_in_place"] == [True] and r["direct_in_place"] == [False]
 
 
 def test_the_direct_qkv_call_is_megatrons_column_linear_bitwise(worker_groups):
