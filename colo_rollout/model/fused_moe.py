@@ -175,6 +175,19 @@ if triton is not None:
         return e, row_lo, row_hi, total
 
     @triton.jit
+    def _zero_rows(Out, Scatter, r, rows, offs_n, n_out, stride_om, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, SCATTER: tl.constexpr):
+        """Zeros into rows r (< rows) of Out, columns offs_n (< n_out) -- or, with
+        ``SCATTER``, into the rows Scatter[r] (the pairs' own order)."""
+        if SCATTER:
+            r_out = tl.load(Scatter + r, mask=r < rows, other=0).to(tl.int64)
+        else:
+            r_out = r.to(tl.int64)
+        tl.store(Out + r_out[:, None] * stride_om + offs_n[None, :],
+                 tl.zeros([BLOCK_M, BLOCK_N], dtype=Out.dtype.element_ty),
+                 mask=(r < rows)[:, None] & (offs_n < n_out)[None, :])
+
+    @triton.jit
     def _activate(v, ACT: tl.constexpr):
         if ACT == 1:  # silu
             v = v / (1.0 + tl.exp(-v))
@@ -218,13 +231,8 @@ if triton is not None:
                 # (m_blocks - total) * BLOCK_M >= rows - offs[-1] (see row_blocks), so one
                 # block each covers them
                 r = tl.load(Offs + E - 1).to(tl.int32) + (pid_m - total) * BLOCK_M + offs_m
-                if SCATTER:
-                    r_out = tl.load(Scatter + r, mask=r < rows, other=0).to(tl.int64)
-                else:
-                    r_out = r.to(tl.int64)
-                tl.store(Out + r_out[:, None] * stride_om + offs_n[None, :],
-                         tl.zeros([BLOCK_M, BLOCK_N], dtype=Out.dtype.element_ty),
-                         mask=(r < rows)[:, None] & nmask[None, :])
+                _zero_rows(Out, Scatter, r, rows, offs_n, n_out, stride_om, BLOCK_M, BLOCK_N,
+                           SCATTER)
             return
 
         rows_m = row_lo + offs_m
@@ -368,13 +376,8 @@ if triton is not None:
                 pid_m = t // n_tiles
                 offs_n = (t % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
                 r = tail + (pid_m - total) * BLOCK_M + offs_m
-                if SCATTER:
-                    r_out = tl.load(Scatter + r, mask=r < rows, other=0).to(tl.int64)
-                else:
-                    r_out = r.to(tl.int64)
-                tl.store(Out + r_out[:, None] * stride_om + offs_n[None, :],
-                         tl.zeros([BLOCK_M, BLOCK_N], dtype=Out.dtype.element_ty),
-                         mask=(r < rows)[:, None] & (offs_n < n_out)[None, :])
+                _zero_rows(Out, Scatter, r, rows, offs_n, n_out, stride_om, BLOCK_M, BLOCK_N,
+                           SCATTER)
 
 
 def row_blocks(rows: int, experts: int, block_m: int) -> int:
