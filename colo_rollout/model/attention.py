@@ -341,9 +341,7 @@ class PagedSelfAttention(torch.nn.Module):
                 meta.dense_calls = dense_calls(plan.dense, q.device)
             calls = meta.dense_calls
             k_cache, v_cache = kv.k[layer], kv.v[layer]
-            if (plan.n_tiles == 0 and len(calls) == 1 and calls[0].rows is None
-                    and calls[0].seqs[0][1] == 0
-                    and len(calls[0].seqs) * calls[0].length == q.shape[0]):
+            if plan.n_tiles == 0 and len(calls) == 1 and calls[0].covers(q.shape[0]):
                 # one dense call over every row: its result is the output (no copy)
                 return dense_prefill_attention(q, k_cache, v_cache, meta.slot_mapping,
                                                calls[0], self.scale, None)

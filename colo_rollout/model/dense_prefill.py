@@ -63,6 +63,12 @@ class DenseCall:
     seqs: tuple[tuple[int, int, int], ...]
     rows: torch.Tensor | None
 
+    def covers(self, tokens: int) -> bool:
+        """Whether this call's rows are exactly rows [0, tokens) of q, unpadded (its result
+        is then the whole output)."""
+        return (self.rows is None and self.seqs[0][1] == 0
+                and len(self.seqs) * self.length == tokens)
+
 
 def dense_sequences(seq_lens_new: list[int], context_lens: list[int],
                     min_tokens: int = MIN_TOKENS) -> tuple[int, ...]:
@@ -167,7 +173,7 @@ def dense_prefill_attention(q: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Ten
                                            enable_gqa=heads != g)
     o = o.transpose(1, 2)  # [S, L, heads, dim]
     if out is None:
-        if call.rows is not None or S * L != T:
+        if not call.covers(T):
             raise ValueError("a call that does not cover q back to back needs out")
         return o.reshape(T, heads, dim)
     if call.rows is None:
