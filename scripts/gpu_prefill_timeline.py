@@ -18,7 +18,13 @@ under torch.profiler (CPU ops and CUDA kernels, graph replays included) and read
   * every idle interval between kernels charged to the host op that launched the kernel
     after it (the innermost CPU op around that kernel's launch call): which launches come
     late, summed over the step;
-  * the kernels by name (count, total us) -- the same list bench-speed's JSON has.
+  * the kernels by name (count, total us) -- the same list bench-speed's JSON has;
+  * with ``--clock``: per layer, when the host reached its attention and when the GPU did
+    (CUDA events, no profiler), and the timed step once more with Python's collector off;
+  * with ``--head-ms X``: the step's first X ms in time order -- each kernel launch (host time
+    of the call, the op or Python function around it, the kernel's start and length) and the
+    host ops longer than 20 us between them; ``--stack`` profiles one more step with Python
+    functions recorded (slower host, but every host gap named) and prints its head too.
 
 Owns nothing of the engine. Plain numbers on stdout (and the JSON with --json).
 """
@@ -28,6 +34,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import collections
+import gc
 import cProfile
 import io
 import json
@@ -36,6 +43,7 @@ import pstats
 import statistics
 import sys
 import tempfile
+import time
 
 import torch
 
@@ -127,6 +135,68 @@ def analyse(trace: dict) -> dict:
     return out
 
 
+def head(trace: dict, ms: float) -> list[str]:
+    """The first ``ms`` of the last profiled step, in time order (see the module text)."""
+    kernels, ops, launches = _events(trace)
+    marks = [op for op in ops if op["name"].startswith("timeline.step")]
+    if not marks:
+        return []
+    t0 = marks[-1]["ts"]
+    t1 = t0 + 1e3 * ms
+    by_corr = {k.get("args", {}).get("correlation"): k for k in kernels}
+    starts = [op["ts"] for op in ops]
+    rows = []
+    for corr, ev in launches.items():
+        k = by_corr.get(corr)
+        if k is None or not t0 <= ev["ts"] <= t1:
+            continue
+        who = _innermost(ops, starts, ev["ts"], ev.get("tid"))
+        rows.append((ev["ts"], f"{(ev['ts'] - t0) / 1e3:7.3f} launch {who[:40]:40s} -> "
+                               f"{k['name'][:38]:38s} gpu {(k['ts'] - t0) / 1e3:7.3f} "
+                               f"+{k['dur']:6.1f}us"))
+    for op in ops:
+        if t0 < op["ts"] <= t1 and op["dur"] > 20 and not op["name"].startswith("timeline"):
+            rows.append((op["ts"], f"{(op['ts'] - t0) / 1e3:7.3f}   host {op['dur']:7.1f}us "
+                                   f"{op.get('cat', '')[:6]:6s} {op['name'][:70]}"))
+    return [r for _, r in sorted(rows)]
+
+
+def clock(bench, plan, reps: int = 5) -> list[tuple[float, float]]:
+    """Unprofiled: for each layer, when the host called its attention (ms from the step's
+    start) and when the GPU reached that point (a CUDA event recorded there), medians of
+    ``reps`` steps; the last pair is the step's end (host back from the step, GPU at its
+    last event). GPU time - host time near 0: the GPU was waiting for that launch."""
+    layers = bench.runner.model.decoder.layers
+    marks: list[tuple[float, torch.cuda.Event]] = []
+
+    def hook(_mod, _args):
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        marks.append((time.perf_counter(), ev))
+
+    handles = [layer.self_attention.register_forward_pre_hook(hook) for layer in layers]
+    rows = []
+    try:
+        for _ in range(reps):
+            marks.clear()
+            bench.sync()
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            t0 = time.perf_counter()
+            bench.step(plan)
+            t1 = time.perf_counter()
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            bench.sync()
+            rows.append([(1e3 * (t - t0), start.elapsed_time(ev)) for t, ev in marks]
+                        + [(1e3 * (t1 - t0), start.elapsed_time(end))])
+    finally:
+        for h in handles:
+            h.remove()
+    return [(statistics.median(r[i][0] for r in rows), statistics.median(r[i][1] for r in rows))
+            for i in range(min(len(r) for r in rows))]
+
+
 def _report(res: dict, prof_host) -> None:
     s = res["steps"][-1]
     print("  idle between kernels, by the host op launching the kernel after the gap (us):")
@@ -166,6 +236,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--shapes", help="N or SxN, comma-separated (overrides --tokens/--seqs)")
     ap.add_argument("--attention", default="", help="P attention backends to run in turn")
     ap.add_argument("--json")
+    ap.add_argument("--head-ms", type=float, default=0.0)
+    ap.add_argument("--stack", action="store_true")
+    ap.add_argument("--clock", action="store_true")
     args = ap.parse_args(argv)
 
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -217,6 +290,34 @@ def main(argv: list[str]) -> int:
                           f"first {st['before_first_us'] / 1e3:.2f}, between "
                           f"{st['between_us'] / 1e3:.2f} ({st['gaps_over_20us']} gaps > 20 us), "
                           f"after last {st['after_last_us'] / 1e3:.2f}")
+                if args.clock:
+                    marks = clock(bench, plan)
+                    print("  unprofiled clock (ms from the step's start): layer: host, GPU, "
+                          "GPU - host")
+                    for i, (h, g) in enumerate(marks):
+                        name = "end" if i == len(marks) - 1 else f"{i:3d}"
+                        print(f"    {name}: {h:7.2f} {g:7.2f} {g - h:7.2f}")
+                    gc.collect()
+                    gc.freeze()
+                    gc.disable()
+                    off = bench.timed(plan, 5)
+                    gc.enable()
+                    print(f"  timed step with the collector frozen and off: median "
+                          f"{1e3 * statistics.median(off):.2f} ms")
+                if args.head_ms:
+                    print(f"  the step's first {args.head_ms} ms (ms from its start):")
+                    print("\n".join("    " + r for r in head(trace, args.head_ms)))
+                if args.stack and args.head_ms:
+                    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                                 with_stack=True) as prof_s:
+                        with record_function("timeline.step_stack"):
+                            bench.step(plan)
+                            bench.sync()
+                    with tempfile.NamedTemporaryFile("r", suffix=".json") as f:
+                        prof_s.export_chrome_trace(f.name)
+                        trace_s = json.load(open(f.name))
+                    print(f"  with Python functions recorded, the first {args.head_ms} ms:")
+                    print("\n".join("    " + r for r in head(trace_s, args.head_ms)))
                 if not res["steps"]:
                     print("  no CUDA kernel in the trace (a CPU run, or CUPTI unavailable)")
                 elif len(out) == 1 or os.environ.get("TIMELINE_FULL"):

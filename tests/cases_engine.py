@@ -748,8 +748,10 @@ def prefill_graph_data_path(rank: int, world: int, adp: int, ep: int) -> dict:
     function eagerly on the shared buffers exercises everything else -- bucket choice, the
     input copy over stale rows, the row count, padding given to no expert, the output view,
     the fallback past capacity -- against the modules, per layer and through a whole engine.
-    Both kinds: the partial everywhere, the new residual (the slots summed into h inside the
-    graph) where the model takes that path (one rank), against ``ModulesMoE``."""
+    Every kind: the partial everywhere, the new residual (the slots summed into h inside the
+    graph) where the model takes that path (one rank), and that with the norms around it fused
+    ("normed": h's pre-MLP norm in, the new residual and its next norm out), against
+    ``ModulesMoE``."""
     from types import SimpleNamespace
 
     from colo_rollout.model.model import ModulesMoE
@@ -762,6 +764,10 @@ def prefill_graph_data_path(rank: int, world: int, adp: int, ep: int) -> dict:
             self._graphs[(kind, i, T)] = g
             self.captures += 1
             return g
+
+        def normed(self, i, h, u):
+            self.u_in_place.append(u.data_ptr() == self._u_buffer().data_ptr())
+            return super().normed(i, h, u)
 
         def _replay(self, kind, i, h):
             self.kinds.append(kind)
@@ -778,10 +784,11 @@ def prefill_graph_data_path(rank: int, world: int, adp: int, ep: int) -> dict:
     graphs = EagerReplay(model, max_tokens=100, capture_stream=None)
     graphs.kinds = []  # the kind of every replay, in order
     graphs.in_place = []  # per replay: h already in the graphs' input buffer
+    graphs.u_in_place = []  # per "normed" call: u already in the graphs' u buffer
     gen = torch.Generator().manual_seed(11)
     modules = ModulesMoE(model)
-    worst = worst_residual = 0.0
-    residual_layers = set()
+    worst = worst_residual = worst_normed = 0.0
+    residual_layers, normed_layers = set(), set()
     for n in (1, 33, 100, 7, 130):  # 130: past capacity, the modules
         for i in range(cfg.model.num_layers):
             h = torch.randn(n, cfg.model.hidden_size, generator=gen)
@@ -792,7 +799,14 @@ def prefill_graph_data_path(rank: int, world: int, adp: int, ep: int) -> dict:
                     residual_layers.add(i)
                     d = (graphs.residual(i, h).float() - modules.residual(i, h).float()).abs()
                     worst_residual = max(worst_residual, d.max().item())
+                if model.p_moe_kind(i, h) == "normed":
+                    normed_layers.add(i)
+                    u = model.decoder.layers[i].pre_mlp_layernorm(h)
+                    for a, b in zip(graphs.normed(i, h, u), modules.normed(i, h, u)):
+                        d = (a.float() - b.float()).abs().max().item()
+                        worst_normed = max(worst_normed, d)
     keys = graphs.keys
+    direct_u = len(graphs.u_in_place)
     requests = mixed_requests(6, 4, cfg.model.vocab_size)
     eager = engine.generate(requests)
     engine.runner.prefill_graphs = graphs
@@ -803,6 +817,9 @@ def prefill_graph_data_path(rank: int, world: int, adp: int, ep: int) -> dict:
                and eager[r.request_id].logprobs == graphed[f"g{r.request_id}"].logprobs
                for r in requests)
     return {"max_diff": worst, "max_diff_residual": worst_residual,
+            "max_diff_normed": worst_normed, "normed_layers": sorted(normed_layers),
+            "engine_u_in_place": sorted(set(graphs.u_in_place[direct_u:])),
+            "direct_u_in_place": sorted(set(graphs.u_in_place[:direct_u])),
             "residual_layers": sorted(residual_layers), "keys": keys,
             "engine_kinds": sorted(set(graphs.kinds[kinds:])),
             "engine_replays": graphs.replays - replays,

@@ -81,13 +81,16 @@ def test_one_rank_prefill_graphs_sum_the_slots_into_the_residual(worker_groups):
     r = worker_groups(1).run(f"{CASES}:prefill_graph_data_path", adp=1, ep=1)[0]
     assert r["max_diff"] < 1e-5
     assert r["residual_layers"] == [0, 1] and r["max_diff_residual"] < 1e-5  # bucket-sized GEMMs
-    assert r["keys"] == sorted((kind, i, T) for kind in ("partial", "residual")
+    # and with the norms around the block fused (the tiny model's norms are torch's RMSNorm)
+    assert r["normed_layers"] == [0, 1] and r["max_diff_normed"] < 1e-5
+    assert r["keys"] == sorted((kind, i, T) for kind in ("partial", "residual", "normed")
                                for i in range(2) for T in (32, 48, 100))
-    # the engine's P steps take the residual graphs only
-    assert r["engine_kinds"] == ["residual"]
+    # the engine's P steps take the normed graphs only
+    assert r["engine_kinds"] == ["normed"]
     assert r["engine_replays"] > 0 and r["engine_same"]
-    # the engine's P wrote h into the graphs' input (no copy); the direct calls copied
+    # the engine's P wrote h and u into the graphs' inputs (no copy); the direct calls copied
     assert r["engine_in_place"] == [True] and r["direct_in_place"] == [False]
+    assert r["engine_u_in_place"] == [True] and r["direct_u_in_place"] == [False]
 
 
 def test_the_direct_qkv_call_is_megatrons_column_linear_bitwise(worker_groups):

@@ -477,6 +477,7 @@ def test_gpu_cudnn_prefill_rows_match_the_kernel():
     from colo_rollout.model import paged_prefill as pp
     from colo_rollout.model.dense_prefill import (cudnn_usable, dense_calls,
                                                   dense_prefill_attention, dense_sequences)
+    from colo_rollout.testing.attention_oracle import qkv_from_cache
 
     dev = torch.device("cuda")
     why = cudnn_usable(dev)
@@ -509,10 +510,12 @@ def test_gpu_cudnn_prefill_rows_match_the_kernel():
     def kernel():
         return pp.triton_prefill_attention(q, k, v, tables, full, scale)
 
+    qkv = qkv_from_cache(q, k, v, slots)  # the step's rows, k rotated in place
+
     def mixed():
         out = pp.triton_prefill_attention(q, k, v, tables, split, scale)
         for call in calls:
-            dense_prefill_attention(q, k, v, slots, call, scale, out)
+            dense_prefill_attention(q, qkv, call, scale, out)
         return out
 
     def ms(fn):

@@ -115,6 +115,7 @@ def _interpreted() -> list[str]:
     # computed by the dense call (model/dense_prefill.py; torch's SDPA on CPU) into the rows
     # the kernel leaves: together the oracle's output
     from colo_rollout.model.dense_prefill import dense_calls, dense_prefill_attention
+    from colo_rollout.testing.attention_oracle import qkv_from_cache
 
     g, n, dim, bs, new, ctx = 2, 4, 64, 16, [40, 9, 33, 5], [40, 30, 33, 5]
     q, k_all, v_all, tables = _case(g, n, dim, bs, new, ctx, F32, torch.int64, seed=77)
@@ -123,8 +124,9 @@ def _interpreted() -> list[str]:
     slots = torch.cat([torch.tensor([int(tables[s, p // bs]) * bs + p % bs
                                      for p in range(c - m, c)]) for s, (m, c) in
                        enumerate(zip(new, ctx))])
+    qkv = qkv_from_cache(q, k_all[1], v_all[1], slots)
     for call in dense_calls(plan.dense, "cpu", 16):  # one call: 40 and 33 padded to 48
-        dense_prefill_attention(q, k_all[1], v_all[1], slots, call, dim ** -0.5, got)
+        dense_prefill_attention(q, qkv, call, dim ** -0.5, got)
     ref = _oracle(q, k_all, v_all, tables, new, ctx, g, n, dim)
     err = (got - ref).abs().max().item()
     if plan.dense != ((0, 0, 40), (2, 49, 33)) or not err < 1e-4:
@@ -253,12 +255,12 @@ def test_prefill_dispatches_to_the_kernel_with_one_plan_per_epoch(monkeypatch):
 
     monkeypatch.setattr(at, "triton_prefill_attention", kernel)
     fake.prefill_backend = "auto"  # CPU tensors: the buckets, never the kernel
-    torch.testing.assert_close(at.PagedSelfAttention._prefill(fake, q, kv, 0, meta),
+    torch.testing.assert_close(at.PagedSelfAttention._prefill(fake, q, None, kv, 0, meta),
                                prefill_per_sequence(fake, q, kv, 0, meta))
     assert calls == [] and meta.prefill_plan is None
     fake.prefill_backend = "triton"
     for layer in (0, 1):
-        got = at.PagedSelfAttention._prefill(fake, q, kv, layer, meta)
+        got = at.PagedSelfAttention._prefill(fake, q, None, kv, layer, meta)
         torch.testing.assert_close(got, prefill_per_sequence(fake, q, kv, layer, meta),
                                    rtol=1e-5, atol=1e-5)
     assert len(calls) == 2 and calls[0] is calls[1] is meta.prefill_plan

@@ -59,7 +59,7 @@ def test_batched_prefill_equals_per_sequence_loop(seed, merge):
     loop = prefill_per_sequence(attn, q, kv, 0, meta)
     meta.buckets = prefill_buckets(new, ctx, BLOCK, lambda v, t: torch.tensor(v, dtype=t),
                                    merge)
-    batched = PagedSelfAttention._prefill(attn, q, kv, 0, meta)
+    batched = PagedSelfAttention._prefill(attn, q, None, kv, 0, meta)
     torch.testing.assert_close(batched, loop, rtol=1e-5, atol=1e-5)
 
 

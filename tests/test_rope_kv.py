@@ -175,8 +175,49 @@ def test_kernel_takes_only_one_dtype_throughout():
     assert q.dtype == qkv.dtype and kc32[slots].abs().sum() > 0
 
 
+def _tabled(i):
+    """Case i as the model runs it: the angles as whole tables [P, rot] (model.rope_tables)
+    read at the positions, and k written back rotated into the QKV rows (store_k)."""
+    T, G, n, D, rot, dtype = CASES[i]
+    g = torch.Generator().manual_seed(i)
+    table = torch.randn(64, 1, 1, rot, generator=g)
+    pos = torch.randint(0, 64, (T,), generator=g)
+    qkv, slots, _, cos, sin = _case(i)
+    f = table.view(64, rot)
+    return qkv, slots, pos, (torch.cos(f).to(dtype), torch.sin(f).to(dtype)), (cos, sin)
+
+
+def _run_tabled(fn, i):
+    """(q, k cache, v cache, the QKV rows' k after the call) of ``fn`` with tables and
+    store_k on case i."""
+    qkv, slots, pos, (cos_t, sin_t), _ = _tabled(i)
+    qkv = qkv.clone()
+    n = qkv.shape[2] - 2
+    q, kc, vc = _run(lambda *a: fn(*a, positions=pos, store_k=True), qkv, slots, cos_t,
+                     sin_t)
+    return q, kc, vc, qkv[:, :, n]
+
+
+@pytest.mark.parametrize("i", range(len(CASES)))
+def test_angle_tables_and_the_k_write_back_change_nothing_else(i):
+    """Tables read at the positions give the per-row angles' result bitwise; store_k leaves
+    the rotated k (the cache's rows) in the QKV rows and nothing else different."""
+    qkv, slots, pos, _, (cos, sin) = _tabled(i)
+    want = _run(rope_kv.torch_rope_and_store, qkv, slots, cos, sin)
+    q, kc, vc, k_rows = _run_tabled(rope_kv.torch_rope_and_store, i)
+    assert torch.equal(q, want[0]) and torch.equal(kc, want[1]) and torch.equal(vc, want[2])
+    assert torch.equal(k_rows, kc[slots])  # the rotated k, in place
+    assert not torch.equal(k_rows, qkv[:, :, qkv.shape[2] - 2])  # (it was not already)
+
+
 def _interpreted() -> list[str]:
     fails = []
+    for i in range(len(CASES)):  # tables + write-back, kernel vs torch path
+        ref = _run_tabled(rope_kv.torch_rope_and_store, i)
+        got = _run_tabled(rope_kv.triton_rope_and_store, i)
+        for name, a, b in zip(("q", "k cache", "v cache", "k rows"), got, ref):
+            if not torch.equal(a, b):
+                fails.append(f"tabled case {i}: {name} differs")
     for i in range(len(CASES)):
         qkv, slots, _, cos, sin = _case(i)
         ref = _run(rope_kv.torch_rope_and_store, qkv, slots, cos, sin)

@@ -78,23 +78,42 @@ class AttnMetadata:
 
 class RopeAngles:
     """cos and sin of the rotary angles of one forward's tokens, [T, 1, rot_dim], computed in
-    fp32 and cast once per dtype. Made once per forward and read by every layer: megatron's
-    ``_apply_rotary_pos_emb_bshd`` recomputes them for q and for k of every layer, and on a
-    GPU every op is host launch time on P's critical path. Must be made inside the forward
-    (never cached on the metadata): a captured D graph has to recompute them on replay."""
+    fp32 and cast once per dtype, on first use. Made once per forward and read by every
+    layer: megatron's ``_apply_rotary_pos_emb_bshd`` recomputes them for q and for k of every
+    layer, and on a GPU every op is host launch time on P's critical path. Must be made inside
+    the forward (never cached on the metadata): a captured D graph has to recompute them on
+    replay.
 
-    def __init__(self, table: torch.Tensor, positions: torch.Tensor) -> None:
-        freqs = table[positions].view(positions.shape[0], 1, table.shape[-1])
-        self._fp32 = (torch.cos(freqs), torch.sin(freqs))
+    ``tables`` (``InferenceGPT.rope_tables``: dtype -> cos and sin of every position,
+    [P, rot_dim], the same elementwise ops on the same angles, so bitwise these rows): the
+    rope kernel reads row ``positions[t]`` itself (``kernel_angles``), and no per-step angle
+    kernel runs at all where nothing else asks for them."""
+
+    def __init__(self, table: torch.Tensor, positions: torch.Tensor, tables=None) -> None:
+        self.table, self.positions, self._tables = table, positions, tables
+        self._fp32: tuple[torch.Tensor, torch.Tensor] | None = None
         self._cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def cos_sin(self, dtype: torch.dtype, ndim: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, 1, ..., 1, rot_dim] (``ndim`` dims, to broadcast over the head dims)."""
         got = self._cast.get((dtype, ndim))
         if got is None:
+            if self._fp32 is None:
+                freqs = self.table[self.positions].view(self.positions.shape[0], 1,
+                                                        self.table.shape[-1])
+                self._fp32 = (torch.cos(freqs), torch.sin(freqs))
             shape = (self._fp32[0].shape[0],) + (1,) * (ndim - 2) + (self._fp32[0].shape[-1],)
             got = self._cast[(dtype, ndim)] = tuple(a.to(dtype).view(shape) for a in self._fp32)
         return got
+
+    def kernel_angles(self, dtype: torch.dtype):
+        """(cos, sin, positions) for ``rope_and_store``: the whole tables and the positions
+        where there are tables, else the step's rows [T, rot] and None."""
+        if self._tables is not None:
+            cos, sin = self._tables(dtype)
+            return cos, sin, self.positions
+        cos, sin = self.cos_sin(dtype, 2)
+        return cos, sin, None
 
 
 def apply_rope(t: torch.Tensor, rope: RopeAngles) -> torch.Tensor:
@@ -264,13 +283,18 @@ class PagedSelfAttention(torch.nn.Module):
             k = self.k_layernorm(k.contiguous())
         # rotate q and k, and write the new K/V into their slots before attending (a prefill
         # sees its own tokens): one Triton launch, or the torch ops (model/rope_kv.py)
-        cos, sin = rope.cos_sin(q.dtype, 2)
+        # dense P calls (cudnn) read the step's rotated k in place, not from the cache
+        store_k = meta.is_prefill and getattr(self, "prefill_backend", "auto") == "cudnn"
+        cos, sin, positions = (rope.kernel_angles(q.dtype) if backend == "triton"
+                               else (*rope.cos_sin(q.dtype, 2), None))
         q = rope_and_store(q, k, v, cos, sin, kv.k[layer].view(-1, G, D),
                            kv.v[layer].view(-1, G, D), meta.slot_mapping, backend=backend,
-                           qk_norm=qk_norm)
+                           qk_norm=qk_norm, positions=positions, store_k=store_k)
+        if store_k and k.data_ptr() != qkv[:, :, n].data_ptr():  # a normed copy of k
+            qkv[:, :, n].copy_(k)
 
         if meta.is_prefill:
-            out = self._prefill(q, kv, layer, meta)
+            out = self._prefill(q, qkv, kv, layer, meta)
         else:
             out = self._decode(q, kv, layer, meta)
         out = out.reshape(T, self.heads * self.head_dim)
@@ -310,7 +334,7 @@ class PagedSelfAttention(torch.nn.Module):
         v = v.repeat_interleave(self.q_per_group, dim=2)
         return k, v
 
-    def _prefill(self, q, kv, layer, meta: AttnMetadata) -> torch.Tensor:
+    def _prefill(self, q, qkv, kv, layer, meta: AttnMetadata) -> torch.Tensor:
         """Queries [T, heads, dim] of every sequence back to back; query j of a sequence sits
         at position ctx - new + j and sees keys 0..that position. No P rows on this replica:
         zero rows out (collectives still match). Checked against testing/attention_oracle.py's
@@ -343,13 +367,11 @@ class PagedSelfAttention(torch.nn.Module):
             k_cache, v_cache = kv.k[layer], kv.v[layer]
             if plan.n_tiles == 0 and len(calls) == 1 and calls[0].covers(q.shape[0]):
                 # one dense call over every row: its result is the output (no copy)
-                return dense_prefill_attention(q, k_cache, v_cache, meta.slot_mapping,
-                                               calls[0], self.scale, None)
+                return dense_prefill_attention(q, qkv, calls[0], self.scale, None)
             out = triton_prefill_attention(q, k_cache, v_cache, meta.block_tables, plan,
                                            self.scale)
             for call in calls:  # the rows the kernel left unwritten
-                dense_prefill_attention(q, k_cache, v_cache, meta.slot_mapping, call,
-                                        self.scale, out)
+                dense_prefill_attention(q, qkv, call, self.scale, out)
             return out
         out = q.new_empty(q.shape)
         for b in meta.buckets:

@@ -15,8 +15,13 @@ layer) and the call (``dense_prefill_attention``).
 
 Invariants:
   * Only fresh sequences (every key is one of the step's new tokens: ctx == new) of at least
-    ``MIN_TOKENS`` go dense; their keys are read back from the cache rows the rope kernel
-    wrote (``slot_mapping``), so K is the rotated K the Triton kernel would read.
+    ``MIN_TOKENS`` go dense; their keys are the step's own rows of the QKV projection's
+    output, where the rope kernel wrote the rotated k back (``rope_and_store(store_k=True)``:
+    the K it wrote into the cache, which the Triton kernel reads) -- no gather from the
+    cache.
+  * K and V always reach cuDNN with the QKV output's strides (views of it, or a gather of
+    whole QKV rows): cuDNN's plans are keyed by strides too, and ``warm_plans`` builds the
+    plans of exactly those.
   * A call's sequences share one padded length L (a multiple of ``PAD_MULTIPLE``) and a batch
     size from ``BATCHES``: cuDNN builds one plan per (S, L) shape (~50 ms, on its first use),
     so the shapes are few -- at most len(BATCHES) x max_seq_len / PAD_MULTIPLE.
@@ -144,28 +149,25 @@ def _cudnn_kernel(device: torch.device):
     return sdpa_kernel(SDPBackend.CUDNN_ATTENTION)
 
 
-def dense_prefill_attention(q: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Tensor,
-                            slot_mapping: torch.Tensor, call: DenseCall, scale: float,
-                            out: torch.Tensor | None) -> torch.Tensor:
+def dense_prefill_attention(q: torch.Tensor, qkv: torch.Tensor, call: DenseCall,
+                            scale: float, out: torch.Tensor | None) -> torch.Tensor:
     """One dense call: the rows of ``call``'s sequences in q [T, heads, dim] (rotated)
-    against their own keys, read from one layer's cache kv_k/kv_v [blocks, block_size,
-    groups, dim] at ``slot_mapping`` [T] (where the rope kernel wrote them), causal. Writes
-    the sequences' rows of ``out`` [T, heads, dim] and returns it; ``out`` None (the call
-    covers every row of q back to back): returns the result itself, a view."""
+    against their own keys, causal. ``qkv`` [T, groups, m, dim]: the step's QKV projection
+    per query group (megatron's layout: the group's q heads, then k at m - 2 and v at m - 1),
+    k rotated in place. Writes the sequences' rows of ``out`` [T, heads, dim] and returns it;
+    ``out`` None (the call covers every row of q back to back): returns the result itself, a
+    view."""
     T, heads, dim = q.shape
-    g = kv_k.shape[2]
-    if heads % g:
-        raise ValueError(f"q's {heads} heads are not a multiple of the cache's {g} groups")
+    g, m = qkv.shape[1], qkv.shape[2]
+    if heads % g or qkv.shape[0] != T or qkv.shape[3] != dim:
+        raise ValueError(f"q {tuple(q.shape)} and qkv {tuple(qkv.shape)} do not match")
     S, L = len(call.seqs), call.length
     if call.rows is None:  # back to back, unpadded: views
         q0 = call.seqs[0][1]
-        qb = q[q0 : q0 + S * L]
-        slots = slot_mapping[q0 : q0 + S * L]
-    else:
-        qb = q.index_select(0, call.rows)
-        slots = slot_mapping.index_select(0, call.rows)
-    k = kv_k.view(-1, g, dim).index_select(0, slots)  # [S * L, g, dim]
-    v = kv_v.view(-1, g, dim).index_select(0, slots)
+        qb, rows = q[q0 : q0 + S * L], qkv[q0 : q0 + S * L]
+    else:  # whole QKV rows: K and V keep the views' strides (one cuDNN plan for both)
+        qb, rows = q.index_select(0, call.rows), qkv.index_select(0, call.rows)
+    k, v = rows[:, :, m - 2], rows[:, :, m - 1]  # [S * L, g, dim]
     # [S, h, L, dim] views of the token-major rows (SDPA takes the strides)
     qd, kd, vd = (t.view(S, L, t.shape[1], dim).transpose(1, 2) for t in (qb, k, v))
     with _cudnn_kernel(q.device):
@@ -193,14 +195,14 @@ def warm_plans(heads: int, groups: int, dim: int, dtype: torch.dtype, device: to
     (40-70 ms apiece on one H200) before serving rather than inside a P epoch. Returns the
     shapes run."""
     n = 0
+    m = heads // groups + 2  # per query group: its q heads, k, v (the QKV output's strides)
     for S in batches:
         L = padded_len(MIN_TOKENS, multiple)
         while L <= min(max_len, max_tokens // S):
             q = torch.zeros(S * L, heads, dim, dtype=dtype, device=device)
-            kv = torch.zeros(S * L, 1, groups, dim, dtype=dtype, device=device)
-            slots = torch.arange(S * L, device=device)
+            qkv = torch.zeros(S * L, groups, m, dim, dtype=dtype, device=device)
             call = DenseCall(L, tuple((s, s * L, L) for s in range(S)), None)
-            dense_prefill_attention(q, kv, kv, slots, call, dim ** -0.5, None)
+            dense_prefill_attention(q, qkv, call, dim ** -0.5, None)
             n += 1
             L += multiple
     return n

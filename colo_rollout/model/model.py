@@ -85,9 +85,15 @@ class MoEBlock(Protocol):
         ``add_rounded_slots``), where the combine is the identity
         (``InferenceGPT.p_moe_into_residual``)."""
 
-    def input(self, n: int) -> torch.Tensor | None:
-        """Where the caller may write the next block's h [n, H] (a graph's input buffer:
-        its replay then copies nothing), or None."""
+    def normed(self, i: int, h: torch.Tensor, u: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where ``InferenceGPT.p_fusion(i)`` holds: h + the k slots of the experts on u (h's
+        rows through the pre-MLP norm, which the caller computed with its add) -> (the new
+        residual rows, their RMSNorm by ``p_fusion(i).after``: the next layer's input)."""
+
+    def input(self, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where the caller may write the next block's h and u [n, H] (a graph's input
+        buffers: its replay then copies nothing), or None."""
 
 
 @dataclass(frozen=True)
@@ -103,8 +109,26 @@ class ModulesMoE:
         return add_rounded_slots(h, self.model.moe_block(i, h, pairs=True),
                                  self.model.residual_kernel)
 
+    def normed(self, i: int, h: torch.Tensor, u: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        m = self.model
+        pairs = m.decoder.layers[i].mlp(u, record=m.route_record("P", i, u.shape[0]),
+                                        pairs=True)
+        return add_slots_rms_norm(h, pairs, m.p_fusion(i).after, m.residual_kernel)
+
     def input(self, n: int) -> None:
         return None
+
+
+@dataclass(frozen=True)
+class PrefillFusion:
+    """P's norms of one MoE layer fused into the adds that produce their inputs (one rank:
+    every collective around those adds is the identity; model/norm_add.py): ``pre`` (the
+    layer's pre-MLP norm) into the attention's residual add, ``after`` (the next layer's
+    input norm, or the final norm after the last layer) into the slots' add."""
+
+    pre: FusedRMSNorm
+    after: FusedRMSNorm
 
 
 def te_available() -> bool:
@@ -405,6 +429,7 @@ class InferenceGPT(torch.nn.Module):
                                p_sms=cfg.deepep_p_sms, timeout_s=timeout_s)
         self.dispatch_p, self.dispatch_d = pair if pair is not None else (None, None)
         self._rope: torch.Tensor | None = None
+        self._rope_tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         # diagnostics: when a list, P appends the residual stream after every attention and
         # MoE block (fp32 copies) -- for locating precision loss against a reference
         self.trace: list[torch.Tensor] | None = None
@@ -557,7 +582,31 @@ class InferenceGPT(torch.nn.Module):
         if self._rope is None or self._rope.device != self.device:
             self._rope = self.rotary_pos_emb.get_emb(self.cfg.max_position_embeddings).to(
                 self.device)
+            self._rope_tables = {}
+            self.rope_tables(self.dtype)  # before any graph capture (see rope_tables)
         return self._rope
+
+    def rope_tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of every position's angles, [P, rot] in ``dtype``: RopeAngles's ops
+        (cos, sin in fp32 on this device, then the cast) over the whole table, so row p is
+        bitwise what a step computes for position p. Made once per dtype (the rope kernel
+        reads them at the step's positions)."""
+        table = self.rope_table()
+        got = self._rope_tables.get(dtype)
+        if got is None:
+            # made inside a capture, the tables would live in that graph's pool and be
+            # recomputed by its replays; the model dtype's are made with the rope table
+            if table.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"rope tables for {dtype} requested first inside a CUDA "
+                                   "graph capture")
+            freqs = table.view(table.shape[0], table.shape[-1])
+            got = self._rope_tables[dtype] = (torch.cos(freqs).to(dtype),
+                                              torch.sin(freqs).to(dtype))
+        return got
+
+    def rope_angles(self, positions: torch.Tensor) -> RopeAngles:
+        """One forward's angles at ``positions`` (every layer reads them)."""
+        return RopeAngles(self.rope_table(), positions, self.rope_tables)
 
     def new_kv_storage(self, num_blocks: int, block_size: int) -> KVStorage:
         atp = self.groups.layout.atp
@@ -588,6 +637,27 @@ class InferenceGPT(torch.nn.Module):
         layer = self.decoder.layers[i]
         return (self.dispatch_p is None and layer.is_moe
                 and self._slots_into_residual(layer.mlp, h))
+
+    def p_fusion(self, i: int) -> PrefillFusion | None:
+        """P's MoE layer i with its norms fused into the adds around it (``PrefillFusion``),
+        where its slots go into the residual (``p_moe_into_residual``, checked by the caller)
+        and both norms are torch's RMSNorm; else None."""
+        layers = self.decoder.layers
+        pre = self._fusable_norm(layers[i].pre_mlp_layernorm)
+        after = self._fusable_norm(layers[i + 1].input_layernorm if i + 1 < len(layers)
+                                   else self.decoder.final_layernorm)
+        return None if pre is None or after is None else PrefillFusion(pre, after)
+
+    def p_moe_kind(self, i: int, h: torch.Tensor) -> str | None:
+        """How P computes MoE layer i on h without a dispatch backend: "normed" (the slots
+        into h with both norms fused, ``MoEBlock.normed``), "residual" (the slots into h),
+        "partial" (an fp32 partial and P's combine); None for a dense layer or a dispatch
+        backend."""
+        if not self.decoder.layers[i].is_moe or self.dispatch_p is not None:
+            return None
+        if not self.p_moe_into_residual(i, h):
+            return "partial"
+        return "residual" if self.p_fusion(i) is None else "normed"
 
     def _slots_into_residual(self, mlp: GatherMoE, x: torch.Tensor) -> bool:
         """Whether an MoE layer's k slots go straight into the residual stream (model/
@@ -685,7 +755,7 @@ class InferenceGPT(torch.nn.Module):
         off, n_local = sum(inp.row_counts[:r]), inp.row_counts[r]
         record_rows = sum(inp.row_counts)  # the record's P rows: every replica's
         h = self.embedding.partial(inp.token_ids)  # attention TP 1: the whole embedding
-        rope = RopeAngles(self.rope_table(), inp.attn.positions)
+        rope = self.rope_angles(inp.attn.positions)
         boundary = 0
         for i, layer in enumerate(self.decoder.layers):
             h = h + layer.self_attention(layer.input_layernorm(h), rope, inp.attn, kv, i)
@@ -723,22 +793,30 @@ class InferenceGPT(torch.nn.Module):
         n_local = inp.row_counts[r]
         boundary = 0
         emb_partial = self.embedding.partial(inp.token_ids)
-        rope = RopeAngles(self.rope_table(), inp.attn.positions)
+        rope = self.rope_angles(inp.attn.positions)
         yield boundary
         boundary += 1
         h = comm.p_gather(emb_partial, off, total)
         own = slice(off, off + n_local)
+        normed = None  # this layer's normalised input, where the last add computed it
         for i, layer in enumerate(self.decoder.layers):
             # one rank, no shared experts: the unsummed slots summed straight into h (no
-            # fp32 partial, no combine over one rank)
-            slots = self.p_moe_into_residual(i, h)
+            # fp32 partial, no combine over one rank) -- with the norms around them fused
+            # into the adds ("normed")
+            kind = self.p_moe_kind(i, h)
             dispatch = layer.is_moe and self.dispatch_p is not None
-            h, boundary = yield from self.prefill_layer(
+            h, boundary, normed = yield from self.prefill_layer(
                 layer, i, h, rope, inp, kv, own, total, boundary,
-                (lambda x, i=i: moe.residual(i, x)) if slots else (lambda x, i=i: moe.partial(i, x)),
-                dispatch=dispatch, slots=slots, trace=True,
-                moe_input=None if dispatch or not layer.is_moe else moe.input)
-        if sample is not None:  # every row's normed output: the MTP layer reads them all
+                (lambda x, i=i: moe.partial(i, x)) if kind == "partial"
+                else (lambda x, i=i: moe.residual(i, x)),
+                dispatch=dispatch, slots=kind in ("residual", "normed"), trace=True,
+                moe_input=None if kind is None else moe.input, normed=normed,
+                fused=(lambda x, u, i=i: moe.normed(i, x, u)) if kind == "normed" else None,
+                pre=self.p_fusion(i).pre if kind == "normed" else None)
+        if normed is not None:  # the last layer's add computed the final norm of every row
+            hidden_all = normed
+            last = normed[inp.last_rows]
+        elif sample is not None:  # every row's normed output: the MTP layer reads them all
             hidden_all = self.decoder.final_layernorm(h)
             last = hidden_all[inp.last_rows]
         else:
@@ -768,7 +846,7 @@ class InferenceGPT(torch.nn.Module):
         which that layer then does not run."""
         comm, backend = self.comm, self.residual_kernel
         res = comm.d_reduce_scatter_atp(self.embedding.partial(inp.token_ids))
-        rope = RopeAngles(self.rope_table(), inp.attn.positions)
+        rope = self.rope_angles(inp.attn.positions)
         B = inp.token_ids.shape[0]  # rows per replica: replica r's rows of u are [r*B, r*B+B)
         own = slice(self.groups.replica * B, (self.groups.replica + 1) * B)
         layers = self.decoder.layers
@@ -807,8 +885,10 @@ class InferenceGPT(torch.nn.Module):
     def prefill_layer(self, layer: InferenceLayer, kv_layer: int, h: torch.Tensor, rope,
                       inp: PrefillInputs, kv: KVStorage, own: slice, total: int,
                       boundary: int, moe_partial, *, dispatch: bool = False,
-                      slots: bool = False, trace: bool = False, moe_input=None
-                      ) -> Generator[int, None, tuple[torch.Tensor, int]]:
+                      slots: bool = False, trace: bool = False, moe_input=None,
+                      normed: torch.Tensor | None = None, fused=None,
+                      pre: FusedRMSNorm | None = None
+                      ) -> Generator[int, None, tuple[torch.Tensor, int, torch.Tensor | None]]:
         """One layer of P on the gather backend's layout (a generator; yields ``boundary``
         on, one id before each collective): ``h`` [T, H] holds every replica's rows on every
         rank, this replica's at ``own``. Attention on this replica's rows (KV of layer
@@ -819,17 +899,24 @@ class InferenceGPT(torch.nn.Module):
         split) -- plus the shared experts on this replica's rows, reduced by P's AllReduce.
         ``trace``: append the residual stream after each half (model.trace). ``moe_input``
         (``MoEBlock.input``): where the attention half's residual add may write h for
-        ``moe_partial`` (a P graph's input: no copy into it). Returns (h, the next boundary
-        id). The decoder's layers and the MTP layer's share it."""
+        ``moe_partial`` (a P graph's input: no copy into it). ``normed``: h's rows already
+        through this layer's input norm (the last layer's fused add made them). ``fused``
+        (``MoEBlock.normed``, one rank, with ``pre`` the pre-MLP norm): the attention's add
+        computes h and its pre-MLP norm u in one kernel, and ``fused(h, u)`` the new h and
+        the next norm's rows. Returns (h, the next boundary id, the next layer's normalised
+        input or None). The decoder's layers and the MTP layer's share it."""
         comm = self.comm
         off, n_local = own.start, own.stop - own.start
-        attn = layer.self_attention(layer.input_layernorm(h[own]), rope, inp.attn, kv,
-                                    kv_layer)
+        x = layer.input_layernorm(h[own]) if normed is None else normed[own]
+        attn = layer.self_attention(x, rope, inp.attn, kv, kv_layer)
         yield boundary
         boundary += 1
         buf = None if moe_input is None else moe_input(h.shape[0])
-        if buf is not None:  # the add straight into the MoE graph's input
-            h = torch.add(h, comm.p_gather(attn, off, total), out=buf)
+        nxt = u = None
+        if fused is not None:  # one rank: the add and the pre-MLP norm in one launch
+            h, u = add_rms_norm(h, attn, pre, self.residual_kernel, out=buf)
+        elif buf is not None:  # the add straight into the MoE graph's input
+            h = torch.add(h, comm.p_gather(attn, off, total), out=buf[0])
         else:
             h = h + comm.p_gather(attn, off, total)
         if trace and self.trace is not None:
@@ -839,6 +926,8 @@ class InferenceGPT(torch.nn.Module):
                 partial = yield from self._dispatch_prefill_moe(kv_layer, h, off, n_local,
                                                                 boundary)
                 boundary += 1
+            elif fused is not None:
+                partial, nxt = fused(h, u)
             else:
                 partial = moe_partial(h)
             if layer.mlp.shared_experts is not None:  # shared: this replica's rows
@@ -856,7 +945,7 @@ class InferenceGPT(torch.nn.Module):
             h = h + comm.p_gather(partial, off, total)
         if trace and self.trace is not None:
             self.trace.append(h.float().clone())
-        return h, boundary
+        return h, boundary, nxt
 
     def p_logits_partial(self, last: torch.Tensor, n_all: int, seq_off: int) -> torch.Tensor:
         """P's logits of this replica's last rows ``last`` [n_seq, H] (final-normed) as this

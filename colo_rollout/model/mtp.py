@@ -37,7 +37,6 @@ import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
-from colo_rollout.model.attention import RopeAngles
 
 
 class MTPLayer(torch.nn.Module):
@@ -101,7 +100,7 @@ def mtp_decode(model, hidden: torch.Tensor, tokens: torch.Tensor, inp, kv,
     emb = comm.d_all_gather_atp(comm.d_reduce_scatter_atp(model.embedding.partial(tokens)))
     y = comm.d_all_gather_vocab(mtp.project(emb, hidden))  # [B2, H]
     res = y[a * c : (a + 1) * c]
-    rope = RopeAngles(model.rope_table(), inp.attn.positions)
+    rope = model.rope_angles(inp.attn.positions)
     layer = mtp.mtp_model_layer
     own = slice(model.groups.replica * B2, (model.groups.replica + 1) * B2)
     x = comm.d_all_gather_atp(layer.input_layernorm(res))
@@ -139,10 +138,10 @@ def mtp_prefill(model, hidden_all: torch.Tensor, tokens_local: torch.Tensor, inp
         yield boundary
         boundary += 1
         h = comm.p_allreduce(h)
-    rope = RopeAngles(model.rope_table(), inp.attn.positions)
+    rope = model.rope_angles(inp.attn.positions)
     layer = mtp.mtp_model_layer
     # the decoder's P layer body (gather layout), its MoE unrecorded
-    h, boundary = yield from model.prefill_layer(
+    h, boundary, _ = yield from model.prefill_layer(
         layer, L, h, rope, inp, kv, own, total, boundary,
         lambda x: layer.mlp(layer.pre_mlp_layernorm(x), record=None))
     seq_off, n_seq = sum(inp.last_counts[:r]), inp.last_counts[r]

@@ -66,34 +66,54 @@ def fused_rms_norm(norm: torch.nn.Module, hidden: int) -> FusedRMSNorm | None:
     return FusedRMSNorm(norm.weight, float(norm.eps))
 
 
+Outputs = tuple[torch.Tensor, torch.Tensor]
+
+
 def add_rms_norm(res: torch.Tensor, partial: torch.Tensor, norm: FusedRMSNorm,
-                 backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+                 backend: str = "torch", out: Outputs | None = None) -> Outputs:
     """res [n, H] (model dtype) + partial [n, H] (model dtype or fp32) rounded to res's dtype
     -> (that sum, its RMSNorm): ``add_rounded(res, partial)`` and ``F.rms_norm`` of it, in one
-    kernel with ``backend`` "triton" where it applies."""
+    kernel with ``backend`` "triton" where it applies. ``out``: two contiguous [n, H] tensors
+    of res's dtype to write them into (returned)."""
     n, H = res.shape
     if partial.shape != res.shape:
         raise ValueError(f"add_rms_norm: partial {tuple(partial.shape)} does not match "
                          f"res {tuple(res.shape)}")
+    _check_out(res, out)
     if not _kernel_applies(res, partial, norm, backend):
         new = add_rounded(res, partial)
-        return new, F.rms_norm(new, (H,), norm.weight, norm.eps)
-    return _launch(res, partial.view(n, 1, H), norm)
+        return _into(out, new, F.rms_norm(new, (H,), norm.weight, norm.eps))
+    return _launch(res, partial.view(n, 1, H), norm, out)
 
 
 def add_slots_rms_norm(res: torch.Tensor, pairs: torch.Tensor, norm: FusedRMSNorm,
-                       backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+                       backend: str = "torch", out: Outputs | None = None) -> Outputs:
     """res [n, H] (model dtype) + the fp32 sum of pairs [n, k, H] over k rounded to res's dtype
     -> (that sum, its RMSNorm): ``add_rounded_slots(res, pairs)`` and ``F.rms_norm`` of it, in
-    one kernel with ``backend`` "triton" where it applies."""
+    one kernel with ``backend`` "triton" where it applies. ``out`` as for ``add_rms_norm``."""
     n, H = res.shape
     if pairs.dim() != 3 or pairs.shape[0] != n or pairs.shape[2] != H or pairs.shape[1] < 1:
         raise ValueError(f"add_slots_rms_norm: pairs {tuple(pairs.shape)} do not match "
                          f"res {tuple(res.shape)} as [n, k, H]")
+    _check_out(res, out)
     if not _kernel_applies(res, pairs, norm, backend):
         new = add_rounded_slots(res, pairs)
-        return new, F.rms_norm(new, (H,), norm.weight, norm.eps)
-    return _launch(res, pairs, norm)
+        return _into(out, new, F.rms_norm(new, (H,), norm.weight, norm.eps))
+    return _launch(res, pairs, norm, out)
+
+
+def _check_out(res: torch.Tensor, out: Outputs | None) -> None:
+    if out is not None and not all(t.shape == res.shape and t.dtype == res.dtype
+                                   and t.is_contiguous() for t in out):
+        raise ValueError(f"out: two contiguous {tuple(res.shape)} {res.dtype} tensors")
+
+
+def _into(out: Outputs | None, new: torch.Tensor, normed: torch.Tensor) -> Outputs:
+    if out is None:
+        return new, normed
+    out[0].copy_(new)
+    out[1].copy_(normed)
+    return out
 
 
 def _kernel_applies(res, partial, norm: FusedRMSNorm, backend: str) -> bool:
@@ -104,9 +124,10 @@ def _kernel_applies(res, partial, norm: FusedRMSNorm, backend: str) -> bool:
             and res.is_contiguous() and partial.is_contiguous() and w.is_contiguous())
 
 
-def _launch(res: torch.Tensor, pairs: torch.Tensor, norm: FusedRMSNorm):
+def _launch(res: torch.Tensor, pairs: torch.Tensor, norm: FusedRMSNorm,
+            out: Outputs | None = None) -> Outputs:
     n, k, H = pairs.shape
-    new, normed = torch.empty_like(res), torch.empty_like(res)
+    new, normed = (torch.empty_like(res), torch.empty_like(res)) if out is None else out
     if n and H:
         block = pow2(H, 16)
         # one program per row: decode's one row is one program (launch-bound either way); k

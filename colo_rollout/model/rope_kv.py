@@ -7,6 +7,12 @@ and k, v [T, G, D], with cos/sin [T, rot] of each token's position:
 
     q_out = rope(q);  k_cache[slot[t]] = rope(k[t]);  v_cache[slot[t]] = v[t]
 
+With ``positions`` [T], cos and sin are whole tables [P, rot] and token t's angles are row
+``positions[t]`` (the kernel reads the row itself: no per-step gather of the angles, and a
+captured graph reads the positions buffer on replay). With ``store_k`` the rotated k is also
+written back into k itself (a view of the QKV projection's output): a dense attention call
+over the step's own rows then reads q, k and v as views, without gathering K from the cache.
+
 With ``qk_norm`` (a ``QKRMSNorm``: Qwen3's q/k norms when they are torch's RMSNorm) q and k are
 first normalised per head as ``F.rms_norm(x, (D,), weight, eps)`` computes it -- the torch
 path calls exactly that, so it is the modules' own result. What that is (torch 2.14: its
@@ -64,12 +70,16 @@ def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def torch_rope_and_store(q, k, v, cos, sin, k_cache, v_cache, slots,
-                         qk_norm: QKRMSNorm | None = None) -> torch.Tensor:
+                         qk_norm: QKRMSNorm | None = None, positions=None,
+                         store_k: bool = False) -> torch.Tensor:
     """The reference: q [T, G, n, D], k and v [T, G, D] (any strides), cos and sin [T, rot]
-    in q's dtype; k_cache and v_cache [slots, G, D]; slots [T] int64 -> rotated q
-    [T, G * n, D] contiguous (k and v written into their slots, cast to the cache's dtype).
+    in q's dtype (or tables [P, rot] read at ``positions`` [T]); k_cache and v_cache
+    [slots, G, D]; slots [T] int64 -> rotated q [T, G * n, D] contiguous (k and v written
+    into their slots, cast to the cache's dtype; with ``store_k`` the rotated k into k too).
     ``qk_norm``: q and k normalised first, by torch's rms_norm (what the modules call)."""
     T, D = q.shape[0], q.shape[-1]
+    if positions is not None:
+        cos, sin = cos[positions], sin[positions]
     if qk_norm is not None:
         q = F.rms_norm(q, (D,), qk_norm.q_weight, qk_norm.eps)
         k = F.rms_norm(k, (D,), qk_norm.k_weight, qk_norm.eps)
@@ -77,11 +87,14 @@ def torch_rope_and_store(q, k, v, cos, sin, k_cache, v_cache, slots,
     kr = rotate(k, cos.view(T, 1, -1), sin.view(T, 1, -1))
     k_cache.index_copy_(0, slots, as_dtype(kr, k_cache.dtype))
     v_cache.index_copy_(0, slots, as_dtype(v, v_cache.dtype))
+    if store_k:
+        k.copy_(kr)
     return qr.reshape(T, -1, q.shape[-1])
 
 
 def triton_rope_and_store(q, k, v, cos, sin, k_cache, v_cache, slots,
-                          qk_norm: QKRMSNorm | None = None) -> torch.Tensor:
+                          qk_norm: QKRMSNorm | None = None, positions=None,
+                          store_k: bool = False) -> torch.Tensor:
     """``torch_rope_and_store`` in one Triton launch (q, k, v, caches in one dtype). CPU
     tensors run under TRITON_INTERPRET=1 only (the tests)."""
     if triton is None:
@@ -102,13 +115,23 @@ def triton_rope_and_store(q, k, v, cos, sin, k_cache, v_cache, slots,
     upcast = not q.is_cuda  # the interpreter: round fp32 -> bf16 to nearest even by hand
     # without a norm the weight pointers are never read (HAS_NORM is a constexpr): q stands in
     qw, kw, eps = (q, q, 0.0) if qk_norm is None else qk_norm
-    _rope_kv_kernel[(T, G)](
+    if positions is not None and (positions.dtype != torch.int64 or positions.shape != (T,)):
+        raise ValueError("rope kernel: positions must be int64 [T]")
+    # one program per token: all G * n q heads as one [heads, rot / 2] block per half (a
+    # token's q is 8 KB for Qwen3: per-(token, group) programs left the SMs underfed)
+    half = rot // 2
+    block = pow2(G * n) * pow2(half)
+    _rope_kv_kernel[(T,)](
         q, k, v, cos, sin, k_cache, v_cache, slots, out, qw, kw, float(eps),
+        slots if positions is None else positions,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), v.stride(0),
         v.stride(1), cos.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-        v_cache.stride(1), n, D, rot,
-        N_PAD=pow2(n), D_PAD=pow2(D), HAS_NORM=qk_norm is not None,
-        RNE_BF16=upcast and q.dtype == torch.bfloat16, num_warps=4 if n * D >= 1024 else 2,
+        v_cache.stride(1), G, n, D, half,
+        H_PAD=pow2(G * n), G_PAD=pow2(G), HALF_PAD=pow2(half), D_PAD=pow2(D),
+        PASS=rot < D, HAS_NORM=qk_norm is not None,
+        TABLES=positions is not None, STORE_K=store_k,
+        RNE_BF16=upcast and q.dtype == torch.bfloat16,
+        num_warps=8 if block >= 4096 else 4 if block >= 1024 else 2,
     )
     return out.view(T, G * n, D)
 
@@ -127,13 +150,17 @@ def _norm_fits(qk_norm: QKRMSNorm, D: int) -> bool:
 
 
 def rope_and_store(q, k, v, cos, sin, k_cache, v_cache, slots, backend: str = "torch",
-                   qk_norm: QKRMSNorm | None = None):
+                   qk_norm: QKRMSNorm | None = None, positions=None, store_k: bool = False):
     """``backend`` "triton" (the kernel, where ``kernel_fits``) or "torch" (the reference);
-    ``qk_norm``: q's and k's RMSNorm first, in the same launch; see the module docstring."""
+    ``qk_norm``: q's and k's RMSNorm first, in the same launch; ``positions``: cos and sin
+    are tables read at them; ``store_k``: the rotated k written back into k; see the module
+    docstring."""
     if backend == "triton" and kernel_fits(q, k, v, cos, k_cache, v_cache) and (
             qk_norm is None or _norm_fits(qk_norm, q.shape[-1])):
-        return triton_rope_and_store(q, k, v, cos, sin, k_cache, v_cache, slots, qk_norm)
-    return torch_rope_and_store(q, k, v, cos, sin, k_cache, v_cache, slots, qk_norm)
+        return triton_rope_and_store(q, k, v, cos, sin, k_cache, v_cache, slots, qk_norm,
+                                     positions, store_k)
+    return torch_rope_and_store(q, k, v, cos, sin, k_cache, v_cache, slots, qk_norm,
+                                positions, store_k)
 
 
 if triton is not None:
@@ -146,62 +173,87 @@ if triton is not None:
         return v.to(dtype).to(tl.float32)
 
     @triton.jit
-    def _rotated(base, rows, offs_d, row_mask, half, rot, D, Cos, Sin, W, eps,
-                 dtype: tl.constexpr, HAS_NORM: tl.constexpr, RNE_BF16: tl.constexpr):
-        """megatron's rope on heads ``base + rows[:, None] + d``: (t * cos) + (rotate_half(t) *
-        sin), each op rounded; dims >= rot pass through. ``HAS_NORM``: each head (a row)
-        RMS-normalised with weights W first. Returns fp32 values (exact in dtype)."""
-        d = offs_d[None, :]
-        dmask = row_mask[:, None] & (d < D)
-        t = tl.load(base + rows[:, None] + d, mask=dmask, other=0.0).to(tl.float32)
-        in_rot = d < rot
-        # rotate_half: cat(-x2, x1): dim d < half reads -t[d + half], half <= d < rot t[d - half]
-        partner = tl.where(d < half, d + half, d - half)
-        tp = tl.load(base + rows[:, None] + partner, mask=dmask & in_rot,
+    def _rope_rows(src, rows, hmask, half, D, Cos, Sin, W, eps, dtype: tl.constexpr,
+                   HALF_PAD: tl.constexpr, D_PAD: tl.constexpr, PASS: tl.constexpr,
+                   HAS_NORM: tl.constexpr, RNE_BF16: tl.constexpr):
+        """megatron's rope on the heads at ``src + rows[:, None] + d``: (t * cos) +
+        (rotate_half(t) * sin), each op rounded, on the two halves of the rotary dims loaded
+        once each -- rotate_half is cat(-x2, x1), so the first half is x1 * c + (-x2) * s and
+        the second x2 * c + x1 * s; dims >= rot (``PASS``) pass through. ``HAS_NORM``: each
+        head (a row) RMS-normalised with weights W first: torch's rms_norm -- rstd =
+        rsqrt(mean(t^2) + eps) over the whole head, the mean an IEEE division by D, then
+        (t * rstd) * w rounded once. Returns the halves and the passed dims, fp32 values
+        exact in dtype (the passed ones zeros without ``PASS``)."""
+        j = tl.arange(0, HALF_PAD)[None, :]
+        m = hmask[:, None] & (j < half)
+        x1 = tl.load(src + rows[:, None] + j, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(src + rows[:, None] + half + j, mask=m, other=0.0).to(tl.float32)
+        p = 2 * half + tl.arange(0, D_PAD)[None, :]
+        xp = tl.load(src + rows[:, None] + p, mask=hmask[:, None] & (p < D) & PASS,
                      other=0.0).to(tl.float32)
         if HAS_NORM:
-            # torch's rms_norm: rstd = rsqrt(mean(t^2) + eps) over the whole head (masked
-            # lanes are zeros), the mean an IEEE division by D as torch's; then
-            # (t * rstd) * w rounded once. The partners are re-read raw and normalised by
-            # the same ops, so they are the normalised row's own values.
-            ss = tl.sum(t * t, axis=1)
+            ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1) + tl.sum(xp * xp, axis=1)
             rstd = tl.rsqrt(tl.math.div_rn(ss, tl.zeros_like(ss) + D) + eps)[:, None]
-            w = tl.load(W + d, mask=d < D, other=0.0).to(tl.float32)
-            wp = tl.load(W + partner, mask=in_rot, other=0.0).to(tl.float32)
-            t = _round((t * rstd) * w, dtype, RNE_BF16)
-            tp = _round((tp * rstd) * wp, dtype, RNE_BF16)
-        tp = tl.where(d < half, -tp, tp)
-        c = tl.load(Cos + d, mask=in_rot, other=0.0).to(tl.float32)
-        s = tl.load(Sin + d, mask=in_rot, other=0.0).to(tl.float32)
-        r = _round(_round(t * c, dtype, RNE_BF16) + _round(tp * s, dtype, RNE_BF16), dtype,
-                   RNE_BF16)
-        return tl.where(in_rot, r, t)
+            w1 = tl.load(W + j, mask=j < half, other=0.0).to(tl.float32)
+            w2 = tl.load(W + half + j, mask=j < half, other=0.0).to(tl.float32)
+            wp = tl.load(W + p, mask=(p < D) & PASS, other=0.0).to(tl.float32)
+            x1 = _round((x1 * rstd) * w1, dtype, RNE_BF16)
+            x2 = _round((x2 * rstd) * w2, dtype, RNE_BF16)
+            xp = _round((xp * rstd) * wp, dtype, RNE_BF16)
+        c1 = tl.load(Cos + j, mask=j < half, other=0.0).to(tl.float32)
+        s1 = tl.load(Sin + j, mask=j < half, other=0.0).to(tl.float32)
+        c2 = tl.load(Cos + half + j, mask=j < half, other=0.0).to(tl.float32)
+        s2 = tl.load(Sin + half + j, mask=j < half, other=0.0).to(tl.float32)
+        o1 = _round(_round(x1 * c1, dtype, RNE_BF16) + _round(-x2 * s1, dtype, RNE_BF16),
+                    dtype, RNE_BF16)
+        o2 = _round(_round(x2 * c2, dtype, RNE_BF16) + _round(x1 * s2, dtype, RNE_BF16),
+                    dtype, RNE_BF16)
+        return o1, o2, xp
 
     @triton.jit
-    def _rope_kv_kernel(Q, K, V, Cos, Sin, KC, VC, Slots, Out, QW, KW, eps,
+    def _store_rows(dst, rows, o1, o2, xp, hmask, half, D, dtype: tl.constexpr,
+                    HALF_PAD: tl.constexpr, D_PAD: tl.constexpr, PASS: tl.constexpr):
+        j = tl.arange(0, HALF_PAD)[None, :]
+        m = hmask[:, None] & (j < half)
+        tl.store(dst + rows[:, None] + j, o1.to(dtype), mask=m)
+        tl.store(dst + rows[:, None] + half + j, o2.to(dtype), mask=m)
+        if PASS:
+            p = 2 * half + tl.arange(0, D_PAD)[None, :]
+            tl.store(dst + rows[:, None] + p, xp.to(dtype), mask=hmask[:, None] & (p < D))
+
+    @triton.jit
+    def _rope_kv_kernel(Q, K, V, Cos, Sin, KC, VC, Slots, Out, QW, KW, eps, Pos,
                         sq_t, sq_g, sq_h, sk_t, sk_g, sv_t, sv_g, sc_t, skc_s, skc_g,
-                        svc_s, svc_g, n, D, rot,
-                        N_PAD: tl.constexpr, D_PAD: tl.constexpr, HAS_NORM: tl.constexpr,
-                        RNE_BF16: tl.constexpr):
+                        svc_s, svc_g, G, n, D, half,
+                        H_PAD: tl.constexpr, G_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
+                        D_PAD: tl.constexpr, PASS: tl.constexpr, HAS_NORM: tl.constexpr,
+                        TABLES: tl.constexpr, STORE_K: tl.constexpr, RNE_BF16: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
-        g = tl.program_id(1).to(tl.int64)
         dtype = Out.dtype.element_ty
-        half = rot // 2
-        offs_d = tl.arange(0, D_PAD)
-        heads = tl.arange(0, N_PAD)
-        hmask = heads < n
-        cos_row = Cos + t * sc_t
-        sin_row = Sin + t * sc_t
-        qv = _rotated(Q + t * sq_t + g * sq_g, heads * sq_h, offs_d, hmask, half, rot, D,
-                      cos_row, sin_row, QW, eps, dtype, HAS_NORM, RNE_BF16)
-        out_rows = ((t * tl.num_programs(1) + g) * n + heads) * D
-        tl.store(Out + out_rows[:, None] + offs_d[None, :], qv.to(dtype),
-                 mask=hmask[:, None] & (offs_d[None, :] < D))
-        one = tl.zeros([1], dtype=tl.int64)  # k: one head
-        kv = _rotated(K + t * sk_t + g * sk_g, one, offs_d, one == 0, half, rot, D,
-                      cos_row, sin_row, KW, eps, dtype, HAS_NORM, RNE_BF16)
+        row = tl.load(Pos + t).to(tl.int64) if TABLES else t  # the angles' row
+        cos_row = Cos + row * sc_t
+        sin_row = Sin + row * sc_t
+        # q: head h = g * n + j of the token, from the projection's layout into Out [T, G*n, D]
+        hh = tl.arange(0, H_PAD).to(tl.int64)
+        hmask = hh < G * n
+        o1, o2, xp = _rope_rows(Q + t * sq_t, (hh // n) * sq_g + (hh % n) * sq_h, hmask, half,
+                                D, cos_row, sin_row, QW, eps, dtype, HALF_PAD, D_PAD, PASS,
+                                HAS_NORM, RNE_BF16)
+        _store_rows(Out + t * G * n * D, hh * D, o1, o2, xp, hmask, half, D, dtype, HALF_PAD,
+                    D_PAD, PASS)
+        # k: one head per group, rotated into its cache slot
+        gg = tl.arange(0, G_PAD).to(tl.int64)
+        gmask = gg < G
         slot = tl.load(Slots + t).to(tl.int64)
-        dmask = offs_d[None, :] < D
-        tl.store(KC + slot * skc_s + g * skc_g + offs_d[None, :], kv.to(dtype), mask=dmask)
-        vv = tl.load(V + t * sv_t + g * sv_g + offs_d[None, :], mask=dmask, other=0.0)
-        tl.store(VC + slot * svc_s + g * svc_g + offs_d[None, :], vv, mask=dmask)
+        o1, o2, xp = _rope_rows(K + t * sk_t, gg * sk_g, gmask, half, D, cos_row, sin_row,
+                                KW, eps, dtype, HALF_PAD, D_PAD, PASS, HAS_NORM, RNE_BF16)
+        _store_rows(KC + slot * skc_s, gg * skc_g, o1, o2, xp, gmask, half, D, dtype,
+                    HALF_PAD, D_PAD, PASS)
+        if STORE_K:  # and over k itself, once every thread of this program has read it
+            tl.debug_barrier()
+            _store_rows(K + t * sk_t, gg * sk_g, o1, o2, xp, gmask, half, D, dtype, HALF_PAD,
+                        D_PAD, PASS)
+        d = tl.arange(0, D_PAD)[None, :]
+        dm = gmask[:, None] & (d < D)
+        vv = tl.load(V + t * sv_t + gg[:, None] * sv_g + d, mask=dm, other=0.0)
+        tl.store(VC + slot * svc_s + gg[:, None] * svc_g + d, vv, mask=dm)

@@ -11,12 +11,14 @@ without any cross-rank agreement, and a P segment then enqueues one replay per l
 Attention stays eager: its batched calls are shaped by the epoch's context buckets, which a
 static graph cannot follow.
 
-Owns: one input buffer [max_tokens, H] (model dtype), an output buffer [max_tokens, H] per
-kind of graph -- "partial": fp32, the combine dtype, summed by P's AllReduce; "residual"
-(the combine is the identity: one rank, no shared experts): the model dtype, the new residual
-rows, the k slots summed into the input inside the graph -- and one row-count scalar, all
-shared by every graph (graph g of bucket T reads and writes rows [:T] of them), and a
-private memory pool.
+Owns: two input buffers [max_tokens, H] (model dtype: h, and u -- h through the pre-MLP norm,
+read by "normed" graphs only), an output buffer [max_tokens, H] per kind of graph --
+"partial": fp32, the combine dtype, summed by P's AllReduce; "residual" (the combine is the
+identity: one rank, no shared experts): the model dtype, the new residual rows, the k slots
+summed into the input inside the graph; "normed" (the same, with the norms around the block
+fused into the adds: ``InferenceGPT.p_fusion``): the new residual rows and a second buffer of
+their next norm -- and one row-count scalar, all shared by every graph (graph g of bucket T
+reads and writes rows [:T] of them), and a private memory pool.
 
 Invariants:
   * Shared buffers are safe because every replay, its input copy and the consumers of its
@@ -42,6 +44,7 @@ from __future__ import annotations
 import torch
 
 from colo_rollout.model.model import ModulesMoE
+from colo_rollout.model.norm_add import add_slots_rms_norm
 from colo_rollout.model.residual import add_rounded_slots
 
 MIN_TOKENS = 32  # smallest token bucket
@@ -78,7 +81,9 @@ class PrefillMoEGraphs:
     """P's MoE blocks as graph replays; a ``MoEBlock`` (model/model.py): ``partial`` (this
     rank's fp32 partial, which P's combine collective sums) and ``residual`` (the new residual
     stream: the k slots summed into h inside the graph, where the combine is the identity --
-    ``InferenceGPT.p_moe_into_residual``). Graphs are kept per (kind, layer, bucket)."""
+    ``InferenceGPT.p_moe_into_residual``) or ``normed`` (that, fed h's pre-MLP norm by the
+    caller and giving the next norm's rows too -- ``InferenceGPT.p_fusion``). Graphs are kept
+    per (kind, layer, bucket)."""
 
     def __init__(self, model, max_tokens: int, capture_stream: torch.cuda.Stream) -> None:
         self.model = model
@@ -88,9 +93,11 @@ class PrefillMoEGraphs:
         self.device = model.device
         H = model.cfg.hidden_size
         self._in = torch.zeros(max_tokens, H, dtype=model.dtype, device=self.device)
+        self._u = None  # made at the first "normed" graph
         # the outputs, made at a kind's first use (a one-rank model needs only "residual")
         self._outs: dict[str, torch.Tensor] = {}
-        self._out_dtypes = {"partial": torch.float32, "residual": model.dtype}
+        self._out_dtypes = {"partial": torch.float32, "residual": model.dtype,
+                            "normed": model.dtype}
         self._n = torch.zeros((), dtype=torch.int64, device=self.device)
         self._n_host = 0  # what _n holds (every write is this object's, on P's stream)
         self._graphs: dict[tuple[str, int, int], torch.cuda.CUDAGraph] = {}
@@ -115,10 +122,29 @@ class PrefillMoEGraphs:
             return self._modules.residual(i, h)
         return self._replay("residual", i, h)
 
-    def input(self, n: int) -> torch.Tensor | None:
-        """Rows [:n] of the graphs' shared input, for the caller to write the next block's
-        h into (the replay then copies nothing); None past the largest bucket."""
-        return self._in[:n] if n <= self.max_tokens else None
+    def normed(self, i: int, h: torch.Tensor, u: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [n, H] + the k slots of the experts on u (h's pre-MLP norm) -> (the new residual
+        rows, their next norm: ``InferenceGPT.p_fusion(i).after``), views of the shared
+        output buffers (consume them on this stream before the next replay)."""
+        if h.shape[0] > self.max_tokens:
+            return self._modules.normed(i, h, u)
+        self._u_buffer()
+        if u.data_ptr() != self._u.data_ptr():
+            self._u[: u.shape[0]].copy_(u)
+        out = self._replay("normed", i, h)
+        return out, self._outs["normed_next"][: h.shape[0]]
+
+    def input(self, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Rows [:n] of the graphs' shared inputs (h, u), for the caller to write the next
+        block's h and u into (the replay then copies nothing); None past the largest
+        bucket."""
+        return (self._in[:n], self._u_buffer()[:n]) if n <= self.max_tokens else None
+
+    def _u_buffer(self) -> torch.Tensor:
+        if self._u is None:
+            self._u = torch.zeros_like(self._in)
+        return self._u
 
     def _replay(self, kind: str, i: int, h: torch.Tensor) -> torch.Tensor:
         n = h.shape[0]
@@ -139,19 +165,26 @@ class PrefillMoEGraphs:
         if kind not in self._outs:
             self._outs[kind] = torch.zeros(self.max_tokens, self._in.shape[1],
                                            dtype=self._out_dtypes[kind], device=self.device)
+            if kind == "normed":
+                self._outs["normed_next"] = torch.zeros_like(self._outs[kind])
+                self._u_buffer()
         return self._outs[kind]
 
     def _block(self, kind: str, i: int, T: int) -> None:
         m = self.model
         layer = m.decoder.layers[i]
         h = self._in[:T]
-        x = layer.pre_mlp_layernorm(h)
+        x = layer.pre_mlp_layernorm(h) if kind != "normed" else None
         record = m.route_record("P", i, T)
         if kind == "partial":
             self._out(kind)[:T].copy_(layer.mlp(x, n_valid=self._n, record=record))
-        else:  # padding rows' slots are zero (given to no expert): their sums stay finite
-            pairs = layer.mlp(x, n_valid=self._n, record=record, pairs=True)
+        elif kind == "residual":  # padding rows' slots are zero (given to no expert): their
+            pairs = layer.mlp(x, n_valid=self._n, record=record, pairs=True)  # sums stay finite
             add_rounded_slots(h, pairs, m.residual_kernel, out=self._out(kind)[:T])
+        else:  # "normed": the caller wrote u (h's pre-MLP norm) with h
+            pairs = layer.mlp(self._u[:T], n_valid=self._n, record=record, pairs=True)
+            add_slots_rms_norm(h, pairs, m.p_fusion(i).after, m.residual_kernel,
+                               out=(self._out(kind)[:T], self._outs["normed_next"][:T]))
 
     @torch.inference_mode()
     def _capture(self, kind: str, i: int, T: int) -> torch.cuda.CUDAGraph:
@@ -192,9 +225,8 @@ class PrefillMoEGraphs:
             for i, layer in enumerate(self.model.decoder.layers):
                 if not layer.is_moe:
                     continue
-                kind = ("residual" if self.model.p_moe_into_residual(i, self._in[:T])
-                        else "partial")
-                if (kind, i, T) not in self._graphs:
+                kind = self.model.p_moe_kind(i, self._in[:T])
+                if kind is not None and (kind, i, T) not in self._graphs:
                     self._capture(kind, i, T)
         return self.captures - before
 
