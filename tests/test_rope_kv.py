@@ -212,12 +212,14 @@ def test_angle_tables_and_the_k_write_back_change_nothing_else(i):
 
 def _interpreted() -> list[str]:
     fails = []
-    for i in range(len(CASES)):  # tables + write-back, kernel vs torch path
-        ref = _run_tabled(rope_kv.torch_rope_and_store, i)
-        got = _run_tabled(rope_kv.triton_rope_and_store, i)
-        for name, a, b in zip(("q", "k cache", "v cache", "k rows"), got, ref):
-            if not torch.equal(a, b):
-                fails.append(f"tabled case {i}: {name} differs")
+    for whole in (rope_kv.WHOLE_TOKEN_FROM, 1):  # a program per group; all groups in one
+        rope_kv.WHOLE_TOKEN_FROM = whole
+        for i in range(len(CASES)):  # tables + write-back, kernel vs torch path
+            ref = _run_tabled(rope_kv.torch_rope_and_store, i)
+            got = _run_tabled(rope_kv.triton_rope_and_store, i)
+            for name, a, b in zip(("q", "k cache", "v cache", "k rows"), got, ref):
+                if not torch.equal(a, b):
+                    fails.append(f"tabled case {i}, whole tokens from {whole}: {name} differs")
     for i in range(len(CASES)):
         qkv, slots, _, cos, sin = _case(i)
         ref = _run(rope_kv.torch_rope_and_store, qkv, slots, cos, sin)

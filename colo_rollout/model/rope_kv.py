@@ -46,6 +46,10 @@ import torch.nn.functional as F
 from colo_rollout.model.kernel_backend import as_dtype, pow2, rne_bf16, tl, triton
 
 
+# from this many tokens one program takes all of a token's groups (tests lower it)
+WHOLE_TOKEN_FROM = 256
+
+
 class QKRMSNorm(NamedTuple):
     """The per-head RMSNorms of q and k fused into ``rope_and_store``: weights [D] (any float
     dtype, contiguous) and the one eps both norms use."""
@@ -117,17 +121,19 @@ def triton_rope_and_store(q, k, v, cos, sin, k_cache, v_cache, slots,
     qw, kw, eps = (q, q, 0.0) if qk_norm is None else qk_norm
     if positions is not None and (positions.dtype != torch.int64 or positions.shape != (T,)):
         raise ValueError("rope kernel: positions must be int64 [T]")
-    # one program per token: all G * n q heads as one [heads, rot / 2] block per half (a
-    # token's q is 8 KB for Qwen3: per-(token, group) programs left the SMs underfed)
+    # one program per token and GB groups: all their q heads as one [heads, rot / 2] block per
+    # half. Many tokens (P): every group in one program (per-(token, group) programs of
+    # Qwen3's 2 KB left the SMs underfed); few (D): a program per group, for parallelism.
     half = rot // 2
-    block = pow2(G * n) * pow2(half)
-    _rope_kv_kernel[(T,)](
+    GB = G if T >= WHOLE_TOKEN_FROM else 1
+    block = pow2(GB * n) * pow2(half)
+    _rope_kv_kernel[(T, G // GB)](
         q, k, v, cos, sin, k_cache, v_cache, slots, out, qw, kw, float(eps),
         slots if positions is None else positions,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), v.stride(0),
         v.stride(1), cos.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-        v_cache.stride(1), G, n, D, half,
-        H_PAD=pow2(G * n), G_PAD=pow2(G), HALF_PAD=pow2(half), D_PAD=pow2(D),
+        v_cache.stride(1), G, GB, n, D, half,
+        H_PAD=pow2(GB * n), G_PAD=pow2(GB), HALF_PAD=pow2(half), D_PAD=pow2(D),
         PASS=rot < D, HAS_NORM=qk_norm is not None,
         TABLES=positions is not None, STORE_K=store_k,
         RNE_BF16=upcast and q.dtype == torch.bfloat16,
@@ -224,7 +230,7 @@ if triton is not None:
     @triton.jit
     def _rope_kv_kernel(Q, K, V, Cos, Sin, KC, VC, Slots, Out, QW, KW, eps, Pos,
                         sq_t, sq_g, sq_h, sk_t, sk_g, sv_t, sv_g, sc_t, skc_s, skc_g,
-                        svc_s, svc_g, G, n, D, half,
+                        svc_s, svc_g, G, GB, n, D, half,
                         H_PAD: tl.constexpr, G_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
                         D_PAD: tl.constexpr, PASS: tl.constexpr, HAS_NORM: tl.constexpr,
                         TABLES: tl.constexpr, STORE_K: tl.constexpr, RNE_BF16: tl.constexpr):
@@ -233,17 +239,18 @@ if triton is not None:
         row = tl.load(Pos + t).to(tl.int64) if TABLES else t  # the angles' row
         cos_row = Cos + row * sc_t
         sin_row = Sin + row * sc_t
+        g0 = tl.program_id(1).to(tl.int64) * GB  # this program's first group
         # q: head h = g * n + j of the token, from the projection's layout into Out [T, G*n, D]
-        hh = tl.arange(0, H_PAD).to(tl.int64)
-        hmask = hh < G * n
+        hh = g0 * n + tl.arange(0, H_PAD).to(tl.int64)
+        hmask = hh < (g0 + GB) * n
         o1, o2, xp = _rope_rows(Q + t * sq_t, (hh // n) * sq_g + (hh % n) * sq_h, hmask, half,
                                 D, cos_row, sin_row, QW, eps, dtype, HALF_PAD, D_PAD, PASS,
                                 HAS_NORM, RNE_BF16)
         _store_rows(Out + t * G * n * D, hh * D, o1, o2, xp, hmask, half, D, dtype, HALF_PAD,
                     D_PAD, PASS)
         # k: one head per group, rotated into its cache slot
-        gg = tl.arange(0, G_PAD).to(tl.int64)
-        gmask = gg < G
+        gg = g0 + tl.arange(0, G_PAD).to(tl.int64)
+        gmask = gg < g0 + GB
         slot = tl.load(Slots + t).to(tl.int64)
         o1, o2, xp = _rope_rows(K + t * sk_t, gg * sk_g, gmask, half, D, cos_row, sin_row,
                                 KW, eps, dtype, HALF_PAD, D_PAD, PASS, HAS_NORM, RNE_BF16)
