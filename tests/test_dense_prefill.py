@@ -189,3 +189,27 @@ def test_cudnn_fits_16_bit_models_with_head_dims_it_takes():
     assert "16-bit" in dp.cudnn_fits(torch.float32, 128)
     assert "head_dim 192" in dp.cudnn_fits(torch.bfloat16, 192)
     assert "head_dim 100" in dp.cudnn_fits(torch.bfloat16, 100)
+
+
+@pytest.mark.parametrize("new, ctx, dense", [([40, 9, 17, 3], [40, 30, 17, 3], (0, 2)),
+                                             ([5], [12], ()), ([16, 16], [16, 16], (0, 1))])
+def test_the_plan_rides_the_steps_packed_copy(new, ctx, dense):
+    """The runner's plan: the host half packed as int64 words into the step's one copy
+    (runtime/device.h2d_packed, beside other arrays), read back as the int32 tables --
+    the same plan ``plan_prefill`` copies on its own, odd and even table lengths alike."""
+    import numpy as np
+
+    from colo_rollout.runtime.device import h2d_packed
+
+    cfg = pp.TileConfig(16, 16, 4, 2, False)
+    want = pp.plan_prefill(new, ctx, 2, 64, F32, "cpu", cfg, dense=dense)
+    host = pp.plan_prefill_host(new, ctx, 2, 64, F32, "cpu", cfg, dense=dense)
+    before = np.arange(7, dtype=np.int64)  # another array of the same copy, first
+    got_before, dev = h2d_packed([before, host.packed()], torch.device("cpu"))
+    got = host.on_device(dev)
+    assert got_before.tolist() == list(range(7))
+    for name in ("q_starts", "new_lens", "ctx_lens", "tiles"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == torch.int32 and torch.equal(a, b), name
+    assert (got.n_tiles, got.tokens, got.pack, got.dense) == (want.n_tiles, want.tokens,
+                                                              want.pack, want.dense)

@@ -604,6 +604,14 @@ class InferenceGPT(torch.nn.Module):
                                               torch.sin(freqs).to(dtype))
         return got
 
+    def prefill_plan(self, new: list[int], ctx: list[int]):
+        """The host half of a P epoch's attention plan for this replica's sequences (new
+        tokens, contexts), which every layer reads (``PagedSelfAttention.prefill_plan``:
+        ``PlanHost``, or None for the torch backend): made with the step's inputs so its
+        tables ride their host->device copy."""
+        att = self.decoder.layers[0].self_attention
+        return att.prefill_plan(new, ctx, self.dtype, self.device)
+
     def rope_angles(self, positions: torch.Tensor) -> RopeAngles:
         """One forward's angles at ``positions`` (every layer reads them)."""
         return RopeAngles(self.rope_table(), positions, self.rope_tables)

@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from colo_rollout.model.kernel_backend import BACKENDS, tl, triton, triton_available  # noqa: F401
@@ -162,13 +163,45 @@ class PrefillPlan:
     dense: tuple[tuple[int, int, int], ...] = ()
 
 
-def plan_prefill(seq_lens_new: list[int], context_lens: list[int], q_per_group: int,
-                 dim: int, dtype: torch.dtype, device: torch.device | str,
-                 cfg: TileConfig | None = None, dense: tuple[int, ...] = ()) -> PrefillPlan:
-    """The plan of one P epoch from the host lists (what ``AttnMetadata`` carries): tiles of
-    ``block_m // pack`` tokens per sequence, sorted by keys visited (longest first), all in one
-    host->device copy (pinned, no host wait on CUDA). ``cfg`` None: ``tile_config``.
-    ``dense``: indices of sequences given no tiles (another kernel computes their rows)."""
+@dataclass(frozen=True)
+class PlanHost:
+    """A P epoch's plan before its tables reach the device: ``flat`` the int32 tables (first
+    rows, new counts, contexts, then the tiles' (sequence, first token)) and the host values
+    that size the grid. ``packed`` is ``flat`` as int64 words (two int32 per word, padded),
+    to ride in another int64 host->device copy (``runtime/device.h2d_packed``); ``on_device``
+    makes the plan from either copy."""
+
+    flat: tuple[int, ...]
+    S: int
+    n_tiles: int
+    tokens: int
+    q_per_group: int
+    cfg: TileConfig
+    pack: int
+    dense: tuple[tuple[int, int, int], ...]
+
+    def packed(self) -> np.ndarray:
+        host = np.zeros(len(self.flat) + len(self.flat) % 2 or 2, dtype=np.int32)
+        host[: len(self.flat)] = self.flat
+        return host.view(np.int64)
+
+    def on_device(self, dev: torch.Tensor) -> PrefillPlan:
+        """The plan over ``dev``: the device copy of ``flat`` (int32) or of ``packed``
+        (int64, reinterpreted)."""
+        if dev.dtype == torch.int64:
+            dev = dev.view(torch.int32)
+        S, n = self.S, self.n_tiles
+        return PrefillPlan(q_starts=dev[:S], new_lens=dev[S : 2 * S],
+                           ctx_lens=dev[2 * S : 3 * S],
+                           tiles=dev[3 * S : 3 * S + 2 * n].view(n, 2), n_tiles=n,
+                           tokens=self.tokens, q_per_group=self.q_per_group, cfg=self.cfg,
+                           pack=self.pack, dense=self.dense)
+
+
+def plan_prefill_host(seq_lens_new: list[int], context_lens: list[int], q_per_group: int,
+                      dim: int, dtype: torch.dtype, device: torch.device | str,
+                      cfg: TileConfig | None = None, dense: tuple[int, ...] = ()) -> PlanHost:
+    """The host half of ``plan_prefill`` (its arguments): the tables, nothing copied."""
     device = torch.device(device)
     if len(seq_lens_new) != len(context_lens):
         raise ValueError("one new count per context length")
@@ -191,19 +224,29 @@ def plan_prefill(seq_lens_new: list[int], context_lens: list[int], q_per_group: 
         for t0 in range(0, n, per_tile):
             tiles.append((c - n + min(t0 + per_tile, n), s, t0))  # keys its last row sees
     tiles.sort(key=lambda t: -t[0])  # stable: ties keep sequence order
-    S = len(seq_lens_new)
     flat = starts + list(seq_lens_new) + list(context_lens)
     for _, s, t0 in tiles:
         flat += (s, t0)
-    host = torch.tensor(flat or [0], dtype=torch.int32)
+    return PlanHost(tuple(flat), len(seq_lens_new), len(tiles), off, q_per_group, cfg, pack,
+                    tuple(held))
+
+
+def plan_prefill(seq_lens_new: list[int], context_lens: list[int], q_per_group: int,
+                 dim: int, dtype: torch.dtype, device: torch.device | str,
+                 cfg: TileConfig | None = None, dense: tuple[int, ...] = ()) -> PrefillPlan:
+    """The plan of one P epoch from the host lists (what ``AttnMetadata`` carries): tiles of
+    ``block_m // pack`` tokens per sequence, sorted by keys visited (longest first), all in one
+    host->device copy (pinned, no host wait on CUDA). ``cfg`` None: ``tile_config``.
+    ``dense``: indices of sequences given no tiles (another kernel computes their rows)."""
+    device = torch.device(device)
+    host = plan_prefill_host(seq_lens_new, context_lens, q_per_group, dim, dtype, device, cfg,
+                             dense)
+    flat = torch.tensor(host.flat or [0], dtype=torch.int32)
     if device.type == "cuda":
-        dev = host.pin_memory().to(device, non_blocking=True)
+        dev = flat.pin_memory().to(device, non_blocking=True)
     else:
-        dev = host.to(device)
-    return PrefillPlan(q_starts=dev[:S], new_lens=dev[S : 2 * S], ctx_lens=dev[2 * S : 3 * S],
-                       tiles=dev[3 * S : 3 * S + 2 * len(tiles)].view(len(tiles), 2),
-                       n_tiles=len(tiles), tokens=off, q_per_group=q_per_group, cfg=cfg,
-                       pack=pack, dense=tuple(held))
+        dev = flat.to(device)
+    return host.on_device(dev)
 
 
 def torch_prefill_attention(q: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Tensor,

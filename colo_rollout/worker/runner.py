@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from colo_rollout.model.dense_prefill import dense_calls
 from colo_rollout.model.attention import AttnMetadata, prefill_buckets
 from colo_rollout.worker.decode_graph import DecodeGraphs, graphs_supported
 from colo_rollout.model.model import DecodeInputs, InferenceGPT, PrefillInputs
@@ -471,8 +472,11 @@ class ModelRunner:
                 off += len(p.tokens)
                 last_rows.append(off - 1)
         dev = self.device
-        ids_d, pos_d, slots_d, tables_d, ctx_d, last_d = h2d_packed(
-            [ids, pos, slots, tables, ctx, last_rows], dev)
+        # the attention kernels' plan rides the same copy (int32 tables as int64 words)
+        plan = self.model.prefill_plan(new, ctx) if mine else None
+        ids_d, pos_d, slots_d, tables_d, ctx_d, last_d, *plan_d = h2d_packed(
+            [ids, pos, slots, tables, ctx, last_rows]
+            + ([plan.packed()] if plan is not None else []), dev)
         attn = AttnMetadata(
             is_prefill=True,
             positions=pos_d,
@@ -485,6 +489,9 @@ class ModelRunner:
                                      self.prefill_merge_pairs)
                      if self.model.prefill_attention == "torch" else []),
         )
+        if plan is not None:
+            attn.prefill_plan = plan.on_device(plan_d[0])
+            attn.dense_calls = dense_calls(plan.dense, dev)
         return PrefillInputs(
             token_ids=ids_d, attn=attn,
             row_counts=row_counts, last_counts=last_counts,
