@@ -1,6 +1,7 @@
 """The router's one-launch top-k + softmax (model/router_topk.py) against megatron's dense
 softmax routing (``topk_routing_with_score_function``), run by Triton's CPU interpreter in a
-subprocess (tests/interpreted.py; skipped when triton does not import): post- and pre-softmax,
+subprocess (tests/interpreted.py; skipped when triton does not import), both kernels (the rank
+count, D's, and the k rounds, P's, forced for every case): post- and pre-softmax,
 a scaling factor, one row and many (more rows than one program holds), E not a power of two,
 and tied logits (descending order, ties to the lower expert id: a stable sort's choice)."""
 
@@ -57,15 +58,21 @@ def _interpreted() -> list[str]:
     from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
 
     fails = []
-    for i in range(len(CASES)):
+    rank_from = rt.ROUNDS_FROM
+    for i in [*range(len(CASES)), *(-1 - j for j in range(len(CASES)))]:
+        # i < 0: case -1 - i through the k-rounds kernel (P's: every row count)
+        rt.ROUNDS_FROM = 1 if i < 0 else rank_from
+        i = i if i >= 0 else -1 - i
         logits, k, pre, scale = _case(i)
         probs, ids = rt.softmax_topk(logits, k, pre_softmax=pre, scaling_factor=scale)
         ref_p, ref_i = _reference(logits, k, pre, scale)
         if ids.dtype != torch.int64 or not torch.equal(ids, ref_i):
-            fails.append(f"case {i}: ids {ids[0].tolist()} != {ref_i[0].tolist()}")
+            fails.append(f"case {i} (rounds from {rt.ROUNDS_FROM}): ids {ids[0].tolist()} != "
+                         f"{ref_i[0].tolist()}")
             continue
         if not torch.allclose(probs, ref_p, rtol=1e-6, atol=1e-7):
-            fails.append(f"case {i}: probs off by {(probs - ref_p).abs().max().item():.2e}")
+            fails.append(f"case {i} (rounds from {rt.ROUNDS_FROM}): probs off by "
+                         f"{(probs - ref_p).abs().max().item():.2e}")
         if CASES[i][5]:
             continue  # megatron's torch.topk orders ties its own way
         # megatron's routing: the same experts (as sets) with the same probabilities

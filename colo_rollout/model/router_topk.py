@@ -32,6 +32,13 @@ from colo_rollout.model.kernel_backend import pow2, tl, triton
 MAX_EXPERTS = 1024  # one row's logits in one program's registers
 MAX_TOPK = 32
 CHUNK = 32  # columns per rank-counting step
+# From this many rows (P steps; D's rows stay below it) the k-rounds kernel: one program per
+# ROWS rows, k row-wide max reductions -- the rank count's E x E comparisons per row took
+# 25 us per layer for a 4k Qwen3 prefill (E = 128), 2% of the step. The two kernels choose
+# the same experts in the same order; their probabilities may differ in the last bit (the
+# softmax's sum is reduced over another layout).
+ROUNDS_FROM = 512
+ROWS = 16
 
 
 def supports(score_function: str, num_groups, group_topk, expert_bias, router_replay,
@@ -60,10 +67,16 @@ def softmax_topk(logits: torch.Tensor, topk: int, pre_softmax: bool = False,
     if N == 0:
         return probs, ids
     e_pad = pow2(E, 16)
+    scale = 1.0 if not scaling_factor else float(scaling_factor)
+    if N >= ROUNDS_FROM:  # P: k rounds of a row-wide max over ROWS rows per program
+        rows = max(1, min(ROWS, 4096 // e_pad))
+        _softmax_topk_rounds_kernel[(triton.cdiv(N, rows),)](
+            logits, probs, ids, N, E, logits.stride(0), scale, K=topk, E_PAD=e_pad,
+            ROWS=rows, PRE=bool(pre_softmax), num_warps=4)
+        return probs, ids
     chunk = min(CHUNK, e_pad)
     _softmax_topk_kernel[(N,)](
-        logits, probs, ids, E, logits.stride(0),
-        1.0 if not scaling_factor else float(scaling_factor),
+        logits, probs, ids, E, logits.stride(0), scale,
         K=topk, E_PAD=e_pad, CHUNK=chunk, PRE=bool(pre_softmax),
         num_warps=max(1, min(4, e_pad * chunk // 1024)))
     return probs, ids
@@ -112,3 +125,39 @@ if triton is not None:
         out = r * K + rank
         tl.store(Probs + out, p * scale, mask=chosen)
         tl.store(Ids + out, e.to(tl.int64), mask=chosen)
+
+    # ROWS rows per program, k rounds: each takes the row's largest score among the experts
+    # not taken yet, ties to the lowest id -- the rank kernel's order (a stable descending
+    # sort) -- and records the round as that expert's rank
+    @triton.jit(do_not_specialize=["N", "E", "stride"])
+    def _softmax_topk_rounds_kernel(Logits, Probs, Ids, N, E, stride, scale, K: tl.constexpr,
+                                    E_PAD: tl.constexpr, ROWS: tl.constexpr,
+                                    PRE: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+        rmask = r < N
+        e = tl.arange(0, E_PAD)
+        real = rmask[:, None] & (e[None, :] < E)
+        x = tl.load(Logits + r[:, None] * stride + e[None, :], mask=real,
+                    other=float("-inf"))
+        mx = tl.max(x, 1)
+        if PRE:  # the softmax over every expert first; the selection on its probabilities
+            total = tl.sum(tl.where(real, tl.exp(x - mx[:, None]), 0.0), 1)
+            x = tl.where(real, tl.exp(x - mx[:, None]) / total[:, None], float("-inf"))
+        rank = tl.full([ROWS, E_PAD], K, tl.int32)
+        taken = e[None, :] >= E  # padding lanes are never chosen
+        for k in tl.static_range(K):
+            best = tl.max(tl.where(taken, float("-inf"), x), 1)
+            pick = tl.min(tl.where((x == best[:, None]) & ~taken, e[None, :], E_PAD), 1)
+            now = e[None, :] == pick[:, None]
+            rank = tl.where(now, k, rank)
+            taken = taken | now
+        chosen = (rank < K) & real
+        if PRE:
+            p = x
+        else:  # the softmax over the k chosen logits (the row's max is among them)
+            p = tl.where(chosen, tl.exp(x - mx[:, None]), 0.0)
+            p = p / tl.sum(p, 1)[:, None]
+        out = r[:, None] * K + rank
+        tl.store(Probs + out, p * scale, mask=chosen)
+        tl.store(Ids + out, (e[None, :] + tl.zeros([ROWS, E_PAD], tl.int32)).to(tl.int64),
+                 mask=chosen)
