@@ -9,14 +9,9 @@ fc1 and fc2 of the fused-MoE kernel (model/fused_moe.py) at 4096 and 8192 tokens
   * ``torch._grouped_mm`` (CUTLASS's sm90 grouped GEMM) on the permuted rows -- the GEMM
     alone, no activation,
   * one dense cuBLAS GEMM of the same FLOPs (rows x K x N with every row in one group): the
-    ceiling a grouping could at best reach,
-  * fc1 split (``Tile.tail_m``): each expert's last partial row block of at most 32 / 64 / 96
-    rows in a second launch of that many rows per block (the padding of the ragged blocks).
+    ceiling a grouping could at best reach.
 
-  PYTHONPATH=$PWD python3 scripts/gpu_moe_gemm_ceiling.py [--full] [--json PATH]
-
-(--full: also the permuted-A fc1, CUTLASS's grouped GEMM, the one-tile fc2 and other
-persistent fc2 tiles.)
+  PYTHONPATH=$PWD python3 scripts/gpu_moe_gemm_ceiling.py [--json PATH]
 
 TFLOP/s (fc1 4 R H F, fc2 2 R H F; R = tokens x k) and the fraction of the 989 TFLOP/s bf16
 peak. CUDA graphs of four calls over two weight copies, median of replays (gpu_timing.py).
@@ -46,8 +41,6 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."),
                                                    "moe_gemm_ceiling.json"))
-    ap.add_argument("--full", action="store_true",
-                    help="also the variants sessions 15-16 settled (permuted A, CUTLASS, ...)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -74,50 +67,37 @@ def main() -> int:
                 ("fc1", "kernel (gather)"): lambda c: fm.moe_gemm(
                     x, ex.fc1[c], offs, rows, token=token, prob=prob, gated=True, act=1,
                     out=hs[c], tile=fc1_tile),
+                ("fc1", "kernel, permuted A (TMA)"): lambda c: fm.moe_gemm(
+                    xs, ex.fc1[c], offs, rows, prob=prob, gated=True, act=1, out=hs[c],
+                    tile=fc1_tile),
+                ("fc1", "gather x[token] alone"): lambda c: torch.index_select(
+                    x, 0, token, out=xs),
+                ("fc1", "torch._grouped_mm (no act)"): lambda c: torch._grouped_mm(
+                    xs, ex.fc1[c].transpose(1, 2), offs=offs),
                 ("fc1", "dense cuBLAS same FLOPs"): lambda c: torch.mm(xs, dense1[c],
                                                                       out=h2[c]),
+                ("fc2", "kernel (one tile per program)"): lambda c: fm.moe_gemm(
+                    h0, ex.fc2[c], offs, rows, zero_tail=True, out=ys[c],
+                    tile=dataclasses.replace(fc2_tile, persistent=False)),
+                ("fc2", "torch._grouped_mm"): lambda c: torch._grouped_mm(
+                    h0, ex.fc2[c].transpose(1, 2), offs=offs),
                 ("fc2", "dense cuBLAS same FLOPs"): lambda c: torch.mm(h0, dense2[c],
                                                                       out=ys[c]),
             }
-            if args.full:
-                cases.update({
-                    ("fc1", "kernel, permuted A (TMA)"): lambda c: fm.moe_gemm(
-                        xs, ex.fc1[c], offs, rows, prob=prob, gated=True, act=1, out=hs[c],
-                        tile=fc1_tile),
-                    ("fc1", "gather x[token] alone"): lambda c: torch.index_select(
-                        x, 0, token, out=xs),
-                    ("fc1", "torch._grouped_mm (no act)"): lambda c: torch._grouped_mm(
-                        xs, ex.fc1[c].transpose(1, 2), offs=offs),
-                    ("fc2", "kernel (one tile per program)"): lambda c: fm.moe_gemm(
-                        h0, ex.fc2[c], offs, rows, zero_tail=True, out=ys[c],
-                        tile=dataclasses.replace(fc2_tile, persistent=False)),
-                    ("fc2", "torch._grouped_mm"): lambda c: torch._grouped_mm(
-                        h0, ex.fc2[c].transpose(1, 2), offs=offs),
-                })
-            # fc1 split: each expert's last partial block of <= tail rows in a second launch
-            for tail in (0, 32, 64, 96):
-                t1 = dataclasses.replace(fc1_tile, tail_m=tail)
-                cases[("fc1", f"split tails <= {tail}" if tail else "no split")] = (
-                    lambda c, t1=t1: fm.moe_gemm(x, ex.fc1[c], offs, rows, token=token,
-                                                 prob=prob, gated=True, act=1, out=hs[c],
-                                                 tile=t1))
-            for t in (P2 if args.full else P2[:1]):
+            for t in P2:
                 key = ("fc2", f"persistent {g._fmt(t)}")
                 cases[key] = (lambda c, t=t: fm.moe_gemm(
                     h0, ex.fc2[c], offs, rows, zero_tail=True, out=ys[c], tile=t))
-            # the persistent fc2 against the one-tile-per-program kernel (first copy), the
-            # split fc1 against the unsplit one
+            # the persistent fc2 against the one-tile-per-program kernel (first copy)
             ref2 = fm.moe_gemm(h0, ex.fc2[0], offs, rows,
                                tile=dataclasses.replace(fc2_tile, persistent=False)).float()
-            ref1 = fm.moe_gemm(x, ex.fc1[0], offs, rows, token=token, prob=prob, gated=True,
-                               act=1, tile=dataclasses.replace(fc1_tile, tail_m=0)).float()
             for (which, label), fn in cases.items():
                 flops = f1 if which == "fc1" else f2
                 err = ""
                 try:
-                    if label.startswith(("persistent", "split")):
-                        got, ref = fn(0).float(), (ref2 if which == "fc2" else ref1)
-                        e = ((got - ref).abs().max() / ref.abs().max()).item()
+                    if label.startswith("persistent"):
+                        got = fn(0).float()
+                        e = ((got - ref2).abs().max() / ref2.abs().max()).item()
                         err = f" err {e:.1e}"
                     s = g.graph_time([lambda c=c: fn(c) for c in (0, 1, 0, 1)], reps=5, warm=1)
                 except Exception as ex_:  # noqa: BLE001 - a variant that does not compile

@@ -54,16 +54,6 @@ CASES = [
      (T(16, 16, 16, 4, 2, 2, True), T(16, 16, 16, 4, 2, 2, True, True))),
     (37, 4, 4, 2, 16, 32, torch.bfloat16, F.silu, True, 0,
      (T(16, 16, 16, 4, 2, 1, True), T(16, 16, 16, 4, 2, 1, True, True))),
-    # fc1 split (tail_m): each expert's last partial block of at most 16 rows in a second
-    # launch of 16-row blocks (12-50 pairs per expert: tails on both sides of 16, after a
-    # full block and alone, 16 itself among them), pointer
-    # loads and TMA weights, grouped order, padding rows and other ranks' pairs
-    (40, 4, 8, 4, 32, 32, torch.float32, F.silu, True, 3,
-     (T(32, 16, 16, 4, 2, 1, False, False, 16), T(16, 32, 16, 4, 2))),
-    (90, 4, 8, 4, 32, 48, torch.bfloat16, F.silu, True, 0,
-     (T(32, 16, 16, 4, 2, 2, True, False, 16), T(16, 16, 16, 4, 2, 1, True, True))),
-    (50, 8, 16, 4, 48, 32, torch.bfloat16, F.gelu, False, 2,
-     (T(32, 32, 16, 4, 2, 1, True, False, 16), T(16, 16, 32, 4, 2))),
 ]
 
 

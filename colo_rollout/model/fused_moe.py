@@ -83,10 +83,6 @@ class Tile:
     # only where both operands come through TMA and the epilogue is a plain store (fc2 in
     # 16 bits): elsewhere the launch falls back to the one-tile-per-program kernel
     persistent: bool = False
-    # > 0 (one-tile-per-program kernel only): each expert's last partial row block, where it
-    # holds at most tail_m rows, goes to a second launch of tail_m-row blocks -- at 4k tokens
-    # over 128 experts ~18% of the rows a 128-row grid computes are padding
-    tail_m: int = 0
 
 
 # Tile shapes by regime (average pairs per local expert, R / E), one for each GEMM (fc1: the
@@ -160,29 +156,15 @@ def torch_experts_fp8(x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor,
 if triton is not None:
 
     @triton.jit
-    def _expert_block(Offs, pid_m, E, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                      TAIL_M: tl.constexpr = 0, BIG_M: tl.constexpr = 0):
+    def _expert_block(Offs, pid_m, E, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
         """Row block ``pid_m`` of the padded layout -> (expert, its first row, the expert's
         end row, the number of row blocks in use). Each expert's pairs, padded up to a
-        multiple of BLOCK_M, take consecutive row blocks in expert order. A split launch
-        (``Tile.tail_m``) leaves each expert's last partial block to a second launch where
-        it holds at most TAIL_M rows: the first (``TAIL_M``) takes every block but those,
-        the second (``BIG_M``: the first's BLOCK_M; BLOCK_M = its TAIL_M) exactly those, one
-        block of BLOCK_M rows each."""
+        multiple of BLOCK_M, take consecutive row blocks in expert order."""
         eids = tl.arange(0, E_PAD)
         inside = eids < E
         ends = tl.load(Offs + eids, mask=inside, other=0).to(tl.int32)
         starts = tl.load(Offs + eids - 1, mask=inside & (eids > 0), other=0).to(tl.int32)
-        cnt = tl.where(inside, ends - starts, 0)
-        if BIG_M > 0:  # the tails' launch: the rows past each expert's full BIG_M blocks
-            part = cnt % BIG_M
-            nblk = ((part > 0) & (part <= BLOCK_M)).to(tl.int32)
-            starts = starts + cnt - part
-        elif TAIL_M > 0:  # the first launch of a split: full blocks and the larger tails
-            part = cnt % BLOCK_M
-            nblk = cnt // BLOCK_M + (part > TAIL_M).to(tl.int32)
-        else:
-            nblk = (cnt + BLOCK_M - 1) // BLOCK_M
+        nblk = (tl.where(inside, ends - starts, 0) + BLOCK_M - 1) // BLOCK_M
         cum = tl.cumsum(nblk, 0)  # inclusive: row blocks of experts <= e
         total = tl.sum(nblk, 0)
         e = tl.sum((cum <= pid_m).to(tl.int32), 0)  # the expert whose blocks hold pid_m
@@ -229,7 +211,6 @@ if triton is not None:
         EVEN_K: tl.constexpr,
         DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, RNE_BF16: tl.constexpr,
         FP8: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr,
-        TAIL_M: tl.constexpr = 0, BIG_M: tl.constexpr = 0,
     ):
         pid = tl.program_id(0)
         n_tiles = tl.cdiv(n_out, BLOCK_N)
@@ -241,7 +222,7 @@ if triton is not None:
         pid_m = first_m + (pid % per_group) % size_m
         pid_n = (pid % per_group) // size_m
 
-        e, row_lo, row_hi, total = _expert_block(Offs, pid_m, E, E_PAD, BLOCK_M, TAIL_M, BIG_M)
+        e, row_lo, row_hi, total = _expert_block(Offs, pid_m, E, E_PAD, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = offs_n < n_out
         offs_m = tl.arange(0, BLOCK_M)
@@ -477,6 +458,7 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, rows: int, *,
         return out
     tile = fit_tile(tile, a.device, a.element_size(), gated)
     m_blocks = row_blocks(rows, E, tile.block_m)
+    grid = (m_blocks * triton.cdiv(n_out, tile.block_n),)
     upcast = not a.is_cuda  # CPU tensors run only under the interpreter: exact fp32 dots
     prec = "ieee" if a.dtype == torch.float32 or upcast else "tf32"
     tok = token if token is not None else offs  # unused when not gathering
@@ -489,35 +471,25 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, rows: int, *,
     if runs_persistent(a, w, tile, token=token, gated=gated, prob=prob, act=act, fp8=fp8):
         _persistent_gemm(a, w, offs, rows, out, tile, m_blocks, zero_tail, scatter)
         return out
-    # a split launch (tile.tail_m): the small tails' blocks in a second launch of tail_m
-    # rows, at most one per expert (BIG_M tells it the first launch's block)
-    tail = (fit_tile(dataclasses.replace(tile, block_m=tile.tail_m, tail_m=0,
-                                         num_warps=max(4, tile.num_warps // 2)),
-                     a.device, a.element_size(), gated)
-            if 0 < tile.tail_m < tile.block_m else None)
-    launches = [(tile, m_blocks, tile.tail_m if tail else 0, 0, zero_tail)]
-    if tail is not None:
-        launches.append((tail, min(E, rows), 0, tile.block_m, False))
-    for t, mb, tail_m, big_m, zero in launches:
-        a_arg, w_arg = a, w
-        if w_tma:
-            w_arg = TensorDescriptor(w, [E * wn, K], [w.stride(1), 1], [t.block_n, t.block_k])
-            if a_tma:
-                a_arg = TensorDescriptor(a, [a.shape[0], K], [a.stride(0), 1],
-                                         [t.block_m, t.block_k])
-        _moe_gemm_kernel[(mb * triton.cdiv(n_out, t.block_n),)](
-            a_arg, tok, w_arg, offs, pr, out, sc, a_s, w_s,
-            rows, mb, t.group_m, n_out, K, E,
-            a.stride(0), tok.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
-            pr.stride(0), n_out * w.stride(1), w_s.stride(0) if fp8 else 0,
-            E_PAD=pow2(E, E_PAD_MIN), BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-            BLOCK_K=t.block_k, GATHER=token is not None, GATED=gated, ACT=act,
-            PROB=prob is not None, ZERO_TAIL=zero, SCATTER=scatter is not None,
-            EVEN_K=K % t.block_k == 0,
-            DOT_PREC=prec, UPCAST=upcast, RNE_BF16=upcast and out.dtype == torch.bfloat16,
-            FP8=fp8, W_TMA=w_tma, A_TMA=a_tma, TAIL_M=tail_m, BIG_M=big_m,
-            num_warps=t.num_warps, num_stages=t.num_stages,
-        )
+    a_arg, w_arg = a, w
+    if w_tma:
+        w_arg = TensorDescriptor(w, [E * wn, K], [w.stride(1), 1], [tile.block_n, tile.block_k])
+        if a_tma:
+            a_arg = TensorDescriptor(a, [a.shape[0], K], [a.stride(0), 1],
+                                     [tile.block_m, tile.block_k])
+    _moe_gemm_kernel[grid](
+        a_arg, tok, w_arg, offs, pr, out, sc, a_s, w_s,
+        rows, m_blocks, tile.group_m, n_out, K, E,
+        a.stride(0), tok.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
+        pr.stride(0), n_out * w.stride(1), w_s.stride(0) if fp8 else 0,
+        E_PAD=pow2(E, E_PAD_MIN), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k, GATHER=token is not None, GATED=gated, ACT=act,
+        PROB=prob is not None, ZERO_TAIL=zero_tail, SCATTER=scatter is not None,
+        EVEN_K=K % tile.block_k == 0,
+        DOT_PREC=prec, UPCAST=upcast, RNE_BF16=upcast and out.dtype == torch.bfloat16,
+        FP8=fp8, W_TMA=w_tma, A_TMA=a_tma, num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
+    )
     return out
 
 
