@@ -95,6 +95,7 @@ class RopeAngles:
         self.table, self.positions, self._tables = table, positions, tables
         self._fp32: tuple[torch.Tensor, torch.Tensor] | None = None
         self._cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._kernel: dict[torch.dtype, tuple] = {}
 
     def cos_sin(self, dtype: torch.dtype, ndim: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, 1, ..., 1, rot_dim] (``ndim`` dims, to broadcast over the head dims)."""
@@ -111,11 +112,14 @@ class RopeAngles:
     def kernel_angles(self, dtype: torch.dtype):
         """(cos, sin, positions) for ``rope_and_store``: the whole tables and the positions
         where there are tables, else the step's rows [T, rot] and None."""
-        if self._tables is not None:
-            cos, sin = self._tables(dtype)
-            return cos, sin, self.positions
-        cos, sin = self.cos_sin(dtype, 2)
-        return cos, sin, None
+        got = self._kernel.get(dtype)  # once per forward and dtype: every layer asks
+        if got is None:
+            if self._tables is not None:
+                got = (*self._tables(dtype), self.positions)
+            else:
+                got = (*self.cos_sin(dtype, 2), None)
+            self._kernel[dtype] = got
+        return got
 
 
 def apply_rope(t: torch.Tensor, rope: RopeAngles) -> torch.Tensor:

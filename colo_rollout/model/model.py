@@ -661,11 +661,16 @@ class InferenceGPT(torch.nn.Module):
         into h with both norms fused, ``MoEBlock.normed``), "residual" (the slots into h),
         "partial" (an fp32 partial and P's combine); None for a dense layer or a dispatch
         backend."""
+        return self._p_moe_plan(i, h)[0]
+
+    def _p_moe_plan(self, i: int, h: torch.Tensor) -> tuple[str | None, PrefillFusion | None]:
+        """(``p_moe_kind``, the layer's ``p_fusion`` where the kind is "normed")."""
         if not self.decoder.layers[i].is_moe or self.dispatch_p is not None:
-            return None
+            return None, None
         if not self.p_moe_into_residual(i, h):
-            return "partial"
-        return "residual" if self.p_fusion(i) is None else "normed"
+            return "partial", None
+        fusion = self.p_fusion(i)
+        return ("residual", None) if fusion is None else ("normed", fusion)
 
     def _slots_into_residual(self, mlp: GatherMoE, x: torch.Tensor) -> bool:
         """Whether an MoE layer's k slots go straight into the residual stream (model/
@@ -811,7 +816,7 @@ class InferenceGPT(torch.nn.Module):
             # one rank, no shared experts: the unsummed slots summed straight into h (no
             # fp32 partial, no combine over one rank) -- with the norms around them fused
             # into the adds ("normed")
-            kind = self.p_moe_kind(i, h)
+            kind, fusion = self._p_moe_plan(i, h)
             dispatch = layer.is_moe and self.dispatch_p is not None
             h, boundary, normed = yield from self.prefill_layer(
                 layer, i, h, rope, inp, kv, own, total, boundary,
@@ -820,7 +825,7 @@ class InferenceGPT(torch.nn.Module):
                 dispatch=dispatch, slots=kind in ("residual", "normed"), trace=True,
                 moe_input=None if kind is None else moe.input, normed=normed,
                 fused=(lambda x, u, i=i: moe.normed(i, x, u)) if kind == "normed" else None,
-                pre=self.p_fusion(i).pre if kind == "normed" else None)
+                pre=None if fusion is None else fusion.pre)
         if normed is not None:  # the last layer's add computed the final norm of every row
             hidden_all = normed
             last = normed[inp.last_rows]
