@@ -220,6 +220,21 @@ class KVStorage:
         return self.k.numel() * self.k.element_size() * 2
 
 
+def _prefill_kernel(attn, device: torch.device) -> str:
+    """P's attention backend as ``PagedSelfAttention._prefill`` runs it on ``device``
+    (``attn.prefill_backend``; a module built without it is "auto": triton on CUDA where it
+    imports)."""
+    backend = getattr(attn, "prefill_backend", "auto")
+    if backend == "auto":
+        backend = "triton" if device.type == "cuda" and triton_available() else "torch"
+    return backend
+
+
+def _dense(backend: str, new: list[int], ctx: list[int]) -> tuple[int, ...]:
+    """The sequences P's dense calls take (cudnn: long fresh ones), none otherwise."""
+    return dense_sequences(new, ctx) if backend == "cudnn" else ()
+
+
 class PagedSelfAttention(torch.nn.Module):
     """megatron-named attention over a paged KV cache; heads sharded over the ATP group."""
 
@@ -332,27 +347,16 @@ class PagedSelfAttention(torch.nn.Module):
         # cudnn's P is the Triton kernel's plus dense calls: the same rope kernel
         return "triton" if backend == "cudnn" else backend
 
-    def _prefill_kernel(self, device: torch.device) -> str:
-        """P's attention backend as ``_prefill`` runs it on ``device``."""
-        backend = getattr(self, "prefill_backend", "auto")
-        if backend == "auto":
-            backend = "triton" if device.type == "cuda" and triton_available() else "torch"
-        return backend
-
-    @staticmethod
-    def _dense(backend: str, new: list[int], ctx: list[int]) -> tuple[int, ...]:
-        return dense_sequences(new, ctx) if backend == "cudnn" else ()
-
     def prefill_plan(self, new: list[int], ctx: list[int], dtype: torch.dtype,
                      device: torch.device) -> PlanHost | None:
         """The host half of the P epoch's kernel plan (``_prefill`` reads it from
         ``AttnMetadata.prefill_plan`` once the caller put it on the device), or None where P
         attention runs no kernel plan (the torch backend)."""
-        backend = self._prefill_kernel(device)
+        backend = _prefill_kernel(self, device)
         if backend not in ("triton", "cudnn"):
             return None
         return plan_prefill_host(new, ctx, self.q_per_group, self.head_dim, dtype, device,
-                                 dense=self._dense(backend, new, ctx))
+                                 dense=_dense(backend, new, ctx))
 
     def _gather_kv(self, kv: KVStorage, layer: int, tables: torch.Tensor):
         # tables [S, nb] -> [S, nb*block, groups, dim], expanded to query heads (GQA).
@@ -379,14 +383,14 @@ class PagedSelfAttention(torch.nn.Module):
           * torch (the CPU path and the reference): one SDPA call per context bucket, queries
             [Sb, heads, n_max, dim] against the bucket's keys [Sb, heads, blocks*block, dim]
             (padding slots are computed and dropped)."""
-        backend = self._prefill_kernel(q.device)
+        backend = _prefill_kernel(self, q.device)
         if backend in ("triton", "cudnn"):
             plan = meta.prefill_plan
             if plan is None:  # not made with the step's inputs (the runner's prefill_plan)
                 plan = meta.prefill_plan = plan_prefill(
                     meta.seq_lens_new, meta.context_lens_host, self.q_per_group,
                     self.head_dim, q.dtype, q.device,
-                    dense=self._dense(backend, meta.seq_lens_new, meta.context_lens_host))
+                    dense=_dense(backend, meta.seq_lens_new, meta.context_lens_host))
                 meta.dense_calls = dense_calls(plan.dense, q.device)
             calls = meta.dense_calls
             k_cache, v_cache = kv.k[layer], kv.v[layer]
