@@ -27,10 +27,11 @@ LayerNorm q/k norms (and TE's norms) are not fused: they stay modules.
 
 Two backends, bitwise the same result: ``torch`` (``rotate`` -- megatron's
 ``_apply_rotary_pos_emb_bshd`` op by op -- and two ``index_copy_``: ~8 kernels per layer) and
-``triton`` (one program per (token, group)). The kernel computes megatron's elementwise ops in
-the same order with the same roundings: every product and the sum are rounded to the model
-dtype as torch's bf16/fp16 ops round them (computed in fp32, rounded to nearest even), and
-``rotate_half`` is the negation and the swap of halves, exact. Partial rotary (rot < D) passes
+``triton`` (one program per token, or per (token, group) under ``WHOLE_TOKEN_FROM`` tokens).
+The kernel computes megatron's elementwise ops in the same order with the same roundings:
+every product and the sum are rounded to the model dtype as torch's bf16/fp16 ops round
+them (computed in fp32, rounded to nearest even), and ``rotate_half`` is the negation and the
+swap of halves, exact. Partial rotary (rot < D) passes
 the rest of each head through.
 
 Imports only torch (and triton when present): no megatron.
