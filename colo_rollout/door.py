@@ -298,6 +298,9 @@ def check_bench_speed(cfg: Config, source: str) -> None:
     if b.prefill_batch_seqs:
         fits("bench_speed.prefill_batch_seqs", [(0, b.prefill_batch_len)] * b.prefill_batch_seqs,
              f"{b.prefill_batch_seqs} prefills of {b.prefill_batch_len} tokens")
+    if b.prefill_mixed:
+        fits("bench_speed.prefill_mixed", [(0, n) for n in b.prefill_mixed],
+             f"the mixed prefill of {len(b.prefill_mixed)} sequences")
     if b.continuation_seqs:
         fits("bench_speed.continuation_context", b.continuation_shape(),
              f"the continuation prefill ({b.continuation_seqs} sequences)")

@@ -134,7 +134,10 @@ def test_cpu_config_end_to_end(tmp_path, capsys):
     assert ("sampled decode: every row drawn at temperature 1, then also with top-k 50 / top-p "
             "0.95 (eagerly)") in table
     assert [r["shape"] for r in res["prefill"]] == [
-        "1 x 64", "1 x 128", "1 x 256", "4 x 64", "4 x 16-64 on 128-256"]
+        "1 x 64", "1 x 128", "1 x 256", "4 x 64", "fresh 96+40+40+16", "4 x 16-64 on 128-256"]
+    mixed = res["prefill"][-2]
+    assert (mixed["kind"], mixed["seqs"], mixed["tokens"], mixed["cached_tokens"]) == (
+        "mixed", 4, 192, 0)
     for r in res["prefill"]:
         assert r["frac_peak"] > 0 and r["tok_s"] > 0 and r["shape"] in table
     cont = res["prefill"][-1]
@@ -164,6 +167,11 @@ def test_bench_speed_config_is_checked_at_the_door(capsys, tmp_path):
     assert line.startswith(f"error: {CPU}: bench_speed.long_batches: decode of 2 rows at 600 "
                            "tokens of context: a sequence of 600 tokens exceeds "
                            "engine.max_seq_len 512")
+    line = door_error(capsys, "bench-speed", CPU, "--set", "bench_speed.prefill_mixed=[600, 8]")
+    assert line.startswith(f"error: {CPU}: bench_speed.prefill_mixed: the mixed prefill of 2 "
+                           "sequences: a sequence of 600 tokens exceeds engine.max_seq_len 512")
+    line = door_error(capsys, "bench-speed", CPU, "--set", "bench_speed.prefill_mixed=[0]")
+    assert "bench_speed.prefill_mixed: every value must be >= 1, got [0]" in line
     line = door_error(capsys, "bench-speed", CPU, "--set", "bench_speed.sampled_batches=[16]")
     assert "bench_speed.sampled_batches: 16 rows exceed engine.max_batch_size 8" in line
     line = door_error(capsys, "bench-speed", CPU, "--set", "bench_speed.decode_batches=[64]")

@@ -658,6 +658,11 @@ class BenchSpeedConfig:
     # Prefill of prefill_batch_seqs sequences of prefill_batch_len tokens in one step (0: none).
     prefill_batch_seqs: int = 8
     prefill_batch_len: int = 1024
+    # Prefill of fresh sequences of these lengths together in one step (empty: none): long
+    # and short ones mixed, as RL rollout steps batch prompts -- with prefill_attention cudnn
+    # the long ones go through dense calls (batched where their padded lengths match) beside
+    # the Triton kernel's tiles for the rest.
+    prefill_mixed: list[int] = field(default_factory=lambda: [4096, 1100, 1100, 600, 300, 100])
     # Continuation prefill in one step: continuation_seqs sequences whose new tokens spread
     # evenly over [continuation_new[0], continuation_new[1]] on cached contexts spread over
     # [continuation_context[0], continuation_context[1]] (0 sequences: none).
@@ -695,7 +700,7 @@ class BenchSpeedConfig:
         _check_field_types(self)
         _require(bool(self.decode_batches), "bench_speed.decode_batches", "must not be empty")
         for name in ("decode_batches", "long_batches", "long_contexts", "sampled_batches",
-                     "prefill_lengths", "hf_prefill_lengths"):
+                     "prefill_lengths", "prefill_mixed", "hf_prefill_lengths"):
             values = getattr(self, name)
             _require(all(v >= 1 for v in values), f"bench_speed.{name}",
                      f"every value must be >= 1, got {values}")

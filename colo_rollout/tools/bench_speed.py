@@ -394,6 +394,10 @@ class _Bench:
         if b.prefill_batch_seqs:
             n, k = b.prefill_batch_len, b.prefill_batch_seqs
             prefill.append(self.prefill_row("batch", f"{k} x {n}", [(0, n)] * k))
+        if b.prefill_mixed:
+            prefill.append(self.prefill_row(
+                "mixed", "fresh " + "+".join(str(n) for n in b.prefill_mixed),
+                [(0, n) for n in b.prefill_mixed]))
         if b.continuation_seqs:
             (nlo, nhi), (clo, chi) = b.continuation_new, b.continuation_context
             prefill.append(self.prefill_row(
