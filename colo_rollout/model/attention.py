@@ -70,8 +70,9 @@ class AttnMetadata:
     # P only: sequences batched by context-length bucket (built once per P epoch, used by
     # every layer); see prefill_buckets
     buckets: list[PrefillBucket] = field(default_factory=list)
-    # P only, triton backend: the kernel's launch plan (model/paged_prefill.py), made by the
-    # epoch's first layer from the host lists and read by the rest
+    # P only, triton / cudnn backends: the kernel's launch plan (model/paged_prefill.py), made
+    # with the step's inputs (the runner: its tables in their one copy) or else by the epoch's
+    # first layer, and read by every layer
     prefill_plan: object | None = None
     # P only, cudnn backend: the dense calls of the sequences the plan leaves out (model/
     # dense_prefill.py), made with the plan
@@ -376,10 +377,12 @@ class PagedSelfAttention(torch.nn.Module):
         module built without it is "auto": triton for CUDA tensors when it imports):
           * triton: the varlen paged flash-attention kernel (model/paged_prefill.py), K/V read
             through the block table, no copy per head; its plan (tiles, lengths on the device)
-            is made by the epoch's first layer and kept on ``meta``; the buckets are unused.
+            is ``meta.prefill_plan`` (``prefill_plan``'s, made with the step's inputs), made
+            here by the epoch's first layer where the caller did not; the buckets are unused.
           * cudnn: the same, but fresh sequences of >= 1024 tokens (model/dense_prefill.py)
             are left out of the kernel's tiles and computed by cuDNN's dense attention, up to
-            8 sequences of one padded length per call.
+            8 sequences of one padded length per call, from ``qkv`` (the step's QKV rows, k
+            rotated in place by the rope kernel's ``store_k``).
           * torch (the CPU path and the reference): one SDPA call per context bucket, queries
             [Sb, heads, n_max, dim] against the bucket's keys [Sb, heads, blocks*block, dim]
             (padding slots are computed and dropped)."""
