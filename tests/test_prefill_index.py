@@ -76,3 +76,43 @@ def test_h2d_packed_gives_each_array_back_in_its_shape_from_one_tensor():
     # a copy, not a view of the caller's numpy memory
     arrays[0][0] = 42
     assert out[0][0].item() == 0
+
+
+def test_the_step_inputs_carry_the_attention_plan_in_their_one_copy():
+    """``ModelRunner._prefill_inputs`` with a kernel backend: the model's plan (its host
+    half) rides the step's packed copy, and the metadata holds the plan ``plan_prefill``
+    makes on its own -- the dense calls with it (a fresh 1100-token sequence goes dense)."""
+    from types import SimpleNamespace
+
+    from colo_rollout.model import paged_prefill as pp
+    from colo_rollout.model.dense_prefill import dense_sequences
+    from colo_rollout.sched.plan import Phase, ReplicaWork, StepPlan
+    from colo_rollout.worker.runner import ModelRunner
+
+    bs, cfg = 16, pp.TileConfig(16, 16, 4, 2, False)
+    rng = random.Random(5)
+    items = (PrefillItem(lifetime=0, tokens=tuple(rng.randrange(100) for _ in range(1100)),
+                         start=0, table=tuple(range(69)), params=None),
+             PrefillItem(lifetime=1, tokens=(1, 2, 3), start=20, table=(70, 71), params=None))
+    new, ctx = [1100, 3], [1100, 23]
+
+    def plan(n, c):
+        return pp.plan_prefill_host(n, c, 2, 64, torch.float32, "cpu", cfg,
+                                    dense=dense_sequences(n, c))
+
+    runner = SimpleNamespace(
+        groups=SimpleNamespace(replica=0), block_size=bs, kv=SimpleNamespace(sink_block=SINK),
+        device=torch.device("cpu"), prefill_merge_pairs=0,
+        model=SimpleNamespace(prefill_plan=plan, prefill_attention="cudnn"))
+    step = StepPlan(step=0, phase=Phase.PREFILL, replicas=(ReplicaWork(prefill=items),))
+    meta = ModelRunner._prefill_inputs(runner, step).attn
+    want = pp.plan_prefill(new, ctx, 2, 64, torch.float32, "cpu", cfg, dense=(0,))
+    got = meta.prefill_plan
+    for name in ("q_starts", "new_lens", "ctx_lens", "tiles"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert got.dense == want.dense == ((0, 0, 1100),)
+    assert [(c.length, c.seqs) for c in meta.dense_calls] == [(1280, ((0, 0, 1100),))]
+    # the torch backend: no plan (its buckets instead)
+    runner.model = SimpleNamespace(prefill_plan=lambda n, c: None, prefill_attention="torch")
+    meta = ModelRunner._prefill_inputs(runner, step).attn
+    assert meta.prefill_plan is None and meta.dense_calls == [] and meta.buckets
