@@ -91,9 +91,10 @@ class MoEBlock(Protocol):
         rows through the pre-MLP norm, which the caller computed with its add) -> (the new
         residual rows, their RMSNorm by ``p_fusion(i).after``: the next layer's input)."""
 
-    def input(self, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Where the caller may write the next block's h and u [n, H] (a graph's input
-        buffers: its replay then copies nothing), or None."""
+    def input(self, n: int, normed: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Where the caller may write the next block's h [n, H] -- and with ``normed`` its u
+        (else None) -- (a graph's input buffers: its replay then copies nothing), or None."""
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,7 @@ class ModulesMoE:
                                         pairs=True)
         return add_slots_rms_norm(h, pairs, m.p_fusion(i).after, m.residual_kernel)
 
-    def input(self, n: int) -> None:
+    def input(self, n: int, normed: bool = False) -> None:
         return None
 
 
@@ -823,7 +824,8 @@ class InferenceGPT(torch.nn.Module):
                 (lambda x, i=i: moe.partial(i, x)) if kind == "partial"
                 else (lambda x, i=i: moe.residual(i, x)),
                 dispatch=dispatch, slots=kind in ("residual", "normed"), trace=True,
-                moe_input=None if kind is None else moe.input, normed=normed,
+                moe_input=(None if kind is None
+                           else lambda n, u=kind == "normed": moe.input(n, u)), normed=normed,
                 fused=(lambda x, u, i=i: moe.normed(i, x, u)) if kind == "normed" else None,
                 pre=None if fusion is None else fusion.pre)
         if normed is not None:  # the last layer's add computed the final norm of every row

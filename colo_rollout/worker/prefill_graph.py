@@ -135,11 +135,15 @@ class PrefillMoEGraphs:
         out = self._replay("normed", i, h)
         return out, self._outs["normed_next"][: h.shape[0]]
 
-    def input(self, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def input(self, n: int, normed: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Rows [:n] of the graphs' shared inputs (h, u), for the caller to write the next
         block's h and u into (the replay then copies nothing); None past the largest
         bucket."""
-        return (self._in[:n], self._u_buffer()[:n]) if n <= self.max_tokens else None
+        if n > self.max_tokens:
+            return None
+        # u only for "normed" graphs: a model that never fuses its norms keeps no u buffer
+        return self._in[:n], (self._u_buffer()[:n] if normed else None)
 
     def _u_buffer(self) -> torch.Tensor:
         if self._u is None:
