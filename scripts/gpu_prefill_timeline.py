@@ -21,6 +21,10 @@ under torch.profiler (CPU ops and CUDA kernels, graph replays included) and read
   * the kernels by name (count, total us) -- the same list bench-speed's JSON has;
   * with ``--clock``: per layer, when the host reached its attention and when the GPU did
     (CUDA events, no profiler), and the timed step once more with Python's collector off;
+  * with ``--host-split``: the host time (unprofiled, perf_counter around each call) of the
+    step's parts -- its inputs (index arrays, attention plan, the packed copy, dense calls),
+    the forward, each attention, the rope launch, the dense call, the fused adds, the
+    graph replays, the GEMM calls -- summed per step, mean of 5 steps;
   * with ``--head-ms X``: the step's first X ms in time order -- each kernel launch (host time
     of the call, the op or Python function around it, the kernel's start and length) and the
     host ops longer than 20 us between them; ``--stack`` profiles one more step with Python
@@ -197,6 +201,87 @@ def clock(bench, plan, reps: int = 5) -> list[tuple[float, float]]:
             for i in range(min(len(r) for r in rows))]
 
 
+# (module, attribute path) of what --host-split times; module-level functions are timed
+# where the engine's modules hold them (each module that imported the same object)
+HOST_SPLIT = (
+    ("colo_rollout.worker.runner", "ModelRunner._prefill_inputs"),
+    ("colo_rollout.worker.runner", "prefill_index"),
+    ("colo_rollout.model.model", "InferenceGPT.prefill_plan"),
+    ("colo_rollout.runtime.device", "h2d_packed"),
+    ("colo_rollout.model.paged_prefill", "PlanHost.on_device"),
+    ("colo_rollout.model.dense_prefill", "dense_calls"),
+    ("colo_rollout.model.model", "InferenceGPT.forward_prefill"),
+    ("colo_rollout.model.attention", "PagedSelfAttention.forward"),
+    ("colo_rollout.model.rope_kv", "rope_and_store"),
+    ("colo_rollout.model.dense_prefill", "dense_prefill_attention"),
+    ("colo_rollout.model.norm_add", "add_rms_norm"),
+    ("colo_rollout.model.norm_add", "add_slots_rms_norm"),
+    ("colo_rollout.model.norm_add", "_launch"),
+    ("colo_rollout.model.rope_kv", "_launch"),
+    ("triton.runtime.jit", "JITFunction.run"),
+    ("torch", "empty"),
+    ("torch.cuda.graphs", "CUDAGraph.replay"),
+    ("torch", "matmul"),
+    ("torch.nn.functional", "linear"),
+    ("torch.nn.functional", "embedding"),
+    ("torch.nn.functional", "rms_norm"),
+    ("colo_rollout.worker.runner", "ModelRunner._prefill_out"),
+)
+
+
+def host_split(bench, plan, reps: int = 5) -> list[tuple[str, float, float]]:
+    """(name, calls per step, host ms per step) of HOST_SPLIT's functions over ``reps``
+    unprofiled steps, the step itself first. Inclusive times: nested parts are inside their
+    callers' rows."""
+    import importlib
+    acc: dict[str, list[float]] = {}
+    undo = []
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                cell = acc.setdefault(name, [0, 0.0])
+                cell[0] += 1
+                cell[1] += time.perf_counter() - t0
+        return wrapper
+
+    for mod_name, path in HOST_SPLIT:
+        mod = importlib.import_module(mod_name)
+        *owner_path, attr = path.split(".")
+        owner = mod
+        for part in owner_path:
+            owner = getattr(owner, part)
+        fn = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+        wrapped = timed(f"{mod_name.rsplit('.', 1)[-1]}.{path}", fn)
+        holders = [owner] if isinstance(owner, type) else [
+            m for n, m in list(sys.modules.items())
+            if m is not None and (n.startswith("colo_rollout") or m is owner)
+            and getattr(m, attr, None) is fn]
+        for h in holders:
+            undo.append((h, attr, fn))
+            setattr(h, attr, wrapped)
+    try:
+        bench.step(plan)  # warm the wrappers' path
+        bench.sync()
+        acc.clear()
+        total = 0.0
+        for _ in range(reps):
+            bench.sync()
+            t0 = time.perf_counter()
+            bench.step(plan)
+            total += time.perf_counter() - t0
+            bench.sync()
+    finally:
+        for h, attr, fn in reversed(undo):
+            setattr(h, attr, fn)
+    rows = [("step (host, to its sampled tokens)", 1.0, 1e3 * total / reps)]
+    rows += [(n, c / reps, 1e3 * t / reps) for n, (c, t) in acc.items()]
+    return rows
+
+
 def _report(res: dict, prof_host) -> None:
     s = res["steps"][-1]
     print("  idle between kernels, by the host op launching the kernel after the gap (us):")
@@ -239,6 +324,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--head-ms", type=float, default=0.0)
     ap.add_argument("--stack", action="store_true")
     ap.add_argument("--clock", action="store_true")
+    ap.add_argument("--host-split", action="store_true")
     args = ap.parse_args(argv)
 
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -304,6 +390,10 @@ def main(argv: list[str]) -> int:
                     gc.enable()
                     print(f"  timed step with the collector frozen and off: median "
                           f"{1e3 * statistics.median(off):.2f} ms")
+                if args.host_split:
+                    print("  host time per step, unprofiled (calls, ms; inclusive):")
+                    for name, calls, ms in host_split(bench, plan):
+                        print(f"    {calls:6.1f} {ms:8.3f}  {name}")
                 if args.head_ms:
                     print(f"  the step's first {args.head_ms} ms (ms from its start):")
                     print("\n".join("    " + r for r in head(trace, args.head_ms)))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from colo_rollout.runtime.device import h2d_packed
+from colo_rollout.runtime.device import PinnedStage, h2d_packed
 from colo_rollout.sched.plan import PrefillItem
 from colo_rollout.worker.runner import prefill_index
 
@@ -78,6 +78,28 @@ def test_h2d_packed_gives_each_array_back_in_its_shape_from_one_tensor():
     assert out[0][0].item() == 0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (pinned memory)")
+def test_a_pinned_stage_is_reused_only_once_its_copy_is_done():
+    """``PinnedStage``: the packed copy's pinned buffer is written again only after the copy
+    that read it completed; while it is queued (behind a long kernel) a new buffer is taken,
+    and neither copy sees the other's values."""
+    dev = torch.device("cuda")
+    stage = PinnedStage()
+    first = h2d_packed([np.arange(4096)], dev, stage)[0]
+    torch.cuda.synchronize()
+    buf = stage.take(1).data_ptr()
+    second = h2d_packed([np.arange(4096) + 1], dev, stage)[0]  # first's copy done: reused
+    torch.cuda.synchronize()
+    assert stage.take(1).data_ptr() == buf
+    torch.cuda._sleep(200_000_000)  # the next copy queues behind ~0.1 s of GPU work
+    third = h2d_packed([np.arange(4096) + 2], dev, stage)[0]
+    # third's copy still queued: written into its buffer, third would read fourth's values
+    fourth = h2d_packed([np.arange(4096) + 3], dev, stage)[0]
+    torch.cuda.synchronize()
+    for i, t in enumerate((first, second, third, fourth)):
+        assert t.tolist() == list(range(i, 4096 + i))
+
+
 def test_the_step_inputs_carry_the_attention_plan_in_their_one_copy():
     """``ModelRunner._prefill_inputs`` with a kernel backend: the model's plan (its host
     half) rides the step's packed copy, and the metadata holds the plan ``plan_prefill``
@@ -102,7 +124,7 @@ def test_the_step_inputs_carry_the_attention_plan_in_their_one_copy():
 
     runner = SimpleNamespace(
         groups=SimpleNamespace(replica=0), block_size=bs, kv=SimpleNamespace(sink_block=SINK),
-        device=torch.device("cpu"), prefill_merge_pairs=0,
+        device=torch.device("cpu"), prefill_merge_pairs=0, _p_stage=PinnedStage(),
         model=SimpleNamespace(prefill_plan=plan, prefill_attention="cudnn"))
     step = StepPlan(step=0, phase=Phase.PREFILL, replicas=(ReplicaWork(prefill=items),))
     meta = ModelRunner._prefill_inputs(runner, step).attn

@@ -216,6 +216,10 @@ class KVStorage:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
         self.sink_block = num_blocks
+        # each layer's cache as [slots, kv_heads, dim] (what the rope kernel writes), views
+        # made once: every P and eager D layer would otherwise index and view both anew
+        self.k_slots = [self.k[i].view(-1, kv_heads, head_dim) for i in range(num_layers)]
+        self.v_slots = [self.v[i].view(-1, kv_heads, head_dim) for i in range(num_layers)]
 
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
@@ -309,8 +313,8 @@ class PagedSelfAttention(torch.nn.Module):
         store_k = meta.is_prefill and getattr(self, "prefill_backend", "auto") == "cudnn"
         cos, sin, positions = (rope.kernel_angles(q.dtype) if backend == "triton"
                                else (*rope.cos_sin(q.dtype, 2), None))
-        q = rope_and_store(q, k, v, cos, sin, kv.k[layer].view(-1, G, D),
-                           kv.v[layer].view(-1, G, D), meta.slot_mapping, backend=backend,
+        q = rope_and_store(q, k, v, cos, sin, kv.k_slots[layer], kv.v_slots[layer],
+                           meta.slot_mapping, backend=backend,
                            qk_norm=qk_norm, positions=positions, store_k=store_k)
         if store_k and k.data_ptr() != qkv[:, :, n].data_ptr():  # a normed copy of k
             qkv[:, :, n].copy_(k)
@@ -396,12 +400,11 @@ class PagedSelfAttention(torch.nn.Module):
                     dense=_dense(backend, meta.seq_lens_new, meta.context_lens_host))
                 meta.dense_calls = dense_calls(plan.dense, q.device)
             calls = meta.dense_calls
-            k_cache, v_cache = kv.k[layer], kv.v[layer]
             if plan.n_tiles == 0 and len(calls) == 1 and calls[0].covers(q.shape[0]):
                 # one dense call over every row: its result is the output (no copy)
                 return dense_prefill_attention(q, qkv, calls[0], self.scale, None)
-            out = triton_prefill_attention(q, k_cache, v_cache, meta.block_tables, plan,
-                                           self.scale)
+            out = triton_prefill_attention(q, kv.k[layer], kv.v[layer], meta.block_tables,
+                                           plan, self.scale)
             for call in calls:  # the rows the kernel left unwritten
                 dense_prefill_attention(q, qkv, call, self.scale, out)
             return out

@@ -102,8 +102,6 @@ def triton_rope_and_store(q, k, v, cos, sin, k_cache, v_cache, slots,
                           store_k: bool = False) -> torch.Tensor:
     """``torch_rope_and_store`` in one Triton launch (q, k, v, caches in one dtype). CPU
     tensors run under TRITON_INTERPRET=1 only (the tests)."""
-    if triton is None:
-        raise RuntimeError("triton is not importable: use the torch attention backend")
     T, G, n, D = q.shape
     rot = cos.shape[-1]
     if not (q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype == cos.dtype):
@@ -114,6 +112,16 @@ def triton_rope_and_store(q, k, v, cos, sin, k_cache, v_cache, slots,
         raise ValueError("rope kernel: the head dims must be contiguous and rot even")
     if qk_norm is not None and not _norm_fits(qk_norm, D):
         raise ValueError("rope kernel: the q/k norm weights must be contiguous [D]")
+    return _launch(q, k, v, cos, sin, k_cache, v_cache, slots, qk_norm, positions, store_k)
+
+
+def _launch(q, k, v, cos, sin, k_cache, v_cache, slots, qk_norm, positions, store_k):
+    """The kernel on tensors ``triton_rope_and_store`` (or ``kernel_fits``) has checked: one
+    launch, every group of each token in one program from WHOLE_TOKEN_FROM tokens."""
+    if triton is None:
+        raise RuntimeError("triton is not importable: use the torch attention backend")
+    T, G, n, D = q.shape
+    rot = cos.shape[-1]
     out = torch.empty((T, G, n, D), dtype=q.dtype, device=q.device)
     if T == 0:
         return out.view(T, G * n, D)
@@ -164,8 +172,9 @@ def rope_and_store(q, k, v, cos, sin, k_cache, v_cache, slots, backend: str = "t
     docstring."""
     if backend == "triton" and kernel_fits(q, k, v, cos, k_cache, v_cache) and (
             qk_norm is None or _norm_fits(qk_norm, q.shape[-1])):
-        return triton_rope_and_store(q, k, v, cos, sin, k_cache, v_cache, slots, qk_norm,
-                                     positions, store_k)
+        # checked here: the launch without triton_rope_and_store's second look (host time on
+        # P's critical path, every layer)
+        return _launch(q, k, v, cos, sin, k_cache, v_cache, slots, qk_norm, positions, store_k)
     return torch_rope_and_store(q, k, v, cos, sin, k_cache, v_cache, slots, qk_norm,
                                 positions, store_k)
 

@@ -1,6 +1,7 @@
 """The device layer: host <-> device transfers, pending results and bounded host waits.
 
-Owns ``h2d`` (host lists to device tensors without a host wait), ``Pending`` (device results
+Owns ``h2d`` (host lists to device tensors without a host wait), ``h2d_packed`` and its
+``PinnedStage`` (many arrays in one copy), ``Pending`` (device results
 whose D2H copy is enqueued now and awaited later), ``wait_event`` (every host wait on GPU work
 goes through it, bounded) and ``DeviceStall`` (a bounded wait that ran out).
 
@@ -30,26 +31,58 @@ def h2d(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
-def h2d_packed(arrays, device: torch.device) -> list[torch.Tensor]:
-    """Host int64 arrays (numpy, 1-D or 2-D) as device tensors through ONE pinned buffer and
-    ONE copy, enqueued on the current stream without a host wait; the results are views of
-    that one device tensor, in order and in the arrays' shapes. (A P step's index tensors:
-    one pinned allocation and copy instead of one per list -- each ``h2d`` of a 4k-entry
-    list costs ~0.15 ms of host time.)"""
-    flat = np.concatenate([np.asarray(a, dtype=np.int64).ravel() for a in arrays]
-                          or [np.zeros(0, np.int64)])
-    host = torch.from_numpy(flat)
+class PinnedStage:
+    """A pinned host buffer that one caller's packed copies reuse (``h2d_packed``'s
+    ``stage``): no pinned allocation and no second host copy per step -- the arrays are
+    concatenated straight into it.
+
+    Invariant: the buffer is rewritten only once the copy that last read it has completed
+    (its event, queried: never a host wait); while that copy is still queued a new buffer is
+    taken (the old one stays alive until its copy is done: torch's host allocator records
+    the copy on it) and kept from then on."""
+
+    def __init__(self) -> None:
+        self._host: torch.Tensor | None = None
+        self._event: torch.cuda.Event | None = None
+
+    def take(self, n: int) -> torch.Tensor:
+        """A pinned int64 buffer of ``n`` entries, free to write now."""
+        busy = self._event is not None and not self._event.query()
+        if self._host is None or busy or self._host.numel() < n:
+            size = max(n, 2 * self._host.numel() if self._host is not None else 0, 1024)
+            self._host = torch.empty(size, dtype=torch.int64, pin_memory=True)
+        return self._host[:n]
+
+    def copied(self) -> None:
+        """The buffer's copy has been enqueued on the current stream."""
+        if self._event is None:
+            self._event = torch.cuda.Event()
+        self._event.record()
+
+
+def h2d_packed(arrays, device: torch.device, stage: PinnedStage | None = None
+               ) -> list[torch.Tensor]:
+    """Host int64 arrays (numpy or lists, 1-D or 2-D) as device tensors through ONE pinned
+    buffer and ONE copy, enqueued on the current stream without a host wait; the results are
+    views of that one device tensor, in order and in the arrays' shapes. (A P step's index
+    tensors: one copy instead of one per list -- each ``h2d`` of a 4k-entry list costs
+    ~0.15 ms of host time.) ``stage``: the caller's reused pinned buffer (CUDA), else a
+    fresh one per call."""
+    arrays = [np.asarray(a, dtype=np.int64) for a in arrays]
+    sizes = [a.size for a in arrays]
+    flat = [a.ravel() for a in arrays] or [np.zeros(0, np.int64)]
     if device.type == "cuda":
-        dev = torch.empty(host.shape, dtype=torch.int64, pin_memory=True).copy_(host)
-        dev = dev.to(device, non_blocking=True)
+        n = sum(sizes)
+        host = (stage.take(n) if stage is not None
+                else torch.empty(n, dtype=torch.int64, pin_memory=True))
+        np.concatenate(flat, out=host.numpy())
+        dev = host.to(device, non_blocking=True)
+        if stage is not None:
+            stage.copied()
     else:
-        dev = host.to(device, copy=True)
-    out, at = [], 0
-    for a in arrays:
-        n = int(np.prod(np.shape(a)))
-        out.append(dev[at : at + n].view(np.shape(a)))
-        at += n
-    return out
+        dev = torch.from_numpy(np.concatenate(flat))  # a copy of the caller's arrays
+    parts = torch.split(dev, sizes) if arrays else ()
+    return [t.view(a.shape) if a.ndim != 1 else t for t, a in zip(parts, arrays)]
 
 
 class DeviceStall(RuntimeError):

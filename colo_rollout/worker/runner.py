@@ -29,7 +29,7 @@ from colo_rollout.sched.plan import Phase, Sampled, StepPlan
 from colo_rollout.worker.prefill_graph import PrefillMoEGraphs
 from colo_rollout.worker.sampler import Draw, draw_for, sample_tensors
 from colo_rollout.worker.speculate import ROWS_PER_SEQUENCE, verify_and_draft
-from colo_rollout.runtime.device import Pending, h2d, h2d_packed, wait_event
+from colo_rollout.runtime.device import Pending, PinnedStage, h2d, h2d_packed, wait_event
 from colo_rollout.multiplex.stream_route import StreamRoute
 
 
@@ -159,6 +159,7 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device).manual_seed(
             seed * 1_000_003 + self.groups.replica)
         self.num_blocks = num_blocks
+        self._p_stage = PinnedStage()  # P inputs' pinned buffer (runtime/device.py)
         # D by CUDA-graph replay (graphs_max_blocks > 0, CUDA, host-sync-free experts)
         self.graphs_max_blocks = graphs_max_blocks
         self._capture_stream = (torch.cuda.Stream(self.device)
@@ -476,7 +477,7 @@ class ModelRunner:
         plan = self.model.prefill_plan(new, ctx) if mine else None
         ids_d, pos_d, slots_d, tables_d, ctx_d, last_d, *plan_d = h2d_packed(
             [ids, pos, slots, tables, ctx, last_rows]
-            + ([plan.packed()] if plan is not None else []), dev)
+            + ([plan.packed()] if plan is not None else []), dev, self._p_stage)
         attn = AttnMetadata(
             is_prefill=True,
             positions=pos_d,
