@@ -152,9 +152,10 @@ def dense_prefill_attention(q: torch.Tensor, qkv: torch.Tensor, call: DenseCall,
     if heads % g or qkv.shape[0] != T or qkv.shape[3] != dim:
         raise ValueError(f"q {tuple(q.shape)} and qkv {tuple(qkv.shape)} do not match")
     S, L = len(call.seqs), call.length
-    if call.rows is None:  # back to back, unpadded: views
+    if call.rows is None:  # back to back, unpadded: views (q itself where it covers q)
         q0 = call.seqs[0][1]
-        qb, rows = q[q0 : q0 + S * L], qkv[q0 : q0 + S * L]
+        qb, rows = ((q, qkv) if q0 == 0 and S * L == T
+                    else (q[q0 : q0 + S * L], qkv[q0 : q0 + S * L]))
     else:  # whole QKV rows: K and V keep the views' strides (one cuDNN plan for both)
         qb, rows = q.index_select(0, call.rows), qkv.index_select(0, call.rows)
     k, v = rows[:, :, m - 2], rows[:, :, m - 1]  # [S * L, g, dim]
