@@ -9,7 +9,8 @@ residual adds -- runs a prefill of two sequences and a decode step on them four 
   * both: the q/k norms fused into the rope kernel as well (model/rope_kv.py);
   * norms: and in prefill and decode each residual add fused with the RMSNorm after it
     (model/norm_add.py: the attention's add with the pre-MLP norm, the slots' add with the
-    next layer's input norm or the final norm; P through ``MoEBlock.normed``).
+    next layer's input norm or the final norm; P through ``MoEBlock.normed``), and P's
+    embedding with layer 0's input norm (``embed_rms_norm``).
 
 "slots" must give the unfused run's logits and KV caches bitwise (the fusion's promise).
 "both" may differ only by the rope kernel's sum of squares: its K cache (normalised, rotated
@@ -101,12 +102,13 @@ def _run(model, fuse_slots: bool, fuse_norm: bool, fuse_add_norm: bool):
     """(prefill logits, decode logits per step, K cache, V cache), and the fused calls
     counted: [slot adds (fused with a norm or not), rope launches given a q/k norm, attention
     adds fused with the pre-MLP norm, slot adds fused with the next norm, add+norm kernel
-    launches, calls of the layers' and the final RMSNorm modules]."""
+    launches, calls of the layers' and the final RMSNorm modules, embedding + norm calls]."""
     from colo_rollout.model import attention, model as model_mod, norm_add
 
-    counts = [0, 0, 0, 0, 0, 0]
+    counts = [0, 0, 0, 0, 0, 0, 0]
     add_slots, rope = model_mod.add_rounded_slots, attention.rope_and_store
     add_norm, slots_norm = model_mod.add_rms_norm, model_mod.add_slots_rms_norm
+    embed_norm = model_mod.embed_rms_norm
     launch = norm_add._launch
 
     def counted(fn, *slots):
@@ -139,6 +141,7 @@ def _run(model, fuse_slots: bool, fuse_norm: bool, fuse_add_norm: bool):
     model_mod.add_rounded_slots, attention.rope_and_store = counted(add_slots, 0), counted_rope
     model_mod.add_rms_norm = counted(add_norm, 2)
     model_mod.add_slots_rms_norm = counted(slots_norm, 0, 3)
+    model_mod.embed_rms_norm = counted(embed_norm, 6)
     norm_add._launch = counted(launch, 4)
     try:
         kv = model.new_kv_storage(num_blocks=5, block_size=4)
@@ -148,6 +151,7 @@ def _run(model, fuse_slots: bool, fuse_norm: bool, fuse_add_norm: bool):
     finally:
         model_mod.add_rounded_slots, attention.rope_and_store = add_slots, rope
         model_mod.add_rms_norm, model_mod.add_slots_rms_norm = add_norm, slots_norm
+        model_mod.embed_rms_norm = embed_norm
         norm_add._launch = launch
         for h in hooks:
             h.remove()
@@ -169,17 +173,18 @@ def _interpreted() -> list[str]:
     norms = _run(model, True, True, True)
     forwards, layers = 2, 2  # one prefill, one decode step; two MoE layers
     modules = forwards * (2 * layers + 1)  # per forward: two norms a layer and the final one
-    want = {"unfused": [0, 0, 0, 0, 0, modules],
-            "slots": [forwards * layers, 0, 0, 0, 0, modules],
-            "both": [forwards * layers, forwards * layers, 0, 0, 0, modules],
+    want = {"unfused": [0, 0, 0, 0, 0, modules, 0],
+            "slots": [forwards * layers, 0, 0, 0, 0, modules, 0],
+            "both": [forwards * layers, forwards * layers, 0, 0, 0, modules, 0],
             # both adds of each layer fused with their norms (the kernel, not the torch
-            # path), which leaves layer 0's input norm the one module called per forward
+            # path), and P's layer 0 input norm with the embedding: D's layer 0 input norm
+            # is the one module called
             "norms": [forwards * layers, forwards * layers, forwards * layers,
-                      forwards * layers, 2 * forwards * layers, forwards]}
+                      forwards * layers, 2 * forwards * layers, 1, 1]}
     got = {"unfused": unfused[3], "slots": slots[3], "both": both[3], "norms": norms[3]}
     if got != want:
         fails.append(f"fused calls (slot adds, normed ropes, add+norm, slots+norm, their "
-                     f"kernel launches, norm modules): {got}, expected {want}")
+                     f"kernel launches, norm modules, embedding+norm): {got}, expected {want}")
     for name, a, b in zip(("prefill", "decode"), slots[0], unfused[0]):
         if not torch.equal(a, b):
             fails.append(f"slots vs unfused: {name} logits differ, max "

@@ -2,7 +2,8 @@
 against the torch path -- ``add_rounded`` / ``add_rounded_slots`` and then torch's rms_norm,
 what the unfused layer runs -- run by Triton's CPU interpreter in a subprocess
 (tests/interpreted.py; skipped when triton does not import), and the torch path and the norm
-check where no kernel runs.
+check where no kernel runs. The embedding + norm kernel (``embed_rms_norm``) likewise: its rows
+bitwise F.embedding's, its norm within the same bounds.
 
 The new residual must be bitwise the torch path's (and the unfused kernels'). The normalised
 rows may differ by the order of the sum of squares alone: at most NORM_ULPS ulp of the model
@@ -24,6 +25,7 @@ from colo_rollout.model.norm_add import (
     FusedRMSNorm,
     add_rms_norm,
     add_slots_rms_norm,
+    embed_rms_norm,
     fused_rms_norm,
 )
 from colo_rollout.model.residual import add_rounded, add_rounded_slots
@@ -115,6 +117,21 @@ def test_torch_path_is_the_add_then_the_module(i):
 
 
 @pytest.mark.filterwarnings("ignore:Mismatch dtype")  # torch: no fused kernel, as intended
+def test_embed_rms_norm_torch_path_is_the_embedding_then_the_norm():
+    """Where the kernel does not run (backend torch; an fp32 table): F.embedding's rows and
+    the module's norm of them, bitwise; a wrong rank of ids or table is refused."""
+    for backend, dtype in (("torch", torch.bfloat16), ("triton", torch.float32)):
+        ids, table, norm = _embed_case(1)
+        table, norm = table.to(dtype), norm.to(dtype)
+        rows, normed = embed_rms_norm(ids, table, fused_rms_norm(norm, table.shape[1]),
+                                      backend)
+        with torch.inference_mode():
+            assert torch.equal(rows, F.embedding(ids, table))
+            assert torch.equal(normed, norm(F.embedding(ids, table)))
+    with pytest.raises(ValueError, match="must be"):
+        embed_rms_norm(ids[None], table, fused_rms_norm(norm, table.shape[1]))
+
+
 def test_where_the_kernel_does_not_apply_it_is_the_torch_path():
     # backend "triton" on CPU tensors outside the interpreter: only the torch path can run
     res, pairs, norm = _case(3)
@@ -136,8 +153,37 @@ def test_where_the_kernel_does_not_apply_it_is_the_torch_path():
         add_rms_norm(res, pairs[:, 0, :-1], fused_rms_norm(norm, H))
 
 
+def _embed_case(i):
+    """Case i's width and dtype as an embedding: ids [n] (repeats, the first and last rows)
+    into a table [V, H] at row magnitudes 0.1 .. 10, and the norm module."""
+    n, _, H, dtype = CASES[i]
+    g = torch.Generator().manual_seed(300 + i)
+    V = 50
+    table = (torch.randn(V, H, generator=g) * torch.logspace(-1, 1, V)[:, None]).to(dtype)
+    ids = torch.cat([torch.tensor([0, V - 1, 7, 7]), torch.randint(0, V, (n,), generator=g)])
+    norm = torch.nn.RMSNorm(H, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(H, generator=g))
+    return ids, table, norm
+
+
+def _embed_check(i, name, fails, device="cpu"):
+    ids, table, norm = (t.to(device) for t in _embed_case(i))
+    rows, normed = embed_rms_norm(ids, table, fused_rms_norm(norm, table.shape[1]), "triton")
+    want = F.embedding(ids, table)
+    with torch.inference_mode():
+        want_normed = norm(want)
+    if rows.dtype != table.dtype or not torch.equal(rows, want):
+        fails.append(f"{name}: embedding rows differ")
+    ulps, differ = _ulps(normed, want_normed)
+    if normed.dtype != table.dtype or not _within(ulps, differ, normed.numel()):
+        fails.append(f"{name}: normed {differ} elements differ, up to {ulps} ulp")
+
+
 def _interpreted() -> list[str]:
     fails = []
+    for i in range(len(CASES)):
+        _embed_check(i, f"embed case {i}", fails)
     for i in range(len(CASES)):
         for fp32 in (False, True):  # the partial in the model dtype, or fp32 (add_rounded's)
             res, part, norm = _case(i, fp32)
@@ -164,7 +210,7 @@ def _interpreted() -> list[str]:
 @pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs a GPU")
 def test_kernel_on_a_gpu_against_torch_and_in_a_graph():
     """On a GPU: torch's CUDA rms_norm (its own sums and rsqrtf) against the kernel (a tree sum,
-    Triton's rsqrt.approx) under the same bounds -- not yet run on one -- and the fused call
+    Triton's rsqrt.approx) under the same bounds, the embedding's too, and the fused call
     captured in a CUDA graph, replayed on new inputs (no host sync, static shapes)."""
     dev = torch.device("cuda")
     for i in range(len(CASES)):
@@ -175,6 +221,10 @@ def test_kernel_on_a_gpu_against_torch_and_in_a_graph():
         ulps, differ = _ulps(normed, want_normed)
         print(f"case {i}: normed {differ} of {normed.numel()} differ, max {ulps:.2f} ulp")
         assert _within(ulps, differ, normed.numel()), f"case {i}: {differ} differ, {ulps} ulp"
+    fails = []
+    for i in range(len(CASES)):
+        _embed_check(i, f"embed case {i}", fails, dev)
+    assert not fails, fails
     res, pairs, norm = (t.to(dev) for t in _case(1))
     fused = fused_rms_norm(norm, res.shape[-1])
     static = (res.clone(), pairs.clone())

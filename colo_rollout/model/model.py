@@ -55,6 +55,7 @@ from colo_rollout.model.norm_add import (
     FusedRMSNorm,
     add_rms_norm,
     add_slots_rms_norm,
+    embed_rms_norm,
     fused_rms_norm,
 )
 from colo_rollout.model.residual import add_rounded, add_rounded_slots
@@ -806,13 +807,19 @@ class InferenceGPT(torch.nn.Module):
         off = sum(inp.row_counts[:r])
         n_local = inp.row_counts[r]
         boundary = 0
-        emb_partial = self.embedding.partial(inp.token_ids)
+        first = self._p_embed_norm()
+        if first is not None:  # the rows and layer 0's input norm of them in one launch
+            emb_partial, normed = embed_rms_norm(inp.token_ids,
+                                                 self.embedding.word_embeddings.weight, first,
+                                                 self.residual_kernel)
+        else:
+            emb_partial = self.embedding.partial(inp.token_ids)
+            normed = None  # this layer's normalised input, where the last add computed it
         rope = self.rope_angles(inp.attn.positions)
         yield boundary
         boundary += 1
         h = comm.p_gather(emb_partial, off, total)
         own = slice(off, off + n_local)
-        normed = None  # this layer's normalised input, where the last add computed it
         for i, layer in enumerate(self.decoder.layers):
             # one rank, no shared experts: the unsummed slots summed straight into h (no
             # fp32 partial, no combine over one rank) -- with the norms around them fused
@@ -992,6 +999,16 @@ class InferenceGPT(torch.nn.Module):
         # dense: the replica's rows, ATP gather and reduce-scatter like attention
         x = comm.d_all_gather_atp(layer.pre_mlp_layernorm(res))
         return add_rounded(res, comm.d_reduce_scatter_atp(layer.dense_partial(x)), backend)
+
+    def _p_embed_norm(self) -> FusedRMSNorm | None:
+        """Layer 0's input norm as ``embed_rms_norm``'s where P may compute it with the
+        embedding: one rank (the embedding's gather is the identity), the whole vocabulary
+        here (``_Embedding.partial``'s unmasked case) and torch's RMSNorm; else None."""
+        emb = self.embedding.word_embeddings
+        if self.comm.world != 1 or emb.vocab_start_index != 0 \
+                or emb.vocab_end_index != emb.num_embeddings:
+            return None
+        return self._fusable_norm(self.decoder.layers[0].input_layernorm)
 
     def _fusable_norm(self, norm: torch.nn.Module) -> FusedRMSNorm | None:
         """``norm`` as norm_add's fused RMSNorm (exactly torch's RMSNorm over the hidden

@@ -10,7 +10,10 @@ Owns
   * ``add_rms_norm``: ``add_rounded(res, partial)`` (model/residual.py; with the partial in the
     model dtype that is torch's add, one rounding) and the RMSNorm of the sum;
   * ``add_slots_rms_norm``: ``add_rounded_slots(res, pairs)`` (the MoE's k slots summed in fp32
-    slot 0 first, rounded, added) and the RMSNorm of the sum.
+    slot 0 first, rounded, added) and the RMSNorm of the sum;
+  * ``embed_rms_norm``: the embedding rows of token ids (``F.embedding``) and their RMSNorm --
+    the first layer's input norm -- in one launch (the residual stream's start and what the
+    first layer reads).
 
 The residual output is bitwise the unfused expression's: the kernel does residual.py's ops in
 its order with its roundings. The normalised output is torch's rms_norm on that residual as
@@ -102,6 +105,30 @@ def add_slots_rms_norm(res: torch.Tensor, pairs: torch.Tensor, norm: FusedRMSNor
     return _launch(res, pairs, norm, out)
 
 
+def embed_rms_norm(ids: torch.Tensor, table: torch.Tensor, norm: FusedRMSNorm,
+                   backend: str = "torch") -> Outputs:
+    """ids [n] (int64) into table [V, H] -> (``F.embedding(ids, table)``, its RMSNorm): one
+    kernel with ``backend`` "triton" where it applies, else the two torch ops. The rows are
+    the table's bitwise (a copy); the norm as ``add_rms_norm``'s. Ids must lie in the table
+    (the scheduler refuses others at submit; the kernel does not check them)."""
+    if ids.dim() != 1 or table.dim() != 2:
+        raise ValueError(f"embed_rms_norm: ids {tuple(ids.shape)} must be [n] and the table "
+                         f"{tuple(table.shape)} [V, H]")
+    n, H = ids.shape[0], table.shape[1]
+    if not (_kernel_applies(table, table, norm, backend) and ids.dtype == torch.int64
+            and ids.is_contiguous()):
+        rows = F.embedding(ids, table)
+        return rows, F.rms_norm(rows, (H,), norm.weight, norm.eps)
+    rows, normed = (table.new_empty((n, H)) for _ in range(2))
+    if n and H:
+        block = pow2(H, 16)
+        _embed_rms_norm_kernel[(n,)](
+            ids, table, norm.weight, rows, normed, H, norm.eps, BLOCK=block,
+            RNE_BF16=not table.is_cuda and table.dtype == torch.bfloat16,
+            num_warps=min(16, max(1, block // 256)))
+    return rows, normed
+
+
 def _check_out(res: torch.Tensor, out: Outputs | None) -> None:
     if out is not None and not all(t.shape == res.shape and t.dtype == res.dtype
                                    and t.is_contiguous() for t in out):
@@ -151,10 +178,17 @@ if triton is not None:
         # the new residual, bitwise add_rounded / add_rounded_slots (exact in fp32; masked: 0)
         x = slot_residual(Res, Pairs, row, cols, mask, H, K, dtype, RNE_BF16)
         tl.store(New + row * H + cols, x.to(dtype), mask=mask)
-        # torch's rms_norm on it: rstd = rsqrt(mean(x^2) + eps), the mean an IEEE division by
-        # H (masked lanes add zeros), then (x * rstd) * w rounded once -- no rounding before
-        # the weight, and no add next to a product that could contract into an FMA but the
-        # sum of squares (whose order differs from torch's anyway)
+        # torch's rms_norm on it
+        _store_rms_norm(x, W, Normed, row, cols, mask, H, eps, dtype, RNE_BF16)
+
+    @triton.jit
+    def _store_rms_norm(x, W, Normed, row, cols, mask, H, eps, dtype: tl.constexpr,
+                        RNE_BF16: tl.constexpr):
+        """torch's rms_norm of the row x (fp32, exact in dtype; masked lanes 0) stored at
+        Normed's row: rstd = rsqrt(mean(x^2) + eps), the mean an IEEE division by H, then
+        (x * rstd) * w rounded once -- no rounding before the weight, and no add next to a
+        product that could contract into an FMA but the sum of squares (whose order differs
+        from torch's anyway)."""
         ss = tl.sum(x * x, axis=0)
         rstd = tl.rsqrt(tl.math.div_rn(ss, tl.zeros_like(ss) + H) + eps)
         w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
@@ -162,3 +196,15 @@ if triton is not None:
         if RNE_BF16:
             y = rne_bf16(y)
         tl.store(Normed + row * H + cols, y.to(dtype), mask=mask)
+
+    @triton.jit
+    def _embed_rms_norm_kernel(Ids, Table, W, Rows, Normed, H, eps, BLOCK: tl.constexpr,
+                               RNE_BF16: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < H
+        dtype = Rows.dtype.element_ty
+        tok = tl.load(Ids + row).to(tl.int64)
+        x = tl.load(Table + tok * H + cols, mask=mask, other=0.0)
+        tl.store(Rows + row * H + cols, x, mask=mask)
+        _store_rms_norm(x.to(tl.float32), W, Normed, row, cols, mask, H, eps, dtype, RNE_BF16)
