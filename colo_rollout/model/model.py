@@ -929,7 +929,10 @@ class InferenceGPT(torch.nn.Module):
         input or None). The decoder's layers and the MTP layer's share it."""
         comm = self.comm
         off, n_local = own.start, own.stop - own.start
-        x = layer.input_layernorm(h[own]) if normed is None else normed[own]
+        src = h if normed is None else normed
+        x = src if n_local == src.shape[0] else src[own]  # (one replica: no slice op)
+        if normed is None:
+            x = layer.input_layernorm(x)
         attn = layer.self_attention(x, rope, inp.attn, kv, kv_layer)
         yield boundary
         boundary += 1
