@@ -95,6 +95,12 @@ def test_a_pinned_stage_is_reused_only_once_its_copy_is_done():
     third = h2d_packed([np.arange(4096) + 2], dev, stage)[0]
     # third's copy still queued: written into its buffer, third would read fourth's values
     fourth = h2d_packed([np.arange(4096) + 3], dev, stage)[0]
+    # a buffer taken while the last copy is queued has the same size: no growth step by step
+    cap = stage.capacity
+    torch.cuda._sleep(200_000_000)
+    for _ in range(5):
+        h2d_packed([np.arange(4096)], dev, stage)
+    assert stage.capacity == cap
     torch.cuda.synchronize()
     for i, t in enumerate((first, second, third, fourth)):
         assert t.tolist() == list(range(i, 4096 + i))

@@ -47,11 +47,18 @@ class PinnedStage:
 
     def take(self, n: int) -> torch.Tensor:
         """A pinned int64 buffer of ``n`` entries, free to write now."""
-        busy = self._event is not None and not self._event.query()
-        if self._host is None or busy or self._host.numel() < n:
-            size = max(n, 2 * self._host.numel() if self._host is not None else 0, 1024)
-            self._host = torch.empty(size, dtype=torch.int64, pin_memory=True)
+        have = 0 if self._host is None else self._host.numel()
+        if have < n:  # grown geometrically: a few allocations over a run
+            self._host = torch.empty(max(n, 2 * have, 1024), dtype=torch.int64,
+                                     pin_memory=True)
+        elif self._event is not None and not self._event.query():  # its copy still queued
+            self._host = torch.empty(have, dtype=torch.int64, pin_memory=True)
         return self._host[:n]
+
+    @property
+    def capacity(self) -> int:
+        """Entries of the current buffer (0 before the first take)."""
+        return 0 if self._host is None else self._host.numel()
 
     def copied(self) -> None:
         """The buffer's copy has been enqueued on the current stream."""
