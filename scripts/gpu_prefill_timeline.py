@@ -1,7 +1,8 @@
 """Where a P step's GPU sits idle (diagnosis for issue 16's prefill target).
 
   torchrun --standalone --nproc-per-node 1 scripts/gpu_prefill_timeline.py CONFIG [--tokens 4096]
-      [--shapes 4096,8192,8x1024] [--attention triton,cudnn] [--json PATH]
+      [--shapes 4096,8192,8x1024] [--attention triton,cudnn] [--json PATH] [--clock]
+      [--host-split] [--head-ms X [--stack]]
 
 ``--shapes`` (N or SxN, comma-separated) and ``--attention`` (P attention backends, set on the
 built model's attention modules in turn: ``engine.prefill_attention``'s values) run every
@@ -216,6 +217,7 @@ HOST_SPLIT = (
     ("colo_rollout.model.dense_prefill", "dense_prefill_attention"),
     ("colo_rollout.model.norm_add", "add_rms_norm"),
     ("colo_rollout.model.norm_add", "add_slots_rms_norm"),
+    ("colo_rollout.model.norm_add", "embed_rms_norm"),
     ("colo_rollout.model.norm_add", "_launch"),
     ("colo_rollout.model.rope_kv", "_launch"),
     ("triton.runtime.jit", "JITFunction.run"),
@@ -249,7 +251,10 @@ def host_split(bench, plan, reps: int = 5) -> list[tuple[str, float, float]]:
         return wrapper
 
     for mod_name, path in HOST_SPLIT:
-        mod = importlib.import_module(mod_name)
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError:  # (triton absent: its launcher is not timed)
+            continue
         *owner_path, attr = path.split(".")
         owner = mod
         for part in owner_path:
