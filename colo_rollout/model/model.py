@@ -319,11 +319,17 @@ class _Embedding(torch.nn.Module):
             tp_group=atp_group,
         )
 
+    @property
+    def whole_vocab(self) -> bool:
+        """Whether this rank holds every row of the vocabulary (attention TP 1)."""
+        emb = self.word_embeddings
+        return emb.vocab_start_index == 0 and emb.vocab_end_index == emb.num_embeddings
+
     def partial(self, ids: torch.Tensor) -> torch.Tensor:
         """This rank's vocab-shard contribution (zero rows for ids outside the shard); the sum
         over the ATP group is the embedding. megatron's forward would reduce it itself."""
         emb = self.word_embeddings
-        if emb.vocab_start_index == 0 and emb.vocab_end_index == emb.num_embeddings:
+        if self.whole_vocab:
             # the whole vocabulary here (attention TP 1): every id is inside (the scheduler
             # refuses others at submit, D's padding rows are token 0), so the mask is all
             # false -- six launches fewer per P step and D iteration, the same rows
@@ -1007,9 +1013,7 @@ class InferenceGPT(torch.nn.Module):
         """Layer 0's input norm as ``embed_rms_norm``'s where P may compute it with the
         embedding: one rank (the embedding's gather is the identity), the whole vocabulary
         here (``_Embedding.partial``'s unmasked case) and torch's RMSNorm; else None."""
-        emb = self.embedding.word_embeddings
-        if self.comm.world != 1 or emb.vocab_start_index != 0 \
-                or emb.vocab_end_index != emb.num_embeddings:
+        if self.comm.world != 1 or not self.embedding.whole_vocab:
             return None
         return self._fusable_norm(self.decoder.layers[0].input_layernorm)
 
