@@ -670,10 +670,11 @@ class BenchSpeedConfig:
     continuation_new: list[int] = field(default_factory=lambda: [256, 1024])
     continuation_context: list[int] = field(default_factory=lambda: [4096, 8192])
     # Untimed runs of every shape first (graph capture, allocator growth, lazy inits), then
-    # timed ones; the median is reported. Prefill shapes take prefill_iters timed runs.
+    # timed ones; the median is reported. Prefill shapes take prefill_iters timed runs (5: one
+    # host hiccup in a 4k step moves a median of 3 by ~1%, session 19).
     warmup: int = 2
     iters: int = 10
-    prefill_iters: int = 3
+    prefill_iters: int = 5
     # Kernel-time breakdown per layer part from torch.profiler over profile_steps decode steps
     # (at profile_batch rows, short context; 0: the largest of decode_batches) and one prefill
     # of profile_prefill tokens (0: the first of prefill_lengths, else prefill_batch_len).

@@ -42,6 +42,7 @@ _WIDTHS = (64, 256, TRITON_MAX_PAIRS)
 # the counting sort's block (one program's bitonic sort) and its scan's rows per iteration:
 # fixed, so one compiled variant serves every prefill size
 BLOCK_PAIRS = 1024
+ALIGN_WARPS = 4
 _SCAN_ROWS = 64
 
 
@@ -110,23 +111,25 @@ def triton_align(chosen: torch.Tensor, weight: torch.Tensor, first: int, experts
 
 
 def _blocked_align(chosen: torch.Tensor, weight: torch.Tensor, first: int, experts: int,
-                   n_valid: torch.Tensor | None, out: Aligned) -> Aligned:
-    """The counting sort over blocks (the module docstring) into ``out``'s tensors."""
+                   n_valid: torch.Tensor | None, out: Aligned, block: int = BLOCK_PAIRS,
+                   warps: int = ALIGN_WARPS) -> Aligned:
+    """The counting sort over blocks (the module docstring) into ``out``'s tensors; ``block``
+    and ``warps``: the sweep's overrides (scripts/gpu_router_sweep.py)."""
     n, k = chosen.shape
     pairs = n * k
-    blocks = triton.cdiv(pairs, BLOCK_PAIRS)
+    blocks = triton.cdiv(pairs, block)
     bins = pow2(experts + 2, 16)  # keys 0..E+1 (E + 1: past the last pair)
     dev = chosen.device
     counts = torch.empty((blocks, bins), dtype=torch.int32, device=dev)
     base = torch.empty((blocks, bins), dtype=torch.int32, device=dev)
     nv = n_valid if n_valid is not None else counts  # unread without HAS_NVALID
-    kw = dict(K=k, HAS_NVALID=n_valid is not None, BLOCK=BLOCK_PAIRS, E_BINS=bins)
+    kw = dict(K=k, HAS_NVALID=n_valid is not None, BLOCK=block, E_BINS=bins)
     _block_hist_kernel[(blocks,)](chosen, nv, counts, pairs, first, experts, **kw,
-                                  num_warps=4)
+                                  num_warps=warps)
     _block_scan_kernel[(1,)](counts, base, out.offs, blocks, experts, E_BINS=bins,
                              ROWS=_SCAN_ROWS, num_warps=4)
     _block_scatter_kernel[(blocks,)](chosen, weight, nv, base, out.order, out.token, out.prob,
-                                     pairs, first, experts, **kw, num_warps=4)
+                                     pairs, first, experts, **kw, num_warps=warps)
     return out
 
 

@@ -40,6 +40,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from colo_rollout.model.bound_kernel import BoundKernel, all_aligned
 from colo_rollout.model.kernel_backend import pow2, rne_bf16, tl, triton
 from colo_rollout.model.residual import add_rounded, add_rounded_slots
 
@@ -122,10 +123,12 @@ def embed_rms_norm(ids: torch.Tensor, table: torch.Tensor, norm: FusedRMSNorm,
     rows, normed = (table.new_empty((n, H)) for _ in range(2))
     if n and H:
         block = pow2(H, 16)
-        _embed_rms_norm_kernel[(n,)](
-            ids, table, norm.weight, rows, normed, H, norm.eps, BLOCK=block,
-            RNE_BF16=not table.is_cuda and table.dtype == torch.bfloat16,
-            num_warps=min(16, max(1, block // 256)))
+        rne = not table.is_cuda and table.dtype == torch.bfloat16
+        warps = min(16, max(1, block // 256))
+        key = ((table.dtype, H, block, rne, warps)
+               if all_aligned(ids, table, norm.weight, rows, normed) else None)
+        _EMBED_RMS_NORM(key, (n,), (ids, table, norm.weight, rows, normed, H, norm.eps, block,
+                                    rne), warps)
     return rows, normed
 
 
@@ -159,10 +162,13 @@ def _launch(res: torch.Tensor, pairs: torch.Tensor, norm: FusedRMSNorm,
         block = pow2(H, 16)
         # one program per row: decode's one row is one program (launch-bound either way); k
         # and the block are constants of the model, so a model shape compiles one variant
-        _add_rms_norm_kernel[(n,)](
-            res, pairs, norm.weight, new, normed, H, norm.eps, K=k, BLOCK=block,
-            RNE_BF16=not res.is_cuda and res.dtype == torch.bfloat16,
-            num_warps=min(16, max(1, block // 256)))
+        # (bound once per key: model/bound_kernel.py)
+        rne = not res.is_cuda and res.dtype == torch.bfloat16
+        warps = min(16, max(1, block // 256))
+        key = ((res.dtype, pairs.dtype, H, k, block, rne, warps)
+               if all_aligned(res, pairs, norm.weight, new, normed) else None)
+        _ADD_RMS_NORM(key, (n,), (res, pairs, norm.weight, new, normed, H, norm.eps, k, block,
+                                  rne), warps)
     return new, normed
 
 
@@ -208,3 +214,8 @@ if triton is not None:
         x = tl.load(Table + tok * H + cols, mask=mask, other=0.0)
         tl.store(Rows + row * H + cols, x, mask=mask)
         _store_rms_norm(x.to(tl.float32), W, Normed, row, cols, mask, H, eps, dtype, RNE_BF16)
+
+
+# the launches through their bound variants (model/bound_kernel.py): P's critical path
+_ADD_RMS_NORM = BoundKernel(_add_rms_norm_kernel) if triton is not None else None
+_EMBED_RMS_NORM = BoundKernel(_embed_rms_norm_kernel) if triton is not None else None

@@ -44,6 +44,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from colo_rollout.model.bound_kernel import BoundKernel, all_aligned
 from colo_rollout.model.kernel_backend import as_dtype, pow2, rne_bf16, tl, triton
 
 
@@ -136,18 +137,20 @@ def _launch(q, k, v, cos, sin, k_cache, v_cache, slots, qk_norm, positions, stor
     half = rot // 2
     GB = G if T >= WHOLE_TOKEN_FROM else 1
     block = pow2(GB * n) * pow2(half)
-    _rope_kv_kernel[(T, G // GB)](
-        q, k, v, cos, sin, k_cache, v_cache, slots, out, qw, kw, float(eps),
-        slots if positions is None else positions,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), v.stride(0),
-        v.stride(1), cos.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-        v_cache.stride(1), G, GB, n, D, half,
-        H_PAD=pow2(GB * n), G_PAD=pow2(GB), HALF_PAD=pow2(half), D_PAD=pow2(D),
-        PASS=rot < D, HAS_NORM=qk_norm is not None,
-        TABLES=positions is not None, STORE_K=store_k,
-        RNE_BF16=upcast and q.dtype == torch.bfloat16,
-        num_warps=8 if block >= 4096 else 4 if block >= 1024 else 2,
-    )
+    pos = slots if positions is None else positions
+    ints = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), v.stride(0),
+            v.stride(1), cos.stride(0), k_cache.stride(0), k_cache.stride(1),
+            v_cache.stride(0), v_cache.stride(1), G, GB, n, D, half)
+    consts = (pow2(GB * n), pow2(GB), pow2(half), pow2(D), rot < D, qk_norm is not None,
+              positions is not None, store_k, upcast and q.dtype == torch.bfloat16)
+    warps = 8 if block >= 4096 else 4 if block >= 1024 else 2
+    # the bound variant's key: every integer and constexpr as it is (constants of the model's
+    # layout, one variant per model and regime) and the dtypes; pointers not all 16-byte
+    # aligned go through Triton's own launch (key None)
+    key = ((q.dtype, qw.dtype, ints, consts, warps)
+           if all_aligned(q, k, v, cos, sin, k_cache, v_cache, slots, qw, kw, pos) else None)
+    _ROPE_KV(key, (T, G // GB), (q, k, v, cos, sin, k_cache, v_cache, slots, out, qw, kw,
+                                 float(eps), pos, *ints, *consts), warps)
     return out.view(T, G * n, D)
 
 
@@ -274,3 +277,7 @@ if triton is not None:
         dm = gmask[:, None] & (d < D)
         vv = tl.load(V + t * sv_t + gg[:, None] * sv_g + d, mask=dm, other=0.0)
         tl.store(VC + slot * svc_s + gg[:, None] * svc_g + d, vv, mask=dm)
+
+
+# the rope launch through its bound variant (model/bound_kernel.py): P's critical path
+_ROPE_KV = BoundKernel(_rope_kv_kernel) if triton is not None else None

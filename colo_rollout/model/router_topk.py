@@ -39,6 +39,7 @@ CHUNK = 32  # columns per rank-counting step
 # softmax's sum is reduced over another layout).
 ROUNDS_FROM = 512
 ROWS = 16
+ROUNDS_WARPS = 4
 
 
 def supports(score_function: str, num_groups, group_topk, expert_bias, router_replay,
@@ -50,9 +51,11 @@ def supports(score_function: str, num_groups, group_topk, expert_bias, router_re
 
 
 def softmax_topk(logits: torch.Tensor, topk: int, pre_softmax: bool = False,
-                 scaling_factor: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 scaling_factor: float | None = None, *, rows: int | None = None,
+                 warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [N, E] fp32 -> (probs [N, k] fp32, ids [N, k] int64), megatron's dense softmax
-    routing (module docstring). Host values read: shapes only (graph-capturable)."""
+    routing (module docstring). Host values read: shapes only (graph-capturable). ``rows``,
+    ``warps``: the k-rounds kernel's rows per program and warps (the sweep's overrides)."""
     if triton is None:
         raise RuntimeError("triton is not importable")
     if logits.dim() != 2 or logits.dtype != torch.float32:
@@ -69,10 +72,10 @@ def softmax_topk(logits: torch.Tensor, topk: int, pre_softmax: bool = False,
     e_pad = pow2(E, 16)
     scale = 1.0 if not scaling_factor else float(scaling_factor)
     if N >= ROUNDS_FROM:  # P: k rounds of a row-wide max over ROWS rows per program
-        rows = max(1, min(ROWS, 4096 // e_pad))
+        rows = rows or max(1, min(ROWS, 4096 // e_pad))
         _softmax_topk_rounds_kernel[(triton.cdiv(N, rows),)](
             logits, probs, ids, N, E, logits.stride(0), scale, K=topk, E_PAD=e_pad,
-            ROWS=rows, PRE=bool(pre_softmax), num_warps=4)
+            ROWS=rows, PRE=bool(pre_softmax), num_warps=warps or ROUNDS_WARPS)
         return probs, ids
     chunk = min(CHUNK, e_pad)
     _softmax_topk_kernel[(N,)](

@@ -1,0 +1,101 @@
+"""The router's P kernels at a 4k step's shapes, swept (issue 16: per Qwen3 4k layer the
+k-rounds top-k took 15.4 us, the counting sort's scatter 11.0, scan 5.8, histogram 2.4 --
+~1 ms of a 30 ms step; session 19's profile):
+
+  * ``softmax_topk``'s k-rounds kernel: rows per program x warps;
+  * ``moe_align``'s counting sort (histogram + scan + scatter, three launches): pairs per
+    block x warps.
+
+  PYTHONPATH=$PWD python3 scripts/gpu_router_sweep.py [--tokens 4096,8192] [--json PATH]
+
+Every variant's outputs are compared bitwise with the shipped configuration's (ids, probs;
+order, token, offs, prob) before it is timed (median us per call over CUDA-graph replays:
+``triton.testing.do_bench_cudagraph``). Prints one table per shape; owns nothing of the
+engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from colo_rollout.model import moe_align as ma  # noqa: E402
+from colo_rollout.model import router_topk as rt  # noqa: E402
+
+SHAPES = (("qwen3", 128, 8), ("first", 64, 8))  # (name, experts, top-k)
+
+
+def _bench(fn) -> float:
+    """GPU us per call: replays of a CUDA graph of many calls (a launch costs more host time
+    than these kernels take, so eager timing would time the host)."""
+    import triton.testing
+    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3
+
+
+def _align(chosen, weight, E, block, warps):
+    n, k = chosen.shape
+    dev = chosen.device
+    out = ma.Aligned(torch.empty(n * k, dtype=torch.int32, device=dev),
+                     torch.empty(n * k, dtype=torch.int32, device=dev),
+                     torch.empty(E, dtype=torch.int32, device=dev),
+                     torch.empty(n * k, dtype=weight.dtype, device=dev))
+    return ma._blocked_align(chosen, weight, 0, E, None, out, block=block, warps=warps)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="4096,8192")
+    ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."),
+                                                   "router_sweep.json"))
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    res = []
+    for N in (int(t) for t in a.tokens.split(",")):
+        for name, E, k in SHAPES:
+            g = torch.Generator(device=dev).manual_seed(N + E)
+            logits = torch.randn(N, E, device=dev, generator=g)
+            want_p, want_i = rt.softmax_topk(logits, k)
+            rows_default = max(1, min(rt.ROWS, 4096 // max(16, E)))
+            print(f"{name} N={N} E={E} k={k}: top-k (shipped: rows {rows_default}, "
+                  f"warps {rt.ROUNDS_WARPS})")
+            for rows in (1, 2, 4, 8, 16, 32):
+                for warps in (1, 2, 4, 8):
+                    if rows * E < 32 * warps:  # fewer elements than threads
+                        continue
+                    p, i = rt.softmax_topk(logits, k, rows=rows, warps=warps)
+                    same = torch.equal(i, want_i) and torch.equal(p, want_p)
+                    us = _bench(lambda: rt.softmax_topk(logits, k, rows=rows, warps=warps))
+                    res.append(dict(kernel="topk", shape=name, N=N, rows=rows, warps=warps,
+                                    us=us, same=same))
+                    print(f"  rows {rows:2d} warps {warps}: {us:7.2f} us"
+                          + ("" if same else "  DIFFERS"))
+            chosen = want_i
+            weight = want_p.to(torch.bfloat16)
+            want = _align(chosen, weight, E, ma.BLOCK_PAIRS, ma.ALIGN_WARPS)
+            print(f"{name} N={N}: align (shipped: block {ma.BLOCK_PAIRS}, warps "
+                  f"{ma.ALIGN_WARPS})")
+            for block in (128, 256, 512, 1024, 2048):
+                for warps in (1, 2, 4, 8, 16):
+                    if block < 32 * warps:
+                        continue
+                    got = _align(chosen, weight, E, block, warps)
+                    same = all(torch.equal(x, y) for x, y in
+                               zip((got.order, got.token, got.offs, got.prob),
+                                   (want.order, want.token, want.offs, want.prob)))
+                    us = _bench(lambda: _align(chosen, weight, E, block, warps))
+                    res.append(dict(kernel="align", shape=name, N=N, block=block,
+                                    warps=warps, us=us, same=same))
+                    print(f"  block {block:4d} warps {warps:2d}: {us:7.2f} us"
+                          + ("" if same else "  DIFFERS"))
+    with open(a.json, "w") as fh:
+        json.dump(res, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
