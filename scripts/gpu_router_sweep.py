@@ -60,9 +60,8 @@ def main() -> int:
             g = torch.Generator(device=dev).manual_seed(N + E)
             logits = torch.randn(N, E, device=dev, generator=g)
             want_p, want_i = rt.softmax_topk(logits, k)
-            rows_default = max(1, min(rt.ROWS, 4096 // max(16, E)))
-            print(f"{name} N={N} E={E} k={k}: top-k (shipped: rows {rows_default}, "
-                  f"warps {rt.ROUNDS_WARPS})")
+            print(f"{name} N={N} E={E} k={k}: top-k (shipped: rows, warps "
+                  f"{rt.rounds_launch(max(16, 1 << (E - 1).bit_length()))})")
             for rows in (1, 2, 4, 8, 16, 32):
                 for warps in (1, 2, 4, 8):
                     if rows * E < 32 * warps:  # fewer elements than threads

@@ -36,10 +36,17 @@ CHUNK = 32  # columns per rank-counting step
 # ROWS rows, k row-wide max reductions -- the rank count's E x E comparisons per row took
 # 25 us per layer for a 4k Qwen3 prefill (E = 128), 2% of the step. The two kernels choose
 # the same experts in the same order; their probabilities may differ in the last bit (the
-# softmax's sum is reduced over another layout).
+# softmax's sum is reduced over another layout). Per program ~128 scores in ONE warp (each
+# round's two row reductions are warp shuffles, no shared-memory barrier): H200, 4096 rows,
+# top-8 (scripts/gpu_router_sweep.py, 2026-12-03): E 128 4.7 us (16 rows x 4 warps: 12.6),
+# E 64 4.3 us (7.0).
 ROUNDS_FROM = 512
-ROWS = 16
-ROUNDS_WARPS = 4
+ROUND_SCORES = 128  # rows per program: this many padded scores, at least one row
+
+
+def rounds_launch(e_pad: int) -> tuple[int, int]:
+    """(rows per program, warps) of the k-rounds kernel for a padded expert count."""
+    return max(1, ROUND_SCORES // e_pad), max(1, min(4, e_pad // 256))
 
 
 def supports(score_function: str, num_groups, group_topk, expert_bias, router_replay,
@@ -72,10 +79,11 @@ def softmax_topk(logits: torch.Tensor, topk: int, pre_softmax: bool = False,
     e_pad = pow2(E, 16)
     scale = 1.0 if not scaling_factor else float(scaling_factor)
     if N >= ROUNDS_FROM:  # P: k rounds of a row-wide max over ROWS rows per program
-        rows = rows or max(1, min(ROWS, 4096 // e_pad))
+        r0, w0 = rounds_launch(e_pad)
+        rows, warps = rows or r0, warps or w0
         _softmax_topk_rounds_kernel[(triton.cdiv(N, rows),)](
             logits, probs, ids, N, E, logits.stride(0), scale, K=topk, E_PAD=e_pad,
-            ROWS=rows, PRE=bool(pre_softmax), num_warps=warps or ROUNDS_WARPS)
+            ROWS=rows, PRE=bool(pre_softmax), num_warps=warps)
         return probs, ids
     chunk = min(CHUNK, e_pad)
     _softmax_topk_kernel[(N,)](
