@@ -50,19 +50,29 @@ def _align(chosen, weight, E, block, warps):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="4096,8192")
+    ap.add_argument("--shapes", default="qwen3,first")
+    ap.add_argument("--kernels", default="topk,align")
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."),
                                                    "router_sweep.json"))
     a = ap.parse_args()
     dev = torch.device("cuda")
     res = []
     for N in (int(t) for t in a.tokens.split(",")):
-        for name, E, k in SHAPES:
+        for name, E, k in (s for s in SHAPES if s[0] in a.shapes.split(",")):
             g = torch.Generator(device=dev).manual_seed(N + E)
             logits = torch.randn(N, E, device=dev, generator=g)
             want_p, want_i = rt.softmax_topk(logits, k)
+            # megatron's routing in torch (top-k of the logits, softmax over them): the
+            # shipped kernel within the tests' bounds (ids equal, probs to 1e-6)
+            ref_v, ref_i = logits.topk(k, dim=-1)
+            ref_ok = torch.equal(want_i, ref_i) and torch.allclose(
+                want_p, torch.softmax(ref_v, dim=-1), rtol=1e-6, atol=1e-7)
+            print(f"{name} N={N}: shipped top-k against torch's: "
+                  f"{'within bounds' if ref_ok else 'OUTSIDE BOUNDS'}")
+            res.append(dict(kernel="topk_vs_torch", shape=name, N=N, ok=ref_ok))
             print(f"{name} N={N} E={E} k={k}: top-k (shipped: rows, warps "
                   f"{rt.rounds_launch(max(16, 1 << (E - 1).bit_length()))})")
-            for rows in (1, 2, 4, 8, 16, 32):
+            for rows in ((1, 2, 4, 8, 16, 32) if "topk" in a.kernels else ()):
                 for warps in (1, 2, 4, 8):
                     if rows * E < 32 * warps:  # fewer elements than threads
                         continue
@@ -78,7 +88,7 @@ def main() -> int:
             want = _align(chosen, weight, E, ma.BLOCK_PAIRS, ma.ALIGN_WARPS)
             print(f"{name} N={N}: align (shipped: block {ma.BLOCK_PAIRS}, warps "
                   f"{ma.ALIGN_WARPS})")
-            for block in (128, 256, 512, 1024, 2048):
+            for block in ((128, 256, 512, 1024, 2048) if "align" in a.kernels else ()):
                 for warps in (1, 2, 4, 8, 16):
                     if block < 32 * warps:
                         continue
