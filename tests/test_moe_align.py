@@ -27,7 +27,7 @@ CASES = [
     (128, 8, 64, 64, 0, 120, torch.bfloat16),  # 1024 pairs (the widest), padding rows
     # past one program: the counting sort over blocks of BLOCK_PAIRS pairs (its scan walks
     # the blocks one at a time in the interpreted run: more than one chunk)
-    (129, 8, 128, 128, 0, None, torch.float32),  # 1032 pairs: a second block of 8; 256 bins
+    (129, 8, 128, 128, 0, None, torch.float32),  # 1032 pairs: a last block of 8; 256 bins
     (260, 4, 8, 16, 8, 250, torch.bfloat16),  # 1040 pairs, other ranks' experts, padding
 ]
 
