@@ -133,15 +133,26 @@ def prefill_index(items, block_size: int, sink: int):
     tables = np.full((S, W), sink, dtype=np.int64)
     for s, it in enumerate(items):
         tables[s, : len(it.table)] = it.table
-    starts = np.fromiter((it.start for it in items), dtype=np.int64, count=S)
-    first = np.cumsum(news) - news  # each item's first row
-    seq = np.repeat(np.arange(S), news)
-    pos = np.arange(T, dtype=np.int64) + (starts - first)[seq]
-    blk = pos // block_size  # through the flat table: cheaper than 2-D fancy indexing
-    if T and blk.max() >= W:  # (where the 2-D index would raise: past every table)
+    ends = np.cumsum(news)  # each item's rows end here
+    pos = np.arange(T, dtype=np.int64)
+    if S == 1:  # (one item, the long-prompt case: no per-row offsets to gather)
+        pos += items[0].start
+    elif S:
+        starts = np.fromiter((it.start for it in items), dtype=np.int64, count=S)
+        pos += np.repeat(starts - (ends - news), news)
+    if block_size & (block_size - 1) == 0:  # a power of two: shifts and masks
+        blk = pos >> (block_size.bit_length() - 1)
+        off = pos & (block_size - 1)
+    else:
+        blk = pos // block_size
+        off = pos - blk * block_size
+    # positions rise within an item, so its last row holds its largest block
+    if T and int(blk[ends[news > 0] - 1].max()) >= W:  # (past every table: 2-D would raise)
         raise IndexError(f"a P item's position {int(pos[blk.argmax()])} is past its block "
                          f"table ({W} blocks of {block_size})")
-    slots = tables.ravel()[seq * W + blk] * block_size + (pos - blk * block_size)
+    # through the flat table: cheaper than 2-D fancy indexing
+    rows = tables[0][blk] if S == 1 else tables.ravel()[np.repeat(np.arange(S) * W, news) + blk]
+    slots = rows * block_size + off
     return ids, pos, slots, tables
 
 
