@@ -2,7 +2,7 @@
 
   torchrun --standalone --nproc-per-node 1 scripts/gpu_prefill_timeline.py CONFIG [--tokens 4096]
       [--shapes 4096,8192,8x1024] [--attention triton,cudnn] [--json PATH] [--clock]
-      [--host-split] [--head-ms X [--stack]]
+      [--host-split] [--head-ms X [--stack]] [--busy-head MS]
 
 ``--shapes`` (N or SxN, comma-separated) and ``--attention`` (P attention backends, set on the
 built model's attention modules in turn: ``engine.prefill_attention``'s values) run every
@@ -22,6 +22,7 @@ under torch.profiler (CPU ops and CUDA kernels, graph replays included) and read
   * the kernels by name (count, total us) -- the same list bench-speed's JSON has;
   * with ``--clock``: per layer, when the host reached its attention and when the GPU did
     (CUDA events, no profiler), and the timed step once more with Python's collector off;
+    with ``--busy-head MS`` also per layer with the GPU in a spin kernel through the head;
   * with ``--host-split``: the host time (unprofiled, perf_counter around each call) of the
     step's parts -- its inputs (index arrays, attention plan, the packed copy, dense calls),
     the forward, each attention, the rope launch, the dense call, the fused adds, the
@@ -166,11 +167,13 @@ def head(trace: dict, ms: float) -> list[str]:
     return [r for _, r in sorted(rows)]
 
 
-def clock(bench, plan, reps: int = 5) -> list[tuple[float, float]]:
+def clock(bench, plan, reps: int = 5, busy_ms: float = 0.0) -> list[tuple[float, float]]:
     """Unprofiled: for each layer, when the host called its attention (ms from the step's
     start) and when the GPU reached that point (a CUDA event recorded there), medians of
     ``reps`` steps; the last pair is the step's end (host back from the step, GPU at its
-    last event). GPU time - host time near 0: the GPU was waiting for that launch."""
+    last event). GPU time - host time near 0: the GPU was waiting for that launch.
+    ``busy_ms``: a spin kernel of about that long enqueued first, so the GPU is busy through
+    the step's head instead of idle (does an idle head slow the layers after it?)."""
     layers = bench.runner.model.decoder.layers
     marks: list[tuple[float, torch.cuda.Event]] = []
 
@@ -187,6 +190,8 @@ def clock(bench, plan, reps: int = 5) -> list[tuple[float, float]]:
             bench.sync()
             start = torch.cuda.Event(enable_timing=True)
             start.record()
+            if busy_ms:
+                torch.cuda._sleep(int(busy_ms * 1e-3 * SPIN_HZ))
             t0 = time.perf_counter()
             bench.step(plan)
             t1 = time.perf_counter()
@@ -200,6 +205,9 @@ def clock(bench, plan, reps: int = 5) -> list[tuple[float, float]]:
             h.remove()
     return [(statistics.median(r[i][0] for r in rows), statistics.median(r[i][1] for r in rows))
             for i in range(min(len(r) for r in rows))]
+
+
+SPIN_HZ = 1.98e9  # torch.cuda._sleep's cycles per second on an H200 (its SM clock)
 
 
 # (module, attribute path) of what --host-split times; module-level functions are timed
@@ -329,6 +337,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--head-ms", type=float, default=0.0)
     ap.add_argument("--stack", action="store_true")
     ap.add_argument("--clock", action="store_true")
+    ap.add_argument("--busy-head", type=float, default=0.0,
+                    help="with --clock: also clock steps whose head the GPU spends in a spin "
+                         "kernel of this many ms")
     ap.add_argument("--host-split", action="store_true")
     args = ap.parse_args(argv)
 
@@ -388,6 +399,13 @@ def main(argv: list[str]) -> int:
                     for i, (h, g) in enumerate(marks):
                         name = "end" if i == len(marks) - 1 else f"{i:3d}"
                         print(f"    {name}: {h:7.2f} {g:7.2f} {g - h:7.2f}")
+                    if args.busy_head:
+                        busy = clock(bench, plan, busy_ms=args.busy_head)
+                        print(f"  the same, the GPU in a {args.busy_head} ms spin through "
+                              "the head: layer: GPU ms from the last layer (idle head, busy)")
+                        for i in range(1, min(len(marks), len(busy))):
+                            print(f"    {i:3d}: {marks[i][1] - marks[i - 1][1]:7.3f} "
+                                  f"{busy[i][1] - busy[i - 1][1]:7.3f}")
                     gc.collect()
                     gc.freeze()
                     gc.disable()
