@@ -1,22 +1,29 @@
-"""Running a test file's Triton cases under Triton's CPU interpreter, in a subprocess.
+"""Running the test files' Triton cases under Triton's CPU interpreter, in worker processes.
 
 TRITON_INTERPRET is read when kernels are decorated, so it must be set before the kernel
-module is imported: the test file re-runs itself (its ``__main__`` block calls
-``interpreted_main`` with its cases, which prints "all cases pass") in a fresh interpreter with
-the flag set. The session's runs start together (``InterpretedRuns``, the ``interpreted``
-fixture): each interpreter is single-threaded, so side by side they use every core.
+modules are imported: the cases run in fresh interpreters with the flag set. A session's
+files are shared out over one worker per core (``InterpretedRuns``, the ``interpreted``
+fixture), all started on first use: each worker imports torch, triton and megatron once
+(~3.5 s per process; one process per file paid it eleven times), runs its files' ``_interpreted()``
+cases in the order the session checks them and writes each file's result as it finishes.
+A file's own ``__main__`` block (``interpreted_main``) runs its cases alone, by hand.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import pathlib
 import subprocess
 import sys
+import tempfile
+import time
+import traceback
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
+PASS = "all cases pass"
 
 
 # the kernel test files with interpreted cases: the first one a session asks for starts them
@@ -29,40 +36,56 @@ KERNEL_TESTS = ("test_fused_moe.py", "test_moe_align.py", "test_paged_attention.
 
 class InterpretedRuns:
     """The interpreted runs of one test session (the ``interpreted`` fixture, conftest.py):
-    each file's script in its own subprocess, all started together on first use."""
+    the files dealt in name order (pytest's) over ``workers`` processes (default: one per
+    core), all started on the first ``check``."""
 
-    def __init__(self, files=KERNEL_TESTS) -> None:
-        self.files = [str(REPO / "tests" / f) for f in files]
-        self._procs: dict[str, subprocess.Popen] = {}
+    def __init__(self, files=KERNEL_TESTS, workers: int | None = None) -> None:
+        self.files = sorted(pathlib.Path(f).name for f in files)
+        self.workers = max(1, min(len(self.files), workers or os.cpu_count() or 1))
+        self._dir = tempfile.TemporaryDirectory(prefix="interpreted-")
+        self._procs: list[subprocess.Popen] = []
+        self._owner: dict[str, subprocess.Popen] = {}
 
-    def _start(self, path: str) -> None:
+    def _start(self, names: list[str]) -> None:
         env = dict(os.environ, TRITON_INTERPRET="1",
                    PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-        self._procs[path] = subprocess.Popen([sys.executable, path], env=env, text=True,
-                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        # stderr to a file: a pipe nobody reads until the end would fill and stall the worker
+        err = pathlib.Path(self._dir.name) / f"worker{len(self._procs)}.err"
+        with open(err, "w") as fh:
+            proc = subprocess.Popen([sys.executable, "-m", "tests.interpreted",
+                                     self._dir.name, *names], env=env, cwd=str(REPO),
+                                    stdout=subprocess.DEVNULL, stderr=fh)
+        proc.err_path = err
+        self._procs.append(proc)
+        self._owner.update((n, proc) for n in names)
 
     def check(self, test_file: str, timeout: float = 300) -> None:
         """Assert ``test_file``'s interpreted cases all passed (waiting up to ``timeout``)."""
-        path = str(pathlib.Path(test_file).resolve())
+        name = pathlib.Path(test_file).name
         if not self._procs:
-            for f in self.files:
-                self._start(f)
-        if path not in self._procs:  # a file not listed: run on its own
-            self._start(path)
-        proc = self._procs[path]
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise AssertionError(f"{test_file}: interpreted cases ran past {timeout} s")
-        assert proc.returncode == 0, out + err
-        assert "all cases pass" in out, out + err
+            for w in range(self.workers):
+                self._start(self.files[w :: self.workers])
+        if name not in self._owner:  # a file not listed: a worker of its own
+            self._start([name])
+        proc, result = self._owner[name], pathlib.Path(self._dir.name) / f"{name}.out"
+        deadline = time.monotonic() + timeout
+        while not result.exists():
+            if proc.poll() is not None and not result.exists():
+                raise AssertionError(f"{test_file}: the interpreted worker exited "
+                                     f"({proc.returncode}) before its cases ran:\n"
+                                     f"{proc.err_path.read_text()[-4000:]}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{test_file}: interpreted cases ran past {timeout} s")
+            time.sleep(0.1)
+        out = result.read_text()
+        assert out == PASS, out
 
     def close(self) -> None:
-        for proc in self._procs.values():
+        for proc in self._procs:
             if proc.poll() is None:
                 proc.kill()
-                proc.communicate()
+            proc.communicate()
+        self._dir.cleanup()
 
 
 def interpreted_main(cases) -> None:
@@ -73,5 +96,28 @@ def interpreted_main(cases) -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     torch.set_num_threads(1)
     failures = cases()
-    print("\n".join(failures) if failures else "all cases pass")
+    print("\n".join(failures) if failures else PASS)
     sys.exit(1 if failures else 0)
+
+
+def _worker(out_dir: str, names: list[str]) -> None:
+    """One worker: each file's ``_interpreted()`` in turn, its result written to
+    ``out_dir/<file>.out`` when it finishes (renamed into place: never read half-written)."""
+    import torch
+
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    torch.set_num_threads(1)
+    for name in names:
+        try:
+            module = importlib.import_module(f"tests.{pathlib.Path(name).stem}")
+            failures = module._interpreted()
+            text = "\n".join(failures) if failures else PASS
+        except Exception:  # noqa: BLE001 -- the file's check reports it; the next file runs
+            text = traceback.format_exc()
+        tmp = pathlib.Path(out_dir) / f".{name}.tmp"
+        tmp.write_text(text)
+        tmp.rename(pathlib.Path(out_dir) / f"{name}.out")
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], sys.argv[2:])
