@@ -141,7 +141,7 @@ def prefill_index(items, block_size: int, sink: int):
         starts = np.fromiter((it.start for it in items), dtype=np.int64, count=S)
         pos += np.repeat(starts - (ends - news), news)
     if block_size & (block_size - 1) == 0:  # a power of two: shifts and masks
-        blk = pos >> (block_size.bit_length() - 1)
+        blk = pos >> (int(block_size).bit_length() - 1)
         off = pos & (block_size - 1)
     else:
         blk = pos // block_size
