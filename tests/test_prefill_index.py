@@ -1,6 +1,7 @@
 """A P step's host index arrays (worker/runner.py: ``prefill_index``) and their one packed
 host->device transfer (runtime/device.py: ``h2d_packed``), against the per-token definition."""
 
+import dataclasses
 import random
 
 import numpy as np
@@ -52,6 +53,20 @@ def test_prefill_index_is_the_per_token_definition(n_items, bs):
     assert [a.dtype for a in (ids, pos, slots, tables)] == [np.int64] * 4
     assert ids.tolist() == want[0] and pos.tolist() == want[1]
     assert slots.tolist() == want[2] and tables.tolist() == want[3]
+
+
+@pytest.mark.parametrize("n_items", [1, 3])
+def test_items_ids_arrays_give_the_same_index_arrays(n_items):
+    """PrefillItem.ids (the scheduler's int64 array of a fresh prompt) stands for the tokens:
+    the same arrays as from the Python ints, one item's ids taken as they are (no copy)."""
+    rng = random.Random(7 + n_items)
+    plain = _items(rng, n_items, 16)
+    with_ids = [dataclasses.replace(it, ids=np.array(it.tokens, dtype=np.int64)) if i % 2 == 0
+                else it for i, it in enumerate(plain)]
+    got, want = prefill_index(with_ids, 16, SINK), prefill_index(plain, 16, SINK)
+    assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(got, want))
+    if n_items == 1:
+        assert got[0] is with_ids[0].ids
 
 
 def test_prefill_index_of_no_items_is_empty_with_one_table_column():

@@ -158,3 +158,9 @@ def test_engine_api_refuses_types_and_serves_numpy_ids(worker_groups):
                                      "['bad']")
     for r in res:
         assert ("'dup'", "request 'dup': duplicate request id") in r["rejected"]
+
+
+def test_an_id_past_int64_is_named_outside_the_vocabulary():
+    with pytest.raises(RequestError, match=r"token id 1180591620717411303424 outside the "
+                                           r"vocabulary"):
+        make().add(Request("r", (1, 2**70), SamplingParams(max_tokens=2)))

@@ -101,3 +101,31 @@ def test_cancelled_waiting_continuation_frees_the_retained_context():
     s.cancel("t1")
     assert "a" not in s.sessions
     s.kv[0].assert_empty()
+
+
+def test_fresh_prompts_carry_their_ids_and_continuations_their_tokens_only():
+    """PrefillItem.ids: a fresh prompt's int64 array, converted at submit (the P step reads
+    it instead of converting Python ints); a continuation's tokens (context + prompt) carry
+    none. The scheduler keeps no array once a request is admitted or cancelled."""
+    import numpy as np
+
+    s = make()
+    s.add(Request("t0", (1, 2, 3, 4), SamplingParams(max_tokens=2), session="a"))
+    s.add(Request("x", (9, 8), SamplingParams(max_tokens=2)))
+    s.add(Request("gone", (5, 5, 5), SamplingParams(max_tokens=2)))
+    s.cancel("gone")
+    plan = s.plan()
+    assert plan.phase is Phase.PREFILL
+    fresh = plan.replicas[0].prefill
+    assert [i.tokens for i in fresh] == [(1, 2, 3, 4), (9, 8)]
+    for item in fresh:
+        assert item.ids.dtype == np.int64 and item.ids.tolist() == list(item.tokens)
+    assert s._prompt_ids == {}  # admitted or cancelled: nothing kept
+    s.commit(plan, [Sampled(i.lifetime, 7, 0.0) for i in fresh])
+    while s.seqs:
+        p = s.plan()
+        rows = p.replicas[0].prefill if p.phase is Phase.PREFILL else p.replicas[0].decode
+        s.commit(p, [Sampled(i.lifetime, 7, 0.0) for i in rows])
+    s.add(Request("t1", (11,), SamplingParams(max_tokens=1), session="a"))
+    cont = s.plan().replicas[0].prefill
+    assert len(cont) == 1 and cont[0].tokens[-1] == 11 and cont[0].ids is None

@@ -22,6 +22,7 @@ into the remaining rows/budget/KV only when no epoch is in flight.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from colo_rollout.sched.plan import DecodeRow, Phase, PrefillItem, ReplicaWork, StepPlan
 
@@ -35,6 +36,7 @@ class WaitingView:
     replica: int | None = None  # a retained context pins the continuation to its replica
     lifetime: int | None = None  # the retained context's KV owner (kept across turns)
     held_blocks: int = 0  # blocks that owner already holds
+    ids: Any = None  # ``prompt`` as an int64 array, when converted at submit (PrefillItem.ids)
 
 
 @dataclass
@@ -99,7 +101,8 @@ def _admit(waiting: list[WaitingView], replicas: list[ReplicaView], limits: Plan
         else:
             lifetime, new = w.lifetime, False
         admissions.append(Admission(w.request_id, choice, lifetime, new))
-        prefill[choice].append(PrefillItem(lifetime=lifetime, tokens=w.prompt, start=w.start))
+        prefill[choice].append(PrefillItem(lifetime=lifetime, tokens=w.prompt, start=w.start,
+                                           ids=w.ids))
         rows[choice] += 1
         p_tokens[choice] += len(w.prompt)
         free[choice] -= replicas[choice].blocks_for(w.budget_tokens) - w.held_blocks

@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from colo_rollout.config import EngineConfig
 from colo_rollout.sched.kv_cache import KVCacheManager
 from colo_rollout.sched.plan import (
@@ -85,6 +87,7 @@ class Scheduler:
         self.limits = PlannerLimits(cfg.max_batch_size, cfg.max_prefill_tokens,
                                     tuple(cfg.decode_buckets), atp)
         self.waiting: deque[Request] = deque()
+        self._prompt_ids: dict[str, np.ndarray | None] = {}  # waiting requests' prompts
         self.seqs: dict[int, _Seq] = {}  # lifetime -> admitted sequence
         self.by_id: dict[str, RequestOutput] = {}  # every known request id (incl. finished)
         self.live: dict[str, int | None] = {}  # unfinished request id -> lifetime (None: waiting)
@@ -105,6 +108,11 @@ class Scheduler:
         """Raise RequestError if ``req`` can never be served. Same answer on every rank.
         Types first (request.checked_request: a str id, integral token ids), so a wrong type
         is a RequestError too, never a TypeError."""
+        self._checked(req)
+
+    def _checked(self, req: Request) -> tuple[Request, np.ndarray]:
+        """``validate``'s checks; returns the checked request (its prompt a tuple of Python
+        ints) and its prompt as an int64 array."""
         req = checked_request(req)
         rid = req.request_id
         if rid in self.by_id:
@@ -113,7 +121,11 @@ class Scheduler:
         n = len(req.prompt)
         if n == 0:
             raise RequestError(f"request {rid!r}: empty prompt")
-        bad = [t for t in req.prompt if not 0 <= t < self.vocab_size]
+        ids = _prompt_ids(req.prompt)
+        if ids is None:  # an id past int64: outside any vocabulary
+            bad = [t for t in req.prompt if not 0 <= t < self.vocab_size]
+        else:
+            bad = ids[(ids < 0) | (ids >= self.vocab_size)][:1].tolist()
         if bad:
             raise RequestError(
                 f"request {rid!r}: token id {bad[0]!r} outside the vocabulary [0, {self.vocab_size})")
@@ -141,9 +153,13 @@ class Scheduler:
             raise RequestError(
                 f"request {rid!r}: needs {self.kv[0].blocks_needed(budget)} KV blocks, a replica "
                 f"has {cfg.num_kv_blocks}")
+        return req, ids
 
     def add(self, req: Request, now: float = 0.0) -> None:
-        self.validate(req)
+        req, ids = self._checked(req)
+        # the prompt as the P step's ids, converted here once (PrefillItem.ids); dropped at
+        # admission or cancel
+        self._prompt_ids[req.request_id] = ids
         self.waiting.append(req)
         self.by_id[req.request_id] = RequestOutput(req.request_id, len(req.prompt),
                                                    submit_time=now)
@@ -162,6 +178,7 @@ class Scheduler:
         if lifetime is None:
             session = next(r.session for r in self.waiting if r.request_id == request_id)
             self.waiting = deque(r for r in self.waiting if r.request_id != request_id)
+            self._prompt_ids.pop(request_id, None)
         else:
             seq = self.seqs.pop(lifetime)
             session = seq.request.session
@@ -256,7 +273,8 @@ class Scheduler:
         sess = self.sessions.get(req.session) if req.session is not None else None
         budget = len(req.prompt) + req.params.max_tokens
         if sess is None or not sess.context:
-            return WaitingView(req.request_id, req.prompt, budget)
+            return WaitingView(req.request_id, req.prompt, budget,
+                               ids=self._prompt_ids.get(req.request_id))
         if sess.lifetime is None:  # evicted: re-prefill the whole context from its tokens
             return WaitingView(req.request_id, tuple(sess.context) + req.prompt,
                                len(sess.context) + budget)
@@ -304,6 +322,7 @@ class Scheduler:
     def _admit(self, adm: Admission) -> None:
         req = self.waiting.popleft()
         assert req.request_id == adm.request_id, "planner admits in FIFO order"
+        self._prompt_ids.pop(req.request_id, None)
         sess = self.sessions.get(req.session) if req.session is not None else None
         context = list(sess.context) if sess is not None else []
         total = len(context) + len(req.prompt) + req.params.max_tokens
@@ -418,3 +437,11 @@ class Scheduler:
         draining = {lt for kv in self.kv for lt in kv.draining()}
         if draining != self.retired:
             raise AssertionError(f"KV draining {sorted(draining)} != retired {sorted(self.retired)}")
+
+
+def _prompt_ids(prompt) -> np.ndarray | None:
+    """A checked prompt (Python ints) as int64, or None where an id does not fit."""
+    try:
+        return np.fromiter(prompt, dtype=np.int64, count=len(prompt))
+    except OverflowError:
+        return None

@@ -71,6 +71,7 @@ import statistics
 import time
 from collections import defaultdict
 
+import numpy as np
 import torch
 
 from colo_rollout.config import Config, ModelConfig, load_config
@@ -204,11 +205,15 @@ def decode_plan(contexts: list[int], tokens: list[int], bucket: int,
 
 def prefill_plan(seqs: list[tuple[int, int]], rng: random.Random, vocab: int,
                  block_size: int) -> StepPlan:
-    """One P step: sequence i prefills seqs[i][1] new tokens on seqs[i][0] cached ones."""
+    """One P step: sequence i prefills seqs[i][1] new tokens on seqs[i][0] cached ones. A
+    fresh sequence (nothing cached) carries its ids as an array, as the scheduler's items do
+    (converted at submit); a continuation's tokens are Python ints, as a retained session's
+    context + prompt are there."""
     tables = _tables([c + n for c, n in seqs], block_size)
-    items = tuple(PrefillItem(lifetime=i, tokens=tuple(rng.randrange(vocab) for _ in range(n)),
-                              start=c, table=tb, params=GREEDY)
-                  for i, ((c, n), tb) in enumerate(zip(seqs, tables)))
+    toks = [tuple(rng.randrange(vocab) for _ in range(n)) for _, n in seqs]
+    items = tuple(PrefillItem(lifetime=i, tokens=t, start=c, table=tb, params=GREEDY,
+                              ids=np.array(t, dtype=np.int64) if c == 0 else None)
+                  for i, ((c, _), t, tb) in enumerate(zip(seqs, toks, tables)))
     return StepPlan(step=0, phase=Phase.PREFILL, replicas=(ReplicaWork(prefill=items),))
 
 
