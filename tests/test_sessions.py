@@ -66,6 +66,7 @@ def test_eviction_frees_lru_context_and_forces_reprefill():
         if p.phase is Phase.PREFILL and any(i.tokens[-1] == 11 for i in items):
             item = next(i for i in items if i.tokens[-1] == 11)
             assert item.start == 0 and item.tokens == (1, 2, 3, 4, 5, 7, 7, 7, 11)  # re-prefill
+            assert item.ids is None  # (converted in the P step: see PrefillItem.ids)
         s.commit(p, [Sampled(i.lifetime, 7, 0.0) for i in items])
     s.check_integrity()
 
@@ -105,8 +106,9 @@ def test_cancelled_waiting_continuation_frees_the_retained_context():
 
 def test_fresh_prompts_carry_their_ids_and_continuations_their_tokens_only():
     """PrefillItem.ids: a fresh prompt's int64 array, converted at submit (the P step reads
-    it instead of converting Python ints); a continuation's tokens (context + prompt) carry
-    none. The scheduler keeps no array once a request is admitted or cancelled."""
+    it instead of converting Python ints), a retained continuation's (its context tail + the
+    prompt); a re-prefill of an evicted context carries none. The scheduler keeps no array
+    once a request is admitted or cancelled."""
     import numpy as np
 
     s = make()
@@ -126,6 +128,8 @@ def test_fresh_prompts_carry_their_ids_and_continuations_their_tokens_only():
         p = s.plan()
         rows = p.replicas[0].prefill if p.phase is Phase.PREFILL else p.replicas[0].decode
         s.commit(p, [Sampled(i.lifetime, 7, 0.0) for i in rows])
-    s.add(Request("t1", (11,), SamplingParams(max_tokens=1), session="a"))
+    s.add(Request("t1", (11, 12), SamplingParams(max_tokens=1), session="a"))
     cont = s.plan().replicas[0].prefill
-    assert len(cont) == 1 and cont[0].tokens[-1] == 11 and cont[0].ids is None
+    assert len(cont) == 1 and cont[0].start > 0 and cont[0].tokens[-2:] == (11, 12)
+    assert cont[0].ids.dtype == np.int64 and cont[0].ids.tolist() == list(cont[0].tokens)
+    assert s._prompt_ids == {}

@@ -33,9 +33,11 @@ class PrefillItem:
     start: int  # tokens already in the cache before this P (0 for a fresh prompt)
     table: tuple[int, ...] = field(default=(), compare=False)  # its KV blocks (reserved)
     params: Any = field(default=None, compare=False)  # its SamplingParams
-    # ``tokens`` as an int64 numpy array where the scheduler converted them at submit (a fresh
-    # prompt), else None: the P step's index arrays take it as it is instead of converting
-    # Python ints on the step's critical path (worker/runner.prefill_index). Equal to tokens.
+    # ``tokens`` as an int64 numpy array where the scheduler has them (a fresh prompt's,
+    # converted at submit; a retained continuation's context tail + prompt), else None (a
+    # re-prefill of an evicted context): the P step's index arrays take it as it is instead
+    # of converting Python ints on the step's critical path (worker/runner.prefill_index).
+    # Equal to tokens.
     ids: Any = field(default=None, compare=False, repr=False)
 
 

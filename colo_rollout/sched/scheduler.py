@@ -278,11 +278,17 @@ class Scheduler:
         if sess.lifetime is None:  # evicted: re-prefill the whole context from its tokens
             return WaitingView(req.request_id, tuple(sess.context) + req.prompt,
                                len(sess.context) + budget)
-        # retained: prefill the last output token and the new tokens on top of the cache
-        tokens = tuple(sess.context[sess.cached:]) + req.prompt
+        # retained: prefill the last output token and the new tokens on top of the cache (the
+        # ids: that short tail converted here, the prompt's from submit)
+        tail = sess.context[sess.cached:]
+        tokens = tuple(tail) + req.prompt
+        prompt_ids = self._prompt_ids.get(req.request_id)
+        ids = (None if prompt_ids is None else
+               np.concatenate((np.array(tail, dtype=np.int64), prompt_ids)))
         return WaitingView(req.request_id, tokens, len(sess.context) + budget,
                            start=sess.cached, replica=sess.replica, lifetime=sess.lifetime,
-                           held_blocks=len(self.kv[sess.replica].block_table(sess.lifetime)))
+                           held_blocks=len(self.kv[sess.replica].block_table(sess.lifetime)),
+                           ids=ids)
 
     def _blocked_by_kv(self, w: WaitingView, views: list[ReplicaView]) -> bool:
         cands = [w.replica] if w.replica is not None else range(len(views))

@@ -205,14 +205,13 @@ def decode_plan(contexts: list[int], tokens: list[int], bucket: int,
 
 def prefill_plan(seqs: list[tuple[int, int]], rng: random.Random, vocab: int,
                  block_size: int) -> StepPlan:
-    """One P step: sequence i prefills seqs[i][1] new tokens on seqs[i][0] cached ones. A
-    fresh sequence (nothing cached) carries its ids as an array, as the scheduler's items do
-    (converted at submit); a continuation's tokens are Python ints, as a retained session's
-    context + prompt are there."""
+    """One P step: sequence i prefills seqs[i][1] new tokens on seqs[i][0] cached ones. Each
+    item carries its ids as an array, as the scheduler's do (a fresh prompt's converted at
+    submit; a retained continuation's context tail + prompt)."""
     tables = _tables([c + n for c, n in seqs], block_size)
     toks = [tuple(rng.randrange(vocab) for _ in range(n)) for _, n in seqs]
     items = tuple(PrefillItem(lifetime=i, tokens=t, start=c, table=tb, params=GREEDY,
-                              ids=np.array(t, dtype=np.int64) if c == 0 else None)
+                              ids=np.array(t, dtype=np.int64))
                   for i, ((c, _), t, tb) in enumerate(zip(seqs, toks, tables)))
     return StepPlan(step=0, phase=Phase.PREFILL, replicas=(ReplicaWork(prefill=items),))
 
