@@ -87,7 +87,7 @@ class Scheduler:
         self.limits = PlannerLimits(cfg.max_batch_size, cfg.max_prefill_tokens,
                                     tuple(cfg.decode_buckets), atp)
         self.waiting: deque[Request] = deque()
-        self._prompt_ids: dict[str, np.ndarray | None] = {}  # waiting requests' prompts
+        self._prompt_ids: dict[str, np.ndarray] = {}  # waiting requests' prompts as int64
         self.seqs: dict[int, _Seq] = {}  # lifetime -> admitted sequence
         self.by_id: dict[str, RequestOutput] = {}  # every known request id (incl. finished)
         self.live: dict[str, int | None] = {}  # unfinished request id -> lifetime (None: waiting)
