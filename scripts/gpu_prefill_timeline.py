@@ -127,9 +127,15 @@ def analyse(trace: dict) -> dict:
                 r[1] += ev["dur"]
                 r[2] = max(r[2], ev["dur"])
         by_kernel = collections.defaultdict(lambda: [0, 0.0])
+        durations = collections.defaultdict(list)  # per kernel name, in launch order
         for k in ks:
             by_kernel[k["name"][:90]][0] += 1
             by_kernel[k["name"][:90]][1] += k["dur"]
+            durations[k["name"][:90]].append(k["dur"])
+        # kernels that run once a layer: their length layer by layer (a slow first few
+        # layers: the kernels themselves, or the gaps between them?)
+        per_layer = {name: d for name, d in durations.items() if len(d) >= 8
+                     and len(d) == max(len(x) for x in durations.values() if len(x) < 40)}
         out["steps"].append({
             "wall_us": t1 - t0, "busy_us": busy, "kernels": len(ks),
             "before_first_us": ks[0]["ts"] - t0, "after_last_us": t1 - end,
@@ -139,6 +145,7 @@ def analyse(trace: dict) -> dict:
             "largest_gaps": sorted(detail, key=lambda d: -d["gap_us"])[:24],
             "runtime_calls": dict(sorted(runtime.items(), key=lambda kv: -kv[1][1])[:12]),
             "kernels_by_name": dict(sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:30]),
+            "per_layer_us": dict(sorted(per_layer.items(), key=lambda kv: -sum(kv[1]))[:6]),
         })
     return out
 
@@ -407,6 +414,13 @@ def main(argv: list[str]) -> int:
                           f"first {st['before_first_us'] / 1e3:.2f}, between "
                           f"{st['between_us'] / 1e3:.2f} ({st['gaps_over_20us']} gaps > 20 us), "
                           f"after last {st['after_last_us'] / 1e3:.2f}")
+                last = res["steps"][-1] if res["steps"] else {}
+                if last.get("per_layer_us"):
+                    print("  once-a-layer kernels, us by layer (the last profiled step):")
+                    for name, d in last["per_layer_us"].items():
+                        pick = [d[i] for i in (0, 1, 2, 3, 5, 8, 12, 16) if i < len(d)] + [d[-1]]
+                        print(f"    {name[:28]:28s} " + " ".join(f"{x:6.1f}" for x in pick)
+                              + "  (layers 0 1 2 3 5 8 12 16 last)")
                 if args.clock:
                     marks = clock(bench, plan)
                     print("  unprofiled clock (ms from the step's start): layer: host, GPU, "

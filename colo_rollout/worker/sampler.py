@@ -22,6 +22,7 @@ from collections.abc import Iterable
 
 import torch
 
+from colo_rollout.model import greedy_pick
 from colo_rollout.sched.request import SamplingParams
 from colo_rollout.runtime.device import h2d
 
@@ -146,7 +147,11 @@ def draw_params(params: list[SamplingParams], rows: int) -> list[float]:
 
 def greedy_tensors(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy tokens [n] and their logprobs [n] of every row: what ``sample_tensors`` returns
-    for all-greedy params (a D graph captures it with the forward)."""
+    for all-greedy params (a D graph captures it with the forward). On CUDA one split
+    reduction (model/greedy_pick.py: the same tokens; the logprobs torch's up to the sum's
+    rounding order) instead of a [n, V] log_softmax."""
+    if logits.is_cuda and greedy_pick.supports(logits):
+        return greedy_pick.greedy_pick(logits)
     logits = logits.float()
     tokens = logits.argmax(dim=-1)
     return tokens, torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
