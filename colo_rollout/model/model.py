@@ -104,10 +104,9 @@ class MoEBlock(Protocol):
         caller runs the module (no graphs, or the step's rows not staged for them:
         ``PrefillInputs.graph_rows``)."""
 
-    def embedded(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where a staged step's embedding rows [n, H] and their input norm (layer 0's x) are
-        once layer 0's ``attention_input`` replayed (it computes them): only for steps whose
-        rows the graphs staged (``PrefillInputs.graph_rows``)."""
+    def attention_x(self, n: int) -> torch.Tensor | None:
+        """Where the caller may write layer 0's normed rows [n, H] (``attention_input``'s x:
+        its replay then copies nothing), or None."""
 
 
 @dataclass(frozen=True)
@@ -137,8 +136,8 @@ class ModulesMoE:
                         kv: KVStorage) -> None:
         return None
 
-    def embedded(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        raise RuntimeError("the modules stage no P rows")
+    def attention_x(self, n: int) -> None:
+        return None
 
 
 @dataclass(frozen=True)
@@ -848,12 +847,11 @@ class InferenceGPT(torch.nn.Module):
         n_local = inp.row_counts[r]
         boundary = 0
         first = self._p_embed_norm()
-        if inp.graph_rows:  # both computed by layer 0's attention graph, from the staged ids
-            emb_partial, normed = moe.embedded(n_local)
-        elif first is not None:  # the rows and layer 0's input norm of them in one launch
-            emb_partial, normed = embed_rms_norm(inp.token_ids,
-                                                 self.embedding.word_embeddings.weight, first,
-                                                 self.residual_kernel)
+        if first is not None:  # the rows and layer 0's input norm of them in one launch
+            emb_partial, normed = embed_rms_norm(
+                inp.token_ids, self.embedding.word_embeddings.weight, first,
+                self.residual_kernel,
+                normed_out=moe.attention_x(n_local) if inp.graph_rows else None)
         else:
             emb_partial = self.embedding.partial(inp.token_ids)
             normed = None  # this layer's normalised input, where the last add computed it

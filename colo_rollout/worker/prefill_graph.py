@@ -13,11 +13,10 @@ kernel's plan, cuDNN's dense calls of one padded length each), which a static gr
 follow. Its input half -- the QKV projection, the q/k norms, the rotation and the K/V store
 (``PagedSelfAttention.project_rotate``) -- is row-wise, so where every layer's MoE block is a
 "normed" graph (one rank) it replays as graph ("attn", layer, bucket) too: it reads the
-layer's normed input where the previous block's graph wrote it (layer 0's graph computes the
-embedding and its norm first, from the staged ids) and the step's positions and KV slots,
-which the runner stages once per step with the ids into a static buffer (``stage_rows``;
-padding rows: position 0, the sink block's first slot, token 0), and writes q and qkv into
-static buffers that the eager attention reads. Per layer the
+layer's normed input where the previous block's graph wrote it (layer 0: where the embedding
+kernel wrote it) and the step's positions and KV slots, which the runner stages once per step
+into a static buffer (``stage_rows``; padding rows: position 0 and the sink block's first
+slot), and writes q and qkv into static buffers that the eager attention reads. Per layer the
 host then enqueues a replay, the attention call, the output projection, the fused add and the
 MoE replay (the rope launch and the projection's matmul were ~0.1 ms of host per layer, which
 layer 0 waits for on the GPU).
@@ -60,7 +59,7 @@ import torch
 
 from colo_rollout.model.attention import AttnMetadata, KVStorage
 from colo_rollout.model.model import ModulesMoE
-from colo_rollout.model.norm_add import add_slots_rms_norm, embed_rms_norm
+from colo_rollout.model.norm_add import add_slots_rms_norm
 from colo_rollout.model.residual import add_rounded_slots
 
 MIN_TOKENS = 32  # smallest token bucket
@@ -126,7 +125,6 @@ class PrefillMoEGraphs:
         # slots at [T, 2T)), the q and qkv outputs; made at the first stage
         self._attention: bool | None = None  # whether the model allows them (decided once)
         self._rows: torch.Tensor | None = None
-        self._h0: torch.Tensor | None = None  # the embedding rows of layer 0's graph
         self._q: torch.Tensor | None = None
         self._qkv: torch.Tensor | None = None
 
@@ -188,31 +186,22 @@ class PrefillMoEGraphs:
         return token_bucket(n, self.max_tokens)
 
     def stage_rows(self, rows: torch.Tensor) -> None:
-        """Stage a P step's rows for the attention graphs: ``rows`` [3T] int64 (device) --
-        the positions padded to the bucket T (``bucket``) with 0, the KV slots padded with the
-        sink block's first slot, the token ids padded with 0. One copy on P's stream."""
-        T = rows.shape[0] // 3
-        self._rows_buffer()[: 3 * T].copy_(rows)
+        """Stage a P step's positions and KV slots for the attention graphs: ``rows`` [2T]
+        int64 (device) -- the positions padded to the bucket T (``bucket``) with 0, then the
+        slots padded with the sink block's first slot. One copy on P's stream."""
+        T = rows.shape[0] // 2
+        self._rows_buffer()[: 2 * T].copy_(rows)
 
     def _rows_buffer(self) -> torch.Tensor:
         if self._rows is None:
-            self._rows = torch.zeros(3 * self.max_tokens, dtype=torch.int64, device=self.device)
+            self._rows = torch.zeros(2 * self.max_tokens, dtype=torch.int64, device=self.device)
         return self._rows
 
     def attention_x(self, n: int) -> torch.Tensor:
-        """The attention graphs' x [n, H]: the "normed" graphs' next-norm output buffer
-        (layer i >= 1 reads what layer i - 1's graph wrote; layer 0's graph writes its
-        embedding's norm there itself)."""
+        """Where layer 0's normed rows [n, H] go (the attention graphs' x: the "normed"
+        graphs' next-norm output buffer, which layers >= 1 read as it is)."""
         self._out("normed")
         return self._outs["normed_next"][:n]
-
-    def embedded(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the step's embedding rows [n, H], their norm: layer 0's x), views of the static
-        buffers layer 0's attention graph writes when it replays (``attention_input``): the
-        step's ids are staged with its rows, so the embedding is inside that graph."""
-        if self._h0 is None:
-            self._h0 = torch.zeros_like(self._in)
-        return self._h0[:n], self.attention_x(n)
 
     def attention_input(self, i: int, x: torch.Tensor, inp, kv: KVStorage
                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -222,8 +211,6 @@ class PrefillMoEGraphs:
         (``PrefillInputs.graph_rows``) or past the largest bucket."""
         n = x.shape[0]
         if inp.graph_rows != n or kv is not self.kv:
-            if i == 0 and inp.graph_rows:  # the caller took layer 0's x from ``embedded``
-                raise RuntimeError("P's attention graphs: the staged step cannot replay")
             return None
         T = token_bucket(n, self.max_tokens)
         xs = self.attention_x(n)
@@ -259,10 +246,6 @@ class PrefillMoEGraphs:
                             block_tables=rows[:0], context_lens=rows[:0], seq_lens_new=[],
                             context_lens_host=[])
         x = self.attention_x(T)
-        if i == 0:  # the embedding and layer 0's input norm, from the staged ids
-            h0, x = self.embedded(T)
-            embed_rms_norm(rows[2 * T : 3 * T], m.embedding.word_embeddings.weight,
-                           m._p_embed_norm(), m.residual_kernel, out=(h0, x))
         att.project_rotate(
             x, m.rope_angles(pos), meta, self.kv, i,
             qkv_out=self._qkv[: T * self._qkv_width(att)].view(T, -1),
@@ -367,7 +350,6 @@ class PrefillMoEGraphs:
             if self.attention_graphs:  # warm-ups write K/V at the staged slots: the sink's
                 self._rows_buffer()[:T].zero_()
                 self._rows_buffer()[T : 2 * T].fill_(self.kv.sink_block * self.kv.block_size)
-                self._rows_buffer()[2 * T : 3 * T].zero_()
                 for i in range(len(self.model.decoder.layers)):
                     if ("attn", i, T) not in self._graphs:
                         self._capture_graph(("attn", i, T),

@@ -494,24 +494,22 @@ class ModelRunner:
         dev = self.device
         # the attention kernels' plan rides the same copy (int32 tables as int64 words)
         plan = self.model.prefill_plan(new, ctx) if mine else None
-        # the attention input graphs' rows (worker/prefill_graph.py): positions, slots and
-        # token ids padded to the token bucket T, side by side, staged with one device copy
+        # the attention input graphs' rows (worker/prefill_graph.py): positions and slots
+        # padded to the token bucket T, side by side, staged with one device copy
         graphs = self.prefill_graphs
         T = None if graphs is None else graphs.bucket(len(ids))
         if T is not None:
             n = len(ids)
-            rows = np.empty(3 * T, dtype=np.int64)
+            rows = np.empty(2 * T, dtype=np.int64)
             rows[:n], rows[n:T] = pos, 0
-            rows[T : T + n], rows[T + n : 2 * T] = slots, self.kv.sink_block * self.block_size
-            rows[2 * T : 2 * T + n], rows[2 * T + n :] = ids, 0
-            empty = np.zeros(0, dtype=np.int64)
-            ids, pos, slots = empty, rows, empty  # all three ride in rows
+            rows[T : T + n], rows[T + n :] = slots, self.kv.sink_block * self.block_size
+            pos, slots = rows, np.zeros(0, dtype=np.int64)
         ids_d, pos_d, slots_d, tables_d, ctx_d, last_d, *plan_d = h2d_packed(
             [ids, pos, slots, tables, ctx, last_rows]
             + ([plan.packed()] if plan is not None else []), dev, self._p_stage)
         if T is not None:
             graphs.stage_rows(pos_d)
-            ids_d, slots_d, pos_d = pos_d[2 * T : 2 * T + n], pos_d[T : T + n], pos_d[:n]
+            pos_d, slots_d = pos_d[:n], pos_d[T : T + n]
         attn = AttnMetadata(
             is_prefill=True,
             positions=pos_d,
