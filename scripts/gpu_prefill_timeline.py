@@ -2,12 +2,10 @@
 
   torchrun --standalone --nproc-per-node 1 scripts/gpu_prefill_timeline.py CONFIG [--tokens 4096]
       [--shapes 4096,8192,8x1024] [--attention triton,cudnn] [--json PATH] [--clock]
-      [--host-split] [--head-ms X [--stack]] [--busy-head MS] [--attention-graphs on,off]
+      [--host-split] [--head-ms X [--stack]] [--busy-head MS]
 
-``--shapes`` (N or SxN, comma-separated), ``--attention`` (P attention backends, set on the
-built model's attention modules in turn: ``engine.prefill_attention``'s values) and
-``--attention-graphs`` (P's attention input halves as graph replays, "on" as built, or "off":
-the modules; worker/prefill_graph.py) run every
+``--shapes`` (N or SxN, comma-separated) and ``--attention`` (P attention backends, set on the
+built model's attention modules in turn: ``engine.prefill_attention``'s values) run every
 combination on one engine build (the build is most of a run's time); the full report is
 printed for the first combination, a summary line for each.
 
@@ -177,8 +175,8 @@ def head(trace: dict, ms: float) -> list[str]:
 
 
 def clock(bench, plan, reps: int = 5, busy_ms: float = 0.0) -> list[tuple[float, float]]:
-    """Unprofiled: for each layer, when the host called its attention core (ms from the
-    step's start) and when the GPU reached that point (a CUDA event recorded there), medians of
+    """Unprofiled: for each layer, when the host called its attention (ms from the step's
+    start) and when the GPU reached that point (a CUDA event recorded there), medians of
     ``reps`` steps; the last pair is the step's end (host back from the step, GPU at its
     last event). GPU time - host time near 0: the GPU was waiting for that launch.
     ``busy_ms``: a spin kernel of about that long enqueued first, so the GPU is busy through
@@ -186,18 +184,12 @@ def clock(bench, plan, reps: int = 5, busy_ms: float = 0.0) -> list[tuple[float,
     layers = bench.runner.model.decoder.layers
     marks: list[tuple[float, torch.cuda.Event]] = []
 
-    def marked(attend):
-        def call(*a, **k):
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            marks.append((time.perf_counter(), ev))
-            return attend(*a, **k)
-        return call
+    def hook(_mod, _args):
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        marks.append((time.perf_counter(), ev))
 
-    # the mark: each layer's attention core (``attend``: after its input half, which runs
-    # in the module or as the P graphs' replay)
-    for layer in layers:
-        layer.self_attention.attend = marked(layer.self_attention.attend)
+    handles = [layer.self_attention.register_forward_pre_hook(hook) for layer in layers]
     rows = []
     try:
         for _ in range(reps):
@@ -216,8 +208,8 @@ def clock(bench, plan, reps: int = 5, busy_ms: float = 0.0) -> list[tuple[float,
             rows.append([(1e3 * (t - t0), start.elapsed_time(ev)) for t, ev in marks]
                         + [(1e3 * (t1 - t0), start.elapsed_time(end))])
     finally:
-        for layer in layers:
-            del layer.self_attention.attend  # the class's method again
+        for h in handles:
+            h.remove()
     return [(statistics.median(r[i][0] for r in rows), statistics.median(r[i][1] for r in rows))
             for i in range(min(len(r) for r in rows))]
 
@@ -356,8 +348,6 @@ def main(argv: list[str]) -> int:
                     help="with --clock: also clock steps whose head the GPU spends in a spin "
                          "kernel of this many ms")
     ap.add_argument("--host-split", action="store_true")
-    ap.add_argument("--attention-graphs", default="on",
-                    help="P's attention input graphs, in turn: on (as built), off")
     args = ap.parse_args(argv)
 
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -373,16 +363,12 @@ def main(argv: list[str]) -> int:
     shapes = ([_shape(t) for t in args.shapes.split(",")] if args.shapes
               else [(args.seqs, args.tokens // args.seqs)])
     attentions = [a for a in args.attention.split(",") if a] or [None]
-    combos = [(b, g) for b in attentions for g in args.attention_graphs.split(",")]
     out = []
     try:
-        for backend, graphs_on in combos:
+        for backend in attentions:
             if backend is not None:
                 for layer in bench.runner.model.decoder.layers:
                     layer.self_attention.prefill_backend = backend
-            pg = bench.runner.prefill_graphs
-            if pg is not None:  # None: decided again (as built); False: the modules
-                pg._attention = None if graphs_on == "on" else False
             for seqs, n in shapes:
                 plan = prefill_plan([(0, n)] * seqs, bench.rng, cfg.model.vocab_size,
                                     cfg.engine.kv_block_size)
@@ -403,11 +389,10 @@ def main(argv: list[str]) -> int:
                     trace = json.load(open(f.name))
                 res = analyse(trace)
                 res.update(config=args.config, tokens=seqs * n, seqs=seqs, attention=backend,
-                           attention_graphs=graphs_on, timed_ms=[1e3 * t for t in times])
+                           timed_ms=[1e3 * t for t in times])
                 out.append(res)
                 print(f"{args.config}: prefill {seqs} x {n}, attention {backend or 'as built'}, "
-                      f"attention graphs {graphs_on}, timed step median "
-                      f"{1e3 * statistics.median(times):.2f} ms")
+                      f"timed step median {1e3 * statistics.median(times):.2f} ms")
                 for st in res["steps"]:
                     print(f"  profiled step: wall {st['wall_us'] / 1e3:.2f} ms, busy "
                           f"{st['busy_us'] / 1e3:.2f}, {st['kernels']} kernels; idle before "

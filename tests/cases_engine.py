@@ -758,17 +758,12 @@ def prefill_graph_data_path(rank: int, world: int, adp: int, ep: int) -> dict:
     from colo_rollout.worker.prefill_graph import PrefillMoEGraphs
 
     class EagerReplay(PrefillMoEGraphs):
-        def _capture_graph(self, key, body, once=None):
-            g = SimpleNamespace(replay=once or body)  # the captured function, run eagerly
-            self._graphs[key] = g
+        def _capture(self, kind, i, T):
+            self._out(kind)
+            g = SimpleNamespace(replay=lambda: self._block(kind, i, T))
+            self._graphs[(kind, i, T)] = g
             self.captures += 1
             return g
-
-        def attention_input(self, i, x, inp, kv):
-            got = super().attention_input(i, x, inp, kv)
-            if got is not None:  # whether x was already in the graphs' buffer (no copy)
-                self.x_in_place.append(x.data_ptr() == self.attention_x(1).data_ptr())
-            return got
 
         def normed(self, i, h, u):
             self.u_in_place.append(u.data_ptr() == self._u_buffer().data_ptr())
@@ -786,8 +781,7 @@ def prefill_graph_data_path(rank: int, world: int, adp: int, ep: int) -> dict:
     install_cpu_compat()
     engine = Engine(cfg, groups, random_state_dict(cfg.model))
     model = engine.model
-    graphs = EagerReplay(model, max_tokens=100, capture_stream=None, kv=engine.runner.kv)
-    graphs.x_in_place = []  # per attention replay: the layer's x already in the buffer
+    graphs = EagerReplay(model, max_tokens=100, capture_stream=None)
     graphs.kinds = []  # the kind of every replay, in order
     graphs.in_place = []  # per replay: h already in the graphs' input buffer
     graphs.u_in_place = []  # per "normed" call: u already in the graphs' u buffer
@@ -819,22 +813,9 @@ def prefill_graph_data_path(rank: int, world: int, adp: int, ep: int) -> dict:
     replays, kinds = graphs.replays, len(graphs.kinds)
     graphed = engine.generate([Request(f"g{r.request_id}", r.prompt, r.params)
                                for r in requests])
-    # tokens identical; logprobs within rounding: the attention graphs' QKV GEMM runs over the
-    # bucket's rows, and a GEMM's blocking (so its bits) may change with the row count
     same = all(eager[r.request_id].tokens == graphed[f"g{r.request_id}"].tokens
-               and max(abs(a - b) for a, b in zip(eager[r.request_id].logprobs,
-                                                  graphed[f"g{r.request_id}"].logprobs)) < 1e-5
+               and eager[r.request_id].logprobs == graphed[f"g{r.request_id}"].logprobs
                for r in requests)
-    # the sink block, where padding rows' K/V go, is never read unmasked: a third run with it
-    # filled with large finite values (masked reads weigh them by exact zeros) gives the
-    # same tokens
-    sink = engine.runner.kv.sink_block
-    for t in (*engine.runner.kv.k, *engine.runner.kv.v):
-        t[sink].fill_(1e4)
-    poisoned = engine.generate([Request(f"s{r.request_id}", r.prompt, r.params)
-                                for r in requests])
-    same_poisoned = all(eager[r.request_id].tokens == poisoned[f"s{r.request_id}"].tokens
-                        for r in requests)
     return {"max_diff": worst, "max_diff_residual": worst_residual,
             "max_diff_normed": worst_normed, "normed_layers": sorted(normed_layers),
             "engine_u_in_place": sorted(set(graphs.u_in_place[direct_u:])),
@@ -844,9 +825,7 @@ def prefill_graph_data_path(rank: int, world: int, adp: int, ep: int) -> dict:
             "engine_replays": graphs.replays - replays,
             "engine_in_place": sorted(set(graphs.in_place[kinds:])),
             "direct_in_place": sorted(set(graphs.in_place[:kinds])),
-            "engine_same": same, "same_with_the_sink_poisoned": same_poisoned,
-            "attention_keys": sorted({k for k in graphs.keys if k[0] == "attn"}),
-            "attention_x_in_place": sorted(set(graphs.x_in_place))}
+            "engine_same": same}
 
 
 def wedged_close(rank: int, world: int, adp: int, ep: int) -> dict:

@@ -146,8 +146,7 @@ def test_the_step_inputs_carry_the_attention_plan_in_their_one_copy():
     runner = SimpleNamespace(
         groups=SimpleNamespace(replica=0), block_size=bs, kv=SimpleNamespace(sink_block=SINK),
         device=torch.device("cpu"), prefill_merge_pairs=0, _p_stage=PinnedStage(),
-        model=SimpleNamespace(prefill_plan=plan, prefill_attention="cudnn"),
-        prefill_graphs=None)
+        model=SimpleNamespace(prefill_plan=plan, prefill_attention="cudnn"))
     step = StepPlan(step=0, phase=Phase.PREFILL, replicas=(ReplicaWork(prefill=items),))
     meta = ModelRunner._prefill_inputs(runner, step).attn
     want = pp.plan_prefill(new, ctx, 2, 64, torch.float32, "cpu", cfg, dense=(0,))
@@ -160,51 +159,3 @@ def test_the_step_inputs_carry_the_attention_plan_in_their_one_copy():
     runner.model = SimpleNamespace(prefill_plan=lambda n, c: None, prefill_attention="torch")
     meta = ModelRunner._prefill_inputs(runner, step).attn
     assert meta.prefill_plan is None and meta.dense_calls == [] and meta.buckets
-
-
-def test_the_step_stages_padded_positions_and_slots_for_the_attention_graphs():
-    """Where P's attention input halves replay as graphs (worker/prefill_graph.py), the step's
-    positions and slots travel padded to the token bucket, side by side in the packed copy,
-    and are staged with one copy: padding rows at position 0 and the sink block's first slot
-    (the graphs write their K/V there); the metadata keeps the n real rows' views; the inputs
-    say how many rows were staged. Without a bucket (past the graphs' capacity) nothing is
-    staged."""
-    from types import SimpleNamespace
-
-    from colo_rollout.sched.plan import Phase, ReplicaWork, StepPlan
-    from colo_rollout.worker.runner import ModelRunner
-
-    bs = 16
-    items = (PrefillItem(lifetime=0, tokens=tuple(range(40)), start=0, table=(3, 4, 5)),
-             PrefillItem(lifetime=1, tokens=(7, 8, 9), start=20, table=(6, 2)))
-    staged = []
-
-    class Graphs:
-        def __init__(self, bucket):
-            self._bucket = bucket
-
-        def bucket(self, n):
-            return self._bucket
-
-        def stage_rows(self, rows):
-            staged.append(rows.clone())
-
-    runner = SimpleNamespace(
-        groups=SimpleNamespace(replica=0), block_size=bs, kv=SimpleNamespace(sink_block=SINK),
-        device=torch.device("cpu"), prefill_merge_pairs=0, _p_stage=PinnedStage(),
-        model=SimpleNamespace(prefill_plan=lambda n, c: None, prefill_attention="torch"),
-        prefill_graphs=Graphs(48))
-    step = StepPlan(step=0, phase=Phase.PREFILL, replicas=(ReplicaWork(prefill=items),))
-    inp = ModelRunner._prefill_inputs(runner, step)
-    _, pos, slots, _ = prefill_index(items, bs, SINK)
-    assert inp.graph_rows == 43 and len(staged) == 1
-    rows = staged[0].tolist()
-    assert rows[:43] == pos.tolist() and rows[43:48] == [0] * 5
-    assert rows[48:91] == slots.tolist() and rows[91:] == [SINK * bs] * 5
-    assert inp.attn.positions.tolist() == pos.tolist()
-    assert inp.attn.slot_mapping.tolist() == slots.tolist()
-    assert inp.token_ids.tolist() == [*range(40), 7, 8, 9]
-    runner.prefill_graphs = Graphs(None)
-    inp = ModelRunner._prefill_inputs(runner, step)
-    assert inp.graph_rows == 0 and len(staged) == 1
-    assert inp.attn.slot_mapping.tolist() == slots.tolist()

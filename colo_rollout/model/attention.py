@@ -289,32 +289,8 @@ class PagedSelfAttention(torch.nn.Module):
         T = x.shape[0]
         if T == 0:  # a replica without P rows this step (TE's fused norm rejects empty input)
             return x.new_zeros((0, self.linear_proj.weight.shape[0]))
-        q, qkv = self.project_rotate(x, rope, meta, kv, layer)
-        return self.attend(q, qkv, meta, kv, layer)
-
-    def graphable_input_half(self) -> bool:
-        """Whether ``project_rotate`` can run inside a CUDA graph into given buffers (P's
-        attention-input graphs, worker/prefill_graph.py): megatron's plain QKV linear (no TE
-        module, no FP8 copy) -- its matmul can write into ``qkv_out``."""
-        return self._plain_qkv and getattr(self, "colo_fp8", None) is None
-
-    def project_rotate(self, x: torch.Tensor, rope: RopeAngles, meta: AttnMetadata,
-                       kv: KVStorage, layer: int, qkv_out: torch.Tensor | None = None,
-                       q_out: torch.Tensor | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The attention's input half on x [T, H]: the QKV projection, the q/k norms, the
-        rotation of q and k, and the new K/V written into their slots (``meta.slot_mapping``).
-        Returns (q [T, heads, D] rotated, qkv [T, G, n + 2, D] -- k rotated in place where
-        P's dense calls read it). ``qkv_out`` [T, G * (n + 2) * D] and ``q_out`` [T, G, n, D]
-        (``graphable_input_half`` modules, the rope kernel): contiguous buffers to write them
-        into -- a CUDA graph's static outputs."""
-        T = x.shape[0]
         fp8 = getattr(self, "colo_fp8", None)  # model.fp8: (qkv, proj) as FP8 (model/fp8.py)
-        if qkv_out is not None:  # the same matmul and bias add as plain_column_linear's
-            qkv = torch.matmul(x, self.linear_qkv.weight.t(), out=qkv_out)
-            if self.linear_qkv.bias is not None:
-                qkv.add_(self.linear_qkv.bias)
-        elif fp8 is not None:
+        if fp8 is not None:
             qkv = fp8_linear(x, fp8[0], bias=self.linear_qkv.bias)
         elif self._plain_qkv:
             qkv = plain_column_linear(self.linear_qkv, x)
@@ -339,23 +315,15 @@ class PagedSelfAttention(torch.nn.Module):
                                else (*rope.cos_sin(q.dtype, 2), None))
         q = rope_and_store(q, k, v, cos, sin, kv.k_slots[layer], kv.v_slots[layer],
                            meta.slot_mapping, backend=backend,
-                           qk_norm=qk_norm, positions=positions, store_k=store_k, out=q_out)
+                           qk_norm=qk_norm, positions=positions, store_k=store_k)
         if store_k and k.data_ptr() != qkv[:, :, n].data_ptr():  # a normed copy of k
             qkv[:, :, n].copy_(k)
-        return q, qkv
 
-    def attend(self, q: torch.Tensor, qkv: torch.Tensor, meta: AttnMetadata, kv: KVStorage,
-               layer: int) -> torch.Tensor:
-        """The attention's output half on ``project_rotate``'s (q, qkv) of T rows: attention
-        over the cache and the step's rows, then the output projection -> the ATP-partial
-        output [T, H]."""
-        T = q.shape[0]
         if meta.is_prefill:
             out = self._prefill(q, qkv, kv, layer, meta)
         else:
             out = self._decode(q, kv, layer, meta)
         out = out.reshape(T, self.heads * self.head_dim)
-        fp8 = getattr(self, "colo_fp8", None)
         if fp8 is not None:
             return fp8_linear(out, fp8[1])
         return F.linear(out, self.linear_proj.weight)  # partial over ATP: caller reduces

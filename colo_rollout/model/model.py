@@ -97,17 +97,6 @@ class MoEBlock(Protocol):
         """Where the caller may write the next block's h [n, H] -- and with ``normed`` its u
         (else None) -- (a graph's input buffers: its replay then copies nothing), or None."""
 
-    def attention_input(self, i: int, x: torch.Tensor, inp: "PrefillInputs",
-                        kv: KVStorage) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Layer i's attention input half (``PagedSelfAttention.project_rotate``) on its
-        normed rows x [n, H] by a graph replay -> (q, qkv) of the n rows; None where the
-        caller runs the module (no graphs, or the step's rows not staged for them:
-        ``PrefillInputs.graph_rows``)."""
-
-    def attention_x(self, n: int) -> torch.Tensor | None:
-        """Where the caller may write layer 0's normed rows [n, H] (``attention_input``'s x:
-        its replay then copies nothing), or None."""
-
 
 @dataclass(frozen=True)
 class ModulesMoE:
@@ -130,13 +119,6 @@ class ModulesMoE:
         return add_slots_rms_norm(h, pairs, m.p_fusion(i).after, m.residual_kernel)
 
     def input(self, n: int, normed: bool = False) -> None:
-        return None
-
-    def attention_input(self, i: int, x: torch.Tensor, inp: "PrefillInputs",
-                        kv: KVStorage) -> None:
-        return None
-
-    def attention_x(self, n: int) -> None:
         return None
 
 
@@ -367,10 +349,6 @@ class PrefillInputs:
     row_counts: list[int]
     last_counts: list[int]  # sequences per replica (logit rows)
     last_rows: torch.Tensor  # [n_all] global row index of each sequence's last token
-    # rows whose positions and slots the runner staged in the P graphs' static buffers, padded
-    # to their token bucket (worker/prefill_graph.py: ``stage_rows``); 0: none -- the
-    # attention input half then runs the modules
-    graph_rows: int = 0
 
 
 @dataclass
@@ -686,17 +664,6 @@ class InferenceGPT(torch.nn.Module):
                                    else self.decoder.final_layernorm)
         return None if pre is None or after is None else PrefillFusion(pre, after)
 
-    def p_attention_graphable(self, h: torch.Tensor) -> bool:
-        """Whether P's attention input halves may replay as graphs (worker/prefill_graph.py)
-        for a step whose residual stream is like h: no MTP pass (it samples inside P), layer
-        0's input norm fused into the embedding (``_p_embed_norm``: its rows land where the
-        graphs read them), every layer a "normed" MoE block (each writes the next layer's
-        normed rows into the graphs' buffer) whose attention ``graphable_input_half``."""
-        return (not self.mtp_draft and self._p_embed_norm() is not None
-                and all(self.p_moe_kind(i, h) == "normed"
-                        and layer.self_attention.graphable_input_half()
-                        for i, layer in enumerate(self.decoder.layers)))
-
     def p_moe_kind(self, i: int, h: torch.Tensor) -> str | None:
         """How P computes MoE layer i on h without a dispatch backend: "normed" (the slots
         into h with both norms fused, ``MoEBlock.normed``), "residual" (the slots into h),
@@ -848,10 +815,9 @@ class InferenceGPT(torch.nn.Module):
         boundary = 0
         first = self._p_embed_norm()
         if first is not None:  # the rows and layer 0's input norm of them in one launch
-            emb_partial, normed = embed_rms_norm(
-                inp.token_ids, self.embedding.word_embeddings.weight, first,
-                self.residual_kernel,
-                normed_out=moe.attention_x(n_local) if inp.graph_rows else None)
+            emb_partial, normed = embed_rms_norm(inp.token_ids,
+                                                 self.embedding.word_embeddings.weight, first,
+                                                 self.residual_kernel)
         else:
             emb_partial = self.embedding.partial(inp.token_ids)
             normed = None  # this layer's normalised input, where the last add computed it
@@ -874,9 +840,7 @@ class InferenceGPT(torch.nn.Module):
                 moe_input=(None if kind is None
                            else lambda n, u=kind == "normed": moe.input(n, u)), normed=normed,
                 fused=(lambda x, u, i=i: moe.normed(i, x, u)) if kind == "normed" else None,
-                pre=None if fusion is None else fusion.pre,
-                attn_in=((lambda x, i=i: moe.attention_input(i, x, inp, kv))
-                         if inp.graph_rows else None))
+                pre=None if fusion is None else fusion.pre)
         if normed is not None:  # the last layer's add computed the final norm of every row
             hidden_all = normed
             last = normed[inp.last_rows]
@@ -951,7 +915,7 @@ class InferenceGPT(torch.nn.Module):
                       boundary: int, moe_partial, *, dispatch: bool = False,
                       slots: bool = False, trace: bool = False, moe_input=None,
                       normed: torch.Tensor | None = None, fused=None,
-                      pre: FusedRMSNorm | None = None, attn_in=None
+                      pre: FusedRMSNorm | None = None
                       ) -> Generator[int, None, tuple[torch.Tensor, int, torch.Tensor | None]]:
         """One layer of P on the gather backend's layout (a generator; yields ``boundary``
         on, one id before each collective): ``h`` [T, H] holds every replica's rows on every
@@ -967,21 +931,15 @@ class InferenceGPT(torch.nn.Module):
         through this layer's input norm (the last layer's fused add made them). ``fused``
         (``MoEBlock.normed``, one rank, with ``pre`` the pre-MLP norm): the attention's add
         computes h and its pre-MLP norm u in one kernel, and ``fused(h, u)`` the new h and
-        the next norm's rows. ``attn_in`` (``MoEBlock.attention_input`` of the layer): the
-        attention's input half on x by a graph replay, or None where the module runs it.
-        Returns (h, the next boundary id, the next layer's normalised input or None). The
-        decoder's layers and the MTP layer's share it."""
+        the next norm's rows. Returns (h, the next boundary id, the next layer's normalised
+        input or None). The decoder's layers and the MTP layer's share it."""
         comm = self.comm
         off, n_local = own.start, own.stop - own.start
         src = h if normed is None else normed
         x = src if n_local == src.shape[0] else src[own]  # (one replica: no slice op)
         if normed is None:
             x = layer.input_layernorm(x)
-        replayed = None if attn_in is None else attn_in(x)
-        if replayed is None:
-            attn = layer.self_attention(x, rope, inp.attn, kv, kv_layer)
-        else:  # q and qkv of the graph's replay: attention and the output projection here
-            attn = layer.self_attention.attend(*replayed, inp.attn, kv, kv_layer)
+        attn = layer.self_attention(x, rope, inp.attn, kv, kv_layer)
         yield boundary
         boundary += 1
         buf = None if moe_input is None else moe_input(h.shape[0])

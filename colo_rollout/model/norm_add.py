@@ -107,27 +107,20 @@ def add_slots_rms_norm(res: torch.Tensor, pairs: torch.Tensor, norm: FusedRMSNor
 
 
 def embed_rms_norm(ids: torch.Tensor, table: torch.Tensor, norm: FusedRMSNorm,
-                   backend: str = "torch", normed_out: torch.Tensor | None = None) -> Outputs:
+                   backend: str = "torch") -> Outputs:
     """ids [n] (int64) into table [V, H] -> (``F.embedding(ids, table)``, its RMSNorm): one
     kernel with ``backend`` "triton" where it applies, else the two torch ops. The rows are
     the table's bitwise (a copy); the norm as ``add_rms_norm``'s. Ids must lie in the table
-    (the scheduler refuses others at submit; the kernel does not check them). ``normed_out``:
-    a contiguous [n, H] tensor of the table's dtype to write the normed rows into (a CUDA
-    graph's static input; returned)."""
+    (the scheduler refuses others at submit; the kernel does not check them)."""
     if ids.dim() != 1 or table.dim() != 2:
         raise ValueError(f"embed_rms_norm: ids {tuple(ids.shape)} must be [n] and the table "
                          f"{tuple(table.shape)} [V, H]")
     n, H = ids.shape[0], table.shape[1]
-    if normed_out is not None and not (normed_out.shape == (n, H) and normed_out.dtype ==
-                                       table.dtype and normed_out.is_contiguous()):
-        raise ValueError(f"normed_out: a contiguous ({n}, {H}) {table.dtype} tensor")
     if not (_kernel_applies(table, table, norm, backend) and ids.dtype == torch.int64
             and ids.is_contiguous()):
         rows = F.embedding(ids, table)
-        normed = F.rms_norm(rows, (H,), norm.weight, norm.eps)
-        return rows, normed if normed_out is None else normed_out.copy_(normed)
-    rows = table.new_empty((n, H))
-    normed = table.new_empty((n, H)) if normed_out is None else normed_out
+        return rows, F.rms_norm(rows, (H,), norm.weight, norm.eps)
+    rows, normed = (table.new_empty((n, H)) for _ in range(2))
     if n and H:
         block = pow2(H, 16)
         rne = not table.is_cuda and table.dtype == torch.bfloat16

@@ -77,8 +77,7 @@ def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 def torch_rope_and_store(q, k, v, cos, sin, k_cache, v_cache, slots,
                          qk_norm: QKRMSNorm | None = None, positions=None,
-                         store_k: bool = False, out: torch.Tensor | None = None
-                         ) -> torch.Tensor:
+                         store_k: bool = False) -> torch.Tensor:
     """The reference: q [T, G, n, D], k and v [T, G, D] (any strides), cos and sin [T, rot]
     in q's dtype (or tables [P, rot] read at ``positions`` [T]); k_cache and v_cache
     [slots, G, D]; slots [T] int64 -> rotated q [T, G * n, D] contiguous (k and v written
@@ -96,8 +95,6 @@ def torch_rope_and_store(q, k, v, cos, sin, k_cache, v_cache, slots,
     v_cache.index_copy_(0, slots, as_dtype(v, v_cache.dtype))
     if store_k:
         k.copy_(kr)
-    if out is not None:
-        return out.copy_(qr).view(T, -1, q.shape[-1])
     return qr.reshape(T, -1, q.shape[-1])
 
 
@@ -119,19 +116,14 @@ def triton_rope_and_store(q, k, v, cos, sin, k_cache, v_cache, slots,
     return _launch(q, k, v, cos, sin, k_cache, v_cache, slots, qk_norm, positions, store_k)
 
 
-def _launch(q, k, v, cos, sin, k_cache, v_cache, slots, qk_norm, positions, store_k,
-            out=None):
+def _launch(q, k, v, cos, sin, k_cache, v_cache, slots, qk_norm, positions, store_k):
     """The kernel on tensors ``triton_rope_and_store`` (or ``kernel_fits``) has checked: one
     launch, every group of each token in one program from WHOLE_TOKEN_FROM tokens."""
     if triton is None:
         raise RuntimeError("triton is not importable: use the torch attention backend")
     T, G, n, D = q.shape
     rot = cos.shape[-1]
-    if out is None:
-        out = torch.empty((T, G, n, D), dtype=q.dtype, device=q.device)
-    elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
-        raise ValueError(f"rope kernel: out {tuple(out.shape)} {out.dtype} must be q's shape "
-                         f"{tuple(q.shape)} and dtype, contiguous")
+    out = torch.empty((T, G, n, D), dtype=q.dtype, device=q.device)
     if T == 0:
         return out.view(T, G * n, D)
     upcast = not q.is_cuda  # the interpreter: round fp32 -> bf16 to nearest even by hand
@@ -176,21 +168,18 @@ def _norm_fits(qk_norm: QKRMSNorm, D: int) -> bool:
 
 
 def rope_and_store(q, k, v, cos, sin, k_cache, v_cache, slots, backend: str = "torch",
-                   qk_norm: QKRMSNorm | None = None, positions=None, store_k: bool = False,
-                   out: torch.Tensor | None = None):
+                   qk_norm: QKRMSNorm | None = None, positions=None, store_k: bool = False):
     """``backend`` "triton" (the kernel, where ``kernel_fits``) or "torch" (the reference);
     ``qk_norm``: q's and k's RMSNorm first, in the same launch; ``positions``: cos and sin
-    are tables read at them; ``store_k``: the rotated k written back into k; ``out``: a
-    contiguous tensor of q's shape and dtype to write the rotated q into (a CUDA graph's
-    static output); see the module docstring."""
+    are tables read at them; ``store_k``: the rotated k written back into k; see the module
+    docstring."""
     if backend == "triton" and kernel_fits(q, k, v, cos, k_cache, v_cache) and (
             qk_norm is None or _norm_fits(qk_norm, q.shape[-1])):
         # checked here: the launch without triton_rope_and_store's second look (host time on
         # P's critical path, every layer)
-        return _launch(q, k, v, cos, sin, k_cache, v_cache, slots, qk_norm, positions, store_k,
-                       out)
+        return _launch(q, k, v, cos, sin, k_cache, v_cache, slots, qk_norm, positions, store_k)
     return torch_rope_and_store(q, k, v, cos, sin, k_cache, v_cache, slots, qk_norm,
-                                positions, store_k, out)
+                                positions, store_k)
 
 
 if triton is not None:

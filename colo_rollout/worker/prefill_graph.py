@@ -8,18 +8,8 @@ collectives sit at the boundaries around it (the attention gather before, the co
 AllReduce after), where the turnstile orders them. So it can be captured per token count
 without any cross-rank agreement, and a P segment then enqueues one replay per layer for it.
 
-Attention's core stays eager: its batched calls are shaped by the epoch's sequences (the
-kernel's plan, cuDNN's dense calls of one padded length each), which a static graph cannot
-follow. Its input half -- the QKV projection, the q/k norms, the rotation and the K/V store
-(``PagedSelfAttention.project_rotate``) -- is row-wise, so where every layer's MoE block is a
-"normed" graph (one rank) it replays as graph ("attn", layer, bucket) too: it reads the
-layer's normed input where the previous block's graph wrote it (layer 0: where the embedding
-kernel wrote it) and the step's positions and KV slots, which the runner stages once per step
-into a static buffer (``stage_rows``; padding rows: position 0 and the sink block's first
-slot), and writes q and qkv into static buffers that the eager attention reads. Per layer the
-host then enqueues a replay, the attention call, the output projection, the fused add and the
-MoE replay (the rope launch and the projection's matmul were ~0.1 ms of host per layer, which
-layer 0 waits for on the GPU).
+Attention stays eager: its batched calls are shaped by the epoch's context buckets, which a
+static graph cannot follow.
 
 Owns: two input buffers [max_tokens, H] (model dtype: h, and u -- h through the pre-MLP norm,
 read by "normed" graphs only), an output buffer [max_tokens, H] per kind of graph --
@@ -47,17 +37,12 @@ Invariants:
     with the D graphs whenever a parameter was replaced (checked when a step starts from idle).
   * Capture needs no other rank (no collective inside), so it happens lazily at the first use
     of a (layer, bucket) on each rank, or ahead of serving in ``capture_all``.
-  * An attention graph writes K/V at the staged slots of all T rows: padding rows' slots are
-    the sink block's (never read), rewritten by every ``stage_rows``; ``capture_all`` stages
-    sink slots before it captures (its warm-up runs write K/V too), and a lazy capture runs
-    inside a step whose rows are staged (the warm-up computes what the replay will).
 """
 
 from __future__ import annotations
 
 import torch
 
-from colo_rollout.model.attention import AttnMetadata, KVStorage
 from colo_rollout.model.model import ModulesMoE
 from colo_rollout.model.norm_add import add_slots_rms_norm
 from colo_rollout.model.residual import add_rounded_slots
@@ -100,10 +85,8 @@ class PrefillMoEGraphs:
     caller and giving the next norm's rows too -- ``InferenceGPT.p_fusion``). Graphs are kept
     per (kind, layer, bucket)."""
 
-    def __init__(self, model, max_tokens: int, capture_stream: torch.cuda.Stream,
-                 kv: KVStorage | None = None) -> None:
+    def __init__(self, model, max_tokens: int, capture_stream: torch.cuda.Stream) -> None:
         self.model = model
-        self.kv = kv  # the KV storage the attention graphs write (None: no attention graphs)
         self._modules = ModulesMoE(model)  # past the largest bucket
         self.max_tokens = max_tokens
         self.capture_stream = capture_stream
@@ -121,12 +104,6 @@ class PrefillMoEGraphs:
         self._pool = None  # made at the first capture (a fresh one after release)
         self.captures = 0
         self.replays = 0
-        # attention input graphs: staged positions and slots (bucket T: positions at [0, T),
-        # slots at [T, 2T)), the q and qkv outputs; made at the first stage
-        self._attention: bool | None = None  # whether the model allows them (decided once)
-        self._rows: torch.Tensor | None = None
-        self._q: torch.Tensor | None = None
-        self._qkv: torch.Tensor | None = None
 
     def partial(self, i: int, h: torch.Tensor) -> torch.Tensor:
         """MoE layer i's routed experts on h [n, H] -> this rank's fp32 partial [n, H] (a view
@@ -167,90 +144,6 @@ class PrefillMoEGraphs:
             return None
         # u only for "normed" graphs: a model that never fuses its norms keeps no u buffer
         return self._in[:n], (self._u_buffer()[:n] if normed else None)
-
-    @property
-    def attention_graphs(self) -> bool:
-        """Whether P's attention input halves replay as graphs: a KV storage to write and
-        every layer a "normed" MoE block whose attention module ``graphable_input_half``
-        (``InferenceGPT.p_attention_graphable``)."""
-        if self._attention is None:
-            self._attention = (self.kv is not None
-                               and self.model.p_attention_graphable(self._in[:1]))
-        return self._attention
-
-    def bucket(self, n: int) -> int | None:
-        """The token bucket the runner pads a P step of n rows to for the attention graphs
-        (``stage_rows``), or None: those graphs are off or n past the largest bucket."""
-        if n == 0 or n > self.max_tokens or not self.attention_graphs:
-            return None
-        return token_bucket(n, self.max_tokens)
-
-    def stage_rows(self, rows: torch.Tensor) -> None:
-        """Stage a P step's positions and KV slots for the attention graphs: ``rows`` [2T]
-        int64 (device) -- the positions padded to the bucket T (``bucket``) with 0, then the
-        slots padded with the sink block's first slot. One copy on P's stream."""
-        T = rows.shape[0] // 2
-        self._rows_buffer()[: 2 * T].copy_(rows)
-
-    def _rows_buffer(self) -> torch.Tensor:
-        if self._rows is None:
-            self._rows = torch.zeros(2 * self.max_tokens, dtype=torch.int64, device=self.device)
-        return self._rows
-
-    def attention_x(self, n: int) -> torch.Tensor:
-        """Where layer 0's normed rows [n, H] go (the attention graphs' x: the "normed"
-        graphs' next-norm output buffer, which layers >= 1 read as it is)."""
-        self._out("normed")
-        return self._outs["normed_next"][:n]
-
-    def attention_input(self, i: int, x: torch.Tensor, inp, kv: KVStorage
-                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Layer i's attention input half on x [n, H] by the replay of graph ("attn", i, T)
-        -> (q [n, heads, D], qkv [n, G, n_q + 2, D]), views of the static outputs (consumed on
-        this stream before the next replay); None where the step's rows were not staged
-        (``PrefillInputs.graph_rows``) or past the largest bucket."""
-        n = x.shape[0]
-        if inp.graph_rows != n or kv is not self.kv:
-            return None
-        T = token_bucket(n, self.max_tokens)
-        xs = self.attention_x(n)
-        if x.data_ptr() != xs.data_ptr():  # written there already (attention_x): no copy
-            xs.copy_(x)
-        g = self._graphs.get(("attn", i, T))
-        if g is None:
-            g = self._capture_graph(("attn", i, T), lambda: self._attention_half(i, T))
-        g.replay()
-        self.replays += 1
-        att = self.model.decoder.layers[i].self_attention
-        q = self._q[: T * att.heads * att.head_dim].view(T, att.heads, att.head_dim)
-        qkv = self._qkv[: T * self._qkv_width(att)].view(T, att.groups, att.q_per_group + 2,
-                                                        att.head_dim)
-        return q[:n], qkv[:n]
-
-    @staticmethod
-    def _qkv_width(att) -> int:
-        return att.groups * (att.q_per_group + 2) * att.head_dim
-
-    def _attention_half(self, i: int, T: int) -> None:
-        """The captured body: layer i's ``project_rotate`` on the static rows of bucket T."""
-        m = self.model
-        att = m.decoder.layers[i].self_attention
-        if self._q is None:  # outside the capture (warm-up runs first): not the pool's
-            self._q = torch.zeros(self.max_tokens * att.heads * att.head_dim,
-                                  dtype=m.dtype, device=self.device)
-            self._qkv = torch.zeros(self.max_tokens * self._qkv_width(att), dtype=m.dtype,
-                                    device=self.device)
-        rows = self._rows_buffer()
-        pos, slots = rows[:T], rows[T : 2 * T]
-        meta = AttnMetadata(is_prefill=True, positions=pos, slot_mapping=slots,
-                            block_tables=rows[:0], context_lens=rows[:0], seq_lens_new=[],
-                            context_lens_host=[])
-        x = self.attention_x(T)
-        att.project_rotate(
-            x, m.rope_angles(pos), meta, self.kv, i,
-            qkv_out=self._qkv[: T * self._qkv_width(att)].view(T, -1),
-            q_out=self._q[: T * att.heads * att.head_dim].view(T, att.groups, att.q_per_group,
-                                                              att.head_dim))
 
     def _u_buffer(self) -> torch.Tensor:
         if self._u is None:
@@ -297,25 +190,17 @@ class PrefillMoEGraphs:
             add_slots_rms_norm(h, pairs, m.p_fusion(i).after, m.residual_kernel,
                                out=(self._out(kind)[:T], self._outs["normed_next"][:T]))
 
-    def _capture(self, kind: str, i: int, T: int) -> torch.cuda.CUDAGraph:
-        self._out(kind)  # outside the capture: the shared buffer is not the pool's
-
-        def body():
-            self._n.fill_(T)
-            self._n_host = T
-            self._block(kind, i, T)
-        return self._capture_graph((kind, i, T), body, once=lambda: self._block(kind, i, T))
-
     @torch.inference_mode()
-    def _capture_graph(self, key, body, once=None) -> torch.cuda.CUDAGraph:
-        """Graph ``key`` of ``once`` (default ``body``), after two warm-up runs of ``body``
-        outside the capture (allocator, lazy inits), all on the capture stream."""
+    def _capture(self, kind: str, i: int, T: int) -> torch.cuda.CUDAGraph:
         stream = torch.cuda.current_stream()
         side = self.capture_stream
         side.wait_stream(stream)
+        self._out(kind)  # outside the capture: the shared buffer is not the pool's
         with torch.cuda.stream(side):  # warm-up outside capture (allocator, lazy inits)
+            self._n.fill_(T)
+            self._n_host = T
             for _ in range(2):
-                body()
+                self._block(kind, i, T)
         stream.wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -327,11 +212,11 @@ class PrefillMoEGraphs:
         with torch.cuda.stream(side):
             g.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:
-                (once or body)()
+                self._block(kind, i, T)
             finally:
                 g.capture_end()
         stream.wait_stream(side)
-        self._graphs[key] = g
+        self._graphs[(kind, i, T)] = g
         self.captures += 1
         return g
 
@@ -347,13 +232,6 @@ class PrefillMoEGraphs:
                 kind = self.model.p_moe_kind(i, self._in[:T])
                 if kind is not None and (kind, i, T) not in self._graphs:
                     self._capture(kind, i, T)
-            if self.attention_graphs:  # warm-ups write K/V at the staged slots: the sink's
-                self._rows_buffer()[:T].zero_()
-                self._rows_buffer()[T : 2 * T].fill_(self.kv.sink_block * self.kv.block_size)
-                for i in range(len(self.model.decoder.layers)):
-                    if ("attn", i, T) not in self._graphs:
-                        self._capture_graph(("attn", i, T),
-                                            lambda i=i, T=T: self._attention_half(i, T))
         return self.captures - before
 
     def release(self) -> None:

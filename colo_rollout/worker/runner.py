@@ -217,8 +217,7 @@ class ModelRunner:
 
     def _new_prefill_graphs(self) -> PrefillMoEGraphs | None:
         if self.graphs is not None and self.prefill_graph_tokens > 0:
-            return PrefillMoEGraphs(self.model, self.prefill_graph_tokens, self._capture_stream,
-                                    self.kv)
+            return PrefillMoEGraphs(self.model, self.prefill_graph_tokens, self._capture_stream)
         return None
 
     def check_weights(self) -> None:
@@ -494,22 +493,9 @@ class ModelRunner:
         dev = self.device
         # the attention kernels' plan rides the same copy (int32 tables as int64 words)
         plan = self.model.prefill_plan(new, ctx) if mine else None
-        # the attention input graphs' rows (worker/prefill_graph.py): positions and slots
-        # padded to the token bucket T, side by side, staged with one device copy
-        graphs = self.prefill_graphs
-        T = None if graphs is None else graphs.bucket(len(ids))
-        if T is not None:
-            n = len(ids)
-            rows = np.empty(2 * T, dtype=np.int64)
-            rows[:n], rows[n:T] = pos, 0
-            rows[T : T + n], rows[T + n :] = slots, self.kv.sink_block * self.block_size
-            pos, slots = rows, np.zeros(0, dtype=np.int64)
         ids_d, pos_d, slots_d, tables_d, ctx_d, last_d, *plan_d = h2d_packed(
             [ids, pos, slots, tables, ctx, last_rows]
             + ([plan.packed()] if plan is not None else []), dev, self._p_stage)
-        if T is not None:
-            graphs.stage_rows(pos_d)
-            pos_d, slots_d = pos_d[:n], pos_d[T : T + n]
         attn = AttnMetadata(
             is_prefill=True,
             positions=pos_d,
@@ -528,7 +514,7 @@ class ModelRunner:
         return PrefillInputs(
             token_ids=ids_d, attn=attn,
             row_counts=row_counts, last_counts=last_counts,
-            last_rows=last_d, graph_rows=0 if T is None else n,
+            last_rows=last_d,
         )
 
     def _decode_host(self, plan: StepPlan):
