@@ -2,7 +2,7 @@
 
   torchrun --standalone --nproc-per-node 1 scripts/gpu_prefill_timeline.py CONFIG [--tokens 4096]
       [--shapes 4096,8192,8x1024] [--attention triton,cudnn] [--json PATH] [--clock]
-      [--host-split] [--head-ms X [--stack]] [--busy-head MS]
+      [--host-split] [--head-ms X [--stack]] [--busy-head MS] [--load-head MS]
 
 ``--shapes`` (N or SxN, comma-separated) and ``--attention`` (P attention backends, set on the
 built model's attention modules in turn: ``engine.prefill_attention``'s values) run every
@@ -22,7 +22,8 @@ under torch.profiler (CPU ops and CUDA kernels, graph replays included) and read
   * the kernels by name (count, total us) -- the same list bench-speed's JSON has;
   * with ``--clock``: per layer, when the host reached its attention and when the GPU did
     (CUDA events, no profiler), and the timed step once more with Python's collector off;
-    with ``--busy-head MS`` also per layer with the GPU in a spin kernel through the head;
+    with ``--busy-head MS`` also per layer with the GPU in a spin kernel through the head,
+    with ``--load-head MS`` in bf16 GEMMs (heavy load) through it;
   * with ``--host-split``: the host time (unprofiled, perf_counter around each call) of the
     step's parts -- its inputs (index arrays, attention plan, the packed copy, dense calls),
     the forward, each attention, the rope launch, the dense call, the fused adds, the
@@ -174,13 +175,25 @@ def head(trace: dict, ms: float) -> list[str]:
     return [r for _, r in sorted(rows)]
 
 
-def clock(bench, plan, reps: int = 5, busy_ms: float = 0.0) -> list[tuple[float, float]]:
+def _gemm_load(ms: float) -> None:
+    """About ``ms`` of bf16 GEMMs (8192^3, ~1.4 ms each at ~800 TFLOP/s) enqueued now: the GPU
+    under tensor-core load, at the power it draws in a P step's layers."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(max(1, round(ms / 1.4))):
+        torch.mm(a, a)
+
+
+def clock(bench, plan, reps: int = 5, busy_ms: float = 0.0,
+          load_ms: float = 0.0) -> list[tuple[float, float]]:
     """Unprofiled: for each layer, when the host called its attention (ms from the step's
     start) and when the GPU reached that point (a CUDA event recorded there), medians of
     ``reps`` steps; the last pair is the step's end (host back from the step, GPU at its
     last event). GPU time - host time near 0: the GPU was waiting for that launch.
     ``busy_ms``: a spin kernel of about that long enqueued first, so the GPU is busy through
-    the step's head instead of idle (does an idle head slow the layers after it?)."""
+    the step's head instead of idle (does an idle head slow the layers after it?).
+    ``load_ms``: bf16 GEMMs of about that long instead (the GPU at a P layer's power when
+    layer 0 starts: do the first layers' kernels still run slower -- the clocks' ramp into
+    heavy load -- or not?)."""
     layers = bench.runner.model.decoder.layers
     marks: list[tuple[float, torch.cuda.Event]] = []
 
@@ -199,6 +212,8 @@ def clock(bench, plan, reps: int = 5, busy_ms: float = 0.0) -> list[tuple[float,
             start.record()
             if busy_ms:
                 torch.cuda._sleep(int(busy_ms * 1e-3 * SPIN_HZ))
+            if load_ms:
+                _gemm_load(load_ms)
             t0 = time.perf_counter()
             bench.step(plan)
             t1 = time.perf_counter()
@@ -344,6 +359,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--head-ms", type=float, default=0.0)
     ap.add_argument("--stack", action="store_true")
     ap.add_argument("--clock", action="store_true")
+    ap.add_argument("--load-head", type=float, default=0.0,
+                    help="with --clock: also clock steps whose head the GPU spends in bf16 "
+                         "GEMMs of about this many ms")
     ap.add_argument("--busy-head", type=float, default=0.0,
                     help="with --clock: also clock steps whose head the GPU spends in a spin "
                          "kernel of this many ms")
@@ -413,10 +431,13 @@ def main(argv: list[str]) -> int:
                     for i, (h, g) in enumerate(marks):
                         name = "end" if i == len(marks) - 1 else f"{i:3d}"
                         print(f"    {name}: {h:7.2f} {g:7.2f} {g - h:7.2f}")
-                    if args.busy_head:
-                        busy = clock(bench, plan, busy_ms=args.busy_head)
-                        print(f"  the same, the GPU in a {args.busy_head} ms spin through "
-                              "the head: layer: GPU ms from the last layer (idle head, busy)")
+                    for what, kw, ms in (("spin", "busy_ms", args.busy_head),
+                                         ("GEMM load", "load_ms", args.load_head)):
+                        if not ms:
+                            continue
+                        busy = clock(bench, plan, **{kw: ms})
+                        print(f"  the same, the GPU in {ms} ms of {what} through the head: "
+                              "layer: GPU ms from the last layer (idle head, busy)")
                         for i in range(1, min(len(marks), len(busy))):
                             print(f"    {i:3d}: {marks[i][1] - marks[i - 1][1]:7.3f} "
                                   f"{busy[i][1] - busy[i - 1][1]:7.3f}")
