@@ -57,6 +57,18 @@ def greedy_pick(logits: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor,
     return tokens, logprobs
 
 
+def warm(vocab: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Compile the variants a model's logits [n, vocab] of ``dtype`` need, now (at model
+    build: a first compile while serving stalls the host ~1 s): rows at a tensor's start and
+    a row slice after its first row -- whose pointer loses the 16-byte alignment Triton
+    specialises on where a row's bytes are not a multiple of 16 (P's rows of another
+    replica)."""
+    x = torch.zeros(2, vocab, dtype=dtype, device=device)
+    if supports(x):
+        greedy_pick(x)
+        greedy_pick(x[1:])
+
+
 if triton is not None:
 
     @triton.jit

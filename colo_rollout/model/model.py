@@ -62,6 +62,7 @@ from colo_rollout.model.residual import add_rounded, add_rounded_slots
 from colo_rollout.model.dense_prefill import warm_plans as warm_dense_plans
 from colo_rollout.model.paged_prefill import resolve_backend as resolve_prefill_backend
 from colo_rollout.model.moe import GatherMoE, mlp_partial
+from colo_rollout.model.greedy_pick import warm as warm_greedy
 from colo_rollout.model.moe_align import warm as warm_align
 from colo_rollout.model.mtp import (
     MTPBlock,
@@ -559,6 +560,8 @@ class InferenceGPT(torch.nn.Module):
         distinct variant once, however many layers share it."""
         for args in set().union(*(moe.align_variants() for moe in self.moe_layers())):
             warm_align(*args)
+        if self.device.type == "cuda":  # the greedy sampler's kernel (its logits: full vocab)
+            warm_greedy(self.cfg.vocab_size, self.dtype, self.device)
 
     def warm_prefill_attention(self, max_tokens: int, max_len: int) -> int:
         """Build cuDNN's plans for every dense P-attention shape (model/dense_prefill.py)
