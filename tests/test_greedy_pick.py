@@ -2,7 +2,8 @@
 argmax and log_softmax, run by Triton's CPU interpreter in a subprocess (tests/interpreted.py;
 skipped when triton does not import): one row and several, a vocabulary not a multiple of the
 chunk, one chunk only, the maximum tied across chunks and inside one (the first column wins,
-as torch.argmax's), bf16 logits (read without a copy), large logits (the shift by the max)."""
+as torch.argmax's), bf16 logits (read without a copy), large logits (the shift by the max),
+masked (-inf) columns and whole chunks of them."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ CASES = [
     (4, 1024, 256, torch.float32, "tied"),  # the max in several chunks and inside one
     (2, 777, 64, torch.bfloat16, "random"),
     (2, 500, 64, torch.float32, "large"),  # logits ~1e4: exp only of x - max
+    (3, 600, 64, torch.float32, "masked"),  # -inf columns, whole chunks of them
 ]
 
 
@@ -32,6 +34,9 @@ def _case(i):
         x[:, -1] = 4.0
     if kind == "large":
         x = x + 1e4
+    if kind == "masked":
+        x[:, 64:256] = float("-inf")  # chunks 1-3 masked whole
+        x[:, ::7] = float("-inf")
     return x.to(dtype), block
 
 

@@ -11,8 +11,9 @@ the sum of exp(x - max); then one program per row combines the chunks.
 Semantics: the token is the first column of the row's maximum (``torch.argmax``'s), read in
 fp32 from the logits' dtype (exact: bf16 and fp16 widen exactly); the logprob is
 ``x[token] - logsumexp(x)`` = ``-log(sum_c s_c * exp(m_c - max))`` in fp32 -- torch's
-log_softmax at the argmax up to the sum's rounding order (~1e-7 relative). A row holding NaN
-or only -inf gives what it gives (the engine's logits are finite).
+log_softmax at the argmax up to the sum's rounding order (~1e-7 relative). Columns at -inf
+(masked) count as torch counts them, whole chunks of them too; a row holding NaN or only
+-inf gives what it gives (torch's is NaN as well).
 
 Imports only torch (and triton when present).
 """
@@ -83,7 +84,8 @@ if triton is not None:
         m = tl.max(x, axis=0)
         # the first column at the max: the least index among those equal to it
         first = tl.min(tl.where(x == m, cols, 2147483647), axis=0)
-        s = tl.sum(tl.exp(x - m), axis=0)
+        # a chunk of -inf only (masked columns) adds nothing: exp(-inf - -inf) would be NaN
+        s = tl.where(m == float("-inf"), 0.0, tl.sum(tl.exp(x - m), axis=0))
         tl.store(PMax + row * C + c, m)
         tl.store(PSum + row * C + c, s)
         tl.store(PIdx + row * C + c, first.to(tl.int64))
