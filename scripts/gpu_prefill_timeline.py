@@ -3,6 +3,7 @@
   torchrun --standalone --nproc-per-node 1 scripts/gpu_prefill_timeline.py CONFIG [--tokens 4096]
       [--shapes 4096,8192,8x1024] [--attention triton,cudnn] [--json PATH] [--clock]
       [--host-split] [--head-ms X [--stack]] [--busy-head MS] [--load-head MS]
+      [--pipelined N]
 
 ``--shapes`` (N or SxN, comma-separated) and ``--attention`` (P attention backends, set on the
 built model's attention modules in turn: ``engine.prefill_attention``'s values) run every
@@ -24,6 +25,9 @@ under torch.profiler (CPU ops and CUDA kernels, graph replays included) and read
     (CUDA events, no profiler), and the timed step once more with Python's collector off;
     with ``--busy-head MS`` also per layer with the GPU in a spin kernel through the head,
     with ``--load-head MS`` in bf16 GEMMs (heavy load) through it;
+  * with ``--pipelined N``: N steps enqueued back to back (each step's head under the previous
+    step's kernels) against the same N one by one: what keeping the GPU fed across P steps
+    would gain;
   * with ``--host-split``: the host time (unprofiled, perf_counter around each call) of the
     step's parts -- its inputs (index arrays, attention plan, the packed copy, dense calls),
     the forward, each attention, the rope launch, the dense call, the fused adds, the
@@ -173,6 +177,31 @@ def head(trace: dict, ms: float) -> list[str]:
             rows.append((op["ts"], f"{(op['ts'] - t0) / 1e3:7.3f}   host {op['dur']:7.1f}us "
                                    f"{op.get('cat', '')[:6]:6s} {op['name'][:70]}"))
     return [r for _, r in sorted(rows)]
+
+
+def pipelined(bench, plan, steps: int, reps: int = 3) -> tuple[float, float]:
+    """ms per P step (median of ``reps``): ``steps`` steps one after the other as bench-speed
+    runs them (each to its tokens on the host), and the same steps enqueued back to back --
+    each step's host head under the previous step's kernels, the tokens read at the end --
+    what an engine that prepares its next P step while this one runs would see (the GPU never
+    idle between steps: no head, no clock ramp after it)."""
+    from colo_rollout.sched.plan import Phase
+
+    assert plan.phase is Phase.PREFILL
+    alone, overlapped = [], []
+    for _ in range(reps):
+        bench.sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            bench.step(plan)
+        alone.append((time.perf_counter() - t0) / steps)
+        bench.sync()
+        t0 = time.perf_counter()
+        outs = [bench.runner.run(plan) for _ in range(steps)]
+        for o in outs:
+            o.resolve(bench.wait_s, "pipelined P steps")
+        overlapped.append((time.perf_counter() - t0) / steps)
+    return 1e3 * statistics.median(alone), 1e3 * statistics.median(overlapped)
 
 
 def _gemm_load(ms: float) -> None:
@@ -359,6 +388,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--head-ms", type=float, default=0.0)
     ap.add_argument("--stack", action="store_true")
     ap.add_argument("--clock", action="store_true")
+    ap.add_argument("--pipelined", type=int, default=0,
+                    help="also time this many P steps enqueued back to back against the same "
+                         "steps one by one")
     ap.add_argument("--load-head", type=float, default=0.0,
                     help="with --clock: also clock steps whose head the GPU spends in bf16 "
                          "GEMMs of about this many ms")
@@ -448,6 +480,10 @@ def main(argv: list[str]) -> int:
                     gc.enable()
                     print(f"  timed step with the collector frozen and off: median "
                           f"{1e3 * statistics.median(off):.2f} ms")
+                if args.pipelined:
+                    one, piped = pipelined(bench, plan, args.pipelined)
+                    print(f"  {args.pipelined} steps, ms per step: one by one {one:.2f}, "
+                          f"enqueued back to back {piped:.2f} ({one / piped:.3f}x)")
                 if args.host_split:
                     print("  host time per step, unprofiled (calls, ms; inclusive):")
                     for name, calls, ms in host_split(bench, plan):
