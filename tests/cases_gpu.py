@@ -525,19 +525,21 @@ def gpu_layer_errors(rank: int, world: int, adp: int, ep: int, moe_compute: str 
 
 
 def gpu_mtp_tokens(rank: int, world: int, adp: int, ep: int, dtype: str = "bfloat16",
-                   backend: str = "nccl") -> dict:
+                   backend: str = "nccl", model_kw: dict | None = None) -> dict:
     """engine.mtp on a GPU (D graphs: verify + draft captured for the greedy rows; the Triton
     kernels in bf16): the same greedy requests served with and without MTP, on random weights
     and on the MTP oracle (model/mtp_oracle.py). Reports per weight set: the share of
     streams identical to the non-MTP run, their common-prefix share, the first tokens (P's,
     which MTP does not change), the acceptance rate and the D iterations of each run. In fp32
     the two runs differ by summation order only; in bf16 the verify forward's 2B-row GEMMs
-    may round differently from the B-row ones, so a stream may part at a near-tie."""
+    may round differently from the B-row ones, so a stream may part at a near-tie.
+    ``model_kw``: more model keys (a dispatch backend)."""
     import dataclasses
 
     from colo_rollout.model.mtp_oracle import oracle_state_dict
 
-    base = gpu_config(world, adp, ep, dtype, backend=backend, model_kw={"mtp_num_layers": 1})
+    base = gpu_config(world, adp, ep, dtype, backend=backend,
+                      model_kw={"mtp_num_layers": 1, **(model_kw or {})})
     groups = init_parallel(base.parallel)
     if backend == "gloo":  # the CPU smoke run of this case
         from colo_rollout.runtime.cpu_compat import install_cpu_compat

@@ -23,13 +23,14 @@ DRAFT_TOL = 1e-4
 
 def mtp_tokens(rank: int, world: int, adp: int, ep: int, mode: str = "normal", mtp: bool = True,
                weights: str = "random", span: int = 1, n_requests: int = 12,
-               check_reference: bool = False) -> dict:
+               check_reference: bool = False, dispatch: str = "gather") -> dict:
     """Serve the same greedy requests with a model that has an MTP layer, drafting with it
     (``mtp``) or not; report tokens, logprobs, D iterations, the drafts proposed (lifetime-free:
     per request, (tokens emitted so far, draft)) and the scheduler's acceptance counts. With
     ``check_reference`` (rank 0): logprobs against megatron's GPTModel and every draft against
-    megatron's MTP block (teacher-forced over the final sequence)."""
-    model_kw = {"mtp_num_layers": 1, "norm_epsilon": 1e-6}
+    megatron's MTP block (teacher-forced over the final sequence). ``dispatch``:
+    model.moe_dispatch."""
+    model_kw = {"mtp_num_layers": 1, "norm_epsilon": 1e-6, "moe_dispatch": dispatch}
     cfg = tiny_config(world, adp, ep, max_batch_size=3, decode_buckets=[1, 2, 4], mode=mode,
                       segment_span=span, mtp=mtp, model_kw=model_kw)
     groups = init_parallel(cfg.parallel)
@@ -58,7 +59,8 @@ def mtp_tokens(rank: int, world: int, adp: int, ep: int, mode: str = "normal", m
            "logprobs": {r.request_id: outs[r.request_id].logprobs for r in requests},
            "d_iterations": sum(1 for h in engine.history if h.rows > 0),
            "verified": sched.drafts_verified, "accepted": sched.drafts_accepted,
-           "drafts": drafts, "layout": groups.layout.name}
+           "drafts": drafts, "layout": groups.layout.name,
+           "p_boundaries": engine.worker.model.boundaries_per_prefill}
     pgc = singleton_pg_collection() if check_reference else None  # collective: every rank
     if check_reference and rank == 0:
         ref = build_reference(cfg.model, sd, pgc, torch.device("cpu"))

@@ -387,6 +387,27 @@ def test_gpu_mtp_keeps_the_greedy_tokens(gpu_groups, dtype):
     assert r["random"]["acceptance"] <= 0.1, r["random"]
 
 
+@pytest.mark.parametrize("dispatch", ["alltoall", "deepep"])
+def test_gpu_mtp_with_a_dispatch_backend_keeps_the_greedy_tokens(gpu_groups, dispatch):
+    """engine.mtp with the MTP layer's MoE through a dispatch backend on one GPU, bf16, D
+    graphs: alltoall (D's padded all-to-all sized for the two verify rows per sequence) and
+    deepep (DeepEP's low-latency buffer sized for them, in D's graphs); the checks of
+    ``test_gpu_mtp_keeps_the_greedy_tokens``' bf16 row."""
+    if dispatch == "deepep" and not _have_deep_ep():
+        pytest.skip("needs deep_ep with colo_rollout's patch (scripts/deepep_setup.sh)")
+    kw = DEEPEP_MODEL if dispatch == "deepep" else {"moe_dispatch": "alltoall"}
+    r = gpu_groups(1).run("tests.cases_gpu:gpu_mtp_tokens", timeout=600, adp=1, ep=1,
+                          dtype="bfloat16", model_kw=kw)[0]
+    _record("mtp_tokens_dispatch", {"layout": r["layout"], "gpus": 1, "dispatch": dispatch,
+                                    "result": r, "passed": r["random"]["first_equal"]})
+    for name in ("random", "oracle"):
+        assert r[name]["graphs"] and r[name]["first_equal"], (name, r[name])
+        assert r[name]["prefix"] >= 0.5, (name, r[name])
+    assert r["oracle"]["acceptance"] >= 0.9, r["oracle"]
+    assert r["oracle"]["d_iterations"][1] < 0.8 * r["oracle"]["d_iterations"][0]
+    assert r["random"]["acceptance"] <= 0.1, r["random"]
+
+
 @pytest.mark.parametrize("truncate", [False, True])
 @pytest.mark.parametrize("mtp", [False, True])
 def test_gpu_temperature_rows_are_drawn_inside_the_d_graphs(gpu_groups, mtp, truncate):

@@ -25,25 +25,34 @@ TOL = 1e-4
 # (world, adp, ep, mode, against the engine without MTP too): every run is checked against
 # megatron (tokens its greedy argmax, logprobs, drafts its MTP block's argmax); the runs
 # without MTP (a second engine each) only where marked, to keep the module's time down
-@pytest.mark.parametrize("world,adp,ep,mode,with_off", [
-    (1, 1, 1, "normal", True),
-    (2, 2, 2, "fine", True),  # EP2/ADP2: D iterations inside P epochs (the MTP pass's boundaries)
-    (2, 2, 2, "global_enqueue", False),
+@pytest.mark.parametrize("world,adp,ep,mode,with_off,dispatch", [
+    (1, 1, 1, "normal", True, "gather"),
+    # EP2/ADP2: D iterations inside P epochs (the MTP pass's boundaries)
+    (2, 2, 2, "fine", True, "gather"),
+    (2, 2, 2, "global_enqueue", False, "gather"),
     # EP4/ADP2/ATP2: eh_proj column-parallel over ATP 2, its outputs gathered (P: the
     # zero-padded AllReduce boundary; D: the vocab-style gather)
-    (4, 2, 4, "global_complete", False),
-    (4, 2, 4, "fine", True),
+    (4, 2, 4, "global_complete", False, "gather"),
+    (4, 2, 4, "fine", True, "gather"),
+    # the alltoall backend: the MTP layer's MoE through each phase's dispatcher -- at attention
+    # TP 1 P computes its own rows (the MTP pass too: its dispatch split the one boundary it
+    # adds), under ATP 2 the gather layout with the split between the MTP layer's gathers
+    (2, 2, 2, "fine", True, "alltoall"),
+    (4, 2, 4, "fine", False, "alltoall"),
 ])
 def test_mtp_gives_the_same_greedy_tokens_and_megatrons_drafts(worker_groups, world, adp, ep,
-                                                               mode, with_off):
+                                                               mode, with_off, dispatch):
     group = worker_groups(world)
     for weights in ("random", "oracle"):
         on = group.run(f"{CASES}:mtp_tokens", adp=adp, ep=ep, mode=mode, mtp=True,
-                       weights=weights, check_reference=True)
+                       weights=weights, check_reference=True, dispatch=dispatch)
         r = on[0]
+        if dispatch == "alltoall":  # the MTP pass's P boundaries: only its dispatch split
+            # where P computes its own rows; else its gathers' 4 (+1 under ATP), the split
+            assert r["p_boundaries"] == (2 + 1 if world == 2 else 2 * 2 + 2 + 2 + 4 + 1 + 1)
         if with_off:
             off = group.run(f"{CASES}:mtp_tokens", adp=adp, ep=ep, mode=mode, mtp=False,
-                            weights=weights)
+                            weights=weights, dispatch=dispatch)
             assert r["tokens"] == off[0]["tokens"], weights  # greedy output unchanged by MTP
             if weights == "oracle":  # the accept path: ~2 tokens per D iteration
                 assert r["d_iterations"] < 0.8 * off[0]["d_iterations"]
@@ -85,8 +94,6 @@ def _cfg(**over):
 @pytest.mark.parametrize("over,key", [
     ({"engine.mtp": True}, "engine.mtp"),  # no MTP layer to draft with
     ({"model.mtp_num_layers": 2}, "model.mtp_num_layers"),  # one draft token per iteration
-    ({"model.mtp_num_layers": 1, "engine.mtp": True, "model.moe_dispatch": "alltoall",
-      "parallel.ep": 1}, "engine.mtp"),
 ])
 def test_mtp_it_cannot_hold_is_refused_naming_the_key(over, key):
     with pytest.raises(ConfigError) as err:

@@ -124,12 +124,6 @@ class Config:
             "ships one as num_nextn_predict_layers with the layer's tensors; transformers' "
             "save_pretrained writes none)",
         )
-        _require(
-            not engine.mtp or model.moe_dispatch == "gather",
-            "engine.mtp",
-            f"with model.moe_dispatch {model.moe_dispatch!r}: MTP drafting runs with the gather "
-            "backend only (D's dispatch buffers are sized for one row per sequence)",
-        )
         tp = self.rl.trainer_tp
         tp_widths = {"parallel.world_size": par.world_size,
                      **trainer_tp_widths(model, self.rl.trainer_ep)}

@@ -68,6 +68,7 @@ from colo_rollout.model.mtp import (
     MTPBlock,
     MTPLayer,
     mtp_prefill,
+    mtp_prefill_own,
     prefill_boundaries,
     shift_tokens,
 )
@@ -728,12 +729,12 @@ class InferenceGPT(torch.nn.Module):
         residual stream h: the P graphs' replay (worker/prefill_graph.py), or by default
         the modules themselves.
         """
-        if self.own_rows_prefill:
-            return (yield from self._forward_prefill_own(inp, kv))
         if self.mtp_draft and sample is None:
             raise ValueError("an MTP-drafting P needs the sampler (sample=)")
-        return (yield from self._forward_prefill(inp, kv, moe or ModulesMoE(self),
-                                                 sample if self.mtp_draft else None))
+        sample = sample if self.mtp_draft else None
+        if self.own_rows_prefill:
+            return (yield from self._forward_prefill_own(inp, kv, sample))
+        return (yield from self._forward_prefill(inp, kv, moe or ModulesMoE(self), sample))
 
     @property
     def own_rows_prefill(self) -> bool:
@@ -753,14 +754,16 @@ class InferenceGPT(torch.nn.Module):
         """One P epoch's boundary count (the turnstile's epoch length): 2 per layer and 2
         more, plus one per MoE layer (its dispatch split) with the alltoall backend."""
         moe_layers = sum(1 for i in range(self.cfg.num_layers) if self.cfg.is_moe_layer(i))
+        # the MTP pass after the first token is sampled (model/mtp.py)
+        mtp = (prefill_boundaries(self.groups.layout.atp, self.own_rows_prefill,
+                                  self.dispatch_p is not None and mtp_is_moe(self.cfg))
+               if self.mtp_draft else 0)
         if self.own_rows_prefill:
-            return moe_layers  # the dispatch splits only
+            return moe_layers + mtp  # the dispatch splits only
         n = 2 * self.cfg.num_layers + 2
         if self.dispatch_p is not None:
             n += moe_layers
-        if self.mtp_draft:  # the MTP pass after the first token is sampled (model/mtp.py)
-            n += prefill_boundaries(self.groups.layout.atp)
-        return n
+        return n + mtp
 
     @torch.inference_mode()
     def forward_decode(self, inp: DecodeInputs, kv: KVStorage, hidden: bool = False):
@@ -769,12 +772,14 @@ class InferenceGPT(torch.nn.Module):
         rank)."""
         return self._forward_decode(inp, kv, hidden)
 
-    def _forward_prefill_own(self, inp: PrefillInputs, kv: KVStorage):
+    def _forward_prefill_own(self, inp: PrefillInputs, kv: KVStorage, sample=None):
         """Generator body, a dispatch backend at attention TP 1: this replica's rows only
         (every module's output complete on its rank), the routed experts through P's
         dispatcher, one boundary per MoE layer at its dispatch split. The same numbers as
         ``_forward_prefill``'s path for the backend (its gathers place rows, its sums add
-        zeros); ``trace`` holds this replica's rows."""
+        zeros); ``trace`` holds this replica's rows. With ``sample`` (MTP drafting) as
+        ``_forward_prefill``'s: the tokens sampled here, then the MTP pass on the same rows
+        (model/mtp.py: ``mtp_prefill_own``, its MoE's split one more boundary)."""
         r = self.groups.replica
         off, n_local = sum(inp.row_counts[:r]), inp.row_counts[r]
         record_rows = sum(inp.row_counts)  # the record's P rows: every replica's
@@ -782,28 +787,50 @@ class InferenceGPT(torch.nn.Module):
         rope = self.rope_angles(inp.attn.positions)
         boundary = 0
         for i, layer in enumerate(self.decoder.layers):
-            h = h + layer.self_attention(layer.input_layernorm(h), rope, inp.attn, kv, i)
-            if self.trace is not None:
-                self.trace.append(h.float().clone())
-            x = layer.pre_mlp_layernorm(h)
-            if layer.is_moe:
-                record = self.route_record("P", i, record_rows)
-                split = self.dispatch_p.routed_split(
-                    layer.mlp, x, i, None if record is None else record[off : off + n_local])
-                next(split)  # route, notify the counts
-                yield boundary
-                boundary += 1
-                out = run_to_completion(split)  # counts, payload, experts, combine: fp32
-                if layer.mlp.shared_experts is not None:
-                    layer.mlp.add_shared(out, x)
-                h = add_rounded(h, out, self.residual_kernel)
-            else:  # dense MLP: complete on this rank at attention TP 1
-                h = h + layer.dense_partial(x)
-            if self.trace is not None:
-                self.trace.append(h.float().clone())
+            record = self.route_record("P", i, record_rows) if layer.is_moe else None
+            h, boundary = yield from self.own_rows_layer(
+                layer, i, h, rope, inp, kv, boundary,
+                None if record is None else record[off : off + n_local], trace=True)
         seq_off, n_seq = sum(inp.last_counts[:r]), inp.last_counts[r]
-        last = self.decoder.final_layernorm(h[inp.last_rows[seq_off : seq_off + n_seq] - off])
-        return F.linear(last, self.output_weight)  # attention TP 1: the whole vocabulary
+        local_last = inp.last_rows[seq_off : seq_off + n_seq] - off
+        if sample is None:
+            last = self.decoder.final_layernorm(h[local_last])
+            return F.linear(last, self.output_weight)  # attention TP 1: the whole vocabulary
+        hidden = self.decoder.final_layernorm(h)  # every row: the MTP layer reads them all
+        tokens, logprobs = sample(F.linear(hidden[local_last], self.output_weight))
+        nxt = shift_tokens(inp.token_ids, local_last, tokens)
+        drafts = yield from mtp_prefill_own(self, hidden, nxt, local_last, inp, kv, boundary)
+        return tokens, logprobs, drafts
+
+    def own_rows_layer(self, layer: InferenceLayer, kv_layer: int, h: torch.Tensor, rope,
+                       inp: PrefillInputs, kv: KVStorage, boundary: int,
+                       record: torch.Tensor | None, trace: bool = False
+                       ) -> Generator[int, None, tuple[torch.Tensor, int]]:
+        """One layer of P where the rank computes its replica's rows ``h`` [n, H] alone (a
+        dispatch backend at attention TP 1; a generator): attention (KV of layer
+        ``kv_layer``), then a dense MLP, or the routed experts through P's dispatcher --
+        yielding ``boundary`` at its split, after the count exchange -- plus the shared
+        experts. ``record``: where the router writes these rows' expert ids (None: not
+        recorded, as the MTP layer). Returns (h, the next boundary id). The decoder's layers
+        and the MTP layer's share it."""
+        h = h + layer.self_attention(layer.input_layernorm(h), rope, inp.attn, kv, kv_layer)
+        if trace and self.trace is not None:
+            self.trace.append(h.float().clone())
+        x = layer.pre_mlp_layernorm(h)
+        if layer.is_moe:
+            split = self.dispatch_p.routed_split(layer.mlp, x, kv_layer, record)
+            next(split)  # route, notify the counts
+            yield boundary
+            boundary += 1
+            out = run_to_completion(split)  # counts, payload, experts, combine: fp32
+            if layer.mlp.shared_experts is not None:
+                layer.mlp.add_shared(out, x)
+            h = add_rounded(h, out, self.residual_kernel)
+        else:  # dense MLP: complete on this rank at attention TP 1
+            h = h + layer.dense_partial(x)
+        if trace and self.trace is not None:
+            self.trace.append(h.float().clone())
+        return h, boundary
 
     def _forward_prefill(self, inp: PrefillInputs, kv: KVStorage, moe: MoEBlock, sample=None):
         """Generator body: full-vocab logits [n_local_seqs, V] of this replica's last P tokens,
@@ -893,9 +920,7 @@ class InferenceGPT(torch.nn.Module):
                 res, u = add_rms_norm(res, attn, pre, backend)
             else:
                 res = res + comm.d_reduce_scatter_atp(attn)
-            if layer.is_moe and self.dispatch_d is not None:  # all-to-all of this chunk
-                res = add_rounded(res, self._dispatch_decode_moe(i, layer, res), backend)
-            elif slots:  # one rank: no combine, the k slots summed into the residual
+            if slots:  # one rank: no combine, the k slots summed into the residual
                 if pre is None:
                     u = comm.d_all_gather_full(layer.pre_mlp_layernorm(res))
                 pairs = layer.mlp(u, record=self.route_record("D", i, u.shape[0]), pairs=True)
@@ -957,8 +982,8 @@ class InferenceGPT(torch.nn.Module):
             self.trace.append(h.float().clone())
         if layer.is_moe:
             if dispatch:  # routed experts: this rank's share of rows; yields the split's id
-                partial = yield from self._dispatch_prefill_moe(kv_layer, h, off, n_local,
-                                                                boundary)
+                partial = yield from self._dispatch_prefill_moe(layer, kv_layer, h, off,
+                                                                n_local, boundary)
                 boundary += 1
             elif fused is not None:
                 partial, nxt = fused(h, u)
@@ -998,8 +1023,13 @@ class InferenceGPT(torch.nn.Module):
         ``res`` [B/ATP, H] after the pre-MLP norm, the MoE over every rank's rows (``own``:
         this replica's among them, for the shared experts; routing recorded as MoE layer
         ``record_layer``, None: not recorded) or the dense MLP over the replica's rows, added
-        back rounded. The decoder's layers and the MTP layer's (model/mtp.py) share it."""
+        back rounded; with a dispatch backend the MoE through D's dispatcher
+        (``_dispatch_decode_moe``). The decoder's layers and the MTP layer's (model/mtp.py)
+        share it."""
         comm, backend = self.comm, self.residual_kernel
+        if layer.is_moe and self.dispatch_d is not None:  # all-to-all of this chunk
+            return add_rounded(res, self._dispatch_decode_moe(layer, res, record_layer),
+                               backend)
         if layer.is_moe:
             u = comm.d_all_gather_full(layer.pre_mlp_layernorm(res))
             record = (None if record_layer is None
@@ -1027,20 +1057,22 @@ class InferenceGPT(torch.nn.Module):
 
 
     # ------------------------------------------------------------------ dispatch backends
-    def _dispatch_prefill_moe(self, i: int, h: torch.Tensor, off: int, n_local: int,
-                              boundary: int) -> Generator[int, None, torch.Tensor]:
+    def _dispatch_prefill_moe(self, layer: InferenceLayer, i: int, h: torch.Tensor, off: int,
+                              n_local: int, boundary: int) -> Generator[int, None, torch.Tensor]:
         """P, alltoall (a generator): this rank's share of its replica's rows (split over ATP)
-        through the routed experts by P's dispatcher, placed into a zero fp32 [N, H] partial
-        -- the same form as the gather backend's, so P's combine AllReduce completes it.
-        Yields ``boundary`` once, after the expert-count exchange and before the counts'
-        host read and the payload all-to-all (the split-phase dispatch's safe boundary)."""
-        layer = self.decoder.layers[i]
+        through ``layer``'s routed experts (KV layer ``i``: MoE layer i of the routing
+        record, or the MTP layer's, ``num_layers``, not recorded) by P's dispatcher, placed
+        into a zero fp32 [N, H] partial -- the same form as the gather backend's, so P's
+        combine AllReduce completes it. Yields ``boundary`` once, after the expert-count
+        exchange and before the counts' host read and the payload all-to-all (the
+        split-phase dispatch's safe boundary)."""
         atp, a = self.groups.layout.atp, self.groups.atp_rank
         lo = off + n_local * a // atp
         hi = off + n_local * (a + 1) // atp
         partial = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
         x = layer.pre_mlp_layernorm(h[lo:hi])
-        record = self.route_record("P", i, h.shape[0])  # all replicas' rows; this rank's
+        record = (self.route_record("P", i, h.shape[0])  # all replicas' rows; this rank's
+                  if i < self.cfg.num_layers else None)
         split = self.dispatch_p.routed_split(layer.mlp, x, i,
                                              None if record is None else record[lo:hi])
         next(split)  # route, issue the count exchange
@@ -1048,19 +1080,23 @@ class InferenceGPT(torch.nn.Module):
         partial[lo:hi] = run_to_completion(split)
         return partial
 
-    def _dispatch_decode_moe(self, i: int, layer, res: torch.Tensor) -> torch.Tensor:
+    def _dispatch_decode_moe(self, layer, res: torch.Tensor,
+                             record_layer: int | None) -> torch.Tensor:
         """D, alltoall: this rank's ATP chunk [B/ATP, H] of its replica's rows through the
         routed experts by D's dispatcher (complete, fp32), plus the shared experts (ATP-sharded:
-        the replica's rows gathered over ATP, the partials reduce-scattered back)."""
+        the replica's rows gathered over ATP, the partials reduce-scattered back). Routing
+        recorded as MoE layer ``record_layer`` (None: not recorded -- the MTP layer)."""
         comm = self.comm
         x = layer.pre_mlp_layernorm(res)
         # the record holds replica r's rows at [r * B, r * B + B); this rank's ATP chunk
         c, atp = res.shape[0], self.groups.layout.atp
-        record = self.route_record("D", i, c * atp * self.groups.layout.adp)
+        record = (None if record_layer is None else
+                  self.route_record("D", record_layer, c * atp * self.groups.layout.adp))
         if record is not None:
             first = (self.groups.replica * atp + self.groups.atp_rank) * c
             record = record[first : first + c]
-        out = self.dispatch_d.routed(layer.mlp, x, i, record)
+        layer_id = self.cfg.num_layers if record_layer is None else record_layer
+        out = self.dispatch_d.routed(layer.mlp, x, layer_id, record)
         if layer.mlp.shared_experts is not None:
             rows = comm.d_all_gather_atp(x)
             shared = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)

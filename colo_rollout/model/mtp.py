@@ -26,7 +26,10 @@ Invariants:
     draft was accepted; else overwritten next iteration). No hole, as vLLM does it.
   * No routing is recorded for the MTP layer: routing replay replays the decoder's layers
     (the trainer does not run the MTP layer; rl/trainer.py).
-  * The collectives are the gather backend's (engine.mtp refuses a dispatch backend).
+  * With a dispatch backend (``model.moe_dispatch``) the MTP layer's MoE goes through the
+    phase's dispatcher like the decoder's (D: D's; P: P's, its split one more P boundary);
+    where P computes its replica's rows alone (attention TP 1) the MTP pass does too
+    (``mtp_prefill_own``: no collective but the dispatch).
 """
 
 from __future__ import annotations
@@ -140,10 +143,12 @@ def mtp_prefill(model, hidden_all: torch.Tensor, tokens_local: torch.Tensor, inp
         h = comm.p_allreduce(h)
     rope = model.rope_angles(inp.attn.positions)
     layer = mtp.mtp_model_layer
-    # the decoder's P layer body (gather layout), its MoE unrecorded
+    # the decoder's P layer body (gather layout), its MoE unrecorded -- through P's
+    # dispatcher with a dispatch backend
     h, boundary, _ = yield from model.prefill_layer(
         layer, L, h, rope, inp, kv, own, total, boundary,
-        lambda x: layer.mlp(layer.pre_mlp_layernorm(x), record=None))
+        lambda x: layer.mlp(layer.pre_mlp_layernorm(x), record=None),
+        dispatch=layer.is_moe and model.dispatch_p is not None)
     seq_off, n_seq = sum(inp.last_counts[:r]), inp.last_counts[r]
     last = mtp.final_layernorm(h[inp.last_rows[seq_off : seq_off + n_seq]])
     full = model.p_logits_partial(last, int(inp.last_rows.shape[0]), seq_off)
@@ -151,7 +156,28 @@ def mtp_prefill(model, hidden_all: torch.Tensor, tokens_local: torch.Tensor, inp
     return comm.p_allreduce(full)[seq_off : seq_off + n_seq]
 
 
-def prefill_boundaries(atp: int) -> int:
-    """The boundaries ``mtp_prefill`` yields: the embedding gather, the projection's gather
-    (attention TP > 1 only), the layer's two, the draft logits' gather."""
-    return 4 + (atp > 1)
+def mtp_prefill_own(model, hidden: torch.Tensor, tokens: torch.Tensor,
+                    local_last: torch.Tensor, inp, kv, boundary: int
+                    ) -> Generator[int, None, torch.Tensor]:
+    """P's MTP pass where P computes its replica's rows alone (a dispatch backend at attention
+    TP 1: ``InferenceGPT.own_rows_prefill``; a generator). ``hidden`` [n, H]: the decoder's
+    final-normed output of this replica's rows; ``tokens`` [n]: their next tokens
+    (``shift_tokens``); ``local_last``: each sequence's last row. Yields ``boundary`` at the
+    MTP MoE's dispatch split (a dense MTP layer yields nothing). Writes the MTP layer's KV of
+    these positions; returns the draft logits [n_seq, V]."""
+    mtp = model.mtp.layers[0]
+    h = mtp.project(model.embedding.partial(tokens), hidden)  # whole: attention TP 1
+    rope = model.rope_angles(inp.attn.positions)
+    h, _ = yield from model.own_rows_layer(mtp.mtp_model_layer, model.cfg.num_layers, h, rope,
+                                           inp, kv, boundary, None)
+    return F.linear(mtp.final_layernorm(h[local_last]), model.output_weight)
+
+
+def prefill_boundaries(atp: int, own_rows: bool = False, dispatch_moe: bool = False) -> int:
+    """The boundaries P's MTP pass yields. ``mtp_prefill`` (the gather layout): the embedding
+    gather, the projection's gather (attention TP > 1 only), the layer's two, the draft
+    logits' gather, and with ``dispatch_moe`` (its MoE through a dispatch backend) the
+    dispatch split. ``mtp_prefill_own`` (``own_rows``): the dispatch split only."""
+    if own_rows:
+        return int(dispatch_moe)
+    return 4 + (atp > 1) + dispatch_moe

@@ -25,6 +25,7 @@ from colo_rollout.worker.memory import WorkerMemory
 from colo_rollout.model.model import InferenceGPT
 from colo_rollout.runtime.parallel import ParallelGroups
 from colo_rollout.worker.runner import ModelRunner
+from colo_rollout.worker.speculate import ROWS_PER_SEQUENCE
 from colo_rollout.model.weights import DTYPES, random_state_dict
 
 # engine settings that size the device state (KV storage, D graphs): an engine taking over a
@@ -70,8 +71,11 @@ def build_model(cfg: Config, groups: ParallelGroups,
 def _dispatch_sizes(cfg: Config) -> dict:
     """The model's build options from the engine config: what a dispatch backend's buffers are
     sized by (D's most rows per replica -- the D batch is padded to a decode bucket -- and the
-    bound of its host waits) and whether the MTP layer drafts (engine.mtp)."""
-    return {"max_decode_rows": max(cfg.engine.decode_buckets[-1], cfg.engine.max_batch_size),
+    bound of its host waits) and whether the MTP layer drafts (engine.mtp: two verify rows per
+    sequence, worker/speculate.py)."""
+    per = ROWS_PER_SEQUENCE if cfg.engine.mtp else 1
+    return {"max_decode_rows": per * max(cfg.engine.decode_buckets[-1],
+                                         cfg.engine.max_batch_size),
             "timeout_s": cfg.parallel.timeout_s, "mtp_draft": cfg.engine.mtp}
 
 
