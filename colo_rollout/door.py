@@ -113,8 +113,7 @@ def check_kernels(cfg: Config, source: str) -> None:
 
 def check_fp8(cfg: Config, source: str) -> None:
     """``model.fp8`` before any rank starts: this host's GPU has FP8 tensor cores (sm89+; a
-    host without CUDA has none), the MoE dispatch backend runs FP8 experts (deepep is not
-    verified with them), and every FP8 GEMM's shard has both dims in multiples of 16
+    host without CUDA has none), and every FP8 GEMM's shard has both dims in multiples of 16
     (model/fp8.py; the model build checks the same on each rank)."""
     m = cfg.model
     if m.fp8 is None:
@@ -123,6 +122,7 @@ def check_fp8(cfg: Config, source: str) -> None:
 
     from colo_rollout.config.schema import FP8_MIN_CAPABILITY as MIN_CAPABILITY
     from colo_rollout.config.schema import FP8_ROW_MULTIPLE as ROW_MULTIPLE
+    from colo_rollout.config.schema import FP8_BLOCK
 
     def refuse(problem: str, key: str = "model.fp8") -> None:
         raise ConfigError(f"{source}: {key}: {problem}", key=key, source=source)
@@ -146,9 +146,6 @@ def check_fp8(cfg: Config, source: str) -> None:
                "whose CUDA fallback reads the group sizes on the host: no D graphs); FP8 on "
                "the GPU runs the Triton kernel: set engine.moe_kernel: auto",
                key="engine.moe_kernel")
-    if m.moe_dispatch == "deepep":
-        refuse("FP8 experts are not verified with the deepep backend; use "
-               "model.moe_dispatch: gather or alltoall", key="model.moe_dispatch")
     atp = cfg.parallel.atp
     widths = {"model.hidden_size": m.hidden_size,
               "model.num_attention_heads x head_dim / parallel.atp":
@@ -160,10 +157,15 @@ def check_fp8(cfg: Config, source: str) -> None:
     if m.shared_expert_ffn_hidden_size is not None:
         widths["model.shared_expert_ffn_hidden_size / parallel.atp"] = (
             m.shared_expert_ffn_hidden_size // atp)
+    multiple = ROW_MULTIPLE
+    if m.fp8_recipe == "blockwise":  # 1 x 128 / 128 x 128 scale blocks: the experts' too
+        multiple = FP8_BLOCK
+        widths["model.moe_ffn_hidden_size"] = m.moe_ffn_hidden_size
     for what, v in widths.items():
-        if v % ROW_MULTIPLE:
-            refuse(f"FP8 GEMMs need every dimension in multiples of {ROW_MULTIPLE}; {what} "
-                   f"is {v}")
+        if v % multiple:
+            key = "model.fp8_recipe" if multiple != ROW_MULTIPLE else "model.fp8"
+            refuse(f"FP8 GEMMs{' (blockwise)' if multiple != ROW_MULTIPLE else ''} need every "
+                   f"dimension in multiples of {multiple}; {what} is {v}", key=key)
 
 
 def check_dispatch(cfg: Config, source: str) -> None:

@@ -723,6 +723,28 @@ def gpu_fp8_kernels(rank: int, world: int) -> dict:
     scale = b16.abs().max()
     res["moe_vs_reference"] = ((got.float() - ref).abs().max() / scale).item()
     res["moe_vs_bf16"] = ((got.float() - b16).abs().max() / scale).item()
+    # blockwise (1 x 128 inputs, 128 x 128 weights): the group quantiser bitwise, the linear
+    # (the kernel as one group) and the expert GEMMs against their dequantised references
+    same = True
+    for M, K in ((1, 2048), (37, 768), (512, 4096)):
+        x = torch.randn(M, K, generator=g, device=dev).bfloat16() * 3
+        a = f8.quantize_rows(x, backend="triton", group=128)
+        b = f8.quantize_rows(x, backend="torch", group=128)
+        same &= torch.equal(a[0].float(), b[0].float()) and torch.equal(a[1], b[1])
+    res["blockwise_quantize_bitwise"] = bool(same)
+    bw = f8.Fp8Weight.of(w, 128)
+    yb = f8.fp8_linear(x45 := torch.randn(45, 2048, generator=g, device=dev).bfloat16(), bw)
+    qb, sb = f8.quantize_rows(x45, pad=False, group=128)
+    refb = F.linear(f8.dequantize_rows(qb, sb), bw.dequantized())
+    res["blockwise_linear_vs_reference"] = ((yb.float() - refb).abs().max()
+                                            / refb.abs().max()).item()
+    res["blockwise_linear_vs_bf16"] = ((yb.float() - F.linear(x45.float(), w.float())).abs().max()
+                                       / refb.abs().max()).item()
+    b1, b2 = f8.Fp8Weight.of(fc1, 128), f8.Fp8Weight.of(fc2, 128)
+    gotb = fm.triton_experts(xm, token, offs, prob, b1, b2, F.silu, True)
+    refb = fm.torch_experts_fp8(xm.float(), token, offs, prob, b1, b2, F.silu, True)
+    res["blockwise_moe_vs_reference"] = ((gotb.float() - refb).abs().max() / scale).item()
+    res["blockwise_moe_vs_bf16"] = ((gotb.float() - b16).abs().max() / scale).item()
     return res
 
 

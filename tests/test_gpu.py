@@ -440,24 +440,46 @@ def test_gpu_fp8_kernels_match_the_reference(gpu_groups):
     assert r["linear_vs_reference"] < 1e-2 and r["moe_vs_reference"] < 2e-2, r
     assert 1e-4 < r["linear_vs_bf16"] < 0.1 and 1e-4 < r["moe_vs_bf16"] < 0.15, r
     assert all(row["triton_vs_scaled_mm"] < 1e-2 for row in r["linear_rows"].values()), r
+    assert r["blockwise_quantize_bitwise"], r
+    assert r["blockwise_linear_vs_reference"] < 1e-2 and r["blockwise_moe_vs_reference"] < 2e-2, r
+    assert 1e-4 < r["blockwise_linear_vs_bf16"] < 0.1 and 1e-4 < r["blockwise_moe_vs_bf16"] < 0.15, r
 
 
-@pytest.mark.parametrize("world,adp,ep", [(1, 1, 1), (2, 2, 2), (2, 1, 2)])
-def test_gpu_fp8_engine_against_fp32_beside_bf16(gpu_groups, world, adp, ep):
+@pytest.mark.parametrize("world,adp,ep,recipe", [(1, 1, 1, "rowwise"), (2, 2, 2, "rowwise"),
+                                                (2, 1, 2, "rowwise"), (1, 1, 1, "blockwise")])
+def test_gpu_fp8_engine_against_fp32_beside_bf16(gpu_groups, world, adp, ep, recipe):
     """model.fp8 on the GPU: the FP8 kernels, D graphs in FP8. Its logprobs against the fp32
     megatron model beside the bf16 engine's and megatron bf16's (docs/gpu.md). This random
     model is precision-sensitive (bf16 alone is 0.1 from fp32): FP8 measured 0.45, 4.5x the
     bf16 engine (on CPU's narrower model 5-9x, tests/test_fp8.py); the kernels themselves
     match the FP8 reference math (test_gpu_fp8_kernels_match_the_reference)."""
     r = gpu_groups(world).run("tests.cases_fp8:fp8_vs_reference", timeout=600, adp=adp,
-                              ep=ep, backend="nccl", n_requests=16)[0]
+                              ep=ep, backend="nccl", n_requests=16,
+                              model_kw={"fp8_recipe": recipe})[0]
     b, f = r["bf16"], r["fp8"]
     ok = (b["mean_logprob_diff"] < f["mean_logprob_diff"] < 8 * b["mean_logprob_diff"]
           and f["argmax_agreement"] >= 0.35 and f["graphs"])
-    _record("fp8_engine", {"layout": r["layout"], "gpus": world, "result": r, "passed": ok})
+    _record("fp8_engine", {"layout": r["layout"], "gpus": world, "recipe": recipe, "result": r,
+                           "passed": ok})
     assert f["graphs"] and f["fp8_bytes"] > 0, r
     assert b["mean_logprob_diff"] < f["mean_logprob_diff"] < 8 * b["mean_logprob_diff"], r
     assert f["argmax_agreement"] >= 0.35, r
+
+
+@pytest.mark.skipif(not _have_deep_ep(), reason="needs deep_ep with colo_rollout's patch "
+                    "(scripts/deepep_setup.sh)")
+def test_gpu_fp8_with_deepep_matches_the_gather_backend(gpu_groups):
+    """model.fp8 with model.moe_dispatch deepep on one GPU: D's FP8 experts on DeepEP's
+    low-latency rows inside D's graphs, P's in place; the gather backend's FP8 engine's
+    streams on the same checkpoint (the experts' FP8 math is the same per row; the combine's
+    order differs, so a stream may part at a near-tie)."""
+    r = gpu_groups(1).run("tests.cases_fp8:fp8_dispatch_vs_gather", timeout=600, adp=1, ep=1,
+                          model_kw=DEEPEP_MODEL)[0]
+    ok = r["first_tokens_equal"] >= 0.9 and r["mean_logprob_diff"] < 1e-2
+    _record("fp8_deepep", {"gpus": 1, "result": r, "passed": ok})
+    assert r["graphs"] == {"gather": True, "dispatch": True}, r
+    assert r["first_tokens_equal"] >= 0.9 and r["identical_streams"] >= 0.5, r
+    assert r["mean_logprob_diff"] < 1e-2 and r["compared"] > 50, r
 
 
 def test_gpu_fp8_graphs_match_eager(gpu_groups):

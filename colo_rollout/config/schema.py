@@ -67,12 +67,13 @@ STREAM_ROUTES = ("auto", "off", "always")
 STREAM_PRIORITIES = ("decode", "prefill", "equal")
 PREFILL_GRAPHS = ("auto", "always", "never")
 FP8_FORMATS = ("hybrid", "e4m3")
-FP8_RECIPES = ("rowwise",)  # model/fp8.py
+FP8_RECIPES = ("rowwise", "blockwise")  # model/fp8.py
 FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm89), Hopper (sm90) and later
 # engine.prefill_attention "cudnn": the oldest cuDNN (torch.backends.cudnn.version()) whose
 # fused attention it calls (model/dense_prefill.py; measured with 9.19 on one H200)
 CUDNN_MIN_VERSION = 90000
 FP8_ROW_MULTIPLE = 16  # the FP8 GEMMs' dimension multiple (torch._scaled_mm)
+FP8_BLOCK = 128  # the blockwise recipe's scale block (1 x 128 inputs, 128 x 128 weights)
 ROUTER_SCORES = ("softmax", "sigmoid")
 ROPE_SCALINGS = (None, "llama3")
 # normal: strict P priority, no multiplexing. The ordering ladder of P/D multiplexing (PD mode):
@@ -238,8 +239,10 @@ class ModelConfig:
     # read the weights directly, TE's modules would not run).
     fp8: str | None = None
     # How FP8 operands are scaled: "rowwise" -- each GEMM input row (token, or MoE pair) by its
-    # own amax, each weight output channel by its own, both computed from the current tensors
-    # (no calibration, nothing lags a weight update).
+    # own amax, each weight output channel by its own; "blockwise" -- each input row's every
+    # 128 columns and each weight's every 128 x 128 block by its own (DeepSeek-V3's, megatron /
+    # TE's Float8BlockScaling: every FP8 GEMM dimension a multiple of 128). Both computed from
+    # the current tensors (no calibration, nothing lags a weight update).
     fp8_recipe: str = "rowwise"
     # Multi-token prediction layers after the decoder (megatron's mtp_num_layers; DeepSeek-V3 /
     # GLM-4.5's num_nextn_predict_layers): 0 = none, 1 = one MTP layer (enorm, hnorm, eh_proj,

@@ -1,20 +1,31 @@
 """FP8 (e4m3) GEMM operands for rollouts: row-wise quantisation, FP8 weights, the FP8 linear.
 
-Owns the recipe ``rowwise`` (``model.fp8_recipe``): every GEMM input row (a token, or a
-sorted (token, expert) pair in the MoE) is scaled by its own amax, every weight output
-channel by its own -- both "current" scales, computed from the tensor being quantised, so no
-calibration and no scaling history (nothing lags a weight update, and a CUDA graph replays the
-scale computation with the data). What serving engines run for FP8 MoE (vLLM/SGLang's
-per-token x per-channel W8A8); the product is rescaled in fp32 by s_row * s_col.
+Owns the two recipes (``model.fp8_recipe``), both with "current" scales, computed from the
+tensor being quantised -- no calibration and no scaling history (nothing lags a weight update,
+and a CUDA graph replays the scale computation with the data):
 
-  * ``quantize_rows(x)``: x [M, K] -> (q [Mp, K] e4m3, scale [Mp] fp32), Mp = M rounded up to
-    ``ROW_MULTIPLE`` with zero rows (FP8 GEMMs want 16-row multiples: the token counts of P
-    and D are padded here, where an FP8 GEMM consumes them). q = rne(x / scale) with
-    scale = max(amax, tiny) / 448, so |q| <= 448 (e4m3's largest finite value).
-  * ``Fp8Weight``: a weight's q [..., N, K] and per-channel scale [..., N], made once and
-    ``refresh``-ed in place from the 16-bit weight (the addresses a D graph captured stay).
+  * ``rowwise``: every GEMM input row (a token, or a sorted (token, expert) pair in the MoE)
+    is scaled by its own amax, every weight output channel by its own. What serving engines
+    run for FP8 MoE (vLLM/SGLang's per-token x per-channel W8A8); the product is rescaled in
+    fp32 by s_row * s_col after the K loop.
+  * ``blockwise``: DeepSeek-V3's (and megatron / Transformer Engine's ``Float8BlockScaling``):
+    each input row's every 128 columns (1 x 128) and each weight's every 128 x 128 block get
+    their own scale, so one outlier spoils 128 values instead of a row. The GEMM rescales
+    each 128-wide K block's partial product by s_row,kb * s_blk(n,kb) inside the K loop; every
+    FP8 GEMM dimension must be a multiple of 128 (the door checks).
+
+  * ``quantize_rows(x, group=0)``: x [M, K] -> (q [Mp, K] e4m3, scale [Mp] fp32 -- or, with a
+    ``group`` g, [Mp, K / g], one per g columns), Mp = M rounded up to ``ROW_MULTIPLE`` with
+    zero rows (FP8 GEMMs want 16-row multiples: the token counts of P and D are padded here,
+    where an FP8 GEMM consumes them). q = rne(x / scale) with scale = max(amax, tiny) / 448,
+    so |q| <= 448 (e4m3's largest finite value).
+  * ``Fp8Weight``: a weight's q [..., N, K] and its scales -- per channel [..., N], or with
+    ``block`` b per b x b block [..., N / b, K / b] -- made once and ``refresh``-ed in place
+    from the 16-bit weight (the addresses a D graph captured stay). The weight carries the
+    recipe: every GEMM quantises its input the way its weight says (``block``).
   * ``fp8_linear(x, w)``: x @ W^T through ``torch._scaled_mm`` with row-wise scales on CUDA
-    (sm89+); elsewhere the same math on dequantised operands in fp32 (the CPU reference).
+    (sm89+), through model/fused_moe.py's kernel (one group) for blockwise weights;
+    elsewhere the same math on dequantised operands in fp32 (the CPU reference).
 
 The 16-bit weights stay the source of truth (weight sync and checkpoint loads write them); the
 model re-quantises after every write (``InferenceGPT.weights_updated``).
@@ -29,8 +40,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from colo_rollout.config.schema import FP8_BLOCK
 from colo_rollout.config.schema import FP8_MIN_CAPABILITY as MIN_CAPABILITY
-from colo_rollout.config.schema import FP8_RECIPES as RECIPES  # noqa: F401
+from colo_rollout.config.schema import FP8_RECIPES as RECIPES
 from colo_rollout.config.schema import FP8_ROW_MULTIPLE as ROW_MULTIPLE
 from colo_rollout.model.kernel_backend import pow2, tl, triton
 
@@ -38,6 +50,14 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3fn's largest finite magnitude
 TINY = 1e-12  # the least amax a scale is made from (an all-zero row quantises to zeros)
 MAX_K = 16384  # one program quantises a whole row (its amax needs all of it)
+BLOCK = FP8_BLOCK  # the blockwise recipe's scale block: 1 x 128 inputs, 128 x 128 weights
+
+
+def recipe_block(recipe: str) -> int:
+    """``model.fp8_recipe`` -> the weights' ``block`` (0: per channel, rowwise)."""
+    if recipe not in RECIPES:
+        raise ValueError(f"model.fp8_recipe must be one of {RECIPES}, got {recipe!r}")
+    return BLOCK if recipe == "blockwise" else 0
 
 
 def fp8_supported(device: torch.device) -> tuple[bool, str]:
@@ -62,33 +82,46 @@ def padded_rows(m: int) -> int:
 
 
 def quantize_rows(x: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  pad: bool = True, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+                  pad: bool = True, backend: str = "auto",
+                  group: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (any float dtype) -> (q [Mp, K] e4m3, scale [Mp] fp32); rows past M are zero
-    with scale 1. ``pad`` False: Mp = M. ``out``: (q, scale) to write into (Mp rows).
-    ``backend``: "auto" (the Triton kernel on CUDA, else torch), "torch", "triton" (also CPU
-    tensors under TRITON_INTERPRET=1: the tests)."""
+    with scale 1. ``group`` g > 0 (blockwise; K a multiple of g): one scale per g columns of a
+    row, scale [Mp, K / g]. ``pad`` False: Mp = M. ``out``: (q, scale) to write into (Mp
+    rows). ``backend``: "auto" (the Triton kernel on CUDA, else torch), "torch", "triton"
+    (also CPU tensors under TRITON_INTERPRET=1: the tests)."""
     M, K = x.shape
     Mp = padded_rows(M) if pad else M
+    if group and K % group:
+        raise ValueError(f"quantize_rows: K {K} is not a multiple of the group {group}")
+    G = K // group if group else 0
+    s_shape = (Mp, G) if group else (Mp,)
     if out is None:
         q = torch.empty((Mp, K), dtype=FP8_DTYPE, device=x.device)
-        s = torch.empty(Mp, dtype=torch.float32, device=x.device)
+        s = torch.empty(s_shape, dtype=torch.float32, device=x.device)
     else:
         q, s = out
-        if q.shape != (Mp, K) or s.shape != (Mp,):
+        if q.shape != (Mp, K) or s.shape != s_shape:
             raise ValueError(f"quantize_rows out {tuple(q.shape)}, {tuple(s.shape)} for "
-                             f"x {tuple(x.shape)} -> {Mp} rows")
+                             f"x {tuple(x.shape)} -> {Mp} rows, scales {s_shape}")
     if Mp == 0:
         return q, s
     if backend == "auto":
         backend = ("triton" if x.is_cuda and triton is not None and K <= MAX_K
                    and x.stride(-1) == 1 else "torch")
     if backend == "triton":
-        _quantize_rows_kernel[(Mp,)](x, q, s, M, K, x.stride(0), q.stride(0),
-                                     BLOCK=pow2(K, 16), num_warps=4 if K <= 4096 else 8)
+        width = group or K  # one program per (row, group): a whole row without groups
+        _quantize_rows_kernel[(Mp, G or 1)](x, q, s, M, width, x.stride(0), q.stride(0),
+                                            max(G, 1), BLOCK=pow2(width, 16),
+                                            num_warps=4 if width <= 4096 else 8)
         return q, s
     xf = x.float()
-    scale = xf.abs().amax(dim=-1).clamp_min(TINY) / FP8_MAX
-    q[:M].copy_((xf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX))
+    if group:
+        scale = xf.view(M, G, group).abs().amax(dim=-1).clamp_min(TINY) / FP8_MAX
+        q[:M].copy_((xf.view(M, G, group) / scale[..., None]).clamp(-FP8_MAX, FP8_MAX)
+                    .view(M, K))
+    else:
+        scale = xf.abs().amax(dim=-1).clamp_min(TINY) / FP8_MAX
+        q[:M].copy_((xf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX))
     s[:M].copy_(scale)
     if Mp > M:
         q[M:].zero_()
@@ -97,21 +130,29 @@ def quantize_rows(x: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None
 
 
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """q [..., K] e4m3, scale [...] -> fp32 values (the reference's operands)."""
+    """q [..., K] e4m3, scale [...] (one per row) or [..., K / g] (one per g columns) -> fp32
+    values (the reference's operands)."""
+    if scale.dim() == q.dim():
+        g = q.shape[-1] // scale.shape[-1]
+        return (q.float().unflatten(-1, (scale.shape[-1], g)) * scale[..., None]).flatten(-2)
     return q.float() * scale[..., None]
 
 
 if triton is not None:
 
     @triton.jit
-    def _quantize_rows_kernel(X, Q, S, rows, K, stride_x, stride_q, BLOCK: tl.constexpr):
+    def _quantize_rows_kernel(X, Q, S, rows, K, stride_x, stride_q, groups,
+                              BLOCK: tl.constexpr):
+        """Program (r, g): columns [g K, g K + K) of row r (K: the group's width, or the
+        whole row with one group), its scale at S[r * groups + g]."""
         r = tl.program_id(0)
-        cols = tl.arange(0, BLOCK)
-        cmask = cols < K
+        g = tl.program_id(1)
+        cols = g * K + tl.arange(0, BLOCK)
+        cmask = tl.arange(0, BLOCK) < K
         if r >= rows:  # padding rows: zeros, scale 1
             tl.store(Q + r.to(tl.int64) * stride_q + cols,
                      tl.zeros([BLOCK], dtype=tl.float32).to(Q.dtype.element_ty), mask=cmask)
-            tl.store(S + r, 1.0)
+            tl.store(S + r * groups + g, 1.0)
             return
         x = tl.load(X + r.to(tl.int64) * stride_x + cols, mask=cmask, other=0.0).to(tl.float32)
         amax = tl.max(tl.abs(x), axis=0)
@@ -119,34 +160,68 @@ if triton is not None:
         q = tl.math.div_rn(x, scale)  # IEEE division: the torch reference's quotient
         q = tl.minimum(tl.maximum(q, -448.0), 448.0)
         tl.store(Q + r.to(tl.int64) * stride_q + cols, q.to(Q.dtype.element_ty), mask=cmask)
-        tl.store(S + r, scale)
+        tl.store(S + r * groups + g, scale)
+
+
+def _quantize_blocks(w: torch.Tensor, b: int, q: torch.Tensor, s: torch.Tensor,
+                     chunk: int = 1 << 26) -> None:
+    """w [..., N, K] -> q (its shape, e4m3) and s [..., N / b, K / b]: each b x b block by its
+    own amax, as ``quantize_rows`` does a row (IEEE division, clamp). Chunks of about
+    ``chunk`` elements over the leading dims bound the fp32 temporaries."""
+    N, K = w.shape[-2:]
+    w3, q3, s3 = w.reshape(-1, N, K), q.view(-1, N, K), s.view(-1, N // b, K // b)
+    step = max(1, chunk // max(N * K, 1))
+    for i in range(0, w3.shape[0], step):
+        x = w3[i : i + step].float().view(-1, N // b, b, K // b, b)
+        sc = x.abs().amax(dim=(2, 4)).clamp_min(TINY) / FP8_MAX
+        q3[i : i + step].copy_((x / sc[:, :, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
+                               .view(-1, N, K))
+        s3[i : i + step].copy_(sc)
 
 
 @dataclass
 class Fp8Weight:
-    """A 16-bit weight [..., N, K] as FP8: q [..., N, K] e4m3 and scale [..., N] fp32, one scale
-    per output channel. ``refresh`` re-quantises in place (the same tensors: captured graphs
-    read the new values)."""
+    """A 16-bit weight [..., N, K] as FP8: q [..., N, K] e4m3 and its fp32 scales -- one per
+    output channel, scale [..., N] (``block`` 0: rowwise), or one per ``block`` x ``block``
+    tile, scale [..., N / block, K / block] (blockwise). ``refresh`` re-quantises in place
+    (the same tensors: captured graphs read the new values)."""
 
     q: torch.Tensor
     scale: torch.Tensor
+    block: int = 0
 
     @classmethod
-    def of(cls, w: torch.Tensor) -> Fp8Weight:
-        K = w.shape[-1]
-        q, s = quantize_rows(w.detach().reshape(-1, K), pad=False)
-        return cls(q.view(w.shape), s.view(w.shape[:-1]))
+    def of(cls, w: torch.Tensor, block: int = 0) -> Fp8Weight:
+        if not block:
+            K = w.shape[-1]
+            q, s = quantize_rows(w.detach().reshape(-1, K), pad=False)
+            return cls(q.view(w.shape), s.view(w.shape[:-1]))
+        N, K = w.shape[-2:]
+        if N % block or K % block:
+            raise ValueError(f"a blockwise FP8 weight needs both dims in multiples of {block}, "
+                             f"got {tuple(w.shape)}")
+        q = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
+        s = torch.empty((*w.shape[:-2], N // block, K // block), dtype=torch.float32,
+                        device=w.device)
+        _quantize_blocks(w.detach(), block, q, s)
+        return cls(q, s, block)
 
     def matches(self, w: torch.Tensor) -> bool:
         return self.q.shape == w.shape and self.q.device == w.device
 
     def refresh(self, w: torch.Tensor) -> None:
+        if self.block:
+            _quantize_blocks(w.detach(), self.block, self.q, self.scale)
+            return
         K = w.shape[-1]
         quantize_rows(w.detach().reshape(-1, K), out=(self.q.view(-1, K), self.scale.view(-1)),
                       pad=False)
 
     def dequantized(self) -> torch.Tensor:
         """The weight the FP8 GEMM multiplies by, in fp32."""
+        if self.block:
+            b = self.block
+            return self.q.float() * self.scale.repeat_interleave(b, -2).repeat_interleave(b, -1)
         return dequantize_rows(self.q, self.scale)
 
     @property
@@ -168,17 +243,21 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
     bench_speed_gpu, 2026-12-02) its decode tiles give a single [3072 x 2048] weight 48
     programs, 8.7 us per projection at B = 1 -- no faster than _scaled_mm's 8.4 us
     (cuBLASLt's 128 x 128 FP8 tiles) and slower at B = 32 (step 4.51 vs 3.95 ms); both are
-    above bf16's 5.8 us, so the lever is a split-K FP8 GEMV."""
+    above bf16's 5.8 us, so the lever is a split-K FP8 GEMV. A blockwise weight (``w.block``)
+    quantises x per 1 x block columns; on CUDA it runs the Triton kernel ("auto"; scaled_mm is
+    rowwise only here)."""
     out_dtype = out_dtype or x.dtype
     M = x.shape[0]
     if M == 0:
         return x.new_zeros((0, w.q.shape[0]), dtype=out_dtype)
     if backend == "auto":
-        backend = "scaled_mm" if x.is_cuda else "torch"
+        backend = ("torch" if not x.is_cuda else "triton" if w.block else "scaled_mm")
+    if backend == "scaled_mm" and w.block:
+        raise ValueError("fp8_linear: the scaled_mm backend runs rowwise weights only")
     if backend == "triton":
         from colo_rollout.model.fused_moe import TILES, moe_gemm, regime
 
-        q, s = quantize_rows(x, pad=False)
+        q, s = quantize_rows(x, pad=False, group=w.block)
         ends = torch.full((1,), M, dtype=torch.int32, device=x.device)  # one group: every row
         y = moe_gemm(q, w.q[None], ends, M, tile=TILES[(regime(M, 1), "fc2")], a_scale=s,
                      w_scale=w.scale[None], out_dtype=out_dtype)
@@ -190,7 +269,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
         if out_dtype == torch.float32:
             y = y.float()
     elif backend == "torch":
-        q, s = quantize_rows(x, pad=False)
+        q, s = quantize_rows(x, pad=False, group=w.block)
         y = F.linear(dequantize_rows(q, s), w.dequantized()).to(out_dtype)
     else:
         raise ValueError(f"fp8_linear backend must be one of {LINEAR_BACKENDS}, got {backend!r}")

@@ -41,6 +41,7 @@ it alone.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -140,8 +141,9 @@ def torch_experts_fp8(x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor,
                       activation, gated: bool) -> torch.Tensor:
     """The FP8 reference: ``torch_experts``'s math on the dequantised operands in fp32 -- x
     quantised per token row, h (after the activation and the probability, rounded to x's
-    dtype as the kernel stores it) per pair row, the weights per channel (model/fp8.py)."""
-    xd = dequantize_rows(*quantize_rows(x, pad=False))
+    dtype as the kernel stores it) per pair row, the weights per channel (model/fp8.py) --
+    or, blockwise weights (``block``), x and h per 1 x block columns, the weights per block."""
+    xd = dequantize_rows(*quantize_rows(x, pad=False, group=fc1.block))
     h = torch._grouped_mm(xd[token], fc1.dequantized().transpose(1, 2), offs=offs)
     if gated:
         gate, up = torch.chunk(h, 2, dim=-1)
@@ -149,7 +151,7 @@ def torch_experts_fp8(x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor,
     else:
         h = activation(h)
     h = (h * prob.unsqueeze(-1)).to(x.dtype)
-    hd = dequantize_rows(*quantize_rows(h, pad=False))
+    hd = dequantize_rows(*quantize_rows(h, pad=False, group=fc2.block))
     return torch._grouped_mm(hd, fc2.dequantized().transpose(1, 2), offs=offs).to(x.dtype)
 
 
@@ -204,13 +206,13 @@ if triton is not None:
         A, Tok, W, Offs, Prob, Out, Scatter, AScale, WScale,
         rows, m_blocks, group_m, n_out, k_dim, E,
         stride_am, stride_tok, stride_we, stride_wn, stride_wk, stride_om, stride_p, up_off,
-        stride_wse,
+        stride_wse, stride_as, stride_wsn,
         E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, GATHER: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
         PROB: tl.constexpr, ZERO_TAIL: tl.constexpr, SCATTER: tl.constexpr,
         EVEN_K: tl.constexpr,
         DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, RNE_BF16: tl.constexpr,
-        FP8: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr,
+        FP8: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr, SCALE_K: tl.constexpr,
     ):
         pid = tl.program_id(0)
         n_tiles = tl.cdiv(n_out, BLOCK_N)
@@ -276,7 +278,17 @@ if triton is not None:
             if UPCAST:  # the interpreter's dot reads bf16 as integers: fp32 there
                 a = a.to(tl.float32)
                 w = w.to(tl.float32)
-            acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+            if SCALE_K:  # blockwise FP8: this K step's partial product, rescaled by its K
+                # block's scales (A's row x 1 x SCALE_K, W's SCALE_K x SCALE_K; BLOCK_K divides
+                # SCALE_K, and the tile's columns lie in one weight block or wrap per column)
+                kb = k0 // SCALE_K
+                a_sk = tl.load(AScale + a_rows * stride_as + kb, mask=mmask, other=0.0)
+                w_sk = tl.load(WScale + e.to(tl.int64) * stride_wse
+                               + (offs_wn // SCALE_K) * stride_wsn + kb)
+                acc += (tl.dot(a, w, input_precision=DOT_PREC) * a_sk[:, None]
+                        * w_sk[None, :])
+            else:
+                acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
             if GATED:  # the up projection's rows sit up_off past the gate's
                 if W_TMA:
                     wu = W.load([w_row + n_out, k0]).T
@@ -286,12 +298,18 @@ if triton is not None:
                     wu = tl.load(w_ptrs + up_off, mask=kmask[:, None], other=0.0)
                 if UPCAST:
                     wu = wu.to(tl.float32)
-                acc_up = tl.dot(a, wu, acc_up, input_precision=DOT_PREC)
+                if SCALE_K:
+                    wu_sk = tl.load(WScale + e.to(tl.int64) * stride_wse
+                                    + ((offs_wn + n_out) // SCALE_K) * stride_wsn + kb)
+                    acc_up += (tl.dot(a, wu, input_precision=DOT_PREC) * a_sk[:, None]
+                               * wu_sk[None, :])
+                else:
+                    acc_up = tl.dot(a, wu, acc_up, input_precision=DOT_PREC)
             if not A_TMA:
                 a_ptrs += BLOCK_K
             if not W_TMA:
                 w_ptrs += BLOCK_K * stride_wk
-        if FP8:  # row-wise x channel-wise scales of the FP8 operands (model/fp8.py), in fp32
+        if FP8 and not SCALE_K:  # row-wise x channel-wise scales (model/fp8.py), in fp32
             a_s = tl.load(AScale + a_rows, mask=mmask, other=0.0)
             ws_ptrs = WScale + e.to(tl.int64) * stride_wse + offs_wn
             acc = acc * a_s[:, None] * tl.load(ws_ptrs)[None, :]
@@ -433,8 +451,10 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, rows: int, *,
     were. ``scatter`` [rows]: row r is stored at out[scatter[r]] (a permutation of the rows:
     the pairs' own order) instead of out[r]. FP8 (``a`` and ``w`` e4m3, model/fp8.py):
     ``a_scale`` [len(a)] per A row and ``w_scale`` [E, wn] per weight row multiply the fp32
-    product before the epilogue. Host values read: shapes and strides only
-    (graph-capturable)."""
+    product before the epilogue -- or, blockwise, ``a_scale`` [len(a), K / b] per 1 x b and
+    ``w_scale`` [E, wn / b, K / b] per b x b block rescale each K block's partial product (wn
+    and K multiples of b; the K step is cut to divide b). Host values read: shapes and strides
+    only (graph-capturable)."""
     if triton is None:
         raise RuntimeError("triton is not importable: use the torch moe kernel backend")
     E, wn, K = w.shape
@@ -448,7 +468,16 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, rows: int, *,
     if w.stride(-1) != 1:
         raise ValueError("the expert weights' input dim must be contiguous")
     fp8 = a_scale is not None
-    if fp8 != (w_scale is not None) or (fp8 and w_scale.shape != (E, wn)):
+    scale_k = 0  # blockwise: the scale block
+    if fp8 and w_scale is not None and w_scale.dim() == 3:
+        scale_k = K // max(w_scale.shape[2], 1)
+        if (not scale_k or w_scale.shape != (E, wn // scale_k, K // scale_k)
+                or wn % scale_k or K % scale_k or (gated and n_out % scale_k)
+                or a_scale.shape != (a.shape[0], K // scale_k)):
+            raise ValueError(f"blockwise FP8 scales a {tuple(a_scale.shape)}, w "
+                             f"{tuple(w_scale.shape)} do not fit a {tuple(a.shape)}, "
+                             f"w {tuple(w.shape)}")
+    elif fp8 != (w_scale is not None) or (fp8 and w_scale.shape != (E, wn)):
         raise ValueError("FP8 operands need both a_scale and w_scale [E, wn]")
     if fp8 and out_dtype is None and out is None:
         raise ValueError("an FP8 GEMM needs out_dtype")
@@ -457,6 +486,8 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, rows: int, *,
     if rows == 0:
         return out
     tile = fit_tile(tile, a.device, a.element_size(), gated)
+    if scale_k and scale_k % tile.block_k:  # a K step inside one scale block
+        tile = dataclasses.replace(tile, block_k=math.gcd(tile.block_k, scale_k))
     m_blocks = row_blocks(rows, E, tile.block_m)
     grid = (m_blocks * triton.cdiv(n_out, tile.block_n),)
     upcast = not a.is_cuda  # CPU tensors run only under the interpreter: exact fp32 dots
@@ -482,12 +513,13 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, rows: int, *,
         rows, m_blocks, tile.group_m, n_out, K, E,
         a.stride(0), tok.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
         pr.stride(0), n_out * w.stride(1), w_s.stride(0) if fp8 else 0,
+        a_s.stride(0) if scale_k else 0, w_s.stride(1) if scale_k else 0,
         E_PAD=pow2(E, E_PAD_MIN), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, GATHER=token is not None, GATED=gated, ACT=act,
         PROB=prob is not None, ZERO_TAIL=zero_tail, SCATTER=scatter is not None,
         EVEN_K=K % tile.block_k == 0,
         DOT_PREC=prec, UPCAST=upcast, RNE_BF16=upcast and out.dtype == torch.bfloat16,
-        FP8=fp8, W_TMA=w_tma, A_TMA=a_tma, num_warps=tile.num_warps,
+        FP8=fp8, W_TMA=w_tma, A_TMA=a_tma, SCALE_K=scale_k, num_warps=tile.num_warps,
         num_stages=tile.num_stages,
     )
     return out
@@ -567,10 +599,10 @@ def triton_experts(x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor,
         tiles = (TILES[(r, "fc1")], TILES[(r, "fc2")])
     # the group max is offs[-1]; the kernel reads offs, so int32 and int64 both do
     if isinstance(fc1, Fp8Weight):  # FP8 operands: x and h quantised per row on the way in
-        xq, xs = quantize_rows(x, pad=False)
+        xq, xs = quantize_rows(x, pad=False, group=fc1.block)
         h = moe_gemm(xq, fc1.q, offs, rows, token=token, prob=prob, gated=gated, act=act,
                      tile=tiles[0], a_scale=xs, w_scale=fc1.scale, out_dtype=x.dtype)
-        hq, hs = quantize_rows(h, pad=False)
+        hq, hs = quantize_rows(h, pad=False, group=fc2.block)
         return moe_gemm(hq, fc2.q, offs, rows, zero_tail=True, scatter=order,
                         out_dtype=out_dtype or x.dtype, tile=tiles[1], a_scale=hs,
                         w_scale=fc2.scale)

@@ -48,7 +48,7 @@ from colo_rollout.model.attention import (
 )
 from colo_rollout.model.comm import GatherComm
 from colo_rollout.model.dispatch import new_dispatchers
-from colo_rollout.model.fp8 import ROW_MULTIPLE, Fp8Weight, fp8_supported
+from colo_rollout.model.fp8 import ROW_MULTIPLE, Fp8Weight, fp8_supported, recipe_block
 from colo_rollout.model.fused_moe import resolve_backend as resolve_moe_kernel
 from colo_rollout.model.paged_attention import resolve_backend
 from colo_rollout.model.norm_add import (
@@ -156,14 +156,15 @@ def resolve_use_te(cfg: ModelConfig) -> bool:
     return have
 
 
-def _check_fp8_shapes(holder: torch.nn.Module, weights) -> None:
+def _check_fp8_shapes(holder: torch.nn.Module, weights, block: int = 0) -> None:
     """The FP8 linear's GEMM (torch._scaled_mm) needs both dims of each weight (this rank's
-    shard) in multiples of 16."""
+    shard) in multiples of 16 -- of the scale block with the blockwise recipe."""
+    m = max(ROW_MULTIPLE, block)
     for w in weights:
-        if w.dim() != 2 or w.shape[0] % ROW_MULTIPLE or w.shape[1] % ROW_MULTIPLE:
+        if w.dim() != 2 or w.shape[0] % m or w.shape[1] % m:
             raise ValueError(
                 f"model.fp8: {type(holder).__name__} has a weight of shape {tuple(w.shape)} "
-                f"on this rank; FP8 GEMMs need both dims in multiples of {ROW_MULTIPLE} "
+                f"on this rank; FP8 GEMMs need both dims in multiples of {m} "
                 "(hidden_size, the attention heads x head_dim per attention-TP rank, the FFN "
                 "sizes per rank)")
 
@@ -449,6 +450,8 @@ class InferenceGPT(torch.nn.Module):
         # model.fp8: the FP8 copies of the GEMM weights (model/fp8.py), made and re-made from
         # the 16-bit parameters by weights_updated(); the sources' addresses at that point
         self.fp8 = cfg.fp8 is not None
+        # the weights' scale block (model.fp8_recipe; model/fp8.py): 0 rowwise, 128 blockwise
+        self.fp8_block = recipe_block(cfg.fp8_recipe)
         self._fp8_ptrs: list[int] | None = None
         if self.fp8:
             ok, why = fp8_supported(groups.device)
@@ -460,7 +463,7 @@ class InferenceGPT(torch.nn.Module):
                 raise ValueError("model.fp8 on a GPU needs the Triton expert kernel "
                                  f"(engine.moe_kernel resolved to {self.moe_kernel!r})")
             for moe in self.moe_layers():
-                moe.fp8 = True
+                moe.fp8, moe.fp8_block = True, self.fp8_block
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -509,13 +512,13 @@ class InferenceGPT(torch.nn.Module):
             return
         with torch.inference_mode(False), torch.no_grad():
             for holder, ws in self._fp8_sites():
-                _check_fp8_shapes(holder, ws)
+                _check_fp8_shapes(holder, ws, self.fp8_block)
                 old = getattr(holder, "colo_fp8", None)
                 if old is not None and all(o.matches(w) for o, w in zip(old, ws)):
                     for o, w in zip(old, ws):
                         o.refresh(w)
                 else:
-                    holder.colo_fp8 = tuple(Fp8Weight.of(w) for w in ws)
+                    holder.colo_fp8 = tuple(Fp8Weight.of(w, self.fp8_block) for w in ws)
             for moe in self.moe_layers():
                 moe.refresh_fp8()
         self._fp8_ptrs = [w.data_ptr() for w in self._fp8_sources()]

@@ -135,6 +135,7 @@ class GatherMoE(torch.nn.Module):
         # model.fp8 (set by the model): the routed experts' GEMMs take FP8 copies of the
         # stacks (``fp8_weights``, re-quantised by ``refresh_fp8`` after every weight write)
         self.fp8 = False
+        self.fp8_block = 0  # model.fp8_recipe's scale block (model/fp8.py): 0 rowwise
         self.fp8_weights: tuple[Fp8Weight, Fp8Weight] | None = None
         c = config
         # megatron's top-k routing in its dense form ([N, k] probabilities and expert ids, as
@@ -360,7 +361,8 @@ class GatherMoE(torch.nn.Module):
             for o, w in zip(old, st):
                 o.refresh(w)
         else:
-            self.fp8_weights = (Fp8Weight.of(st[0]), Fp8Weight.of(st[1]))
+            self.fp8_weights = (Fp8Weight.of(st[0], self.fp8_block),
+                                Fp8Weight.of(st[1], self.fp8_block))
 
     def drop_stack(self) -> None:
         """Forget the stacked views (memory release: the parameters' storage is replaced)."""
