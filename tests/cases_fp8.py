@@ -74,43 +74,6 @@ def fp8_vs_reference(rank: int, world: int, adp: int, ep: int, backend: str = "g
     return res
 
 
-def fp8_dispatch_vs_gather(rank: int, world: int, adp: int, ep: int, model_kw: dict,
-                           n_requests: int = 16) -> dict:
-    """FP8 engines on one random bf16 checkpoint, greedy: the gather backend's and the one
-    ``model_kw`` names (a dispatch backend), same layout. The experts' FP8 math is the same
-    per row (row-wise scales of the same rows, the same weights' copies); what differs is
-    where rows meet (DeepEP's low-latency layout pads per expert) and the combine's order.
-    Reports the share of identical streams and of equal first tokens, the mean and max
-    |logprob| difference over the streams' common prefixes, and whether D ran in graphs."""
-    base = gpu_config(world, adp, ep, "bfloat16", backend="nccl",
-                      model_kw={**model_kw, "fp8": "e4m3"})
-    groups = init_parallel(base.parallel)
-    sd = random_state_dict(base.model)
-    requests = mixed_requests(n_requests, 3, base.model.vocab_size)
-    outs, graphs = {}, {}
-    for name, dispatch in (("gather", "gather"), ("dispatch", base.model.moe_dispatch)):
-        cfg = dataclasses.replace(base, model=dataclasses.replace(base.model,
-                                                                  moe_dispatch=dispatch))
-        engine = Engine(cfg, groups, sd)
-        engine.warmup(max_context=128)
-        outs[name], _ = timed_generate(engine, requests)
-        graphs[name] = engine.runner.graphs is not None
-        engine.close()
-    diffs, same, first = [], 0, 0
-    for r in requests:
-        a, b = outs["gather"][r.request_id], outs["dispatch"][r.request_id]
-        same += a.tokens == b.tokens
-        first += a.tokens[:1] == b.tokens[:1]
-        for x, y, lx, ly in zip(a.tokens, b.tokens, a.logprobs, b.logprobs):
-            if x != y:
-                break
-            diffs.append(abs(lx - ly))
-    return {"layout": groups.layout.name, "graphs": graphs,
-            "identical_streams": same / len(requests), "first_tokens_equal": first / len(requests),
-            "mean_logprob_diff": sum(diffs) / max(len(diffs), 1),
-            "max_logprob_diff": max(diffs, default=0.0), "compared": len(diffs)}
-
-
 def _fp8_model(groups, **kw):
     from colo_rollout.config import ModelConfig
     from colo_rollout.model.model import InferenceGPT

