@@ -161,6 +161,19 @@ def _moe_case(seed, N, E, k, H, Fd, gated, act):
     return x, order // k, offs, prob[order], fc1, fc2, act, gated, order
 
 
+def _experts_errors(case, tiles, block: int = 0) -> tuple[float, float, float]:
+    """The FP8 experts (weights of ``block``) on a ``_moe_case``: the kernel's relative error
+    against the dequantised reference and against the 16-bit experts, and the scale."""
+    x, token, offs, prob, fc1, fc2, act, gated, _ = case
+    w1, w2 = f8.Fp8Weight.of(fc1, block), f8.Fp8Weight.of(fc2, block)
+    got = fm.triton_experts(x, token, offs, prob, w1, w2, act, gated, tiles=tiles)
+    ref = fm.torch_experts_fp8(x, token, offs, prob, w1, w2, act, gated)
+    b16 = fm.torch_experts(x.float(), token, offs, prob, fc1.float(), fc2.float(), act, gated)
+    scale = b16.abs().max().item()
+    return ((got.float() - ref.float()).abs().max().item() / scale,
+            (got.float() - b16).abs().max().item() / scale, scale)
+
+
 def _interpreted() -> list[str]:
     fails = []
     # the row quantiser's kernel against the torch path: the scales bitwise (IEEE division in
@@ -185,16 +198,10 @@ def _interpreted() -> list[str]:
             (9, 4, 2, 64, 32, True, F.silu, None),
             (30, 8, 2, 64, 48, True, F.silu, (T(16, 16, 32, 4, 2), T(16, 32, 32, 4, 2))),
             (17, 4, 2, 80, 32, False, F.gelu, (T(16, 16, 32, 4, 2), T(16, 16, 32, 4, 2))))):
-        x, token, offs, prob, fc1, fc2, act, gated, order = _moe_case(i, N, E, k, H, Fd,
-                                                                       gated, act)
+        case = _moe_case(i, N, E, k, H, Fd, gated, act)
+        x, token, offs, prob, fc1, fc2, act, gated, order = case
         w1, w2 = f8.Fp8Weight.of(fc1), f8.Fp8Weight.of(fc2)
-        got = fm.triton_experts(x, token, offs, prob, w1, w2, act, gated, tiles=tiles)
-        ref = fm.torch_experts_fp8(x, token, offs, prob, w1, w2, act, gated)
-        b16 = fm.torch_experts(x.float(), token, offs, prob, fc1.float(), fc2.float(), act,
-                               gated)
-        scale = b16.abs().max().item()
-        err = (got.float() - ref.float()).abs().max().item() / scale
-        err16 = (got.float() - b16).abs().max().item() / scale
+        err, err16, scale = _experts_errors(case, tiles)
         if err > 1e-2:
             fails.append(f"fp8 moe case {i}: rel err vs the FP8 reference {err:.2e}")
         if not 1e-4 < err16 < 0.15:
@@ -220,16 +227,8 @@ def _interpreted() -> list[str]:
                                (T(16, 32, 64, 4, 2), T(16, 16, 64, 4, 2)))):
         # H 256: fc1's K spans two scale blocks (the in-loop rescaling), its 2F = 256 rows
         # two (gate, up)
-        x, token, offs, prob, fc1, fc2, act, gated, order = _moe_case(10 + i, 9, 4, 2, 256,
-                                                                       128, True, F.silu)
-        w1, w2 = f8.Fp8Weight.of(fc1, 128), f8.Fp8Weight.of(fc2, 128)
-        got = fm.triton_experts(x, token, offs, prob, w1, w2, act, gated, tiles=tiles)
-        ref = fm.torch_experts_fp8(x, token, offs, prob, w1, w2, act, gated)
-        b16 = fm.torch_experts(x.float(), token, offs, prob, fc1.float(), fc2.float(), act,
-                               gated)
-        scale = b16.abs().max().item()
-        err = (got.float() - ref.float()).abs().max().item() / scale
-        err16 = (got.float() - b16).abs().max().item() / scale
+        err, err16, _ = _experts_errors(_moe_case(10 + i, 9, 4, 2, 256, 128, True, F.silu),
+                                        tiles, 128)
         if err > 1e-2 or not 1e-4 < err16 < 0.15:
             fails.append(f"blockwise fp8 moe case {i}: rel err {err:.2e}, vs 16-bit {err16:.2e}")
     for M, K, N in ((1, 128, 128), (20, 256, 384)):
