@@ -43,6 +43,12 @@ def greedy_pick(logits: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor,
     if not supports(logits):
         raise ValueError(f"greedy_pick: logits {tuple(logits.shape)} {logits.dtype} with row "
                          f"stride {logits.stride(-1)}: see supports()")
+    return pick(logits, block)
+
+
+def pick(logits: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``greedy_pick`` for a caller that has asked ``supports`` already (the sampler: no
+    second check on the step's path)."""
     n, V = logits.shape
     chunks = -(-V // block)
     dev = logits.device

@@ -802,7 +802,8 @@ class InferenceGPT(torch.nn.Module):
         hidden = self.decoder.final_layernorm(h)  # every row: the MTP layer reads them all
         tokens, logprobs = sample(F.linear(hidden[local_last], self.output_weight))
         nxt = shift_tokens(inp.token_ids, local_last, tokens)
-        drafts = yield from mtp_prefill_own(self, hidden, nxt, local_last, inp, kv, boundary)
+        drafts = yield from mtp_prefill_own(self, hidden, nxt, local_last, inp, kv, rope,
+                                            boundary)
         return tokens, logprobs, drafts
 
     def own_rows_layer(self, layer: InferenceLayer, kv_layer: int, h: torch.Tensor, rope,

@@ -157,17 +157,17 @@ def mtp_prefill(model, hidden_all: torch.Tensor, tokens_local: torch.Tensor, inp
 
 
 def mtp_prefill_own(model, hidden: torch.Tensor, tokens: torch.Tensor,
-                    local_last: torch.Tensor, inp, kv, boundary: int
+                    local_last: torch.Tensor, inp, kv, rope, boundary: int
                     ) -> Generator[int, None, torch.Tensor]:
     """P's MTP pass where P computes its replica's rows alone (a dispatch backend at attention
     TP 1: ``InferenceGPT.own_rows_prefill``; a generator). ``hidden`` [n, H]: the decoder's
     final-normed output of this replica's rows; ``tokens`` [n]: their next tokens
-    (``shift_tokens``); ``local_last``: each sequence's last row. Yields ``boundary`` at the
+    (``shift_tokens``); ``local_last``: each sequence's last row; ``rope``: the decoder's
+    angles of these positions (the same rows). Yields ``boundary`` at the
     MTP MoE's dispatch split (a dense MTP layer yields nothing). Writes the MTP layer's KV of
     these positions; returns the draft logits [n_seq, V]."""
     mtp = model.mtp.layers[0]
     h = mtp.project(model.embedding.partial(tokens), hidden)  # whole: attention TP 1
-    rope = model.rope_angles(inp.attn.positions)
     h, _ = yield from model.own_rows_layer(mtp.mtp_model_layer, model.cfg.num_layers, h, rope,
                                            inp, kv, boundary, None)
     return F.linear(mtp.final_layernorm(h[local_last]), model.output_weight)

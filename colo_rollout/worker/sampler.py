@@ -151,7 +151,7 @@ def greedy_tensors(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     reduction (model/greedy_pick.py: the same tokens; the logprobs torch's up to the sum's
     rounding order) instead of a [n, V] log_softmax."""
     if logits.is_cuda and greedy_pick.supports(logits):
-        return greedy_pick.greedy_pick(logits)
+        return greedy_pick.pick(logits)
     logits = logits.float()
     tokens = logits.argmax(dim=-1)
     return tokens, torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
