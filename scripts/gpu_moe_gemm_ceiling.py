@@ -84,6 +84,12 @@ def main() -> int:
                 ("fc2", "dense cuBLAS same FLOPs"): lambda c: torch.mm(h0, dense2[c],
                                                                       out=ys[c]),
             }
+            # an expert's last row block of <= tail_m rows as a tail_m-row tile in place
+            for tm in (16, 32, 64):
+                cases[("fc1", f"kernel (gather), tails <= {tm} as {tm}-row tiles")] = (
+                    lambda c, tm=tm: fm.moe_gemm(
+                        x, ex.fc1[c], offs, rows, token=token, prob=prob, gated=True, act=1,
+                        out=hs[c], tile=dataclasses.replace(fc1_tile, tail_m=tm)))
             for t in P2:
                 key = ("fc2", f"persistent {g._fmt(t)}")
                 cases[key] = (lambda c, t=t: fm.moe_gemm(
@@ -91,13 +97,16 @@ def main() -> int:
             # the persistent fc2 against the one-tile-per-program kernel (first copy)
             ref2 = fm.moe_gemm(h0, ex.fc2[0], offs, rows,
                                tile=dataclasses.replace(fc2_tile, persistent=False)).float()
+            ref1 = fm.moe_gemm(x, ex.fc1[0], offs, rows, token=token, prob=prob, gated=True,
+                               act=1, tile=fc1_tile).float()
             for (which, label), fn in cases.items():
                 flops = f1 if which == "fc1" else f2
                 err = ""
                 try:
-                    if label.startswith("persistent"):
+                    if label.startswith("persistent") or "tails" in label:
+                        ref = ref2 if which == "fc2" else ref1
                         got = fn(0).float()
-                        e = ((got - ref2).abs().max() / ref2.abs().max()).item()
+                        e = ((got - ref).abs().max() / ref.abs().max()).item()
                         err = f" err {e:.1e}"
                     s = g.graph_time([lambda c=c: fn(c) for c in (0, 1, 0, 1)], reps=5, warm=1)
                 except Exception as ex_:  # noqa: BLE001 - a variant that does not compile

@@ -54,6 +54,13 @@ CASES = [
      (T(16, 16, 16, 4, 2, 2, True), T(16, 16, 16, 4, 2, 2, True, True))),
     (37, 4, 4, 2, 16, 32, torch.bfloat16, F.silu, True, 0,
      (T(16, 16, 16, 4, 2, 1, True), T(16, 16, 16, 4, 2, 1, True, True))),
+    # an expert's last row block of <= tail_m rows as a tail_m-row tile (fc1's gathered A;
+    # pointer-fed and TMA-fed weights, fp32 and bf16, ragged F, other ranks' pairs, padding
+    # rows): every case has experts with such a tail and experts with a longer one
+    (40, 4, 8, 4, 32, 40, torch.float32, F.silu, True, 3,
+     (T(32, 16, 16, 4, 2, tail_m=16), T(16, 32, 16, 4, 2))),
+    (60, 4, 12, 4, 48, 40, torch.bfloat16, F.silu, True, 2,
+     (T(32, 16, 16, 4, 2, 2, True, tail_m=16), T(16, 16, 16, 4, 2, 2, True, True))),
 ]
 
 
@@ -96,6 +103,12 @@ def _interpreted() -> list[str]:
         rows = len(token)
         if tiles and tiles[0].tma and not fm.tma_usable(x, fc1):
             fails.append(f"case {i}: the TMA case would run on pointer loads")
+        if tiles and tiles[0].tail_m:
+            counts = torch.diff(offs.long(), prepend=offs.new_zeros(1).long())
+            last = counts - (counts - 1).clamp(min=0) // tiles[0].block_m * tiles[0].block_m
+            if not ((counts > 0) & (last <= tiles[0].tail_m)).any() or not (
+                    last > tiles[0].tail_m).any():
+                fails.append(f"case {i}: the case does not run both tile sizes: {counts}")
         if tiles and tiles[1].persistent and not fm.runs_persistent(
                 torch.empty(1, fc2.shape[2], dtype=dtype), fc2, tiles[1]):
             fails.append(f"case {i}: the persistent case would run the other kernel")

@@ -255,12 +255,12 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
     if backend == "scaled_mm" and w.block:
         raise ValueError("fp8_linear: the scaled_mm backend runs rowwise weights only")
     if backend == "triton":
-        from colo_rollout.model.fused_moe import TILES, moe_gemm, regime
+        from colo_rollout.model.fused_moe import moe_gemm, regime, tile_for
 
         q, s = quantize_rows(x, pad=False, group=w.block)
         ends = torch.full((1,), M, dtype=torch.int32, device=x.device)  # one group: every row
-        y = moe_gemm(q, w.q[None], ends, M, tile=TILES[(regime(M, 1), "fc2")], a_scale=s,
-                     w_scale=w.scale[None], out_dtype=out_dtype)
+        y = moe_gemm(q, w.q[None], ends, M, tile=tile_for(regime(M, 1), "fc2", bool(w.block)),
+                     a_scale=s, w_scale=w.scale[None], out_dtype=out_dtype)
     elif backend == "scaled_mm":
         q, s = quantize_rows(x)
         y = torch._scaled_mm(q, w.q.t(), scale_a=s[:, None], scale_b=w.scale[None, :],

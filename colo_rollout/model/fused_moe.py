@@ -84,6 +84,10 @@ class Tile:
     # only where both operands come through TMA and the epilogue is a plain store (fc2 in
     # 16 bits): elsewhere the launch falls back to the one-tile-per-program kernel
     persistent: bool = False
+    # an expert's last row block with at most this many rows (a power of two < block_m, or 0:
+    # off) runs a tile of this many rows in its place -- the MMA work of the padded rows cut;
+    # only where A comes by pointer (a TMA descriptor's block is block_m rows)
+    tail_m: int = 0
 
 
 # Tile shapes by regime (average pairs per local expert, R / E), one for each GEMM (fc1: the
@@ -107,6 +111,23 @@ TILES = {
     ("prefill", "fc1"): Tile(128, 128, 64, 8, 4, 1, True),
     ("prefill", "fc2"): Tile(128, 256, 64, 8, 3, 8, True, True),
 }
+# Blockwise FP8 (``SCALE_K``: each K step's partial product rescaled before it is added) keeps
+# a second fp32 tile live beside the accumulator, so the prefill tiles above spill: on an H200
+# (scripts/gpu_fp8_block_tiles.py, 2026-12-03, 4096 tokens) fc1 on 128 x 128 x 64 ran at
+# 8-10% of the bf16 peak. Tiles of 64 rows at 4 warps with one rescale per 128-wide scale
+# block: fc1 5.2-5.5x, fc2 2.2-2.5x, a QKV-sized projection 2.4x faster than those.
+BLOCKWISE_TILES = {
+    ("prefill", "fc1"): Tile(64, 64, 128, 4, 3),
+    ("prefill", "fc2"): Tile(64, 128, 128, 4, 3, 8),
+}
+
+
+def tile_for(reg: str, which: str, blockwise: bool = False) -> Tile:
+    """The tile of a launch in regime ``reg`` ("small" / "decode" / "prefill") for ``which``
+    ("fc1" / "fc2"; a dense projection takes fc2's); ``blockwise``: blockwise-FP8 operands."""
+    if blockwise and (reg, which) in BLOCKWISE_TILES:
+        return BLOCKWISE_TILES[(reg, which)]
+    return TILES[(reg, which)]
 
 
 def triton_supports(activation) -> bool:
@@ -199,44 +220,20 @@ if triton is not None:
             v = tl.maximum(v, 0.0)
         return v
 
-    # the row counts (a graph bucket's), the group size and E change nothing in the code:
-    # never specialised on, so one compiled kernel serves every bucket
-    @triton.jit(do_not_specialize=["rows", "m_blocks", "group_m", "E"])
-    def _moe_gemm_kernel(
-        A, Tok, W, Offs, Prob, Out, Scatter, AScale, WScale,
-        rows, m_blocks, group_m, n_out, k_dim, E,
-        stride_am, stride_tok, stride_we, stride_wn, stride_wk, stride_om, stride_p, up_off,
-        stride_wse, stride_as, stride_wsn,
-        E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, GATHER: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
-        PROB: tl.constexpr, ZERO_TAIL: tl.constexpr, SCATTER: tl.constexpr,
-        EVEN_K: tl.constexpr,
-        DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, RNE_BF16: tl.constexpr,
-        FP8: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr, SCALE_K: tl.constexpr,
-    ):
-        pid = tl.program_id(0)
-        n_tiles = tl.cdiv(n_out, BLOCK_N)
-        # grouped order: group_m row blocks sweep each column tile together (the weight tile
-        # stays in L2 while they read it); group_m 1 = column tiles of one row block in a row
-        per_group = group_m * n_tiles
-        first_m = (pid // per_group) * group_m
-        size_m = tl.minimum(m_blocks - first_m, group_m)
-        pid_m = first_m + (pid % per_group) % size_m
-        pid_n = (pid % per_group) // size_m
-
-        e, row_lo, row_hi, total = _expert_block(Offs, pid_m, E, E_PAD, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        nmask = offs_n < n_out
-        offs_m = tl.arange(0, BLOCK_M)
-        if pid_m >= total:  # a spare row block (the grid is a bound, fixed by shapes)
-            if ZERO_TAIL:  # the spare blocks zero the rows past the last expert's:
-                # (m_blocks - total) * BLOCK_M >= rows - offs[-1] (see row_blocks), so one
-                # block each covers them
-                r = tl.load(Offs + E - 1).to(tl.int32) + (pid_m - total) * BLOCK_M + offs_m
-                _zero_rows(Out, Scatter, r, rows, offs_n, n_out, stride_om, BLOCK_M, BLOCK_N,
-                           SCATTER)
-            return
-
+    @triton.jit
+    def _tile(A, Tok, W, Prob, Out, Scatter, AScale, WScale,
+              e, row_lo, row_hi, pid_n, offs_n, nmask, n_out, k_dim,
+              stride_am, stride_tok, stride_we, stride_wn, stride_wk, stride_om, stride_p,
+              up_off, stride_wse, stride_as, stride_wsn,
+              BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              GATHER: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
+              PROB: tl.constexpr, SCATTER: tl.constexpr, EVEN_K: tl.constexpr,
+              DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, RNE_BF16: tl.constexpr,
+              FP8: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr,
+              SCALE_K: tl.constexpr):
+        """One output tile of ``_moe_gemm_kernel``: rows [row_lo, min(row_lo + BM, row_hi))
+        of expert e, columns offs_n; the K loop and the epilogue."""
+        offs_m = tl.arange(0, BM)
         rows_m = row_lo + offs_m
         mmask = rows_m < row_hi
         if GATHER:  # A's rows through the pairs' token index
@@ -256,8 +253,8 @@ if triton is not None:
         # next expert's pairs -- finite values whose products the stores mask; past the
         # tensors' ends the descriptor reads zeros
         w_row = e * (stride_we // stride_wn) + pid_n * BLOCK_N
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, k_dim, BLOCK_K):
             if W_TMA:
                 if A_TMA:
@@ -330,6 +327,65 @@ if triton is not None:
             out_rows = rows_m.to(tl.int64)
         tl.store(Out + out_rows[:, None] * stride_om + offs_n[None, :],
                  acc.to(Out.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+    # the row counts (a graph bucket's), the group size and E change nothing in the code:
+    # never specialised on, so one compiled kernel serves every bucket
+    @triton.jit(do_not_specialize=["rows", "m_blocks", "group_m", "E"])
+    def _moe_gemm_kernel(
+        A, Tok, W, Offs, Prob, Out, Scatter, AScale, WScale,
+        rows, m_blocks, group_m, n_out, k_dim, E,
+        stride_am, stride_tok, stride_we, stride_wn, stride_wk, stride_om, stride_p, up_off,
+        stride_wse, stride_as, stride_wsn,
+        E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, GATHER: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
+        PROB: tl.constexpr, ZERO_TAIL: tl.constexpr, SCATTER: tl.constexpr,
+        EVEN_K: tl.constexpr,
+        DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, RNE_BF16: tl.constexpr,
+        FP8: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr, SCALE_K: tl.constexpr,
+        TAIL_M: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        n_tiles = tl.cdiv(n_out, BLOCK_N)
+        # grouped order: group_m row blocks sweep each column tile together (the weight tile
+        # stays in L2 while they read it); group_m 1 = column tiles of one row block in a row
+        per_group = group_m * n_tiles
+        first_m = (pid // per_group) * group_m
+        size_m = tl.minimum(m_blocks - first_m, group_m)
+        pid_m = first_m + (pid % per_group) % size_m
+        pid_n = (pid % per_group) // size_m
+
+        e, row_lo, row_hi, total = _expert_block(Offs, pid_m, E, E_PAD, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = offs_n < n_out
+        offs_m = tl.arange(0, BLOCK_M)
+        if pid_m >= total:  # a spare row block (the grid is a bound, fixed by shapes)
+            if ZERO_TAIL:  # the spare blocks zero the rows past the last expert's:
+                # (m_blocks - total) * BLOCK_M >= rows - offs[-1] (see row_blocks), so one
+                # block each covers them
+                r = tl.load(Offs + E - 1).to(tl.int32) + (pid_m - total) * BLOCK_M + offs_m
+                _zero_rows(Out, Scatter, r, rows, offs_n, n_out, stride_om, BLOCK_M, BLOCK_N,
+                           SCATTER)
+            return
+
+        # an expert's last row block with at most TAIL_M rows runs a TAIL_M-row tile in its
+        # place (the same program order, so its weight tiles are the ones its expert's other
+        # blocks just read through L2): the padded rows' MMA work is cut, not moved
+        if TAIL_M and row_hi - row_lo <= TAIL_M:
+            _tile(A, Tok, W, Prob, Out, Scatter, AScale, WScale, e, row_lo, row_hi, pid_n,
+                  offs_n, nmask, n_out, k_dim, stride_am, stride_tok, stride_we, stride_wn,
+                  stride_wk, stride_om, stride_p, up_off, stride_wse, stride_as, stride_wsn,
+                  BM=TAIL_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GATHER=GATHER, GATED=GATED,
+                  ACT=ACT, PROB=PROB, SCATTER=SCATTER, EVEN_K=EVEN_K, DOT_PREC=DOT_PREC,
+                  UPCAST=UPCAST, RNE_BF16=RNE_BF16, FP8=FP8, W_TMA=W_TMA, A_TMA=A_TMA,
+                  SCALE_K=SCALE_K)
+        else:
+            _tile(A, Tok, W, Prob, Out, Scatter, AScale, WScale, e, row_lo, row_hi, pid_n,
+                  offs_n, nmask, n_out, k_dim, stride_am, stride_tok, stride_we, stride_wn,
+                  stride_wk, stride_om, stride_p, up_off, stride_wse, stride_as, stride_wsn,
+                  BM=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GATHER=GATHER, GATED=GATED,
+                  ACT=ACT, PROB=PROB, SCATTER=SCATTER, EVEN_K=EVEN_K, DOT_PREC=DOT_PREC,
+                  UPCAST=UPCAST, RNE_BF16=RNE_BF16, FP8=FP8, W_TMA=W_TMA, A_TMA=A_TMA,
+                  SCALE_K=SCALE_K)
 
     @triton.jit(do_not_specialize=["rows", "m_blocks", "group_m", "E"])
     def _moe_gemm_persistent_kernel(
@@ -519,7 +575,8 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, rows: int, *,
         PROB=prob is not None, ZERO_TAIL=zero_tail, SCATTER=scatter is not None,
         EVEN_K=K % tile.block_k == 0,
         DOT_PREC=prec, UPCAST=upcast, RNE_BF16=upcast and out.dtype == torch.bfloat16,
-        FP8=fp8, W_TMA=w_tma, A_TMA=a_tma, SCALE_K=scale_k, num_warps=tile.num_warps,
+        FP8=fp8, W_TMA=w_tma, A_TMA=a_tma, SCALE_K=scale_k,
+        TAIL_M=0 if a_tma else tile.tail_m, num_warps=tile.num_warps,
         num_stages=tile.num_stages,
     )
     return out
@@ -596,7 +653,8 @@ def triton_experts(x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor,
     E = (fc1.q if isinstance(fc1, Fp8Weight) else fc1).shape[0]
     if tiles is None:
         r = regime(rows, E)
-        tiles = (TILES[(r, "fc1")], TILES[(r, "fc2")])
+        block = isinstance(fc1, Fp8Weight) and bool(fc1.block)
+        tiles = (tile_for(r, "fc1", block), tile_for(r, "fc2", block))
     # the group max is offs[-1]; the kernel reads offs, so int32 and int64 both do
     if isinstance(fc1, Fp8Weight):  # FP8 operands: x and h quantised per row on the way in
         xq, xs = quantize_rows(x, pad=False, group=fc1.block)
