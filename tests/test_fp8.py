@@ -217,12 +217,14 @@ def _interpreted() -> list[str]:
             fails.append(f"fp8 moe case {i}: moe_experts triton vs torch backends differ")
     # blockwise: the group quantiser's scales, the expert GEMMs (per-K-block rescaling in the
     # loop; a K step of 32 and of 64 inside the 128-wide blocks) and the linear
-    for M, K in ((1, 128), (13, 256)):
+    for M, K in ((1, 128), (13, 256), (5, 384)):  # 384: three groups in a 4-row tile
         x = (torch.randn(M, K, generator=g) * 3).bfloat16()
         a = f8.quantize_rows(x, backend="triton", group=128)
         b = f8.quantize_rows(x, backend="torch", group=128)
         if not torch.equal(a[1], b[1]):
             fails.append(f"quantize_rows {M}x{K} group 128: the kernel's scales differ")
+        if not torch.equal(a[0][M:].float(), b[0][M:].float()):
+            fails.append(f"quantize_rows {M}x{K} group 128: the padding rows differ")
     for i, tiles in enumerate(((T(16, 16, 32, 4, 2), T(16, 32, 32, 4, 2)),
                                (T(16, 32, 64, 4, 2), T(16, 16, 64, 4, 2)))):
         # H 256: fc1's K spans two scale blocks (the in-loop rescaling), its 2F = 256 rows

@@ -109,10 +109,11 @@ def quantize_rows(x: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None
         backend = ("triton" if x.is_cuda and triton is not None and K <= MAX_K
                    and x.stride(-1) == 1 else "torch")
     if backend == "triton":
-        width = group or K  # one program per (row, group): a whole row without groups
-        _quantize_rows_kernel[(Mp, G or 1)](x, q, s, M, width, x.stride(0), q.stride(0),
-                                            max(G, 1), BLOCK=pow2(width, 16),
-                                            num_warps=4 if width <= 4096 else 8)
+        width = group or K  # one program per row, its groups a [groups, width] tile
+        block = pow2(width, 16) * pow2(max(G, 1))
+        _quantize_rows_kernel[(Mp,)](x, q, s, M, width, x.stride(0), q.stride(0), max(G, 1),
+                                     GW=pow2(width, 16), G_PAD=pow2(max(G, 1)),
+                                     num_warps=4 if block <= 4096 else 8)
         return q, s
     xf = x.float()
     if group:
@@ -142,25 +143,28 @@ if triton is not None:
 
     @triton.jit
     def _quantize_rows_kernel(X, Q, S, rows, K, stride_x, stride_q, groups,
-                              BLOCK: tl.constexpr):
-        """Program (r, g): columns [g K, g K + K) of row r (K: the group's width, or the
-        whole row with one group), its scale at S[r * groups + g]."""
+                              GW: tl.constexpr, G_PAD: tl.constexpr):
+        """Program r: row r as a [groups, K] tile (K: the group's width, or the whole row
+        with one group), each group's scale at S[r * groups + g]. (Session 21's one program
+        per (row, group) ran 128-wide programs by the hundred thousand on fc2's input.)"""
         r = tl.program_id(0)
-        g = tl.program_id(1)
-        cols = g * K + tl.arange(0, BLOCK)
-        cmask = tl.arange(0, BLOCK) < K
+        g = tl.arange(0, G_PAD)
+        c = tl.arange(0, GW)
+        cols = g[:, None] * K + c[None, :]
+        cmask = (g[:, None] < groups) & (c[None, :] < K)
         if r >= rows:  # padding rows: zeros, scale 1
             tl.store(Q + r.to(tl.int64) * stride_q + cols,
-                     tl.zeros([BLOCK], dtype=tl.float32).to(Q.dtype.element_ty), mask=cmask)
-            tl.store(S + r * groups + g, 1.0)
+                     tl.zeros([G_PAD, GW], dtype=tl.float32).to(Q.dtype.element_ty),
+                     mask=cmask)
+            tl.store(S + r * groups + g, tl.full([G_PAD], 1.0, tl.float32), mask=g < groups)
             return
         x = tl.load(X + r.to(tl.int64) * stride_x + cols, mask=cmask, other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(x), axis=0)
+        amax = tl.max(tl.abs(x), axis=1)
         scale = tl.maximum(amax, 1e-12) / 448.0
-        q = tl.math.div_rn(x, scale)  # IEEE division: the torch reference's quotient
+        q = tl.math.div_rn(x, scale[:, None])  # IEEE division: the torch reference's quotient
         q = tl.minimum(tl.maximum(q, -448.0), 448.0)
         tl.store(Q + r.to(tl.int64) * stride_q + cols, q.to(Q.dtype.element_ty), mask=cmask)
-        tl.store(S + r * groups + g, scale)
+        tl.store(S + r * groups + g, scale, mask=g < groups)
 
 
 def _quantize_blocks(w: torch.Tensor, b: int, q: torch.Tensor, s: torch.Tensor,
