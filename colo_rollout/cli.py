@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     bw.add_argument("--iters", type=int, default=5, help="timed syncs after the first")
     bw.add_argument("--out", default="runs/bench_sync", help="directory of bench_sync.json")
     bm = sub.add_parser("bench-mtp", help="decode tokens/s with MTP drafting against without "
-                        "(random and oracle-drafting weights), same run")
+                        "(random, oracle-drafting and distilled-head weights), same run")
     bm.add_argument("config", help="YAML config (model, layout, engine limits), e.g. "
                     "configs/bench_speed_gpu.yaml")
     bm.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -74,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     bm.add_argument("--prompt-len", type=int, default=128)
     bm.add_argument("--new-tokens", type=int, default=128)
     bm.add_argument("--reps", type=int, default=2)
+    bm.add_argument("--distill-steps", type=int, default=300,
+                    help="training steps of the distilled MTP head (0: no distilled row)")
+    bm.add_argument("--distill-seqs", type=int, default=128,
+                    help="greedy continuations the distilled head is fit to")
     bm.add_argument("--out", default="runs/bench_mtp", help="directory of bench_mtp.json")
     tr = sub.add_parser("train", help="colocated GRPO: rollout, train, reshard (YAML config)")
     tr.add_argument("config", help="e.g. configs/grpo_cpu.yaml")
@@ -123,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         bad = ([f"--batches: every batch must be >= 1, got {args.batches}"]
                if min(args.batches) < 1 else [])
         bad += [f"--{k.replace('_', '-')}: must be >= {lo}, got {getattr(args, k)}"
-                for k, lo in (("prompt_len", 1), ("new_tokens", 2), ("reps", 1))
+                for k, lo in (("prompt_len", 1), ("new_tokens", 2), ("reps", 1),
+                              ("distill_steps", 0), ("distill_seqs", 1))
                 if getattr(args, k) < lo]
         if bad:
             print(f"error: {bad[0]}", file=sys.stderr)
@@ -140,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         res = _launch("colo_rollout.tools.bench_mtp:run_bench_mtp", args.config, overrides,
                       cfg=cfg, batches=tuple(args.batches), prompt_len=args.prompt_len,
-                      new_tokens=args.new_tokens, reps=args.reps)[0]
+                      new_tokens=args.new_tokens, reps=args.reps,
+                      distill_steps=args.distill_steps, distill_seqs=args.distill_seqs)[0]
         if int(os.environ.get("RANK", "0")) == 0:
             from colo_rollout.tools.bench_mtp import report
 

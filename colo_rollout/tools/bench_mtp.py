@@ -9,7 +9,12 @@ B * (new - 1) / (full - prefill-only). Two weight sets, loaded in place into bot
 
   * ``random``: drafts almost never accepted -- what MTP costs when it does not help;
   * ``oracle`` (model/mtp_oracle.py): a per-token model whose MTP layer provably drafts right,
-    every layer's GEMMs still full size -- the most MTP can give at this shape.
+    every layer's GEMMs still full size -- the most MTP can give at this shape;
+  * ``distilled``: the random weights with their MTP layer trained (``--distill-steps`` Adam
+    steps of megatron's MTP loss, everything else frozen: rl/mtp_distill.py) on the model's
+    own greedy continuations of ``--distill-seqs`` other random prompts -- drafts learnt from
+    data, as a draft head made for a model that ships none; its loss and draft accuracy
+    over the steps go in the JSON (``--distill-steps 0``: no such row).
 
 The acceptance rate and tokens per D iteration come from the MTP engine's scheduler; the
 greedy tokens of both engines are compared (they must be equal). Any acceptance rate between
@@ -48,9 +53,38 @@ def _timed(engine, reqs) -> tuple[float, dict]:
     return time.perf_counter() - t0, outs
 
 
+def _distilled(base, groups, weights: dict, prompt_len: int, new_tokens: int, seqs: int,
+               steps: int) -> tuple[dict, dict]:
+    """The random weights with their MTP layer fit to the model's own greedy continuations
+    (an engine without MTP makes them, from prompts no timed run uses) -> (weights, the
+    training's record)."""
+    from colo_rollout.engine.engine import Engine
+    from colo_rollout.rl.mtp_distill import distill_mtp
+
+    cfg = dataclasses.replace(base, engine=dataclasses.replace(base.engine, mtp=False))
+    eng = Engine(cfg, groups, weights)
+    reqs = _requests(seqs, prompt_len, new_tokens, base.model.vocab_size, 1000, "distill-")
+    t0 = time.perf_counter()
+    outs = eng.generate(reqs)
+    gen_s = time.perf_counter() - t0
+    eng.close()
+    data = [list(r.prompt) + list(outs[r.request_id].tokens) for r in reqs]
+    t0 = time.perf_counter()
+    res = distill_mtp(base.model, weights, data, groups.device, steps=steps, loss_from=prompt_len)
+    k = max(1, steps // 10)  # the first and last tenth of the steps, averaged
+    return res.weights, {
+        "sequences": seqs, "steps": steps, "generate_s": gen_s,
+        "train_s": time.perf_counter() - t0,
+        "loss_first": sum(res.losses[:k]) / k, "loss_last": sum(res.losses[-k:]) / k,
+        "accuracy_first": sum(res.accuracy[:k]) / k,
+        "accuracy_last": sum(res.accuracy[-k:]) / k, "losses": res.losses,
+        "accuracy": res.accuracy}
+
+
 def run_bench_mtp(rank: int, world: int, config_path: str, overrides: dict | None = None,
                   batches: tuple[int, ...] = (1, 8, 32, 64), prompt_len: int = 128,
-                  new_tokens: int = 128, reps: int = 2) -> dict:
+                  new_tokens: int = 128, reps: int = 2, distill_steps: int = 300,
+                  distill_seqs: int = 128) -> dict:
     from colo_rollout.engine.engine import Engine
     from colo_rollout.model.weights import random_state_dict
     from colo_rollout.model.mtp_oracle import oracle_state_dict
@@ -60,6 +94,10 @@ def run_bench_mtp(rank: int, world: int, config_path: str, overrides: dict | Non
     dev = groups.device
     weights = {"random": random_state_dict(base.model, device=dev),
                "oracle": oracle_state_dict(base.model, device=dev)}
+    distill = None
+    if distill_steps:
+        weights["distilled"], distill = _distilled(base, groups, weights["random"], prompt_len,
+                                                   new_tokens, distill_seqs, distill_steps)
     ctx = prompt_len + new_tokens + 1
     got: dict[tuple, dict] = {}  # (weights, batch, mtp) -> measurements
     for mtp in (False, True):  # one engine at a time: each holds a model and its KV
@@ -115,7 +153,7 @@ def run_bench_mtp(rank: int, world: int, config_path: str, overrides: dict | Non
             rows.append(row)
     return {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU",
             "layout": groups.layout.name, "prompt_len": prompt_len, "new_tokens": new_tokens,
-            "rows": rows, "same_tokens": same}
+            "rows": rows, "same_tokens": same, "distill": distill}
 
 
 def report(res: dict, out_dir: str) -> None:
@@ -127,6 +165,12 @@ def report(res: dict, out_dir: str) -> None:
         print(f"{r['weights']:>8} {r['batch']:>4} {r['base_tok_s']:>11.1f} {r['mtp_tok_s']:>10.1f} "
               f"{r['speedup']:>7.2f}x {r['acceptance']:>7.3f} {r['tokens_per_d_iteration']:>10.2f} "
               f"{r['identical_streams']:>12.3f} {r['common_prefix']:>7.3f}")
+    d = res.get("distill")
+    if d:
+        print(f"distilled: the MTP layer fit in {d['steps']} steps on {d['sequences']} greedy "
+              f"continuations ({d['train_s']:.1f} s): MTP loss {d['loss_first']:.3f} -> "
+              f"{d['loss_last']:.3f}, draft accuracy {d['accuracy_first']:.3f} -> "
+              f"{d['accuracy_last']:.3f} (first / last tenth of the steps)")
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "bench_mtp.json")
     with open(path, "w") as fh:
