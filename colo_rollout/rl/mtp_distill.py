@@ -18,6 +18,7 @@ MTP parameters; the decoder runs under the same graph but takes no gradient.
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -37,13 +38,14 @@ class DistillResult:
 
 def distill_mtp(model_cfg, weights: dict[str, torch.Tensor], sequences: list[list[int]],
                 device: torch.device, *, steps: int = 300, batch: int = 8, lr: float = 1e-3,
-                loss_from: int = 0, seed: int = 0) -> DistillResult:
+                loss_from: int = 0, seed: int = 0, log_every: int = 0) -> DistillResult:
     """Fit the MTP layer of ``weights`` (``model_cfg.mtp_num_layers`` 1) to ``sequences``
     (each >= 3 tokens: the model's own outputs, prompt included) for ``steps`` Adam steps of
     ``batch`` sequences; ``loss_from``: the first position whose token is a target (the
     prompts' tokens, when they are not the model's own, teach nothing). In the model's
     parameter dtype (``model_cfg.params_dtype``). Collective when a process group is
-    initialised (the result is broadcast from rank 0)."""
+    initialised (the result is broadcast from rank 0). ``log_every`` > 0: a progress line
+    every that many steps."""
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     from colo_rollout.model.megatron_gpt import build_reference, singleton_pg_collection
@@ -73,7 +75,8 @@ def distill_mtp(model_cfg, weights: dict[str, torch.Tensor], sequences: list[lis
     L = max(len(s) for s in seqs)
     out = DistillResult(weights={})
     tracker = MTPLossLoggingHelper.tracker
-    for _ in range(steps):
+    t0 = time.perf_counter()
+    for step in range(steps):
         picked = [seqs[rng.randrange(len(seqs))] for _ in range(batch)]
         ids = torch.zeros(batch, L, dtype=torch.long, device=device)
         real = torch.zeros(batch, L, device=device)
@@ -92,6 +95,10 @@ def distill_mtp(model_cfg, weights: dict[str, torch.Tensor], sequences: list[lis
         out.losses.append(float(tracker["loss_values"][0]))
         total = float(tracker["total_values"][0])
         out.accuracy.append(float(tracker["correct_values"][0]) / max(total, 1.0))
+        if log_every and (step + 1) % log_every == 0:
+            print(f"distill_mtp: step {step + 1}/{steps}, MTP loss {out.losses[-1]:.3f}, draft "
+                  f"accuracy {out.accuracy[-1]:.3f}, {time.perf_counter() - t0:.1f} s",
+                  flush=True)
     trained = {n: p.detach() for n, p in core.named_parameters() if n.startswith(MTP_PREFIX)}
     res = {}
     for k, v in weights.items():

@@ -24,6 +24,7 @@ the two rows interpolates. Table on stdout, ``bench_mtp.json`` in ``--out``.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import random
@@ -68,9 +69,17 @@ def _distilled(base, groups, weights: dict, prompt_len: int, new_tokens: int, se
     outs = eng.generate(reqs)
     gen_s = time.perf_counter() - t0
     eng.close()
+    del eng  # its model and KV, before the training model is built beside the weights
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     data = [list(r.prompt) + list(outs[r.request_id].tokens) for r in reqs]
+    if groups.rank == 0:
+        print(f"bench-mtp: {seqs} greedy continuations for the distilled head in {gen_s:.1f} s; "
+              f"fitting its MTP layer ({steps} steps)", flush=True)
     t0 = time.perf_counter()
-    res = distill_mtp(base.model, weights, data, groups.device, steps=steps, loss_from=prompt_len)
+    res = distill_mtp(base.model, weights, data, groups.device, steps=steps, loss_from=prompt_len,
+                      log_every=max(1, steps // 5) if groups.rank == 0 else 0)
     k = max(1, steps // 10)  # the first and last tenth of the steps, averaged
     return res.weights, {
         "sequences": seqs, "steps": steps, "generate_s": gen_s,
@@ -92,12 +101,14 @@ def run_bench_mtp(rank: int, world: int, config_path: str, overrides: dict | Non
     base = load_config(config_path, {**(overrides or {}), "model.mtp_num_layers": 1})
     groups = init_parallel(base.parallel)
     dev = groups.device
-    weights = {"random": random_state_dict(base.model, device=dev),
-               "oracle": oracle_state_dict(base.model, device=dev)}
+    weights = {"random": random_state_dict(base.model, device=dev)}
     distill = None
+    if distill_steps:  # first: its engine and training model are gone before the oracle's set
+        distilled, distill = _distilled(base, groups, weights["random"], prompt_len, new_tokens,
+                                        distill_seqs, distill_steps)
+    weights["oracle"] = oracle_state_dict(base.model, device=dev)
     if distill_steps:
-        weights["distilled"], distill = _distilled(base, groups, weights["random"], prompt_len,
-                                                   new_tokens, distill_seqs, distill_steps)
+        weights["distilled"] = distilled
     ctx = prompt_len + new_tokens + 1
     got: dict[tuple, dict] = {}  # (weights, batch, mtp) -> measurements
     for mtp in (False, True):  # one engine at a time: each holds a model and its KV
