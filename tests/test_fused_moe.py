@@ -220,6 +220,9 @@ def test_regimes_and_tiles():
     for (reg, which), t in fm.TILES.items():
         assert reg in ("small", "decode", "prefill") and which in ("fc1", "fc2")
         assert t.block_m >= 16 and t.block_n >= 16 and t.block_k >= 16
+    for bad in (8, 24, 128):  # tail_m: a power of two in [16, block_m)
+        with pytest.raises(ValueError, match="tail_m"):
+            T(128, 128, 64, 8, 4, tail_m=bad)
     cpu = torch.device("cpu")
     assert fm.fit_tile(fm.TILES[("prefill", "fc1")], cpu, 2, True) == fm.TILES[("prefill", "fc1")]
     # fitting keeps the launch's kind (the persistent fc2 of prefill)

@@ -89,6 +89,12 @@ class Tile:
     # only where A comes by pointer (a TMA descriptor's block is block_m rows)
     tail_m: int = 0
 
+    def __post_init__(self) -> None:
+        t = self.tail_m
+        if t and (t & (t - 1) or not 16 <= t < self.block_m):
+            raise ValueError(f"Tile.tail_m {t}: a power of two in [16, block_m "
+                             f"{self.block_m}), or 0")
+
 
 # Tile shapes by regime (average pairs per local expert, R / E), one for each GEMM (fc1: the
 # gated 2F x H weight, fc2: H x F). Hard-coded from the H200 sweep of scripts/gpu_fused_moe.py

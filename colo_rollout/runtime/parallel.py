@@ -173,6 +173,10 @@ def init_parallel(cfg: ParallelConfig) -> ParallelGroups:
 
     backend = resolve_backend(cfg)
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    if backend == "nccl":  # before any communicator: NCCL orders P's and D's launches
+        from colo_rollout.runtime.nccl_env import apply_nccl_env
+
+        apply_nccl_env()
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=timeout)
     world = dist.get_world_size()

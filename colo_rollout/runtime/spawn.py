@@ -89,6 +89,10 @@ class WorkerGroup:
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
         child_env = {"OMP_NUM_THREADS": "1", **MULTICAST_OFF, **(env or {})}
+        if backend == "nccl":  # set before the ranks' first communicator (runtime/nccl_env.py)
+            from colo_rollout.runtime.nccl_env import nccl_env, nccl_version
+
+            child_env.update(nccl_env(nccl_version(), {**os.environ, **child_env}))
         self._procs = [
             ctx.Process(target=_worker_main, daemon=True,
                         args=(r, world_size, os.path.join(self._dir, "store"), self._tasks[r],
