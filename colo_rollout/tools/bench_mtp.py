@@ -5,7 +5,7 @@ Owns one measurement (issue 19 item 1): the config's model with an MTP layer
 ``engine.mtp`` off and on -- each with its D graphs captured first. For every batch size B of
 ``--batches``: B greedy requests of ``--prompt-len`` random tokens and ``--new-tokens`` new
 tokens, served once with 1 new token (the prefill alone) and once in full; decode tokens/s =
-B * (new - 1) / (full - prefill-only). Two weight sets, loaded in place into both engines:
+B * (new - 1) / (full - prefill-only). Three weight sets, loaded in place into both engines:
 
   * ``random``: drafts almost never accepted -- what MTP costs when it does not help;
   * ``oracle`` (model/mtp_oracle.py): a per-token model whose MTP layer provably drafts right,
