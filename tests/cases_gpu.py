@@ -582,6 +582,47 @@ def gpu_mtp_tokens(rank: int, world: int, adp: int, ep: int, dtype: str = "bfloa
     return res
 
 
+def gpu_mtp_drafts(rank: int, world: int, adp: int, ep: int, graphs: bool = True,
+                   backend: str = "nccl") -> dict:
+    """Every MTP draft of the bf16 engine (random weights: the MTP layer's hidden-state half,
+    attention and MoE all count -- the oracle's drafts ignore the first two) against megatron's
+    MTP block in fp32 on the same weights, teacher-forced over each final sequence: the draft's
+    rank in megatron's row (0: its argmax). bf16 noise moves near-ties to small ranks; a path
+    that feeds the layer the wrong hidden state, KV or position lands anywhere in the
+    vocabulary. ``graphs``: D in CUDA graphs (the verify + draft captured) or eager."""
+    from tests.cases_mtp import draft_rows, record_drafts
+
+    dtype = "bfloat16" if backend == "nccl" else "float32"
+    base = gpu_config(world, adp, ep, dtype, backend=backend, model_kw={"mtp_num_layers": 1})
+    cfg = dataclasses.replace(base, engine=dataclasses.replace(base.engine, mtp=True,
+                                                               cuda_graphs=graphs))
+    groups = init_parallel(cfg.parallel)
+    if backend == "gloo":  # the CPU smoke run of this case
+        from colo_rollout.runtime.cpu_compat import install_cpu_compat
+
+        install_cpu_compat()
+    sd = random_state_dict(cfg.model)
+    engine = Engine(cfg, groups, sd)
+    drafts = record_drafts(engine)
+    requests = mixed_requests(16, 0, cfg.model.vocab_size)
+    outs = engine.generate(requests)
+    has_graphs = engine.runner.graphs is not None
+    engine.close()
+    pgc = singleton_pg_collection()
+    res = {"layout": groups.layout.name, "graphs": has_graphs}
+    if rank == 0:
+        fp32 = dataclasses.replace(cfg.model, params_dtype="float32")
+        ref = build_reference(fp32, {k: v.float() for k, v in sd.items()}, pgc, groups.device)
+        ranks = sorted(int((row > row[d]).sum()) for _, _, d, row in
+                       draft_rows(ref, requests, outs, drafts))
+        n = len(ranks)
+        res.update({"checked": n, "argmax": sum(r == 0 for r in ranks) / max(n, 1),
+                    "top5": sum(r < 5 for r in ranks) / max(n, 1),
+                    "median_rank": ranks[n // 2] if n else -1,
+                    "vocab": cfg.model.vocab_size})
+    return res
+
+
 def gpu_sampled_graphs(rank: int, world: int, adp: int, ep: int, mtp: bool = False,
                        truncate: bool = False, backend: str = "nccl") -> dict:
     """Temperature rows drawn inside the D graphs (the draw graph, worker/decode_graph.py)

@@ -21,6 +21,37 @@ from tests.cases_engine import compare_with_reference, mixed_requests, tiny_conf
 DRAFT_TOL = 1e-4
 
 
+def record_drafts(engine) -> dict[str, list]:
+    """Every draft the engine's MTP proposes from now on: request id -> [(tokens emitted so
+    far, draft)] (the scheduler's apply step wrapped; lifetime-free)."""
+    drafts: dict[str, list] = {}
+    sched = engine.scheduler
+    apply = sched._apply
+
+    def recording_apply(step, r, item, by_lt, now, finished):
+        seq = sched.seqs.get(item.lifetime)
+        apply(step, r, item, by_lt, now, finished)
+        if seq is not None and item.lifetime in sched.seqs:
+            out = sched.by_id[seq.request.request_id]
+            drafts.setdefault(seq.request.request_id, []).append(
+                (len(out.tokens), by_lt[item.lifetime].draft))
+
+    sched._apply = recording_apply
+    return drafts
+
+
+def draft_rows(ref, requests, outs, drafts):
+    """Each recorded draft beside megatron's MTP log-softmax row it must be the argmax of
+    (teacher-forced over the final sequence, ``reference_mtp_logprobs``): yields (request id,
+    tokens emitted, draft, row)."""
+    for req in requests:
+        full = list(req.prompt) + outs[req.request_id].tokens
+        mtp_lp = reference_mtp_logprobs(ref, full)
+        for emitted, draft in drafts.get(req.request_id, []):
+            last = len(req.prompt) + emitted - 1  # the last emitted token's position
+            yield req.request_id, emitted, draft, mtp_lp[last - 1]  # (h at last - 1, its token)
+
+
 def mtp_tokens(rank: int, world: int, adp: int, ep: int, mode: str = "normal", mtp: bool = True,
                weights: str = "random", span: int = 1, n_requests: int = 12,
                check_reference: bool = False, dispatch: str = "gather") -> dict:
@@ -37,19 +68,8 @@ def mtp_tokens(rank: int, world: int, adp: int, ep: int, mode: str = "normal", m
     install_cpu_compat()
     sd = oracle_state_dict(cfg.model) if weights == "oracle" else random_state_dict(cfg.model)
     engine = Engine(cfg, groups, sd)
-    drafts: dict[str, list] = {}
+    drafts = record_drafts(engine)
     sched = engine.scheduler
-    apply = sched._apply
-
-    def recording_apply(step, r, item, by_lt, now, finished):
-        seq = sched.seqs.get(item.lifetime)
-        apply(step, r, item, by_lt, now, finished)
-        if seq is not None and item.lifetime in sched.seqs:
-            out = sched.by_id[seq.request.request_id]
-            drafts.setdefault(seq.request.request_id, []).append(
-                (len(out.tokens), by_lt[item.lifetime].draft))
-
-    sched._apply = recording_apply
     requests = mixed_requests(n_requests, 0, cfg.model.vocab_size)
     outs = engine.generate(requests)
     engine.check_integrity()
@@ -66,15 +86,10 @@ def mtp_tokens(rank: int, world: int, adp: int, ep: int, mode: str = "normal", m
         ref = build_reference(cfg.model, sd, pgc, torch.device("cpu"))
         res.update(compare_with_reference(ref, requests, outs))
         bad, checked = [], 0
-        for req in requests:
-            full = list(req.prompt) + outs[req.request_id].tokens
-            mtp_lp = reference_mtp_logprobs(ref, full)
-            for emitted, draft in drafts.get(req.request_id, []):
-                last = len(req.prompt) + emitted - 1  # the last emitted token's position
-                row = mtp_lp[last - 1]  # (h at last - 1, token at last) -> token last + 1
-                checked += 1
-                if not 0 <= draft < row.shape[0] or float(row[draft]) < float(row.max()) - DRAFT_TOL:
-                    bad.append((req.request_id, emitted, draft, int(row.argmax())))
+        for rid, emitted, draft, row in draft_rows(ref, requests, outs, drafts):
+            checked += 1
+            if not 0 <= draft < row.shape[0] or float(row[draft]) < float(row.max()) - DRAFT_TOL:
+                bad.append((rid, emitted, draft, int(row.argmax())))
         res["draft_mismatches"], res["drafts_checked"] = bad, checked
     return res
 
