@@ -583,13 +583,16 @@ def gpu_mtp_tokens(rank: int, world: int, adp: int, ep: int, dtype: str = "bfloa
 
 
 def gpu_mtp_drafts(rank: int, world: int, adp: int, ep: int, graphs: bool = True,
-                   backend: str = "nccl") -> dict:
-    """Every MTP draft of the bf16 engine (random weights: the MTP layer's hidden-state half,
-    attention and MoE all count -- the oracle's drafts ignore the first two) against megatron's
-    MTP block in fp32 on the same weights, teacher-forced over each final sequence: the draft's
-    rank in megatron's row (0: its argmax). bf16 noise moves near-ties to small ranks; a path
-    that feeds the layer the wrong hidden state, KV or position lands anywhere in the
-    vocabulary. ``graphs``: D in CUDA graphs (the verify + draft captured) or eager."""
+                   weights: str = "random", backend: str = "nccl") -> dict:
+    """Every MTP draft of the bf16 engine against megatron's MTP block in fp32 on the same
+    weights, teacher-forced over each final sequence: the draft's rank in megatron's row (0:
+    its argmax). bf16 noise moves near-ties to small ranks; a path that feeds the layer the
+    wrong hidden state, KV or position lands anywhere in the vocabulary. ``weights``: "random"
+    (the MTP layer's hidden-state half, attention and MoE all count -- the oracle's drafts
+    ignore the first two) or "distilled" (the random model's MTP layer fit for 40 steps to the
+    model's own greedy outputs, rl/mtp_distill.py: trained norms and projections, as bench-mtp's
+    distilled row, which the H200 never accepted); ``graphs``: D in CUDA graphs (the verify +
+    draft captured) or eager."""
     from tests.cases_mtp import draft_rows, record_drafts
 
     dtype = "bfloat16" if backend == "nccl" else "float32"
@@ -602,6 +605,17 @@ def gpu_mtp_drafts(rank: int, world: int, adp: int, ep: int, graphs: bool = True
 
         install_cpu_compat()
     sd = random_state_dict(cfg.model)
+    if weights == "distilled":
+        from colo_rollout.rl.mtp_distill import distill_mtp
+
+        plain = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, mtp=False))
+        data_engine = Engine(plain, groups, sd)
+        data = mixed_requests(16, 7, cfg.model.vocab_size)
+        outs = data_engine.generate(data)
+        data_engine.close()
+        del data_engine
+        seqs = [list(r.prompt) + outs[r.request_id].tokens for r in data]
+        sd = distill_mtp(cfg.model, sd, seqs, groups.device, steps=40, batch=4).weights
     engine = Engine(cfg, groups, sd)
     drafts = record_drafts(engine)
     requests = mixed_requests(16, 0, cfg.model.vocab_size)
