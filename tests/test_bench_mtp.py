@@ -36,6 +36,8 @@ def test_bench_mtp_runs_and_reports(tmp_path, capsys):
     d = res["distill"]
     assert d["steps"] == 80 and len(d["losses"]) == 80
     assert d["loss_last"] < d["loss_first"] - 0.5 and d["accuracy_last"] > 0.5
+    # two of the 16 continuations held out of the fit: the head's accuracy on them, measured
+    assert 0.0 <= d["held_out_accuracy"] <= 1.0
     # held-out prompts: the learnt drafts are accepted well above the random head's
     assert min(acc["distilled"]) > max(acc["random"]) + 0.15
 

@@ -34,18 +34,23 @@ class DistillResult:
     # share of those positions where the layer's argmax is the token two ahead
     losses: list[float] = field(default_factory=list)
     accuracy: list[float] = field(default_factory=list)
+    # after training, on ``held_out`` sequences the steps never saw (None: none given): the
+    # share of their positions where the layer's argmax is the token two ahead -- what tells a
+    # head that generalises from one that memorised its data
+    held_out_accuracy: float | None = None
 
 
 def distill_mtp(model_cfg, weights: dict[str, torch.Tensor], sequences: list[list[int]],
                 device: torch.device, *, steps: int = 300, batch: int = 8, lr: float = 1e-3,
-                loss_from: int = 0, seed: int = 0, log_every: int = 0) -> DistillResult:
+                loss_from: int = 0, seed: int = 0, log_every: int = 0,
+                held_out: list[list[int]] | None = None) -> DistillResult:
     """Fit the MTP layer of ``weights`` (``model_cfg.mtp_num_layers`` 1) to ``sequences``
     (each >= 3 tokens: the model's own outputs, prompt included) for ``steps`` Adam steps of
     ``batch`` sequences; ``loss_from``: the first position whose token is a target (the
     prompts' tokens, when they are not the model's own, teach nothing). In the model's
     parameter dtype (``model_cfg.params_dtype``). Collective when a process group is
     initialised (the result is broadcast from rank 0). ``log_every`` > 0: a progress line
-    every that many steps."""
+    every that many steps. ``held_out``: sequences to measure the trained layer on."""
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     from colo_rollout.model.megatron_gpt import build_reference, singleton_pg_collection
@@ -72,21 +77,26 @@ def distill_mtp(model_cfg, weights: dict[str, torch.Tensor], sequences: list[lis
     setup_mtp(core, 1.0)  # megatron's MTP loss, backward through its MTPLossAutoScaler
     opt = torch.optim.Adam(params, lr=lr)
     rng = random.Random(seed)
-    L = max(len(s) for s in seqs)
+    held = [list(s) for s in held_out or [] if len(s) >= 3]
+    L = max(len(s) for s in seqs + held)
     out = DistillResult(weights={})
     tracker = MTPLossLoggingHelper.tracker
-    t0 = time.perf_counter()
-    for step in range(steps):
-        picked = [seqs[rng.randrange(len(seqs))] for _ in range(batch)]
-        ids = torch.zeros(batch, L, dtype=torch.long, device=device)
-        real = torch.zeros(batch, L, device=device)
+
+    def forward(picked):  # megatron's forward with its MTP loss over ``picked``, padded to L
+        n = len(picked)
+        ids = torch.zeros(n, L, dtype=torch.long, device=device)
+        real = torch.zeros(n, L, device=device)
         for i, s in enumerate(picked):
             ids[i, : len(s)] = torch.tensor(s, device=device)
             real[i, loss_from: len(s)] = 1.0  # the MTP loss's mask indexes targets
-        pos = torch.arange(L, device=device)[None].expand(batch, L)
+        pos = torch.arange(L, device=device)[None].expand(n, L)
         mask = torch.triu(torch.ones(L, L, dtype=torch.bool, device=device), 1)
         MTPLossLoggingHelper.clean_metrics_in_tracker()
-        logits = model(ids, pos, attention_mask=mask[None, None], loss_mask=real)
+        return model(ids, pos, attention_mask=mask[None, None], loss_mask=real)
+
+    t0 = time.perf_counter()
+    for step in range(steps):
+        logits = forward([seqs[rng.randrange(len(seqs))] for _ in range(batch)])
         # the decoder's own loss is not trained (frozen); a zero-weighted sum reaches the
         # autoscaler, whose backward carries the MTP loss's gradient
         (logits.float().sum() * 0.0).backward()
@@ -99,6 +109,14 @@ def distill_mtp(model_cfg, weights: dict[str, torch.Tensor], sequences: list[lis
             print(f"distill_mtp: step {step + 1}/{steps}, MTP loss {out.losses[-1]:.3f}, draft "
                   f"accuracy {out.accuracy[-1]:.3f}, {time.perf_counter() - t0:.1f} s",
                   flush=True)
+    if held:  # the training forward (its loss counts), without a backward
+        correct = total = 0.0
+        with torch.no_grad():
+            for i in range(0, len(held), batch):
+                forward(held[i: i + batch])
+                correct += float(tracker["correct_values"][0])
+                total += float(tracker["total_values"][0])
+        out.held_out_accuracy = correct / max(total, 1.0)
     trained = {n: p.detach() for n, p in core.named_parameters() if n.startswith(MTP_PREFIX)}
     res = {}
     for k, v in weights.items():

@@ -74,19 +74,23 @@ def _distilled(base, groups, weights: dict, prompt_len: int, new_tokens: int, se
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     data = [list(r.prompt) + list(outs[r.request_id].tokens) for r in reqs]
+    # an eighth held out: the fitted layer's accuracy on continuations it never saw
+    cut = len(data) - max(1, len(data) // 8) if len(data) > 1 else len(data)
+    data, held = data[:cut], data[cut:]
     if groups.rank == 0:
         print(f"bench-mtp: {seqs} greedy continuations for the distilled head in {gen_s:.1f} s; "
               f"fitting its MTP layer ({steps} steps)", flush=True)
     t0 = time.perf_counter()
     res = distill_mtp(base.model, weights, data, groups.device, steps=steps, loss_from=prompt_len,
-                      log_every=max(1, steps // 5) if groups.rank == 0 else 0)
+                      log_every=max(1, steps // 5) if groups.rank == 0 else 0, held_out=held)
     k = max(1, steps // 10)  # the first and last tenth of the steps, averaged
     return res.weights, {
         "sequences": seqs, "steps": steps, "generate_s": gen_s,
         "train_s": time.perf_counter() - t0,
         "loss_first": sum(res.losses[:k]) / k, "loss_last": sum(res.losses[-k:]) / k,
         "accuracy_first": sum(res.accuracy[:k]) / k,
-        "accuracy_last": sum(res.accuracy[-k:]) / k, "losses": res.losses,
+        "accuracy_last": sum(res.accuracy[-k:]) / k,
+        "held_out_accuracy": res.held_out_accuracy, "losses": res.losses,
         "accuracy": res.accuracy}
 
 
@@ -188,7 +192,8 @@ def report(res: dict, out_dir: str) -> None:
         print(f"distilled: the MTP layer fit in {d['steps']} steps on {d['sequences']} greedy "
               f"continuations ({d['train_s']:.1f} s): MTP loss {d['loss_first']:.3f} -> "
               f"{d['loss_last']:.3f}, draft accuracy {d['accuracy_first']:.3f} -> "
-              f"{d['accuracy_last']:.3f} (first / last tenth of the steps)")
+              f"{d['accuracy_last']:.3f} (first / last tenth of the steps), on held-out "
+              f"continuations {d['held_out_accuracy'] if d['held_out_accuracy'] is not None else float('nan'):.3f}")
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "bench_mtp.json")
     with open(path, "w") as fh:
