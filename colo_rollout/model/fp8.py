@@ -145,8 +145,8 @@ if triton is not None:
     def _quantize_rows_kernel(X, Q, S, rows, K, stride_x, stride_q, groups,
                               GW: tl.constexpr, G_PAD: tl.constexpr):
         """Program r: row r as a [groups, K] tile (K: the group's width, or the whole row
-        with one group), each group's scale at S[r * groups + g]. (Session 21's one program
-        per (row, group) ran 128-wide programs by the hundred thousand on fc2's input.)"""
+        with one group), each group's scale at S[r * groups + g]: one program per row, not
+        per group (a 128-wide program each would be hundreds of thousands on fc2's input)."""
         r = tl.program_id(0)
         g = tl.arange(0, G_PAD)
         c = tl.arange(0, GW)

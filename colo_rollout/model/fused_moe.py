@@ -377,7 +377,9 @@ if triton is not None:
 
         # an expert's last row block with at most TAIL_M rows runs a TAIL_M-row tile in its
         # place (the same program order, so its weight tiles are the ones its expert's other
-        # blocks just read through L2): the padded rows' MMA work is cut, not moved
+        # blocks just read through L2): the padded rows' MMA work is cut, not moved. The two
+        # calls differ in BM only: a tile's rows are a compile-time constant, so each size
+        # is its own compiled body
         if TAIL_M and row_hi - row_lo <= TAIL_M:
             _tile(A, Tok, W, Prob, Out, Scatter, AScale, WScale, e, row_lo, row_hi, pid_n,
                   offs_n, nmask, n_out, k_dim, stride_am, stride_tok, stride_we, stride_wn,

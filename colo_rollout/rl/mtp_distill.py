@@ -10,9 +10,9 @@ the trained MTP tensors. This is how a draft head is made for a model that ships
 are learnt rather than random (acceptance near zero) or constructed (model/mtp_oracle.py).
 
 The training model is megatron's GPTModel (model/megatron_gpt.py ``build_reference``) in the
-model's dtype on this rank alone (singleton groups: every rank fits the same layer from the same data and
-seed; rank 0's result is broadcast so all ranks serve identical weights). Plain Adam on the
-MTP parameters; the decoder runs under the same graph but takes no gradient.
+model's dtype on this rank alone (singleton groups: every rank fits the same layer from the
+same data and seed; rank 0's result is broadcast so all ranks serve identical weights). Plain
+Adam on the MTP parameters; the decoder runs under the same graph but takes no gradient.
 """
 
 from __future__ import annotations
@@ -81,6 +81,9 @@ def distill_mtp(model_cfg, weights: dict[str, torch.Tensor], sequences: list[lis
     L = max(len(s) for s in seqs + held)
     out = DistillResult(weights={})
     tracker = MTPLossLoggingHelper.tracker
+    # every batch is padded to L: one causal mask and one position row for all of them
+    mask = torch.triu(torch.ones(L, L, dtype=torch.bool, device=device), 1)[None, None]
+    positions = torch.arange(L, device=device)[None]
 
     def forward(picked):  # megatron's forward with its MTP loss over ``picked``, padded to L
         n = len(picked)
@@ -89,10 +92,8 @@ def distill_mtp(model_cfg, weights: dict[str, torch.Tensor], sequences: list[lis
         for i, s in enumerate(picked):
             ids[i, : len(s)] = torch.tensor(s, device=device)
             real[i, loss_from: len(s)] = 1.0  # the MTP loss's mask indexes targets
-        pos = torch.arange(L, device=device)[None].expand(n, L)
-        mask = torch.triu(torch.ones(L, L, dtype=torch.bool, device=device), 1)
         MTPLossLoggingHelper.clean_metrics_in_tracker()
-        return model(ids, pos, attention_mask=mask[None, None], loss_mask=real)
+        return model(ids, positions.expand(n, L), attention_mask=mask, loss_mask=real)
 
     t0 = time.perf_counter()
     for step in range(steps):
