@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="training steps of the distilled MTP head (0: no distilled row)")
     bm.add_argument("--distill-seqs", type=int, default=128,
                     help="greedy continuations the distilled head is fit to")
+    bm.add_argument("--distill-batch", type=int, default=8,
+                    help="sequences per training step of the distilled head")
     bm.add_argument("--out", default="runs/bench_mtp", help="directory of bench_mtp.json")
     tr = sub.add_parser("train", help="colocated GRPO: rollout, train, reshard (YAML config)")
     tr.add_argument("config", help="e.g. configs/grpo_cpu.yaml")
@@ -128,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
                if min(args.batches) < 1 else [])
         bad += [f"--{k.replace('_', '-')}: must be >= {lo}, got {getattr(args, k)}"
                 for k, lo in (("prompt_len", 1), ("new_tokens", 2), ("reps", 1),
-                              ("distill_steps", 0), ("distill_seqs", 1))
+                              ("distill_steps", 0), ("distill_seqs", 1),
+                              ("distill_batch", 1))
                 if getattr(args, k) < lo]
         if bad:
             print(f"error: {bad[0]}", file=sys.stderr)
@@ -146,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         res = _launch("colo_rollout.tools.bench_mtp:run_bench_mtp", args.config, overrides,
                       cfg=cfg, batches=tuple(args.batches), prompt_len=args.prompt_len,
                       new_tokens=args.new_tokens, reps=args.reps,
-                      distill_steps=args.distill_steps, distill_seqs=args.distill_seqs)[0]
+                      distill_steps=args.distill_steps, distill_seqs=args.distill_seqs,
+                      distill_batch=args.distill_batch)[0]
         if int(os.environ.get("RANK", "0")) == 0:
             from colo_rollout.tools.bench_mtp import report
 

@@ -49,6 +49,8 @@ def test_bench_mtp_bad_arguments(capsys, tmp_path):
     assert "engine.max_batch_size" in capsys.readouterr().err
     assert main(["bench-mtp", CFG, "--distill-steps", "-1", "--out", str(tmp_path)]) == 2
     assert "error: --distill-steps" in capsys.readouterr().err
+    assert main(["bench-mtp", CFG, "--distill-batch", "0", "--out", str(tmp_path)]) == 2
+    assert "error: --distill-batch" in capsys.readouterr().err
     line = door_error(capsys, "bench-mtp", CFG, "--set", "engine.mtp=maybe")
     assert "engine.mtp" in line
     # bench-speed's D rows are one per sequence: MTP is bench-mtp's

@@ -55,7 +55,7 @@ def _timed(engine, reqs) -> tuple[float, dict]:
 
 
 def _distilled(base, groups, weights: dict, prompt_len: int, new_tokens: int, seqs: int,
-               steps: int) -> tuple[dict, dict]:
+               steps: int, batch: int) -> tuple[dict, dict]:
     """The random weights with their MTP layer fit to the model's own greedy continuations
     (an engine without MTP makes them, from prompts no timed run uses) -> (weights, the
     training's record)."""
@@ -79,13 +79,14 @@ def _distilled(base, groups, weights: dict, prompt_len: int, new_tokens: int, se
     data, held = data[:cut], data[cut:]
     if groups.rank == 0:
         print(f"bench-mtp: {seqs} greedy continuations for the distilled head in {gen_s:.1f} s; "
-              f"fitting its MTP layer ({steps} steps)", flush=True)
+              f"fitting its MTP layer ({steps} steps of {batch})", flush=True)
     t0 = time.perf_counter()
-    res = distill_mtp(base.model, weights, data, groups.device, steps=steps, loss_from=prompt_len,
+    res = distill_mtp(base.model, weights, data, groups.device, steps=steps, batch=batch,
+                      loss_from=prompt_len,
                       log_every=max(1, steps // 5) if groups.rank == 0 else 0, held_out=held)
     k = max(1, steps // 10)  # the first and last tenth of the steps, averaged
     return res.weights, {
-        "sequences": seqs, "steps": steps, "generate_s": gen_s,
+        "sequences": seqs, "steps": steps, "batch": batch, "generate_s": gen_s,
         "train_s": time.perf_counter() - t0,
         "loss_first": sum(res.losses[:k]) / k, "loss_last": sum(res.losses[-k:]) / k,
         "accuracy_first": sum(res.accuracy[:k]) / k,
@@ -97,7 +98,7 @@ def _distilled(base, groups, weights: dict, prompt_len: int, new_tokens: int, se
 def run_bench_mtp(rank: int, world: int, config_path: str, overrides: dict | None = None,
                   batches: tuple[int, ...] = (1, 8, 32, 64), prompt_len: int = 128,
                   new_tokens: int = 128, reps: int = 2, distill_steps: int = 300,
-                  distill_seqs: int = 128) -> dict:
+                  distill_seqs: int = 128, distill_batch: int = 8) -> dict:
     from colo_rollout.engine.engine import Engine
     from colo_rollout.model.weights import random_state_dict
     from colo_rollout.model.mtp_oracle import oracle_state_dict
@@ -109,7 +110,7 @@ def run_bench_mtp(rank: int, world: int, config_path: str, overrides: dict | Non
     distill = None
     if distill_steps:  # first: its engine and training model are gone before the oracle's set
         distilled, distill = _distilled(base, groups, weights["random"], prompt_len, new_tokens,
-                                        distill_seqs, distill_steps)
+                                        distill_seqs, distill_steps, distill_batch)
     weights["oracle"] = oracle_state_dict(base.model, device=dev)
     if distill_steps:
         weights["distilled"] = distilled
@@ -127,9 +128,10 @@ def run_bench_mtp(rank: int, world: int, config_path: str, overrides: dict | Non
             eng.generate(_requests(max(batches), prompt_len, 2, base.model.vocab_size, 99,
                                    f"{wname}-warm-"))
             for B in batches:
-                # this B's prefill shape once untimed: its first use (a P bucket's kernels)
-                # would land in the prefill-only run and cancel the decode time out
-                eng.generate(_requests(B, prompt_len, 2, base.model.vocab_size, 98,
+                # this B's whole run once untimed: the first use of its P bucket's kernels
+                # would land in the prefill-only run (cancelling the decode time out), and
+                # that of its D kernels at the longer contexts in the timed decode
+                eng.generate(_requests(B, prompt_len, new_tokens, base.model.vocab_size, 98,
                                        f"{wname}-{B}-warm-"))
                 best_pre = best_full = float("inf")
                 for rep in range(reps):
@@ -189,7 +191,8 @@ def report(res: dict, out_dir: str) -> None:
               f"{r['identical_streams']:>12.3f} {r['common_prefix']:>7.3f}")
     d = res.get("distill")
     if d:
-        print(f"distilled: the MTP layer fit in {d['steps']} steps on {d['sequences']} greedy "
+        print(f"distilled: the MTP layer fit in {d['steps']} steps of {d.get('batch', 8)} on "
+              f"{d['sequences']} greedy "
               f"continuations ({d['train_s']:.1f} s): MTP loss {d['loss_first']:.3f} -> "
               f"{d['loss_last']:.3f}, draft accuracy {d['accuracy_first']:.3f} -> "
               f"{d['accuracy_last']:.3f} (first / last tenth of the steps), on held-out "
