@@ -61,10 +61,6 @@ CASES = [
      (T(32, 16, 16, 4, 2, tail_m=16), T(16, 32, 16, 4, 2))),
     (60, 4, 12, 4, 48, 40, torch.bfloat16, F.silu, True, 2,
      (T(32, 16, 16, 4, 2, 2, True, tail_m=16), T(16, 16, 16, 4, 2, 2, True, True))),
-    # the persistent fc2 storing its scattered tile as two column halves (``store_split``),
-    # a ragged last column tile (H 48 over 32-wide tiles: the second half masked off there)
-    (31, 4, 16, 4, 48, 40, torch.bfloat16, F.silu, True, 2,
-     (T(16, 16, 16, 4, 2, 2, True), T(16, 32, 16, 4, 2, 2, True, True, store_split=2))),
 ]
 
 
@@ -227,11 +223,6 @@ def test_regimes_and_tiles():
     for bad in (8, 24, 128):  # tail_m: a power of two in [16, block_m)
         with pytest.raises(ValueError, match="tail_m"):
             T(128, 128, 64, 8, 4, tail_m=bad)
-    for bad in (0, 3):  # store_split: 1 or 2
-        with pytest.raises(ValueError, match="store_split"):
-            T(128, 128, 64, 8, 4, store_split=bad)
-    with pytest.raises(ValueError, match="store_split"):  # 16 columns a piece at least
-        T(128, 16, 64, 8, 4, store_split=2)
     cpu = torch.device("cpu")
     assert fm.fit_tile(fm.TILES[("prefill", "fc1")], cpu, 2, True) == fm.TILES[("prefill", "fc1")]
     # fitting keeps the launch's kind (the persistent fc2 of prefill)

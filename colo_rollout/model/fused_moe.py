@@ -88,20 +88,12 @@ class Tile:
     # off) runs a tile of this many rows in its place -- the MMA work of the padded rows cut;
     # only where A comes by pointer (a TMA descriptor's block is block_m rows)
     tail_m: int = 0
-    # the persistent kernel's scattered store (``scatter``: each row to its pair's place) in
-    # this many column pieces (1 or 2): a [block_m, block_n] tile of 64-bit row addresses
-    # does not fit in registers beside the accumulator, and half a tile's does (ptxas, sm90,
-    # 128 x 256 at 8 warps: 4,380 bytes of spill stores per thread in one piece, 460 in two)
-    store_split: int = 1
 
     def __post_init__(self) -> None:
         t = self.tail_m
         if t and (t & (t - 1) or not 16 <= t < self.block_m):
             raise ValueError(f"Tile.tail_m {t}: a power of two in [16, block_m "
                              f"{self.block_m}), or 0")
-        if self.store_split not in (1, 2) or self.block_n % (16 * self.store_split):
-            raise ValueError(f"Tile.store_split {self.store_split}: 1 or 2, with block_n "
-                             f"{self.block_n} a multiple of 16 per piece")
 
 
 # Tile shapes by regime (average pairs per local expert, R / E), one for each GEMM (fc1: the
@@ -412,7 +404,7 @@ if triton is not None:
         E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, ZERO_TAIL: tl.constexpr, SCATTER: tl.constexpr,
         NPROG: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-        RNE_BF16: tl.constexpr, STORE_SPLIT: tl.constexpr,
+        RNE_BF16: tl.constexpr,
     ):
         """``_moe_gemm_kernel``'s plain GEMM (no gather, gate or probability; A and W
         through TMA descriptors) with NPROG programs walking the tiles in use: tile t of
@@ -452,26 +444,16 @@ if triton is not None:
                 acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
             if RNE_BF16:
                 acc = rne_bf16(acc)
-            y = acc.to(Out.dtype.element_ty)
             rows_m = row_lo + offs_m
             mmask = rows_m < row_hi
             if SCATTER:
                 out_rows = tl.load(Scatter + rows_m, mask=mmask, other=0).to(tl.int64)
             else:
                 out_rows = rows_m.to(tl.int64)
-            row_ptr = Out + out_rows[:, None] * stride_om
-            if STORE_SPLIT == 2:  # the tile's two column halves, one store each
-                HALF: tl.constexpr = BLOCK_N // 2
-                y0, y1 = tl.split(tl.permute(tl.reshape(y, [BLOCK_M, 2, HALF]), [0, 2, 1]))
-                offs_h = pid_n * BLOCK_N + tl.arange(0, HALF)
-                tl.store(row_ptr + offs_h[None, :], y0,
-                         mask=mmask[:, None] & (offs_h < n_out)[None, :])
-                tl.store(row_ptr + (offs_h + HALF)[None, :], y1,
-                         mask=mmask[:, None] & (offs_h + HALF < n_out)[None, :])
-            else:
-                offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-                tl.store(row_ptr + offs_n[None, :], y,
-                         mask=mmask[:, None] & (offs_n < n_out)[None, :])
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            tl.store(Out + out_rows[:, None] * stride_om + offs_n[None, :],
+                     acc.to(Out.dtype.element_ty),
+                     mask=mmask[:, None] & (offs_n < n_out)[None, :])
         if ZERO_TAIL:  # spare row blocks (see row_blocks): the rows past offs[-1]
             tail = tl.load(Offs + E - 1).to(tl.int32)
             for t in range(total * n_tiles + pid, m_blocks * n_tiles, NPROG):
@@ -646,9 +628,8 @@ def _persistent_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, rows:
         BLOCK_K=tile.block_k, ZERO_TAIL=zero_tail, SCATTER=scatter is not None,
         NPROG=nprog,
         DOT_PREC="ieee" if a.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
-        RNE_BF16=upcast and out.dtype == torch.bfloat16,
-        STORE_SPLIT=tile.store_split if scatter is not None else 1,
-        num_warps=tile.num_warps, num_stages=tile.num_stages)
+        RNE_BF16=upcast and out.dtype == torch.bfloat16, num_warps=tile.num_warps,
+        num_stages=tile.num_stages)
 
 
 def tma_usable(a: torch.Tensor, w: torch.Tensor) -> bool:
