@@ -19,8 +19,10 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/colo-rollout demo configs/demo_cpu.yaml
 
+# two workers, one test module each at a time (--dist loadfile): a module's tests share one
+# spawned process group, and much of a module's time is its ranks waiting on each other
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests
 
 gpu-check:
 	bash scripts/gpu_check.sh
