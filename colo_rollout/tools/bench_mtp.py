@@ -123,14 +123,11 @@ def run_bench_mtp(rank: int, world: int, config_path: str, overrides: dict | Non
         for wname, sd in weights.items():
             eng.model.load_full_state_dict(sd)  # in place: captured graphs stay valid
             eng.warmup(max_context=ctx)
-            # one untimed pass of each kind: first-use costs (allocator growth, P's first
-            # buckets) stay out of the timed runs
-            eng.generate(_requests(max(batches), prompt_len, 2, base.model.vocab_size, 99,
-                                   f"{wname}-warm-"))
             for B in batches:
-                # this B's whole run once untimed: the first use of its P bucket's kernels
-                # would land in the prefill-only run (cancelling the decode time out), and
-                # that of its D kernels at the longer contexts in the timed decode
+                # this B's whole run once untimed (first-use costs -- allocator growth, its P
+                # bucket's kernels, its D kernels at the longer contexts -- stay out of the
+                # timed runs): a first use would land in the prefill-only run (cancelling the
+                # decode time out) or in the timed decode
                 eng.generate(_requests(B, prompt_len, new_tokens, base.model.vocab_size, 98,
                                        f"{wname}-{B}-warm-"))
                 best_pre = best_full = float("inf")
@@ -191,9 +188,9 @@ def report(res: dict, out_dir: str) -> None:
               f"{r['identical_streams']:>12.3f} {r['common_prefix']:>7.3f}")
     d = res.get("distill")
     if d:
-        print(f"distilled: the MTP layer fit in {d['steps']} steps of {d.get('batch', 8)} on "
-              f"{d['sequences']} greedy "
-              f"continuations ({d['train_s']:.1f} s): MTP loss {d['loss_first']:.3f} -> "
+        print(f"distilled: the MTP layer fit in {d['steps']} steps of {d['batch']} on "
+              f"{d['sequences']} greedy continuations ({d['train_s']:.1f} s): MTP loss "
+              f"{d['loss_first']:.3f} -> "
               f"{d['loss_last']:.3f}, draft accuracy {d['accuracy_first']:.3f} -> "
               f"{d['accuracy_last']:.3f} (first / last tenth of the steps), on held-out "
               f"continuations {d['held_out_accuracy'] if d['held_out_accuracy'] is not None else float('nan'):.3f}")
