@@ -525,15 +525,17 @@ def gpu_layer_errors(rank: int, world: int, adp: int, ep: int, moe_compute: str 
 
 
 def gpu_mtp_tokens(rank: int, world: int, adp: int, ep: int, dtype: str = "bfloat16",
-                   backend: str = "nccl", model_kw: dict | None = None) -> dict:
+                   backend: str = "nccl", model_kw: dict | None = None,
+                   engine_kw: dict | None = None) -> dict:
     """engine.mtp on a GPU (D graphs: verify + draft captured for the greedy rows; the Triton
     kernels in bf16): the same greedy requests served with and without MTP, on random weights
     and on the MTP oracle (model/mtp_oracle.py). Reports per weight set: the share of
     streams identical to the non-MTP run, their common-prefix share, the first tokens (P's,
     which MTP does not change), the acceptance rate and the D iterations of each run. In fp32
     the two runs differ by summation order only; in bf16 the verify forward's 2B-row GEMMs
-    may round differently from the B-row ones, so a stream may part at a near-tie.
-    ``model_kw``: more model keys (a dispatch backend)."""
+    may round differently from the B-row ones, so a stream may part at a near-tie (not with
+    engine.batch_invariant). ``model_kw``: more model keys (a dispatch backend); ``engine_kw``:
+    more engine keys. Also reports whether the logprobs of identical streams are equal."""
     import dataclasses
 
     from colo_rollout.model.mtp_oracle import oracle_state_dict
@@ -549,7 +551,8 @@ def gpu_mtp_tokens(rank: int, world: int, adp: int, ep: int, dtype: str = "bfloa
     weights = {"random": random_state_dict(base.model), "oracle": oracle_state_dict(base.model)}
     runs: dict = {}
     for mtp in (False, True):
-        cfg = dataclasses.replace(base, engine=dataclasses.replace(base.engine, mtp=mtp))
+        cfg = dataclasses.replace(base, engine=dataclasses.replace(base.engine, mtp=mtp,
+                                                                   **(engine_kw or {})))
         engine = Engine(cfg, groups, weights["random"])
         for name, sd in weights.items():
             engine.model.load_full_state_dict(sd)
@@ -560,6 +563,7 @@ def gpu_mtp_tokens(rank: int, world: int, adp: int, ep: int, dtype: str = "bfloa
             outs = engine.generate(reqs)
             runs[name, mtp] = {
                 "tokens": [outs[r.request_id].tokens for r in reqs],
+                "logprobs": [outs[r.request_id].logprobs for r in reqs],
                 "d_iterations": sum(1 for h in engine.history if h.rows > 0) - d0,
                 "verified": engine.scheduler.drafts_verified - v0,
                 "accepted": engine.scheduler.drafts_accepted - a0,
@@ -573,7 +577,9 @@ def gpu_mtp_tokens(rank: int, world: int, adp: int, ep: int, dtype: str = "bfloa
         for a, b in zip(off["tokens"], on["tokens"]):
             k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
             prefix.append(k / max(len(a), 1))
+        same_lp = [a == b for a, b in zip(off["logprobs"], on["logprobs"])]
         res[name] = {"identical": sum(same) / len(same), "prefix": sum(prefix) / len(prefix),
+                     "logprobs_identical": sum(same_lp) / len(same_lp),
                      "first_equal": all(a[:1] == b[:1] for a, b in zip(off["tokens"],
                                                                          on["tokens"])),
                      "acceptance": on["accepted"] / max(on["verified"], 1),

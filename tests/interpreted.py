@@ -31,7 +31,8 @@ PASS = "all cases pass"
 KERNEL_TESTS = ("test_fused_moe.py", "test_moe_align.py", "test_paged_attention.py",
                 "test_paged_prefill.py", "test_residual.py", "test_rope_kv.py",
                 "test_fused_layer_kernels.py", "test_norm_add.py", "test_fp8.py",
-                "test_multi_copy.py", "test_router_topk.py", "test_greedy_pick.py")
+                "test_multi_copy.py", "test_router_topk.py", "test_greedy_pick.py",
+                "test_batch_invariant.py")
 
 
 class InterpretedRuns:

@@ -63,6 +63,30 @@ def deepep_layout_problem(ep: int, hidden: int, topk: int) -> str | None:
                 f"model.moe_router_topk is {topk}")
     return None
 
+
+def batch_invariance_problem(model: "ModelConfig", atp: int, ep: int) -> str | None:
+    """Why engine.batch_invariant cannot hold for this model and layout (None: it can): what
+    would sum across ranks in an order that follows the message size (NCCL), or run GEMMs
+    that pick their algorithm by the row count (model/batch_invariant.py)."""
+    if atp > 1:
+        return (f"attention TP {atp} sums partial projections across ranks (NCCL's order "
+                "follows the message size); set parallel.adp to parallel.world_size")
+    if ep > 1 and model.moe_dispatch == "gather":
+        return (f"the gather backend at EP {ep} sums the experts' partials across ranks; "
+                "set model.moe_dispatch: alltoall")
+    if model.moe_dispatch == "deepep":
+        return ("DeepEP's low-latency combine is not shown batch-invariant; set "
+                "model.moe_dispatch: alltoall (or gather on one rank)")
+    if model.fp8 is not None:
+        return "the FP8 GEMMs (torch._scaled_mm) pick their algorithm by the row count"
+    if model.use_te == "on":
+        return ("Transformer Engine's GEMMs are cuBLAS's, picked by the row count; set "
+                "model.use_te: auto or off")
+    if model.moe_compute == "megatron":
+        return "megatron's expert path has no batch-invariant form; set model.moe_compute: auto"
+    return None
+
+
 STREAM_ROUTES = ("auto", "off", "always")
 STREAM_PRIORITIES = ("decode", "prefill", "equal")
 PREFILL_GRAPHS = ("auto", "always", "never")
@@ -405,6 +429,13 @@ class EngineConfig:
     # sequence), so a D iteration emits 1 or 2 tokens; sampled rows accept the draft exactly
     # when the target's own sample equals it (the output distribution is the target's).
     mtp: bool = False
+    # Batch-invariant D iterations (model/batch_invariant.py): a row's logits independent of
+    # the rows beside it (D's GEMMs on fixed Triton tiles, attention splits at fixed
+    # positions, fixed expert tiles), so greedy streams are the same at any batch size and
+    # with or without MTP, in bf16 too. Slower D steps (docs/benchmarks.md); P unchanged.
+    # Refused where a layout sums across ranks or a kernel cannot be made so
+    # (batch_invariance_problem).
+    batch_invariant: bool = False
     # Scheduling mode; one of ENGINE_MODES.
     mode: str = "normal"
     # fine mode: boundary intervals P may advance per turnstile round ("fixed"), chosen per

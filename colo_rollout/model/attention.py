@@ -31,6 +31,7 @@ from colo_rollout.model.dense_prefill import (
     dense_prefill_attention,
     dense_sequences,
 )
+from colo_rollout.model.batch_invariant import SPLIT_TOKENS, invariant_linear
 from colo_rollout.model.fp8 import fp8_linear
 from colo_rollout.model.kernel_backend import as_dtype
 from colo_rollout.model.paged_attention import decode_attention
@@ -290,7 +291,12 @@ class PagedSelfAttention(torch.nn.Module):
         if T == 0:  # a replica without P rows this step (TE's fused norm rejects empty input)
             return x.new_zeros((0, self.linear_proj.weight.shape[0]))
         fp8 = getattr(self, "colo_fp8", None)  # model.fp8: (qkv, proj) as FP8 (model/fp8.py)
-        if fp8 is not None:
+        # engine.batch_invariant: D's projections through the batch-invariant GEMM
+        # (model/batch_invariant.py; set at model build, which refuses FP8 and TE beside it)
+        invariant = not meta.is_prefill and getattr(self, "batch_invariant", False)
+        if invariant:
+            qkv = invariant_linear(x, self.linear_qkv.weight, self.linear_qkv.bias)
+        elif fp8 is not None:
             qkv = fp8_linear(x, fp8[0], bias=self.linear_qkv.bias)
         elif self._plain_qkv:
             qkv = plain_column_linear(self.linear_qkv, x)
@@ -324,6 +330,8 @@ class PagedSelfAttention(torch.nn.Module):
         else:
             out = self._decode(q, kv, layer, meta)
         out = out.reshape(T, self.heads * self.head_dim)
+        if invariant:
+            return invariant_linear(out, self.linear_proj.weight)
         if fp8 is not None:
             return fp8_linear(out, fp8[1])
         return F.linear(out, self.linear_proj.weight)  # partial over ATP: caller reduces
@@ -428,7 +436,9 @@ class PagedSelfAttention(torch.nn.Module):
         path and the reference). ``decode_backend`` is set once at model build from
         ``engine.decode_attention`` (``InferenceGPT``); a module built without it is "auto"
         (triton on CUDA when it imports)."""
+        split = SPLIT_TOKENS if getattr(self, "batch_invariant", False) else None
         out = decode_attention(q, kv.k[layer], kv.v[layer], meta.block_tables,
                                meta.context_lens, self.scale,
-                               backend=getattr(self, "decode_backend", "auto"))
+                               backend=getattr(self, "decode_backend", "auto"),
+                               split_tokens=split)
         return out.reshape(q.shape[0], self.heads, self.head_dim)

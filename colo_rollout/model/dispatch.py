@@ -115,26 +115,28 @@ class ExpertInputs:
     weight: torch.Tensor
 
 
-def route(moe: GatherMoE, x: torch.Tensor,
-          record: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def route(moe: GatherMoE, x: torch.Tensor, record: torch.Tensor | None = None,
+          invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [n, H] (normalised) -> the k chosen global expert ids [n, k] and their router
     probabilities [n, k] (fp32), as the gather backend's grouped path reads the router.
-    ``record`` [n, k] (routing replay): the chosen ids are written into it."""
+    ``record`` [n, k] (routing replay): the chosen ids are written into it. ``invariant``:
+    the gate batch-invariant (engine.batch_invariant's D)."""
     k = moe.topk
     if x.shape[0] == 0:
         return (torch.zeros((0, k), dtype=torch.int64, device=x.device),
                 torch.zeros((0, k), dtype=torch.float32, device=x.device))
-    weight, chosen = moe.route(x)
+    weight, chosen = moe.route(x, invariant)
     if record is not None:
         record.copy_(chosen)
     return chosen, weight.float()
 
 
-def local_experts(moe: GatherMoE, inp: ExpertInputs) -> torch.Tensor:
+def local_experts(moe: GatherMoE, inp: ExpertInputs, invariant: bool = False) -> torch.Tensor:
     """The rank's local experts on the received rows -> y [R, H] (rows' dtype) in the rows'
     order; empty slots give zero. The gather backend's grouped math (fc1 -> activation ->
     * probability -> fc2); with j > 1 slots per row, the slots summed in fp32 (in slot
-    order, as the gather backend's combine) and rounded to the rows' dtype once."""
+    order, as the gather backend's combine) and rounded to the rows' dtype once.
+    ``invariant``: the expert GEMMs on fixed tiles (engine.batch_invariant's D)."""
     E = moe.num_local
     rows = inp.rows
     if rows.shape[0] == 0:
@@ -148,7 +150,7 @@ def local_experts(moe: GatherMoE, inp: ExpertInputs) -> torch.Tensor:
     fc1, fc2 = moe.expert_weights()
     y = moe_experts(rows, al.token, al.offs, al.prob, fc1, fc2,
                     moe.config.activation_func, moe.config.gated_linear_unit, backend,
-                    order=al.order)
+                    order=al.order, invariant=invariant)
     j = expert.shape[1]
     if j == 1:
         return y
@@ -176,6 +178,9 @@ class Dispatcher(abc.ABC):
     def __init__(self, state: PhaseState, num_local: int) -> None:
         self.state = state
         self.num_local = num_local
+        # engine.batch_invariant: D's dispatcher routes and computes with the batch-invariant
+        # kernels (set by the model at build; P's never)
+        self.invariant = False
 
     @abc.abstractmethod
     def dispatch(self, x: torch.Tensor, chosen: torch.Tensor, weight: torch.Tensor,
@@ -190,9 +195,9 @@ class Dispatcher(abc.ABC):
                record: torch.Tensor | None = None) -> torch.Tensor:
         """The routed experts' output [n, H] fp32 on this rank's rows x [n, H]: route,
         dispatch, local experts, combine. ``record``: see ``route``."""
-        chosen, weight = route(moe, x, record)
+        chosen, weight = route(moe, x, record, self.invariant)
         inputs, handle = self.dispatch(x, chosen, weight, layer)
-        return self.combine(local_experts(moe, inputs), handle)
+        return self.combine(local_experts(moe, inputs, self.invariant), handle)
 
 
 def _counts(dest: torch.Tensor, size: int) -> torch.Tensor:

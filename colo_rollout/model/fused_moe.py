@@ -119,6 +119,10 @@ TILES = {
     ("prefill", "fc1"): Tile(128, 128, 64, 8, 4, 1, True, tail_m=64),
     ("prefill", "fc2"): Tile(128, 256, 64, 8, 3, 8, True, True),
 }
+# engine.batch_invariant's D (model/batch_invariant.py): one (fc1, fc2) tile pair for every
+# row count -- the decode regime's, pointer-fed, which serve any rows -- so a pair row's K
+# loop and MMA shape never follow the batch
+INVARIANT_TILES = (TILES[("decode", "fc1")], TILES[("decode", "fc2")])
 # Blockwise FP8 (``SCALE_K``: each K step's partial product rescaled before it is added) keeps
 # a second fp32 tile live beside the accumulator, so the prefill tiles above spill: on an H200
 # (scripts/gpu_fp8_block_tiles.py, 2026-12-03, 4096 tokens) fc1 on 128 x 128 x 64 ran at
@@ -163,6 +167,28 @@ def torch_experts(x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor,
         h = activation(h)
     h = (h * prob.unsqueeze(-1)).to(x.dtype)  # megatron: probs after the activation
     return torch._grouped_mm(h, fc2.transpose(1, 2), offs=offs)  # [R, H]
+
+
+def torch_experts_rowwise(x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor,
+                          prob: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor,
+                          activation, gated: bool) -> torch.Tensor:
+    """``torch_experts``'s math with every pair row its own product (batched 1-row GEMMs over
+    the row's expert's weights): a row's bits independent of how many rows its expert has --
+    the CPU path of engine.batch_invariant. Rows past offs[-1] come out zero."""
+    R, E = token.shape[0], fc1.shape[0]
+    rows = torch.arange(R, device=x.device)
+    e = torch.searchsorted(offs.to(torch.int64), rows, right=True)  # each row's expert
+    valid = e < E
+    e = e.clamp(max=E - 1)
+    h = torch.bmm(x[token].unsqueeze(1), fc1[e].transpose(1, 2)).squeeze(1)
+    if gated:
+        gate, up = torch.chunk(h, 2, dim=-1)
+        h = activation(gate) * up
+    else:
+        h = activation(h)
+    h = (h * prob.unsqueeze(-1)).to(x.dtype)
+    y = torch.bmm(h.unsqueeze(1), fc2[e].transpose(1, 2)).squeeze(1)
+    return torch.where(valid.unsqueeze(-1), y, 0).to(x.dtype)
 
 
 def torch_experts_fp8(x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor,
@@ -682,7 +708,8 @@ def triton_experts(x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor,
 
 def moe_experts(x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor, prob: torch.Tensor,
                 fc1: torch.Tensor, fc2: torch.Tensor, activation, gated: bool,
-                backend: str = "auto", order: torch.Tensor | None = None) -> torch.Tensor:
+                backend: str = "auto", order: torch.Tensor | None = None,
+                invariant: bool = False) -> torch.Tensor:
     """The routed experts on sorted pairs: x [N, H]; token [R] (each pair's row of x, pairs
     sorted by local expert); offs [E] int32 group ends; prob [R] router probabilities;
     fc1 [E, 2F (gated) or F, H]; fc2 [E, H, F] (or both ``Fp8Weight``: the FP8 GEMMs, x and h
@@ -693,7 +720,11 @@ def moe_experts(x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor, prob: 
 
     backend: "torch" (reference), "triton" (the kernel; also on CPU tensors under
     TRITON_INTERPRET=1, which the tests use), "auto" (triton on CUDA bf16/fp16 tensors when
-    it imports and computes the activation, else torch)."""
+    it imports and computes the activation, else torch). ``invariant`` (engine.
+    batch_invariant's D, model/batch_invariant.py): each row's bits independent of the other
+    rows -- the Triton path on ``INVARIANT_TILES`` whatever the rows' regime, the torch path
+    one product per row (``torch_experts_rowwise``)."""
+    tiles = INVARIANT_TILES if invariant else None
     if backend == "auto":
         backend = ("triton" if x.is_cuda and triton is not None and x.dtype in KERNEL_DTYPES
                    and triton_supports(activation) else "torch")
@@ -703,11 +734,13 @@ def moe_experts(x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor, prob: 
             # GEMMs"); entered only under a profiler, never in a graph capture of serving
             with torch.profiler.record_function("colo.moe_gemm"):
                 return triton_experts(x, token, offs, prob, fc1, fc2, activation, gated,
-                                      order=order)
-        return triton_experts(x, token, offs, prob, fc1, fc2, activation, gated, order=order)
+                                      order=order, tiles=tiles)
+        return triton_experts(x, token, offs, prob, fc1, fc2, activation, gated, order=order,
+                              tiles=tiles)
     if backend != "torch":
         raise ValueError(f"moe kernel backend must be one of {BACKENDS}, got {backend!r}")
-    experts = torch_experts_fp8 if isinstance(fc1, Fp8Weight) else torch_experts
+    experts = (torch_experts_fp8 if isinstance(fc1, Fp8Weight)
+               else torch_experts_rowwise if invariant else torch_experts)
     y = experts(x, token, offs, prob, fc1, fc2, activation, gated)
     if order is None:
         return y

@@ -40,6 +40,8 @@ from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from colo_rollout.config import ModelConfig
+from colo_rollout.config.schema import batch_invariance_problem
+from colo_rollout.model.batch_invariant import invariant_linear
 from colo_rollout.model.attention import (
     AttnMetadata,
     KVStorage,
@@ -143,11 +145,12 @@ def te_available() -> bool:
     return True
 
 
-def resolve_use_te(cfg: ModelConfig) -> bool:
+def resolve_use_te(cfg: ModelConfig, local: bool = False) -> bool:
     """model.use_te: "on" requires Transformer Engine, "auto" uses it when importable on a CUDA
-    host, "off" never. FP8 rollouts (model.fp8) run on the local spec: their GEMMs read the
-    weights directly (model/fp8.py), so "auto" resolves to it there."""
-    if cfg.use_te == "off" or cfg.fp8 is not None:
+    host, "off" never. FP8 rollouts (model.fp8) and ``local`` (engine.batch_invariant) run on
+    the local spec: their GEMMs read the weights directly (model/fp8.py, model/
+    batch_invariant.py), so "auto" resolves to it there."""
+    if cfg.use_te == "off" or cfg.fp8 is not None or local:
         return False
     have = te_available() and torch.cuda.is_available()
     if cfg.use_te == "on" and not have:
@@ -296,10 +299,11 @@ class InferenceLayer(torch.nn.Module):
                                                  linear_fc2=backend.row_parallel_linear()),
                            ffn_hidden_size=config.ffn_hidden_size, tp_group=groups.atp)
 
-    def dense_partial(self, x: torch.Tensor) -> torch.Tensor:
+    def dense_partial(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         """Dense layer: this rank's ATP-partial MLP output on the normalised rows x (its
-        replica's rows); the caller's phase collective reduces it."""
-        return mlp_partial(self.mlp, x)
+        replica's rows); the caller's phase collective reduces it. ``invariant``: its GEMMs
+        batch-invariant (engine.batch_invariant's D)."""
+        return mlp_partial(self.mlp, x, invariant)
 
 
 class _Decoder(torch.nn.Module):
@@ -376,12 +380,16 @@ class InferenceGPT(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups, dtype: torch.dtype,
                  decode_attention: str = "auto", prefill_attention: str = "auto",
                  moe_kernel: str = "auto", *, max_decode_rows: int = 0,
-                 timeout_s: float = 60.0, mtp_draft: bool = False):
+                 timeout_s: float = 60.0, mtp_draft: bool = False,
+                 batch_invariant: bool = False):
         """``max_decode_rows``: D's most rows per replica (the largest decode bucket), which
         sizes the deepep backend's low-latency buffer; ``timeout_s`` bounds its host waits.
         ``mtp_draft`` (engine.mtp): the MTP layer drafts -- its KV is allocated (layer
         ``num_layers`` of the storage) and P runs it after sampling (model/mtp.py). The MTP
-        layer's weights exist whenever ``cfg.mtp_num_layers`` is 1 (loaded and synced)."""
+        layer's weights exist whenever ``cfg.mtp_num_layers`` is 1 (loaded and synced).
+        ``batch_invariant`` (engine.batch_invariant): D's GEMMs, attention splits and expert
+        tiles batch-invariant (model/batch_invariant.py); refused where a layout or a kernel
+        the model would run cannot be (``batch_invariance_problem``)."""
         super().__init__()
         # D and P attention's backends (engine.decode_attention, engine.prefill_attention),
         # chosen once for the model's device before anything is allocated: "triton" without
@@ -400,24 +408,38 @@ class InferenceGPT(torch.nn.Module):
         lay = groups.layout
         self.cfg = cfg
         self.groups = groups
-        self.use_te = resolve_use_te(cfg)
+        self.use_te = resolve_use_te(cfg, local=batch_invariant)
         self.config = megatron_config(cfg, tp=lay.atp, ep=lay.ep, etp=lay.etp, dtype=dtype,
                                       init=False, use_te=self.use_te)
+        # the experts' path (model.moe_compute): batch_invariant needs the grouped one ("auto"
+        # takes the megatron path off sm90 bf16; its GEMMs follow the row count)
+        compute = ("grouped" if batch_invariant and cfg.moe_compute == "auto"
+                   else cfg.moe_compute)
         self.embedding = _Embedding(self.config, cfg.vocab_size, groups.atp)
         self.decoder = _Decoder(cfg, self.config, groups, spec_backend(self.use_te),
-                                cfg.moe_compute, self.moe_kernel)
+                                compute, self.moe_kernel)
         self.mtp = None
         if cfg.mtp_num_layers:
             self.mtp = MTPBlock([MTPLayer(self.config, groups, cfg.num_layers + 1 + j,
                                           spec_backend(self.use_te), mtp_is_moe(cfg),
-                                          cfg.moe_compute, self.moe_kernel)
+                                          compute, self.moe_kernel)
                                  for j in range(cfg.mtp_num_layers)])
         if mtp_draft and self.mtp is None:
             raise ValueError("engine.mtp needs the model's MTP layer (model.mtp_num_layers: 1)")
         self.mtp_draft = mtp_draft
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            why = batch_invariance_problem(cfg, lay.atp, lay.ep)
+            if why is None and groups.device.type == "cuda" and "torch" in (
+                    self.decode_attention, self.moe_kernel):
+                why = ("on a GPU it needs the Triton D attention and expert kernels "
+                       "(engine.decode_attention and engine.moe_kernel: auto or triton)")
+            if why is not None:
+                raise ValueError(f"engine.batch_invariant: {why}")
         for layer in self._all_layers():
             layer.self_attention.decode_backend = self.decode_attention
             layer.self_attention.prefill_backend = self.prefill_attention
+            layer.self_attention.batch_invariant = batch_invariant
         # tied embeddings: no output_layer weight (megatron's GPTModel has none either); the
         # logits use the embedding's vocab shard, which is the same [V/ATP, H] slice
         self.output_layer = ColumnParallelLinear(
@@ -439,6 +461,8 @@ class InferenceGPT(torch.nn.Module):
                                max_decode_tokens=-(-max_decode_rows // lay.atp),
                                p_sms=cfg.deepep_p_sms, timeout_s=timeout_s)
         self.dispatch_p, self.dispatch_d = pair if pair is not None else (None, None)
+        if self.dispatch_d is not None:
+            self.dispatch_d.invariant = batch_invariant
         self._rope: torch.Tensor | None = None
         self._rope_tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         # diagnostics: when a list, P appends the residual stream after every attention and
@@ -927,7 +951,8 @@ class InferenceGPT(torch.nn.Module):
             if slots:  # one rank: no combine, the k slots summed into the residual
                 if pre is None:
                     u = comm.d_all_gather_full(layer.pre_mlp_layernorm(res))
-                pairs = layer.mlp(u, record=self.route_record("D", i, u.shape[0]), pairs=True)
+                pairs = layer.mlp(u, record=self.route_record("D", i, u.shape[0]), pairs=True,
+                                  invariant=self.batch_invariant)
                 after = self._fusable_norm(layers[i + 1].input_layernorm if i + 1 < len(layers)
                                            else self.decoder.final_layernorm)
                 if after is not None:  # and the next norm in the same launch
@@ -938,9 +963,13 @@ class InferenceGPT(torch.nn.Module):
                 res = self.d_mlp(layer, res, own, i if layer.is_moe else None)
         if normed is None:
             normed = comm.d_all_gather_atp(self.decoder.final_layernorm(res))
-        shard = F.linear(normed, self.output_weight)
+        shard = self.d_linear(normed, self.output_weight)
         logits = comm.d_all_gather_vocab(shard)
         return (logits, normed) if hidden else logits
+
+    def d_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x @ weight^T in D: batch-invariant under engine.batch_invariant, else F.linear."""
+        return invariant_linear(x, weight) if self.batch_invariant else F.linear(x, weight)
 
     def prefill_layer(self, layer: InferenceLayer, kv_layer: int, h: torch.Tensor, rope,
                       inp: PrefillInputs, kv: KVStorage, own: slice, total: int,
@@ -1038,13 +1067,15 @@ class InferenceGPT(torch.nn.Module):
             u = comm.d_all_gather_full(layer.pre_mlp_layernorm(res))
             record = (None if record_layer is None
                       else self.route_record("D", record_layer, u.shape[0]))
-            partial = layer.mlp(u, record=record)
+            inv = self.batch_invariant
+            partial = layer.mlp(u, record=record, invariant=inv)
             if layer.mlp.shared_experts is not None:
-                layer.mlp.add_shared(partial[own], u[own])
+                layer.mlp.add_shared(partial[own], u[own], inv)
             return add_rounded(res, comm.d_reduce_scatter_full(partial), backend)  # fp32 sum
         # dense: the replica's rows, ATP gather and reduce-scatter like attention
         x = comm.d_all_gather_atp(layer.pre_mlp_layernorm(res))
-        return add_rounded(res, comm.d_reduce_scatter_atp(layer.dense_partial(x)), backend)
+        return add_rounded(res, comm.d_reduce_scatter_atp(
+            layer.dense_partial(x, self.batch_invariant)), backend)
 
     def _p_embed_norm(self) -> FusedRMSNorm | None:
         """Layer 0's input norm as ``embed_rms_norm``'s where P may compute it with the
@@ -1104,7 +1135,7 @@ class InferenceGPT(torch.nn.Module):
         if layer.mlp.shared_experts is not None:
             rows = comm.d_all_gather_atp(x)
             shared = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)
-            layer.mlp.add_shared(shared, rows)
+            layer.mlp.add_shared(shared, rows, self.batch_invariant)
             out = out + comm.d_reduce_scatter_atp(shared)
         return out
 

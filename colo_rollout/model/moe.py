@@ -41,6 +41,7 @@ from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from colo_rollout.config import MOE_COMPUTE
+from colo_rollout.model.batch_invariant import invariant_linear
 from colo_rollout.model.fused_moe import (
     BACKENDS as MOE_KERNELS,
     KERNEL_DTYPES,
@@ -62,12 +63,17 @@ _MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
 
 
 
-def mlp_partial(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+def mlp_partial(mlp: torch.nn.Module, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
     """A megatron (Shared-expert) MLP's output before its row-parallel reduction: fc1 (with
     TE's fused norm, if any) -> SwiGLU -> fc2's weight. Issues no collective (fc1 is column-
-    parallel with gather_output off; fc2's reduction belongs to the comm path)."""
+    parallel with gather_output off; fc2's reduction belongs to the comm path).
+    ``invariant``: both GEMMs batch-invariant (engine.batch_invariant's D; local layers)."""
     if x.shape[0] == 0:  # TE's fused norm rejects empty input
         return x.new_zeros((0, mlp.linear_fc2.weight.shape[0]))
+    if invariant:
+        gate, up = torch.chunk(invariant_linear(x, mlp.linear_fc1.weight, mlp.linear_fc1.bias),
+                               2, dim=-1)
+        return invariant_linear(mlp.config.activation_func(gate) * up, mlp.linear_fc2.weight)
     fp8 = getattr(mlp, "colo_fp8", None)  # model.fp8: (fc1, fc2) as FP8 (model/fp8.py)
     if fp8 is not None:
         gate, up = torch.chunk(fp8_linear(x, fp8[0]), 2, dim=-1)
@@ -180,7 +186,8 @@ class GatherMoE(torch.nn.Module):
         return got
 
     def forward(self, x: torch.Tensor, n_valid: torch.Tensor | None = None,
-                record: torch.Tensor | None = None, pairs: bool = False) -> torch.Tensor:
+                record: torch.Tensor | None = None, pairs: bool = False,
+                invariant: bool = False) -> torch.Tensor:
         """x [N, H] (all replicas' tokens) -> this rank's partial MoE output [N, H], fp32.
 
         ``n_valid`` (grouped path; a 0-dim int64 tensor on x's device): only rows < n_valid are
@@ -190,12 +197,16 @@ class GatherMoE(torch.nn.Module):
         ``pairs`` (grouped path only, ``uses_grouped``): the k slots of each token unsummed,
         [N, k, H] in x's dtype (other ranks' experts' and padding rows' slots zero) -- for a
         caller that sums them into the residual itself (model/residual.py:
-        ``add_rounded_slots``, one launch where the combine collective is the identity)."""
+        ``add_rounded_slots``, one launch where the combine collective is the identity).
+        ``invariant`` (engine.batch_invariant's D; the grouped path): the gate and the expert
+        GEMMs batch-invariant (model/batch_invariant.py)."""
         if self.uses_grouped(x):
-            weight, chosen = self.route(x)
+            weight, chosen = self.route(x, invariant)
             if record is not None:
                 record.copy_(chosen)
-            return self._grouped(x, weight, chosen, n_valid, pairs)
+            return self._grouped(x, weight, chosen, n_valid, pairs, invariant)
+        if invariant:
+            raise ValueError("engine.batch_invariant needs the grouped expert path")
         if n_valid is not None:
             raise ValueError("n_valid (padded rows) needs the grouped expert path")
         if pairs:
@@ -205,13 +216,17 @@ class GatherMoE(torch.nn.Module):
             record.copy_(routing_map.to(torch.int8).topk(self.topk, dim=1).indices)
         return self._megatron(x, probs, routing_map)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, invariant: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] -> (router probabilities [N, k], chosen global expert ids [N, k]) by
         megatron's routing: ``topk_routing_with_score_function`` in its dense form on the
         router's own logits, else (the router configurations it does not cover, or training)
-        the router's forward with the k ids read back from its routing map."""
+        the router's forward with the k ids read back from its routing map. ``invariant``:
+        the gate's GEMM batch-invariant (the dense form only)."""
         r = self.router
         if not self._dense_routing or (r.training and torch.is_grad_enabled()):
+            if invariant:
+                raise ValueError("engine.batch_invariant: this router has no dense form")
             probs, routing_map = r(x.unsqueeze(1))  # [N, E] each
             # the k routed experts of each token (exactly k True per row of routing_map)
             chosen = routing_map.to(torch.int8).topk(self.topk, dim=1).indices
@@ -220,10 +235,10 @@ class GatherMoE(torch.nn.Module):
         c = self.config
         if self._fused_topk(x):  # one launch for top-k + softmax (model/router_topk.py)
             return router_topk.softmax_topk(
-                self._gate_logits(x), self.topk, pre_softmax=c.moe_router_pre_softmax,
+                self._gate_logits(x, invariant), self.topk, pre_softmax=c.moe_router_pre_softmax,
                 scaling_factor=c.moe_router_topk_scaling_factor)
         return topk_routing_with_score_function(
-            self._gate_logits(x), self.topk, use_pre_softmax=c.moe_router_pre_softmax,
+            self._gate_logits(x, invariant), self.topk, use_pre_softmax=c.moe_router_pre_softmax,
             num_groups=c.moe_router_num_groups, group_topk=c.moe_router_group_topk,
             scaling_factor=c.moe_router_topk_scaling_factor, score_function=r.score_function,
             expert_bias=r.expert_bias, fused=False, router_replay=r.router_replay,
@@ -244,15 +259,23 @@ class GatherMoE(torch.nn.Module):
             self._use_fused_topk[x.device] = got
         return got
 
-    def _gate_logits(self, x: torch.Tensor) -> torch.Tensor:
+    def _gate_logits(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         """The router's fp32 logits [N, E]. On CUDA, for a bias-free gate whose weight has
         x's 16-bit dtype: one GEMM of the 16-bit operands into fp32 (``torch.mm`` with
         ``out_dtype``), as megatron's gate computes it where Transformer Engine is installed
         (``te_general_gemm`` in ``RouterGatingLinearFunction``) -- a 16-bit product is exact
         in fp32, so it is megatron's fp32 GEMM of the upcast operands up to summation order,
         without casting x and the [E, H] weight to fp32 on every call (two copy kernels per
-        layer, the weight's the larger). Else megatron's ``gating``."""
+        layer, the weight's the larger). Else megatron's ``gating``. ``invariant``: the same
+        product through the batch-invariant GEMM, in megatron's router dtype."""
         r = self.router
+        if invariant:
+            dt = {"fp32": torch.float32, "fp64": torch.float64}.get(
+                self.config.moe_router_dtype, x.dtype)
+            if dt == torch.float32 and r.weight.dtype == x.dtype:  # 16-bit products: exact
+                return invariant_linear(x, r.weight, r.bias, out_dtype=dt)
+            bias = None if r.bias is None else r.bias.to(dt)
+            return invariant_linear(x.to(dt), r.weight.to(dt), bias)
         if (x.is_cuda and r.bias is None and self.config.moe_router_dtype == "fp32"
                 and x.dtype in (torch.bfloat16, torch.float16) and r.weight.dtype == x.dtype
                 and _MM_OUT_DTYPE):
@@ -260,17 +283,20 @@ class GatherMoE(torch.nn.Module):
                             out_dtype=torch.float32).view(*x.shape[:-1], -1)
         return r.gating(x)
 
-    def add_shared(self, out: torch.Tensor, x: torch.Tensor) -> None:
+    def add_shared(self, out: torch.Tensor, x: torch.Tensor, invariant: bool = False) -> None:
         """out [n, H] fp32 += this rank's ATP-partial shared-expert output on x [n, H] (the
-        normalised rows of this rank's replica). No-op without shared experts."""
+        normalised rows of this rank's replica). No-op without shared experts. ``invariant``:
+        its GEMMs batch-invariant."""
         se = self.shared_experts
         if se is None or x.shape[0] == 0:
             return
-        y = mlp_partial(se, x)
+        y = mlp_partial(se, x, invariant)
         if se.use_shared_expert_gate:
             # the gate is replicated (not sharded), so each ATP partial is scaled by the same
             # factor: the sum over ATP is gate * full output, as megatron computes it
-            y = y * torch.sigmoid(torch.nn.functional.linear(x, se.gate_weight))
+            g = (invariant_linear(x, se.gate_weight) if invariant
+                 else torch.nn.functional.linear(x, se.gate_weight))
+            y = y * torch.sigmoid(g)
         out.add_(y.to(out.dtype))
 
     # ------------------------------------------------------------------ megatron experts
@@ -290,7 +316,8 @@ class GatherMoE(torch.nn.Module):
         return out
 
     # ------------------------------------------------------------------ grouped, sync-free
-    def _grouped(self, x, weight, chosen, n_valid=None, pairs: bool = False) -> torch.Tensor:
+    def _grouped(self, x, weight, chosen, n_valid=None, pairs: bool = False,
+                 invariant: bool = False) -> torch.Tensor:
         k = self.topk
         backend = self.kernel_for(x)
         # the pairs sorted by local expert (other ranks' experts and padding rows last, past
@@ -302,7 +329,8 @@ class GatherMoE(torch.nn.Module):
         # the sorted pairs, each result row stored back at its (token, slot) place (model/
         # fused_moe.py: torch._grouped_mm or the Triton kernel); other ranks' rows are zero
         y = moe_experts(x, al.token, al.offs, al.prob, fc1, fc2, self.config.activation_func,
-                        self.config.gated_linear_unit, backend, order=al.order)  # [N*k, H]
+                        self.config.gated_linear_unit, backend, order=al.order,
+                        invariant=invariant)  # [N*k, H]
         y = y.view(-1, k, y.shape[-1])
         if pairs:  # the caller sums the slots (into the residual, in one launch)
             return y

@@ -61,10 +61,12 @@ class MTPLayer(torch.nn.Module):
                                               moe_compute, moe_kernel)
         self.final_layernorm = _norm(backend, config)
 
-    def project(self, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """This rank's ATP shard of eh_proj([enorm(emb); hnorm(hidden)]): [N, H / ATP]."""
-        return F.linear(torch.cat([self.enorm(emb), self.hnorm(hidden)], dim=-1),
-                        self.eh_proj.weight)
+    def project(self, emb: torch.Tensor, hidden: torch.Tensor,
+                linear=F.linear) -> torch.Tensor:
+        """This rank's ATP shard of eh_proj([enorm(emb); hnorm(hidden)]): [N, H / ATP].
+        ``linear``: the GEMM (D passes the model's ``d_linear``)."""
+        return linear(torch.cat([self.enorm(emb), self.hnorm(hidden)], dim=-1),
+                      self.eh_proj.weight)
 
 
 class MTPBlock(torch.nn.Module):
@@ -101,7 +103,7 @@ def mtp_decode(model, hidden: torch.Tensor, tokens: torch.Tensor, inp, kv,
     atp, a = model.groups.layout.atp, model.groups.atp_rank
     c = B2 // atp
     emb = comm.d_all_gather_atp(comm.d_reduce_scatter_atp(model.embedding.partial(tokens)))
-    y = comm.d_all_gather_vocab(mtp.project(emb, hidden))  # [B2, H]
+    y = comm.d_all_gather_vocab(mtp.project(emb, hidden, model.d_linear))  # [B2, H]
     res = y[a * c : (a + 1) * c]
     rope = model.rope_angles(inp.attn.positions)
     layer = mtp.mtp_model_layer
@@ -110,7 +112,7 @@ def mtp_decode(model, hidden: torch.Tensor, tokens: torch.Tensor, inp, kv,
     res = res + comm.d_reduce_scatter_atp(layer.self_attention(x, rope, inp.attn, kv, L))
     res = model.d_mlp(layer, res, own, None)  # the decoder's unfused MLP half, not recorded
     normed = comm.d_all_gather_atp(mtp.final_layernorm(res))
-    return comm.d_all_gather_vocab(F.linear(normed[select], model.output_weight))
+    return comm.d_all_gather_vocab(model.d_linear(normed[select], model.output_weight))
 
 
 def mtp_prefill(model, hidden_all: torch.Tensor, tokens_local: torch.Tensor, inp, kv,

@@ -175,6 +175,7 @@ if triton is not None:
         stride_ob, stride_oh,
         splits,
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
+        ORDERED: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -186,11 +187,21 @@ if triton is not None:
                       other=float("-inf"))
         m = tl.max(lse, 0)
         m = tl.where(m == float("-inf"), 0.0, m)  # no split saw a key: weights 0, output 0
-        w = tl.exp2(lse - m)
-        total = tl.sum(w, 0)
-        part = tl.load(Part + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps
-                       + offs_d[None, :], mask=smask[:, None] & dmask[None, :], other=0.0)
-        out = tl.sum(part * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+        if ORDERED:  # split by split in index order: a row's sum whatever splits follow
+            acc = tl.zeros([D_PAD], dtype=tl.float32)
+            total = 0.0
+            for s in range(0, splits):
+                ws = tl.exp2(tl.load(Lse + b * stride_lb + h * stride_lh + s) - m)
+                acc += ws * tl.load(Part + b * stride_pb + h * stride_ph + s * stride_ps
+                                    + offs_d, mask=dmask, other=0.0)
+                total += ws
+            out = acc / tl.where(total > 0.0, total, 1.0)
+        else:
+            w = tl.exp2(lse - m)
+            total = tl.sum(w, 0)
+            part = tl.load(Part + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps
+                           + offs_d[None, :], mask=smask[:, None] & dmask[None, :], other=0.0)
+            out = tl.sum(part * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
         tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty),
                  mask=dmask)
 
@@ -220,11 +231,15 @@ def triton_decode_attention(q: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Ten
                             tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float, *,
                             splits: int | None = None, block_n: int | None = None,
                             num_warps: int = NUM_WARPS, num_stages: int | None = None,
-                            programs_per_sm: int = PROGRAMS_PER_SM) -> torch.Tensor:
+                            programs_per_sm: int = PROGRAMS_PER_SM,
+                            split_tokens: int | None = None) -> torch.Tensor:
     """The Triton path; same arguments and result as ``torch_decode_attention``. ``splits``,
     ``block_n``, ``num_warps``, ``num_stages`` and ``programs_per_sm``: tuning overrides for
     tests and benchmarks (None and the defaults are what the engine runs: ``tile_config``,
-    ``num_splits``). Host values read: shapes and strides only (graph-capturable)."""
+    ``num_splits``). ``split_tokens`` (engine.batch_invariant; a multiple of the tile): the
+    keys split at fixed positions, always through the reduce, which adds the splits in index
+    order -- a row's bits then depend on its own keys alone, not on the batch's rows or table
+    width. Host values read: shapes and strides only (graph-capturable)."""
     if triton is None:
         raise RuntimeError("triton is not importable: use the torch decode attention backend")
     B, heads, dim = q.shape
@@ -244,15 +259,21 @@ def triton_decode_attention(q: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Ten
         auto_n, auto_stages = tile_config(q.device, dim, q.dtype)
         block_n = auto_n if block_n is None else block_n
         num_stages = auto_stages if num_stages is None else num_stages
-    if splits is None:
-        splits = num_splits(B, g, width_tokens, block_n, programs_per_sm=programs_per_sm)
-    split_tokens = -(-(-(-width_tokens // splits)) // block_n) * block_n  # tile multiple
+    ordered = split_tokens is not None
+    if ordered:
+        if split_tokens % block_n:
+            raise ValueError(f"split_tokens {split_tokens}: not a multiple of the tile's "
+                             f"{block_n} keys")
+    else:
+        if splits is None:
+            splits = num_splits(B, g, width_tokens, block_n, programs_per_sm=programs_per_sm)
+        split_tokens = -(-(-(-width_tokens // splits)) // block_n) * block_n  # tile multiple
     splits = max(1, -(-width_tokens // split_tokens))
     n_pad, d_pad = pow2(n, 16), pow2(dim, 16)
     # fp32: exact products (no tf32). CPU tensors run only under the interpreter: upcast there
     upcast = not q.is_cuda
     prec = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
-    single = splits == 1
+    single = splits == 1 and not ordered
     if single:
         part, lse = out, out  # unused by the single pass
         sp = (out.stride(0), out.stride(1), 0)
@@ -278,25 +299,27 @@ def triton_decode_attention(q: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Ten
     if not single:
         _decode_reduce_kernel[(B, heads)](
             part, lse, out, *sp, *sl, out.stride(0), out.stride(1), splits,
-            HEAD_DIM=dim, D_PAD=d_pad, S_PAD=pow2(splits), num_warps=4,
+            HEAD_DIM=dim, D_PAD=d_pad, S_PAD=pow2(splits), ORDERED=ordered, num_warps=4,
         )
     return out
 
 
 def decode_attention(q: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Tensor,
                      tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float,
-                     backend: str = "auto") -> torch.Tensor:
+                     backend: str = "auto", split_tokens: int | None = None) -> torch.Tensor:
     """D attention: q [B, heads, dim] (one token per row) against one layer's paged cache
     kv_k/kv_v [blocks, block_size, groups, dim] through tables [B, W] (int64 or int32; padding
     points at the sink block), keys 0..ctx_lens[b]-1 -> [B, heads, dim] in q's dtype.
 
     backend: "torch" (reference), "triton" (the kernel; also on CPU tensors under
     TRITON_INTERPRET=1, which the tests use), "auto" (triton on CUDA tensors when it imports,
-    else torch)."""
+    else torch). ``split_tokens``: the Triton path's batch-invariant splits (see
+    ``triton_decode_attention``; the torch path computes each row on its own already)."""
     if backend == "auto":
         backend = "triton" if q.is_cuda and triton is not None else "torch"
     if backend == "triton":
-        return triton_decode_attention(q, kv_k, kv_v, tables, ctx_lens, scale)
+        return triton_decode_attention(q, kv_k, kv_v, tables, ctx_lens, scale,
+                                       split_tokens=split_tokens)
     if backend != "torch":
         raise ValueError(f"decode attention backend must be one of {BACKENDS}, got {backend!r}")
     return torch_decode_attention(q, kv_k, kv_v, tables, ctx_lens, scale)

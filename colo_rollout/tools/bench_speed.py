@@ -316,10 +316,10 @@ class _Bench:
         def counting(moe):
             inner = moe.route
 
-            def route(x):
+            def route(x, invariant=False):
                 inside_route[0] = True
                 try:
-                    weight, chosen = inner(x)
+                    weight, chosen = inner(x, invariant)
                 finally:
                     inside_route[0] = False
                 seen = torch.zeros(moe.num_experts, dtype=torch.bool, device=chosen.device)

@@ -71,12 +71,13 @@ def build_model(cfg: Config, groups: ParallelGroups,
 def _dispatch_sizes(cfg: Config) -> dict:
     """The model's build options from the engine config: what a dispatch backend's buffers are
     sized by (D's most rows per replica -- the D batch is padded to a decode bucket -- and the
-    bound of its host waits) and whether the MTP layer drafts (engine.mtp: two verify rows per
-    sequence, worker/speculate.py)."""
+    bound of its host waits), whether the MTP layer drafts (engine.mtp: two verify rows per
+    sequence, worker/speculate.py) and whether D is batch-invariant (engine.batch_invariant)."""
     per = ROWS_PER_SEQUENCE if cfg.engine.mtp else 1
     return {"max_decode_rows": per * max(cfg.engine.decode_buckets[-1],
                                          cfg.engine.max_batch_size),
-            "timeout_s": cfg.parallel.timeout_s, "mtp_draft": cfg.engine.mtp}
+            "timeout_s": cfg.parallel.timeout_s, "mtp_draft": cfg.engine.mtp,
+            "batch_invariant": cfg.engine.batch_invariant}
 
 
 class Worker:

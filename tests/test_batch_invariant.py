@@ -1,0 +1,235 @@
+"""engine.batch_invariant (model/batch_invariant.py): D rows whose bits do not depend on the
+rows beside them.
+
+Interpreted (Triton's CPU interpreter, tests/interpreted.py): the invariant linear's rows
+alone equal them inside batches of 3 to 130 rows (bitwise), in bf16 and fp32, with a bias and
+into fp32, and equal the fp32 reference within rounding; the decode attention with fixed
+splits gives a row the same bits alone, beside other rows and at wider tables, and matches
+the torch path; the fused experts on the invariant tiles give a token the same bits whether
+its batch puts the launch in the small or the decode regime. On the ranks: a CPU engine in
+bf16 gives the same greedy tokens and logprobs with and without MTP, its D iterations call
+no batch-variant GEMM (and without the option they do: the watch can fail); the door refuses
+layouts and kernels that cannot be made invariant."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from colo_rollout.config import ConfigError
+from colo_rollout.config.loader import config_from_dict
+from colo_rollout.model import batch_invariant as bi
+from colo_rollout.model import fused_moe as fm
+from colo_rollout.model import paged_attention as pa
+from colo_rollout.model.moe_align import align
+from tests.interpreted import HAS_TRITON, interpreted_main
+
+CASES = "tests.cases_invariant"
+
+
+def _linear_fails() -> list[str]:
+    fails = []
+    gen = torch.Generator().manual_seed(0)
+    for dtype, K, N, bias, out in [(torch.bfloat16, 96, 40, False, None),
+                                   (torch.bfloat16, 160, 72, True, None),
+                                   (torch.bfloat16, 64, 24, True, torch.float32),
+                                   (torch.float32, 80, 36, True, None)]:
+        w = torch.randn(N, K, generator=gen).to(dtype)
+        b = torch.randn(N, generator=gen).to(dtype) if bias else None
+        x = torch.randn(130, K, generator=gen).to(dtype)
+        full = bi.invariant_linear(x, w, b, out_dtype=out)
+        ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+        rel = 1e-5 if dtype == torch.float32 or out == torch.float32 else 2 ** -7
+        if full.dtype != (out or dtype) or not (
+                (full.float() - ref).abs() <= rel * (ref.abs() + 1)).all():
+            fails.append(f"linear {dtype} K{K} N{N}: off the reference by "
+                         f"{(full.float() - ref).abs().max():.2e}")
+        # row blocks at the same place in their 64-row tile: the interpreter's dot is numpy's,
+        # whose bits follow a row's place in the tile (a GPU's MMA does not: test_gpu.py)
+        for m in (1, 3, 64, 66):
+            for lo in (0, 64):
+                if not torch.equal(bi.invariant_linear(x[lo:lo + m], w, b, out_dtype=out),
+                                   full[lo:lo + m]):
+                    fails.append(f"linear {dtype} K{K} N{N}: rows {lo}..{lo + m} differ")
+    return fails
+
+
+def _attention_fails() -> list[str]:
+    fails = []
+    gen = torch.Generator().manual_seed(1)
+    bs, g, n, dim, blocks = 4, 2, 2, 32, 64
+    k = torch.randn(blocks, bs, g, dim, generator=gen).bfloat16()
+    v = torch.randn(blocks, bs, g, dim, generator=gen).bfloat16()
+    ctx = [5, 40, 100, 1]
+    tables = torch.full((4, 40), blocks - 1, dtype=torch.int64)  # sink padding
+    perm = torch.randperm(blocks - 1, generator=gen).tolist()
+    for r, c in enumerate(ctx):
+        nb = -(-c // bs)
+        tables[r, :nb] = torch.tensor([perm.pop() for _ in range(nb)])
+    q = torch.randn(4, g * n, dim, generator=gen).bfloat16()
+    lens = torch.tensor(ctx)
+    kw = dict(block_n=16, split_tokens=32)
+    full = pa.triton_decode_attention(q, k, v, tables, lens, 0.2, **kw)
+    ref = pa.torch_decode_attention(q.float(), k.float(), v.float(), tables, lens, 0.2)
+    if (full.float() - ref).abs().max() > 2e-2:
+        fails.append(f"attention off the reference by {(full.float() - ref).abs().max():.2e}")
+    for r, c in enumerate(ctx):
+        nb = -(-c // bs)
+        for width in (nb, nb + 9, 40):  # one split, then more splits than the row needs
+            alone = pa.triton_decode_attention(q[r:r + 1], k, v, tables[r:r + 1, :width],
+                                               lens[r:r + 1], 0.2, **kw)
+            if not torch.equal(alone[0], full[r]):
+                fails.append(f"attention row {r} (ctx {c}) at width {width} differs")
+    return fails
+
+
+def _experts_fails() -> list[str]:
+    fails = []
+    gen = torch.Generator().manual_seed(2)
+    E, k, H, Fd = 4, 2, 32, 32
+    fc1 = (torch.randn(E, 2 * Fd, H, generator=gen) * 0.2).bfloat16()
+    fc2 = (torch.randn(E, H, Fd, generator=gen) * 0.2).bfloat16()
+    x = torch.randn(40, H, generator=gen).bfloat16()
+    chosen = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(40)])
+    weight = torch.rand(40, k, generator=gen)
+
+    def run(N, backend):
+        al = align(chosen[:N], weight[:N], 0, E, backend="torch")
+        return fm.moe_experts(x[:N], al.token, al.offs, al.prob, fc1, fc2, F.silu, True,
+                              backend, order=al.order, invariant=True).view(N, k, H)
+
+    for backend in ("triton", "torch"):
+        full = run(40, backend)  # 20 pairs per expert: the decode regime's rows
+        for N in (1, 3):  # a pair or two per expert: the small regime's
+            if not torch.equal(run(N, backend), full[:N]):
+                fails.append(f"experts ({backend}): the first {N} tokens differ from the "
+                             "40-token batch")
+    al = align(chosen, weight, 0, E, backend="torch")
+    ref = fm.moe_experts(x, al.token, al.offs, al.prob, fc1, fc2, F.silu, True, "torch",
+                         order=al.order)
+    if (full.reshape(ref.shape).float() - ref.float()).abs().max() > 0.05:
+        fails.append("experts: the invariant path is off the torch path")
+    return fails
+
+
+def _interpreted() -> list[str]:
+    return _linear_fails() + _attention_fails() + _experts_fails()
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_invariant_kernels_interpreted(interpreted):
+    interpreted.check(__file__)
+
+
+def test_cpu_paths_are_per_row():
+    """Off CUDA the linear and the experts compute one row at a time: the same bits at any
+    batch, and the usual products within rounding."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 64, generator=gen).bfloat16()
+    x = torch.randn(33, 64, generator=gen).bfloat16()
+    full = bi.invariant_linear(x, w)
+    assert all(torch.equal(bi.invariant_linear(x[i:i + 1], w)[0], full[i]) for i in range(33))
+    assert (full.float() - F.linear(x.float(), w.float())).abs().max() < 0.1
+    assert bi.invariant_linear(x, w, out_dtype=torch.float32).dtype == torch.float32
+    with pytest.raises(ValueError, match="columns"):
+        bi.invariant_linear(x, w.t())
+    assert bi.block_n(151936) == 64 and bi.block_n(4096) == 16 and bi.block_n(64) == 16
+
+
+@pytest.mark.parametrize("mtp", [False, True])
+def test_bf16_engine_d_calls_no_batch_variant_gemm(worker_groups, mtp):
+    """With the option, no D iteration (MTP's verify + draft pass included) calls a GEMM that
+    may follow the row count; without it, D does -- so the watch sees what it should."""
+    group = worker_groups(1)
+    on = group.run(f"{CASES}:invariant_tokens", adp=1, ep=1, mtp=mtp)[0]
+    assert on["variant_gemms"] == [], on["variant_gemms"]
+    if not mtp:
+        off = group.run(f"{CASES}:invariant_tokens", adp=1, ep=1, mtp=mtp, invariant=False)[0]
+        assert off["variant_gemms"], "the watch saw no GEMM in a default D iteration"
+
+
+@pytest.mark.parametrize("weights", ["random", "oracle"])
+def test_bf16_mtp_streams_equal_the_plain_ones(worker_groups, weights):
+    """The issue's property in bf16: greedy tokens and logprobs with MTP equal those without
+    (the verify forward's 2B rows compute each row as B rows would), on the oracle's accepted
+    drafts and on random weights' rejected ones."""
+    group = worker_groups(1)
+    on = group.run(f"{CASES}:invariant_tokens", adp=1, ep=1, mtp=True, weights=weights)[0]
+    off = group.run(f"{CASES}:invariant_tokens", adp=1, ep=1, mtp=False, weights=weights)[0]
+    assert on["tokens"] == off["tokens"]
+    assert on["logprobs"] == off["logprobs"]
+    if weights == "oracle":
+        assert on["accepted"] >= 0.9 * on["verified"] > 0
+
+
+def test_bf16_alltoall_at_ep2_is_invariant(worker_groups):
+    """EP 2 (ADP 2) through the alltoall backend: D's dispatcher runs the invariant kernels,
+    MTP and plain streams agree bitwise."""
+    group = worker_groups(2)
+    kw = dict(adp=2, ep=2, dispatch="alltoall")
+    on = group.run(f"{CASES}:invariant_tokens", mtp=True, **kw)
+    off = group.run(f"{CASES}:invariant_tokens", mtp=False, **kw)
+    assert on[0]["variant_gemms"] == [] and off[0]["variant_gemms"] == []
+    assert on[0]["tokens"] == off[0]["tokens"] and on[0]["logprobs"] == off[0]["logprobs"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_rows_are_the_same_bits_at_any_batch():
+    """On the GPU, at the bench shapes' widths: a row's invariant linear output (bf16, and
+    fp32 out: the gate) and its fixed-split attention are the same bits alone, at any place in
+    batches of up to 256 rows and at wider tables (the MMA's bits do not follow a row's place
+    in its tile, which the interpreter cannot show)."""
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for K, N, out in [(2048, 3072, None), (4096, 2048, None), (2048, 32768, None),
+                      (2048, 128, torch.float32)]:
+        w = torch.randn(N, K, device=dev, generator=gen).bfloat16() * 0.02
+        x = torch.randn(256, K, device=dev, generator=gen).bfloat16()
+        full = bi.invariant_linear(x, w, out_dtype=out)
+        for m, lo in [(1, 0), (1, 200), (7, 61), (64, 100), (130, 3), (256, 0)]:
+            part = bi.invariant_linear(x[lo:lo + m], w, out_dtype=out)
+            assert torch.equal(part, full[lo:lo + m]), (K, N, m, lo)
+    bs, g, n, dim = 16, 4, 4, 128
+    k = torch.randn(600, bs, g, dim, device=dev, generator=gen).bfloat16()
+    v = torch.randn(600, bs, g, dim, device=dev, generator=gen).bfloat16()
+    ctx = torch.tensor([100, 4000, 513, 1, 2048], device=dev)
+    tables = torch.randperm(599, device=dev, generator=gen)[:5 * 256].view(5, 256)
+    q = torch.randn(5, g * n, dim, device=dev, generator=gen).bfloat16()
+    full = pa.triton_decode_attention(q, k, v, tables, ctx, 0.08, split_tokens=bi.SPLIT_TOKENS)
+    for r in range(5):
+        for width in (-(-int(ctx[r]) // bs), 256):
+            alone = pa.triton_decode_attention(q[r:r + 1], k, v, tables[r:r + 1, :width],
+                                               ctx[r:r + 1], 0.08, split_tokens=bi.SPLIT_TOKENS)
+            assert torch.equal(alone[0], full[r]), (r, width)
+
+
+BASE = {"parallel": {"world_size": 1, "adp": 1, "ep": 1, "backend": "gloo"},
+        "model": {"vocab_size": 256, "hidden_size": 64, "num_layers": 2,
+                  "num_attention_heads": 4, "num_query_groups": 2, "moe_ffn_hidden_size": 64,
+                  "num_experts": 8, "moe_router_topk": 2},
+        "engine": {"batch_invariant": True}}
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"parallel": {"world_size": 2, "adp": 1, "ep": 2}}, "attention TP 2"),
+    ({"parallel": {"world_size": 2, "adp": 2, "ep": 2}}, "gather backend at EP 2"),
+    ({"model": {"moe_dispatch": "deepep"}, "parallel": {"backend": "nccl"}}, "DeepEP"),
+    ({"model": {"use_te": "on"}}, "Transformer Engine"),
+    ({"model": {"fp8": "e4m3", "params_dtype": "bfloat16"}}, "FP8 GEMMs"),
+    ({"model": {"moe_compute": "megatron"}}, "megatron's expert path"),
+])
+def test_door_refuses_what_cannot_be_invariant(change, words):
+    raw = {k: dict(v) for k, v in BASE.items()}
+    for section, keys in change.items():
+        raw[section].update(keys)
+    with pytest.raises(ConfigError, match=words) as err:
+        config_from_dict(raw)
+    assert err.value.key in ("engine.batch_invariant", "model.moe_dispatch")
+    raw["engine"]["batch_invariant"] = False  # the same layout without the option loads
+    if "deepep" not in str(change):
+        config_from_dict(raw)
+
+
+if __name__ == "__main__":
+    interpreted_main(_interpreted)
