@@ -526,7 +526,7 @@ def gpu_layer_errors(rank: int, world: int, adp: int, ep: int, moe_compute: str 
 
 def gpu_mtp_tokens(rank: int, world: int, adp: int, ep: int, dtype: str = "bfloat16",
                    backend: str = "nccl", model_kw: dict | None = None,
-                   engine_kw: dict | None = None) -> dict:
+                   engine_kw: dict | None = None, prompt_len: int = 0) -> dict:
     """engine.mtp on a GPU (D graphs: verify + draft captured for the greedy rows; the Triton
     kernels in bf16): the same greedy requests served with and without MTP, on random weights
     and on the MTP oracle (model/mtp_oracle.py). Reports per weight set: the share of
@@ -535,7 +535,10 @@ def gpu_mtp_tokens(rank: int, world: int, adp: int, ep: int, dtype: str = "bfloa
     the two runs differ by summation order only; in bf16 the verify forward's 2B-row GEMMs
     may round differently from the B-row ones, so a stream may part at a near-tie (not with
     engine.batch_invariant). ``model_kw``: more model keys (a dispatch backend); ``engine_kw``:
-    more engine keys. Also reports whether the logprobs of identical streams are equal."""
+    more engine keys. Also reports whether the logprobs of identical streams are equal.
+    ``prompt_len`` > 0: 32 requests of prompt_len to 1.5 x prompt_len tokens and 24 new ones,
+    D batches of up to 32 sequences (64 verify rows): the decode attention's splits and the
+    GEMMs' algorithms change between B and 2B rows there."""
     import dataclasses
 
     from colo_rollout.model.mtp_oracle import oracle_state_dict
@@ -548,6 +551,22 @@ def gpu_mtp_tokens(rank: int, world: int, adp: int, ep: int, dtype: str = "bfloa
 
         install_cpu_compat()
     requests = mixed_requests(16, 0, base.model.vocab_size)
+    if prompt_len:
+        import random as _random
+
+        from colo_rollout.sched.request import Request, SamplingParams
+
+        rng = _random.Random(5)
+        requests = [Request(f"r{i}", tuple(rng.randrange(base.model.vocab_size) for _ in
+                                           range(rng.randint(prompt_len, prompt_len * 3 // 2))),
+                            SamplingParams(max_tokens=24, ignore_eos=True)) for i in range(32)]
+        longest = max(prompt_len * 3 // 2 + 32, 128)  # (the workload defaults fit too)
+        base = dataclasses.replace(
+            base, model=dataclasses.replace(base.model, max_position_embeddings=2 * longest),
+            engine=dataclasses.replace(
+                base.engine, max_batch_size=32, decode_buckets=[1, 2, 4, 8, 16, 32],
+                max_seq_len=longest, max_prefill_tokens=8 * longest,
+                num_kv_blocks=32 * (-(-longest // 16)) + 64))
     weights = {"random": random_state_dict(base.model), "oracle": oracle_state_dict(base.model)}
     runs: dict = {}
     for mtp in (False, True):

@@ -31,14 +31,18 @@ CASES = "tests.cases_invariant"
 def _linear_fails() -> list[str]:
     fails = []
     gen = torch.Generator().manual_seed(0)
-    for dtype, K, N, bias, out in [(torch.bfloat16, 96, 40, False, None),
-                                   (torch.bfloat16, 160, 72, True, None),
-                                   (torch.bfloat16, 64, 24, True, torch.float32),
-                                   (torch.float32, 80, 36, True, None)]:
+    split = bi.LinearTile(16, block_k=32, split_k=3)  # 3 K ranges, their partials summed
+    for dtype, K, N, bias, out, tile in [(torch.bfloat16, 96, 40, False, None, None),
+                                         (torch.bfloat16, 160, 72, True, None, None),
+                                         (torch.bfloat16, 64, 24, True, torch.float32, None),
+                                         (torch.float32, 80, 36, True, None, None),
+                                         (torch.bfloat16, 160, 40, True, None, split),
+                                         (torch.bfloat16, 100, 24, False, torch.float32,
+                                          split)]:
         w = torch.randn(N, K, generator=gen).to(dtype)
         b = torch.randn(N, generator=gen).to(dtype) if bias else None
         x = torch.randn(130, K, generator=gen).to(dtype)
-        full = bi.invariant_linear(x, w, b, out_dtype=out)
+        full = bi.invariant_linear(x, w, b, out_dtype=out, tile=tile)
         ref = F.linear(x.float(), w.float(), None if b is None else b.float())
         rel = 1e-5 if dtype == torch.float32 or out == torch.float32 else 2 ** -7
         if full.dtype != (out or dtype) or not (
@@ -49,8 +53,8 @@ def _linear_fails() -> list[str]:
         # whose bits follow a row's place in the tile (a GPU's MMA does not: test_gpu.py)
         for m in (1, 3, 64, 66):
             for lo in (0, 64):
-                if not torch.equal(bi.invariant_linear(x[lo:lo + m], w, b, out_dtype=out),
-                                   full[lo:lo + m]):
+                if not torch.equal(bi.invariant_linear(x[lo:lo + m], w, b, out_dtype=out,
+                                                       tile=tile), full[lo:lo + m]):
                     fails.append(f"linear {dtype} K{K} N{N}: rows {lo}..{lo + m} differ")
     return fails
 
@@ -134,7 +138,8 @@ def test_cpu_paths_are_per_row():
     assert bi.invariant_linear(x, w, out_dtype=torch.float32).dtype == torch.float32
     with pytest.raises(ValueError, match="columns"):
         bi.invariant_linear(x, w.t())
-    assert bi.block_n(151936) == 64 and bi.block_n(4096) == 16 and bi.block_n(64) == 16
+    assert [bi.linear_tile(n, 2048).block_n for n in (151936, 5120, 3072, 64)] == [64, 64, 32, 16]
+    assert bi.linear_tile(64, 2048).split_k == bi.linear_tile(2048, 4096).split_k == 2
 
 
 @pytest.mark.parametrize("mtp", [False, True])
@@ -186,15 +191,16 @@ def test_gpu_rows_are_the_same_bits_at_any_batch():
                       (2048, 128, torch.float32)]:
         w = torch.randn(N, K, device=dev, generator=gen).bfloat16() * 0.02
         x = torch.randn(256, K, device=dev, generator=gen).bfloat16()
-        full = bi.invariant_linear(x, w, out_dtype=out)
-        for m, lo in [(1, 0), (1, 200), (7, 61), (64, 100), (130, 3), (256, 0)]:
-            part = bi.invariant_linear(x[lo:lo + m], w, out_dtype=out)
-            assert torch.equal(part, full[lo:lo + m]), (K, N, m, lo)
+        for tile in (None, bi.LinearTile(32, split_k=4)):
+            full = bi.invariant_linear(x, w, out_dtype=out, tile=tile)
+            for m, lo in [(1, 0), (1, 200), (7, 61), (64, 100), (130, 3), (256, 0)]:
+                part = bi.invariant_linear(x[lo:lo + m], w, out_dtype=out, tile=tile)
+                assert torch.equal(part, full[lo:lo + m]), (K, N, m, lo, tile)
     bs, g, n, dim = 16, 4, 4, 128
-    k = torch.randn(600, bs, g, dim, device=dev, generator=gen).bfloat16()
-    v = torch.randn(600, bs, g, dim, device=dev, generator=gen).bfloat16()
+    k = torch.randn(1400, bs, g, dim, device=dev, generator=gen).bfloat16()
+    v = torch.randn(1400, bs, g, dim, device=dev, generator=gen).bfloat16()
     ctx = torch.tensor([100, 4000, 513, 1, 2048], device=dev)
-    tables = torch.randperm(599, device=dev, generator=gen)[:5 * 256].view(5, 256)
+    tables = torch.randperm(1399)[:5 * 256].view(5, 256).to(dev)
     q = torch.randn(5, g * n, dim, device=dev, generator=gen).bfloat16()
     full = pa.triton_decode_attention(q, k, v, tables, ctx, 0.08, split_tokens=bi.SPLIT_TOKENS)
     for r in range(5):

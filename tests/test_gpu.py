@@ -387,16 +387,22 @@ def test_gpu_mtp_keeps_the_greedy_tokens(gpu_groups, dtype):
     assert r["random"]["acceptance"] <= 0.1, r["random"]
 
 
-def test_gpu_batch_invariant_mtp_streams_are_the_plain_ones(gpu_groups):
-    """engine.batch_invariant on one GPU in bf16 with D graphs: every greedy stream with MTP
-    equals the one without, tokens and logprobs bitwise (without the option 82-100% of the
-    streams, session 12), on the oracle's accepted drafts and random weights' rejected ones."""
+@pytest.mark.parametrize("invariant", [True, False])
+def test_gpu_batch_invariant_mtp_streams_are_the_plain_ones(gpu_groups, invariant):
+    """engine.batch_invariant on one GPU in bf16 with D graphs, 32 sequences of 600-900
+    prompt tokens (B and 2B = 64 verify rows: attention splits and cuBLAS's algorithms differ
+    there): every greedy stream with MTP equals the one without, tokens and logprobs bitwise,
+    on the oracle's accepted drafts and random weights' rejected ones. Without the option the
+    same run is recorded (not asserted: how far the default parts)."""
     r = gpu_groups(1).run("tests.cases_gpu:gpu_mtp_tokens", timeout=600, adp=1, ep=1,
-                          dtype="bfloat16", engine_kw={"batch_invariant": True})[0]
+                          dtype="bfloat16", engine_kw={"batch_invariant": invariant},
+                          prompt_len=600)[0]
     ok = all(r[n]["identical"] == 1.0 and r[n]["logprobs_identical"] == 1.0
              for n in ("random", "oracle"))
     _record("mtp_tokens_batch_invariant", {"layout": r["layout"], "gpus": 1, "result": r,
-                                           "passed": ok})
+                                           "invariant": invariant, "passed": ok})
+    if not invariant:
+        return
     for name in ("random", "oracle"):
         assert r[name]["graphs"], (name, r[name])
         assert r[name]["identical"] == 1.0 and r[name]["logprobs_identical"] == 1.0, r[name]
