@@ -146,8 +146,8 @@ def _interpreted() -> list[str]:
             if not torch.equal(via, got):
                 fails.append(f"case {i}: moe_experts(backend='triton') differs")
         # fc2 storing each sorted row at its pair's place (order): the same rows, permuted
-        sc = fm.triton_experts(x, token, offs, prob, fc1, fc2, act, gated, order=order,
-                               tiles=tiles)
+        # (triton_experts(order=) is fc1, then this launch)
+        sc = fm.moe_gemm(h, fc2, offs, rows, zero_tail=True, scatter=order, tile=t2)
         if not torch.equal(sc[order], got):
             fails.append(f"case {i}: the scattered fc2 is not the sorted one permuted")
     # no local pair at all (every pair another rank's): zeros; offs int64 reads the same

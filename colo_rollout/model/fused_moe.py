@@ -153,6 +153,18 @@ def resolve_backend(requested: str, device: torch.device | str,
     CUDA for bf16/fp16 models; model/kernel_backend.py)."""
     return _resolve("engine.moe_kernel", requested, device, dtype is None or dtype in KERNEL_DTYPES)
 
+def _activated(h: torch.Tensor, prob: torch.Tensor, activation, gated: bool,
+               dtype: torch.dtype) -> torch.Tensor:
+    """fc1's output [R, 2F or F] -> the activation (gated: act(gate) * up), times each pair's
+    router probability (megatron: probs after the activation), in ``dtype``."""
+    if gated:
+        gate, up = torch.chunk(h, 2, dim=-1)
+        h = activation(gate) * up
+    else:
+        h = activation(h)
+    return (h * prob.unsqueeze(-1)).to(dtype)
+
+
 def torch_experts(x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor,
                   prob: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor,
                   activation, gated: bool) -> torch.Tensor:
@@ -160,12 +172,7 @@ def torch_experts(x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor,
     token [R]; offs [E] int32 group ends; prob [R]; fc1 [E, 2F or F, H]; fc2 [E, H, F] ->
     y [R, H] in x's dtype (rows past offs[-1] unwritten)."""
     h = torch._grouped_mm(x[token], fc1.transpose(1, 2), offs=offs)  # [R, 2F or F]
-    if gated:
-        gate, up = torch.chunk(h, 2, dim=-1)
-        h = activation(gate) * up
-    else:
-        h = activation(h)
-    h = (h * prob.unsqueeze(-1)).to(x.dtype)  # megatron: probs after the activation
+    h = _activated(h, prob, activation, gated, x.dtype)
     return torch._grouped_mm(h, fc2.transpose(1, 2), offs=offs)  # [R, H]
 
 
@@ -181,12 +188,7 @@ def torch_experts_rowwise(x: torch.Tensor, token: torch.Tensor, offs: torch.Tens
     valid = e < E
     e = e.clamp(max=E - 1)
     h = torch.bmm(x[token].unsqueeze(1), fc1[e].transpose(1, 2)).squeeze(1)
-    if gated:
-        gate, up = torch.chunk(h, 2, dim=-1)
-        h = activation(gate) * up
-    else:
-        h = activation(h)
-    h = (h * prob.unsqueeze(-1)).to(x.dtype)
+    h = _activated(h, prob, activation, gated, x.dtype)
     y = torch.bmm(h.unsqueeze(1), fc2[e].transpose(1, 2)).squeeze(1)
     return torch.where(valid.unsqueeze(-1), y, 0).to(x.dtype)
 
@@ -200,12 +202,7 @@ def torch_experts_fp8(x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor,
     or, blockwise weights (``block``), x and h per 1 x block columns, the weights per block."""
     xd = dequantize_rows(*quantize_rows(x, pad=False, group=fc1.block))
     h = torch._grouped_mm(xd[token], fc1.dequantized().transpose(1, 2), offs=offs)
-    if gated:
-        gate, up = torch.chunk(h, 2, dim=-1)
-        h = activation(gate) * up
-    else:
-        h = activation(h)
-    h = (h * prob.unsqueeze(-1)).to(x.dtype)
+    h = _activated(h, prob, activation, gated, x.dtype)
     hd = dequantize_rows(*quantize_rows(h, pad=False, group=fc2.block))
     return torch._grouped_mm(hd, fc2.dequantized().transpose(1, 2), offs=offs).to(x.dtype)
 
