@@ -208,6 +208,25 @@ def test_gpu_rows_are_the_same_bits_at_any_batch():
             alone = pa.triton_decode_attention(q[r:r + 1], k, v, tables[r:r + 1, :width],
                                                ctx[r:r + 1], 0.08, split_tokens=bi.SPLIT_TOKENS)
             assert torch.equal(alone[0], full[r]), (r, width)
+    # the experts at the first shape's widths: a token's rows the same bits whether its batch
+    # runs the small regime's tiles (1 token), the decode regime's (100) or would reach the
+    # prefill regime (300 tokens: capped at decode)
+    E, k, H, Fd = 64, 8, 2048, 1408
+    fc1 = torch.randn(E, 2 * Fd, H, device=dev, generator=gen).bfloat16() * 0.02
+    fc2 = torch.randn(E, H, Fd, device=dev, generator=gen).bfloat16() * 0.02
+    x = torch.randn(300, H, device=dev, generator=gen).bfloat16()
+    chosen = torch.rand(300, E, device=dev, generator=gen).topk(k, dim=1).indices
+    weight = torch.rand(300, k, device=dev, generator=gen)
+
+    def experts(n):
+        al = align(chosen[:n], weight[:n], 0, E, backend="triton")
+        return fm.moe_experts(x[:n], al.token, al.offs, al.prob, fc1, fc2, F.silu, True,
+                              "triton", order=al.order, invariant=True).view(n, k, H)
+
+    full = experts(300)
+    assert [fm.regime(n * k, E) for n in (1, 100, 300)] == ["small", "decode", "prefill"]
+    for n in (1, 3, 100):
+        assert torch.equal(experts(n), full[:n]), n
 
 
 BASE = {"parallel": {"world_size": 1, "adp": 1, "ep": 1, "backend": "gloo"},

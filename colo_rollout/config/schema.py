@@ -431,10 +431,10 @@ class EngineConfig:
     mtp: bool = False
     # Batch-invariant D iterations (model/batch_invariant.py): a row's logits independent of
     # the rows beside it (D's GEMMs on fixed Triton tiles, attention splits at fixed
-    # positions, fixed expert tiles), so greedy streams are the same at any batch size and
-    # with or without MTP, in bf16 too. Slower D steps (docs/benchmarks.md); P unchanged.
-    # Refused where a layout sums across ranks or a kernel cannot be made so
-    # (batch_invariance_problem).
+    # positions, expert tiles never the prefill regime's), so greedy streams are the same at
+    # any batch size and with or without MTP, in bf16 too. D steps 0-2% slower on an H200
+    # (docs/benchmarks.md); P unchanged. Refused where a layout sums across ranks or a kernel
+    # cannot be made so (batch_invariance_problem).
     batch_invariant: bool = False
     # Scheduling mode; one of ENGINE_MODES.
     mode: str = "normal"

@@ -15,9 +15,11 @@ What this module owns, each a function of the weights' shapes alone, never of th
     in a fixed order. Off CUDA (the CPU tier) each row is its own 1 x K product (a batched
     GEMV): invariant by construction.
   * ``SPLIT_TOKENS``: the decode attention's key-axis split width (splits at fixed absolute
-    positions; an empty split adds exactly zero in the reduce).
-  * the fused MoE's experts on ``fused_moe.INVARIANT_TILES`` (one tile pair for every D
-    launch; on CPU one product per pair row): ``moe_experts(..., invariant=True)``.
+    positions; an empty split adds exactly zero in the reduce, and a row whose table fits one
+    split takes the single pass, the same bits as one split through the reduce).
+  * the fused MoE's experts on the small or decode regime's tiles, never the prefill
+    regime's (``fused_moe.INVARIANT_REGIMES``; on CPU one product per pair row):
+    ``moe_experts(..., invariant=True)``.
 
 Scope: D iterations of one rank's computation (P is unchanged: its first token comes from P
 with the default kernels). Sums across ranks break it (NCCL's reduction order follows the

@@ -119,10 +119,11 @@ TILES = {
     ("prefill", "fc1"): Tile(128, 128, 64, 8, 4, 1, True, tail_m=64),
     ("prefill", "fc2"): Tile(128, 256, 64, 8, 3, 8, True, True),
 }
-# engine.batch_invariant's D (model/batch_invariant.py): one (fc1, fc2) tile pair for every
-# row count -- the decode regime's, pointer-fed, which serve any rows -- so a pair row's K
-# loop and MMA shape never follow the batch
-INVARIANT_TILES = (TILES[("decode", "fc1")], TILES[("decode", "fc2")])
+# engine.batch_invariant's D (model/batch_invariant.py): the small and decode regimes' tiles
+# only -- pointer-fed, 16-32 rows, 4 warps, the K loop adding 16-deep MMA steps in K order,
+# so a pair row's bits are the same in either (checked on an H200: tests/
+# test_batch_invariant.py) -- never the prefill regime's 128-row tiles (another MMA shape)
+INVARIANT_REGIMES = ("small", "decode")
 # Blockwise FP8 (``SCALE_K``: each K step's partial product rescaled before it is added) keeps
 # a second fp32 tile live beside the accumulator, so the prefill tiles above spill: on an H200
 # (scripts/gpu_fp8_block_tiles.py, 2026-12-03, 4096 tokens) fc1 on 128 x 128 x 64 ran at
@@ -719,9 +720,14 @@ def moe_experts(x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor, prob: 
     TRITON_INTERPRET=1, which the tests use), "auto" (triton on CUDA bf16/fp16 tensors when
     it imports and computes the activation, else torch). ``invariant`` (engine.
     batch_invariant's D, model/batch_invariant.py): each row's bits independent of the other
-    rows -- the Triton path on ``INVARIANT_TILES`` whatever the rows' regime, the torch path
-    one product per row (``torch_experts_rowwise``)."""
-    tiles = INVARIANT_TILES if invariant else None
+    rows -- the Triton path on the small or decode regime's tiles (``INVARIANT_REGIMES``),
+    never the prefill regime's, the torch path one product per row
+    (``torch_experts_rowwise``)."""
+    tiles = None
+    if invariant:
+        r = regime(token.shape[0], (fc1.q if isinstance(fc1, Fp8Weight) else fc1).shape[0])
+        r = r if r in INVARIANT_REGIMES else "decode"
+        tiles = (tile_for(r, "fc1"), tile_for(r, "fc2"))
     if backend == "auto":
         backend = ("triton" if x.is_cuda and triton is not None and x.dtype in KERNEL_DTYPES
                    and triton_supports(activation) else "torch")

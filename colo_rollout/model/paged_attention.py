@@ -237,9 +237,8 @@ def triton_decode_attention(q: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Ten
     ``block_n``, ``num_warps``, ``num_stages`` and ``programs_per_sm``: tuning overrides for
     tests and benchmarks (None and the defaults are what the engine runs: ``tile_config``,
     ``num_splits``). ``split_tokens`` (engine.batch_invariant; a multiple of the tile): the
-    keys split at fixed positions, always through the reduce, which adds the splits in index
-    order -- a row's bits then depend on its own keys alone, not on the batch's rows or table
-    width. Host values read: shapes and strides only (graph-capturable)."""
+    keys split at fixed positions, the reduce adding the splits in index order -- a row's bits
+    then depend on its own keys alone, not on the batch's rows or table width. Host values read: shapes and strides only (graph-capturable)."""
     if triton is None:
         raise RuntimeError("triton is not importable: use the torch decode attention backend")
     B, heads, dim = q.shape
@@ -273,7 +272,9 @@ def triton_decode_attention(q: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Ten
     # fp32: exact products (no tf32). CPU tensors run only under the interpreter: upcast there
     upcast = not q.is_cuda
     prec = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
-    single = splits == 1 and not ordered
+    # one split: the single pass, whose acc / l rounded to q's dtype is the reduce's over one
+    # split and empty ones (weights exp2(0) = 1 and 0) -- the same bits either way
+    single = splits == 1
     if single:
         part, lse = out, out  # unused by the single pass
         sp = (out.stride(0), out.stride(1), 0)
