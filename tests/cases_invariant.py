@@ -40,7 +40,8 @@ def invariant_tokens(rank: int, world: int, adp: int, ep: int, mtp: bool,
                      weights: str = "random", dispatch: str = "gather") -> dict:
     """The same greedy requests on a model with an MTP layer, drafting (``mtp``) or not, with
     engine.batch_invariant ``invariant``; every D forward watched for batch-variant GEMMs.
-    Returns tokens, logprobs, the GEMMs seen in D, acceptance counts."""
+    Returns tokens, logprobs, the GEMMs and reducing collectives seen in D, acceptance
+    counts."""
     model_kw = {"mtp_num_layers": 1, "norm_epsilon": 1e-6, "params_dtype": dtype,
                 "moe_dispatch": dispatch}
     cfg = tiny_config(world, adp, ep, max_batch_size=6, decode_buckets=[1, 2, 4, 8],
@@ -52,10 +53,25 @@ def invariant_tokens(rank: int, world: int, adp: int, ep: int, mtp: bool,
     runner = engine.runner
     watch = VariantGemms()
     plain = runner.run_decode
+    sums: list[str] = []  # the reducing collectives D called (NCCL's order follows the size)
+    dist = torch.distributed
+    reducing = {name: getattr(dist, name) for name in ("all_reduce", "reduce_scatter_tensor")}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            sums.append(name)
+            return reducing[name](*args, **kwargs)
+        return call
 
     def watched(*args, **kwargs):
-        with watch:
-            return plain(*args, **kwargs)
+        for name in reducing:
+            setattr(dist, name, counted(name))
+        try:
+            with watch:
+                return plain(*args, **kwargs)
+        finally:
+            for name, fn in reducing.items():
+                setattr(dist, name, fn)
 
     runner.run_decode = watched  # this instance only: every D iteration, MTP's pass too
     requests = mixed_requests(12, 3, cfg.model.vocab_size)
@@ -63,7 +79,7 @@ def invariant_tokens(rank: int, world: int, adp: int, ep: int, mtp: bool,
     sched = engine.scheduler
     res = {"tokens": {r.request_id: outs[r.request_id].tokens for r in requests},
            "logprobs": {r.request_id: outs[r.request_id].logprobs for r in requests},
-           "variant_gemms": sorted(set(watch.calls)),
+           "variant_gemms": sorted(set(watch.calls)), "d_sums": sorted(set(sums)),
            "verified": sched.drafts_verified, "accepted": sched.drafts_accepted}
     engine.close()
     return res

@@ -8,8 +8,10 @@ splits gives a row the same bits alone, beside other rows and at wider tables, a
 the torch path; the fused experts on the invariant tiles give a token the same bits whether
 its batch puts the launch in the small or the decode regime. On the ranks: a CPU engine in
 bf16 gives the same greedy tokens and logprobs with and without MTP, its D iterations call
-no batch-variant GEMM (and without the option they do: the watch can fail); the door refuses
-layouts and kernels that cannot be made invariant."""
+no batch-variant GEMM and no reducing collective (without the option they do: the watches can
+fail), at one rank and on two-rank layouts (alltoall, gather, attention TP); the door refuses
+the kernels that cannot be made invariant. On a GPU: the kernels' rows the same bits at any
+batch."""
 
 from __future__ import annotations
 
@@ -168,15 +170,23 @@ def test_bf16_mtp_streams_equal_the_plain_ones(worker_groups, weights):
         assert on["accepted"] >= 0.9 * on["verified"] > 0
 
 
-def test_bf16_alltoall_at_ep2_is_invariant(worker_groups):
-    """EP 2 (ADP 2) through the alltoall backend: D's dispatcher runs the invariant kernels,
-    MTP and plain streams agree bitwise."""
+@pytest.mark.parametrize("adp,dispatch", [(2, "alltoall"), (2, "gather"), (1, "gather")])
+def test_bf16_two_rank_layouts_are_invariant(worker_groups, adp, dispatch):
+    """Two ranks: EP2/ADP2 through the alltoall backend (D's dispatcher on the invariant
+    kernels), EP2/ADP2 through the gather backend (the experts' partials summed across ranks)
+    and EP2/ATP2 (attention's partials too): D calls no batch-variant GEMM and no reducing
+    collective (its sums go as an all-to-all added in rank order; without the option it
+    reduce-scatters), and MTP and plain streams agree bitwise."""
     group = worker_groups(2)
-    kw = dict(adp=2, ep=2, dispatch="alltoall")
+    kw = dict(adp=adp, ep=2, dispatch=dispatch)
     on = group.run(f"{CASES}:invariant_tokens", mtp=True, **kw)
     off = group.run(f"{CASES}:invariant_tokens", mtp=False, **kw)
-    assert on[0]["variant_gemms"] == [] and off[0]["variant_gemms"] == []
+    for r in on + off:
+        assert r["variant_gemms"] == [] and r["d_sums"] == [], r
     assert on[0]["tokens"] == off[0]["tokens"] and on[0]["logprobs"] == off[0]["logprobs"]
+    if dispatch == "gather":
+        plain = group.run(f"{CASES}:invariant_tokens", mtp=False, invariant=False, **kw)
+        assert plain[0]["d_sums"], "the watch saw no reducing collective in a default D"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -237,8 +247,6 @@ BASE = {"parallel": {"world_size": 1, "adp": 1, "ep": 1, "backend": "gloo"},
 
 
 @pytest.mark.parametrize("change, words", [
-    ({"parallel": {"world_size": 2, "adp": 1, "ep": 2}}, "attention TP 2"),
-    ({"parallel": {"world_size": 2, "adp": 2, "ep": 2}}, "gather backend at EP 2"),
     ({"model": {"moe_dispatch": "deepep"}, "parallel": {"backend": "nccl"}}, "DeepEP"),
     ({"model": {"use_te": "on"}}, "Transformer Engine"),
     ({"model": {"fp8": "e4m3", "params_dtype": "bfloat16"}}, "FP8 GEMMs"),
@@ -254,6 +262,15 @@ def test_door_refuses_what_cannot_be_invariant(change, words):
     raw["engine"]["batch_invariant"] = False  # the same layout without the option loads
     if "deepep" not in str(change):
         config_from_dict(raw)
+
+
+def test_layouts_that_sum_across_ranks_load():
+    """Attention TP and the gather backend at EP > 1 take the option (D's sums in rank
+    order)."""
+    for par in ({"world_size": 2, "adp": 1, "ep": 2}, {"world_size": 4, "adp": 2, "ep": 4}):
+        raw = {k: dict(v) for k, v in BASE.items()}
+        raw["parallel"].update(par)
+        assert config_from_dict(raw).engine.batch_invariant
 
 
 if __name__ == "__main__":

@@ -125,8 +125,7 @@ class Config:
             "ships one as num_nextn_predict_layers with the layer's tensors; transformers' "
             "save_pretrained writes none)",
         )
-        why = (batch_invariance_problem(model, par.atp, par.ep) if engine.batch_invariant
-               else None)
+        why = batch_invariance_problem(model) if engine.batch_invariant else None
         _require(why is None, "engine.batch_invariant", str(why))
         tp = self.rl.trainer_tp
         tp_widths = {"parallel.world_size": par.world_size,

@@ -64,19 +64,13 @@ def deepep_layout_problem(ep: int, hidden: int, topk: int) -> str | None:
     return None
 
 
-def batch_invariance_problem(model: "ModelConfig", atp: int, ep: int) -> str | None:
-    """Why engine.batch_invariant cannot hold for this model and layout (None: it can): what
-    would sum across ranks in an order that follows the message size (NCCL), or run GEMMs
-    that pick their algorithm by the row count (model/batch_invariant.py)."""
-    if atp > 1:
-        return (f"attention TP {atp} sums partial projections across ranks (NCCL's order "
-                "follows the message size); set parallel.adp to parallel.world_size")
-    if ep > 1 and model.moe_dispatch == "gather":
-        return (f"the gather backend at EP {ep} sums the experts' partials across ranks; "
-                "set model.moe_dispatch: alltoall")
+def batch_invariance_problem(model: "ModelConfig") -> str | None:
+    """Why engine.batch_invariant cannot hold for this model (None: it can): a combine or
+    GEMMs that pick their order or algorithm by the row count (model/batch_invariant.py; D's
+    sums across ranks go in rank order under the option, model/comm.py)."""
     if model.moe_dispatch == "deepep":
         return ("DeepEP's low-latency combine is not shown batch-invariant; set "
-                "model.moe_dispatch: alltoall (or gather on one rank)")
+                "model.moe_dispatch: alltoall or gather")
     if model.fp8 is not None:
         return "the FP8 GEMMs (torch._scaled_mm) pick their algorithm by the row count"
     if model.use_te == "on":
@@ -433,8 +427,8 @@ class EngineConfig:
     # the rows beside it (D's GEMMs on fixed Triton tiles, attention splits at fixed
     # positions, expert tiles never the prefill regime's), so greedy streams are the same at
     # any batch size and with or without MTP, in bf16 too. D steps 0-2% slower on an H200
-    # (docs/benchmarks.md); P unchanged. Refused where a layout sums across ranks or a kernel
-    # cannot be made so (batch_invariance_problem).
+    # (docs/benchmarks.md); D's sums across ranks in rank order; P unchanged. Refused where a
+    # kernel cannot be made so (batch_invariance_problem).
     batch_invariant: bool = False
     # Scheduling mode; one of ENGINE_MODES.
     mode: str = "normal"

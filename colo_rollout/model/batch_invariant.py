@@ -21,10 +21,12 @@ What this module owns, each a function of the weights' shapes alone, never of th
     regime's (``fused_moe.INVARIANT_REGIMES``; on CPU one product per pair row):
     ``moe_experts(..., invariant=True)``.
 
-Scope: D iterations of one rank's computation (P is unchanged: its first token comes from P
-with the default kernels). Sums across ranks break it (NCCL's reduction order follows the
-message size), so the door refuses attention TP > 1 and the gather backend at EP > 1; FP8
-and Transformer Engine's GEMMs are cuBLAS's and refused too (config/checks.py).
+Scope: D iterations (P is unchanged: its first token comes from P with the default
+kernels). D's sums across ranks (attention TP's and the gather backend's reduce-scatters,
+whose order NCCL picks by the message size) go as an all-to-all added in rank order
+(model/comm.py, ``ordered_sums``). Refused at the door (config/schema.py:
+``batch_invariance_problem``): DeepEP's combine, FP8 and Transformer Engine's GEMMs
+(cuBLAS's), megatron's expert path.
 
 Imports only torch (and triton when present).
 """

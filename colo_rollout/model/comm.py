@@ -23,6 +23,12 @@ orders the host enqueue and ``route`` (a StreamRoute, set by the runner) the dev
 
 On gloo, reduce-scatter is emulated by AllReduce + slice (same result, more bytes): gloo has no
 reduce_scatter_tensor. NCCL uses the native collectives.
+
+``ordered_sums`` (engine.batch_invariant): D's reduce-scatters become an all-to-all of the
+partial chunks and a sum in rank order on each rank -- the same bytes moved, but a row's sum
+no longer follows the message size (NCCL's ring starts each chunk's sum at a rank that depends
+on where the chunk falls in the message, so a row's rounding depended on the batch). P's
+AllReduce is unchanged.
 """
 
 from __future__ import annotations
@@ -36,8 +42,9 @@ from colo_rollout.runtime.parallel import ParallelGroups
 class GatherComm:
     """Collectives of the gather backend for one rank."""
 
-    def __init__(self, groups: ParallelGroups) -> None:
+    def __init__(self, groups: ParallelGroups, ordered_sums: bool = False) -> None:
         self.groups = groups
+        self.ordered_sums = ordered_sums
         self.atp_size = groups.layout.atp
         self.world = groups.layout.world_size
         self._native_rs = dist.get_backend(groups.full_d) == "nccl"
@@ -116,6 +123,14 @@ class GatherComm:
         if rows % size:
             raise ValueError(f"reduce-scatter of {rows} rows over {size} ranks: not divisible")
         n = rows // size
+        if self.ordered_sums:  # every rank's chunk for this rank, added in rank order
+            recv = torch.empty_like(x.contiguous())
+            dist.all_to_all_single(recv, x.contiguous(), group=group)
+            parts = recv.view(size, n, *x.shape[1:])
+            out = parts[0].clone()
+            for j in range(1, size):
+                out += parts[j]
+            return out
         if self._native_rs:
             out = x.new_empty((n, *x.shape[1:]))
             dist.reduce_scatter_tensor(out, x.contiguous(), group=group)

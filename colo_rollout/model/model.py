@@ -429,7 +429,7 @@ class InferenceGPT(torch.nn.Module):
         self.mtp_draft = mtp_draft
         self.batch_invariant = batch_invariant
         if batch_invariant:
-            why = batch_invariance_problem(cfg, lay.atp, lay.ep)
+            why = batch_invariance_problem(cfg)
             if why is None and groups.device.type == "cuda" and "torch" in (
                     self.decode_attention, self.moe_kernel):
                 why = ("on a GPU it needs the Triton D attention and expert kernels "
@@ -450,7 +450,8 @@ class InferenceGPT(torch.nn.Module):
         )
         self.rotary_pos_emb = rotary_embedding(cfg)
         _norms_to(self, dtype)
-        self.comm = GatherComm(groups)
+        # engine.batch_invariant: D's sums across ranks in rank order (model/comm.py)
+        self.comm = GatherComm(groups, ordered_sums=batch_invariant)
         # model.moe_dispatch: None for "gather" (the MoE computes every replica's rows), else
         # P's and D's dispatchers (model/dispatch.py), each with its own communicator --
         # collective here: every rank builds the model with the same config
