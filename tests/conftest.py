@@ -37,6 +37,26 @@ def interpreted(request):
     runs.close()
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """xdist's controller, per worker: the run's uid, which names the interpreted runs'
+    shared results folder (tests/interpreted.py: shared_dir)."""
+    node.config.stash[_RUN_UID] = node.workerinput["testrunuid"]
+
+
+def pytest_sessionfinish(session):
+    """The xdist controller removes the interpreted runs' shared results folder once every
+    worker has finished."""
+    uid = session.config.stash.get(_RUN_UID, None)
+    if uid is not None:
+        from tests.interpreted import remove_shared
+
+        remove_shared(uid)
+
+
+_RUN_UID = pytest.StashKey[str]()
+
+
 # modules whose tests start processes without the worker_groups fixture (a private
 # WorkerGroup, a subprocess, or a command that launches ranks)
 _DIST_MODULES = {"test_crossed_path", "test_eight_ranks", "test_generate_cli", "test_modes",

@@ -35,26 +35,42 @@ KERNEL_TESTS = ("test_fused_moe.py", "test_moe_align.py", "test_paged_attention.
                 "test_batch_invariant.py")
 
 
+def shared_dir(uid: str | None = None) -> pathlib.Path | None:
+    """Under pytest-xdist, the one results folder of this test run that every xdist worker
+    shares (named by the run's uid: ``uid``, else the worker's environment); None in a plain
+    pytest session."""
+    uid = uid or os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    return pathlib.Path(tempfile.gettempdir()) / f"colo-interpreted-{uid}" if uid else None
+
+
 class InterpretedRuns:
     """The interpreted runs of one test session (the ``interpreted`` fixture, conftest.py):
     the files dealt in name order (pytest's) over ``workers`` processes (default: one per
-    core), all started on the first ``check``."""
+    core), all started on the first ``check``. Under pytest-xdist the xdist workers share
+    them: the first to ask (an atomic mkdir in ``shared_dir``) starts them, the others read
+    the same result files -- each xdist session used to run every interpreted file itself,
+    twice the interpreters' CPU on two cores (the controller removes the folder at the end:
+    ``remove_shared``)."""
 
     def __init__(self, files=KERNEL_TESTS, workers: int | None = None) -> None:
         self.files = sorted(pathlib.Path(f).name for f in files)
         self.workers = max(1, min(len(self.files), workers or os.cpu_count() or 1))
-        self._dir = tempfile.TemporaryDirectory(prefix="interpreted-")
+        shared = shared_dir()
+        self._tmp = None if shared else tempfile.TemporaryDirectory(prefix="interpreted-")
+        self._path = shared or pathlib.Path(self._tmp.name)
+        self._path.mkdir(exist_ok=True)
+        self._started = False  # this session asked (and either started them or found them)
         self._procs: list[subprocess.Popen] = []
-        self._owner: dict[str, subprocess.Popen] = {}
+        self._owner: dict[str, subprocess.Popen | None] = {}
 
     def _start(self, names: list[str]) -> None:
         env = dict(os.environ, TRITON_INTERPRET="1",
                    PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
         # stderr to a file: a pipe nobody reads until the end would fill and stall the worker
-        err = pathlib.Path(self._dir.name) / f"worker{len(self._procs)}.err"
+        err = self._path / f"worker{len(self._procs)}-{os.getpid()}.err"
         with open(err, "w") as fh:
             proc = subprocess.Popen([sys.executable, "-m", "tests.interpreted",
-                                     self._dir.name, *names], env=env, cwd=str(REPO),
+                                     str(self._path), *names], env=env, cwd=str(REPO),
                                     stdout=subprocess.DEVNULL, stderr=fh)
         proc.err_path = err
         self._procs.append(proc)
@@ -63,15 +79,25 @@ class InterpretedRuns:
     def check(self, test_file: str, timeout: float = 300) -> None:
         """Assert ``test_file``'s interpreted cases all passed (waiting up to ``timeout``)."""
         name = pathlib.Path(test_file).name
-        if not self._procs:
+        if not self._started:
+            self._started = True
+            try:  # the first session of the run to ask starts them
+                (self._path / "started").mkdir()
+                mine = True
+            except FileExistsError:
+                mine = False
             for w in range(self.workers):
-                self._start(self.files[w :: self.workers])
+                names = self.files[w :: self.workers]
+                if mine:
+                    self._start(names)
+                else:  # another xdist worker's processes write these results
+                    self._owner.update((n, None) for n in names)
         if name not in self._owner:  # a file not listed: a worker of its own
             self._start([name])
-        proc, result = self._owner[name], pathlib.Path(self._dir.name) / f"{name}.out"
+        proc, result = self._owner[name], self._path / f"{name}.out"
         deadline = time.monotonic() + timeout
         while not result.exists():
-            if proc.poll() is not None and not result.exists():
+            if proc is not None and proc.poll() is not None and not result.exists():
                 raise AssertionError(f"{test_file}: the interpreted worker exited "
                                      f"({proc.returncode}) before its cases ran:\n"
                                      f"{proc.err_path.read_text()[-4000:]}")
@@ -82,11 +108,26 @@ class InterpretedRuns:
         assert out == PASS, out
 
     def close(self) -> None:
+        """Stop this session's processes: at once in a plain session; under xdist after up to
+        300 s (another worker may still be waiting on their results)."""
         for proc in self._procs:
+            if self._tmp is None:
+                try:
+                    proc.wait(timeout=300)
+                except subprocess.TimeoutExpired:
+                    pass
             if proc.poll() is None:
                 proc.kill()
             proc.communicate()
-        self._dir.cleanup()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+
+def remove_shared(uid: str) -> None:
+    """The xdist controller's end of the run ``uid``: the shared results folder removed."""
+    import shutil
+
+    shutil.rmtree(shared_dir(uid), ignore_errors=True)
 
 
 def interpreted_main(cases) -> None:
