@@ -31,6 +31,10 @@ rm -f "$COLO_GPU_REPORT"
 
 # PYTEST_ARGS picks a subset (default: every GPU test); RUN_DEMO=0 / RUN_BENCH=0 skip those parts
 python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-tests/test_gpu.py} 2>&1 | tee "$OUT/pytest.log"
+# and the kernel files' own GPU tests (marked gpu: the bound launches, the greedy pick, the
+# fused norms, the pinned stage, batch invariance's bits)
+[ -n "${PYTEST_ARGS:-}" ] || python3 -m pytest -q -p no:cacheprovider -m gpu tests \
+  --ignore=tests/test_gpu.py 2>&1 | tee -a "$OUT/pytest.log"
 
 for n in 1 2; do
   [ "${RUN_DEMO:-1}" = 1 ] || break

@@ -67,6 +67,8 @@ _DIST_MODULES = {"test_crossed_path", "test_eight_ranks", "test_generate_cli", "
 def pytest_collection_modifyitems(config, items):
     for item in items:
         name = item.module.__name__.rsplit(".", 1)[-1]
+        if item.get_closest_marker("gpu") is not None:  # a kernel file's GPU test
+            continue
         if name == "test_gpu":
             item.add_marker(pytest.mark.gpu)
         elif "worker_groups" in item.fixturenames or name in _DIST_MODULES:

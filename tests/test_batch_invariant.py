@@ -189,6 +189,7 @@ def test_bf16_two_rank_layouts_are_invariant(worker_groups, adp, dispatch):
         assert plain[0]["d_sums"], "the watch saw no reducing collective in a default D"
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_gpu_rows_are_the_same_bits_at_any_batch():
     """On the GPU, at the bench shapes' widths: a row's invariant linear output (bf16, and

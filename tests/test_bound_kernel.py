@@ -72,6 +72,7 @@ def _rope(args):
     return out, k, kc, vc
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a GPU")
 def test_rope_bound_launch_writes_what_tritons_launch_writes(monkeypatch):
     launcher = bk.BoundKernel(rope_kv._rope_kv_kernel, check=True)
@@ -88,6 +89,7 @@ def test_rope_bound_launch_writes_what_tritons_launch_writes(monkeypatch):
     assert launcher.variants == 2
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a GPU")
 @pytest.mark.parametrize("partial_dtype", [torch.bfloat16, torch.float32])
 def test_add_rms_norm_and_embedding_bound_launches(monkeypatch, partial_dtype):
@@ -117,6 +119,7 @@ def test_add_rms_norm_and_embedding_bound_launches(monkeypatch, partial_dtype):
     assert add.variants == 2 and emb.variants == 1  # (bf16 partial, k 1) and (bf16, k 8)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a GPU")
 def test_check_catches_a_key_that_misses_a_specialisation():
     dev = torch.device("cuda")

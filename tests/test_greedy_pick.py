@@ -75,6 +75,7 @@ def test_supports_and_bad_input():
             gp.greedy_pick(x.t())
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_greedy_pick_on_the_gpu_at_qwen3s_vocabulary():
     """The shipped chunk size on an H200's rows: Qwen3's 151936 logits, 1 and 64 rows, fp32

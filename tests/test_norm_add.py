@@ -207,6 +207,7 @@ def _interpreted() -> list[str]:
     return fails
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs a GPU")
 def test_kernel_on_a_gpu_against_torch_and_in_a_graph():
     """On a GPU: torch's CUDA rms_norm (its own sums and rsqrtf) against the kernel (a tree sum,

@@ -93,6 +93,7 @@ def test_h2d_packed_gives_each_array_back_in_its_shape_from_one_tensor():
     assert out[0][0].item() == 0
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (pinned memory)")
 def test_a_pinned_stage_is_reused_only_once_its_copy_is_done():
     """``PinnedStage``: the packed copy's pinned buffer is written again only after the copy
