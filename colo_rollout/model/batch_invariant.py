@@ -11,9 +11,9 @@ benchmarks.md session 12), and a rollout's tokens depended on its batch neighbou
 What this module owns, each a function of the weights' shapes alone, never of the rows:
   * ``invariant_linear(x, w)``: x [M, K] @ w[N, K]^T with one Triton tile per (N, K) -- the
     same instruction sequence for every row whatever M is (M only sets the grid and the row
-    masks; it is not specialised on). No split-K: each output element is one program's K loop
-    in a fixed order. Off CUDA (the CPU tier) each row is its own 1 x K product (a batched
-    GEMV): invariant by construction.
+    masks; it is not specialised on). Where the tile splits K, the splits are fixed K ranges
+    (by K alone) whose fp32 partials a second kernel adds in split order. Off CUDA (the CPU
+    tier) each row is its own 1 x K product (a batched GEMV): invariant by construction.
   * ``SPLIT_TOKENS``: the decode attention's key-axis split width (splits at fixed absolute
     positions; an empty split adds exactly zero in the reduce, and a row whose table fits one
     split takes the single pass, the same bits as one split through the reduce).
@@ -44,7 +44,6 @@ from colo_rollout.model.kernel_backend import rne_bf16, tl, triton
 # BLOCK_N the kernel uses); 512 keeps B = 1 at 4k contexts at 8 splits per group
 SPLIT_TOKENS = 512
 BLOCK_M = 64  # rows per tile (one warpgroup MMA's M on sm90)
-SMS = 132  # H200 multiprocessors: what the tile choice fills
 
 
 @dataclass(frozen=True)

@@ -136,7 +136,7 @@ def local_experts(moe: GatherMoE, inp: ExpertInputs, invariant: bool = False) ->
     order; empty slots give zero. The gather backend's grouped math (fc1 -> activation ->
     * probability -> fc2); with j > 1 slots per row, the slots summed in fp32 (in slot
     order, as the gather backend's combine) and rounded to the rows' dtype once.
-    ``invariant``: the expert GEMMs on fixed tiles (engine.batch_invariant's D)."""
+    ``invariant``: the expert GEMMs batch-invariant (engine.batch_invariant's D)."""
     E = moe.num_local
     rows = inp.rows
     if rows.shape[0] == 0:

@@ -238,7 +238,8 @@ def triton_decode_attention(q: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Ten
     tests and benchmarks (None and the defaults are what the engine runs: ``tile_config``,
     ``num_splits``). ``split_tokens`` (engine.batch_invariant; a multiple of the tile): the
     keys split at fixed positions, the reduce adding the splits in index order -- a row's bits
-    then depend on its own keys alone, not on the batch's rows or table width. Host values read: shapes and strides only (graph-capturable)."""
+    then depend on its own keys alone, not on the batch's rows or table width. Host values
+    read: shapes and strides only (graph-capturable)."""
     if triton is None:
         raise RuntimeError("triton is not importable: use the torch decode attention backend")
     B, heads, dim = q.shape
