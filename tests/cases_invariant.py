@@ -37,15 +37,16 @@ class VariantGemms(TorchFunctionMode):
 
 def invariant_tokens(rank: int, world: int, adp: int, ep: int, mtp: bool,
                      invariant: bool = True, dtype: str = "bfloat16",
-                     weights: str = "random", dispatch: str = "gather") -> dict:
+                     weights: str = "random", dispatch: str = "gather",
+                     mode: str = "normal") -> dict:
     """The same greedy requests on a model with an MTP layer, drafting (``mtp``) or not, with
     engine.batch_invariant ``invariant``; every D forward watched for batch-variant GEMMs.
     Returns tokens, logprobs, the GEMMs and reducing collectives seen in D, acceptance
-    counts."""
+    counts. ``mode``: engine.mode (Fine: D iterations between P's segments)."""
     model_kw = {"mtp_num_layers": 1, "norm_epsilon": 1e-6, "params_dtype": dtype,
                 "moe_dispatch": dispatch}
     cfg = tiny_config(world, adp, ep, max_batch_size=6, decode_buckets=[1, 2, 4, 8],
-                      mtp=mtp, batch_invariant=invariant, model_kw=model_kw)
+                      mtp=mtp, batch_invariant=invariant, model_kw=model_kw, mode=mode)
     groups = init_parallel(cfg.parallel)
     install_cpu_compat()
     sd = oracle_state_dict(cfg.model) if weights == "oracle" else random_state_dict(cfg.model)

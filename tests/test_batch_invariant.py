@@ -240,6 +240,19 @@ def test_gpu_rows_are_the_same_bits_at_any_batch():
         assert torch.equal(experts(n), full[:n]), n
 
 
+def test_fine_mode_gives_normals_invariant_streams(worker_groups):
+    """Fine (D iterations between P's segments, the turnstile ordering the phases'
+    collectives) with D's ordered sums on EP2/ATP2, MTP drafting: Normal's greedy tokens, no
+    reducing collective in D. (Not the logprobs' last bits: Fine batches P otherwise, and P
+    is not batch-invariant -- a sequence's KV from another P batch is other bits.)"""
+    group = worker_groups(2)
+    kw = dict(adp=1, ep=2, mtp=True)
+    normal = group.run(f"{CASES}:invariant_tokens", mode="normal", **kw)
+    fine = group.run(f"{CASES}:invariant_tokens", mode="fine", **kw)
+    assert fine[0]["tokens"] == normal[0]["tokens"]
+    assert fine[0]["d_sums"] == [] and fine[0]["variant_gemms"] == []
+
+
 BASE = {"parallel": {"world_size": 1, "adp": 1, "ep": 1, "backend": "gloo"},
         "model": {"vocab_size": 256, "hidden_size": 64, "num_layers": 2,
                   "num_attention_heads": 4, "num_query_groups": 2, "moe_ffn_hidden_size": 64,

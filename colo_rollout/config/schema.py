@@ -426,7 +426,8 @@ class EngineConfig:
     # Batch-invariant D iterations (model/batch_invariant.py): a row's logits independent of
     # the rows beside it (D's GEMMs on fixed Triton tiles, attention splits at fixed
     # positions, expert tiles never the prefill regime's), so greedy streams are the same at
-    # any batch size and with or without MTP, in bf16 too. D steps 0-5% slower on an H200
+    # any D batch size and with or without MTP, in bf16 too (P is not: a prompt's KV follows
+    # its P batch's GEMMs). D steps 0-5% slower on an H200
     # (docs/benchmarks.md); D's sums across ranks in rank order; P unchanged. Refused where a
     # kernel cannot be made so (batch_invariance_problem).
     batch_invariant: bool = False
