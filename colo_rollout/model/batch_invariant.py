@@ -165,9 +165,11 @@ def invariant_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
         x2 = x2.contiguous()
     M = x2.shape[0]
     # the kernel for 16-bit operands on CUDA (any dtype under the interpreter); else per-row
-    # products (a [M, 1, K] x [K, N] batched GEMV) -- fp32 on CUDA too, the checks' reference
-    # precision, where the kernel's dot would round through tf32
-    kernel = triton is not None and (_interpreting() or x.is_cuda and x.dtype != torch.float32)
+    # products (a [M, 1, K] x [K, N] batched GEMV) -- fp32 and fp64 (a router in fp64) on CUDA
+    # too: fp32 is the checks' reference precision, where the kernel's dot would round
+    # through tf32
+    kernel = triton is not None and (
+        _interpreting() or x.is_cuda and x.dtype in (torch.bfloat16, torch.float16))
     if not kernel:
         y = torch.matmul(x2.unsqueeze(1), w.t().to(x2.dtype)).squeeze(1)
         if bias is not None:
