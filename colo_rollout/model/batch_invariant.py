@@ -169,7 +169,8 @@ def invariant_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
     # too: fp32 is the checks' reference precision, where the kernel's dot would round
     # through tf32
     kernel = triton is not None and (
-        _interpreting() or x.is_cuda and x.dtype in (torch.bfloat16, torch.float16))
+        _interpreting() or x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+        and w.dtype == x.dtype)
     if not kernel:
         y = torch.matmul(x2.unsqueeze(1), w.t().to(x2.dtype)).squeeze(1)
         if bias is not None:
