@@ -124,8 +124,9 @@ class GatherComm:
             raise ValueError(f"reduce-scatter of {rows} rows over {size} ranks: not divisible")
         n = rows // size
         if self.ordered_sums:  # every rank's chunk for this rank, added in rank order
-            recv = torch.empty_like(x.contiguous())
-            dist.all_to_all_single(recv, x.contiguous(), group=group)
+            x = x.contiguous()
+            recv = torch.empty_like(x)
+            dist.all_to_all_single(recv, x, group=group)
             parts = recv.view(size, n, *x.shape[1:])
             out = parts[0].clone()
             for j in range(1, size):

@@ -674,12 +674,14 @@ def triton_experts(x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor,
                    prob: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, activation,
                    gated: bool, *, order: torch.Tensor | None = None,
                    out_dtype: torch.dtype | None = None,
-                   tiles: tuple[Tile, Tile] | None = None) -> torch.Tensor:
+                   tiles: tuple[Tile, Tile] | None = None,
+                   invariant: bool = False) -> torch.Tensor:
     """The Triton path; same arguments and result as ``torch_experts``, except that rows past
     offs[-1] are zeros. ``order``: fc2 stores sorted row r at order[r] (y in the pairs' own
     order; no separate permute back). ``out_dtype``: y's dtype (default x's; fp32 keeps the
     accumulator's precision for the combine). ``tiles``: (fc1, fc2) overrides for tests and
-    the sweep."""
+    the sweep. ``invariant``: the rows' regime capped at ``INVARIANT_REGIMES`` (see
+    ``moe_experts``)."""
     act = ACTIVATIONS.get(activation)
     if act is None:
         raise ValueError(f"no Triton epilogue for the activation {activation!r}")
@@ -687,6 +689,8 @@ def triton_experts(x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor,
     E = (fc1.q if isinstance(fc1, Fp8Weight) else fc1).shape[0]
     if tiles is None:
         r = regime(rows, E)
+        if invariant and r not in INVARIANT_REGIMES:
+            r = "decode"
         block = isinstance(fc1, Fp8Weight) and bool(fc1.block)
         tiles = (tile_for(r, "fc1", block), tile_for(r, "fc2", block))
     # the group max is offs[-1]; the kernel reads offs, so int32 and int64 both do
@@ -723,11 +727,6 @@ def moe_experts(x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor, prob: 
     rows -- the Triton path on the small or decode regime's tiles (``INVARIANT_REGIMES``),
     never the prefill regime's, the torch path one product per row
     (``torch_experts_rowwise``)."""
-    tiles = None
-    if invariant:
-        r = regime(token.shape[0], (fc1.q if isinstance(fc1, Fp8Weight) else fc1).shape[0])
-        r = r if r in INVARIANT_REGIMES else "decode"
-        tiles = (tile_for(r, "fc1"), tile_for(r, "fc2"))
     if backend == "auto":
         backend = ("triton" if x.is_cuda and triton is not None and x.dtype in KERNEL_DTYPES
                    and triton_supports(activation) else "torch")
@@ -737,9 +736,9 @@ def moe_experts(x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor, prob: 
             # GEMMs"); entered only under a profiler, never in a graph capture of serving
             with torch.profiler.record_function("colo.moe_gemm"):
                 return triton_experts(x, token, offs, prob, fc1, fc2, activation, gated,
-                                      order=order, tiles=tiles)
+                                      order=order, invariant=invariant)
         return triton_experts(x, token, offs, prob, fc1, fc2, activation, gated, order=order,
-                              tiles=tiles)
+                              invariant=invariant)
     if backend != "torch":
         raise ValueError(f"moe kernel backend must be one of {BACKENDS}, got {backend!r}")
     experts = (torch_experts_fp8 if isinstance(fc1, Fp8Weight)
