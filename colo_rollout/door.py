@@ -57,6 +57,7 @@ def load(command: str, config_path: str | os.PathLike, overrides: Mapping[str, A
         check_checkpoint(cfg.model)
     check_kernels(cfg, source)
     check_dispatch(cfg, source)
+    check_use_te(cfg, source)
     check_fp8(cfg, source)
     check = {"demo": check_demo, "train": check_train, "bench": check_bench,
              "bench-decode-overhead": check_decode_overhead,
@@ -111,10 +112,27 @@ def check_kernels(cfg: Config, source: str) -> None:
                           key=f"engine.{key}", source=source)
 
 
+def check_use_te(cfg: Config, source: str) -> None:
+    """``model.use_te: on`` (TE's layers in the engine; FP8 and engine.batch_invariant refuse
+    it themselves) needs Transformer Engine importable on a CUDA host."""
+    if cfg.model.use_te != "on" or cfg.model.fp8 is not None:
+        return
+    import torch
+
+    from colo_rollout.model.model import te_available
+
+    if not torch.cuda.is_available() or not te_available():
+        what = "CUDA device" if not torch.cuda.is_available() else "Transformer Engine"
+        raise ConfigError(f"{source}: model.use_te: 'on' builds Transformer Engine's layers, and "
+                          f"this host has no {what}; set model.use_te: auto or off",
+                          key="model.use_te", source=source)
+
+
 def check_fp8(cfg: Config, source: str) -> None:
     """``model.fp8`` before any rank starts: this host's GPU has FP8 tensor cores (sm89+; a
-    host without CUDA has none), and every FP8 GEMM's shard has both dims in multiples of 16
-    (model/fp8.py; the model build checks the same on each rank)."""
+    host without CUDA has none), Transformer Engine runs the recipe here where
+    ``model.fp8_backend`` is te (model/fp8_te.py), and every FP8 GEMM's shard has both dims in
+    multiples of 16 (model/fp8.py; the model build checks the same on each rank)."""
     m = cfg.model
     if m.fp8 is None:
         return
@@ -134,6 +152,12 @@ def check_fp8(cfg: Config, source: str) -> None:
     if cap < MIN_CAPABILITY:
         refuse(f"{m.fp8!r} needs FP8 tensor cores (sm89 or later); "
                f"{torch.cuda.get_device_name(0)} is sm{cap[0]}{cap[1]}; set model.fp8: null")
+    if m.fp8_backend == "te":  # TE importable, and its FP8 recipe supported on this GPU
+        from colo_rollout.model.fp8_te import te_fp8_problem
+
+        problem = te_fp8_problem(m.fp8_recipe)
+        if problem:
+            refuse(f"'te' cannot run here: {problem}", key="model.fp8_backend")
     if m.params_dtype != "bfloat16":
         refuse(f"{m.fp8!r} needs params_dtype 'bfloat16' (the FP8 GEMMs' inputs and outputs), "
                f"got {m.params_dtype!r}; set model.params_dtype: bfloat16 or model.fp8: null")
@@ -214,8 +238,15 @@ def check_demo(cfg: Config, source: str) -> None:
 
 
 def check_train(cfg: Config, source: str) -> None:
-    """The trainer's prompts (rl section) are served and its reward can be earned."""
+    """The trainer's prompts (rl section) are served and its reward can be earned; the engine
+    runs the layer spec the trainer syncs into."""
     rl, vocab = cfg.rl, cfg.model.vocab_size
+    if cfg.model.use_te == "on":
+        raise ConfigError(f"{source}: model.use_te: 'on' builds Transformer Engine's layers in "
+                          "the engine, but the trainer builds megatron's local spec and its "
+                          "weight sync cannot map the other parameter names (the fused "
+                          "norm + QKV); set model.use_te: auto or off", key="model.use_te",
+                          source=source)
     if vocab < 2:
         raise ConfigError(f"{source}: model.vocab_size: {vocab} leaves no token for the "
                           "trainer's prompts (drawn from ids [1, vocab_size))",

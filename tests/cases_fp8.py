@@ -127,4 +127,9 @@ def fp8_weight_copies(rank: int, world: int) -> dict:
         res["refused_megatron"] = ""
     except ValueError as e:
         res["refused_megatron"] = str(e)
+    try:  # TE's FP8 GEMMs (model/fp8_te.py) need CUDA
+        _fp8_model(groups, fp8_backend="te", fp8_recipe="tensorwise")
+        res["refused_te"] = ""
+    except ValueError as e:
+        res["refused_te"] = str(e)
     return res

@@ -828,13 +828,83 @@ def gpu_fp8_kernels(rank: int, world: int) -> dict:
     return res
 
 
-def gpu_fp8_graphs(rank: int, world: int) -> dict:
+def gpu_te_fp8_linear(rank: int, world: int) -> dict:
+    """model.fp8_backend te's dense GEMM (model/fp8_te.py) per recipe, against
+    Transformer Engine's own te.Linear under te.autocast with the same recipe and weight (the
+    same quantizers and GEMM: bitwise), against the dequantised operands' fp32 product, and
+    through a weight refresh -- in place (the FP8 buffers' addresses kept) and seen by a
+    captured CUDA graph's replay."""
+    import torch.nn.functional as F
+    import transformer_engine.pytorch as te
+
+    from colo_rollout.model.fp8_te import TeFp8Weight, te_recipe
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    N, K, M = 768, 1024, 37
+
+    def rnd(*shape, std=1.0):
+        return (torch.randn(*shape, generator=g, device=dev) * std).to(torch.bfloat16)
+
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    res = {}
+    for recipe in ("tensorwise", "blockwise"):
+        w, x, bias = rnd(N, K, std=0.02), rnd(M, K), rnd(N, std=0.1)
+        tw = TeFp8Weight.of(w, recipe)
+        with torch.inference_mode():
+            y = tw.linear(x)
+            yb = tw.linear(x, bias)
+            y32 = tw.linear(x, out_dtype=torch.float32)
+        ref_lin = te.Linear(K, N, bias=False, params_dtype=torch.bfloat16, device=dev)
+        with torch.no_grad():
+            ref_lin.weight.copy_(w)
+        xpad = F.pad(x, (0, 0, 0, 48 - M))  # what the engine's linear quantises
+        with torch.inference_mode(), te.autocast(enabled=True, recipe=te_recipe(recipe, "e4m3")):
+            y_te = ref_lin(xpad)[:M]
+        with torch.inference_mode():
+            xdq = tw.x_quantizer(xpad).dequantize(dtype=torch.float32)[:M]
+        y_ref = F.linear(xdq, tw.dequantized())
+        row = {"vs_te_linear_bitwise": bool(torch.equal(y, y_te)),
+               "vs_te_linear": rel(y, y_te),
+               "vs_dequantised_reference": rel(y, y_ref),
+               "vs_bf16": rel(y, F.linear(x.float(), w.float())),
+               "bias_fused_vs_added": rel(yb, y.float() + bias.float()),
+               "fp32_out_vs_bf16_out": rel(y32, y), "fp32_out_dtype": str(y32.dtype),
+               "fp8_bytes": tw.nbytes}
+        # a weight write: refreshed in place equals a fresh quantisation, and a graph captured
+        # before the write replays with the new weight
+        ptrs = [t.data_ptr() for t in tw.tensors()]
+        xs = x.clone()
+        with torch.inference_mode():
+            tw.linear(xs)  # warm (TE's workspace allocated outside the capture)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                ys = tw.linear(xs)
+        w2 = rnd(N, K, std=0.03)
+        tw.refresh(w2)
+        with torch.inference_mode():
+            graph.replay()
+            fresh = TeFp8Weight.of(w2, recipe).linear(x)
+            eager = tw.linear(x)
+        torch.cuda.synchronize()
+        row.update({"refresh_in_place": ptrs == [t.data_ptr() for t in tw.tensors()],
+                    "refresh_equals_fresh": bool(torch.equal(eager, fresh)),
+                    "graph_replay_after_refresh": bool(torch.equal(ys, fresh)),
+                    "graph_replay_vs_old": rel(ys, y)})
+        res[recipe] = row
+    return res
+
+
+def gpu_fp8_graphs(rank: int, world: int, model_kw: dict | None = None) -> dict:
     """The FP8 engine's D graphs against its eager D (P eager in both), greedy, and the D
     step's path: graphs captured with the FP8 copies."""
     from colo_rollout.sched.request import Request, SamplingParams
 
     cfg = gpu_config(1, 1, 1, "bfloat16")
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, fp8="e4m3"))
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, fp8="e4m3",
+                                                             **(model_kw or {})))
     groups = init_parallel(cfg.parallel)
     engine = Engine(cfg, groups, random_state_dict(cfg.model))
     runner = engine.runner

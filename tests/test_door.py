@@ -60,6 +60,20 @@ def test_every_config_command_checks_at_the_door(capsys, cmd, config):
     assert line == f"error: {config}: model.hidden_size: expected int, got str 'abc'"
 
 
+def test_use_te_on_is_refused_at_the_door(capsys):
+    """model.use_te 'on' on a host without CUDA (this one), and with the trainer (its local
+    spec cannot take the sync into TE's layers): one line naming the key."""
+    line = door_error(capsys, "demo", DEMO, "--set", "model.use_te='on'")
+    assert line == (f"error: {DEMO}: model.use_te: 'on' builds Transformer Engine's layers, and "
+                    "this host has no CUDA device; set model.use_te: auto or off")
+    from colo_rollout.config import Config, ConfigError, ModelConfig
+    from colo_rollout.door import check_train
+
+    with pytest.raises(ConfigError, match="model.use_te: 'on' builds Transformer Engine's "
+                       "layers in the engine, but the trainer builds megatron's local spec"):
+        check_train(Config(model=ModelConfig(use_te="on")), "c.yaml")
+
+
 @pytest.mark.parametrize("cmd, config", [("demo", DEMO), ("train", TRAIN)])
 def test_fp8_is_refused_at_the_door_naming_the_key(capsys, cmd, config):
     """model.fp8 on a host without an FP8 GPU (this one has no CUDA): one line naming the key,

@@ -276,6 +276,8 @@ def test_fp8_copies_follow_every_weight_write(worker_groups):
     assert r["proj_requantised"] and r["dropped"]
     assert r["refused_shapes"].startswith("model.fp8: ") and "multiples of 16" in r["refused_shapes"]
     assert "grouped expert path" in r["refused_megatron"]
+    assert r["refused_te"] == ("model.fp8_backend: Transformer Engine's FP8 GEMMs run on a "
+                               "CUDA GPU only"), r
 
 
 # --------------------------------------------------------------------------- the engine
@@ -380,8 +382,44 @@ def test_door_fp8_refusals_on_an_fp8_gpu_host(monkeypatch):
                                        fp8_recipe="blockwise", hidden_size=256,
                                        num_attention_heads=8, num_query_groups=4,
                                        moe_ffn_hidden_size=128)), "c.yaml")  # ok
+    # model.fp8_backend te: Transformer Engine importable with the recipe supported (this
+    # host has no TE: the door names the key and what to do)
+    got = error(fp8_backend="te", fp8_recipe="tensorwise")
+    assert got.startswith("c.yaml: model.fp8_backend: 'te' cannot run here: Transformer "
+                          "Engine's PyTorch package is not importable here ("), got
+    assert got.endswith("install transformer-engine[pytorch] or set model.fp8_backend: "
+                        "engine"), got
+    import colo_rollout.model.fp8_te as fp8_te
+
+    monkeypatch.setattr(fp8_te, "te_fp8_problem", lambda recipe: None)  # as where TE runs
+    check_fp8(Config(model=ModelConfig(params_dtype="bfloat16", fp8="e4m3", fp8_backend="te",
+                                       fp8_recipe="tensorwise")), "c.yaml")  # ok
+    got = error(fp8_backend="te", fp8_recipe="blockwise", hidden_size=256,
+                moe_ffn_hidden_size=96)  # TE's blockwise: the engine's experts' 128 too
+    assert "model.moe_ffn_hidden_size is 96" in got, got
     cap[0] = (8, 0)
     assert "Old GPU is sm80" in error()
+
+
+def test_fp8_recipe_belongs_to_its_backend():
+    """model.fp8_recipe names a recipe of model.fp8_backend: tensorwise is TE's
+    (Float8CurrentScaling), rowwise the engine's own; one error naming the key."""
+    from colo_rollout.config import ConfigError, ModelConfig
+
+    ModelConfig(fp8_backend="te", fp8_recipe="tensorwise")
+    ModelConfig(fp8_backend="te", fp8_recipe="blockwise")
+    ModelConfig(fp8_backend="engine", fp8_recipe="blockwise")
+    with pytest.raises(ConfigError) as info:
+        ModelConfig(fp8_recipe="tensorwise")
+    assert str(info.value) == (
+        "model.fp8_recipe: 'tensorwise' is not a recipe of model.fp8_backend 'engine' (its "
+        "recipes: rowwise, blockwise); 'tensorwise' is Transformer Engine's "
+        "Float8CurrentScaling: set model.fp8_backend: te")
+    with pytest.raises(ConfigError, match="model.fp8_recipe: 'rowwise' is not a recipe of "
+                       "model.fp8_backend 'te' .* Transformer Engine has no per-row FP8 recipe"):
+        ModelConfig(fp8_backend="te")
+    with pytest.raises(ConfigError, match="model.fp8_backend: expected one of 'engine', 'te'"):
+        ModelConfig(fp8_backend="cublas")
 
 
 if __name__ == "__main__":  # the interpreted run (the kernel test above starts it)

@@ -486,17 +486,55 @@ def test_gpu_fp8_kernels_match_the_reference(gpu_groups):
     assert 1e-4 < r["blockwise_linear_vs_bf16"] < 0.1 and 1e-4 < r["blockwise_moe_vs_bf16"] < 0.15, r
 
 
-@pytest.mark.parametrize("world,adp,ep,recipe", [(1, 1, 1, "rowwise"), (2, 2, 2, "rowwise"),
-                                                (2, 1, 2, "rowwise"), (1, 1, 1, "blockwise")])
+def _have_te_fp8() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    from colo_rollout.model.fp8_te import te_fp8_problem
+
+    return te_fp8_problem("tensorwise") is None
+
+
+TE_FP8 = pytest.mark.skipif(not _have_te_fp8(), reason="needs Transformer Engine with FP8 "
+                            "(carried as wheels: docs/gpu.md)")
+
+
+@TE_FP8
+def test_gpu_te_fp8_linear_is_te_linears(gpu_groups):
+    """model.fp8_backend te's dense GEMM is te.Linear's under te.autocast of the same recipe
+    (bitwise), near the dequantised operands' product, and follows a weight refresh in place,
+    inside a captured graph too."""
+    r = gpu_groups(1).run("tests.cases_gpu:gpu_te_fp8_linear", timeout=300)[0]
+    ok = all(row["vs_te_linear_bitwise"] and row["refresh_equals_fresh"]
+             and row["graph_replay_after_refresh"] for row in r.values())
+    _record("te_fp8_linear", {"gpus": 1, "result": r, "passed": ok})
+    for recipe, row in r.items():
+        assert row["vs_te_linear_bitwise"], (recipe, row)
+        assert row["vs_dequantised_reference"] < 2e-2, (recipe, row)
+        assert 1e-4 < row["vs_bf16"] < 0.1, (recipe, row)
+        assert row["bias_fused_vs_added"] < 1e-2 and row["fp32_out_vs_bf16_out"] < 1e-2, row
+        assert row["fp32_out_dtype"] == "torch.float32", row
+        assert row["refresh_in_place"] and row["refresh_equals_fresh"], (recipe, row)
+        assert row["graph_replay_after_refresh"] and row["graph_replay_vs_old"] > 0.1, row
+
+
+_FP8_ENGINE_ROWS = [(1, 1, 1, "rowwise"), (2, 2, 2, "rowwise"), (2, 1, 2, "rowwise"),
+                    (1, 1, 1, "blockwise"),
+                    pytest.param(1, 1, 1, "te-tensorwise", marks=TE_FP8),
+                    pytest.param(1, 1, 1, "te-blockwise", marks=TE_FP8)]
+
+
+@pytest.mark.parametrize("world,adp,ep,recipe", _FP8_ENGINE_ROWS)
 def test_gpu_fp8_engine_against_fp32_beside_bf16(gpu_groups, world, adp, ep, recipe):
     """model.fp8 on the GPU: the FP8 kernels, D graphs in FP8. Its logprobs against the fp32
     megatron model beside the bf16 engine's and megatron bf16's (docs/gpu.md). This random
     model is precision-sensitive (bf16 alone is 0.1 from fp32): FP8 measured 0.45, 4.5x the
     bf16 engine (on CPU's narrower model 5-9x, tests/test_fp8.py); the kernels themselves
     match the FP8 reference math (test_gpu_fp8_kernels_match_the_reference)."""
+    backend, _, name = recipe.rpartition("-")  # "te-tensorwise": model.fp8_backend te
     r = gpu_groups(world).run("tests.cases_fp8:fp8_vs_reference", timeout=600, adp=adp,
                               ep=ep, backend="nccl", n_requests=16,
-                              model_kw={"fp8_recipe": recipe})[0]
+                              model_kw={"fp8_recipe": name,
+                                        "fp8_backend": backend or "engine"})[0]
     b, f = r["bf16"], r["fp8"]
     ok = (b["mean_logprob_diff"] < f["mean_logprob_diff"] < 8 * b["mean_logprob_diff"]
           and f["argmax_agreement"] >= 0.35 and f["graphs"])
@@ -530,9 +568,12 @@ def test_gpu_fp8_with_deepep_against_fp32_beside_gather(gpu_groups):
     assert d["argmax_agreement"] >= g["argmax_agreement"] - 0.1, runs
 
 
-def test_gpu_fp8_graphs_match_eager(gpu_groups):
-    r = gpu_groups(1).run("tests.cases_gpu:gpu_fp8_graphs", timeout=600)[0]
-    _record("fp8_graphs", {"gpus": 1, "result": r, "passed": r["identical"] >= 0.9})
+@pytest.mark.parametrize("backend", ["engine", pytest.param("te", marks=TE_FP8)])
+def test_gpu_fp8_graphs_match_eager(gpu_groups, backend):
+    kw = {"fp8_backend": "te", "fp8_recipe": "tensorwise"} if backend == "te" else {}
+    r = gpu_groups(1).run("tests.cases_gpu:gpu_fp8_graphs", timeout=600, model_kw=kw)[0]
+    _record("fp8_graphs", {"gpus": 1, "backend": backend, "result": r,
+                           "passed": r["identical"] >= 0.9})
     assert r["graphs"] and r["replays"] > 0, r
     assert r["first_equal"] == 1.0 and r["identical"] >= 0.75, r
 
@@ -541,15 +582,19 @@ def test_gpu_fp8_rollout_bf16_training_mismatch(gpu_groups, tmp_path):
     """FP8 rollouts, bf16 trainer (GRPO, 1 GPU, routing replay on): the per-step rollout/
     trainer logprob gap (issue 18's metrics), beside the same run with bf16 rollouts."""
     rows = {}
-    for fp8 in (None, "e4m3"):
+    runs = [("bf16", {"model.fp8": None}), ("e4m3", {"model.fp8": "e4m3"})]
+    if _have_te_fp8():  # the dense GEMMs through TE's Float8CurrentScaling (model/fp8_te.py)
+        runs.append(("e4m3-te", {"model.fp8": "e4m3", "model.fp8_backend": "te",
+                                 "model.fp8_recipe": "tensorwise"}))
+    for name, fp8 in runs:
         res = gpu_groups(1).run(
             "colo_rollout.rl.train:run_train", timeout=600, config_path="configs/grpo_cpu.yaml",
             overrides={"parallel.world_size": 1, "parallel.adp": 1, "parallel.ep": 1,
-                       "parallel.backend": "nccl", "rl.out_dir": str(tmp_path / str(fp8)),
-                       "model.params_dtype": "bfloat16", "model.fp8": fp8, "rl.steps": 6,
+                       "parallel.backend": "nccl", "rl.out_dir": str(tmp_path / name),
+                       "model.params_dtype": "bfloat16", **fp8, "rl.steps": 6,
                        "engine.record_routing": True, "rl.routing_replay": True}, quiet=True)
         h = res[0]["history"]
-        rows[fp8 or "bf16"] = {
+        rows[name] = {
             "gap_mean": sum(x["logprob_gap_mean"] for x in h) / len(h),
             "gap_max": max(x["logprob_gap_max"] for x in h),
             "mismatch_kl_k3": sum(x.get("mismatch_kl_k3", 0.0) for x in h) / len(h),
@@ -557,7 +602,8 @@ def test_gpu_fp8_rollout_bf16_training_mismatch(gpu_groups, tmp_path):
     _record("fp8_rl_mismatch", {"gpus": 1, "result": rows,
                                 "passed": rows["e4m3"]["gap_mean"] > rows["bf16"]["gap_mean"]})
     assert all(math.isfinite(v) for r in rows.values() for v in r.values()), rows
-    assert rows["e4m3"]["gap_mean"] > rows["bf16"]["gap_mean"], rows  # FP8 really rolled out
+    for name in rows.keys() - {"bf16"}:  # FP8 really rolled out
+        assert rows[name]["gap_mean"] > rows["bf16"]["gap_mean"], rows
 
 
 def test_gpu_cudnn_prefill_rows_match_the_kernel():

@@ -85,7 +85,13 @@ STREAM_ROUTES = ("auto", "off", "always")
 STREAM_PRIORITIES = ("decode", "prefill", "equal")
 PREFILL_GRAPHS = ("auto", "always", "never")
 FP8_FORMATS = ("hybrid", "e4m3")
-FP8_RECIPES = ("rowwise", "blockwise")  # model/fp8.py
+FP8_RECIPES = ("rowwise", "blockwise", "tensorwise")  # model/fp8.py, model/fp8_te.py
+# who runs the dense FP8 GEMMs (attention projections, dense MLPs, shared experts): the
+# engine's own (torch._scaled_mm / the fused-MoE kernel) or Transformer Engine's
+FP8_BACKENDS = ("engine", "te")
+# the recipes each backend has: TE names tensorwise Float8CurrentScaling and blockwise
+# Float8BlockScaling; the engine's kernels scale per row or per block
+FP8_BACKEND_RECIPES = {"engine": ("rowwise", "blockwise"), "te": ("tensorwise", "blockwise")}
 FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm89), Hopper (sm90) and later
 # engine.prefill_attention "cudnn": the oldest cuDNN (torch.backends.cudnn.version()) whose
 # fused attention it calls (model/dense_prefill.py; measured with 9.19 on one H200)
@@ -229,7 +235,10 @@ class ModelConfig:
     init_method_std: float = 0.02
     # Seed for weight initialisation; >= 0.
     seed: int = 1234
-    # Transformer Engine modules: "auto" (when importable), "on" (required) or "off".
+    # Transformer Engine's layers in the engine: "on" (required: TE's fused norm + QKV,
+    # grouped-GEMM experts, like megatron's TE spec) or "auto" / "off" (the local spec, which
+    # the engine's own fused kernels run: faster on the H200, and the RL trainer's spec --
+    # model/model.py resolve_use_te says why "auto" is not TE where it is importable).
     use_te: str = "auto"
     # Expert compute: "grouped" (host-sync-free grouped GEMM; needed for P/D overlap on GPUs),
     # "megatron" (the experts module's own forward; one host sync per MoE layer) or "auto"
@@ -260,8 +269,18 @@ class ModelConfig:
     # own amax, each weight output channel by its own; "blockwise" -- each input row's every
     # 128 columns and each weight's every 128 x 128 block by its own (DeepSeek-V3's, megatron /
     # TE's Float8BlockScaling: every FP8 GEMM dimension a multiple of 128). Both computed from
-    # the current tensors (no calibration, nothing lags a weight update).
+    # the current tensors (no calibration, nothing lags a weight update). "tensorwise" (with
+    # fp8_backend te only): Transformer Engine's Float8CurrentScaling -- one scale per GEMM
+    # input tensor and one per weight -- for the dense GEMMs; the routed experts then run the
+    # engine's rowwise kernel (TE's grouped GEMM cannot be captured in D's graphs here).
     fp8_recipe: str = "rowwise"
+    # Who runs the dense FP8 GEMMs (attention projections, dense MLPs, shared experts):
+    # "engine" (torch._scaled_mm / the engine's Triton kernel) or "te" -- Transformer Engine's
+    # quantizers and cuBLASLt GEMM under fp8_recipe's TE recipe (tensorwise:
+    # Float8CurrentScaling, blockwise: Float8BlockScaling), the numerics of a TE FP8 layer;
+    # needs transformer_engine[pytorch] importable on an FP8 GPU (model/fp8_te.py). The
+    # routed experts stay on the engine's FP8 kernel either way (model/fused_moe.py).
+    fp8_backend: str = "engine"
     # Multi-token prediction layers after the decoder (megatron's mtp_num_layers; DeepSeek-V3 /
     # GLM-4.5's num_nextn_predict_layers): 0 = none, 1 = one MTP layer (enorm, hnorm, eh_proj,
     # a transformer layer of the last decoder layer's kind, final norm; embedding and output
@@ -383,6 +402,15 @@ class ModelConfig:
         _require_min(self, ("moe_dispatch_capacity",), 0)
         _require_choice(self, "fp8", (None, *FP8_FORMATS))
         _require_choice(self, "fp8_recipe", FP8_RECIPES)
+        _require_choice(self, "fp8_backend", FP8_BACKENDS)
+        recipes = FP8_BACKEND_RECIPES[self.fp8_backend]
+        _require(self.fp8_recipe in recipes, "model.fp8_recipe",
+                 f"{self.fp8_recipe!r} is not a recipe of model.fp8_backend "
+                 f"{self.fp8_backend!r} (its recipes: {', '.join(recipes)})"
+                 + ("; 'tensorwise' is Transformer Engine's Float8CurrentScaling: set "
+                    "model.fp8_backend: te" if self.fp8_recipe == "tensorwise" else
+                    "; Transformer Engine has no per-row FP8 recipe" if self.fp8_recipe ==
+                    "rowwise" else ""))
 
     @property
     def dense_ffn_hidden_size(self) -> int:

@@ -54,7 +54,9 @@ BLOCK = FP8_BLOCK  # the blockwise recipe's scale block: 1 x 128 inputs, 128 x 1
 
 
 def recipe_block(recipe: str) -> int:
-    """``model.fp8_recipe`` -> the weights' ``block`` (0: per channel, rowwise)."""
+    """``model.fp8_recipe`` -> the engine kernels' weight ``block`` (0: per channel, rowwise;
+    "tensorwise" is TE's recipe for the dense GEMMs, model/fp8_te.py: the routed experts run
+    rowwise under it)."""
     if recipe not in RECIPES:
         raise ValueError(f"model.fp8_recipe must be one of {RECIPES}, got {recipe!r}")
     return BLOCK if recipe == "blockwise" else 0
@@ -213,6 +215,10 @@ class Fp8Weight:
     def matches(self, w: torch.Tensor) -> bool:
         return self.q.shape == w.shape and self.q.device == w.device
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The FP8 data and scales (what graphs read besides the parameters)."""
+        return [self.q, self.scale]
+
     def refresh(self, w: torch.Tensor) -> None:
         if self.block:
             _quantize_blocks(w.detach(), self.block, self.q, self.scale)
@@ -249,8 +255,10 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
     (cuBLASLt's 128 x 128 FP8 tiles) and slower at B = 32 (step 4.51 vs 3.95 ms); both are
     above bf16's 5.8 us, so the lever is a split-K FP8 GEMV. A blockwise weight (``w.block``)
     quantises x per 1 x block columns; on CUDA it runs the Triton kernel ("auto"; scaled_mm is
-    rowwise only here)."""
+    rowwise only here). A ``TeFp8Weight`` (model.fp8_backend te) runs its own TE GEMM."""
     out_dtype = out_dtype or x.dtype
+    if not isinstance(w, Fp8Weight):  # Transformer Engine's weight (model/fp8_te.py)
+        return w.linear(x, bias, out_dtype)
     M = x.shape[0]
     if M == 0:
         return x.new_zeros((0, w.q.shape[0]), dtype=out_dtype)

@@ -146,17 +146,20 @@ def te_available() -> bool:
 
 
 def resolve_use_te(cfg: ModelConfig, local: bool = False) -> bool:
-    """model.use_te: "on" requires Transformer Engine, "auto" uses it when importable on a CUDA
-    host, "off" never. FP8 rollouts (model.fp8) and ``local`` (engine.batch_invariant) run on
-    the local spec: their GEMMs read the weights directly (model/fp8.py, model/
-    batch_invariant.py), so "auto" resolves to it there."""
-    if cfg.use_te == "off" or cfg.fp8 is not None or local:
+    """model.use_te for the engine: "on" builds TE's layers (requires Transformer Engine on a
+    CUDA host); "auto" and "off" the local spec, whose GEMMs and norms the engine's own fused
+    kernels run. Why "auto" is not TE where it is importable: on one H200 (session 25, TE
+    2.20.2, bench_speed_gpu) the TE spec's decode steps were 1.63 / 5.26 ms at B = 1 / 32
+    against the local spec's 1.31-1.34 / ~3.9 ms in sessions 20-24, and the RL trainer builds
+    the local spec, so an engine on TE's layers could not take its weight sync (other
+    parameter names: linear_qkv.layer_norm_weight). ``local`` (engine.batch_invariant) and FP8
+    rollouts run the local spec whatever use_te says."""
+    if cfg.use_te != "on" or cfg.fp8 is not None or local:
         return False
-    have = te_available() and torch.cuda.is_available()
-    if cfg.use_te == "on" and not have:
+    if not (te_available() and torch.cuda.is_available()):
         raise RuntimeError("model.use_te is 'on' but Transformer Engine (with CUDA) is not "
                            "available; install the 'te' extra or set model.use_te: 'off'")
-    return have
+    return True
 
 
 def _check_fp8_shapes(holder: torch.nn.Module, weights, block: int = 0) -> None:
@@ -482,6 +485,13 @@ class InferenceGPT(torch.nn.Module):
             ok, why = fp8_supported(groups.device)
             if not ok:
                 raise ValueError(f"model.fp8: {why}")
+            if cfg.fp8_backend == "te":  # the dense GEMMs through TE (model/fp8_te.py)
+                from colo_rollout.model.fp8_te import te_fp8_problem
+
+                problem = (te_fp8_problem(cfg.fp8_recipe) if groups.device.type == "cuda"
+                           else "Transformer Engine's FP8 GEMMs run on a CUDA GPU only")
+                if problem:
+                    raise ValueError(f"model.fp8_backend: {problem}")
             if dtype != torch.bfloat16:
                 raise ValueError(f"model.fp8 needs bfloat16 parameters, got {dtype}")
             if groups.device.type == "cuda" and self.moe_kernel != "triton":
@@ -543,10 +553,19 @@ class InferenceGPT(torch.nn.Module):
                     for o, w in zip(old, ws):
                         o.refresh(w)
                 else:
-                    holder.colo_fp8 = tuple(Fp8Weight.of(w, self.fp8_block) for w in ws)
+                    holder.colo_fp8 = tuple(self._fp8_weight(w) for w in ws)
             for moe in self.moe_layers():
                 moe.refresh_fp8()
         self._fp8_ptrs = [w.data_ptr() for w in self._fp8_sources()]
+
+    def _fp8_weight(self, w: torch.Tensor):
+        """A dense GEMM weight's FP8 copy: the engine's (``Fp8Weight``) or, with
+        model.fp8_backend te, Transformer Engine's (``TeFp8Weight``)."""
+        if self.cfg.fp8_backend == "te":
+            from colo_rollout.model.fp8_te import TeFp8Weight
+
+            return TeFp8Weight.of(w, self.cfg.fp8_recipe, self.cfg.fp8)
+        return Fp8Weight.of(w, self.fp8_block)
 
     def check_fp8(self) -> bool:
         """Idle engine only: re-quantise when a 16-bit source was replaced (its address moved)
@@ -572,10 +591,10 @@ class InferenceGPT(torch.nn.Module):
         out = []
         for holder, _ in self._fp8_sites():
             for w in getattr(holder, "colo_fp8", None) or ():
-                out += [w.q, w.scale]
+                out += w.tensors()
         for moe in self.moe_layers():
             for w in moe.fp8_weights or ():
-                out += [w.q, w.scale]
+                out += w.tensors()
         return out
 
     def moe_layers(self) -> list[GatherMoE]:
