@@ -119,7 +119,7 @@ def check_use_te(cfg: Config, source: str) -> None:
         return
     import torch
 
-    from colo_rollout.model.model import te_available
+    from colo_rollout.config.te_support import te_available
 
     if not torch.cuda.is_available() or not te_available():
         what = "CUDA device" if not torch.cuda.is_available() else "Transformer Engine"
@@ -153,7 +153,7 @@ def check_fp8(cfg: Config, source: str) -> None:
         refuse(f"{m.fp8!r} needs FP8 tensor cores (sm89 or later); "
                f"{torch.cuda.get_device_name(0)} is sm{cap[0]}{cap[1]}; set model.fp8: null")
     if m.fp8_backend == "te":  # TE importable, and its FP8 recipe supported on this GPU
-        from colo_rollout.model.fp8_te import te_fp8_problem
+        from colo_rollout.config.te_support import te_fp8_problem
 
         problem = te_fp8_problem(m.fp8_recipe)
         if problem:

@@ -389,9 +389,9 @@ def test_door_fp8_refusals_on_an_fp8_gpu_host(monkeypatch):
                           "Engine's PyTorch package is not importable here ("), got
     assert got.endswith("install transformer-engine[pytorch] or set model.fp8_backend: "
                         "engine"), got
-    import colo_rollout.model.fp8_te as fp8_te
+    import colo_rollout.config.te_support as te_support
 
-    monkeypatch.setattr(fp8_te, "te_fp8_problem", lambda recipe: None)  # as where TE runs
+    monkeypatch.setattr(te_support, "te_fp8_problem", lambda recipe: None)  # as where TE runs
     check_fp8(Config(model=ModelConfig(params_dtype="bfloat16", fp8="e4m3", fp8_backend="te",
                                        fp8_recipe="tensorwise")), "c.yaml")  # ok
     got = error(fp8_backend="te", fp8_recipe="blockwise", hidden_size=256,

@@ -75,7 +75,7 @@ def _check_against_reference(name: str, res: list, world: int, dtype: str) -> No
 
 
 def _have_te() -> bool:
-    from colo_rollout.model.model import te_available
+    from colo_rollout.config.te_support import te_available
 
     return te_available()
 
@@ -489,7 +489,7 @@ def test_gpu_fp8_kernels_match_the_reference(gpu_groups):
 def _have_te_fp8() -> bool:
     if not torch.cuda.is_available():
         return False
-    from colo_rollout.model.fp8_te import te_fp8_problem
+    from colo_rollout.config.te_support import te_fp8_problem
 
     return te_fp8_problem("tensorwise") is None
 

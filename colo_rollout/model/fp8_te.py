@@ -24,8 +24,9 @@ same FP8 buffers, so captured graphs read the new values); ``fp8_linear`` calls 
 ``linear``. Rows are padded to ``ROW_MULTIPLE`` with zeros before quantising (TE's FP8 GEMM
 wants the token count a multiple of 8 and K of 16; zero rows change no amax).
 
-Transformer Engine is optional: nothing here imports it until a weight is made or
-``te_fp8_problem`` is asked (the door and the model build ask first).
+Transformer Engine is optional: nothing here imports it until a weight is made; whether it
+can run a recipe here is config/te_support.py's ``te_fp8_problem`` (the door and the model
+build ask first).
 """
 
 from __future__ import annotations
@@ -34,30 +35,6 @@ import torch
 import torch.nn.functional as F
 
 from colo_rollout.config.schema import FP8_ROW_MULTIPLE as ROW_MULTIPLE
-
-TE_RECIPES = {"tensorwise": "Float8CurrentScaling", "blockwise": "Float8BlockScaling"}
-
-
-def te_fp8_problem(recipe: str) -> str | None:
-    """Why ``model.fp8_backend: te`` with ``recipe`` cannot run here (None: it can): TE's
-    PyTorch package not importable, or its FP8 (or FP8 block-scaling) GEMMs not supported by
-    this GPU / CUDA build (TE's own checks)."""
-    if recipe not in TE_RECIPES:
-        return (f"model.fp8_recipe {recipe!r} is not a Transformer Engine recipe here (one of "
-                f"{', '.join(TE_RECIPES)})")
-    try:
-        from transformer_engine.pytorch import (is_fp8_available,
-                                                is_fp8_block_scaling_available)
-    except Exception as e:  # absent, or a broken install (missing CUDA libraries)
-        return (f"Transformer Engine's PyTorch package is not importable here "
-                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); install "
-                "transformer-engine[pytorch] or set model.fp8_backend: engine")
-    check = is_fp8_block_scaling_available if recipe == "blockwise" else is_fp8_available
-    ok, why = check(return_reason=True)
-    if not ok:
-        return (f"Transformer Engine cannot run {TE_RECIPES[recipe]} here: {why}; set "
-                "model.fp8_backend: engine")
-    return None
 
 
 def te_recipe(recipe: str, fmt: str):

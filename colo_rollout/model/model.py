@@ -41,6 +41,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from colo_rollout.config import ModelConfig
 from colo_rollout.config.schema import batch_invariance_problem
+from colo_rollout.config.te_support import te_available, te_fp8_problem
 from colo_rollout.model.batch_invariant import invariant_linear
 from colo_rollout.model.attention import (
     AttnMetadata,
@@ -137,22 +138,15 @@ class PrefillFusion:
     after: FusedRMSNorm
 
 
-def te_available() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except Exception:  # ImportError, or a broken install (missing CUDA libraries)
-        return False
-    return True
-
-
 def resolve_use_te(cfg: ModelConfig, local: bool = False) -> bool:
     """model.use_te for the engine: "on" builds TE's layers (requires Transformer Engine on a
     CUDA host); "auto" and "off" the local spec, whose GEMMs and norms the engine's own fused
     kernels run. Why "auto" is not TE where it is importable: on one H200 (session 25, TE
-    2.20.2, bench_speed_gpu) the TE spec's decode steps were 1.63 / 5.26 ms at B = 1 / 32
-    against the local spec's 1.31-1.34 / ~3.9 ms in sessions 20-24, and the RL trainer builds
-    the local spec, so an engine on TE's layers could not take its weight sync (other
-    parameter names: linear_qkv.layer_norm_weight). ``local`` (engine.batch_invariant) and FP8
+    2.20.2, bench-speed same-run A/B) the TE spec's decode step was 1.15x the local spec's at
+    B = 1 on the first shape and 1.28x on the Qwen3 shape, 1.03-1.05x at B = 32-128, its 4k
+    prefill 1.07x on Qwen3 (docs/benchmarks.md session 25); and the RL trainer builds the
+    local spec, so an engine on TE's layers could not take its weight sync (other parameter
+    names: linear_qkv.layer_norm_weight). ``local`` (engine.batch_invariant) and FP8
     rollouts run the local spec whatever use_te says."""
     if cfg.use_te != "on" or cfg.fp8 is not None or local:
         return False
@@ -486,8 +480,6 @@ class InferenceGPT(torch.nn.Module):
             if not ok:
                 raise ValueError(f"model.fp8: {why}")
             if cfg.fp8_backend == "te":  # the dense GEMMs through TE (model/fp8_te.py)
-                from colo_rollout.model.fp8_te import te_fp8_problem
-
                 problem = (te_fp8_problem(cfg.fp8_recipe) if groups.device.type == "cuda"
                            else "Transformer Engine's FP8 GEMMs run on a CUDA GPU only")
                 if problem:
