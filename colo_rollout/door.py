@@ -157,7 +157,7 @@ def check_fp8(cfg: Config, source: str) -> None:
 
         problem = te_fp8_problem(m.fp8_recipe)
         if problem:
-            refuse(f"'te' cannot run here: {problem}", key="model.fp8_backend")
+            refuse(f"'te': {problem}", key="model.fp8_backend")
     if m.params_dtype != "bfloat16":
         refuse(f"{m.fp8!r} needs params_dtype 'bfloat16' (the FP8 GEMMs' inputs and outputs), "
                f"got {m.params_dtype!r}; set model.params_dtype: bfloat16 or model.fp8: null")

@@ -385,8 +385,8 @@ def test_door_fp8_refusals_on_an_fp8_gpu_host(monkeypatch):
     # model.fp8_backend te: Transformer Engine importable with the recipe supported (this
     # host has no TE: the door names the key and what to do)
     got = error(fp8_backend="te", fp8_recipe="tensorwise")
-    assert got.startswith("c.yaml: model.fp8_backend: 'te' cannot run here: Transformer "
-                          "Engine's PyTorch package is not importable here ("), got
+    assert got.startswith("c.yaml: model.fp8_backend: 'te': Transformer Engine's PyTorch "
+                          "package is not importable here ("), got
     assert got.endswith("install transformer-engine[pytorch] or set model.fp8_backend: "
                         "engine"), got
     import colo_rollout.config.te_support as te_support
