@@ -6,6 +6,26 @@ import os
 import sys
 
 out = sys.argv[1]
+
+
+def _brief(row: dict, width: int = 160) -> str:
+    """A row without the reference columns: its other keys' scalars, flattened (a.b=v)."""
+    def flat(x, pre=""):
+        if isinstance(x, dict):
+            for k, v in x.items():
+                if k not in ("test", "gpus", "passed", "layout", "tokens", "mismatches"):
+                    yield from flat(v, f"{pre}{k}.")
+        elif isinstance(x, float):
+            yield f"{pre[:-1]}={x:.4g}"
+        elif isinstance(x, (int, bool, str)) or x is None:
+            yield f"{pre[:-1]}={x}"
+    res = row.get("result")
+    parts = [*flat({k: v for k, v in row.items() if k != "result"})]
+    parts += [*flat(res)] if isinstance(res, dict) else []
+    text = ", ".join(parts)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
 print("\n== GPU check summary ==")
 print(f"{'check':34s} {'layout':16s} {'GPUs':>4s} {'result':>7s} {'max|dlogp|':>10s} "
       f"{'mean|dlogp|':>11s} {'tok/s':>9s}")
@@ -48,6 +68,10 @@ for r in rows:
               f" / {x['t_graph_s']:.2f} s graphs = {x['t_eager_s'] / x['t_graph_s']:.2f}x; "
               f"graphs {x['graph_keys']}; re-captures reload/replace "
               f"{x['recaptured_after_reload']}/{x['recaptured_after_replace']}")
+        continue
+    if "max_logprob_diff" not in r:  # a row of its own shape: its scalars, as recorded
+        print(f"{r['test']:34s} {str(r.get('layout', '')):16s} {r.get('gpus', 0):4d} "
+              f"{'PASS' if r.get('passed') else 'FAIL':>7s}   {_brief(r)}")
         continue
     print(f"{r['test']:34s} {r['layout']:16s} {r['gpus']:4d} "
           f"{'PASS' if r['passed'] else 'FAIL':>7s} {r['max_logprob_diff']:10.4f} "
