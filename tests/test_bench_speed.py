@@ -115,6 +115,8 @@ def test_cpu_config_end_to_end(tmp_path, capsys):
     table = capsys.readouterr().out
     cfg = load_config(CPU).bench_speed
     res = json.loads((out_dir / "bench_speed.json").read_text())
+    assert res["fp8"] is None and res["layer_spec"] == "local"  # bf16, the engine's own layers
+    assert "with FP8 GEMMs" not in table and "Transformer Engine" not in table
     shapes = [(r["batch"], r["context"]) for r in res["decode"]]
     assert shapes == ([(b, cfg.short_context) for b in cfg.decode_batches]
                       + [(b, c) for c in cfg.long_contexts for b in cfg.long_batches])

@@ -417,6 +417,11 @@ class _Bench:
                "prefill_path": ("eager attention, MoE-block CUDA graphs"
                                 if self.runner.prefill_graphs is not None else "eager"),
                "moe_dispatch": self.m.moe_dispatch,
+               # model.fp8's format, recipe and who runs the dense FP8 GEMMs (None: bf16)
+               "fp8": ({"format": self.m.fp8, "recipe": self.m.fp8_recipe,
+                        "backend": self.m.fp8_backend} if self.m.fp8 else None),
+               # the engine's layer spec (model.use_te 'on': Transformer Engine's layers)
+               "layer_spec": "te" if self.runner.model.use_te else "local",
                # the dispatch backend's per-phase state on this rank (buffer bytes, SMs)
                "dispatch_state": [d.report().row() for d in (self.runner.model.dispatch_p,
                                                              self.runner.model.dispatch_d)
@@ -782,7 +787,10 @@ def table(res: dict, cfg: Config, source: str) -> str:
     hf_d, hf_p = _hf_index(res)
     hf = res.get("hf") or {}
     lines = [f"bench-speed {source}: 1 rank on {where}, {m.params_dtype}"
-             + (f" with FP8 GEMMs ({m.fp8}, {m.fp8_recipe})" if m.fp8 else "")
+             + (f" with FP8 GEMMs ({m.fp8}, {m.fp8_recipe}"
+                + (", dense GEMMs through Transformer Engine" if m.fp8_backend == "te" else "")
+                + ")" if m.fp8 else "")
+             + (", Transformer Engine's layers" if res.get("layer_spec") == "te" else "")
              + f", {m.num_layers} layers, "
              f"hidden {m.hidden_size}, {m.num_experts} experts top-{m.moe_router_topk}; "
              f"decode path {res['decode_path']}, prefill path {res['prefill_path']}",
