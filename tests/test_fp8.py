@@ -387,8 +387,8 @@ def test_door_fp8_refusals_on_an_fp8_gpu_host(monkeypatch):
     got = error(fp8_backend="te", fp8_recipe="tensorwise")
     assert got.startswith("c.yaml: model.fp8_backend: 'te': Transformer Engine's PyTorch "
                           "package is not importable here ("), got
-    assert got.endswith("install transformer-engine[pytorch] or set model.fp8_backend: "
-                        "engine"), got
+    assert got.endswith("install transformer-engine[pytorch] (the 'te' extra) or set "
+                        "model.fp8_backend: engine"), got
     import colo_rollout.config.te_support as te_support
 
     monkeypatch.setattr(te_support, "te_fp8_problem", lambda recipe: None)  # as where TE runs

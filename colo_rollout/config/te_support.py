@@ -33,7 +33,7 @@ def te_fp8_problem(recipe: str) -> str | None:
     except Exception as e:  # absent, or a broken install (missing CUDA libraries)
         return (f"Transformer Engine's PyTorch package is not importable here "
                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); install "
-                "transformer-engine[pytorch] or set model.fp8_backend: engine")
+                "transformer-engine[pytorch] (the 'te' extra) or set model.fp8_backend: engine")
     check = is_fp8_block_scaling_available if recipe == "blockwise" else is_fp8_available
     ok, why = check(return_reason=True)
     if not ok:
