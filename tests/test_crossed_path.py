@@ -19,8 +19,12 @@ def test_without_turnstile_the_crossed_path_hangs():
         res = g.run(f"{C}:independent_replicas", timeout=120, timeout_s=3.0)
     for rank, r in enumerate(res):
         assert r["hung"], rank
-        assert any("Timed out" in e or "timed out" in e.lower() for e in r["errors"]), r["errors"]
+        # each rank's collective timed out -- or, where a peer timed out first and tore its
+        # side down, saw the connection close (gloo; seen under a loaded 2-core machine)
+        assert r["errors"] and all("timed out" in e.lower() or "connection closed" in e.lower()
+                                   for e in r["errors"]), r["errors"]
         assert r["seconds"] < 30
+    assert any("timed out" in e.lower() for r in res for e in r["errors"]), res
     # the replica that went D-first got stuck in D's full AllGather: its D never finished
     assert res[0]["d_out"] == [] and res[2]["p_out"] == []
 
