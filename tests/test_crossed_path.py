@@ -22,7 +22,7 @@ def test_without_turnstile_the_crossed_path_hangs():
         # each rank's collective timed out -- or, where a peer timed out first and tore its
         # side down, saw the connection close (gloo; seen under a loaded 2-core machine)
         assert any("timed out" in e.lower() or "connection closed" in e.lower()
-                                   for e in r["errors"]), r["errors"]
+                   for e in r["errors"]), r["errors"]
         assert r["seconds"] < 30
     assert any("timed out" in e.lower() for r in res for e in r["errors"]), res
     # the replica that went D-first got stuck in D's full AllGather: its D never finished
