@@ -105,6 +105,56 @@ def save_tiny_checkpoint(directory, family: str, sharded: bool = False, seed: in
     model.save_pretrained(str(directory), **kw)
 
 
+def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (e4m3 [N, K], scale_inv fp32 [ceil(N / br), ceil(K / bc)]) as block-scaled
+    FP8 releases store it: each block's amax / 448 is its scale, w = q * scale_inv."""
+    br, bc = block
+    n, k = w.shape
+    gn, gk = -(-n // br), -(-k // bc)
+    padded = torch.zeros(gn * br, gk * bc)
+    padded[:n, :k] = w.float()
+    blocks = padded.view(gn, br, gk, bc)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
+    q = (blocks / scale[:, None, :, None]).clamp(-448, 448).view(gn * br, gk * bc)[:n, :k]
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def to_fp8_block_checkpoint(src: str, dst: str, reference: str,
+                            block: tuple[int, int]) -> None:
+    """The single-file float checkpoint ``src`` as a block-scaled FP8 release in ``dst``
+    (every linear weight e4m3 + weight_scale_inv; embeddings, norms, the router and lm_head kept
+    as stored; config.json's quantization_config), and in ``reference`` the float checkpoint
+    whose weights are exactly the dequantised ones (transformers' side of the comparison)."""
+    import json
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    fp8, ref = {}, {}
+    for name, t in tensors.items():
+        keep = (t.dim() != 2 or "embed_tokens" in name or name.startswith("lm_head")
+                or name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")))
+        if keep:
+            fp8[name], ref[name] = t, t
+            continue
+        q, scale = quantize_blocks(t, block)
+        fp8[name], fp8[name + "_scale_inv"] = q, scale
+        ref[name] = (q.float() * scale.repeat_interleave(block[0], 0)[: t.shape[0]]
+                     .repeat_interleave(block[1], 1)[:, : t.shape[1]]).to(t.dtype)
+    for out, weights in ((dst, fp8), (reference, ref)):
+        shutil.copytree(src, out)
+        save_file(weights, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    path = os.path.join(dst, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3",
+                                     "quant_method": "fp8", "weight_block_size": list(block)}
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2)
+
+
 def requests_for(n: int, seed: int, vocab: int = 256):
     from colo_rollout.sched.request import Request, SamplingParams
 
@@ -151,9 +201,9 @@ def engine_config(directory: str, world: int, adp: int, ep: int, **model):
 
 
 def serve_checkpoint(rank: int, world: int, directory: str, adp: int, ep: int,
-                     n_requests: int = 8, seed: int = 0) -> dict:
+                     n_requests: int = 8, seed: int = 0, reference: str | None = None) -> dict:
     """Serve greedy requests from ``directory`` on this layout; rank 0 adds the comparison
-    with transformers."""
+    with transformers (of ``reference``, a checkpoint of the same weights, when given)."""
     from colo_rollout.runtime.cpu_compat import install_cpu_compat
     from colo_rollout.engine.engine import Engine
     from colo_rollout.runtime.parallel import init_parallel
@@ -176,7 +226,7 @@ def serve_checkpoint(rank: int, world: int, directory: str, adp: int, ep: int,
     finally:
         engine.close()
     if rank == 0:
-        result.update(hf_compare(directory, requests, outs))
+        result.update(hf_compare(reference or directory, requests, outs))
     return result
 
 

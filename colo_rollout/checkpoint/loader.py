@@ -39,6 +39,7 @@ from colo_rollout.checkpoint.hf_names import (
     mtp_hf_prefix,
     optional_hf_shapes,
 )
+from colo_rollout.checkpoint.fp8_blocks import float_view
 from colo_rollout.checkpoint.store import CheckpointError, CheckpointStore
 from colo_rollout.config import ModelConfig
 from colo_rollout.model.weights import (
@@ -79,7 +80,8 @@ def check_checkpoint(cfg: ModelConfig, store: CheckpointStore | None = None,
                               "load_config, which read config.json)", path=arch.path,
                               name=arch.sources[k])
     own = store is None
-    store = store or CheckpointStore(cfg.checkpoint)
+    # a block-scaled FP8 checkpoint is checked (and read) as the float one it stands for
+    store = float_view(store or CheckpointStore(cfg.checkpoint), arch.weight_block)
     try:
         want = expected_hf_shapes(cfg, arch.family)
         optional = optional_hf_shapes(cfg)
@@ -145,6 +147,7 @@ def load_checkpoint(model: torch.nn.Module, cfg: ModelConfig, layout: Layout, ra
     store = store or CheckpointStore(cfg.checkpoint)
     try:
         arch = arch or check_checkpoint(cfg, store)
+        store = float_view(store, arch.weight_block)  # FP8 blocks dequantised on read
         sources = hf_sources(cfg, arch.family)
         # the model's names (local or TE spec) of every global local-spec name
         spec = to_spec_names({n: n for n in tensor_shapes(cfg)}, te)

@@ -71,6 +71,11 @@ class HFArchitecture:
     # checkpoint stores none of those layers' tensors
     extra_layers: int = 0
     raw: dict = field(default_factory=dict, repr=False)
+    # quantization_config of a block-scaled FP8 checkpoint (quant_method "fp8",
+    # weight_block_size [rows, cols]: DeepSeek-V3's format, Qwen3-*-FP8, GLM-4.5-*-FP8): the
+    # scale block of its e4m3 weights, which load dequantized (checkpoint/fp8_blocks.py); None
+    # for a checkpoint stored in a float dtype
+    weight_block: tuple[int, int] | None = None
 
 
 class _Reader:
@@ -151,7 +156,31 @@ def hf_architecture(directory: str | pathlib.Path, config: dict | None = None) -
     dtype = config.get("dtype", config.get("torch_dtype"))
     return HFArchitecture(path, family, r.fields, r.sources,
                           dtype if isinstance(dtype, str) else None, r.fields["mtp_num_layers"],
-                          config)
+                          config, weight_block=_weight_block(r))
+
+
+def _weight_block(r: _Reader) -> tuple[int, int] | None:
+    """quantization_config: absent or null -> None (float weights); block-scaled FP8
+    (quant_method "fp8", fmt e4m3, weight_block_size [rows, cols]) -> the block; any other
+    quantisation is refused, naming the key."""
+    q = r.c.get("quantization_config")
+    if q is None:
+        return None
+    key = "quantization_config"
+    r.refuse(key, not isinstance(q, dict), f"expected an object or null, got {q!r}")
+    method = q.get("quant_method")
+    r.refuse(f"{key}.quant_method", method != "fp8",
+             f"{method!r} is not supported: checkpoints load in a float dtype or as "
+             "block-scaled FP8 (quant_method 'fp8' with weight_block_size), dequantized")
+    fmt = q.get("fmt", "e4m3")
+    r.refuse(f"{key}.fmt", fmt != "e4m3", f"{fmt!r}: block-scaled FP8 weights load from e4m3")
+    block = q.get("weight_block_size")
+    ok = (isinstance(block, list) and len(block) == 2
+          and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block))
+    r.refuse(f"{key}.weight_block_size", not ok,
+             f"expected [rows, cols] of positive ints (per-tensor FP8 checkpoints are not "
+             f"supported), got {block!r}")
+    return (block[0], block[1])
 
 
 # ---------------------------------------------------------------------- the families
