@@ -1,4 +1,4 @@
-"""Block-scaled FP8 checkpoints (DeepSeek-V3's format; Qwen3-*-FP8, GLM-4.5-*-FP8 releases)
+"""Block-scaled FP8 checkpoints (DeepSeek-V3's format; Qwen3-*-FP8 releases)
 load dequantized (checkpoint/fp8_blocks.py): every span a rank reads equals the same span of
 the whole dequantised weight, the format is checked from the headers, config.json's
 quantization_config is parsed or refused naming its key, and an engine served from such a

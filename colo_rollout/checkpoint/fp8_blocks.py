@@ -1,6 +1,6 @@
 """Block-scaled FP8 checkpoints, read as the float weights they stand for.
 
-The format (DeepSeek-V3's, and Qwen3-*-FP8 / GLM-4.5-*-FP8 releases; config.json
+The format (DeepSeek-V3's, and Qwen3-*-FP8 releases; config.json
 ``quantization_config`` {quant_method: fp8, fmt: e4m3, weight_block_size: [br, bc]}): a
 quantised linear stores ``X.weight`` as e4m3 [N, K] beside ``X.weight_scale_inv`` float32
 [ceil(N / br), ceil(K / bc)], and the weight is ``q[i, j] * scale_inv[i // br, j // bc]``;

@@ -72,7 +72,7 @@ class HFArchitecture:
     extra_layers: int = 0
     raw: dict = field(default_factory=dict, repr=False)
     # quantization_config of a block-scaled FP8 checkpoint (quant_method "fp8",
-    # weight_block_size [rows, cols]: DeepSeek-V3's format, Qwen3-*-FP8, GLM-4.5-*-FP8): the
+    # weight_block_size [rows, cols]: DeepSeek-V3's format, Qwen3-*-FP8): the
     # scale block of its e4m3 weights, which load dequantized (checkpoint/fp8_blocks.py); None
     # for a checkpoint stored in a float dtype
     weight_block: tuple[int, int] | None = None
