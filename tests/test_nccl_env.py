@@ -55,5 +55,10 @@ def test_torch_cudnn_is_loaded_first_only_where_te_is_installed(monkeypatch):
     env = {}
     got = ce.load_torch_cudnn_first(env)
     assert loaded == [1] and got == env  # this process's map decides what is set
+    def mismatch():
+        raise RuntimeError("cuDNN version incompatibility: PyTorch was compiled against ...")
+
+    monkeypatch.setattr(torch.backends.cudnn, "version", mismatch)  # TE imported first
+    assert ce.load_torch_cudnn_first({}) == {}  # the import goes on; torch reports it at use
     monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: False)
     assert ce.load_torch_cudnn_first({}) == {} and loaded == [1]

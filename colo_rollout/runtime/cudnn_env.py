@@ -61,8 +61,11 @@ def load_torch_cudnn_first(environ: MutableMapping[str, str] = os.environ) -> di
         return {}
     import torch
 
-    if not torch.backends.cudnn.is_available() or torch.backends.cudnn.version() is None:
-        return {}
+    try:
+        if not torch.backends.cudnn.is_available() or torch.backends.cudnn.version() is None:
+            return {}
+    except RuntimeError:  # TE was imported first and its cuDNN is the process's already:
+        return {}  # torch says so at its first cuDNN use, not at this package's import
     try:
         with open("/proc/self/maps") as f:
             where = loaded_cudnn_dir(f.read())
