@@ -63,6 +63,10 @@ def test_every_span_reads_as_the_dequantised_weight(tmp_path):
         with pytest.raises(CheckpointError, match="rows must be"):
             st.read("a.weight", rows=(0, 51))
     assert float_view(CheckpointStore(d), None).__class__ is CheckpointStore
+    view = float_view(CheckpointStore(d), BLOCK, "meta")  # dequantised where the params live
+    assert view.read("a.weight", rows=(5, 37)).device.type == "meta"
+    assert view.read("b.weight").device.type == "cpu"  # float tensors: as stored
+    assert float_view(view, BLOCK).device is None  # re-viewed: the new device
 
 
 def test_the_format_is_checked_from_the_headers(tmp_path):

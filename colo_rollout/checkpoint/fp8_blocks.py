@@ -33,8 +33,11 @@ FP8_DTYPES = (torch.float8_e4m3fn,)
 class BlockFp8Store:
     """``store`` as float weights: e4m3 weights with block scales dequantised on read."""
 
-    def __init__(self, store: CheckpointStore, block: tuple[int, int]) -> None:
-        self.store, self.block = store, block
+    def __init__(self, store: CheckpointStore, block: tuple[int, int],
+                 device: torch.device | str | None = None) -> None:
+        # where the dequantisation runs (the parameters' device: a GPU multiplies the spans at
+        # memory speed and the host moves one byte a weight); None: where the data is read
+        self.store, self.block, self.device = store, block, device
         names = set(store.names())
         br, bc = block
         self._scales: dict[str, str] = {}  # weight name -> its scale's name
@@ -97,19 +100,21 @@ class BlockFp8Store:
              cols: tuple[int, int] | None = None, dtype: torch.dtype | None = None
              ) -> torch.Tensor:
         """As ``CheckpointStore.read``; a block-scaled weight's span is dequantised: its e4m3
-        data times the scales of the blocks covering it (fp32), then cast to ``dtype``
-        (default fp32)."""
+        data times the scales of the blocks covering it (fp32, on ``device``), then cast to
+        ``dtype`` (default fp32)."""
         scale_name = self._scales.get(name)
         if scale_name is None:
             return self.store.read(name, rows=rows, cols=cols, dtype=dtype)
         q = self.store.read(name, rows=rows, cols=cols)  # validates the spans
+        if self.device is not None:
+            q = q.to(self.device)
         n, k = self.store.shape(name)
         (r0, r1), (c0, c1) = rows or (0, n), cols or (0, k)
         br, bc = self.block
         # the scale blocks covering the span, expanded to elements and cut to it
         s = self.store.read(scale_name, rows=(r0 // br, -(-r1 // br)) if r1 > r0 else (0, 0),
                             cols=(c0 // bc, -(-c1 // bc)) if c1 > c0 else (0, 0),
-                            dtype=torch.float32)
+                            dtype=torch.float32).to(q.device)
         s = s.repeat_interleave(br, 0)[r0 % br: r0 % br + (r1 - r0)]
         s = s.repeat_interleave(bc, 1)[:, c0 % bc: c0 % bc + (c1 - c0)]
         out = q.to(torch.float32) * s
@@ -125,10 +130,13 @@ class BlockFp8Store:
         self.close()
 
 
-def float_view(store: CheckpointStore | BlockFp8Store,
-               block: tuple[int, int] | None) -> CheckpointStore | BlockFp8Store:
-    """``store`` as float weights: a ``BlockFp8Store`` where the checkpoint is block-scaled
-    FP8 (``block``: ``HFArchitecture.weight_block``), else ``store`` itself."""
-    if block is None or isinstance(store, BlockFp8Store):
+def float_view(store: CheckpointStore | BlockFp8Store, block: tuple[int, int] | None,
+               device: torch.device | str | None = None) -> CheckpointStore | BlockFp8Store:
+    """``store`` as float weights: a ``BlockFp8Store`` (dequantising on ``device``) where the
+    checkpoint is block-scaled FP8 (``block``: ``HFArchitecture.weight_block``), else ``store``
+    itself."""
+    if block is None:
         return store
-    return BlockFp8Store(store, block)
+    if isinstance(store, BlockFp8Store):
+        store = store.store
+    return BlockFp8Store(store, block, device)

@@ -147,12 +147,14 @@ def load_checkpoint(model: torch.nn.Module, cfg: ModelConfig, layout: Layout, ra
     store = store or CheckpointStore(cfg.checkpoint)
     try:
         arch = arch or check_checkpoint(cfg, store)
-        store = float_view(store, arch.weight_block)  # FP8 blocks dequantised on read
         sources = hf_sources(cfg, arch.family)
         # the model's names (local or TE spec) of every global local-spec name
         spec = to_spec_names({n: n for n in tensor_shapes(cfg)}, te)
         spec_of = {local: name for name, local in spec.items()}
         params = loadable_tensors(model)
+        # FP8 blocks dequantised on read, on the parameters' device
+        device = next(iter(params.values())).device if params else None
+        store = float_view(store, arch.weight_block, device)
         num_local = cfg.num_experts // layout.ep
         seen: set[str] = set()
         before = store.bytes_read
@@ -197,15 +199,16 @@ def read_shard(store: CheckpointStore, src: Source, rule: ShardRule,
         return store.read(src.name, cols=span, dtype=dtype)
     if isinstance(src, GateUp):  # "glu": the same rows of gate and of up
         span = rule.rows_of(store.shape(src.gate)[0]) if rule.kind == "glu" else None
-        return torch.cat([store.read(src.gate, rows=span, dtype=dtype),
-                          store.read(src.up, rows=span, dtype=dtype)])
+        gate = store.read(src.gate, rows=span, dtype=dtype)
+        # (a block-scaled FP8 source reads onto the parameters' device: keep the pair together)
+        return torch.cat([gate, store.read(src.up, rows=span, dtype=dtype).to(gate.device)])
     assert isinstance(src, QKV)
     # "rows" of megatron's grouped qkv = a run of whole query groups [g0, g1)
     g0, g1 = rule.rows_of(src.groups) if rule.kind == "rows" else (0, src.groups)
     d, n = src.head_dim, src.q_per_group
     q = store.read(src.q, rows=(g0 * n * d, g1 * n * d), dtype=dtype)
-    k = store.read(src.k, rows=(g0 * d, g1 * d), dtype=dtype)
-    v = store.read(src.v, rows=(g0 * d, g1 * d), dtype=dtype)
+    k = store.read(src.k, rows=(g0 * d, g1 * d), dtype=dtype).to(q.device)
+    v = store.read(src.v, rows=(g0 * d, g1 * d), dtype=dtype).to(q.device)
     return src.fuse(q, k, v)
 
 
