@@ -69,6 +69,25 @@ def test_every_span_reads_as_the_dequantised_weight(tmp_path):
     assert float_view(view, BLOCK).device is None  # re-viewed: the new device
 
 
+def test_a_sharded_release_reads_each_tensor_from_its_shard(tmp_path):
+    """Releases are sharded (model.safetensors.index.json), a weight and its scales possibly in
+    different shards."""
+    q, s = quantize_blocks(torch.randn(50, 70, generator=torch.Generator().manual_seed(1)),
+                           BLOCK)
+    d = tmp_path / "sharded"
+    d.mkdir()
+    with open(d / "config.json", "w") as f:
+        json.dump({"architectures": ["Qwen3MoeForCausalLM"]}, f)
+    save_file({"a.weight": q}, str(d / "model-00001-of-00002.safetensors"))
+    save_file({"a.weight_scale_inv": s}, str(d / "model-00002-of-00002.safetensors"))
+    with open(d / "model.safetensors.index.json", "w") as f:
+        json.dump({"weight_map": {"a.weight": "model-00001-of-00002.safetensors",
+                                  "a.weight_scale_inv": "model-00002-of-00002.safetensors"}}, f)
+    with BlockFp8Store(CheckpointStore(d), BLOCK) as st:
+        assert st.names() == ["a.weight"]
+        assert torch.equal(st.read("a.weight", cols=(3, 66)), _dequantised(q, s, BLOCK)[:, 3:66])
+
+
 def test_the_format_is_checked_from_the_headers(tmp_path):
     q, s = quantize_blocks(torch.randn(50, 70), BLOCK)
 
