@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_fused_moe as g  # noqa: E402
 from colo_rollout.model import fp8  # noqa: E402
+from colo_rollout.model.fp8_linear import fp8_linear  # noqa: E402
 from colo_rollout.model import fused_moe as fm  # noqa: E402
 
 T = fm.Tile
@@ -113,9 +114,9 @@ def main() -> int:
         ends = torch.full((1,), N, dtype=torch.int32, device=dev)
         run("bf16 torch.mm", "qkv", fl, [lambda c=c: x @ wq[c].T for c in (0, 1)])
         run("rowwise FP8 _scaled_mm (fp8_linear)", "qkv", fl,
-            [lambda c=c: fp8.fp8_linear(x, wqr[c]) for c in (0, 1)])
+            [lambda c=c: fp8_linear(x, wqr[c]) for c in (0, 1)])
         run("blockwise fp8_linear (engine)", "qkv", fl,
-            [lambda c=c: fp8.fp8_linear(x, wqb[c]) for c in (0, 1)])
+            [lambda c=c: fp8_linear(x, wqb[c]) for c in (0, 1)])
         ref = None
         for t in FC2:
             got = run(f"blockwise GEMM alone {g._fmt(t)}", "qkv", fl, [

@@ -756,6 +756,7 @@ def gpu_fp8_kernels(rank: int, world: int) -> dict:
     import torch.nn.functional as F
 
     from colo_rollout.model import fp8 as f8
+    from colo_rollout.model.fp8_linear import fp8_linear
     from colo_rollout.model import fused_moe as fm
 
     dev = torch.device("cuda")
@@ -770,7 +771,7 @@ def gpu_fp8_kernels(rank: int, world: int) -> dict:
     x = torch.randn(45, 2048, generator=g, device=dev).bfloat16()
     w = (torch.randn(1536, 2048, generator=g, device=dev) / 45).bfloat16()
     fw = f8.Fp8Weight.of(w)
-    y = f8.fp8_linear(x, fw)
+    y = fp8_linear(x, fw)
     q, s = f8.quantize_rows(x)
     ref = F.linear(f8.dequantize_rows(q[:45], s[:45]), fw.dequantized())
     exact = F.linear(x.float(), w.float())
@@ -780,8 +781,8 @@ def gpu_fp8_kernels(rank: int, world: int) -> dict:
     res["linear_rows"] = {}
     for M in (1, 16, 64, 256):
         xs = torch.randn(M, 2048, generator=g, device=dev).bfloat16()
-        t = f8.fp8_linear(xs, fw, backend="triton")
-        m = f8.fp8_linear(xs, fw, backend="scaled_mm")
+        t = fp8_linear(xs, fw, backend="triton")
+        m = fp8_linear(xs, fw, backend="scaled_mm")
         row = {"triton_vs_scaled_mm": ((t.float() - m.float()).abs().max()
                                        / m.float().abs().max()).item()}
         res["linear_rows"][M] = row
@@ -813,7 +814,7 @@ def gpu_fp8_kernels(rank: int, world: int) -> dict:
         same &= torch.equal(a[0].float(), b[0].float()) and torch.equal(a[1], b[1])
     res["blockwise_quantize_bitwise"] = bool(same)
     bw = f8.Fp8Weight.of(w, 128)
-    yb = f8.fp8_linear(x45 := torch.randn(45, 2048, generator=g, device=dev).bfloat16(), bw)
+    yb = fp8_linear(x45 := torch.randn(45, 2048, generator=g, device=dev).bfloat16(), bw)
     qb, sb = f8.quantize_rows(x45, pad=False, group=128)
     refb = F.linear(f8.dequantize_rows(qb, sb), bw.dequantized())
     res["blockwise_linear_vs_reference"] = ((yb.float() - refb).abs().max()

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from colo_rollout.model import fp8 as f8
+from colo_rollout.model.fp8_linear import fp8_linear
 from colo_rollout.model import fused_moe as fm
 from tests.interpreted import HAS_TRITON, interpreted_main
 
@@ -65,7 +66,7 @@ def test_fp8_linear_is_the_dequantised_product_and_near_the_16_bit_one():
     b = torch.randn(48, generator=g).bfloat16()
     fw = f8.Fp8Weight.of(w)
     assert fw.q.shape == (48, 64) and fw.scale.shape == (48,)
-    y = f8.fp8_linear(x, fw, bias=b)
+    y = fp8_linear(x, fw, bias=b)
     q, s = f8.quantize_rows(x)
     ref = (F.linear(f8.dequantize_rows(q[:7], s[:7]), fw.dequantized()).bfloat16()
            + b)
@@ -73,7 +74,7 @@ def test_fp8_linear_is_the_dequantised_product_and_near_the_16_bit_one():
     exact = F.linear(x.float(), w.float()) + b.float()
     rel = (y.float() - exact).abs().max() / exact.abs().max()
     assert 1e-4 < rel < 0.1  # FP8 rounding is visible, and bounded
-    assert f8.fp8_linear(x[:0], fw).shape == (0, 48)
+    assert fp8_linear(x[:0], fw).shape == (0, 48)
 
 
 def test_fp8_weight_refresh_is_in_place():
@@ -131,11 +132,11 @@ def test_blockwise_scales_bound_each_block_and_refresh_in_place():
     # the linear: blockwise x against blockwise W, the dequantised product
     xl = torch.randn(7, 128, generator=g).bfloat16()
     wl = f8.Fp8Weight.of((torch.randn(256, 128, generator=g) / 11).bfloat16(), 128)
-    y = f8.fp8_linear(xl, wl)
+    y = fp8_linear(xl, wl)
     ql, sl = f8.quantize_rows(xl, pad=False, group=128)
     assert torch.equal(y, F.linear(f8.dequantize_rows(ql, sl), wl.dequantized()).bfloat16())
     with pytest.raises(ValueError, match="rowwise weights only"):
-        f8.fp8_linear(xl, wl, backend="scaled_mm")
+        fp8_linear(xl, wl, backend="scaled_mm")
     assert f8.recipe_block("blockwise") == 128 and f8.recipe_block("rowwise") == 0
 
 
@@ -236,8 +237,8 @@ def _interpreted() -> list[str]:
     for M, K, N in ((1, 128, 128), (20, 256, 384)):
         xl = torch.randn(M, K, generator=g).bfloat16()
         wl = f8.Fp8Weight.of((torch.randn(N, K, generator=g) / K ** 0.5).bfloat16(), 128)
-        a = f8.fp8_linear(xl, wl, backend="triton")
-        b = f8.fp8_linear(xl, wl, backend="torch")
+        a = fp8_linear(xl, wl, backend="triton")
+        b = fp8_linear(xl, wl, backend="torch")
         err = ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
         if a.shape != (M, N) or err > 1e-2:
             fails.append(f"blockwise fp8_linear {M}x{K}x{N}: {tuple(a.shape)} err {err:.2e}")
@@ -245,8 +246,8 @@ def _interpreted() -> list[str]:
     for M, K, N in ((1, 64, 48), (16, 128, 96), (40, 80, 32)):
         xl = torch.randn(M, K, generator=g).bfloat16()
         wl = f8.Fp8Weight.of((torch.randn(N, K, generator=g) / K ** 0.5).bfloat16())
-        a = f8.fp8_linear(xl, wl, backend="triton")
-        b = f8.fp8_linear(xl, wl, backend="torch")
+        a = fp8_linear(xl, wl, backend="triton")
+        b = fp8_linear(xl, wl, backend="torch")
         err = ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
         if a.shape != (M, N) or a.dtype != torch.bfloat16 or err > 1e-2:
             fails.append(f"fp8_linear triton {M}x{K}x{N}: {tuple(a.shape)} {a.dtype} err {err:.2e}")

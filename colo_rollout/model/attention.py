@@ -32,7 +32,7 @@ from colo_rollout.model.dense_prefill import (
     dense_sequences,
 )
 from colo_rollout.model.batch_invariant import SPLIT_TOKENS, invariant_linear
-from colo_rollout.model.fp8 import fp8_linear
+from colo_rollout.model.fp8_linear import fp8_linear
 from colo_rollout.model.kernel_backend import as_dtype
 from colo_rollout.model.paged_attention import decode_attention
 from colo_rollout.model.rope_kv import QKRMSNorm, rope_and_store, rotate

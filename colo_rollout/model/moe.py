@@ -49,7 +49,8 @@ from colo_rollout.model.fused_moe import (
     triton_available,
     triton_supports,
 )
-from colo_rollout.model.fp8 import Fp8Weight, fp8_linear
+from colo_rollout.model.fp8 import Fp8Weight
+from colo_rollout.model.fp8_linear import fp8_linear
 from colo_rollout.model.moe_align import align
 from colo_rollout.model import router_topk
 
