@@ -11,6 +11,11 @@ against transformers in bf16 and fp32 (the issue-15 GPU check).
    and in fp32, and reports argmax agreement and mean |dlogp| of the engine and of transformers'
    bf16 against the fp32 ground truth (the yardstick: a bf16 model against itself in fp32).
 Prints a table; writes every number to --json.
+
+``--fp8-release``: the checkpoint is written as a block-scaled FP8 release instead ([128, 128]
+e4m3 blocks with weight_scale_inv, quantization_config fp8; embeddings, norms, router and
+lm_head in bf16: checkpoint/fp8_blocks.py), beside DIR_ref, its dequantised weights in bf16;
+the engine serves the release (dequantised on the GPU at load) and transformers scores DIR_ref.
 """
 
 from __future__ import annotations
@@ -46,8 +51,19 @@ def tiny_shape(layers: int) -> dict:
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def write_random_checkpoint(directory: str, shape: dict, seed: int = 0) -> dict:
+FP8_BLOCK = (128, 128)
+
+
+def _kept_in_float(name: str, t: torch.Tensor) -> bool:
+    """What block-FP8 releases leave unquantised: 1-D tensors, embeddings, lm_head, routers."""
+    return (t.dim() != 2 or "embed_tokens" in name or name.startswith("lm_head")
+            or name.endswith("mlp.gate.weight"))
+
+
+def write_random_checkpoint(directory: str, shape: dict, seed: int = 0,
+                            fp8_release: bool = False) -> dict:
     from colo_rollout.checkpoint.export import hf_config_dict
+    from colo_rollout.checkpoint.fp8_blocks import SCALE_SUFFIX, quantize_blocks
     from colo_rollout.config.hf_config import QWEN3
     from colo_rollout.checkpoint.hf_names import expected_hf_shapes
     from colo_rollout.checkpoint.store import write_checkpoint
@@ -56,20 +72,53 @@ def write_random_checkpoint(directory: str, shape: dict, seed: int = 0) -> dict:
     cfg = ModelConfig(**shape)
     g = torch.Generator(device=DEV).manual_seed(seed)
 
+    ref: list = []  # --fp8-release: the dequantised twin's tensors, written after
+
     def tensors():
         for name, shape in expected_hf_shapes(cfg, QWEN3).items():
             if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
                 t = 1.0 + 0.05 * torch.randn(shape, generator=g, device=DEV)
             else:
                 t = 0.02 * torch.randn(shape, generator=g, device=DEV)
-            yield name, t.to(torch.bfloat16).cpu()
+            if not fp8_release or _kept_in_float(name, t):
+                yield name, t.to(torch.bfloat16).cpu()
+                continue
+            q, scale = quantize_blocks(t, FP8_BLOCK)
+            yield name, q.cpu()
+            yield name + SCALE_SUFFIX, scale.cpu()
+            n, k = t.shape
+            deq = (q.float() * scale.repeat_interleave(FP8_BLOCK[0], 0)[:n]
+                   .repeat_interleave(FP8_BLOCK[1], 1)[:, :k])
+            ref.append((name, deq.to(torch.bfloat16).cpu()))
 
+    config = hf_config_dict(cfg, QWEN3, "bfloat16")
+    if fp8_release:
+        config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3",
+                                         "quant_method": "fp8",
+                                         "weight_block_size": list(FP8_BLOCK)}
     t0 = time.perf_counter()
-    files = write_checkpoint(directory, tensors(), hf_config_dict(cfg, QWEN3, "bfloat16"),
-                             max_shard_bytes=4 * 2**30)
+    files = write_checkpoint(directory, tensors(), config, max_shard_bytes=4 * 2**30)
     secs = time.perf_counter() - t0
     total = sum(os.path.getsize(f) for f in files)
-    return {"files": len(files), "bytes": total, "write_s": secs}
+    out = {"files": len(files), "bytes": total, "write_s": secs}
+    if fp8_release:  # the float twin: every tensor, the quantised ones dequantised
+        from safetensors import safe_open
+
+        deq = dict(ref)
+        ref.clear()
+
+        def twin():
+            for f in files:
+                with safe_open(f, "pt") as h:
+                    for name in h.keys():
+                        if not name.endswith(SCALE_SUFFIX):
+                            yield name, deq.pop(name) if name in deq else h.get_tensor(name)
+
+        ref_files = write_checkpoint(directory + "_ref", twin(),
+                                     hf_config_dict(cfg, QWEN3, "bfloat16"),
+                                     max_shard_bytes=4 * 2**30)
+        out["reference_bytes"] = sum(os.path.getsize(f) for f in ref_files)
+    return out
 
 
 def serve(directory: str, n_requests: int, new_tokens: int, seed: int = 0) -> dict:
@@ -173,12 +222,17 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--json", default=None)
     ap.add_argument("--tiny", action="store_true", help="toy shape (CPU smoke run)")
+    ap.add_argument("--fp8-release", action="store_true",
+                    help="write and serve a block-scaled FP8 release (transformers scores "
+                         "its dequantised twin, DIR_ref)")
     args = ap.parse_args()
     out: dict = {"device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu",
                  "layers": args.layers}
     shape = (tiny_shape if args.tiny else qwen3_30b_shape)(args.layers)
     out["shape"] = shape
-    out["write"] = write_random_checkpoint(args.dir, shape)
+    out["write"] = write_random_checkpoint(args.dir, shape, fp8_release=args.fp8_release)
+    out["fp8_release"] = args.fp8_release
+    hf_dir = args.dir + "_ref" if args.fp8_release else args.dir
     print(f"checkpoint: {out['write']['files']} files, {out['write']['bytes'] / 1e9:.2f} GB "
           f"written in {out['write']['write_s']:.1f} s", flush=True)
     s = serve(args.dir, args.requests, args.new_tokens)
@@ -186,8 +240,8 @@ def main() -> None:
     out["serve"] = s
     print(f"engine: load {s['load_bytes'] / 1e9:.2f} GB in {s['load_s']:.1f} s = "
           f"{s['load_gb_s']:.2f} GB/s; generate {s['tok_s']:.0f} tok/s", flush=True)
-    lp32, arg32, l32 = hf_scores(args.dir, torch.float32, seqs)
-    lp16, arg16, l16 = hf_scores(args.dir, torch.bfloat16, seqs)
+    lp32, arg32, l32 = hf_scores(hf_dir, torch.float32, seqs)
+    lp16, arg16, l16 = hf_scores(hf_dir, torch.bfloat16, seqs)
     out["transformers_load_s"] = {"fp32": l32, "bf16": l16}
     out["engine_bf16_vs_hf_fp32"] = compare(seqs, lp32, arg32)
     out["hf_bf16_vs_hf_fp32"] = compare(seqs, lp32, arg32, lp16, arg16)

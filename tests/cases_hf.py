@@ -105,20 +105,6 @@ def save_tiny_checkpoint(directory, family: str, sharded: bool = False, seed: in
     model.save_pretrained(str(directory), **kw)
 
 
-def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] -> (e4m3 [N, K], scale_inv fp32 [ceil(N / br), ceil(K / bc)]) as block-scaled
-    FP8 releases store it: each block's amax / 448 is its scale, w = q * scale_inv."""
-    br, bc = block
-    n, k = w.shape
-    gn, gk = -(-n // br), -(-k // bc)
-    padded = torch.zeros(gn * br, gk * bc)
-    padded[:n, :k] = w.float()
-    blocks = padded.view(gn, br, gk, bc)
-    scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
-    q = (blocks / scale[:, None, :, None]).clamp(-448, 448).view(gn * br, gk * bc)[:n, :k]
-    return q.to(torch.float8_e4m3fn), scale
-
-
 def to_fp8_block_checkpoint(src: str, dst: str, reference: str,
                             block: tuple[int, int]) -> None:
     """The single-file float checkpoint ``src`` as a block-scaled FP8 release in ``dst``
@@ -130,6 +116,8 @@ def to_fp8_block_checkpoint(src: str, dst: str, reference: str,
     import shutil
 
     from safetensors.torch import load_file, save_file
+
+    from colo_rollout.checkpoint.fp8_blocks import quantize_blocks
 
     tensors = load_file(os.path.join(src, "model.safetensors"))
     fp8, ref = {}, {}

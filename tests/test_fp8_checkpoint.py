@@ -14,10 +14,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from colo_rollout.checkpoint.fp8_blocks import BlockFp8Store, float_view
+from colo_rollout.checkpoint.fp8_blocks import BlockFp8Store, float_view, quantize_blocks
 from colo_rollout.checkpoint.store import CheckpointError, CheckpointStore
 from colo_rollout.config.hf_config import hf_architecture
-from tests.cases_hf import quantize_blocks, save_tiny_checkpoint, to_fp8_block_checkpoint
+from tests.cases_hf import save_tiny_checkpoint, to_fp8_block_checkpoint
 from tests.test_hf_import import CASES, check_equivalent, edit_config
 
 BLOCK = (16, 32)

@@ -16,6 +16,9 @@ the data and of the scales). Checked on opening, from the headers: every e4m3 we
 scale with the block grid's shape, and every scale its weight (else a CheckpointError naming the
 tensor). With model.fp8 the engine then re-quantises from the dequantised weights.
 
+Also ``quantize_blocks``, the writer's side of the format (how releases make their scales:
+each block's amax / 448), for tests and benchmarks that build a release.
+
 Must not go in here: which tensors a model needs (hf_names.py), the on-disk format of files
 (store.py).
 """
@@ -28,6 +31,23 @@ from colo_rollout.checkpoint.store import CheckpointError, CheckpointStore
 
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
 FP8_DTYPES = (torch.float8_e4m3fn,)
+E4M3_MAX = 448.0
+
+
+def quantize_blocks(w: torch.Tensor, block: tuple[int, int]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (e4m3 [N, K], scale_inv fp32 [ceil(N / br), ceil(K / bc)]) as block-scaled
+    FP8 releases store it: each block's amax / 448 is its scale, w ~ q * scale_inv. On w's
+    device."""
+    br, bc = block
+    n, k = w.shape
+    gn, gk = -(-n // br), -(-k // bc)
+    padded = torch.zeros(gn * br, gk * bc, device=w.device)
+    padded[:n, :k] = w.float()
+    blocks = padded.view(gn, br, gk, bc)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / E4M3_MAX
+    q = (blocks / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).view(gn * br, gk * bc)
+    return q[:n, :k].to(torch.float8_e4m3fn), scale
 
 
 class BlockFp8Store:
