@@ -58,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     bs.add_argument("config", help="YAML config with a bench_speed: section, e.g. "
                     "configs/bench_speed_cpu.yaml")
     bs.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    bs.add_argument("--versus", action="append", default=[], metavar="'KEY=VALUE ...'",
+                    help="a variant measured in the same process after the base, on the same "
+                         "rows (model.* and engine.* keys, space-separated): step times and "
+                         "their ratios to the base's; repeatable")
     bw = sub.add_parser("bench-sync", help="the weight sync (trainer -> inference layout) "
                         "against the device's copy bandwidth")
     bw.add_argument("config", help="YAML config (its model, parallel layout and rl.trainer_tp "
@@ -104,10 +108,15 @@ def main(argv: list[str] | None = None) -> int:
 
         return generate(args)
     if args.cmd == "bench-speed":
+        from colo_rollout.tools.bench_speed import versus_overrides
+
         overrides = _door(_overrides, args.set)
         cfg = _config_at_the_door(args.config, overrides, args.cmd)
+        versus = [_door(versus_overrides, v) for v in args.versus]
+        for v in versus:  # each variant's config checked at the door too
+            _config_at_the_door(args.config, {**overrides, **v}, args.cmd)
         res = _launch("colo_rollout.tools.bench_speed:run_bench_speed", args.config, overrides,
-                      cfg=cfg)[0]
+                      cfg=cfg, versus=versus)[0]
         from colo_rollout.tools.bench_speed import report
 
         report(res, cfg, args.config)

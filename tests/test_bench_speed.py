@@ -183,3 +183,40 @@ def test_bench_speed_config_is_checked_at_the_door(capsys, tmp_path):
     line = door_error(capsys, "bench-speed", CPU, "--set", "parallel.world_size=2",
                       "--set", "parallel.ep=2")
     assert "parallel.world_size: bench-speed runs on one rank; got 2" in line
+
+
+def test_versus_measures_a_variant_on_the_same_rows_in_the_same_process(tmp_path, capsys):
+    """--versus: a variant's rows beside the base's, each with its ratio (variant / base)."""
+    out_dir = tmp_path / "vs"
+    rows = ["--set", "bench_speed.decode_batches=[1, 2]", "--set", "bench_speed.long_contexts=[]",
+            "--set", "bench_speed.long_batches=[]",
+            "--set", "bench_speed.sampled_batches=[]", "--set", "bench_speed.prefill_lengths=[64]",
+            "--set", "bench_speed.prefill_batch_seqs=0", "--set", "bench_speed.prefill_mixed=[]",
+            "--set", "bench_speed.continuation_seqs=0", "--set", "bench_speed.hf_peer=false",
+            "--set", "bench_speed.profile=false", "--set", "bench_speed.iters=2",
+            "--set", "bench_speed.prefill_iters=1", "--set", f"bench_speed.out_dir={out_dir}"]
+    assert main(["bench-speed", CPU, *rows, "--versus", "model.moe_compute=megatron"]) == 0
+    table = capsys.readouterr().out
+    res = json.loads((out_dir / "bench_speed.json").read_text())
+    (v,) = res["versus"]
+    assert v["set"] == {"model.moe_compute": "megatron"}
+    base = {("decode", r["batch"], r["context"]): r["step_s"] for r in res["decode"]}
+    base |= {("prefill", r["shape"]): r["step_s"] for r in res["prefill"]}
+    assert [(r["kind"], *r["row"]) for r in v["rows"]] == list(base)  # every row, in order
+    for r in v["rows"]:
+        assert r["base_step_s"] == base[(r["kind"], *r["row"])] and r["step_s"] > 0
+        assert r["ratio"] == pytest.approx(r["step_s"] / r["base_step_s"])
+        what = (f"decode B={r['row'][0]} ctx {r['row'][1]}" if r["kind"] == "decode"
+                else f"prefill {r['row'][0]}")
+        assert f"{what:<34} {r['base_step_s'] * 1e3:>9.3f} {r['step_s'] * 1e3:>9.3f}" in table
+    assert 'versus (same process' in table and 'model.moe_compute="megatron"' in table
+
+
+def test_versus_variants_are_checked_at_the_door(capsys):
+    line = door_error(capsys, "bench-speed", CPU, "--versus", "bench_speed.iters=3")
+    assert line.startswith("error: --versus bench_speed.iters: a variant changes the model or "
+                           "the engine (model.*, engine.*)"), line
+    line = door_error(capsys, "bench-speed", CPU, "--versus", "")
+    assert line == "error: --versus: an empty variant (give KEY=VALUE pairs)"
+    line = door_error(capsys, "bench-speed", CPU, "--versus", "model.moe_compute=fast")
+    assert line.startswith(f"error: {CPU}: model.moe_compute: expected one of"), line

@@ -217,9 +217,37 @@ def prefill_plan(seqs: list[tuple[int, int]], rng: random.Random, vocab: int,
 
 
 # --------------------------------------------------------------------------- the rank's run
+# the sections a --versus variant may change: the model and the engine, not the rows measured
+# (bench_speed) nor the layout (parallel)
+VERSUS_SECTIONS = ("model", "engine")
+
+
+def versus_overrides(text: str) -> dict:
+    """A ``--versus`` variant ('KEY=VALUE KEY=VALUE ...', values read as YAML) as overrides;
+    a ConfigError naming the key for a section other than ``VERSUS_SECTIONS``."""
+    import shlex
+
+    from colo_rollout.config import ConfigError
+    from colo_rollout.config.loader import parse_override
+
+    pairs = shlex.split(text)
+    if not pairs:
+        raise ConfigError("--versus: an empty variant (give KEY=VALUE pairs)", key="--versus")
+    out = dict(parse_override(p) for p in pairs)
+    for key in out:
+        if key.split(".")[0] not in VERSUS_SECTIONS:
+            raise ConfigError(f"--versus {key}: a variant changes the model or the engine "
+                              f"({', '.join(s + '.*' for s in VERSUS_SECTIONS)}); the rows and "
+                              "the layout stay the base run's", key="--versus")
+    return out
+
+
 def run_bench_speed(rank: int, world: int, config_path: str,
-                    overrides: dict | None = None) -> dict:
-    """Every measurement of the bench_speed section on this (the only) rank; plain values."""
+                    overrides: dict | None = None, versus: list[dict] | None = None) -> dict:
+    """Every measurement of the bench_speed section on this (the only) rank; plain values.
+    ``versus``: variants (overrides on top of ``overrides``) measured after the base in this
+    process, on the same rows -- without the breakdown and the peer -- into ``out["versus"]``
+    with each row's ratio to the base's step."""
     quiet_known_warnings()
     from colo_rollout.runtime.parallel import init_parallel
 
@@ -230,6 +258,17 @@ def run_bench_speed(rank: int, world: int, config_path: str,
         out = bench.run()
     finally:
         bench.close()
+    out["versus"] = []
+    for v in versus or []:
+        vcfg = load_config(config_path, {**(overrides or {}), **v})
+        vcfg = dataclasses.replace(vcfg, bench_speed=dataclasses.replace(
+            vcfg.bench_speed, profile=False, hf_peer=False))
+        bench = _Bench(vcfg, groups)
+        try:
+            got = bench.run()
+        finally:
+            bench.close()
+        out["versus"].append(_versus_rows(v, out, got))
     if cfg.bench_speed.hf_peer:
         try:
             out["hf"] = hf_peer(cfg, groups.device)
@@ -237,6 +276,27 @@ def run_bench_speed(rank: int, world: int, config_path: str,
             out["hf"] = {"skipped": f"the peer failed: {type(e).__name__}: "
                                     f"{' '.join(str(e).split())[:300]}"}
     return out
+
+
+def _row_key(kind: str, r: dict) -> tuple:
+    return (kind, r["batch"], r["context"]) if kind == "decode" else (kind, r["shape"])
+
+
+def _versus_rows(overrides: dict, base: dict, got: dict) -> dict:
+    """A variant's rows beside the base's: its step and the ratio variant / base (> 1: the
+    variant is slower), row by row."""
+    rows = []
+    for kind in ("decode", "decode_sampled", "prefill"):
+        mine = {_row_key(kind, r): r for r in base.get(kind, [])}
+        for r in got.get(kind, []):
+            b = mine.get(_row_key(kind, r))
+            if b is None:
+                continue
+            rows.append({"kind": kind, "row": list(_row_key(kind, r)[1:]),
+                         "base_step_s": b["step_s"], "step_s": r["step_s"],
+                         "ratio": r["step_s"] / b["step_s"]})
+    return {"set": overrides, "rows": rows, "setup_s": got.get("setup_s"),
+            "layer_spec": got.get("layer_spec"), "fp8": got.get("fp8")}
 
 
 @contextlib.contextmanager
@@ -878,7 +938,26 @@ def table(res: dict, cfg: Config, source: str) -> str:
                       f"{bd[k]['graph_kernel_ms']:.3f} ms of kernel time; the longest by name "
                       "(per step)", f"{'count':>7} {'us':>9}  kernel"]
             lines += [f"{r['count']:>7.0f} {r['us']:>9.1f}  {r['name'][:100]}" for r in gk["top"]]
+    lines += _versus_lines(res.get("versus") or [])
     return "\n".join(lines)
+
+
+def _versus_lines(versus: list[dict]) -> list[str]:
+    """The --versus variants' rows: base step, variant step, ratio (> 1: the variant slower)."""
+    if not versus:
+        return []
+    out = ["", "versus (same process, measured after the base; ratio = variant / base step, "
+               "> 1: the variant is slower)"]
+    for v in versus:
+        label = " ".join(f"{k}={json.dumps(x)}" for k, x in v["set"].items())
+        out += [f"  {label}", f"    {'row':<34} {'base ms':>9} {'ms':>9} {'ratio':>7}"]
+        for r in v["rows"]:
+            what = (f"decode B={r['row'][0]} ctx {r['row'][1]}" if r["kind"] == "decode"
+                    else f"sampled B={r['row'][0]} ctx {r['row'][1]}"
+                    if r["kind"] == "decode_sampled" else f"prefill {r['row'][0]}")
+            out.append(f"    {what:<34} {r['base_step_s'] * 1e3:>9.3f} {r['step_s'] * 1e3:>9.3f}"
+                       f" {r['ratio']:>7.3f}")
+    return out
 
 
 def _num(v: float) -> str:
