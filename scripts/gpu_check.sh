@@ -80,6 +80,14 @@ if [ "${RUN_CHECKPOINT:-1}" = 1 ]; then
   timeout 300 python3 scripts/gpu_checkpoint.py --dir "${CKPT_DIR:-/root/qwen3_ckpt}" \
     --layers "${CKPT_LAYERS:-12}" --json "$OUT/checkpoint.json" 2>&1 \
     | grep -v -i 'warn\|Loading weights' | tail -n 8 || echo "checkpoint run failed"
+  # the same shape as a block-scaled FP8 release (dequantised at load; transformers scores its
+  # bf16 twin); RUN_FP8_RELEASE=0 skips it
+  if [ "${RUN_FP8_RELEASE:-1}" = 1 ]; then
+    timeout 400 python3 scripts/gpu_checkpoint.py --fp8-release \
+      --dir "${CKPT_DIR:-/root/qwen3_ckpt}_fp8" --layers "${CKPT_LAYERS:-12}" \
+      --json "$OUT/checkpoint_fp8_release.json" 2>&1 \
+      | grep -v -i 'warn\|Loading weights' | tail -n 8 || echo "FP8 release run failed"
+  fi
 fi
 
 # decode and prefill against the roofline, one GPU, with the transformers peer (bench-speed);
