@@ -15,8 +15,8 @@ libcudnn_heuristic.so.9: its dependencies are found by name in the system's path
 torch's cuDNN first, point TE's loader at the directory it came from (CUDNN_PATH) so TE opens
 the very same file, and load that directory's sub-libraries (libcudnn_*.so.9) globally so TE's
 core library's dependencies resolve to them by name. A CUDNN_HOME / CUDNN_PATH the user set
-is kept (and nothing else is loaded). Only where TE is installed (the check imports nothing); elsewhere torch is not
-even imported here.
+elsewhere is kept (and nothing is loaded from it). Only where TE is installed (the check
+imports nothing); elsewhere torch is not even imported here.
 """
 
 from __future__ import annotations
