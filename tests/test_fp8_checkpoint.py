@@ -152,6 +152,37 @@ def test_checkpoint_check_sees_the_float_release(fp8_ckpt):
         assert st.dtype("model.layers.0.mlp.gate.weight") == torch.float32  # the router: kept
 
 
+def test_an_fp8_release_without_its_quantization_config_is_refused(fp8_ckpt, tmp_path):
+    """Malformed releases, checked at the door: scales beside weights, or e4m3 weights alone,
+    with no quantization_config to say how to read them (the codes unscaled would load)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from colo_rollout.checkpoint.loader import check_checkpoint
+    from colo_rollout.config import config_from_dict
+
+    fp8, _ = fp8_ckpt
+    d = str(tmp_path / "noqc")
+    shutil.copytree(fp8, d)
+    edit_config(d, quantization_config=None)
+
+    def error() -> str:
+        cfg = config_from_dict({"model": {"checkpoint": d}, "engine": {"max_seq_len": 128}})
+        with pytest.raises(CheckpointError) as info:
+            check_checkpoint(cfg.model)
+        return str(info.value)
+
+    got = error()
+    assert "unexpected tensors" in got and "weight_scale_inv" in got, got
+    assert got.endswith("block-scaled FP8 weights load when config.json's quantization_config "
+                        "says so (quant_method 'fp8', weight_block_size)"), got
+    path = os.path.join(d, "model.safetensors")  # the scales gone too: e4m3 codes alone
+    save_file({k: v for k, v in load_file(path).items() if not k.endswith("_scale_inv")}, path)
+    got = error()
+    assert "stored in e4m3 but config.json has no quantization_config" in got, got
+
+
 def test_ep2_atp2_engine_from_an_fp8_release_matches_transformers(worker_groups, fp8_ckpt):
     fp8, ref = fp8_ckpt
     res = worker_groups(2).run(f"{CASES}:serve_checkpoint", directory=fp8, adp=1, ep=2,

@@ -39,7 +39,7 @@ from colo_rollout.checkpoint.hf_names import (
     mtp_hf_prefix,
     optional_hf_shapes,
 )
-from colo_rollout.checkpoint.fp8_blocks import float_view
+from colo_rollout.checkpoint.fp8_blocks import FP8_DTYPES, SCALE_SUFFIX, float_view
 from colo_rollout.checkpoint.store import CheckpointError, CheckpointStore
 from colo_rollout.config import ModelConfig
 from colo_rollout.model.weights import (
@@ -102,11 +102,23 @@ def check_checkpoint(cfg: ModelConfig, store: CheckpointStore | None = None,
         unexpected = sorted(n for n in have - set(want) - set(optional)
                             if not ignorable(n, cfg, arch.extra_layers))
         if unexpected:
+            # block scales beside e4m3 weights: an FP8 release whose config.json says nothing
+            fp8 = ("; block-scaled FP8 weights load when config.json's quantization_config "
+                   "says so (quant_method 'fp8', weight_block_size)"
+                   if arch.weight_block is None and unexpected[0].endswith(SCALE_SUFFIX) else "")
             raise CheckpointError(
                 f"unexpected tensor{'s' if len(unexpected) > 1 else ''} for {arch.family} "
                 f"with this config.json ({len(unexpected)}: {unexpected[:3]}"
-                f"{'...' if len(unexpected) > 3 else ''})", path=store.file_of(unexpected[0]),
-                name=unexpected[0])
+                f"{'...' if len(unexpected) > 3 else ''}){fp8}",
+                path=store.file_of(unexpected[0]), name=unexpected[0])
+        if arch.weight_block is None:  # e4m3 data read as floats would be the unscaled codes
+            for name in want:
+                if store.dtype(name) in FP8_DTYPES:
+                    raise CheckpointError(
+                        "stored in e4m3 but config.json has no quantization_config (a "
+                        "block-scaled FP8 release declares quant_method 'fp8' and "
+                        "weight_block_size, and stores each weight's weight_scale_inv)",
+                        path=store.file_of(name), name=name)
     finally:
         if own:
             store.close()
