@@ -898,6 +898,96 @@ def gpu_te_fp8_linear(rank: int, world: int) -> dict:
     return res
 
 
+def gpu_te_fp8_experts(rank: int, world: int) -> dict:
+    """The routed experts under model.fp8_backend te (model/fp8.py's ``te`` arithmetic): per
+    recipe, the FP8 weights and inputs against Transformer Engine's own quantizers (the
+    dequantised values bitwise: the same bytes and scales), the Triton quantisers' bytes
+    against their torch paths, and the experts against a pair of te.GroupedLinear under
+    te.autocast of the recipe (host splits, eager) and against the dequantised reference."""
+    import torch.nn.functional as F
+    import transformer_engine.pytorch as te
+    from transformer_engine.pytorch.quantization import RecipeState
+
+    from colo_rollout.model import fp8 as f8
+    from colo_rollout.model import fused_moe as fm
+    from colo_rollout.model.fp8_te import te_recipe
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    N, E, k, H, Fd = 300, 8, 2, 512, 256
+
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    logits = torch.randn(N, E, generator=g, device=dev)
+    chosen = logits.topk(k, dim=1).indices
+    prob = torch.softmax(logits, -1).gather(1, chosen).flatten()
+    key, order = torch.sort(chosen.flatten(), stable=True)
+    offs = torch.searchsorted(key, torch.arange(E, device=dev), right=True, out_int32=True)
+    token, prob = order // k, prob[order]
+    x = torch.randn(N, H, generator=g, device=dev).bfloat16()
+    fc1 = (torch.randn(E, 2 * Fd, H, generator=g, device=dev) / H ** 0.5).bfloat16()
+    fc2 = (torch.randn(E, H, Fd, generator=g, device=dev) / Fd ** 0.5).bfloat16()
+    fc1[3] *= 20  # experts of different ranges
+    splits = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
+    res = {"splits": splits}
+    for recipe, block in (("tensorwise", 0), ("blockwise", 128)):
+        rcp = te_recipe(recipe, "e4m3")
+        x_q, w_q = RecipeState.create(rcp, mode="forward", num_quantizers=2,
+                                      device=dev).make_quantizers()
+        for q in (x_q, w_q):
+            q.set_usage(rowwise=True, columnwise=False)
+        w1, w2 = f8.Fp8Weight.of(fc1, block, te=True), f8.Fp8Weight.of(fc2, block, te=True)
+        d1, d2 = w1.dequantized(), w2.dequantized()
+        weights_equal = all(
+            torch.equal(w_q(w[e].contiguous()).dequantize(dtype=torch.float32), d[e])
+            for w, d in ((fc1, d1), (fc2, d2)) for e in range(E))
+        row = {"weights_equal_te": weights_equal}
+        xs = x[token]
+        if block:  # 1 x 128 inputs: per row, so per token before the gather
+            ours = f8.quantize_rows(x, pad=False, group=128, pow2=True)
+            tq = f8.quantize_rows(x, pad=False, group=128, pow2=True, backend="torch")
+            row["inputs_equal_te"] = bool(torch.equal(
+                x_q(x).dequantize(dtype=torch.float32), f8.dequantize_rows(*ours)))
+        else:  # one scale per expert's rows, as GroupedLinear's split quantizers
+            e_row = f8.expert_of_rows(offs, token.shape[0])
+            ours = f8.quantize_grouped(x, e_row, E, token=token)
+            tq = f8.quantize_grouped(x, e_row, E, token=token, backend="torch")
+            deq, lo, same = f8.dequantize_rows(*ours), 0, True
+            for e, n in enumerate(splits):
+                if n:
+                    same &= torch.equal(x_q(xs[lo : lo + n].contiguous())
+                                        .dequantize(dtype=torch.float32), deq[lo : lo + n])
+                lo += n
+            row["inputs_equal_te"] = bool(same)
+        row["kernel_bytes_equal_torch"] = bool(
+            torch.equal(ours[0].view(torch.uint8), tq[0].view(torch.uint8))
+            and torch.equal(ours[1], tq[1]))
+        with torch.inference_mode():
+            got = fm.triton_experts(x, token, offs, prob, w1, w2, F.silu, True)
+            ref = fm.torch_experts_fp8(x, token, offs, prob, w1, w2, F.silu, True)
+        # TE's GroupedLinear pair on the sorted rows, the engine's activation and probability
+        g1 = te.GroupedLinear(E, H, 2 * Fd, bias=False, params_dtype=torch.bfloat16,
+                              device=dev)
+        g2 = te.GroupedLinear(E, Fd, H, bias=False, params_dtype=torch.bfloat16, device=dev)
+        with torch.no_grad():
+            for e in range(E):
+                getattr(g1, f"weight{e}").copy_(fc1[e])
+                getattr(g2, f"weight{e}").copy_(fc2[e])
+        with torch.inference_mode(), te.autocast(enabled=True, recipe=rcp):
+            hmid = g1(xs.contiguous(), splits)
+            gate, up = hmid.float().chunk(2, dim=-1)
+            hmid = (F.silu(gate) * up * prob[:, None]).to(torch.bfloat16)
+            y_te = g2(hmid, splits)
+        b16 = fm.torch_experts(x.float(), token, offs, prob, fc1.float(), fc2.float(),
+                               F.silu, True)
+        row.update({"vs_te_grouped_linear": rel(got, y_te), "vs_reference": rel(got, ref),
+                    "te_vs_reference": rel(y_te, ref), "vs_bf16": rel(got, b16),
+                    "te_vs_bf16": rel(y_te, b16)})
+        res[recipe] = row
+    return res
+
+
 def gpu_fp8_graphs(rank: int, world: int, model_kw: dict | None = None) -> dict:
     """The FP8 engine's D graphs against its eager D (P eager in both), greedy, and the D
     step's path: graphs captured with the FP8 copies."""

@@ -499,6 +499,24 @@ TE_FP8 = pytest.mark.skipif(not _have_te_fp8(), reason="needs Transformer Engine
 
 
 @TE_FP8
+def test_gpu_te_fp8_experts_follow_tes_recipes(gpu_groups):
+    """The routed experts under model.fp8_backend te take TE's recipe: weights and inputs
+    quantised to TE's own quantizers' values (per expert and per expert's rows for
+    tensorwise, power-of-2 blocks for blockwise), the Triton quantisers' bytes = the torch
+    paths', the experts near a te.GroupedLinear pair of the recipe."""
+    r = gpu_groups(1).run("tests.cases_gpu:gpu_te_fp8_experts", timeout=300)[0]
+    rows = [r["tensorwise"], r["blockwise"]]
+    ok = all(row["weights_equal_te"] and row["inputs_equal_te"]
+             and row["kernel_bytes_equal_torch"] for row in rows)
+    _record("te_fp8_experts", {"gpus": 1, "result": r, "passed": ok})
+    for row in rows:
+        assert row["weights_equal_te"] and row["inputs_equal_te"], r
+        assert row["kernel_bytes_equal_torch"], r
+        assert row["vs_reference"] < 1e-2 and row["vs_te_grouped_linear"] < 2e-2, r
+        assert 1e-3 < row["vs_bf16"] < 0.1, r
+
+
+@TE_FP8
 def test_gpu_te_fp8_linear_is_te_linears(gpu_groups):
     """model.fp8_backend te's dense GEMM is te.Linear's under te.autocast of the same recipe
     (bitwise), near the dequantised operands' product, and follows a weight refresh in place,

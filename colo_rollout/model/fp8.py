@@ -14,6 +14,17 @@ and a CUDA graph replays the scale computation with the data):
     each 128-wide K block's partial product by s_row,kb * s_blk(n,kb) inside the K loop; every
     FP8 GEMM dimension must be a multiple of 128 (the door checks).
 
+Under ``model.fp8_backend: te`` the routed experts (which run the engine's kernel, not TE's:
+model/fp8_te.py says why) take the TE recipe's scales with TE's arithmetic (``te=True`` below;
+its ``compute_scale_from_amax``, epsilon 0): scale = 448 / amax by IEEE division, q = x * scale,
+the GEMM multiplying by scale_inv = 1 / scale --
+
+  * ``tensorwise`` (TE's Float8CurrentScaling): one scale per expert weight and one per
+    expert's input rows, the amax over that expert's rows alone -- as TE's ``GroupedLinear``
+    quantises each of its splits (``quantize_grouped``);
+  * ``blockwise`` (TE's Float8BlockScaling): the 1 x 128 / 128 x 128 blocks with the scale
+    rounded down to a power of 2 (the recipe's default; q = x * scale is then exact scaling).
+
   * ``quantize_rows(x, group=0)``: x [M, K] -> (q [Mp, K] e4m3, scale [Mp] fp32 -- or, with a
     ``group`` g, [Mp, K / g], one per g columns), Mp = M rounded up to ``ROW_MULTIPLE`` with
     zero rows (FP8 GEMMs want 16-row multiples: the token counts of P and D are padded here,
@@ -42,7 +53,8 @@ from colo_rollout.config.schema import FP8_BLOCK
 from colo_rollout.config.schema import FP8_MIN_CAPABILITY as MIN_CAPABILITY
 from colo_rollout.config.schema import FP8_RECIPES as RECIPES
 from colo_rollout.config.schema import FP8_ROW_MULTIPLE as ROW_MULTIPLE
-from colo_rollout.model.kernel_backend import pow2, tl, triton
+from colo_rollout.model.kernel_backend import pow2 as _pow2
+from colo_rollout.model.kernel_backend import tl, triton
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3fn's largest finite magnitude
@@ -52,9 +64,9 @@ BLOCK = FP8_BLOCK  # the blockwise recipe's scale block: 1 x 128 inputs, 128 x 1
 
 
 def recipe_block(recipe: str) -> int:
-    """``model.fp8_recipe`` -> the engine kernels' weight ``block`` (0: per channel, rowwise;
-    "tensorwise" is TE's recipe for the dense GEMMs, model/fp8_te.py: the routed experts run
-    rowwise under it)."""
+    """``model.fp8_recipe`` -> the engine kernels' weight ``block`` (128 blockwise; 0 for
+    rowwise and for TE's tensorwise, whose expert weights are ``Fp8Weight.of(..., te=True)``:
+    one scale per expert)."""
     if recipe not in RECIPES:
         raise ValueError(f"model.fp8_recipe must be one of {RECIPES}, got {recipe!r}")
     return BLOCK if recipe == "blockwise" else 0
@@ -83,13 +95,17 @@ def padded_rows(m: int) -> int:
 
 def quantize_rows(x: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None,
                   pad: bool = True, backend: str = "auto",
-                  group: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                  group: int = 0, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (any float dtype) -> (q [Mp, K] e4m3, scale [Mp] fp32); rows past M are zero
     with scale 1. ``group`` g > 0 (blockwise; K a multiple of g): one scale per g columns of a
     row, scale [Mp, K / g]. ``pad`` False: Mp = M. ``out``: (q, scale) to write into (Mp
     rows). ``backend``: "auto" (the Triton kernel on CUDA, else torch), "torch", "triton"
-    (also CPU tensors under TRITON_INTERPRET=1: the tests)."""
+    (also CPU tensors under TRITON_INTERPRET=1: the tests). ``pow2`` (with a ``group``): TE's
+    Float8BlockScaling arithmetic -- ``te_scales(amax, pow2=True)``, q = x * scale, exact
+    scaling -- instead of the engine's scale = amax / 448."""
     M, K = x.shape
+    if pow2 and not group:
+        raise ValueError("quantize_rows: pow2 scales are the blockwise recipe's (give a group)")
     Mp = padded_rows(M) if pad else M
     if group and K % group:
         raise ValueError(f"quantize_rows: K {K} is not a multiple of the group {group}")
@@ -110,13 +126,16 @@ def quantize_rows(x: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None
                    and x.stride(-1) == 1 else "torch")
     if backend == "triton":
         width = group or K  # one program per row, its groups a [groups, width] tile
-        block = pow2(width, 16) * pow2(max(G, 1))
+        block = _pow2(width, 16) * _pow2(max(G, 1))
         _quantize_rows_kernel[(Mp,)](x, q, s, M, width, x.stride(0), q.stride(0), max(G, 1),
-                                     GW=pow2(width, 16), G_PAD=pow2(max(G, 1)),
+                                     GW=_pow2(width, 16), G_PAD=_pow2(max(G, 1)), POW2=pow2,
                                      num_warps=4 if block <= 4096 else 8)
         return q, s
     xf = x.float()
-    if group:
+    if pow2:  # TE's arithmetic (te_scales)
+        sc, scale = te_scales(xf.view(M, G, group).abs().amax(dim=-1), pow2=True)
+        q[:M].copy_(te_quantize(xf.view(M, G, group), sc[..., None]).view(M, K))
+    elif group:
         scale = xf.view(M, G, group).abs().amax(dim=-1).clamp_min(TINY) / FP8_MAX
         q[:M].copy_((xf.view(M, G, group) / scale[..., None]).clamp(-FP8_MAX, FP8_MAX)
                     .view(M, K))
@@ -139,11 +158,78 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale[..., None]
 
 
+def te_scales(amax: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Transformer Engine's scale from an amax (``compute_scale_from_amax``, epsilon 0):
+    scale = 448 / amax by IEEE division, fp32's largest where that overflows, 1 where amax is
+    0, inf or NaN; with ``pow2`` the power of 2 at or below it (the mantissa bits cleared).
+    Returns (scale, scale_inv = 1 / scale), fp32, amax's shape."""
+    amax = amax.float().contiguous()
+    scale = torch.div(FP8_MAX, amax)
+    scale = torch.where(torch.isinf(scale), torch.finfo(torch.float32).max, scale)
+    if pow2:  # 0xFF800000 as a signed 32-bit word: sign and exponent kept
+        scale = (scale.contiguous().view(torch.int32) & -8388608).view(torch.float32)
+    bad = (amax == 0) | torch.isinf(amax) | torch.isnan(scale)
+    scale = torch.where(bad, torch.ones_like(scale), scale)
+    return scale, torch.reciprocal(scale)
+
+
+def te_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """TE's cast: (x * scale) in fp32, saturated to e4m3's range (TE casts with satfinite;
+    x * scale exceeds 448 only by the division's rounding), e4m3."""
+    return (x.float() * scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def expert_of_rows(offs: torch.Tensor, rows: int) -> torch.Tensor:
+    """Each sorted row's expert [rows] int64 from the group ends ``offs`` [E] (row r is expert
+    e's where offs[e - 1] <= r < offs[e]); rows at or past offs[-1] get E. Graph-capturable."""
+    r = torch.arange(rows, dtype=offs.dtype, device=offs.device)
+    return torch.searchsorted(offs, r, right=True)
+
+
+def quantize_grouped(x: torch.Tensor, e_row: torch.Tensor, num_experts: int,
+                     token: torch.Tensor | None = None,
+                     backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows A[r] = x[token[r]] (``token``; else x[r]) of a grouped GEMM quantised per
+    expert with TE's arithmetic, as TE's ``GroupedLinear`` quantises its splits under
+    Float8CurrentScaling: one scale for all of an expert's rows, from the amax over them.
+    e_row [R]: each row's expert (``expert_of_rows``; E marks a row past the groups: zero, scale
+    1, never read by the GEMM). Returns (q [R, K] e4m3, scale_inv [R] fp32: the row's expert's).
+    Host values read: none (graph-capturable). ``backend`` as ``quantize_rows``'s."""
+    E = num_experts
+    valid = e_row < E
+    src = None if token is None else torch.where(valid, token, torch.zeros_like(token))
+    amax = x.abs().amax(dim=-1).float() if x.shape[0] else x.new_zeros(0, dtype=torch.float32)
+    if src is not None:
+        amax = amax[src]
+    e_amax = torch.zeros(E + 1, dtype=torch.float32, device=x.device)
+    e_amax.scatter_reduce_(0, e_row, amax, "amax")
+    scale, inv = te_scales(e_amax)
+    scale[E], inv[E] = 1.0, 1.0  # the rows past the groups
+    row_scale, row_inv = scale[e_row], inv[e_row]
+    R, K = e_row.shape[0], x.shape[-1]
+    q = torch.empty((R, K), dtype=FP8_DTYPE, device=x.device)
+    if backend == "auto":
+        backend = ("triton" if x.is_cuda and triton is not None and x.stride(-1) == 1
+                   else "torch")
+    if R == 0:
+        return q, row_inv
+    if backend == "triton":
+        bk = min(_pow2(K, 16), 1024)
+        _quantize_scaled_kernel[(R,)](x, src if src is not None else e_row, e_row, row_scale, q,
+                                      K, x.stride(0), q.stride(0), E, HAS_TOKEN=src is not None,
+                                      BLOCK_K=bk, num_warps=4)
+        return q, row_inv
+    rows = x if src is None else x[src]
+    q.copy_(torch.where(valid[:, None], te_quantize(rows, row_scale[:, None]),
+                        torch.zeros((), dtype=torch.float32, device=x.device)))
+    return q, row_inv
+
+
 if triton is not None:
 
     @triton.jit
     def _quantize_rows_kernel(X, Q, S, rows, K, stride_x, stride_q, groups,
-                              GW: tl.constexpr, G_PAD: tl.constexpr):
+                              GW: tl.constexpr, G_PAD: tl.constexpr, POW2: tl.constexpr):
         """Program r: row r as a [groups, K] tile (K: the group's width, or the whole row
         with one group), each group's scale at S[r * groups + g]: one program per row, not
         per group (a 128-wide program each would be hundreds of thousands on fc2's input)."""
@@ -160,43 +246,112 @@ if triton is not None:
             return
         x = tl.load(X + r.to(tl.int64) * stride_x + cols, mask=cmask, other=0.0).to(tl.float32)
         amax = tl.max(tl.abs(x), axis=1)
-        scale = tl.maximum(amax, 1e-12) / 448.0
-        q = tl.math.div_rn(x, scale[:, None])  # IEEE division: the torch reference's quotient
+        if POW2:  # TE's arithmetic (te_scales): 448 / amax, rounded down to a power of 2
+            big = 3.4028234663852886e38
+            sc = tl.math.div_rn(tl.full([G_PAD], 448.0, tl.float32), amax)
+            sc = tl.where(sc > big, big, sc)
+            sc = (sc.to(tl.int32, bitcast=True) & -8388608).to(tl.float32, bitcast=True)
+            sc = tl.where((amax == 0.0) | (amax > big), 1.0, sc)
+            scale = tl.math.div_rn(tl.full([G_PAD], 1.0, tl.float32), sc)  # exact: a power of 2
+            q = x * sc[:, None]
+        else:
+            scale = tl.maximum(amax, 1e-12) / 448.0
+            q = tl.math.div_rn(x, scale[:, None])  # IEEE division: the torch reference's
         q = tl.minimum(tl.maximum(q, -448.0), 448.0)
         tl.store(Q + r.to(tl.int64) * stride_q + cols, q.to(Q.dtype.element_ty), mask=cmask)
         tl.store(S + r * groups + g, scale, mask=g < groups)
 
+    @triton.jit
+    def _quantize_scaled_kernel(X, TOKEN, EROW, SCALE, Q, K, stride_x, stride_q, E,
+                                HAS_TOKEN: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Program r: Q[r] = e4m3(clamp(A[r] * SCALE[r])) with A[r] = X[TOKEN[r]] (or X[r]):
+        TE's cast by a scale computed already (``quantize_grouped``); rows of expert E
+        (past the groups) zero."""
+        r = tl.program_id(0)
+        e = tl.load(EROW + r)
+        sc = tl.load(SCALE + r)
+        src = tl.load(TOKEN + r) if HAS_TOKEN else r
+        cols = tl.arange(0, BLOCK_K)
+        for k0 in range(0, K, BLOCK_K):
+            m = cols < K - k0
+            if e < E:
+                x = tl.load(X + src.to(tl.int64) * stride_x + k0 + cols, mask=m,
+                            other=0.0).to(tl.float32)
+                q = tl.minimum(tl.maximum(x * sc, -448.0), 448.0)
+            else:
+                q = tl.zeros([BLOCK_K], dtype=tl.float32)
+            tl.store(Q + r.to(tl.int64) * stride_q + k0 + cols, q.to(Q.dtype.element_ty),
+                     mask=m)
+
 
 def _quantize_blocks(w: torch.Tensor, b: int, q: torch.Tensor, s: torch.Tensor,
-                     chunk: int = 1 << 26) -> None:
+                     chunk: int = 1 << 26, te: bool = False) -> None:
     """w [..., N, K] -> q (its shape, e4m3) and s [..., N / b, K / b]: each b x b block by its
-    own amax, as ``quantize_rows`` does a row (IEEE division, clamp). Chunks of about
+    own amax, as ``quantize_rows`` does a row (IEEE division, clamp) -- or with ``te``, TE's
+    Float8BlockScaling arithmetic (power-of-2 scales, ``te_scales``). Chunks of about
     ``chunk`` elements over the leading dims bound the fp32 temporaries."""
     N, K = w.shape[-2:]
     w3, q3, s3 = w.reshape(-1, N, K), q.view(-1, N, K), s.view(-1, N // b, K // b)
     step = max(1, chunk // max(N * K, 1))
     for i in range(0, w3.shape[0], step):
         x = w3[i : i + step].float().view(-1, N // b, b, K // b, b)
-        sc = x.abs().amax(dim=(2, 4)).clamp_min(TINY) / FP8_MAX
-        q3[i : i + step].copy_((x / sc[:, :, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
-                               .view(-1, N, K))
+        amax = x.abs().amax(dim=(2, 4))
+        if te:
+            scale, sc = te_scales(amax, pow2=True)
+            q3[i : i + step].copy_(te_quantize(x, scale[:, :, None, :, None]).view(-1, N, K))
+        else:
+            sc = amax.clamp_min(TINY) / FP8_MAX
+            q3[i : i + step].copy_((x / sc[:, :, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
+                                   .view(-1, N, K))
         s3[i : i + step].copy_(sc)
+
+
+def _quantize_tensors(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
+                      chunk: int = 1 << 26) -> None:
+    """w [..., N, K] -> q (its shape, e4m3) and s [..., N]: each [N, K] matrix (an expert's
+    weight) by one scale from its amax, TE's Float8CurrentScaling arithmetic (``te_scales``);
+    s holds the matrix's scale_inv in every channel (the kernels' per-channel operand). Chunks
+    as ``_quantize_blocks``'s."""
+    N, K = w.shape[-2:]
+    w3, q3, s2 = w.reshape(-1, N, K), q.view(-1, N, K), s.view(-1, N)
+    step = max(1, chunk // max(N * K, 1))
+    for i in range(0, w3.shape[0], step):
+        x = w3[i : i + step]
+        amax = x.abs().amax(dim=(1, 2)) if N * K else x.new_zeros(x.shape[0])
+        scale, inv = te_scales(amax)
+        q3[i : i + step].copy_(te_quantize(x, scale[:, None, None]))
+        s2[i : i + step].copy_(inv[:, None].expand(-1, N))
 
 
 @dataclass
 class Fp8Weight:
     """A 16-bit weight [..., N, K] as FP8: q [..., N, K] e4m3 and its fp32 scales -- one per
     output channel, scale [..., N] (``block`` 0: rowwise), or one per ``block`` x ``block``
-    tile, scale [..., N / block, K / block] (blockwise). ``refresh`` re-quantises in place
-    (the same tensors: captured graphs read the new values)."""
+    tile, scale [..., N / block, K / block] (blockwise). ``te``: TE's arithmetic
+    (``te_scales``) -- with a ``block`` its power-of-2 block scales (Float8BlockScaling),
+    without one a scale per [N, K] matrix (Float8CurrentScaling per expert: ``tensorwise``),
+    held in every channel of scale [..., N]. ``refresh`` re-quantises in place (the same
+    tensors: captured graphs read the new values)."""
 
     q: torch.Tensor
     scale: torch.Tensor
     block: int = 0
+    te: bool = False
+
+    @property
+    def tensorwise(self) -> bool:
+        """One scale per matrix (TE's Float8CurrentScaling): its GEMMs quantise their input
+        per expert (``quantize_grouped``), not per row."""
+        return self.te and not self.block
 
     @classmethod
-    def of(cls, w: torch.Tensor, block: int = 0) -> Fp8Weight:
+    def of(cls, w: torch.Tensor, block: int = 0, te: bool = False) -> Fp8Weight:
         if not block:
+            if te:
+                q = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
+                s = torch.empty(w.shape[:-1], dtype=torch.float32, device=w.device)
+                _quantize_tensors(w.detach(), q, s)
+                return cls(q, s, 0, True)
             K = w.shape[-1]
             q, s = quantize_rows(w.detach().reshape(-1, K), pad=False)
             return cls(q.view(w.shape), s.view(w.shape[:-1]))
@@ -207,8 +362,8 @@ class Fp8Weight:
         q = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
         s = torch.empty((*w.shape[:-2], N // block, K // block), dtype=torch.float32,
                         device=w.device)
-        _quantize_blocks(w.detach(), block, q, s)
-        return cls(q, s, block)
+        _quantize_blocks(w.detach(), block, q, s, te=te)
+        return cls(q, s, block, te)
 
     def matches(self, w: torch.Tensor) -> bool:
         return self.q.shape == w.shape and self.q.device == w.device
@@ -219,7 +374,10 @@ class Fp8Weight:
 
     def refresh(self, w: torch.Tensor) -> None:
         if self.block:
-            _quantize_blocks(w.detach(), self.block, self.q, self.scale)
+            _quantize_blocks(w.detach(), self.block, self.q, self.scale, te=self.te)
+            return
+        if self.te:
+            _quantize_tensors(w.detach(), self.q, self.scale)
             return
         K = w.shape[-1]
         quantize_rows(w.detach().reshape(-1, K), out=(self.q.view(-1, K), self.scale.view(-1)),

@@ -35,6 +35,9 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
     out_dtype = out_dtype or x.dtype
     if not isinstance(w, Fp8Weight):  # Transformer Engine's weight (model/fp8_te.py)
         return w.linear(x, bias, out_dtype)
+    if w.tensorwise:  # TE's dense GEMMs run TE's own weight (model/fp8_te.py)
+        raise ValueError("fp8_linear: a tensorwise Fp8Weight is the routed experts' "
+                         "(model/fused_moe.py), not a dense GEMM's")
     M = x.shape[0]
     if M == 0:
         return x.new_zeros((0, w.q.shape[0]), dtype=out_dtype)
@@ -43,7 +46,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
     if backend == "scaled_mm" and w.block:
         raise ValueError("fp8_linear: the scaled_mm backend runs rowwise weights only")
     if backend == "triton":
-        q, s = quantize_rows(x, pad=False, group=w.block)
+        q, s = quantize_rows(x, pad=False, group=w.block, pow2=w.te)
         ends = torch.full((1,), M, dtype=torch.int32, device=x.device)  # one group: every row
         y = moe_gemm(q, w.q[None], ends, M, tile=tile_for(regime(M, 1), "fc2", bool(w.block)),
                      a_scale=s, w_scale=w.scale[None], out_dtype=out_dtype)
@@ -55,7 +58,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
         if out_dtype == torch.float32:
             y = y.float()
     elif backend == "torch":
-        q, s = quantize_rows(x, pad=False, group=w.block)
+        q, s = quantize_rows(x, pad=False, group=w.block, pow2=w.te)
         y = F.linear(dequantize_rows(q, s), w.dequantized()).to(out_dtype)
     else:
         raise ValueError(f"fp8_linear backend must be one of {LINEAR_BACKENDS}, got {backend!r}")

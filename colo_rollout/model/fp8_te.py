@@ -15,8 +15,11 @@ layer of that recipe:
 Why only the dense GEMMs: TE's FP8 grouped GEMM takes the group sizes on the host
 (``GroupedLinear``'s m_splits), which a D graph cannot capture under dynamic routing, and its
 device-side grouped GEMM needs cuBLASLt 13.5 (current scaling) / 13.6 (block scaling) on
-Hopper. The routed experts stay on the engine's FP8 kernel (model/fused_moe.py), blockwise
-with ``blockwise``, rowwise with ``tensorwise``.
+Hopper. The routed experts stay on the engine's FP8 kernel (model/fused_moe.py) but take the
+recipe's scales by TE's arithmetic (model/fp8.py, ``te``): ``tensorwise`` one scale per
+expert weight and per expert's input rows -- what GroupedLinear's split quantizers compute
+--, ``blockwise`` TE's power-of-2 block scales; only the GEMM's accumulation order is the
+engine kernel's.
 
 ``TeFp8Weight`` has ``Fp8Weight``'s interface (model/fp8.py): made once from the 16-bit
 weight, ``refresh``-ed in place after every weight write (TE's ``update_quantized``: the

@@ -50,7 +50,8 @@ import torch.nn.functional as F
 from colo_rollout.model.kernel_backend import BACKENDS, tl, triton, triton_available  # noqa: F401
 from colo_rollout.model.kernel_backend import resolve_backend as _resolve
 from colo_rollout.model.kernel_backend import pow2, rne_bf16, smem_per_block
-from colo_rollout.model.fp8 import Fp8Weight, dequantize_rows, quantize_rows
+from colo_rollout.model.fp8 import (Fp8Weight, dequantize_rows, expert_of_rows, quantize_grouped,
+                                    quantize_rows)
 
 try:  # TMA descriptors (triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -200,11 +201,21 @@ def torch_experts_fp8(x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor,
     """The FP8 reference: ``torch_experts``'s math on the dequantised operands in fp32 -- x
     quantised per token row, h (after the activation and the probability, rounded to x's
     dtype as the kernel stores it) per pair row, the weights per channel (model/fp8.py) --
-    or, blockwise weights (``block``), x and h per 1 x block columns, the weights per block."""
-    xd = dequantize_rows(*quantize_rows(x, pad=False, group=fc1.block))
-    h = torch._grouped_mm(xd[token], fc1.dequantized().transpose(1, 2), offs=offs)
+    or, blockwise weights (``block``), x and h per 1 x block columns, the weights per block;
+    TE's tensorwise weights (``tensorwise``): x's and h's rows per expert
+    (``quantize_grouped``)."""
+    if fc1.tensorwise:
+        e_row = expert_of_rows(offs, token.shape[0])
+        E = fc1.q.shape[0]
+        xd = dequantize_rows(*quantize_grouped(x, e_row, E, token=token, backend="torch"))
+    else:
+        xd = dequantize_rows(*quantize_rows(x, pad=False, group=fc1.block, pow2=fc1.te))[token]
+    h = torch._grouped_mm(xd, fc1.dequantized().transpose(1, 2), offs=offs)
     h = _activated(h, prob, activation, gated, x.dtype)
-    hd = dequantize_rows(*quantize_rows(h, pad=False, group=fc2.block))
+    if fc2.tensorwise:
+        hd = dequantize_rows(*quantize_grouped(h, e_row, E, backend="torch"))
+    else:
+        hd = dequantize_rows(*quantize_rows(h, pad=False, group=fc2.block, pow2=fc2.te))
     return torch._grouped_mm(hd, fc2.dequantized().transpose(1, 2), offs=offs).to(x.dtype)
 
 
@@ -694,11 +705,23 @@ def triton_experts(x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor,
         block = isinstance(fc1, Fp8Weight) and bool(fc1.block)
         tiles = (tile_for(r, "fc1", block), tile_for(r, "fc2", block))
     # the group max is offs[-1]; the kernel reads offs, so int32 and int64 both do
+    if isinstance(fc1, Fp8Weight) and fc1.tensorwise:
+        # TE's Float8CurrentScaling: x's rows quantised per expert (one scale from the amax
+        # over the expert's rows, as TE's GroupedLinear quantises its splits) into the pairs'
+        # sorted order, so fc1 reads them without the token gather; h likewise
+        e_row = expert_of_rows(offs, rows)
+        xq, xs = quantize_grouped(x, e_row, E, token=token)
+        h = moe_gemm(xq, fc1.q, offs, rows, prob=prob, gated=gated, act=act, tile=tiles[0],
+                     a_scale=xs, w_scale=fc1.scale, out_dtype=x.dtype)
+        hq, hs = quantize_grouped(h, e_row, E)
+        return moe_gemm(hq, fc2.q, offs, rows, zero_tail=True, scatter=order,
+                        out_dtype=out_dtype or x.dtype, tile=tiles[1], a_scale=hs,
+                        w_scale=fc2.scale)
     if isinstance(fc1, Fp8Weight):  # FP8 operands: x and h quantised per row on the way in
-        xq, xs = quantize_rows(x, pad=False, group=fc1.block)
+        xq, xs = quantize_rows(x, pad=False, group=fc1.block, pow2=fc1.te)
         h = moe_gemm(xq, fc1.q, offs, rows, token=token, prob=prob, gated=gated, act=act,
                      tile=tiles[0], a_scale=xs, w_scale=fc1.scale, out_dtype=x.dtype)
-        hq, hs = quantize_rows(h, pad=False, group=fc2.block)
+        hq, hs = quantize_rows(h, pad=False, group=fc2.block, pow2=fc2.te)
         return moe_gemm(hq, fc2.q, offs, rows, zero_tail=True, scatter=order,
                         out_dtype=out_dtype or x.dtype, tile=tiles[1], a_scale=hs,
                         w_scale=fc2.scale)

@@ -491,6 +491,7 @@ class InferenceGPT(torch.nn.Module):
                                  f"(engine.moe_kernel resolved to {self.moe_kernel!r})")
             for moe in self.moe_layers():
                 moe.fp8, moe.fp8_block = True, self.fp8_block
+                moe.fp8_te = cfg.fp8_backend == "te"
 
     @property
     def output_weight(self) -> torch.Tensor:

@@ -143,6 +143,9 @@ class GatherMoE(torch.nn.Module):
         # stacks (``fp8_weights``, re-quantised by ``refresh_fp8`` after every weight write)
         self.fp8 = False
         self.fp8_block = 0  # model.fp8_recipe's scale block (model/fp8.py): 0 rowwise
+        # model.fp8_backend te: the experts' scales by TE's arithmetic for its recipe
+        # (model/fp8.py: tensorwise per expert, blockwise in power-of-2 blocks)
+        self.fp8_te = False
         self.fp8_weights: tuple[Fp8Weight, Fp8Weight] | None = None
         c = config
         # megatron's top-k routing in its dense form ([N, k] probabilities and expert ids, as
@@ -390,8 +393,8 @@ class GatherMoE(torch.nn.Module):
             for o, w in zip(old, st):
                 o.refresh(w)
         else:
-            self.fp8_weights = (Fp8Weight.of(st[0], self.fp8_block),
-                                Fp8Weight.of(st[1], self.fp8_block))
+            self.fp8_weights = (Fp8Weight.of(st[0], self.fp8_block, self.fp8_te),
+                                Fp8Weight.of(st[1], self.fp8_block, self.fp8_te))
 
     def drop_stack(self) -> None:
         """Forget the stacked views (memory release: the parameters' storage is replaced)."""
