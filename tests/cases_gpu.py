@@ -974,11 +974,18 @@ def gpu_te_fp8_experts(rank: int, world: int) -> dict:
             for e in range(E):
                 getattr(g1, f"weight{e}").copy_(fc1[e])
                 getattr(g2, f"weight{e}").copy_(fc2[e])
+        # TE's FP8 GEMMs want every split a multiple of 8 rows (block scaling asserts it):
+        # each expert's rows padded with zero rows, which change no amax and no 1 x 128 scale
+        padded = [-(-n // 16) * 16 for n in splits]
+        dst = torch.tensor([sum(padded[:e]) + i for e, n in enumerate(splits)
+                            for i in range(n)], device=dev)
+        xs_p = xs.new_zeros(sum(padded), H).index_copy_(0, dst, xs)
+        prob_p = prob.new_zeros(sum(padded)).index_copy_(0, dst, prob)
         with torch.inference_mode(), te.autocast(enabled=True, recipe=rcp):
-            hmid = g1(xs.contiguous(), splits)
+            hmid = g1(xs_p, padded)
             gate, up = hmid.float().chunk(2, dim=-1)
-            hmid = (F.silu(gate) * up * prob[:, None]).to(torch.bfloat16)
-            y_te = g2(hmid, splits)
+            hmid = (F.silu(gate) * up * prob_p[:, None]).to(torch.bfloat16)
+            y_te = g2(hmid, padded)[dst]
         b16 = fm.torch_experts(x.float(), token, offs, prob, fc1.float(), fc2.float(),
                                F.silu, True)
         row.update({"vs_te_grouped_linear": rel(got, y_te), "vs_reference": rel(got, ref),

@@ -48,6 +48,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from colo_rollout.config.schema import FP8_BLOCK
 from colo_rollout.config.schema import FP8_MIN_CAPABILITY as MIN_CAPABILITY
@@ -203,8 +204,9 @@ def quantize_grouped(x: torch.Tensor, e_row: torch.Tensor, num_experts: int,
         amax = amax[src]
     e_amax = torch.zeros(E + 1, dtype=torch.float32, device=x.device)
     e_amax.scatter_reduce_(0, e_row, amax, "amax")
-    scale, inv = te_scales(e_amax)
-    scale[E], inv[E] = 1.0, 1.0  # the rows past the groups
+    # scale 1 for the rows past the groups (bucket E), padded on without a host value: a
+    # CUDA graph captures this (an item assignment would copy a host scalar)
+    scale, inv = (F.pad(t, (0, 1), value=1.0) for t in te_scales(e_amax[:E]))
     row_scale, row_inv = scale[e_row], inv[e_row]
     R, K = e_row.shape[0], x.shape[-1]
     q = torch.empty((R, K), dtype=FP8_DTYPE, device=x.device)
