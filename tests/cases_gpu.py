@@ -950,9 +950,8 @@ def gpu_te_fp8_experts(rank: int, world: int) -> dict:
             row["inputs_equal_te"] = bool(torch.equal(
                 x_q(x).dequantize(dtype=torch.float32), f8.dequantize_rows(*ours)))
         else:  # one scale per expert's rows, as GroupedLinear's split quantizers
-            e_row = f8.expert_of_rows(offs, token.shape[0])
-            ours = f8.quantize_grouped(x, e_row, E, token=token)
-            tq = f8.quantize_grouped(x, e_row, E, token=token, backend="torch")
+            ours = f8.quantize_grouped(x, offs, token.shape[0], token=token)
+            tq = f8.quantize_grouped(x, offs, token.shape[0], token=token, backend="torch")
             deq, lo, same = f8.dequantize_rows(*ours), 0, True
             for e, n in enumerate(splits):
                 if n:

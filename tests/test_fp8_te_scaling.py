@@ -134,7 +134,7 @@ def test_grouped_quantisation_is_per_split():
     assert e_row.tolist() == [e for e in range(E)
                               for _ in range(int(offs[e]) - (int(offs[e - 1]) if e else 0))
                               ] + [E] * 6
-    q, inv = f8.quantize_grouped(x, e_row, E, token=tok, backend="torch")
+    q, inv = f8.quantize_grouped(x, offs, R, token=tok, backend="torch")
     lo = 0
     for e in range(E):
         hi = int(offs[e])
@@ -149,7 +149,7 @@ def test_grouped_quantisation_is_per_split():
     assert torch.equal(q[lo:].float(), torch.zeros(6, H)) and torch.equal(inv[lo:], torch.ones(6))
     # without tokens: the rows themselves (fc2's input)
     h = x[token]
-    q2, inv2 = f8.quantize_grouped(h, e_row[: token.shape[0]], E, backend="torch")
+    q2, inv2 = f8.quantize_grouped(h, offs, token.shape[0], backend="torch")
     assert torch.equal(q2.view(torch.uint8), q[:lo].view(torch.uint8))
     assert torch.equal(inv2, inv[:lo])
 
@@ -241,14 +241,19 @@ def _interpreted() -> list[str]:
     token, offs, _, _ = _routing(8, N, E, k, empty=0)
     x = (torch.randn(N, H, generator=g) * torch.logspace(-1, 1, N)[:, None]).bfloat16()
     tok = torch.cat([token, torch.full((5,), 10 ** 6)])
-    e_row = f8.expert_of_rows(offs, tok.shape[0])
-    a = f8.quantize_grouped(x, e_row, E, token=tok, backend="triton")
-    b = f8.quantize_grouped(x, e_row, E, token=tok, backend="torch")
+    a = f8.quantize_grouped(x, offs, tok.shape[0], token=tok, backend="triton")
+    b = f8.quantize_grouped(x, offs, tok.shape[0], token=tok, backend="torch")
     da, db = f8.dequantize_rows(*a), f8.dequantize_rows(*b)
     if not torch.equal(a[1], b[1]) or bool(((da - db).abs() > db.abs() * 0.55).any()):
         fails.append("quantize_grouped: the kernel differs from the torch path")
-    if not torch.equal(a[0][-5:].float(), torch.zeros(5, H)):
-        fails.append("quantize_grouped: rows past the groups are not zero")
+    if not (torch.equal(a[0][-5:].float(), torch.zeros(5, H))
+            and torch.equal(a[1][-5:], torch.ones(5))):
+        fails.append("quantize_grouped: rows past the groups are not zero with scale 1")
+    h = x[token]  # without tokens: the rows themselves (fc2's input)
+    a = f8.quantize_grouped(h, offs, token.shape[0], backend="triton")
+    b = f8.quantize_grouped(h, offs, token.shape[0], backend="torch")
+    if not torch.equal(a[1], b[1]):
+        fails.append("quantize_grouped without tokens: the kernel's scales differ")
     # the FP8 experts under each TE recipe: the kernel against the dequantised reference
     T = fm.Tile
     for block, (N, E, k, H, Fd) in ((0, (17, 4, 2, 128, 128)), (0, (9, 3, 3, 64, 32)),

@@ -187,16 +187,37 @@ def expert_of_rows(offs: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.searchsorted(offs, r, right=True)
 
 
-def quantize_grouped(x: torch.Tensor, e_row: torch.Tensor, num_experts: int,
+def quantize_grouped(x: torch.Tensor, offs: torch.Tensor, rows: int,
                      token: torch.Tensor | None = None,
                      backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows A[r] = x[token[r]] (``token``; else x[r]) of a grouped GEMM quantised per
-    expert with TE's arithmetic, as TE's ``GroupedLinear`` quantises its splits under
-    Float8CurrentScaling: one scale for all of an expert's rows, from the amax over them.
-    e_row [R]: each row's expert (``expert_of_rows``; E marks a row past the groups: zero, scale
-    1, never read by the GEMM). Returns (q [R, K] e4m3, scale_inv [R] fp32: the row's expert's).
-    Host values read: none (graph-capturable). ``backend`` as ``quantize_rows``'s."""
-    E = num_experts
+    """The ``rows`` sorted rows A[r] = x[token[r]] (``token``; else x[r]) of a grouped GEMM
+    quantised per expert with TE's arithmetic, as TE's ``GroupedLinear`` quantises its splits
+    under Float8CurrentScaling: one scale for all of an expert's rows, from the amax over them.
+    ``offs`` [E]: the experts' group ends (rows at or past offs[-1] -- a bucket's padding, their
+    tokens arbitrary -- are zero with scale 1; the GEMM never reads them). Returns (q [rows, K]
+    e4m3, scale_inv [rows] fp32: the row's expert's). Host values read: none
+    (graph-capturable). ``backend`` as ``quantize_rows``'s: the Triton path is two launches
+    (the experts' amax and scales, then the cast), the torch path the reference."""
+    E, K = offs.shape[0], x.shape[-1]
+    q = torch.empty((rows, K), dtype=FP8_DTYPE, device=x.device)
+    if backend == "auto":
+        backend = ("triton" if x.is_cuda and triton is not None and x.stride(-1) == 1
+                   else "torch")
+    if backend == "triton":
+        row_scale = torch.empty(rows, dtype=torch.float32, device=x.device)
+        row_inv = torch.empty(rows, dtype=torch.float32, device=x.device)
+        if rows == 0:
+            return q, row_inv
+        tok = token if token is not None else offs  # unused without a token
+        bk = min(_pow2(K, 16), 256)
+        _group_scales_kernel[(E,)](x, tok, offs, row_scale, row_inv, K, x.stride(0),
+                                   HAS_TOKEN=token is not None, BLOCK_R=16, BLOCK_K=bk,
+                                   num_warps=4)
+        _quantize_scaled_kernel[(rows,)](x, tok, offs, row_scale, row_inv, q, K, x.stride(0),
+                                         q.stride(0), E, HAS_TOKEN=token is not None,
+                                         BLOCK_K=min(_pow2(K, 16), 1024), num_warps=4)
+        return q, row_inv
+    e_row = expert_of_rows(offs, rows)
     valid = e_row < E
     src = None if token is None else torch.where(valid, token, torch.zeros_like(token))
     amax = x.abs().amax(dim=-1).float() if x.shape[0] else x.new_zeros(0, dtype=torch.float32)
@@ -208,21 +229,10 @@ def quantize_grouped(x: torch.Tensor, e_row: torch.Tensor, num_experts: int,
     # CUDA graph captures this (an item assignment would copy a host scalar)
     scale, inv = (F.pad(t, (0, 1), value=1.0) for t in te_scales(e_amax[:E]))
     row_scale, row_inv = scale[e_row], inv[e_row]
-    R, K = e_row.shape[0], x.shape[-1]
-    q = torch.empty((R, K), dtype=FP8_DTYPE, device=x.device)
-    if backend == "auto":
-        backend = ("triton" if x.is_cuda and triton is not None and x.stride(-1) == 1
-                   else "torch")
-    if R == 0:
+    if rows == 0:
         return q, row_inv
-    if backend == "triton":
-        bk = min(_pow2(K, 16), 1024)
-        _quantize_scaled_kernel[(R,)](x, src if src is not None else e_row, e_row, row_scale, q,
-                                      K, x.stride(0), q.stride(0), E, HAS_TOKEN=src is not None,
-                                      BLOCK_K=bk, num_warps=4)
-        return q, row_inv
-    rows = x if src is None else x[src]
-    q.copy_(torch.where(valid[:, None], te_quantize(rows, row_scale[:, None]),
+    src_rows = x if src is None else x[src]
+    q.copy_(torch.where(valid[:, None], te_quantize(src_rows, row_scale[:, None]),
                         torch.zeros((), dtype=torch.float32, device=x.device)))
     return q, row_inv
 
@@ -264,24 +274,61 @@ if triton is not None:
         tl.store(S + r * groups + g, scale, mask=g < groups)
 
     @triton.jit
-    def _quantize_scaled_kernel(X, TOKEN, EROW, SCALE, Q, K, stride_x, stride_q, E,
+    def _group_scales_kernel(X, TOKEN, OFFS, RSCALE, RINV, K, stride_x,
+                             HAS_TOKEN: tl.constexpr, BLOCK_R: tl.constexpr,
+                             BLOCK_K: tl.constexpr):
+        """Program e: the amax over expert e's rows (A[r] = X[TOKEN[r]] or X[r], r in
+        [OFFS[e - 1], OFFS[e])), TE's scale from it (``te_scales``: IEEE divisions, fp32's
+        largest for an overflow, 1 for a zero or infinite amax), written to every one of its
+        rows' RSCALE (the cast's factor) and RINV (the GEMM's)."""
+        e = tl.program_id(0)
+        lo = tl.load(OFFS + e - 1, mask=e > 0, other=0)
+        hi = tl.load(OFFS + e)
+        ri = tl.arange(0, BLOCK_R)
+        ci = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
+        for r0 in range(lo, hi, BLOCK_R):
+            r = r0 + ri
+            rm = r < hi
+            src = tl.load(TOKEN + r, mask=rm, other=0) if HAS_TOKEN else r
+            base = X + src.to(tl.int64)[:, None] * stride_x
+            for k0 in range(0, K, BLOCK_K):
+                m = rm[:, None] & (ci[None, :] < K - k0)
+                v = tl.load(base + k0 + ci[None, :], mask=m, other=0.0).to(tl.float32)
+                acc = tl.maximum(acc, tl.abs(v))
+        amax = tl.max(tl.max(acc, axis=1), axis=0)
+        big = 3.4028234663852886e38
+        sc = tl.math.div_rn(tl.zeros_like(amax) + 448.0, amax)
+        sc = tl.where(sc > big, big, sc)
+        sc = tl.where((amax == 0.0) | (amax > big) | (sc != sc), 1.0, sc)
+        inv = tl.math.div_rn(tl.zeros_like(sc) + 1.0, sc)
+        for r0 in range(lo, hi, BLOCK_R):
+            r = r0 + ri
+            rm = r < hi
+            tl.store(RSCALE + r, tl.full([BLOCK_R], 0.0, tl.float32) + sc, mask=rm)
+            tl.store(RINV + r, tl.full([BLOCK_R], 0.0, tl.float32) + inv, mask=rm)
+
+    @triton.jit
+    def _quantize_scaled_kernel(X, TOKEN, OFFS, RSCALE, RINV, Q, K, stride_x, stride_q, E,
                                 HAS_TOKEN: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Program r: Q[r] = e4m3(clamp(A[r] * SCALE[r])) with A[r] = X[TOKEN[r]] (or X[r]):
-        TE's cast by a scale computed already (``quantize_grouped``); rows of expert E
-        (past the groups) zero."""
+        """Program r: Q[r] = e4m3(clamp(A[r] * RSCALE[r])) with A[r] = X[TOKEN[r]] (or X[r]):
+        TE's cast by the scale ``_group_scales_kernel`` wrote; a row at or past OFFS[E - 1]
+        (past the groups) zero, its RINV 1."""
         r = tl.program_id(0)
-        e = tl.load(EROW + r)
-        sc = tl.load(SCALE + r)
-        src = tl.load(TOKEN + r) if HAS_TOKEN else r
+        total = tl.load(OFFS + E - 1)
+        valid = r < total
         cols = tl.arange(0, BLOCK_K)
+        sc = tl.load(RSCALE + r, mask=valid, other=0.0)
+        if HAS_TOKEN:
+            src = tl.load(TOKEN + r, mask=valid, other=0)
+        else:
+            src = r
+        tl.store(RINV + r, 1.0, mask=r >= total)
         for k0 in range(0, K, BLOCK_K):
             m = cols < K - k0
-            if e < E:
-                x = tl.load(X + src.to(tl.int64) * stride_x + k0 + cols, mask=m,
-                            other=0.0).to(tl.float32)
-                q = tl.minimum(tl.maximum(x * sc, -448.0), 448.0)
-            else:
-                q = tl.zeros([BLOCK_K], dtype=tl.float32)
+            x = tl.load(X + src.to(tl.int64) * stride_x + k0 + cols, mask=m & valid,
+                        other=0.0).to(tl.float32)
+            q = tl.minimum(tl.maximum(x * sc, -448.0), 448.0)  # invalid rows: 0 * 0
             tl.store(Q + r.to(tl.int64) * stride_q + k0 + cols, q.to(Q.dtype.element_ty),
                      mask=m)
 

@@ -50,8 +50,7 @@ import torch.nn.functional as F
 from colo_rollout.model.kernel_backend import BACKENDS, tl, triton, triton_available  # noqa: F401
 from colo_rollout.model.kernel_backend import resolve_backend as _resolve
 from colo_rollout.model.kernel_backend import pow2, rne_bf16, smem_per_block
-from colo_rollout.model.fp8 import (Fp8Weight, dequantize_rows, expert_of_rows, quantize_grouped,
-                                    quantize_rows)
+from colo_rollout.model.fp8 import Fp8Weight, dequantize_rows, quantize_grouped, quantize_rows
 
 try:  # TMA descriptors (triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -204,16 +203,15 @@ def torch_experts_fp8(x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor,
     or, blockwise weights (``block``), x and h per 1 x block columns, the weights per block;
     TE's tensorwise weights (``tensorwise``): x's and h's rows per expert
     (``quantize_grouped``)."""
+    R = token.shape[0]
     if fc1.tensorwise:
-        e_row = expert_of_rows(offs, token.shape[0])
-        E = fc1.q.shape[0]
-        xd = dequantize_rows(*quantize_grouped(x, e_row, E, token=token, backend="torch"))
+        xd = dequantize_rows(*quantize_grouped(x, offs, R, token=token, backend="torch"))
     else:
         xd = dequantize_rows(*quantize_rows(x, pad=False, group=fc1.block, pow2=fc1.te))[token]
     h = torch._grouped_mm(xd, fc1.dequantized().transpose(1, 2), offs=offs)
     h = _activated(h, prob, activation, gated, x.dtype)
     if fc2.tensorwise:
-        hd = dequantize_rows(*quantize_grouped(h, e_row, E, backend="torch"))
+        hd = dequantize_rows(*quantize_grouped(h, offs, R, backend="torch"))
     else:
         hd = dequantize_rows(*quantize_rows(h, pad=False, group=fc2.block, pow2=fc2.te))
     return torch._grouped_mm(hd, fc2.dequantized().transpose(1, 2), offs=offs).to(x.dtype)
@@ -709,11 +707,10 @@ def triton_experts(x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor,
         # TE's Float8CurrentScaling: x's rows quantised per expert (one scale from the amax
         # over the expert's rows, as TE's GroupedLinear quantises its splits) into the pairs'
         # sorted order, so fc1 reads them without the token gather; h likewise
-        e_row = expert_of_rows(offs, rows)
-        xq, xs = quantize_grouped(x, e_row, E, token=token)
+        xq, xs = quantize_grouped(x, offs, rows, token=token)
         h = moe_gemm(xq, fc1.q, offs, rows, prob=prob, gated=gated, act=act, tile=tiles[0],
                      a_scale=xs, w_scale=fc1.scale, out_dtype=x.dtype)
-        hq, hs = quantize_grouped(h, e_row, E)
+        hq, hs = quantize_grouped(h, offs, rows)
         return moe_gemm(hq, fc2.q, offs, rows, zero_tail=True, scatter=order,
                         out_dtype=out_dtype or x.dtype, tile=tiles[1], a_scale=hs,
                         w_scale=fc2.scale)
