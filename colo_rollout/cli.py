@@ -127,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         overrides = _door(_overrides, args.set)
         cfg = _config_at_the_door(args.config, overrides, args.cmd)
+        from colo_rollout.door import check_output
+
+        _door(check_output, "--out", args.out)
         res = _launch("colo_rollout.tools.bench_sync:run_bench_sync", args.config, overrides,
                       cfg=cfg, iters=args.iters)[0]
         if int(os.environ.get("RANK", "0")) == 0:
@@ -155,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{cfg.engine.max_batch_size} / engine.max_seq_len {cfg.engine.max_seq_len}",
                   file=sys.stderr)
             return 2
+        from colo_rollout.door import check_output
+
+        _door(check_output, "--out", args.out)
         res = _launch("colo_rollout.tools.bench_mtp:run_bench_mtp", args.config, overrides,
                       cfg=cfg, batches=tuple(args.batches), prompt_len=args.prompt_len,
                       new_tokens=args.new_tokens, reps=args.reps,
@@ -204,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         return _stress(args)
     if args.cmd == "bench-rendezvous":
         return _bench_rendezvous(args)
+    from colo_rollout.door import check_output
+
+    _door(check_output, "--report", args.report, file=True)
     _launch("colo_rollout.tools.demo:run_demo", args.config, overrides, cfg=cfg, report=args.report)
     return 0
 

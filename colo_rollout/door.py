@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import pathlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -55,16 +56,78 @@ def load(command: str, config_path: str | os.PathLike, overrides: Mapping[str, A
         from colo_rollout.checkpoint.loader import check_checkpoint
 
         check_checkpoint(cfg.model)
+    check_backend(cfg, source)
     check_kernels(cfg, source)
     check_dispatch(cfg, source)
     check_use_te(cfg, source)
     check_fp8(cfg, source)
+    check_outputs(cfg, source, command)
     check = {"demo": check_demo, "train": check_train, "bench": check_bench,
              "bench-decode-overhead": check_decode_overhead,
              "bench-speed": check_bench_speed}.get(command)
     if check is not None:
         check(cfg, source, **args)
     return cfg
+
+
+def unwritable(path: str | os.PathLike, file: bool = False) -> str | None:
+    """Why this process could not write the directory ``path`` (made if missing) -- or with
+    ``file`` the file ``path`` in its directory --, or None: checked before a run, so a bad
+    output path is not found after minutes of work. The nearest existing ancestor must be a
+    writable directory; an existing ``path`` must be a directory (a file with ``file``)."""
+    p = pathlib.Path(path)
+    if p.exists():
+        if file and p.is_dir():
+            return f"{p} is a directory"
+        if not file and not p.is_dir():
+            return f"{p} exists and is not a directory"
+    probe = p.parent if file or p.exists() and not p.is_dir() else p
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} is not a directory"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{probe} is not writable"
+    return None
+
+
+def check_output(key: str, path: str | os.PathLike | None, source: str | None = None,
+                 file: bool = False) -> None:
+    """One output path (a config key, or a command's flag when ``source`` is None) that the
+    run will write: refused now, naming the key, if it cannot be written."""
+    why = None if path is None else unwritable(path, file)
+    if why:
+        at = f"{source}: " if source else ""
+        raise ConfigError(f"{at}{key}: {path}: cannot write here ({why})", key=key,
+                          source=source)
+
+
+def check_outputs(cfg: Config, source: str, command: str) -> None:
+    """The output folders ``command`` writes, from its config (the flags' paths are checked by
+    the CLI through ``check_output``)."""
+    keys = {"train": ("rl.out_dir", "rl.export_dir"), "bench": ("bench.out_dir",),
+            "bench-speed": ("bench_speed.out_dir",)}.get(command, ())
+    for key in keys:
+        section, name = key.split(".")
+        check_output(key, getattr(getattr(cfg, section), name), source)
+
+
+def check_backend(cfg: Config, source: str) -> None:
+    """parallel.backend nccl puts each rank on a GPU: the host has CUDA and, where this
+    process launches the ranks (no torchrun), a GPU per rank."""
+    if cfg.parallel.backend != "nccl":
+        return
+    import torch
+
+    why = None
+    if not torch.cuda.is_available():
+        why = "this host has no CUDA device"
+    elif "WORLD_SIZE" not in os.environ and torch.cuda.device_count() < cfg.parallel.world_size:
+        why = (f"parallel.world_size {cfg.parallel.world_size} ranks need as many GPUs, this "
+               f"host has {torch.cuda.device_count()}")
+    if why:
+        raise ConfigError(f"{source}: parallel.backend: 'nccl' runs a rank per GPU, and {why}; "
+                          "use 'gloo' for CPU ranks", key="parallel.backend", source=source)
 
 
 # engine keys that pick a kernel backend (auto | torch | triton; prefill_attention: | cudnn)

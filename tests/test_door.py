@@ -335,3 +335,73 @@ def _unchecked(cfg, **changes):
     for k, v in changes.items():
         object.__setattr__(out, k, v)
     return out
+
+
+# --------------------------------------------------------------------------- found by probing
+def test_a_value_of_nested_aliases_is_quoted_short(tmp_path, capsys):
+    """Six levels of ten YAML aliases: a 1 KB file whose full repr is 52 MB; the message
+    quotes a bounded repr of it."""
+    value = "[x, x, x, x, x, x, x, x, x, x]"
+    for i in range(1, 7):
+        value = f"[&a{i} {value}" + f", *a{i}" * 9 + "]"
+    path = tmp_path / "laughs.yaml"
+    path.write_text(Path(DEMO).read_text().replace("seed: 0", f"seed: {value}"))
+    line = door_error(capsys, "demo", str(path))
+    assert line.startswith(f"error: {path}: workload.seed: expected int, got list [[")
+    assert len(line) < 1000
+
+
+def test_a_deeply_nested_trace_line(tmp_path, capsys):
+    path = tmp_path / "deep.jsonl"
+    path.write_text("[" * 100000 + "]" * 100000 + "\n")
+    line = door_error(capsys, "bench", BENCH, "--set", f"bench.trace={path}")
+    assert line == (f"error: {path}:1: record: malformed JSON: nested too deeply "
+                    f"(bench.trace of {BENCH})")
+
+
+def test_nccl_ranks_on_a_host_without_cuda(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    line = door_error(capsys, "demo", DEMO, "--set", "parallel.backend=nccl")
+    assert line == (f"error: {DEMO}: parallel.backend: 'nccl' runs a rank per GPU, and this "
+                    "host has no CUDA device; use 'gloo' for CPU ranks")
+
+
+def test_nccl_ranks_past_the_gpus(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    line = door_error(capsys, "demo", DEMO, "--set", "parallel.backend=nccl")
+    assert line.endswith("parallel.world_size 2 ranks need as many GPUs, this host has 1; "
+                         "use 'gloo' for CPU ranks")
+
+
+@pytest.mark.parametrize("cmd, config, key", [("train", TRAIN, "rl.out_dir"),
+                                              ("train", TRAIN, "rl.export_dir"),
+                                              ("bench", BENCH, "bench.out_dir")])
+def test_an_output_folder_under_a_file(tmp_path, capsys, cmd, config, key):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    line = door_error(capsys, cmd, config, "--set", f"{key}={afile}/out")
+    assert line == (f"error: {config}: {key}: {afile}/out: cannot write here ({afile} is not "
+                    "a directory)")
+
+
+def test_a_report_path_that_cannot_be_written(tmp_path, capsys):
+    assert door_error(capsys, "demo", DEMO, "--report", str(tmp_path)) == (
+        f"error: --report: {tmp_path}: cannot write here ({tmp_path} is a directory)")
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert door_error(capsys, "demo", DEMO, "--report", f"{afile}/r.json") == (
+        f"error: --report: {afile}/r.json: cannot write here ({afile} is not a directory)")
+
+
+def test_unwritable_paths():
+    from colo_rollout.door import unwritable
+
+    assert unwritable("/tmp/colo-surely-absent/a/b") is None  # made when missing
+    assert unwritable("/tmp") is None and unwritable("/tmp/x.json", file=True) is None
+    assert unwritable("/proc/version/x") == "/proc/version is not a directory"

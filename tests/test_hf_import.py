@@ -471,3 +471,68 @@ def test_transformers_checkpoint_round_trips_bit_exactly(worker_groups, tmp_path
     r0 = res[0]
     assert r0["names_equal"] and r0["unequal"] == [] and r0["dtype_equal"]
     assert "config.json" in r0["copied"] and "generation_config.json" in r0["copied"]
+
+
+# ---------------------------------------------------------------------- found by probing
+def test_zero_heads_without_head_dim_is_refused_before_dividing(ckpt, tmp_path):
+    e = _config_error(ckpt, tmp_path, num_attention_heads=0, head_dim=None)
+    assert "config.json: num_attention_heads: must be >= 1, got 0" in str(e), str(e)
+
+
+@pytest.mark.parametrize("key, value, fragment", [
+    ("num_hidden_layers", 10 ** 6, "model.layers.2.*: missing: config.json num_hidden_layers = "
+                                   "1000000, but the checkpoint stores layers 0..1 only"),
+    ("num_experts", 10 ** 6, "experts.8.*: missing: config.json num_experts = 1000000, but "
+                             "the checkpoint stores experts 0..7 only")])
+def test_counts_past_the_stored_tensors_are_named_at_once(ckpt, tmp_path, key, value,
+                                                          fragment):
+    """A config.json claiming far more layers or experts than stored: named from the tensor
+    names, before the table of every expected tensor (9 GB for a million layers) is built."""
+    import time
+
+    d = copy_ckpt(ckpt["qwen3"], tmp_path / "c")
+    edit_config(d, **{key: value})
+    start = time.monotonic()
+    with pytest.raises(CheckpointError) as e:
+        check_checkpoint(model_cfg(d).model)
+    assert fragment in str(e.value), str(e.value)
+    assert time.monotonic() - start < 10
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.float8_e5m2])
+def test_weights_stored_in_a_non_float_dtype_are_refused(ckpt, tmp_path, dtype):
+    name = "model.layers.1.self_attn.o_proj.weight"
+
+    def change(t):
+        t[name] = t[name].to(dtype)
+
+    d, msg = _broken(ckpt, tmp_path, change)
+    what = str(dtype).removeprefix("torch.")
+    assert f"{os.path.join(d, 'model.safetensors')}: {name}: stored as {what}: weights load " \
+           "from float32, float16 or bfloat16" in msg, msg
+
+
+def test_a_stored_head_beside_tied_embeddings(ckpt, tmp_path):
+    """transformers serves tie_word_embeddings with a stored, different lm_head untied (and
+    warns): refused, naming the fix; a stored head equal to the embedding loads tied."""
+    d = copy_ckpt(ckpt["qwen3"], tmp_path / "t")
+    edit_config(d, tie_word_embeddings=True)
+    with pytest.raises(CheckpointError) as e:
+        check_checkpoint(model_cfg(d).model)
+    assert "lm_head.weight: stored beside config.json tie_word_embeddings: true, and not " \
+           "equal to model.embed_tokens.weight" in str(e.value), str(e.value)
+    assert "set tie_word_embeddings: false" in str(e.value)
+
+    def same(t):
+        t["lm_head.weight"] = t["model.embed_tokens.weight"].clone()
+
+    rewrite_weights(d, same)
+    check_checkpoint(model_cfg(d).model)
+
+
+def test_config_json_nested_too_deeply(ckpt, tmp_path):
+    d = tmp_path / "deep"
+    d.mkdir()
+    (d / "config.json").write_text("[" * 100000 + "]" * 100000)
+    with pytest.raises(ConfigError, match="config.json: invalid JSON: nested too deeply"):
+        model_cfg(str(d))

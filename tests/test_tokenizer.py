@@ -196,6 +196,13 @@ def test_template_errors(tmp_path: Path) -> None:
     with pytest.raises(TokenizerError, match="chat template failed"):
         Tokenizer.from_dir(tmp_path).apply_chat_template(CONVERSATION)
 
+    # an expression that fails as Python (not as Jinja) is the template's error too
+    for template, what in (("{{ messages + 1 }}", "TypeError"),
+                           ("{{ 1 // 0 }}", "ZeroDivisionError")):
+        write_json(tmp_path / "tokenizer_config.json", {**config, "chat_template": template})
+        with pytest.raises(TokenizerError, match=f"chat template failed \\({what}: "):
+            Tokenizer.from_dir(tmp_path).apply_chat_template(CONVERSATION)
+
 
 def test_import_needs_neither_torch_nor_transformers() -> None:
     code = ("import sys, colo_rollout.text.tokenizer; "

@@ -15,6 +15,7 @@ Must not go in here: name mapping (hf_names.py), file access beyond the store's 
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -83,9 +84,10 @@ def check_checkpoint(cfg: ModelConfig, store: CheckpointStore | None = None,
     # a block-scaled FP8 checkpoint is checked (and read) as the float one it stands for
     store = float_view(store or CheckpointStore(cfg.checkpoint), arch.weight_block)
     try:
+        have = set(store.names())
+        _check_counts(cfg, arch, have, store.directory)
         want = expected_hf_shapes(cfg, arch.family)
         optional = optional_hf_shapes(cfg)
-        have = set(store.names())
         stored = stored_architecture(arch, have)
         mtp = tuple(mtp_hf_prefix(cfg, j) for j in range(cfg.mtp_num_layers))
         for name, shape in want.items():
@@ -111,18 +113,72 @@ def check_checkpoint(cfg: ModelConfig, store: CheckpointStore | None = None,
                 f"with this config.json ({len(unexpected)}: {unexpected[:3]}"
                 f"{'...' if len(unexpected) > 3 else ''}){fp8}",
                 path=store.file_of(unexpected[0]), name=unexpected[0])
-        if arch.weight_block is None:  # e4m3 data read as floats would be the unscaled codes
-            for name in want:
-                if store.dtype(name) in FP8_DTYPES:
-                    raise CheckpointError(
-                        "stored in e4m3 but config.json has no quantization_config (a "
-                        "block-scaled FP8 release declares quant_method 'fp8' and "
-                        "weight_block_size, and stores each weight's weight_scale_inv)",
-                        path=store.file_of(name), name=name)
+        if cfg.tie_embeddings and "lm_head.weight" in have:
+            _check_tied_head(store, want)
+        for name in want:
+            dtype = store.dtype(name)
+            if arch.weight_block is None and dtype in FP8_DTYPES:
+                # e4m3 data read as floats would be the unscaled codes
+                raise CheckpointError(
+                    "stored in e4m3 but config.json has no quantization_config (a "
+                    "block-scaled FP8 release declares quant_method 'fp8' and "
+                    "weight_block_size, and stores each weight's weight_scale_inv)",
+                    path=store.file_of(name), name=name)
+            if not dtype.is_floating_point or dtype.itemsize == 1:
+                # integers, bools, other 8-bit floats: codes of a quantisation this loader
+                # does not know (a cast would serve them as weights)
+                raise CheckpointError(
+                    f"stored as {str(dtype).removeprefix('torch.')}: weights load from "
+                    "float32, float16 or bfloat16 (or e4m3 blocks with config.json's "
+                    "quantization_config)", path=store.file_of(name), name=name)
     finally:
         if own:
             store.close()
     return stored
+
+
+def _check_tied_head(store, want: dict, rows: int = 8192) -> None:
+    """tie_word_embeddings with an lm_head.weight stored too: transformers serves such a
+    checkpoint untied, with the stored head, when the two differ (and warns); the engine ties
+    (the config says so). Refused unless they are equal (compared in blocks of ``rows``): a
+    silent tie would give other tokens than the checkpoint's own library."""
+    emb = next(n for n in want if n.endswith("embed_tokens.weight"))
+    if tuple(store.shape("lm_head.weight")) == tuple(store.shape(emb)):
+        n = store.shape(emb)[0]
+        if all(torch.equal(store.read("lm_head.weight", rows=(i, min(i + rows, n)),
+                                      dtype=torch.float32),
+                           store.read(emb, rows=(i, min(i + rows, n)), dtype=torch.float32))
+               for i in range(0, n, rows)):
+            return
+    raise CheckpointError(
+        f"stored beside config.json tie_word_embeddings: true, and not equal to {emb} "
+        "(transformers serves this checkpoint untied, with the stored head): set "
+        "tie_word_embeddings: false in config.json to serve it so, or drop lm_head.weight",
+        path=store.file_of("lm_head.weight"), name="lm_head.weight")
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def _check_counts(cfg: ModelConfig, arch: HFArchitecture, have: set[str], where) -> None:
+    """config.json's layer and expert counts against the tensors stored, before the table of
+    every expected tensor is built: that table grows with the counts (a config.json claiming
+    a million layers took 9 GB to find its first missing tensor). Names the first layer or
+    expert the checkpoint lacks."""
+    layers = [int(m.group(1)) for n in have if (m := _LAYER.match(n))]
+    stored = max(layers, default=-1) + 1
+    if stored < cfg.num_layers:
+        raise CheckpointError(
+            f"missing: config.json {arch.sources['num_layers']} = {cfg.num_layers}, but the "
+            f"checkpoint stores layers 0..{stored - 1} only", path=where,
+            name=f"model.layers.{stored}.*")
+    experts = [int(m.group(1)) for n in have if (m := _EXPERT.search(n))]
+    if experts and max(experts) + 1 < cfg.num_experts:
+        raise CheckpointError(
+            f"missing: config.json {arch.sources['num_experts']} = {cfg.num_experts}, but the "
+            f"checkpoint stores experts 0..{max(experts)} only", path=where,
+            name=f"experts.{max(experts) + 1}.*")
 
 
 def _mtp_hint(arch: HFArchitecture, stored: HFArchitecture, prefix: str) -> str:

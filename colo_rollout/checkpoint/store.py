@@ -58,6 +58,10 @@ def _read_json_object(path: pathlib.Path) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         raise CheckpointError(f"not JSON: {e.msg} at line {e.lineno} column {e.colno}",
                               path=path) from None
+    except RecursionError:
+        raise CheckpointError("not JSON: nested too deeply", path=path) from None
+    except ValueError as e:  # an integer of more digits than Python converts
+        raise CheckpointError(f"not JSON: {e}", path=path) from None
     if not isinstance(obj, dict):
         raise CheckpointError(f"expected a JSON object, got {type(obj).__name__}", path=path)
     return obj

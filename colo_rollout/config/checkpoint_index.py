@@ -48,6 +48,6 @@ def stored_tensor_names(directory: str | os.PathLike) -> frozenset[str] | None:
         if index.is_file():
             weight_map = json.loads(index.read_bytes()).get("weight_map")
             return frozenset(weight_map) if isinstance(weight_map, dict) else None
-    except (OSError, ValueError, AttributeError):  # ValueError: JSON / UTF-8 decoding
+    except (OSError, ValueError, AttributeError, RecursionError):  # JSON / UTF-8 decoding
         return None
     return None

@@ -131,6 +131,10 @@ def read_hf_config(directory: str | pathlib.Path) -> dict:
         config = json.loads(text)
     except json.JSONDecodeError as e:
         raise CheckpointError(f"line {e.lineno}: invalid JSON: {e.msg}", path=path) from None
+    except RecursionError:
+        raise CheckpointError("invalid JSON: nested too deeply", path=path) from None
+    except ValueError as e:  # an integer of more digits than Python converts
+        raise CheckpointError(f"invalid JSON: {e}", path=path) from None
     if not isinstance(config, dict):
         raise CheckpointError("expected a JSON object", path=path)
     return config
@@ -194,6 +198,8 @@ def _common(r: _Reader, family: str) -> None:
     r.take("hidden_size", "hidden_size", int)
     r.take("num_layers", "num_hidden_layers", int)
     heads = r.take("num_attention_heads", "num_attention_heads", int)
+    # checked here, before head_dim divides by it (the schema's own >= 1 check comes later)
+    r.refuse("num_attention_heads", heads < 1, f"must be >= 1, got {heads}")
     r.take("num_query_groups", "num_key_value_heads", int, heads)
     head_dim = r.get("head_dim", int, None, null_ok=True)
     if head_dim is None:

@@ -252,6 +252,14 @@ class _DuplicateKey(Exception):
     """A key repeated in one YAML mapping: (dotted key, 1-based line, line of the first)."""
 
 
+class _BadScalar(ValueError):
+    """A scalar YAML reads but Python cannot hold: (dotted key, 1-based line, problem)."""
+
+
+# Python converts integers of at most this many digits (sys.get_int_max_str_digits' default)
+_MAX_INT_CHARS = 4300
+
+
 class UniqueKeyLoader(yaml.SafeLoader):
     """``yaml.SafeLoader`` that refuses a key repeated in one mapping (``_DuplicateKey``).
 
@@ -269,6 +277,11 @@ class UniqueKeyLoader(yaml.SafeLoader):
         if id(node) in seen:  # an alias: its node was checked where it was anchored
             return
         seen.add(id(node))
+        if (isinstance(node, yaml.ScalarNode) and node.tag == "tag:yaml.org,2002:int"
+                and len(node.value) > _MAX_INT_CHARS):
+            raise _BadScalar(path, node.start_mark.line + 1,
+                             f"an integer of {len(node.value)} characters (Python converts at "
+                             f"most {_MAX_INT_CHARS} digits)")
         if isinstance(node, yaml.MappingNode):
             first: dict[Any, int] = {}
             for key_node, value_node in node.value:
@@ -315,7 +328,10 @@ def parse_override(pair: str) -> tuple[str, Any]:
     except _DuplicateKey as dup:
         raise ConfigError(f"--set {key}: duplicate key {dup.args[0]!r} in the value {text!r}",
                           key=key, source="--set") from None
-    except ValueError as err:  # a scalar YAML resolves but Python refuses (a 5000-digit int)
+    except _BadScalar as bad:
+        raise ConfigError(f"--set {key}: invalid value: {bad.args[2]}", key=key,
+                          source="--set") from None
+    except ValueError as err:  # a scalar YAML resolves but Python refuses
         raise ConfigError(f"--set {key}: invalid value: {err}", key=key, source="--set") \
             from None
     except yaml.YAMLError as err:
@@ -388,6 +404,10 @@ def load_config(path: str | os.PathLike, overrides: Mapping[str, Any] | None = N
             "silently keep only this last one", key=dotted, source=source) from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{source}: {_yaml_error_text(err)}", source=source) from err
+    except _BadScalar as bad:
+        dotted, line, problem = bad.args
+        raise ConfigError(f"{source}:{line}: {dotted}: {problem}", key=dotted or None,
+                          source=source) from None
     except ValueError as err:  # a scalar YAML resolves but Python refuses (a 5000-digit int)
         raise ConfigError(f"{source}: invalid YAML value: {err}", source=source) from None
     if not isinstance(data, dict):

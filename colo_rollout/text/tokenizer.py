@@ -33,8 +33,9 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return None
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TokenizerError(path, f"unreadable JSON ({e})") from e
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: JSON, UTF-8, big ints
+        problem = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+        raise TokenizerError(path, f"unreadable JSON ({problem})") from None
     if not isinstance(data, dict):
         raise TokenizerError(path, f"expected a JSON object, got {type(data).__name__}")
     return data
@@ -174,6 +175,10 @@ class Tokenizer:
             return template.render(messages=chat, add_generation_prompt=add_generation_prompt, **self._special)
         except jinja2.TemplateError as e:
             raise TokenizerError(self.directory, f"chat template failed ({e})") from e
+        except (ArithmeticError, TypeError, ValueError, LookupError, AttributeError,
+                RecursionError) as e:  # the template's own expression failed as Python
+            raise TokenizerError(self.directory, "chat template failed "
+                                 f"({type(e).__name__}: {e})") from e
 
     def encode_prompt(self, prompt: str, chat: bool | None = None) -> list[int]:
         """Token ids for one user prompt; `chat` None means: through the chat template when there is one."""

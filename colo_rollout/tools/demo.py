@@ -10,6 +10,7 @@ finish.
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import numpy as np
@@ -68,7 +69,8 @@ def run_demo(rank: int, world: int, config_path: str, overrides: dict | None = N
                       "acceptance": sched.drafts_accepted / max(sched.drafts_verified, 1)}
     if rank == 0 and not quiet:
         print_report(rep)
-    if rank == 0 and report:
+    if rank == 0 and report:  # its folder made if missing (the door checked it can be)
+        os.makedirs(os.path.dirname(os.path.abspath(report)), exist_ok=True)
         with open(report, "w") as f:
             json.dump(rep, f, indent=1)
     return rep

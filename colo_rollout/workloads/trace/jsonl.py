@@ -94,6 +94,8 @@ def _parse_record(path: str, line: int, text: str) -> _Record:
         raise fail("record", f"non-finite number {e.args[0]} is not allowed") from None
     except json.JSONDecodeError as e:
         raise fail("record", f"malformed JSON: {e.msg} (column {e.colno})") from None
+    except RecursionError:
+        raise fail("record", "malformed JSON: nested too deeply") from None
     except ValueError as e:  # an integer of more digits than Python converts (4300)
         raise fail("record", f"number too large: {e}") from None
     if not isinstance(obj, dict):

@@ -39,6 +39,11 @@ def _parse_mooncake(path: str) -> list[_MooncakeRecord]:
                 obj = json.loads(text)
             except json.JSONDecodeError as e:
                 raise TraceError(path, lineno, "record", f"malformed JSON: {e.msg}") from None
+            except RecursionError:
+                raise TraceError(path, lineno, "record", "malformed JSON: nested too "
+                                 "deeply") from None
+            except ValueError as e:  # an integer of more digits than Python converts
+                raise TraceError(path, lineno, "record", f"number too large: {e}") from None
             if not isinstance(obj, dict):
                 raise TraceError(path, lineno, "record", "expected a JSON object")
             for key in _MOONCAKE_KEYS:
