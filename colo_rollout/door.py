@@ -56,11 +56,11 @@ def load(command: str, config_path: str | os.PathLike, overrides: Mapping[str, A
         from colo_rollout.checkpoint.loader import check_checkpoint
 
         check_checkpoint(cfg.model)
-    check_backend(cfg, source)
     check_kernels(cfg, source)
     check_dispatch(cfg, source)
     check_use_te(cfg, source)
     check_fp8(cfg, source)
+    check_backend(cfg, source)  # after the settings' own checks: those name the key to change
     check_outputs(cfg, source, command)
     check = {"demo": check_demo, "train": check_train, "bench": check_bench,
              "bench-decode-overhead": check_decode_overhead,
