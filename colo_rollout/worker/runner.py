@@ -21,8 +21,6 @@ import numpy as np
 import torch
 
 from colo_rollout.model.dense_prefill import dense_calls
-from colo_rollout.model.kernel_backend import triton
-from colo_rollout.model.step_index import positions_and_slots
 from colo_rollout.model.attention import AttnMetadata, prefill_buckets
 from colo_rollout.worker.decode_graph import DecodeGraphs, graphs_supported
 from colo_rollout.model.model import DecodeInputs, InferenceGPT, PrefillInputs
@@ -119,60 +117,41 @@ class PendingSampled:
         return [Sampled(lt, int(t), lp) for lt, t, lp in zip(lts, tokens, logprobs)]
 
 
-def prefill_meta(items, block_size: int, sink: int):
-    """The per-sequence host arrays of one replica's P items (numpy int64, no per-token work
-    beyond the token ids): token ids [T], meta [S, 3] -- each item's first row in the step,
-    its new tokens, its start position (model/step_index.py's ``META``) -- and the block tables
-    [S, W] padded with ``sink`` to the longest (W >= 1; [0, 1] without items). Raises
-    IndexError where an item's last position lies past its own table."""
+def prefill_index(items, block_size: int, sink: int):
+    """Host index arrays of one replica's P items (numpy int64, no per-token Python loop):
+    token ids [T], positions [T] (item i's tokens at start_i, start_i + 1, ...), KV slots [T]
+    (``table[p // block_size] * block_size + p % block_size``) and the block tables [S, W]
+    padded with ``sink`` to the longest (W >= 1; [0, 1] without items)."""
     S = len(items)
     news = np.fromiter((len(it.tokens) for it in items), dtype=np.int64, count=S)
-    starts = np.fromiter((it.start for it in items), dtype=np.int64, count=S)
+    T = int(news.sum())
     # per item: the ids the scheduler converted at submit (``PrefillItem.ids``), else fromiter
     # over the tuple with its count -- the cheapest conversion of Python ints, 0.16 ms per 4k
     # on the 2-core machine, on the step's critical path
     parts = [it.ids if it.ids is not None
              else np.fromiter(it.tokens, dtype=np.int64, count=len(it.tokens)) for it in items]
     ids = parts[0] if S == 1 else np.concatenate(parts) if S else np.zeros(0, np.int64)
-    lens = np.fromiter((len(it.table) for it in items), dtype=np.int64, count=S)
-    W = max(int(lens.max()) if S else 1, 1)
+    W = max((len(it.table) for it in items), default=1)
     tables = np.full((S, W), sink, dtype=np.int64)
     for s, it in enumerate(items):
-        tables[s, : lens[s]] = np.fromiter(it.table, dtype=np.int64, count=lens[s])
-    # positions rise within an item: its last one holds its largest block
-    past = (news > 0) & ((starts + news - 1) // block_size >= lens)
-    if past.any():
-        s = int(past.argmax())
-        raise IndexError(f"a P item's position {int(starts[s] + news[s] - 1)} is past its "
-                         f"block table ({int(lens[s])} blocks of {block_size})")
-    ends = np.cumsum(news)
-    meta = np.stack([ends - news, news, starts], axis=1) if S else np.zeros((0, 3), np.int64)
-    return ids, meta, tables
-
-
-def prefill_index(items, block_size: int, sink: int):
-    """Host index arrays of one replica's P items (numpy int64, no per-token Python loop):
-    token ids [T], positions [T] (item i's tokens at start_i, start_i + 1, ...), KV slots [T]
-    (``table[p // block_size] * block_size + p % block_size``) and the block tables [S, W]
-    padded with ``sink`` to the longest (W >= 1; [0, 1] without items). The CPU path's (and the
-    reference of model/step_index.py's kernel, which makes positions and slots on the GPU from
-    ``prefill_meta``'s per-item rows)."""
-    ids, meta, tables = prefill_meta(items, block_size, sink)
-    S = meta.shape[0]
-    rows0, news, starts = meta[:, 0], meta[:, 1], meta[:, 2]
-    T = int(news.sum())
+        tables[s, : len(it.table)] = it.table
+    ends = np.cumsum(news)  # each item's rows end here
     pos = np.arange(T, dtype=np.int64)
     if S == 1:  # (one item, the long-prompt case: no per-row offsets to gather)
-        pos += starts[0]
+        pos += items[0].start
     elif S:
-        pos += np.repeat(starts - rows0, news)
+        starts = np.fromiter((it.start for it in items), dtype=np.int64, count=S)
+        pos += np.repeat(starts - (ends - news), news)
     if block_size & (block_size - 1) == 0:  # a power of two: shifts and masks
         blk = pos >> (int(block_size).bit_length() - 1)
         off = pos & (block_size - 1)
     else:
         blk = pos // block_size
         off = pos - blk * block_size
-    W = tables.shape[1]
+    # positions rise within an item, so its last row holds its largest block
+    if T and int(blk[ends[news > 0] - 1].max()) >= W:  # (past every table: 2-D would raise)
+        raise IndexError(f"a P item's position {int(pos[blk.argmax()])} is past its block "
+                         f"table ({W} blocks of {block_size})")
     # through the flat table: cheaper than 2-D fancy indexing
     rows = tables[0][blk] if S == 1 else tables.ravel()[np.repeat(np.arange(S) * W, news) + blk]
     slots = rows * block_size + off
@@ -503,15 +482,7 @@ class ModelRunner:
         mine = plan.replicas[r].prefill
         new = [len(item.tokens) for item in mine]
         ctx = [item.start + n for item, n in zip(mine, new)]
-        # on a GPU the positions and slots are made there from one row per item (model/
-        # step_index.py): the host sends ids, the rows and the tables, not three token arrays
-        device_index = self.device.type == "cuda" and triton is not None
-        if device_index:
-            ids, meta, tables = prefill_meta(mine, self.block_size, self.kv.sink_block)
-            index = [ids, meta, tables]
-        else:
-            index = list(prefill_index(mine, self.block_size, self.kv.sink_block))
-            ids = index[0]
+        ids, pos, slots, tables = prefill_index(mine, self.block_size, self.kv.sink_block)
         row_counts = [w.prefill_tokens for w in plan.replicas]
         last_counts = [len(w.prefill) for w in plan.replicas]
         last_rows, off = [], 0
@@ -522,15 +493,9 @@ class ModelRunner:
         dev = self.device
         # the attention kernels' plan rides the same copy (int32 tables as int64 words)
         plan = self.model.prefill_plan(new, ctx) if mine else None
-        ids_d, *rest = h2d_packed(index + [ctx, last_rows]
-                                  + ([plan.packed()] if plan is not None else []), dev,
-                                  self._p_stage)
-        if device_index:
-            meta_d, tables_d, ctx_d, last_d, *plan_d = rest
-            pos_d, slots_d = positions_and_slots(meta_d, tables_d, len(ids), self.block_size,
-                                                 max(new, default=0))
-        else:
-            pos_d, slots_d, tables_d, ctx_d, last_d, *plan_d = rest
+        ids_d, pos_d, slots_d, tables_d, ctx_d, last_d, *plan_d = h2d_packed(
+            [ids, pos, slots, tables, ctx, last_rows]
+            + ([plan.packed()] if plan is not None else []), dev, self._p_stage)
         attn = AttnMetadata(
             is_prefill=True,
             positions=pos_d,
