@@ -78,6 +78,11 @@ def test_prefill_index_names_a_table_too_short_for_its_tokens():
     item = PrefillItem(lifetime=0, tokens=(1,) * 20, start=0, table=(3,))
     with pytest.raises(IndexError):
         prefill_index([item], 16, SINK)
+    # checked against the item's own table, not the step's widest (its padding is the sink)
+    wide = PrefillItem(lifetime=1, tokens=(1,) * 40, start=0, table=(1, 2, 3))
+    with pytest.raises(IndexError, match=r"position 19 is past its block table \(1 blocks "
+                                         r"of 16\)"):
+        prefill_index([wide, item], 16, SINK)
 
 
 def test_h2d_packed_gives_each_array_back_in_its_shape_from_one_tensor():

@@ -131,10 +131,11 @@ def prefill_index(items, block_size: int, sink: int):
     parts = [it.ids if it.ids is not None
              else np.fromiter(it.tokens, dtype=np.int64, count=len(it.tokens)) for it in items]
     ids = parts[0] if S == 1 else np.concatenate(parts) if S else np.zeros(0, np.int64)
-    W = max((len(it.table) for it in items), default=1)
+    lens = np.fromiter((len(it.table) for it in items), dtype=np.int64, count=S)
+    W = max(int(lens.max()) if S else 1, 1)
     tables = np.full((S, W), sink, dtype=np.int64)
-    for s, it in enumerate(items):
-        tables[s, : len(it.table)] = it.table
+    for s, it in enumerate(items):  # (fromiter: ~4x faster than a slice set from a tuple)
+        tables[s, : lens[s]] = np.fromiter(it.table, dtype=np.int64, count=lens[s])
     ends = np.cumsum(news)  # each item's rows end here
     pos = np.arange(T, dtype=np.int64)
     if S == 1:  # (one item, the long-prompt case: no per-row offsets to gather)
@@ -148,10 +149,13 @@ def prefill_index(items, block_size: int, sink: int):
     else:
         blk = pos // block_size
         off = pos - blk * block_size
-    # positions rise within an item, so its last row holds its largest block
-    if T and int(blk[ends[news > 0] - 1].max()) >= W:  # (past every table: 2-D would raise)
-        raise IndexError(f"a P item's position {int(pos[blk.argmax()])} is past its block "
-                         f"table ({W} blocks of {block_size})")
+    # positions rise within an item, so its last row holds its largest block; checked
+    # against the item's own table (past it, a slot would come from the sink padding)
+    past = (news > 0) & (blk[ends - 1] >= lens) if T else np.zeros(S, dtype=bool)
+    if past.any():
+        s = int(past.argmax())
+        raise IndexError(f"a P item's position {int(pos[ends[s] - 1])} is past its block "
+                         f"table ({int(lens[s])} blocks of {block_size})")
     # through the flat table: cheaper than 2-D fancy indexing
     rows = tables[0][blk] if S == 1 else tables.ravel()[np.repeat(np.arange(S) * W, news) + blk]
     slots = rows * block_size + off
