@@ -234,6 +234,12 @@ def test_no_weights(tmp_path):
     msg = str(_error(tmp_path))
     assert msg.startswith(f"{tmp_path}: no weights: expected model.safetensors or "
                           "model.safetensors.index.json")
+    # a pickled checkpoint is named, and never opened (its bytes are not even a pickle here)
+    (tmp_path / "model-00001-of-00001.safetensors").unlink()
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not read")
+    assert str(_error(tmp_path)).endswith("; pytorch_model.bin is a pickle, which is never "
+                                          "loaded (convert it with transformers' "
+                                          "save_pretrained(..., safe_serialization=True))")
 
 
 def _sharded(tmp_path):

@@ -184,6 +184,9 @@ def test_door_checks_in_process(ckpt, tmp_path, capsys):
         ("--model", str(d), "--max-tokens", "40000", "hi"): "max_position_embeddings 32768",
         ("--model", str(d), "--config", str(tmp_path / "absent.yaml"), "hi"):
             "cannot read config file",
+        ("--model", str(d), "--set", f"model.checkpoint={small}", "hi"):
+            f"--set model.checkpoint={small}: generate serves --model {d}; give the checkpoint "
+            "once",
     }
     for argv, want in cases.items():
         assert main(["generate", *argv]) == 2, argv

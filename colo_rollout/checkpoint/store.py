@@ -92,8 +92,11 @@ class CheckpointStore:
             self._source = index
             self._files = self._read_index(index)
         else:
-            raise CheckpointError(f"no weights: expected {SINGLE_NAME} or {INDEX_NAME} "
-                                  f"(shards without an index are not accepted)",
+            pickled = sorted(p.name for p in self.directory.glob("*.bin"))[:1]
+            why = (f"; {pickled[0]} is a pickle, which is never loaded (convert it with "
+                   "transformers' save_pretrained(..., safe_serialization=True))"
+                   if pickled else " (shards without an index are not accepted)")
+            raise CheckpointError(f"no weights: expected {SINGLE_NAME} or {INDEX_NAME}{why}",
                                   path=self.directory)
 
     def _read_index(self, index: pathlib.Path) -> dict[str, pathlib.Path]:

@@ -176,6 +176,10 @@ def prepare(model_dir: str, config_path: str | None, overrides: Mapping[str, Any
     GenerateError, ConfigError, TokenizerError or RequestError with a one-line message."""
     from colo_rollout.config import load_config
 
+    other = overrides.get("model.checkpoint")
+    if other is not None and os.path.realpath(str(other)) != os.path.realpath(model_dir):
+        raise GenerateError(f"--set model.checkpoint={other}: generate serves --model "
+                            f"{model_dir}; give the checkpoint once")
     if not Tokenizer.available(model_dir):
         raise GenerateError(f"{model_dir}: no tokenizer.json (generate needs the checkpoint's "
                             "tokenizer; rollout() itself is token-in/token-out)")
