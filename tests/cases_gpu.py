@@ -748,6 +748,21 @@ def gpu_sampled_graphs(rank: int, world: int, adp: int, ep: int, mtp: bool = Fal
     return res
 
 
+def _gpu_moe_case(g, dev, N: int, E: int, k: int, H: int, Fd: int):
+    """Random top-k routing of N tokens over E experts, sorted by expert as the engine's pairs:
+    (x [N, H] bf16, token per sorted row, offs [E] int32 group ends, prob per sorted row,
+    fc1 [E, 2 Fd, H], fc2 [E, H, Fd]), drawn from ``g`` in that order."""
+    logits = torch.randn(N, E, generator=g, device=dev)
+    chosen = logits.topk(k, dim=1).indices
+    prob = torch.softmax(logits, -1).gather(1, chosen).flatten()
+    key, order = torch.sort(chosen.flatten(), stable=True)
+    offs = torch.searchsorted(key, torch.arange(E, device=dev), right=True, out_int32=True)
+    x = torch.randn(N, H, generator=g, device=dev).bfloat16()
+    fc1 = (torch.randn(E, 2 * Fd, H, generator=g, device=dev) / H ** 0.5).bfloat16()
+    fc2 = (torch.randn(E, H, Fd, generator=g, device=dev) / Fd ** 0.5).bfloat16()
+    return x, order // k, offs, prob[order], fc1, fc2
+
+
 def gpu_fp8_kernels(rank: int, world: int) -> dict:
     """The FP8 kernels on the GPU against the torch reference math (model/fp8.py,
     model/fused_moe.py): the row quantiser bitwise (the interpreter cannot check its cast),
@@ -786,16 +801,7 @@ def gpu_fp8_kernels(rank: int, world: int) -> dict:
         row = {"triton_vs_scaled_mm": ((t.float() - m.float()).abs().max()
                                        / m.float().abs().max()).item()}
         res["linear_rows"][M] = row
-    N, E, k, H, Fd = 300, 16, 4, 2048, 768
-    logits = torch.randn(N, E, generator=g, device=dev)
-    chosen = logits.topk(k, dim=1).indices
-    prob = torch.softmax(logits, -1).gather(1, chosen).flatten()
-    key, order = torch.sort(chosen.flatten(), stable=True)
-    offs = torch.searchsorted(key, torch.arange(E, device=dev), right=True, out_int32=True)
-    token, prob = order // k, prob[order]
-    xm = torch.randn(N, H, generator=g, device=dev).bfloat16()
-    fc1 = (torch.randn(E, 2 * Fd, H, generator=g, device=dev) / H ** 0.5).bfloat16()
-    fc2 = (torch.randn(E, H, Fd, generator=g, device=dev) / Fd ** 0.5).bfloat16()
+    xm, token, offs, prob, fc1, fc2 = _gpu_moe_case(g, dev, 300, 16, 4, 2048, 768)
     w1, w2 = f8.Fp8Weight.of(fc1), f8.Fp8Weight.of(fc2)
     got = fm.triton_experts(xm, token, offs, prob, w1, w2, F.silu, True)
     ref = fm.torch_experts_fp8(xm.float(), token, offs, prob, w1, w2, F.silu, True)
@@ -919,15 +925,7 @@ def gpu_te_fp8_experts(rank: int, world: int) -> dict:
     def rel(a, b):
         return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
-    logits = torch.randn(N, E, generator=g, device=dev)
-    chosen = logits.topk(k, dim=1).indices
-    prob = torch.softmax(logits, -1).gather(1, chosen).flatten()
-    key, order = torch.sort(chosen.flatten(), stable=True)
-    offs = torch.searchsorted(key, torch.arange(E, device=dev), right=True, out_int32=True)
-    token, prob = order // k, prob[order]
-    x = torch.randn(N, H, generator=g, device=dev).bfloat16()
-    fc1 = (torch.randn(E, 2 * Fd, H, generator=g, device=dev) / H ** 0.5).bfloat16()
-    fc2 = (torch.randn(E, H, Fd, generator=g, device=dev) / Fd ** 0.5).bfloat16()
+    x, token, offs, prob, fc1, fc2 = _gpu_moe_case(g, dev, N, E, k, H, Fd)
     fc1[3] *= 20  # experts of different ranges
     splits = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
     res = {"splits": splits}
