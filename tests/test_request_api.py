@@ -77,6 +77,14 @@ def test_out_of_vocabulary_is_still_named():
                                           "None, got list ['s']"),
     (Request("a", (1, 2), params={"max_tokens": 2}), "params must be SamplingParams, got dict"),
     (("a", (1, 2)), "expected a Request, got tuple"),
+    # ids and sessions cross between ranks as UTF-8: a lone surrogate would stop every step
+    (Request("a\ud800", (1, 2)), "is not valid Unicode text (a lone surrogate)"),
+    (Request("a", (1, 2), session="s\udfff"), "request 'a': session 's\\udfff' is not valid "
+                                               "Unicode text"),
+    ({"a": 1, "b": 2}, "expected a Request, got dict"),
+    (Request("a", {1: 0, 2: 0}), "request 'a': prompt must be a sequence of token ids, got "
+                                 "dict"),
+    (Request("a", {1, 2}), "prompt must be a sequence of token ids, got set"),
 ])
 def test_wrong_types_are_request_errors_not_type_errors(request_, fragment):
     with pytest.raises(RequestError) as info:
@@ -164,3 +172,45 @@ def test_an_id_past_int64_is_named_outside_the_vocabulary():
     with pytest.raises(RequestError, match=r"token id 1180591620717411303424 outside the "
                                            r"vocabulary"):
         make().add(Request("r", (1, 2**70), SamplingParams(max_tokens=2)))
+
+
+@pytest.mark.parametrize("params, fragment", [
+    (SamplingParams(temperature=10 ** 400), "temperature must be a finite number >= 0, got 1000"),
+    (SamplingParams(ignore_eos=np.array([True])), "ignore_eos must be a bool, got ndarray"),
+    (SamplingParams(ignore_eos="no"), "ignore_eos must be a bool, got str 'no'"),
+    (SamplingParams(ignore_eos=None), "ignore_eos must be a bool, got NoneType"),
+    (SamplingParams(ignore_eos=1), "ignore_eos must be a bool, got int 1"),
+    (SamplingParams(top_p=np.float32("nan")), "top_p must be in (0, 1]"),
+    (SamplingParams(max_tokens=np.bool_(True)), "max_tokens must be an int >= 1"),
+])
+def test_sampling_params_refused_by_value_and_type(params, fragment):
+    """Never an OverflowError or a value the ranks' exchange cannot encode (a numpy bool
+    ignore_eos used to pass here and stop every later step)."""
+    with pytest.raises(RequestError) as info:
+        params.validate("r", VOCAB)
+    assert str(info.value).startswith("request 'r': ") and fragment in str(info.value)
+
+
+def test_numpy_numbers_are_sampling_params_and_cross_as_python_values():
+    p = SamplingParams(temperature=np.float32(0.5), top_k=np.int64(3), top_p=np.float32(0.9),
+                       max_tokens=np.int32(4), ignore_eos=np.bool_(True))
+    p.validate("r", VOCAB)
+    wire = p.to_json()
+    assert [type(v) for v in wire.values()] == [float, int, float, int, bool]
+    assert SamplingParams.from_json(wire).to_json() == wire
+
+
+def test_a_top_p_below_fp32s_range_keeps_the_top_token():
+    """top_p 1e-50 is valid (> 0) but 0 in the sampler's fp32 table, which masked every token
+    (NaN probabilities, token 0): the table floors it, keeping the top token alone."""
+    torch = pytest.importorskip("torch")
+    from colo_rollout.worker.sampler import Draw, draw_params, draw_tensors
+
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=1.0, top_p=1e-50)] * 3
+    table = torch.tensor(draw_params(params, 3), dtype=torch.float32).view(3, 3)
+    assert bool((table[2] > 0).all())
+    tokens, logprobs = draw_tensors(Draw.TRUNCATED, logits, table,
+                                    torch.Generator().manual_seed(1))
+    assert tokens.tolist() == logits.argmax(dim=-1).tolist()
+    assert bool(torch.isfinite(logprobs).all())

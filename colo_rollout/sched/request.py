@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import math
+import numbers
 import operator
 from dataclasses import dataclass, field, replace
 from enum import Enum
@@ -55,6 +56,8 @@ def token_ids(request_id: object, prompt: object) -> tuple[int, ...]:
     if isinstance(prompt, (str, bytes)):
         raise bad(f"prompt must be a sequence of token ids, got {type(prompt).__name__} "
                   f"{prompt[:40]!r} (encode text first, e.g. colo_rollout.text.tokenizer)")
+    if isinstance(prompt, (dict, set, frozenset)):  # iterable, but not a sequence in order
+        raise bad(f"prompt must be a sequence of token ids, got {type(prompt).__name__}")
     try:
         items = list(prompt)  # type: ignore[call-overload]
     except TypeError:
@@ -82,13 +85,44 @@ def checked_request(req: object) -> "Request":
     rid = req.request_id
     if not isinstance(rid, str) or not rid:
         raise RequestError(f"request id must be a non-empty string, got {rid!r}")
+    if not _utf8(rid):  # the ranks exchange ids as UTF-8: a lone surrogate cannot cross
+        raise RequestError(f"request id {rid!r} is not valid Unicode text (a lone surrogate)")
     if req.session is not None and (not isinstance(req.session, str) or not req.session):
         raise RequestError(f"request {rid!r}: session must be a non-empty string or None, got "
                            f"{type(req.session).__name__} {req.session!r}")
+    if req.session is not None and not _utf8(req.session):
+        raise RequestError(f"request {rid!r}: session {req.session!r} is not valid Unicode "
+                           "text (a lone surrogate)")
     if not isinstance(req.params, SamplingParams):
         raise RequestError(f"request {rid!r}: params must be SamplingParams, got "
                            f"{type(req.params).__name__}")
     return replace(req, prompt=token_ids(rid, req.prompt))
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _real(value: object) -> float | None:
+    """``value`` as a float where it is a real number (int, float, numpy scalars), never a
+    bool; None otherwise (also for an int too large for a float)."""
+    if _is_bool(value) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return None
+
+
+def _integer(value: object) -> int | None:
+    """``value`` as an int where it is integral (int, numpy integers), never a bool."""
+    if _is_bool(value) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,24 +143,31 @@ class SamplingParams:
         def bad(msg: str) -> RequestError:
             return RequestError(f"request {request_id!r}: {msg}")
 
-        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool) \
-                or not math.isfinite(self.temperature) or self.temperature < 0:
+        temperature = _real(self.temperature)
+        if temperature is None or not math.isfinite(temperature) or temperature < 0:
             raise bad(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+        top_k = _integer(self.top_k)
+        if top_k is None or top_k < 0:
             raise bad(f"top_k must be an int >= 0, got {self.top_k!r}")
-        if self.top_k > vocab_size:
-            raise bad(f"top_k {self.top_k} exceeds the vocabulary size {vocab_size}")
-        if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) \
-                or not (0.0 < self.top_p <= 1.0):
+        if top_k > vocab_size:
+            raise bad(f"top_k {top_k} exceeds the vocabulary size {vocab_size}")
+        top_p = _real(self.top_p)
+        if top_p is None or not (0.0 < top_p <= 1.0):
             raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) \
-                or self.max_tokens < 1:
+        max_tokens = _integer(self.max_tokens)
+        if max_tokens is None or max_tokens < 1:
             raise bad(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not (isinstance(self.ignore_eos, bool)
+                or _is_bool(self.ignore_eos) and getattr(self.ignore_eos, "shape", None) == ()):
+            raise bad(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__} "
+                      f"{self.ignore_eos!r}")
 
     def to_json(self) -> dict:
-        return {"temperature": float(self.temperature), "top_k": self.top_k,
-                "top_p": float(self.top_p), "max_tokens": self.max_tokens,
-                "ignore_eos": self.ignore_eos}
+        """Plain Python values (what the ranks' control message encodes: numpy scalars that
+        pass ``validate`` become floats, ints and bools here)."""
+        return {"temperature": float(self.temperature), "top_k": int(self.top_k),
+                "top_p": float(self.top_p), "max_tokens": int(self.max_tokens),
+                "ignore_eos": bool(self.ignore_eos)}
 
     @classmethod
     def from_json(cls, d: dict) -> "SamplingParams":

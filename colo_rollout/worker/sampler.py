@@ -136,13 +136,18 @@ def draw_tensors(kind: Draw, logits: torch.Tensor, params: torch.Tensor,
     raise ValueError(f"no tensor draw for {kind}")
 
 
+TOP_P_FLOOR = 1.1754943508222875e-38  # fp32's least normal number
+
+
 def draw_params(params: list[SamplingParams], rows: int) -> list[float]:
     """The flat [3, rows] host values of ``draw_tensors``'s parameters: each row's
     temperature, top_k, top_p; rows past ``params`` greedy (padding)."""
     pad = rows - len(params)
-    return ([p.temperature for p in params] + [0.0] * pad
+    # top_p at least fp32's least normal: a smaller one (valid: it is > 0) would round to 0
+    # in the fp32 table and mask every token; at the floor the top token alone is kept
+    return ([float(p.temperature) for p in params] + [0.0] * pad
             + [float(p.top_k) for p in params] + [0.0] * pad
-            + [p.top_p for p in params] + [1.0] * pad)
+            + [max(float(p.top_p), TOP_P_FLOOR) for p in params] + [1.0] * pad)
 
 
 def greedy_tensors(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
