@@ -139,3 +139,60 @@ def partial_multi_turn(rank: int, world: int, adp: int, ep: int, mode: str) -> d
             "ref_turns": sorted((t.group, t.turns, t.status) for t in whole),
             "versions": sorted({v for t in second for _, v in t.segments}),
             "leftover": len(carry.trajectories)}
+
+
+def api_misuse(rank: int, world: int) -> dict:
+    """What a caller of the in-process API gets wrong, on a replicated 2-rank engine: a second
+    rollout() under the same tag and version (its ids were taken for good before), a carried
+    trajectory paused just as its completion reached max_tokens, rollout()'s own arguments,
+    generate()'s outputs and callbacks, and an engine used after close()."""
+    from colo_rollout.rl.rollout import Trajectory
+
+    cfg = tiny_config(world, 2, 2)
+    groups = init_parallel(cfg.parallel)
+    engine = Engine(cfg, groups, random_state_dict(cfg.model))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    once = rollout(engine, PROMPTS[:2], params=params, n=2)
+    again = rollout(engine, PROMPTS[:2], params=params, n=2)  # same tag, same version
+    res = {"again_same": [t.tokens for t in again] == [t.tokens for t in once],
+           "again_status": sorted({t.status for t in again}),
+           "remembered_after_rollouts": len(engine.scheduler.by_id)}
+    # a paused single-turn trajectory whose completion already has max_tokens tokens
+    full = Trajectory(0, 0, weight_version=0)
+    full._append(list(PROMPTS[0]), None)
+    full._append([5, 6, 7, 8], [-0.5] * 4)
+    full.status, full.segments = "paused", [(len(PROMPTS[0]), 0)]
+    resumed = rollout(engine, [], params=params, carry=Carry([full], {0: list(PROMPTS[0])}),
+                      weight_version=1, reward_fn=lambda p, c: float(len(c)))
+    res["resumed"] = [(t.status, t.error, len(t.tokens), t.reward) for t in resumed]
+    errors = {}
+    for name, kw in (("n0", {"n": 0}), ("n_float", {"n": 2.5}), ("params", {"params": None}),
+                     ("cap0", {"max_total_tokens": 0}), ("carry_list", {"carry": []}),
+                     ("carry_lost", {"carry": Carry([full], {})})):
+        args = {"params": params, **kw}
+        try:
+            rollout(engine, PROMPTS[:1], **args)
+        except ValueError as e:
+            errors[name] = str(e)
+    res["errors"] = errors
+    # generate(): this call's outputs (and an earlier submit's that finished in its first
+    # step), every one through on_finish, then forgotten
+    if rank == 0:
+        engine.submit(Request("early", tuple(PROMPTS[1]), SamplingParams(max_tokens=1)))
+    seen = []
+    outs = engine.generate([Request("g1", tuple(PROMPTS[2]), params)] if rank == 0 else [],
+                           on_finish=lambda o: seen.append(o.request_id))
+    res["generate"] = sorted(outs)
+    res["seen"] = sorted(seen)
+    res["remembered_after_generate"] = sorted(engine.scheduler.by_id)
+    engine.close()
+    closed = {}
+    for name, call in (("submit", lambda: engine.submit(Request("late", (1, 2), params))),
+                       ("step", engine.step)):
+        try:
+            call()
+        except RuntimeError as e:
+            closed[name] = str(e)
+    res["closed"] = closed
+    engine.close()  # twice: a no-op
+    return res

@@ -193,3 +193,17 @@ def test_door_checks_in_process(ckpt, tmp_path, capsys):
         out, err = capsys.readouterr()
         assert out == "" and err.count("\n") == 1 and err.startswith("error: "), (argv, err)
         assert want in err, (argv, err)
+
+
+def test_generate_text_prompts_must_be_a_list_of_text():
+    """Checked before anything is encoded or submitted: a lone str is not served character by
+    character, and a prompt that is not text is named (the tokenizer's own TypeError did not)."""
+    from colo_rollout.sched.request import RequestError, SamplingParams
+    from colo_rollout.tools.generate import generate_text
+
+    for prompts, want in (("hello", "prompts must be a list of strings, got str"),
+                          (["ok", b"x"], "prompt 1: expected a str, got bytes"),
+                          ([None], "prompt 0: expected a str, got NoneType"),
+                          (["a\ud800"], "prompt 0: not valid Unicode text")):
+        with pytest.raises(RequestError, match=want):
+            generate_text(None, None, prompts, SamplingParams())

@@ -47,3 +47,24 @@ def test_multi_turn_partial_rollout_resumes_mid_episode(worker_groups):
     assert r0["same_tokens"] and r0["masks_ok"] and r0["same_env_inputs"] and r0["rewards_ok"]
     assert r0["turns"] == r0["ref_turns"]
     assert 1 in r0["versions"]
+
+
+def test_api_misuse_is_refused_or_served(worker_groups):
+    r0, r1 = worker_groups(2).run("tests.cases_partial:api_misuse", timeout=300)
+    assert r0 == r1
+    # a second rollout under the same tag and version: served (its ids were free again)
+    assert r0["again_same"] and r0["again_status"] == ["completed"]
+    assert r0["remembered_after_rollouts"] == 0  # the engine forgets what it handed back
+    # paused as its completion reached max_tokens: finished as it is, not "failed"
+    assert r0["resumed"] == [("completed", None, 16 + 4, 4.0)]  # 16-token prompt + 4 tokens
+    e = r0["errors"]
+    assert e["n0"] == "rollout(): n must be an int >= 1, got 0"
+    assert e["n_float"] == "rollout(): n must be an int >= 1, got 2.5"
+    assert e["params"] == "rollout(): params must be SamplingParams, got NoneType"
+    assert e["cap0"] == "rollout(): max_total_tokens must be an int >= 1 or None, got 0"
+    assert e["carry_list"] == "rollout(): carry must be a Carry, got list"
+    assert e["carry_lost"].startswith("rollout(): the carry holds trajectories of group 0")
+    assert r0["generate"] == ["early", "g1"] and r0["seen"] == ["early", "g1"]
+    assert r0["remembered_after_generate"] == []
+    assert set(r0["closed"]) == {"submit", "step"}
+    assert all("this engine is closed" in m for m in r0["closed"].values())

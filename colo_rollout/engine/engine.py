@@ -74,6 +74,7 @@ class Engine:
         self.cfg = cfg
         self.groups = groups
         self._handed_over = False  # set by hand_over(): this engine must not step again
+        self._closed = False  # set by close(): its graphs, buffers and control plane are gone
         if worker is None:
             worker = Worker(cfg, groups, state_dict)
         else:
@@ -156,6 +157,7 @@ class Engine:
         What only the next step's exchange can show -- the same id submitted on a lower rank
         in the same step, say -- is raised to this rank by that ``step()``
         (SubmissionRefused)."""
+        self._check_open()
         request = checked_request(request)  # types first: never a TypeError below
         if self.paused:
             raise RequestError(f"request {request.request_id!r}: the engine is paused (a "
@@ -246,6 +248,7 @@ class Engine:
         """exchange -> apply -> schedule -> strategy.run -> collect -> record."""
         if self._handed_over:
             raise RuntimeError("this engine handed its worker to another engine; step that one")
+        self._check_open()
         self.memory.check_ready()
         if not self.busy():
             # a step from idle: the only point where parameters may have been replaced
@@ -444,9 +447,13 @@ class Engine:
         refused duplicate id, and a request whose id is not a string, is listed in
         ``self.rejected`` only: the id maps to the original, or cannot be a key). The same holds
         for this rank's earlier ``submit()`` calls that the first step's exchange refuses (the
-        SubmissionRefused that step() raises is taken here: listed in ``self.rejected``)."""
+        SubmissionRefused that step() raises is taken here: listed in ``self.rejected``).
+        Returns the outputs of every request that finished during the call -- these requests
+        and any submitted before it -- and forgets them (``output()`` no longer has them; their
+        ids may be used again)."""
         ids: list[str] = []
         rejected: dict[str, RequestOutput] = {}
+        done: dict[str, RequestOutput] = {}  # what finishes during this call, on every rank
         if self.groups.rank == 0:
             for req in requests or []:
                 try:
@@ -467,12 +474,15 @@ class Engine:
             except SubmissionRefused as e:  # already in self.rejected; keep serving
                 return e.finished
 
-        step()
-        while self.busy():
+        while True:  # the first step too: a request may finish in it
             for out in step():
+                done[out.request_id] = out
                 if on_finish is not None:
                     on_finish(out)
-        done = {rid: out for rid, out in self.scheduler.by_id.items() if out.finished}
+            if not self.busy():
+                break
+        # handed back: the engine forgets them (bounded memory; their ids free again)
+        self.scheduler.forget(done)
         done.update(rejected)
         return done
 
@@ -560,13 +570,19 @@ class Engine:
         the process groups are destroyed. After a step raised DeviceStall only the host
         resources are closed: the device cannot be drained (abort the communicators with
         ``parallel.abort_parallel`` and exit the process)."""
-        if self._handed_over:
-            return  # the next engine on the worker owns the graphs; host agreement is closed
+        if self._handed_over or self._closed:
+            return  # (handed over: the next engine on the worker owns the graphs)
+        self._closed = True
         if not self._wedged:  # releasing graphs drains the device first
             self.runner.release_graphs()
         self._close_host_agreement()
         if not self._wedged:  # the dispatch buffers, once no graph can replay into them
             self.model.close_dispatch()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this engine is closed (its graphs, dispatch buffers and "
+                               "control plane are released): build a new Engine")
 
     def _close_host_agreement(self) -> None:
         """Drain both streams, then close the control plane and the rendezvous (their shared

@@ -33,6 +33,7 @@ episode goes on from there. The next call passes ``envs=[]`` for no new environm
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
@@ -103,6 +104,7 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
     are numbered after the carried ones."""
     if (prompts is None) == (envs is None):
         raise ValueError("rollout() takes either prompts or envs")
+    _check_rollout_args(params, n, max_turns, max_total_tokens, finish_groups, carry)
     if engine.paused:
         raise RuntimeError("rollout() on a paused engine: call engine.resume() once the "
                            "weight update is done")
@@ -124,6 +126,7 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
     prompt_of: dict[str, list[int]] = {}
     budget: dict[str, int] = {}  # session -> tokens it may still generate (this turn)
     inflight: dict[str, str] = {}  # session -> its request in flight
+    submitted: list[str] = []  # request ids the engine took: forgotten at the end
     pausing = False
 
     def submit(sid: str, tokens: list[int], turn: int) -> None:
@@ -143,12 +146,46 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
             engine.scheduler.validate(req)
             if leader:
                 engine.submit(req)
+            submitted.append(req.request_id)
         except RequestError as e:  # e.g. a prompt over capacity: this trajectory only
             t.status, t.error = "failed", str(e)
             return
         live[sid] = live.get(sid, -1)
         t.turn_start = len(t.tokens) if t.status != "paused" else t.turn_start
         t.segments.append((len(t.tokens), weight_version))
+
+    def turn_done(sid: str, t: Trajectory) -> bool:
+        """A multi-turn trajectory's turn has all its output (a resumed turn: from before the
+        pause too): the environment's step, then the next turn submitted or the trajectory
+        ended. Returns True where it was paused between turns (the caller skips the rest)."""
+        try:
+            obs, reward, done = env_of[sid].step(list(t.tokens[t.turn_start:]))
+            obs = list(obs)
+        except Exception as e:  # noqa: BLE001 - an environment's failure is its own
+            t.status, t.error = "failed", f"environment step raised {e!r}"
+            _end(engine, live, sid, leader)
+            return False
+        _score(t, lambda: reward, accumulate=True)
+        if t.status == "failed" or done:
+            _end(engine, live, sid, leader)
+        elif t.turns >= max_turns:
+            t.status = "truncated"
+            _end(engine, live, sid, leader)
+        elif len(t.tokens) + len(obs) >= cap:  # no room for the observation + 1 token
+            t.status = "truncated"
+            _end(engine, live, sid, leader)
+        else:
+            t._append(obs, None)
+            if pausing:  # between turns: resumed from this observation on
+                t.status, t.turn_start = "paused", len(t.tokens)
+                _end(engine, live, sid, leader)
+                return True
+            # a session the engine holds continues with the observation; a resumed trajectory
+            # whose turn ended in the pause has none there: its whole context is the prompt
+            submit(sid, obs if sid in engine.scheduler.sessions else list(t.tokens), t.turns)
+            if t.status != "completed":
+                _end(engine, live, sid, leader)
+        return False
 
     for i, t in enumerate(carried):  # resumed first: the oldest work
         sid = f"{tag}-{weight_version}-c{i}"
@@ -161,7 +198,22 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
         if t.status == "paused":  # all its tokens as one prompt: KV under these weights
             # the rest of the interrupted turn's budget (single turn: the whole completion)
             start = t.turn_start if multi else len(prompt_of[sid])
-            budget[sid] = params.max_tokens - (len(t.tokens) - start)
+            left = params.max_tokens - (len(t.tokens) - start)
+            if left < 1:
+                # paused just as its turn reached max_tokens: the turn is whole -- finished as
+                # a length-ended turn (a request for 0 more tokens would be refused)
+                t.status = "completed"
+                if multi:
+                    live[sid] = 1
+                    turn_done(sid, t)
+                else:
+                    completion = t.tokens[len(prompt_of[sid]):]
+                    _score(t, lambda: reward_fn(prompt_of[sid], completion)
+                           if reward_fn else 0.0)
+                    if len(t.tokens) >= cap:
+                        t.status = "truncated"
+                continue
+            budget[sid] = left
             submit(sid, list(t.tokens), t.turns)  # (a paused one keeps its turn_start)
             t.status = "completed" if t.status == "paused" else t.status
             if sid in live and multi:
@@ -229,31 +281,8 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
                 _end(engine, live, sid, leader)
                 pausing = pausing or pause_the_rest()
                 continue
-            try:  # the whole turn's output (a resumed turn: from before the pause too)
-                obs, reward, done = env_of[sid].step(list(t.tokens[t.turn_start:]))
-                obs = list(obs)
-            except Exception as e:  # noqa: BLE001
-                t.status, t.error = "failed", f"environment step raised {e!r}"
-                _end(engine, live, sid, leader)
+            if turn_done(sid, t):
                 continue
-            _score(t, lambda: reward, accumulate=True)
-            if t.status == "failed" or done:
-                _end(engine, live, sid, leader)
-            elif t.turns >= max_turns:
-                t.status = "truncated"
-                _end(engine, live, sid, leader)
-            elif len(t.tokens) + len(obs) >= cap:  # no room for the observation + 1 token
-                t.status = "truncated"
-                _end(engine, live, sid, leader)
-            else:
-                t._append(obs, None)
-                if pausing:  # between turns: resumed from this observation on
-                    t.status, t.turn_start = "paused", len(t.tokens)
-                    _end(engine, live, sid, leader)
-                    continue
-                submit(sid, obs, t.turns)
-                if t.status != "completed":
-                    _end(engine, live, sid, leader)
             pausing = pausing or pause_the_rest()
     engine.step()  # collective on every rank: flushes the leader's last session closes
     while engine.busy():
@@ -263,6 +292,9 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
     for (sid, t), got in zip(trajs.items(), got_all):
         if got is not None or t.routing is None:
             t.routing = got  # a resumed trajectory's whole context was recomputed: the latest
+    # the outputs are in the trajectories: the engine forgets them (bounded memory over a run;
+    # a later call may use the same ids, e.g. another rollout under the same weight version)
+    engine.scheduler.forget(submitted)
     if carry is None:
         return list(trajs.values())
     # partial rollout: groups with a paused member go (whole) to the carry
@@ -273,6 +305,35 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
     carry.envs = {t.group: env_of[sid] for sid, t in trajs.items()
                   if t.group in unfinished and sid in env_of}
     return [t for t in trajs.values() if t.group not in unfinished]
+
+
+def _check_rollout_args(params, n, max_turns, max_total_tokens, finish_groups, carry) -> None:
+    """rollout()'s own arguments, before anything is submitted: a ValueError naming the
+    argument (a TypeError or AttributeError from deep inside, or a silent reading, otherwise:
+    n=0 returned nothing, max_total_tokens=0 meant no cap)."""
+    def whole(value) -> bool:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"rollout(): params must be SamplingParams, got "
+                         f"{type(params).__name__}")
+    for name, value in (("n", n), ("max_turns", max_turns)):
+        if not whole(value) or value < 1:
+            raise ValueError(f"rollout(): {name} must be an int >= 1, got {value!r}")
+    if max_total_tokens is not None and (not whole(max_total_tokens) or max_total_tokens < 1):
+        raise ValueError(f"rollout(): max_total_tokens must be an int >= 1 or None, got "
+                         f"{max_total_tokens!r}")
+    if finish_groups is not None and not whole(finish_groups):
+        raise ValueError(f"rollout(): finish_groups must be an int or None, got "
+                         f"{finish_groups!r}")
+    if carry is not None and not isinstance(carry, Carry):
+        raise ValueError(f"rollout(): carry must be a Carry, got {type(carry).__name__}")
+    if carry is not None:
+        lost = sorted({t.group for t in carry.trajectories}
+                      - set(carry.prompts) - set(carry.envs))
+        if lost:
+            raise ValueError(f"rollout(): the carry holds trajectories of group {lost[0]} but "
+                             "neither its prompt nor its environment")
 
 
 def _groups_done(trajs: dict[str, Trajectory], live: dict[str, int]) -> int:

@@ -167,6 +167,16 @@ class Scheduler:
         if req.session is not None:
             self.sessions.setdefault(req.session, _Session(context=[])).busy = True
 
+    def forget(self, request_ids) -> None:
+        """Drop these finished requests' outputs (the caller has them): the engine's memory of
+        finished requests stays bounded over a long run (an RL job submits millions), and
+        their ids may be used again. Requests still in flight are kept. Deterministic: every
+        rank forgets the same ids at the same point."""
+        for rid in request_ids:
+            out = self.by_id.get(rid)
+            if out is not None and out.finished and rid not in self.live:
+                del self.by_id[rid]
+
     def cancel(self, request_id: str, now: float = 0.0) -> RequestOutput:
         """Cancel a waiting or running request at a step boundary; its KV is freed at once
         (Normal mode has no P work in flight between steps)."""

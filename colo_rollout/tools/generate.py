@@ -60,6 +60,17 @@ def generate_text(engine: Any, tokenizer: Tokenizer, prompts: Sequence[str],
     only (one id), a completion that hits another eos id is cut there. Text is decoded without
     special tokens. Raises RequestError, on every rank alike, for a prompt the engine can never
     serve (too long for engine.max_seq_len / max_prefill_tokens, bad sampling parameters)."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise RequestError(f"generate_text: prompts must be a list of strings, got "
+                           f"{type(prompts).__name__} (a single prompt: [prompt])")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, str):
+            raise RequestError(f"prompt {i}: expected a str, got {type(p).__name__}")
+        try:
+            p.encode("utf-8")
+        except UnicodeEncodeError:
+            raise RequestError(f"prompt {i}: not valid Unicode text (a lone surrogate)") \
+                from None
     token_prompts = [tokenizer.encode_prompt(p, chat=chat) for p in prompts]
     sched = engine.scheduler
     # ids unique over the engine's life, identical on every rank: the step counter is
