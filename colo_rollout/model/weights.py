@@ -83,7 +83,8 @@ def shard_rule(name: str, layout: Layout, rank: int, num_local_experts: int) -> 
             return ShardRule(local, "glu", etp_rank, etp)
         if tail.startswith("linear_fc2"):
             return ShardRule(local, "cols", etp_rank, etp)
-        raise KeyError(name)
+        raise KeyError(f"state dict has {name!r}: an expert's tensors are linear_fc1 and "
+                       "linear_fc2")
     if name.endswith(("mlp.linear_fc1.weight", "shared_experts.linear_fc1.weight")):
         return ShardRule(name, "glu", atp_rank, atp)
     if name.endswith(("mlp.linear_fc2.weight", "shared_experts.linear_fc2.weight",
@@ -147,13 +148,25 @@ def to_spec_names(sd: dict[str, torch.Tensor], te: bool) -> dict[str, torch.Tens
 def load_sharded(model: torch.nn.Module, full: dict[str, torch.Tensor], layout: Layout,
                  rank: int, num_experts: int | None = None) -> None:
     """Copy ``rank``'s shard of every tensor of ``full`` into ``model``'s parameters; every
-    parameter must be covered. Works for this inference model and for megatron GPTModels."""
-    num_local = (num_experts if num_experts is not None else model.cfg.num_experts) // layout.ep
+    parameter must be covered. Works for this inference model and for megatron GPTModels.
+    All or nothing: every entry is checked -- a tensor of a float dtype, a name the model has
+    (an expert index below the model's count), the shard's shape, every parameter covered --
+    before the first parameter is written, so a bad state dict leaves the model as it was."""
+    total = num_experts if num_experts is not None else model.cfg.num_experts
+    num_local = total // layout.ep
     params = loadable_tensors(model)
+    writes: list[tuple[torch.Tensor, torch.Tensor]] = []
     seen = set()
     for name, t in full.items():
         if name.endswith("_extra_state"):
             continue
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            what = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name}: expected a floating-point tensor, got {what}")
+        m = _LOCAL_EXPERT.match(name)
+        if m and int(m.group(2)) >= total:
+            raise KeyError(f"state dict has {name!r}: expert {m.group(2)} of a model with "
+                           f"{total}")
         mapped = shard_for(name, t, layout, rank, num_local)
         if mapped is None:
             continue
@@ -163,12 +176,14 @@ def load_sharded(model: torch.nn.Module, full: dict[str, torch.Tensor], layout: 
         p = params[local]
         if p.shape != shard.shape:
             raise ValueError(f"{name}: shard shape {tuple(shard.shape)} != {tuple(p.shape)}")
-        with torch.no_grad():
-            p.copy_(shard)
+        writes.append((p, shard))
         seen.add(local)
     missing = sorted(set(params) - seen)
     if missing:
         raise KeyError(f"state dict is missing {missing[:5]}{'...' if len(missing) > 5 else ''}")
+    with torch.no_grad():
+        for p, shard in writes:
+            p.copy_(shard)
 
 
 MTP_PREFIX = "mtp.layers."  # megatron's MTP block: mtp.layers.{j}.{enorm,hnorm,eh_proj,...}
