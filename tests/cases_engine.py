@@ -889,3 +889,15 @@ def plain_qkv_is_the_module(rank: int, world: int, adp: int, ep: int) -> dict:
         out[str(bias)] = rows
         engine.close()
     return out
+
+
+def config_divergence(rank: int, world: int) -> dict:
+    """Rank 1 builds its engine with another engine.num_kv_blocks: every rank refuses at the
+    engine's build, naming the key (they would otherwise meet in collectives of other sizes)."""
+    from colo_rollout.config import ConfigError
+
+    try:
+        _engine(world, 2, 2, num_kv_blocks=64 if rank == 0 else 48)
+    except ConfigError as e:
+        return {"error": str(e), "key": e.key}
+    return {"error": None}

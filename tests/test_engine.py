@@ -256,3 +256,11 @@ def test_architecture_on_the_grouped_expert_path_and_in_fine_mode(worker_groups,
     assert all(r0["grouped"])
     assert r0["checked"] > 30 and r0["mismatches"] == []
     assert r0["max_logprob_diff"] < LOGPROB_TOL
+
+
+def test_ranks_built_from_different_configs_refuse_on_every_rank(worker_groups):
+    res = worker_groups(2).run(f"{CASES}:config_divergence")
+    for r in res:
+        assert r["key"] == "engine.num_kv_blocks", r
+        assert r["error"].startswith("rank 1's config differs from rank 0's at "
+                                     "engine.num_kv_blocks: 48 vs 64"), r

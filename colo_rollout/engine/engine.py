@@ -25,13 +25,16 @@ a long P epoch on the GPU never blocks the host loop.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 
 import numpy as np
 import torch
 
-from colo_rollout.config import Config
-from colo_rollout.runtime.control import ControlError, ControlPlane, Message
+from colo_rollout.config import Config, ConfigError
+from colo_rollout.runtime.control import (ControlError, ControlPlane, Message,
+                                          all_gather_json)
 from colo_rollout.worker.memory import WEIGHT_POLICIES, MemoryReport
 from colo_rollout.runtime.parallel import ParallelGroups
 from colo_rollout.sched.plan import Phase, Sampled, StepPlan
@@ -61,6 +64,48 @@ from colo_rollout.multiplex.stream_route import StreamRoute
 
 
 
+# the sections every rank's engine must hold alike: their values shape the collectives (the
+# model's and the layout's) and the replicated scheduler's decisions (the engine's)
+SHARED_SECTIONS = ("model", "engine", "parallel")
+
+
+def check_same_config(cfg: Config, groups: ParallelGroups) -> None:
+    """Raise on every rank, naming the first differing key and a rank, unless every rank's
+    ``SHARED_SECTIONS`` are equal: ranks built from different configs would meet in
+    collectives of different sizes (gloo aborts one process, NCCL hangs) or plan apart. One
+    all-gather of a digest over the control group (bounded by its timeout); the keys are
+    compared only when the digests differ."""
+    if groups.layout.world_size == 1:
+        return
+    import hashlib
+
+    flat = _flat({s: dataclasses.asdict(getattr(cfg, s)) for s in SHARED_SECTIONS})
+    digest = hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()
+    digests = all_gather_json(digest, groups.control)
+    if len(set(digests)) == 1:
+        return
+    mine = {k: repr(v) for k, v in flat.items()}
+    every = all_gather_json(mine, groups.control)
+    for rank, theirs in enumerate(every):
+        for key in sorted(set(mine) | set(theirs)):
+            if theirs.get(key) != every[0].get(key):
+                raise ConfigError(
+                    f"rank {rank}'s config differs from rank 0's at {key}: {theirs.get(key)} "
+                    f"vs {every[0].get(key)} (every rank builds its engine from one config: "
+                    f"{', '.join(SHARED_SECTIONS)})", key=key)
+    raise ConfigError("the ranks' configs differ (digests) though no key does", key=None)
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 class Engine:
     """A serving session over a ``Worker`` (worker/worker.py: the model, KV storage and
     graphs). ``worker``: serve on an existing worker, taking it over from the engine serving on
@@ -75,6 +120,7 @@ class Engine:
         self.groups = groups
         self._handed_over = False  # set by hand_over(): this engine must not step again
         self._closed = False  # set by close(): its graphs, buffers and control plane are gone
+        check_same_config(cfg, groups)  # before any collective the sections' values shape
         if worker is None:
             worker = Worker(cfg, groups, state_dict)
         else:
