@@ -174,6 +174,14 @@ def api_misuse(rank: int, world: int) -> dict:
             rollout(engine, PROMPTS[:1], **args)
         except ValueError as e:
             errors[name] = str(e)
+    try:  # ranks calling with different arguments: refused on every rank, nothing submitted
+        rollout(engine, PROMPTS[:1], params=params, n=2 if rank == 0 else 1)
+    except ValueError as e:
+        errors["diverged"] = str(e)
+    try:
+        rollout(engine, [PROMPTS[rank]], params=params)
+    except ValueError as e:
+        errors["diverged_prompts"] = str(e)
     res["errors"] = errors
     # generate(): this call's outputs (and an earlier submit's that finished in its first
     # step), every one through on_finish, then forgotten

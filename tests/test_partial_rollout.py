@@ -64,6 +64,9 @@ def test_api_misuse_is_refused_or_served(worker_groups):
     assert e["cap0"] == "rollout(): max_total_tokens must be an int >= 1 or None, got 0"
     assert e["carry_list"] == "rollout(): carry must be a Carry, got list"
     assert e["carry_lost"].startswith("rollout(): the carry holds trajectories of group 0")
+    assert e["diverged"] == ("rollout(): rank 1's arguments differ from rank 0's (every rank "
+                             "calls rollout() with the same prompts and arguments)")
+    assert e["diverged_prompts"].startswith("rollout(): rank 1's prompts differ")
     assert r0["generate"] == ["early", "g1"] and r0["seen"] == ["early", "g1"]
     assert r0["remembered_after_generate"] == []
     assert set(r0["closed"]) == {"submit", "step"}

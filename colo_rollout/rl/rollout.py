@@ -32,12 +32,14 @@ episode goes on from there. The next call passes ``envs=[]`` for no new environm
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from colo_rollout.engine.engine import Engine
+from colo_rollout.runtime.control import all_gather_json
 from colo_rollout.sched.request import FinishReason, Request, RequestError, SamplingParams
 
 
@@ -105,6 +107,9 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
     if (prompts is None) == (envs is None):
         raise ValueError("rollout() takes either prompts or envs")
     _check_rollout_args(params, n, max_turns, max_total_tokens, finish_groups, carry)
+    _check_same_call(engine, (prompts, None if envs is None else len(envs), params.to_json(), n,
+                              max_turns, max_total_tokens, weight_version, tag, finish_groups,
+                              None if carry is None else len(carry.trajectories)))
     if engine.paused:
         raise RuntimeError("rollout() on a paused engine: call engine.resume() once the "
                            "weight update is done")
@@ -334,6 +339,25 @@ def _check_rollout_args(params, n, max_turns, max_total_tokens, finish_groups, c
         if lost:
             raise ValueError(f"rollout(): the carry holds trajectories of group {lost[0]} but "
                              "neither its prompt nor its environment")
+
+
+def _check_same_call(engine: Engine, args: tuple) -> None:
+    """rollout() is collective and every rank plans from its own arguments: they must be
+    equal (only the leader submits, so another rank's ``n`` or prompts would go unnoticed and
+    its trajectories differ). One all-gather of a digest over the control group; a
+    difference raises ValueError on every rank."""
+    if engine.groups.layout.world_size == 1:
+        return
+    prompts, *rest = args
+    # hash() of ints and tuples of them is the same in every process (no hash seed for them)
+    digest = [None if prompts is None else hash(tuple(map(tuple, prompts))),
+              json.dumps(rest, sort_keys=True, default=str)]
+    every = all_gather_json(digest, engine.groups.control)
+    bad = [r for r, d in enumerate(every) if d != every[0]]
+    if bad:
+        what = "prompts" if every[bad[0]][0] != every[0][0] else "arguments"
+        raise ValueError(f"rollout(): rank {bad[0]}'s {what} differ from rank 0's (every rank "
+                         "calls rollout() with the same prompts and arguments)")
 
 
 def _groups_done(trajs: dict[str, Trajectory], live: dict[str, int]) -> int:
