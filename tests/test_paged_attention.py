@@ -151,3 +151,19 @@ def test_engine_config_key():
 
 if __name__ == "__main__":  # the interpreted run (the test above starts it)
     interpreted_main(_interpreted)
+
+
+@pytest.mark.parametrize("stale", [float("nan"), float("inf")])
+def test_stale_slots_past_the_context_change_nothing(stale):
+    """The torch path: slots past a row's context (the sink, a block's unwritten tail) holding
+    NaN or inf -- another request's leftovers after a bad weight load -- give the output of
+    finite leftovers (zero probability times NaN used to be NaN)."""
+    q, k, v, tables, lens = _case(3, 2, 2, 16, 4, [3, 9, 6], torch.float32, torch.int64, 7)
+    clean = pa.torch_decode_attention(q, k, v, tables, lens, 0.25)
+    k2, v2 = k.clone(), v.clone()
+    for b, c in enumerate(lens.tolist()):
+        for pos in range(c, tables.shape[1] * k.shape[1]):
+            blk, off = int(tables[b, pos // k.shape[1]]), pos % k.shape[1]
+            k2[blk, off], v2[blk, off] = stale, stale
+    got = pa.torch_decode_attention(q, k2, v2, tables, lens, 0.25)
+    assert torch.isfinite(got).all() and torch.equal(got, clean)

@@ -268,3 +268,33 @@ def test_prefill_dispatches_to_the_kernel_with_one_plan_per_epoch(monkeypatch):
 
 if __name__ == "__main__":  # the interpreted run (the test above starts it)
     interpreted_main(_interpreted)
+
+
+@pytest.mark.parametrize("stale", [float("nan"), float("inf")])
+def test_the_torch_path_ignores_stale_slots_past_each_context(stale):
+    """``PagedSelfAttention._prefill`` on the torch backend (the CPU path): NaN or inf in the
+    slots a bucket's keys cover past a sequence's context gives the output of finite ones."""
+    from colo_rollout.model.attention import PagedSelfAttention, prefill_buckets
+
+    g, n, dim, bs, new, ctx = 2, 2, 64, 16, [5, 20, 3], [21, 20, 40]
+    q, k_all, v_all, tables = _case(g, n, dim, bs, new, ctx, F32, torch.int64, seed=11)
+
+    def run(k, v):
+        attn = types.SimpleNamespace(prefill_backend="torch", heads=g * n, head_dim=dim,
+                                     scale=dim ** -0.5, q_per_group=n)
+        attn._gather_kv = lambda kv, layer, tab: PagedSelfAttention._gather_kv(attn, kv, layer,
+                                                                               tab)
+        meta = types.SimpleNamespace(
+            block_tables=tables, buckets=prefill_buckets(
+                new, ctx, bs, lambda vals, t: torch.tensor(vals, dtype=t), 0))
+        return PagedSelfAttention._prefill(attn, q, None, types.SimpleNamespace(k=k, v=v), 1,
+                                           meta)
+
+    clean = run(k_all, v_all)
+    k2, v2 = k_all.clone(), v_all.clone()
+    for s, c in enumerate(ctx):
+        for pos in range(c, tables.shape[1] * bs):
+            blk = int(tables[s, pos // bs])
+            k2[1, blk, pos % bs], v2[1, blk, pos % bs] = stale, stale
+    got = run(k2, v2)
+    assert torch.isfinite(got).all() and torch.equal(got, clean)

@@ -420,6 +420,11 @@ class PagedSelfAttention(torch.nn.Module):
         for b in meta.buckets:
             Sb = b.seqs.shape[0]
             k, v = self._gather_kv(kv, layer, meta.block_tables[b.seqs, : b.blocks])
+            # keys past a sequence's context: stale slots (NaN/inf there would survive the
+            # mask -- NaN plus -inf, zero times NaN): zeroed, as the kernels never load them
+            fresh = (torch.arange(k.shape[1], device=k.device)[None, :]
+                     < b.ctx[:, None])[:, :, None, None]
+            k, v = torch.where(fresh, k, 0.0), torch.where(fresh, v, 0.0)
             qb = q[b.q_rows]  # [Sb, n_max, heads, dim]
             o = F.scaled_dot_product_attention(
                 qb.transpose(1, 2), as_dtype(k, q.dtype).transpose(1, 2),

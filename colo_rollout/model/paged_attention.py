@@ -68,7 +68,11 @@ def torch_decode_attention(q: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Tens
     keep = torch.arange(S, device=q.device)[None, :] < ctx_lens[:, None]  # [B, S]
     scores = (scores * scale).masked_fill(~keep[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    return torch.matmul(probs, as_dtype(v, q.dtype)).reshape(B, heads, dim)
+    # slots past a row's context hold whatever their block held before (another request's
+    # values, NaN/inf after a bad weight load): a zero probability times NaN is NaN, so they
+    # are zeroed, as the Triton kernel never loads them
+    v = torch.where(keep[:, None, :, None], as_dtype(v, q.dtype), 0.0)
+    return torch.matmul(probs, v).reshape(B, heads, dim)
 
 
 def num_splits(rows: int, groups: int, width_tokens: int, block_n: int = BLOCK_N,
