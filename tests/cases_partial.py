@@ -164,7 +164,21 @@ def api_misuse(rank: int, world: int) -> dict:
     full.status, full.segments = "paused", [(len(PROMPTS[0]), 0)]
     resumed = rollout(engine, [], params=params, carry=Carry([full], {0: list(PROMPTS[0])}),
                       weight_version=1, reward_fn=lambda p, c: float(len(c)))
-    res["resumed"] = [(t.status, t.error, len(t.tokens), t.reward) for t in resumed]
+    res["resumed"] = [(t.status, t.error, len(t.tokens), t.reward, t.turns) for t in resumed]
+    # the same for a multi-turn episode paused as its first turn reached max_tokens: the
+    # environment steps on that turn, the next turn goes out with the whole context
+    from tests.cases_rl import CountingEnv
+
+    env = CountingEnv(0, turns=2)
+    ep = Trajectory(0, 0, weight_version=0)
+    ep._append(env.reset(), None)
+    ep.turn_start = len(ep.tokens)
+    ep._append([5, 6, 7, 8], [-0.5] * 4)
+    ep.status, ep.segments = "paused", [(ep.turn_start, 0)]
+    episode = rollout(engine, envs=[], params=params, carry=Carry([ep], {}, {0: env}),
+                      weight_version=1)
+    res["episode"] = [(t.status, t.error, t.turns, len(t.tokens), t.tokens[7:9])
+                      for t in episode]
     errors = {}
     for name, kw in (("n0", {"n": 0}), ("n_float", {"n": 2.5}), ("params", {"params": None}),
                      ("cap0", {"max_total_tokens": 0}), ("carry_list", {"carry": []}),

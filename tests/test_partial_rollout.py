@@ -56,7 +56,10 @@ def test_api_misuse_is_refused_or_served(worker_groups):
     assert r0["again_same"] and r0["again_status"] == ["completed"]
     assert r0["remembered_after_rollouts"] == 0  # the engine forgets what it handed back
     # paused as its completion reached max_tokens: finished as it is, not "failed"
-    assert r0["resumed"] == [("completed", None, 16 + 4, 4.0)]  # 16-token prompt + 4 tokens
+    # 16-token prompt + its 4 tokens, scored, one turn done
+    assert r0["resumed"] == [("completed", None, 16 + 4, 4.0, 1)]
+    # the episode: obs 3 + turn 4 + obs 2 + turn 4 tokens, its second observation [1, 4 % 7 + 20]
+    assert r0["episode"] == [("completed", None, 2, 3 + 4 + 2 + 4, [1, 24])]
     e = r0["errors"]
     assert e["n0"] == "rollout(): n must be an int >= 1, got 0"
     assert e["n_float"] == "rollout(): n must be an int >= 1, got 2.5"

@@ -208,6 +208,7 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
                 # paused just as its turn reached max_tokens: the turn is whole -- finished as
                 # a length-ended turn (a request for 0 more tokens would be refused)
                 t.status = "completed"
+                t.turns += 1  # (a paused one counts its interrupted turn as not done)
                 if multi:
                     live[sid] = 1
                     turn_done(sid, t)
