@@ -264,6 +264,13 @@ class Engine:
     def output(self, request_id: str) -> RequestOutput:
         return self.scheduler.by_id[request_id]
 
+    def forget(self, request_ids) -> None:
+        """Drop finished requests' outputs the caller has taken (from ``step()``): what
+        ``generate()`` and ``rollout()`` do with theirs. Keeps the engine's memory bounded in a
+        long run of ``step()`` loops; a forgotten id may be used again. Call it alike on every
+        rank (the outputs are replicated state); requests still in flight are kept."""
+        self.scheduler.forget(request_ids)
+
     # ------------------------------------------------------------------ collective API
     def step(self) -> list[RequestOutput]:
         """One engine iteration (collective). Returns requests that finished in it.
@@ -528,7 +535,7 @@ class Engine:
             if not self.busy():
                 break
         # handed back: the engine forgets them (bounded memory; their ids free again)
-        self.scheduler.forget(done)
+        self.forget(done)
         done.update(rejected)
         return done
 

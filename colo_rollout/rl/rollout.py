@@ -300,7 +300,7 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
             t.routing = got  # a resumed trajectory's whole context was recomputed: the latest
     # the outputs are in the trajectories: the engine forgets them (bounded memory over a run;
     # a later call may use the same ids, e.g. another rollout under the same weight version)
-    engine.scheduler.forget(submitted)
+    engine.forget(submitted)
     if carry is None:
         return list(trajs.values())
     # partial rollout: groups with a paused member go (whole) to the carry
