@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import os
 import pathlib
+import tempfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -86,8 +87,11 @@ def unwritable(path: str | os.PathLike, file: bool = False) -> str | None:
         probe = probe.parent
     if not probe.is_dir():
         return f"{probe} is not a directory"
-    if not os.access(probe, os.W_OK | os.X_OK):
-        return f"{probe} is not writable"
+    try:  # a file made and removed: permissions alone pass root where no file can be made
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as e:
+        return f"no file can be made in {probe}: {e.strerror or e}"
     return None
 
 
@@ -323,6 +327,11 @@ def check_train(cfg: Config, source: str) -> None:
         raise ConfigError(f"{source}: rl.prompt_len_max: {rl.prompt_len_max} leaves no room for "
                           f"a generated token in engine.max_seq_len {cfg.engine.max_seq_len}",
                           key="rl.prompt_len_max", source=source)
+    if rl.max_new_tokens > room:  # the longest prompts' completions would be cut short
+        raise ConfigError(f"{source}: rl.max_new_tokens: {rl.max_new_tokens} tokens after a "
+                          f"prompt of rl.prompt_len_max {rl.prompt_len_max} exceed "
+                          f"engine.max_seq_len {cfg.engine.max_seq_len}", key="rl.max_new_tokens",
+                          source=source)
     params = SamplingParams(temperature=rl.temperature, max_tokens=min(rl.max_new_tokens, room),
                             ignore_eos=True)
     why = _refusal(cfg, (1,) * rl.prompt_len_max, params)

@@ -382,3 +382,22 @@ def tensor_parallel_trainer_grads(rank: int, world: int, tp: int = 2,
             "sharded": sharded, "experts": experts, "keys": sorted(stats[tp]),
             "worst_stat": worst_stat,
             "stats": [stats[1], stats[tp]]}
+
+
+def export_failure_is_collective(rank: int, world: int, directory: str) -> dict:
+    """The trainer's export into a folder that cannot be made (under a file): the writer's
+    OSError reaches every rank as one RuntimeError (the others used to wait in a barrier for
+    ever)."""
+    from colo_rollout.model.weights import random_state_dict
+    from colo_rollout.rl.trainer import Trainer
+    from colo_rollout.runtime.parallel import init_parallel
+    from tests.cases_engine import tiny_config
+
+    cfg = tiny_config(world, world, world)
+    groups = init_parallel(cfg.parallel)
+    trainer = Trainer(cfg, random_state_dict(cfg.model), groups.device)
+    try:
+        trainer.export(directory)
+    except RuntimeError as e:
+        return {"error": str(e)}
+    return {"error": None}

@@ -405,3 +405,18 @@ def test_unwritable_paths():
     assert unwritable("/tmp/colo-surely-absent/a/b") is None  # made when missing
     assert unwritable("/tmp") is None and unwritable("/tmp/x.json", file=True) is None
     assert unwritable("/proc/version/x") == "/proc/version is not a directory"
+
+
+def test_rl_settings_that_would_train_nothing_or_be_cut(capsys):
+    line = door_error(capsys, "train", TRAIN, "--set", "rl.samples_per_prompt=1")
+    assert line == (f"error: {TRAIN}: rl.samples_per_prompt: must be >= 2 for algorithm grpo "
+                    "(its advantages compare a prompt's samples), got 1")
+    line = door_error(capsys, "train", TRAIN, "--set", "rl.max_new_tokens=100000")
+    assert "rl.max_new_tokens: 100000 tokens after a prompt of rl.prompt_len_max" in line
+
+
+def test_an_output_folder_no_file_can_be_made_in(capsys):
+    """Permissions pass root in /proc, where no file can be made: a file is tried."""
+    line = door_error(capsys, "train", TRAIN, "--set", "rl.export_dir=/proc/colo-export")
+    assert line.startswith(f"error: {TRAIN}: rl.export_dir: /proc/colo-export: cannot write "
+                           "here (no file can be made in /proc")

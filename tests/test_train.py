@@ -202,3 +202,14 @@ def test_partial_rollout_in_the_training_loop(worker_groups, tmp_path):
     last = sum(x["reward"] for x in h[-3:]) / 3
     assert first < 0.2 and last > first + 0.3, (first, last)
     assert max(x["logprob_gap_max"] for x in h) > 1e-3  # the resumed segments' older policy
+
+
+def test_an_export_that_fails_raises_on_every_rank(worker_groups, tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    target = str(afile / "out")
+    r0, r1 = worker_groups(2).run("tests.cases_rl:export_failure_is_collective", timeout=120,
+                                  directory=target)
+    assert r0["error"].startswith(f"export to {target} failed: ") and "Not a directory" in \
+        r0["error"], r0
+    assert r1["error"] == f"export to {target} failed on another rank", r1

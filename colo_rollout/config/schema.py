@@ -931,5 +931,10 @@ class RLConfig:
                  "rl.max_new_tokens", f"{self.max_new_tokens} is shorter than rl.reverse_len "
                  f"{self.reverse_len}: the reversed sequence would not fit")
         _require_choice(self, "algorithm", ("grpo", "ppo"))
+        # GRPO's advantage is a sample's reward against its group's: a group of one is all
+        # zeros, and the run would train nothing
+        _require(self.algorithm != "grpo" or self.samples_per_prompt >= 2,
+                 "rl.samples_per_prompt", f"must be >= 2 for algorithm grpo (its advantages "
+                 f"compare a prompt's samples), got {self.samples_per_prompt}")
         _require_choice(self, "release_memory", ("off", "keep", "offload", "discard"))
         _require(self.vf_coef >= 0, "rl.vf_coef", f"must be >= 0, got {self.vf_coef}")

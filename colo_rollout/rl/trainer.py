@@ -240,15 +240,25 @@ class Trainer:
         rank 0, each expert broadcast from its EP rank), global rank 0 writes."""
         from colo_rollout.checkpoint.export import export_checkpoint
 
-        files = []
-        if self.ep > 1:  # the EP group holding rank 0 (consecutive ranks) holds every expert
-            if dist.get_rank() < self.ep:
+        files, failed = [], None
+        try:  # (a write that fails -- disk full, a folder gone -- comes after the gathers)
+            if self.ep > 1:  # the EP group holding rank 0 (consecutive ranks): every expert
+                if dist.get_rank() < self.ep:
+                    files = export_checkpoint(self.module, self.cfg.model, directory,
+                                              tp_group=self.pgc.tp, ep_group=self.pgc.ep)
+            elif self.dp_rank == 0:
                 files = export_checkpoint(self.module, self.cfg.model, directory,
-                                          tp_group=self.pgc.tp, ep_group=self.pgc.ep)
-        elif self.dp_rank == 0:
-            files = export_checkpoint(self.module, self.cfg.model, directory,
-                                      tp_group=self.pgc.tp)
-        dist.barrier()
+                                          tp_group=self.pgc.tp)
+        except OSError as e:
+            failed = e
+        # every rank learns whether a writer failed (a barrier alone left the others waiting
+        # on the failed rank forever)
+        flag = torch.tensor([0 if failed is None else 1],
+                            device=next(self.module.parameters()).device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if int(flag.item()):
+            why = f": {failed}" if failed is not None else " on another rank"
+            raise RuntimeError(f"export to {directory} failed{why}") from failed
         return files
 
     def routers(self) -> list:
