@@ -401,3 +401,41 @@ def export_failure_is_collective(rank: int, world: int, directory: str) -> dict:
     except RuntimeError as e:
         return {"error": str(e)}
     return {"error": None}
+
+
+def weight_sync_misuse(rank: int, world: int) -> dict:
+    """WeightSync handed the wrong things: a clear error before any tensor moves."""
+    import dataclasses
+
+    from colo_rollout.engine.engine import Engine
+    from colo_rollout.model.weights import random_state_dict
+    from colo_rollout.rl.weight_sync import WeightSync
+    from colo_rollout.runtime.cpu_compat import install_cpu_compat
+    from colo_rollout.runtime.parallel import init_parallel
+    from tests.cases_engine import tiny_config
+
+    cfg = tiny_config(world, world, world)
+    groups = init_parallel(cfg.parallel)
+    install_cpu_compat()
+    engine = Engine(cfg, groups, random_state_dict(cfg.model))
+    trainer = build_reference(cfg.model, random_state_dict(cfg.model), _trainer_pgc(world, 1),
+                              torch.device("cpu"))
+    deeper = dataclasses.replace(cfg.model, num_layers=cfg.model.num_layers + 1)
+    other = build_reference(deeper, random_state_dict(deeper), _trainer_pgc(world, 1),
+                            torch.device("cpu"))
+    errors = {}
+    for name, args in (("swapped", (engine.model, trainer)), ("none", (None, engine.model)),
+                       ("layers", (other, engine.model))):
+        try:
+            WeightSync()(*args)
+        except (TypeError, ValueError) as e:
+            errors[name] = str(e)
+    engine.release_memory("discard")
+    try:
+        WeightSync()(trainer, engine.model)
+    except RuntimeError as e:
+        errors["released"] = str(e)
+    engine.resume_memory()
+    stats = WeightSync()(trainer, engine.model)  # and the right call still works
+    engine.weights_loaded()
+    return {"errors": errors, "path": stats.path}

@@ -255,3 +255,15 @@ def test_local_replay_merges_halves_and_keeps_whole_parameters_static():
     assert torch.equal(stack[0], t0.data)  # written through the stack's view
     i1.data = torch.zeros(7, 4)  # another layout: the recording no longer applies
     assert not rep.valid()
+
+
+def test_misuse_is_refused_before_any_tensor_moves(worker_groups):
+    r = worker_groups(1).run("tests.cases_rl:weight_sync_misuse", timeout=300)[0]
+    e = r["errors"]
+    assert "the first argument is the engine's model -- swapped arguments" in e["swapped"]
+    assert e["none"] == ("WeightSync: trainer_model must be a megatron model (a torch module "
+                         "with a config), got NoneType")
+    assert e["layers"].startswith("WeightSync: the trainer's num_layers is 3, the inference "
+                                  "model's 2"), e["layers"]
+    assert "call engine.resume_memory() before the sync" in e["released"]
+    assert r["path"] == "plan"

@@ -386,6 +386,50 @@ def _view(params: list[torch.Tensor], d: tuple) -> torch.Tensor:
     return params[i].data.as_strided(size, stride, offset)
 
 
+# megatron config fields that fix the tensors a sync moves: equal in both models, or the plan
+# drops or misses tensors (megatron's own errors name neither model)
+SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                "kv_channels", "num_moe_experts", "moe_ffn_hidden_size", "mtp_num_layers")
+
+
+def check_pair(trainer_model, inference_model) -> None:
+    """The two arguments are a megatron trainer model and the engine's model (in that order),
+    with equal shapes (``SHAPE_FIELDS``): a TypeError or ValueError naming the argument or the
+    field otherwise. (Swapped, the sync would overwrite the trainer with the engine's weights;
+    a trainer of more layers lost the extra ones silently.)"""
+    from colo_rollout.model.model import InferenceGPT
+
+    for name, m in (("trainer_model", trainer_model), ("inference_model", inference_model)):
+        if not isinstance(m, torch.nn.Module) or getattr(m, "config", None) is None:
+            raise TypeError(f"WeightSync: {name} must be a megatron model (a torch module with "
+                            f"a config), got {type(m).__name__}")
+    if isinstance(trainer_model, InferenceGPT):
+        raise TypeError("WeightSync(trainer_model, inference_model): the first argument is the "
+                        "engine's model -- swapped arguments (the sync would overwrite the "
+                        "trainer)")
+    if not isinstance(inference_model, InferenceGPT):
+        raise TypeError(f"WeightSync: inference_model must be the engine's model "
+                        f"(engine.model), got {type(inference_model).__name__}")
+    tc, ic = trainer_model.config, inference_model.config
+    for field in SHAPE_FIELDS:
+        a, b = getattr(tc, field, None), getattr(ic, field, None)
+        if field == "num_query_groups":  # None: one group per head
+            a, b = a or tc.num_attention_heads, b or ic.num_attention_heads
+        if (a or 0) != (b or 0):
+            raise ValueError(f"WeightSync: the trainer's {field} is {a}, the inference "
+                             f"model's {b}: the two models must have one shape")
+
+
+def check_resident(inference_model) -> None:
+    """The engine's weights are in place: after ``engine.release_memory`` (offload, discard)
+    the parameters are empty tensors until ``resume_memory`` (worker/memory.py)."""
+    for p in inference_model.parameters():
+        if p.numel() == 0:
+            raise RuntimeError("WeightSync: the inference model's weights are released "
+                               "(engine.release_memory): call engine.resume_memory() before "
+                               "the sync")
+
+
 class WeightSync:
     """Refits ``inference_model`` from ``trainer_model`` (collective on every rank).
 
@@ -417,6 +461,9 @@ class WeightSync:
     def __call__(self, trainer_model, inference_model) -> SyncStats:
         t0 = time.perf_counter()
         pair = (id(trainer_model), id(inference_model))  # the views keep both alive: ids stay
+        if pair not in self._views:
+            check_pair(trainer_model, inference_model)
+        check_resident(inference_model)
         if pair not in self._views:
             self._views[pair] = (RefitView(trainer_model), RefitView(inference_model))
         views = self._views[pair]
