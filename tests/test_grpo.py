@@ -11,6 +11,7 @@ import pytest
 from colo_rollout.config import ConfigError
 from colo_rollout.config.schema import RLConfig
 from colo_rollout.rl.grpo import (
+    flat_group_share,
     MismatchCorrection,
     clipped_loss,
     group_advantages,
@@ -162,3 +163,13 @@ def test_reverse_task_keys_are_checked():
         RLConfig(task="reverse", reverse_len=4, max_new_tokens=3)
     with pytest.raises(ConfigError, match="rl.reverse_alphabet"):
         Config(rl=RLConfig(task="reverse", reverse_alphabet=255, max_new_tokens=3))
+
+
+def test_flat_groups_are_the_ones_without_signal():
+    rewards = [1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 0.5]
+    groups = [0, 0, 1, 1, 2, 2, 2]
+    assert flat_group_share(rewards, groups) == 2 / 3  # groups 0 and 2: every reward equal
+    # their advantages are exactly the zeros the share stands for
+    adv = group_advantages(rewards, groups)
+    assert adv[0] == adv[1] == adv[4] == adv[5] == adv[6] == 0.0 and adv[2] != 0.0
+    assert flat_group_share([], []) == 0.0

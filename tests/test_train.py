@@ -52,6 +52,10 @@ def test_reward_rises_and_logprobs_agree(worker_groups, tmp_path, algorithm, rel
     # (EP2/ADP2) logprobs: only summation order differs
     assert max(x["logprob_gap_max"] for x in h) < 1e-4
     assert all(x["failed"] == 0 and x["sync_bytes"] > 0 for x in h)
+    # groups whose samples all scored alike (no GRPO signal): every one once the task is
+    # learnt (all samples hit the target), fewer at the random start
+    flat = [x["flat_groups"] for x in h]
+    assert all(0.0 <= f <= 1.0 for f in flat) and flat[-1] > min(flat), flat
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(20))
     assert (tmp_path / "reward.png").stat().st_size > 1000

@@ -27,6 +27,17 @@ def group_advantages(rewards: list[float], groups: list[int], eps: float = 1e-6)
     return out
 
 
+def flat_group_share(rewards: list[float], groups: list[int]) -> float:
+    """The share of groups whose rewards are all equal (0 without groups): their GRPO
+    advantages are all zero, so they train nothing -- the step's signal is the rest. High when
+    the temperature is near greedy (a group's samples alike) or the task is too easy or too
+    hard for the policy; a per-step metric (``flat_groups``)."""
+    by: dict[int, set[float]] = {}
+    for r, g in zip(rewards, groups):
+        by.setdefault(g, set()).add(r)
+    return sum(len(v) == 1 for v in by.values()) / len(by) if by else 0.0
+
+
 def clipped_loss(new_logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
                  mask: torch.Tensor, clip: float = 0.2, kl_coef: float = 0.0,
                  ref_logp: torch.Tensor | None = None,

@@ -34,6 +34,7 @@ from colo_rollout.worker.memory import MemoryReport  # noqa: E402
 from colo_rollout.model.weights import random_state_dict  # noqa: E402
 from colo_rollout.runtime.parallel import init_parallel  # noqa: E402
 from colo_rollout.sched.request import SamplingParams  # noqa: E402
+from colo_rollout.rl.grpo import flat_group_share  # noqa: E402
 from colo_rollout.rl.rollout import Carry, rollout  # noqa: E402
 from colo_rollout.rl.tasks import task_for  # noqa: E402
 from colo_rollout.rl.trainer import Trainer  # noqa: E402
@@ -104,6 +105,7 @@ def run_train(rank: int, world: int, config_path: str, overrides: dict | None = 
             stats["carried"] = len(carry.trajectories)
             stats["resumed_segments"] = sum(len(t.segments) > 1 for t in ok)
         row = {"step": step, "reward": sum(t.reward for t in ok) / max(len(ok), 1),
+               "flat_groups": flat_group_share([t.reward for t in ok], [t.group for t in ok]),
                "response_len": sum(sum(t.loss_mask) for t in ok) / max(len(ok), 1),
                "failed": len(trajs) - len(ok), "rollout_s": t1 - t0, "train_s": t2 - t1,
                "sync_s": s.seconds, "sync_bytes": s.bytes_remote + s.bytes_local, **stats, **mem}
