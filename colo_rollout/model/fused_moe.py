@@ -703,22 +703,20 @@ def triton_experts(x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor,
         block = isinstance(fc1, Fp8Weight) and bool(fc1.block)
         tiles = (tile_for(r, "fc1", block), tile_for(r, "fc2", block))
     # the group max is offs[-1]; the kernel reads offs, so int32 and int64 both do
-    if isinstance(fc1, Fp8Weight) and fc1.tensorwise:
-        # TE's Float8CurrentScaling: x's rows quantised per expert (one scale from the amax
-        # over the expert's rows, as TE's GroupedLinear quantises its splits) into the pairs'
-        # sorted order, so fc1 reads them without the token gather; h likewise
-        xq, xs = quantize_grouped(x, offs, rows, token=token)
-        h = moe_gemm(xq, fc1.q, offs, rows, prob=prob, gated=gated, act=act, tile=tiles[0],
-                     a_scale=xs, w_scale=fc1.scale, out_dtype=x.dtype)
-        hq, hs = quantize_grouped(h, offs, rows)
-        return moe_gemm(hq, fc2.q, offs, rows, zero_tail=True, scatter=order,
-                        out_dtype=out_dtype or x.dtype, tile=tiles[1], a_scale=hs,
-                        w_scale=fc2.scale)
-    if isinstance(fc1, Fp8Weight):  # FP8 operands: x and h quantised per row on the way in
-        xq, xs = quantize_rows(x, pad=False, group=fc1.block, pow2=fc1.te)
-        h = moe_gemm(xq, fc1.q, offs, rows, token=token, prob=prob, gated=gated, act=act,
+    if isinstance(fc1, Fp8Weight):  # FP8 operands: x and h quantised on the way in
+        if fc1.tensorwise:
+            # TE's Float8CurrentScaling: x's rows quantised per expert (one scale from the
+            # amax over the expert's rows, as TE's GroupedLinear quantises its splits) into
+            # the pairs' sorted order, so fc1 reads them without the token gather; h likewise
+            xq, xs = quantize_grouped(x, offs, rows, token=token)
+            gather = None
+        else:  # per row (or 1 x block), before fc1's token gather
+            xq, xs = quantize_rows(x, pad=False, group=fc1.block, pow2=fc1.te)
+            gather = token
+        h = moe_gemm(xq, fc1.q, offs, rows, token=gather, prob=prob, gated=gated, act=act,
                      tile=tiles[0], a_scale=xs, w_scale=fc1.scale, out_dtype=x.dtype)
-        hq, hs = quantize_rows(h, pad=False, group=fc2.block, pow2=fc2.te)
+        hq, hs = (quantize_grouped(h, offs, rows) if fc2.tensorwise
+                  else quantize_rows(h, pad=False, group=fc2.block, pow2=fc2.te))
         return moe_gemm(hq, fc2.q, offs, rows, zero_tail=True, scatter=order,
                         out_dtype=out_dtype or x.dtype, tile=tiles[1], a_scale=hs,
                         w_scale=fc2.scale)
