@@ -134,49 +134,71 @@ def check_backend(cfg: Config, source: str) -> None:
                           "use 'gloo' for CPU ranks", key="parallel.backend", source=source)
 
 
-# engine keys that pick a kernel backend (auto | torch | triton; prefill_attention: | cudnn)
+# engine keys that pick a kernel backend (auto | torch | triton; prefill_attention: | cudnn |
+# flash)
 KERNEL_KEYS = ("decode_attention", "prefill_attention", "moe_kernel")
+# the backends that run on GPU ranks only, and what they are called in an error
+_GPU_KERNELS = {"triton": "the Triton kernels",
+                "cudnn": "cuDNN's attention and the Triton kernels",
+                "flash": "FlashAttention-4 and the Triton kernels"}
 
 
 def check_kernels(cfg: Config, source: str) -> None:
     """A kernel backend asked for by name can run: "triton" needs GPU ranks (parallel.backend
-    nccl) and triton installed. (The model build refuses it too; here it is one line before
+    nccl) and triton installed; "cudnn" and "flash" their library and a 16-bit model whose
+    head dim the library takes. (The model build refuses them too; here it is one line before
     any rank starts.)"""
     import importlib.util
 
     for key in KERNEL_KEYS:
         asked = getattr(cfg.engine, key, "auto")
-        if asked not in ("triton", "cudnn"):
+        if asked not in _GPU_KERNELS:
             continue
         if cfg.parallel.backend != "nccl":
-            what = "cuDNN's attention and the Triton kernels" if asked == "cudnn" else \
-                "the Triton kernels"
-            why = f"{what} run on GPU ranks, and parallel.backend is {cfg.parallel.backend!r}"
+            why = (f"{_GPU_KERNELS[asked]} run on GPU ranks, and parallel.backend is "
+                   f"{cfg.parallel.backend!r}")
         elif importlib.util.find_spec("triton") is None:
             why = "triton is not installed"
-        elif asked == "cudnn":
-            import torch
-
-            from colo_rollout.config.schema import CUDNN_MIN_VERSION
-
-            version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() \
-                else None
-            m = cfg.model
-            if not torch.cuda.is_available():
-                why = "this host has no CUDA device"
-            elif version is None or version < CUDNN_MIN_VERSION:
-                why = f"cuDNN {version} is older than {CUDNN_MIN_VERSION} (or absent)"
-            elif m.params_dtype not in ("bfloat16", "float16"):  # dense_prefill.cudnn_fits
-                why = f"model.params_dtype is {m.params_dtype} (cuDNN's fused attention takes 16-bit)"
-            elif m.head_dim % 8 or m.head_dim > 128:
-                why = f"model.head_dim {m.head_dim} is not a multiple of 8 up to 128"
-            else:
+        elif asked in ("cudnn", "flash"):
+            why = _dense_kernel_problem(asked, cfg.model)
+            if why is None:
                 continue
         else:
             continue
         raise ConfigError(f"{source}: engine.{key}: {asked!r} cannot run here: {why}; use "
                           "'auto' (triton where it can run, else torch) or 'torch'",
                           key=f"engine.{key}", source=source)
+
+
+def _dense_kernel_problem(asked: str, m) -> str | None:
+    """Why P's dense attention kernel ``asked`` ("cudnn" or "flash") cannot run for model
+    section ``m`` on this host (model/dense_prefill.py's checks), or None."""
+    import torch
+
+    from colo_rollout.model import dense_prefill as dp
+
+    if not torch.cuda.is_available():
+        return "this host has no CUDA device"
+    if asked == "cudnn":
+        from colo_rollout.config.schema import CUDNN_MIN_VERSION
+
+        version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() \
+            else None
+        if version is None or version < CUDNN_MIN_VERSION:
+            return f"cuDNN {version} is older than {CUDNN_MIN_VERSION} (or absent)"
+        fits = dp.cudnn_fits
+    else:
+        why = dp.flash_usable(torch.device("cuda"))
+        if why is not None:
+            return why
+        fits = dp.flash_fits
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(m.params_dtype,
+                                                                         torch.float32)
+    why = fits(dtype, m.head_dim)
+    if why is not None:  # named by the config's keys
+        return (why.replace("the model is torch.float32", f"model.params_dtype is "
+                            f"{m.params_dtype}").replace("head_dim", "model.head_dim", 1))
+    return None
 
 
 def check_use_te(cfg: Config, source: str) -> None:

@@ -102,10 +102,11 @@ def test_the_plan_leaves_dense_sequences_out_of_its_tiles():
         pp.plan_prefill(new, ctx, 2, 64, F32, "cpu", cfg, dense=(4,))
 
 
-def test_prefill_on_cudnn_fills_the_rows_the_kernel_leaves(monkeypatch):
-    """``_prefill`` with the cudnn backend: the plan leaves the long fresh sequences out, the
-    kernel's stand-in writes only its tiles' sequences (NaN elsewhere), and the dense call
-    fills the rest: the oracle's output for every row."""
+@pytest.mark.parametrize("backend", dp.DENSE_BACKENDS)
+def test_prefill_on_cudnn_fills_the_rows_the_kernel_leaves(monkeypatch, backend):
+    """``_prefill`` with a dense backend (cudnn, flash): the plan leaves the long fresh
+    sequences out, the kernel's stand-in writes only its tiles' sequences (NaN elsewhere), and
+    the dense call fills the rest: the oracle's output for every row."""
     from colo_rollout.model import attention as at
 
     heads, groups, dim, bs = 8, 2, 16, 4
@@ -124,7 +125,7 @@ def test_prefill_on_cudnn_fills_the_rows_the_kernel_leaves(monkeypatch):
                            context_lens_host=ctx)
     fake = types.SimpleNamespace(heads=heads, groups=groups, head_dim=dim,
                                  q_per_group=heads // groups, scale=dim ** -0.5,
-                                 prefill_backend="cudnn")
+                                 prefill_backend=backend)
     fake._gather_kv = lambda kv, layer, tab: at.PagedSelfAttention._gather_kv(fake, kv, layer,
                                                                               tab)
     q = torch.randn(sum(new), heads, dim)
@@ -145,16 +146,18 @@ def test_prefill_on_cudnn_fills_the_rows_the_kernel_leaves(monkeypatch):
                                rtol=1e-5, atol=1e-5)
 
 
-def test_cudnn_is_refused_where_it_cannot_run(tmp_path):
+@pytest.mark.parametrize("backend", dp.DENSE_BACKENDS)
+def test_cudnn_is_refused_where_it_cannot_run(tmp_path, backend):
     cpu = torch.device("cpu")
     assert "the device is cpu" in dp.cudnn_usable(cpu)
-    with pytest.raises(RuntimeError, match="engine.prefill_attention: cudnn was requested"):
-        pp.resolve_backend("cudnn", cpu)
+    assert "the device is cpu" in dp.flash_usable(cpu)
+    with pytest.raises(RuntimeError, match=f"engine.prefill_attention: {backend} was requested"):
+        pp.resolve_backend(backend, cpu)
 
     from colo_rollout.config import ConfigError
     from colo_rollout.config.schema import EngineConfig
 
-    assert EngineConfig(prefill_attention="cudnn").prefill_attention == "cudnn"
+    assert EngineConfig(prefill_attention=backend).prefill_attention == backend
     with pytest.raises(ConfigError, match="engine.prefill_attention"):
         EngineConfig(prefill_attention="cudnn9")
 
@@ -164,7 +167,8 @@ def test_the_cudnn_backend_keeps_the_rope_kernel():
     Triton kernel's (with the q/k norms fused), as for the triton backend."""
     from colo_rollout.model import attention as at
 
-    for backend, want in (("cudnn", "triton"), ("triton", "triton"), ("torch", "torch")):
+    for backend, want in (("cudnn", "triton"), ("flash", "triton"), ("triton", "triton"),
+                          ("torch", "torch")):
         fake = types.SimpleNamespace(prefill_backend=backend)
         meta = types.SimpleNamespace(is_prefill=True)
         assert at.PagedSelfAttention._rope_backend(fake, torch.zeros(1), meta) == want
@@ -181,6 +185,32 @@ def test_warm_plans_runs_every_shape_the_calls_can_take():
 
 def test_auto_takes_cudnn_only_where_it_runs():
     assert pp.resolve_backend("auto", torch.device("cpu")) == "torch"
+
+
+def test_flash_fits_16_bit_models_with_head_dims_it_takes():
+    assert dp.flash_fits(torch.bfloat16, 128) is None and dp.flash_fits(torch.float16, 256) is None
+    assert "16-bit" in dp.flash_fits(torch.float32, 128)
+    assert "head_dim 100" in dp.flash_fits(torch.bfloat16, 100)
+    assert "head_dim 264" in dp.flash_fits(torch.bfloat16, 264)
+
+
+def test_flash_names_a_missing_install(monkeypatch):
+    """Without flash_attn.cute the kernel's import error is one line naming the package."""
+    import builtins
+
+    real = builtins.__import__
+
+    def no_flash(name, *args, **kwargs):
+        if name.startswith("flash_attn"):
+            raise ModuleNotFoundError(f"No module named '{name}'")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(dp, "_FLASH", [])
+    monkeypatch.setattr(builtins, "__import__", no_flash)
+    with pytest.raises(ImportError, match=r"flash_attn.cute \(FlashAttention-4\) does not "
+                                          r"import: ModuleNotFoundError") as got:
+        dp.flash_attention()
+    assert "\n" not in str(got.value)
 
 
 def test_cudnn_fits_16_bit_models_with_head_dims_it_takes():

@@ -147,6 +147,29 @@ def test_cudnn_attention_asked_for_on_cpu_ranks(capsys):
                            "cuDNN's attention and the Triton kernels run on GPU ranks")
 
 
+def test_flash_attention_asked_for_on_cpu_ranks(capsys):
+    line = door_error(capsys, "demo", DEMO, "--set", "engine.prefill_attention=flash")
+    assert line.startswith(f"error: {DEMO}: engine.prefill_attention: 'flash' cannot run here: "
+                           "FlashAttention-4 and the Triton kernels run on GPU ranks")
+
+
+def test_dense_kernel_problems_name_the_config_keys(monkeypatch):
+    """On a CUDA host the dense kernels' own checks come back in the config's words."""
+    import torch
+
+    from colo_rollout import door
+    from colo_rollout.config.schema import ModelConfig
+    from colo_rollout.model import dense_prefill as dp
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dp, "flash_usable", lambda device: None)
+    m = ModelConfig(params_dtype="float32")
+    assert door._dense_kernel_problem("flash", m) == (
+        "model.params_dtype is float32 (FlashAttention-4 takes 16-bit)")
+    monkeypatch.setattr(dp, "flash_usable", lambda device: "flash_attn.cute does not import")
+    assert door._dense_kernel_problem("flash", m) == "flash_attn.cute does not import"
+
+
 def test_unsupported_trainer_width(capsys):
     line = door_error(capsys, "train", TRAIN, "--set", "rl.trainer_tp=3")
     assert line.startswith(f"error: {TRAIN}: rl.trainer_tp: 3 does not divide "

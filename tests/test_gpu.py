@@ -624,18 +624,20 @@ def test_gpu_fp8_rollout_bf16_training_mismatch(gpu_groups, tmp_path):
         assert rows[name]["gap_mean"] > rows["bf16"]["gap_mean"], rows
 
 
-def test_gpu_cudnn_prefill_rows_match_the_kernel():
-    """engine.prefill_attention cudnn on the GPU: a fresh 4k sequence and two fresh 1100-token
-    ones (one batched call, padded to 1280) through cuDNN's dense attention beside a
-    continuation on the Triton kernel (one plan), against the fp32 reference -- no worse than
-    the Triton kernel alone -- and both paths' times."""
+@pytest.mark.parametrize("kernel", ["cudnn", "flash"])
+def test_gpu_cudnn_prefill_rows_match_the_kernel(kernel):
+    """engine.prefill_attention cudnn / flash on the GPU: a fresh 4k sequence and two fresh
+    1100-token ones (one batched call, padded to 1280) through the dense kernel (cuDNN's,
+    FlashAttention-4's) beside a continuation on the Triton kernel (one plan), against the
+    fp32 reference -- no worse than the Triton kernel alone -- and both paths' times."""
     from colo_rollout.model import paged_prefill as pp
     from colo_rollout.model.dense_prefill import (cudnn_usable, dense_calls,
-                                                  dense_prefill_attention, dense_sequences)
+                                                  dense_prefill_attention, dense_sequences,
+                                                  flash_usable)
     from colo_rollout.testing.attention_oracle import qkv_from_cache
 
     dev = torch.device("cuda")
-    why = cudnn_usable(dev)
+    why = (cudnn_usable if kernel == "cudnn" else flash_usable)(dev)
     if why is not None:
         pytest.skip(why)
     g, n, dim, bs = 4, 8, 128, 16
@@ -662,7 +664,7 @@ def test_gpu_cudnn_prefill_rows_match_the_kernel():
                        + torch.arange(c - m, c, device=dev) % bs
                        for s, (m, c) in enumerate(zip(new, ctx))])
 
-    def kernel():
+    def triton_only():
         return pp.triton_prefill_attention(q, k, v, tables, full, scale)
 
     qkv = qkv_from_cache(q, k, v, slots)  # the step's rows, k rotated in place
@@ -670,7 +672,7 @@ def test_gpu_cudnn_prefill_rows_match_the_kernel():
     def mixed():
         out = pp.triton_prefill_attention(q, k, v, tables, split, scale)
         for call in calls:
-            dense_prefill_attention(q, qkv, call, scale, out)
+            dense_prefill_attention(q, qkv, call, scale, out, kernel)
         return out
 
     def ms(fn):
@@ -684,10 +686,11 @@ def test_gpu_cudnn_prefill_rows_match_the_kernel():
         b.synchronize()
         return a.elapsed_time(b) / 10
 
-    err_kernel = (kernel().float() - ref).abs().max().item()
+    err_kernel = (triton_only().float() - ref).abs().max().item()
     err_mixed = (mixed().float() - ref).abs().max().item()
-    row = {"gpus": 1, "err_kernel": err_kernel, "err_cudnn": err_mixed,
-           "kernel_ms": ms(kernel), "cudnn_ms": ms(mixed), "cudnn": torch.backends.cudnn.version()}
+    row = {"gpus": 1, "dense_kernel": kernel, "err_kernel": err_kernel, "err_dense": err_mixed,
+           "kernel_ms": ms(triton_only), "dense_ms": ms(mixed),
+           "cudnn": torch.backends.cudnn.version()}
     row["passed"] = err_mixed <= 2 * err_kernel + 1e-2
-    _record("cudnn_prefill", row)
+    _record(f"{kernel}_prefill", row)
     assert row["passed"], row

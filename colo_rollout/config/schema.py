@@ -514,7 +514,9 @@ class EngineConfig:
     # context bucket (the CPU path and the reference), "auto" = triton on CUDA when it
     # imports, else torch. "cudnn" = triton, except fresh sequences (>= 1024 new tokens, no
     # cached prefix), which go through cuDNN's dense attention, up to 8 of one padded length
-    # per call (model/dense_prefill.py; CUDA, cuDNN >= 9 and triton required).
+    # per call (model/dense_prefill.py; CUDA, cuDNN >= 9 and triton required). "flash" = those
+    # dense calls through FlashAttention-4's kernel instead (``flash_attn.cute`` installed, an
+    # sm_90 / sm_100 GPU, triton).
     prefill_attention: str = "auto"
     # The grouped MoE path's expert GEMMs (model/fused_moe.py): "triton" = the fused-MoE
     # kernel (row gather, per-expert tiles and SwiGLU fused; CUDA and triton required: an error
@@ -559,7 +561,8 @@ class EngineConfig:
         _require_choice(self, "stream_priority", STREAM_PRIORITIES)
         _require_choice(self, "rendezvous", ("auto", "shm", "gloo"))
         _require_choice(self, "decode_attention", ("auto", "torch", "triton"))
-        _require_choice(self, "prefill_attention", ("auto", "torch", "triton", "cudnn"))
+        _require_choice(self, "prefill_attention",
+                        ("auto", "torch", "triton", "cudnn", "flash"))
         _require_choice(self, "moe_kernel", ("auto", "torch", "triton"))
         _require_min(self, ("segment_span",), 1)
         _require_min(self, ("prefill_merge_pairs",), 0)

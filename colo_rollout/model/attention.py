@@ -27,6 +27,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from colo_rollout.model.dense_prefill import (
+    DENSE_BACKENDS,
     dense_calls,
     dense_prefill_attention,
     dense_sequences,
@@ -237,8 +238,8 @@ def _prefill_kernel(attn, device: torch.device) -> str:
 
 
 def _dense(backend: str, new: list[int], ctx: list[int]) -> tuple[int, ...]:
-    """The sequences P's dense calls take (cudnn: long fresh ones), none otherwise."""
-    return dense_sequences(new, ctx) if backend == "cudnn" else ()
+    """The sequences P's dense calls take (cudnn, flash: long fresh ones), none otherwise."""
+    return dense_sequences(new, ctx) if backend in DENSE_BACKENDS else ()
 
 
 class PagedSelfAttention(torch.nn.Module):
@@ -315,8 +316,9 @@ class PagedSelfAttention(torch.nn.Module):
             k = self.k_layernorm(k.contiguous())
         # rotate q and k, and write the new K/V into their slots before attending (a prefill
         # sees its own tokens): one Triton launch, or the torch ops (model/rope_kv.py)
-        # dense P calls (cudnn) read the step's rotated k in place, not from the cache
-        store_k = meta.is_prefill and getattr(self, "prefill_backend", "auto") == "cudnn"
+        # dense P calls (cudnn, flash) read the step's rotated k in place, not from the cache
+        store_k = (meta.is_prefill
+                   and getattr(self, "prefill_backend", "auto") in DENSE_BACKENDS)
         cos, sin, positions = (rope.kernel_angles(q.dtype) if backend == "triton"
                                else (*rope.cos_sin(q.dtype, 2), None))
         q = rope_and_store(q, k, v, cos, sin, kv.k_slots[layer], kv.v_slots[layer],
@@ -357,8 +359,8 @@ class PagedSelfAttention(torch.nn.Module):
                           "auto")
         if backend == "auto":
             backend = "triton" if q.is_cuda and triton_available() else "torch"
-        # cudnn's P is the Triton kernel's plus dense calls: the same rope kernel
-        return "triton" if backend == "cudnn" else backend
+        # cudnn's (flash's) P is the Triton kernel's plus dense calls: the same rope kernel
+        return "triton" if backend in DENSE_BACKENDS else backend
 
     def prefill_plan(self, new: list[int], ctx: list[int], dtype: torch.dtype,
                      device: torch.device) -> PlanHost | None:
@@ -366,7 +368,7 @@ class PagedSelfAttention(torch.nn.Module):
         ``AttnMetadata.prefill_plan`` once the caller put it on the device), or None where P
         attention runs no kernel plan (the torch backend)."""
         backend = _prefill_kernel(self, device)
-        if backend not in ("triton", "cudnn"):
+        if backend not in ("triton", *DENSE_BACKENDS):
             return None
         return plan_prefill_host(new, ctx, self.q_per_group, self.head_dim, dtype, device,
                                  dense=_dense(backend, new, ctx))
@@ -395,11 +397,12 @@ class PagedSelfAttention(torch.nn.Module):
             are left out of the kernel's tiles and computed by cuDNN's dense attention, up to
             8 sequences of one padded length per call, from ``qkv`` (the step's QKV rows, k
             rotated in place by the rope kernel's ``store_k``).
+          * flash: cudnn's calls through FlashAttention-4's kernel.
           * torch (the CPU path and the reference): one SDPA call per context bucket, queries
             [Sb, heads, n_max, dim] against the bucket's keys [Sb, heads, blocks*block, dim]
             (padding slots are computed and dropped)."""
         backend = _prefill_kernel(self, q.device)
-        if backend in ("triton", "cudnn"):
+        if backend in ("triton", *DENSE_BACKENDS):
             plan = meta.prefill_plan
             if plan is None:  # not made with the step's inputs (the runner's prefill_plan)
                 plan = meta.prefill_plan = plan_prefill(
@@ -410,11 +413,11 @@ class PagedSelfAttention(torch.nn.Module):
             calls = meta.dense_calls
             if plan.n_tiles == 0 and len(calls) == 1 and calls[0].covers(q.shape[0]):
                 # one dense call over every row: its result is the output (no copy)
-                return dense_prefill_attention(q, qkv, calls[0], self.scale, None)
+                return dense_prefill_attention(q, qkv, calls[0], self.scale, None, backend)
             out = triton_prefill_attention(q, kv.k[layer], kv.v[layer], meta.block_tables,
                                            plan, self.scale)
             for call in calls:  # the rows the kernel left unwritten
-                dense_prefill_attention(q, qkv, call, self.scale, out)
+                dense_prefill_attention(q, qkv, call, self.scale, out, backend)
             return out
         out = q.new_empty(q.shape)
         for b in meta.buckets:

@@ -1,5 +1,6 @@
-"""P attention of fresh sequences through a dense fused-attention library kernel (cuDNN's,
-via torch's SDPA) -- ``engine.prefill_attention: cudnn``.
+"""P attention of fresh sequences through a dense fused-attention library kernel -- cuDNN's,
+via torch's SDPA (``engine.prefill_attention: cudnn``), or FlashAttention-4's CuTe DSL kernel
+where ``flash_attn.cute`` is installed (``flash``).
 
 Why: on one H200 cuDNN's dense causal attention ran 1.3-1.65x the engine's Triton kernel on
 fresh sequences (4k-8k single, 8 x 1k batched: 390-600 TFLOP/s against 250-375; docs/
@@ -9,9 +10,16 @@ padded length per call, [S, heads, L, dim] -- and everything else (continuations
 sequences) stays on the Triton kernel in the same P step (``plan_prefill(dense=...)`` leaves
 the dense sequences out of its tiles).
 
+Why FlashAttention-4 beside it: on one H200 its Hopper forward (``flash_attn.cute``, JIT-compiled
+through nvidia-cutlass-dsl, no nvcc) ran a causal 4k sequence at 0.90x cuDNN's time (Qwen3's
+32 heads) and 0.78-0.84x (16 heads; q/k/v as separate tensors), 8k at 0.87-0.94x, but 8 x 1k
+batched at 1.08-1.55x (docs/benchmarks.md session 27). Same calls, same padding: only the
+kernel differs.
+
 Owns: which sequences go dense (``dense_sequences``), their padded length (``padded_len``),
 their grouping into calls (``dense_calls``: made once per P epoch with the plan, read by every
-layer) and the call (``dense_prefill_attention``).
+layer), the call (``dense_prefill_attention``) and whether each kernel can run
+(``cudnn_usable`` / ``cudnn_fits``, ``flash_usable`` / ``flash_fits``).
 
 Invariants:
   * Only fresh sequences (every key is one of the step's new tokens: ctx == new) of at least
@@ -32,9 +40,10 @@ Invariants:
     writes its rows as views (no gather).
   * GQA is handed to the kernel (``enable_gqa``): the KV heads are never expanded.
   * On CPU (the tests) the same code runs torch's default SDPA backend: the grouping, the
-    padding, the gathers and GQA are what is tested there; cuDNN itself only on a GPU.
+    padding, the gathers and GQA are what is tested there; cuDNN and FlashAttention-4
+    themselves only on a GPU.
 
-Imports only torch (and the config's constant).
+Imports only torch (and the config's constant); ``flash_attn.cute`` on first use of ``flash``.
 """
 
 from __future__ import annotations
@@ -54,6 +63,11 @@ MIN_TOKENS = 1024
 PAD_MULTIPLE = 256
 # Sequences per dense call: a group of one padded length is cut greedily into these sizes.
 BATCHES = (8, 4, 2, 1)
+# engine.prefill_attention's values whose P runs dense calls (each names the dense kernel)
+DENSE_BACKENDS = ("cudnn", "flash")
+# compute capabilities FlashAttention-4's forward is used on: Hopper (measured) and
+# Blackwell's datacenter parts (its other main target)
+FLASH_MAJORS = (9, 10)
 
 
 @dataclass(frozen=True)
@@ -139,14 +153,59 @@ def cudnn_fits(dtype: torch.dtype | None, head_dim: int | None) -> str | None:
     return None
 
 
+_FLASH: list = []  # flash_attn.cute's forward, imported once (first use of ``flash``)
+
+
+def flash_attention():
+    """FlashAttention-4's ``flash_attn_func`` (``flash_attn.cute``); ImportError (one line)
+    where it is not installed."""
+    if not _FLASH:
+        try:
+            from flash_attn.cute import flash_attn_func
+        except Exception as e:  # not installed, or installed without its CuTe DSL
+            raise ImportError(f"flash_attn.cute (FlashAttention-4) does not import: "
+                              f"{type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
+        _FLASH.append(flash_attn_func)
+    return _FLASH[0]
+
+
+def flash_usable(device: torch.device | str) -> str | None:
+    """None when FlashAttention-4's dense path can run on ``device``, else why not (one
+    line)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"the device is {device}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in FLASH_MAJORS:
+        return (f"the GPU is sm_{major}{minor} (FlashAttention-4's forward is used on sm_90 "
+                "and sm_100 here)")
+    try:
+        flash_attention()
+    except ImportError as e:
+        return str(e)
+    return None
+
+
+def flash_fits(dtype: torch.dtype | None, head_dim: int | None) -> str | None:
+    """None when FlashAttention-4 takes a model of ``dtype`` and ``head_dim`` (16-bit, a head
+    dim that is a multiple of 8 up to 256), else why not (one line)."""
+    if dtype is not None and dtype not in (torch.bfloat16, torch.float16):
+        return f"the model is {dtype} (FlashAttention-4 takes 16-bit)"
+    if head_dim is not None and (head_dim % 8 or head_dim > 256):
+        return f"head_dim {head_dim} is not a multiple of 8 up to 256"
+    return None
+
+
 def dense_prefill_attention(q: torch.Tensor, qkv: torch.Tensor, call: DenseCall,
-                            scale: float, out: torch.Tensor | None) -> torch.Tensor:
+                            scale: float, out: torch.Tensor | None,
+                            kernel: str = "cudnn") -> torch.Tensor:
     """One dense call: the rows of ``call``'s sequences in q [T, heads, dim] (rotated)
     against their own keys, causal. ``qkv`` [T, groups, m, dim]: the step's QKV projection
     per query group (megatron's layout: the group's q heads, then k at m - 2 and v at m - 1),
     k rotated in place. Writes the sequences' rows of ``out`` [T, heads, dim] and returns it;
     ``out`` None (the call covers every row of q back to back): returns the result itself, a
-    view."""
+    view. ``kernel``: "cudnn" or "flash" (FlashAttention-4) on CUDA tensors; on CPU torch's
+    SDPA either way."""
     T, heads, dim = q.shape
     g, m = qkv.shape[1], qkv.shape[2]
     if heads % g or qkv.shape[0] != T or qkv.shape[3] != dim:
@@ -159,6 +218,12 @@ def dense_prefill_attention(q: torch.Tensor, qkv: torch.Tensor, call: DenseCall,
     else:  # whole QKV rows: K and V keep the views' strides (one cuDNN plan for both)
         qb, rows = q.index_select(0, call.rows), qkv.index_select(0, call.rows)
     k, v = rows[:, :, m - 2], rows[:, :, m - 1]  # [S * L, g, dim]
+    if q.is_cuda and kernel == "flash":
+        # [S, L, h, dim] views of the token-major rows; GQA's k and v as they are
+        got = flash_attention()(qb.view(S, L, heads, dim), k.view(S, L, g, dim),
+                                v.view(S, L, g, dim), softmax_scale=scale, causal=True)
+        o = got[0] if isinstance(got, tuple) else got  # [S, L, heads, dim]
+        return _scatter(o, q, call, out, T, heads, dim)
     # [S, h, L, dim] views of the token-major rows (SDPA takes the strides)
     qd, kd, vd = (t.view(S, L, t.shape[1], dim).transpose(1, 2) for t in (qb, k, v))
     if q.is_cuda:
@@ -171,7 +236,14 @@ def dense_prefill_attention(q: torch.Tensor, qkv: torch.Tensor, call: DenseCall,
     else:  # CPU (the tests): SDPA's own selection
         o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale,
                                            enable_gqa=heads != g)
-    o = o.transpose(1, 2)  # [S, L, heads, dim]
+    return _scatter(o.transpose(1, 2), q, call, out, T, heads, dim)
+
+
+def _scatter(o: torch.Tensor, q: torch.Tensor, call: DenseCall, out: torch.Tensor | None,
+             T: int, heads: int, dim: int) -> torch.Tensor:
+    """A call's result o [S, L, heads, dim] as its sequences' rows: the output itself where
+    the call covers q (``out`` None), else written into ``out``'s rows (padding dropped)."""
+    S, L = o.shape[0], o.shape[1]
     if out is None:
         if not call.covers(T):
             raise ValueError("a call that does not cover q back to back needs out")
@@ -187,11 +259,11 @@ def dense_prefill_attention(q: torch.Tensor, qkv: torch.Tensor, call: DenseCall,
 
 def warm_plans(heads: int, groups: int, dim: int, dtype: torch.dtype, device: torch.device,
                max_tokens: int, max_len: int, multiple: int = PAD_MULTIPLE,
-               batches: tuple[int, ...] = BATCHES) -> int:
+               batches: tuple[int, ...] = BATCHES, kernel: str = "cudnn") -> int:
     """Run one dense call of every shape ``dense_calls`` can make for P steps of up to
     ``max_tokens`` tokens and sequences of up to ``max_len``, so that cuDNN builds each plan
-    (40-70 ms apiece on one H200) before serving rather than inside a P epoch. Returns the
-    shapes run."""
+    (40-70 ms apiece on one H200) -- or FlashAttention-4 JIT-compiles its kernel (~2.5 s, once
+    per process) -- before serving rather than inside a P epoch. Returns the shapes run."""
     n = 0
     m = heads // groups + 2  # per query group: its q heads, k, v (the QKV output's strides)
     for S in batches:
@@ -200,7 +272,7 @@ def warm_plans(heads: int, groups: int, dim: int, dtype: torch.dtype, device: to
             q = torch.zeros(S * L, heads, dim, dtype=dtype, device=device)
             qkv = torch.zeros(S * L, groups, m, dim, dtype=dtype, device=device)
             call = DenseCall(L, tuple((s, s * L, L) for s in range(S)), None)
-            dense_prefill_attention(q, qkv, call, dim ** -0.5, None)
+            dense_prefill_attention(q, qkv, call, dim ** -0.5, None, kernel)
             n += 1
             L += multiple
     return n

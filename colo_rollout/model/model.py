@@ -607,12 +607,13 @@ class InferenceGPT(torch.nn.Module):
     def warm_prefill_attention(self, max_tokens: int, max_len: int) -> int:
         """Build cuDNN's plans for every dense P-attention shape (model/dense_prefill.py)
         of P steps up to ``max_tokens`` rows on this rank and sequences up to ``max_len``,
-        where P attention is "cudnn" (else nothing). Returns the shapes run."""
-        if self.prefill_attention != "cudnn":
+        where P attention is "cudnn" -- or FlashAttention-4's kernel, "flash" (else nothing).
+        Returns the shapes run."""
+        if self.prefill_attention not in ("cudnn", "flash"):
             return 0
         att = self.decoder.layers[0].self_attention
         return warm_dense_plans(att.heads, att.groups, att.head_dim, self.dtype, self.device,
-                                max_tokens, max_len)
+                                max_tokens, max_len, kernel=self.prefill_attention)
 
     def close_dispatch(self) -> None:
         """Release the dispatch backends' own buffers (DeepEP's: collective over the EP

@@ -71,23 +71,29 @@ def resolve_backend(requested: str, device: torch.device | str,
     """``engine.prefill_attention`` -> the backend a model on ``device`` (in ``dtype``, with
     ``head_dim``; None: not checked) uses (model/kernel_backend.py); "cudnn": this kernel plus
     cuDNN's dense attention for fresh sequences (model/dense_prefill.py), which needs CUDA,
-    cuDNN 9, triton, a 16-bit model and a head dim cuDNN's fused kernels take. "auto" takes
-    cudnn where it can run (measured 1.0-1.16x the kernel alone per P step on one H200, docs/
-    benchmarks.md session 16), else triton on CUDA, else torch."""
-    from colo_rollout.model.dense_prefill import cudnn_fits, cudnn_usable
+    cuDNN 9, triton, a 16-bit model and a head dim cuDNN's fused kernels take; "flash": the
+    same with FlashAttention-4's kernel for the dense calls (``flash_attn.cute`` installed,
+    an sm_90 / sm_100 GPU). "auto" takes cudnn where it can run (measured 1.0-1.16x the
+    kernel alone per P step on one H200, docs/benchmarks.md session 16), else triton on
+    CUDA, else torch."""
+    from colo_rollout.model.dense_prefill import (cudnn_fits, cudnn_usable, flash_fits,
+                                                  flash_usable)
 
-    if requested == "cudnn":
-        why = (cudnn_usable(device) or cudnn_fits(dtype, head_dim)
+    checks = {"cudnn": (cudnn_usable, cudnn_fits), "flash": (flash_usable, flash_fits)}
+    if requested in checks:
+        usable, fits = checks[requested]
+        why = (usable(device) or fits(dtype, head_dim)
                or (None if triton_available() else "triton does not import"))
         if why is not None:
-            raise RuntimeError(f"engine.prefill_attention: cudnn was requested but {why}; set "
-                               "it to 'triton', 'torch' or 'auto'")
-        return "cudnn"
+            raise RuntimeError(f"engine.prefill_attention: {requested} was requested but {why}; "
+                               "set it to 'triton', 'torch' or 'auto'")
+        return requested
     got = _resolve("engine.prefill_attention", requested, device)
     if (requested == "auto" and got == "triton" and cudnn_usable(device) is None
             and cudnn_fits(dtype, head_dim) is None):
         return "cudnn"
     return got
+
 
 def group_pack(q_per_group: int, block_m: int) -> int:
     """q heads per program when packing the group: the largest power of two that divides the
