@@ -200,7 +200,7 @@ def test_resolve_backend():
     with pytest.raises(RuntimeError, match="engine.prefill_attention: triton was requested"):
         pp.resolve_backend("triton", cpu)
     with pytest.raises(ValueError, match="must be one of"):
-        pp.resolve_backend("flash", cpu)
+        pp.resolve_backend("flashinfer", cpu)
     if pp.triton_available():
         from colo_rollout.model.dense_prefill import cudnn_usable
 
