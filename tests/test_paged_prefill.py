@@ -217,7 +217,7 @@ def test_engine_config_key():
     assert EngineConfig().prefill_attention == "auto"
     assert EngineConfig(prefill_attention="triton").prefill_attention == "triton"
     with pytest.raises(ConfigError, match="engine.prefill_attention"):
-        EngineConfig(prefill_attention="flash")
+        EngineConfig(prefill_attention="flashinfer")
 
 
 def test_prefill_dispatches_to_the_kernel_with_one_plan_per_epoch(monkeypatch):
