@@ -179,22 +179,21 @@ def _dense_kernel_problem(asked: str, m) -> str | None:
 
     if not torch.cuda.is_available():
         return "this host has no CUDA device"
-    if asked == "cudnn":
-        from colo_rollout.config.schema import CUDNN_MIN_VERSION
+    from colo_rollout.config.schema import CUDNN_MIN_VERSION
 
-        version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() \
-            else None
-        if version is None or version < CUDNN_MIN_VERSION:
-            return f"cuDNN {version} is older than {CUDNN_MIN_VERSION} (or absent)"
-        fits = dp.cudnn_fits
-    else:
+    # flash's batched calls are cuDNN's: it needs both
+    version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    if version is None or version < CUDNN_MIN_VERSION:
+        return f"cuDNN {version} is older than {CUDNN_MIN_VERSION} (or absent)"
+    fits = dp.cudnn_fits
+    if asked == "flash":
         why = dp.flash_usable(torch.device("cuda"))
         if why is not None:
             return why
         fits = dp.flash_fits
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(m.params_dtype,
                                                                          torch.float32)
-    why = fits(dtype, m.head_dim)
+    why = fits(dtype, m.head_dim) or dp.cudnn_fits(dtype, m.head_dim)
     if why is not None:  # named by the config's keys
         return (why.replace("the model is torch.float32", f"model.params_dtype is "
                             f"{m.params_dtype}").replace("head_dim", "model.head_dim", 1))

@@ -162,6 +162,8 @@ def test_dense_kernel_problems_name_the_config_keys(monkeypatch):
     from colo_rollout.model import dense_prefill as dp
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91900)
     monkeypatch.setattr(dp, "flash_usable", lambda device: None)
     m = ModelConfig(params_dtype="float32")
     assert door._dense_kernel_problem("flash", m) == (

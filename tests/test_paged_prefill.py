@@ -202,10 +202,12 @@ def test_resolve_backend():
     with pytest.raises(ValueError, match="must be one of"):
         pp.resolve_backend("flashinfer", cpu)
     if pp.triton_available():
-        from colo_rollout.model.dense_prefill import cudnn_usable
+        from colo_rollout.model.dense_prefill import cudnn_usable, flash_usable
 
-        # auto: cuDNN's dense calls beside the kernel where cuDNN >= 9 is there
-        want = "cudnn" if cudnn_usable("cuda:0") is None else "triton"
+        # auto: dense calls beside the kernel where cuDNN >= 9 is there, FlashAttention-4's
+        # for single sequences where it is installed too
+        cudnn, flash = cudnn_usable("cuda:0") is None, flash_usable("cuda:0") is None
+        want = "flash" if cudnn and flash else "cudnn" if cudnn else "triton"
         assert pp.resolve_backend("auto", "cuda:0") == want
         assert pp.resolve_backend("triton", "cuda:0") == "triton"
 

@@ -511,12 +511,12 @@ class EngineConfig:
     decode_attention: str = "auto"
     # P attention (model/paged_prefill.py): "triton" = the varlen paged flash-attention kernel
     # (CUDA and triton required: an error at model build otherwise), "torch" = SDPA per
-    # context bucket (the CPU path and the reference), "auto" = triton on CUDA when it
-    # imports, else torch. "cudnn" = triton, except fresh sequences (>= 1024 new tokens, no
+    # context bucket (the CPU path and the reference). "cudnn" = triton, except fresh sequences (>= 1024 new tokens, no
     # cached prefix), which go through cuDNN's dense attention, up to 8 of one padded length
-    # per call (model/dense_prefill.py; CUDA, cuDNN >= 9 and triton required). "flash" = those
-    # dense calls through FlashAttention-4's kernel instead (``flash_attn.cute`` installed, an
-    # sm_90 / sm_100 GPU, triton).
+    # per call (model/dense_prefill.py; CUDA, cuDNN >= 9 and triton required). "flash" = the
+    # dense calls of one sequence through FlashAttention-4's kernel instead (``flash_attn.cute``
+    # installed, an sm_90 / sm_100 GPU; batched calls stay cuDNN's). "auto" = flash, else
+    # cudnn, else triton, else torch: the first that can run.
     prefill_attention: str = "auto"
     # The grouped MoE path's expert GEMMs (model/fused_moe.py): "triton" = the fused-MoE
     # kernel (row gather, per-expert tiles and SwiGLU fused; CUDA and triton required: an error

@@ -13,8 +13,10 @@ the dense sequences out of its tiles).
 Why FlashAttention-4 beside it: on one H200 its Hopper forward (``flash_attn.cute``, JIT-compiled
 through nvidia-cutlass-dsl, no nvcc) ran a causal 4k sequence at 0.90x cuDNN's time (Qwen3's
 32 heads) and 0.78-0.84x (16 heads; q/k/v as separate tensors), 8k at 0.87-0.94x, but 8 x 1k
-batched at 1.08-1.55x (docs/benchmarks.md session 27). Same calls, same padding: only the
-kernel differs.
+batched at 1.08-1.55x; in bench-speed's P steps (same process) 0.969x at Qwen3 1 x 4k and
+1.116x at 8 x 1k (docs/benchmarks.md session 27). So ``flash`` sends a call of ONE sequence
+to FlashAttention-4 and batched calls to cuDNN; same calls, same padding: only the kernel
+differs.
 
 Owns: which sequences go dense (``dense_sequences``), their padded length (``padded_len``),
 their grouping into calls (``dense_calls``: made once per P epoch with the plan, read by every
@@ -175,6 +177,8 @@ def flash_usable(device: torch.device | str) -> str | None:
     device = torch.device(device)
     if device.type != "cuda":
         return f"the device is {device}"
+    if not torch.cuda.is_available():
+        return "this host has no CUDA device"
     major, minor = torch.cuda.get_device_capability(device)
     if major not in FLASH_MAJORS:
         return (f"the GPU is sm_{major}{minor} (FlashAttention-4's forward is used on sm_90 "
@@ -204,8 +208,8 @@ def dense_prefill_attention(q: torch.Tensor, qkv: torch.Tensor, call: DenseCall,
     per query group (megatron's layout: the group's q heads, then k at m - 2 and v at m - 1),
     k rotated in place. Writes the sequences' rows of ``out`` [T, heads, dim] and returns it;
     ``out`` None (the call covers every row of q back to back): returns the result itself, a
-    view. ``kernel``: "cudnn" or "flash" (FlashAttention-4) on CUDA tensors; on CPU torch's
-    SDPA either way."""
+    view. ``kernel``: "cudnn", or "flash" (FlashAttention-4 for a call of one sequence, cuDNN
+    for a batched one) on CUDA tensors; on CPU torch's SDPA either way."""
     T, heads, dim = q.shape
     g, m = qkv.shape[1], qkv.shape[2]
     if heads % g or qkv.shape[0] != T or qkv.shape[3] != dim:
@@ -218,7 +222,7 @@ def dense_prefill_attention(q: torch.Tensor, qkv: torch.Tensor, call: DenseCall,
     else:  # whole QKV rows: K and V keep the views' strides (one cuDNN plan for both)
         qb, rows = q.index_select(0, call.rows), qkv.index_select(0, call.rows)
     k, v = rows[:, :, m - 2], rows[:, :, m - 1]  # [S * L, g, dim]
-    if q.is_cuda and kernel == "flash":
+    if q.is_cuda and kernel == "flash" and S == 1:  # (batched calls stay cuDNN's: below)
         # [S, L, h, dim] views of the token-major rows; GQA's k and v as they are
         got = flash_attention()(qb.view(S, L, heads, dim), k.view(S, L, g, dim),
                                 v.view(S, L, g, dim), softmax_scale=scale, causal=True)

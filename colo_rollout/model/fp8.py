@@ -291,14 +291,19 @@ if triton is not None:
         return sc, tl.math.div_rn(tl.zeros_like(sc) + 1.0, sc)
 
     @triton.jit
-    def _row_expert(OFFS, r, E, E_PAD: tl.constexpr):
-        """The expert of sorted row(s) r: the number of group ends at or below r (E for a
-        row at or past OFFS[E - 1])."""
+    def _rows_expert(OFFS, r, E, E_PAD: tl.constexpr):
+        """The expert of each sorted row in the vector r: the number of group ends at or below
+        it (E for a row at or past OFFS[E - 1])."""
         eids = tl.arange(0, E_PAD)
         ends = tl.load(OFFS + eids, mask=eids < E, other=2147483647)
-        if r.shape == ():
-            return tl.sum((ends <= r).to(tl.int32), 0)
         return tl.sum((ends[None, :] <= r[:, None]).to(tl.int32), 1)
+
+    @triton.jit
+    def _row_expert(OFFS, r, E, E_PAD: tl.constexpr):
+        """``_rows_expert`` of one row (a scalar)."""
+        eids = tl.arange(0, E_PAD)
+        ends = tl.load(OFFS + eids, mask=eids < E, other=2147483647)
+        return tl.sum((ends <= r).to(tl.int32), 0)
 
     @triton.jit
     def _group_amax_kernel(X, TOKEN, OFFS, E_AMAX, rows, K, stride_x, E,
@@ -308,7 +313,7 @@ if triton is not None:
         X[r]), each raised into its expert's E_AMAX (fp32 bits as int32, atomic max); rows at
         or past OFFS[E - 1] belong to no expert and are skipped."""
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        e = _row_expert(OFFS, r, E, E_PAD)
+        e = _rows_expert(OFFS, r, E, E_PAD)
         rm = (r < rows) & (e < E)
         src = tl.load(TOKEN + r, mask=rm, other=0) if HAS_TOKEN else r
         base = X + src.to(tl.int64)[:, None] * stride_x

@@ -72,26 +72,30 @@ def resolve_backend(requested: str, device: torch.device | str,
     ``head_dim``; None: not checked) uses (model/kernel_backend.py); "cudnn": this kernel plus
     cuDNN's dense attention for fresh sequences (model/dense_prefill.py), which needs CUDA,
     cuDNN 9, triton, a 16-bit model and a head dim cuDNN's fused kernels take; "flash": the
-    same with FlashAttention-4's kernel for the dense calls (``flash_attn.cute`` installed,
-    an sm_90 / sm_100 GPU). "auto" takes cudnn where it can run (measured 1.0-1.16x the
-    kernel alone per P step on one H200, docs/benchmarks.md session 16), else triton on
-    CUDA, else torch."""
+    same with FlashAttention-4's kernel for the dense calls of one sequence (``flash_attn.cute``
+    installed, an sm_90 / sm_100 GPU; batched calls stay cuDNN's). "auto" takes flash where
+    it can run, else cudnn (measured 1.0-1.16x the kernel alone per P step on one H200, docs/
+    benchmarks.md session 16), else triton on CUDA, else torch."""
     from colo_rollout.model.dense_prefill import (cudnn_fits, cudnn_usable, flash_fits,
                                                   flash_usable)
 
-    checks = {"cudnn": (cudnn_usable, cudnn_fits), "flash": (flash_usable, flash_fits)}
-    if requested in checks:
-        usable, fits = checks[requested]
-        why = (usable(device) or fits(dtype, head_dim)
-               or (None if triton_available() else "triton does not import"))
+    def problem(backend: str) -> str | None:  # flash's batched calls are cuDNN's
+        why = cudnn_usable(device) or cudnn_fits(dtype, head_dim)
+        if backend == "flash":
+            why = flash_usable(device) or flash_fits(dtype, head_dim) or why
+        return why or (None if triton_available() else "triton does not import")
+
+    if requested in ("cudnn", "flash"):
+        why = problem(requested)
         if why is not None:
             raise RuntimeError(f"engine.prefill_attention: {requested} was requested but {why}; "
                                "set it to 'triton', 'torch' or 'auto'")
         return requested
     got = _resolve("engine.prefill_attention", requested, device)
-    if (requested == "auto" and got == "triton" and cudnn_usable(device) is None
-            and cudnn_fits(dtype, head_dim) is None):
-        return "cudnn"
+    if requested == "auto" and got == "triton":
+        for backend in ("flash", "cudnn"):  # the fastest that can run (session 27's rows)
+            if problem(backend) is None:
+                return backend
     return got
 
 
