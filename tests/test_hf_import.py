@@ -149,6 +149,21 @@ def test_tied_bf16_checkpoint_matches_transformers(worker_groups, tmp_path_facto
     check_equivalent(res)
 
 
+@pytest.mark.parametrize("family,key", [("qwen2", "shared_expert_intermediate_size"),
+                                        ("glm", "n_shared_experts")])
+def test_zero_width_shared_expert_matches_transformers(worker_groups, tmp_path_factory, family,
+                                                       key):
+    """A shared expert of width 0: transformers saves zero-size projections (and Qwen2-MoE's
+    gate, which multiplies their zero output); the engine loads the model without one and
+    serves transformers' tokens."""
+    d = str(tmp_path_factory.mktemp("shared0") / family)
+    save_tiny_checkpoint(d, family, **{key: 0})
+    with CheckpointStore(d) as store:
+        assert any(0 in tuple(store.shape(n)) for n in store.names() if "shared_expert" in n)
+    assert model_cfg(d).model.shared_expert_ffn_hidden_size is None
+    check_equivalent(worker_groups(1).run(f"{CASES}:serve_checkpoint", directory=d, adp=1, ep=1))
+
+
 def test_sharded_checkpoint_is_sharded(ckpt):
     files = os.listdir(ckpt[SHARDED])
     assert "model.safetensors.index.json" in files and "model.safetensors" not in files
@@ -413,6 +428,33 @@ def test_mla_family_is_refused(ckpt, tmp_path):
 def test_unsupported_rope_type_names_the_key(ckpt, tmp_path, rope, key):
     e = _config_error(ckpt, tmp_path, **rope)
     assert f"config.json: {key}: RoPE type 'yarn' is not supported" in str(e), str(e)
+
+
+def test_top1_renormalised_routing_names_the_key(ckpt, tmp_path):
+    e = _config_error(ckpt, tmp_path, num_experts_per_tok=1)  # Qwen3 with norm_topk_prob
+    assert "config.json: num_experts_per_tok: 1 with Qwen3MoeForCausalLM's renormalised" in str(e)
+
+
+def test_a_legacy_rope_scaling_beside_rope_parameters_wins(ckpt, tmp_path):
+    """transformers 5 lets a non-empty rope_scaling replace rope_parameters (a long-context
+    recipe added by hand beside the saved default): read the same way, not ignored."""
+    e = _config_error(ckpt, tmp_path, rope_parameters={"rope_type": "default",
+                                                       "rope_theta": 10000.0},
+                      rope_scaling={"rope_type": "linear", "factor": 2.0})
+    assert "config.json: rope_scaling.rope_type: RoPE type 'linear' is not supported" in str(e)
+
+
+@pytest.mark.parametrize("extra,key,value", [
+    ({}, "max_position_embeddings", 512),  # none in the dict: transformers takes this
+    ({"original_max_position_embeddings": 256}, "original_max_position_embeddings", 256),
+])
+def test_llama3_original_length_is_read_as_transformers_does(ckpt, tmp_path, extra, key, value):
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "rope_theta": 10000.0}
+    if extra:
+        rope["original_max_position_embeddings"] = 8192  # the top-level value wins over it
+    e = _config_error(ckpt, tmp_path, rope_parameters=rope, max_position_embeddings=512, **extra)
+    assert f"config.json: {key}: {value}: the original max position embeddings" in str(e), str(e)
 
 
 @pytest.mark.parametrize("parallel,key", [

@@ -101,7 +101,8 @@ def check_checkpoint(cfg: ModelConfig, store: CheckpointStore | None = None,
             if got != shape:
                 raise CheckpointError(f"shape {list(got)}, expected {list(shape)} (from "
                                       "config.json)", path=store.file_of(name), name=name)
-        unexpected = sorted(n for n in have - set(want) - set(optional)
+        empty = _empty_shared_expert(cfg, store, have)
+        unexpected = sorted(n for n in have - set(want) - set(optional) - empty
                             if not ignorable(n, cfg, arch.extra_layers))
         if unexpected:
             # block scales beside e4m3 weights: an FP8 release whose config.json says nothing
@@ -135,6 +136,25 @@ def check_checkpoint(cfg: ModelConfig, store: CheckpointStore | None = None,
         if own:
             store.close()
     return stored
+
+
+# a shared expert's stored names (Qwen2-MoE's, GLM's) and its gate's
+_SHARED_PARTS = (".mlp.shared_expert.", ".mlp.shared_experts.", ".mlp.shared_expert_gate.")
+
+
+def _empty_shared_expert(cfg: ModelConfig, store, have: set[str]) -> set[str]:
+    """The shared-expert tensors transformers saves for a shared expert of width 0
+    (shared_expert_intermediate_size / n_shared_experts 0): zero-size projections -- and
+    Qwen2-MoE's gate, whose product with their zero output is zero -- which this config
+    (no shared expert) does not load. Empty unless every stored shared projection has a zero
+    dimension."""
+    if cfg.shared_expert_ffn_hidden_size is not None:
+        return set()
+    names = {n for n in have if any(part in n for part in _SHARED_PARTS)}
+    projections = [n for n in names if ".mlp.shared_expert_gate." not in n]
+    if not projections or any(0 not in tuple(store.shape(n)) for n in projections):
+        return set()
+    return names
 
 
 def _check_tied_head(store, want: dict, rows: int = 8192) -> None:

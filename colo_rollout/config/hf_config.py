@@ -157,6 +157,16 @@ def hf_architecture(directory: str | pathlib.Path, config: dict | None = None) -
                       f"{', '.join(FAMILIES)}")
     _common(r, family)
     {QWEN3: _qwen3, QWEN2: _qwen2, MIXTRAL: _mixtral, GLM4: _glm4}[family](r)
+    f = r.fields
+    # transformers renormalises a single softmax score to 1.0; megatron refuses top-1 softmax
+    # routing without its pre-softmax (model section's router_norm_topk check), and with
+    # pre-softmax the weight would be the expert's probability -- no setting gives 1.0
+    r.refuse("num_experts_per_tok", f["moe_router_topk"] == 1 and f["router_norm_topk"]
+             and f["router_score"] == "softmax",
+             f"1 with {family}'s renormalised softmax routing (every token's one expert weighted "
+             "1.0) is not supported: megatron's router takes top-1 softmax routing only with "
+             "the softmax over all experts first (moe_router_pre_softmax), which weights the "
+             "expert by its probability instead")
     dtype = config.get("dtype", config.get("torch_dtype"))
     return HFArchitecture(path, family, r.fields, r.sources,
                           dtype if isinstance(dtype, str) else None, r.fields["mtp_num_layers"],
@@ -229,7 +239,13 @@ def _common(r: _Reader, family: str) -> None:
 def _rope(r: _Reader, partial_default: float = 1.0) -> None:
     """transformers 5: rope_parameters {rope_theta, rope_type, partial_rotary_factor, factor};
     older: top-level rope_theta, rope_scaling {type|rope_type, factor}, partial_rotary_factor.
-    ``partial_default``: the family's partial_rotary_factor when config.json gives none."""
+    ``partial_default``: the family's partial_rotary_factor when config.json gives none.
+
+    Read as transformers 5 reads them (``convert_rope_params_to_dict``): a non-empty
+    rope_scaling REPLACES rope_parameters (a legacy key added beside transformers' own
+    rope_parameters wins); a key missing from that dict comes from the top level; llama3's
+    original_max_position_embeddings is the top-level one where given, else the dict's, else
+    max_position_embeddings."""
     params = r.c.get("rope_parameters")
     if params is not None and not isinstance(params, dict):
         raise r.error("rope_parameters", f"expected an object, got {params!r}")
@@ -239,10 +255,13 @@ def _rope(r: _Reader, partial_default: float = 1.0) -> None:
     legacy = r.c.get("rope_scaling") or {}
     if not isinstance(legacy, dict):
         raise r.error("rope_scaling", f"expected an object or null, got {legacy!r}")
+    if any(isinstance(v, dict) for v in legacy.values()):
+        raise r.error("rope_scaling", "per-layer-type RoPE parameters are not supported")
+    rope, rope_name = (legacy, "rope_scaling") if legacy else (params, "rope_parameters")
 
-    def pick(key: str, default: Any, where: str) -> tuple[Any, str]:
-        for src, d in ((f"rope_parameters.{key}", params), (f"rope_scaling.{key}", legacy),
-                       (key, r.c)):
+    def pick(key: str, default: Any, where: str, top_first: bool = False) -> tuple[Any, str]:
+        order = [(f"{rope_name}.{key}", rope), (key, r.c)]
+        for src, d in (order[::-1] if top_first else order):
             if d.get(key) is not None:
                 return d[key], src
         return default, where
@@ -265,10 +284,16 @@ def _rope(r: _Reader, partial_default: float = 1.0) -> None:
     if rtype != "llama3":
         raise r.error(src, f"RoPE type {rtype!r} is not supported (default, llama3)")
     # megatron's llama3 scaling fixes the other three parameters; refuse different ones
-    for key, want in (("low_freq_factor", 1.0), ("high_freq_factor", 4.0),
-                      ("original_max_position_embeddings", 8192)):
+    for key, want in (("low_freq_factor", 1.0), ("high_freq_factor", 4.0)):
         got, ksrc = pick(key, want, key)
         r.refuse(ksrc, got != want, f"{got!r}: megatron's llama3 RoPE scaling uses {want}")
+    # transformers: the top-level value first, else the dict's, else max_position_embeddings
+    got, ksrc = pick("original_max_position_embeddings", None, "", top_first=True)
+    if got is None:
+        got, ksrc = r.c.get("max_position_embeddings"), "max_position_embeddings"
+    r.refuse(ksrc, got != 8192, f"{got!r}: the original max position embeddings of megatron's "
+             "llama3 RoPE scaling are 8192 (transformers takes max_position_embeddings where "
+             "rope_parameters gives none)")
     factor, fsrc = pick("factor", 8.0, "factor")
     r.refuse(fsrc, isinstance(factor, bool) or not isinstance(factor, (int, float))
              or factor <= 0, f"expected a positive number, got {factor!r}")
