@@ -507,6 +507,7 @@ def bench_trace(cfg: Config, source: str = "<config>") -> Trace:
     if b.length_scale != 1.0:
         trace = trace.scaled_lengths(b.length_scale)
     kept = trace.truncated(cap)
+    _check_schedule(kept, b.wait_scales, name, source)
     if not kept.conversations:
         first = min((c.turns[0] for c in trace.conversations),
                     key=lambda t: t.prompt_tokens + t.output_tokens)
@@ -516,6 +517,29 @@ def bench_trace(cfg: Config, source: str = "<config>") -> Trace:
                           f"{b.length_scale:g}) exceeds {cap} tokens ({_cap_text(e)})",
                           key="bench.trace", source=source)
     return kept
+
+
+# the longest a replay's schedule may take (a spawned run's own limit: launch.py's)
+MAX_REPLAY_S = 3600.0
+
+
+def _check_schedule(trace: Trace, wait_scales: list[float], name: str, source: str) -> None:
+    """Refuse a replay whose schedule alone -- a conversation's arrival plus its client
+    waits (x the largest of bench.wait_scales) -- outlasts MAX_REPLAY_S: it would sit at 0%
+    for hours (a trace in ms read as seconds) until the run's limit tore it down. ``name``:
+    the trace's file."""
+    if not trace.conversations:
+        return
+    scale = max(wait_scales)
+    conv = max(trace.conversations,
+               key=lambda c: c.arrival_s + scale * sum(t.wait_s for t in c.turns))
+    span = conv.arrival_s + scale * sum(t.wait_s for t in conv.turns)
+    if span > MAX_REPLAY_S:
+        raise ConfigError(
+            f"{source}: bench.wait_scales: conversation {conv.conv!r} of {name} is "
+            f"scheduled over {span:.6g} s (arrival {conv.arrival_s:g} s + its waits x "
+            f"{scale:g}), past the {MAX_REPLAY_S:g} s a replay may take; scale the waits "
+            "down or use a trace in seconds", key="bench.wait_scales", source=source)
 
 
 def _cap_text(e) -> str:

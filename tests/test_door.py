@@ -273,6 +273,32 @@ def test_explicit_prompt_ids_the_bench_can_never_run(tmp_path, capsys):
                            f"explicit prompt ids of {path}:1")
 
 
+def test_a_replay_scheduled_past_the_runs_limit(tmp_path, capsys):
+    """Arrivals in ms read as seconds, or waits scaled into hours: refused at the door, not a
+    replay sitting at 0% until the run's limit tears it down."""
+    path = trace_file(tmp_path, [dict(turn(), arrival_s=80_000)])
+    line = door_error(capsys, "bench", BENCH, "--set", f"bench.trace={path}")
+    assert line.startswith(f"error: {BENCH}: bench.wait_scales: conversation 'a' of {path} is "
+                           "scheduled over 80000 s (arrival 80000 s + its waits x 0)")
+    line = door_error(capsys, "bench", BENCH, "--set", "bench.wait_scales=[1000.0]")
+    assert "past the 3600 s a replay may take" in line
+
+
+@pytest.mark.parametrize("key,value", [("bench.length_scale", "1.0e+308"),
+                                       ("bench.wait_scales", "[1.0e+300]")])
+def test_scales_past_any_run_are_refused(capsys, key, value):
+    line = door_error(capsys, "bench", BENCH, "--set", f"{key}={value}")
+    assert line.startswith(f"error: {BENCH}: {key}: must be "), line
+    assert len(line) < 300
+
+
+@pytest.mark.parametrize("section", ["model", "workload"])
+def test_a_seed_past_32_bits(capsys, section):
+    line = door_error(capsys, "demo", DEMO, "--set", f"{section}.seed=100000000000000")
+    assert line == (f"error: {DEMO}: {section}.seed: must be in [0, 4294967295], got "
+                    "100000000000000")
+
+
 def test_a_trace_with_no_turn_that_fits(tmp_path, capsys):
     path = trace_file(tmp_path, [turn(prompt_tokens=100_000, output_tokens=10)])
     line = door_error(capsys, "bench", BENCH, "--set", f"bench.trace={path}")

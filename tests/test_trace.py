@@ -170,6 +170,37 @@ def test_unreadable_trace_file_is_a_trace_error(tmp_path):
         load_trace(tmp_path)  # a directory
 
 
+@pytest.mark.parametrize("reader", [load_trace, load_mooncake])
+def test_paths_that_are_not_regular_files_are_refused_without_reading(tmp_path, reader):
+    """A FIFO would block the door for ever and a device never end: refused before a read."""
+    import os
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path in (fifo, "/dev/zero"):
+        with pytest.raises(TraceError) as info:
+            reader(path)
+        assert str(info.value) == (f"{path}: file: not a regular file (a directory, FIFO or "
+                                   "device): a trace is a JSONL file")
+    with pytest.raises(TraceError, match=r"^<empty path>: file: no trace file named"):
+        reader("")
+
+
+def test_a_byte_order_mark_is_skipped(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + (json.dumps(OK0) + "\n" + json.dumps(OK1)).encode())
+    assert load_trace(path).num_requests == 2
+
+
+def test_a_conversation_id_that_is_not_unicode_is_refused(tmp_path):
+    """A lone surrogate (a JSON escape) cannot be encoded: the replay's token ids are drawn
+    from the encoded id, on rank 0 only -- the other ranks used to wait out the timeout."""
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(OK0).replace('"a"', '"\\ud800"') + "\n")
+    with pytest.raises(TraceError, match=r"t\.jsonl:1: conv: not valid Unicode"):
+        load_trace(path)
+
+
 def test_loaded_turns_know_their_line(tmp_path):
     path = write_lines(tmp_path, [rec("b", 0), "", OK0, OK1])
     t = load_trace(path)
@@ -486,6 +517,20 @@ def test_mooncake_errors(tmp_path):
         load_mooncake(path)
     with pytest.raises(ValueError, match="max_requests"):
         load_mooncake(path, max_requests=0)
+    # bounds as the JSONL reader's: one day of ms, tokens per turn, block ids >= 0
+    for key, value, what in (("timestamp", 10 ** 400, r"a number of ms in \[0, 8\.64e\+07\]"),
+                             ("timestamp", 1e12, "a number of ms"),
+                             ("input_length", 2 ** 70, r"an int in \[1, 10000000\]"),
+                             ("hash_ids", [1, -2], "a list of ints >= 0")):
+        path = write_lines(tmp_path, [good, dict(good, **{key: value})], name="mc3.jsonl")
+        with pytest.raises(TraceError, match=rf"mc3\.jsonl:2: {key}: expected {what}"):
+            load_mooncake(path)
+    path = tmp_path / "mc4.jsonl"
+    path.write_bytes(json.dumps(good).encode() + b"\n\xff\n")
+    with pytest.raises(TraceError, match=r"mc4\.jsonl:2: record: not valid UTF-8"):
+        load_mooncake(path)
+    with pytest.raises(TraceError, match="cannot read trace file"):
+        load_mooncake(tmp_path)  # a directory
 
 
 def test_mooncake_session_rule(tmp_path):

@@ -176,6 +176,18 @@ def _require_min(obj: Any, names: tuple[str, ...], minimum: int) -> None:
         _require(value >= minimum, f"{obj.SECTION}.{name}", f"must be >= {minimum}, got {value}")
 
 
+# a seed's largest value: 32 bits (the engine derives per-replica generator seeds from it by
+# seed * 1_000_003 + replica, which must stay in torch's int64)
+MAX_SEED = 2 ** 32 - 1
+
+
+def _require_seed(obj: Any) -> None:
+    """``obj.seed`` is in [0, MAX_SEED]."""
+    value = obj.seed
+    _require(0 <= value <= MAX_SEED, f"{obj.SECTION}.seed",
+             f"must be in [0, {MAX_SEED}], got {_short(value)}")
+
+
 def _require_choice(obj: Any, name: str, choices: tuple[Any, ...]) -> None:
     value = getattr(obj, name)
     _require(

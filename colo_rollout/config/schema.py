@@ -14,6 +14,7 @@ from colo_rollout.config.checks import (
     _require,
     _require_choice,
     _require_min,
+    _require_seed,
 )
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -93,6 +94,8 @@ FP8_BACKENDS = ("engine", "te")
 # Float8BlockScaling; the engine's kernels scale per row or per block
 FP8_BACKEND_RECIPES = {"engine": ("rowwise", "blockwise"), "te": ("tensorwise", "blockwise")}
 FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm89), Hopper (sm90) and later
+# bench.length_scale and bench.wait_scales: the largest factor (lengths, client waits)
+MAX_SCALE = 1000.0
 # engine.prefill_attention "cudnn": the oldest cuDNN (torch.backends.cudnn.version()) whose
 # fused attention it calls (model/dense_prefill.py; measured with 9.19 on one H200)
 CUDNN_MIN_VERSION = 90000
@@ -305,7 +308,8 @@ class ModelConfig:
             ),
             1,
         )
-        _require_min(self, ("seed", "first_k_dense", "mtp_num_layers"), 0)
+        _require_min(self, ("first_k_dense", "mtp_num_layers"), 0)
+        _require_seed(self)
         _require(self.mtp_num_layers <= 1, "model.mtp_num_layers",
                  f"{self.mtp_num_layers} MTP layers: at most 1 is supported (one draft token "
                  "per D iteration)")
@@ -608,7 +612,8 @@ class WorkloadConfig:
             ("num_requests", "prompt_len_min", "prompt_len_max", "output_len_min", "output_len_max"),
             1,
         )
-        _require_min(self, ("top_k", "seed"), 0)
+        _require_min(self, ("top_k",), 0)
+        _require_seed(self)
         _require(
             self.prompt_len_min <= self.prompt_len_max,
             "workload.prompt_len_min",
@@ -680,12 +685,13 @@ class BenchConfig:
     def __post_init__(self) -> None:
         _check_field_types(self)
         _require_min(self, ("conversations", "max_turns", "reps"), 1)
-        _require_min(self, ("seed",), 0)
-        _require(self.length_scale > 0, "bench.length_scale",
-                 f"must be > 0, got {self.length_scale}")
-        _require(bool(self.wait_scales) and all(w >= 0 for w in self.wait_scales),
-                 "bench.wait_scales", f"must be a non-empty list of values >= 0, got "
-                 f"{self.wait_scales}")
+        _require_seed(self)
+        # (a scale past MAX_SCALE turns a trace's tokens or seconds into what no run holds)
+        _require(0 < self.length_scale <= MAX_SCALE, "bench.length_scale",
+                 f"must be in (0, {MAX_SCALE:g}], got {self.length_scale:.6g}")
+        _require(bool(self.wait_scales) and all(0 <= w <= MAX_SCALE for w in self.wait_scales),
+                 "bench.wait_scales", f"must be a non-empty list of values in [0, "
+                 f"{MAX_SCALE:g}], got {[float(f'{w:.6g}') for w in self.wait_scales]}")
         bad = [m for m in self.modes if m not in ENGINE_MODES]
         _require(bool(self.modes) and not bad, "bench.modes",
                  f"unknown mode(s) {bad}; choose from {list(ENGINE_MODES)}")
@@ -759,6 +765,7 @@ class BenchSpeedConfig:
 
     def __post_init__(self) -> None:
         _check_field_types(self)
+        _require_seed(self)
         _require(bool(self.decode_batches), "bench_speed.decode_batches", "must not be empty")
         for name in ("decode_batches", "long_batches", "long_contexts", "sampled_batches",
                      "prefill_lengths", "prefill_mixed", "hf_prefill_lengths"):
@@ -908,7 +915,8 @@ class RLConfig:
                  f"{self.trainer_ep} with rl.trainer_tp {self.trainer_tp} is not supported: "
                  "with both above 1 trainer_ep must be a multiple of trainer_tp (an EP group "
                  "is whole TP groups)")
-        _require_min(self, ("seed", "target_token"), 0)
+        _require_min(self, ("target_token",), 0)
+        _require_seed(self)
         _require(self.lr > 0, "rl.lr", f"must be > 0, got {self.lr}")
         _require(self.mtp_loss_scale >= 0, "rl.mtp_loss_scale",
                  f"must be >= 0, got {self.mtp_loss_scale}")

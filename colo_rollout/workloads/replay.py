@@ -133,7 +133,10 @@ def _metrics(engine: Engine, trace: Trace, t0: float, submit_at, first_release,
             traj.append(sched.by_id[last].finish_time - first.submit_time)
     d_iters = [h for h in engine.history if h.d_rows > 0]
     spans = [h.span for h in engine.history if h.span > 0]
-    makespan = max(o.finish_time for o in outs.values()) - t0
+    # first release -> last token: a trace whose first arrival is past 0 s does not count the
+    # idle time before it (the engine's own timestamps, the same on every rank's clock)
+    makespan = (max(o.finish_time for o in outs.values())
+                - min(o.submit_time for o in outs.values()))
     return ReplayMetrics(
         requests=len(outs), conversations=len(trace.conversations), makespan_s=makespan,
         requests_per_s=len(outs) / makespan,

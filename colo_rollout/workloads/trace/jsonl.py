@@ -14,7 +14,15 @@ from dataclasses import dataclass
 from typing import Any
 
 
-from colo_rollout.workloads.trace.model import Conversation, Trace, TraceError, Turn, _is_int, _is_real
+from colo_rollout.workloads.trace.model import (
+    Conversation,
+    Trace,
+    TraceError,
+    Turn,
+    _is_int,
+    _is_real,
+    read_trace_bytes,
+)
 
 # Keys of one JSONL record.
 _REQUIRED_KEYS = ("conv", "turn", "output_tokens", "wait_s")
@@ -119,6 +127,10 @@ def _parse_record(path: str, line: int, text: str) -> _Record:
         raise fail("conv", f"expected str, got {_describe(conv)}")
     if not conv:
         raise fail("conv", "must be a non-empty string")
+    try:  # ids travel as UTF-8 (a lone surrogate from a JSON escape cannot)
+        conv.encode("utf-8")
+    except UnicodeEncodeError:
+        raise fail("conv", f"not valid Unicode: {conv!r}") from None
     turn = obj["turn"]
     if not _is_int(turn):
         raise fail("turn", f"expected int, got {_describe(turn)}")
@@ -197,11 +209,10 @@ def load_trace(path: str | os.PathLike[str]) -> Trace:
     (arrival_s, line of their first record). bool is never accepted as a number.
     """
     name = os.fspath(path)
-    try:
-        with open(path, "rb") as f:
-            raw_lines = f.read().split(b"\n")
-    except OSError as e:
-        raise TraceError(name, None, "file", f"cannot read trace file: {e.strerror or e}") from None
+    data = read_trace_bytes(path)
+    if data.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark (some editors write one)
+        data = data[3:]
+    raw_lines = data.split(b"\n")
     # conv -> turn -> record; first line of each conv in insertion order of the dict
     convs: dict[str, dict[int, _Record]] = {}
     for lineno, raw in enumerate(raw_lines, start=1):

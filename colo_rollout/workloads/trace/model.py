@@ -7,6 +7,8 @@ timing, engine objects, torch. Only the standard library and numpy."""
 from __future__ import annotations
 
 import math
+import os
+import stat
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from statistics import NormalDist
@@ -67,6 +69,34 @@ class TraceError(ValueError):
     def __reduce__(self):
         # Keep the structured parts across pickling (errors may cross process boundaries).
         return (TraceError, (self.path, self.line, self.field, self.detail))
+
+
+# the largest trace file read (a real agentic trace of thousands of conversations is MBs)
+MAX_TRACE_BYTES = 1 << 30
+
+
+def read_trace_bytes(path: str | os.PathLike[str]) -> bytes:
+    """A trace file's bytes, or TraceError (``<path>: file: ...``) for a path that is empty,
+    unreadable, not a regular file (a directory, a FIFO or a device would block or never
+    end) or larger than MAX_TRACE_BYTES."""
+    name = os.fspath(path)
+    if not name:
+        raise TraceError("<empty path>", None, "file", "no trace file named (the path is empty)")
+    try:
+        # non-blocking: opening a FIFO for reading would wait for a writer
+        fd = os.open(name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with open(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise TraceError(name, None, "file", "not a regular file (a directory, FIFO or "
+                                 "device): a trace is a JSONL file")
+            if st.st_size > MAX_TRACE_BYTES:
+                raise TraceError(name, None, "file", f"{st.st_size} bytes, more than the "
+                                 f"{MAX_TRACE_BYTES} a trace file may have")
+            return f.read(MAX_TRACE_BYTES + 1)
+    except OSError as e:
+        raise TraceError(name, None, "file",
+                         f"cannot read trace file: {e.strerror or e}") from None
 
 
 # --------------------------------------------------------------------------- #

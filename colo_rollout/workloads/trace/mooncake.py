@@ -9,7 +9,23 @@ import os
 from dataclasses import dataclass
 
 
-from colo_rollout.workloads.trace.model import Conversation, Trace, TraceError, Turn, _is_int, _is_real
+from colo_rollout.workloads.trace.model import (
+    Conversation,
+    Trace,
+    TraceError,
+    Turn,
+    _is_int,
+    _is_real,
+    read_trace_bytes,
+)
+from colo_rollout.workloads.trace.jsonl import MAX_TURN_TOKENS
+
+MAX_TIMESTAMP_MS = 86_400_000.0  # one day of replay, as the JSONL reader's MAX_SECONDS
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 # Mooncake conversation trace: the README's session rule and block size.
 _MOONCAKE_KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
@@ -31,35 +47,43 @@ class _MooncakeRecord:
 
 def _parse_mooncake(path: str) -> list[_MooncakeRecord]:
     records = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, text in enumerate(f, start=1):
-            if not text.strip():
-                continue
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise TraceError(path, lineno, "record", f"malformed JSON: {e.msg}") from None
-            except RecursionError:
-                raise TraceError(path, lineno, "record", "malformed JSON: nested too "
-                                 "deeply") from None
-            except ValueError as e:  # an integer of more digits than Python converts
-                raise TraceError(path, lineno, "record", f"number too large: {e}") from None
-            if not isinstance(obj, dict):
-                raise TraceError(path, lineno, "record", "expected a JSON object")
-            for key in _MOONCAKE_KEYS:
-                if key not in obj:
-                    raise TraceError(path, lineno, key, "missing key")
-            ts, inp, out, ids = (obj[k] for k in _MOONCAKE_KEYS)
-            if not _is_real(ts) or not math.isfinite(ts) or ts < 0:
-                raise TraceError(path, lineno, "timestamp", f"expected a number >= 0, got {ts!r}")
-            if not _is_int(inp) or inp < 1:
-                raise TraceError(path, lineno, "input_length", f"expected an int >= 1, got {inp!r}")
-            if not _is_int(out) or out < 1:
-                raise TraceError(path, lineno, "output_length",
-                                 f"expected an int >= 1, got {out!r}")
-            if not isinstance(ids, list) or not all(_is_int(h) for h in ids):
-                raise TraceError(path, lineno, "hash_ids", "expected a list of int")
-            records.append(_MooncakeRecord(lineno, float(ts), inp, out, tuple(ids)))
+    data = read_trace_bytes(path)
+    if data.startswith(b"\xef\xbb\xbf"):
+        data = data[3:]
+    try:
+        lines = data.decode("utf-8").split("\n")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise TraceError(path, line, "record", f"not valid UTF-8 ({e.reason})") from None
+    for lineno, text in enumerate(lines, start=1):
+        if not text.strip():
+            continue
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise TraceError(path, lineno, "record", f"malformed JSON: {e.msg}") from None
+        except RecursionError:
+            raise TraceError(path, lineno, "record", "malformed JSON: nested too "
+                             "deeply") from None
+        except ValueError as e:  # an integer of more digits than Python converts
+            raise TraceError(path, lineno, "record", f"number too large: {e}") from None
+        if not isinstance(obj, dict):
+            raise TraceError(path, lineno, "record", "expected a JSON object")
+        for key in _MOONCAKE_KEYS:
+            if key not in obj:
+                raise TraceError(path, lineno, key, "missing key")
+        ts, inp, out, ids = (obj[k] for k in _MOONCAKE_KEYS)
+        # (an exact comparison first: an int too large for a float is out of range too)
+        if not _is_real(ts) or not 0 <= ts <= MAX_TIMESTAMP_MS or not math.isfinite(ts):
+            raise TraceError(path, lineno, "timestamp", f"expected a number of ms in [0, "
+                             f"{MAX_TIMESTAMP_MS:g}] (one day), got {_short(ts)}")
+        for key, n in (("input_length", inp), ("output_length", out)):
+            if not _is_int(n) or not 1 <= n <= MAX_TURN_TOKENS:
+                raise TraceError(path, lineno, key, f"expected an int in [1, "
+                                 f"{MAX_TURN_TOKENS}], got {_short(n)}")
+        if not isinstance(ids, list) or not all(_is_int(h) and h >= 0 for h in ids):
+            raise TraceError(path, lineno, "hash_ids", "expected a list of ints >= 0")
+        records.append(_MooncakeRecord(lineno, float(ts), inp, out, tuple(ids)))
     if not records:
         raise TraceError(path, 1, "file", "no records")
     return records
