@@ -47,6 +47,9 @@ KNOWN_WARNINGS: tuple[tuple[type[Warning], str], ...] = (
     (UserWarning, r"When using async grad allreduce it is recommended to set the environment "
                   r"variable CUDA_DEVICE_MAX_CONNECTIONS"),
     (FutureWarning, r"`torch\.distributed\.all_gather_into_tensor` is deprecated\."),
+    # FlashAttention-4's first call of a kernel variant (cutlass-dsl's JIT): an argument it
+    # passes as a Python object, one notice per compile (engine.prefill_attention: flash)
+    (UserWarning, r"Argument aux_data \(position \d+\) cannot be converted to a JitArgument"),
 )
 
 # logger name -> message regex of the log records filtered (only that logger's own records)
