@@ -172,31 +172,34 @@ def check_kernels(cfg: Config, source: str) -> None:
 
 def _dense_kernel_problem(asked: str, m) -> str | None:
     """Why P's dense attention kernel ``asked`` ("cudnn" or "flash") cannot run for model
-    section ``m`` on this host (model/dense_prefill.py's checks), or None."""
+    section ``m`` on this host, or None -- model/dense_prefill.py's checks, made here without
+    importing the model (flash: its batched calls are cuDNN's, so both)."""
     import torch
 
-    from colo_rollout.model import dense_prefill as dp
+    from colo_rollout.config.schema import CUDNN_MIN_VERSION, FLASH_MAJORS, FLASH_MAX_HEAD_DIM
 
     if not torch.cuda.is_available():
         return "this host has no CUDA device"
-    from colo_rollout.config.schema import CUDNN_MIN_VERSION
-
-    # flash's batched calls are cuDNN's: it needs both
     version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     if version is None or version < CUDNN_MIN_VERSION:
         return f"cuDNN {version} is older than {CUDNN_MIN_VERSION} (or absent)"
-    fits = dp.cudnn_fits
-    if asked == "flash":
-        why = dp.flash_usable(torch.device("cuda"))
-        if why is not None:
-            return why
-        fits = dp.flash_fits
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(m.params_dtype,
-                                                                         torch.float32)
-    why = fits(dtype, m.head_dim) or dp.cudnn_fits(dtype, m.head_dim)
-    if why is not None:  # named by the config's keys
-        return (why.replace("the model is torch.float32", f"model.params_dtype is "
-                            f"{m.params_dtype}").replace("head_dim", "model.head_dim", 1))
+    if m.params_dtype not in ("bfloat16", "float16"):
+        return f"model.params_dtype is {m.params_dtype} (the fused attention kernels take 16-bit)"
+    if asked == "cudnn":
+        if m.head_dim % 8 or m.head_dim > 128:
+            return f"model.head_dim {m.head_dim} is not a multiple of 8 up to 128"
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    if major not in FLASH_MAJORS:
+        return (f"the GPU is sm_{major}{minor} (FlashAttention-4's forward is used on sm_90 and "
+                "sm_100 here)")
+    if m.head_dim % 8 or m.head_dim > min(FLASH_MAX_HEAD_DIM, 128):  # (cuDNN's for batches)
+        return f"model.head_dim {m.head_dim} is not a multiple of 8 up to 128"
+    try:
+        import flash_attn.cute  # noqa: F401
+    except Exception as e:  # not installed, or without its CuTe DSL
+        return (f"flash_attn.cute (FlashAttention-4) does not import: {type(e).__name__}: "
+                f"{' '.join(str(e).split())[:200]}")
     return None
 
 
@@ -477,6 +480,10 @@ def bench_trace(cfg: Config, source: str = "<config>") -> Trace:
             raise TraceError(path, None, "file", "cannot read trace file: no such file "
                              f"(bench.trace 'mooncake' of {source} reads ../shared/traces)")
         trace = load_mooncake(path)
+    elif b.trace.startswith("mooncake:"):  # a Mooncake-format file of the user's
+        from colo_rollout.workloads.trace import load_mooncake
+
+        trace = load_mooncake(b.trace[len("mooncake:"):])
     else:
         trace = load_trace(b.trace)
     convs = tuple(Conversation(c.conv, c.arrival_s, c.turns[: b.max_turns])

@@ -154,22 +154,34 @@ def test_flash_attention_asked_for_on_cpu_ranks(capsys):
 
 
 def test_dense_kernel_problems_name_the_config_keys(monkeypatch):
-    """On a CUDA host the dense kernels' own checks come back in the config's words."""
+    """On a CUDA host the dense kernels' checks come back in the config's words."""
+    import builtins
+
     import torch
 
     from colo_rollout import door
     from colo_rollout.config.schema import ModelConfig
-    from colo_rollout.model import dense_prefill as dp
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
     monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91900)
-    monkeypatch.setattr(dp, "flash_usable", lambda device: None)
-    m = ModelConfig(params_dtype="float32")
-    assert door._dense_kernel_problem("flash", m) == (
-        "model.params_dtype is float32 (FlashAttention-4 takes 16-bit)")
-    monkeypatch.setattr(dp, "flash_usable", lambda device: "flash_attn.cute does not import")
-    assert door._dense_kernel_problem("flash", m) == "flash_attn.cute does not import"
+    assert door._dense_kernel_problem("flash", ModelConfig(params_dtype="float32")) == (
+        "model.params_dtype is float32 (the fused attention kernels take 16-bit)")
+    real = builtins.__import__
+
+    def no_flash(name, *args, **kwargs):
+        if name.startswith("flash_attn"):
+            raise ModuleNotFoundError(f"No module named '{name}'")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_flash)
+    m = ModelConfig(params_dtype="bfloat16", head_dim=128)
+    assert door._dense_kernel_problem("flash", m).startswith(
+        "flash_attn.cute (FlashAttention-4) does not import: ModuleNotFoundError")
+    assert door._dense_kernel_problem("cudnn", m) is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    assert door._dense_kernel_problem("flash", m).startswith("the GPU is sm_80")
 
 
 def test_unsupported_trainer_width(capsys):
@@ -297,6 +309,21 @@ def test_a_seed_past_32_bits(capsys, section):
     line = door_error(capsys, "demo", DEMO, "--set", f"{section}.seed=100000000000000")
     assert line == (f"error: {DEMO}: {section}.seed: must be in [0, 4294967295], got "
                     "100000000000000")
+
+
+def test_a_mooncake_format_file_by_path(tmp_path):
+    """bench.trace 'mooncake:PATH': a user's Mooncake-format file (ms timestamps; a request
+    whose blocks extend an earlier one's continues its conversation)."""
+    from colo_rollout.config import load_config
+    from colo_rollout.door import bench_trace
+
+    path = tmp_path / "mc.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in (
+        {"timestamp": 0, "input_length": 200, "output_length": 10, "hash_ids": [1, 2]},
+        {"timestamp": 500, "input_length": 300, "output_length": 5, "hash_ids": [7]})))
+    cfg = load_config(BENCH, {"bench.trace": f"mooncake:{path}", "bench.length_scale": 1.0})
+    trace = bench_trace(cfg, BENCH)
+    assert trace.num_requests == 2 and trace.conversations[1].arrival_s == 0.5
 
 
 def test_a_trace_with_no_turn_that_fits(tmp_path, capsys):

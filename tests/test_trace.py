@@ -201,6 +201,31 @@ def test_a_conversation_id_that_is_not_unicode_is_refused(tmp_path):
         load_trace(path)
 
 
+def test_other_formats_are_named_in_the_error(tmp_path):
+    """A pretty-printed JSON array, a Mooncake-format file, a missing relative path: the one
+    line says what the reader expects."""
+    path = tmp_path / "array.jsonl"
+    path.write_text("[\n" + json.dumps(OK0) + "\n]\n")
+    with pytest.raises(TraceError, match="one object per line, not a JSON array"):
+        load_trace(path)
+    path = write_lines(tmp_path, [{"timestamp": 0, "input_length": 9, "output_length": 2,
+                                   "hash_ids": [1]}], name="mc.jsonl")
+    with pytest.raises(TraceError, match=r"mc\.jsonl:1: timestamp: unknown key .*"
+                                         r"bench\.trace: 'mooncake:PATH'"):
+        load_trace(path)
+    assert load_mooncake(path).num_requests == 1
+    with pytest.raises(TraceError, match=r"relative to the working directory"):
+        load_trace("no/such/trace.jsonl")
+
+
+def test_mooncake_duplicate_keys_are_refused(tmp_path):
+    path = tmp_path / "dup.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 9, "input_length": 12, '
+                    '"output_length": 2, "hash_ids": [1]}\n')
+    with pytest.raises(TraceError, match=r"dup\.jsonl:1: input_length: duplicate key"):
+        load_mooncake(path)
+
+
 def test_loaded_turns_know_their_line(tmp_path):
     path = write_lines(tmp_path, [rec("b", 0), "", OK0, OK1])
     t = load_trace(path)

@@ -96,6 +96,11 @@ FP8_BACKEND_RECIPES = {"engine": ("rowwise", "blockwise"), "te": ("tensorwise", 
 FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm89), Hopper (sm90) and later
 # bench.length_scale and bench.wait_scales: the largest factor (lengths, client waits)
 MAX_SCALE = 1000.0
+# engine.prefill_attention "flash": the compute capabilities (major) FlashAttention-4's
+# forward is used on -- Hopper (measured) and Blackwell's datacenter parts (its other main
+# target) -- and the largest head dim it takes
+FLASH_MAJORS = (9, 10)
+FLASH_MAX_HEAD_DIM = 256
 # engine.prefill_attention "cudnn": the oldest cuDNN (torch.backends.cudnn.version()) whose
 # fused attention it calls (model/dense_prefill.py; measured with 9.19 on one H200)
 CUDNN_MIN_VERSION = 90000
@@ -637,7 +642,9 @@ class BenchConfig:
     SECTION: ClassVar[str] = "bench"
 
     # "synthetic" (the paper's statistics, seeded) or "mooncake" (../shared/traces), or a path
-    # to a trace JSONL file.
+    # to a trace JSONL file (workloads/trace/jsonl.py), or "mooncake:PATH" for a Mooncake-format
+    # file (timestamp in ms, input_length, output_length, hash_ids). Relative paths are
+    # relative to the working directory.
     trace: str = "synthetic"
     # Conversations taken from the trace (the first N by arrival).
     conversations: int = 16

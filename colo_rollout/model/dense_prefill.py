@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from colo_rollout.config.schema import CUDNN_MIN_VERSION
+from colo_rollout.config.schema import CUDNN_MIN_VERSION, FLASH_MAJORS, FLASH_MAX_HEAD_DIM
 
 # A fresh sequence goes dense from this many new tokens: the 1k rows of the probe (8 x 1k
 # batched) were 1.5-1.65x the Triton kernel's packed grid; shorter ones are not compared.
@@ -67,9 +67,6 @@ PAD_MULTIPLE = 256
 BATCHES = (8, 4, 2, 1)
 # engine.prefill_attention's values whose P runs dense calls (each names the dense kernel)
 DENSE_BACKENDS = ("cudnn", "flash")
-# compute capabilities FlashAttention-4's forward is used on: Hopper (measured) and
-# Blackwell's datacenter parts (its other main target)
-FLASH_MAJORS = (9, 10)
 
 
 @dataclass(frozen=True)
@@ -195,8 +192,8 @@ def flash_fits(dtype: torch.dtype | None, head_dim: int | None) -> str | None:
     dim that is a multiple of 8 up to 256), else why not (one line)."""
     if dtype is not None and dtype not in (torch.bfloat16, torch.float16):
         return f"the model is {dtype} (FlashAttention-4 takes 16-bit)"
-    if head_dim is not None and (head_dim % 8 or head_dim > 256):
-        return f"head_dim {head_dim} is not a multiple of 8 up to 256"
+    if head_dim is not None and (head_dim % 8 or head_dim > FLASH_MAX_HEAD_DIM):
+        return f"head_dim {head_dim} is not a multiple of 8 up to {FLASH_MAX_HEAD_DIM}"
     return None
 
 

@@ -29,6 +29,8 @@ _REQUIRED_KEYS = ("conv", "turn", "output_tokens", "wait_s")
 _PROMPT_KEYS = ("prompt_tokens", "prompt")  # exactly one of the two
 _OPTIONAL_KEYS = ("arrival_s",)
 _KNOWN_KEYS = ("conv", "turn", "prompt_tokens", "prompt", "output_tokens", "wait_s", "arrival_s")
+# the Mooncake format's keys (workloads/trace/mooncake.py), named in the unknown-key hint
+_MOONCAKE_KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
 # Sane bounds: no model serves a context of 10 million tokens, and a replay (real time) that
 # waits more than a day for one release has hung.
 MAX_TURN_TOKENS = 10_000_000
@@ -101,7 +103,9 @@ def _parse_record(path: str, line: int, text: str) -> _Record:
     except _NonFinite as e:
         raise fail("record", f"non-finite number {e.args[0]} is not allowed") from None
     except json.JSONDecodeError as e:
-        raise fail("record", f"malformed JSON: {e.msg} (column {e.colno})") from None
+        hint = (" (a trace is JSON Lines: one object per line, not a JSON array)"
+                if text.lstrip().startswith("[") else "")
+        raise fail("record", f"malformed JSON: {e.msg} (column {e.colno}){hint}") from None
     except RecursionError:
         raise fail("record", "malformed JSON: nested too deeply") from None
     except ValueError as e:  # an integer of more digits than Python converts (4300)
@@ -110,7 +114,10 @@ def _parse_record(path: str, line: int, text: str) -> _Record:
         raise fail("record", f"expected a JSON object, got {type(obj).__name__}")
     for key in obj:
         if key not in _KNOWN_KEYS:
-            raise fail(str(key), f"unknown key (known keys: {', '.join(_KNOWN_KEYS)})")
+            hint = ("; a Mooncake-format trace (timestamp, input_length, output_length, "
+                    "hash_ids) is read with bench.trace: 'mooncake:PATH'"
+                    if key in _MOONCAKE_KEYS else "")
+            raise fail(str(key), f"unknown key (known keys: {', '.join(_KNOWN_KEYS)}){hint}")
     for key in _REQUIRED_KEYS:
         if key not in obj:
             raise fail(key, "missing key")

@@ -95,8 +95,10 @@ def read_trace_bytes(path: str | os.PathLike[str]) -> bytes:
                                  f"{MAX_TRACE_BYTES} a trace file may have")
             return f.read(MAX_TRACE_BYTES + 1)
     except OSError as e:
+        where = ("" if os.path.isabs(name) or not isinstance(e, FileNotFoundError)
+                 else f" (relative to the working directory {os.getcwd()})")
         raise TraceError(name, None, "file",
-                         f"cannot read trace file: {e.strerror or e}") from None
+                         f"cannot read trace file: {e.strerror or e}{where}") from None
 
 
 # --------------------------------------------------------------------------- #

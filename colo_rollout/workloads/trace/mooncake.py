@@ -45,6 +45,19 @@ class _MooncakeRecord:
     hash_ids: tuple[int, ...]
 
 
+class _Duplicate(Exception):
+    pass
+
+
+def _no_duplicates(pairs):
+    seen = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _Duplicate(key)
+        seen[key] = value
+    return seen
+
+
 def _parse_mooncake(path: str) -> list[_MooncakeRecord]:
     records = []
     data = read_trace_bytes(path)
@@ -59,7 +72,10 @@ def _parse_mooncake(path: str) -> list[_MooncakeRecord]:
         if not text.strip():
             continue
         try:
-            obj = json.loads(text)
+            obj = json.loads(text, object_pairs_hook=_no_duplicates)
+        except _Duplicate as e:
+            raise TraceError(path, lineno, str(e.args[0]), "duplicate key in the record") \
+                from None
         except json.JSONDecodeError as e:
             raise TraceError(path, lineno, "record", f"malformed JSON: {e.msg}") from None
         except RecursionError:
