@@ -36,6 +36,23 @@ def _door(check, *args, **kwargs):
         raise SystemExit(2) from None
 
 
+def _check_torchrun_env() -> None:
+    """WORLD_SIZE set means torchrun launched this process: the rest of its environment must be
+    there too (a stray WORLD_SIZE in a shell used to end in a KeyError on RANK)."""
+    from colo_rollout.door import DoorError
+
+    missing = [k for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+               if k not in os.environ]
+    bad = [k for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+           if k in os.environ and not os.environ[k].isdigit()]
+    if missing or bad:
+        what = (f"{', '.join(missing)} not set" if missing else
+                f"{', '.join(bad)} not a non-negative integer")
+        raise DoorError(f"WORLD_SIZE is set ({os.environ['WORLD_SIZE']!r}), so this process "
+                        f"would be a torchrun rank, but {what}: launch it with torchrun, or "
+                        "unset WORLD_SIZE to run the CPU ranks")
+
+
 def _exit_wedged(rank: int, err: BaseException) -> None:
     """A rank whose GPU cannot be drained (DeviceStall): print the error (with the one it
     arrived during), abort the communicators so spinning kernels return, and exit 1 at once --
@@ -72,6 +89,7 @@ def _launch(target: str, config: str, overrides: dict, gather: bool = False, cfg
     if cfg is None:
         cfg = _config_at_the_door(config, overrides)
     if "WORLD_SIZE" in os.environ:  # torchrun: this process is one rank
+        _door(_check_torchrun_env)
         import importlib
 
         from colo_rollout.runtime.parallel import destroy_parallel

@@ -184,6 +184,16 @@ def test_dense_kernel_problems_name_the_config_keys(monkeypatch):
     assert door._dense_kernel_problem("flash", m).startswith("the GPU is sm_80")
 
 
+def test_a_stray_world_size_is_not_taken_for_torchrun(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    for key in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    line = door_error(capsys, "demo", DEMO)
+    assert line == ("error: WORLD_SIZE is set ('1'), so this process would be a torchrun rank, "
+                    "but RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT not set: launch it with "
+                    "torchrun, or unset WORLD_SIZE to run the CPU ranks")
+
+
 def test_unsupported_trainer_width(capsys):
     line = door_error(capsys, "train", TRAIN, "--set", "rl.trainer_tp=3")
     assert line.startswith(f"error: {TRAIN}: rl.trainer_tp: 3 does not divide "

@@ -137,6 +137,31 @@ def test_completion_stops_at_any_eos_id(ckpt):
     assert kept == ["the catdog"]  # special tokens are dropped from the text, not cut at
 
 
+def test_every_eos_id_stops_the_engine(ckpt):
+    """A checkpoint with two eos ids: the first is engine.eos_token_id, the other an
+    engine.stop_token_ids entry -- a sequence that samples it finishes (STOP) there."""
+    from colo_rollout.config.schema import EngineConfig
+    from colo_rollout.sched.request import FinishReason, Request, SamplingParams
+    from colo_rollout.sched.scheduler import Scheduler
+    from colo_rollout.tools.generate import prepare
+
+    d, _, _ = ckpt
+    g = d / "generation_config.json"
+    saved = g.read_text() if g.is_file() else None
+    try:
+        g.write_text(json.dumps({"eos_token_id": [3, 7]}))
+        cfg, _ = prepare(str(d), None, {}, ["hi"], SamplingParams(max_tokens=4), None)
+    finally:
+        g.unlink() if saved is None else g.write_text(saved)
+    assert cfg.engine.eos_token_id == 3 and cfg.engine.stop_token_ids == [7]
+    sched = Scheduler(EngineConfig(stop_token_ids=[7]), 1, 1, 100)
+    seq = SimpleNamespace(request=Request("r", [1], SamplingParams(max_tokens=9)))
+    assert sched._stop_reason(seq, SimpleNamespace(tokens=[5, 7])) is FinishReason.STOP
+    assert sched._stop_reason(seq, SimpleNamespace(tokens=[5, 6])) is None
+    seq.request = Request("r", [1], SamplingParams(max_tokens=9, ignore_eos=True))
+    assert sched._stop_reason(seq, SimpleNamespace(tokens=[5, 7])) is None
+
+
 def _one_error(r: subprocess.CompletedProcess) -> str:
     assert r.returncode == 2, (r.stdout, r.stderr)
     lines = r.stderr.strip().splitlines()
@@ -171,6 +196,8 @@ def test_door_checks_in_process(ckpt, tmp_path, capsys):
         shutil.copy(d / name, small / name)
     config = json.loads((d / "config.json").read_text())
     (small / "config.json").write_text(json.dumps({**config, "vocab_size": 100}))
+    other_cfg = tmp_path / "other.yaml"
+    other_cfg.write_text(f"model: {{checkpoint: {small}}}\n")
     yaml_cfg = tmp_path / "short.yaml"
     yaml_cfg.write_text("engine: {max_seq_len: 16}\nworkload: {prompt_len_max: 8, "
                         "output_len_max: 8}\n")
@@ -187,6 +214,9 @@ def test_door_checks_in_process(ckpt, tmp_path, capsys):
         ("--model", str(d), "--set", f"model.checkpoint={small}", "hi"):
             f"--set model.checkpoint={small}: generate serves --model {d}; give the checkpoint "
             "once",
+        ("--model", str(d), "--config", str(other_cfg), "hi"):
+            f"{other_cfg}: model.checkpoint: '{small}' is not --model '{d}'",
+        ("--model", str(d), "caf\udce9"): "prompt 0: not valid UTF-8 text",
     }
     for argv, want in cases.items():
         assert main(["generate", *argv]) == 2, argv

@@ -144,6 +144,41 @@ def test_eos_ids(tmp_path: Path) -> None:
     assert Tokenizer.from_dir(tmp_path).eos_token_ids == ()
 
 
+def test_eos_from_the_models_config_json(tmp_path: Path) -> None:
+    """No generation_config.json: transformers' generate takes config.json's eos ids."""
+    save_tiny_tokenizer(tmp_path)
+    write_json(tmp_path / "config.json", {"eos_token_id": [5, 9]})
+    assert Tokenizer.from_dir(tmp_path).eos_token_ids == (5, 9)
+    write_json(tmp_path / "generation_config.json", {"temperature": 0.7})  # it wins, eos-less
+    assert Tokenizer.from_dir(tmp_path).eos_token_ids != (5, 9)
+
+
+def test_templates_transformers_renders(tmp_path: Path) -> None:
+    """tools / documents defined as None, the {% generation %} tag: rendered as transformers
+    renders them; a template's raise_exception is one line naming the folder once."""
+    transformers = pytest.importorskip("transformers")
+    save_tiny_tokenizer(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    for template in ("{% if tools is not none %}T{% endif %}{% if documents is not none %}D"
+                     "{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+                     "{% for m in messages %}{% generation %}{{ m['content'] }}"
+                     "{% endgeneration %}{% endfor %}"):
+        write_json(tmp_path / "tokenizer_config.json", {**config, "chat_template": template})
+        ref = transformers.AutoTokenizer.from_pretrained(tmp_path)
+        got = Tokenizer.from_dir(tmp_path).apply_chat_template(CONVERSATION)
+        assert got == ref.apply_chat_template(CONVERSATION, add_generation_prompt=True,
+                                              tokenize=False), template
+    write_json(tmp_path / "tokenizer_config.json",
+               {**config, "chat_template": "{{ raise_exception('no\\nsystem') }}"})
+    with pytest.raises(TokenizerError) as e:
+        Tokenizer.from_dir(tmp_path).apply_chat_template(CONVERSATION)
+    assert str(e.value) == f"{tmp_path}: chat template refused the messages: no system"
+    (tmp_path / "chat_template.jinja").write_bytes(b"\xff{{ x }}")
+    with pytest.raises(TokenizerError, match=r"chat_template\.jinja: unreadable "
+                                             r"\(UnicodeDecodeError"):
+        Tokenizer.from_dir(tmp_path)
+
+
 def test_missing_and_unreadable_files(tmp_path: Path) -> None:
     assert not Tokenizer.available(tmp_path)
     with pytest.raises(TokenizerError) as e:

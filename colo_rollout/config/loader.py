@@ -172,6 +172,9 @@ class Config:
                 "engine.eos_token_id",
                 f"{engine.eos_token_id} is out of range for model.vocab_size {model.vocab_size}",
             )
+        bad = [i for i in engine.stop_token_ids if i >= model.vocab_size]
+        _require(not bad, "engine.stop_token_ids",
+                 f"{bad[:1]} is out of range for model.vocab_size {model.vocab_size}")
         total = work.prompt_len_max + work.output_len_max
         _require(
             total <= engine.max_seq_len,

@@ -451,6 +451,9 @@ class EngineConfig:
     decode_buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
     # Token id that ends a sequence; null = never stop on EOS.
     eos_token_id: int | None = None
+    # Further token ids that end a sequence (a checkpoint's other eos ids, e.g. Llama-3's
+    # <|eot_id|> beside <|end_of_text|>); a request's ignore_eos ignores them too.
+    stop_token_ids: list[int] = field(default_factory=list)
     # Routing replay's rollout side: record the top-k expert ids of every token at every MoE
     # layer, in P and in D (D graphs write them to static buffers); rollout() returns them per
     # trajectory (Trajectory.routing) for rl.routing_replay.
@@ -563,6 +566,8 @@ class EngineConfig:
                 "engine.eos_token_id",
                 f"must be >= 0 or null, got {self.eos_token_id}",
             )
+        _require(all(i >= 0 for i in self.stop_token_ids), "engine.stop_token_ids",
+                 f"must be token ids >= 0, got {self.stop_token_ids[:8]}")
         _require_choice(self, "mode", ENGINE_MODES)
         _require_choice(self, "segment_policy", SEGMENT_POLICIES)
         _require_choice(self, "stream_route", STREAM_ROUTES)

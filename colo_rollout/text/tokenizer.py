@@ -103,12 +103,21 @@ class Tokenizer:
         # transformers >= 4.43 saves the template as chat_template.jinja, which wins over the config entry.
         jinja_path = directory / "chat_template.jinja"
         if jinja_path.is_file():
-            template: str | None = jinja_path.read_text(encoding="utf-8")
+            try:
+                template: str | None = jinja_path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise TokenizerError(jinja_path, f"unreadable ({type(e).__name__}: "
+                                     f"{' '.join(str(e).split())[:200]})") from None
         else:
             template = _pick_template(config_path, config.get("chat_template"))
 
+        # eos ids as transformers' generate takes them: generation_config.json's, else the
+        # model's config.json's (GenerationConfig.from_model_config), else the tokenizer's
         gen_path = directory / "generation_config.json"
         eos: Any = (_read_json(gen_path) or {}).get("eos_token_id")
+        if eos is None and not gen_path.is_file():
+            gen_path = directory / "config.json"
+            eos = (_read_json(gen_path) or {}).get("eos_token_id")
         if eos is not None:
             ids = [eos] if isinstance(eos, int) else eos
             if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
@@ -146,7 +155,18 @@ class Tokenizer:
         directory = self.directory
 
         def raise_exception(message: str) -> None:
-            raise TokenizerError(directory, f"chat template refused the messages: {message}")
+            text = " ".join(str(message).split())  # one line, whatever the template wrote
+            raise TokenizerError(directory, f"chat template refused the messages: {text}")
+
+        class GenerationTag(jinja2.ext.Extension):
+            """``{% generation %}...{% endgeneration %}`` (transformers' AssistantTracker: it
+            marks the assistant's tokens for training masks): the body rendered as it is."""
+
+            tags = {"generation"}
+
+            def parse(self, parser):
+                next(parser.stream)
+                return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
         def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
                    separators: Any = None, sort_keys: bool = False) -> str:
@@ -154,7 +174,8 @@ class Tokenizer:
             return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
         # The same environment transformers builds: templates come from the Hub and are untrusted code.
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[jinja2.ext.loopcontrols, GenerationTag])
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -172,7 +193,11 @@ class Tokenizer:
         # As transformers does: a None value means an absent key (OpenAI-style content=None).
         chat = [{k: v for k, v in dict(m).items() if v is not None} for m in messages]
         try:
-            return template.render(messages=chat, add_generation_prompt=add_generation_prompt, **self._special)
+            # transformers renders with tools and documents None when none are given
+            return template.render(messages=chat, add_generation_prompt=add_generation_prompt,
+                                   tools=None, documents=None, **self._special)
+        except TokenizerError:
+            raise  # the template's raise_exception: its own message
         except jinja2.TemplateError as e:
             raise TokenizerError(self.directory, f"chat template failed ({e})") from e
         except (ArithmeticError, TypeError, ValueError, LookupError, AttributeError,

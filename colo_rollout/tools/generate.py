@@ -181,6 +181,16 @@ def _check_params(params: SamplingParams, vocab: int) -> None:
         raise GenerateError(f"sampling parameters: {str(e).split(': ', 1)[-1]}") from None
 
 
+def _yaml_checkpoint(config_path: str):
+    """The config file's own model.checkpoint (None where it sets none)."""
+    import yaml
+
+    with open(config_path, encoding="utf-8") as f:
+        data = yaml.safe_load(f)
+    model = data.get("model") if isinstance(data, dict) else None
+    return model.get("checkpoint") if isinstance(model, dict) else None
+
+
 def prepare(model_dir: str, config_path: str | None, overrides: Mapping[str, Any],
             prompts: Sequence[str], params: SamplingParams, chat: bool | None):
     """Everything `generate` checks before ranks start. Returns (config, tokenizer); raises
@@ -197,6 +207,12 @@ def prepare(model_dir: str, config_path: str | None, overrides: Mapping[str, Any
     tokenizer = Tokenizer.from_dir(model_dir)
     if not prompts:
         raise GenerateError("no prompt given")
+    for i, p in enumerate(prompts):  # argv bytes that are not UTF-8 arrive as surrogates
+        try:
+            p.encode("utf-8")
+        except UnicodeEncodeError:
+            raise GenerateError(f"prompt {i}: not valid UTF-8 text (the shell passed bytes "
+                                "the locale could not decode)") from None
     lens = [len(tokenizer.encode_prompt(p, chat=chat)) for p in prompts]
     if 0 in lens:
         raise GenerateError(f"prompt {lens.index(0)} encodes to no tokens")
@@ -206,9 +222,18 @@ def prepare(model_dir: str, config_path: str | None, overrides: Mapping[str, Any
         cfg = _default_config(model_dir, overrides, lens, params.max_tokens, eos)
     else:
         cfg = load_config(config_path, {**overrides, "model.checkpoint": model_dir})
+        given = _yaml_checkpoint(config_path)  # the file read and checked just above
+        if given is not None and os.path.realpath(str(given)) != os.path.realpath(model_dir):
+            raise GenerateError(f"{config_path}: model.checkpoint: {given!r} is not --model "
+                                f"{model_dir!r}; give the checkpoint once")
         if cfg.engine.eos_token_id is None and eos is not None:  # not set: the tokenizer's
             cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine,
                                                                       eos_token_id=eos))
+    if not cfg.engine.stop_token_ids and len(tokenizer.eos_token_ids) > 1:
+        # every eos id stops the engine, as transformers' generate stops on any of them
+        cfg = dataclasses.replace(cfg, engine=dataclasses.replace(
+            cfg.engine, stop_token_ids=[i for i in tokenizer.eos_token_ids
+                                        if i != cfg.engine.eos_token_id]))
     vocab = cfg.model.vocab_size
     if tokenizer.vocab_size > vocab:
         raise GenerateError(f"{model_dir}: the tokenizer has {tokenizer.vocab_size} ids, more "
