@@ -41,10 +41,12 @@ def _check_torchrun_env() -> None:
     there too (a stray WORLD_SIZE in a shell used to end in a KeyError on RANK)."""
     from colo_rollout.door import DoorError
 
-    missing = [k for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-               if k not in os.environ]
     bad = [k for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")
            if k in os.environ and not os.environ[k].isdigit()]
+    # (one rank needs no rendezvous address)
+    needed = ("RANK", "LOCAL_RANK") + (("MASTER_ADDR", "MASTER_PORT")
+                                       if os.environ["WORLD_SIZE"] not in ("0", "1") else ())
+    missing = [k for k in needed if k not in os.environ]
     if missing or bad:
         what = (f"{', '.join(missing)} not set" if missing else
                 f"{', '.join(bad)} not a non-negative integer")

@@ -190,8 +190,12 @@ def test_a_stray_world_size_is_not_taken_for_torchrun(capsys, monkeypatch):
         monkeypatch.delenv(key, raising=False)
     line = door_error(capsys, "demo", DEMO)
     assert line == ("error: WORLD_SIZE is set ('1'), so this process would be a torchrun rank, "
-                    "but RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT not set: launch it with "
-                    "torchrun, or unset WORLD_SIZE to run the CPU ranks")
+                    "but RANK, LOCAL_RANK not set: launch it with torchrun, or unset "
+                    "WORLD_SIZE to run the CPU ranks")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert "but MASTER_ADDR, MASTER_PORT not set" in door_error(capsys, "demo", DEMO)
 
 
 def test_unsupported_trainer_width(capsys):
