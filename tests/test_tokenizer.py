@@ -179,6 +179,31 @@ def test_templates_transformers_renders(tmp_path: Path) -> None:
         Tokenizer.from_dir(tmp_path)
 
 
+def test_added_tokens_only_in_the_config_are_added(tmp_path: Path) -> None:
+    """tokenizer_config.json's added_tokens_decoder entries missing from tokenizer.json are
+    added, as transformers adds them (same ids for a prompt naming them); an entry whose id is
+    not the next free one is refused, naming it."""
+    transformers = pytest.importorskip("transformers")
+    size = save_tiny_tokenizer(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    decoder = {str(size): {"content": "<think>", "special": False, "lstrip": False,
+                           "rstrip": False, "normalized": False, "single_word": False},
+               str(size + 1): {"content": "<tool>", "special": True}}
+    write_json(tmp_path / "tokenizer_config.json", {**config, "added_tokens_decoder": decoder})
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    tok = Tokenizer.from_dir(tmp_path)
+    text = "the cat <think>dog<tool> end"
+    assert tok.encode(text) == ref.encode(text, add_special_tokens=False)
+    assert size in tok.encode(text) and size + 1 in tok.encode(text)
+    assert tok.vocab_size == size + 2 == len(ref)
+    write_json(tmp_path / "tokenizer_config.json",
+               {**config, "added_tokens_decoder": {str(size + 5): {"content": "<x>"}}})
+    with pytest.raises(TokenizerError, match=rf"added_tokens_decoder: '<x>' \(id {size + 5}\) "
+                                             rf"is not in tokenizer.json, whose next free id is "
+                                             rf"{size}"):
+        Tokenizer.from_dir(tmp_path)
+
+
 def test_missing_and_unreadable_files(tmp_path: Path) -> None:
     assert not Tokenizer.available(tmp_path)
     with pytest.raises(TokenizerError) as e:

@@ -60,6 +60,44 @@ def _pick_template(path: Path, value: Any) -> str | None:
     raise TokenizerError(path, f"chat_template must be a string or a list, got {type(value).__name__}")
 
 
+def _add_config_tokens(backend: Any, path: Path, decoder: Any) -> None:
+    """tokenizer_config.json's ``added_tokens_decoder`` ({id: {content, special, lstrip,
+    rstrip, normalized, single_word}}): the tokens tokenizer.json lacks are added, as
+    transformers adds them. Each must take the id it names -- the next free one, in id order
+    (the ``tokenizers`` backend appends); any other id is refused, naming it."""
+    from tokenizers import AddedToken
+
+    if decoder is None:
+        return
+    if not isinstance(decoder, dict):
+        raise TokenizerError(path, f"added_tokens_decoder must be an object, got "
+                             f"{type(decoder).__name__}")
+    entries = []
+    for key, tok in decoder.items():
+        if not (isinstance(key, str) and key.isdigit() and isinstance(tok, dict)
+                and isinstance(tok.get("content"), str) and tok["content"]):
+            raise TokenizerError(path, f"added_tokens_decoder entry {key!r} is not an id with "
+                                 "{content: ...}")
+        entries.append((int(key), tok))
+    for tid, tok in sorted(entries, key=lambda e: e[0]):
+        content = tok["content"]
+        have = backend.token_to_id(content)
+        if have is not None:
+            if have != tid:
+                raise TokenizerError(path, f"added_tokens_decoder: {content!r} is id {tid} "
+                                     f"there and {have} in tokenizer.json")
+            continue
+        size = backend.get_vocab_size(with_added_tokens=True)
+        if tid != size:
+            raise TokenizerError(path, f"added_tokens_decoder: {content!r} (id {tid}) is not in "
+                                 f"tokenizer.json, whose next free id is {size}")
+        flags = {k: bool(tok[k]) for k in ("single_word", "lstrip", "rstrip", "normalized")
+                 if k in tok}
+        special = bool(tok.get("special", False))
+        token = AddedToken(content, special=special, **flags)
+        (backend.add_special_tokens if special else backend.add_tokens)([token])
+
+
 class Tokenizer:
     """The tokenizer saved next to a Hugging Face checkpoint: tokenizer.json (fast tokenizer,
     loaded with the `tokenizers` package) plus tokenizer_config.json (special tokens, chat_template)
@@ -100,6 +138,7 @@ class Tokenizer:
             raise TokenizerError(path, f"unreadable ({e})") from e
         config_path = directory / "tokenizer_config.json"
         config = _read_json(config_path) or {}
+        _add_config_tokens(backend, config_path, config.get("added_tokens_decoder"))
         # transformers >= 4.43 saves the template as chat_template.jinja, which wins over the config entry.
         jinja_path = directory / "chat_template.jinja"
         if jinja_path.is_file():
