@@ -204,6 +204,18 @@ def test_added_tokens_only_in_the_config_are_added(tmp_path: Path) -> None:
         Tokenizer.from_dir(tmp_path)
 
 
+def test_a_template_that_renders_for_ever_is_cut_off(tmp_path: Path, monkeypatch) -> None:
+    import colo_rollout.text.tokenizer as tk
+
+    save_tiny_tokenizer(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    loop = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    write_json(tmp_path / "tokenizer_config.json", {**config, "chat_template": loop})
+    monkeypatch.setattr(tk, "RENDER_LIMIT_S", 0.5)
+    with pytest.raises(TokenizerError, match="did not finish rendering within 0.5 s"):
+        Tokenizer.from_dir(tmp_path).apply_chat_template(CONVERSATION)
+
+
 def test_missing_and_unreadable_files(tmp_path: Path) -> None:
     assert not Tokenizer.available(tmp_path)
     with pytest.raises(TokenizerError) as e:

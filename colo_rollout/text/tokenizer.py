@@ -9,11 +9,18 @@ so importing it costs nothing on a rank that only moves tokens.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
+import threading
 from collections.abc import Iterable, Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+# The longest a chat template may render (real ones take milliseconds; a template is untrusted code
+# from the Hub, and one looping for hours would hang the door silently)
+RENDER_LIMIT_S = 10.0
 
 # Special-token names a chat template may read, as transformers passes them (its special_tokens_map).
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -96,6 +103,29 @@ def _add_config_tokens(backend: Any, path: Path, decoder: Any) -> None:
         special = bool(tok.get("special", False))
         token = AddedToken(content, special=special, **flags)
         (backend.add_special_tokens if special else backend.add_tokens)([token])
+
+
+@contextlib.contextmanager
+def _time_limit(directory: Path, seconds: float):
+    """A TokenizerError if the body runs past ``seconds`` (SIGALRM: the main thread only, where
+    the door renders; elsewhere unbounded). The previous handler and timer are put back."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGALRM"):
+        yield
+        return
+
+    def expired(signum, frame):
+        raise TokenizerError(directory, f"chat template did not finish rendering within "
+                             f"{seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    left, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if left:  # someone else's timer was running: give it back what it had left
+            signal.setitimer(signal.ITIMER_REAL, left)
 
 
 class Tokenizer:
@@ -232,9 +262,10 @@ class Tokenizer:
         # As transformers does: a None value means an absent key (OpenAI-style content=None).
         chat = [{k: v for k, v in dict(m).items() if v is not None} for m in messages]
         try:
-            # transformers renders with tools and documents None when none are given
-            return template.render(messages=chat, add_generation_prompt=add_generation_prompt,
-                                   tools=None, documents=None, **self._special)
+            with _time_limit(self.directory, RENDER_LIMIT_S):
+                # transformers renders with tools and documents None when none are given
+                return template.render(messages=chat, add_generation_prompt=add_generation_prompt,
+                                       tools=None, documents=None, **self._special)
         except TokenizerError:
             raise  # the template's raise_exception: its own message
         except jinja2.TemplateError as e:
