@@ -162,6 +162,32 @@ def test_grouped_quantiser_on_the_gpu_at_prefill_sizes():
                   f"per-row {per_row:.3f} ms")
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("token", [True, False])
+def test_grouped_quantiser_kernels_compile_for_sm90(token):
+    """The kernels compiled for an H100/H200 (sm_90) on this CPU machine, down to the cubin:
+    the interpreter runs code the compiler refuses (a helper returning a scalar on one path
+    and a vector on the other passed the interpreted cases and failed on the GPU)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target = GPUTarget("cuda", 90, 32)
+    const = {"HAS_TOKEN": token, "E_PAD": 128, "BLOCK_K": 512}
+    amax = ASTSource(f8._group_amax_kernel, {
+        "X": "*bf16", "TOKEN": "*i64", "OFFS": "*i32", "E_AMAX": "*i32", "rows": "i32",
+        "K": "i32", "stride_x": "i32", "E": "i32", "HAS_TOKEN": "constexpr",
+        "E_PAD": "constexpr", "BLOCK_R": "constexpr", "BLOCK_K": "constexpr"},
+        constexprs={**const, "BLOCK_R": 16})
+    cast = ASTSource(f8._quantize_scaled_kernel, {
+        "X": "*bf16", "TOKEN": "*i64", "OFFS": "*i32", "E_AMAX": "*i32", "RINV": "*fp32",
+        "Q": "*fp8e4nv", "K": "i32", "stride_x": "i32", "stride_q": "i32", "E": "i32",
+        "HAS_TOKEN": "constexpr", "E_PAD": "constexpr", "BLOCK_K": "constexpr"},
+        constexprs=const)
+    for src in (amax, cast):
+        assert "cubin" in triton.compile(src, target=target).asm
+
+
 def test_grouped_quantisation_is_per_split():
     g = torch.Generator().manual_seed(3)
     N, E, k, H = 23, 5, 2, 96
