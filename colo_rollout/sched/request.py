@@ -85,12 +85,12 @@ def checked_request(req: object) -> "Request":
     rid = req.request_id
     if not isinstance(rid, str) or not rid:
         raise RequestError(f"request id must be a non-empty string, got {rid!r}")
-    if not _utf8(rid):  # the ranks exchange ids as UTF-8: a lone surrogate cannot cross
+    if not valid_unicode(rid):  # the ranks exchange ids as UTF-8: a lone surrogate cannot cross
         raise RequestError(f"request id {rid!r} is not valid Unicode text (a lone surrogate)")
     if req.session is not None and (not isinstance(req.session, str) or not req.session):
         raise RequestError(f"request {rid!r}: session must be a non-empty string or None, got "
                            f"{type(req.session).__name__} {req.session!r}")
-    if req.session is not None and not _utf8(req.session):
+    if req.session is not None and not valid_unicode(req.session):
         raise RequestError(f"request {rid!r}: session {req.session!r} is not valid Unicode "
                            "text (a lone surrogate)")
     if not isinstance(req.params, SamplingParams):
@@ -99,7 +99,9 @@ def checked_request(req: object) -> "Request":
     return replace(req, prompt=token_ids(rid, req.prompt))
 
 
-def _utf8(text: str) -> bool:
+def valid_unicode(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8 (no lone surrogate -- a JSON escape, or argv bytes
+    the locale could not decode): what ids and prompts must be to cross between ranks."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:

@@ -82,7 +82,9 @@ class Scheduler:
     def __init__(self, cfg: EngineConfig, num_replicas: int, atp: int, vocab_size: int) -> None:
         self.cfg = cfg
         self.vocab_size = vocab_size
-        self._stop_ids = frozenset(cfg.stop_token_ids)  # beside cfg.eos_token_id
+        # the ids that end a sequence: the eos id and any further stop ids
+        self._stop_ids = frozenset(cfg.stop_token_ids) | (
+            frozenset() if cfg.eos_token_id is None else {cfg.eos_token_id})
         self.kv = [KVCacheManager(cfg.num_kv_blocks, cfg.kv_block_size)
                    for _ in range(num_replicas)]
         self.limits = PlannerLimits(cfg.max_batch_size, cfg.max_prefill_tokens,
@@ -422,8 +424,7 @@ class Scheduler:
 
     def _stop_reason(self, seq: _Seq, out: RequestOutput) -> FinishReason | None:
         p = seq.request.params
-        if not p.ignore_eos and (out.tokens[-1] == self.cfg.eos_token_id
-                                 or out.tokens[-1] in self._stop_ids):
+        if not p.ignore_eos and out.tokens[-1] in self._stop_ids:
             return FinishReason.STOP
         if len(out.tokens) >= p.max_tokens:
             return FinishReason.LENGTH

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from colo_rollout.sched.request import Request, RequestError, SamplingParams
+from colo_rollout.sched.request import Request, RequestError, SamplingParams, valid_unicode
 from colo_rollout.text.tokenizer import Tokenizer, TokenizerError
 
 # kv_block_size of the default config (the engine's own default)
@@ -66,11 +66,8 @@ def generate_text(engine: Any, tokenizer: Tokenizer, prompts: Sequence[str],
     for i, p in enumerate(prompts):
         if not isinstance(p, str):
             raise RequestError(f"prompt {i}: expected a str, got {type(p).__name__}")
-        try:
-            p.encode("utf-8")
-        except UnicodeEncodeError:
-            raise RequestError(f"prompt {i}: not valid Unicode text (a lone surrogate)") \
-                from None
+        if not valid_unicode(p):
+            raise RequestError(f"prompt {i}: not valid Unicode text (a lone surrogate)")
     token_prompts = [tokenizer.encode_prompt(p, chat=chat) for p in prompts]
     sched = engine.scheduler
     # ids unique over the engine's life, identical on every rank: the step counter is
@@ -208,11 +205,9 @@ def prepare(model_dir: str, config_path: str | None, overrides: Mapping[str, Any
     if not prompts:
         raise GenerateError("no prompt given")
     for i, p in enumerate(prompts):  # argv bytes that are not UTF-8 arrive as surrogates
-        try:
-            p.encode("utf-8")
-        except UnicodeEncodeError:
+        if not valid_unicode(p):
             raise GenerateError(f"prompt {i}: not valid UTF-8 text (the shell passed bytes "
-                                "the locale could not decode)") from None
+                                "the locale could not decode)")
     lens = [len(tokenizer.encode_prompt(p, chat=chat)) for p in prompts]
     if 0 in lens:
         raise GenerateError(f"prompt {lens.index(0)} encodes to no tokens")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 
+from colo_rollout.sched.request import valid_unicode
 from colo_rollout.workloads.trace.model import (
     Conversation,
     Trace,
@@ -134,10 +135,8 @@ def _parse_record(path: str, line: int, text: str) -> _Record:
         raise fail("conv", f"expected str, got {_describe(conv)}")
     if not conv:
         raise fail("conv", "must be a non-empty string")
-    try:  # ids travel as UTF-8 (a lone surrogate from a JSON escape cannot)
-        conv.encode("utf-8")
-    except UnicodeEncodeError:
-        raise fail("conv", f"not valid Unicode: {conv!r}") from None
+    if not valid_unicode(conv):  # ids travel as UTF-8 (a lone surrogate cannot)
+        raise fail("conv", f"not valid Unicode: {conv!r}")
     turn = obj["turn"]
     if not _is_int(turn):
         raise fail("turn", f"expected int, got {_describe(turn)}")
@@ -217,8 +216,6 @@ def load_trace(path: str | os.PathLike[str]) -> Trace:
     """
     name = os.fspath(path)
     data = read_trace_bytes(path)
-    if data.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark (some editors write one)
-        data = data[3:]
     raw_lines = data.split(b"\n")
     # conv -> turn -> record; first line of each conv in insertion order of the dict
     convs: dict[str, dict[int, _Record]] = {}

@@ -76,9 +76,10 @@ MAX_TRACE_BYTES = 1 << 30
 
 
 def read_trace_bytes(path: str | os.PathLike[str]) -> bytes:
-    """A trace file's bytes, or TraceError (``<path>: file: ...``) for a path that is empty,
-    unreadable, not a regular file (a directory, a FIFO or a device would block or never
-    end) or larger than MAX_TRACE_BYTES."""
+    """A trace file's bytes (a leading UTF-8 byte-order mark, which some editors write,
+    dropped), or TraceError (``<path>: file: ...``) for a path that is empty, unreadable, not
+    a regular file (a directory, a FIFO or a device would block or never end) or larger than
+    MAX_TRACE_BYTES."""
     name = os.fspath(path)
     if not name:
         raise TraceError("<empty path>", None, "file", "no trace file named (the path is empty)")
@@ -93,7 +94,8 @@ def read_trace_bytes(path: str | os.PathLike[str]) -> bytes:
             if st.st_size > MAX_TRACE_BYTES:
                 raise TraceError(name, None, "file", f"{st.st_size} bytes, more than the "
                                  f"{MAX_TRACE_BYTES} a trace file may have")
-            return f.read(MAX_TRACE_BYTES + 1)
+            data = f.read(MAX_TRACE_BYTES + 1)
+            return data[3:] if data.startswith(b"\xef\xbb\xbf") else data
     except OSError as e:
         where = ("" if os.path.isabs(name) or not isinstance(e, FileNotFoundError)
                  else f" (relative to the working directory {os.getcwd()})")

@@ -18,9 +18,9 @@ from colo_rollout.workloads.trace.model import (
     _is_real,
     read_trace_bytes,
 )
-from colo_rollout.workloads.trace.jsonl import MAX_TURN_TOKENS
+from colo_rollout.workloads.trace.jsonl import MAX_SECONDS, MAX_TURN_TOKENS
 
-MAX_TIMESTAMP_MS = 86_400_000.0  # one day of replay, as the JSONL reader's MAX_SECONDS
+MAX_TIMESTAMP_MS = 1000.0 * MAX_SECONDS  # one day of replay, as the JSONL reader's
 
 
 def _short(value) -> str:
@@ -61,8 +61,6 @@ def _no_duplicates(pairs):
 def _parse_mooncake(path: str) -> list[_MooncakeRecord]:
     records = []
     data = read_trace_bytes(path)
-    if data.startswith(b"\xef\xbb\xbf"):
-        data = data[3:]
     try:
         lines = data.decode("utf-8").split("\n")
     except UnicodeDecodeError as e:
