@@ -96,10 +96,14 @@ def main(argv: list[str] | None = None) -> int:
     ge.add_argument("--config", default=None, metavar="YAML", help="run config (default: one "
                     "rank, fp32 on CPU / bf16 on CUDA, engine limits sized to the prompts)")
     ge.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    ge.add_argument("--max-tokens", type=int, default=64)
-    ge.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    ge.add_argument("--top-p", type=float, default=1.0)
-    ge.add_argument("--top-k", type=int, default=0)
+    ge.add_argument("--max-tokens", type=int, default=None, help="default: the checkpoint's "
+                    "generation_config.json max_new_tokens, else 64")
+    ge.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: "
+                    "the checkpoint's generation_config.json, as transformers' generate)")
+    ge.add_argument("--top-p", type=float, default=None, help="1 = off (default: as "
+                    "--temperature)")
+    ge.add_argument("--top-k", type=int, default=None, help="0 = off (default: as "
+                    "--temperature)")
     ge.add_argument("--no-chat", action="store_true", help="encode prompts as plain text, "
                     "without the chat template")
     args = ap.parse_args(argv)

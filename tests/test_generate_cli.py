@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -82,7 +83,7 @@ def _generate_case(rank: int, world: int, model_dir: str) -> dict:
     from colo_rollout.engine.engine import Engine
     from colo_rollout.runtime.parallel import init_parallel
     from colo_rollout.sched.request import SamplingParams
-    from colo_rollout.tools.generate import generate_text
+    from colo_rollout.tools.generate import PromptErrors, generate_text
     from colo_rollout.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(model_dir)
@@ -94,9 +95,17 @@ def _generate_case(rank: int, world: int, model_dir: str) -> dict:
         params = SamplingParams(max_tokens=MAX_TOKENS)
         chat = generate_text(engine, tok, PROMPTS, params)
         plain = generate_text(engine, tok, PROMPTS, params, chat=False)  # fresh request ids
+        # a prompt over engine.max_seq_len and one that is not text between two good ones:
+        # both refused, the good ones served as if alone, and the engine serves on after it
+        try:
+            generate_text(engine, tok, [PROMPTS[0], "word " * 200, 7, PROMPTS[1]], params)
+            mixed = None
+        except PromptErrors as e:
+            mixed = {"texts": e.texts, "errors": e.errors, "message": str(e)}
+        after = generate_text(engine, tok, PROMPTS, params)
     finally:
         engine.close()
-    return {"chat": chat, "plain": plain}
+    return {"chat": chat, "plain": plain, "mixed": mixed, "after": after}
 
 
 def test_generate_text_matches_transformers_greedy(ckpt):
@@ -109,6 +118,14 @@ def test_generate_text_matches_transformers_greedy(ckpt):
         (res,) = group.run(f"{CASE}:_generate_case", timeout=120, model_dir=str(d))
     assert res["chat"] == [chat[p] for p in PROMPTS]
     assert res["plain"] == [plain[p] for p in PROMPTS]
+    mixed = res["mixed"]
+    assert mixed is not None, "a refused prompt did not raise"
+    assert mixed["texts"] == [chat[PROMPTS[0]], None, None, chat[PROMPTS[1]]]
+    assert sorted(mixed["errors"]) == [1, 2]
+    assert "max_seq_len" in mixed["errors"][1] and "tokens)" in mixed["errors"][1]
+    assert mixed["errors"][2] == "prompt 2: expected a str, got int"
+    assert mixed["message"].startswith("prompt 1 (") and "1 more refused" in mixed["message"]
+    assert res["after"] == res["chat"]
 
 
 def test_completion_stops_at_any_eos_id(ckpt):
@@ -225,6 +242,77 @@ def test_door_checks_in_process(ckpt, tmp_path, capsys):
         assert want in err, (argv, err)
 
 
+def test_generation_config_sampling_defaults(tmp_path):
+    """generation_config.json as transformers' generate reads it: do_sample false or absent is
+    greedy whatever else it says; true takes its values, unset ones GenerationConfig's
+    defaults (temperature 1, top_k 50, top_p 1); flags win one by one; bad values are one line
+    naming the file and key; sampling it has no kernel for is listed, not refused."""
+    from colo_rollout.text.generation_config import read_generation_defaults
+    from colo_rollout.text.tokenizer import TokenizerError
+    from colo_rollout.tools.generate import sampling_params
+
+    g = tmp_path / "generation_config.json"
+    assert read_generation_defaults(tmp_path).temperature == 0  # no file: greedy
+    qwen3 = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20,
+             "eos_token_id": [1, 2]}
+    for data, want in (
+            (qwen3, (0.6, 20, 0.95, None)),
+            ({"do_sample": True}, (1.0, 50, 1.0, None)),
+            ({"do_sample": False, "temperature": 0.6, "top_k": 5}, (0.0, 0, 1.0, None)),
+            ({"temperature": 0.7, "max_new_tokens": 300}, (0.0, 0, 1.0, 300)),
+            ({"do_sample": True, "top_k": 0, "max_new_tokens": 9}, (1.0, 0, 1.0, 9))):
+        g.write_text(json.dumps(data))
+        d = read_generation_defaults(tmp_path)
+        assert (d.temperature, d.top_k, d.top_p, d.max_tokens) == want, data
+    g.write_text(json.dumps({**qwen3, "repetition_penalty": 1.05, "min_p": 0.0,
+                             "num_beams": 1}))
+    d = read_generation_defaults(tmp_path)
+    assert d.ignored == ("repetition_penalty 1.05", "min_p 0.0")
+    p = sampling_params(d)
+    assert (p.temperature, p.top_k, p.top_p, p.max_tokens) == (0.6, 20, 0.95, 64)
+    p = sampling_params(d, temperature=0.0, max_tokens=5)  # greedy by flag
+    assert (p.temperature, p.greedy, p.top_k, p.max_tokens) == (0.0, True, 20, 5)
+    assert sampling_params(d, top_k=3, top_p=0.5).top_k == 3
+    for data, want in (({"do_sample": "yes"}, "do_sample must be true or false"),
+                       ({"do_sample": True, "temperature": 0}, "temperature must be > 0"),
+                       ({"temperature": "hot"}, "temperature must be a number, got 'hot'"),
+                       ({"top_p": 0}, "top_p must be in (0.0, 1.0], got 0"),
+                       ({"top_p": 1.5}, "top_p must be in"),
+                       ({"top_k": 2.5}, "top_k must be an int"),
+                       ({"top_k": -1}, "top_k must be >= 0"),
+                       ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
+                       ({"temperature": float("nan")}, "temperature must be a number"),
+                       ([], "expected a JSON object")):
+        g.write_text(json.dumps(data))
+        with pytest.raises(TokenizerError, match=re.escape(want)) as e:
+            read_generation_defaults(tmp_path)
+        assert str(e.value).startswith(f"{g}: ") and "\n" not in str(e.value)
+
+
+def test_cli_takes_the_checkpoints_sampling_defaults(ckpt, tmp_path):
+    """A checkpoint whose generation_config.json samples: the command says so in one note
+    line and samples; --temperature 0 gives transformers' greedy text and no note."""
+    d, chat, _ = ckpt
+    model = tmp_path / "sampling"
+    shutil.copytree(d, model)
+    g = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps(
+        {**g, "do_sample": True, "temperature": 0.6, "top_k": 20, "repetition_penalty": 1.1}))
+    r = _cli("--model", str(model), "--max-tokens", str(MAX_TOKENS), PROMPTS[0])
+    assert r.returncode == 0, r.stderr
+    notes = [line for line in r.stderr.splitlines() if line.startswith("note: ")]
+    assert notes == [f"note: {model / 'generation_config.json'}: sampling with temperature "
+                     "0.6, top_k 20, top_p 1.0 (--temperature 0: greedy)",
+                     f"note: {model / 'generation_config.json'}: not applied (the engine has "
+                     "no such sampling): repetition_penalty 1.1"]
+    assert r.stdout.startswith("[0] ")
+    r = _cli("--model", str(model), "--max-tokens", str(MAX_TOKENS), "--temperature", "0",
+             PROMPTS[0])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"[0] {chat[PROMPTS[0]]}\n"
+    assert "sampling with" not in r.stderr
+
+
 def test_generate_text_prompts_must_be_a_list_of_text():
     """Checked before anything is encoded or submitted: a lone str is not served character by
     character, and a prompt that is not text is named (the tokenizer's own TypeError did not)."""
@@ -232,7 +320,7 @@ def test_generate_text_prompts_must_be_a_list_of_text():
     from colo_rollout.tools.generate import generate_text
 
     for prompts, want in (("hello", "prompts must be a list of strings, got str"),
-                          (["ok", b"x"], "prompt 1: expected a str, got bytes"),
+                          ([b"x"], "prompt 0: expected a str, got bytes"),
                           ([None], "prompt 0: expected a str, got NoneType"),
                           (["a\ud800"], "prompt 0: not valid Unicode text")):
         with pytest.raises(RequestError, match=want):

@@ -24,12 +24,15 @@ from pathlib import Path
 from typing import Any
 
 from colo_rollout.sched.request import Request, RequestError, SamplingParams, valid_unicode
+from colo_rollout.text.generation_config import GenerationDefaults, read_generation_defaults
 from colo_rollout.text.tokenizer import Tokenizer, TokenizerError
 
 # kv_block_size of the default config (the engine's own default)
 _BLOCK = 16
 # most decode rows of the default config (the engine's default decode_buckets end at 32)
 _MAX_ROWS = 32
+# --max-tokens where neither the command line nor generation_config.json sets it
+_MAX_TOKENS = 64
 # the engine's default prefill budget; raised to the longest prompt when that is longer
 _PREFILL_TOKENS = 2048
 
@@ -48,6 +51,20 @@ def _cut_at_eos(tokens: Sequence[int], eos_ids: Sequence[int]) -> list[int]:
     return list(tokens)
 
 
+class PromptErrors(RequestError):
+    """Some prompts of a ``generate_text`` call were refused; every other prompt was served.
+    ``texts``: each prompt's completion in order, None where refused; ``errors``: {prompt
+    index: one-line reason}. The message names the first refused prompt and the count."""
+
+    def __init__(self, texts: list[str | None], errors: dict[int, str]) -> None:
+        first = min(errors)
+        more = f" (and {len(errors) - 1} more refused)" if len(errors) > 1 else ""
+        super().__init__(f"{errors[first]}{more}; the other {len(texts) - len(errors)} "
+                         "prompts were served (PromptErrors.texts)")
+        self.texts = texts
+        self.errors = errors
+
+
 def generate_text(engine: Any, tokenizer: Tokenizer, prompts: Sequence[str],
                   params: SamplingParams, chat: bool | None = None) -> list[str]:
     """The completion of each text prompt, in order (collective: every rank calls it with the
@@ -58,38 +75,56 @@ def generate_text(engine: Any, tokenizer: Tokenizer, prompts: Sequence[str],
     served in one ``engine.generate`` call. A completion ends at the first of the tokenizer's
     eos ids (unless ``params.ignore_eos``): the engine itself stops on ``engine.eos_token_id``
     only (one id), a completion that hits another eos id is cut there. Text is decoded without
-    special tokens. Raises RequestError, on every rank alike, for a prompt the engine can never
-    serve (too long for engine.max_seq_len / max_prefill_tokens, bad sampling parameters)."""
+    special tokens.
+
+    A prompt the engine can never serve (not text, a template that refuses it, too long for
+    engine.max_seq_len / max_prefill_tokens, bad sampling parameters) is refused on every rank
+    alike without stopping the others: they are served, then PromptErrors (a RequestError)
+    carries every completion and every refusal."""
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
         raise RequestError(f"generate_text: prompts must be a list of strings, got "
                            f"{type(prompts).__name__} (a single prompt: [prompt])")
+    # every check is deterministic on replicated state, so every rank refuses the same
+    # prompts before any collective (generate() would report a refusal on rank 0 only)
+    errors: dict[int, str] = {}
     for i, p in enumerate(prompts):
         if not isinstance(p, str):
-            raise RequestError(f"prompt {i}: expected a str, got {type(p).__name__}")
-        if not valid_unicode(p):
-            raise RequestError(f"prompt {i}: not valid Unicode text (a lone surrogate)")
-    token_prompts = [tokenizer.encode_prompt(p, chat=chat) for p in prompts]
+            errors[i] = f"prompt {i}: expected a str, got {type(p).__name__}"
+        elif not valid_unicode(p):
+            errors[i] = f"prompt {i}: not valid Unicode text (a lone surrogate)"
+    requests: dict[int, Request] = {}
+    texts: list[str | None] = [None] * len(prompts)
+    if len(errors) == len(prompts):
+        raise PromptErrors(texts, errors)
     sched = engine.scheduler
     # ids unique over the engine's life, identical on every rank: the step counter is
     # replicated state, and every generate() call advances it
     base = f"text{sched.step_no}"
-    requests = [Request(f"{base}-{i}", tuple(ids), params) for i, ids in enumerate(token_prompts)]
-    for req in requests:
-        # every rank checks (deterministic on the replicated state), so all refuse together,
-        # before any collective; generate() would only report a refusal on rank 0
+    for i, p in enumerate(prompts):
+        if i in errors:
+            continue
         try:
+            ids = tuple(tokenizer.encode_prompt(p, chat=chat))
+        except TokenizerError as e:  # the chat template's raise_exception, say
+            errors[i] = f"prompt {i}: {e}"
+            continue
+        try:
+            req = Request(f"{base}-{i}", ids, params)
             sched.validate(req)
         except RequestError as e:
-            i = int(req.request_id.rsplit("-", 1)[1])
-            raise RequestError(f"prompt {i} ({len(req.prompt)} tokens): {e}") from None
-    outs = engine.generate(requests)
+            errors[i] = f"prompt {i} ({len(ids)} tokens): {e}"
+            continue
+        requests[i] = req
+    outs = engine.generate(list(requests.values())) if requests else {}
     eos = () if params.ignore_eos else tokenizer.eos_token_ids
-    texts = []
-    for req in requests:
+    for i, req in requests.items():
         out = outs[req.request_id]
         if out.error is not None:  # not expected after validate(); never hide it
-            raise RequestError(out.error)
-        texts.append(tokenizer.decode(_cut_at_eos(out.tokens, eos), skip_special_tokens=True))
+            errors[i] = f"prompt {i}: {out.error}"
+            continue
+        texts[i] = tokenizer.decode(_cut_at_eos(out.tokens, eos), skip_special_tokens=True)
+    if errors:
+        raise PromptErrors(texts, errors)
     return texts
 
 
@@ -145,7 +180,7 @@ def _default_config(model_dir: str, overrides: Mapping[str, Any], prompt_lens: l
     need = longest + max_tokens
     if need > model.max_position_embeddings:
         i = prompt_lens.index(longest)
-        raise GenerateError(f"prompt {i} is {longest} tokens; with --max-tokens {max_tokens} "
+        raise GenerateError(f"prompt {i} is {longest} tokens; with max_tokens {max_tokens} "
                             f"that is {need}, over the model's max_position_embeddings "
                             f"{model.max_position_embeddings}")
     rows = min(len(prompt_lens), _MAX_ROWS)
@@ -160,7 +195,7 @@ def _check_fits(cfg, prompt_lens: list[int], max_tokens: int) -> None:
     e = cfg.engine
     for i, n in enumerate(prompt_lens):
         if n + max_tokens > e.max_seq_len:
-            raise GenerateError(f"prompt {i} is {n} tokens; with --max-tokens {max_tokens} that "
+            raise GenerateError(f"prompt {i} is {n} tokens; with max_tokens {max_tokens} that "
                                 f"is {n + max_tokens}, over engine.max_seq_len {e.max_seq_len}")
         if n > e.max_prefill_tokens:
             raise GenerateError(f"prompt {i} is {n} tokens, over engine.max_prefill_tokens "
@@ -242,6 +277,36 @@ def prepare(model_dir: str, config_path: str | None, overrides: Mapping[str, Any
     return cfg, tokenizer
 
 
+def sampling_params(defaults: GenerationDefaults, *, max_tokens: int | None = None,
+                    temperature: float | None = None, top_p: float | None = None,
+                    top_k: int | None = None) -> SamplingParams:
+    """The command's sampling parameters: each flag given wins, each one not given is the
+    checkpoint's generation_config.json default (greedy where the file does not sample), and
+    --max-tokens without a file max_new_tokens is 64."""
+    if max_tokens is None:
+        max_tokens = defaults.max_tokens if defaults.max_tokens is not None else _MAX_TOKENS
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=defaults.temperature if temperature is None else temperature,
+        top_p=defaults.top_p if top_p is None else top_p,
+        top_k=defaults.top_k if top_k is None else top_k)
+
+
+def _say_defaults(defaults: GenerationDefaults, params: SamplingParams, args) -> None:
+    """One note line on stderr when generation_config.json chose something the user did not
+    (the output is then not transformers' greedy text), or holds keys the engine ignores."""
+    taken = [f"{k} {getattr(params, k)}" for k, flag in (("temperature", args.temperature),
+                                                         ("top_k", args.top_k),
+                                                         ("top_p", args.top_p))
+             if flag is None and defaults.sampling and not params.greedy]
+    if taken:
+        print(f"note: {defaults.source}: sampling with {', '.join(taken)} (--temperature 0: "
+              "greedy)", file=sys.stderr)
+    if defaults.ignored:
+        print(f"note: {defaults.source}: not applied (the engine has no such sampling): "
+              f"{', '.join(defaults.ignored)}", file=sys.stderr)
+
+
 def main(args) -> int:
     """`colo-rollout generate` (args from cli.py's parser). Exit code 0, or 2 for a problem
     found at the door (one ``error:`` line on stderr)."""
@@ -254,13 +319,17 @@ def main(args) -> int:
     except ConfigError as e:  # --set without '=', or a value that is not valid YAML
         print(f"error: {e}", file=sys.stderr)
         return 2
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k)
     try:
+        defaults = read_generation_defaults(args.model)
+        params = sampling_params(defaults, max_tokens=args.max_tokens,
+                                 temperature=args.temperature, top_p=args.top_p,
+                                 top_k=args.top_k)
         cfg, _ = prepare(args.model, args.config, overrides, args.prompts, params, chat)
     except (GenerateError, ConfigError, TokenizerError, RequestError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if "WORLD_SIZE" not in os.environ or os.environ.get("RANK") == "0":
+        _say_defaults(defaults, params, args)
     # the ranks read exactly the validated config (sizing and eos included) from a file
     fd, path = tempfile.mkstemp(prefix="colo_rollout_generate_", suffix=".yaml")
     os.close(fd)

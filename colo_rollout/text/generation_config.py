@@ -1,0 +1,95 @@
+"""A checkpoint's generation_config.json as default sampling parameters.
+
+Owns reading the sampling defaults a model ships (Qwen3: ``do_sample: true, temperature: 0.6,
+top_p: 0.95, top_k: 20``) the way transformers' ``generate()`` applies them: with ``do_sample``
+false or absent the model decodes greedily whatever the other keys say; with it true, an unset
+temperature is 1.0, an unset top_k 50 and an unset top_p 1.0 (GenerationConfig's defaults).
+``max_new_tokens`` becomes the default completion length (``max_length`` counts the prompt too
+and is not used). Keys the engine cannot honour (repetition_penalty, min_p, beams, ...) are
+reported as ``ignored``, for the caller to say so; they are not an error, since a user can
+still want the model's other defaults.
+
+A value of the wrong type or out of range is a TokenizerError naming the file and the key.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from colo_rollout.text.tokenizer import TokenizerError, _read_json
+
+# keys that change the distribution and that the engine does not implement, with the value
+# at which each is a no-op (so a file that states the no-op is not reported)
+_UNSUPPORTED = {"repetition_penalty": 1.0, "min_p": None, "typical_p": 1.0,
+                "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "num_beams": 1,
+                "no_repeat_ngram_size": 0, "presence_penalty": None,
+                "frequency_penalty": None, "penalty_alpha": None}
+# transformers' GenerationConfig defaults for a sampling model's unset keys
+_SAMPLE_TEMPERATURE, _SAMPLE_TOP_K, _SAMPLE_TOP_P = 1.0, 50, 1.0
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """Default sampling parameters of a checkpoint. ``max_tokens`` None: the file sets no
+    max_new_tokens. ``source``: the file they came from (None: no file, greedy)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_tokens: int | None = None
+    ignored: tuple[str, ...] = ()
+    source: Path | None = None
+
+    @property
+    def sampling(self) -> bool:
+        return self.temperature > 0
+
+
+def _number(path: Path, key: str, value: Any, *, integer: bool, low: float,
+            high: float = math.inf, open_low: bool = False) -> float | int:
+    kind = "an int" if integer else "a number"
+    ok = (isinstance(value, int) if integer else isinstance(value, (int, float)))
+    if not ok or isinstance(value, bool) or not math.isfinite(value):
+        raise TokenizerError(path, f"{key} must be {kind}, got {value!r}")
+    if value < low or value > high or (open_low and value == low):
+        bound = f"> {low}" if open_low else f">= {low}"
+        span = bound if high == math.inf else f"in ({low}, {high}]" if open_low else \
+            f"in [{low}, {high}]"
+        raise TokenizerError(path, f"{key} must be {span}, got {value!r}")
+    return value
+
+
+def read_generation_defaults(directory: str | Path) -> GenerationDefaults:
+    """The sampling defaults of the checkpoint in ``directory`` (greedy when it has no
+    generation_config.json)."""
+    path = Path(directory) / "generation_config.json"
+    data = _read_json(path)
+    if data is None:
+        return GenerationDefaults()
+    do_sample = data.get("do_sample", False)
+    if not isinstance(do_sample, bool):
+        raise TokenizerError(path, f"do_sample must be true or false, got {do_sample!r}")
+    checked: dict[str, Any] = {}
+    for key, integer, low, high, open_low in (("temperature", False, 0.0, math.inf, False),
+                                              ("top_k", True, 0, math.inf, False),
+                                              ("top_p", False, 0.0, 1.0, True),
+                                              ("max_new_tokens", True, 1, math.inf, False)):
+        value = data.get(key)
+        if value is not None:
+            checked[key] = _number(path, key, value, integer=integer, low=low, high=high,
+                                   open_low=open_low)
+    ignored = tuple(f"{k} {data[k]!r}" for k, noop in _UNSUPPORTED.items()
+                    if data.get(k) is not None and data[k] != noop)
+    max_tokens = checked.get("max_new_tokens")
+    if not do_sample:
+        return GenerationDefaults(max_tokens=max_tokens, ignored=ignored, source=path)
+    temperature = checked.get("temperature", _SAMPLE_TEMPERATURE)
+    if temperature == 0:  # transformers refuses it: sampling needs a positive temperature
+        raise TokenizerError(path, "temperature must be > 0 when do_sample is true, got 0")
+    return GenerationDefaults(temperature=float(temperature),
+                              top_k=int(checked.get("top_k", _SAMPLE_TOP_K)),
+                              top_p=float(checked.get("top_p", _SAMPLE_TOP_P)),
+                              max_tokens=max_tokens, ignored=ignored, source=path)
