@@ -220,6 +220,23 @@ def test_demo_workload_over_the_prefill_budget(capsys):
                     "tokens exceeds engine.max_prefill_tokens 32")
 
 
+def test_only_the_demo_holds_its_workload_to_max_seq_len(capsys):
+    """engine.max_seq_len below the workload section's longest request: the demo, which serves
+    it, refuses at the door; bench and train, which serve a trace or the rl section, do not
+    look at it."""
+    from colo_rollout.door import load
+
+    small = {"engine.max_seq_len": 96}  # demo_cpu's workload: 192 + 64
+    line = door_error(capsys, "demo", DEMO, "--set", "engine.max_seq_len=96")
+    assert line == (f"error: {DEMO}: workload.prompt_len_max: the workload's longest request "
+                    "(prompt 192 + output_len_max 64 tokens) would be refused: prompt (192) + "
+                    "max_tokens (64) = 256 exceeds engine.max_seq_len 96")
+    assert load("bench", BENCH, {**small, "workload.prompt_len_max": 192,
+                                 "workload.output_len_max": 64}).engine.max_seq_len == 96
+    assert load("train", TRAIN, {**small, "workload.prompt_len_max": 192,
+                                 "workload.output_len_max": 64}).engine.max_seq_len == 96
+
+
 def test_demo_workload_over_the_kv_blocks_and_top_k_over_the_vocabulary(capsys):
     line = door_error(capsys, "demo", DEMO, "--set", "engine.num_kv_blocks=4")
     assert "workload.prompt_len_max" in line and "KV blocks, a replica has 4" in line

@@ -161,16 +161,12 @@ def _default_config(model_dir: str, overrides: Mapping[str, Any], prompt_lens: l
     from colo_rollout.config.loader import _apply_overrides
 
     source = f"{model_dir} (generate's default config)"
-    # workload: the demo's synthetic lengths must fit engine.max_seq_len (a cross-section rule);
-    # generate serves no synthetic workload, so they are set to the least
-    workload = {"prompt_len_min": 1, "prompt_len_max": 1, "output_len_min": 1,
-                "output_len_max": 1}
 
     def build(engine: dict):
         data = {"parallel": {"world_size": 1},
                 "model": {"checkpoint": model_dir,
                           "params_dtype": "bfloat16" if torch.cuda.is_available() else "float32"},
-                "engine": engine, "workload": dict(workload)}
+                "engine": engine}
         _apply_overrides(data, {**overrides, "model.checkpoint": model_dir})
         return config_from_dict(data, source=source)
 
