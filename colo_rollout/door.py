@@ -172,35 +172,13 @@ def check_kernels(cfg: Config, source: str) -> None:
 
 def _dense_kernel_problem(asked: str, m) -> str | None:
     """Why P's dense attention kernel ``asked`` ("cudnn" or "flash") cannot run for model
-    section ``m`` on this host, or None -- model/dense_prefill.py's checks, made here without
-    importing the model (flash: its batched calls are cuDNN's, so both)."""
+    section ``m`` on this host's GPU, or None (config/attention_support.py: the rule the
+    model's backend choice applies on each rank)."""
     import torch
 
-    from colo_rollout.config.schema import CUDNN_MIN_VERSION, FLASH_MAJORS, FLASH_MAX_HEAD_DIM
+    from colo_rollout.config.attention_support import dense_kernel_problem
 
-    if not torch.cuda.is_available():
-        return "this host has no CUDA device"
-    version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-    if version is None or version < CUDNN_MIN_VERSION:
-        return f"cuDNN {version} is older than {CUDNN_MIN_VERSION} (or absent)"
-    if m.params_dtype not in ("bfloat16", "float16"):
-        return f"model.params_dtype is {m.params_dtype} (the fused attention kernels take 16-bit)"
-    if asked == "cudnn":
-        if m.head_dim % 8 or m.head_dim > 128:
-            return f"model.head_dim {m.head_dim} is not a multiple of 8 up to 128"
-        return None
-    major, minor = torch.cuda.get_device_capability()
-    if major not in FLASH_MAJORS:
-        return (f"the GPU is sm_{major}{minor} (FlashAttention-4's forward is used on sm_90 and "
-                "sm_100 here)")
-    if m.head_dim % 8 or m.head_dim > min(FLASH_MAX_HEAD_DIM, 128):  # (cuDNN's for batches)
-        return f"model.head_dim {m.head_dim} is not a multiple of 8 up to 128"
-    try:
-        import flash_attn.cute  # noqa: F401
-    except Exception as e:  # not installed, or without its CuTe DSL
-        return (f"flash_attn.cute (FlashAttention-4) does not import: {type(e).__name__}: "
-                f"{' '.join(str(e).split())[:200]}")
-    return None
+    return dense_kernel_problem(asked, "cuda", getattr(torch, m.params_dtype), m.head_dim)
 
 
 def check_use_te(cfg: Config, source: str) -> None:

@@ -205,7 +205,9 @@ def test_flash_names_a_missing_install(monkeypatch):
             raise ModuleNotFoundError(f"No module named '{name}'")
         return real(name, *args, **kwargs)
 
-    monkeypatch.setattr(dp, "_FLASH", [])
+    from colo_rollout.config import attention_support
+
+    monkeypatch.setattr(attention_support, "_FLASH", [])
     monkeypatch.setattr(builtins, "__import__", no_flash)
     with pytest.raises(ImportError, match=r"flash_attn.cute \(FlashAttention-4\) does not "
                                           r"import: ModuleNotFoundError") as got:

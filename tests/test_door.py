@@ -166,8 +166,11 @@ def test_dense_kernel_problems_name_the_config_keys(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
     monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91900)
-    assert door._dense_kernel_problem("flash", ModelConfig(params_dtype="float32")) == (
-        "model.params_dtype is float32 (the fused attention kernels take 16-bit)")
+    assert door._dense_kernel_problem("cudnn", ModelConfig(params_dtype="float32")) == (
+        "the model is torch.float32 (cuDNN's fused attention takes 16-bit)")
+    assert door._dense_kernel_problem("cudnn", ModelConfig(params_dtype="bfloat16",
+                                                           head_dim=100)) == (
+        "head_dim 100 is not a multiple of 8 up to 128")
     real = builtins.__import__
 
     def no_flash(name, *args, **kwargs):

@@ -20,8 +20,8 @@ differs.
 
 Owns: which sequences go dense (``dense_sequences``), their padded length (``padded_len``),
 their grouping into calls (``dense_calls``: made once per P epoch with the plan, read by every
-layer), the call (``dense_prefill_attention``) and whether each kernel can run
-(``cudnn_usable`` / ``cudnn_fits``, ``flash_usable`` / ``flash_fits``).
+layer), and the call (``dense_prefill_attention``). Whether each kernel can run is
+config/attention_support.py's (the door asks it too).
 
 Invariants:
   * Only fresh sequences (every key is one of the step's new tokens: ctx == new) of at least
@@ -45,7 +45,8 @@ Invariants:
     padding, the gathers and GQA are what is tested there; cuDNN and FlashAttention-4
     themselves only on a GPU.
 
-Imports only torch (and the config's constant); ``flash_attn.cute`` on first use of ``flash``.
+Imports only torch (and the config level's checks); ``flash_attn.cute`` on first use of
+``flash``.
 """
 
 from __future__ import annotations
@@ -55,7 +56,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from colo_rollout.config.schema import CUDNN_MIN_VERSION, FLASH_MAJORS, FLASH_MAX_HEAD_DIM
+# (the checks of whether each kernel can run live at the config level, where the door asks
+# them too; imported here as this module's own)
+from colo_rollout.config.attention_support import (  # noqa: F401
+    cudnn_fits, cudnn_usable, flash_attention, flash_fits, flash_usable)
 
 # A fresh sequence goes dense from this many new tokens: the 1k rows of the probe (8 x 1k
 # batched) were 1.5-1.65x the Triton kernel's packed grid; shorter ones are not compared.
@@ -127,74 +131,6 @@ def dense_calls(held: tuple[tuple[int, int, int], ...], device: torch.device | s
                         if torch.device(device).type == "cuda" else rows.to(device))
             calls.append(DenseCall(L, seqs, rows))
     return calls
-
-
-def cudnn_usable(device: torch.device | str) -> str | None:
-    """None when the dense path can run on ``device``, else why not (one line)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return f"the device is {device}"
-    if not torch.backends.cudnn.is_available() or torch.backends.cudnn.version() is None:
-        return "this torch has no cuDNN"
-    if torch.backends.cudnn.version() < CUDNN_MIN_VERSION:
-        return f"cuDNN {torch.backends.cudnn.version()} is older than {CUDNN_MIN_VERSION}"
-    return None
-
-
-def cudnn_fits(dtype: torch.dtype | None, head_dim: int | None) -> str | None:
-    """None when cuDNN's fused attention takes a model of ``dtype`` and ``head_dim`` (16-bit,
-    a head dim that is a multiple of 8 up to 128 -- the range measured; None: unchecked),
-    else why not (one line)."""
-    if dtype is not None and dtype not in (torch.bfloat16, torch.float16):
-        return f"the model is {dtype} (cuDNN's fused attention takes 16-bit)"
-    if head_dim is not None and (head_dim % 8 or head_dim > 128):
-        return f"head_dim {head_dim} is not a multiple of 8 up to 128"
-    return None
-
-
-_FLASH: list = []  # flash_attn.cute's forward, imported once (first use of ``flash``)
-
-
-def flash_attention():
-    """FlashAttention-4's ``flash_attn_func`` (``flash_attn.cute``); ImportError (one line)
-    where it is not installed."""
-    if not _FLASH:
-        try:
-            from flash_attn.cute import flash_attn_func
-        except Exception as e:  # not installed, or installed without its CuTe DSL
-            raise ImportError(f"flash_attn.cute (FlashAttention-4) does not import: "
-                              f"{type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
-        _FLASH.append(flash_attn_func)
-    return _FLASH[0]
-
-
-def flash_usable(device: torch.device | str) -> str | None:
-    """None when FlashAttention-4's dense path can run on ``device``, else why not (one
-    line)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return f"the device is {device}"
-    if not torch.cuda.is_available():
-        return "this host has no CUDA device"
-    major, minor = torch.cuda.get_device_capability(device)
-    if major not in FLASH_MAJORS:
-        return (f"the GPU is sm_{major}{minor} (FlashAttention-4's forward is used on sm_90 "
-                "and sm_100 here)")
-    try:
-        flash_attention()
-    except ImportError as e:
-        return str(e)
-    return None
-
-
-def flash_fits(dtype: torch.dtype | None, head_dim: int | None) -> str | None:
-    """None when FlashAttention-4 takes a model of ``dtype`` and ``head_dim`` (16-bit, a head
-    dim that is a multiple of 8 up to 256), else why not (one line)."""
-    if dtype is not None and dtype not in (torch.bfloat16, torch.float16):
-        return f"the model is {dtype} (FlashAttention-4 takes 16-bit)"
-    if head_dim is not None and (head_dim % 8 or head_dim > FLASH_MAX_HEAD_DIM):
-        return f"head_dim {head_dim} is not a multiple of 8 up to {FLASH_MAX_HEAD_DIM}"
-    return None
 
 
 def dense_prefill_attention(q: torch.Tensor, qkv: torch.Tensor, call: DenseCall,

@@ -76,13 +76,10 @@ def resolve_backend(requested: str, device: torch.device | str,
     installed, an sm_90 / sm_100 GPU; batched calls stay cuDNN's). "auto" takes flash where
     it can run, else cudnn (measured 1.0-1.16x the kernel alone per P step on one H200, docs/
     benchmarks.md session 16), else triton on CUDA, else torch."""
-    from colo_rollout.model.dense_prefill import (cudnn_fits, cudnn_usable, flash_fits,
-                                                  flash_usable)
+    from colo_rollout.config.attention_support import dense_kernel_problem
 
-    def problem(backend: str) -> str | None:  # flash's batched calls are cuDNN's
-        why = cudnn_usable(device) or cudnn_fits(dtype, head_dim)
-        if backend == "flash":
-            why = flash_usable(device) or flash_fits(dtype, head_dim) or why
+    def problem(backend: str) -> str | None:
+        why = dense_kernel_problem(backend, device, dtype, head_dim)
         return why or (None if triton_available() else "triton does not import")
 
     if requested in ("cudnn", "flash"):
