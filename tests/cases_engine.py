@@ -31,8 +31,11 @@ LOGPROB_TOL = 1e-4
 # differs from hidden / heads, norm weights and biases are not 1 / 0, the expert bias and the
 # routed scaling change which experts win and by how much.
 ARCHS = {
-    # Qwen3-MoE: head_dim independent of hidden/heads, q/k RMSNorm, eps 1e-6, renormalised top-k
-    "qwen3": {"head_dim": 24, "qk_layernorm": True, "norm_epsilon": 1e-6},
+    # Qwen3-MoE: head_dim independent of hidden/heads, q/k RMSNorm, eps 1e-6, renormalised
+    # top-k; YaRN as Qwen3's long-context config sets it (factor 4, here over 32 positions)
+    "qwen3": {"head_dim": 24, "qk_layernorm": True, "norm_epsilon": 1e-6,
+              "rope_scaling": "yarn", "rope_scaling_factor": 4.0,
+              "yarn_original_max_position_embeddings": 32},
     # Qwen2-MoE: q/k/v bias, softmax top-k without renormalisation, a gated shared expert
     "qwen2": {"qkv_bias": True, "router_norm_topk": False, "shared_expert_ffn_hidden_size": 48,
               "shared_expert_gate": True},

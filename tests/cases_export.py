@@ -25,8 +25,12 @@ from tests.cases_engine import tiny_config
 
 # model sections that each family's format expresses (export picks the family from them)
 FAMILY_MODELS = {
+    # YaRN: megatron's GPTModel (the trainer) against transformers, and written back out
     "Qwen3MoeForCausalLM": {"qk_layernorm": True, "head_dim": 24, "norm_epsilon": 1e-6,
-                            "router_norm_topk": False},
+                            "router_norm_topk": False, "rope_scaling": "yarn",
+                            "rope_scaling_factor": 4.0,
+                            "yarn_original_max_position_embeddings": 32,
+                            "yarn_beta_fast": 16.0},
     "Qwen2MoeForCausalLM": {"qkv_bias": True, "shared_expert_ffn_hidden_size": 48,
                             "shared_expert_gate": True, "router_norm_topk": False},
     "MixtralForCausalLM": {"rotary_base": 1e6, "tie_embeddings": True},

@@ -25,11 +25,13 @@ def family_config(family: str, **overrides):
     """The transformers config of a tiny ``family`` model (overrides: config keyword args)."""
     import transformers as tf
 
-    if family == "qwen3":  # head_dim 32 != hidden 64 / 4 heads; renormalised top-k
+    if family == "qwen3":  # head_dim 32 != hidden 64 / 4 heads; renormalised top-k; YaRN as
+        # Qwen3's long-context recipe writes it (factor 4 over an original 16 positions here)
         kw = {**_COMMON, "num_hidden_layers": 2, "head_dim": 32, "moe_intermediate_size": 32,
               "intermediate_size": 96, "num_experts": 8, "num_experts_per_tok": 2,
-              "norm_topk_prob": True, "rope_parameters": {"rope_type": "default",
-                                                          "rope_theta": 10000.0}}
+              "norm_topk_prob": True,
+              "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                  "original_max_position_embeddings": 16}}
         cls = tf.Qwen3MoeConfig
     elif family == "qwen2":  # gated shared expert, qkv bias, no top-k renormalisation
         kw = {**_COMMON, "num_hidden_layers": 2, "moe_intermediate_size": 32,

@@ -9,6 +9,7 @@ sequences; config.json and bad-input checks run at the door (headers only, no ra
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -241,7 +242,9 @@ def _old_style(directory: str, family: str) -> None:
     c["rope_theta"] = rope["rope_theta"]
     if "partial_rotary_factor" in rope:
         c["partial_rotary_factor"] = rope["partial_rotary_factor"]
-    c["rope_scaling"] = None
+    # a scaled RoPE (the tiny Qwen3's YaRN) as transformers 4's rope_scaling dict
+    scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    c["rope_scaling"] = scaling if scaling.get("rope_type", "default") != "default" else None
     c["torch_dtype"] = c.pop("dtype")
     if family == "qwen3":
         c["num_experts"] = c.pop("num_local_experts")
@@ -420,14 +423,89 @@ def test_mla_family_is_refused(ckpt, tmp_path):
 
 
 @pytest.mark.parametrize("rope,key", [
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+    ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0, "rope_theta": 10000.0,
                           "original_max_position_embeddings": 128}}, "rope_parameters.rope_type"),
     ({"rope_parameters": None, "rope_theta": 10000.0,
-      "rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling.type"),
+      "rope_scaling": {"type": "longrope", "factor": 4.0}}, "rope_scaling.type"),
 ])
 def test_unsupported_rope_type_names_the_key(ckpt, tmp_path, rope, key):
     e = _config_error(ckpt, tmp_path, **rope)
-    assert f"config.json: {key}: RoPE type 'yarn' is not supported" in str(e), str(e)
+    assert f"config.json: {key}: RoPE type 'longrope' is not supported" in str(e), str(e)
+
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 16}
+
+
+@pytest.mark.parametrize("rope, top, want", [
+    # Qwen3's recipe: the attention factor 0.1 ln 4 + 1 as megatron's (mscale 1, all_dim 0)
+    (YARN, {}, {"rope_scaling_factor": 4.0, "yarn_original_max_position_embeddings": 16,
+                "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "yarn_mscale": 1.0,
+                "yarn_mscale_all_dim": 0.0, "yarn_truncate": True}),
+    # DeepSeek-V3's: both mscales given (the ratio); no factor: max_position / original
+    ({**YARN, "factor": None, "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 16,
+      "truncate": False}, {},
+     {"rope_scaling_factor": 32.0, "yarn_mscale": 0.707, "yarn_mscale_all_dim": 0.707,
+      "yarn_beta_fast": 16.0, "yarn_truncate": False}),
+    # mscale alone: transformers ignores it (0.1 ln f + 1)
+    ({**YARN, "mscale": 3.0}, {}, {"yarn_mscale": 1.0, "yarn_mscale_all_dim": 0.0}),
+    # 0 betas are transformers' defaults (`get(key) or default`)
+    ({**YARN, "beta_fast": 0, "beta_slow": 0}, {}, {"yarn_beta_fast": 32.0,
+                                                    "yarn_beta_slow": 1.0}),
+    # a top-level original length wins over the dict's (transformers' standardisation)
+    (YARN, {"original_max_position_embeddings": 64},
+     {"yarn_original_max_position_embeddings": 64}),
+])
+def test_yarn_is_read_as_transformers_reads_it(ckpt, tmp_path, rope, top, want):
+    d = tmp_path / "cfg"
+    d.mkdir()
+    shutil.copy(os.path.join(ckpt["qwen3"], "config.json"), d / "config.json")
+    edit_config(str(d), rope_parameters=rope, **top)
+    m = model_cfg(str(d)).model
+    assert m.rope_scaling == "yarn"
+    assert {k: getattr(m, k) for k in want} == want
+
+
+def test_yarn_attention_factor_is_megatrons_mscale():
+    """An explicit attention_factor becomes the mscale whose megatron factor
+    (0.1 m ln f + 1) equals it, and goes back out as that attention factor."""
+    from colo_rollout.checkpoint.export import hf_config_dict
+    from colo_rollout.config.schema import ModelConfig
+    from colo_rollout.model.model import yarn_attributes
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        _yarn_get_concentration_factor)
+
+    cfg = ModelConfig(num_attention_heads=4, hidden_size=64, head_dim=32, qk_layernorm=True,
+                      max_position_embeddings=512, rope_scaling="yarn",
+                      rope_scaling_factor=8.0, yarn_original_max_position_embeddings=64)
+    c = hf_config_dict(cfg, "Qwen3MoeForCausalLM")
+    assert c["rope_parameters"]["rope_type"] == "yarn" and "attention_factor" not in \
+        c["rope_parameters"]
+    c["rope_parameters"]["attention_factor"] = 1.5
+    back = hf_architecture(".", c).fields
+    a = yarn_attributes(ModelConfig(**{**dataclasses.asdict(cfg), **back}))
+    got = _yarn_get_concentration_factor(8.0, a["yarn_mscale"], a["yarn_mscale_all_dim"])
+    assert got == pytest.approx(1.5, rel=1e-12)
+    out = hf_config_dict(ModelConfig(**{**dataclasses.asdict(cfg), **back}),
+                         "Qwen3MoeForCausalLM")
+    assert out["rope_parameters"]["attention_factor"] == pytest.approx(1.5, rel=1e-12)
+
+
+@pytest.mark.parametrize("rope, top, key, fragment", [
+    ({**YARN, "partial_rotary_factor": 0.5}, {}, "rope_parameters.partial_rotary_factor",
+     "0.5 with rope_type yarn is not supported"),
+    ({**YARN, "factor": "4"}, {}, "rope_parameters.factor", "expected a positive number"),
+    ({**YARN, "beta_fast": -1}, {}, "rope_parameters.beta_fast", "expected a number >= 0"),
+    ({**YARN, "truncate": "yes"}, {}, "rope_parameters.truncate", "expected true or false"),
+    ({**YARN, "factor": 1.0, "attention_factor": 1.2}, {}, "rope_parameters.attention_factor",
+     "1.2 with factor 1.0 <= 1: megatron-core's YaRN scales cos and sin only for factors"),
+    (YARN, {"original_max_position_embeddings": 0}, "original_max_position_embeddings",
+     "expected a positive int"),
+])
+def test_yarn_values_megatron_cannot_take_name_the_key(ckpt, tmp_path, rope, top, key,
+                                                       fragment):
+    e = _config_error(ckpt, tmp_path, rope_parameters=rope, **top)
+    assert f"config.json: {key}: {fragment}" in str(e), str(e)
 
 
 def test_top1_renormalised_routing_names_the_key(ckpt, tmp_path):

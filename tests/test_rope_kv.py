@@ -252,3 +252,34 @@ def test_triton_kernel_matches_torch_path_bitwise_interpreted(interpreted):
 
 if __name__ == "__main__":  # the interpreted run (the test above starts it)
     interpreted_main(_interpreted)
+
+
+def test_yarn_tables_are_the_forwards_angles_times_the_concentration_factor():
+    """YaRN (Qwen3's long-context RoPE): the model's whole tables (what the rope kernel reads
+    on a GPU) hold, at every position, bitwise the angles a forward computes (RopeAngles, the
+    CPU path) -- both scaled by megatron's mscale in fp32 before the cast, as its
+    ``_apply_rotary_pos_emb_bshd`` does; and that factor is transformers' attention factor."""
+    import math
+    import types
+
+    from colo_rollout.config.schema import ModelConfig
+    from colo_rollout.model.model import InferenceGPT, rotary_embedding
+    from colo_rollout.runtime.cpu_compat import install_cpu_compat
+
+    install_cpu_compat()  # megatron's YaRN moves its frequencies to the current device
+    cfg = ModelConfig(head_dim=32, num_attention_heads=2, hidden_size=64,
+                      max_position_embeddings=256, rope_scaling="yarn", rope_scaling_factor=4.0,
+                      yarn_original_max_position_embeddings=64)
+    for dtype in (torch.bfloat16, torch.float32):
+        fake = types.SimpleNamespace(_rope=None, device=torch.device("cpu"), cfg=cfg,
+                                     rotary_pos_emb=rotary_embedding(cfg), _rope_tables={},
+                                     dtype=dtype, _rope_mscale=1.0)
+        for name in ("rope_table", "rope_tables", "rope_angles"):
+            setattr(fake, name, types.MethodType(getattr(InferenceGPT, name), fake))
+        assert fake._rope is None and fake.rope_table().shape == (256, 1, 1, 32)
+        assert fake._rope_mscale == pytest.approx(0.1 * math.log(4.0) + 1)
+        pos = torch.tensor([0, 1, 63, 64, 200, 255])
+        cos, sin = fake.rope_angles(pos).cos_sin(dtype, 2)
+        cos_t, sin_t = fake.rope_tables(dtype)
+        assert torch.equal(cos_t[pos], cos) and torch.equal(sin_t[pos], sin)
+        assert cos[0].float().max() == pytest.approx(fake._rope_mscale, rel=1e-2)

@@ -19,6 +19,7 @@ Must not go in here: name mapping (hf_names.py), file format (store.py).
 from __future__ import annotations
 
 import dataclasses
+import math
 import pathlib
 from collections.abc import Iterator
 
@@ -70,6 +71,18 @@ def hf_config_dict(cfg: ModelConfig, family: str | None = None,
     if cfg.rope_scaling == "llama3":
         rope.update(rope_type="llama3", factor=cfg.rope_scaling_factor, low_freq_factor=1.0,
                     high_freq_factor=4.0, original_max_position_embeddings=8192)
+    elif cfg.rope_scaling == "yarn":
+        rope.update(rope_type="yarn", factor=cfg.rope_scaling_factor,
+                    original_max_position_embeddings=cfg.yarn_original_max_position_embeddings,
+                    beta_fast=cfg.yarn_beta_fast, beta_slow=cfg.yarn_beta_slow,
+                    truncate=cfg.yarn_truncate)
+        m, m_all = cfg.yarn_mscale, cfg.yarn_mscale_all_dim
+        if m and m_all:  # transformers takes the ratio only where both are non-zero
+            rope.update(mscale=m, mscale_all_dim=m_all)
+        elif (m, m_all) != (1.0, 0.0) and cfg.rope_scaling_factor > 1:
+            # megatron's factor (0.1 m ln f + 1) / (0.1 m_all ln f + 1) with one of them 0
+            f = math.log(cfg.rope_scaling_factor)
+            rope["attention_factor"] = (0.1 * m * f + 1) / (0.1 * m_all * f + 1)
     # always written: a family's default when absent is not always 1 (GLM-4.5: 0.5)
     rope["partial_rotary_factor"] = cfg.rotary_percent
     c: dict = {
@@ -107,7 +120,9 @@ def hf_config_dict(cfg: ModelConfig, family: str | None = None,
                  norm_topk_prob=cfg.router_norm_topk, attention_bias=cfg.qkv_bias,
                  use_qk_norm=cfg.qk_layernorm, num_nextn_predict_layers=cfg.mtp_num_layers)
     back = hf_architecture(".", c).fields
-    wrong = {k: (getattr(cfg, k), v) for k, v in back.items() if getattr(cfg, k) != v}
+    wrong = {k: (getattr(cfg, k), v) for k, v in back.items() if getattr(cfg, k) != v
+             and not (isinstance(v, float) and math.isclose(getattr(cfg, k), v, rel_tol=1e-12,
+                                                           abs_tol=1e-12))}
     if wrong:
         raise ValueError(f"{family} cannot express this model section: " + ", ".join(
             f"{k} = {mine!r} would be {theirs!r}" for k, (mine, theirs) in wrong.items()))

@@ -20,6 +20,7 @@ Must not go in here: tensor names and shapes (hf_names.py), reading weights (sto
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -45,7 +46,9 @@ ARCH_FIELDS = (
     "router_expert_bias", "router_scaling_factor", "router_num_groups", "router_group_topk",
     "shared_expert_ffn_hidden_size", "shared_expert_gate", "first_k_dense", "ffn_hidden_size",
     "max_position_embeddings", "rotary_base", "rotary_percent", "rope_scaling",
-    "rope_scaling_factor", "normalization", "mtp_num_layers",
+    "rope_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
+    "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim", "yarn_truncate", "normalization",
+    "mtp_num_layers",
 )
 # the YAML may lower these (a shorter RoPE table; 0 MTP layers: serve without the checkpoint's
 # MTP layer, whose tensors are then not read); raising them is an error
@@ -281,8 +284,11 @@ def _rope(r: _Reader, partial_default: float = 1.0) -> None:
         r.set("rope_scaling", None, src)
         r.set("rope_scaling_factor", 8.0, src)
         return
+    if rtype == "yarn":
+        _yarn(r, pick, src)
+        return
     if rtype != "llama3":
-        raise r.error(src, f"RoPE type {rtype!r} is not supported (default, llama3)")
+        raise r.error(src, f"RoPE type {rtype!r} is not supported (default, llama3, yarn)")
     # megatron's llama3 scaling fixes the other three parameters; refuse different ones
     for key, want in (("low_freq_factor", 1.0), ("high_freq_factor", 4.0)):
         got, ksrc = pick(key, want, key)
@@ -299,6 +305,63 @@ def _rope(r: _Reader, partial_default: float = 1.0) -> None:
              or factor <= 0, f"expected a positive number, got {factor!r}")
     r.set("rope_scaling", "llama3", src)
     r.set("rope_scaling_factor", float(factor), fsrc)
+
+
+def _yarn(r: _Reader, pick, src: str) -> None:
+    """rope_type yarn as transformers' ``_compute_yarn_parameters`` reads it, onto megatron's
+    YarnRotaryEmbedding (model.rope_scaling: yarn): factor (None: max_position_embeddings /
+    original), original_max_position_embeddings (the top level first, else the dict's, else
+    max_position_embeddings), beta_fast / beta_slow (0 or null: 32 / 1), truncate. The
+    attention factor cos and sin are scaled by: attention_factor where given, else the mscale
+    ratio where mscale and mscale_all_dim are both non-zero, else 0.1 ln(factor) + 1 --
+    expressed as megatron's mscale / mscale_all_dim (megatron takes no attention factor of
+    its own)."""
+    def number(key: str, default: Any, positive: bool = True) -> tuple[Any, str]:
+        got, ksrc = pick(key, default, key)
+        if got is not None:
+            r.refuse(ksrc, isinstance(got, bool) or not isinstance(got, (int, float))
+                     or not math.isfinite(got) or (positive and got <= 0),
+                     f"expected a {'positive ' if positive else ''}number, got {got!r}")
+        return got, ksrc
+
+    partial, psrc = pick("partial_rotary_factor", 1.0, "partial_rotary_factor")
+    r.refuse(psrc, partial != 1, f"{partial!r} with rope_type yarn is not supported: "
+             "megatron-core's YaRN rotates whole heads")
+    original, osrc = pick("original_max_position_embeddings", None, "", top_first=True)
+    if original is None:
+        original, osrc = r.c.get("max_position_embeddings"), "max_position_embeddings"
+    r.refuse(osrc, isinstance(original, bool) or not isinstance(original, int) or original < 1,
+             f"expected a positive int, got {original!r}")
+    factor, fsrc = number("factor", None)
+    if factor is None:  # DeepSeek-V3's rule: the ratio of the two context lengths
+        factor = r.c.get("max_position_embeddings") / original
+    betas = []
+    for key, default in (("beta_fast", 32.0), ("beta_slow", 1.0)):
+        got, bsrc = number(key, None, positive=False)
+        r.refuse(bsrc, got is not None and got < 0, f"expected a number >= 0, got {got!r}")
+        betas.append((float(got or default), bsrc))  # transformers: `get(key) or default`
+    truncate, tsrc = pick("truncate", True, "truncate")
+    r.refuse(tsrc, not isinstance(truncate, bool), f"expected true or false, got {truncate!r}")
+    attention, asrc = number("attention_factor", None)
+    mscale, msrc = number("mscale", None, positive=False)
+    mscale_all, _ = number("mscale_all_dim", None, positive=False)
+    if attention is not None:
+        if factor > 1:  # megatron's factor (0.1 m ln f + 1) / 1 equals it at this m
+            mscale, mscale_all = (attention - 1) / (0.1 * math.log(factor)), 0.0
+        else:  # megatron's factor is 1 whatever mscale says
+            r.refuse(asrc, attention != 1, f"{attention!r} with factor {factor!r} <= 1: "
+                     "megatron-core's YaRN scales cos and sin only for factors above 1")
+            mscale, mscale_all = 1.0, 0.0
+    elif not (mscale and mscale_all):  # transformers: 0.1 ln f + 1 unless both are given
+        mscale, mscale_all = 1.0, 0.0
+    r.set("rope_scaling", "yarn", src)
+    r.set("rope_scaling_factor", float(factor), fsrc)
+    r.set("yarn_original_max_position_embeddings", original, osrc)
+    r.set("yarn_beta_fast", betas[0][0], betas[0][1])
+    r.set("yarn_beta_slow", betas[1][0], betas[1][1])
+    r.set("yarn_mscale", float(mscale), asrc if attention is not None else msrc)
+    r.set("yarn_mscale_all_dim", float(mscale_all), asrc if attention is not None else msrc)
+    r.set("yarn_truncate", truncate, tsrc)
 
 
 def _no_sliding_window(r: _Reader) -> None:

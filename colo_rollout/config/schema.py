@@ -6,6 +6,7 @@ annotations, then value rules); errors name the dotted key. Cross-section rules 
 """
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -107,7 +108,7 @@ CUDNN_MIN_VERSION = 90000
 FP8_ROW_MULTIPLE = 16  # the FP8 GEMMs' dimension multiple (torch._scaled_mm)
 FP8_BLOCK = 128  # the blockwise recipe's scale block (1 x 128 inputs, 128 x 128 weights)
 ROUTER_SCORES = ("softmax", "sigmoid")
-ROPE_SCALINGS = (None, "llama3")
+ROPE_SCALINGS = (None, "llama3", "yarn")
 # normal: strict P priority, no multiplexing. The ordering ladder of P/D multiplexing (PD mode):
 # global_complete (whole-P epoch, D only after P completes), global_enqueue (whole-P epoch, D
 # after all ranks host-enqueued it), fine (segment turnstile: D at every K boundaries).
@@ -232,9 +233,21 @@ class ModelConfig:
     rotary_base: float = 10000.0
     # Fraction of each head's dims that RoPE rotates (GLM-4.5: 0.5); in (0, 1].
     rotary_percent: float = 1.0
-    # RoPE frequency scaling: null or "llama3" (megatron's rope_scaling, by rope_scaling_factor).
+    # RoPE frequency scaling: null, "llama3" (megatron's rope_scaling, by rope_scaling_factor)
+    # or "yarn" (megatron's YarnRotaryEmbedding: the factor is rope_scaling_factor, the rest
+    # below; transformers' rope_type yarn).
     rope_scaling: str | None = None
     rope_scaling_factor: float = 8.0
+    # YaRN: the context the model was pretrained for (its correction range), the ramp's
+    # rotation bounds, and the attention factor's mscale / mscale_all_dim (cos and sin scaled by
+    # (0.1 mscale ln f + 1) / (0.1 mscale_all_dim ln f + 1) for factor f > 1); truncate rounds
+    # the correction range to whole dims. Megatron's names without the yarn_ prefix.
+    yarn_original_max_position_embeddings: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
+    yarn_truncate: bool = True
     # Normalisation layer: "RMSNorm" or "LayerNorm".
     normalization: str = "RMSNorm"
     # Parameter dtype: "float32", "bfloat16" or "float16".
@@ -345,6 +358,27 @@ class ModelConfig:
         _require_choice(self, "rope_scaling", ROPE_SCALINGS)
         _require(self.rope_scaling_factor > 0, "model.rope_scaling_factor",
                  f"must be > 0, got {self.rope_scaling_factor}")
+        if self.rope_scaling == "yarn":
+            # megatron's YarnRotaryEmbedding builds its frequencies over the whole head
+            # (kv_channels) whatever rotary_percent says: a partial rotary would not be
+            # transformers' (nor megatron's own partial) RoPE
+            _require(self.rotary_percent == 1, "model.rotary_percent",
+                     f"{self.rotary_percent} with rope_scaling yarn: megatron-core's YaRN "
+                     "rotates whole heads (1.0)")
+            _require(self.yarn_original_max_position_embeddings >= 1,
+                     "model.yarn_original_max_position_embeddings",
+                     f"must be >= 1, got {self.yarn_original_max_position_embeddings}")
+            for key in ("yarn_beta_fast", "yarn_beta_slow"):
+                _require(math.isfinite(getattr(self, key)) and getattr(self, key) > 0,
+                         f"model.{key}", f"must be > 0, got {getattr(self, key)}")
+            for key in ("yarn_mscale", "yarn_mscale_all_dim"):
+                _require(math.isfinite(getattr(self, key)), f"model.{key}",
+                         f"must be a finite number, got {getattr(self, key)}")
+            if self.rope_scaling_factor > 1:
+                den = 0.1 * self.yarn_mscale_all_dim * math.log(self.rope_scaling_factor) + 1
+                _require(den > 0, "model.yarn_mscale_all_dim",
+                         f"{self.yarn_mscale_all_dim} makes the attention factor's "
+                         "denominator <= 0")
         _require_choice(self, "router_score", ROUTER_SCORES)
         _require(self.router_scaling_factor > 0, "model.router_scaling_factor",
                  f"must be > 0, got {self.router_scaling_factor}")

@@ -94,8 +94,12 @@ class RopeAngles:
     rope kernel reads row ``positions[t]`` itself (``kernel_angles``), and no per-step angle
     kernel runs at all where nothing else asks for them."""
 
-    def __init__(self, table: torch.Tensor, positions: torch.Tensor, tables=None) -> None:
+    def __init__(self, table: torch.Tensor, positions: torch.Tensor, tables=None,
+                 mscale: float = 1.0) -> None:
         self.table, self.positions, self._tables = table, positions, tables
+        # megatron's ``_apply_rotary_pos_emb_bshd``: cos and sin times mscale in fp32, then
+        # the cast (YaRN's concentration factor; 1 otherwise: an exact no-op)
+        self.mscale = mscale
         self._fp32: tuple[torch.Tensor, torch.Tensor] | None = None
         self._cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         self._kernel: dict[torch.dtype, tuple] = {}
@@ -107,7 +111,7 @@ class RopeAngles:
             if self._fp32 is None:
                 freqs = self.table[self.positions].view(self.positions.shape[0], 1,
                                                         self.table.shape[-1])
-                self._fp32 = (torch.cos(freqs), torch.sin(freqs))
+                self._fp32 = (torch.cos(freqs) * self.mscale, torch.sin(freqs) * self.mscale)
             shape = (self._fp32[0].shape[0],) + (1,) * (ndim - 2) + (self._fp32[0].shape[-1],)
             got = self._cast[(dtype, ndim)] = tuple(a.to(dtype).view(shape) for a in self._fp32)
         return got

@@ -190,7 +190,8 @@ def build_gpt_model(cfg: ModelConfig, tcfg, te: bool, pg_collection) -> GPTModel
            if cfg.mtp_num_layers else None)
     model = GPTModel(tcfg, spec, vocab_size=cfg.vocab_size, mtp_block_spec=mtp,
                      max_sequence_length=cfg.max_position_embeddings,
-                     position_embedding_type="rope", rotary_base=cfg.rotary_base,
+                     position_embedding_type="yarn" if cfg.rope_scaling == "yarn" else "rope",
+                     rotary_base=cfg.rotary_base,
                      rotary_percent=cfg.rotary_percent,
                      rope_scaling=cfg.rope_scaling == "llama3",
                      rope_scaling_factor=cfg.rope_scaling_factor,
@@ -292,6 +293,8 @@ def reference_mtp_logprobs(model: torch.nn.Module, tokens: list[int]) -> torch.T
     if emb.dtype != core.config.params_dtype:
         emb = emb.to(core.config.params_dtype)
     rope = core.rotary_pos_emb(n)
+    if isinstance(rope, tuple):  # YaRN's (angles, mscale): GPTModel's forward drops the
+        rope = rope[0]  # mscale too, its attention applies it from the config
     hidden = core.decoder(hidden_states=emb, attention_mask=mask, rotary_pos_emb=rope)
     out = core.mtp(input_ids=ids, position_ids=pos, hidden_states=hidden, attention_mask=mask,
                    rotary_pos_emb=rope, embedding=core.embedding)

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
@@ -191,7 +192,7 @@ def megatron_config(cfg: ModelConfig, *, tp: int = 1, ep: int = 1, etp: int = 1,
     # (pre_softmax False); not renormalised = softmax over all experts first (pre_softmax True).
     pre_softmax = cfg.router_score == "softmax" and not cfg.router_norm_topk
     layer_freq = [0 if i < cfg.first_k_dense else 1 for i in range(cfg.num_layers)]
-    return TransformerConfig(
+    config = TransformerConfig(
         moe_grouped_gemm=use_te,
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -242,15 +243,50 @@ def megatron_config(cfg: ModelConfig, *, tp: int = 1, ep: int = 1, etp: int = 1,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
     )
+    # YaRN: megatron's GPTModel and its attention's concentration factor read these as
+    # dynamic attributes of the config (megatron.training sets them the same way)
+    for key, value in yarn_attributes(cfg).items():
+        setattr(config, key, value)
+    return config
+
+
+def yarn_attributes(cfg: ModelConfig) -> dict:
+    """megatron's ``yarn_*`` config attributes for ``cfg`` ({} without YaRN)."""
+    if cfg.rope_scaling != "yarn":
+        return {}
+    return {"yarn_rotary_scaling_factor": cfg.rope_scaling_factor,
+            "yarn_original_max_position_embeddings": cfg.yarn_original_max_position_embeddings,
+            "yarn_beta_fast": cfg.yarn_beta_fast, "yarn_beta_slow": cfg.yarn_beta_slow,
+            "yarn_mscale": cfg.yarn_mscale, "yarn_mscale_all_dim": cfg.yarn_mscale_all_dim,
+            "yarn_correction_range_round_to_int": cfg.yarn_truncate}
 
 
 def rotary_embedding(cfg: ModelConfig) -> RotaryEmbedding:
-    """megatron's RoPE for ``cfg`` (partial rotary, llama3 scaling): what GPTModel builds."""
+    """megatron's RoPE for ``cfg`` (partial rotary, llama3 scaling, YaRN): what GPTModel
+    builds."""
+    if cfg.rope_scaling == "yarn":
+        a = yarn_attributes(cfg)
+        return YarnRotaryEmbedding(
+            kv_channels=cfg.head_dim, rotary_base=cfg.rotary_base, use_cpu_initialization=True,
+            scaling_factor=a["yarn_rotary_scaling_factor"],
+            original_max_position_embeddings=a["yarn_original_max_position_embeddings"],
+            beta_fast=a["yarn_beta_fast"], beta_slow=a["yarn_beta_slow"],
+            mscale=a["yarn_mscale"], mscale_all_dim=a["yarn_mscale_all_dim"],
+            correction_range_round_to_int=a["yarn_correction_range_round_to_int"])
     return RotaryEmbedding(
         kv_channels=cfg.head_dim, rotary_percent=cfg.rotary_percent,
         rotary_base=cfg.rotary_base, use_cpu_initialization=True,
         rope_scaling=cfg.rope_scaling == "llama3", rope_scaling_factor=cfg.rope_scaling_factor,
     )
+
+
+def rope_emb(rotary: RotaryEmbedding, n: int) -> tuple[torch.Tensor, float]:
+    """The angles of positions 0..n-1 ([n, 1, 1, rot]) and the factor megatron's attention
+    scales cos and sin by (``mscale``: YaRN's concentration factor, else 1)."""
+    got = rotary.get_emb(n)
+    if isinstance(rotary, YarnRotaryEmbedding):  # (emb, mscale)
+        return got[0], float(got[1])
+    return got, 1.0
 
 
 def _norm(backend: BackendSpecProvider, config: TransformerConfig) -> torch.nn.Module:
@@ -462,6 +498,7 @@ class InferenceGPT(torch.nn.Module):
         if self.dispatch_d is not None:
             self.dispatch_d.invariant = batch_invariant
         self._rope: torch.Tensor | None = None
+        self._rope_mscale = 1.0  # megatron's mscale: cos and sin scaled by it (YaRN)
         self._rope_tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         # diagnostics: when a list, P appends the residual stream after every attention and
         # MoE block (fp32 copies) -- for locating precision loss against a reference
@@ -633,8 +670,9 @@ class InferenceGPT(torch.nn.Module):
 
     def rope_table(self) -> torch.Tensor:
         if self._rope is None or self._rope.device != self.device:
-            self._rope = self.rotary_pos_emb.get_emb(self.cfg.max_position_embeddings).to(
-                self.device)
+            emb, self._rope_mscale = rope_emb(self.rotary_pos_emb,
+                                              self.cfg.max_position_embeddings)
+            self._rope = emb.to(self.device)
             self._rope_tables = {}
             self.rope_tables(self.dtype)  # before any graph capture (see rope_tables)
         return self._rope
@@ -653,8 +691,9 @@ class InferenceGPT(torch.nn.Module):
                 raise RuntimeError(f"rope tables for {dtype} requested first inside a CUDA "
                                    "graph capture")
             freqs = table.view(table.shape[0], table.shape[-1])
-            got = self._rope_tables[dtype] = (torch.cos(freqs).to(dtype),
-                                              torch.sin(freqs).to(dtype))
+            m = self._rope_mscale
+            got = self._rope_tables[dtype] = ((torch.cos(freqs) * m).to(dtype),
+                                              (torch.sin(freqs) * m).to(dtype))
         return got
 
     def prefill_plan(self, new: list[int], ctx: list[int]):
@@ -667,7 +706,7 @@ class InferenceGPT(torch.nn.Module):
 
     def rope_angles(self, positions: torch.Tensor) -> RopeAngles:
         """One forward's angles at ``positions`` (every layer reads them)."""
-        return RopeAngles(self.rope_table(), positions, self.rope_tables)
+        return RopeAngles(self.rope_table(), positions, self.rope_tables, self._rope_mscale)
 
     def new_kv_storage(self, num_blocks: int, block_size: int) -> KVStorage:
         atp = self.groups.layout.atp
