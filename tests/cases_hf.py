@@ -91,10 +91,13 @@ def _randomise(model: torch.nn.Module, seed: int) -> None:
 
 
 def save_tiny_checkpoint(directory, family: str, sharded: bool = False, seed: int = 0,
-                         save_dtype: str = "float32", **overrides) -> None:
+                         save_dtype: str = "float32", fused: bool = False,
+                         **overrides) -> None:
     """A tiny randomised ``family`` checkpoint in ``directory`` (config.json + safetensors; with
     ``sharded``, several ~50 KB shards and model.safetensors.index.json; stored in
-    ``save_dtype``). ``overrides``: transformers config arguments. Deterministic."""
+    ``save_dtype``; with ``fused``, the routed experts as transformers 5 holds them:
+    ``save_pretrained(save_original_format=False)``). ``overrides``: transformers config
+    arguments. Deterministic."""
     import transformers as tf
 
     config = family_config(family, **overrides)
@@ -104,7 +107,7 @@ def save_tiny_checkpoint(directory, family: str, sharded: bool = False, seed: in
     if save_dtype != "float32":
         model = model.to(getattr(torch, save_dtype))
     kw = {"max_shard_size": "50KB"} if sharded else {}
-    model.save_pretrained(str(directory), **kw)
+    model.save_pretrained(str(directory), save_original_format=not fused, **kw)
 
 
 def to_fp8_block_checkpoint(src: str, dst: str, reference: str,

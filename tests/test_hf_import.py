@@ -137,6 +137,72 @@ def test_etp2_matches_transformers(worker_groups, ckpt, family):
     check_equivalent(res)
 
 
+@pytest.fixture(scope="module")
+def fused(tmp_path_factory):
+    """family -> its tiny checkpoint saved with fused experts (transformers 5's in-memory
+    layout: mlp.experts.gate_up_proj [E, 2I, H], down_proj [E, H, I]; Mixtral's under mlp.),
+    the same weights as ``ckpt``'s."""
+    root = tmp_path_factory.mktemp("fused")
+    out = {}
+    for fam in FAMILIES:
+        save_tiny_checkpoint(root / fam, fam, fused=True, sharded=fam == SHARDED)
+        out[fam] = str(root / fam)
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_experts_match_transformers_on_one_rank(worker_groups, fused, ckpt, family):
+    """The same weights, fused: the same tokens, transformers' logprobs, every byte read
+    once; the per-expert names are gone from the files."""
+    from safetensors import safe_open
+
+    names = set()
+    for f in os.listdir(fused[family]):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(fused[family], f), "pt") as h:
+                names |= set(h.keys())
+    assert any(n.endswith("experts.gate_up_proj") for n in names)
+    assert not any(".experts.0." in n for n in names)
+    res = worker_groups(1).run(f"{CASES}:serve_checkpoint", directory=fused[family], adp=1,
+                               ep=1)
+    r0 = check_equivalent(res)
+    assert r0["bytes_read"] == total_tensor_bytes(fused[family])
+    per_expert = worker_groups(1).run(f"{CASES}:serve_checkpoint", directory=ckpt[family],
+                                      adp=1, ep=1)[0]
+    assert r0["tokens"] == per_expert["tokens"]
+
+
+@pytest.mark.parametrize("family, adp, ep", [("qwen3", 2, 2), ("glm", 1, 1),
+                                             ("mixtral", 1, 2)])
+def test_fused_experts_are_cut_per_rank(worker_groups, fused, family, adp, ep):
+    """EP2/ADP2 (each rank its experts' entries), ATP2 (expert TP 2: the same rows of gate and
+    up, down's columns) and EP2/ATP2, against transformers; each rank reads its part."""
+    res = worker_groups(2).run(f"{CASES}:serve_checkpoint", directory=fused[family], adp=adp,
+                               ep=ep)
+    check_equivalent(res)
+    total = total_tensor_bytes(fused[family])
+    for r in res:
+        assert r["bytes_read"] < 0.8 * total, (r["bytes_read"], total)
+
+
+def test_a_checkpoint_mixing_fused_and_per_expert_layers_is_named(fused, ckpt, tmp_path):
+    """Layer 1's experts per expert beside layer 0's fused: the first missing fused tensor is
+    named at the door."""
+    from safetensors.torch import load_file, save_file
+
+    d = copy_ckpt(fused["qwen3"], tmp_path / "mixed")
+    path = os.path.join(d, "model.safetensors")
+    tensors = dict(load_file(path))
+    per = dict(load_file(os.path.join(ckpt["qwen3"], "model.safetensors")))
+    for name in [n for n in tensors if n.startswith("model.layers.1.mlp.experts.")]:
+        del tensors[name]
+    tensors.update({n: t for n, t in per.items() if n.startswith("model.layers.1.mlp.experts.")})
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.experts\.gate_up_proj: "
+                                              r"missing"):
+        check_checkpoint(model_cfg(d).model)
+
+
 def test_tied_bf16_checkpoint_matches_transformers(worker_groups, tmp_path_factory):
     # tied embeddings (no lm_head stored; the vocab-parallel embedding is the output layer) and
     # bf16 storage read into fp32 parameters (transformers upcasts the same values)

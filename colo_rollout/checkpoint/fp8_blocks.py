@@ -117,14 +117,18 @@ class BlockFp8Store:
         return name in self._scales
 
     def read(self, name: str, rows: tuple[int, int] | None = None,
-             cols: tuple[int, int] | None = None, dtype: torch.dtype | None = None
-             ) -> torch.Tensor:
+             cols: tuple[int, int] | None = None, dtype: torch.dtype | None = None,
+             at: int | None = None) -> torch.Tensor:
         """As ``CheckpointStore.read``; a block-scaled weight's span is dequantised: its e4m3
         data times the scales of the blocks covering it (fp32, on ``device``), then cast to
-        ``dtype`` (default fp32)."""
+        ``dtype`` (default fp32). Block-scaled weights are 2-D (no ``at``)."""
         scale_name = self._scales.get(name)
         if scale_name is None:
-            return self.store.read(name, rows=rows, cols=cols, dtype=dtype)
+            return self.store.read(name, rows=rows, cols=cols, dtype=dtype, at=at)
+        if at is not None:
+            raise CheckpointError("block-scaled FP8 weights of fused experts ([experts, rows, "
+                                  "cols]) are not supported; they load per expert",
+                                  path=self.store.file_of(name), name=name)
         q = self.store.read(name, rows=rows, cols=cols)  # validates the spans
         if self.device is not None:
             q = q.to(self.device)

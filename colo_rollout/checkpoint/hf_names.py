@@ -93,24 +93,50 @@ class QKV:
                           v.reshape(groups, d, *rest)], dim=1).reshape(-1, *rest)
 
 
-Source = Direct | GateUp | QKV
+@dataclass(frozen=True)
+class FusedExpert:
+    """One expert of a fused [experts, rows, cols] tensor: transformers 5's own layout
+    (``save_pretrained(save_original_format=False)``): ``mlp.experts.gate_up_proj``
+    [E, 2 I, H], each expert's [gate; up] rows -- megatron's fc1 of that expert --, and
+    ``mlp.experts.down_proj`` [E, H, I], its fc2. Import only: export writes the family's
+    per-expert tensors."""
+
+    name: str
+    expert: int
+    experts: int
+    glu: bool  # gate_up_proj (gate rows, then up rows) vs down_proj
+
+    def hf_shapes(self, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        return {self.name: (self.experts, *shape)}
+
+    def split(self, full: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        raise ValueError(f"{self.name}: fused experts are read, never written (export writes "
+                         "one tensor per expert)")
 
 
-def hf_sources(cfg: ModelConfig, family: str) -> dict[str, Source]:
-    """megatron name -> its HF source, for every tensor of ``cfg`` (in state-dict order)."""
-    moe = "block_sparse_moe" if family == MIXTRAL else "mlp"
+Source = Direct | GateUp | QKV | FusedExpert
+
+# the stored name that marks a checkpoint of fused experts
+FUSED_EXPERTS_SUFFIX = ".experts.gate_up_proj"
+
+
+def hf_sources(cfg: ModelConfig, family: str, fused: bool = False) -> dict[str, Source]:
+    """megatron name -> its HF source, for every tensor of ``cfg`` (in state-dict order).
+    ``fused``: the routed experts as transformers 5 holds them in memory (``FusedExpert``);
+    every family keeps them under ``mlp.`` then, Mixtral included."""
+    moe = "block_sparse_moe" if family == MIXTRAL and not fused else "mlp"
     shared = {QWEN2: "mlp.shared_expert.", GLM4: "mlp.shared_experts."}.get(family)
     gate_up_down = ("w1", "w3", "w2") if family == MIXTRAL else ("gate_proj", "up_proj",
                                                                  "down_proj")
     n = cfg.num_attention_heads // cfg.num_query_groups
     out: dict[str, Source] = {}
     for name in tensor_shapes(cfg):
-        out[name] = _source(name, cfg, moe, shared, gate_up_down, n, family)
+        out[name] = _source(name, cfg, moe, shared, gate_up_down, n, family, fused)
     return out
 
 
 def _source(name: str, cfg: ModelConfig, moe: str, shared: str | None,
-            gud: tuple[str, str, str], n: int, family: str) -> Source:
+            gud: tuple[str, str, str], n: int, family: str, fused: bool) -> Source:
     if name == "embedding.word_embeddings.weight":
         return Direct("model.embed_tokens.weight")
     if name == "decoder.final_layernorm.weight":
@@ -120,7 +146,7 @@ def _source(name: str, cfg: ModelConfig, moe: str, shared: str | None,
     m = re.match(r"decoder\.layers\.(\d+)\.(.*)$", name)
     if m is not None:
         return _layer_source(name, f"model.layers.{m.group(1)}.", m.group(2), cfg, moe,
-                             shared, gud, n, family)
+                             shared, gud, n, family, fused)
     m = re.match(re.escape(MTP_PREFIX) + r"(\d+)\.(.*)$", name)
     if m is None:  # pragma: no cover - tensor_shapes names nothing else
         raise KeyError(name)
@@ -134,12 +160,12 @@ def _source(name: str, cfg: ModelConfig, moe: str, shared: str | None,
         return Direct(p + own[rest])
     if rest.startswith("mtp_model_layer."):
         return _layer_source(name, p, rest[len("mtp_model_layer."):], cfg, moe, shared, gud, n,
-                             family)
+                             family, fused)
     raise KeyError(name)  # pragma: no cover - tensor_shapes names nothing else
 
 
 def _layer_source(name: str, p: str, rest: str, cfg: ModelConfig, moe: str, shared: str | None,
-                  gud: tuple[str, str, str], n: int, family: str) -> Source:
+                  gud: tuple[str, str, str], n: int, family: str, fused: bool) -> Source:
     """Tensor ``rest`` of a transformer layer whose HF names start with ``p`` (a decoder layer,
     or an MTP layer's)."""
     simple = {
@@ -161,6 +187,10 @@ def _layer_source(name: str, p: str, rest: str, cfg: ModelConfig, moe: str, shar
     if rest == "mlp.linear_fc1.weight":  # a dense layer
         return GateUp(f"{p}mlp.{gud[0]}.weight", f"{p}mlp.{gud[1]}.weight")
     e = re.match(r"mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight$", rest)
+    if e and fused:
+        glu = e.group(2) == "1"
+        return FusedExpert(f"{p}{moe}.experts.{'gate_up_proj' if glu else 'down_proj'}",
+                           int(e.group(1)), cfg.num_experts, glu)
     if e:
         q = f"{p}{moe}.experts.{e.group(1)}."
         if e.group(2) == "1":
@@ -197,11 +227,13 @@ def mtp_duplicates(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
     return {k: tuple(v) for k, v in copies.items()}
 
 
-def expected_hf_shapes(cfg: ModelConfig, family: str) -> dict[str, tuple[int, ...]]:
-    """Every HF tensor a checkpoint of ``cfg`` in ``family``'s format holds, with its shape."""
+def expected_hf_shapes(cfg: ModelConfig, family: str,
+                       fused: bool = False) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor a checkpoint of ``cfg`` in ``family``'s format holds (``fused``: with
+    fused experts), with its shape."""
     shapes = tensor_shapes(cfg)
     out: dict[str, tuple[int, ...]] = {}
-    for name, src in hf_sources(cfg, family).items():
+    for name, src in hf_sources(cfg, family, fused).items():
         out.update(src.hf_shapes(shapes[name]))
     return out
 

@@ -30,8 +30,10 @@ from colo_rollout.config.hf_config import (
     stored_architecture,
 )
 from colo_rollout.checkpoint.hf_names import (
+    FUSED_EXPERTS_SUFFIX,
     QKV,
     Direct,
+    FusedExpert,
     GateUp,
     Source,
     expected_hf_shapes,
@@ -86,7 +88,8 @@ def check_checkpoint(cfg: ModelConfig, store: CheckpointStore | None = None,
     try:
         have = set(store.names())
         _check_counts(cfg, arch, have, store.directory)
-        want = expected_hf_shapes(cfg, arch.family)
+        fused = fused_experts(have)
+        want = expected_hf_shapes(cfg, arch.family, fused)
         optional = optional_hf_shapes(cfg)
         stored = stored_architecture(arch, have)
         mtp = tuple(mtp_hf_prefix(cfg, j) for j in range(cfg.mtp_num_layers))
@@ -136,6 +139,13 @@ def check_checkpoint(cfg: ModelConfig, store: CheckpointStore | None = None,
         if own:
             store.close()
     return stored
+
+
+def fused_experts(names) -> bool:
+    """Whether a checkpoint holding tensors ``names`` stores its routed experts fused, as
+    transformers 5 holds them (``save_pretrained(save_original_format=False)``): then every
+    MoE layer's are (``check_checkpoint`` names any per-expert tensor as unexpected)."""
+    return any(n.endswith(FUSED_EXPERTS_SUFFIX) for n in names)
 
 
 # a shared expert's stored names (Qwen2-MoE's, GLM's) and its gate's
@@ -235,7 +245,7 @@ def load_checkpoint(model: torch.nn.Module, cfg: ModelConfig, layout: Layout, ra
     store = store or CheckpointStore(cfg.checkpoint)
     try:
         arch = arch or check_checkpoint(cfg, store)
-        sources = hf_sources(cfg, arch.family)
+        sources = hf_sources(cfg, arch.family, fused_experts(store.names()))
         # the model's names (local or TE spec) of every global local-spec name
         spec = to_spec_names({n: n for n in tensor_shapes(cfg)}, te)
         spec_of = {local: name for name, local in spec.items()}
@@ -271,7 +281,8 @@ def load_checkpoint(model: torch.nn.Module, cfg: ModelConfig, layout: Layout, ra
 
 
 def _first(src: Source) -> str:
-    return src.name if isinstance(src, Direct) else src.gate if isinstance(src, GateUp) else src.q
+    return (src.name if isinstance(src, (Direct, FusedExpert)) else
+            src.gate if isinstance(src, GateUp) else src.q)
 
 
 def read_shard(store: CheckpointStore, src: Source, rule: ShardRule,
@@ -285,6 +296,19 @@ def read_shard(store: CheckpointStore, src: Source, rule: ShardRule,
         if rule.kind == "rows":
             return store.read(src.name, rows=span, dtype=dtype)
         return store.read(src.name, cols=span, dtype=dtype)
+    if isinstance(src, FusedExpert):  # expert src.expert's [rows, cols] of [E, rows, cols]
+        rows, cols = store.shape(src.name)[1:]
+        if src.glu and rule.kind == "glu" and rule.size > 1:  # the same rows of gate and up
+            a, b = rule.rows_of(rows // 2)
+            gate = store.read(src.name, at=src.expert, rows=(a, b), dtype=dtype)
+            up = store.read(src.name, at=src.expert, rows=(rows // 2 + a, rows // 2 + b),
+                            dtype=dtype)
+            return torch.cat([gate, up])
+        if rule.kind == "rows" and rule.size > 1:
+            return store.read(src.name, at=src.expert, rows=rule.rows_of(rows), dtype=dtype)
+        if rule.kind == "cols" and rule.size > 1:
+            return store.read(src.name, at=src.expert, cols=rule.rows_of(cols), dtype=dtype)
+        return store.read(src.name, at=src.expert, dtype=dtype)
     if isinstance(src, GateUp):  # "glu": the same rows of gate and of up
         span = rule.rows_of(store.shape(src.gate)[0]) if rule.kind == "glu" else None
         gate = store.read(src.gate, rows=span, dtype=dtype)

@@ -159,12 +159,21 @@ class CheckpointStore:
         return _DTYPES[code]
 
     def read(self, name: str, rows: tuple[int, int] | None = None,
-             cols: tuple[int, int] | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+             cols: tuple[int, int] | None = None, dtype: torch.dtype | None = None,
+             at: int | None = None) -> torch.Tensor:
         """Tensor ``name``, restricted to ``rows`` [start, stop) of dim 0 and ``cols`` of dim 1,
-        cast to ``dtype`` if given. Always contiguous; without a cast, whole and row-only reads
-        share memory with the file's copy-on-write mapping (writing to them never reaches disk)."""
+        cast to ``dtype`` if given; with ``at``, its entry ``at`` of dim 0 first (one expert of
+        a fused [experts, rows, cols] tensor), ``rows`` and ``cols`` then of that entry. Always
+        contiguous; without a cast, whole and row-only reads share memory with the file's
+        copy-on-write mapping (writing to them never reaches disk)."""
         path, sl = self._slice(name)
-        shape = tuple(sl.get_shape())
+        full_shape = tuple(sl.get_shape())
+        if at is not None:
+            if (len(full_shape) < 1 or not isinstance(at, int) or isinstance(at, bool)
+                    or not 0 <= at < full_shape[0]):
+                raise CheckpointError(f"entry {at!r} asked of shape {list(full_shape)}",
+                                      path=path, name=name)
+        shape = full_shape[1:] if at is not None else full_shape
 
         def bound(span: tuple[int, int], dim: int, what: str) -> slice:
             if len(shape) <= dim:
@@ -181,9 +190,11 @@ class CheckpointStore:
         index = [slice(None)] if rows is None else [bound(rows, 0, "rows")]
         if cols is not None:
             index.append(bound(cols, 1, "cols"))
+        if at is not None:
+            index.insert(0, at)
         try:
             # Only a request without any slice reads the whole tensor (also the only way for 0-D).
-            if rows is None and cols is None:
+            if rows is None and cols is None and at is None:
                 tensor = self._handle(path).get_tensor(name)
             else:
                 tensor = sl[tuple(index)]
