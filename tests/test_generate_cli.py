@@ -167,7 +167,7 @@ def test_every_eos_id_stops_the_engine(ckpt):
     saved = g.read_text() if g.is_file() else None
     try:
         g.write_text(json.dumps({"eos_token_id": [3, 7]}))
-        cfg, _ = prepare(str(d), None, {}, ["hi"], SamplingParams(max_tokens=4), None)
+        cfg, _, _ = prepare(str(d), None, {}, ["hi"], SamplingParams(max_tokens=4), None)
     finally:
         g.unlink() if saved is None else g.write_text(saved)
     assert cfg.engine.eos_token_id == 3 and cfg.engine.stop_token_ids == [7]
@@ -243,10 +243,11 @@ def test_door_checks_in_process(ckpt, tmp_path, capsys):
 
 
 def test_generation_config_sampling_defaults(tmp_path):
-    """generation_config.json as transformers' generate reads it: do_sample false or absent is
-    greedy whatever else it says; true takes its values, unset ones GenerationConfig's
-    defaults (temperature 1, top_k 50, top_p 1); flags win one by one; bad values are one line
-    naming the file and key; sampling it has no kernel for is listed, not refused."""
+    """generation_config.json as transformers' generate reads it: do_sample false, null or
+    absent is greedy whatever its temperature says; a sampling run (the file's, or a
+    temperature flag's) takes its top_k / top_p, unset ones GenerationConfig's defaults
+    (temperature 1, top_k 50, top_p 1); flags win one by one; bad values are one line naming
+    the file and key; sampling it has no kernel for is listed, not refused."""
     from colo_rollout.text.generation_config import read_generation_defaults
     from colo_rollout.text.tokenizer import TokenizerError
     from colo_rollout.tools.generate import sampling_params
@@ -258,8 +259,9 @@ def test_generation_config_sampling_defaults(tmp_path):
     for data, want in (
             (qwen3, (0.6, 20, 0.95, None)),
             ({"do_sample": True}, (1.0, 50, 1.0, None)),
-            ({"do_sample": False, "temperature": 0.6, "top_k": 5}, (0.0, 0, 1.0, None)),
-            ({"temperature": 0.7, "max_new_tokens": 300}, (0.0, 0, 1.0, 300)),
+            ({"do_sample": False, "temperature": 0.6, "top_k": 5}, (0.0, 5, 1.0, None)),
+            ({"temperature": 0.7, "max_new_tokens": 300}, (0.0, 50, 1.0, 300)),
+            ({"do_sample": None, "temperature": "ignored"}, (0.0, 50, 1.0, None)),
             ({"do_sample": True, "top_k": 0, "max_new_tokens": 9}, (1.0, 0, 1.0, 9))):
         g.write_text(json.dumps(data))
         d = read_generation_defaults(tmp_path)
@@ -271,22 +273,64 @@ def test_generation_config_sampling_defaults(tmp_path):
     p = sampling_params(d)
     assert (p.temperature, p.top_k, p.top_p, p.max_tokens) == (0.6, 20, 0.95, 64)
     p = sampling_params(d, temperature=0.0, max_tokens=5)  # greedy by flag
-    assert (p.temperature, p.greedy, p.top_k, p.max_tokens) == (0.0, True, 20, 5)
+    assert (p.temperature, p.greedy, p.top_k, p.max_tokens) == (0.0, True, 0, 5)
     assert sampling_params(d, top_k=3, top_p=0.5).top_k == 3
-    for data, want in (({"do_sample": "yes"}, "do_sample must be true or false"),
+    # a greedy file, sampled from the command line: the file's top_k / top_p, as
+    # generate(do_sample=True, temperature=...) takes them; greedy: both off
+    g.write_text(json.dumps({"top_k": 7, "top_p": 0.8}))
+    d = read_generation_defaults(tmp_path)
+    p = sampling_params(d, temperature=0.7)
+    assert (p.temperature, p.top_k, p.top_p) == (0.7, 7, 0.8)
+    assert (sampling_params(d).top_k, sampling_params(d).top_p) == (0, 1.0)
+    g.unlink()  # no file: the engine's own defaults (top_k, top_p off) also when sampling
+    p = sampling_params(read_generation_defaults(tmp_path), temperature=0.7)
+    assert (p.top_k, p.top_p) == (0, 1.0)
+    g.write_text(json.dumps({**qwen3, "min_new_tokens": 4, "max_length": 100,
+                             "suppress_tokens": [1]}))
+    assert read_generation_defaults(tmp_path).ignored == (
+        "min_new_tokens 4", "suppress_tokens [1]", "max_length 100")
+    for data, want in (({"do_sample": "yes"}, "do_sample must be true, false or null"),
                        ({"do_sample": True, "temperature": 0}, "temperature must be > 0"),
-                       ({"temperature": "hot"}, "temperature must be a number, got 'hot'"),
+                       ({"do_sample": True, "temperature": "hot"},
+                        "temperature must be a number, got 'hot'"),
                        ({"top_p": 0}, "top_p must be in (0.0, 1.0], got 0"),
                        ({"top_p": 1.5}, "top_p must be in"),
                        ({"top_k": 2.5}, "top_k must be an int"),
                        ({"top_k": -1}, "top_k must be >= 0"),
                        ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
-                       ({"temperature": float("nan")}, "temperature must be a number"),
+                       ({"do_sample": True, "temperature": float("nan")},
+                        "temperature must be a number"),
                        ([], "expected a JSON object")):
         g.write_text(json.dumps(data))
         with pytest.raises(TokenizerError, match=re.escape(want)) as e:
             read_generation_defaults(tmp_path)
         assert str(e.value).startswith(f"{g}: ") and "\n" not in str(e.value)
+    g.unlink()
+    g.mkdir()
+    with pytest.raises(TokenizerError, match="generation_config.json: not a regular file"):
+        read_generation_defaults(tmp_path)
+
+
+def test_the_files_top_k_and_length_at_the_door(ckpt, tmp_path):
+    """A top_k of the file past the vocabulary is the whole vocabulary (transformers clamps
+    it); a max_new_tokens of the file too long for the model is refused naming the file."""
+    from colo_rollout.sched.request import SamplingParams
+    from colo_rollout.tools.generate import GenerateError, prepare
+
+    d, _, _ = ckpt
+    g = str(d / "generation_config.json")
+    origins = {"top_k": f"{g} top_k", "max_tokens": f"{g} max_new_tokens"}
+    _, _, p = prepare(str(d), None, {}, ["hi"], SamplingParams(max_tokens=4, temperature=0.7,
+                                                                top_k=10 ** 6), None, origins)
+    from colo_rollout.config.hf_config import hf_architecture
+
+    assert p.top_k == hf_architecture(d).fields["vocab_size"]  # clamped to the vocabulary
+    with pytest.raises(GenerateError, match=re.escape(
+            f"with max_tokens 1000000000 ({g} max_new_tokens; --max-tokens sets it)")):
+        prepare(str(d), None, {}, ["hi"], SamplingParams(max_tokens=10 ** 9), None, origins)
+    with pytest.raises(GenerateError, match="top_k 1000000 exceeds the vocabulary size"):
+        prepare(str(d), None, {}, ["hi"], SamplingParams(max_tokens=4, temperature=0.7,
+                                                         top_k=10 ** 6), None)  # a flag's
 
 
 def test_cli_takes_the_checkpoints_sampling_defaults(ckpt, tmp_path):
@@ -319,6 +363,7 @@ def test_generate_text_prompts_must_be_a_list_of_text():
     from colo_rollout.sched.request import RequestError, SamplingParams
     from colo_rollout.tools.generate import generate_text
 
+    assert generate_text(None, None, [], SamplingParams()) == []
     for prompts, want in (("hello", "prompts must be a list of strings, got str"),
                           ([b"x"], "prompt 0: expected a str, got bytes"),
                           ([None], "prompt 0: expected a str, got NoneType"),

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shutil
 
 import pytest
@@ -200,6 +201,19 @@ def test_a_checkpoint_mixing_fused_and_per_expert_layers_is_named(fused, ckpt, t
     save_file(tensors, path, metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.experts\.gate_up_proj: "
                                               r"missing"):
+        check_checkpoint(model_cfg(d).model)
+
+
+def test_a_stray_per_expert_tensor_beside_fused_ones_is_unexpected(fused, ckpt, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    d = copy_ckpt(fused["qwen3"], tmp_path / "stray")
+    path = os.path.join(d, "model.safetensors")
+    tensors = dict(load_file(path))
+    name = "model.layers.0.mlp.experts.3.gate_proj.weight"
+    tensors[name] = load_file(os.path.join(ckpt["qwen3"], "model.safetensors"))[name]
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=re.escape(f"{name}: unexpected tensor")):
         check_checkpoint(model_cfg(d).model)
 
 
@@ -521,6 +535,13 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
     # a top-level original length wins over the dict's (transformers' standardisation)
     (YARN, {"original_max_position_embeddings": 64},
      {"yarn_original_max_position_embeddings": 64}),
+    # ... but no other top-level RoPE key is read (transformers ignores them)
+    (YARN, {"truncate": False, "beta_fast": 8, "mscale": 2.0, "mscale_all_dim": 1.0,
+            "attention_factor": 1.5},
+     {"yarn_truncate": True, "yarn_beta_fast": 32.0, "yarn_mscale": 1.0,
+      "yarn_mscale_all_dim": 0.0}),
+    ({**YARN, "original_max_position_embeddings": 16.0}, {},
+     {"yarn_original_max_position_embeddings": 16}),
 ])
 def test_yarn_is_read_as_transformers_reads_it(ckpt, tmp_path, rope, top, want):
     d = tmp_path / "cfg"
@@ -530,6 +551,33 @@ def test_yarn_is_read_as_transformers_reads_it(ckpt, tmp_path, rope, top, want):
     m = model_cfg(str(d)).model
     assert m.rope_scaling == "yarn"
     assert {k: getattr(m, k) for k in want} == want
+
+
+@pytest.mark.parametrize("family, rope, want", [
+    # no theta anywhere: the config class's default_theta (Mixtral's 1e6)
+    ("mixtral", {"rope_parameters": None, "rope_theta": None,
+                 "rope_scaling": {"type": "yarn", "factor": 4.0,
+                                  "original_max_position_embeddings": 32}}, 1e6),
+    # a legacy rope_scaling replaces rope_parameters, its theta with it
+    ("mixtral", {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5},
+                 "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                  "original_max_position_embeddings": 32}}, 1e6),
+    ("qwen3", {"rope_parameters": None, "rope_theta": None}, 1e4),
+])
+def test_a_missing_rope_theta_is_the_familys_default(ckpt, tmp_path, family, rope, want):
+    d = tmp_path / "cfg"
+    d.mkdir()
+    shutil.copy(os.path.join(ckpt[family], "config.json"), d / "config.json")
+    edit_config(str(d), **rope)
+    assert model_cfg(str(d)).model.rotary_base == want
+
+
+def test_a_yarn_mscale_all_dim_megatron_cannot_take_names_its_own_key(ckpt, tmp_path):
+    e = _config_error(ckpt, tmp_path, rope_parameters={**YARN, "factor": 16.0, "mscale": 1.0,
+                                                       "mscale_all_dim": -5.0})
+    assert e.key == "model.yarn_mscale_all_dim", str(e)
+    assert "denominator <= 0" in str(e) and str(e).endswith(
+        "config.json: rope_parameters.mscale_all_dim)"), str(e)
 
 
 def test_yarn_attention_factor_is_megatrons_mscale():
@@ -559,7 +607,7 @@ def test_yarn_attention_factor_is_megatrons_mscale():
 
 @pytest.mark.parametrize("rope, top, key, fragment", [
     ({**YARN, "partial_rotary_factor": 0.5}, {}, "rope_parameters.partial_rotary_factor",
-     "0.5 with rope_type yarn is not supported"),
+     "0.5 partial rotary with rope_type yarn is not supported"),
     ({**YARN, "factor": "4"}, {}, "rope_parameters.factor", "expected a positive number"),
     ({**YARN, "beta_fast": -1}, {}, "rope_parameters.beta_fast", "expected a number >= 0"),
     ({**YARN, "truncate": "yes"}, {}, "rope_parameters.truncate", "expected true or false"),

@@ -203,7 +203,10 @@ def _check_counts(cfg: ModelConfig, arch: HFArchitecture, have: set[str], where)
             f"missing: config.json {arch.sources['num_layers']} = {cfg.num_layers}, but the "
             f"checkpoint stores layers 0..{stored - 1} only", path=where,
             name=f"model.layers.{stored}.*")
-    experts = [int(m.group(1)) for n in have if (m := _EXPERT.search(n))]
+    # (fused experts hold every expert in one tensor per layer: their shapes are checked, and
+    # a stray per-expert tensor beside them is named as unexpected)
+    experts = [] if fused_experts(have) else [int(m.group(1)) for n in have
+                                              if (m := _EXPERT.search(n))]
     if experts and max(experts) + 1 < cfg.num_experts:
         raise CheckpointError(
             f"missing: config.json {arch.sources['num_experts']} = {cfg.num_experts}, but the "

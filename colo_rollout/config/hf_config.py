@@ -204,6 +204,7 @@ def _weight_block(r: _Reader) -> tuple[int, int] | None:
 # config.json keys whose absence transformers fills with a family default other than "none":
 # the model transformers builds from such a config.json is the reference, so read them alike
 _PARTIAL_ROTARY_DEFAULT = {GLM4: 0.5}  # Glm4MoeConfig: partial_rotary_factor 0.5 when absent
+_THETA_DEFAULT = {MIXTRAL: 1e6}  # the config classes' default_theta (others: 10000)
 
 
 def _common(r: _Reader, family: str) -> None:
@@ -228,7 +229,8 @@ def _common(r: _Reader, family: str) -> None:
     r.set("normalization", "RMSNorm", "rms_norm_eps")
     act = r.get("hidden_act", str, "silu")
     r.refuse("hidden_act", act != "silu", f"{act!r}: only SwiGLU ('silu') MLPs are supported")
-    _rope(r, _PARTIAL_ROTARY_DEFAULT.get(family, 1.0))
+    _rope(r, _PARTIAL_ROTARY_DEFAULT.get(family, 1.0), _THETA_DEFAULT.get(family, 10000.0),
+          family)
     # defaults that families override
     for name, value in (("qk_layernorm", False), ("qkv_bias", False), ("router_score", "softmax"),
                         ("router_norm_topk", True), ("router_expert_bias", False),
@@ -239,15 +241,19 @@ def _common(r: _Reader, family: str) -> None:
         r.set(name, value, "architectures")
 
 
-def _rope(r: _Reader, partial_default: float = 1.0) -> None:
+def _rope(r: _Reader, partial_default: float = 1.0, theta_default: float = 10000.0,
+          family: str = "") -> None:
     """transformers 5: rope_parameters {rope_theta, rope_type, partial_rotary_factor, factor};
     older: top-level rope_theta, rope_scaling {type|rope_type, factor}, partial_rotary_factor.
-    ``partial_default``: the family's partial_rotary_factor when config.json gives none.
+    ``partial_default`` / ``theta_default``: the family's partial_rotary_factor / rope_theta
+    when config.json gives none (its config class's defaults).
 
     Read as transformers 5 reads them (``convert_rope_params_to_dict``): a non-empty
     rope_scaling REPLACES rope_parameters (a legacy key added beside transformers' own
-    rope_parameters wins); a key missing from that dict comes from the top level; llama3's
-    original_max_position_embeddings is the top-level one where given, else the dict's, else
+    rope_parameters wins, and the replaced dict's rope_theta goes with it); only rope_theta
+    and partial_rotary_factor missing from that dict come from the top level (every other
+    top-level RoPE key is ignored, as transformers ignores it); the scaled types' original
+    max_position_embeddings is the top-level one where given, else the dict's, else
     max_position_embeddings."""
     params = r.c.get("rope_parameters")
     if params is not None and not isinstance(params, dict):
@@ -263,13 +269,15 @@ def _rope(r: _Reader, partial_default: float = 1.0) -> None:
     rope, rope_name = (legacy, "rope_scaling") if legacy else (params, "rope_parameters")
 
     def pick(key: str, default: Any, where: str, top_first: bool = False) -> tuple[Any, str]:
-        order = [(f"{rope_name}.{key}", rope), (key, r.c)]
+        order = [(f"{rope_name}.{key}", rope)]
+        if key in _TOP_LEVEL_ROPE_KEYS:
+            order.append((key, r.c))
         for src, d in (order[::-1] if top_first else order):
             if d.get(key) is not None:
                 return d[key], src
         return default, where
 
-    theta, src = pick("rope_theta", 10000.0, "rope_theta")
+    theta, src = pick("rope_theta", theta_default, "rope_theta")
     r.refuse(src, isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0,
              f"expected a positive number, got {theta!r}")
     r.set("rotary_base", float(theta), src)
@@ -285,7 +293,7 @@ def _rope(r: _Reader, partial_default: float = 1.0) -> None:
         r.set("rope_scaling_factor", 8.0, src)
         return
     if rtype == "yarn":
-        _yarn(r, pick, src)
+        _yarn(r, pick, src, partial_default, family)
         return
     if rtype != "llama3":
         raise r.error(src, f"RoPE type {rtype!r} is not supported (default, llama3, yarn)")
@@ -307,7 +315,12 @@ def _rope(r: _Reader, partial_default: float = 1.0) -> None:
     r.set("rope_scaling_factor", float(factor), fsrc)
 
 
-def _yarn(r: _Reader, pick, src: str) -> None:
+# the RoPE keys transformers takes from config.json's top level when its RoPE dict lacks them
+_TOP_LEVEL_ROPE_KEYS = ("rope_theta", "partial_rotary_factor",
+                        "original_max_position_embeddings")
+
+
+def _yarn(r: _Reader, pick, src: str, partial_default: float, family: str) -> None:
     """rope_type yarn as transformers' ``_compute_yarn_parameters`` reads it, onto megatron's
     YarnRotaryEmbedding (model.rope_scaling: yarn): factor (None: max_position_embeddings /
     original), original_max_position_embeddings (the top level first, else the dict's, else
@@ -324,12 +337,15 @@ def _yarn(r: _Reader, pick, src: str) -> None:
                      f"expected a {'positive ' if positive else ''}number, got {got!r}")
         return got, ksrc
 
-    partial, psrc = pick("partial_rotary_factor", 1.0, "partial_rotary_factor")
-    r.refuse(psrc, partial != 1, f"{partial!r} with rope_type yarn is not supported: "
-             "megatron-core's YaRN rotates whole heads")
+    partial, psrc = pick("partial_rotary_factor", partial_default, "")
+    r.refuse(psrc or src, partial != 1,
+             f"{partial!r}{'' if psrc else f' ({family} default)'} partial rotary with "
+             "rope_type yarn is not supported: megatron-core's YaRN rotates whole heads")
     original, osrc = pick("original_max_position_embeddings", None, "", top_first=True)
     if original is None:
         original, osrc = r.c.get("max_position_embeddings"), "max_position_embeddings"
+    if isinstance(original, float) and original.is_integer():  # 4096.0: transformers' math
+        original = int(original)
     r.refuse(osrc, isinstance(original, bool) or not isinstance(original, int) or original < 1,
              f"expected a positive int, got {original!r}")
     factor, fsrc = number("factor", None)
@@ -344,7 +360,7 @@ def _yarn(r: _Reader, pick, src: str) -> None:
     r.refuse(tsrc, not isinstance(truncate, bool), f"expected true or false, got {truncate!r}")
     attention, asrc = number("attention_factor", None)
     mscale, msrc = number("mscale", None, positive=False)
-    mscale_all, _ = number("mscale_all_dim", None, positive=False)
+    mscale_all, masrc = number("mscale_all_dim", None, positive=False)
     if attention is not None:
         if factor > 1:  # megatron's factor (0.1 m ln f + 1) / 1 equals it at this m
             mscale, mscale_all = (attention - 1) / (0.1 * math.log(factor)), 0.0
@@ -360,7 +376,7 @@ def _yarn(r: _Reader, pick, src: str) -> None:
     r.set("yarn_beta_fast", betas[0][0], betas[0][1])
     r.set("yarn_beta_slow", betas[1][0], betas[1][1])
     r.set("yarn_mscale", float(mscale), asrc if attention is not None else msrc)
-    r.set("yarn_mscale_all_dim", float(mscale_all), asrc if attention is not None else msrc)
+    r.set("yarn_mscale_all_dim", float(mscale_all), asrc if attention is not None else masrc)
     r.set("yarn_truncate", truncate, tsrc)
 
 

@@ -86,6 +86,8 @@ def generate_text(engine: Any, tokenizer: Tokenizer, prompts: Sequence[str],
                            f"{type(prompts).__name__} (a single prompt: [prompt])")
     # every check is deterministic on replicated state, so every rank refuses the same
     # prompts before any collective (generate() would report a refusal on rank 0 only)
+    if not prompts:
+        return []
     errors: dict[int, str] = {}
     for i, p in enumerate(prompts):
         if not isinstance(p, str):
@@ -152,7 +154,7 @@ def run_generate(rank: int, world: int, config_path: str, overrides: dict | None
 
 # --------------------------------------------------------------------------- the command
 def _default_config(model_dir: str, overrides: Mapping[str, Any], prompt_lens: list[int],
-                    max_tokens: int, eos: int | None):
+                    max_tokens: int, eos: int | None, mt: str = ""):
     """The config without --config: one rank, fp32 on CPU (bf16 with CUDA), engine limits sized
     to the prompts; ``overrides`` (--set) win over all of it."""
     import torch
@@ -176,9 +178,9 @@ def _default_config(model_dir: str, overrides: Mapping[str, Any], prompt_lens: l
     need = longest + max_tokens
     if need > model.max_position_embeddings:
         i = prompt_lens.index(longest)
-        raise GenerateError(f"prompt {i} is {longest} tokens; with max_tokens {max_tokens} "
-                            f"that is {need}, over the model's max_position_embeddings "
-                            f"{model.max_position_embeddings}")
+        raise GenerateError(f"prompt {i} is {longest} tokens; with "
+                            f"{mt or f'max_tokens {max_tokens}'} that is {need}, over the "
+                            f"model's max_position_embeddings {model.max_position_embeddings}")
     rows = min(len(prompt_lens), _MAX_ROWS)
     engine = {"max_seq_len": need, "max_prefill_tokens": max(_PREFILL_TOKENS, longest),
               "kv_block_size": _BLOCK, "max_batch_size": rows,
@@ -186,13 +188,14 @@ def _default_config(model_dir: str, overrides: Mapping[str, Any], prompt_lens: l
     return build(engine)
 
 
-def _check_fits(cfg, prompt_lens: list[int], max_tokens: int) -> None:
+def _check_fits(cfg, prompt_lens: list[int], max_tokens: int, mt: str = "") -> None:
     """Every prompt fits the engine's limits (a --config may set them small)."""
     e = cfg.engine
     for i, n in enumerate(prompt_lens):
         if n + max_tokens > e.max_seq_len:
-            raise GenerateError(f"prompt {i} is {n} tokens; with max_tokens {max_tokens} that "
-                                f"is {n + max_tokens}, over engine.max_seq_len {e.max_seq_len}")
+            raise GenerateError(f"prompt {i} is {n} tokens; with "
+                                f"{mt or f'max_tokens {max_tokens}'} that is {n + max_tokens}, "
+                                f"over engine.max_seq_len {e.max_seq_len}")
         if n > e.max_prefill_tokens:
             raise GenerateError(f"prompt {i} is {n} tokens, over engine.max_prefill_tokens "
                                 f"{e.max_prefill_tokens}")
@@ -202,11 +205,15 @@ def _check_fits(cfg, prompt_lens: list[int], max_tokens: int) -> None:
                                 f"engine.num_kv_blocks {e.num_kv_blocks}")
 
 
-def _check_params(params: SamplingParams, vocab: int) -> None:
+def _check_params(params: SamplingParams, vocab: int,
+                  origins: Mapping[str, str] | None = None) -> None:
     try:
         params.validate("generate", vocab)
     except RequestError as e:  # "request 'generate': what" -> "sampling parameters: what"
-        raise GenerateError(f"sampling parameters: {str(e).split(': ', 1)[-1]}") from None
+        what = str(e).split(': ', 1)[-1]
+        tail = next((f" (from {o}; --{k.replace('_', '-')} sets it)"
+                     for k, o in (origins or {}).items() if what.startswith(k)), "")
+        raise GenerateError(f"sampling parameters: {what}{tail}") from None
 
 
 def _yaml_checkpoint(config_path: str):
@@ -220,10 +227,18 @@ def _yaml_checkpoint(config_path: str):
 
 
 def prepare(model_dir: str, config_path: str | None, overrides: Mapping[str, Any],
-            prompts: Sequence[str], params: SamplingParams, chat: bool | None):
-    """Everything `generate` checks before ranks start. Returns (config, tokenizer); raises
-    GenerateError, ConfigError, TokenizerError or RequestError with a one-line message."""
+            prompts: Sequence[str], params: SamplingParams, chat: bool | None,
+            origins: Mapping[str, str] | None = None):
+    """Everything `generate` checks before ranks start. Returns (config, tokenizer, params);
+    raises GenerateError, ConfigError, TokenizerError or RequestError with a one-line message.
+    ``origins``: the parameters generation_config.json chose ('FILE key'): a top_k of the file
+    past the vocabulary is the whole vocabulary (transformers clamps it), and the messages
+    name the file."""
     from colo_rollout.config import load_config
+
+    origins = origins or {}
+    mt = f"max_tokens {params.max_tokens}" + (
+        f" ({origins['max_tokens']}; --max-tokens sets it)" if "max_tokens" in origins else "")
 
     other = overrides.get("model.checkpoint")
     if other is not None and os.path.realpath(str(other)) != os.path.realpath(model_dir):
@@ -242,10 +257,10 @@ def prepare(model_dir: str, config_path: str | None, overrides: Mapping[str, Any
     lens = [len(tokenizer.encode_prompt(p, chat=chat)) for p in prompts]
     if 0 in lens:
         raise GenerateError(f"prompt {lens.index(0)} encodes to no tokens")
-    _check_params(params, sys.maxsize)  # before the engine is sized by max_tokens
+    _check_params(params, sys.maxsize, origins)  # before the engine is sized by max_tokens
     eos = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None
     if config_path is None:
-        cfg = _default_config(model_dir, overrides, lens, params.max_tokens, eos)
+        cfg = _default_config(model_dir, overrides, lens, params.max_tokens, eos, mt)
     else:
         cfg = load_config(config_path, {**overrides, "model.checkpoint": model_dir})
         given = _yaml_checkpoint(config_path)  # the file read and checked just above
@@ -268,9 +283,11 @@ def prepare(model_dir: str, config_path: str | None, overrides: Mapping[str, Any
     if bad:
         raise GenerateError(f"{model_dir}: eos token id {bad[0]} is outside the model's "
                             f"vocab_size {vocab}")
-    _check_params(params, vocab)
-    _check_fits(cfg, lens, params.max_tokens)
-    return cfg, tokenizer
+    if "top_k" in origins and params.top_k > vocab:
+        params = dataclasses.replace(params, top_k=vocab)
+    _check_params(params, vocab, origins)
+    _check_fits(cfg, lens, params.max_tokens, mt)
+    return cfg, tokenizer, params
 
 
 def sampling_params(defaults: GenerationDefaults, *, max_tokens: int | None = None,
@@ -281,20 +298,41 @@ def sampling_params(defaults: GenerationDefaults, *, max_tokens: int | None = No
     --max-tokens without a file max_new_tokens is 64."""
     if max_tokens is None:
         max_tokens = defaults.max_tokens if defaults.max_tokens is not None else _MAX_TOKENS
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=defaults.temperature if temperature is None else temperature,
-        top_p=defaults.top_p if top_p is None else top_p,
-        top_k=defaults.top_k if top_k is None else top_k)
+    if temperature is None:
+        temperature = defaults.temperature
+    # a sampling run takes the file's top_k / top_p (or transformers' 50 / 1.0), also where
+    # only the command line samples: generate(do_sample=True, temperature=...) does the same
+    sampling = isinstance(temperature, (int, float)) and temperature > 0
+    if top_k is None:
+        top_k = defaults.top_k if sampling else 0
+    if top_p is None:
+        top_p = defaults.top_p if sampling else 1.0
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                          top_k=top_k)
 
 
-def _say_defaults(defaults: GenerationDefaults, params: SamplingParams, args) -> None:
-    """One note line on stderr when generation_config.json chose something the user did not
-    (the output is then not transformers' greedy text), or holds keys the engine ignores."""
-    taken = [f"{k} {getattr(params, k)}" for k, flag in (("temperature", args.temperature),
-                                                         ("top_k", args.top_k),
-                                                         ("top_p", args.top_p))
-             if flag is None and defaults.sampling and not params.greedy]
+def file_origins(defaults: GenerationDefaults, params: SamplingParams, args) -> dict[str, str]:
+    """param -> 'FILE key' for each parameter generation_config.json chose (no flag given)."""
+    if defaults.source is None:
+        return {}
+    out = {}
+    if args.max_tokens is None and defaults.max_tokens is not None:
+        out["max_tokens"] = f"{defaults.source} max_new_tokens"
+    if not params.greedy:
+        if args.temperature is None:
+            out["temperature"] = f"{defaults.source} temperature"
+        for key in ("top_k", "top_p"):
+            if getattr(args, key) is None:
+                out[key] = f"{defaults.source} {key}"
+    return out
+
+
+def _say_defaults(defaults: GenerationDefaults, params: SamplingParams,
+                  origins: dict[str, str]) -> None:
+    """One note line on stderr when generation_config.json chose how to sample (the output is
+    then not transformers' greedy text), and one for keys it holds that the engine ignores."""
+    taken = [f"{k} {getattr(params, k)}" for k in ("temperature", "top_k", "top_p")
+             if k in origins]
     if taken:
         print(f"note: {defaults.source}: sampling with {', '.join(taken)} (--temperature 0: "
               "greedy)", file=sys.stderr)
@@ -320,12 +358,14 @@ def main(args) -> int:
         params = sampling_params(defaults, max_tokens=args.max_tokens,
                                  temperature=args.temperature, top_p=args.top_p,
                                  top_k=args.top_k)
-        cfg, _ = prepare(args.model, args.config, overrides, args.prompts, params, chat)
+        origins = file_origins(defaults, params, args)
+        cfg, _, params = prepare(args.model, args.config, overrides, args.prompts, params, chat,
+                                 origins)
     except (GenerateError, ConfigError, TokenizerError, RequestError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if "WORLD_SIZE" not in os.environ or os.environ.get("RANK") == "0":
-        _say_defaults(defaults, params, args)
+        _say_defaults(defaults, params, origins)
     # the ranks read exactly the validated config (sizing and eos included) from a file
     fd, path = tempfile.mkstemp(prefix="colo_rollout_generate_", suffix=".yaml")
     os.close(fd)
