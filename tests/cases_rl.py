@@ -84,7 +84,80 @@ def env_multi_turn(rank: int, world: int) -> dict:
     return res
 
 
-__all__ = ["CountingEnv", "grpo_groups", "env_multi_turn", "LOGPROB_TOL", "math"]
+def rollout_misuse(rank: int, world: int) -> dict:
+    """rollout() under what users get wrong, on EP2/ADP2: a group whose prompt is not token
+    ids fails alone; a prompt that fills the budget fails naming itself; a budget past
+    engine.max_seq_len is capped; a reward that is not a number fails its trajectory; an
+    interrupt out of a reward function leaves nothing behind (the same call again succeeds,
+    the KV is empty); an engine.pause() from a reward function ends the call (the rest
+    aborted) instead of looping for ever; a reward that differs by rank raises on every rank;
+    released memory is refused before anything is submitted."""
+    cfg, groups, sd, engine = _engine(world, 2, 2)
+    p = SamplingParams(max_tokens=4, ignore_eos=True)
+    res: dict = {}
+
+    def kv_empty() -> bool:
+        engine.check_integrity()
+        for kv in engine.scheduler.kv:
+            kv.assert_empty()
+        return not engine.scheduler.live and not engine.scheduler.sessions
+
+    trajs = rollout(engine, [[5, 6], None, "text", [7, 8.5], [1] * 300, [3, 4]], params=p,
+                    reward_fn=lambda pr, c: "0.5" if pr == [3, 4] else 1.0)
+    res["mixed"] = [(t.group, t.status, t.error, len(t.tokens)) for t in trajs]
+    res["capped"] = [len(t.tokens) for t in rollout(
+        engine, [[9] * 250], params=SamplingParams(max_tokens=10, ignore_eos=True),
+        max_total_tokens=10 ** 6, tag="capped")]
+
+    def interrupt(pr, c):
+        raise KeyboardInterrupt
+
+    try:
+        rollout(engine, [[5, 6], [7, 8]], n=2, params=p, reward_fn=interrupt)
+        res["interrupt"] = "returned"
+    except KeyboardInterrupt:
+        res["interrupt"] = "raised"
+    res["after_interrupt"] = [t.status for t in rollout(engine, [[5, 6], [7, 8]], n=2,
+                                                        params=p)]
+    res["kv_empty_after_interrupt"] = kv_empty()
+
+    calls = []
+
+    def pause_once(pr, c):
+        if not calls:
+            calls.append(1)
+            engine.pause()
+            engine.resume()
+        return 1.0
+
+    # the long prompt ends first (2 tokens of room), its reward pauses the engine while the
+    # short one still generates (8 tokens)
+    got = rollout(engine, [[1] * 16, [2, 3, 4, 5]],
+                  params=SamplingParams(max_tokens=8, ignore_eos=True), reward_fn=pause_once,
+                  max_total_tokens=18, tag="paused")
+    res["paused"] = sorted((t.status, t.error or "") for t in got)
+    res["kv_empty_after_pause"] = kv_empty()
+    try:
+        rollout(engine, [[5, 6]], params=p, reward_fn=lambda pr, c: float(rank), tag="rank")
+        res["by_rank"] = "returned"
+    except ValueError as e:
+        res["by_rank"] = str(e)
+    engine.release_memory("keep")
+    try:
+        rollout(engine, [[5, 6]], params=p, tag="released")
+        res["released"] = "returned"
+    except RuntimeError as e:
+        res["released"] = str(e)
+    engine.resume_memory()
+    res["after_release"] = [t.status for t in rollout(engine, [[5, 6]], params=p,
+                                                      tag="released")]
+    res["kv_empty"] = kv_empty()
+    engine.close()
+    return res
+
+
+__all__ = ["CountingEnv", "grpo_groups", "env_multi_turn", "rollout_misuse", "LOGPROB_TOL",
+           "math"]
 
 
 def _trainer_pgc(world: int, tp: int):

@@ -58,3 +58,26 @@ def test_replicas_use_different_random_streams(worker_groups):
     r = worker_groups(2).run(f"{C}:replicas_sample_independently")[0]
     assert sorted(r["replicas"]) == [0, 1]  # one request per replica
     assert r["tokens"][0] != r["tokens"][1]
+
+
+def test_rollout_under_misuse_loses_nothing_and_never_hangs(worker_groups):
+    res = worker_groups(2).run(f"{C}:rollout_misuse", timeout=240)
+    r0 = res[0]
+    assert res[1]["mixed"] == r0["mixed"]
+    mixed = {g: (status, error, n) for g, status, error, n in r0["mixed"]}
+    assert mixed[0][0] == "completed" and mixed[0][2] == 2 + 4
+    assert mixed[1][0] == "failed" and "group 1" in mixed[1][1] and "NoneType" in mixed[1][1]
+    assert mixed[2][0] == "failed" and "encode text first" in mixed[2][1]
+    assert mixed[3][0] == "failed" and "8.5 at position 1 is a float" in mixed[3][1]
+    assert mixed[4][0] == "failed" and "prompt of 300 tokens leaves no room" in mixed[4][1]
+    assert mixed[5][0] == "failed" and "reward is not a number: str '0.5'" in mixed[5][1]
+    assert r0["capped"] == [256]  # engine.max_seq_len, not a refusal
+    assert r0["interrupt"] == "raised"
+    assert r0["after_interrupt"] == ["completed"] * 4 and r0["kv_empty_after_interrupt"]
+    statuses = [s for s, _ in r0["paused"]]
+    assert "aborted" in statuses and r0["kv_empty_after_pause"], r0["paused"]
+    assert any("cancelled outside this rollout() call" in e for _, e in r0["paused"])
+    for r in res:  # every rank raises, naming the trajectory
+        assert r["by_rank"].startswith("rollout(): rank 1 ended trajectory (group 0, sample 0)")
+        assert "memory is released" in r["released"]
+        assert r["after_release"] == ["completed"] and r["kv_empty"]

@@ -507,6 +507,8 @@ class Engine:
         ids: list[str] = []
         rejected: dict[str, RequestOutput] = {}
         done: dict[str, RequestOutput] = {}  # what finishes during this call, on every rank
+        self._check_open()
+        self.memory.check_ready()  # released memory: raise before anything is submitted
         if self.groups.rank == 0:
             for req in requests or []:
                 try:

@@ -36,11 +36,13 @@ import json
 import math
 import numbers
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any, Callable, Protocol
 
 from colo_rollout.engine.engine import Engine
 from colo_rollout.runtime.control import all_gather_json
-from colo_rollout.sched.request import FinishReason, Request, RequestError, SamplingParams
+from colo_rollout.sched.request import (FinishReason, Request, RequestError, SamplingParams,
+                                        token_ids)
 
 
 class Environment(Protocol):
@@ -106,13 +108,17 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
     are numbered after the carried ones."""
     if (prompts is None) == (envs is None):
         raise ValueError("rollout() takes either prompts or envs")
-    _check_rollout_args(params, n, max_turns, max_total_tokens, finish_groups, carry)
-    _check_same_call(engine, (prompts, None if envs is None else len(envs), params.to_json(), n,
-                              max_turns, max_total_tokens, weight_version, tag, finish_groups,
-                              None if carry is None else len(carry.trajectories)))
+    _check_rollout_args(params, n, max_turns, max_total_tokens, finish_groups, carry,
+                        weight_version, tag, prompts, envs)
+    # every prompt as ints, or why not (that group's trajectories fail; the rest are served)
+    checked = None if prompts is None else [_prompt_ids(g, p) for g, p in enumerate(prompts)]
+    _check_same_call(engine, (checked, None if envs is None else len(envs), params.to_json(),
+                              n, max_turns, max_total_tokens, weight_version, tag,
+                              finish_groups, None if carry is None else len(carry.trajectories)))
     if engine.paused:
         raise RuntimeError("rollout() on a paused engine: call engine.resume() once the "
                            "weight update is done")
+    engine.memory.check_ready()  # released memory: raise before anything is submitted
     if finish_groups is not None and (carry is None or finish_groups < 1):
         raise ValueError("finish_groups needs a Carry to hold the unfinished groups and must "
                          f"be >= 1, got {finish_groups}")
@@ -123,7 +129,8 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
             raise ValueError(f"resume of trajectory (group {t.group}, sample {t.sample}) under "
                              f"weight version {weight_version}: it already has tokens of "
                              f"version {last} (a stale version)")
-    cap = max_total_tokens or engine.cfg.engine.max_seq_len
+    # (a budget past engine.max_seq_len could only be refused: the engine's limit caps it)
+    cap = min(max_total_tokens or engine.cfg.engine.max_seq_len, engine.cfg.engine.max_seq_len)
     leader = engine.groups.rank == 0
     trajs: dict[str, Trajectory] = {}
     live: dict[str, int] = {}  # session -> index of the env (multi-turn) or -1
@@ -139,7 +146,13 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
         t = trajs[sid]
         room = cap - len(t.tokens)
         if room < 1:
-            t.status = "truncated"
+            if turn == 0 and not t.segments:  # the prompt alone fills the budget: never run
+                t.status, t.error = "failed", (
+                    f"request {sid}#0: prompt of {len(t.tokens)} tokens leaves no room to "
+                    f"generate under a cap of {cap} tokens (max_total_tokens / "
+                    "engine.max_seq_len)")
+            else:
+                t.status = "truncated"
             return
         p = SamplingParams(temperature=params.temperature, top_k=params.top_k,
                            top_p=params.top_p, ignore_eos=params.ignore_eos,
@@ -225,12 +238,15 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
             if sid in live and multi:
                 live[sid] = 1
     base = 1 + max((t.group for t in carried), default=-1)
-    if prompts is not None:
-        for g0, prompt in enumerate(prompts):
+    if checked is not None:
+        for g0, prompt in enumerate(checked):
             g = base + g0
             for k in range(n):
                 sid = f"{tag}-{weight_version}-{g}-{k}"
                 trajs[sid] = Trajectory(g, k, weight_version=weight_version)
+                if isinstance(prompt, str):  # not token ids: this group fails alone
+                    trajs[sid].status, trajs[sid].error = "failed", prompt
+                    continue
                 trajs[sid]._append(list(prompt), None)
                 prompt_of[sid] = list(prompt)
                 submit(sid, list(prompt), 0)
@@ -263,33 +279,57 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
                     pass
         return True
 
-    while live:
-        for out in engine.step():
-            sid, turn = out.request_id.rsplit("#", 1)
-            if sid not in live:
-                continue
-            t = trajs[sid]
-            t._append(out.tokens, out.logprobs)
-            t.turns = int(turn) + 1
-            if out.finish_reason is FinishReason.CANCELLED:
-                t.status = "paused" if pausing else "aborted"
-                if pausing:  # the interrupted turn is not done: resumed as turn ``turns``
-                    t.turns = int(turn)
+    try:
+        while live:
+            outs = engine.step()
+            # right after a step the state is replicated: a live trajectory's request is in
+            # flight or among this step's outputs -- else something outside this call took it
+            # (an engine.pause() from a reward function or another thread consumed its
+            # cancellation): it can never finish here
+            done = {o.request_id for o in outs}
+            for sid in [s for s in live if inflight.get(s) not in engine.scheduler.live
+                        and inflight.get(s) not in done]:
+                t = trajs[sid]
+                t.status, t.error = "aborted", (f"request {inflight.get(sid)}: cancelled outside "
+                                                "this rollout() call (an engine.pause() during it)")
                 _end(engine, live, sid, leader)
-                continue
-            g = live[sid]
-            if g < 0:  # single turn: score it on its whole completion (every segment)
-                completion = t.tokens[len(prompt_of[sid]):]
-                _score(t, lambda: reward_fn(prompt_of[sid], completion) if reward_fn else 0.0)
-                if out.finish_reason is FinishReason.LENGTH and t.status == "completed" \
-                        and len(t.tokens) >= cap:
-                    t.status = "truncated"
-                _end(engine, live, sid, leader)
+            for out in outs:
+                sid, turn = out.request_id.rsplit("#", 1)
+                if sid not in live:
+                    continue
+                t = trajs[sid]
+                t._append(out.tokens, out.logprobs)
+                t.turns = int(turn) + 1
+                if out.finish_reason is FinishReason.CANCELLED:
+                    t.status = "paused" if pausing else "aborted"
+                    if pausing:  # the interrupted turn is not done: resumed as turn ``turns``
+                        t.turns = int(turn)
+                    _end(engine, live, sid, leader)
+                    continue
+                g = live[sid]
+                if g < 0:  # single turn: score it on its whole completion (every segment)
+                    completion = t.tokens[len(prompt_of[sid]):]
+                    _score(t, lambda: reward_fn(prompt_of[sid], completion) if reward_fn else 0.0)
+                    if out.finish_reason is FinishReason.LENGTH and t.status == "completed" \
+                            and len(t.tokens) >= cap:
+                        t.status = "truncated"
+                    _end(engine, live, sid, leader)
+                    pausing = pausing or pause_the_rest()
+                    continue
+                if turn_done(sid, t):
+                    continue
                 pausing = pausing or pause_the_rest()
-                continue
-            if turn_done(sid, t):
-                continue
-            pausing = pausing or pause_the_rest()
+    except BaseException:
+        # an error out of the loop (an interrupt in a reward function, a step that raised on
+        # every rank): nothing of this call stays in the engine -- the leader cancels what is
+        # in flight, the engine drains, the sessions close and the outputs are forgotten, so
+        # the next call starts clean. A cleanup that fails in turn (a rank gone) gives way
+        # to the original error.
+        try:
+            _abandon(engine, live, inflight, submitted, list(trajs), leader)
+        except Exception:  # noqa: BLE001 - the original error is the one to raise
+            pass
+        raise
     engine.step()  # collective on every rank: flushes the leader's last session closes
     while engine.busy():
         engine.step()
@@ -301,6 +341,7 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
     # the outputs are in the trajectories: the engine forgets them (bounded memory over a run;
     # a later call may use the same ids, e.g. another rollout under the same weight version)
     engine.forget(submitted)
+    _check_same_result(engine, trajs)
     if carry is None:
         return list(trajs.values())
     # partial rollout: groups with a paused member go (whole) to the carry
@@ -313,12 +354,52 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
     return [t for t in trajs.values() if t.group not in unfinished]
 
 
-def _check_rollout_args(params, n, max_turns, max_total_tokens, finish_groups, carry) -> None:
+def _abandon(engine: Engine, live: dict, inflight: dict, submitted: list[str],
+             sessions: list[str], leader: bool) -> None:
+    """Cancel this call's requests in flight, drain the engine, close the call's sessions and
+    forget its outputs (collective: every rank runs it alike)."""
+    if leader:
+        for sid in live:
+            if inflight.get(sid) in engine.scheduler.live:
+                engine.cancel(inflight[sid])
+    engine.step()
+    while engine.busy():
+        engine.step()
+    if leader:
+        for sid in sessions:
+            sess = engine.scheduler.sessions.get(sid)
+            if sess is not None and not sess.busy:
+                engine.close_session(sid)
+    engine.step()
+    engine.forget(submitted)
+
+
+def _prompt_ids(group: int, prompt) -> tuple[int, ...] | str:
+    """A prompt as a tuple of ints, or the one-line reason it is not token ids (its group's
+    trajectories then fail, naming it; the others are served)."""
+    try:
+        return token_ids(f"group {group}", prompt)
+    except RequestError as e:
+        return str(e)
+
+
+def _check_rollout_args(params, n, max_turns, max_total_tokens, finish_groups, carry,
+                        weight_version=0, tag="rollout", prompts=None, envs=None) -> None:
     """rollout()'s own arguments, before anything is submitted: a ValueError naming the
     argument (a TypeError or AttributeError from deep inside, or a silent reading, otherwise:
     n=0 returned nothing, max_total_tokens=0 meant no cap)."""
     def whole(value) -> bool:
         return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+    for name, value in (("prompts", prompts), ("envs", envs)):
+        if value is not None and (isinstance(value, (str, bytes, dict))
+                                  or not isinstance(value, Sequence)):
+            raise ValueError(f"rollout(): {name} must be a list, got {type(value).__name__}")
+    if not whole(weight_version) or weight_version < 0:
+        raise ValueError(f"rollout(): weight_version must be an int >= 0, got "
+                         f"{weight_version!r}")
+    if not isinstance(tag, str) or not tag or "#" in tag:
+        raise ValueError(f"rollout(): tag must be a non-empty str without '#', got {tag!r}")
 
     if not isinstance(params, SamplingParams):
         raise ValueError(f"rollout(): params must be SamplingParams, got "
@@ -361,6 +442,27 @@ def _check_same_call(engine: Engine, args: tuple) -> None:
                          "calls rollout() with the same prompts and arguments)")
 
 
+def _check_same_result(engine: Engine, trajs: dict[str, Trajectory]) -> None:
+    """Every rank ends the call with the same trajectories: rewards and environments run on
+    every rank, and one that is not a deterministic function of its inputs (a reward raising
+    on one rank, an observation that differs) would otherwise leave the ranks training on
+    different data without a word. One all-gather of a digest over the control group; a
+    difference raises ValueError on every rank, naming the first trajectory that differs."""
+    if engine.groups.layout.world_size == 1:
+        return
+    digest = [[t.group, t.sample, t.status, repr(float(t.reward)), hash(tuple(t.tokens))]
+              for t in trajs.values()]
+    every = all_gather_json(digest, engine.groups.control)
+    for r, d in enumerate(every):
+        if d != every[0]:
+            i = next((i for i, (a, b) in enumerate(zip(d, every[0])) if a != b), 0)
+            g, k = every[0][i][:2] if every[0] else (None, None)
+            raise ValueError(f"rollout(): rank {r} ended trajectory (group {g}, sample {k}) "
+                             "otherwise than rank 0 (status, reward or tokens): reward "
+                             "functions and environments must be deterministic and equal "
+                             "on every rank")
+
+
 def _groups_done(trajs: dict[str, Trajectory], live: dict[str, int]) -> int:
     """Groups none of whose trajectories is still generating."""
     busy = {trajs[sid].group for sid in live}
@@ -369,10 +471,16 @@ def _groups_done(trajs: dict[str, Trajectory], live: dict[str, int]) -> int:
 
 def _score(t: Trajectory, fn: Callable[[], float], accumulate: bool = False) -> None:
     try:
-        r = float(fn())
+        got = fn()
     except Exception as e:  # noqa: BLE001
         t.status, t.error = "failed", f"reward raised {e!r}"
         return
+    # a number (numpy's and 0-d tensors' too), never a str or a bool read as one
+    if isinstance(got, (str, bytes, bool)) or not isinstance(got, numbers.Real) and \
+            getattr(got, "shape", None) != ():
+        t.status, t.error = "failed", f"reward is not a number: {type(got).__name__} {got!r}"
+        return
+    r = float(got)
     if not math.isfinite(r):
         t.status, t.error = "failed", f"reward is not finite ({r})"
         return
