@@ -21,3 +21,26 @@ def layout_membership(rank: int, world: int, adp: int, ep: int) -> dict:
     out["mcore_tp_size"] = ps.get_tensor_model_parallel_world_size()
     out["distinct_p_d"] = groups.full_p is not groups.full_d
     return out
+
+
+def default_group_is_bounded(rank: int, world: int) -> dict:
+    """A collective on the default group that a peer never joins (rank 0 alone) raises
+    within parallel.timeout_s: the spawner's default group takes the config's timeout."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    init_parallel(ParallelConfig(world_size=world, adp=world, ep=world, backend="gloo",
+                                 timeout_s=3.0))
+    start = time.monotonic()
+    error = None
+    if rank == 0:
+        try:
+            dist.all_reduce(torch.ones(1))
+        except Exception as e:  # noqa: BLE001 - gloo's timeout error
+            error = type(e).__name__
+    seconds = time.monotonic() - start
+    if rank != 0:
+        time.sleep(6.0)  # until rank 0 gave up (its collective must not meet this rank's)
+    return {"error": error, "seconds": seconds}

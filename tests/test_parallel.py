@@ -69,3 +69,10 @@ def test_config_rejects_layout_with_key():
 def test_process_count_must_match_config():
     with pytest.raises(LayoutError, match="world_size is 4 but 2 processes"):
         Layout.from_config(ParallelConfig(world_size=4, adp=2, ep=2), world_size=2)
+
+
+def test_the_default_group_takes_the_configs_timeout(worker_groups):
+    """Spawned ranks start with torch's default group (gloo: 30 minutes); init_parallel bounds
+    it by parallel.timeout_s -- weight sync and export run collectives on it."""
+    r0 = worker_groups(2).run("tests.cases_parallel:default_group_is_bounded", timeout=60)[0]
+    assert r0["error"] is not None and r0["seconds"] < 20, r0

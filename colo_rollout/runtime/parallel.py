@@ -179,6 +179,13 @@ def init_parallel(cfg: ParallelConfig) -> ParallelGroups:
         apply_nccl_env()
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=timeout)
+    else:  # made by a spawner (runtime/spawn.py): its default group's timeout becomes ours,
+        # so a collective on it (a weight sync's copies, a checkpoint export's verdict) that a
+        # peer never joins raises within parallel.timeout_s instead of gloo's 30 minutes
+        set_timeout = getattr(dist, "set_timeout", None)
+        if set_timeout is None:  # torch < 2.12
+            from torch.distributed.distributed_c10d import _set_pg_timeout as set_timeout
+        set_timeout(timeout)
     world = dist.get_world_size()
     rank = dist.get_rank()
     layout = Layout.from_config(cfg, world)
