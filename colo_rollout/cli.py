@@ -184,8 +184,10 @@ def main(argv: list[str] | None = None) -> int:
         res = _launch("colo_rollout.rl.train:run_train", args.config, overrides, cfg=cfg)
         h = res[0]["history"]
         if h and ("WORLD_SIZE" not in os.environ or os.environ.get("RANK") == "0"):
+            gaps = [x["logprob_gap_max"] for x in h]
+            worst = float("nan") if any(g != g for g in gaps) else max(gaps)  # NaN-aware
             print(f"reward {h[0]['reward']:.3f} -> {h[-1]['reward']:.3f} over {len(h)} steps; "
-                  f"max logprob gap {max(x['logprob_gap_max'] for x in h):.2e}")
+                  f"max logprob gap {worst:.2e}")
         return 0
     if args.cmd == "bench":
         results = _launch("colo_rollout.tools.bench:run_bench", args.config, overrides, gather=True,

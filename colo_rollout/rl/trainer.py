@@ -509,6 +509,7 @@ class Trainer:
         if self._megatron_opt:
             self.ddp.finish_grad_sync()
             self._sum_sequence_shard_grads("main_grad")
+            self._check_finite(loss, "main_grad")
             self.opt.step()
             if head:
                 self.value_opt.step()
@@ -530,8 +531,30 @@ class Trainer:
                     dist.all_reduce(p.grad, group=group)
                 if self.dp > 1:
                     p.grad /= self.dp
+            self._check_finite(loss, "grad")
             self.opt.step()
         return {"loss": float(loss.detach()), **metrics, **replay_stats, **extra}
+
+    def _check_finite(self, loss: torch.Tensor, attr: str) -> None:
+        """Before the optimizer moves anything: the loss and every gradient (``attr``: grad or
+        megatron's main_grad) finite on every rank, else FloatingPointError on every rank (one
+        MAX all-reduce of a flag) -- a diverged step would otherwise write NaN weights that
+        the engine then samples from, and the run would go on reporting them."""
+        grads = [g for p in self.module.parameters()
+                 if (g := getattr(p, attr, None)) is not None]
+        grads += [p.grad for p in (self.value_head.parameters() if self.value_head is not None
+                                   else ()) if p.grad is not None]
+        norms = torch._foreach_norm(grads) if grads else []
+        bad = ~torch.isfinite(torch.stack([loss.detach().float().reshape(()),
+                                           *[n.float() for n in norms]]))
+        flag = bad.any().to(torch.int32).reshape(1)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if int(flag.item()):
+            raise FloatingPointError(
+                f"rl step: the loss or a gradient is not finite on some rank (this rank's "
+                f"loss {float(loss.detach()):.4g}); the optimizer step was skipped and the "
+                "weights are the previous step's -- lower rl.lr (or rl.vf_coef) or check the "
+                "rewards")
 
 
 def setup_mtp(model: torch.nn.Module, scale: float) -> bool:
