@@ -324,23 +324,28 @@ def check_train(cfg: Config, source: str) -> None:
         raise ConfigError(f"{source}: rl.target_token: {rl.target_token} is outside the model's "
                           f"vocabulary [0, {vocab}): the reward could never be earned",
                           key="rl.target_token", source=source)
-    room = cfg.engine.max_seq_len - rl.prompt_len_max  # rollout() caps max_tokens by it
+    from colo_rollout.rl.tasks import task_for
+
+    # the task's longest prompt (rl.prompt_len_max, or the reverse task's reverse_len + 1)
+    task = task_for(rl, vocab)
+    longest, key = task.max_prompt_len, task.length_key
+    what = f"{key} {getattr(rl, key.split('.')[1])}: prompts of {longest} tokens"
+    room = cfg.engine.max_seq_len - longest  # rollout() caps max_tokens by it
     if room < 1:
-        raise ConfigError(f"{source}: rl.prompt_len_max: {rl.prompt_len_max} leaves no room for "
-                          f"a generated token in engine.max_seq_len {cfg.engine.max_seq_len}",
-                          key="rl.prompt_len_max", source=source)
-    if rl.max_new_tokens > room:  # the longest prompts' completions would be cut short
-        raise ConfigError(f"{source}: rl.max_new_tokens: {rl.max_new_tokens} tokens after a "
-                          f"prompt of rl.prompt_len_max {rl.prompt_len_max} exceed "
-                          f"engine.max_seq_len {cfg.engine.max_seq_len}", key="rl.max_new_tokens",
+        raise ConfigError(f"{source}: {key}: {what} leave no room for a generated token in "
+                          f"engine.max_seq_len {cfg.engine.max_seq_len}", key=key,
                           source=source)
+    if rl.max_new_tokens > room:  # the longest prompts' completions would be cut short
+        raise ConfigError(f"{source}: rl.max_new_tokens: {rl.max_new_tokens} tokens after "
+                          f"{what} exceed engine.max_seq_len {cfg.engine.max_seq_len}",
+                          key="rl.max_new_tokens", source=source)
     params = SamplingParams(temperature=rl.temperature, max_tokens=min(rl.max_new_tokens, room),
                             ignore_eos=True)
-    why = _refusal(cfg, (1,) * rl.prompt_len_max, params)
+    why = _refusal(cfg, (1,) * longest, params)
     if why is not None:
-        raise ConfigError(f"{source}: rl.prompt_len_max: the trainer's longest prompt "
-                          f"({rl.prompt_len_max} tokens, max_new_tokens {rl.max_new_tokens}) "
-                          f"would be refused: {why}", key="rl.prompt_len_max", source=source)
+        raise ConfigError(f"{source}: {key}: the trainer's longest prompt ({longest} tokens, "
+                          f"max_new_tokens {rl.max_new_tokens}) would be refused: {why}",
+                          key=key, source=source)
 
 
 def check_decode_overhead(cfg: Config, source: str, *, reps: int, mode: str) -> None:

@@ -187,6 +187,21 @@ def test_dense_kernel_problems_name_the_config_keys(monkeypatch):
     assert door._dense_kernel_problem("flash", m).startswith("the GPU is sm_80")
 
 
+def test_the_reverse_tasks_prompts_are_held_to_the_engine(capsys):
+    """rl.task reverse: its prompts are rl.reverse_len + 1 tokens whatever rl.prompt_len_max
+    says -- the door checks those (it checked prompt_len_max: completions were silently cut
+    and every prompt refused at the prefill budget, with exit 0)."""
+    base = ["--set", "rl.task=reverse", "--set", "rl.prompt_len_max=2"]
+    line = door_error(capsys, "train", TRAIN, *base, "--set", "rl.reverse_len=20",
+                      "--set", "rl.max_new_tokens=20", "--set", "engine.max_seq_len=32")
+    assert line == (f"error: {TRAIN}: rl.max_new_tokens: 20 tokens after rl.reverse_len 20: "
+                    "prompts of 21 tokens exceed engine.max_seq_len 32")
+    line = door_error(capsys, "train", TRAIN, *base, "--set", "rl.reverse_len=20",
+                      "--set", "rl.max_new_tokens=20", "--set", "engine.max_prefill_tokens=16")
+    assert line.startswith(f"error: {TRAIN}: rl.reverse_len: the trainer's longest prompt (21 "
+                           "tokens, max_new_tokens 20) would be refused"), line
+
+
 def test_a_stray_world_size_is_not_taken_for_torchrun(capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     for key in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -256,7 +271,8 @@ def test_train_prompts_and_target_that_cannot_work(capsys):
     assert line.startswith(f"error: {TRAIN}: rl.prompt_len_max: the trainer's longest prompt")
     assert "exceeds engine.max_prefill_tokens 4" in line
     line = door_error(capsys, "train", TRAIN, "--set", "rl.prompt_len_max=64")
-    assert "leaves no room for a generated token in engine.max_seq_len 64" in line
+    assert "rl.prompt_len_max 64: prompts of 64 tokens leave no room for a generated token " \
+        "in engine.max_seq_len 64" in line
 
 
 def test_bench_decode_overhead_arguments(capsys):
@@ -524,7 +540,7 @@ def test_rl_settings_that_would_train_nothing_or_be_cut(capsys):
     assert line == (f"error: {TRAIN}: rl.samples_per_prompt: must be >= 2 for algorithm grpo "
                     "(its advantages compare a prompt's samples), got 1")
     line = door_error(capsys, "train", TRAIN, "--set", "rl.max_new_tokens=100000")
-    assert "rl.max_new_tokens: 100000 tokens after a prompt of rl.prompt_len_max" in line
+    assert "rl.max_new_tokens: 100000 tokens after rl.prompt_len_max" in line
 
 
 def test_an_output_folder_no_file_can_be_made_in(capsys):
