@@ -99,7 +99,8 @@ def check_output(key: str, path: str | os.PathLike | None, source: str | None = 
                  file: bool = False) -> None:
     """One output path (a config key, or a command's flag when ``source`` is None) that the
     run will write: refused now, naming the key, if it cannot be written."""
-    why = None if path is None else unwritable(path, file)
+    why = None if path is None else (
+        "an empty path" if not os.fspath(path).strip() else unwritable(path, file))
     if why:
         at = f"{source}: " if source else ""
         raise ConfigError(f"{at}{key}: {path}: cannot write here ({why})", key=key,
@@ -114,6 +115,29 @@ def check_outputs(cfg: Config, source: str, command: str) -> None:
     for key in keys:
         section, name = key.split(".")
         check_output(key, getattr(getattr(cfg, section), name), source)
+    if command == "train" and cfg.rl.export_dir is not None:
+        _check_export_dir(cfg, source)
+
+
+def _check_export_dir(cfg: Config, source: str) -> None:
+    """rl.export_dir writes a checkpoint (config.json, safetensors): never into the checkpoint
+    the run reads (it would overwrite it, silently, while its weights are in use), nor onto a
+    file the run writes itself."""
+    export = os.path.realpath(cfg.rl.export_dir)
+    ckpt = cfg.model.checkpoint
+    if ckpt is not None:
+        ckpt = os.path.realpath(ckpt)
+        if export == ckpt or export.startswith(ckpt + os.sep):
+            raise ConfigError(f"{source}: rl.export_dir: {cfg.rl.export_dir}: is "
+                              f"{'' if export == ckpt else 'inside '}model.checkpoint {ckpt}, "
+                              "which the run reads: export elsewhere", key="rl.export_dir",
+                              source=source)
+    out = os.path.realpath(cfg.rl.out_dir)
+    own = {os.path.join(out, name) for name in ("metrics.jsonl", "reward.png", "tb")}
+    if export in own:
+        raise ConfigError(f"{source}: rl.export_dir: {cfg.rl.export_dir}: the run writes its "
+                          f"own {os.path.basename(export)} there (rl.out_dir {cfg.rl.out_dir})",
+                          key="rl.export_dir", source=source)
 
 
 def check_backend(cfg: Config, source: str) -> None:

@@ -202,6 +202,34 @@ def test_the_reverse_tasks_prompts_are_held_to_the_engine(capsys):
                            "tokens, max_new_tokens 20) would be refused"), line
 
 
+def test_train_output_paths_that_would_do_harm(capsys, tmp_path):
+    """An empty out_dir / export_dir (the working directory: a checkpoint written there, or a
+    traceback after the ranks started), an export into the checkpoint the run reads, or onto
+    a file the run writes: refused at the door."""
+    line = door_error(capsys, "train", TRAIN, "--set", "rl.export_dir=''")
+    assert line == f"error: {TRAIN}: rl.export_dir: : cannot write here (an empty path)"
+    line = door_error(capsys, "train", TRAIN, "--set", "rl.out_dir=' '")
+    assert line.endswith("rl.out_dir:  : cannot write here (an empty path)"), line
+    out = tmp_path / "run"
+    line = door_error(capsys, "train", TRAIN, "--set", f"rl.out_dir={out}",
+                      "--set", f"rl.export_dir={out}/metrics.jsonl")
+    assert line.endswith(f"rl.export_dir: {out}/metrics.jsonl: the run writes its own "
+                         f"metrics.jsonl there (rl.out_dir {out})"), line
+    from colo_rollout.config import ConfigError
+    from colo_rollout.door import _check_export_dir
+    from colo_rollout.config import load_config
+    import dataclasses
+
+    cfg = load_config(TRAIN)
+    for export, where in ((tmp_path / "ck", "is model.checkpoint"),
+                          (tmp_path / "ck" / "sub", "is inside model.checkpoint")):
+        bad = dataclasses.replace(cfg, model=dataclasses.replace(
+            cfg.model, checkpoint=str(tmp_path / "ck")), rl=dataclasses.replace(
+            cfg.rl, export_dir=str(export)))
+        with pytest.raises(ConfigError, match=f"rl.export_dir: {export}: {where}"):
+            _check_export_dir(bad, TRAIN)
+
+
 def test_a_stray_world_size_is_not_taken_for_torchrun(capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     for key in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
