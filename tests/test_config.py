@@ -598,3 +598,12 @@ def test_bench_variant_outside_the_ladder_is_named(tmp_path):
 def test_prefill_merge_pairs_must_not_be_negative(tmp_path):
     assert_load_error(write(tmp_path, "engine: {prefill_merge_pairs: -1}\n"),
                       "engine.prefill_merge_pairs", ">= 0")
+
+
+def test_a_section_given_whole_in_an_override_sets_only_its_keys(tmp_path):
+    """--set 'rl={steps: 1}' sets rl.steps; the file's other rl keys stay (the section was
+    replaced: out_dir and the rest silently fell back to their defaults)."""
+    path = write(tmp_path, "rl:\n  steps: 5\n  out_dir: here\n  lr: 0.5\n")
+    cfg = load_config(path, {"rl": {"steps": 1, "lr": 0.25}})
+    assert (cfg.rl.steps, cfg.rl.out_dir, cfg.rl.lr) == (1, "here", 0.25)
+    assert load_config(path, {"rl.steps": 2}).rl.out_dir == "here"

@@ -341,6 +341,15 @@ def parse_override(pair: str) -> tuple[str, Any]:
                           f"--set '{key}=\"...\"')", key=key, source="--set") from None
 
 
+def _merged(base: dict, update: Mapping) -> dict:
+    """``base`` with ``update``'s keys set, mappings merged key by key (copies)."""
+    out = copy.deepcopy(base)
+    for k, v in update.items():
+        out[k] = (_merged(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), dict)
+                  else copy.deepcopy(v))
+    return out
+
+
 def _apply_overrides(data: dict[str, Any], overrides: Mapping[str, Any]) -> None:
     """Set each dotted key of ``overrides`` in nested ``data`` (in place), checking it exists."""
     for dotted, value in overrides.items():
@@ -357,7 +366,14 @@ def _apply_overrides(data: dict[str, Any], overrides: Mapping[str, Any]) -> None
                     dotted, f"unknown override key; allowed keys at {where}: {', '.join(names)}"
                 )
             if depth == len(parts) - 1:
-                node[part] = copy.deepcopy(value)
+                sub_cls = typing.get_type_hints(cls)[part]
+                if (dataclasses.is_dataclass(sub_cls) and isinstance(value, Mapping)
+                        and isinstance(node.get(part), dict)):
+                    # a section given whole (--set 'rl={steps: 1}') sets those keys: the
+                    # file's other keys stay (replacing the section dropped them to defaults)
+                    node[part] = _merged(node[part], value)
+                else:
+                    node[part] = copy.deepcopy(value)
                 break
             sub_cls = typing.get_type_hints(cls)[part]
             if not dataclasses.is_dataclass(sub_cls):
