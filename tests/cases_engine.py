@@ -162,6 +162,15 @@ def bad_input_isolated(rank: int, world: int, adp: int, ep: int) -> dict:
         engine.cancel(good[1].request_id)
     except RequestError as e:
         errors["cancel_finished"] = str(e)
+    # the API's other entry points, called wrongly: a RequestError naming the misuse
+    for name, call in (("output_unknown", lambda: engine.output("nope")),
+                       ("forget_none", lambda: engine.forget(None)),
+                       ("forget_str", lambda: engine.forget("abc")),
+                       ("generate_str", lambda: engine.generate("abc"))):
+        try:
+            call()
+        except RequestError as e:
+            errors[name] = str(e)
     engine.check_integrity()
     for kv in engine.scheduler.kv:
         kv.assert_empty()

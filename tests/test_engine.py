@@ -145,6 +145,11 @@ def test_bad_input_is_isolated(worker_groups, world, adp, ep):
         assert "unknown request id" in r["errors"]["cancel_unknown"]
         # generate() handed the finished output back and forgot it: unknown since
         assert "unknown request id" in r["errors"]["cancel_finished"]
+        assert r["errors"]["output_unknown"].startswith("output of request 'nope': unknown")
+        assert "expected request ids" in r["errors"]["forget_none"]
+        assert "got str 'abc'" in r["errors"]["forget_str"]
+        assert r["errors"]["generate_str"] == ("generate: requests must be a list of Request, "
+                                               "got str")
 
 
 def test_cancel_running_and_waiting_and_cross_rank_duplicate(worker_groups):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 import torch
@@ -262,13 +263,22 @@ class Engine:
         return bool(o.submits or o.cancels or o.closes)
 
     def output(self, request_id: str) -> RequestOutput:
-        return self.scheduler.by_id[request_id]
+        """The output of a request this engine holds (in flight, or finished and not yet
+        forgotten); RequestError for any other id."""
+        try:
+            return self.scheduler.by_id[request_id]
+        except (KeyError, TypeError):
+            raise RequestError(f"output of request {request_id!r}: unknown request id (never "
+                               "submitted, or already handed back and forgotten)") from None
 
     def forget(self, request_ids) -> None:
         """Drop finished requests' outputs the caller has taken (from ``step()``): what
         ``generate()`` and ``rollout()`` do with theirs. Keeps the engine's memory bounded in a
         long run of ``step()`` loops; a forgotten id may be used again. Call it alike on every
         rank (the outputs are replicated state); requests still in flight are kept."""
+        if isinstance(request_ids, (str, bytes)) or not isinstance(request_ids, Iterable):
+            raise RequestError(f"forget: expected request ids (a list or a dict of outputs), "
+                               f"got {type(request_ids).__name__} {request_ids!r:.60}")
         self.scheduler.forget(request_ids)
 
     # ------------------------------------------------------------------ collective API
@@ -504,6 +514,10 @@ class Engine:
         Returns the outputs of every request that finished during the call -- these requests
         and any submitted before it -- and forgets them (``output()`` no longer has them; their
         ids may be used again)."""
+        if requests is not None and (isinstance(requests, (str, bytes, Request, Mapping))
+                                     or not isinstance(requests, Iterable)):
+            raise RequestError(f"generate: requests must be a list of Request, got "
+                               f"{type(requests).__name__}")
         ids: list[str] = []
         rejected: dict[str, RequestOutput] = {}
         done: dict[str, RequestOutput] = {}  # what finishes during this call, on every rank
