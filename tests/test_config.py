@@ -607,3 +607,12 @@ def test_a_section_given_whole_in_an_override_sets_only_its_keys(tmp_path):
     cfg = load_config(path, {"rl": {"steps": 1, "lr": 0.25}})
     assert (cfg.rl.steps, cfg.rl.out_dir, cfg.rl.lr) == (1, "here", 0.25)
     assert load_config(path, {"rl.steps": 2}).rl.out_dir == "here"
+
+
+def test_a_yaml_base_60_number_is_named(tmp_path):
+    """YAML 1.1 reads an unquoted 1:30 as 90: refused naming the line and key, as unquoted
+    yes/no are (a quoted "1:30" stays text)."""
+    path = write(tmp_path, "rl:\n  steps: 1:30\n")
+    assert_load_error(path, "rl.steps", ":2", "1:30 is a base-60 number in YAML 1.1 (90)")
+    path = write(tmp_path, "bench:\n  out_dir: '1:30'\n")
+    assert load_config(path).bench.out_dir == "1:30"

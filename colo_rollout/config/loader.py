@@ -280,6 +280,14 @@ class UniqueKeyLoader(yaml.SafeLoader):
             raise _BadScalar(path, node.start_mark.line + 1,
                              f"an integer of {len(node.value)} characters (Python converts at "
                              f"most {_MAX_INT_CHARS} digits)")
+        if (isinstance(node, yaml.ScalarNode) and ":" in node.value and node.tag in
+                ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")):
+            # YAML 1.1's base 60: an unquoted 1:30 is the number 90 (a time, a ratio or a
+            # step count written so would be read silently as another number)
+            raise _BadScalar(path, node.start_mark.line + 1,
+                             f"{node.value} is a base-60 number in YAML 1.1 "
+                             f"({self.construct_object(node)!r}); write the number, or quote "
+                             "the text")
         if isinstance(node, yaml.MappingNode):
             first: dict[Any, int] = {}
             for key_node, value_node in node.value:
