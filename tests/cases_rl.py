@@ -142,6 +142,15 @@ def rollout_misuse(rank: int, world: int) -> dict:
         res["by_rank"] = "returned"
     except ValueError as e:
         res["by_rank"] = str(e)
+    class StrDone:  # done as a str: "False" is truthy, and used to end the episode
+        def reset(self):
+            return [1, 2]
+
+        def step(self, generated):
+            return [3], 0.0, "False"
+
+    res["str_done"] = [(t.status, t.error) for t in rollout(engine, envs=[StrDone()],
+                                                            params=p, tag="env")]
     engine.release_memory("keep")
     try:
         rollout(engine, [[5, 6]], params=p, tag="released")

@@ -77,6 +77,8 @@ def test_rollout_under_misuse_loses_nothing_and_never_hangs(worker_groups):
     statuses = [s for s, _ in r0["paused"]]
     assert "aborted" in statuses and r0["kv_empty_after_pause"], r0["paused"]
     assert any("cancelled outside this rollout() call" in e for _, e in r0["paused"])
+    (status, error), = r0["str_done"]
+    assert status == "failed" and "done must be a bool, got str 'False'" in error
     for r in res:  # every rank raises, naming the trajectory
         assert r["by_rank"].startswith("rollout(): rank 1 ended trajectory (group 0, sample 0)")
         assert "memory is released" in r["released"]

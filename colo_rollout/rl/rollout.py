@@ -178,7 +178,9 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
         ended. Returns True where it was paused between turns (the caller skips the rest)."""
         try:
             obs, reward, done = env_of[sid].step(list(t.tokens[t.turn_start:]))
-            obs = list(obs)
+            obs = list(token_ids(sid, obs))
+            if type(done).__name__ not in ("bool", "bool_"):  # "False" would read as done
+                raise TypeError(f"done must be a bool, got {type(done).__name__} {done!r}")
         except Exception as e:  # noqa: BLE001 - an environment's failure is its own
             t.status, t.error = "failed", f"environment step raised {e!r}"
             _end(engine, live, sid, leader)
