@@ -348,11 +348,8 @@ def check_train(cfg: Config, source: str) -> None:
         raise ConfigError(f"{source}: rl.target_token: {rl.target_token} is outside the model's "
                           f"vocabulary [0, {vocab}): the reward could never be earned",
                           key="rl.target_token", source=source)
-    from colo_rollout.rl.tasks import task_for
-
     # the task's longest prompt (rl.prompt_len_max, or the reverse task's reverse_len + 1)
-    task = task_for(rl, vocab)
-    longest, key = task.max_prompt_len, task.length_key
+    longest, key = rl.longest_prompt
     what = f"{key} {getattr(rl, key.split('.')[1])}: prompts of {longest} tokens"
     room = cfg.engine.max_seq_len - longest  # rollout() caps max_tokens by it
     if room < 1:

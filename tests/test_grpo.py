@@ -173,3 +173,18 @@ def test_flat_groups_are_the_ones_without_signal():
     adv = group_advantages(rewards, groups)
     assert adv[0] == adv[1] == adv[4] == adv[5] == adv[6] == 0.0 and adv[2] != 0.0
     assert flat_group_share([], []) == 0.0
+
+
+def test_every_task_prompt_is_within_the_configs_longest_prompt():
+    """The door holds RLConfig.longest_prompt to the engine: no task draws a longer one."""
+    import random
+
+    from colo_rollout.config.schema import RLConfig
+    from colo_rollout.rl.tasks import task_for
+
+    for rl in (RLConfig(task="reverse", reverse_len=7, max_new_tokens=7),
+               RLConfig(prompt_len_max=5)):
+        longest, _ = rl.longest_prompt
+        task, rng = task_for(rl, 64), random.Random(0)
+        lens = [len(task.prompt(rng)) for _ in range(200)]
+        assert max(lens) == longest

@@ -945,6 +945,15 @@ class RLConfig:
     # weights; the weight sync after the step refills them).
     release_memory: str = "off"
 
+    @property
+    def longest_prompt(self) -> tuple[int, str]:
+        """The longest prompt the task draws (rl/tasks.py) and the key that sets it: the
+        reverse task's are reverse_len symbols and a separator, target_token's up to
+        prompt_len_max tokens (the door holds them to the engine)."""
+        if self.task == "reverse":
+            return self.reverse_len + 1, "rl.reverse_len"
+        return self.prompt_len_max, "rl.prompt_len_max"
+
     def __post_init__(self) -> None:
         _check_field_types(self)
         _require_min(self, ("steps", "prompts_per_step", "samples_per_prompt", "max_new_tokens",

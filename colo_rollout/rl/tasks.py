@@ -1,8 +1,8 @@
 """The verifiable tasks the RL loop trains on: prompts and their rewards, typed by task.
 
 Owns ``task_for(rl, vocab_size)`` -> a ``Task`` (``rl.task``): ``prompt(rng)`` draws a prompt,
-``reward(prompt, completion)`` scores a completion in [0, 1], ``max_prompt_len`` bounds the
-prompts (set by the rl key ``length_key``: the door checks it against the engine). Deterministic functions of their
+``reward(prompt, completion)`` scores a completion in [0, 1]. The longest prompt each draws is
+``RLConfig.longest_prompt`` (the door holds it to the engine). Deterministic functions of their
 inputs (every rank computes the same rewards: rl/rollout.py).
 
   * ``TargetToken``: reward = the share of generated tokens equal to ``rl.target_token`` --
@@ -24,12 +24,6 @@ class TargetToken:
     vocab_size: int
     target: int
     prompt_len_max: int
-    # the rl key that sets the longest prompt (the door names it)
-    length_key = "rl.prompt_len_max"
-
-    @property
-    def max_prompt_len(self) -> int:
-        return self.prompt_len_max
 
     def prompt(self, rng: random.Random) -> list[int]:
         return [rng.randrange(1, self.vocab_size) for _ in range(rng.randint(2,
@@ -43,11 +37,6 @@ class TargetToken:
 class Reverse:
     length: int
     alphabet: int
-    length_key = "rl.reverse_len"
-
-    @property
-    def max_prompt_len(self) -> int:
-        return self.length + 1  # the symbols and the separator
 
     @property
     def separator(self) -> int:
