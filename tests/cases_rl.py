@@ -518,6 +518,78 @@ def weight_sync_misuse(rank: int, world: int) -> dict:
     except RuntimeError as e:
         errors["released"] = str(e)
     engine.resume_memory()
+    # nothing written since the discard: named, not served (the storage is NaN until written)
+    try:
+        engine.weights_loaded()
+    except RuntimeError as e:
+        errors["unwritten"] = str(e)
     stats = WeightSync()(trainer, engine.model)  # and the right call still works
     engine.weights_loaded()
-    return {"errors": errors, "path": stats.path}
+    # a trainer with a tensor kind the engine lacks (q/k norms): its weights would be dropped
+    normed = dataclasses.replace(cfg.model, qk_layernorm=True)
+    try:
+        WeightSync()(build_reference(normed, random_state_dict(normed), _trainer_pgc(world, 1),
+                                     torch.device("cpu")), engine.model)
+    except ValueError as e:
+        errors["kinds"] = str(e)
+    # requests in flight: their tokens would mix the two models
+    from colo_rollout.sched.request import Request
+
+    sync = WeightSync(check_finite=True)
+    engine.submit(Request("busy", (1, 2, 3), SamplingParams(max_tokens=6, ignore_eos=True)))
+    engine.step()
+    try:
+        sync(trainer, engine.model)
+    except RuntimeError as e:
+        errors["busy"] = str(e)
+    while engine.busy():
+        engine.step()
+    engine.forget(["busy"])
+    with torch.no_grad():
+        next(trainer.parameters())[0].fill_(float("nan"))
+    try:
+        sync(trainer, engine.model)
+    except ValueError as e:
+        errors["nan"] = str(e)
+    # pause(): an output that ends on its own in the pause's steps, and a submission not yet
+    # sent (cancelled before it starts), both come back
+    engine.submit(Request("ends", (1, 2), SamplingParams(max_tokens=2, ignore_eos=True)))
+    engine.step()  # P: its first token
+    engine.step()  # D: its last token, committed by the pause's first step
+    engine.submit(Request("unsent", (3, 4), SamplingParams(max_tokens=5, ignore_eos=True)))
+    paused = {k: (o.finish_reason.value, len(o.tokens)) for k, o in engine.pause().items()}
+    engine.resume()
+    engine.close()
+    for name, call in (("closed_cancel", lambda: engine.cancel("x")),
+                       ("closed_release", lambda: engine.release_memory("keep")),
+                       ("closed_loaded", engine.weights_loaded)):
+        try:
+            call()
+        except RuntimeError as e:
+            errors[name] = str(e)
+    return {"errors": errors, "path": stats.path, "paused": paused}
+
+
+def one_rank_released(rank: int, world: int) -> dict:
+    """Memory released on rank 0 alone: generate() and rollout() raise on every rank (their
+    agreement), instead of rank 0 refusing alone and the next call pairing across ranks."""
+    cfg, groups, sd, engine = _engine(world, 2, 2)
+    from colo_rollout.sched.request import Request
+
+    if rank == 0:
+        engine.release_memory("keep")
+    out = {}
+    for name, call in (("generate", lambda: engine.generate([Request("a", (1, 2))])),
+                       ("rollout", lambda: rollout(engine, [[1, 2]],
+                                                   params=SamplingParams(max_tokens=2)))):
+        try:
+            call()
+            out[name] = "returned"
+        except RuntimeError as e:
+            out[name] = str(e)
+    if rank == 0:
+        engine.resume_memory()
+    out["after"] = sorted(engine.generate([Request("b", (1, 2), SamplingParams(
+        max_tokens=2, ignore_eos=True))]))
+    engine.close()
+    return out

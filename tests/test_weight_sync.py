@@ -267,3 +267,22 @@ def test_misuse_is_refused_before_any_tensor_moves(worker_groups):
                                   "model's 2"), e["layers"]
     assert "call engine.resume_memory() before the sync" in e["released"]
     assert r["path"] == "plan"
+    assert e["unwritten"].startswith("weights_loaded(): ") and "was not written since " \
+        "resume_memory() after a discard" in e["unwritten"], e["unwritten"]
+    assert e["kinds"].startswith("WeightSync: the trainer has ") and "layernorm" in e["kinds"]
+    assert "the engine has requests in flight" in e["busy"]
+    assert e["nan"].startswith("WeightSync: the trainer's ") and "is not finite" in e["nan"]
+    assert r["paused"] == {"ends": ("length", 2), "unsent": ("cancelled", 0)}, r["paused"]
+    for name in ("closed_cancel", "closed_release", "closed_loaded"):
+        assert "this engine is closed" in e[name], (name, e)
+
+
+def test_a_refusal_on_one_rank_raises_on_every_rank(worker_groups):
+    """Memory released on rank 0 alone: generate() and rollout() raise on both ranks naming
+    rank 0 (rank 0 refused alone before, and rank 1's call paired with rank 0's next one);
+    the engine serves again once rank 0 resumes."""
+    res = worker_groups(2).run("tests.cases_rl:one_rank_released", timeout=120)
+    for r in res:
+        assert r["generate"].startswith("generate(): rank 0: engine memory is released")
+        assert r["rollout"].startswith("rollout(): rank 0: engine memory is released")
+        assert r["after"] == ["b"]

@@ -157,6 +157,9 @@ class Engine:
         self.runner.renew(self.route, cfg.model.seed, e.prefill_merge_pairs, p_graph_tokens)
         self.route.synchronize()  # KV storage was zeroed on the default stream
         self.memory = worker.memory  # the worker's device memory (release/resume)
+        # what a weight sync asks before it writes (rl/weight_sync.py): whether this engine
+        # serves anything -- parameters change only on an idle engine
+        self.model.serving = self.busy
         # host agreement (control exchange, PreD/PostD): shared memory when every rank is on
         # this host (engine.rendezvous "auto"), else gloo; decided once, the same on all ranks
         agree = cfg.engine.rendezvous
@@ -209,6 +212,10 @@ class Engine:
         if self.paused:
             raise RequestError(f"request {request.request_id!r}: the engine is paused (a "
                                "weight update is in progress); submit after resume()")
+        if self.memory.released is not None or not self.memory.weights_valid:
+            raise RequestError(f"request {request.request_id!r}: the engine's memory is "
+                               "released or its weights not loaded; submit after "
+                               "resume_memory() (and weights_loaded())")
         if request.request_id in self._pending_ids:
             raise RequestError(f"request {request.request_id!r}: duplicate request id")
         self.scheduler.validate(request)
@@ -219,12 +226,17 @@ class Engine:
 
     def pause(self) -> dict[str, RequestOutput]:
         """Collective, at a weight update: cancel every request in flight (rank 0 sends the
-        cancels), serve until idle, and refuse submits until ``resume()``. Returns the
-        outputs of the requests it cancelled: their tokens and logprobs so far (a partial
-        rollout resumes them as prompts under the new weights: rl/rollout.py)."""
+        cancels; each rank cancels its own submissions not yet sent), serve until idle, and
+        refuse submits until ``resume()``. Returns every output that finished during the
+        pause: the cancelled requests' tokens and logprobs so far (a partial rollout resumes
+        them as prompts under the new weights: rl/rollout.py), and any that ended on their
+        own in its steps -- none is lost to a ``step()`` loop around it."""
+        self._check_open()
         if self.groups.rank == 0:
             for rid in list(self.scheduler.live):
                 self.cancel(rid)
+        for rid in list(self._pending_ids):  # submitted here, not yet sent: never started
+            self._outbox.cancels.append(rid)
         outs: dict[str, RequestOutput] = {}
         for out in self.step():
             outs[out.request_id] = out
@@ -232,14 +244,14 @@ class Engine:
             for out in self.step():
                 outs[out.request_id] = out
         self.paused = True
-        return {rid: o for rid, o in outs.items()
-                if o.finish_reason is FinishReason.CANCELLED}
+        return outs
 
     def resume(self) -> None:
         """Accept submits again after ``pause()``."""
         self.paused = False
 
     def cancel(self, request_id: str) -> None:
+        self._check_open()
         if not isinstance(request_id, str):
             raise RequestError(f"cancel: request id must be a string, got {request_id!r}")
         if request_id not in self.scheduler.live and request_id not in self._pending_ids:
@@ -522,7 +534,7 @@ class Engine:
         rejected: dict[str, RequestOutput] = {}
         done: dict[str, RequestOutput] = {}  # what finishes during this call, on every rank
         self._check_open()
-        self.memory.check_ready()  # released memory: raise before anything is submitted
+        self.agree_ready("generate()")  # before anything is submitted, on every rank alike
         if self.groups.rank == 0:
             for req in requests or []:
                 try:
@@ -555,6 +567,31 @@ class Engine:
         done.update(rejected)
         return done
 
+    def agree_ready(self, what: str) -> bool:
+        """Collective, at the start of a collective call (``generate``, ``rollout``): every
+        rank's memory is resident with its weights loaded, and every rank is paused or none
+        is. Returns whether the engine is paused. A problem on any rank raises RuntimeError on
+        every rank, naming it (one all-gather over the control group): a refusal on one rank
+        alone would let the others' call pair with that rank's next one."""
+        try:
+            self.memory.check_ready()
+            problem = None
+        except RuntimeError as e:
+            problem = str(e)
+        if self.groups.layout.world_size == 1:
+            every = [[problem, self.paused]]
+        else:
+            every = all_gather_json([problem, self.paused], self.groups.control)
+        for r, (p, _) in enumerate(every):
+            if p is not None:
+                raise RuntimeError(f"{what}: rank {r}: {p}")
+        paused = {bool(x) for _, x in every}
+        if len(paused) > 1:
+            ranks = [r for r, (_, x) in enumerate(every) if x]
+            raise RuntimeError(f"{what}: ranks {ranks} are paused and the others are not "
+                               "(pause() and resume() are collective: every rank calls them)")
+        return paused.pop()
+
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
 
@@ -563,6 +600,7 @@ class Engine:
         """Give the KV cache, the D graphs and (``offload``/``discard``) the weights back to
         the device while the trainer runs; see worker/memory.py. Idle engine only: its
         retained multi-turn contexts are evicted (their next turn re-prefills)."""
+        self._check_open()
         if weights not in WEIGHT_POLICIES:
             raise ValueError(f"release weights={weights!r}: expected one of {WEIGHT_POLICIES}")
         if self.memory.released is None and self.busy():
@@ -573,12 +611,34 @@ class Engine:
         return self.memory.release(weights, drain=self.route.synchronize)
 
     def resume_memory(self) -> MemoryReport:
+        self._check_open()
         return self.memory.resume(drain=self.route.synchronize)
 
     def weights_loaded(self) -> None:
-        """The caller has written every parameter (weight sync after a discard)."""
+        """Collective: the caller has written every parameter (weight sync after a discard).
+        Checked: ``resume_memory`` after a discard fills the parameters with NaN, so one the
+        caller did not write is named here -- on every rank (one all-gather of each rank's
+        verdict) -- instead of being served."""
+        self._check_open()
         if self.memory.released is not None:
             raise RuntimeError("weights_loaded() before resume_memory()")
+        problem = None
+        if not self.memory.weights_valid:
+            params = [(n, p) for n, p in self.model.named_parameters() if p.numel()]
+            norms = torch.stack([torch.linalg.vector_norm(p, dtype=torch.float32)
+                                 for _, p in params]) if params else None
+            if norms is not None and not bool(torch.isfinite(norms).all()):
+                bad = [n for (n, _), v in zip(params, norms.tolist()) if v != v or
+                       v in (float("inf"), float("-inf"))]
+                problem = (f"weights_loaded(): {bad[0]} (and {len(bad) - 1} more) was not "
+                           "written since resume_memory() after a discard: sync or load every "
+                           "parameter first")
+        every = ([problem] if self.groups.layout.world_size == 1
+                 else all_gather_json(problem, self.groups.control))
+        bad_rank = next((r for r, p in enumerate(every) if p is not None), None)
+        if bad_rank is not None:
+            here = "" if every[bad_rank] == problem else f"rank {bad_rank}: "
+            raise RuntimeError(f"{here}{every[bad_rank]}")
         self.model.weights_updated()  # model.fp8: re-quantise what the caller wrote
         self.memory.weights_valid = True
 
@@ -599,6 +659,7 @@ class Engine:
         shapes (``engine.prefill_attention`` cudnn), and run one P AllReduce so the P
         communicator exists -- all otherwise happen inside the first requests' latency.
         Returns the graphs captured."""
+        self._check_open()
         self.memory.check_ready()
         n = 0
         if self.runner.graphs is not None:

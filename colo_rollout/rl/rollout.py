@@ -40,7 +40,8 @@ from collections.abc import Sequence
 from typing import Any, Callable, Protocol
 
 from colo_rollout.engine.engine import Engine
-from colo_rollout.runtime.control import all_gather_json
+from colo_rollout.runtime.control import ControlError, all_gather_json
+from colo_rollout.runtime.device import DeviceStall
 from colo_rollout.sched.request import (FinishReason, Request, RequestError, SamplingParams,
                                         token_ids)
 
@@ -115,10 +116,10 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
     _check_same_call(engine, (checked, None if envs is None else len(envs), params.to_json(),
                               n, max_turns, max_total_tokens, weight_version, tag,
                               finish_groups, None if carry is None else len(carry.trajectories)))
-    if engine.paused:
+    # every rank resident, loaded, and paused alike (raises on every rank otherwise)
+    if engine.agree_ready("rollout()"):
         raise RuntimeError("rollout() on a paused engine: call engine.resume() once the "
                            "weight update is done")
-    engine.memory.check_ready()  # released memory: raise before anything is submitted
     if finish_groups is not None and (carry is None or finish_groups < 1):
         raise ValueError("finish_groups needs a Carry to hold the unfinished groups and must "
                          f"be >= 1, got {finish_groups}")
@@ -321,16 +322,18 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
                 if turn_done(sid, t):
                     continue
                 pausing = pausing or pause_the_rest()
-    except BaseException:
+    except BaseException as e:
         # an error out of the loop (an interrupt in a reward function, a step that raised on
         # every rank): nothing of this call stays in the engine -- the leader cancels what is
         # in flight, the engine drains, the sessions close and the outputs are forgotten, so
-        # the next call starts clean. A cleanup that fails in turn (a rank gone) gives way
-        # to the original error.
-        try:
-            _abandon(engine, live, inflight, submitted, list(trajs), leader)
-        except Exception:  # noqa: BLE001 - the original error is the one to raise
-            pass
+        # the next call starts clean. A cleanup that fails in turn gives way to the original
+        # error; after a peer went silent (ControlError) or the device stalled there is no
+        # one to clean up with -- another wait would only double the time to the error.
+        if not isinstance(e, (ControlError, DeviceStall)):
+            try:
+                _abandon(engine, live, inflight, submitted, list(trajs), leader)
+            except Exception:  # noqa: BLE001 - the original error is the one to raise
+                pass
         raise
     engine.step()  # collective on every rank: flushes the leader's last session closes
     while engine.busy():

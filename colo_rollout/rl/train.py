@@ -51,7 +51,7 @@ def run_train(rank: int, world: int, config_path: str, overrides: dict | None = 
     sd = None if cfg.model.checkpoint is not None else random_state_dict(cfg.model)
     engine = Engine(cfg, groups, sd)
     trainer = Trainer(cfg, sd, groups.device)
-    sync = WeightSync()
+    sync = WeightSync(timeout_s=cfg.parallel.timeout_s)
     sync(trainer.module, engine.model)  # start from identical weights (checks the plan too)
     rng = random.Random(cfg.rl.seed)
     task = task_for(cfg.rl, cfg.model.vocab_size)

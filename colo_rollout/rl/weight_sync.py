@@ -93,12 +93,21 @@ def new_gpu_copy_service(group=None) -> CopyService:
     return BatchedNCCLCopyService(group=group)
 
 
+# the sync's own gloo group's timeout where the caller names none (WeightSync(timeout_s=);
+# the train loop passes parallel.timeout_s): far below gloo's 30-minute default
+DEFAULT_TIMEOUT_S = 300.0
+
+
 class CpuCopyService(CopyService):
     """Batched send/recv of CPU tensors over a gloo group; same-rank pairs copy locally."""
 
-    def __init__(self, group=None) -> None:
+    def __init__(self, group=None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        import datetime
+
         super().__init__(group=group)
-        self.pg = group if group is not None else dist.new_group(backend="gloo")
+        # (a collective: a rank that never makes it times the others out within timeout_s)
+        self.pg = group if group is not None else dist.new_group(
+            backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         self.send_ops: list[SendOp] = []
         self.recv_ops: list[RecvOp] = []
         self.bytes_moved = 0  # remote bytes of the last run
@@ -418,6 +427,27 @@ def check_pair(trainer_model, inference_model) -> None:
         if (a or 0) != (b or 0):
             raise ValueError(f"WeightSync: the trainer's {field} is {a}, the inference "
                              f"model's {b}: the two models must have one shape")
+    core = getattr(trainer_model, "module", trainer_model)
+    vocab = getattr(core, "vocab_size", None)
+    if vocab is not None and vocab != inference_model.cfg.vocab_size:
+        raise ValueError(f"WeightSync: the trainer's vocab_size is {vocab}, the inference "
+                         f"model's {inference_model.cfg.vocab_size}: the two models must have "
+                         "one shape")
+    # a tensor the trainer has and the engine lacks (a q/k norm, a q/k/v bias, a shared
+    # expert) would be dropped by the planner without a word: the engine would serve another
+    # model than the trainer's
+    lost = sorted(_kinds(trainer_model) - _kinds(inference_model))
+    if lost:
+        raise ValueError(f"WeightSync: the trainer has {lost[0]} (and {len(lost) - 1} more "
+                         "kinds of tensor) that the inference model does not: the two models "
+                         "must be one architecture")
+
+
+def _kinds(model: torch.nn.Module) -> set[str]:
+    """The model's parameter names with expert and layer indices starred: what kinds of
+    tensor it holds, whatever its layout (each rank holds other experts)."""
+    return {re.sub(r"\.\d+\.", ".*.", re.sub(r"weight\d+$", "weight*", n))
+            for n, _ in RefitView(model).named_parameters()}
 
 
 def check_resident(inference_model) -> None:
@@ -436,11 +466,16 @@ class WeightSync:
     The inference model must expose megatron's ``config`` and ``pg_collection`` (its groups
     decide which shard each rank holds); the plan is built on the first call and cached."""
 
-    def __init__(self, group=None) -> None:
+    def __init__(self, group=None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 check_finite: bool = False) -> None:
+        # check_finite: refuse a trainer whose weights hold NaN or inf (a pass over every
+        # trainer byte: ~half the sync's own time, so off by default -- rl/trainer.py refuses
+        # a non-finite step before its optimizer writes, which is where they come from)
+        self.check_finite = check_finite
         if torch.cuda.is_available():
             self.service = new_gpu_copy_service(group)
         else:
-            self.service = CpuCopyService(group)
+            self.service = CpuCopyService(group, timeout_s)
         self.version = 0
         self.history: list[SyncStats] = []
         self._views: dict = {}  # (trainer id, inference id) -> views
@@ -458,12 +493,54 @@ class WeightSync:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         return bool(flag.item())
 
+    def _agree(self, trainer_model, inference_model, first: bool) -> None:
+        """Before anything is written, on every rank alike: the pair is one architecture
+        (first call), the engine's weights are resident and it serves nothing (a sync under
+        requests in flight would mix the two models in their tokens), and the trainer's
+        weights are finite. One all-gather of each rank's verdict over the engine's control
+        group: a problem on any rank raises on every rank, naming it -- a rank-local refusal
+        would leave the others waiting in the sync's collectives. (The finiteness check runs
+        with ``check_finite`` only.)"""
+        problem = None
+        try:
+            if first:
+                check_pair(trainer_model, inference_model)
+            check_resident(inference_model)
+            serving = getattr(inference_model, "serving", None)
+            if serving is not None and serving():
+                raise RuntimeError("WeightSync: the engine has requests in flight; finish them "
+                                   "or engine.pause() before the sync (their tokens would mix "
+                                   "the old and the new weights)")
+            params = [p for p in trainer_model.parameters() if p.numel()
+                      and self.check_finite]
+            if params:  # (fp32 norms: NaN and inf carry through, fp16 values cannot overflow)
+                norms = torch.stack([torch.linalg.vector_norm(p, dtype=torch.float32)
+                                     for p in params])
+                if not bool(torch.isfinite(norms).all()):
+                    name = next(n for n, p in trainer_model.named_parameters()
+                                if p.numel() and not bool(torch.isfinite(p).all()))
+                    raise ValueError(f"WeightSync: the trainer's {_unwrapped(name)} is not "
+                                     "finite (NaN or inf): not synced into the engine")
+        except (TypeError, ValueError, RuntimeError) as e:
+            problem = [type(e).__name__, str(e)]
+        groups = getattr(inference_model, "groups", None)
+        if groups is None or groups.layout.world_size == 1:
+            every = [problem]
+        else:
+            from colo_rollout.runtime.control import all_gather_json
+
+            every = all_gather_json(problem, groups.control)
+        for r, got in enumerate(every):
+            if got is not None:
+                kind = {"TypeError": TypeError, "ValueError": ValueError}.get(got[0],
+                                                                            RuntimeError)
+                here = "" if got == problem else f"rank {r}: "
+                raise kind(f"{here}{got[1]}")
+
     def __call__(self, trainer_model, inference_model) -> SyncStats:
         t0 = time.perf_counter()
         pair = (id(trainer_model), id(inference_model))  # the views keep both alive: ids stay
-        if pair not in self._views:
-            check_pair(trainer_model, inference_model)
-        check_resident(inference_model)
+        self._agree(trainer_model, inference_model, first=pair not in self._views)
         if pair not in self._views:
             self._views[pair] = (RefitView(trainer_model), RefitView(inference_model))
         views = self._views[pair]
@@ -485,6 +562,10 @@ class WeightSync:
             _refit._plan_cache.update(self._plans.get(pair, {}))
             try:
                 swap_model_weights(views[0], views[1], self.service)
+            except RuntimeError as e:  # gloo / NCCL's own words: say whose operation it was
+                raise RuntimeError(f"WeightSync: the sync's transfers failed on this rank "
+                                   f"(a rank that did not join the sync, or left it?): "
+                                   f"{' '.join(str(e).split())[:300]}") from e
             finally:
                 record, self.service.record = self.service.record, None
             self._plans[pair] = dict(_refit._plan_cache)

@@ -8,7 +8,7 @@ inference weights;
 Weights:
   * ``keep``     -- stay on the device (the cheap default when memory allows);
   * ``offload``  -- copied to pinned host memory and restored on resume (bit-identical);
-  * ``discard``  -- dropped; resume allocates uninitialised storage, which the weight-sync hook
+  * ``discard``  -- dropped; resume allocates NaN-filled storage, which the weight-sync hook
     fills in place (every parameter is overwritten by a sync). Generating before that raises.
 
 Owned by the worker (worker/worker.py: the memory is its model's, KV storage's and graphs');
@@ -101,8 +101,9 @@ class WorkerMemory:
             for name, p in params.items():
                 if self.released == "offload":
                     p.data = self._host.pop(name).to(p.device, non_blocking=True)
-                else:
-                    p.data = torch.empty(shapes[name], dtype=p.dtype, device=p.device)
+                else:  # NaN until written: weights_loaded() names any left unwritten
+                    p.data = torch.full(shapes[name], float("nan"), dtype=p.dtype,
+                                        device=p.device)
             self.weights_valid = self.released == "offload"
             if self.weights_valid:
                 self.model.weights_updated()  # model.fp8: the restored weights' FP8 copies
