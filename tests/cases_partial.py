@@ -51,6 +51,19 @@ def partial_round_trip(rank: int, world: int, adp: int, ep: int, mode: str) -> d
         rollout(engine, PROMPTS, params=params, finish_groups=1)
     except ValueError as e:
         errors["no_carry"] = str(e)
+    # weights written after the carry was filled (a sync; here the same weights loaded
+    # again): resuming under the carry's own version would label new-weight tokens old
+    carry2 = Carry()
+    rollout(engine, PROMPTS, params=params, n=2, max_total_tokens=CAP, tag="c",
+            finish_groups=1, carry=carry2, weight_version=3)
+    engine.model.load_full_state_dict(random_state_dict(cfg.model))
+    try:
+        rollout(engine, [], params=params, max_total_tokens=CAP, tag="d", carry=carry2,
+                weight_version=3)
+    except ValueError as e:
+        errors["synced"] = str(e)
+    rollout(engine, [], params=params, max_total_tokens=CAP, tag="d", carry=carry2,
+            weight_version=4)  # a newer version: resumed
     # engine.pause(): in-flight requests come back with their tokens so far
     if rank == 0:
         for i, p in enumerate(PROMPTS):

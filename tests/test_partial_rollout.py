@@ -26,6 +26,8 @@ def test_paused_groups_resume_to_the_uninterrupted_tokens(worker_groups, mode):
     assert r0["routing_ok"]
     e = r0["errors"]
     assert "stale version" in e["stale"] and "Carry" in e["no_carry"]
+    assert "the engine's weights were written since its tokens of that version" in \
+        e["synced"], e
     assert "paused" in e["paused_submit"] and "resume()" in e["paused_rollout"]
     # engine.pause(): every in-flight request cancelled with the tokens it had
     assert [o[1] for o in r0["pause_outs"]] == ["cancelled"] * 4

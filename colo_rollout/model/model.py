@@ -499,6 +499,9 @@ class InferenceGPT(torch.nn.Module):
             self.dispatch_d.invariant = batch_invariant
         self._rope: torch.Tensor | None = None
         self._rope_mscale = 1.0  # megatron's mscale: cos and sin scaled by it (YaRN)
+        # writes of new weights (WeightSync, load_full_state_dict): rl/rollout.py's carry
+        # refuses to label tokens of new weights with the old weight_version
+        self.weight_epoch = 0
         self._rope_tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         # diagnostics: when a list, P appends the residual stream after every attention and
         # MoE block (fp32 copies) -- for locating precision loss against a reference
@@ -665,6 +668,7 @@ class InferenceGPT(torch.nn.Module):
         (local-spec or TE-spec names; converted to this model's spec first)."""
         full = to_spec_names(full, self.use_te)
         load_sharded(self, full, self.groups.layout, self.groups.rank)
+        self.weight_epoch += 1  # new weights: what a partial rollout's carry checks
         if self._fp8_ptrs is not None:  # FP8 copies exist: follow the new weights (a first
             self.weights_updated()  # load's are made where the model runs: build_model)
 

@@ -95,6 +95,9 @@ class Carry:
     trajectories: list[Trajectory] = field(default_factory=list)
     prompts: dict[int, list[int]] = field(default_factory=dict)  # group -> its prompt
     envs: dict[int, Any] = field(default_factory=dict)  # group -> its environment (multi-turn)
+    # the engine's weight writes (InferenceGPT.weight_epoch) when the carry was filled: a
+    # resume after a sync must come with a newer weight_version
+    weight_epoch: int | None = None
 
 
 def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
@@ -124,12 +127,19 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
         raise ValueError("finish_groups needs a Carry to hold the unfinished groups and must "
                          f"be >= 1, got {finish_groups}")
     carried = list(carry.trajectories) if carry is not None else []
+    synced = (carry is not None and carry.weight_epoch is not None
+              and getattr(engine.model, "weight_epoch", 0) != carry.weight_epoch)
     for t in carried:
         last = t.segments[-1][1] if t.segments else t.weight_version
         if last > weight_version:
             raise ValueError(f"resume of trajectory (group {t.group}, sample {t.sample}) under "
                              f"weight version {weight_version}: it already has tokens of "
                              f"version {last} (a stale version)")
+        if synced and last == weight_version:
+            raise ValueError(f"resume of trajectory (group {t.group}, sample {t.sample}) under "
+                             f"weight version {weight_version}: the engine's weights were "
+                             "written since its tokens of that version (a weight sync), so "
+                             "the new tokens need a newer weight_version")
     # (a budget past engine.max_seq_len could only be refused: the engine's limit caps it)
     cap = min(max_total_tokens or engine.cfg.engine.max_seq_len, engine.cfg.engine.max_seq_len)
     leader = engine.groups.rank == 0
@@ -356,6 +366,7 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
                      if t.group in unfinished and sid in prompt_of}
     carry.envs = {t.group: env_of[sid] for sid, t in trajs.items()
                   if t.group in unfinished and sid in env_of}
+    carry.weight_epoch = getattr(engine.model, "weight_epoch", 0)
     return [t for t in trajs.values() if t.group not in unfinished]
 
 

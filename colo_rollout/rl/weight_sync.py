@@ -582,6 +582,9 @@ class WeightSync:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.version += 1
+        # the engine's count of weight writes: a partial rollout's carry checks its resume's
+        # weight_version against it (rl/rollout.py)
+        inference_model.weight_epoch = getattr(inference_model, "weight_epoch", 0) + 1
         stats = SyncStats(self.version, time.perf_counter() - t0,
                           getattr(self.service, "bytes_moved", -1),
                           getattr(self.service, "bytes_local", -1), path)
