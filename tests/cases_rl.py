@@ -545,12 +545,26 @@ def weight_sync_misuse(rank: int, world: int) -> dict:
     while engine.busy():
         engine.step()
     engine.forget(["busy"])
+    first = next(trainer.parameters())
+    kept = first.detach().clone()
     with torch.no_grad():
-        next(trainer.parameters())[0].fill_(float("nan"))
+        first.fill_(float("nan"))
     try:
         sync(trainer, engine.model)
     except ValueError as e:
         errors["nan"] = str(e)
+    # without the check the NaN weights reach the engine: its requests end with an error
+    # naming the non-finite logits instead of serving tokens of them; good weights again
+    # and it serves
+    WeightSync()(trainer, engine.model)
+    got = engine.generate([Request("nan", (1, 2), SamplingParams(max_tokens=3))])["nan"]
+    nan_out = (got.finish_reason.value, len(got.tokens), got.error)
+    with torch.no_grad():
+        first.copy_(kept)
+    WeightSync()(trainer, engine.model)
+    got = engine.generate([Request("ok", (1, 2), SamplingParams(max_tokens=3,
+                                                               ignore_eos=True))])["ok"]
+    after_nan = (got.finish_reason.value, len(got.tokens))
     # pause(): an output that ends on its own in the pause's steps, and a submission not yet
     # sent (cancelled before it starts), both come back
     engine.submit(Request("ends", (1, 2), SamplingParams(max_tokens=2, ignore_eos=True)))
@@ -567,7 +581,8 @@ def weight_sync_misuse(rank: int, world: int) -> dict:
             call()
         except RuntimeError as e:
             errors[name] = str(e)
-    return {"errors": errors, "path": stats.path, "paused": paused}
+    return {"errors": errors, "path": stats.path, "paused": paused, "nan_out": nan_out,
+            "after_nan": after_nan}
 
 
 def one_rank_released(rank: int, world: int) -> dict:

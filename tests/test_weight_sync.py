@@ -273,6 +273,10 @@ def test_misuse_is_refused_before_any_tensor_moves(worker_groups):
     assert "the engine has requests in flight" in e["busy"]
     assert e["nan"].startswith("WeightSync: the trainer's ") and "is not finite" in e["nan"]
     assert r["paused"] == {"ends": ("length", 2), "unsent": ("cancelled", 0)}, r["paused"]
+    reason, n, error = r["nan_out"]
+    assert (reason, n) == ("error", 0) and "the model's logits are not finite at output " \
+        "token 0" in error, r["nan_out"]
+    assert r["after_nan"] == ("length", 3)
     for name in ("closed_cancel", "closed_release", "closed_loaded"):
         assert "this engine is closed" in e[name], (name, e)
 

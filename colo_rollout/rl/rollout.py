@@ -313,6 +313,10 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
                 t = trajs[sid]
                 t._append(out.tokens, out.logprobs)
                 t.turns = int(turn) + 1
+                if out.finish_reason is FinishReason.ERROR:  # the engine ended it
+                    t.status, t.error = "failed", out.error
+                    _end(engine, live, sid, leader)
+                    continue
                 if out.finish_reason is FinishReason.CANCELLED:
                     t.status = "paused" if pausing else "aborted"
                     if pausing:  # the interrupted turn is not done: resumed as turn ``turns``

@@ -196,6 +196,7 @@ class FinishReason(str, Enum):
     LENGTH = "length"  # max_tokens (or the sequence cap) reached
     CANCELLED = "cancelled"
     REJECTED = "rejected"  # never admitted; ``error`` says why
+    ERROR = "error"  # ended by the engine mid-generation (non-finite logits); ``error`` says why
 
 
 @dataclass

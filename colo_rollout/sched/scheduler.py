@@ -411,6 +411,14 @@ class Scheduler:
         # Tokens after a stop are dropped (their KV, if written, is never counted).
         seq.length += len(item.tokens) - 1 if isinstance(item, PrefillItem) else 0
         for token, logprob in ((s.token, s.logprob), *s.more):
+            if logprob != logprob:  # NaN: the logits were not finite -- NaN or inf weights
+                # (a sync of a diverged trainer, weights never written): never served as a
+                # token; the request ends with the reason, the engine serves the rest
+                out.error = (f"request {seq.request.request_id!r}: the model's logits are not "
+                             f"finite at output token {len(out.tokens)} (NaN or inf weights?)")
+                self._finish(seq, out, FinishReason.ERROR, now)
+                finished.append(out)
+                return
             seq.length += 1
             out.tokens.append(token)
             out.logprobs.append(logprob)
