@@ -619,3 +619,18 @@ def test_a_yaml_base_60_number_is_named(tmp_path):
                             "write the number, or quote the text")
     path = write(tmp_path, "bench:\n  out_dir: '1:30'\n")
     assert load_config(path).bench.out_dir == "1:30"
+
+
+def test_a_config_path_that_is_not_a_regular_file_is_refused_at_once(tmp_path):
+    """A FIFO (the door waited for a writer for ever) and /dev/zero (read for ever) are
+    refused without blocking; so is a directory."""
+    import os
+    import time
+
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    for path in (fifo, "/dev/zero", tmp_path):
+        start = time.monotonic()
+        with pytest.raises(ConfigError, match="not a regular file"):
+            load_config(path)
+        assert time.monotonic() - start < 5

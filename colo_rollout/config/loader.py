@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 import yaml
 
+from colo_rollout.config.files import FileProblem, read_regular_file
 from colo_rollout.config.checks import (
     ConfigError,
     _check_field_types,
@@ -254,6 +255,9 @@ class _BadScalar(ValueError):
     """A scalar YAML reads but Python cannot hold: (dotted key, 1-based line, problem)."""
 
 
+# the largest config file read (real ones are a few kB; /dev/zero would never end)
+MAX_CONFIG_BYTES = 64 * 2**20
+
 # Python converts integers of at most this many digits (sys.get_int_max_str_digits' default)
 _MAX_INT_CHARS = 4300
 
@@ -403,12 +407,10 @@ def load_config(path: str | os.PathLike, overrides: Mapping[str, Any] | None = N
     """
     source = os.fspath(path)
     try:
-        with open(source, "rb") as fh:
-            raw = fh.read()
-    except OSError as err:
-        raise ConfigError(
-            f"{source}: cannot read config file: {err.strerror or err}", source=source
-        ) from err
+        raw = read_regular_file(source, MAX_CONFIG_BYTES, "a config is a YAML file")
+    except FileProblem as err:
+        text = str(err).replace("cannot read:", "cannot read config file:", 1)
+        raise ConfigError(f"{source}: {text}", source=source) from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:

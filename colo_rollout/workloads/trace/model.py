@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import os
-import stat
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from statistics import NormalDist
@@ -16,6 +15,8 @@ from types import MappingProxyType
 from typing import Any
 
 import numpy as np
+
+from colo_rollout.config.files import FileProblem, read_regular_file
 
 # The main-campaign trace of the AInfer-PD paper (Workload and protocol; Figure 6 text). Keys are
 # the flat names of TraceStats.flat(). The paper's "input tokens" (6,574,104) count the whole
@@ -79,28 +80,18 @@ def read_trace_bytes(path: str | os.PathLike[str]) -> bytes:
     """A trace file's bytes (a leading UTF-8 byte-order mark, which some editors write,
     dropped), or TraceError (``<path>: file: ...``) for a path that is empty, unreadable, not
     a regular file (a directory, a FIFO or a device would block or never end) or larger than
-    MAX_TRACE_BYTES."""
+    MAX_TRACE_BYTES (config/files.py)."""
     name = os.fspath(path)
-    if not name:
-        raise TraceError("<empty path>", None, "file", "no trace file named (the path is empty)")
     try:
-        # non-blocking: opening a FIFO for reading would wait for a writer
-        fd = os.open(name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        with open(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise TraceError(name, None, "file", "not a regular file (a directory, FIFO or "
-                                 "device): a trace is a JSONL file")
-            if st.st_size > MAX_TRACE_BYTES:
-                raise TraceError(name, None, "file", f"{st.st_size} bytes, more than the "
-                                 f"{MAX_TRACE_BYTES} a trace file may have")
-            data = f.read(MAX_TRACE_BYTES + 1)
-            return data[3:] if data.startswith(b"\xef\xbb\xbf") else data
-    except OSError as e:
-        where = ("" if os.path.isabs(name) or not isinstance(e, FileNotFoundError)
-                 else f" (relative to the working directory {os.getcwd()})")
-        raise TraceError(name, None, "file",
-                         f"cannot read trace file: {e.strerror or e}{where}") from None
+        data = read_regular_file(name, MAX_TRACE_BYTES, "a trace is a JSONL file")
+    except FileProblem as e:
+        text = str(e)
+        if text.startswith("cannot read:"):
+            text = "cannot read trace file:" + text[len("cannot read:"):]
+        elif text.startswith("no file named"):
+            text = "no trace file named (the path is empty)"
+        raise TraceError(name or "<empty path>", None, "file", text) from None
+    return data[3:] if data.startswith(b"\xef\xbb\xbf") else data
 
 
 # --------------------------------------------------------------------------- #

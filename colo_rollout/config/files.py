@@ -1,0 +1,44 @@
+"""Reading a user's input file whole, bounded: ``read_regular_file``.
+
+Owns the rule every reader of a named file follows (config YAML, trace JSONL): the path names
+a regular file of at most a given size, opened without blocking -- a FIFO would wait for a
+writer for ever, a device such as /dev/zero would never end, a directory is not a file. The
+callers turn ``FileProblem`` into their own one-line errors (file, key).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+
+class FileProblem(ValueError):
+    """Why a named file cannot be read (one line, without the path)."""
+
+
+def read_regular_file(path: str | os.PathLike[str], max_bytes: int, what: str) -> bytes:
+    """The bytes of the regular file ``path`` (``what`` names its kind in a message: "a trace
+    is a JSONL file"), or FileProblem: an empty path, a path that is not a regular file, one
+    larger than ``max_bytes``, or the OS's reason it cannot be read (a relative path that does
+    not exist names the working directory)."""
+    name = os.fspath(path)
+    if not name:
+        raise FileProblem("no file named (the path is empty)")
+    try:
+        # non-blocking: opening a FIFO for reading would wait for a writer
+        fd = os.open(name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with open(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise FileProblem(f"not a regular file (a directory, FIFO or device): {what}")
+            if st.st_size > max_bytes:
+                raise FileProblem(f"{st.st_size} bytes, more than the {max_bytes} such a file "
+                                  "may have")
+            data = f.read(max_bytes + 1)
+            if len(data) > max_bytes:  # grew while read
+                raise FileProblem(f"more than the {max_bytes} bytes such a file may have")
+            return data
+    except OSError as e:
+        where = ("" if os.path.isabs(name) or not isinstance(e, FileNotFoundError)
+                 else f" (relative to the working directory {os.getcwd()})")
+        raise FileProblem(f"cannot read: {e.strerror or e}{where}") from None
