@@ -153,15 +153,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {bad[0]}", file=sys.stderr)
             return 2
         overrides = _door(_overrides, args.set)
-        overrides["model.mtp_num_layers"] = 1
-        cfg = _config_at_the_door(args.config, overrides, args.cmd)
-        longest = args.prompt_len + args.new_tokens
-        if max(args.batches) > cfg.engine.max_batch_size or longest > cfg.engine.max_seq_len:
-            print(f"error: {args.config}: engine: --batches up to {max(args.batches)} and "
-                  f"{longest}-token sequences exceed engine.max_batch_size "
-                  f"{cfg.engine.max_batch_size} / engine.max_seq_len {cfg.engine.max_seq_len}",
-                  file=sys.stderr)
+        if overrides.get("model.mtp_num_layers", 1) != 1:
+            print(f"error: --set model.mtp_num_layers={overrides['model.mtp_num_layers']}: "
+                  "bench-mtp measures the model with its one MTP layer (1)", file=sys.stderr)
             return 2
+        overrides["model.mtp_num_layers"] = 1
+        cfg = _config_at_the_door(args.config, overrides, args.cmd,
+                                  batches=tuple(args.batches), prompt_len=args.prompt_len,
+                                  new_tokens=args.new_tokens)
         from colo_rollout.door import check_output
 
         _door(check_output, "--out", args.out)

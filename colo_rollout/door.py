@@ -65,7 +65,7 @@ def load(command: str, config_path: str | os.PathLike, overrides: Mapping[str, A
     check_outputs(cfg, source, command)
     check = {"demo": check_demo, "train": check_train, "bench": check_bench,
              "bench-decode-overhead": check_decode_overhead,
-             "bench-speed": check_bench_speed}.get(command)
+             "bench-speed": check_bench_speed, "bench-mtp": check_bench_mtp}.get(command)
     if check is not None:
         check(cfg, source, **args)
     return cfg
@@ -369,12 +369,42 @@ def check_train(cfg: Config, source: str) -> None:
                           key=key, source=source)
 
 
+def check_bench_mtp(cfg: Config, source: str, *, batches: tuple[int, ...], prompt_len: int,
+                    new_tokens: int) -> None:
+    """bench-mtp's requests (``batches`` sequences of ``prompt_len`` prompt and
+    ``new_tokens`` output tokens at once) are served by the engine, and its oracle can be
+    built: the engine's own rule on the longest request and the largest batch's KV blocks
+    (a refused request used to leave the table all NaN with exit 0)."""
+    if cfg.model.first_k_dense:
+        raise ConfigError(f"{source}: model.first_k_dense: {cfg.model.first_k_dense}: "
+                          "bench-mtp's oracle copies layer 0 into the MTP layer, which is of "
+                          "the last layer's kind (MoE): layer 0 must be MoE too (0)",
+                          key="model.first_k_dense", source=source)
+    e = cfg.engine
+    why = _refusal(cfg, (1,) * prompt_len, SamplingParams(max_tokens=new_tokens,
+                                                          ignore_eos=True))
+    if why is None and max(batches) > e.max_batch_size:
+        why = f"--batches {max(batches)} exceeds engine.max_batch_size {e.max_batch_size}"
+    if why is None:
+        per = -(-(prompt_len + new_tokens + 1) // e.kv_block_size)  # +1: the draft's slot
+        rows = -(-max(batches) // cfg.parallel.adp)
+        if per * rows > e.num_kv_blocks:
+            why = (f"{max(batches)} sequences of {prompt_len + new_tokens} tokens need "
+                   f"{per * rows} KV blocks per replica, engine.num_kv_blocks is "
+                   f"{e.num_kv_blocks}")
+    if why is not None:
+        raise ConfigError(f"{source}: engine: bench-mtp's requests ({max(batches)} at once, "
+                          f"--prompt-len {prompt_len} + --new-tokens {new_tokens}) would not "
+                          f"all be served: {why}", key="engine", source=source)
+
+
 def check_decode_overhead(cfg: Config, source: str, *, reps: int, mode: str) -> None:
     """bench-decode-overhead's arguments, and its requests (8-token prompts, up to 128 output
     tokens: bench_decode.decode_overhead) are served."""
     _require_arg(reps >= 1, "--reps", f"must be >= 1, got {reps}")
-    _require_arg(mode in ENGINE_MODES, "--mode",
-                 f"expected one of {', '.join(ENGINE_MODES)}; got {mode!r}")
+    _require_arg(mode in ENGINE_MODES and mode != "normal", "--mode",
+                 f"expected a PD mode ({', '.join(m for m in ENGINE_MODES if m != 'normal')}) "
+                 f"to time against Normal; got {mode!r}")
     out_len = min(128, cfg.engine.max_seq_len - 8)
     why = ("engine.max_seq_len must be >= 9 (8 prompt tokens + at least 1 generated)"
            if out_len < 1 else

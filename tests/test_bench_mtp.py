@@ -45,8 +45,24 @@ def test_bench_mtp_runs_and_reports(tmp_path, capsys):
 def test_bench_mtp_bad_arguments(capsys, tmp_path):
     assert main(["bench-mtp", CFG, "--new-tokens", "1", "--out", str(tmp_path)]) == 2
     assert "error: --new-tokens" in capsys.readouterr().err
-    assert main(["bench-mtp", CFG, "--batches", "64", "--out", str(tmp_path)]) == 2
-    assert "engine.max_batch_size" in capsys.readouterr().err
+    line = door_error(capsys, "bench-mtp", CFG, "--batches", "64", "--out", str(tmp_path))
+    assert "engine.max_batch_size" in line
+    # requests the engine would refuse (the table came out all NaN with exit 0), the oracle's
+    # layer kinds, and an MTP layer count the command would have replaced silently
+    line = door_error(capsys, "bench-mtp", CFG, "--batches", "4", "--prompt-len", "100",
+                      "--new-tokens", "100", "--set", "engine.num_kv_blocks=8",
+                      "--out", str(tmp_path))
+    assert line.startswith(f"error: {CFG}: engine: bench-mtp's requests (4 at once, "
+                           "--prompt-len 100 + --new-tokens 100) would not all be served"), line
+    line = door_error(capsys, "bench-mtp", CFG, "--prompt-len", "64", "--set",
+                      "engine.max_prefill_tokens=16", "--out", str(tmp_path))
+    assert "engine.max_prefill_tokens 16" in line, line
+    line = door_error(capsys, "bench-mtp", CFG, "--set", "model.num_layers=2", "--set",
+                      "model.first_k_dense=1", "--out", str(tmp_path))
+    assert "model.first_k_dense: 1: bench-mtp's oracle copies layer 0" in line, line
+    assert main(["bench-mtp", CFG, "--set", "model.mtp_num_layers=0", "--out",
+                 str(tmp_path)]) == 2
+    assert "error: --set model.mtp_num_layers=0" in capsys.readouterr().err
     assert main(["bench-mtp", CFG, "--distill-steps", "-1", "--out", str(tmp_path)]) == 2
     assert "error: --distill-steps" in capsys.readouterr().err
     assert main(["bench-mtp", CFG, "--distill-batch", "0", "--out", str(tmp_path)]) == 2

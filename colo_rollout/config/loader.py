@@ -324,33 +324,34 @@ def _yaml_load(text: str) -> Any:
         loader.dispose()
 
 
-def parse_override(pair: str) -> tuple[str, Any]:
-    """``KEY=VALUE`` of ``--set`` as (dotted key, value parsed as YAML); a ConfigError whose
-    message starts ``--set KEY:`` for a pair without ``=`` or a value that is not valid YAML."""
+def parse_override(pair: str, flag: str = "--set") -> tuple[str, Any]:
+    """``KEY=VALUE`` of ``--set`` (or ``flag``) as (dotted key, value parsed as YAML); a
+    ConfigError whose message starts ``--set KEY:`` for a pair without ``=`` or a value that
+    is not valid YAML."""
     if "=" not in pair:
-        raise ConfigError(f"--set {pair}: expected KEY=VALUE, e.g. --set engine.mode=fine",
-                          key=pair, source="--set")
+        raise ConfigError(f"{flag} {pair}: expected KEY=VALUE, e.g. {flag} engine.mode=fine",
+                          key=pair, source=flag)
     key, text = pair.split("=", 1)
     if not key:
-        raise ConfigError(f"--set {pair}: the key before '=' is empty", source="--set")
+        raise ConfigError(f"{flag} {pair}: the key before '=' is empty", source=flag)
     try:
         return key, _yaml_load(text)
     except _DuplicateKey as dup:
-        raise ConfigError(f"--set {key}: duplicate key {dup.args[0]!r} in the value {text!r}",
-                          key=key, source="--set") from None
+        raise ConfigError(f"{flag} {key}: duplicate key {dup.args[0]!r} in the value {text!r}",
+                          key=key, source=flag) from None
     except _BadScalar as bad:
-        raise ConfigError(f"--set {key}: invalid value: {bad.args[2]}", key=key,
-                          source="--set") from None
+        raise ConfigError(f"{flag} {key}: invalid value: {bad.args[2]}", key=key,
+                          source=flag) from None
     except ValueError as err:  # a scalar YAML resolves but Python refuses
-        raise ConfigError(f"--set {key}: invalid value: {err}", key=key, source="--set") \
+        raise ConfigError(f"{flag} {key}: invalid value: {err}", key=key, source=flag) \
             from None
     except yaml.YAMLError as err:
         problem = getattr(err, "problem", None) or getattr(err, "context", None) or str(err)
         mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
         at = f" at column {mark.column + 1}" if mark is not None and mark.line == 0 else ""
-        raise ConfigError(f"--set {key}: the value {text!r} is not valid YAML{at}: {problem} "
+        raise ConfigError(f"{flag} {key}: the value {text!r} is not valid YAML{at}: {problem} "
                           "(quote a string that YAML cannot read, inside the shell's quotes: "
-                          f"--set '{key}=\"...\"')", key=key, source="--set") from None
+                          f"{flag} '{key}=\"...\"')", key=key, source=flag) from None
 
 
 def _merged(base: dict, update: Mapping) -> dict:

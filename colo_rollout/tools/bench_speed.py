@@ -230,10 +230,14 @@ def versus_overrides(text: str) -> dict:
     from colo_rollout.config import ConfigError
     from colo_rollout.config.loader import parse_override
 
-    pairs = shlex.split(text)
+    try:
+        pairs = shlex.split(text)
+    except ValueError as e:  # an unbalanced quote
+        raise ConfigError(f"--versus {text}: {e} (a variant is KEY=VALUE pairs, shell-quoted)",
+                          key="--versus") from None
     if not pairs:
         raise ConfigError("--versus: an empty variant (give KEY=VALUE pairs)", key="--versus")
-    out = dict(parse_override(p) for p in pairs)
+    out = dict(parse_override(p, "--versus") for p in pairs)
     for key in out:
         if key.split(".")[0] not in VERSUS_SECTIONS:
             raise ConfigError(f"--versus {key}: a variant changes the model or the engine "
