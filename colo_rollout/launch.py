@@ -43,9 +43,8 @@ def _check_torchrun_env() -> None:
 
     bad = [k for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")
            if k in os.environ and not os.environ[k].isdigit()]
-    # (one rank needs no rendezvous address)
-    needed = ("RANK", "LOCAL_RANK") + (("MASTER_ADDR", "MASTER_PORT")
-                                       if os.environ["WORLD_SIZE"] not in ("0", "1") else ())
+    # (torchrun sets the rendezvous address for one rank too: env:// needs it)
+    needed = ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     missing = [k for k in needed if k not in os.environ]
     if missing or bad:
         what = (f"{', '.join(missing)} not set" if missing else
@@ -53,6 +52,19 @@ def _check_torchrun_env() -> None:
         raise DoorError(f"WORLD_SIZE is set ({os.environ['WORLD_SIZE']!r}), so this process "
                         f"would be a torchrun rank, but {what}: launch it with torchrun, or "
                         "unset WORLD_SIZE to run the CPU ranks")
+
+
+def _check_torchrun_world(cfg, config: str) -> None:
+    """torchrun started as many processes as parallel.world_size says (found after the
+    process group existed, it was a traceback on every rank)."""
+    from colo_rollout.door import DoorError
+
+    started = int(os.environ["WORLD_SIZE"])
+    if started != cfg.parallel.world_size:
+        raise DoorError(f"{config}: parallel.world_size: {cfg.parallel.world_size}, but "
+                        f"torchrun started {started} processes (WORLD_SIZE): launch "
+                        f"--nproc-per-node {cfg.parallel.world_size} or set "
+                        f"parallel.world_size {started}")
 
 
 def _exit_wedged(rank: int, err: BaseException) -> None:
@@ -92,6 +104,7 @@ def _launch(target: str, config: str, overrides: dict, gather: bool = False, cfg
         cfg = _config_at_the_door(config, overrides)
     if "WORLD_SIZE" in os.environ:  # torchrun: this process is one rank
         _door(_check_torchrun_env)
+        _door(_check_torchrun_world, cfg, config)
         import importlib
 
         from colo_rollout.runtime.parallel import destroy_parallel
