@@ -131,9 +131,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         overrides = _door(_overrides, args.set)
         cfg = _config_at_the_door(args.config, overrides, args.cmd)
-        from colo_rollout.door import check_output
+        from colo_rollout.door import OUTPUT_FILES, check_output
 
-        _door(check_output, "--out", args.out)
+        _door(check_output, "--out", args.out, files=OUTPUT_FILES["bench-sync --out"])
         res = _launch("colo_rollout.tools.bench_sync:run_bench_sync", args.config, overrides,
                       cfg=cfg, iters=args.iters)[0]
         if int(os.environ.get("RANK", "0")) == 0:
@@ -161,9 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = _config_at_the_door(args.config, overrides, args.cmd,
                                   batches=tuple(args.batches), prompt_len=args.prompt_len,
                                   new_tokens=args.new_tokens)
-        from colo_rollout.door import check_output
+        from colo_rollout.door import OUTPUT_FILES, check_output
 
-        _door(check_output, "--out", args.out)
+        _door(check_output, "--out", args.out, files=OUTPUT_FILES["bench-mtp --out"])
         res = _launch("colo_rollout.tools.bench_mtp:run_bench_mtp", args.config, overrides,
                       cfg=cfg, batches=tuple(args.batches), prompt_len=args.prompt_len,
                       new_tokens=args.new_tokens, reps=args.reps,

@@ -80,6 +80,8 @@ def unwritable(path: str | os.PathLike, file: bool = False) -> str | None:
     if p.exists():
         if file and p.is_dir():
             return f"{p} is a directory"
+        if file and not p.is_file():  # a FIFO would block the write, /dev/full refuse it
+            return f"{p} is not a regular file"
         if not file and not p.is_dir():
             return f"{p} exists and is not a directory"
     probe = p.parent if file or p.exists() and not p.is_dir() else p
@@ -95,12 +97,27 @@ def unwritable(path: str | os.PathLike, file: bool = False) -> str | None:
     return None
 
 
+# the files each output folder receives (a directory or a device of one of these names
+# there was found only by the final write, after the whole run)
+OUTPUT_FILES = {"bench.out_dir": ("bench.json", "runs_partial.jsonl", "ccdf_request.png",
+                                  "timeline.png"),
+                "bench_speed.out_dir": ("bench_speed.json", "bench_speed_breakdown.png"),
+                "rl.out_dir": ("metrics.jsonl", "reward.png"),
+                "bench-sync --out": ("bench_sync.json",), "bench-mtp --out": ("bench_mtp.json",)}
+
+
 def check_output(key: str, path: str | os.PathLike | None, source: str | None = None,
-                 file: bool = False) -> None:
+                 file: bool = False, files: tuple[str, ...] = ()) -> None:
     """One output path (a config key, or a command's flag when ``source`` is None) that the
-    run will write: refused now, naming the key, if it cannot be written."""
+    run will write: refused now, naming the key, if it cannot be written. ``files``: the
+    names the run writes in the folder ``path`` -- any that exists must be a regular file."""
     why = None if path is None else (
         "an empty path" if not os.fspath(path).strip() else unwritable(path, file))
+    if why is None and path is not None:
+        why = next((f"{os.path.join(path, n)} exists and is not a regular file (the run "
+                    f"writes its {n} there)" for n in files
+                    if os.path.lexists(os.path.join(path, n))
+                    and not os.path.isfile(os.path.join(path, n))), None)
     if why:
         at = f"{source}: " if source else ""
         raise ConfigError(f"{at}{key}: {path}: cannot write here ({why})", key=key,
@@ -114,7 +131,8 @@ def check_outputs(cfg: Config, source: str, command: str) -> None:
             "bench-speed": ("bench_speed.out_dir",)}.get(command, ())
     for key in keys:
         section, name = key.split(".")
-        check_output(key, getattr(getattr(cfg, section), name), source)
+        check_output(key, getattr(getattr(cfg, section), name), source,
+                     files=OUTPUT_FILES.get(key, ()))
     if command == "train" and cfg.rl.export_dir is not None:
         _check_export_dir(cfg, source)
 

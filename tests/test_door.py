@@ -187,6 +187,25 @@ def test_dense_kernel_problems_name_the_config_keys(monkeypatch):
     assert door._dense_kernel_problem("flash", m).startswith("the GPU is sm_80")
 
 
+def test_output_files_that_are_not_files_are_refused(capsys, tmp_path):
+    """A folder where the run writes its report file (found by the last write, after the
+    whole run), and a --report that is a device: refused at the door."""
+    out = tmp_path / "o"
+    (out / "bench_speed.json").mkdir(parents=True)
+    line = door_error(capsys, "bench-speed", str(CONFIGS / "bench_speed_cpu.yaml"), "--set",
+                      f"bench_speed.out_dir={out}")
+    assert line.endswith(f"bench_speed.out_dir: {out}: cannot write here ({out}/"
+                         "bench_speed.json exists and is not a regular file (the run writes "
+                         "its bench_speed.json there))"), line
+    (out / "bench_sync.json").mkdir()
+    line = door_error(capsys, "bench-sync", str(CONFIGS / "bench_speed_cpu.yaml"), "--out",
+                      str(out))
+    assert "bench_sync.json exists and is not a regular file" in line, line
+    line = door_error(capsys, "demo", DEMO, "--report", "/dev/full")
+    assert line == "error: --report: /dev/full: cannot write here (/dev/full is not a regular " \
+        "file)", line
+
+
 def test_versus_mistakes_name_versus(capsys):
     from colo_rollout.tools.bench_speed import versus_overrides
     from colo_rollout.config import ConfigError
