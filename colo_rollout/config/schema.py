@@ -117,6 +117,9 @@ SEGMENT_POLICIES = ("fixed", "load", "balanced")
 # parallel.timeout_s at most a day: every host wait is bounded by it (torch's timedelta and
 # threading waits overflow far above that, and a wait of a day is a hang)
 MAX_TIMEOUT_S = 86_400.0
+# ... and at least this: the ranks' gloo connections need it to form (0.001 s failed inside
+# gloo's mesh set-up after the ranks started)
+MIN_TIMEOUT_S = 0.5
 
 
 
@@ -151,9 +154,10 @@ class ParallelConfig:
             f"world_size {self.world_size} is not divisible by ep {self.ep}",
         )
         _require_choice(self, "backend", BACKENDS)
-        _require(0 < self.timeout_s <= MAX_TIMEOUT_S, "parallel.timeout_s",
-                 f"must be a number of seconds in (0, {MAX_TIMEOUT_S:g}] (a day: a collective "
-                 f"waiting longer has hung), got {self.timeout_s!r}")
+        _require(MIN_TIMEOUT_S <= self.timeout_s <= MAX_TIMEOUT_S, "parallel.timeout_s",
+                 f"must be a number of seconds in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S:g}] (the "
+                 "ranks' connections need the least to form; a collective waiting a day has "
+                 f"hung), got {self.timeout_s!r}")
 
     @property
     def atp(self) -> int:
