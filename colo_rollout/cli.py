@@ -20,9 +20,22 @@ from colo_rollout.launch import _config_at_the_door, _door, _launch, _overrides
 from colo_rollout.quiet import quiet_known_warnings
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose mistakes are one ``error:`` line and exit code 2, as every other user
+    mistake at the door (argparse prints its usage block first): ``error: --iters: invalid
+    int value: 'x'``; ``colo-rollout CMD --help`` shows the usage."""
+
+    def error(self, message: str):
+        if message.startswith("argument "):  # "argument --iters: invalid ..." -> "--iters: ..."
+            message = message[len("argument "):]
+        print(f"error: {' '.join(message.split())} ({self.prog} --help: the usage)",
+              file=sys.stderr)
+        raise SystemExit(2)
+
+
 def main(argv: list[str] | None = None) -> int:
     quiet_known_warnings()
-    ap = argparse.ArgumentParser(prog="colo-rollout", description=__doc__.splitlines()[0])
+    ap = _Parser(prog="colo-rollout", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="serve a synthetic workload and print throughput/latency")
     d.add_argument("config", help="YAML config, e.g. configs/demo_cpu.yaml")

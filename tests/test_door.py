@@ -620,3 +620,14 @@ def test_an_output_folder_no_file_can_be_made_in(capsys):
     line = door_error(capsys, "train", TRAIN, "--set", "rl.export_dir=/proc/colo-export")
     assert line.startswith(f"error: {TRAIN}: rl.export_dir: /proc/colo-export: cannot write "
                            "here (no file can be made in /proc")
+
+
+def test_argument_mistakes_are_one_line(capsys):
+    """argparse's own refusals (a flag's type, a missing argument, an unknown command) are
+    one error line too -- argparse printed its usage block first."""
+    for argv, want in ((["bench-sync", BENCH, "--iters", "x"],
+                        "error: --iters: invalid int value: 'x'"),
+                       (["bench-sync"], "error: the following arguments are required: config"),
+                       (["nope"], "error: cmd: invalid choice: 'nope'")):
+        line = door_error(capsys, *argv)
+        assert line.startswith(want) and line.endswith("--help: the usage)"), line
