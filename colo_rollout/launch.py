@@ -43,9 +43,18 @@ def _check_torchrun_env() -> None:
 
     bad = [k for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")
            if k in os.environ and not os.environ[k].isdigit()]
-    # (torchrun sets the rendezvous address for one rank too: env:// needs it)
-    needed = ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    needed = ("RANK", "LOCAL_RANK") + (("MASTER_ADDR", "MASTER_PORT")
+                                       if os.environ["WORLD_SIZE"] not in ("0", "1") else ())
     missing = [k for k in needed if k not in os.environ]
+    if not missing and not bad and os.environ["WORLD_SIZE"] == "1":
+        # one rank needs no peer, but env:// still reads a rendezvous address: this host's
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            import socket
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     if missing or bad:
         what = (f"{', '.join(missing)} not set" if missing else
                 f"{', '.join(bad)} not a non-negative integer")

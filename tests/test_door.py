@@ -268,16 +268,21 @@ def test_a_stray_world_size_is_not_taken_for_torchrun(capsys, monkeypatch):
         monkeypatch.delenv(key, raising=False)
     line = door_error(capsys, "demo", DEMO)
     assert line == ("error: WORLD_SIZE is set ('1'), so this process would be a torchrun rank, "
-                    "but RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT not set: launch it with "
-                    "torchrun, or unset WORLD_SIZE to run the CPU ranks")
+                    "but RANK, LOCAL_RANK not set: launch it with torchrun, or unset "
+                    "WORLD_SIZE to run the CPU ranks")
     # one process where the config asks for two: named before the process group exists
-    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
-                       ("MASTER_PORT", "29555")):
+    # (one rank without MASTER_ADDR/PORT gets this host's: env:// reads them)
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0")):
         monkeypatch.setenv(key, value)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
     line = door_error(capsys, "demo", DEMO)
     assert line == (f"error: {DEMO}: parallel.world_size: 2, but torchrun started 1 processes "
                     "(WORLD_SIZE): launch --nproc-per-node 2 or set parallel.world_size 1")
-    for key in ("MASTER_ADDR", "MASTER_PORT"):
+    import os
+
+    assert os.environ["MASTER_ADDR"] == "127.0.0.1" and os.environ["MASTER_PORT"].isdigit()
+    for key in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")

@@ -148,8 +148,9 @@ def test_bad_input_is_isolated(worker_groups, world, adp, ep):
         assert r["errors"]["output_unknown"].startswith("output of request 'nope': unknown")
         assert "expected request ids" in r["errors"]["forget_none"]
         assert "got str 'abc'" in r["errors"]["forget_str"]
-        assert r["errors"]["generate_str"] == ("generate: requests must be a list of Request, "
-                                               "got str")
+        # rank 0's argument is read; its refusal raised on every rank (the others name it)
+        assert r["errors"]["generate_str"].endswith("generate: requests must be a list of "
+                                                    "Request, got str")
 
 
 def test_cancel_running_and_waiting_and_cross_rank_duplicate(worker_groups):

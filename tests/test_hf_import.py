@@ -542,6 +542,8 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
       "yarn_mscale_all_dim": 0.0}),
     ({**YARN, "original_max_position_embeddings": 16.0}, {},
      {"yarn_original_max_position_embeddings": 16}),
+    # a null truncate is transformers' falsy None: no rounding of the correction range
+    ({**YARN, "truncate": None}, {}, {"yarn_truncate": False}),
 ])
 def test_yarn_is_read_as_transformers_reads_it(ckpt, tmp_path, rope, top, want):
     d = tmp_path / "cfg"

@@ -220,14 +220,15 @@ def test_an_export_that_fails_raises_on_every_rank(worker_groups, tmp_path):
 
 
 def test_a_diverged_step_raises_on_every_rank_before_the_weights_move(worker_groups, tmp_path):
-    """rl.lr 1e30: the loss goes NaN within a few steps; the trainer raises on every rank
+    """rl.lr 1e30 under PPO (its value loss has a gradient on every step, whatever the
+    rewards): the loss goes non-finite within a few steps; the trainer raises on every rank
     before its optimizer writes NaN weights (the run used to finish, reporting them)."""
     from colo_rollout.runtime.spawn import WorkerError
 
     with pytest.raises(WorkerError) as e:
         worker_groups(2).run("colo_rollout.rl.train:run_train", timeout=300, config_path=CFG,
                              overrides={"rl.out_dir": str(tmp_path), "rl.lr": 1.0e+30,
-                                        "rl.steps": 6})
+                                        "rl.algorithm": "ppo", "rl.steps": 6})
     msg = str(e.value)
     assert "ranks [0, 1]" in msg and "FloatingPointError: rl step: the loss or a gradient is " \
         "not finite" in msg, msg

@@ -25,7 +25,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _launch(target: str, timeout_s: float = 1.0) -> tuple[subprocess.CompletedProcess, float]:
     code = textwrap.dedent(f"""
         from colo_rollout.launch import _launch
-        print(_launch({target!r}, "configs/tiny_cpu.yaml", {{"parallel.timeout_s": {timeout_s}}}))
+        print(_launch({target!r}, "configs/tiny_cpu.yaml", {{"parallel.timeout_s": {timeout_s},
+              "parallel.world_size": 1, "parallel.adp": 1, "parallel.ep": 1}}))
     """)
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -293,7 +293,7 @@ def _rope(r: _Reader, partial_default: float = 1.0, theta_default: float = 10000
         r.set("rope_scaling_factor", 8.0, src)
         return
     if rtype == "yarn":
-        _yarn(r, pick, src, partial_default, family)
+        _yarn(r, pick, src, partial_default, family, rope, rope_name)
         return
     if rtype != "llama3":
         raise r.error(src, f"RoPE type {rtype!r} is not supported (default, llama3, yarn)")
@@ -320,7 +320,8 @@ _TOP_LEVEL_ROPE_KEYS = ("rope_theta", "partial_rotary_factor",
                         "original_max_position_embeddings")
 
 
-def _yarn(r: _Reader, pick, src: str, partial_default: float, family: str) -> None:
+def _yarn(r: _Reader, pick, src: str, partial_default: float, family: str, rope: dict,
+          rope_name: str) -> None:
     """rope_type yarn as transformers' ``_compute_yarn_parameters`` reads it, onto megatron's
     YarnRotaryEmbedding (model.rope_scaling: yarn): factor (None: max_position_embeddings /
     original), original_max_position_embeddings (the top level first, else the dict's, else
@@ -350,13 +351,18 @@ def _yarn(r: _Reader, pick, src: str, partial_default: float, family: str) -> No
              f"expected a positive int, got {original!r}")
     factor, fsrc = number("factor", None)
     if factor is None:  # DeepSeek-V3's rule: the ratio of the two context lengths
-        factor = r.c.get("max_position_embeddings") / original
+        longest = r.c.get("max_position_embeddings")
+        r.refuse(fsrc, isinstance(longest, bool) or not isinstance(longest, int),
+                 "missing, and no max_position_embeddings to derive it from")
+        factor = longest / original
     betas = []
     for key, default in (("beta_fast", 32.0), ("beta_slow", 1.0)):
         got, bsrc = number(key, None, positive=False)
         r.refuse(bsrc, got is not None and got < 0, f"expected a number >= 0, got {got!r}")
         betas.append((float(got or default), bsrc))  # transformers: `get(key) or default`
     truncate, tsrc = pick("truncate", True, "truncate")
+    if "truncate" in rope and rope["truncate"] is None:  # transformers' get("truncate",
+        truncate, tsrc = False, f"{rope_name}.truncate"  # True) is None: falsy, no rounding
     r.refuse(tsrc, not isinstance(truncate, bool), f"expected true or false, got {truncate!r}")
     attention, asrc = number("attention_factor", None)
     mscale, msrc = number("mscale", None, positive=False)

@@ -37,6 +37,7 @@ from colo_rollout.config import Config, ConfigError
 from colo_rollout.runtime.control import (ControlError, ControlPlane, Message,
                                           all_gather_json)
 from colo_rollout.worker.memory import WEIGHT_POLICIES, MemoryReport
+from colo_rollout.runtime.device import fp32_norms
 from colo_rollout.runtime.parallel import ParallelGroups
 from colo_rollout.sched.plan import Phase, Sampled, StepPlan
 from colo_rollout.engine.routing_store import RoutingStore
@@ -209,13 +210,9 @@ class Engine:
         (SubmissionRefused)."""
         self._check_open()
         request = checked_request(request)  # types first: never a TypeError below
-        if self.paused:
-            raise RequestError(f"request {request.request_id!r}: the engine is paused (a "
-                               "weight update is in progress); submit after resume()")
-        if self.memory.released is not None or not self.memory.weights_valid:
-            raise RequestError(f"request {request.request_id!r}: the engine's memory is "
-                               "released or its weights not loaded; submit after "
-                               "resume_memory() (and weights_loaded())")
+        why = self.submit_refusal(request.request_id)
+        if why is not None:
+            raise RequestError(why)
         if request.request_id in self._pending_ids:
             raise RequestError(f"request {request.request_id!r}: duplicate request id")
         self.scheduler.validate(request)
@@ -223,6 +220,18 @@ class Engine:
                                      "params": request.params.to_json(),
                                      "session": request.session})
         self._pending_ids.add(request.request_id)
+
+    def submit_refusal(self, request_id: str) -> str | None:
+        """Why ``submit`` would refuse any request now for the engine's own state (paused,
+        memory released or weights not loaded), or None: replicated state, the same on every
+        rank -- what rollout() asks on every rank beside the leader's submit."""
+        if self.paused:
+            return (f"request {request_id!r}: the engine is paused (a weight update is in "
+                    "progress); submit after resume()")
+        if self.memory.released is not None or not self.memory.weights_valid:
+            return (f"request {request_id!r}: the engine's memory is released or its weights "
+                    "not loaded; submit after resume_memory() (and weights_loaded())")
+        return None
 
     def pause(self) -> dict[str, RequestOutput]:
         """Collective, at a weight update: cancel every request in flight (rank 0 sends the
@@ -238,10 +247,17 @@ class Engine:
         for rid in list(self._pending_ids):  # submitted here, not yet sent: never started
             self._outbox.cancels.append(rid)
         outs: dict[str, RequestOutput] = {}
-        for out in self.step():
+
+        def step() -> list[RequestOutput]:  # a refused submission must not abort one rank's
+            try:  # pause (it is in self.rejected; the others pause on)
+                return self.step()
+            except SubmissionRefused as e:
+                return e.finished
+
+        for out in step():
             outs[out.request_id] = out
         while self.busy():
-            for out in self.step():
+            for out in step():
                 outs[out.request_id] = out
         self.paused = True
         return outs
@@ -526,15 +542,18 @@ class Engine:
         Returns the outputs of every request that finished during the call -- these requests
         and any submitted before it -- and forgets them (``output()`` no longer has them; their
         ids may be used again)."""
-        if requests is not None and (isinstance(requests, (str, bytes, Request, Mapping))
-                                     or not isinstance(requests, Iterable)):
-            raise RequestError(f"generate: requests must be a list of Request, got "
-                               f"{type(requests).__name__}")
+        # (rank 0's argument alone is read: its type is checked there, and the verdict is
+        # part of the agreement below, so every rank raises together)
+        bad = None
+        if self.groups.rank == 0 and requests is not None and (
+                isinstance(requests, (str, bytes, Request, Mapping))
+                or not isinstance(requests, Iterable)):
+            bad = f"generate: requests must be a list of Request, got {type(requests).__name__}"
         ids: list[str] = []
         rejected: dict[str, RequestOutput] = {}
         done: dict[str, RequestOutput] = {}  # what finishes during this call, on every rank
         self._check_open()
-        self.agree_ready("generate()")  # before anything is submitted, on every rank alike
+        self.agree_ready("generate()", bad)  # before anything is submitted, on every rank
         if self.groups.rank == 0:
             for req in requests or []:
                 try:
@@ -567,27 +586,33 @@ class Engine:
         done.update(rejected)
         return done
 
-    def agree_ready(self, what: str) -> bool:
+    def agree_ready(self, what: str, request_problem: str | None = None) -> bool:
         """Collective, at the start of a collective call (``generate``, ``rollout``): every
         rank's memory is resident with its weights loaded, and every rank is paused or none
         is. Returns whether the engine is paused. A problem on any rank raises RuntimeError on
         every rank, naming it (one all-gather over the control group): a refusal on one rank
-        alone would let the others' call pair with that rank's next one."""
+        alone would let the others' call pair with that rank's next one.
+        ``request_problem``: this rank's refusal of the call's arguments, raised on every rank
+        as a RequestError."""
         try:
             self.memory.check_ready()
             problem = None
         except RuntimeError as e:
             problem = str(e)
+        mine = [problem, self.paused, request_problem]
         if self.groups.layout.world_size == 1:
-            every = [[problem, self.paused]]
+            every = [mine]
         else:
-            every = all_gather_json([problem, self.paused], self.groups.control)
-        for r, (p, _) in enumerate(every):
+            every = all_gather_json(mine, self.groups.control)
+        for r, (_, _, p) in enumerate(every):
+            if p is not None:
+                raise RequestError(p if r == self.groups.rank else f"rank {r}: {p}")
+        for r, (p, _, _) in enumerate(every):
             if p is not None:
                 raise RuntimeError(f"{what}: rank {r}: {p}")
-        paused = {bool(x) for _, x in every}
+        paused = {bool(x) for _, x, _ in every}
         if len(paused) > 1:
-            ranks = [r for r, (_, x) in enumerate(every) if x]
+            ranks = [r for r, (_, x, _) in enumerate(every) if x]
             raise RuntimeError(f"{what}: ranks {ranks} are paused and the others are not "
                                "(pause() and resume() are collective: every rank calls them)")
         return paused.pop()
@@ -625,8 +650,7 @@ class Engine:
         problem = None
         if not self.memory.weights_valid:
             params = [(n, p) for n, p in self.model.named_parameters() if p.numel()]
-            norms = torch.stack([torch.linalg.vector_norm(p, dtype=torch.float32)
-                                 for _, p in params]) if params else None
+            norms = fp32_norms([p for _, p in params]) if params else None
             if norms is not None and not bool(torch.isfinite(norms).all()):
                 bad = [n for (n, _), v in zip(params, norms.tolist()) if v != v or
                        v in (float("inf"), float("-inf"))]

@@ -111,7 +111,10 @@ class RopeAngles:
             if self._fp32 is None:
                 freqs = self.table[self.positions].view(self.positions.shape[0], 1,
                                                         self.table.shape[-1])
-                self._fp32 = (torch.cos(freqs) * self.mscale, torch.sin(freqs) * self.mscale)
+                cos, sin = torch.cos(freqs), torch.sin(freqs)
+                if self.mscale != 1.0:  # (x * 1.0 is x: skipped, the same bits)
+                    cos, sin = cos * self.mscale, sin * self.mscale
+                self._fp32 = (cos, sin)
             shape = (self._fp32[0].shape[0],) + (1,) * (ndim - 2) + (self._fp32[0].shape[-1],)
             got = self._cast[(dtype, ndim)] = tuple(a.to(dtype).view(shape) for a in self._fp32)
         return got

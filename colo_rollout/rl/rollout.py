@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 from collections.abc import Sequence
 from typing import Any, Callable, Protocol
 
+import torch.distributed as dist
+
 from colo_rollout.engine.engine import Engine
 from colo_rollout.runtime.control import ControlError, all_gather_json
 from colo_rollout.runtime.device import DeviceStall
@@ -171,7 +173,11 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
         req = Request(f"{sid}#{turn}", tuple(tokens), p, session=sid)
         inflight[sid] = req.request_id
         try:
-            # every rank validates (deterministic on the replicated state): all agree on refusals
+            # every rank validates (deterministic on the replicated state): all agree on
+            # refusals -- the engine's state (paused, released) too, which submit() refuses
+            why = engine.submit_refusal(req.request_id)
+            if why is not None:
+                raise RequestError(why)
             engine.scheduler.validate(req)
             if leader:
                 engine.submit(req)
@@ -343,7 +349,7 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
         # the next call starts clean. A cleanup that fails in turn gives way to the original
         # error; after a peer went silent (ControlError) or the device stalled there is no
         # one to clean up with -- another wait would only double the time to the error.
-        if not isinstance(e, (ControlError, DeviceStall)):
+        if not isinstance(e, (ControlError, DeviceStall, dist.DistError)):
             try:
                 _abandon(engine, live, inflight, submitted, list(trajs), leader)
             except Exception:  # noqa: BLE001 - the original error is the one to raise
@@ -380,8 +386,10 @@ def _abandon(engine: Engine, live: dict, inflight: dict, submitted: list[str],
     forget its outputs (collective: every rank runs it alike)."""
     if leader:
         for sid in live:
-            if inflight.get(sid) in engine.scheduler.live:
+            try:  # in flight, or submitted and not yet sent
                 engine.cancel(inflight[sid])
+            except (KeyError, RequestError):  # finished meanwhile, or never submitted
+                pass
     engine.step()
     while engine.busy():
         engine.step()
@@ -495,12 +503,15 @@ def _score(t: Trajectory, fn: Callable[[], float], accumulate: bool = False) -> 
     except Exception as e:  # noqa: BLE001
         t.status, t.error = "failed", f"reward raised {e!r}"
         return
-    # a number (numpy's and 0-d tensors' too), never a str or a bool read as one
-    if isinstance(got, (str, bytes, bool)) or not isinstance(got, numbers.Real) and \
-            getattr(got, "shape", None) != ():
+    # a real number -- numpy's, a 0-d tensor's, a bool as 0 / 1 (``answer == target``) --
+    # never text read as one (float("0.5") is 0.5)
+    try:
+        if isinstance(got, (str, bytes)) or isinstance(got, complex):
+            raise TypeError
+        r = float(got)
+    except (TypeError, ValueError):
         t.status, t.error = "failed", f"reward is not a number: {type(got).__name__} {got!r}"
         return
-    r = float(got)
     if not math.isfinite(r):
         t.status, t.error = "failed", f"reward is not finite ({r})"
         return

@@ -544,9 +544,11 @@ class Trainer:
                  if (g := getattr(p, attr, None)) is not None]
         grads += [p.grad for p in (self.value_head.parameters() if self.value_head is not None
                                    else ()) if p.grad is not None]
-        # (fp32 norms: NaN and inf carry through, fp16 gradients cannot overflow them)
-        norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
-        bad = ~torch.isfinite(torch.stack([loss.detach().float().reshape(()), *norms]))
+        from colo_rollout.runtime.device import fp32_norms
+
+        norms = fp32_norms(grads) if grads else loss.new_zeros(0, dtype=torch.float32)
+        bad = ~torch.isfinite(torch.cat([loss.detach().float().reshape(1), norms.to(
+            loss.device)]))
         flag = bad.any().to(torch.int32).reshape(1)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if int(flag.item()):

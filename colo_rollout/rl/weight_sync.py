@@ -427,7 +427,9 @@ def check_pair(trainer_model, inference_model) -> None:
         if (a or 0) != (b or 0):
             raise ValueError(f"WeightSync: the trainer's {field} is {a}, the inference "
                              f"model's {b}: the two models must have one shape")
-    core = getattr(trainer_model, "module", trainer_model)
+    core = trainer_model
+    while hasattr(core, "module"):  # DDP(Float16Module(GPTModel)): every wrapper
+        core = core.module
     vocab = getattr(core, "vocab_size", None)
     if vocab is not None and vocab != inference_model.cfg.vocab_size:
         raise ValueError(f"WeightSync: the trainer's vocab_size is {vocab}, the inference "
@@ -513,10 +515,10 @@ class WeightSync:
                                    "the old and the new weights)")
             params = [p for p in trainer_model.parameters() if p.numel()
                       and self.check_finite]
-            if params:  # (fp32 norms: NaN and inf carry through, fp16 values cannot overflow)
-                norms = torch.stack([torch.linalg.vector_norm(p, dtype=torch.float32)
-                                     for p in params])
-                if not bool(torch.isfinite(norms).all()):
+            if params:
+                from colo_rollout.runtime.device import fp32_norms
+
+                if not bool(torch.isfinite(fp32_norms(params)).all()):
                     name = next(n for n, p in trainer_model.named_parameters()
                                 if p.numel() and not bool(torch.isfinite(p).all()))
                     raise ValueError(f"WeightSync: the trainer's {_unwrapped(name)} is not "

@@ -3,7 +3,8 @@
 Owns ``h2d`` (host lists to device tensors without a host wait), ``h2d_packed`` and its
 ``PinnedStage`` (many arrays in one copy), ``Pending`` (device results
 whose D2H copy is enqueued now and awaited later), ``wait_event`` (every host wait on GPU work
-goes through it, bounded) and ``DeviceStall`` (a bounded wait that ran out).
+goes through it, bounded), ``DeviceStall`` (a bounded wait that ran out) and ``fp32_norms``
+(the finiteness checks' one pass over many tensors).
 
 Invariants:
   * Host transfers use pinned memory and events: a synchronous copy would block the host until
@@ -147,3 +148,14 @@ class Pending:
         """The host copies as tensors (no Python lists: large copies stay cheap to read)."""
         self.wait(timeout_s, what)
         return list(self._host)
+
+
+def fp32_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norms of ``tensors`` in fp32, stacked: NaN and inf carry through, fp16 values
+    cannot overflow them. A few fused kernels for any number of tensors (torch's foreach
+    norm); one per tensor where this torch's takes no dtype."""
+    try:
+        return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+    except TypeError:
+        return torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32)
+                            for t in tensors])
