@@ -634,3 +634,16 @@ def test_a_config_path_that_is_not_a_regular_file_is_refused_at_once(tmp_path):
         with pytest.raises(ConfigError, match="not a regular file|Is a directory"):
             load_config(path)
         assert time.monotonic() - start < 5
+
+
+def test_reports_are_strict_json():
+    """NaN and infinities are written as null: Python's bare NaN tokens are refused by strict
+    JSON readers (a bench-mtp table of refused requests wrote them)."""
+    import json
+
+    from colo_rollout.config.files import strict_json
+
+    text = strict_json({"a": float("nan"), "b": [1.5, float("inf"), {"c": -float("inf")}],
+                        "d": (2, "x")})
+    assert json.loads(text) == {"a": None, "b": [1.5, None, {"c": None}], "d": [2, "x"]}
+    assert "NaN" not in text and "Infinity" not in text

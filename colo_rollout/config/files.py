@@ -1,15 +1,21 @@
-"""Reading a user's input file whole, bounded: ``read_regular_file``.
+"""The project's files in and out: ``read_regular_file`` and ``strict_json``.
 
 Owns the rule every reader of a named file follows (config YAML, trace JSONL): the path names
 a regular file of at most a given size, opened without blocking -- a FIFO would wait for a
 writer for ever, a device such as /dev/zero would never end, a directory is not a file. The
-callers turn ``FileProblem`` into their own one-line errors (file, key).
+callers turn ``FileProblem`` into their own one-line errors (file, key). And the rule every
+JSON the project writes follows (reports, metrics): strict JSON, a value that is not a finite
+number written as null -- Python's bare NaN / Infinity tokens are refused by strict readers
+(jq, JSON.parse, Go, serde).
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import stat
+from typing import Any
 
 
 class FileProblem(ValueError):
@@ -42,3 +48,18 @@ def read_regular_file(path: str | os.PathLike[str], max_bytes: int, what: str) -
         where = ("" if os.path.isabs(name) or not isinstance(e, FileNotFoundError)
                  else f" (relative to the working directory {os.getcwd()})")
         raise FileProblem(f"cannot read: {e.strerror or e}{where}") from None
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def strict_json(obj: Any, indent: int | None = None) -> str:
+    """``obj`` as strict JSON: NaN and infinities as null."""
+    return json.dumps(_finite(obj), indent=indent, allow_nan=False)

@@ -39,6 +39,7 @@ from colo_rollout.rl.rollout import Carry, rollout  # noqa: E402
 from colo_rollout.rl.tasks import task_for  # noqa: E402
 from colo_rollout.rl.trainer import Trainer  # noqa: E402
 from colo_rollout.rl.weight_sync import WeightSync  # noqa: E402
+from colo_rollout.config.files import strict_json
 
 
 def run_train(rank: int, world: int, config_path: str, overrides: dict | None = None,
@@ -111,7 +112,7 @@ def run_train(rank: int, world: int, config_path: str, overrides: dict | None = 
                "sync_s": s.seconds, "sync_bytes": s.bytes_remote + s.bytes_local, **stats, **mem}
         history.append(row)
         if log is not None:
-            log.write(json.dumps(row) + "\n")
+            log.write(strict_json(row) + "\n")
             log.flush()
         if tb is not None:
             for k, v in row.items():

@@ -27,6 +27,7 @@ from colo_rollout.workloads.replay import replay
 from colo_rollout.door import bench_trace  # noqa: F401 (checked at the door too)
 from colo_rollout.quiet import quiet_known_warnings
 from colo_rollout.workloads.trace import Trace
+from colo_rollout.config.files import strict_json
 
 METRICS = ("makespan_s", "requests_per_s", "request_p50_s", "request_p99_s",
            "trajectory_p50_s", "trajectory_p99_s", "ttft_p50_s", "ttft_p99_s", "mean_d_wait_ms",
@@ -109,9 +110,9 @@ def run_bench(rank: int, world: int, config_path: str, overrides: dict | None = 
                                 for h in engine.history]
         runs.append(row)
         if partial is not None:  # survives a run that is cut short (device time limits)
-            partial.write(json.dumps({k: v for k, v in row.items()
-                                      if k not in ("request_completion_s", "ttft_s",
-                                                   "steps")}) + "\n")
+            partial.write(strict_json({k: v for k, v in row.items()
+                                       if k not in ("request_completion_s", "ttft_s",
+                                                    "steps")}) + "\n")
             partial.flush()
         if timeline_cell:  # what the GPU ran where it was timed, else the host's enqueue
             spans = gpu_spans or engine.timeline
@@ -217,11 +218,13 @@ def report(results: list[dict], cfg: Config, out_dir: str) -> dict:
             print(f"{v:>22s} {st['steps']:6d} {st['p_steps']:6d} {st['p_alone']:6d} "
                   f"{st['p_alone_ms']:9.1f} {st['p_with_d']:6d} {st['p_with_d_ms']:9.1f}")
     with open(os.path.join(out_dir, "bench.json"), "w") as f:
-        json.dump({"summary": summary, "runs": runs, "trace": t,
-                   "layout": results[0]["layout"], "timeline_stats": tstats,
-                   "step_fields": STEP_FIELDS, "step_stats": steps,
-                   # every rank's: a stall on one rank is explained by what its peers ran
-                   "timelines_by_rank": [r["timelines"] for r in results]}, f, indent=1)
+        f.write(strict_json({"summary": summary, "runs": runs, "trace": t,
+                             "layout": results[0]["layout"], "timeline_stats": tstats,
+                             "step_fields": STEP_FIELDS, "step_stats": steps,
+                             # every rank's: a stall on one rank is explained by what its
+                             # peers ran
+                             "timelines_by_rank": [r["timelines"] for r in results]},
+                            indent=1))
     _plots(results, runs, cfg, out_dir)
     return summary
 

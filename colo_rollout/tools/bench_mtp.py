@@ -34,6 +34,7 @@ import torch
 
 from colo_rollout.config import load_config
 from colo_rollout.runtime.parallel import init_parallel
+from colo_rollout.config.files import strict_json
 
 
 def _requests(B: int, prompt_len: int, new: int, vocab: int, seed: int, tag: str):
@@ -197,5 +198,5 @@ def report(res: dict, out_dir: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "bench_mtp.json")
     with open(path, "w") as fh:
-        json.dump(res, fh, indent=1)
+        fh.write(strict_json(res, indent=1))
     print(f"JSON: {path}")

@@ -80,6 +80,7 @@ from colo_rollout.quiet import quiet_known_warnings
 from colo_rollout.sched.plan import DecodeRow, Phase, PrefillItem, ReplicaWork, StepPlan
 from colo_rollout.sched.planner import pick_bucket
 from colo_rollout.sched.request import SamplingParams
+from colo_rollout.config.files import strict_json
 
 GREEDY = SamplingParams(max_tokens=1)
 SAMPLED = SamplingParams(temperature=1.0, max_tokens=1)  # the sampled decode rows' draw
@@ -829,7 +830,7 @@ def report(res: dict, cfg: Config, source: str = "<config>") -> None:
     print(table(res, cfg, source))
     path = os.path.join(b.out_dir, "bench_speed.json")
     with open(path, "w") as fh:
-        json.dump({"config": source, **res}, fh, indent=1)
+        fh.write(strict_json({"config": source, **res}, indent=1))
     plot = os.path.join(b.out_dir, "bench_speed_breakdown.png")
     if res.get("breakdown"):
         plot_breakdown(res["breakdown"], plot)

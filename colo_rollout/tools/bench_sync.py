@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from colo_rollout.config import load_config
 from colo_rollout.runtime.parallel import init_parallel
+from colo_rollout.config.files import strict_json
 
 
 def _fill(model: torch.nn.Module, seed: int) -> None:
@@ -119,5 +120,5 @@ def report(res: dict, out_dir: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "bench_sync.json")
     with open(path, "w") as fh:
-        json.dump({**res, "gb_per_s": gbs, "copy_gb_per_s": copy}, fh, indent=1)
+        fh.write(strict_json({**res, "gb_per_s": gbs, "copy_gb_per_s": copy}, indent=1))
     print(f"JSON: {path}")

@@ -20,6 +20,7 @@ from colo_rollout.engine.engine import Engine
 from colo_rollout.runtime.parallel import init_parallel
 from colo_rollout.quiet import quiet_known_warnings
 from colo_rollout.workloads.workload import synthetic_requests
+from colo_rollout.config.files import strict_json
 
 
 def run_demo(rank: int, world: int, config_path: str, overrides: dict | None = None,
@@ -72,7 +73,7 @@ def run_demo(rank: int, world: int, config_path: str, overrides: dict | None = N
     if rank == 0 and report:  # its folder made if missing (the door checked it can be)
         os.makedirs(os.path.dirname(os.path.abspath(report)), exist_ok=True)
         with open(report, "w") as f:
-            json.dump(rep, f, indent=1)
+            f.write(strict_json(rep, indent=1))
     return rep
 
 
