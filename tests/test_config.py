@@ -647,3 +647,8 @@ def test_reports_are_strict_json():
                         "d": (2, "x")})
     assert json.loads(text) == {"a": None, "b": [1.5, None, {"c": None}], "d": [2, "x"]}
     assert "NaN" not in text and "Infinity" not in text
+
+
+def test_bench_speed_repeat_counts_are_bounded(tmp_path):
+    path = write(tmp_path, "bench_speed:\n  iters: 99999999999999999999999\n")
+    assert_load_error(path, "bench_speed.iters", "at most 10000")

@@ -117,6 +117,8 @@ SEGMENT_POLICIES = ("fixed", "load", "balanced")
 # parallel.timeout_s at most a day: every host wait is bounded by it (torch's timedelta and
 # threading waits overflow far above that, and a wait of a day is a hang)
 MAX_TIMEOUT_S = 86_400.0
+# bench-speed's repeat counts (iters, warmup, profile steps) at most this
+MAX_BENCH_REPEATS = 10_000
 # ... and at least this: the ranks' gloo connections need it to form (0.001 s failed inside
 # gloo's mesh set-up after the ranks started)
 MIN_TIMEOUT_S = 0.5
@@ -826,6 +828,10 @@ class BenchSpeedConfig:
                  "set both long_batches and long_contexts, or leave both empty")
         _require_min(self, ("prefill_batch_len", "iters", "prefill_iters", "warmup",
                             "profile_steps"), 1)
+        for name in ("iters", "prefill_iters", "warmup", "profile_steps"):
+            # a timing count past this is a typo (1e22 iterations ran until killed)
+            _require(getattr(self, name) <= MAX_BENCH_REPEATS, f"bench_speed.{name}",
+                     f"must be at most {MAX_BENCH_REPEATS}, got {getattr(self, name)}")
         _require_min(self, ("short_context",), 2)  # the peer's cache holds short_context - 1
         _require_min(self, ("prefill_batch_seqs", "continuation_seqs", "profile_batch",
                             "profile_prefill", "seed"), 0)
