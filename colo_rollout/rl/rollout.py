@@ -305,9 +305,11 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
             # flight or among this step's outputs -- else something outside this call took it
             # (an engine.pause() from a reward function or another thread consumed its
             # cancellation): it can never finish here
+            # (an idle engine is the only one that can have lost them: a request in flight
+            # keeps it busy -- so the scan runs when the engine went idle, not every step)
             done = {o.request_id for o in outs}
-            for sid in [s for s in live if inflight.get(s) not in engine.scheduler.live
-                        and inflight.get(s) not in done]:
+            lost = [] if engine.busy() else [s for s in live if inflight.get(s) not in done]
+            for sid in lost:
                 t = trajs[sid]
                 t.status, t.error = "aborted", (f"request {inflight.get(sid)}: cancelled outside "
                                                 "this rollout() call (an engine.pause() during it)")
