@@ -913,3 +913,55 @@ def config_divergence(rank: int, world: int) -> dict:
     except ConfigError as e:
         return {"error": str(e), "key": e.key}
     return {"error": None}
+
+
+def session_protocol(rank: int, world: int) -> dict:
+    """Multi-turn sessions where the protocol used to fail (1 rank, greedy): two sessions
+    whose next turns each wait for blocks the other's retained context held (the engine
+    stepped idle for ever); a close and a new turn of the id in one step (the close was
+    dropped: the turn continued the old context); two turns of one session in one generate()
+    (the refused one was missing from its result); a turn after a cancel ended its session
+    (served as a new conversation without a word)."""
+    from colo_rollout.sched.request import RequestError
+
+    cfg, groups, sd, engine = _engine(world, world, world, num_kv_blocks=8, max_seq_len=32)
+    g = SamplingParams(max_tokens=4, ignore_eos=True)
+    res: dict = {}
+    engine.generate([Request(f"{s}0", tuple(range(1, 9)), g, session=s) for s in "AB"])
+    outs = engine.generate([Request(f"{s}1", tuple(range(10, 18)), g, session=s)
+                            for s in "AB"])
+    res["both_turns"] = sorted((k, o.finish_reason.value) for k, o in outs.items())
+    for s in "AB":
+        engine.close_session(s)
+    engine.step()
+    # a close and a new first turn under the id in one step: a new conversation
+    engine.generate([Request("c0", (3, 4, 5), g, session="C")])
+    engine.close_session("C")
+    again = engine.generate([Request("c1", (5, 9), g, session="C")])["c1"].tokens
+    fresh = engine.generate([Request("f", (5, 9), g)])["f"].tokens
+    res["closed_then_new_is_fresh"] = again == fresh
+    engine.close_session("C")
+    engine.step()
+    both = engine.generate([Request("d0", (1, 2), g, session="D"),
+                            Request("d1", (3, 4), g, session="D")])
+    res["both_returned"] = sorted((k, o.finish_reason.value) for k, o in both.items())
+    engine.close_session("D")
+    engine.step()
+    engine.submit(Request("e0", tuple(range(1, 7)), SamplingParams(max_tokens=8,
+                                                                   ignore_eos=True),
+                          session="E"))
+    engine.step()
+    engine.cancel("e0")
+    engine.step()
+    try:
+        engine.submit(Request("e1", (7, 8), g, session="E"))
+        res["after_cancel"] = "accepted"
+    except RequestError as e:
+        res["after_cancel"] = str(e)
+    engine.close_session("E")  # acknowledges the end: the id starts a new conversation
+    engine.step()
+    res["reused"] = engine.generate([Request("e2", (7, 8), g, session="E")])[
+        "e2"].finish_reason.value
+    engine.check_integrity()
+    engine.close()
+    return res

@@ -270,3 +270,12 @@ def test_ranks_built_from_different_configs_refuse_on_every_rank(worker_groups):
         assert r["key"] == "engine.num_kv_blocks", r
         assert r["error"].startswith("rank 1's config differs from rank 0's at "
                                      "engine.num_kv_blocks: 48 vs 64"), r
+
+
+def test_session_protocol_never_spins_drops_a_close_or_forgets_a_cancel(worker_groups):
+    r = worker_groups(1).run(f"{CASES}:session_protocol", timeout=120)[0]
+    assert r["both_turns"] == [("A1", "length"), ("B1", "length")]
+    assert r["closed_then_new_is_fresh"]
+    assert r["both_returned"] == [("d0", "length"), ("d1", "rejected")]
+    assert "session 'E' was ended by the cancel of 'e0'" in r["after_cancel"], r
+    assert r["reused"] == "length"

@@ -276,9 +276,17 @@ class Engine:
         self._outbox.cancels.append(request_id)
 
     def close_session(self, session: str) -> None:
-        """Forget a trajectory between turns (its retained KV is freed at the next step)."""
+        """Forget a trajectory between turns (its retained KV is freed at the next step), or
+        acknowledge one a cancel ended (its id may then start a new conversation)."""
+        self._check_open()
         if not isinstance(session, str):
             raise RequestError(f"close of session {session!r}: a session id is a string")
+        if any(s.get("session") == session for s in self._outbox.submits):
+            raise RequestError(f"close of session {session!r}: a turn of it was submitted on "
+                               "this rank and not yet sent; close it after that turn")
+        if session in self.scheduler.ended and session not in self.scheduler.sessions:
+            self._outbox.closes.append(session)
+            return
         sess = self.scheduler.sessions.get(session)
         if sess is None or sess.busy:
             state = "unknown" if sess is None else "busy (a turn is in flight)"
@@ -395,6 +403,15 @@ class Engine:
                 self._p_epoch, self._p_got = None, {}
             finished += self.scheduler.commit(self._last_plan, sampled, now,
                                               epoch_done=epoch_done)
+        # closes first (every rank's), then submits, then cancels: a session closed and
+        # started again in one step is a new conversation (a close applied after the submit
+        # found the session busy and was dropped: the new turn continued the old context),
+        # and a cancel reaches a request submitted in the same step by any rank
+        for m in msgs:
+            for sid in m.closes:
+                if sid in self.scheduler.sessions and not self.scheduler.sessions[sid].busy \
+                        or sid in self.scheduler.ended:
+                    self.scheduler.close_session(sid)
         for m in msgs:
             for s in m.submits:
                 req = Request(s["id"], tuple(s["prompt"]), SamplingParams.from_json(s["params"]),
@@ -405,12 +422,10 @@ class Engine:
                     self.rejected.append(_rejected(req, str(e)))
                     if m.rank == self.groups.rank:  # raised to this rank's caller by step()
                         self._refused_here.append(self.rejected[-1])
+        for m in msgs:
             for rid in m.cancels:
                 if rid in self.scheduler.live:
                     finished.append(self.scheduler.cancel(rid, now))
-            for sid in m.closes:
-                if sid in self.scheduler.sessions and not self.scheduler.sessions[sid].busy:
-                    self.scheduler.close_session(sid)
         return finished
 
     def _collect(self, plan: StepPlan, out) -> None:
@@ -571,7 +586,10 @@ class Engine:
         def step() -> list[RequestOutput]:
             try:
                 return self.step()
-            except SubmissionRefused as e:  # already in self.rejected; keep serving
+            except SubmissionRefused as e:  # already in self.rejected; keep serving -- and
+                for out in e.refused:  # hand this call's refused requests back with the rest
+                    if out.request_id in ids:
+                        rejected[out.request_id] = out
                 return e.finished
 
         while True:  # the first step too: a request may finish in it

@@ -398,7 +398,8 @@ def _abandon(engine: Engine, live: dict, inflight: dict, submitted: list[str],
     if leader:
         for sid in sessions:
             sess = engine.scheduler.sessions.get(sid)
-            if sess is not None and not sess.busy:
+            if sess is not None and not sess.busy or (sess is None
+                                                      and sid in engine.scheduler.ended):
                 engine.close_session(sid)
     engine.step()
     engine.forget(submitted)
@@ -522,5 +523,9 @@ def _score(t: Trajectory, fn: Callable[[], float], accumulate: bool = False) -> 
 
 def _end(engine: Engine, live: dict, sid: str, leader: bool) -> None:
     live.pop(sid, None)
-    if leader and sid in engine.scheduler.sessions and not engine.scheduler.sessions[sid].busy:
+    sched = engine.scheduler
+    # (a trajectory a cancel ended has no session left: closing acknowledges the end, so a
+    # later call may use the id again)
+    if leader and (sid in sched.sessions and not sched.sessions[sid].busy
+                   or sid in sched.ended and sid not in sched.sessions):
         engine.close_session(sid)

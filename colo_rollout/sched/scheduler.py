@@ -50,6 +50,10 @@ from colo_rollout.sched.request import (
 )
 
 
+# the most cancel-ended session ids remembered (scheduler.ended)
+MAX_ENDED = 100_000
+
+
 @dataclass
 class _Seq:
     """A request admitted to a replica."""
@@ -101,6 +105,10 @@ class Scheduler:
         self.epoch: StepPlan | None = None
         self.retired: set[int] = set()
         self.sessions: dict[str, _Session] = {}
+        # sessions a cancel ended (their context dropped): a later turn under the id would be
+        # served as a new conversation without a word -- refused until close_session(id)
+        # acknowledges the end (bounded: the oldest are forgotten past MAX_ENDED)
+        self.ended: dict[str, str] = {}
         self.evictions = 0  # retained trajectory contexts dropped for capacity (re-prefilled)
         # engine.mtp: D rows that verified a draft, and how many of those drafts were accepted
         self.drafts_verified = 0
@@ -134,6 +142,10 @@ class Scheduler:
                 f"request {rid!r}: token id {bad[0]!r} outside the vocabulary [0, {self.vocab_size})")
         cfg = self.cfg
         sess = self.sessions.get(req.session) if req.session is not None else None
+        if sess is None and req.session in self.ended:
+            raise RequestError(f"request {rid!r}: session {req.session!r} was ended by the "
+                               f"cancel of {self.ended[req.session]!r} (its context is gone); "
+                               "close_session() it to reuse the id, or start a new session")
         if sess is not None and sess.busy:
             raise RequestError(f"request {rid!r}: session {req.session!r} already has a turn "
                                "waiting or running")
@@ -206,10 +218,16 @@ class Scheduler:
         out.finish_time = now
         if session is not None:  # a cancelled turn ends its trajectory
             self._drop_session(session)
+            self.ended[session] = request_id
+            if len(self.ended) > MAX_ENDED:
+                del self.ended[next(iter(self.ended))]
         return out
 
     def close_session(self, session: str) -> None:
-        """Forget a finished trajectory and free its retained context."""
+        """Forget a finished trajectory and free its retained context (or acknowledge the end
+        of one a cancel ended: its id may be used again)."""
+        if self.ended.pop(session, None) is not None and session not in self.sessions:
+            return
         sess = self.sessions.get(session)
         if sess is None:
             raise RequestError(f"close of unknown session {session!r}")
@@ -309,11 +327,13 @@ class Scheduler:
                    for i in cands)
 
     def _evict_lru(self, views: list[ReplicaView], keep: str | None) -> bool:
-        """Drop the least recently used idle retained context (other than ``keep``'s if any
-        other exists); returns False when there is none."""
+        """Drop the least recently used retained context that no running request uses (other
+        than ``keep``'s if any other exists); returns False when there is none. A session
+        whose next turn waits is evictable too: that turn re-prefills its context (with only
+        idle sessions evictable, the waiting turns of two sessions could each hold the blocks
+        the other needs, and the engine stepped idle for ever)."""
         idle = sorted((s.last_used, sid) for sid, s in self.sessions.items()
-                      if not s.busy or (sid == keep and s.lifetime is not None)
-                      if s.lifetime is not None)
+                      if s.lifetime is not None and s.lifetime not in self.seqs)
         others = [x for x in idle if x[1] != keep]
         pick = (others or idle)
         if not pick:
