@@ -962,6 +962,14 @@ def session_protocol(rank: int, world: int) -> dict:
     engine.step()
     res["reused"] = engine.generate([Request("e2", (7, 8), g, session="E")])[
         "e2"].finish_reason.value
+    # a request without a session whose id is a session's: the two would share the routing
+    # record's key
+    engine.generate([Request("F-t0", (1, 2), g, session="F")])
+    try:
+        engine.submit(Request("F", (3, 4), g))
+        res["id_is_a_session"] = "accepted"
+    except RequestError as e:
+        res["id_is_a_session"] = str(e)
     engine.check_integrity()
     engine.close()
     return res

@@ -279,3 +279,5 @@ def test_session_protocol_never_spins_drops_a_close_or_forgets_a_cancel(worker_g
     assert r["both_returned"] == [("d0", "length"), ("d1", "rejected")]
     assert "session 'E' was ended by the cancel of 'e0'" in r["after_cancel"], r
     assert r["reused"] == "length"
+    assert r["id_is_a_session"] == ("request 'F': its id is a session's (a request without a "
+                                    "session needs an id no session has)")

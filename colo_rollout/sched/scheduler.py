@@ -141,6 +141,14 @@ class Scheduler:
             raise RequestError(
                 f"request {rid!r}: token id {bad[0]!r} outside the vocabulary [0, {self.vocab_size})")
         cfg = self.cfg
+        # request ids and session ids share one namespace: the routing record and the outputs
+        # are keyed by the session where there is one, else by the request id
+        if req.session is None and rid in self.sessions:
+            raise RequestError(f"request {rid!r}: its id is a session's (a request without a "
+                               "session needs an id no session has)")
+        if req.session is not None and req.session != rid and req.session in self.live:
+            raise RequestError(f"request {rid!r}: session {req.session!r} is the id of a "
+                               "request in flight")
         sess = self.sessions.get(req.session) if req.session is not None else None
         if sess is None and req.session in self.ended:
             raise RequestError(f"request {rid!r}: session {req.session!r} was ended by the "
