@@ -22,14 +22,16 @@ class FileProblem(ValueError):
     """Why a named file cannot be read (one line, without the path)."""
 
 
-def read_regular_file(path: str | os.PathLike[str], max_bytes: int, what: str) -> bytes:
-    """The bytes of the regular file ``path`` (``what`` names its kind in a message: "a trace
-    is a JSONL file"), or FileProblem: an empty path, a path that is not a regular file, one
-    larger than ``max_bytes``, or the OS's reason it cannot be read (a relative path that does
-    not exist names the working directory)."""
+def read_regular_file(path: str | os.PathLike[str], max_bytes: int, kind: str,
+                      what: str) -> bytes:
+    """The bytes of the regular file ``path``, or FileProblem: an empty path, a path that is
+    not a regular file, one larger than ``max_bytes``, or the OS's reason it cannot be read (a
+    relative path that does not exist names the working directory). ``kind`` names the file
+    in the messages ("trace file"), ``what`` says what it should be ("a trace is a JSONL
+    file")."""
     name = os.fspath(path)
     if not name:
-        raise FileProblem("no file named (the path is empty)")
+        raise FileProblem(f"no {kind} named (the path is empty)")
     try:
         # non-blocking: opening a FIFO for reading would wait for a writer
         fd = os.open(name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
@@ -38,16 +40,16 @@ def read_regular_file(path: str | os.PathLike[str], max_bytes: int, what: str) -
             if not stat.S_ISREG(st.st_mode):
                 raise FileProblem(f"not a regular file (a directory, FIFO or device): {what}")
             if st.st_size > max_bytes:
-                raise FileProblem(f"{st.st_size} bytes, more than the {max_bytes} such a file "
-                                  "may have")
+                raise FileProblem(f"{st.st_size} bytes, more than the {max_bytes} a {kind} may "
+                                  "have")
             data = f.read(max_bytes + 1)
             if len(data) > max_bytes:  # grew while read
-                raise FileProblem(f"more than the {max_bytes} bytes such a file may have")
+                raise FileProblem(f"more than the {max_bytes} bytes a {kind} may have")
             return data
     except OSError as e:
         where = ("" if os.path.isabs(name) or not isinstance(e, FileNotFoundError)
                  else f" (relative to the working directory {os.getcwd()})")
-        raise FileProblem(f"cannot read: {e.strerror or e}{where}") from None
+        raise FileProblem(f"cannot read {kind}: {e.strerror or e}{where}") from None
 
 
 def _finite(obj: Any) -> Any:

@@ -408,10 +408,10 @@ def load_config(path: str | os.PathLike, overrides: Mapping[str, Any] | None = N
     """
     source = os.fspath(path)
     try:
-        raw = read_regular_file(source, MAX_CONFIG_BYTES, "a config is a YAML file")
+        raw = read_regular_file(source, MAX_CONFIG_BYTES, "config file",
+                                "a config is a YAML file")
     except FileProblem as err:
-        text = str(err).replace("cannot read:", "cannot read config file:", 1)
-        raise ConfigError(f"{source}: {text}", source=source) from None
+        raise ConfigError(f"{source}: {err}", source=source) from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from colo_rollout.config import Config, ConfigError
-from colo_rollout.runtime.control import (ControlError, ControlPlane, Message,
+from colo_rollout.runtime.control import (ControlError, ControlPlane, Message, first_problem,
                                           all_gather_json)
 from colo_rollout.worker.memory import WEIGHT_POLICIES, MemoryReport
 from colo_rollout.runtime.device import fp32_norms
@@ -221,6 +221,14 @@ class Engine:
                                      "session": request.session})
         self._pending_ids.add(request.request_id)
 
+    def _step_past_refusals(self) -> tuple[list[RequestOutput], list[RequestOutput]]:
+        """``step()`` for the collective calls that serve on past this rank's refused
+        submissions (already in ``self.rejected``): (finished, this rank's refused)."""
+        try:
+            return self.step(), []
+        except SubmissionRefused as e:
+            return e.finished, e.refused
+
     def submit_refusal(self, request_id: str) -> str | None:
         """Why ``submit`` would refuse any request now for the engine's own state (paused,
         memory released or weights not loaded), or None: replicated state, the same on every
@@ -228,9 +236,10 @@ class Engine:
         if self.paused:
             return (f"request {request_id!r}: the engine is paused (a weight update is in "
                     "progress); submit after resume()")
-        if self.memory.released is not None or not self.memory.weights_valid:
-            return (f"request {request_id!r}: the engine's memory is released or its weights "
-                    "not loaded; submit after resume_memory() (and weights_loaded())")
+        try:
+            self.memory.check_ready()
+        except RuntimeError as e:
+            return f"request {request_id!r}: {e}"
         return None
 
     def pause(self) -> dict[str, RequestOutput]:
@@ -248,16 +257,11 @@ class Engine:
             self._outbox.cancels.append(rid)
         outs: dict[str, RequestOutput] = {}
 
-        def step() -> list[RequestOutput]:  # a refused submission must not abort one rank's
-            try:  # pause (it is in self.rejected; the others pause on)
-                return self.step()
-            except SubmissionRefused as e:
-                return e.finished
-
-        for out in step():
+        # (a refused submission must not abort one rank's pause: the others pause on)
+        for out in self._step_past_refusals()[0]:
             outs[out.request_id] = out
         while self.busy():
-            for out in step():
+            for out in self._step_past_refusals()[0]:
                 outs[out.request_id] = out
         self.paused = True
         return outs
@@ -584,13 +588,11 @@ class Engine:
                         rejected[rid] = out
 
         def step() -> list[RequestOutput]:
-            try:
-                return self.step()
-            except SubmissionRefused as e:  # already in self.rejected; keep serving -- and
-                for out in e.refused:  # hand this call's refused requests back with the rest
-                    if out.request_id in ids:
-                        rejected[out.request_id] = out
-                return e.finished
+            finished, refused = self._step_past_refusals()
+            for out in refused:  # this call's refused requests go back with the rest
+                if out.request_id in ids:
+                    rejected[out.request_id] = out
+            return finished
 
         while True:  # the first step too: a request may finish in it
             for out in step():
@@ -675,12 +677,10 @@ class Engine:
                 problem = (f"weights_loaded(): {bad[0]} (and {len(bad) - 1} more) was not "
                            "written since resume_memory() after a discard: sync or load every "
                            "parameter first")
-        every = ([problem] if self.groups.layout.world_size == 1
-                 else all_gather_json(problem, self.groups.control))
-        bad_rank = next((r for r, p in enumerate(every) if p is not None), None)
-        if bad_rank is not None:
-            here = "" if every[bad_rank] == problem else f"rank {bad_rank}: "
-            raise RuntimeError(f"{here}{every[bad_rank]}")
+        got = first_problem(problem, self.groups.control, self.groups.layout.world_size)
+        if got is not None:
+            r, p = got
+            raise RuntimeError(p if p == problem else f"rank {r}: {p}")
         self.model.weights_updated()  # model.fp8: re-quantise what the caller wrote
         self.memory.weights_valid = True
 

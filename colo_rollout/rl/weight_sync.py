@@ -525,19 +525,15 @@ class WeightSync:
                                      "finite (NaN or inf): not synced into the engine")
         except (TypeError, ValueError, RuntimeError) as e:
             problem = [type(e).__name__, str(e)]
-        groups = getattr(inference_model, "groups", None)
-        if groups is None or groups.layout.world_size == 1:
-            every = [problem]
-        else:
-            from colo_rollout.runtime.control import all_gather_json
+        from colo_rollout.runtime.control import first_problem
 
-            every = all_gather_json(problem, groups.control)
-        for r, got in enumerate(every):
-            if got is not None:
-                kind = {"TypeError": TypeError, "ValueError": ValueError}.get(got[0],
-                                                                            RuntimeError)
-                here = "" if got == problem else f"rank {r}: "
-                raise kind(f"{here}{got[1]}")
+        groups = getattr(inference_model, "groups", None)
+        got = first_problem(problem, groups.control if groups else None,
+                            groups.layout.world_size if groups else 1)
+        if got is not None:
+            r, p = got
+            kind = {"TypeError": TypeError, "ValueError": ValueError}.get(p[0], RuntimeError)
+            raise kind(p[1] if p == problem else f"rank {r}: {p[1]}")
 
     def __call__(self, trainer_model, inference_model) -> SyncStats:
         t0 = time.perf_counter()

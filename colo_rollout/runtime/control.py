@@ -192,6 +192,15 @@ class ControlPlane:
                 f"a peer died or stopped stepping (diverged) [{e}]") from e
 
 
+def first_problem(problem, group: dist.ProcessGroup, world: int):
+    """Every rank's verdict before a collective step (None: fine here), agreed: (rank, its
+    problem) of the lowest rank that has one, or None -- the same on every rank (one
+    all-gather, none on one rank), so a refusal raises everywhere instead of leaving the
+    other ranks waiting in the step's collectives."""
+    every = [problem] if world == 1 else all_gather_json(problem, group)
+    return next(((r, p) for r, p in enumerate(every) if p is not None), None)
+
+
 def all_gather_json(obj, group: dist.ProcessGroup | None = None) -> list:
     """All-gather one JSON-serialisable value per rank (rank order). JSON, never pickle."""
     world = dist.get_world_size(group)

@@ -13,7 +13,6 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-
 from colo_rollout.sched.request import valid_unicode
 from colo_rollout.workloads.trace.model import (
     Conversation,

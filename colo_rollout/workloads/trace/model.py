@@ -83,14 +83,9 @@ def read_trace_bytes(path: str | os.PathLike[str]) -> bytes:
     MAX_TRACE_BYTES (config/files.py)."""
     name = os.fspath(path)
     try:
-        data = read_regular_file(name, MAX_TRACE_BYTES, "a trace is a JSONL file")
+        data = read_regular_file(name, MAX_TRACE_BYTES, "trace file", "a trace is a JSONL file")
     except FileProblem as e:
-        text = str(e)
-        if text.startswith("cannot read:"):
-            text = "cannot read trace file:" + text[len("cannot read:"):]
-        elif text.startswith("no file named"):
-            text = "no trace file named (the path is empty)"
-        raise TraceError(name or "<empty path>", None, "file", text) from None
+        raise TraceError(name or "<empty path>", None, "file", str(e)) from None
     return data[3:] if data.startswith(b"\xef\xbb\xbf") else data
 
 

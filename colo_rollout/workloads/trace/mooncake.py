@@ -8,7 +8,6 @@ import math
 import os
 from dataclasses import dataclass
 
-
 from colo_rollout.workloads.trace.model import (
     Conversation,
     Trace,
@@ -18,7 +17,8 @@ from colo_rollout.workloads.trace.model import (
     _is_real,
     read_trace_bytes,
 )
-from colo_rollout.workloads.trace.jsonl import MAX_SECONDS, MAX_TURN_TOKENS
+from colo_rollout.workloads.trace.jsonl import (_MOONCAKE_KEYS, MAX_SECONDS, MAX_TURN_TOKENS,
+                                                _DuplicateKey, _reject_duplicate_keys)
 
 MAX_TIMESTAMP_MS = 1000.0 * MAX_SECONDS  # one day of replay, as the JSONL reader's
 
@@ -27,8 +27,8 @@ def _short(value) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
-# Mooncake conversation trace: the README's session rule and block size.
-_MOONCAKE_KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
+# Mooncake conversation trace: the README's session rule and block size (its record keys:
+# jsonl._MOONCAKE_KEYS, which the JSONL reader names in its hint).
 _MOONCAKE_SUCCESSOR_LIMIT = 8  # a shared block with more distinct successors is a global prompt
 
 # --------------------------------------------------------------------------- #
@@ -45,19 +45,6 @@ class _MooncakeRecord:
     hash_ids: tuple[int, ...]
 
 
-class _Duplicate(Exception):
-    pass
-
-
-def _no_duplicates(pairs):
-    seen = {}
-    for key, value in pairs:
-        if key in seen:
-            raise _Duplicate(key)
-        seen[key] = value
-    return seen
-
-
 def _parse_mooncake(path: str) -> list[_MooncakeRecord]:
     records = []
     data = read_trace_bytes(path)
@@ -70,8 +57,8 @@ def _parse_mooncake(path: str) -> list[_MooncakeRecord]:
         if not text.strip():
             continue
         try:
-            obj = json.loads(text, object_pairs_hook=_no_duplicates)
-        except _Duplicate as e:
+            obj = json.loads(text, object_pairs_hook=_reject_duplicate_keys)
+        except _DuplicateKey as e:
             raise TraceError(path, lineno, str(e.args[0]), "duplicate key in the record") \
                 from None
         except json.JSONDecodeError as e:
