@@ -15,6 +15,8 @@ import random
 import torch
 
 FAMILIES = ("qwen3", "qwen2", "mixtral", "glm")
+# multi-head latent attention (DeepSeek-V3): its own tests -- MLA runs at attention TP 1
+MLA_FAMILIES = ("deepseek",)
 
 _COMMON = {"vocab_size": 256, "hidden_size": 64, "num_attention_heads": 4,
            "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
@@ -53,8 +55,21 @@ def family_config(family: str, **overrides):
               "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                   "partial_rotary_factor": 0.5}}
         cls = tf.Glm4MoeConfig
+    elif family == "deepseek":  # MLA with a query bottleneck (q_lora_rank null: q_proj),
+        # v head != nope head, YaRN with DeepSeek's mscale pair (the softmax scale too), GLM's
+        # router, a dense first layer, a shared expert
+        kw = {**_COMMON, "num_hidden_layers": 3, "first_k_dense_replace": 1,
+              "intermediate_size": 96, "moe_intermediate_size": 32, "n_routed_experts": 8,
+              "n_shared_experts": 1, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2,
+              "norm_topk_prob": True, "routed_scaling_factor": 2.5, "rms_norm_eps": 1e-5,
+              "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+              "qk_rope_head_dim": 8, "v_head_dim": 12, "num_key_value_heads": 4,
+              "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                  "original_max_position_embeddings": 16, "mscale": 1.0,
+                                  "mscale_all_dim": 0.8}}
+        cls = tf.DeepseekV3Config
     else:
-        raise ValueError(f"unknown family {family!r}; one of {FAMILIES}")
+        raise ValueError(f"unknown family {family!r}; one of {FAMILIES + MLA_FAMILIES}")
     kw.update(overrides)
     return cls(**kw)
 
@@ -103,7 +118,7 @@ def save_tiny_checkpoint(directory, family: str, sharded: bool = False, seed: in
     config = family_config(family, **overrides)
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _randomise(model, seed + 1000 * FAMILIES.index(family))
+    _randomise(model, seed + 1000 * (FAMILIES + MLA_FAMILIES).index(family))
     if save_dtype != "float32":
         model = model.to(getattr(torch, save_dtype))
     kw = {"max_shard_size": "50KB"} if sharded else {}
@@ -181,7 +196,8 @@ def hf_compare(directory: str, requests, outs) -> dict:
     return {"max_logprob_diff": worst, "mismatches": mismatches, "checked": checked}
 
 
-def engine_config(directory: str, world: int, adp: int, ep: int, **model):
+def engine_config(directory: str, world: int, adp: int, ep: int, engine: dict | None = None,
+                  **model):
     from colo_rollout.config import config_from_dict
 
     return config_from_dict({
@@ -189,19 +205,21 @@ def engine_config(directory: str, world: int, adp: int, ep: int, **model):
                      "timeout_s": 60},
         "model": {"checkpoint": directory, **model},
         "engine": {"max_batch_size": 4, "max_prefill_tokens": 128, "kv_block_size": 4,
-                   "num_kv_blocks": 128, "max_seq_len": 128, "decode_buckets": [1, 2, 4]},
+                   "num_kv_blocks": 128, "max_seq_len": 128, "decode_buckets": [1, 2, 4],
+                   **(engine or {})},
     })
 
 
 def serve_checkpoint(rank: int, world: int, directory: str, adp: int, ep: int,
-                     n_requests: int = 8, seed: int = 0, reference: str | None = None) -> dict:
+                     n_requests: int = 8, seed: int = 0, reference: str | None = None,
+                     engine: dict | None = None) -> dict:
     """Serve greedy requests from ``directory`` on this layout; rank 0 adds the comparison
     with transformers (of ``reference``, a checkpoint of the same weights, when given)."""
     from colo_rollout.runtime.cpu_compat import install_cpu_compat
     from colo_rollout.engine.engine import Engine
     from colo_rollout.runtime.parallel import init_parallel
 
-    cfg = engine_config(directory, world, adp, ep)
+    cfg = engine_config(directory, world, adp, ep, engine)
     groups = init_parallel(cfg.parallel)
     install_cpu_compat()
     engine = Engine(cfg, groups)

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from colo_rollout.config.hf_config import (
+    DEEPSEEK3,
     GLM4,
     MIXTRAL,
     QWEN2,
@@ -47,12 +48,15 @@ from colo_rollout.model.weights import (
 )
 from colo_rollout.runtime.parallel import Layout
 
-_MODEL_TYPES = {QWEN3: "qwen3_moe", QWEN2: "qwen2_moe", MIXTRAL: "mixtral", GLM4: "glm4_moe"}
+_MODEL_TYPES = {QWEN3: "qwen3_moe", QWEN2: "qwen2_moe", MIXTRAL: "mixtral", GLM4: "glm4_moe",
+                DEEPSEEK3: "deepseek_v3"}
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
 def default_family(cfg: ModelConfig) -> str:
     """The family whose format holds ``cfg`` most directly."""
+    if cfg.is_mla:
+        return DEEPSEEK3
     if cfg.router_score == "sigmoid" or cfg.first_k_dense:
         return GLM4
     if cfg.shared_expert_ffn_hidden_size is not None:
@@ -83,6 +87,8 @@ def hf_config_dict(cfg: ModelConfig, family: str | None = None,
             # megatron's factor (0.1 m ln f + 1) / (0.1 m_all ln f + 1) with one of them 0
             f = math.log(cfg.rope_scaling_factor)
             rope["attention_factor"] = (0.1 * m * f + 1) / (0.1 * m_all * f + 1)
+            if cfg.is_mla and m_all:  # MLA's softmax scale reads it on its own
+                rope["mscale_all_dim"] = m_all
     # always written: a family's default when absent is not always 1 (GLM-4.5: 0.5)
     rope["partial_rotary_factor"] = cfg.rotary_percent
     c: dict = {
@@ -108,6 +114,11 @@ def hf_config_dict(cfg: ModelConfig, family: str | None = None,
     elif family == MIXTRAL:
         c.update(num_local_experts=cfg.num_experts, intermediate_size=ffn, sliding_window=None)
     else:
+        if family == DEEPSEEK3:
+            c.update(head_dim=cfg.qk_rope_head_dim, q_lora_rank=cfg.q_lora_rank,
+                     kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
+                     qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
+                     rope_interleave=True)
         shared = cfg.shared_expert_ffn_hidden_size or 0
         if shared % ffn:
             raise ValueError(f"{family}: shared experts of width {shared} are not a whole "
@@ -118,7 +129,9 @@ def hf_config_dict(cfg: ModelConfig, family: str | None = None,
                  routed_scaling_factor=cfg.router_scaling_factor,
                  n_group=cfg.router_num_groups or 1, topk_group=cfg.router_group_topk or 1,
                  norm_topk_prob=cfg.router_norm_topk, attention_bias=cfg.qkv_bias,
-                 use_qk_norm=cfg.qk_layernorm, num_nextn_predict_layers=cfg.mtp_num_layers)
+                 num_nextn_predict_layers=cfg.mtp_num_layers)
+        if family == GLM4:
+            c["use_qk_norm"] = cfg.qk_layernorm
     back = hf_architecture(".", c).fields
     wrong = {k: (getattr(cfg, k), v) for k, v in back.items() if getattr(cfg, k) != v
              and not (isinstance(v, float) and math.isclose(getattr(cfg, k), v, rel_tol=1e-12,

@@ -29,12 +29,12 @@ from dataclasses import dataclass
 
 import torch
 
-from colo_rollout.config.hf_config import GLM4, MIXTRAL, QWEN2
+from colo_rollout.config.hf_config import DEEPSEEK3, GLM4, MIXTRAL, QWEN2
 from colo_rollout.config import ModelConfig
 from colo_rollout.model.weights import MTP_PREFIX, tensor_shapes
 
 # families whose format stores MTP layers after the decoder layers (DeepSeek-V3's naming)
-MTP_FAMILIES = (GLM4,)
+MTP_FAMILIES = (GLM4, DEEPSEEK3)
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,8 @@ def hf_sources(cfg: ModelConfig, family: str, fused: bool = False) -> dict[str, 
     ``fused``: the routed experts as transformers 5 holds them in memory (``FusedExpert``);
     every family keeps them under ``mlp.`` then, Mixtral included."""
     moe = "block_sparse_moe" if family == MIXTRAL and not fused else "mlp"
-    shared = {QWEN2: "mlp.shared_expert.", GLM4: "mlp.shared_experts."}.get(family)
+    shared = {QWEN2: "mlp.shared_expert.", GLM4: "mlp.shared_experts.",
+              DEEPSEEK3: "mlp.shared_experts."}.get(family)
     gate_up_down = ("w1", "w3", "w2") if family == MIXTRAL else ("gate_proj", "up_proj",
                                                                  "down_proj")
     n = cfg.num_attention_heads // cfg.num_query_groups
@@ -178,6 +179,9 @@ def _layer_source(name: str, p: str, rest: str, cfg: ModelConfig, moe: str, shar
         "mlp.router.expert_bias": f"{moe}.gate.e_score_correction_bias",
         "mlp.linear_fc2.weight": f"mlp.{gud[2]}.weight",
     }
+    if cfg.is_mla:  # DeepSeek-V3's names; every row in megatron's order already
+        simple.update(_MLA_NAMES)
+        simple.pop("self_attention.k_layernorm.weight")
     if rest in simple:
         return Direct(p + simple[rest])
     if rest.startswith("self_attention.linear_qkv."):
@@ -206,6 +210,20 @@ def _layer_source(name: str, p: str, rest: str, cfg: ModelConfig, moe: str, shar
             return Direct(f"{p}mlp.shared_expert_gate.weight")
     raise ValueError(f"{name}: the {family} format has no tensor for it (the model section "
                      "asks for something this family does not store)")
+
+
+# megatron MLASelfAttention -> DeepseekV3Attention: the same rows in the same order (q heads
+# [nope | rope], kv_a [latent | rope key], kv_b heads [k_nope | v]; both rotate the rope dims
+# de-interleaved)
+_MLA_NAMES = {
+    "self_attention.linear_q_proj.weight": "self_attn.q_proj.weight",
+    "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_a_layernorm.weight",
+    "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
+    "self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "self_attention.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
+    "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
+}
 
 
 def mtp_hf_prefix(cfg: ModelConfig, j: int) -> str:

@@ -33,9 +33,11 @@ QWEN3 = "Qwen3MoeForCausalLM"
 QWEN2 = "Qwen2MoeForCausalLM"
 MIXTRAL = "MixtralForCausalLM"
 GLM4 = "Glm4MoeForCausalLM"
-FAMILIES = (QWEN3, QWEN2, MIXTRAL, GLM4)
-# families whose attention is multi-head latent attention: not in this engine
-MLA_FAMILIES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "KimiK2ForCausalLM")
+DEEPSEEK3 = "DeepseekV3ForCausalLM"  # also Kimi-K2's and Moonlight's architecture
+FAMILIES = (QWEN3, QWEN2, MIXTRAL, GLM4, DEEPSEEK3)
+# other families whose attention is multi-head latent attention (DeepSeek-V2's router is not
+# V3's: softmax scores, its own group-limited top-k): not supported
+MLA_FAMILIES = ("DeepseekV2ForCausalLM", "KimiK2ForCausalLM")
 
 # ModelConfig fields a checkpoint determines (everything else -- params_dtype, use_te,
 # moe_compute, fp8, seed -- stays the run's choice)
@@ -48,7 +50,8 @@ ARCH_FIELDS = (
     "max_position_embeddings", "rotary_base", "rotary_percent", "rope_scaling",
     "rope_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
     "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim", "yarn_truncate", "normalization",
-    "mtp_num_layers",
+    "mtp_num_layers", "attention", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+    "qk_rope_head_dim", "v_head_dim",
 )
 # the YAML may lower these (a shorter RoPE table; 0 MTP layers: serve without the checkpoint's
 # MTP layer, whose tensors are then not read); raising them is an error
@@ -152,14 +155,15 @@ def hf_architecture(directory: str | pathlib.Path, config: dict | None = None) -
     if not (isinstance(archs, list) and archs and all(isinstance(a, str) for a in archs)):
         raise r.error("architectures", f"expected a non-empty list of names, got {archs!r}")
     family = archs[0]
-    if family in MLA_FAMILIES or "kv_lora_rank" in config:
+    if family in MLA_FAMILIES or ("kv_lora_rank" in config and family != DEEPSEEK3):
         raise r.error("architectures", f"{family!r} uses multi-head latent attention (MLA), "
                       f"which this engine does not support; supported: {', '.join(FAMILIES)}")
     if family not in FAMILIES:
         raise r.error("architectures", f"{family!r} is not supported; supported: "
                       f"{', '.join(FAMILIES)}")
     _common(r, family)
-    {QWEN3: _qwen3, QWEN2: _qwen2, MIXTRAL: _mixtral, GLM4: _glm4}[family](r)
+    {QWEN3: _qwen3, QWEN2: _qwen2, MIXTRAL: _mixtral, GLM4: _glm4,
+     DEEPSEEK3: _deepseek3}[family](r)
     f = r.fields
     # transformers renormalises a single softmax score to 1.0; megatron refuses top-1 softmax
     # routing without its pre-softmax (model section's router_norm_topk check), and with
@@ -214,14 +218,17 @@ def _common(r: _Reader, family: str) -> None:
     heads = r.take("num_attention_heads", "num_attention_heads", int)
     # checked here, before head_dim divides by it (the schema's own >= 1 check comes later)
     r.refuse("num_attention_heads", heads < 1, f"must be >= 1, got {heads}")
-    r.take("num_query_groups", "num_key_value_heads", int, heads)
-    head_dim = r.get("head_dim", int, None, null_ok=True)
-    if head_dim is None:
-        hidden = r.fields["hidden_size"]
-        r.refuse("hidden_size", hidden % heads != 0, f"{hidden} is not divisible by "
-                 f"num_attention_heads {heads} and head_dim is not given")
-        head_dim = hidden // heads
-    r.set("head_dim", head_dim, "head_dim")
+    if family == DEEPSEEK3:  # MLA: every head its own key and value; _deepseek3 sets the widths
+        r.set("num_query_groups", heads, "num_attention_heads")
+    else:
+        r.take("num_query_groups", "num_key_value_heads", int, heads)
+        head_dim = r.get("head_dim", int, None, null_ok=True)
+        if head_dim is None:
+            hidden = r.fields["hidden_size"]
+            r.refuse("hidden_size", hidden % heads != 0, f"{hidden} is not divisible by "
+                     f"num_attention_heads {heads} and head_dim is not given")
+            head_dim = hidden // heads
+        r.set("head_dim", head_dim, "head_dim")
     r.take("norm_epsilon", "rms_norm_eps", float)
     r.take("tie_embeddings", "tie_word_embeddings", bool, False)
     r.take("max_position_embeddings", "max_position_embeddings", int)
@@ -237,7 +244,7 @@ def _common(r: _Reader, family: str) -> None:
                         ("router_scaling_factor", 1.0), ("router_num_groups", None),
                         ("router_group_topk", None), ("shared_expert_ffn_hidden_size", None),
                         ("shared_expert_gate", False), ("first_k_dense", 0),
-                        ("ffn_hidden_size", None), ("mtp_num_layers", 0)):
+                        ("ffn_hidden_size", None), ("mtp_num_layers", 0), ("attention", "gqa")):
         r.set(name, value, "architectures")
 
 
@@ -367,15 +374,33 @@ def _yarn(r: _Reader, pick, src: str, partial_default: float, family: str, rope:
     attention, asrc = number("attention_factor", None)
     mscale, msrc = number("mscale", None, positive=False)
     mscale_all, masrc = number("mscale_all_dim", None, positive=False)
-    if attention is not None:
+    raw_all = float(mscale_all or 0.0)
+    if attention is not None and family == DEEPSEEK3:
+        r.refuse(asrc, factor <= 1 and attention != 1, f"{attention!r} with factor "
+                 f"{factor!r} <= 1: megatron-core's YaRN scales cos and sin only for factors "
+                 "above 1")
+    elif attention is not None:
         if factor > 1:  # megatron's factor (0.1 m ln f + 1) / 1 equals it at this m
             mscale, mscale_all = (attention - 1) / (0.1 * math.log(factor)), 0.0
         else:  # megatron's factor is 1 whatever mscale says
             r.refuse(asrc, attention != 1, f"{attention!r} with factor {factor!r} <= 1: "
                      "megatron-core's YaRN scales cos and sin only for factors above 1")
             mscale, mscale_all = 1.0, 0.0
+    elif family == DEEPSEEK3:  # below: MLA reads mscale_all_dim itself
+        pass
     elif not (mscale and mscale_all):  # transformers: 0.1 ln f + 1 unless both are given
         mscale, mscale_all = 1.0, 0.0
+    if family == DEEPSEEK3:
+        # MLA's softmax scale is times mscale(factor, mscale_all_dim)^2 as given (transformers'
+        # yarn_apply_mscale, megatron's MLA alike), so mscale_all_dim stays as config.json has
+        # it and mscale is chosen for megatron's cos/sin factor m(mscale) / m(mscale_all_dim)
+        # to be transformers' attention factor
+        if attention is None:
+            attention = (_yarn_m(factor, mscale) / _yarn_m(factor, mscale_all)
+                         if mscale and mscale_all else _yarn_m(factor, 1.0))
+        mscale_all = raw_all
+        mscale = ((attention * _yarn_m(factor, raw_all) - 1) / (0.1 * math.log(factor))
+                  if factor > 1 else 1.0)
     r.set("rope_scaling", "yarn", src)
     r.set("rope_scaling_factor", float(factor), fsrc)
     r.set("yarn_original_max_position_embeddings", original, osrc)
@@ -384,6 +409,11 @@ def _yarn(r: _Reader, pick, src: str, partial_default: float, family: str, rope:
     r.set("yarn_mscale", float(mscale), asrc if attention is not None else msrc)
     r.set("yarn_mscale_all_dim", float(mscale_all), asrc if attention is not None else masrc)
     r.set("yarn_truncate", truncate, tsrc)
+
+
+def _yarn_m(factor: float, m: float) -> float:
+    """YaRN's mscale function (transformers' get_mscale, megatron's _yarn_get_mscale)."""
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
 
 
 def _no_sliding_window(r: _Reader) -> None:
@@ -438,16 +468,43 @@ def _mixtral(r: _Reader) -> None:
 
 
 def _glm4(r: _Reader) -> None:
+    r.take("qkv_bias", "attention_bias", bool, False)
+    r.take("qk_layernorm", "use_qk_norm", bool, False)
+    _deepseek_moe(r, scaling=1.0, groups=1, topk_group=1, dense=1)
+
+
+def _deepseek3(r: _Reader) -> None:
+    """DeepSeek-V3 (Kimi-K2, Moonlight): MLA attention (model.attention 'mla') and GLM-4.5's
+    router; DeepseekV3Config's defaults where a key is absent."""
+    r.set("attention", "mla", "architectures")
+    q_lora = r.get("q_lora_rank", int, 1536, null_ok=True)
+    r.set("q_lora_rank", q_lora, "q_lora_rank")
+    r.take("kv_lora_rank", "kv_lora_rank", int, 512)
+    nope = r.take("qk_nope_head_dim", "qk_nope_head_dim", int, 128)
+    rope = r.take("qk_rope_head_dim", "qk_rope_head_dim", int, 64)
+    r.take("v_head_dim", "v_head_dim", int, 128)
+    r.set("head_dim", nope + rope, "qk_nope_head_dim")  # transformers' head_dim is the rope
+    r.set("qk_layernorm", True, "architectures")  # q_a_layernorm, kv_a_layernorm
+    r.refuse("attention_bias", r.get("attention_bias", bool, False),
+             "true: megatron's MLA projections have no bias")
+    r.refuse("rope_interleave", not r.get("rope_interleave", bool, True),
+             "false: megatron's MLA rotates DeepSeek's interleaved rope pairs (true) only")
+    _deepseek_moe(r, scaling=2.5, groups=8, topk_group=4, dense=3)
+
+
+def _deepseek_moe(r: _Reader, *, scaling: float, groups: int, topk_group: int,
+                  dense: int) -> None:
+    """DeepSeek-V3's MoE (GLM-4.5 has it too): sigmoid scores with a score-correction bias,
+    group-limited top-k, routed scaling, shared experts, dense first layers, MTP layers; the
+    arguments are the family config class's defaults for absent keys."""
     r.take("num_experts", "n_routed_experts", int)
     moe_ffn = r.take("moe_ffn_hidden_size", "moe_intermediate_size", int)
     r.take("router_norm_topk", "norm_topk_prob", bool, True)
     r.set("router_score", "sigmoid", "architectures")
     r.set("router_expert_bias", True, "architectures")  # e_score_correction_bias
-    r.take("router_scaling_factor", "routed_scaling_factor", float, 1.0)
-    r.take("qkv_bias", "attention_bias", bool, False)
-    r.take("qk_layernorm", "use_qk_norm", bool, False)
-    groups = r.get("n_group", int, 1)
-    topk_group = r.get("topk_group", int, 1)
+    r.take("router_scaling_factor", "routed_scaling_factor", float, scaling)
+    groups = r.get("n_group", int, groups)
+    topk_group = r.get("topk_group", int, topk_group)
     if groups > 1:
         topk = r.fields["moe_router_topk"]
         # HF scores a group by the sum of its top-2 experts; megatron by its top-(k / groups)
@@ -460,7 +517,7 @@ def _glm4(r: _Reader) -> None:
     shared = r.get("n_shared_experts", int, 1)  # Glm4MoeConfig's defaults when absent: 1, 1
     if shared:
         r.set("shared_expert_ffn_hidden_size", shared * moe_ffn, "n_shared_experts")
-    dense = r.take("first_k_dense", "first_k_dense_replace", int, 1)
+    dense = r.take("first_k_dense", "first_k_dense_replace", int, dense)
     if dense:
         r.take("ffn_hidden_size", "intermediate_size", int)
     _mtp(r)

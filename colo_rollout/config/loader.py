@@ -126,6 +126,19 @@ class Config:
             "ships one as num_nextn_predict_layers with the layer's tensors; transformers' "
             "save_pretrained writes none)",
         )
+        if model.is_mla:
+            _require(par.atp == 1, "parallel.atp",
+                     f"{par.atp} with model.attention 'mla': MLA's latent cache is one head "
+                     "every query head reads, so its attention runs unsplit; use attention DP "
+                     f"(parallel.adp: {par.world_size}) with expert parallelism")
+            for key in ("decode_attention", "prefill_attention"):
+                asked = getattr(engine, key)
+                _require(asked in ("auto", "torch"), f"engine.{key}",
+                         f"{asked!r} with model.attention 'mla': MLA runs its own attention "
+                         "('auto' or 'torch')")
+            _require(self.rl.trainer_tp == 1, "rl.trainer_tp",
+                     f"{self.rl.trainer_tp} with model.attention 'mla': the trainer runs MLA "
+                     "at TP 1 (expert parallelism and data parallelism over it)")
         why = batch_invariance_problem(model) if engine.batch_invariant else None
         _require(why is None, "engine.batch_invariant", str(why))
         tp = self.rl.trainer_tp

@@ -80,6 +80,8 @@ def batch_invariance_problem(model: "ModelConfig") -> str | None:
                 "model.use_te: auto or off")
     if model.moe_compute == "megatron":
         return "megatron's expert path has no batch-invariant form; set model.moe_compute: auto"
+    if model.attention == "mla":
+        return "MLA's attention has no batch-invariant form yet (attention 'mla')"
     return None
 
 
@@ -109,6 +111,7 @@ FP8_ROW_MULTIPLE = 16  # the FP8 GEMMs' dimension multiple (torch._scaled_mm)
 FP8_BLOCK = 128  # the blockwise recipe's scale block (1 x 128 inputs, 128 x 128 weights)
 ROUTER_SCORES = ("softmax", "sigmoid")
 ROPE_SCALINGS = (None, "llama3", "yarn")
+ATTENTIONS = ("gqa", "mla")
 # normal: strict P priority, no multiplexing. The ordering ladder of P/D multiplexing (PD mode):
 # global_complete (whole-P epoch, D only after P completes), global_enqueue (whole-P epoch, D
 # after all ranks host-enqueued it), fine (segment turnstile: D at every K boundaries).
@@ -194,7 +197,28 @@ class ModelConfig:
     # GQA key/value groups; num_attention_heads must be divisible by it.
     num_query_groups: int = 2
     # Per-head width (megatron's kv_channels); null = hidden_size // num_attention_heads.
+    # attention "mla": the query/key head width, qk_nope_head_dim + qk_rope_head_dim (null or
+    # that value).
     head_dim: int | None = None
+    # Attention: "gqa" (megatron's SelfAttention: query heads over num_query_groups key/value
+    # heads) or "mla" (multi-head latent attention, DeepSeek-V2/V3 / Kimi-K2: megatron's
+    # MLASelfAttention -- queries through a q_lora_rank bottleneck, keys and values
+    # decompressed per head from one kv_lora_rank latent per token, which is what the KV cache
+    # holds beside the token's rotated qk_rope_head_dim key; model/mla_attention.py). With
+    # "mla": num_query_groups = num_attention_heads, qk_layernorm true (the latents' RMSNorms),
+    # whole-head RoPE (rotary_percent 1; no llama3 scaling: megatron's MLA has rope or yarn).
+    attention: str = "gqa"
+    # mla: the query bottleneck's width (megatron q_lora_rank); null = a full-rank query
+    # projection (linear_q_proj; DeepSeek-V2-Lite).
+    q_lora_rank: int | None = None
+    # mla: the key/value latent's width (megatron kv_lora_rank).
+    kv_lora_rank: int = 512
+    # mla: per-head widths -- the query/key part without RoPE (megatron qk_head_dim), the
+    # rotated part (megatron qk_pos_emb_head_dim; one key per token shared by the heads) and
+    # the value head (megatron v_head_dim).
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
     # RMSNorm on each head's queries and keys before RoPE (Qwen3-MoE; megatron qk_layernorm).
     qk_layernorm: bool = False
     # Epsilon of every norm (megatron layernorm_epsilon; HF rms_norm_eps).
@@ -337,6 +361,9 @@ class ModelConfig:
         _require(self.mtp_num_layers <= 1, "model.mtp_num_layers",
                  f"{self.mtp_num_layers} MTP layers: at most 1 is supported (one draft token "
                  "per D iteration)")
+        _require_choice(self, "attention", ATTENTIONS)
+        if self.attention == "mla":
+            self._check_mla()
         if self.head_dim is None:
             _require(
                 self.hidden_size % self.num_attention_heads == 0,
@@ -345,7 +372,8 @@ class ModelConfig:
                 f"{self.num_attention_heads} (set model.head_dim for another head width)",
             )
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        _require(self.head_dim >= 2 and self.head_dim % 2 == 0, "model.head_dim",
+        _require(self.is_mla or (self.head_dim >= 2 and self.head_dim % 2 == 0),
+                 "model.head_dim",
                  f"must be an even number >= 2 (RoPE rotates pairs), got {self.head_dim}")
         for name in ("ffn_hidden_size", "shared_expert_ffn_hidden_size", "router_num_groups",
                      "router_group_topk"):
@@ -357,7 +385,7 @@ class ModelConfig:
                  f"must be > 0, got {self.norm_epsilon}")
         _require(0 < self.rotary_percent <= 1, "model.rotary_percent",
                  f"must be in (0, 1], got {self.rotary_percent}")
-        rot = self.head_dim * self.rotary_percent
+        rot = self.rope_dim() if self.is_mla else self.head_dim * self.rotary_percent
         _require(rot == int(rot) and int(rot) % 2 == 0, "model.rotary_percent",
                  f"head_dim {self.head_dim} x {self.rotary_percent} = {rot} is not an even "
                  "number of dims")
@@ -460,6 +488,57 @@ class ModelConfig:
                     "model.fp8_backend: te" if self.fp8_recipe == "tensorwise" else
                     "; Transformer Engine has no per-row FP8 recipe" if self.fp8_recipe ==
                     "rowwise" else ""))
+
+    def _check_mla(self) -> None:
+        """attention "mla": the latent widths, and what megatron's MLASelfAttention fixes."""
+        _require_min(self, ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                            "v_head_dim"), 1)
+        _require(self.q_lora_rank is None or self.q_lora_rank >= 1, "model.q_lora_rank",
+                 f"must be >= 1 or null (a full-rank query projection), got {self.q_lora_rank}")
+        _require(self.qk_rope_head_dim % 2 == 0, "model.qk_rope_head_dim",
+                 f"must be even (RoPE rotates pairs), got {self.qk_rope_head_dim}")
+        q_head = self.qk_nope_head_dim + self.qk_rope_head_dim
+        _require(self.head_dim in (None, q_head), "model.head_dim",
+                 f"{self.head_dim} with attention 'mla': the query/key head width is "
+                 f"qk_nope_head_dim + qk_rope_head_dim = {q_head} (leave head_dim null)")
+        object.__setattr__(self, "head_dim", q_head)
+        _require(self.num_query_groups == self.num_attention_heads, "model.num_query_groups",
+                 f"{self.num_query_groups} with attention 'mla': every head has its own key "
+                 f"and value (set it to num_attention_heads {self.num_attention_heads})")
+        _require(self.qk_layernorm, "model.qk_layernorm",
+                 "false with attention 'mla': MLA normalises its query and key/value latents "
+                 "(megatron's q_layernorm / kv_layernorm): set it true")
+        _require(self.rotary_percent == 1, "model.rotary_percent",
+                 f"{self.rotary_percent} with attention 'mla': RoPE rotates the whole "
+                 "qk_rope_head_dim part (1.0)")
+        _require(self.rope_scaling != "llama3", "model.rope_scaling",
+                 "'llama3' with attention 'mla': megatron's MLA has plain RoPE or YaRN")
+        _require(not self.qkv_bias, "model.qkv_bias",
+                 "true with attention 'mla': megatron's MLA projections have no bias")
+        _require(self.fp8 is None, "model.fp8",
+                 "FP8 with attention 'mla' is not supported yet (the latent projections run "
+                 "in params_dtype)")
+        _require(self.use_te != "on", "model.use_te",
+                 "'on' with attention 'mla': the engine's MLA runs the local layer spec")
+        _require(self.rope_scaling != "yarn" or self.yarn_truncate, "model.yarn_truncate",
+                 "false with attention 'mla': megatron's MLA YaRN rounds the correction range "
+                 "to whole dims")
+
+    @property
+    def is_mla(self) -> bool:
+        return self.attention == "mla"
+
+    def rope_dim(self) -> int:
+        """The dims RoPE rotates per head: qk_rope_head_dim (MLA), head_dim x
+        rotary_percent (GQA)."""
+        return self.qk_rope_head_dim if self.is_mla else int(self.head_dim * self.rotary_percent)
+
+    def kv_cache_elems(self, atp: int = 1) -> int:
+        """Cache elements per token and layer on one rank: K and V of its ATP share of the
+        key/value heads (GQA), or the latent and the rotated key (MLA, one per token)."""
+        if self.is_mla:
+            return self.kv_lora_rank + self.qk_rope_head_dim
+        return 2 * (self.num_query_groups // atp) * self.head_dim
 
     @property
     def dense_ffn_hidden_size(self) -> int:

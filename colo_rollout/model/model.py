@@ -25,6 +25,7 @@ than through ``GatherComm`` or a dispatcher (model/dispatch.py, ``model.moe_disp
 
 from __future__ import annotations
 
+import math
 from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Protocol
@@ -38,7 +39,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, VocabPara
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import build_module
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from colo_rollout.config import ModelConfig
 from colo_rollout.config.schema import batch_invariance_problem
@@ -51,6 +52,7 @@ from colo_rollout.model.attention import (
     RopeAngles,
 )
 from colo_rollout.model.comm import GatherComm
+from colo_rollout.model.mla_attention import LatentKVStorage, PagedMLAttention
 from colo_rollout.model.dispatch import new_dispatchers
 from colo_rollout.model.fp8 import ROW_MULTIPLE, Fp8Weight, fp8_supported, recipe_block
 from colo_rollout.model.fused_moe import resolve_backend as resolve_moe_kernel
@@ -192,7 +194,8 @@ def megatron_config(cfg: ModelConfig, *, tp: int = 1, ep: int = 1, etp: int = 1,
     # (pre_softmax False); not renormalised = softmax over all experts first (pre_softmax True).
     pre_softmax = cfg.router_score == "softmax" and not cfg.router_norm_topk
     layer_freq = [0 if i < cfg.first_k_dense else 1 for i in range(cfg.num_layers)]
-    config = TransformerConfig(
+    config = (MLATransformerConfig if cfg.is_mla else TransformerConfig)(
+        **mla_fields(cfg),
         moe_grouped_gemm=use_te,
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -250,6 +253,32 @@ def megatron_config(cfg: ModelConfig, *, tp: int = 1, ep: int = 1, etp: int = 1,
     return config
 
 
+def mla_fields(cfg: ModelConfig) -> dict:
+    """``MLATransformerConfig``'s own fields for an MLA ``cfg`` ({} otherwise). Its RoPE is
+    its attention's own (rope or YaRN over qk_rope_head_dim; megatron's MLA YaRN always
+    rounds the correction range: the door refuses yarn_truncate false)."""
+    if not cfg.is_mla:
+        return {}
+    yarn = cfg.rope_scaling == "yarn"
+    return {"multi_latent_attention": True, "q_lora_rank": cfg.q_lora_rank,
+            "kv_lora_rank": cfg.kv_lora_rank, "qk_head_dim": cfg.qk_nope_head_dim,
+            "qk_pos_emb_head_dim": cfg.qk_rope_head_dim, "v_head_dim": cfg.v_head_dim,
+            "rope_type": "yarn" if yarn else "rope", "rotary_base": cfg.rotary_base,
+            "rotary_scaling_factor": cfg.rope_scaling_factor if yarn else 1.0,
+            "original_max_position_embeddings": cfg.yarn_original_max_position_embeddings,
+            "beta_fast": cfg.yarn_beta_fast, "beta_slow": cfg.yarn_beta_slow,
+            "mscale": cfg.yarn_mscale if yarn else 1.0,
+            "mscale_all_dim": cfg.yarn_mscale_all_dim if yarn else 0.0}
+
+
+def mla_softmax_scale(config: MLATransformerConfig) -> float:
+    """megatron's MLASelfAttention.softmax_scale: mscale(factor, mscale_all_dim)^2 over the
+    square root of the query head width (YaRN's attention temperature; 1 without YaRN)."""
+    factor = config.rotary_scaling_factor
+    m = 1.0 if factor <= 1 else 0.1 * config.mscale_all_dim * math.log(factor) + 1.0
+    return m * m / math.sqrt(config.qk_head_dim + config.qk_pos_emb_head_dim)
+
+
 def yarn_attributes(cfg: ModelConfig) -> dict:
     """megatron's ``yarn_*`` config attributes for ``cfg`` ({} without YaRN)."""
     if cfg.rope_scaling != "yarn":
@@ -267,14 +296,15 @@ def rotary_embedding(cfg: ModelConfig) -> RotaryEmbedding:
     if cfg.rope_scaling == "yarn":
         a = yarn_attributes(cfg)
         return YarnRotaryEmbedding(
-            kv_channels=cfg.head_dim, rotary_base=cfg.rotary_base, use_cpu_initialization=True,
+            kv_channels=cfg.rope_dim(), rotary_base=cfg.rotary_base, use_cpu_initialization=True,
             scaling_factor=a["yarn_rotary_scaling_factor"],
             original_max_position_embeddings=a["yarn_original_max_position_embeddings"],
             beta_fast=a["yarn_beta_fast"], beta_slow=a["yarn_beta_slow"],
             mscale=a["yarn_mscale"], mscale_all_dim=a["yarn_mscale_all_dim"],
             correction_range_round_to_int=a["yarn_correction_range_round_to_int"])
     return RotaryEmbedding(
-        kv_channels=cfg.head_dim, rotary_percent=cfg.rotary_percent,
+        kv_channels=cfg.qk_rope_head_dim if cfg.is_mla else cfg.head_dim,
+        rotary_percent=cfg.rotary_percent,
         rotary_base=cfg.rotary_base, use_cpu_initialization=True,
         rope_scaling=cfg.rope_scaling == "llama3", rope_scaling_factor=cfg.rope_scaling_factor,
     )
@@ -314,9 +344,20 @@ class InferenceLayer(torch.nn.Module):
                    else backend.column_parallel_linear())
         qk_norm = (backend.layer_norm(rms_norm=config.normalization == "RMSNorm", for_qk=True)
                    if config.qk_layernorm else None)
-        self.self_attention = PagedSelfAttention(config, layer_number, groups.atp,
-                                                 config.init_method, qkv_cls,
-                                                 backend.row_parallel_linear(), qk_norm)
+        if getattr(config, "multi_latent_attention", False):
+            if fused:
+                raise ValueError("attention 'mla' runs the local layer spec (model.use_te: "
+                                 "'on' is refused)")
+            self.self_attention = PagedMLAttention(
+                config, layer_number, groups.atp, config.init_method, qk_norm,
+                q_lora_rank=config.q_lora_rank, kv_lora_rank=config.kv_lora_rank,
+                qk_nope_head_dim=config.qk_head_dim,
+                qk_rope_head_dim=config.qk_pos_emb_head_dim, v_head_dim=config.v_head_dim,
+                softmax_scale=mla_softmax_scale(config))
+        else:
+            self.self_attention = PagedSelfAttention(config, layer_number, groups.atp,
+                                                     config.init_method, qkv_cls,
+                                                     backend.row_parallel_linear(), qk_norm)
         if is_moe:
             self.pre_mlp_layernorm = _norm(backend, config)
             ep_rank = groups.rank // groups.layout.etp  # EP index: experts are EP-major
@@ -427,9 +468,17 @@ class InferenceGPT(torch.nn.Module):
         # D and P attention's backends (engine.decode_attention, engine.prefill_attention),
         # chosen once for the model's device before anything is allocated: "triton" without
         # CUDA or triton fails here
-        self.decode_attention = resolve_backend(decode_attention, groups.device)
-        self.prefill_attention = resolve_prefill_backend(prefill_attention, groups.device,
-                                                         dtype, cfg.head_dim)
+        if cfg.is_mla:  # MLA attends in its own torch ops (model/mla_attention.py)
+            for key, asked in (("engine.decode_attention", decode_attention),
+                               ("engine.prefill_attention", prefill_attention)):
+                if asked not in ("auto", "torch"):
+                    raise ValueError(f"{key}: {asked!r} with attention 'mla': MLA runs its "
+                                     "own attention ('auto' or 'torch')")
+            self.decode_attention = self.prefill_attention = "torch"
+        else:
+            self.decode_attention = resolve_backend(decode_attention, groups.device)
+            self.prefill_attention = resolve_prefill_backend(prefill_attention, groups.device,
+                                                             dtype, cfg.head_dim)
         # the grouped MoE path's expert GEMMs (engine.moe_kernel): torch._grouped_mm or the
         # Triton fused-MoE kernel ("auto": triton on CUDA for bf16/fp16 models)
         self.moe_kernel = resolve_moe_kernel(moe_kernel, groups.device, dtype)
@@ -712,9 +761,12 @@ class InferenceGPT(torch.nn.Module):
         """One forward's angles at ``positions`` (every layer reads them)."""
         return RopeAngles(self.rope_table(), positions, self.rope_tables, self._rope_mscale)
 
-    def new_kv_storage(self, num_blocks: int, block_size: int) -> KVStorage:
+    def new_kv_storage(self, num_blocks: int, block_size: int) -> KVStorage | LatentKVStorage:
         atp = self.groups.layout.atp
         layers = self.cfg.num_layers + (self.cfg.mtp_num_layers if self.mtp_draft else 0)
+        if self.cfg.is_mla:
+            return LatentKVStorage(layers, num_blocks, block_size, self.cfg.kv_lora_rank,
+                                   self.cfg.qk_rope_head_dim, self.dtype, self.device)
         return KVStorage(layers, num_blocks, block_size,
                          self.cfg.num_query_groups // atp, self.config.kv_channels,
                          self.dtype, self.device)

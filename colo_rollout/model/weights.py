@@ -90,8 +90,12 @@ def shard_rule(name: str, layout: Layout, rank: int, num_local_experts: int) -> 
     if name.endswith(("mlp.linear_fc2.weight", "shared_experts.linear_fc2.weight",
                       "linear_proj.weight")):
         return ShardRule(name, "cols", atp_rank, atp)
+    # MLA's projections are all column-parallel in megatron (the down projections' outputs
+    # gathered after): the engine runs MLA at attention TP 1 (whole), a TP trainer splits them
     if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "output_layer.weight",
-                      "word_embeddings.weight", "eh_proj.weight")):
+                      "word_embeddings.weight", "eh_proj.weight", "linear_q_proj.weight",
+                      "linear_q_down_proj.weight", "linear_q_up_proj.weight",
+                      "linear_kv_down_proj.weight", "linear_kv_up_proj.weight")):
         return ShardRule(name, "rows", atp_rank, atp)
     return ShardRule(name, "full")  # norms, router, expert bias, shared-expert gate
 
@@ -200,19 +204,45 @@ def mtp_is_moe(cfg: ModelConfig) -> bool:
     return cfg.is_moe_layer(cfg.num_layers - 1)
 
 
+def mla_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """An MLA attention's tensors under prefix ``p`` (megatron's MLASelfAttention names):
+    the query bottleneck (or the full-rank query projection), the key/value latent's down
+    projection [latent | rope key] and its per-head up projection [k_nope | v], the latents'
+    norms, the output projection."""
+    H, n = cfg.hidden_size, cfg.num_attention_heads
+    q_out = n * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    a = p + "self_attention."
+    out: dict[str, tuple[int, ...]] = {}
+    if cfg.q_lora_rank is None:
+        out[a + "linear_q_proj.weight"] = (q_out, H)
+    else:
+        out[a + "linear_q_down_proj.weight"] = (cfg.q_lora_rank, H)
+        out[a + "linear_q_up_proj.weight"] = (q_out, cfg.q_lora_rank)
+        out[a + "q_layernorm.weight"] = (cfg.q_lora_rank,)
+    out[a + "linear_kv_down_proj.weight"] = (cfg.kv_lora_rank + cfg.qk_rope_head_dim, H)
+    out[a + "linear_kv_up_proj.weight"] = (n * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+                                           cfg.kv_lora_rank)
+    out[a + "kv_layernorm.weight"] = (cfg.kv_lora_rank,)
+    out[a + "linear_proj.weight"] = (H, n * cfg.v_head_dim)
+    return out
+
+
 def _layer_shapes(cfg: ModelConfig, p: str, is_moe: bool) -> dict[str, tuple[int, ...]]:
     """One transformer layer's tensors under prefix ``p``."""
     H, F_, E, hd = cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.num_experts, cfg.head_dim
     qkv = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * hd
     out: dict[str, tuple[int, ...]] = {}
     out[p + "input_layernorm.weight"] = (H,)
-    out[p + "self_attention.linear_qkv.weight"] = (qkv, H)
-    if cfg.qkv_bias:
-        out[p + "self_attention.linear_qkv.bias"] = (qkv,)
-    if cfg.qk_layernorm:
-        out[p + "self_attention.q_layernorm.weight"] = (hd,)
-        out[p + "self_attention.k_layernorm.weight"] = (hd,)
-    out[p + "self_attention.linear_proj.weight"] = (H, cfg.num_attention_heads * hd)
+    if cfg.is_mla:
+        out.update(mla_shapes(cfg, p))
+    else:
+        out[p + "self_attention.linear_qkv.weight"] = (qkv, H)
+        if cfg.qkv_bias:
+            out[p + "self_attention.linear_qkv.bias"] = (qkv,)
+        if cfg.qk_layernorm:
+            out[p + "self_attention.q_layernorm.weight"] = (hd,)
+            out[p + "self_attention.k_layernorm.weight"] = (hd,)
+        out[p + "self_attention.linear_proj.weight"] = (H, cfg.num_attention_heads * hd)
     out[p + "pre_mlp_layernorm.weight"] = (H,)
     if not is_moe:
         Fd = cfg.dense_ffn_hidden_size
@@ -285,14 +315,20 @@ def random_state_dict(cfg: ModelConfig, seed: int | None = None,
 
     def layer(p: str, is_moe: bool) -> None:
         sd[p + "input_layernorm.weight"] = torch.ones(H, dtype=dtype, device=device)
-        sd[p + "self_attention.linear_qkv.weight"] = normal(qkv, H)
-        if cfg.qkv_bias:
-            sd[p + "self_attention.linear_qkv.bias"] = normal(qkv, scale=5.0)
-        if cfg.qk_layernorm:
-            sd[p + "self_attention.q_layernorm.weight"] = norm_weight(hd)
-            sd[p + "self_attention.k_layernorm.weight"] = norm_weight(hd)
-        sd[p + "self_attention.linear_proj.weight"] = normal(H, cfg.num_attention_heads * hd,
-                                                             scale=out_scale)
+        if cfg.is_mla:
+            for name, shape in mla_shapes(cfg, p).items():
+                sd[name] = (norm_weight(*shape) if len(shape) == 1
+                            else normal(*shape, scale=out_scale)
+                            if name.endswith("linear_proj.weight") else normal(*shape))
+        else:
+            sd[p + "self_attention.linear_qkv.weight"] = normal(qkv, H)
+            if cfg.qkv_bias:
+                sd[p + "self_attention.linear_qkv.bias"] = normal(qkv, scale=5.0)
+            if cfg.qk_layernorm:
+                sd[p + "self_attention.q_layernorm.weight"] = norm_weight(hd)
+                sd[p + "self_attention.k_layernorm.weight"] = norm_weight(hd)
+            sd[p + "self_attention.linear_proj.weight"] = normal(
+                H, cfg.num_attention_heads * hd, scale=out_scale)
         sd[p + "pre_mlp_layernorm.weight"] = torch.ones(H, dtype=dtype, device=device)
         if not is_moe:
             Fd = cfg.dense_ffn_hidden_size

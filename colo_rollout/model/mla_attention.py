@@ -1,0 +1,206 @@
+"""Multi-head latent attention (MLA: DeepSeek-V2/V3, Kimi-K2) over a paged latent cache.
+
+Owns: ``LatentKVStorage`` (per layer and token, the normalised key/value latent and the rotated
+RoPE key: ``kv_lora_rank + qk_rope_head_dim`` values, one copy shared by every head -- what
+makes MLA's cache small) and ``PagedMLAttention``, whose parameters are named and laid out
+exactly like megatron's ``MLASelfAttention`` (``linear_q_down_proj`` / ``q_layernorm`` /
+``linear_q_up_proj``, or ``linear_q_proj`` without a query bottleneck; ``linear_kv_down_proj``
+= [latent | rope key] rows, ``kv_layernorm``, ``linear_kv_up_proj`` = per head [k_nope | v]
+rows, ``linear_proj``), so a megatron state dict loads into it as it is.
+
+The math is megatron's (multi_latent_attention.py, its unfused path): RoPE on the last
+``qk_rope_head_dim`` dims of each query head and on the token's one rope key, after megatron's
+MLA de-interleave (even dims, then odd: transformers' ``rope_interleave``), cos and sin times
+YaRN's mscale (``RopeAngles``); softmax scale 1/sqrt(q head) times mscale(mscale_all_dim)^2
+(the model passes it). Two equal forms of the same attention:
+  * P (prefill): the keys and values of the context are decompressed from the cache
+    (``linear_kv_up_proj``), the new tokens' among them, and attended per head like
+    megatron's core attention (one SDPA call per context bucket);
+  * D (decode): the up-projection is absorbed -- each query's nope part is mapped into the
+    latent space by the key half of ``linear_kv_up_proj`` and scored against the cached
+    latents directly (a single shared key of ``kv_lora_rank + qk_rope_head_dim`` dims), the
+    probabilities weight the latents, and the value half maps the result back per head. No
+    per-head key or value is ever materialised for the context: D reads the small cache.
+
+Invariants:
+  * Attention TP is 1 (the door refuses more): the latent is one head that every query head
+    reads; an attention-TP split would replicate the cache on every rank. Attention DP and
+    expert parallelism are what MLA models serve with.
+  * P writes its tokens' latents into their slots before reading, so a continuation sees the
+    retained context plus itself (as ``PagedSelfAttention``). Block ``num_blocks`` is the sink.
+  * Slots past a row's context may hold anything (a stale request, NaN after a bad load):
+    they are zeroed before they meet a zero probability.
+  * ``forward`` returns the ATP-partial output of ``linear_proj`` (no reduction), as
+    ``PagedSelfAttention``.
+
+Must not go in here: block allocation (kv_cache.py), collectives (comm.py), scheduling.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from colo_rollout.model.attention import AttnMetadata, RopeAngles
+from colo_rollout.model.kernel_backend import as_dtype
+from colo_rollout.model.rope_kv import rotate
+
+
+class LatentKVStorage:
+    """The latent cache of every layer for this rank: [L, num_blocks + 1, block, latent + rope].
+
+    Same block geometry as ``KVStorage`` (block ``num_blocks`` is the sink); one tensor, no
+    separate values: a token's value is its latent, the first ``kv_lora_rank`` dims."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_lora_rank: int,
+                 rope_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        width = kv_lora_rank + rope_dim
+        self.latent = torch.zeros((num_layers, num_blocks + 1, block_size, width),
+                                  dtype=dtype, device=device)
+        self.block_size = block_size
+        self.sink_block = num_blocks
+        self.kv_lora_rank = kv_lora_rank
+        self.slots = [self.latent[i].view(-1, width) for i in range(num_layers)]
+
+    def nbytes(self) -> int:
+        return self.latent.numel() * self.latent.element_size()
+
+
+def mla_deinterleave(t: torch.Tensor) -> torch.Tensor:
+    """megatron's MLA rope input order (``mla_rotary_interleaved``): even dims, then odd."""
+    return torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1)
+
+
+class PagedMLAttention(torch.nn.Module):
+    """megatron-named MLA over a paged latent cache (attention TP 1)."""
+
+    def __init__(self, config: TransformerConfig, layer_number: int, atp_group, init_method,
+                 norm_cls, *, q_lora_rank: int | None, kv_lora_rank: int, qk_nope_head_dim: int,
+                 qk_rope_head_dim: int, v_head_dim: int, softmax_scale: float) -> None:
+        super().__init__()
+        if atp_group.size() != 1:
+            raise ValueError("attention 'mla' runs with attention TP 1 (parallel.atp: 1): the "
+                             "latent cache is one head every query head reads")
+        self.layer_number = layer_number
+        self.heads = config.num_attention_heads
+        self.nope, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.q_head = qk_nope_head_dim + qk_rope_head_dim
+        self.kv_lora_rank = kv_lora_rank
+        H = config.hidden_size
+
+        def column(n_in: int, n_out: int) -> ColumnParallelLinear:
+            return ColumnParallelLinear(n_in, n_out, config=config, init_method=init_method,
+                                        gather_output=False, bias=False, skip_bias_add=False,
+                                        is_expert=False, tp_group=atp_group)
+
+        def norm(width: int) -> torch.nn.Module:
+            return norm_cls(config=config, hidden_size=width, eps=config.layernorm_epsilon)
+
+        q_out = self.heads * self.q_head
+        self.linear_q_proj = self.linear_q_down_proj = self.linear_q_up_proj = None
+        self.q_layernorm = None
+        if q_lora_rank is None:
+            self.linear_q_proj = column(H, q_out)
+        else:
+            self.linear_q_down_proj = column(H, q_lora_rank)
+            self.linear_q_up_proj = column(q_lora_rank, q_out)
+            self.q_layernorm = norm(q_lora_rank)
+        self.linear_kv_down_proj = column(H, kv_lora_rank + qk_rope_head_dim)
+        self.linear_kv_up_proj = column(kv_lora_rank, self.heads * (qk_nope_head_dim + v_head_dim))
+        self.kv_layernorm = norm(kv_lora_rank)
+        self.linear_proj = RowParallelLinear(
+            self.heads * v_head_dim, H, config=config, init_method=init_method, bias=False,
+            input_is_parallel=True, skip_bias_add=True, is_expert=False, tp_group=atp_group)
+        self.scale = softmax_scale
+
+    def prefill_plan(self, new, ctx, dtype, device) -> None:
+        """No kernel plan: P attends per context bucket (``AttnMetadata.buckets``)."""
+        return None
+
+    # ------------------------------------------------------------------ projections
+    def _queries(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> queries [T, heads, q_head] (not yet rotated)."""
+        if self.linear_q_proj is not None:
+            q = F.linear(x, self.linear_q_proj.weight)
+        else:
+            q = F.linear(self.q_layernorm(F.linear(x, self.linear_q_down_proj.weight)),
+                         self.linear_q_up_proj.weight)
+        return q.view(x.shape[0], self.heads, self.q_head)
+
+    def _up(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``linear_kv_up_proj`` per head: the key half [heads, nope, latent] and the value
+        half [heads, v, latent] (views)."""
+        w = self.linear_kv_up_proj.weight.view(self.heads, self.nope + self.v_dim,
+                                               self.kv_lora_rank)
+        return w[:, : self.nope], w[:, self.nope:]
+
+    def forward(self, x: torch.Tensor, rope: RopeAngles, meta: AttnMetadata,
+                kv: LatentKVStorage, layer: int) -> torch.Tensor:
+        """x [T, H] (normalised rows) -> ATP-partial output [T, H]."""
+        T = x.shape[0]
+        if T == 0:
+            return x.new_zeros((0, self.linear_proj.weight.shape[0]))
+        q = self._queries(x)
+        down = F.linear(x, self.linear_kv_down_proj.weight)  # [T, latent + rope]
+        latent = self.kv_layernorm(down[:, : self.kv_lora_rank])
+        cos, sin = rope.cos_sin(q.dtype, 3)  # [T, 1, rope]
+        q_pe = rotate(mla_deinterleave(q[..., self.nope:]), cos, sin)
+        k_pe = rotate(mla_deinterleave(down[:, None, self.kv_lora_rank:]), cos, sin)[:, 0]
+        # the token's cache entry before any read: a prefill attends its own tokens
+        kv.slots[layer].index_copy_(0, meta.slot_mapping,
+                                    torch.cat((latent, k_pe), dim=-1).to(kv.latent.dtype))
+        if meta.is_prefill:
+            out = self._prefill(q[..., : self.nope], q_pe, kv, layer, meta)
+        else:
+            out = self._decode(q[..., : self.nope], q_pe, kv, layer, meta)
+        return F.linear(out.reshape(T, self.heads * self.v_dim), self.linear_proj.weight)
+
+    # ------------------------------------------------------------------ attention
+    def _context(self, kv: LatentKVStorage, layer: int, tables: torch.Tensor,
+                 ctx: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cached entries of ``tables`` [S, nb] -> ([S, nb*block, latent + rope] with the
+        slots past each context zeroed, keep mask [S, nb*block])."""
+        lat = kv.latent[layer][tables].flatten(1, 2)
+        keep = torch.arange(lat.shape[1], device=lat.device)[None, :] < ctx[:, None]
+        return torch.where(keep[:, :, None], as_dtype(lat, dtype), 0.0), keep
+
+    def _prefill(self, q_nope, q_pe, kv, layer, meta: AttnMetadata) -> torch.Tensor:
+        """Per context bucket: the context's keys [k_nope | rope key] and values decompressed
+        from the cache, queries [q_nope | rotated q_pe], one SDPA call (megatron's core
+        attention per head; padded query rows are computed and dropped)."""
+        q = torch.cat((q_nope, q_pe), dim=-1)
+        out = q.new_empty((q.shape[0], self.heads, self.v_dim))
+        for b in meta.buckets:
+            Sb = b.seqs.shape[0]
+            lat, _ = self._context(kv, layer, meta.block_tables[b.seqs, : b.blocks], b.ctx,
+                                   q.dtype)
+            keys = lat.shape[1]
+            up = F.linear(lat[..., : self.kv_lora_rank], self.linear_kv_up_proj.weight)
+            up = up.view(Sb, keys, self.heads, self.nope + self.v_dim)
+            k_pe = lat[:, :, None, self.kv_lora_rank:].expand(Sb, keys, self.heads,
+                                                               self.rope_dim)
+            k = torch.cat((up[..., : self.nope], k_pe), dim=-1)
+            v = up[..., self.nope:]
+            o = F.scaled_dot_product_attention(
+                q[b.q_rows].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                attn_mask=b.causal_mask(keys), scale=self.scale)  # [Sb, heads, n_max, v]
+            o = o.transpose(1, 2).reshape(Sb * b.n_max, self.heads, self.v_dim)
+            out.index_copy_(0, b.out_rows, o.index_select(0, b.slots))
+        return out
+
+    def _decode(self, q_nope, q_pe, kv, layer, meta: AttnMetadata) -> torch.Tensor:
+        """Absorbed: q_nope into the latent space, scored with q_pe against every cached
+        [latent | rope key] of the row's table; softmax in fp32 (as SDPA's kernels); the
+        probabilities weight the latents; the value half of ``linear_kv_up_proj`` maps the
+        result to each head's value width."""
+        w_k, w_v = self._up()
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_k).transpose(0, 1)  # [B, heads, latent]
+        qf = torch.cat((q_lat, q_pe), dim=-1)
+        lat, keep = self._context(kv, layer, meta.block_tables, meta.context_lens, qf.dtype)
+        scores = torch.matmul(qf, lat.transpose(1, 2)).float() * self.scale  # [B, heads, S]
+        scores = scores.masked_fill(~keep[:, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(qf.dtype)
+        o_lat = torch.matmul(probs, lat[..., : self.kv_lora_rank])  # [B, heads, latent]
+        return torch.bmm(o_lat.transpose(0, 1), w_v.transpose(1, 2)).transpose(0, 1)

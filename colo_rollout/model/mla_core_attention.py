@@ -1,0 +1,253 @@
+"""megatron's Multi-head Latent Attention (MLA) on the local (non-Transformer-Engine) spec.
+
+Why it exists: megatron-core 0.19's ``MLASelfAttention`` builds its core attention with
+``k_channels=q_head_dim, v_channels=v_head_dim`` (and its own ``softmax_scale``: YaRN's
+``mscale_all_dim`` squared over sqrt(q_head_dim)), keywords only Transformer Engine's
+``TEDotProductAttention`` takes. The local spec's ``DotProductAttention``
+(transformer/dot_product_attention.py) takes neither, and sizes its output as
+``kv_channels x heads``, so MLA builds only with TE, i.e. not on CPU. Second, with
+``q_lora_rank`` None (DeepSeek-V2-Lite's plain ``q_proj``) and ``qk_layernorm`` (the
+``kv_a_layernorm``), megatron's ``QKNormConfigResolver`` (transformer/mla_qk_norm_config.py)
+rejects the local spec's Q norm and then demands a fused norm+linear for ``linear_q_proj``,
+which only TE has (there it is an extra RMSNorm in front of q_proj that DeepSeek does not have).
+
+Owns
+  * ``MLADotProductAttention``: megatron's ``DotProductAttention`` with query/key heads of
+    ``k_channels`` and value heads of ``v_channels``. The forward is megatron's unfused path,
+    step for step: ``baddbmm`` of q k^T with ``alpha = softmax_scale`` in the input dtype,
+    megatron's ``FusedScaleMaskSoftmax`` (fp32 softmax under ``attention_softmax_in_fp32``;
+    a boolean ``attention_mask`` True = masked, filled with -10000), attention dropout
+    (identity in eval or at p 0), probs @ v. One departure: with no ``attention_mask`` and a
+    causal mask type, the causal mask megatron would generate is built here on the query's
+    device (megatron's ``get_default_causal_mask`` hard-codes ``device="cuda"``).
+  * ``LocalMLASelfAttention``: megatron's ``MLASelfAttention``; only with ``q_lora_rank``
+    None it changes how the projections are resolved: with ``qk_layernorm`` a plain
+    column-parallel ``linear_q_proj`` (no Q norm), the spec's ``kv_layernorm`` and
+    ``linear_kv_up_proj`` -- DeepSeek's q_proj / kv_a_layernorm / kv_b_proj -- and in either
+    case ``linear_q_proj`` gets the attention's TP group, which megatron's ``__init__`` does
+    not pass it (it would use the global parallel_state group: none under explicit process
+    groups). With a ``q_lora_rank``: megatron's resolver, unchanged.
+  * ``with_local_mla``: a copy of a megatron spec (layer, decoder block, MTP block) with every
+    ``MLASelfAttention`` slot set to ``LocalMLASelfAttention`` and every MLA core attention
+    slot that holds ``DotProductAttention`` set to ``MLADotProductAttention``.
+  * ``mla_local_layer_spec`` / ``mla_decoder_block_spec``: megatron's
+    ``get_gpt_layer_local_spec(multi_latent_attention=True)`` / ``get_gpt_decoder_block_spec``
+    with those substitutions; the latter is a drop-in for ``get_gpt_decoder_block_spec`` in
+    model/megatron_gpt.py (TE specs and non-MLA configs pass through unchanged). An MTP
+    block spec built from its result inherits them (megatron copies the last decoder layer's
+    spec).
+
+Invariants
+  * Tensor layouts are megatron's: query [sq, b, np, k_channels], key [sk, b, np, k_channels],
+    value [sk, b, np, v_channels] with np = heads / TP (MLA expands its shared rope key to
+    every head: no grouped-query repeat here); output [sq, b, np * v_channels].
+  * ``softmax_scale`` is used as given (MLA passes mscale^2 / sqrt(q_head_dim)); without
+    one, 1 / sqrt(k_channels). ``apply_query_key_layer_scaling`` divides it by the layer
+    number and the softmax multiplies it back in fp32, as megatron does.
+  * Differentiable end to end (the RL trainer's backward): no in-place op on a tensor
+    autograd saves except megatron's own mask fill of the scores, which ``baddbmm``'s
+    backward does not read.
+  * No packed sequences (THD), no attention bias, no context parallelism: megatron's
+    ``DotProductAttention`` refuses them too. No sliding-window attention (megatron's torch
+    softmax would build that mask on CUDA, over any mask passed in).
+
+GPTModel with MLA: build it with ``position_embedding_type="rope"`` (megatron then builds no
+model-level RoPE for MLA); MLA applies its own (``config.rope_type`` "rope" or "yarn" of the
+``MLATransformerConfig``). ``"yarn"`` would hand a rotary embedding to ``MLASelfAttention``,
+which asserts it gets none.
+
+Must not go in here: the MLA projections' math and RoPE (megatron's), weight names or
+checkpoint mapping (model/weights.py, checkpoint/), building the GPTModel
+(model/megatron_gpt.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+)
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.multi_latent_attention import (
+    MLASelfAttention,
+    MLASelfAttentionSubmodules,
+)
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.utils import divide
+
+
+class MLADotProductAttention(DotProductAttention):
+    """megatron's local ``DotProductAttention`` for key heads of ``k_channels`` and value heads
+    of ``v_channels`` (MLA: q_head_dim = qk_head_dim + qk_pos_emb_head_dim, v_head_dim)."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 k_channels: int | None = None, v_channels: int | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None):
+        super().__init__(config=config, layer_number=layer_number,
+                         attn_mask_type=attn_mask_type, attention_type=attention_type,
+                         attention_dropout=attention_dropout, softmax_scale=softmax_scale,
+                         cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+        heads = self.num_attention_heads_per_partition  # heads / TP (divide() checked it)
+        self.k_channels = k_channels or self.hidden_size_per_attention_head
+        self.v_channels = v_channels or self.k_channels
+        # the output width megatron's linear_proj expects: np * v_channels on this TP rank
+        self.hidden_size_per_partition = heads * self.v_channels
+        self.hidden_size_per_attention_head = self.k_channels
+        # MLA hands every head its own key and value: no grouped-query repeat
+        self.num_query_groups_per_partition = heads
+        if softmax_scale is None:  # the base class took kv_channels; the key width decides
+            self.softmax_scale = 1.0 / math.sqrt(self.k_channels)
+            if self.config.apply_query_key_layer_scaling:
+                self.softmax_scale /= self.layer_number
+        assert divide(self.config.num_attention_heads, self.tp_group.size()) == heads
+        if self.scale_mask_softmax.window_size is not None:
+            raise NotImplementedError("MLADotProductAttention: no sliding-window attention")
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, attn_mask_type=None,
+                attention_bias: torch.Tensor | None = None, packed_seq_params=None
+                ) -> torch.Tensor:
+        """query [sq, b, np, k], key [sk, b, np, k], value [sk, b, np, v] -> [sq, b, np * v].
+        ``attn_mask_type`` is not read (megatron's DotProductAttention does not either): the
+        mask type given at construction decides, an explicit ``attention_mask`` wins; None
+        with a causal type: the causal mask, built on the query's device."""
+        if packed_seq_params is not None:
+            raise NotImplementedError("MLADotProductAttention: packed sequences (THD) need "
+                                      "TE's core attention")
+        if attention_bias is not None:
+            raise NotImplementedError("MLADotProductAttention: no attention bias")
+        sq, b, heads, kc = query.shape
+        sk = key.size(0)
+        if (heads != self.num_attention_heads_per_partition or kc != self.k_channels
+                or key.shape != (sk, b, heads, kc)
+                or value.shape != (sk, b, heads, self.v_channels)):
+            raise ValueError(
+                f"MLADotProductAttention: query {tuple(query.shape)}, key {tuple(key.shape)}, "
+                f"value {tuple(value.shape)}; expected {heads} == "
+                f"{self.num_attention_heads_per_partition} heads per partition, key width "
+                f"{self.k_channels}, value width {self.v_channels}")
+
+        if attention_mask is None and self.attn_mask_type == AttnMaskType.causal and sq > 1:
+            if sq != sk:
+                raise ValueError("MLADotProductAttention: a causal mask needs sq == sk")
+            attention_mask = torch.ones(sq, sk, dtype=torch.bool, device=query.device).triu(1)
+
+        # raw scores [b * np, sq, sk] = softmax_scale * q k^T, as megatron's baddbmm (beta 0:
+        # the scratch input is never read, so a fresh one matches its global buffer)
+        q = query.reshape(sq, b * heads, kc).transpose(0, 1)
+        k = key.reshape(sk, b * heads, kc).transpose(0, 1).transpose(1, 2)
+        scratch = torch.empty((b * heads, sq, sk), dtype=query.dtype, device=query.device)
+        scores = torch.baddbmm(scratch, q, k, beta=0.0, alpha=self.softmax_scale)
+        probs = self.scale_mask_softmax(scores.view(b, heads, sq, sk), attention_mask,
+                                        self.softmax_offset)
+        if self.training and self.attention_dropout.p > 0:
+            if not self.config.sequence_parallel:
+                with tensor_parallel.get_cuda_rng_tracker().fork():
+                    probs = self.attention_dropout(probs)
+            else:
+                probs = self.attention_dropout(probs)
+
+        # context [b * np, sq, v] = probs @ v -> [sq, b, np * v]
+        v = value.reshape(sk, b * heads, self.v_channels).transpose(0, 1)
+        context = torch.bmm(probs.view(b * heads, sq, sk), v)
+        context = context.view(b, heads, sq, self.v_channels).permute(2, 0, 1, 3)
+        return context.reshape(sq, b, self.hidden_size_per_partition)
+
+
+class LocalMLASelfAttention(MLASelfAttention):
+    """megatron's ``MLASelfAttention`` that builds on the local spec with ``q_lora_rank`` None
+    (see the module docstring); with a ``q_lora_rank``, exactly megatron's."""
+
+    def _resolve_qk_norm_config(self, submodules) -> dict:
+        if self.config.q_lora_rank is not None:
+            return super()._resolve_qk_norm_config(submodules)
+        if not self.config.qk_layernorm:
+            resolved = super()._resolve_qk_norm_config(submodules)
+        else:
+            if self.config.qk_l2_norm or self.config.experimental_attention_variant is not None:
+                raise ValueError("LocalMLASelfAttention: no qk_l2_norm, no attention variants")
+            kv_norm = submodules.kv_layernorm
+            if kv_norm in (None, IdentityOp):
+                raise ValueError("LocalMLASelfAttention: qk_layernorm without q_lora_rank needs "
+                                 "the spec's kv_layernorm (the local spec sets it)")
+            resolved = dict(linear_q_proj=submodules.linear_q_proj or ColumnParallelLinear,
+                            linear_q_up_proj=IdentityOp,
+                            linear_kv_up_proj=submodules.linear_kv_up_proj or ColumnParallelLinear,
+                            q_layernorm=IdentityOp, kv_layernorm=kv_norm)
+        # MLASelfAttention.__init__ builds linear_q_proj without tp_group (unlike every other
+        # projection), so a ColumnParallelLinear would fall back to megatron's global
+        # parallel_state TP group -- none under explicit process groups: an unsplit weight,
+        # and a backward that asserts. Hand it this attention's TP group.
+        if resolved["linear_q_proj"] is ColumnParallelLinear:
+            resolved["linear_q_proj"] = ModuleSpec(module=ColumnParallelLinear,
+                                                   params={"tp_group": self.pg_collection.tp})
+        return resolved
+
+
+def with_local_mla(spec):
+    """A copy of ``spec`` (ModuleSpec, a block/layer ``*Submodules`` dataclass, a list of
+    them, partials) where every ``MLASelfAttention`` module is ``LocalMLASelfAttention`` and
+    the core attention of every ``MLASelfAttentionSubmodules`` that is megatron's local
+    ``DotProductAttention`` is ``MLADotProductAttention``. Megatron's own spec objects are
+    left as they are; anything else (TE's core attention, non-MLA attention) is kept."""
+
+    def swap(obj):
+        if obj is MLASelfAttention:
+            return LocalMLASelfAttention
+        if isinstance(obj, MLASelfAttentionSubmodules):  # its core attention slot only
+            core = obj.core_attention
+            if core is DotProductAttention:
+                core = MLADotProductAttention
+            elif isinstance(core, ModuleSpec) and core.module is DotProductAttention:
+                core = dataclasses.replace(core, module=MLADotProductAttention)
+            return dataclasses.replace(obj, core_attention=core)
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(swap(o) for o in obj)
+        if isinstance(obj, functools.partial):
+            return functools.partial(swap(obj.func), *map(swap, obj.args),
+                                     **{k: swap(v) for k, v in obj.keywords.items()})
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            if isinstance(obj, ModuleSpec) or type(obj).__name__.endswith("Submodules"):
+                return dataclasses.replace(obj, **{f.name: swap(getattr(obj, f.name))
+                                                   for f in dataclasses.fields(obj) if f.init})
+        return obj
+
+    return swap(spec)
+
+
+def mla_local_layer_spec(num_experts: int | None = None, moe_grouped_gemm: bool = False,
+                         qk_layernorm: bool = True, normalization: str | None = "RMSNorm",
+                         **kwargs) -> ModuleSpec:
+    """megatron's ``get_gpt_layer_local_spec(multi_latent_attention=True, ...)`` (dense layer
+    for ``num_experts`` None, MoE layer otherwise) with ``LocalMLASelfAttention`` and
+    ``MLADotProductAttention``.
+    ``qk_layernorm`` True: the q_a / kv_a RMSNorms of DeepSeek's MLA (q_layernorm only with a
+    q_lora_rank); ``normalization`` must match the config's for those norms to be RMSNorm."""
+    return with_local_mla(get_gpt_layer_local_spec(
+        num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, qk_layernorm=qk_layernorm,
+        multi_latent_attention=True, normalization=normalization, **kwargs))
+
+
+def mla_decoder_block_spec(config, use_transformer_engine: bool,
+                           normalization: str | None = None, qk_l2_norm: bool = False,
+                           vp_stage: int | None = None, pp_rank: int | None = None):
+    """``get_gpt_decoder_block_spec`` with the same arguments; for a local-spec MLA config
+    (``config.multi_latent_attention``, an ``MLATransformerConfig``) its layers' core
+    attention is ``MLADotProductAttention``, their attention ``LocalMLASelfAttention``. Other
+    configs and TE specs: megatron's spec."""
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_transformer_engine,
+                                      normalization=normalization, qk_l2_norm=qk_l2_norm,
+                                      vp_stage=vp_stage, pp_rank=pp_rank)
+    if use_transformer_engine or not getattr(config, "multi_latent_attention", False):
+        return spec
+    return with_local_mla(spec)

@@ -1,0 +1,170 @@
+"""Multi-head latent attention (``model.attention: mla``; DeepSeek-V3, Kimi-K2, Moonlight).
+
+The engine's MLA (model/mla_attention.py: a latent cache, P through the decompressed keys and
+values, D absorbed) against transformers' DeepseekV3ForCausalLM on tiny randomised
+checkpoints saved by transformers (tests/cases_hf.py "deepseek": a query bottleneck, a value
+head narrower than the nope head, YaRN with DeepSeek's mscale pair -- the softmax scale moves
+too --, GLM's router, a dense first layer, a shared expert), on 1 rank and EP2/ADP2 in every
+mode; config.json's fields; the cache's size; what the door refuses.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+
+import pytest
+import torch
+
+from colo_rollout.config import ConfigError, ModelConfig, config_from_dict
+from colo_rollout.config.hf_config import hf_architecture
+from tests.cases_hf import save_tiny_checkpoint
+
+CASES = "tests.cases_hf"
+TOL = 1e-3  # fp32: summation order only (~5e-5 seen); a wrong row or scale moves > 1e-1
+
+
+@pytest.fixture(scope="module")
+def ds(tmp_path_factory):
+    """name -> a tiny DeepSeek-V3 checkpoint: "bottleneck" (q_lora_rank 48, YaRN factor 4
+    with mscale 1.0 / mscale_all_dim 0.8), "full_q" (q_lora_rank null: q_proj; plain RoPE at
+    another theta; saved in shards)."""
+    root = tmp_path_factory.mktemp("mla")
+    save_tiny_checkpoint(root / "bottleneck", "deepseek")
+    save_tiny_checkpoint(root / "full_q", "deepseek", sharded=True, seed=1, q_lora_rank=None,
+                         rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
+    return {"bottleneck": str(root / "bottleneck"), "full_q": str(root / "full_q")}
+
+
+def check_equivalent(res: list[dict]) -> dict:
+    r0 = res[0]
+    assert r0["checked"] >= 50
+    assert r0["mismatches"] == [], r0["mismatches"]  # greedy = transformers' argmax
+    assert r0["max_logprob_diff"] < TOL, r0["max_logprob_diff"]
+    assert {k: len(v) for k, v in r0["tokens"].items()} == r0["expected"]
+    for r in res[1:]:
+        assert r["tokens"] == r0["tokens"]
+    return r0
+
+
+@pytest.mark.parametrize("name", ["bottleneck", "full_q"])
+def test_one_rank_matches_transformers(worker_groups, ds, name):
+    res = worker_groups(1).run(f"{CASES}:serve_checkpoint", directory=ds[name], adp=1, ep=1)
+    check_equivalent(res)
+
+
+@pytest.mark.parametrize("mode", ["normal", "fine", "global_complete"])
+def test_ep2_adp2_matches_transformers_in_each_mode(worker_groups, ds, mode):
+    res = worker_groups(2).run(f"{CASES}:serve_checkpoint", directory=ds["bottleneck"], adp=2,
+                               ep=2, engine={"mode": mode})
+    assert res[0]["layout"] == "EP2/ADP2"
+    check_equivalent(res)
+
+
+def test_config_json_maps_onto_megatrons_mla(ds):
+    """The fields, and YaRN's two scales as transformers computes them: cos and sin by the
+    attention factor (megatron: m(mscale) / m(mscale_all_dim)), the softmax by
+    m(mscale_all_dim)^2 / sqrt(q head) (DeepseekV3Attention.scaling)."""
+    import transformers as tf
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from colo_rollout.model.model import megatron_config, mla_softmax_scale
+
+    f = hf_architecture(ds["bottleneck"]).fields
+    assert (f["attention"], f["q_lora_rank"], f["kv_lora_rank"], f["qk_nope_head_dim"],
+            f["qk_rope_head_dim"], f["v_head_dim"], f["head_dim"], f["num_query_groups"],
+            f["qk_layernorm"]) == ("mla", 48, 32, 16, 8, 12, 24, 4, True)
+    assert hf_architecture(ds["full_q"]).fields["q_lora_rank"] is None
+    cfg = ModelConfig(**{k: v for k, v in f.items() if k != "mtp_num_layers"})
+    hf_cfg = tf.AutoConfig.from_pretrained(ds["bottleneck"])
+    _, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg, "cpu")
+
+    def m(x):
+        return 0.1 * x * math.log(cfg.rope_scaling_factor) + 1
+
+    assert m(cfg.yarn_mscale) / m(cfg.yarn_mscale_all_dim) == pytest.approx(attention_factor)
+    hf_attn = tf.AutoModelForCausalLM.from_config(hf_cfg).model.layers[0].self_attn
+    assert mla_softmax_scale(megatron_config(cfg)) == pytest.approx(hf_attn.scaling)
+    assert hf_attn.scaling != pytest.approx(24 ** -0.5)  # the case moves the softmax scale
+
+
+def test_the_cache_holds_one_latent_per_token():
+    """MLA's cache: kv_lora_rank + qk_rope_head_dim values per token and layer, shared by
+    every head (DeepSeek-V3: 576, against 2 x 128 heads x 192 = 49152 decompressed)."""
+    v3 = ModelConfig(attention="mla", num_attention_heads=128, num_query_groups=128,
+                     hidden_size=7168, qk_layernorm=True, q_lora_rank=1536)
+    assert v3.kv_cache_elems() == 576
+    assert v3.head_dim == 192
+    gqa = ModelConfig(num_attention_heads=32, num_query_groups=4, hidden_size=4096,
+                      head_dim=128)
+    assert gqa.kv_cache_elems(atp=2) == 2 * 2 * 128
+
+
+def _door(ds, tmp_path, parallel=None, engine=None, config=None, **model) -> ConfigError:
+    d = ds["bottleneck"]
+    if config:
+        d = str(tmp_path / "edited")
+        shutil.copytree(ds["bottleneck"], d)
+        path = os.path.join(d, "config.json")
+        with open(path) as fh:
+            c = json.load(fh)
+        c.update(config)
+        with open(path, "w") as fh:
+            json.dump(c, fh)
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"parallel": parallel or {}, "engine": {"max_seq_len": 128,
+                                                                 **(engine or {})},
+                          "model": {"checkpoint": d, **model}})
+    return e.value
+
+
+@pytest.mark.parametrize("parallel, engine, model, config, key, fragment", [
+    ({"world_size": 2, "adp": 1, "ep": 2}, None, {}, None, "parallel.atp",
+     "2 with model.attention 'mla'"),
+    (None, {"decode_attention": "triton"}, {}, None, "engine.decode_attention",
+     "MLA runs its own attention"),
+    (None, {"prefill_attention": "cudnn"}, {}, None, "engine.prefill_attention",
+     "MLA runs its own attention"),
+    (None, None, {"params_dtype": "bfloat16", "fp8": "e4m3"}, None, "model.fp8",
+     "FP8 with attention 'mla'"),
+    (None, None, {"use_te": "on"}, None, "model.use_te", "local layer spec"),
+    (None, None, {}, {"rope_interleave": False}, "model.checkpoint", "rope_interleave: false"),
+    (None, None, {}, {"attention_bias": True}, "model.checkpoint", "attention_bias: true"),
+])
+def test_the_door_names_what_mla_cannot_run(ds, tmp_path, parallel, engine, model, config,
+                                            key, fragment):
+    e = _door(ds, tmp_path, parallel, engine, config, **model)
+    assert e.key == key, (e.key, str(e))
+    assert fragment in str(e), str(e)
+    assert "\n" not in str(e)
+
+
+def test_a_yaml_mla_section_is_checked():
+    for kw, key in (({"num_query_groups": 2}, "model.num_query_groups"),
+                    ({"qk_layernorm": False}, "model.qk_layernorm"),
+                    ({"head_dim": 32}, "model.head_dim"),
+                    ({"qk_rope_head_dim": 7}, "model.qk_rope_head_dim"),
+                    ({"rope_scaling": "llama3"}, "model.rope_scaling"),
+                    ({"q_lora_rank": 0}, "model.q_lora_rank")):
+        base = {"attention": "mla", "num_attention_heads": 4, "num_query_groups": 4,
+                "qk_layernorm": True, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
+                "qk_rope_head_dim": 8, "v_head_dim": 12}
+        with pytest.raises(ConfigError) as e:
+            config_from_dict({"model": {**base, **kw}})
+        assert e.value.key == key, (kw, e.value.key, str(e.value))
+
+
+def test_the_model_builds_no_gqa_tensor_for_mla():
+    from colo_rollout.model.weights import tensor_shapes
+
+    cfg = ModelConfig(attention="mla", num_attention_heads=4, num_query_groups=4,
+                      qk_layernorm=True, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16,
+                      qk_rope_head_dim=8, v_head_dim=12)
+    names = tensor_shapes(cfg)
+    assert not any("linear_qkv" in n or "k_layernorm" in n for n in names)
+    assert names["decoder.layers.0.self_attention.linear_kv_up_proj.weight"] == (4 * 28, 32)
+    assert names["decoder.layers.0.self_attention.linear_kv_down_proj.weight"] == (40, 64)
+    assert names["decoder.layers.0.self_attention.linear_proj.weight"] == (64, 48)
+    assert torch.Size(names["decoder.layers.0.self_attention.q_layernorm.weight"]) == (48,)
