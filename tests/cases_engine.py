@@ -51,6 +51,18 @@ ARCHS = {
 }
 
 
+# DeepSeek-V3's attention (model.attention mla, attention TP 1): a query bottleneck, a value
+# head narrower than the nope head, YaRN whose mscale_all_dim moves the softmax scale, with
+# GLM / DeepSeek-V3 routing, a dense first layer and a shared expert
+MLA_ARCH = {"attention": "mla", "num_query_groups": 4, "qk_layernorm": True, "q_lora_rank": 32,
+            "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+            "v_head_dim": 12, "rope_scaling": "yarn", "rope_scaling_factor": 4.0,
+            "yarn_original_max_position_embeddings": 32, "yarn_mscale_all_dim": 0.8,
+            "router_score": "sigmoid", "router_expert_bias": True, "router_num_groups": 4,
+            "router_group_topk": 2, "router_scaling_factor": 2.5, "first_k_dense": 1,
+            "ffn_hidden_size": 96, "num_layers": 3, "shared_expert_ffn_hidden_size": 32}
+
+
 def tiny_config(world: int, adp: int, ep: int, timeout_s: float = 60.0,
                 model_kw: dict | None = None, **engine) -> Config:
     return Config(

@@ -63,6 +63,23 @@ def test_ep2_adp2_matches_transformers_in_each_mode(worker_groups, ds, mode):
     check_equivalent(res)
 
 
+# ---- against megatron's GPTModel with MLA (the local spec through model/mla_core_attention.py)
+@pytest.mark.parametrize("world,adp,ep,mode,q_lora_rank", [
+    (1, 1, 1, "normal", 32), (1, 1, 1, "normal", None), (2, 2, 2, "fine", 32),
+    (4, 4, 4, "global_enqueue", 32)])
+def test_engine_matches_megatron(worker_groups, world, adp, ep, mode, q_lora_rank):
+    from tests.cases_engine import LOGPROB_TOL, MLA_ARCH
+
+    res = worker_groups(world).run("tests.cases_engine:engine_matches_reference", adp=adp,
+                                   ep=ep, n_requests=10, mode=mode, moe_compute="grouped",
+                                   model_kw={**MLA_ARCH, "q_lora_rank": q_lora_rank})
+    r0 = res[0]
+    assert r0["checked"] > 30 and r0["mismatches"] == []
+    assert r0["max_logprob_diff"] < LOGPROB_TOL, r0["max_logprob_diff"]
+    for r in res[1:]:
+        assert r["tokens"] == r0["tokens"]
+
+
 def test_config_json_maps_onto_megatrons_mla(ds):
     """The fields, and YaRN's two scales as transformers computes them: cos and sin by the
     attention factor (megatron: m(mscale) / m(mscale_all_dim)), the softmax by

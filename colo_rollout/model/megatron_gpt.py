@@ -33,6 +33,7 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 from colo_rollout.config import ModelConfig
 from colo_rollout.model.model import megatron_config
+from colo_rollout.model.mla_core_attention import with_local_mla
 from colo_rollout.model.weights import load_sharded, to_spec_names
 from colo_rollout.runtime.parallel import Layout
 
@@ -183,6 +184,8 @@ def build_gpt_model(cfg: ModelConfig, tcfg, te: bool, pg_collection) -> GPTModel
     # which a model built on explicit groups may not have)
     spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=te,
                                       normalization=cfg.normalization, pp_rank=0)
+    if cfg.is_mla and not te:  # megatron's MLA on the local spec (model/mla_core_attention.py)
+        spec = with_local_mla(spec)
     if tcfg.sequence_parallel and not te:  # TE's norms take sequence parallelism themselves
         spec = _sequence_parallel_norms(spec)
     # MTP (model.mtp_num_layers): megatron's block, its layer of the last decoder layer's spec
@@ -190,7 +193,9 @@ def build_gpt_model(cfg: ModelConfig, tcfg, te: bool, pg_collection) -> GPTModel
            if cfg.mtp_num_layers else None)
     model = GPTModel(tcfg, spec, vocab_size=cfg.vocab_size, mtp_block_spec=mtp,
                      max_sequence_length=cfg.max_position_embeddings,
-                     position_embedding_type="yarn" if cfg.rope_scaling == "yarn" else "rope",
+                     # MLA applies its own RoPE (rope or YaRN by its config's rope_type)
+                     position_embedding_type=("yarn" if cfg.rope_scaling == "yarn"
+                                              and not cfg.is_mla else "rope"),
                      rotary_base=cfg.rotary_base,
                      rotary_percent=cfg.rotary_percent,
                      rope_scaling=cfg.rope_scaling == "llama3",

@@ -65,6 +65,7 @@ import dataclasses
 import gc
 import inspect
 import json
+import math
 import os
 import random
 import statistics
@@ -75,7 +76,7 @@ import numpy as np
 import torch
 
 from colo_rollout.config import Config, ModelConfig, load_config
-from colo_rollout.model.weights import DTYPES
+from colo_rollout.model.weights import DTYPES, mla_shapes
 from colo_rollout.quiet import quiet_known_warnings
 from colo_rollout.sched.plan import DecodeRow, Phase, PrefillItem, ReplicaWork, StepPlan
 from colo_rollout.sched.planner import pick_bucket
@@ -110,7 +111,9 @@ def _moe_layers(m: ModelConfig) -> int:
 
 def attention_params(m: ModelConfig) -> int:
     """Parameters of one layer's attention projections (linear_qkv weight and bias,
-    linear_proj)."""
+    linear_proj; MLA: its down, up and output projections -- model/weights.py mla_shapes)."""
+    if m.is_mla:
+        return sum(math.prod(s) for s in mla_shapes(m, "").values() if len(s) == 2)
     qkv = (m.num_attention_heads + 2 * m.num_query_groups) * m.head_dim
     n = qkv * m.hidden_size + m.num_attention_heads * m.head_dim * m.hidden_size
     return n + (qkv if m.qkv_bias else 0)
@@ -157,7 +160,7 @@ def decode_roofline(m: ModelConfig, contexts: list[int], experts_touched: list[f
         "dense MLP": (m.num_layers - moe) * _dense_params(m) * g,
         "output layer": m.vocab_size * m.hidden_size * b,
     }
-    kv = sum(contexts) * m.num_layers * m.num_query_groups * m.head_dim * 2 * b
+    kv = sum(contexts) * m.num_layers * m.kv_cache_elems() * b
     w = sum(weights.values())
     return {"weight_bytes": w, "weight_bytes_by_part": weights, "kv_bytes": kv,
             "roofline_bytes": w + kv, "roofline_s": (w + kv) / hbm_bytes_per_s}
@@ -175,7 +178,10 @@ def prefill_flops(m: ModelConfig, seqs: list[tuple[int, int]]) -> dict:
     tokens = sum(n for _, n in seqs)
     pairs = sum(n * c + n * (n + 1) // 2 for c, n in seqs)
     gemm = 2 * per_token * tokens + 2 * m.vocab_size * m.hidden_size * len(seqs)
-    attn = 4 * m.head_dim * m.num_attention_heads * m.num_layers * pairs
+    # scores over the query/key head, values over the value head (MLA's differ; P attends the
+    # decompressed heads, model/mla_attention.py)
+    v_dim = m.v_head_dim if m.is_mla else m.head_dim
+    attn = 2 * (m.head_dim + v_dim) * m.num_attention_heads * m.num_layers * pairs
     # model.fp8: the GEMMs that run in FP8 (all but the router's and the output layer's)
     fp8 = 2 * (per_token - moe * m.num_experts * m.hidden_size) * tokens if m.fp8 else 0
     return {"gemm_flops": gemm, "attention_flops": attn, "flops": gemm + attn,
