@@ -59,8 +59,9 @@ MLA_ARCH = {"attention": "mla", "num_query_groups": 4, "qk_layernorm": True, "q_
             "v_head_dim": 12, "rope_scaling": "yarn", "rope_scaling_factor": 4.0,
             "yarn_original_max_position_embeddings": 32, "yarn_mscale_all_dim": 0.8,
             "router_score": "sigmoid", "router_expert_bias": True, "router_num_groups": 4,
-            "router_group_topk": 2, "router_scaling_factor": 2.5, "first_k_dense": 1,
-            "ffn_hidden_size": 96, "num_layers": 3, "shared_expert_ffn_hidden_size": 32}
+            "router_group_topk": 2, "moe_router_topk": 4, "router_scaling_factor": 2.5,
+            "first_k_dense": 1, "ffn_hidden_size": 96, "num_layers": 3,
+            "shared_expert_ffn_hidden_size": 64}
 
 
 def tiny_config(world: int, adp: int, ep: int, timeout_s: float = 60.0,

@@ -21,7 +21,7 @@ from colo_rollout.model.megatron_gpt import (
     singleton_pg_collection,
     tp_pg_collection,
 )
-from tests.cases_engine import tiny_config
+from tests.cases_engine import MLA_ARCH, tiny_config
 
 # model sections that each family's format expresses (export picks the family from them)
 FAMILY_MODELS = {
@@ -40,6 +40,8 @@ FAMILY_MODELS = {
                            "first_k_dense": 1, "ffn_hidden_size": 96, "num_layers": 3,
                            "rotary_percent": 0.5, "qkv_bias": True, "qk_layernorm": True},
 }
+# MLA runs at TP 1: its export test's trainer is one rank (tests/test_mla.py)
+MLA_FAMILY_MODELS = {"DeepseekV3ForCausalLM": MLA_ARCH}
 
 
 def export_round_trip(rank: int, world: int, family: str, directory: str) -> dict:
@@ -47,7 +49,8 @@ def export_round_trip(rank: int, world: int, family: str, directory: str) -> dic
     full weights, (2) loading them back into a TP model gives the same weights bit for bit,
     (3) transformers computes the megatron model's logprobs."""
     install_cpu_compat()
-    cfg = tiny_config(world, 1, 1, model_kw=FAMILY_MODELS[family]).model
+    cfg = tiny_config(world, 1, 1,
+                      model_kw={**FAMILY_MODELS, **MLA_FAMILY_MODELS}[family]).model
     sd = random_state_dict(cfg)
     tp = dist.new_group(list(range(world)))
     pgc = tp_pg_collection(tp)

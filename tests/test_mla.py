@@ -185,3 +185,57 @@ def test_the_model_builds_no_gqa_tensor_for_mla():
     assert names["decoder.layers.0.self_attention.linear_kv_down_proj.weight"] == (40, 64)
     assert names["decoder.layers.0.self_attention.linear_proj.weight"] == (64, 48)
     assert torch.Size(names["decoder.layers.0.self_attention.q_layernorm.weight"]) == (48,)
+
+
+# ---- the RL side: weight sync into MLA, GRPO with MLA, export
+MLA_OVERRIDES = {"model.attention": "mla", "model.num_query_groups": 4,
+                 "model.qk_layernorm": True, "model.q_lora_rank": 32, "model.kv_lora_rank": 16,
+                 "model.qk_nope_head_dim": 16, "model.qk_rope_head_dim": 8,
+                 "model.v_head_dim": 12}
+
+
+@pytest.mark.parametrize("world,adp,ep,trainer_ep", [(2, 2, 2, 1), (2, 2, 2, 2), (4, 4, 4, 2)])
+def test_sync_into_mla_is_bit_exact(worker_groups, world, adp, ep, trainer_ep):
+    """Every MLA projection and latent norm (and the rest) from the trainer (TP1 x DP, or its
+    experts over EP) into the engine, bit for bit; the engine then serves megatron's tokens
+    of the new weights."""
+    from tests.cases_engine import LOGPROB_TOL, MLA_ARCH
+
+    res = worker_groups(world).run("tests.cases_rl:weight_sync_exact", adp=adp, ep=ep,
+                                   trainer_tp=1, trainer_ep=trainer_ep, model_kw=MLA_ARCH)
+    for r in res:
+        assert r["checked"] > 20 and r["mismatched"] == []
+    r0 = res[0]
+    assert r0["mismatches"] == [] and r0["max_logprob_diff"] < LOGPROB_TOL
+
+
+def test_grpo_with_mla_learns_and_the_trainer_recomputes_the_rollouts_logprobs(
+        worker_groups, tmp_path):
+    """Colocated GRPO on 2 ranks (engine EP2/ADP2, trainer experts over EP2) with routing
+    replay: the reward rises from the random policy's ~1/64 and the trainer's logprobs of
+    every rollout token are the engine's (fp32: summation order only)."""
+    res = worker_groups(2).run("colo_rollout.rl.train:run_train", timeout=600,
+                               config_path="configs/grpo_cpu.yaml",
+                               overrides={"rl.out_dir": str(tmp_path), "rl.trainer_ep": 2,
+                                          "engine.record_routing": True,
+                                          "rl.routing_replay": True, **MLA_OVERRIDES},
+                               quiet=True)
+    h = res[0]["history"]
+    first = sum(x["reward"] for x in h[:3]) / 3
+    last = sum(x["reward"] for x in h[-3:]) / 3
+    assert first < 0.2 and last > first + 0.5, (first, last)
+    assert max(x["logprob_gap_max"] for x in h) < 1e-4
+    assert all(x["failed"] == 0 and x["routing_disagree_frac"] == 0.0 for x in h)
+
+
+def test_export_of_an_mla_model_is_exact_and_transformers_loads_it(worker_groups, tmp_path):
+    """A megatron MLA model written as a DeepSeek-V3 checkpoint: the files hold the HF split
+    of every tensor, this project's loader reads it back bit for bit, and transformers'
+    DeepseekV3ForCausalLM computes megatron's logprobs."""
+    res = worker_groups(1).run("tests.cases_export:export_round_trip",
+                               family="DeepseekV3ForCausalLM", directory=str(tmp_path / "out"))
+    r0 = res[0]
+    assert r0["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert r0["file_names_equal"] and r0["file_unequal"] == []
+    assert r0["same_names"] and r0["unequal"] == []
+    assert r0["max_diff_vs_transformers"] < 1e-4
