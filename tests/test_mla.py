@@ -239,3 +239,22 @@ def test_export_of_an_mla_model_is_exact_and_transformers_loads_it(worker_groups
     assert r0["file_names_equal"] and r0["file_unequal"] == []
     assert r0["same_names"] and r0["unequal"] == []
     assert r0["max_diff_vs_transformers"] < 1e-4
+
+
+def test_deepseek_mtp_layer_loads_and_drafts_without_changing_the_tokens(worker_groups, ds,
+                                                                        tmp_path):
+    """DeepSeek-V3's MTP layer stored at model.layers.{num_hidden_layers} (its own shard, with
+    the embed_tokens / shared_head.head copies) loads as megatron's mtp.layers.0 with an MLA
+    attention; engine.mtp drafts with it and the greedy tokens stay transformers'."""
+    from tests.test_hf_mtp import add_mtp_layer
+
+    d = str(tmp_path / "mtp")
+    shutil.copytree(ds["bottleneck"], d)
+    add_mtp_layer(d, duplicates=True, own_shard=True)
+    assert hf_architecture(d).fields["mtp_num_layers"] == 1
+    res = worker_groups(1).run(f"{CASES}:serve_checkpoint", directory=d, adp=1, ep=1,
+                               engine={"mtp": True})
+    r0 = check_equivalent(res)
+    plain = worker_groups(1).run(f"{CASES}:serve_checkpoint", directory=ds["bottleneck"],
+                                 adp=1, ep=1)[0]
+    assert r0["tokens"] == plain["tokens"]
