@@ -114,6 +114,20 @@ def test_gpu_architectures_match_reference(gpu_groups, world, adp, ep, arch, dty
     _check_against_reference(f"arch_{arch}_{dtype}", res, world, dtype)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("world,adp,ep", [(1, 1, 1), (2, 2, 2)])
+def test_gpu_mla_matches_reference(gpu_groups, world, adp, ep, dtype):
+    """DeepSeek-V3's attention (model.attention mla: the latent cache, P decompressed, D
+    absorbed -- its torch ops inside D's CUDA graphs) against megatron's MLA GPTModel."""
+    from tests.cases_engine import MLA_ARCH
+
+    res = gpu_groups(world).run("tests.cases_gpu:gpu_engine_matches_reference", timeout=600,
+                                adp=adp, ep=ep, dtype=dtype, use_te="off",
+                                n_requests=16 if dtype == "float32" else 64,
+                                model_kw=MLA_ARCH)
+    _check_against_reference(f"mla_{dtype}", res, world, dtype)
+
+
 @pytest.mark.parametrize("world,adp,ep", [(2, 2, 2), (2, 1, 2)])
 def test_gpu_pd_modes_match_normal(gpu_groups, world, adp, ep):
     """Every PD mode runs P and D on their own streams and gives Normal's greedy tokens;

@@ -628,7 +628,8 @@ def _label_modules(model, runner=None) -> list:
         att = layer.self_attention
         pairs += [(layer.input_layernorm, "norm"), (layer.pre_mlp_layernorm, "norm"),
                   (att, "attention")]
-        pairs += [(n, "norm") for n in (att.q_layernorm, att.k_layernorm) if n is not None]
+        norms = (getattr(att, k, None) for k in ("q_layernorm", "k_layernorm", "kv_layernorm"))
+        pairs += [(n, "norm") for n in norms if n is not None]  # (MLA: the latents')
         if layer.is_moe:
             pairs += [(layer.mlp, "moe"), (layer.mlp.router, "router"),
                       (layer.mlp.experts, "experts")]
