@@ -20,13 +20,17 @@ Owns
     (identity in eval or at p 0), probs @ v. One departure: with no ``attention_mask`` and a
     causal mask type, the causal mask megatron would generate is built here on the query's
     device (megatron's ``get_default_causal_mask`` hard-codes ``device="cuda"``).
-  * ``LocalMLASelfAttention``: megatron's ``MLASelfAttention``; only with ``q_lora_rank``
-    None it changes how the projections are resolved: with ``qk_layernorm`` a plain
-    column-parallel ``linear_q_proj`` (no Q norm), the spec's ``kv_layernorm`` and
-    ``linear_kv_up_proj`` -- DeepSeek's q_proj / kv_a_layernorm / kv_b_proj -- and in either
-    case ``linear_q_proj`` gets the attention's TP group, which megatron's ``__init__`` does
-    not pass it (it would use the global parallel_state group: none under explicit process
-    groups). With a ``q_lora_rank``: megatron's resolver, unchanged.
+  * ``LocalMLASelfAttention``: megatron's ``MLASelfAttention`` with three repairs, same math.
+    (1) With ``q_lora_rank`` None and ``qk_layernorm``: a plain column-parallel
+    ``linear_q_proj`` (no Q norm), the spec's ``kv_layernorm`` and ``linear_kv_up_proj`` --
+    DeepSeek's q_proj / kv_a_layernorm / kv_b_proj -- instead of megatron's resolver (every
+    other case: the resolver). (2) ``linear_q_proj`` gets the attention's TP group, which
+    megatron's ``__init__`` does not pass it (unlike every other projection). (3) The TP
+    gathers after the local spec's column-parallel q/kv down projections name the
+    attention's TP group (megatron's name none). Without (2) and (3) those fall back to
+    megatron's global parallel_state TP group: none under explicit process groups
+    (model/megatron_gpt.py), so TP > 1 crashes and TP 1 cannot run backward with
+    ``q_lora_rank`` None.
   * ``with_local_mla``: a copy of a megatron spec (layer, decoder block, MTP block) with every
     ``MLASelfAttention`` slot set to ``LocalMLASelfAttention`` and every MLA core attention
     slot that holds ``DotProductAttention`` set to ``MLADotProductAttention``.
@@ -73,9 +77,13 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
 )
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+from megatron.core.tensor_parallel.mappings import (
+    gather_from_tensor_model_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.multi_latent_attention import (
     MLASelfAttention,
@@ -166,7 +174,31 @@ class MLADotProductAttention(DotProductAttention):
 
 class LocalMLASelfAttention(MLASelfAttention):
     """megatron's ``MLASelfAttention`` that builds on the local spec with ``q_lora_rank`` None
-    (see the module docstring); with a ``q_lora_rank``, exactly megatron's."""
+    and runs under explicit process groups with TP > 1 (see the module docstring)."""
+
+    def _qkv_down_projection(self, hidden_states):
+        """megatron's down projections, the local spec's column-parallel q/kv down projections
+        gathered over this attention's TP group (megatron's gathers name no group: they take
+        the global parallel_state one). q_compressed [s(/TP under SP), b, q_lora_rank] as
+        megatron's; kv_combined whole [s(/TP under SP), b, kv_lora_rank + rope] -- the layout
+        of a duplicated down projection, which megatron's caller splits (and, under sequence
+        parallelism, gathers the rope key of) over ``self.tp_group``."""
+        tp = self.pg_collection.tp
+        sp = self.config.sequence_parallel
+        if self.config.q_lora_rank is not None:
+            q_compressed, _ = self.linear_q_down_proj(hidden_states)
+            if q_compressed.size(-1) != self.config.q_lora_rank:
+                q_compressed = gather_from_tensor_model_parallel_region(q_compressed, group=tp)
+                if sp:
+                    q_compressed = scatter_to_sequence_parallel_region(q_compressed, group=tp)
+        else:
+            q_compressed = hidden_states
+        kv_combined, _ = self.linear_kv_down_proj(hidden_states)
+        if kv_combined.size(-1) != self.config.kv_lora_rank + self.config.qk_pos_emb_head_dim:
+            kv_combined = gather_from_tensor_model_parallel_region(kv_combined, group=tp)
+            if sp:
+                kv_combined = scatter_to_sequence_parallel_region(kv_combined, group=tp)
+        return q_compressed, kv_combined
 
     def _resolve_qk_norm_config(self, submodules) -> dict:
         if self.config.q_lora_rank is not None:
