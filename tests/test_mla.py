@@ -209,14 +209,48 @@ def test_sync_into_mla_is_bit_exact(worker_groups, world, adp, ep, trainer_ep):
     assert r0["mismatches"] == [] and r0["max_logprob_diff"] < LOGPROB_TOL
 
 
+@pytest.mark.parametrize("world,adp,ep", [(2, 2, 2), (4, 4, 4)])
+def test_sync_from_a_sequence_parallel_trainer_into_mla_is_bit_exact(worker_groups, world,
+                                                                     adp, ep):
+    """The RL Trainer at rl.trainer_tp 2: megatron's MLA with its down projections' rows
+    split over TP (gathered in its forward), sequence parallelism (the latents' norms marked
+    sequence_parallel), into the engine's whole projections."""
+    from tests.cases_engine import LOGPROB_TOL, MLA_ARCH
+
+    res = worker_groups(world).run("tests.cases_rl:weight_sync_exact", adp=adp, ep=ep,
+                                   trainer_tp=2, model_kw=MLA_ARCH, rl_trainer=True)
+    for r in res:
+        assert r["checked"] > 20 and r["mismatched"] == [], r["mismatched"]
+        assert r["sp_params"] > 0
+    r0 = res[0]
+    assert r0["mismatches"] == [] and r0["max_logprob_diff"] < LOGPROB_TOL
+
+
+def test_a_tensor_parallel_mla_trainer_takes_the_same_gradient(worker_groups):
+    """rl.trainer_tp 2 with MLA: each TP rank's gradient is the TP1 trainer's cut to its
+    shard (q/kv down and up projections by rows, the output projection by columns, the
+    latents' norms summed over the sequence shards), with routing replay."""
+    from tests.cases_engine import MLA_ARCH
+    from tests.test_weight_sync import _gradient_problems
+
+    res = worker_groups(2).run("tests.cases_rl:tensor_parallel_trainer_grads", tp=2,
+                               model_kw=MLA_ARCH, replay=True, algorithm="grpo",
+                               is_level="none")
+    assert _gradient_problems(res, True, "grpo", sharded=20) == []
+
+
+@pytest.mark.parametrize("trainer_tp,trainer_ep", [(1, 2), (2, 1)])
 def test_grpo_with_mla_learns_and_the_trainer_recomputes_the_rollouts_logprobs(
-        worker_groups, tmp_path):
-    """Colocated GRPO on 2 ranks (engine EP2/ADP2, trainer experts over EP2) with routing
-    replay: the reward rises from the random policy's ~1/64 and the trainer's logprobs of
-    every rollout token are the engine's (fp32: summation order only)."""
+        worker_groups, tmp_path, trainer_tp, trainer_ep):
+    """Colocated GRPO on 2 ranks (engine EP2/ADP2; trainer experts over EP2, or TP2 with
+    sequence parallelism) with routing replay: the reward rises from the random policy's
+    ~1/64 and the trainer's logprobs of every rollout token are the engine's (fp32:
+    summation order only)."""
     res = worker_groups(2).run("colo_rollout.rl.train:run_train", timeout=600,
                                config_path="configs/grpo_cpu.yaml",
-                               overrides={"rl.out_dir": str(tmp_path), "rl.trainer_ep": 2,
+                               overrides={"rl.out_dir": str(tmp_path),
+                                          "rl.trainer_ep": trainer_ep,
+                                          "rl.trainer_tp": trainer_tp,
                                           "engine.record_routing": True,
                                           "rl.routing_replay": True, **MLA_OVERRIDES},
                                quiet=True)

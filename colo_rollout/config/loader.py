@@ -136,9 +136,6 @@ class Config:
                 _require(asked in ("auto", "torch"), f"engine.{key}",
                          f"{asked!r} with model.attention 'mla': MLA runs its own attention "
                          "('auto' or 'torch')")
-            _require(self.rl.trainer_tp == 1, "rl.trainer_tp",
-                     f"{self.rl.trainer_tp} with model.attention 'mla': the trainer runs MLA "
-                     "at TP 1 (expert parallelism and data parallelism over it)")
         why = batch_invariance_problem(model) if engine.batch_invariant else None
         _require(why is None, "engine.batch_invariant", str(why))
         tp = self.rl.trainer_tp

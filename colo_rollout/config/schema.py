@@ -50,6 +50,11 @@ def trainer_tp_widths(model: "ModelConfig", ep: int = 1) -> dict[str, int]:
         widths["model.ffn_hidden_size"] = model.dense_ffn_hidden_size
     if model.shared_expert_ffn_hidden_size is not None:
         widths["model.shared_expert_ffn_hidden_size"] = model.shared_expert_ffn_hidden_size
+    if model.attention == "mla":  # megatron's column-parallel down projections' rows
+        if model.q_lora_rank is not None:
+            widths["model.q_lora_rank"] = model.q_lora_rank
+        widths["model.kv_lora_rank + qk_rope_head_dim"] = (model.kv_lora_rank
+                                                           + model.qk_rope_head_dim)
     return widths
 
 
