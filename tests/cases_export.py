@@ -41,7 +41,13 @@ FAMILY_MODELS = {
                            "rotary_percent": 0.5, "qkv_bias": True, "qk_layernorm": True},
 }
 # MLA runs at TP 1: its export test's trainer is one rank (tests/test_mla.py)
-MLA_FAMILY_MODELS = {"DeepseekV3ForCausalLM": MLA_ARCH}
+MLA_FAMILY_MODELS = {
+    "DeepseekV3ForCausalLM": MLA_ARCH,
+    # DeepSeek-V2's router: softmax top-k, not renormalised, groups ranked by their best
+    "DeepseekV2ForCausalLM": {**MLA_ARCH, "router_score": "softmax", "router_norm_topk": False,
+                              "router_expert_bias": False, "router_group_topk": 4,
+                              "router_scaling_factor": 1.5, "q_lora_rank": None},
+}
 
 
 def export_round_trip(rank: int, world: int, family: str, directory: str) -> dict:

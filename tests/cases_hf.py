@@ -16,7 +16,7 @@ import torch
 
 FAMILIES = ("qwen3", "qwen2", "mixtral", "glm")
 # multi-head latent attention (DeepSeek-V3): its own tests -- MLA runs at attention TP 1
-MLA_FAMILIES = ("deepseek",)
+MLA_FAMILIES = ("deepseek", "deepseek2")
 
 _COMMON = {"vocab_size": 256, "hidden_size": 64, "num_attention_heads": 4,
            "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
@@ -68,6 +68,19 @@ def family_config(family: str, **overrides):
                                   "original_max_position_embeddings": 16, "mscale": 1.0,
                                   "mscale_all_dim": 0.8}}
         cls = tf.DeepseekV3Config
+    elif family == "deepseek2":  # DeepSeek-V2-Lite's shape: no query bottleneck, softmax
+        # top-k never renormalised, routed scaling, 2 shared experts, a dense first layer,
+        # YaRN with V2's mscale pair (0.707 / 0.707: the softmax scale moves, cos and sin not)
+        kw = {**_COMMON, "num_hidden_layers": 3, "first_k_dense_replace": 1,
+              "intermediate_size": 96, "moe_intermediate_size": 16, "n_routed_experts": 8,
+              "n_shared_experts": 2, "num_experts_per_tok": 3, "topk_method": "greedy",
+              "norm_topk_prob": False, "routed_scaling_factor": 1.5, "rms_norm_eps": 1e-6,
+              "q_lora_rank": None, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+              "qk_rope_head_dim": 8, "v_head_dim": 16, "num_key_value_heads": 4,
+              "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                  "original_max_position_embeddings": 16, "mscale": 0.707,
+                                  "mscale_all_dim": 0.707}}
+        cls = tf.DeepseekV2Config
     else:
         raise ValueError(f"unknown family {family!r}; one of {FAMILIES + MLA_FAMILIES}")
     kw.update(overrides)

@@ -498,10 +498,10 @@ def test_unsupported_architecture(ckpt, tmp_path):
 
 
 def test_other_mla_families_are_refused(ckpt, tmp_path):
-    # DeepSeek-V3's MLA is served (tests/test_mla.py); V2's router is not V3's, and a latent
-    # width on another family is not that family's attention
-    e = _config_error(ckpt, tmp_path, architectures=["DeepseekV2ForCausalLM"], kv_lora_rank=512)
-    assert "architectures: 'DeepseekV2ForCausalLM' uses multi-head latent attention" in str(e)
+    # DeepSeek-V2/V3's MLA is served (tests/test_mla.py); Kimi-K2's remote-code name is not
+    # read as DeepSeek-V3's, and a latent width on another family is not its attention
+    e = _config_error(ckpt, tmp_path, architectures=["KimiK2ForCausalLM"], kv_lora_rank=512)
+    assert "architectures: 'KimiK2ForCausalLM' uses multi-head latent attention" in str(e)
     e = _config_error(ckpt, tmp_path, architectures=["Qwen3MoeForCausalLM"])
     assert "'Qwen3MoeForCausalLM' uses multi-head latent attention" in str(e), str(e)
 

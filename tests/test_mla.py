@@ -35,7 +35,11 @@ def ds(tmp_path_factory):
     save_tiny_checkpoint(root / "bottleneck", "deepseek")
     save_tiny_checkpoint(root / "full_q", "deepseek", sharded=True, seed=1, q_lora_rank=None,
                          rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
-    return {"bottleneck": str(root / "bottleneck"), "full_q": str(root / "full_q")}
+    # DeepSeek-V2(-Lite): softmax routing never renormalised, greedy or group-limited
+    save_tiny_checkpoint(root / "v2", "deepseek2")
+    save_tiny_checkpoint(root / "v2_groups", "deepseek2", seed=2, q_lora_rank=24,
+                         topk_method="group_limited_greedy", n_group=4, topk_group=3)
+    return {n: str(root / n) for n in ("bottleneck", "full_q", "v2", "v2_groups")}
 
 
 def check_equivalent(res: list[dict]) -> dict:
@@ -49,15 +53,16 @@ def check_equivalent(res: list[dict]) -> dict:
     return r0
 
 
-@pytest.mark.parametrize("name", ["bottleneck", "full_q"])
+@pytest.mark.parametrize("name", ["bottleneck", "full_q", "v2", "v2_groups"])
 def test_one_rank_matches_transformers(worker_groups, ds, name):
     res = worker_groups(1).run(f"{CASES}:serve_checkpoint", directory=ds[name], adp=1, ep=1)
     check_equivalent(res)
 
 
-@pytest.mark.parametrize("mode", ["normal", "fine", "global_complete"])
-def test_ep2_adp2_matches_transformers_in_each_mode(worker_groups, ds, mode):
-    res = worker_groups(2).run(f"{CASES}:serve_checkpoint", directory=ds["bottleneck"], adp=2,
+@pytest.mark.parametrize("name,mode", [("bottleneck", "normal"), ("bottleneck", "fine"),
+                                       ("bottleneck", "global_complete"), ("v2", "fine")])
+def test_ep2_adp2_matches_transformers_in_each_mode(worker_groups, ds, name, mode):
+    res = worker_groups(2).run(f"{CASES}:serve_checkpoint", directory=ds[name], adp=2,
                                ep=2, engine={"mode": mode})
     assert res[0]["layout"] == "EP2/ADP2"
     check_equivalent(res)
@@ -156,6 +161,28 @@ def test_the_door_names_what_mla_cannot_run(ds, tmp_path, parallel, engine, mode
     assert e.key == key, (e.key, str(e))
     assert fragment in str(e), str(e)
     assert "\n" not in str(e)
+
+
+@pytest.mark.parametrize("config, key, fragment", [
+    ({"norm_topk_prob": True}, "norm_topk_prob", "never renormalises"),
+    ({"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 1}, "topk_group",
+     "ranks groups by their best expert"),
+    ({"topk_method": "noaux_tc"}, "topk_method", "'noaux_tc'"),
+    ({"mlp_bias": True}, "mlp_bias", "no bias"),
+])
+def test_deepseek_v2_routers_megatron_cannot_express_are_named(ds, tmp_path, config, key,
+                                                                fragment):
+    d = str(tmp_path / "v2")
+    shutil.copytree(ds["v2"], d)
+    path = os.path.join(d, "config.json")
+    with open(path) as fh:
+        c = json.load(fh)
+    c.update(config)
+    with open(path, "w") as fh:
+        json.dump(c, fh)
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"engine": {"max_seq_len": 128}, "model": {"checkpoint": d}})
+    assert f"config.json: {key}: " in str(e.value) and fragment in str(e.value), str(e.value)
 
 
 def test_a_yaml_mla_section_is_checked():
@@ -262,14 +289,16 @@ def test_grpo_with_mla_learns_and_the_trainer_recomputes_the_rollouts_logprobs(
     assert all(x["failed"] == 0 and x["routing_disagree_frac"] == 0.0 for x in h)
 
 
-def test_export_of_an_mla_model_is_exact_and_transformers_loads_it(worker_groups, tmp_path):
-    """A megatron MLA model written as a DeepSeek-V3 checkpoint: the files hold the HF split
-    of every tensor, this project's loader reads it back bit for bit, and transformers'
-    DeepseekV3ForCausalLM computes megatron's logprobs."""
-    res = worker_groups(1).run("tests.cases_export:export_round_trip",
-                               family="DeepseekV3ForCausalLM", directory=str(tmp_path / "out"))
+@pytest.mark.parametrize("family", ["DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"])
+def test_export_of_an_mla_model_is_exact_and_transformers_loads_it(worker_groups, tmp_path,
+                                                                   family):
+    """A megatron MLA model written as a DeepSeek-V3 (sigmoid router) or DeepSeek-V2 (softmax)
+    checkpoint: the files hold the HF split of every tensor, this project's loader reads it
+    back bit for bit, and transformers computes megatron's logprobs."""
+    res = worker_groups(1).run("tests.cases_export:export_round_trip", family=family,
+                               directory=str(tmp_path / "out"))
     r0 = res[0]
-    assert r0["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert r0["architectures"] == [family]
     assert r0["file_names_equal"] and r0["file_unequal"] == []
     assert r0["same_names"] and r0["unequal"] == []
     assert r0["max_diff_vs_transformers"] < 1e-4

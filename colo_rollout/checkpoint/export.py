@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from colo_rollout.config.hf_config import (
+    DEEPSEEK2,
     DEEPSEEK3,
     GLM4,
     MIXTRAL,
@@ -49,14 +50,14 @@ from colo_rollout.model.weights import (
 from colo_rollout.runtime.parallel import Layout
 
 _MODEL_TYPES = {QWEN3: "qwen3_moe", QWEN2: "qwen2_moe", MIXTRAL: "mixtral", GLM4: "glm4_moe",
-                DEEPSEEK3: "deepseek_v3"}
+                DEEPSEEK3: "deepseek_v3", DEEPSEEK2: "deepseek_v2"}
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
 def default_family(cfg: ModelConfig) -> str:
     """The family whose format holds ``cfg`` most directly."""
     if cfg.is_mla:
-        return DEEPSEEK3
+        return DEEPSEEK3 if cfg.router_score == "sigmoid" else DEEPSEEK2
     if cfg.router_score == "sigmoid" or cfg.first_k_dense:
         return GLM4
     if cfg.shared_expert_ffn_hidden_size is not None:
@@ -114,11 +115,12 @@ def hf_config_dict(cfg: ModelConfig, family: str | None = None,
     elif family == MIXTRAL:
         c.update(num_local_experts=cfg.num_experts, intermediate_size=ffn, sliding_window=None)
     else:
-        if family == DEEPSEEK3:
+        if family in (DEEPSEEK3, DEEPSEEK2):
             c.update(head_dim=cfg.qk_rope_head_dim, q_lora_rank=cfg.q_lora_rank,
                      kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
-                     qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
-                     rope_interleave=True)
+                     qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim)
+        if family == DEEPSEEK3:
+            c["rope_interleave"] = True
         shared = cfg.shared_expert_ffn_hidden_size or 0
         if shared % ffn:
             raise ValueError(f"{family}: shared experts of width {shared} are not a whole "
@@ -132,6 +134,11 @@ def hf_config_dict(cfg: ModelConfig, family: str | None = None,
                  num_nextn_predict_layers=cfg.mtp_num_layers)
         if family == GLM4:
             c["use_qk_norm"] = cfg.qk_layernorm
+        if family == DEEPSEEK2:
+            grouped = cfg.router_num_groups is not None
+            c.update(topk_method="group_limited_greedy" if grouped else "greedy",
+                     n_group=cfg.router_num_groups, topk_group=cfg.router_group_topk)
+            del c["num_nextn_predict_layers"]
     back = hf_architecture(".", c).fields
     wrong = {k: (getattr(cfg, k), v) for k, v in back.items() if getattr(cfg, k) != v
              and not (isinstance(v, float) and math.isclose(getattr(cfg, k), v, rel_tol=1e-12,

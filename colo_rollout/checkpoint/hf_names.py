@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from colo_rollout.config.hf_config import DEEPSEEK3, GLM4, MIXTRAL, QWEN2
+from colo_rollout.config.hf_config import DEEPSEEK2, DEEPSEEK3, GLM4, MIXTRAL, QWEN2
 from colo_rollout.config import ModelConfig
 from colo_rollout.model.weights import MTP_PREFIX, tensor_shapes
 
@@ -126,7 +126,7 @@ def hf_sources(cfg: ModelConfig, family: str, fused: bool = False) -> dict[str, 
     every family keeps them under ``mlp.`` then, Mixtral included."""
     moe = "block_sparse_moe" if family == MIXTRAL and not fused else "mlp"
     shared = {QWEN2: "mlp.shared_expert.", GLM4: "mlp.shared_experts.",
-              DEEPSEEK3: "mlp.shared_experts."}.get(family)
+              DEEPSEEK3: "mlp.shared_experts.", DEEPSEEK2: "mlp.shared_experts."}.get(family)
     gate_up_down = ("w1", "w3", "w2") if family == MIXTRAL else ("gate_proj", "up_proj",
                                                                  "down_proj")
     n = cfg.num_attention_heads // cfg.num_query_groups
@@ -212,9 +212,10 @@ def _layer_source(name: str, p: str, rest: str, cfg: ModelConfig, moe: str, shar
                      "asks for something this family does not store)")
 
 
-# megatron MLASelfAttention -> DeepseekV3Attention: the same rows in the same order (q heads
-# [nope | rope], kv_a [latent | rope key], kv_b heads [k_nope | v]; both rotate the rope dims
-# de-interleaved)
+# megatron MLASelfAttention -> DeepseekV3Attention / DeepseekV2Attention: the same rows in the
+# same order (q heads [nope | rope], kv_a [latent | rope key], kv_b heads [k_nope | v]; the
+# rope dims are rotated in interleaved pairs -- V2's complex numbers, V3's rope_interleave --
+# which megatron's MLA de-interleaves first: the same scores)
 _MLA_NAMES = {
     "self_attention.linear_q_proj.weight": "self_attn.q_proj.weight",
     "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",

@@ -34,10 +34,11 @@ QWEN2 = "Qwen2MoeForCausalLM"
 MIXTRAL = "MixtralForCausalLM"
 GLM4 = "Glm4MoeForCausalLM"
 DEEPSEEK3 = "DeepseekV3ForCausalLM"  # also Kimi-K2's and Moonlight's architecture
-FAMILIES = (QWEN3, QWEN2, MIXTRAL, GLM4, DEEPSEEK3)
-# other families whose attention is multi-head latent attention (DeepSeek-V2's router is not
-# V3's: softmax scores, its own group-limited top-k): not supported
-MLA_FAMILIES = ("DeepseekV2ForCausalLM", "KimiK2ForCausalLM")
+DEEPSEEK2 = "DeepseekV2ForCausalLM"  # DeepSeek-V2(-Lite)
+FAMILIES = (QWEN3, QWEN2, MIXTRAL, GLM4, DEEPSEEK3, DEEPSEEK2)
+MLA = (DEEPSEEK3, DEEPSEEK2)  # the families whose attention is multi-head latent attention
+# other names of multi-head latent attention architectures: not supported
+MLA_FAMILIES = ("KimiK2ForCausalLM",)
 
 # ModelConfig fields a checkpoint determines (everything else -- params_dtype, use_te,
 # moe_compute, fp8, seed -- stays the run's choice)
@@ -155,7 +156,7 @@ def hf_architecture(directory: str | pathlib.Path, config: dict | None = None) -
     if not (isinstance(archs, list) and archs and all(isinstance(a, str) for a in archs)):
         raise r.error("architectures", f"expected a non-empty list of names, got {archs!r}")
     family = archs[0]
-    if family in MLA_FAMILIES or ("kv_lora_rank" in config and family != DEEPSEEK3):
+    if family in MLA_FAMILIES or ("kv_lora_rank" in config and family not in MLA):
         raise r.error("architectures", f"{family!r} uses multi-head latent attention (MLA), "
                       f"which this engine does not support; supported: {', '.join(FAMILIES)}")
     if family not in FAMILIES:
@@ -163,7 +164,7 @@ def hf_architecture(directory: str | pathlib.Path, config: dict | None = None) -
                       f"{', '.join(FAMILIES)}")
     _common(r, family)
     {QWEN3: _qwen3, QWEN2: _qwen2, MIXTRAL: _mixtral, GLM4: _glm4,
-     DEEPSEEK3: _deepseek3}[family](r)
+     DEEPSEEK3: _deepseek3, DEEPSEEK2: _deepseek2}[family](r)
     f = r.fields
     # transformers renormalises a single softmax score to 1.0; megatron refuses top-1 softmax
     # routing without its pre-softmax (model section's router_norm_topk check), and with
@@ -218,7 +219,7 @@ def _common(r: _Reader, family: str) -> None:
     heads = r.take("num_attention_heads", "num_attention_heads", int)
     # checked here, before head_dim divides by it (the schema's own >= 1 check comes later)
     r.refuse("num_attention_heads", heads < 1, f"must be >= 1, got {heads}")
-    if family == DEEPSEEK3:  # MLA: every head its own key and value; _deepseek3 sets the widths
+    if family in MLA:  # every head its own key and value; _mla sets the widths
         r.set("num_query_groups", heads, "num_attention_heads")
     else:
         r.take("num_query_groups", "num_key_value_heads", int, heads)
@@ -375,7 +376,7 @@ def _yarn(r: _Reader, pick, src: str, partial_default: float, family: str, rope:
     mscale, msrc = number("mscale", None, positive=False)
     mscale_all, masrc = number("mscale_all_dim", None, positive=False)
     raw_all = float(mscale_all or 0.0)
-    if attention is not None and family == DEEPSEEK3:
+    if attention is not None and family in MLA:
         r.refuse(asrc, factor <= 1 and attention != 1, f"{attention!r} with factor "
                  f"{factor!r} <= 1: megatron-core's YaRN scales cos and sin only for factors "
                  "above 1")
@@ -386,11 +387,11 @@ def _yarn(r: _Reader, pick, src: str, partial_default: float, family: str, rope:
             r.refuse(asrc, attention != 1, f"{attention!r} with factor {factor!r} <= 1: "
                      "megatron-core's YaRN scales cos and sin only for factors above 1")
             mscale, mscale_all = 1.0, 0.0
-    elif family == DEEPSEEK3:  # below: MLA reads mscale_all_dim itself
+    elif family in MLA:  # below: MLA reads mscale_all_dim itself
         pass
     elif not (mscale and mscale_all):  # transformers: 0.1 ln f + 1 unless both are given
         mscale, mscale_all = 1.0, 0.0
-    if family == DEEPSEEK3:
+    if family in MLA:
         # MLA's softmax scale is times mscale(factor, mscale_all_dim)^2 as given (transformers'
         # yarn_apply_mscale, megatron's MLA alike), so mscale_all_dim stays as config.json has
         # it and mscale is chosen for megatron's cos/sin factor m(mscale) / m(mscale_all_dim)
@@ -476,6 +477,54 @@ def _glm4(r: _Reader) -> None:
 def _deepseek3(r: _Reader) -> None:
     """DeepSeek-V3 (Kimi-K2, Moonlight): MLA attention (model.attention 'mla') and GLM-4.5's
     router; DeepseekV3Config's defaults where a key is absent."""
+    _mla(r)
+    r.refuse("rope_interleave", not r.get("rope_interleave", bool, True),
+             "false: megatron's MLA rotates DeepSeek's interleaved rope pairs (true) only")
+    _deepseek_moe(r, scaling=2.5, groups=8, topk_group=4, dense=3)
+
+
+def _deepseek2(r: _Reader) -> None:
+    """DeepSeek-V2 (-Lite): MLA attention (its complex-number RoPE rotates interleaved pairs:
+    megatron's MLA de-interleaves them, the same scores) and a softmax router as transformers'
+    DeepseekV2TopkRouter computes it -- the softmax over every expert, its top-k (greedy, or
+    group_limited_greedy: groups ranked by their best expert) weighted by routed_scaling_factor,
+    never renormalised; DeepseekV2Config's defaults where a key is absent."""
+    _mla(r)
+    r.refuse("mlp_bias", r.get("mlp_bias", bool, False),
+             "true: megatron's MLPs have no bias")
+    r.take("num_experts", "n_routed_experts", int, 64)
+    moe_ffn = r.take("moe_ffn_hidden_size", "moe_intermediate_size", int, 1407)
+    r.refuse("norm_topk_prob", r.get("norm_topk_prob", bool, False),
+             "true: transformers' DeepseekV2 router never renormalises the top-k weights "
+             "(DeepSeek's own code does): ambiguous, refused")
+    r.set("router_norm_topk", False, "norm_topk_prob")
+    r.take("router_scaling_factor", "routed_scaling_factor", float, 1.0)
+    method = r.get("topk_method", str, "greedy")
+    if method == "group_limited_greedy":
+        groups, topk_group = r.get("n_group", int), r.get("topk_group", int)
+        topk = r.fields["moe_router_topk"]
+        # transformers ranks a group by its best expert; megatron by the sum of its
+        # top-(topk / group_topk)
+        r.refuse("topk_group", topk_group <= 0 or topk != topk_group,
+                 f"{topk_group}: group_limited_greedy ranks groups by their best expert; "
+                 f"megatron ranks them by num_experts_per_tok / topk_group = {topk} / "
+                 f"{topk_group} experts, which must then be 1")
+        r.set("router_num_groups", groups, "n_group")
+        r.set("router_group_topk", topk_group, "topk_group")
+    else:
+        r.refuse("topk_method", method != "greedy", f"{method!r}: DeepSeek-V2's router takes "
+                 "'greedy' or 'group_limited_greedy'")
+    shared = r.get("n_shared_experts", int, 2)
+    if shared:
+        r.set("shared_expert_ffn_hidden_size", shared * moe_ffn, "n_shared_experts")
+    if r.take("first_k_dense", "first_k_dense_replace", int, 0):
+        r.take("ffn_hidden_size", "intermediate_size", int, 11008)
+
+
+def _mla(r: _Reader) -> None:
+    """The multi-head latent attention keys of the DeepSeek families (both configs' defaults
+    are DeepSeek-V2/V3's: q_lora_rank 1536, kv_lora_rank 512, 128 + 64 query/key dims, 128
+    value dims)."""
     r.set("attention", "mla", "architectures")
     q_lora = r.get("q_lora_rank", int, 1536, null_ok=True)
     r.set("q_lora_rank", q_lora, "q_lora_rank")
@@ -487,9 +536,6 @@ def _deepseek3(r: _Reader) -> None:
     r.set("qk_layernorm", True, "architectures")  # q_a_layernorm, kv_a_layernorm
     r.refuse("attention_bias", r.get("attention_bias", bool, False),
              "true: megatron's MLA projections have no bias")
-    r.refuse("rope_interleave", not r.get("rope_interleave", bool, True),
-             "false: megatron's MLA rotates DeepSeek's interleaved rope pairs (true) only")
-    _deepseek_moe(r, scaling=2.5, groups=8, topk_group=4, dense=3)
 
 
 def _deepseek_moe(r: _Reader, *, scaling: float, groups: int, topk_group: int,
