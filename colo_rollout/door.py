@@ -287,7 +287,7 @@ def check_fp8(cfg: Config, source: str) -> None:
                   m.num_attention_heads * m.head_dim // atp,
               "model.num_query_groups x head_dim / parallel.atp":
                   m.num_query_groups * m.head_dim // atp}
-    if m.first_k_dense:
+    if m.has_dense_layers:
         widths["model.ffn_hidden_size / parallel.atp"] = m.dense_ffn_hidden_size // atp
     if m.shared_expert_ffn_hidden_size is not None:
         widths["model.shared_expert_ffn_hidden_size / parallel.atp"] = (
@@ -393,11 +393,13 @@ def check_bench_mtp(cfg: Config, source: str, *, batches: tuple[int, ...], promp
     ``new_tokens`` output tokens at once) are served by the engine, and its oracle can be
     built: the engine's own rule on the longest request and the largest batch's KV blocks
     (a refused request used to leave the table all NaN with exit 0)."""
-    if cfg.model.first_k_dense:
-        raise ConfigError(f"{source}: model.first_k_dense: {cfg.model.first_k_dense}: "
+    m = cfg.model
+    if m.is_moe_layer(0) != m.is_moe_layer(m.num_layers - 1):
+        key = "model.first_k_dense" if m.first_k_dense else "model.dense_layers"
+        raise ConfigError(f"{source}: {key}: {getattr(m, key[6:])}: "
                           "bench-mtp's oracle copies layer 0 into the MTP layer, which is of "
-                          "the last layer's kind (MoE): layer 0 must be MoE too (0)",
-                          key="model.first_k_dense", source=source)
+                          "the last layer's kind: layer 0 must be of that kind too",
+                          key=key, source=source)
     e = cfg.engine
     why = _refusal(cfg, (1,) * prompt_len, SamplingParams(max_tokens=new_tokens,
                                                           ignore_eos=True))

@@ -36,9 +36,11 @@ ARCHS = {
     "qwen3": {"head_dim": 24, "qk_layernorm": True, "norm_epsilon": 1e-6,
               "rope_scaling": "yarn", "rope_scaling_factor": 4.0,
               "yarn_original_max_position_embeddings": 32},
-    # Qwen2-MoE: q/k/v bias, softmax top-k without renormalisation, a gated shared expert
+    # Qwen2-MoE: q/k/v bias, softmax top-k without renormalisation, a gated shared expert, a
+    # dense layer between MoE ones (Qwen's mlp_only_layers)
     "qwen2": {"qkv_bias": True, "router_norm_topk": False, "shared_expert_ffn_hidden_size": 48,
-              "shared_expert_gate": True},
+              "shared_expert_gate": True, "num_layers": 3, "dense_layers": [1],
+              "ffn_hidden_size": 96},
     # GLM-4.5 / DeepSeek-V3 routing: sigmoid + score-correction bias, 4 groups pick 2, routed
     # scaling, an ungated shared expert, a dense first layer, partial rotary, q/k/v bias
     "glm": {"router_score": "sigmoid", "router_expert_bias": True, "router_num_groups": 4,

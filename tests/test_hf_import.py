@@ -139,6 +139,46 @@ def test_etp2_matches_transformers(worker_groups, ckpt, family):
 
 
 @pytest.fixture(scope="module")
+def qwen_dense(tmp_path_factory):
+    """Qwen checkpoints with dense layers between MoE ones: Qwen3 with mlp_only_layers [1] of
+    3 layers, Qwen2 with decoder_sparse_step 2 of 4 (layers 0 and 2 dense)."""
+    root = tmp_path_factory.mktemp("qwen_dense")
+    save_tiny_checkpoint(root / "only", "qwen3", num_hidden_layers=3, mlp_only_layers=[1])
+    save_tiny_checkpoint(root / "step", "qwen2", num_hidden_layers=4, decoder_sparse_step=2)
+    return {"only": str(root / "only"), "step": str(root / "step")}
+
+
+def test_qwen_dense_layers_are_read_as_transformers_builds_them(qwen_dense):
+    only = hf_architecture(qwen_dense["only"]).fields
+    assert only["dense_layers"] == [1] and only["ffn_hidden_size"] == 96
+    assert hf_architecture(qwen_dense["step"]).fields["dense_layers"] == [0, 2]
+
+
+@pytest.mark.parametrize("name,adp,ep", [("only", 1, 1), ("only", 1, 2), ("step", 2, 2)])
+def test_qwen_dense_layers_match_transformers(worker_groups, qwen_dense, name, adp, ep):
+    """A dense MLP (intermediate_size, ATP-sharded under EP2/ATP2) where transformers builds
+    one, MoE elsewhere: transformers' tokens and logprobs on 1 rank, EP2/ATP2, EP2/ADP2."""
+    world = 1 if ep == 1 else 2
+    res = worker_groups(world).run(f"{CASES}:serve_checkpoint", directory=qwen_dense[name],
+                                   adp=adp, ep=ep)
+    check_equivalent(res)
+
+
+@pytest.mark.parametrize("changes, key, fragment", [
+    ({"decoder_sparse_step": 0}, "decoder_sparse_step", "expected a step >= 1"),
+    ({"mlp_only_layers": [0, 1, 2]}, "mlp_only_layers", "every layer dense"),
+    ({"mlp_only_layers": ["1"]}, "mlp_only_layers", "expected layer indices"),
+])
+def test_qwen_dense_layer_keys_that_make_no_moe_model_are_named(qwen_dense, tmp_path, changes,
+                                                                key, fragment):
+    d = copy_ckpt(qwen_dense["only"], tmp_path / "bad")
+    edit_config(d, **changes)
+    with pytest.raises(ConfigError) as e:
+        model_cfg(d)
+    assert f"config.json: {key}: " in str(e.value) and fragment in str(e.value), str(e.value)
+
+
+@pytest.fixture(scope="module")
 def fused(tmp_path_factory):
     """family -> its tiny checkpoint saved with fused experts (transformers 5's in-memory
     layout: mlp.experts.gate_up_proj [E, 2I, H], down_proj [E, H, I]; Mixtral's under mlp.),

@@ -104,9 +104,11 @@ def hf_config_dict(cfg: ModelConfig, family: str | None = None,
     }
     ffn = cfg.moe_ffn_hidden_size
     if family in (QWEN3, QWEN2):
+        dense = [i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)]
         c.update(num_experts=cfg.num_experts, moe_intermediate_size=ffn,
                  norm_topk_prob=cfg.router_norm_topk, decoder_sparse_step=1,
-                 mlp_only_layers=[], use_sliding_window=False, intermediate_size=ffn)
+                 mlp_only_layers=dense, use_sliding_window=False,
+                 intermediate_size=cfg.dense_ffn_hidden_size if dense else ffn)
         if family == QWEN3:
             c["attention_bias"] = False
         else:

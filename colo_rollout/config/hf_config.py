@@ -47,7 +47,8 @@ ARCH_FIELDS = (
     "head_dim", "qk_layernorm", "norm_epsilon", "qkv_bias", "tie_embeddings",
     "moe_ffn_hidden_size", "num_experts", "moe_router_topk", "router_score", "router_norm_topk",
     "router_expert_bias", "router_scaling_factor", "router_num_groups", "router_group_topk",
-    "shared_expert_ffn_hidden_size", "shared_expert_gate", "first_k_dense", "ffn_hidden_size",
+    "shared_expert_ffn_hidden_size", "shared_expert_gate", "first_k_dense", "dense_layers",
+    "ffn_hidden_size",
     "max_position_embeddings", "rotary_base", "rotary_percent", "rope_scaling",
     "rope_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
     "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim", "yarn_truncate", "normalization",
@@ -245,6 +246,7 @@ def _common(r: _Reader, family: str) -> None:
                         ("router_scaling_factor", 1.0), ("router_num_groups", None),
                         ("router_group_topk", None), ("shared_expert_ffn_hidden_size", None),
                         ("shared_expert_gate", False), ("first_k_dense", 0),
+                        ("dense_layers", []),
                         ("ffn_hidden_size", None), ("mtp_num_layers", 0), ("attention", "gqa")):
         r.set(name, value, "architectures")
 
@@ -422,14 +424,28 @@ def _no_sliding_window(r: _Reader) -> None:
              "sliding-window attention is not supported")
 
 
-def _qwen_dense_layers(r: _Reader) -> None:
-    """Qwen's mlp_only_layers / decoder_sparse_step make some layers dense; megatron's layer
-    pattern could hold them, this engine's model section holds only first_k_dense."""
+def _qwen_dense_layers(r: _Reader, ffn_default: int) -> None:
+    """Qwen's mlp_only_layers / decoder_sparse_step: as transformers builds the layers, layer i
+    is MoE unless i is in mlp_only_layers or (i + 1) is not a multiple of decoder_sparse_step
+    (an index outside the layers matches none); the dense ones get a dense MLP of
+    intermediate_size (model.dense_layers, model.ffn_hidden_size; ``ffn_default``: the config
+    class's intermediate_size)."""
     only = r.get("mlp_only_layers", list, [])
-    r.refuse("mlp_only_layers", bool(only), f"{only}: dense layers other than the first k are "
-             "not supported")
+    r.refuse("mlp_only_layers", not all(isinstance(i, int) and not isinstance(i, bool)
+                                        for i in only), f"{only}: expected layer indices")
     step = r.get("decoder_sparse_step", int, 1)
-    r.refuse("decoder_sparse_step", step != 1, f"{step}: only every layer MoE (1) is supported")
+    r.refuse("decoder_sparse_step", step < 1, f"{step}: expected a step >= 1")
+    n = r.fields["num_layers"]
+    src = "decoder_sparse_step" if step != 1 else "mlp_only_layers"
+    # (bounded by the entries given, not by num_hidden_layers: a far too large count is named
+    # against the stored tensors later, without a list of every layer)
+    dense = (sorted({i for i in only if 0 <= i < n}) if step == 1
+             else [i for i in range(min(n, 1 << 16)) if i in only or (i + 1) % step])
+    r.refuse(src, step != 1 and n > 1 << 16, f"{step} over {n} layers: at most 65536 layers")
+    r.refuse(src, len(dense) == n, "every layer dense: not a MoE model")
+    r.set("dense_layers", dense, src)
+    if dense:
+        r.take("ffn_hidden_size", "intermediate_size", int, ffn_default)
 
 
 def _qwen3(r: _Reader) -> None:
@@ -441,7 +457,7 @@ def _qwen3(r: _Reader) -> None:
     r.refuse("attention_bias", r.get("attention_bias", bool, False),
              "true: Qwen3's attention bias includes o_proj, which megatron has no bias for")
     _no_sliding_window(r)
-    _qwen_dense_layers(r)
+    _qwen_dense_layers(r, 6144)  # Qwen3MoeConfig's intermediate_size
 
 
 def _qwen2(r: _Reader) -> None:
@@ -456,7 +472,7 @@ def _qwen2(r: _Reader) -> None:
         r.set("shared_expert_ffn_hidden_size", shared, "shared_expert_intermediate_size")
         r.set("shared_expert_gate", True, "architectures")  # Qwen2-MoE's shared_expert_gate
     _no_sliding_window(r)
-    _qwen_dense_layers(r)
+    _qwen_dense_layers(r, 5632)  # Qwen2MoeConfig's intermediate_size
 
 
 def _mixtral(r: _Reader) -> None:

@@ -81,7 +81,7 @@ class Config:
             f"{model.vocab_size} is not divisible by {atp_desc}; the embedding is vocab-parallel",
         )
         for key, width in (("ffn_hidden_size", model.dense_ffn_hidden_size if
-                            model.first_k_dense else None),
+                            model.has_dense_layers else None),
                            ("shared_expert_ffn_hidden_size", model.shared_expert_ffn_hidden_size)):
             _require(width is None or width % par.atp == 0, f"model.{key}",
                      f"{width} is not divisible by {atp_desc}; ATP shards dense and shared-expert "

@@ -46,7 +46,7 @@ def trainer_tp_widths(model: "ModelConfig", ep: int = 1) -> dict[str, int]:
               "model.vocab_size": model.vocab_size}
     if ep == 1:
         widths["model.moe_ffn_hidden_size"] = model.moe_ffn_hidden_size
-    if model.first_k_dense:
+    if model.has_dense_layers:
         widths["model.ffn_hidden_size"] = model.dense_ffn_hidden_size
     if model.shared_expert_ffn_hidden_size is not None:
         widths["model.shared_expert_ffn_hidden_size"] = model.shared_expert_ffn_hidden_size
@@ -260,7 +260,10 @@ class ModelConfig:
     shared_expert_gate: bool = False
     # The first k layers have a dense MLP of width ffn_hidden_size instead of MoE (DeepSeek/GLM).
     first_k_dense: int = 0
-    # FFN width of the dense layers (first_k_dense); null = moe_ffn_hidden_size.
+    # Further layers (0-based indices, increasing) with a dense MLP instead of MoE: Qwen's
+    # mlp_only_layers and decoder_sparse_step (megatron's moe_layer_freq pattern).
+    dense_layers: list[int] = field(default_factory=list)
+    # FFN width of the dense layers (first_k_dense, dense_layers); null = moe_ffn_hidden_size.
     ffn_hidden_size: int | None = None
     # Longest position the rotary embedding is built for.
     max_position_embeddings: int = 2048
@@ -386,6 +389,13 @@ class ModelConfig:
             _require(v is None or v >= 1, f"model.{name}", f"must be >= 1 or null, got {v}")
         _require(self.first_k_dense < self.num_layers, "model.first_k_dense",
                  f"{self.first_k_dense} leaves no MoE layer of num_layers {self.num_layers}")
+        d = self.dense_layers
+        _require(all(0 <= i < self.num_layers for i in d) and list(d) == sorted(set(d)),
+                 "model.dense_layers", f"{d}: expected increasing layer indices in "
+                 f"[0, num_layers {self.num_layers})")
+        _require(any(self.is_moe_layer(i) for i in range(self.num_layers)),
+                 "model.dense_layers", f"{d} with first_k_dense {self.first_k_dense} leaves no "
+                 f"MoE layer of num_layers {self.num_layers}")
         _require(self.norm_epsilon > 0, "model.norm_epsilon",
                  f"must be > 0, got {self.norm_epsilon}")
         _require(0 < self.rotary_percent <= 1, "model.rotary_percent",
@@ -547,12 +557,17 @@ class ModelConfig:
 
     @property
     def dense_ffn_hidden_size(self) -> int:
-        """FFN width of the dense layers (the first first_k_dense)."""
+        """FFN width of the dense layers (first_k_dense, dense_layers)."""
         return self.ffn_hidden_size if self.ffn_hidden_size is not None else self.moe_ffn_hidden_size
 
     def is_moe_layer(self, i: int) -> bool:
-        """Layer i (0-based) has routed experts; the first first_k_dense are dense MLPs."""
-        return i >= self.first_k_dense
+        """Layer i (0-based) has routed experts; the first first_k_dense and the
+        dense_layers are dense MLPs."""
+        return i >= self.first_k_dense and i not in self.dense_layers
+
+    @property
+    def has_dense_layers(self) -> bool:
+        return bool(self.first_k_dense or self.dense_layers)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -193,7 +193,7 @@ def megatron_config(cfg: ModelConfig, *, tp: int = 1, ep: int = 1, etp: int = 1,
     # HF norm_topk_prob with softmax: renormalised top-k = softmax over the top-k logits
     # (pre_softmax False); not renormalised = softmax over all experts first (pre_softmax True).
     pre_softmax = cfg.router_score == "softmax" and not cfg.router_norm_topk
-    layer_freq = [0 if i < cfg.first_k_dense else 1 for i in range(cfg.num_layers)]
+    layer_freq = [int(cfg.is_moe_layer(i)) for i in range(cfg.num_layers)]
     config = (MLATransformerConfig if cfg.is_mla else TransformerConfig)(
         **mla_fields(cfg),
         moe_grouped_gemm=use_te,
@@ -207,7 +207,7 @@ def megatron_config(cfg: ModelConfig, *, tp: int = 1, ep: int = 1, etp: int = 1,
         layernorm_epsilon=cfg.norm_epsilon,
         ffn_hidden_size=cfg.dense_ffn_hidden_size,
         moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
-        moe_layer_freq=layer_freq if cfg.first_k_dense else 1,
+        moe_layer_freq=layer_freq if cfg.has_dense_layers else 1,
         num_moe_experts=cfg.num_experts,
         moe_router_topk=cfg.moe_router_topk,
         moe_router_score_function=cfg.router_score,
@@ -329,7 +329,8 @@ class InferenceLayer(torch.nn.Module):
     """One decoder layer, its modules chosen by megatron's backend provider (local or TE).
 
     The FFN is either MoE (``GatherMoE``: router, routed experts, optional shared experts) or,
-    for the first ``first_k_dense`` layers, a dense MLP of megatron's ``MLP`` (ATP-sharded).
+    for the dense layers (``first_k_dense``, ``dense_layers``), a dense MLP of megatron's
+    ``MLP`` (ATP-sharded).
     Names follow megatron's TransformerLayer (dense TE layers fuse the pre-MLP norm into
     ``mlp.linear_fc1``, as its TE spec does)."""
 

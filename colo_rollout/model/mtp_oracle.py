@@ -26,7 +26,8 @@ def oracle_state_dict(cfg, device: torch.device | str | None = None) -> dict:
         raise ValueError("the MTP oracle needs model.mtp_num_layers: 1")
     if cfg.is_moe_layer(0) != cfg.is_moe_layer(cfg.num_layers - 1):
         raise ValueError("the MTP oracle copies layer 0 into the MTP layer, which is of the last "
-                         "layer's kind: layer 0 must be too (model.first_k_dense 0)")
+                         "layer's kind: layer 0 must be too (model.first_k_dense, "
+                         "model.dense_layers)")
     sd = random_state_dict(cfg, device=device)
     H = cfg.hidden_size
     emb = sd["embedding.word_embeddings.weight"].float()
