@@ -42,7 +42,7 @@ BF16_AGREE_DROP = 0.03
 
 def gpu_config(world: int, adp: int, ep: int, dtype: str = "bfloat16",
                use_te: str = "off", backend: str = "nccl",
-               model_kw: dict | None = None) -> Config:
+               model_kw: dict | None = None, engine_kw: dict | None = None) -> Config:
     small = backend == "gloo"  # the CPU variant of the check uses a narrower model
     return Config(
         parallel=ParallelConfig(world_size=world, adp=adp, ep=ep, backend=backend, timeout_s=60.0),
@@ -52,15 +52,17 @@ def gpu_config(world: int, adp: int, ep: int, dtype: str = "bfloat16",
                              "moe_router_topk": 2, "max_position_embeddings": 1024,
                              "init_method_std": 0.05, "params_dtype": dtype, "seed": 11,
                              "use_te": use_te, **(model_kw or {})}),
-        engine=EngineConfig(max_batch_size=4, max_prefill_tokens=512, kv_block_size=16,
-                            num_kv_blocks=256, max_seq_len=512, decode_buckets=[1, 2, 4]),
+        engine=EngineConfig(**{"max_batch_size": 4, "max_prefill_tokens": 512,
+                               "kv_block_size": 16, "num_kv_blocks": 256, "max_seq_len": 512,
+                               "decode_buckets": [1, 2, 4], **(engine_kw or {})}),
     )
 
 
 def gpu_engine_matches_reference(rank: int, world: int, adp: int, ep: int, dtype: str,
                                  use_te: str = "off", n_requests: int = 16, seed: int = 0,
-                                 backend: str = "nccl", model_kw: dict | None = None) -> dict:
-    cfg = gpu_config(world, adp, ep, dtype, use_te, backend, model_kw)
+                                 backend: str = "nccl", model_kw: dict | None = None,
+                                 engine_kw: dict | None = None) -> dict:
+    cfg = gpu_config(world, adp, ep, dtype, use_te, backend, model_kw, engine_kw)
     groups = init_parallel(cfg.parallel)
     if backend == "gloo":
         from colo_rollout.runtime.cpu_compat import install_cpu_compat

@@ -114,18 +114,22 @@ def test_gpu_architectures_match_reference(gpu_groups, world, adp, ep, arch, dty
     _check_against_reference(f"arch_{arch}_{dtype}", res, world, dtype)
 
 
+@pytest.mark.parametrize("decode", ["torch", "triton"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("world,adp,ep", [(1, 1, 1), (2, 2, 2)])
-def test_gpu_mla_matches_reference(gpu_groups, world, adp, ep, dtype):
+def test_gpu_mla_matches_reference(gpu_groups, world, adp, ep, dtype, decode):
     """DeepSeek-V3's attention (model.attention mla: the latent cache, P decompressed, D
-    absorbed -- its torch ops inside D's CUDA graphs) against megatron's MLA GPTModel."""
+    absorbed -- by its torch ops or its Triton kernel, inside D's CUDA graphs) against
+    megatron's MLA GPTModel."""
     from tests.cases_engine import MLA_ARCH
 
     res = gpu_groups(world).run("tests.cases_gpu:gpu_engine_matches_reference", timeout=600,
                                 adp=adp, ep=ep, dtype=dtype, use_te="off",
                                 n_requests=16 if dtype == "float32" else 64,
-                                model_kw=MLA_ARCH)
-    _check_against_reference(f"mla_{dtype}", res, world, dtype)
+                                model_kw={**MLA_ARCH, "num_attention_heads": 8,
+                                          "num_query_groups": 8},
+                                engine_kw={"decode_attention": decode})
+    _check_against_reference(f"mla_{dtype}_{decode}", res, world, dtype)
 
 
 @pytest.mark.parametrize("world,adp,ep", [(2, 2, 2), (2, 1, 2)])

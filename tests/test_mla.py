@@ -145,10 +145,8 @@ def _door(ds, tmp_path, parallel=None, engine=None, config=None, **model) -> Con
 @pytest.mark.parametrize("parallel, engine, model, config, key, fragment", [
     ({"world_size": 2, "adp": 1, "ep": 2}, None, {}, None, "parallel.atp",
      "2 with model.attention 'mla'"),
-    (None, {"decode_attention": "triton"}, {}, None, "engine.decode_attention",
-     "MLA runs its own attention"),
     (None, {"prefill_attention": "cudnn"}, {}, None, "engine.prefill_attention",
-     "MLA runs its own attention"),
+     "MLA's P runs its own attention"),
     (None, None, {"params_dtype": "bfloat16", "fp8": "e4m3"}, None, "model.fp8",
      "FP8 with attention 'mla'"),
     (None, None, {"use_te": "on"}, None, "model.use_te", "local layer spec"),

@@ -45,6 +45,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from colo_rollout.model.attention import AttnMetadata, RopeAngles
 from colo_rollout.model.kernel_backend import as_dtype
+from colo_rollout.model.mla_decode import mla_decode
 from colo_rollout.model.rope_kv import rotate
 
 
@@ -159,12 +160,12 @@ class PagedMLAttention(torch.nn.Module):
 
     # ------------------------------------------------------------------ attention
     def _context(self, kv: LatentKVStorage, layer: int, tables: torch.Tensor,
-                 ctx: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cached entries of ``tables`` [S, nb] -> ([S, nb*block, latent + rope] with the
-        slots past each context zeroed, keep mask [S, nb*block])."""
+                 ctx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The cached entries of ``tables`` [S, nb] -> [S, nb*block, latent + rope] with the
+        slots past each context zeroed."""
         lat = kv.latent[layer][tables].flatten(1, 2)
         keep = torch.arange(lat.shape[1], device=lat.device)[None, :] < ctx[:, None]
-        return torch.where(keep[:, :, None], as_dtype(lat, dtype), 0.0), keep
+        return torch.where(keep[:, :, None], as_dtype(lat, dtype), 0.0)
 
     def _prefill(self, q_nope, q_pe, kv, layer, meta: AttnMetadata) -> torch.Tensor:
         """Per context bucket: the context's keys [k_nope | rope key] and values decompressed
@@ -174,7 +175,7 @@ class PagedMLAttention(torch.nn.Module):
         out = q.new_empty((q.shape[0], self.heads, self.v_dim))
         for b in meta.buckets:
             Sb = b.seqs.shape[0]
-            lat, _ = self._context(kv, layer, meta.block_tables[b.seqs, : b.blocks], b.ctx,
+            lat = self._context(kv, layer, meta.block_tables[b.seqs, : b.blocks], b.ctx,
                                    q.dtype)
             keys = lat.shape[1]
             up = F.linear(lat[..., : self.kv_lora_rank], self.linear_kv_up_proj.weight)
@@ -192,15 +193,13 @@ class PagedMLAttention(torch.nn.Module):
 
     def _decode(self, q_nope, q_pe, kv, layer, meta: AttnMetadata) -> torch.Tensor:
         """Absorbed: q_nope into the latent space, scored with q_pe against every cached
-        [latent | rope key] of the row's table; softmax in fp32 (as SDPA's kernels); the
-        probabilities weight the latents; the value half of ``linear_kv_up_proj`` maps the
-        result to each head's value width."""
+        [latent | rope key] of the row's table (model/mla_decode.py: the torch path or the
+        Triton kernel, ``decode_backend`` set at model build); the probabilities weight the
+        latents; the value half of ``linear_kv_up_proj`` maps the result to each head's
+        value width."""
         w_k, w_v = self._up()
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_k).transpose(0, 1)  # [B, heads, latent]
-        qf = torch.cat((q_lat, q_pe), dim=-1)
-        lat, keep = self._context(kv, layer, meta.block_tables, meta.context_lens, qf.dtype)
-        scores = torch.matmul(qf, lat.transpose(1, 2)).float() * self.scale  # [B, heads, S]
-        scores = scores.masked_fill(~keep[:, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(qf.dtype)
-        o_lat = torch.matmul(probs, lat[..., : self.kv_lora_rank])  # [B, heads, latent]
+        o_lat = mla_decode(q_lat, q_pe, kv.latent[layer], meta.block_tables,
+                           meta.context_lens, self.scale,
+                           getattr(self, "decode_backend", "torch"))
         return torch.bmm(o_lat.transpose(0, 1), w_v.transpose(1, 2)).transpose(0, 1)

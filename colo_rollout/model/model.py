@@ -469,13 +469,16 @@ class InferenceGPT(torch.nn.Module):
         # D and P attention's backends (engine.decode_attention, engine.prefill_attention),
         # chosen once for the model's device before anything is allocated: "triton" without
         # CUDA or triton fails here
-        if cfg.is_mla:  # MLA attends in its own torch ops (model/mla_attention.py)
-            for key, asked in (("engine.decode_attention", decode_attention),
-                               ("engine.prefill_attention", prefill_attention)):
-                if asked not in ("auto", "torch"):
-                    raise ValueError(f"{key}: {asked!r} with attention 'mla': MLA runs its "
-                                     "own attention ('auto' or 'torch')")
-            self.decode_attention = self.prefill_attention = "torch"
+        if cfg.is_mla:  # MLA attends in its own ops (model/mla_attention.py, mla_decode.py)
+            if prefill_attention not in ("auto", "torch"):
+                raise ValueError(f"engine.prefill_attention: {prefill_attention!r} with "
+                                 "attention 'mla': MLA's P runs its own attention ('auto' or "
+                                 "'torch')")
+            # D: its Triton kernel only where asked for by name (not yet run on a GPU);
+            # resolve_backend refuses it without CUDA or triton
+            self.decode_attention = resolve_backend(
+                "triton" if decode_attention == "triton" else "torch", groups.device)
+            self.prefill_attention = "torch"
         else:
             self.decode_attention = resolve_backend(decode_attention, groups.device)
             self.prefill_attention = resolve_prefill_backend(prefill_attention, groups.device,

@@ -303,11 +303,22 @@ def triton_decode_attention(q: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Ten
         num_warps=num_warps, num_stages=num_stages,
     )
     if not single:
-        _decode_reduce_kernel[(B, heads)](
-            part, lse, out, *sp, *sl, out.stride(0), out.stride(1), splits,
-            HEAD_DIM=dim, D_PAD=d_pad, S_PAD=pow2(splits), ORDERED=ordered, num_warps=4,
-        )
+        reduce_splits(part, lse, out, ordered)
     return out
+
+
+def reduce_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor,
+                  ordered: bool = False) -> None:
+    """Combine split-KV partials into ``out`` [B, heads, dim]: ``part`` [B, heads, splits,
+    dim] (each split's normalised output, fp32) weighted by ``lse`` [B, heads, splits] (its
+    log2-sum-exp; -inf for a split that saw no key). ``ordered``: split by split in index
+    order (engine.batch_invariant)."""
+    B, heads, splits, dim = part.shape
+    _decode_reduce_kernel[(B, heads)](
+        part, lse, out, part.stride(0), part.stride(1), part.stride(2),
+        lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), splits,
+        HEAD_DIM=dim, D_PAD=pow2(dim, 16), S_PAD=pow2(splits), ORDERED=ordered, num_warps=4,
+    )
 
 
 def decode_attention(q: torch.Tensor, kv_k: torch.Tensor, kv_v: torch.Tensor,
