@@ -505,9 +505,15 @@ def weight_sync_misuse(rank: int, world: int) -> dict:
     deeper = dataclasses.replace(cfg.model, num_layers=cfg.model.num_layers + 1)
     other = build_reference(deeper, random_state_dict(deeper), _trainer_pgc(world, 1),
                             torch.device("cpu"))
+    # the same widths with multi-head latent attention: another attention, not another shape
+    mla_cfg = dataclasses.replace(cfg.model, attention="mla", num_query_groups=4,
+                                  qk_layernorm=True, kv_lora_rank=16, qk_nope_head_dim=8,
+                                  qk_rope_head_dim=8, v_head_dim=16, head_dim=None)
+    mla = build_reference(mla_cfg, random_state_dict(mla_cfg), _trainer_pgc(world, 1),
+                          torch.device("cpu"))
     errors = {}
     for name, args in (("swapped", (engine.model, trainer)), ("none", (None, engine.model)),
-                       ("layers", (other, engine.model))):
+                       ("layers", (other, engine.model)), ("mla", (mla, engine.model))):
         try:
             WeightSync()(*args)
         except (TypeError, ValueError) as e:
