@@ -10,9 +10,7 @@ mode; config.json's fields; the cache's size; what the door refuses.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import shutil
 
 import pytest
@@ -21,9 +19,11 @@ import torch
 from colo_rollout.config import ConfigError, ModelConfig, config_from_dict
 from colo_rollout.config.hf_config import hf_architecture
 from tests.cases_hf import save_tiny_checkpoint
+from tests.test_hf_import import check_equivalent, copy_ckpt, edit_config
 
 CASES = "tests.cases_hf"
-TOL = 1e-3  # fp32: summation order only (~5e-5 seen); a wrong row or scale moves > 1e-1
+# check_equivalent: transformers' argmax and logprobs within 1e-3 (fp32: summation order only,
+# ~5e-5 seen; a wrong row or scale moves > 1e-1), every rank the same
 
 
 @pytest.fixture(scope="module")
@@ -40,17 +40,6 @@ def ds(tmp_path_factory):
     save_tiny_checkpoint(root / "v2_groups", "deepseek2", seed=2, q_lora_rank=24,
                          topk_method="group_limited_greedy", n_group=4, topk_group=3)
     return {n: str(root / n) for n in ("bottleneck", "full_q", "v2", "v2_groups")}
-
-
-def check_equivalent(res: list[dict]) -> dict:
-    r0 = res[0]
-    assert r0["checked"] >= 50
-    assert r0["mismatches"] == [], r0["mismatches"]  # greedy = transformers' argmax
-    assert r0["max_logprob_diff"] < TOL, r0["max_logprob_diff"]
-    assert {k: len(v) for k, v in r0["tokens"].items()} == r0["expected"]
-    for r in res[1:]:
-        assert r["tokens"] == r0["tokens"]
-    return r0
 
 
 @pytest.mark.parametrize("name", ["bottleneck", "full_q", "v2", "v2_groups"])
@@ -127,14 +116,8 @@ def test_the_cache_holds_one_latent_per_token():
 def _door(ds, tmp_path, parallel=None, engine=None, config=None, **model) -> ConfigError:
     d = ds["bottleneck"]
     if config:
-        d = str(tmp_path / "edited")
-        shutil.copytree(ds["bottleneck"], d)
-        path = os.path.join(d, "config.json")
-        with open(path) as fh:
-            c = json.load(fh)
-        c.update(config)
-        with open(path, "w") as fh:
-            json.dump(c, fh)
+        d = copy_ckpt(d, tmp_path / "edited")
+        edit_config(d, **config)
     with pytest.raises(ConfigError) as e:
         config_from_dict({"parallel": parallel or {}, "engine": {"max_seq_len": 128,
                                                                  **(engine or {})},
@@ -170,14 +153,8 @@ def test_the_door_names_what_mla_cannot_run(ds, tmp_path, parallel, engine, mode
 ])
 def test_deepseek_v2_routers_megatron_cannot_express_are_named(ds, tmp_path, config, key,
                                                                 fragment):
-    d = str(tmp_path / "v2")
-    shutil.copytree(ds["v2"], d)
-    path = os.path.join(d, "config.json")
-    with open(path) as fh:
-        c = json.load(fh)
-    c.update(config)
-    with open(path, "w") as fh:
-        json.dump(c, fh)
+    d = copy_ckpt(ds["v2"], tmp_path / "v2")
+    edit_config(d, **config)
     with pytest.raises(ConfigError) as e:
         config_from_dict({"engine": {"max_seq_len": 128}, "model": {"checkpoint": d}})
     assert f"config.json: {key}: " in str(e.value) and fragment in str(e.value), str(e.value)

@@ -16,8 +16,6 @@ Must not go in here: the training step (rl/trainer.py), the trainer's groups
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from collections.abc import Callable
 
 import torch
@@ -28,12 +26,12 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 )
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 from colo_rollout.config import ModelConfig
 from colo_rollout.model.model import megatron_config
 from colo_rollout.model.mla_core_attention import with_local_mla
+from colo_rollout.model.spec_edit import replace_in_spec
 from colo_rollout.model.weights import load_sharded, to_spec_names
 from colo_rollout.runtime.parallel import Layout
 
@@ -249,24 +247,11 @@ class SequenceParallelTorchNorm:
 def _sequence_parallel_norms(spec):
     """A copy of megatron's decoder block spec with every ``WrappedTorchNorm`` slot (the
     block's final norm, each layer's input and pre-MLP norms, the q/k norms) built by
-    ``SequenceParallelTorchNorm``; megatron's own spec objects are left as they are. Walks
-    ModuleSpecs, submodule dataclasses, partials and lists."""
+    ``SequenceParallelTorchNorm`` (model/spec_edit.py: megatron's own spec objects are left
+    as they are)."""
 
-    def swap(obj):
-        if obj is WrappedTorchNorm:
-            return SequenceParallelTorchNorm
-        if isinstance(obj, (list, tuple)):
-            return type(obj)(swap(o) for o in obj)
-        if isinstance(obj, functools.partial):
-            return functools.partial(swap(obj.func), *map(swap, obj.args),
-                                     **{k: swap(v) for k, v in obj.keywords.items()})
-        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-            if isinstance(obj, ModuleSpec) or type(obj).__name__.endswith("Submodules"):
-                return dataclasses.replace(obj, **{f.name: swap(getattr(obj, f.name))
-                                                   for f in dataclasses.fields(obj) if f.init})
-        return obj
-
-    return swap(spec)
+    return replace_in_spec(spec, lambda obj: SequenceParallelTorchNorm
+                           if obj is WrappedTorchNorm else None)
 
 
 @torch.inference_mode()

@@ -33,13 +33,9 @@ Owns
     ``q_lora_rank`` None.
   * ``with_local_mla``: a copy of a megatron spec (layer, decoder block, MTP block) with every
     ``MLASelfAttention`` slot set to ``LocalMLASelfAttention`` and every MLA core attention
-    slot that holds ``DotProductAttention`` set to ``MLADotProductAttention``.
-  * ``mla_local_layer_spec`` / ``mla_decoder_block_spec``: megatron's
-    ``get_gpt_layer_local_spec(multi_latent_attention=True)`` / ``get_gpt_decoder_block_spec``
-    with those substitutions; the latter is a drop-in for ``get_gpt_decoder_block_spec`` in
-    model/megatron_gpt.py (TE specs and non-MLA configs pass through unchanged). An MTP
-    block spec built from its result inherits them (megatron copies the last decoder layer's
-    spec).
+    slot that holds ``DotProductAttention`` set to ``MLADotProductAttention``
+    (model/megatron_gpt.py applies it to its decoder block spec; an MTP block spec built from
+    the result inherits it: megatron copies the last decoder layer's spec).
 
 Invariants
   * Tensor layouts are megatron's: query [sq, b, np, k_channels], key [sk, b, np, k_channels],
@@ -68,15 +64,10 @@ checkpoint mapping (model/weights.py, checkpoint/), building the GPTModel
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import torch
 from megatron.core import tensor_parallel
-from megatron.core.models.gpt.gpt_layer_specs import (
-    get_gpt_decoder_block_spec,
-    get_gpt_layer_local_spec,
-)
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.tensor_parallel.mappings import (
     gather_from_tensor_model_parallel_region,
@@ -91,6 +82,8 @@ from megatron.core.transformer.multi_latent_attention import (
 )
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.utils import divide
+
+from colo_rollout.model.spec_edit import replace_in_spec
 
 
 class MLADotProductAttention(DotProductAttention):
@@ -227,11 +220,10 @@ class LocalMLASelfAttention(MLASelfAttention):
 
 
 def with_local_mla(spec):
-    """A copy of ``spec`` (ModuleSpec, a block/layer ``*Submodules`` dataclass, a list of
-    them, partials) where every ``MLASelfAttention`` module is ``LocalMLASelfAttention`` and
-    the core attention of every ``MLASelfAttentionSubmodules`` that is megatron's local
-    ``DotProductAttention`` is ``MLADotProductAttention``. Megatron's own spec objects are
-    left as they are; anything else (TE's core attention, non-MLA attention) is kept."""
+    """A copy of ``spec`` (model/spec_edit.py) where every ``MLASelfAttention`` module is
+    ``LocalMLASelfAttention`` and the core attention of every ``MLASelfAttentionSubmodules``
+    that is megatron's local ``DotProductAttention`` is ``MLADotProductAttention``; anything
+    else (TE's core attention, non-MLA attention) is kept."""
 
     def swap(obj):
         if obj is MLASelfAttention:
@@ -243,43 +235,6 @@ def with_local_mla(spec):
             elif isinstance(core, ModuleSpec) and core.module is DotProductAttention:
                 core = dataclasses.replace(core, module=MLADotProductAttention)
             return dataclasses.replace(obj, core_attention=core)
-        if isinstance(obj, (list, tuple)):
-            return type(obj)(swap(o) for o in obj)
-        if isinstance(obj, functools.partial):
-            return functools.partial(swap(obj.func), *map(swap, obj.args),
-                                     **{k: swap(v) for k, v in obj.keywords.items()})
-        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-            if isinstance(obj, ModuleSpec) or type(obj).__name__.endswith("Submodules"):
-                return dataclasses.replace(obj, **{f.name: swap(getattr(obj, f.name))
-                                                   for f in dataclasses.fields(obj) if f.init})
-        return obj
+        return None
 
-    return swap(spec)
-
-
-def mla_local_layer_spec(num_experts: int | None = None, moe_grouped_gemm: bool = False,
-                         qk_layernorm: bool = True, normalization: str | None = "RMSNorm",
-                         **kwargs) -> ModuleSpec:
-    """megatron's ``get_gpt_layer_local_spec(multi_latent_attention=True, ...)`` (dense layer
-    for ``num_experts`` None, MoE layer otherwise) with ``LocalMLASelfAttention`` and
-    ``MLADotProductAttention``.
-    ``qk_layernorm`` True: the q_a / kv_a RMSNorms of DeepSeek's MLA (q_layernorm only with a
-    q_lora_rank); ``normalization`` must match the config's for those norms to be RMSNorm."""
-    return with_local_mla(get_gpt_layer_local_spec(
-        num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, qk_layernorm=qk_layernorm,
-        multi_latent_attention=True, normalization=normalization, **kwargs))
-
-
-def mla_decoder_block_spec(config, use_transformer_engine: bool,
-                           normalization: str | None = None, qk_l2_norm: bool = False,
-                           vp_stage: int | None = None, pp_rank: int | None = None):
-    """``get_gpt_decoder_block_spec`` with the same arguments; for a local-spec MLA config
-    (``config.multi_latent_attention``, an ``MLATransformerConfig``) its layers' core
-    attention is ``MLADotProductAttention``, their attention ``LocalMLASelfAttention``. Other
-    configs and TE specs: megatron's spec."""
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_transformer_engine,
-                                      normalization=normalization, qk_l2_norm=qk_l2_norm,
-                                      vp_stage=vp_stage, pp_rank=pp_rank)
-    if use_transformer_engine or not getattr(config, "multi_latent_attention", False):
-        return spec
-    return with_local_mla(spec)
+    return replace_in_spec(spec, swap)
