@@ -282,11 +282,20 @@ def check_fp8(cfg: Config, source: str) -> None:
                "the GPU runs the Triton kernel: set engine.moe_kernel: auto",
                key="engine.moe_kernel")
     atp = cfg.parallel.atp
-    widths = {"model.hidden_size": m.hidden_size,
-              "model.num_attention_heads x head_dim / parallel.atp":
-                  m.num_attention_heads * m.head_dim // atp,
-              "model.num_query_groups x head_dim / parallel.atp":
-                  m.num_query_groups * m.head_dim // atp}
+    if m.is_mla:  # its FP8 GEMMs: the query, key/value-down and output projections
+        widths = {"model.hidden_size": m.hidden_size,
+                  "model.kv_lora_rank + qk_rope_head_dim": m.kv_lora_rank + m.qk_rope_head_dim,
+                  "model.num_attention_heads x (qk_nope_head_dim + qk_rope_head_dim)":
+                      m.num_attention_heads * m.head_dim,
+                  "model.num_attention_heads x v_head_dim": m.num_attention_heads * m.v_head_dim}
+        if m.q_lora_rank is not None:
+            widths["model.q_lora_rank"] = m.q_lora_rank
+    else:
+        widths = {"model.hidden_size": m.hidden_size,
+                  "model.num_attention_heads x head_dim / parallel.atp":
+                      m.num_attention_heads * m.head_dim // atp,
+                  "model.num_query_groups x head_dim / parallel.atp":
+                      m.num_query_groups * m.head_dim // atp}
     if m.has_dense_layers:
         widths["model.ffn_hidden_size / parallel.atp"] = m.dense_ffn_hidden_size // atp
     if m.shared_expert_ffn_hidden_size is not None:

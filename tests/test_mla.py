@@ -130,8 +130,6 @@ def _door(ds, tmp_path, parallel=None, engine=None, config=None, **model) -> Con
      "2 with model.attention 'mla'"),
     (None, {"prefill_attention": "cudnn"}, {}, None, "engine.prefill_attention",
      "MLA's P runs its own attention"),
-    (None, None, {"params_dtype": "bfloat16", "fp8": "e4m3"}, None, "model.fp8",
-     "FP8 with attention 'mla'"),
     (None, None, {"use_te": "on"}, None, "model.use_te", "local layer spec"),
     (None, None, {}, {"rope_interleave": False}, "model.checkpoint", "rope_interleave: false"),
     (None, None, {}, {"attention_bias": True}, "model.checkpoint", "attention_bias: true"),

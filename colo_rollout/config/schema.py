@@ -530,9 +530,6 @@ class ModelConfig:
                  "'llama3' with attention 'mla': megatron's MLA has plain RoPE or YaRN")
         _require(not self.qkv_bias, "model.qkv_bias",
                  "true with attention 'mla': megatron's MLA projections have no bias")
-        _require(self.fp8 is None, "model.fp8",
-                 "FP8 with attention 'mla' is not supported yet (the latent projections run "
-                 "in params_dtype)")
         _require(self.use_te != "on", "model.use_te",
                  "'on' with attention 'mla': the engine's MLA runs the local layer spec")
         _require(self.rope_scaling != "yarn" or self.yarn_truncate, "model.yarn_truncate",

@@ -345,6 +345,10 @@ class PagedSelfAttention(torch.nn.Module):
             return fp8_linear(out, fp8[1])
         return F.linear(out, self.linear_proj.weight)  # partial over ATP: caller reduces
 
+    def fp8_weights(self) -> tuple[torch.Tensor, ...]:
+        """The GEMM weights model.fp8 runs in FP8, in ``colo_fp8``'s order."""
+        return (self.linear_qkv.weight, self.linear_proj.weight)
+
     def _fused_qk_norm(self) -> QKRMSNorm | None:
         """The q/k norms as the rope kernel's fused RMSNorm: when both are exactly torch's
         ``RMSNorm`` (megatron's local spec, WrappedTorchNorm) over the head dim with a

@@ -44,6 +44,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from colo_rollout.model.attention import AttnMetadata, RopeAngles
+from colo_rollout.model.fp8_linear import fp8_linear
 from colo_rollout.model.kernel_backend import as_dtype
 from colo_rollout.model.mla_decode import mla_decode
 from colo_rollout.model.rope_kv import rotate
@@ -121,13 +122,28 @@ class PagedMLAttention(torch.nn.Module):
         return None
 
     # ------------------------------------------------------------------ projections
+    def fp8_weights(self) -> tuple[torch.Tensor, ...]:
+        """The GEMM weights model.fp8 runs in FP8, in ``colo_fp8``'s order: the query
+        projection(s), the key/value down projection, the output projection.
+        ``linear_kv_up_proj`` stays in params_dtype: D reads it as the per-head key and
+        value matrices of the absorbed attention, not as a GEMM over the rows."""
+        q = ((self.linear_q_proj.weight,) if self.linear_q_proj is not None
+             else (self.linear_q_down_proj.weight, self.linear_q_up_proj.weight))
+        return (*q, self.linear_kv_down_proj.weight, self.linear_proj.weight)
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, i: int) -> torch.Tensor:
+        """x @ w^T, through weight i of the FP8 copies where model.fp8 made them."""
+        fp8 = getattr(self, "colo_fp8", None)
+        return F.linear(x, w) if fp8 is None else fp8_linear(x, fp8[i])
+
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> queries [T, heads, q_head] (not yet rotated)."""
         if self.linear_q_proj is not None:
-            q = F.linear(x, self.linear_q_proj.weight)
+            q = self._linear(x, self.linear_q_proj.weight, 0)
         else:
-            q = F.linear(self.q_layernorm(F.linear(x, self.linear_q_down_proj.weight)),
-                         self.linear_q_up_proj.weight)
+            q = self._linear(self.q_layernorm(self._linear(x, self.linear_q_down_proj.weight,
+                                                           0)),
+                             self.linear_q_up_proj.weight, 1)
         return q.view(x.shape[0], self.heads, self.q_head)
 
     def _up(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,7 +160,8 @@ class PagedMLAttention(torch.nn.Module):
         if T == 0:
             return x.new_zeros((0, self.linear_proj.weight.shape[0]))
         q = self._queries(x)
-        down = F.linear(x, self.linear_kv_down_proj.weight)  # [T, latent + rope]
+        n_q = 1 if self.linear_q_proj is not None else 2  # the FP8 copies' order
+        down = self._linear(x, self.linear_kv_down_proj.weight, n_q)  # [T, latent + rope]
         latent = self.kv_layernorm(down[:, : self.kv_lora_rank])
         cos, sin = rope.cos_sin(q.dtype, 3)  # [T, 1, rope]
         q_pe = rotate(mla_deinterleave(q[..., self.nope:]), cos, sin)
@@ -156,7 +173,8 @@ class PagedMLAttention(torch.nn.Module):
             out = self._prefill(q[..., : self.nope], q_pe, kv, layer, meta)
         else:
             out = self._decode(q[..., : self.nope], q_pe, kv, layer, meta)
-        return F.linear(out.reshape(T, self.heads * self.v_dim), self.linear_proj.weight)
+        return self._linear(out.reshape(T, self.heads * self.v_dim), self.linear_proj.weight,
+                            n_q + 1)
 
     # ------------------------------------------------------------------ attention
     def _context(self, kv: LatentKVStorage, layer: int, tables: torch.Tensor,

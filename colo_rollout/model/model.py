@@ -613,7 +613,7 @@ class InferenceGPT(torch.nn.Module):
         sites = []
         for layer in self._all_layers():
             att = layer.self_attention
-            sites.append((att, (att.linear_qkv.weight, att.linear_proj.weight)))
+            sites.append((att, att.fp8_weights()))
             mlp = layer.mlp
             if isinstance(mlp, GatherMoE):
                 mlp = mlp.shared_experts
