@@ -254,6 +254,32 @@ def serve_checkpoint(rank: int, world: int, directory: str, adp: int, ep: int,
     return result
 
 
+def serve_across_releases(rank: int, world: int, directory: str, adp: int, ep: int) -> dict:
+    """Serve greedy requests, release the engine's memory (the KV cache, the D graphs and the
+    weights kept, then offloaded), resume, and serve them again: the token lists of each
+    round."""
+    from colo_rollout.runtime.cpu_compat import install_cpu_compat
+    from colo_rollout.engine.engine import Engine
+    from colo_rollout.runtime.parallel import init_parallel
+
+    cfg = engine_config(directory, world, adp, ep)
+    groups = init_parallel(cfg.parallel)
+    install_cpu_compat()
+    engine = Engine(cfg, groups)
+    rounds = []
+    try:
+        for weights in (None, "keep", "offload"):
+            if weights is not None:
+                engine.release_memory(weights)
+                engine.resume_memory()
+            requests = requests_for(6, 0, cfg.model.vocab_size)
+            outs = engine.generate(requests)
+            rounds.append({r.request_id: list(outs[r.request_id].tokens) for r in requests})
+    finally:
+        engine.close()
+    return {"rounds": rounds}
+
+
 def load_error(rank: int, world: int, directory: str) -> str:
     """The error building an engine from a (broken) checkpoint raises on this rank."""
     from colo_rollout.runtime.cpu_compat import install_cpu_compat

@@ -10,7 +10,9 @@ mode; config.json's fields; the cache's size; what the door refuses.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import shutil
 
 import pytest
@@ -117,7 +119,13 @@ def _door(ds, tmp_path, parallel=None, engine=None, config=None, **model) -> Con
     d = ds["bottleneck"]
     if config:
         d = copy_ckpt(d, tmp_path / "edited")
-        edit_config(d, **config)
+        edit_config(d, **{k: v for k, v in config.items() if v is not None})
+        path = os.path.join(d, "config.json")  # and the explicit nulls (edit_config drops)
+        with open(path) as fh:
+            c = json.load(fh)
+        c.update({k: None for k, v in config.items() if v is None})
+        with open(path, "w") as fh:
+            json.dump(c, fh)
     with pytest.raises(ConfigError) as e:
         config_from_dict({"parallel": parallel or {}, "engine": {"max_seq_len": 128,
                                                                  **(engine or {})},
@@ -132,6 +140,16 @@ def _door(ds, tmp_path, parallel=None, engine=None, config=None, **model) -> Con
      "MLA's P runs its own attention"),
     (None, None, {"use_te": "on"}, None, "model.use_te", "local layer spec"),
     (None, None, {}, {"rope_interleave": False}, "model.checkpoint", "rope_interleave: false"),
+    # null is false to transformers (`if config.rope_interleave`): not the default true
+    (None, None, {}, {"rope_interleave": None}, "model.checkpoint", "rope_interleave: false"),
+    (None, None, {}, {"kv_lora_rank": None}, "model.checkpoint", "kv_lora_rank: null"),
+    # top-1 renormalised sigmoid routing: transformers weights the expert 1.0, megatron by
+    # its score (found by probing: tokens differed)
+    (None, None, {}, {"num_experts_per_tok": 1, "n_group": 1, "topk_group": 1},
+     "model.checkpoint", "num_experts_per_tok: 1 with DeepseekV3ForCausalLM's renormalised "
+     "sigmoid routing"),
+    (None, None, {"head_dim": 64}, None, "model.head_dim",
+     "config.json qk_nope_head_dim + qk_rope_head_dim = 24"),
     (None, None, {}, {"attention_bias": True}, "model.checkpoint", "attention_bias: true"),
 ])
 def test_the_door_names_what_mla_cannot_run(ds, tmp_path, parallel, engine, model, config,
@@ -156,6 +174,25 @@ def test_deepseek_v2_routers_megatron_cannot_express_are_named(ds, tmp_path, con
     with pytest.raises(ConfigError) as e:
         config_from_dict({"engine": {"max_seq_len": 128}, "model": {"checkpoint": d}})
     assert f"config.json: {key}: " in str(e.value) and fragment in str(e.value), str(e.value)
+
+
+def test_mla_keys_without_mla_are_refused():
+    """A latent width beside attention 'gqa' would be ignored (probing found runs training a
+    GQA model with them): refused, naming the key."""
+    for kw in ({"kv_lora_rank": 32}, {"q_lora_rank": 16}, {"v_head_dim": 8}):
+        with pytest.raises(ConfigError) as e:
+            config_from_dict({"model": kw})
+        assert e.value.key == f"model.{next(iter(kw))}", str(e.value)
+        assert "set model.attention: mla" in str(e.value)
+
+
+def test_memory_release_and_resume_keep_the_tokens(worker_groups, ds):
+    """release_memory (weights kept, then offloaded) and resume around MLA's latent cache:
+    the same greedy tokens each round (it raised at the FP8-site walk before: found by
+    probing)."""
+    r = worker_groups(2).run(f"{CASES}:serve_across_releases", directory=ds["v2"], adp=2,
+                             ep=2)[0]
+    assert r["rounds"][0] == r["rounds"][1] == r["rounds"][2]
 
 
 def test_a_yaml_mla_section_is_checked():

@@ -112,6 +112,20 @@ class _Reader:
             raise self.error(key, f"expected {kind.__name__}, got {type(v).__name__} {v!r}")
         return float(v) if kind is float else v
 
+    def flag(self, key: str, default: bool) -> bool:
+        """A boolean key as transformers tests it (``if config.key``): absent -> ``default``,
+        null -> False (the config classes take None for these, and it is falsy)."""
+        if key in self.c and self.c[key] is None:
+            return False
+        return self.get(key, bool, default)
+
+    def count(self, key: str, default: int) -> int:
+        """An int key that must be a number when present: absent -> ``default``; null is an
+        error (transformers' model would be built with None)."""
+        if key in self.c and self.c[key] is None:
+            raise self.error(key, f"null: expected an int (absent: {default})")
+        return self.get(key, int, default)
+
     def set(self, name: str, value: Any, key: str) -> None:
         self.fields[name] = value
         self.sources[name] = key
@@ -170,6 +184,11 @@ def hf_architecture(directory: str | pathlib.Path, config: dict | None = None) -
     # transformers renormalises a single softmax score to 1.0; megatron refuses top-1 softmax
     # routing without its pre-softmax (model section's router_norm_topk check), and with
     # pre-softmax the weight would be the expert's probability -- no setting gives 1.0
+    r.refuse("num_experts_per_tok", f["moe_router_topk"] == 1 and f["router_norm_topk"]
+             and f["router_score"] == "sigmoid",
+             f"1 with {family}'s renormalised sigmoid routing (the one expert weighted 1.0 "
+             "times routed_scaling_factor) is not supported: megatron's sigmoid router "
+             "renormalises only for top-k > 1 and weights a top-1 expert by its score")
     r.refuse("num_experts_per_tok", f["moe_router_topk"] == 1 and f["router_norm_topk"]
              and f["router_score"] == "softmax",
              f"1 with {family}'s renormalised softmax routing (every token's one expert weighted "
@@ -420,7 +439,7 @@ def _yarn_m(factor: float, m: float) -> float:
 
 
 def _no_sliding_window(r: _Reader) -> None:
-    r.refuse("use_sliding_window", r.get("use_sliding_window", bool, False),
+    r.refuse("use_sliding_window", r.flag("use_sliding_window", False),
              "sliding-window attention is not supported")
 
 
@@ -452,9 +471,9 @@ def _qwen3(r: _Reader) -> None:
     key = "num_experts" if "num_experts" in r.c else "num_local_experts"
     r.take("num_experts", key, int)
     r.take("moe_ffn_hidden_size", "moe_intermediate_size", int)
-    r.take("router_norm_topk", "norm_topk_prob", bool, False)
+    r.set("router_norm_topk", r.flag("norm_topk_prob", False), "norm_topk_prob")
     r.set("qk_layernorm", True, "architectures")  # Qwen3 always has q_norm / k_norm
-    r.refuse("attention_bias", r.get("attention_bias", bool, False),
+    r.refuse("attention_bias", r.flag("attention_bias", False),
              "true: Qwen3's attention bias includes o_proj, which megatron has no bias for")
     _no_sliding_window(r)
     _qwen_dense_layers(r, 6144)  # Qwen3MoeConfig's intermediate_size
@@ -464,8 +483,9 @@ def _qwen2(r: _Reader) -> None:
     key = "num_experts" if "num_experts" in r.c else "num_local_experts"
     r.take("num_experts", key, int)
     r.take("moe_ffn_hidden_size", "moe_intermediate_size", int)
-    r.take("router_norm_topk", "norm_topk_prob", bool, False)
-    r.take("qkv_bias", "qkv_bias", bool, True)  # older configs: Qwen2-MoE always has it
+    r.set("router_norm_topk", r.flag("norm_topk_prob", False), "norm_topk_prob")
+    # older configs without the key: Qwen2-MoE always has it
+    r.set("qkv_bias", r.flag("qkv_bias", True), "qkv_bias")
     # Qwen2MoeConfig's default (5632) when absent: transformers then builds a shared expert
     shared = r.get("shared_expert_intermediate_size", int, 5632)
     if shared:
@@ -485,8 +505,8 @@ def _mixtral(r: _Reader) -> None:
 
 
 def _glm4(r: _Reader) -> None:
-    r.take("qkv_bias", "attention_bias", bool, False)
-    r.take("qk_layernorm", "use_qk_norm", bool, False)
+    r.set("qkv_bias", r.flag("attention_bias", False), "attention_bias")
+    r.set("qk_layernorm", r.flag("use_qk_norm", False), "use_qk_norm")
     _deepseek_moe(r, scaling=1.0, groups=1, topk_group=1, dense=1)
 
 
@@ -494,7 +514,7 @@ def _deepseek3(r: _Reader) -> None:
     """DeepSeek-V3 (Kimi-K2, Moonlight): MLA attention (model.attention 'mla') and GLM-4.5's
     router; DeepseekV3Config's defaults where a key is absent."""
     _mla(r)
-    r.refuse("rope_interleave", not r.get("rope_interleave", bool, True),
+    r.refuse("rope_interleave", not r.flag("rope_interleave", True),
              "false: megatron's MLA rotates DeepSeek's interleaved rope pairs (true) only")
     _deepseek_moe(r, scaling=2.5, groups=8, topk_group=4, dense=3)
 
@@ -506,11 +526,11 @@ def _deepseek2(r: _Reader) -> None:
     group_limited_greedy: groups ranked by their best expert) weighted by routed_scaling_factor,
     never renormalised; DeepseekV2Config's defaults where a key is absent."""
     _mla(r)
-    r.refuse("mlp_bias", r.get("mlp_bias", bool, False),
+    r.refuse("mlp_bias", r.flag("mlp_bias", False),
              "true: megatron's MLPs have no bias")
     r.take("num_experts", "n_routed_experts", int, 64)
     moe_ffn = r.take("moe_ffn_hidden_size", "moe_intermediate_size", int, 1407)
-    r.refuse("norm_topk_prob", r.get("norm_topk_prob", bool, False),
+    r.refuse("norm_topk_prob", r.flag("norm_topk_prob", False),
              "true: transformers' DeepseekV2 router never renormalises the top-k weights "
              "(DeepSeek's own code does): ambiguous, refused")
     r.set("router_norm_topk", False, "norm_topk_prob")
@@ -530,10 +550,11 @@ def _deepseek2(r: _Reader) -> None:
     else:
         r.refuse("topk_method", method != "greedy", f"{method!r}: DeepSeek-V2's router takes "
                  "'greedy' or 'group_limited_greedy'")
-    shared = r.get("n_shared_experts", int, 2)
+    shared = r.count("n_shared_experts", 2)
     if shared:
         r.set("shared_expert_ffn_hidden_size", shared * moe_ffn, "n_shared_experts")
-    if r.take("first_k_dense", "first_k_dense_replace", int, 0):
+    r.set("first_k_dense", r.count("first_k_dense_replace", 0), "first_k_dense_replace")
+    if r.fields["first_k_dense"]:
         r.take("ffn_hidden_size", "intermediate_size", int, 11008)
 
 
@@ -544,13 +565,13 @@ def _mla(r: _Reader) -> None:
     r.set("attention", "mla", "architectures")
     q_lora = r.get("q_lora_rank", int, 1536, null_ok=True)
     r.set("q_lora_rank", q_lora, "q_lora_rank")
-    r.take("kv_lora_rank", "kv_lora_rank", int, 512)
-    nope = r.take("qk_nope_head_dim", "qk_nope_head_dim", int, 128)
-    rope = r.take("qk_rope_head_dim", "qk_rope_head_dim", int, 64)
-    r.take("v_head_dim", "v_head_dim", int, 128)
-    r.set("head_dim", nope + rope, "qk_nope_head_dim")  # transformers' head_dim is the rope
+    for key, default in (("kv_lora_rank", 512), ("qk_nope_head_dim", 128),
+                         ("qk_rope_head_dim", 64), ("v_head_dim", 128)):
+        r.set(key, r.count(key, default), key)
+    r.set("head_dim", r.fields["qk_nope_head_dim"] + r.fields["qk_rope_head_dim"],
+          "qk_nope_head_dim + qk_rope_head_dim")  # transformers' head_dim is the rope
     r.set("qk_layernorm", True, "architectures")  # q_a_layernorm, kv_a_layernorm
-    r.refuse("attention_bias", r.get("attention_bias", bool, False),
+    r.refuse("attention_bias", r.flag("attention_bias", False),
              "true: megatron's MLA projections have no bias")
 
 
@@ -561,12 +582,12 @@ def _deepseek_moe(r: _Reader, *, scaling: float, groups: int, topk_group: int,
     arguments are the family config class's defaults for absent keys."""
     r.take("num_experts", "n_routed_experts", int)
     moe_ffn = r.take("moe_ffn_hidden_size", "moe_intermediate_size", int)
-    r.take("router_norm_topk", "norm_topk_prob", bool, True)
+    r.set("router_norm_topk", r.flag("norm_topk_prob", True), "norm_topk_prob")
     r.set("router_score", "sigmoid", "architectures")
     r.set("router_expert_bias", True, "architectures")  # e_score_correction_bias
     r.take("router_scaling_factor", "routed_scaling_factor", float, scaling)
-    groups = r.get("n_group", int, groups)
-    topk_group = r.get("topk_group", int, topk_group)
+    groups = r.count("n_group", groups)
+    topk_group = r.count("topk_group", topk_group)
     if groups > 1:
         topk = r.fields["moe_router_topk"]
         # HF scores a group by the sum of its top-2 experts; megatron by its top-(k / groups)
@@ -576,10 +597,11 @@ def _deepseek_moe(r: _Reader, *, scaling: float, groups: int, topk_group: int,
                  f"{topk_group}, which must then be 2")
         r.set("router_num_groups", groups, "n_group")
         r.set("router_group_topk", topk_group, "topk_group")
-    shared = r.get("n_shared_experts", int, 1)  # Glm4MoeConfig's defaults when absent: 1, 1
+    shared = r.count("n_shared_experts", 1)  # Glm4MoeConfig's defaults when absent: 1, 1
     if shared:
         r.set("shared_expert_ffn_hidden_size", shared * moe_ffn, "n_shared_experts")
-    dense = r.take("first_k_dense", "first_k_dense_replace", int, dense)
+    dense = r.count("first_k_dense_replace", dense)
+    r.set("first_k_dense", dense, "first_k_dense_replace")
     if dense:
         r.take("ffn_hidden_size", "intermediate_size", int)
     _mtp(r)

@@ -117,6 +117,8 @@ FP8_BLOCK = 128  # the blockwise recipe's scale block (1 x 128 inputs, 128 x 128
 ROUTER_SCORES = ("softmax", "sigmoid")
 ROPE_SCALINGS = (None, "llama3", "yarn")
 ATTENTIONS = ("gqa", "mla")
+# the model keys only attention "mla" reads
+MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 # normal: strict P priority, no multiplexing. The ordering ladder of P/D multiplexing (PD mode):
 # global_complete (whole-P epoch, D only after P completes), global_enqueue (whole-P epoch, D
 # after all ranks host-enqueued it), fine (segment turnstile: D at every K boundaries).
@@ -372,6 +374,12 @@ class ModelConfig:
         _require_choice(self, "attention", ATTENTIONS)
         if self.attention == "mla":
             self._check_mla()
+        else:  # MLA's keys would be ignored: a model section that sets one means MLA
+            for f in dataclasses.fields(self):
+                if f.name in MLA_KEYS and getattr(self, f.name) != f.default:
+                    _require(False, f"model.{f.name}",
+                             f"{getattr(self, f.name)!r} is a multi-head latent attention "
+                             "width: set model.attention: mla, or leave it out")
         if self.head_dim is None:
             _require(
                 self.hidden_size % self.num_attention_heads == 0,
