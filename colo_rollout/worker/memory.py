@@ -25,6 +25,10 @@ Invariants:
     engine steps again after resume. (Release once closed it with the graphs, and every later
     step exchanged over gloo, ~7x slower on 2x H200.)
   * Device memory is returned to the driver (``empty_cache``) so the trainer can use it.
+  * A release that raises part-way leaves a state ``resume`` undoes: ``released`` is set as
+    soon as the KV storage is gone (to the weight policy before any weight moves), and resume
+    restores what was moved and leaves what was not (a discard's weights are NaN-filled all
+    the same: ``weights_loaded()`` stays the gate).
 """
 
 from __future__ import annotations
@@ -73,7 +77,9 @@ class WorkerMemory:
         # (control exchange, rendezvous) stays: the engine serves again after resume
         drain()
         self.runner.release_kv()
+        self.released = weights  # from here, resume() undoes whatever this release did
         if weights != "keep":
+            self.weights_valid = False
             for moe in self.model.moe_layers():
                 moe.drop_stack()  # else the stacks keep the expert weights alive
             self.model.drop_fp8()  # model.fp8: remade from the weights on resume / sync
@@ -83,8 +89,6 @@ class WorkerMemory:
                     self._host[name] = p.data.to("cpu", copy=True).pin_memory() if pin \
                         else p.data.to("cpu", copy=True)
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-            self.weights_valid = False
-        self.released = weights
         if self.device.type == "cuda":
             # cuBLAS keeps a workspace per (handle, stream) in the caching allocator (32 MiB
             # each on sm90); they are re-created on the next GEMM
@@ -100,7 +104,8 @@ class WorkerMemory:
             shapes = self._shapes
             for name, p in params.items():
                 if self.released == "offload":
-                    p.data = self._host.pop(name).to(p.device, non_blocking=True)
+                    if name in self._host:  # (a release that failed part-way moved not all)
+                        p.data = self._host.pop(name).to(p.device, non_blocking=True)
                 else:  # NaN until written: weights_loaded() names any left unwritten
                     p.data = torch.full(shapes[name], float("nan"), dtype=p.dtype,
                                         device=p.device)
