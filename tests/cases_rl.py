@@ -511,13 +511,18 @@ def weight_sync_misuse(rank: int, world: int) -> dict:
                                   qk_rope_head_dim=8, v_head_dim=16, head_dim=None)
     mla = build_reference(mla_cfg, random_state_dict(mla_cfg), _trainer_pgc(world, 1),
                           torch.device("cpu"))
+    # two MLA models of one layout but another latent width (engine and trainer)
+    wide = dataclasses.replace(mla_cfg, kv_lora_rank=24)
+    mla_engine = Engine(dataclasses.replace(cfg, model=wide), groups, random_state_dict(wide))
     errors = {}
     for name, args in (("swapped", (engine.model, trainer)), ("none", (None, engine.model)),
-                       ("layers", (other, engine.model)), ("mla", (mla, engine.model))):
+                       ("layers", (other, engine.model)), ("mla", (mla, engine.model)),
+                       ("mla_rank", (mla, mla_engine.model))):
         try:
             WeightSync()(*args)
         except (TypeError, ValueError) as e:
             errors[name] = str(e)
+    mla_engine.close()
     engine.release_memory("discard")
     try:
         WeightSync()(trainer, engine.model)

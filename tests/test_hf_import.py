@@ -541,9 +541,9 @@ def test_other_mla_families_are_refused(ckpt, tmp_path):
     # DeepSeek-V2/V3's MLA is served (tests/test_mla.py); Kimi-K2's remote-code name is not
     # read as DeepSeek-V3's, and a latent width on another family is not its attention
     e = _config_error(ckpt, tmp_path, architectures=["KimiK2ForCausalLM"], kv_lora_rank=512)
-    assert "architectures: 'KimiK2ForCausalLM' uses multi-head latent attention" in str(e)
-    e = _config_error(ckpt, tmp_path, architectures=["Qwen3MoeForCausalLM"])
-    assert "'Qwen3MoeForCausalLM' uses multi-head latent attention" in str(e), str(e)
+    assert "architectures: 'KimiK2ForCausalLM' with multi-head latent attention" in str(e)
+    e = _config_error(ckpt, tmp_path, architectures=["Qwen3MoeForCausalLM"], kv_lora_rank=512)
+    assert "'Qwen3MoeForCausalLM' with multi-head latent attention" in str(e), str(e)
 
 
 @pytest.mark.parametrize("rope,key", [

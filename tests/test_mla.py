@@ -101,6 +101,16 @@ def test_config_json_maps_onto_megatrons_mla(ds):
     hf_attn = tf.AutoModelForCausalLM.from_config(hf_cfg).model.layers[0].self_attn
     assert mla_softmax_scale(megatron_config(cfg)) == pytest.approx(hf_attn.scaling)
     assert hf_attn.scaling != pytest.approx(24 ** -0.5)  # the case moves the softmax scale
+    # config.json's mscale pair is kept as given (a recomputed 0.9999999999999999 made a YAML
+    # that restated 1.0 contradict the checkpoint, and was exported so)
+    assert (f["yarn_mscale"], f["yarn_mscale_all_dim"]) == (1.0, 0.8)
+    assert hf_architecture(ds["v2"]).fields["yarn_mscale"] == 0.707
+    from colo_rollout.checkpoint.export import hf_config_dict
+    from colo_rollout.config.hf_config import merge_checkpoint_fields
+
+    merge_checkpoint_fields({"checkpoint": ds["bottleneck"], "yarn_mscale": 1.0}, "<yaml>")
+    rope = hf_config_dict(cfg)["rope_parameters"]
+    assert (rope["mscale"], rope["mscale_all_dim"]) == (1.0, 0.8)
 
 
 def test_the_cache_holds_one_latent_per_token():

@@ -265,8 +265,10 @@ def test_misuse_is_refused_before_any_tensor_moves(worker_groups):
                          "with a config), got NoneType")
     assert e["layers"].startswith("WeightSync: the trainer's num_layers is 3, the inference "
                                   "model's 2"), e["layers"]
-    assert e["mla"].startswith("WeightSync: the trainer's num_query_groups is 4, the "
-                               "inference model's 2"), e["mla"]
+    assert e["mla"].startswith("WeightSync: the trainer's multi_latent_attention is True, "
+                               "the inference model's False"), e["mla"]
+    assert e["mla_rank"].startswith("WeightSync: the trainer's kv_lora_rank is 16, the "
+                                    "inference model's 24"), e["mla_rank"]
     assert "call engine.resume_memory() before the sync" in e["released"]
     assert r["path"] == "plan"
     assert e["unwritten"].startswith("weights_loaded(): ") and "was not written since " \

@@ -22,11 +22,18 @@ class _Runner:
 
 
 class _Model(torch.nn.Module):
-    def __init__(self, fail_fp8: bool = False) -> None:
+    def __init__(self, fail_fp8: bool = False, fail_after: int | None = None) -> None:
         super().__init__()
         self.a = torch.nn.Parameter(torch.arange(4.0))
         self.b = torch.nn.Parameter(torch.arange(6.0).view(2, 3))
         self.fail_fp8 = fail_fp8
+        self.fail_after = fail_after  # the weights pass raises after this many parameters
+
+    def named_parameters(self, *args, **kwargs):
+        for i, item in enumerate(super().named_parameters(*args, **kwargs)):
+            if self.fail_after is not None and i == self.fail_after:
+                raise MemoryError("host memory exhausted")
+            yield item
 
     def moe_layers(self):
         return []
@@ -37,6 +44,27 @@ class _Model(torch.nn.Module):
 
     def weights_updated(self) -> None:
         pass
+
+
+@pytest.mark.parametrize("weights", ["offload", "discard"])
+def test_a_release_whose_weights_pass_raises_halfway_is_undone_by_resume(weights):
+    """The first parameter moved (offloaded or dropped), the second not: resume brings back
+    the first and keeps the second."""
+    model, runner = _Model(), _Runner()
+    mem = WorkerMemory(model, runner, torch.device("cpu"))
+    model.fail_after = 1
+    with pytest.raises(MemoryError):
+        mem.release(weights, drain=lambda: None)
+    assert model.a.numel() == 0 and model.b.numel() == 6 and mem.released == weights
+    model.fail_after = None
+    mem.resume(drain=lambda: None)
+    assert runner.kv == "storage"
+    if weights == "offload":
+        mem.check_ready()
+        assert torch.equal(model.a, torch.arange(4.0))
+        assert torch.equal(model.b, torch.arange(6.0).view(2, 3))
+    else:
+        assert torch.isnan(model.a).all() and torch.isnan(model.b).all()
 
 
 @pytest.mark.parametrize("weights", ["offload", "discard"])

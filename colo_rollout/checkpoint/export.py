@@ -142,6 +142,8 @@ def hf_config_dict(cfg: ModelConfig, family: str | None = None,
                      n_group=cfg.router_num_groups, topk_group=cfg.router_group_topk)
             del c["num_nextn_predict_layers"]
     back = hf_architecture(".", c).fields
+    if back.get("ffn_hidden_size") == cfg.dense_ffn_hidden_size:  # (null = the experts' width)
+        back["ffn_hidden_size"] = cfg.ffn_hidden_size
     wrong = {k: (getattr(cfg, k), v) for k, v in back.items() if getattr(cfg, k) != v
              and not (isinstance(v, float) and math.isclose(getattr(cfg, k), v, rel_tol=1e-12,
                                                            abs_tol=1e-12))}

@@ -36,9 +36,9 @@ GLM4 = "Glm4MoeForCausalLM"
 DEEPSEEK3 = "DeepseekV3ForCausalLM"  # also Kimi-K2's and Moonlight's architecture
 DEEPSEEK2 = "DeepseekV2ForCausalLM"  # DeepSeek-V2(-Lite)
 FAMILIES = (QWEN3, QWEN2, MIXTRAL, GLM4, DEEPSEEK3, DEEPSEEK2)
-MLA = (DEEPSEEK3, DEEPSEEK2)  # the families whose attention is multi-head latent attention
+MLA_ARCHS = (DEEPSEEK3, DEEPSEEK2)  # the families whose attention is multi-head latent
 # other names of multi-head latent attention architectures: not supported
-MLA_FAMILIES = ("KimiK2ForCausalLM",)
+UNSUPPORTED_MLA = ("KimiK2ForCausalLM",)
 
 # ModelConfig fields a checkpoint determines (everything else -- params_dtype, use_te,
 # moe_compute, fp8, seed -- stays the run's choice)
@@ -171,9 +171,11 @@ def hf_architecture(directory: str | pathlib.Path, config: dict | None = None) -
     if not (isinstance(archs, list) and archs and all(isinstance(a, str) for a in archs)):
         raise r.error("architectures", f"expected a non-empty list of names, got {archs!r}")
     family = archs[0]
-    if family in MLA_FAMILIES or ("kv_lora_rank" in config and family not in MLA):
-        raise r.error("architectures", f"{family!r} uses multi-head latent attention (MLA), "
-                      f"which this engine does not support; supported: {', '.join(FAMILIES)}")
+    if family in UNSUPPORTED_MLA or ("kv_lora_rank" in config and family not in MLA_ARCHS):
+        raise r.error("architectures", f"{family!r} with multi-head latent attention (MLA) "
+                      "keys (kv_lora_rank) is not supported: MLA is read from "
+                      f"{' and '.join(MLA_ARCHS)} checkpoints; supported: "
+                      f"{', '.join(FAMILIES)}")
     if family not in FAMILIES:
         raise r.error("architectures", f"{family!r} is not supported; supported: "
                       f"{', '.join(FAMILIES)}")
@@ -239,7 +241,7 @@ def _common(r: _Reader, family: str) -> None:
     heads = r.take("num_attention_heads", "num_attention_heads", int)
     # checked here, before head_dim divides by it (the schema's own >= 1 check comes later)
     r.refuse("num_attention_heads", heads < 1, f"must be >= 1, got {heads}")
-    if family in MLA:  # every head its own key and value; _mla sets the widths
+    if family in MLA_ARCHS:  # every head its own key and value; _mla sets the widths
         r.set("num_query_groups", heads, "num_attention_heads")
     else:
         r.take("num_query_groups", "num_key_value_heads", int, heads)
@@ -397,7 +399,7 @@ def _yarn(r: _Reader, pick, src: str, partial_default: float, family: str, rope:
     mscale, msrc = number("mscale", None, positive=False)
     mscale_all, masrc = number("mscale_all_dim", None, positive=False)
     raw_all = float(mscale_all or 0.0)
-    if attention is not None and family in MLA:
+    if attention is not None and family in MLA_ARCHS:
         r.refuse(asrc, factor <= 1 and attention != 1, f"{attention!r} with factor "
                  f"{factor!r} <= 1: megatron-core's YaRN scales cos and sin only for factors "
                  "above 1")
@@ -408,28 +410,34 @@ def _yarn(r: _Reader, pick, src: str, partial_default: float, family: str, rope:
             r.refuse(asrc, attention != 1, f"{attention!r} with factor {factor!r} <= 1: "
                      "megatron-core's YaRN scales cos and sin only for factors above 1")
             mscale, mscale_all = 1.0, 0.0
-    elif family in MLA:  # below: MLA reads mscale_all_dim itself
+    elif family in MLA_ARCHS:  # below: MLA reads mscale_all_dim itself
         pass
     elif not (mscale and mscale_all):  # transformers: 0.1 ln f + 1 unless both are given
         mscale, mscale_all = 1.0, 0.0
-    if family in MLA:
+    if family in MLA_ARCHS:
         # MLA's softmax scale is times mscale(factor, mscale_all_dim)^2 as given (transformers'
         # yarn_apply_mscale, megatron's MLA alike), so mscale_all_dim stays as config.json has
-        # it and mscale is chosen for megatron's cos/sin factor m(mscale) / m(mscale_all_dim)
-        # to be transformers' attention factor
-        if attention is None:
-            attention = (_yarn_m(factor, mscale) / _yarn_m(factor, mscale_all)
-                         if mscale and mscale_all else _yarn_m(factor, 1.0))
+        # it; mscale is config.json's where transformers takes the pair's ratio (both
+        # non-zero), else solved for megatron's cos/sin factor m(mscale) / m(mscale_all_dim)
+        # to be transformers' attention factor (attention_factor, else 0.1 ln f + 1)
         mscale_all = raw_all
-        mscale = ((attention * _yarn_m(factor, raw_all) - 1) / (0.1 * math.log(factor))
-                  if factor > 1 else 1.0)
+        if attention is None and mscale and raw_all:
+            pass
+        else:
+            want = attention if attention is not None else _yarn_m(factor, 1.0)
+            mscale = ((want * _yarn_m(factor, raw_all) - 1) / (0.1 * math.log(factor))
+                      if factor > 1 else 1.0)
+            if attention is not None:
+                msrc = asrc
+    elif attention is not None:
+        msrc = masrc = asrc
     r.set("rope_scaling", "yarn", src)
     r.set("rope_scaling_factor", float(factor), fsrc)
     r.set("yarn_original_max_position_embeddings", original, osrc)
     r.set("yarn_beta_fast", betas[0][0], betas[0][1])
     r.set("yarn_beta_slow", betas[1][0], betas[1][1])
-    r.set("yarn_mscale", float(mscale), asrc if attention is not None else msrc)
-    r.set("yarn_mscale_all_dim", float(mscale_all), asrc if attention is not None else masrc)
+    r.set("yarn_mscale", float(mscale), msrc)
+    r.set("yarn_mscale_all_dim", float(mscale_all), masrc)
     r.set("yarn_truncate", truncate, tsrc)
 
 

@@ -63,7 +63,6 @@ class LatentKVStorage:
                                   dtype=dtype, device=device)
         self.block_size = block_size
         self.sink_block = num_blocks
-        self.kv_lora_rank = kv_lora_rank
         self.slots = [self.latent[i].view(-1, width) for i in range(num_layers)]
 
     def nbytes(self) -> int:

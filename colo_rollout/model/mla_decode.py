@@ -21,8 +21,9 @@ The kernel:
   * every split writes its normalised partial and log2-sum-exp; ``reduce_splits``
     (model/paged_attention.py) combines them -- also for one split, so there is one path.
 
-Imports only torch (and triton when present). Not yet run on a GPU (session 29): the engine
-takes it only where ``engine.decode_attention: triton`` asks for it with an MLA model.
+Imports only torch (and triton when present). The engine takes the kernel only where
+``engine.decode_attention: triton`` asks for it with an MLA model ("auto" keeps the torch path
+until it is measured on a GPU: docs/status.md).
 """
 
 from __future__ import annotations

@@ -397,9 +397,9 @@ def _view(params: list[torch.Tensor], d: tuple) -> torch.Tensor:
 
 # megatron config fields that fix the tensors a sync moves: equal in both models, or the plan
 # drops or misses tensors (megatron's own errors name neither model)
-SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-                "kv_channels", "num_moe_experts", "moe_ffn_hidden_size", "mtp_num_layers",
-                "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+SHAPE_FIELDS = ("multi_latent_attention", "num_layers", "hidden_size", "num_attention_heads",
+                "num_query_groups", "kv_channels", "num_moe_experts", "moe_ffn_hidden_size",
+                "mtp_num_layers", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
                 "qk_pos_emb_head_dim", "v_head_dim")
 
 

@@ -18,20 +18,24 @@ growth and lazy initialisation land there, never in a timed step).
 Formulas (``decode_roofline``, ``prefill_flops``; model section values, ``b`` = bytes per
 parameter of params_dtype):
   * decode roofline bytes = weights the step must read + KV read. Weights: every layer's
-    attention (linear_qkv weight and bias, linear_proj), every MoE layer's router, the routed
+    attention (linear_qkv weight and bias, linear_proj; MLA: its q, kv down / up and output
+    projections), every MoE layer's router, the routed
     experts the step's rows touch (3 x moe_ffn x hidden each), shared experts and dense MLPs in
     full, and the output layer (V x H); norms and the embedding rows are left out (< 0.1%).
     "Experts touched" is measured: a forward hook on every router counts the distinct
     experts of that step's routing map (all computed rows, bucket padding included: the step
     reads their experts too), on one eager run of the same plan. The expectation
     E (1 - (1 - k/E)^rows) is reported beside it. KV read = sum over rows of context tokens x
-    layers x KV groups x head_dim x 2 (K and V) x b. Roofline time = bytes / hbm_bytes_per_s;
+    layers x the cache's values per token and layer (KV groups x head_dim x 2, K and V; MLA:
+    kv_lora_rank + qk_rope_head_dim) x b. Roofline time = bytes / hbm_bytes_per_s;
     ratio = roofline time / measured step time (1.0 = at the bandwidth bound).
   * prefill FLOPs = 2 x active parameters per token x tokens (attention projections, router,
     top-k experts, shared experts, dense MLPs) + 2 x V x H per sequence (the output layer runs
     on each sequence's last token only, as the engine does) + attention scores and values,
-    4 x head_dim x heads x layers per (query, key) pair, a causal sequence of n new tokens on c
-    cached ones having n c + n (n + 1) / 2 pairs. Fraction of peak = FLOPs / time / peak_flops.
+    2 x (query/key head + value head) x heads x layers per (query, key) pair, a causal
+    sequence of n new tokens on c cached ones having n c + n (n + 1) / 2 pairs (MLA's P also
+    decompresses the c cached tokens' keys and values: not counted). Fraction of peak = FLOPs
+    / time / peak_flops.
 On a CPU the ratios are taken against the same (GPU) numbers: tiny, and labelled so.
 
 Breakdown: torch.profiler over ``profile_steps`` decode steps (``breakdown_batch`` rows, short
@@ -119,6 +123,13 @@ def attention_params(m: ModelConfig) -> int:
     return n + (qkv if m.qkv_bias else 0)
 
 
+def _mla_kv_up_params(m: ModelConfig) -> int:
+    """MLA's linear_kv_up_proj parameters per layer (0 without MLA)."""
+    if not m.is_mla:
+        return 0
+    return m.num_attention_heads * (m.qk_nope_head_dim + m.v_head_dim) * m.kv_lora_rank
+
+
 def expert_params(m: ModelConfig) -> int:
     """Parameters of one routed expert (SwiGLU: fc1 [2F, H], fc2 [H, F])."""
     return 3 * m.moe_ffn_hidden_size * m.hidden_size
@@ -152,8 +163,9 @@ def decode_roofline(m: ModelConfig, contexts: list[int], experts_touched: list[f
         raise ValueError(f"{len(experts_touched)} expert counts for {moe} MoE layers")
     b = _itemsize(m)
     g = 1 if m.fp8 else b  # model.fp8: the GEMM weights' FP8 copies, a byte each
+    kv_up = _mla_kv_up_params(m)  # MLA's kv_b stays in params_dtype under model.fp8
     weights = {
-        "attention": m.num_layers * attention_params(m) * g,
+        "attention": m.num_layers * ((attention_params(m) - kv_up) * g + kv_up * b),
         "router": moe * m.num_experts * m.hidden_size * b,
         "experts": sum(experts_touched) * expert_params(m) * g,
         "shared experts": moe * _shared_params(m) * g,
@@ -182,8 +194,10 @@ def prefill_flops(m: ModelConfig, seqs: list[tuple[int, int]]) -> dict:
     # decompressed heads, model/mla_attention.py)
     v_dim = m.v_head_dim if m.is_mla else m.head_dim
     attn = 2 * (m.head_dim + v_dim) * m.num_attention_heads * m.num_layers * pairs
-    # model.fp8: the GEMMs that run in FP8 (all but the router's and the output layer's)
-    fp8 = 2 * (per_token - moe * m.num_experts * m.hidden_size) * tokens if m.fp8 else 0
+    # model.fp8: the GEMMs that run in FP8 (all but the router's, the output layer's and MLA's
+    # kv_b)
+    fp8 = (2 * (per_token - moe * m.num_experts * m.hidden_size
+                - m.num_layers * _mla_kv_up_params(m)) * tokens if m.fp8 else 0)
     return {"gemm_flops": gemm, "attention_flops": attn, "flops": gemm + attn,
             "fp8_flops": fp8, "active_params_per_token": per_token}
 
