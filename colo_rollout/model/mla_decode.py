@@ -21,9 +21,8 @@ The kernel:
   * every split writes its normalised partial and log2-sum-exp; ``reduce_splits``
     (model/paged_attention.py) combines them -- also for one split, so there is one path.
 
-Imports only torch (and triton when present). The engine takes the kernel only where
-``engine.decode_attention: triton`` asks for it with an MLA model ("auto" keeps the torch path
-until it is measured on a GPU: docs/status.md).
+Imports only torch (and triton when present). ``engine.decode_attention`` picks it as for GQA
+("auto": on CUDA where triton imports).
 """
 
 from __future__ import annotations
