@@ -399,17 +399,15 @@ def _yarn(r: _Reader, pick, src: str, partial_default: float, family: str, rope:
     mscale, msrc = number("mscale", None, positive=False)
     mscale_all, masrc = number("mscale_all_dim", None, positive=False)
     raw_all = float(mscale_all or 0.0)
+    # megatron's factor is 1 for factors <= 1 whatever the mscales say
+    r.refuse(asrc, attention is not None and factor <= 1 and attention != 1,
+             f"{attention!r} with factor {factor!r} <= 1: megatron-core's YaRN scales cos and "
+             "sin only for factors above 1")
     if attention is not None and family in MLA_ARCHS:
-        r.refuse(asrc, factor <= 1 and attention != 1, f"{attention!r} with factor "
-                 f"{factor!r} <= 1: megatron-core's YaRN scales cos and sin only for factors "
-                 "above 1")
-    elif attention is not None:
-        if factor > 1:  # megatron's factor (0.1 m ln f + 1) / 1 equals it at this m
-            mscale, mscale_all = (attention - 1) / (0.1 * math.log(factor)), 0.0
-        else:  # megatron's factor is 1 whatever mscale says
-            r.refuse(asrc, attention != 1, f"{attention!r} with factor {factor!r} <= 1: "
-                     "megatron-core's YaRN scales cos and sin only for factors above 1")
-            mscale, mscale_all = 1.0, 0.0
+        pass  # below: MLA keeps mscale_all_dim and solves mscale
+    elif attention is not None:  # megatron's factor (0.1 m ln f + 1) / 1 equals it at this m
+        mscale = (attention - 1) / (0.1 * math.log(factor)) if factor > 1 else 1.0
+        mscale_all = 0.0
     elif family in MLA_ARCHS:  # below: MLA reads mscale_all_dim itself
         pass
     elif not (mscale and mscale_all):  # transformers: 0.1 ln f + 1 unless both are given

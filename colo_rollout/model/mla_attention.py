@@ -45,8 +45,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from colo_rollout.model.attention import AttnMetadata, RopeAngles
 from colo_rollout.model.fp8_linear import fp8_linear
-from colo_rollout.model.kernel_backend import as_dtype
-from colo_rollout.model.mla_decode import mla_decode
+from colo_rollout.model.mla_decode import cached_entries, mla_decode
 from colo_rollout.model.rope_kv import rotate
 
 
@@ -176,14 +175,6 @@ class PagedMLAttention(torch.nn.Module):
                             n_q + 1)
 
     # ------------------------------------------------------------------ attention
-    def _context(self, kv: LatentKVStorage, layer: int, tables: torch.Tensor,
-                 ctx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The cached entries of ``tables`` [S, nb] -> [S, nb*block, latent + rope] with the
-        slots past each context zeroed."""
-        lat = kv.latent[layer][tables].flatten(1, 2)
-        keep = torch.arange(lat.shape[1], device=lat.device)[None, :] < ctx[:, None]
-        return torch.where(keep[:, :, None], as_dtype(lat, dtype), 0.0)
-
     def _prefill(self, q_nope, q_pe, kv, layer, meta: AttnMetadata) -> torch.Tensor:
         """Per context bucket: the context's keys [k_nope | rope key] and values decompressed
         from the cache, queries [q_nope | rotated q_pe], one SDPA call (megatron's core
@@ -192,8 +183,8 @@ class PagedMLAttention(torch.nn.Module):
         out = q.new_empty((q.shape[0], self.heads, self.v_dim))
         for b in meta.buckets:
             Sb = b.seqs.shape[0]
-            lat = self._context(kv, layer, meta.block_tables[b.seqs, : b.blocks], b.ctx,
-                                   q.dtype)
+            lat, _ = cached_entries(kv.latent[layer], meta.block_tables[b.seqs, : b.blocks],
+                                    b.ctx, q.dtype)
             keys = lat.shape[1]
             up = F.linear(lat[..., : self.kv_lora_rank], self.linear_kv_up_proj.weight)
             up = up.view(Sb, keys, self.heads, self.nope + self.v_dim)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from colo_rollout.model.kernel_backend import pow2, tl, triton
+from colo_rollout.model.kernel_backend import as_dtype, pow2, tl, triton
 from colo_rollout.model.paged_attention import num_splits, reduce_splits
 
 BLOCK_H = 16  # query heads per program (the tensor-core dot's least M)
@@ -114,16 +114,23 @@ if triton is not None:
         tl.store(Lse + b * stride_lb + offs_h * stride_lh + s, lse, mask=hmask)
 
 
+def cached_entries(cache: torch.Tensor, tables: torch.Tensor, ctx_lens: torch.Tensor,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The latent-cache entries of ``tables`` [S, W] -> ([S, W * block_size, latent + rope]
+    in ``dtype``, keep mask [S, W * block_size]). Slots past a row's context may hold anything
+    (another request's entries, NaN after a bad load): they are zeroed, as the kernel never
+    loads them, before they meet a zero probability."""
+    entries = cache[tables].flatten(1, 2)
+    keep = torch.arange(entries.shape[1], device=entries.device)[None, :] < ctx_lens[:, None]
+    return torch.where(keep[:, :, None], as_dtype(entries, dtype), 0.0), keep
+
+
 def torch_mla_decode_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
                                tables: torch.Tensor, ctx_lens: torch.Tensor,
                                scale: float) -> torch.Tensor:
-    """The reference (and CPU) path; same arguments and result as ``mla_decode_attention``.
-    Slots past a row's context may hold anything (another request's entries, NaN after a bad
-    load): they are zeroed before they meet a zero probability."""
-    B, heads, lat = q_lat.shape
-    entries = cache[tables].flatten(1, 2)  # [B, W * block_size, latent + rope]
-    keep = torch.arange(entries.shape[1], device=entries.device)[None, :] < ctx_lens[:, None]
-    entries = torch.where(keep[:, :, None], entries.to(q_lat.dtype), 0.0)
+    """The reference (and CPU) path; same arguments and result as ``mla_decode_attention``."""
+    lat = q_lat.shape[-1]
+    entries, keep = cached_entries(cache, tables, ctx_lens, q_lat.dtype)
     q = torch.cat((q_lat, q_rope), dim=-1)
     scores = torch.matmul(q, entries.transpose(1, 2)).float() * scale  # [B, heads, keys]
     scores = scores.masked_fill(~keep[:, None, :], float("-inf"))

@@ -127,7 +127,7 @@ def _mla_kv_up_params(m: ModelConfig) -> int:
     """MLA's linear_kv_up_proj parameters per layer (0 without MLA)."""
     if not m.is_mla:
         return 0
-    return m.num_attention_heads * (m.qk_nope_head_dim + m.v_head_dim) * m.kv_lora_rank
+    return math.prod(mla_shapes(m, "")["self_attention.linear_kv_up_proj.weight"])
 
 
 def expert_params(m: ModelConfig) -> int:
