@@ -220,7 +220,8 @@ def _dense_kernel_problem(asked: str, m) -> str | None:
 
     from colo_rollout.config.attention_support import dense_kernel_problem
 
-    return dense_kernel_problem(asked, "cuda", getattr(torch, m.params_dtype), m.head_dim)
+    return dense_kernel_problem(asked, "cuda", getattr(torch, m.params_dtype), m.head_dim,
+                                m.v_head_dim if m.is_mla else None)
 
 
 def check_use_te(cfg: Config, source: str) -> None:

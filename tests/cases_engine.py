@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import torch
@@ -113,7 +114,11 @@ def compare_with_reference(ref, requests, outs, tol: float = LOGPROB_TOL) -> dic
 
 def engine_matches_reference(rank: int, world: int, adp: int, ep: int, n_requests: int = 14,
                              seed: int = 0, moe_compute: str = "auto",
-                             model_kw: dict | None = None, mode: str = "normal") -> dict:
+                             model_kw: dict | None = None, mode: str = "normal",
+                             dense_from: int | None = None) -> dict:
+    """``dense_from``: P's fresh sequences of at least this many tokens through the dense
+    path ("cudnn": torch's SDPA on CPU; model/dense_prefill.py) -- MLA models only; the
+    result counts its calls."""
     # A batch cap of 3 rows per replica admits requests in waves: later P steps run while other
     # replicas hold D rows, and some replicas take part in a P step with zero rows.
     cfg = tiny_config(world, adp, ep, max_batch_size=3, decode_buckets=[1, 2, 4], mode=mode,
@@ -122,6 +127,41 @@ def engine_matches_reference(rank: int, world: int, adp: int, ep: int, n_request
     install_cpu_compat()
     sd = random_state_dict(cfg.model)
     engine = Engine(cfg, groups, sd)
+    if dense_from is not None:
+        with _dense_mla_prefill(engine, dense_from) as calls:
+            result = _serve_and_compare(rank, cfg, groups, sd, engine, n_requests, seed)
+        return {**result, "dense_calls": calls[0]}
+    return _serve_and_compare(rank, cfg, groups, sd, engine, n_requests, seed)
+
+
+@contextlib.contextmanager
+def _dense_mla_prefill(engine, min_tokens: int):
+    """An MLA engine's P through its dense calls (backend "cudnn", the SDPA path on CPU)
+    from ``min_tokens`` fresh tokens, as a GPU build would pick it; yields [calls made]."""
+    from colo_rollout.model import dense_prefill, mla_attention
+
+    model, calls = engine.model, [0]
+    inner = mla_attention.dense_mla_attention
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return inner(*args, **kwargs)
+
+    saved = dense_prefill.MIN_TOKENS, model.prefill_attention
+    dense_prefill.MIN_TOKENS, model.prefill_attention = min_tokens, "cudnn"
+    mla_attention.dense_mla_attention = counted
+    for layer in model._all_layers():
+        layer.self_attention.prefill_backend = "cudnn"
+    try:
+        yield calls
+    finally:
+        dense_prefill.MIN_TOKENS, model.prefill_attention = saved
+        mla_attention.dense_mla_attention = inner
+        for layer in model._all_layers():
+            layer.self_attention.prefill_backend = saved[1]
+
+
+def _serve_and_compare(rank, cfg, groups, sd, engine, n_requests: int, seed: int) -> dict:
     warm = engine.warmup()  # collective; must leave the engine serving exactly as before
     grouped = [moe.uses_grouped(torch.zeros(1, device=groups.device))
                for moe in engine.model.moe_layers()]
@@ -145,8 +185,9 @@ def engine_matches_reference(rank: int, world: int, adp: int, ep: int, n_request
     return result
 
 
-def _engine(world: int, adp: int, ep: int, timeout_s: float = 60.0, **engine_kw):
-    cfg = tiny_config(world, adp, ep, timeout_s=timeout_s, **engine_kw)
+def _engine(world: int, adp: int, ep: int, timeout_s: float = 60.0,
+            model_kw: dict | None = None, **engine_kw):
+    cfg = tiny_config(world, adp, ep, timeout_s=timeout_s, model_kw=model_kw, **engine_kw)
     groups = init_parallel(cfg.parallel)
     install_cpu_compat()
     sd = random_state_dict(cfg.model)
@@ -450,12 +491,27 @@ def injected_violation(rank: int, world: int, adp: int, ep: int) -> dict:
 
 def multi_turn_matches_reference(rank: int, world: int, adp: int, ep: int, mode: str = "normal",
                                  num_kv_blocks: int = 128, sessions: int = 5,
-                                 turns: int = 3) -> dict:
+                                 turns: int = 3, model_kw: dict | None = None,
+                                 dense_from: int | None = None) -> dict:
     """Trajectories of several turns: each continuation prefills only its new tokens on top of
     the retained context (or re-prefills the context after an eviction). Every turn's output is
-    teacher-forced through the megatron reference over the whole trajectory."""
+    teacher-forced through the megatron reference over the whole trajectory. ``dense_from``:
+    as ``engine_matches_reference``'s."""
     cfg, groups, sd, engine = _engine(world, adp, ep, max_batch_size=3, decode_buckets=[1, 2, 4],
-                                      mode=mode, num_kv_blocks=num_kv_blocks)
+                                      mode=mode, num_kv_blocks=num_kv_blocks, model_kw=model_kw)
+    with (_dense_mla_prefill(engine, dense_from) if dense_from is not None
+          else contextlib.nullcontext([0])) as calls:
+        res = _serve_turns(rank, engine, turns, sessions)
+    res["dense_calls"] = calls[0]
+    if rank == 0:
+        res.update(_turns_against_reference(cfg, sd, engine, res.pop("plan")))
+    else:
+        res.pop("plan")
+        singleton_pg_collection()
+    return res
+
+
+def _serve_turns(rank: int, engine, turns: int, sessions: int) -> dict:
     rng = random.Random(42)
     plan = {f"s{k}": [(tuple(rng.randrange(1, 250) for _ in range(rng.randint(3, 20))),
                         rng.randint(2, 8)) for _ in range(turns)] for k in range(sessions)}
@@ -485,30 +541,31 @@ def multi_turn_matches_reference(rank: int, world: int, adp: int, ep: int, mode:
     engine.step()
     for kv in engine.scheduler.kv:
         kv.assert_empty()
-    res = {"evictions": engine.scheduler.evictions, "retained_before_close": retained,
-           "tokens": {sid: [engine.output(f"{sid}-t{t}").tokens for t in range(turns)]
-                      for sid in plan}}
-    if rank == 0:
-        ref = build_reference(cfg.model, sd, singleton_pg_collection(), torch.device("cpu"))
-        worst, mism, n = 0.0, [], 0
-        for sid, spec in plan.items():
-            context: list[int] = []
-            for t, (prompt, _) in enumerate(spec):
-                out = engine.output(f"{sid}-t{t}")
-                full = context + list(prompt) + out.tokens
-                lp = reference_logprobs(ref, full[:-1])
-                base = len(context) + len(prompt) - 1
-                for j, (tok, l) in enumerate(zip(out.tokens, out.logprobs)):
-                    row = lp[base + j]
-                    worst = max(worst, abs(float(row[tok]) - l))
-                    if float(row[tok]) < float(row.max()) - LOGPROB_TOL:
-                        mism.append((sid, t, j))
-                    n += 1
-                context = full
-        res.update({"max_logprob_diff": worst, "mismatches": mism, "checked": n})
-    else:
-        singleton_pg_collection()
-    return res
+    return {"evictions": engine.scheduler.evictions, "retained_before_close": retained,
+            "tokens": {sid: [engine.output(f"{sid}-t{t}").tokens for t in range(turns)]
+                       for sid in plan}, "plan": plan}
+
+
+def _turns_against_reference(cfg, sd, engine, plan: dict) -> dict:
+    """Every turn's tokens teacher-forced through the megatron reference over the whole
+    trajectory (rank 0)."""
+    ref = build_reference(cfg.model, sd, singleton_pg_collection(), torch.device("cpu"))
+    worst, mism, n = 0.0, [], 0
+    for sid, spec in plan.items():
+        context: list[int] = []
+        for t, (prompt, _) in enumerate(spec):
+            out = engine.output(f"{sid}-t{t}")
+            full = context + list(prompt) + out.tokens
+            lp = reference_logprobs(ref, full[:-1])
+            base = len(context) + len(prompt) - 1
+            for j, (tok, l) in enumerate(zip(out.tokens, out.logprobs)):
+                row = lp[base + j]
+                worst = max(worst, abs(float(row[tok]) - l))
+                if float(row[tok]) < float(row.max()) - LOGPROB_TOL:
+                    mism.append((sid, t, j))
+                n += 1
+            context = full
+    return {"max_logprob_diff": worst, "mismatches": mism, "checked": n}
 
 
 def grouped_weights_follow_updates(rank: int, world: int, adp: int, ep: int) -> dict:

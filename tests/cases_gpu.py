@@ -61,7 +61,13 @@ def gpu_config(world: int, adp: int, ep: int, dtype: str = "bfloat16",
 def gpu_engine_matches_reference(rank: int, world: int, adp: int, ep: int, dtype: str,
                                  use_te: str = "off", n_requests: int = 16, seed: int = 0,
                                  backend: str = "nccl", model_kw: dict | None = None,
-                                 engine_kw: dict | None = None) -> dict:
+                                 engine_kw: dict | None = None,
+                                 dense_from: int | None = None) -> dict:
+    """``dense_from``: P's dense calls (engine.prefill_attention cudnn / flash) take fresh
+    sequences from this many tokens (model/dense_prefill.py's MIN_TOKENS, 1024, is longer
+    than these prompts); the result counts the P steps' dense calls."""
+    from colo_rollout.model import dense_prefill
+
     cfg = gpu_config(world, adp, ep, dtype, use_te, backend, model_kw, engine_kw)
     groups = init_parallel(cfg.parallel)
     if backend == "gloo":
@@ -71,11 +77,16 @@ def gpu_engine_matches_reference(rank: int, world: int, adp: int, ep: int, dtype
     sd = random_state_dict(cfg.model)
     engine = Engine(cfg, groups, sd)
     requests = mixed_requests(n_requests, seed, cfg.model.vocab_size)
-    outs, wall = timed_generate(engine, requests)
+    saved, dense_prefill.MIN_TOKENS = (dense_prefill.MIN_TOKENS,
+                                       dense_from or dense_prefill.MIN_TOKENS)
+    try:
+        outs, wall = timed_generate(engine, requests)
+    finally:
+        dense_prefill.MIN_TOKENS = saved
     pgc = singleton_pg_collection()
     res = {"layout": groups.layout.name, "wall_s": wall,
            "device": torch.cuda.get_device_name() if backend == "nccl" else "cpu",
-           "te": engine.model.use_te,
+           "te": engine.model.use_te, "prefill_attention": engine.model.prefill_attention,
            "dispatch": [d.report().row() for d in (engine.model.dispatch_p,
                                                    engine.model.dispatch_d)
                         if hasattr(d, "report")],

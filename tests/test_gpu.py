@@ -132,6 +132,28 @@ def test_gpu_mla_matches_reference(gpu_groups, world, adp, ep, dtype, decode):
     _check_against_reference(f"mla_{dtype}_{decode}", res, world, dtype)
 
 
+@pytest.mark.parametrize("kernel", ["cudnn", "flash"])
+def test_gpu_mla_dense_prefill_matches_reference(gpu_groups, kernel):
+    """MLA's P with its fresh sequences in dense calls (engine.prefill_attention cudnn /
+    flash; from 12 tokens here, padded to 256) at DeepSeek's head widths (query/key 192,
+    value 128), bf16, against megatron's MLA GPTModel: no worse than megatron's own bf16."""
+    from colo_rollout.config.attention_support import dense_kernel_problem
+    from tests.cases_engine import MLA_ARCH
+
+    why = dense_kernel_problem(kernel, "cuda", torch.bfloat16, 192, 128)
+    if why is not None:
+        pytest.skip(why)
+    res = gpu_groups(1).run("tests.cases_gpu:gpu_engine_matches_reference", timeout=600,
+                            adp=1, ep=1, dtype="bfloat16", use_te="off", n_requests=64,
+                            model_kw={**MLA_ARCH, "num_attention_heads": 8,
+                                      "num_query_groups": 8, "kv_lora_rank": 64,
+                                      "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                                      "v_head_dim": 128},
+                            engine_kw={"prefill_attention": kernel}, dense_from=12)
+    assert res[0]["prefill_attention"] == kernel
+    _check_against_reference(f"mla_dense_prefill_{kernel}", res, 1, "bfloat16")
+
+
 @pytest.mark.parametrize("world,adp,ep", [(2, 2, 2), (2, 1, 2)])
 def test_gpu_pd_modes_match_normal(gpu_groups, world, adp, ep):
     """Every PD mode runs P and D on their own streams and gives Normal's greedy tokens;

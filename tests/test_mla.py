@@ -76,6 +76,96 @@ def test_engine_matches_megatron(worker_groups, world, adp, ep, mode, q_lora_ran
         assert r["tokens"] == r0["tokens"]
 
 
+# ---- P's dense calls (engine.prefill_attention cudnn / flash; CPU: torch's SDPA in their place)
+@pytest.mark.parametrize("world,adp,ep,mode", [(1, 1, 1, "normal"), (2, 2, 2, "fine")])
+def test_dense_prefill_calls_match_megatron(worker_groups, world, adp, ep, mode):
+    """Fresh sequences of >= 12 tokens through the dense calls (their own rows' latents
+    decompressed, padded to 256, batched), the shorter ones through the buckets in the same
+    P steps: every token and logprob megatron's."""
+    from tests.cases_engine import LOGPROB_TOL, MLA_ARCH
+
+    res = worker_groups(world).run("tests.cases_engine:engine_matches_reference", adp=adp,
+                                   ep=ep, n_requests=12, mode=mode, moe_compute="grouped",
+                                   model_kw=MLA_ARCH, dense_from=12)
+    r0 = res[0]
+    assert sum(r["dense_calls"] for r in res) > 0
+    assert r0["checked"] > 30 and r0["mismatches"] == []
+    assert r0["max_logprob_diff"] < LOGPROB_TOL, r0["max_logprob_diff"]
+    for r in res[1:]:
+        assert r["tokens"] == r0["tokens"]
+
+
+def test_dense_prefill_beside_continuations_matches_megatron(worker_groups):
+    """Multi-turn sessions: first turns (and re-prefills after evictions) fresh through the
+    dense calls, continuations on the retained latent cache through the buckets."""
+    from tests.cases_engine import LOGPROB_TOL, MLA_ARCH
+
+    res = worker_groups(1).run("tests.cases_engine:multi_turn_matches_reference", adp=1, ep=1,
+                               num_kv_blocks=40, model_kw={**MLA_ARCH, "moe_compute": "grouped"},
+                               dense_from=5)
+    r0 = res[0]
+    assert r0["dense_calls"] > 0
+    assert r0["checked"] > 30 and r0["mismatches"] == []
+    assert r0["max_logprob_diff"] < LOGPROB_TOL, r0["max_logprob_diff"]
+
+
+@pytest.mark.parametrize("lens, multiple", [([37], 16), ([64], 64), ([32, 32, 32], 16),
+                                            ([20, 9, 32], 16), ([5], 256)])
+def test_dense_mla_calls_are_per_sequence_attention(lens, multiple):
+    """``dense_mla_attention``'s calls (views, padded gathers, batched, the output itself
+    where one call covers every row) against each sequence's causal attention with keys
+    [k_nope | shared rope key] and values decompressed per head."""
+    from colo_rollout.model import dense_prefill as dp
+
+    torch.manual_seed(0)
+    heads, nope, rope, v_dim = 3, 8, 4, 6
+    T = sum(lens)
+    q = torch.randn(T, heads, nope + rope)
+    up = torch.randn(T, heads, nope + v_dim)
+    k_pe = torch.randn(T, rope)
+    scale = 0.3
+    want = torch.empty(T, heads, v_dim)
+    at = 0
+    for n in lens:
+        rows = slice(at, at + n)
+        k = torch.cat((up[rows, :, :nope], k_pe[rows, None].expand(n, heads, rope)), -1)
+        s = torch.einsum("ihd,jhd->hij", q[rows], k) * scale
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        want[rows] = torch.einsum("hij,jhd->ihd", s.softmax(-1), up[rows, :, nope:])
+        at += n
+    calls = dp.dense_calls(dp.dense_held(lens, tuple(range(len(lens)))), "cpu", multiple)
+    if len(calls) == 1 and calls[0].covers(T):
+        got = dp.dense_mla_attention(q, up, k_pe, nope, calls[0], scale, None)
+    else:
+        got = torch.full((T, heads, v_dim), float("nan"))
+        for call in calls:
+            dp.dense_mla_attention(q, up, k_pe, nope, call, scale, got)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_mla_prefill_backends_resolve_by_what_runs():
+    """auto is the bucketed SDPA where no dense kernel runs (CPU); cudnn / flash asked
+    where they cannot run are one line naming the key; triton is no MLA kernel. The dense
+    kernels' shape rules take MLA's wider query/key heads."""
+    from colo_rollout.config import attention_support as sup
+    from colo_rollout.model.mla_attention import resolve_prefill
+
+    cpu = torch.device("cpu")
+    assert resolve_prefill("auto", cpu, torch.bfloat16, 192, 128) == "torch"
+    assert resolve_prefill("torch", cpu, torch.bfloat16, 192, 128) == "torch"
+    for asked in ("cudnn", "flash"):
+        with pytest.raises(RuntimeError, match=f"engine.prefill_attention: {asked} was "
+                                               "requested but the device is cpu"):
+            resolve_prefill(asked, cpu, torch.bfloat16, 192, 128)
+    with pytest.raises(ValueError, match="no Triton kernel"):
+        resolve_prefill("triton", cpu, torch.bfloat16, 192, 128)
+    assert sup.cudnn_fits(torch.bfloat16, 192, 128) is None  # DeepSeek's heads
+    assert "192/128" in sup.cudnn_fits(torch.bfloat16, 24, 12)
+    assert "head_dim 192" in sup.cudnn_fits(torch.bfloat16, 192)  # GQA's rule unchanged
+    assert sup.flash_fits(torch.bfloat16, 192, 128) is None
+    assert "v_head_dim 100" in sup.flash_fits(torch.bfloat16, 192, 100)
+
+
 def test_config_json_maps_onto_megatrons_mla(ds):
     """The fields, and YaRN's two scales as transformers computes them: cos and sin by the
     attention factor (megatron: m(mscale) / m(mscale_all_dim)), the softmax by
@@ -146,8 +236,8 @@ def _door(ds, tmp_path, parallel=None, engine=None, config=None, **model) -> Con
 @pytest.mark.parametrize("parallel, engine, model, config, key, fragment", [
     ({"world_size": 2, "adp": 1, "ep": 2}, None, {}, None, "parallel.atp",
      "2 with model.attention 'mla'"),
-    (None, {"prefill_attention": "cudnn"}, {}, None, "engine.prefill_attention",
-     "MLA's P runs its own attention"),
+    (None, {"prefill_attention": "triton"}, {}, None, "engine.prefill_attention",
+     "MLA's P has no Triton kernel"),
     (None, None, {"use_te": "on"}, None, "model.use_te", "local layer spec"),
     (None, None, {}, {"rope_interleave": False}, "model.checkpoint", "rope_interleave: false"),
     # null is false to transformers (`if config.rope_interleave`): not the default true

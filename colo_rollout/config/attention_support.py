@@ -16,6 +16,9 @@ from colo_rollout.config.schema import CUDNN_MIN_VERSION, FLASH_MAJORS, FLASH_MA
 
 # cuDNN's fused attention: the head dims measured (multiples of 8 up to this)
 CUDNN_MAX_HEAD_DIM = 128
+# ... and the (query/key, value) head dims measured where they differ (MLA's P: DeepSeek-V2/V3,
+# Kimi-K2, Moonlight)
+CUDNN_QK_V_DIMS = ((192, 128),)
 
 _FLASH: list = []  # flash_attn.cute's forward, imported once (first use of ``flash``)
 
@@ -43,14 +46,21 @@ def cudnn_usable(device: Any) -> str | None:
     return None
 
 
-def cudnn_fits(dtype: Any, head_dim: int | None) -> str | None:
+def cudnn_fits(dtype: Any, head_dim: int | None, v_dim: int | None = None) -> str | None:
     """None when cuDNN's fused attention takes a model of ``dtype`` and ``head_dim`` (16-bit,
-    a head dim that is a multiple of 8 up to 128 -- the range measured; None: unchecked),
-    else why not (one line)."""
+    a head dim that is a multiple of 8 up to 128 -- the range measured; None: unchecked) and
+    value heads of ``v_dim`` (None: ``head_dim``'s; MLA's query/key heads are wider than its
+    value heads: DeepSeek's (192, 128) is among ``CUDNN_QK_V_DIMS``), else why not (one
+    line)."""
     if dtype is not None and not _sixteen_bit(dtype):
         return f"the model is {dtype} (cuDNN's fused attention takes 16-bit)"
-    if head_dim is not None and (head_dim % 8 or head_dim > CUDNN_MAX_HEAD_DIM):
-        return f"head_dim {head_dim} is not a multiple of 8 up to {CUDNN_MAX_HEAD_DIM}"
+    if head_dim is None or v_dim is None or v_dim == head_dim:
+        if head_dim is not None and (head_dim % 8 or head_dim > CUDNN_MAX_HEAD_DIM):
+            return f"head_dim {head_dim} is not a multiple of 8 up to {CUDNN_MAX_HEAD_DIM}"
+        return None
+    if (head_dim, v_dim) not in CUDNN_QK_V_DIMS:
+        return (f"query/key heads of {head_dim} with value heads of {v_dim} are not among the "
+                f"shapes measured ({', '.join(f'{a}/{b}' for a, b in CUDNN_QK_V_DIMS)})")
     return None
 
 
@@ -88,22 +98,25 @@ def flash_usable(device: Any) -> str | None:
     return None
 
 
-def flash_fits(dtype: Any, head_dim: int | None) -> str | None:
+def flash_fits(dtype: Any, head_dim: int | None, v_dim: int | None = None) -> str | None:
     """None when FlashAttention-4 takes a model of ``dtype`` and ``head_dim`` (16-bit, a head
-    dim that is a multiple of 8 up to 256), else why not (one line)."""
+    dim that is a multiple of 8 up to 256; value heads of ``v_dim`` the same, None: the
+    head dim's), else why not (one line)."""
     if dtype is not None and not _sixteen_bit(dtype):
         return f"the model is {dtype} (FlashAttention-4 takes 16-bit)"
-    if head_dim is not None and (head_dim % 8 or head_dim > FLASH_MAX_HEAD_DIM):
-        return f"head_dim {head_dim} is not a multiple of 8 up to {FLASH_MAX_HEAD_DIM}"
+    for name, d in (("head_dim", head_dim), ("v_head_dim", v_dim)):
+        if d is not None and (d % 8 or d > FLASH_MAX_HEAD_DIM):
+            return f"{name} {d} is not a multiple of 8 up to {FLASH_MAX_HEAD_DIM}"
     return None
 
 
 def dense_kernel_problem(kernel: str, device: Any, dtype: Any = None,
-                         head_dim: int | None = None) -> str | None:
-    """Why the dense kernel ``kernel`` ("cudnn" or "flash") cannot serve a model of ``dtype``
-    and ``head_dim`` (None: unchecked) on ``device``, or None. flash needs cuDNN's too: its
-    batched calls are cuDNN's; its own problem is named first."""
-    why = cudnn_usable(device) or cudnn_fits(dtype, head_dim)
+                         head_dim: int | None = None, v_dim: int | None = None) -> str | None:
+    """Why the dense kernel ``kernel`` ("cudnn" or "flash") cannot serve a model of ``dtype``,
+    ``head_dim`` and value heads of ``v_dim`` (None: unchecked / the head dim's) on ``device``,
+    or None. flash needs cuDNN's too: its batched calls are cuDNN's; its own problem is named
+    first."""
+    why = cudnn_usable(device) or cudnn_fits(dtype, head_dim, v_dim)
     if kernel == "flash":
-        why = flash_usable(device) or flash_fits(dtype, head_dim) or why
+        why = flash_usable(device) or flash_fits(dtype, head_dim, v_dim) or why
     return why

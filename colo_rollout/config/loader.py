@@ -131,9 +131,9 @@ class Config:
                      f"{par.atp} with model.attention 'mla': MLA's latent cache is one head "
                      "every query head reads, so its attention runs unsplit; use attention DP "
                      f"(parallel.adp: {par.world_size}) with expert parallelism")
-            _require(engine.prefill_attention in ("auto", "torch"), "engine.prefill_attention",
-                     f"{engine.prefill_attention!r} with model.attention 'mla': MLA's P runs "
-                     "its own attention ('auto' or 'torch')")
+            _require(engine.prefill_attention != "triton", "engine.prefill_attention",
+                     "'triton' with model.attention 'mla': MLA's P has no Triton kernel "
+                     "('auto', 'torch', 'cudnn' or 'flash')")
         why = batch_invariance_problem(model) if engine.batch_invariant else None
         _require(why is None, "engine.batch_invariant", str(why))
         tp = self.rl.trainer_tp

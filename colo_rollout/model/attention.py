@@ -165,16 +165,20 @@ class PrefillBucket:
 
 
 def prefill_buckets(seq_lens_new: list[int], context_lens: list[int], block_size: int,
-                    to_device, merge_pairs: int = 0) -> list[PrefillBucket]:
+                    to_device, merge_pairs: int = 0,
+                    skip: frozenset[int] = frozenset()) -> list[PrefillBucket]:
     """Group P sequences by context length (next power of two, in blocks) so that one P
     layer's attention is a few batched calls instead of one per sequence; padding costs at
     most 2x keys per bucket. Then neighbouring buckets are merged while a merge adds at most
     ``merge_pairs`` padded (query, key) pairs: every bucket costs a dozen kernel launches per
     layer (host time, which is what a short P epoch is bound by), padding costs GPU time (what
     a long one is bound by). ``to_device(values, dtype)`` makes host lists device tensors
-    without a host wait. Pure host logic apart from that."""
+    without a host wait. Sequences in ``skip`` are in no bucket (a dense call attends them:
+    model/dense_prefill.py). Pure host logic apart from that."""
     by_key: dict[int, list[int]] = {}
     for i, ctx in enumerate(context_lens):
+        if i in skip:
+            continue
         nb = -(-ctx // block_size)
         key = 1
         while key < nb:

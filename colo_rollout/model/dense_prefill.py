@@ -1,6 +1,8 @@
 """P attention of fresh sequences through a dense fused-attention library kernel -- cuDNN's,
 via torch's SDPA (``engine.prefill_attention: cudnn``), or FlashAttention-4's CuTe DSL kernel
-where ``flash_attn.cute`` is installed (``flash``).
+where ``flash_attn.cute`` is installed (``flash``) -- for GQA's heads and for multi-head latent
+attention's (``dense_mla_attention``: the fresh rows' latents decompressed, query/key heads
+wider than value heads; the rest of MLA's P stays on its bucketed SDPA).
 
 Why: on one H200 cuDNN's dense causal attention ran 1.3-1.65x the engine's Triton kernel on
 fresh sequences (4k-8k single, 8 x 1k batched: 390-600 TFLOP/s against 250-375; docs/
@@ -20,7 +22,7 @@ differs.
 
 Owns: which sequences go dense (``dense_sequences``), their padded length (``padded_len``),
 their grouping into calls (``dense_calls``: made once per P epoch with the plan, read by every
-layer), and the call (``dense_prefill_attention``). Whether each kernel can run is
+layer), and the calls (``dense_prefill_attention``, ``dense_mla_attention``). Whether each kernel can run is
 config/attention_support.py's (the door asks it too).
 
 Invariants:
@@ -98,6 +100,18 @@ def dense_sequences(seq_lens_new: list[int], context_lens: list[int],
                  if n == c and n >= min_tokens)
 
 
+def dense_held(seq_lens_new: list[int], dense: tuple[int, ...]
+               ) -> tuple[tuple[int, int, int], ...]:
+    """(sequence, first row, new tokens) of each of the ``dense`` sequences, their rows back
+    to back in sequence order (what ``dense_calls`` takes; the Triton kernel's plan makes the
+    same for GQA)."""
+    starts, off = [], 0
+    for n in seq_lens_new:
+        starts.append(off)
+        off += n
+    return tuple((s, starts[s], seq_lens_new[s]) for s in dense)
+
+
 def padded_len(n: int, multiple: int = PAD_MULTIPLE) -> int:
     return -(-n // multiple) * multiple
 
@@ -147,23 +161,62 @@ def dense_prefill_attention(q: torch.Tensor, qkv: torch.Tensor, call: DenseCall,
     g, m = qkv.shape[1], qkv.shape[2]
     if heads % g or qkv.shape[0] != T or qkv.shape[3] != dim:
         raise ValueError(f"q {tuple(q.shape)} and qkv {tuple(qkv.shape)} do not match")
+    qb, rows = _call_rows(call, T, q, qkv)  # whole QKV rows: K and V keep the views' strides
+    o = dense_attention(qb, rows[:, :, m - 2], rows[:, :, m - 1], call, scale, kernel)
+    return _scatter(o, call, out, T)
+
+
+def dense_mla_attention(q: torch.Tensor, up: torch.Tensor, k_pe: torch.Tensor, nope: int,
+                        call: DenseCall, scale: float, out: torch.Tensor | None,
+                        kernel: str = "cudnn") -> torch.Tensor:
+    """One dense call of multi-head latent attention (model/mla_attention.py): q [T, heads,
+    nope + rope] (rope part rotated) against the call's own keys [k_nope | k_pe] and values,
+    causal. ``up`` [T, heads, nope + v]: the step's latents through ``linear_kv_up_proj``
+    (per head: the key's nope part, then the value); ``k_pe`` [T, rope]: each row's rotated
+    rope key, shared by the heads. Rows, padding, ``out`` and ``kernel`` as
+    ``dense_prefill_attention``'s (out [T, heads, v])."""
+    T = q.shape[0]
+    qb, ub, pb = _call_rows(call, T, q, up, k_pe)
+    k, v = mla_dense_kv(ub, pb, nope)
+    return _scatter(dense_attention(qb, k, v, call, scale, kernel), call, out, T)
+
+
+def mla_dense_kv(up: torch.Tensor, k_pe: torch.Tensor, nope: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA's per-head keys [N, heads, nope + rope] (contiguous: the rope key copied to every
+    head) and values [N, heads, v] (a view of ``up``): what the dense kernels read -- and,
+    with these strides, what ``warm_mla_plans`` builds cuDNN's plans for."""
+    N, heads = up.shape[0], up.shape[1]
+    k = torch.cat((up[..., :nope], k_pe[:, None].expand(N, heads, k_pe.shape[-1])), dim=-1)
+    return k, up[..., nope:]
+
+
+def _call_rows(call: DenseCall, T: int, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The call's rows of each [T, ...] tensor: views where its sequences lie back to back
+    unpadded (the tensors themselves where the call covers them), else gathered by the
+    call's padded row index."""
+    if call.rows is None:
+        q0, n = call.seqs[0][1], len(call.seqs) * call.length
+        return [t if q0 == 0 and n == T else t[q0 : q0 + n] for t in tensors]
+    return [t.index_select(0, call.rows) for t in tensors]
+
+
+def dense_attention(qb: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: DenseCall,
+                    scale: float, kernel: str) -> torch.Tensor:
+    """The call's causal attention: qb [S * L, heads, dim], k [S * L, kv heads, dim], v
+    [S * L, kv heads, v dim] (the call's rows) -> [S, L, heads, v dim]. ``kernel`` "flash":
+    FlashAttention-4 for a call of one sequence, else (and "cudnn") cuDNN's fused attention
+    on CUDA tensors; torch's SDPA on CPU."""
     S, L = len(call.seqs), call.length
-    if call.rows is None:  # back to back, unpadded: views (q itself where it covers q)
-        q0 = call.seqs[0][1]
-        qb, rows = ((q, qkv) if q0 == 0 and S * L == T
-                    else (q[q0 : q0 + S * L], qkv[q0 : q0 + S * L]))
-    else:  # whole QKV rows: K and V keep the views' strides (one cuDNN plan for both)
-        qb, rows = q.index_select(0, call.rows), qkv.index_select(0, call.rows)
-    k, v = rows[:, :, m - 2], rows[:, :, m - 1]  # [S * L, g, dim]
-    if q.is_cuda and kernel == "flash" and S == 1:  # (batched calls stay cuDNN's: below)
+    heads, dim, g, dv = qb.shape[1], qb.shape[2], k.shape[1], v.shape[2]
+    if qb.is_cuda and kernel == "flash" and S == 1:  # (batched calls stay cuDNN's: below)
         # [S, L, h, dim] views of the token-major rows; GQA's k and v as they are
         got = flash_attention()(qb.view(S, L, heads, dim), k.view(S, L, g, dim),
-                                v.view(S, L, g, dim), softmax_scale=scale, causal=True)
-        o = got[0] if isinstance(got, tuple) else got  # [S, L, heads, dim]
-        return _scatter(o, q, call, out, T, heads, dim)
+                                v.view(S, L, g, dv), softmax_scale=scale, causal=True)
+        return got[0] if isinstance(got, tuple) else got  # [S, L, heads, dv]
     # [S, h, L, dim] views of the token-major rows (SDPA takes the strides)
-    qd, kd, vd = (t.view(S, L, t.shape[1], dim).transpose(1, 2) for t in (qb, k, v))
-    if q.is_cuda:
+    qd, kd, vd = (t.view(S, L, t.shape[1], t.shape[2]).transpose(1, 2) for t in (qb, k, v))
+    if qb.is_cuda:
         # the op SDPA's dispatcher calls for its cuDNN backend, with the same arguments (GQA's
         # k and v handed over as they are): no backend context to enter and leave, no
         # selection -- ~0.1 ms of host per call, on P's critical path. A shape cuDNN cannot
@@ -173,14 +226,15 @@ def dense_prefill_attention(q: torch.Tensor, qkv: torch.Tensor, call: DenseCall,
     else:  # CPU (the tests): SDPA's own selection
         o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale,
                                            enable_gqa=heads != g)
-    return _scatter(o.transpose(1, 2), q, call, out, T, heads, dim)
+    return o.transpose(1, 2)
 
 
-def _scatter(o: torch.Tensor, q: torch.Tensor, call: DenseCall, out: torch.Tensor | None,
-             T: int, heads: int, dim: int) -> torch.Tensor:
+def _scatter(o: torch.Tensor, call: DenseCall, out: torch.Tensor | None, T: int
+             ) -> torch.Tensor:
     """A call's result o [S, L, heads, dim] as its sequences' rows: the output itself where
-    the call covers q (``out`` None), else written into ``out``'s rows (padding dropped)."""
-    S, L = o.shape[0], o.shape[1]
+    the call covers all T rows (``out`` None), else written into ``out``'s rows (padding
+    dropped)."""
+    S, L, heads, dim = o.shape
     if out is None:
         if not call.covers(T):
             raise ValueError("a call that does not cover q back to back needs out")
@@ -201,15 +255,39 @@ def warm_plans(heads: int, groups: int, dim: int, dtype: torch.dtype, device: to
     ``max_tokens`` tokens and sequences of up to ``max_len``, so that cuDNN builds each plan
     (40-70 ms apiece on one H200) -- or FlashAttention-4 JIT-compiles its kernel (~2.5 s, once
     per process) -- before serving rather than inside a P epoch. Returns the shapes run."""
-    n = 0
     m = heads // groups + 2  # per query group: its q heads, k, v (the QKV output's strides)
+    shapes = _call_shapes(max_tokens, max_len, multiple, batches)
+    for call in shapes:
+        T = len(call.seqs) * call.length
+        q = torch.zeros(T, heads, dim, dtype=dtype, device=device)
+        qkv = torch.zeros(T, groups, m, dim, dtype=dtype, device=device)
+        dense_prefill_attention(q, qkv, call, dim ** -0.5, None, kernel)
+    return len(shapes)
+
+
+def warm_mla_plans(heads: int, nope: int, rope: int, v_dim: int, dtype: torch.dtype,
+                   device: torch.device, max_tokens: int, max_len: int,
+                   multiple: int = PAD_MULTIPLE, batches: tuple[int, ...] = BATCHES,
+                   kernel: str = "cudnn") -> int:
+    """``warm_plans`` for MLA's dense calls (``dense_mla_attention``: its keys and values
+    with the strides ``mla_dense_kv`` gives them)."""
+    shapes = _call_shapes(max_tokens, max_len, multiple, batches)
+    for call in shapes:
+        T = len(call.seqs) * call.length
+        q = torch.zeros(T, heads, nope + rope, dtype=dtype, device=device)
+        up = torch.zeros(T, heads, nope + v_dim, dtype=dtype, device=device)
+        k_pe = torch.zeros(T, rope, dtype=dtype, device=device)
+        dense_mla_attention(q, up, k_pe, nope, call, (nope + rope) ** -0.5, None, kernel)
+    return len(shapes)
+
+
+def _call_shapes(max_tokens: int, max_len: int, multiple: int,
+                 batches: tuple[int, ...]) -> list[DenseCall]:
+    """One unpadded call of every (batch size, padded length) ``dense_calls`` can make."""
+    calls = []
     for S in batches:
         L = padded_len(MIN_TOKENS, multiple)
         while L <= min(max_len, max_tokens // S):
-            q = torch.zeros(S * L, heads, dim, dtype=dtype, device=device)
-            qkv = torch.zeros(S * L, groups, m, dim, dtype=dtype, device=device)
-            call = DenseCall(L, tuple((s, s * L, L) for s in range(S)), None)
-            dense_prefill_attention(q, qkv, call, dim ** -0.5, None, kernel)
-            n += 1
+            calls.append(DenseCall(L, tuple((s, s * L, L) for s in range(S)), None))
             L += multiple
-    return n
+    return calls

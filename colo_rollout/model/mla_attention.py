@@ -44,9 +44,36 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from colo_rollout.model.attention import AttnMetadata, RopeAngles
+from colo_rollout.model.dense_prefill import dense_mla_attention
 from colo_rollout.model.fp8_linear import fp8_linear
 from colo_rollout.model.mla_decode import cached_entries, mla_decode
 from colo_rollout.model.rope_kv import rotate
+
+
+def resolve_prefill(requested: str, device: torch.device | str, dtype: torch.dtype | None,
+                    qk_dim: int, v_dim: int) -> str:
+    """``engine.prefill_attention`` for MLA -> "torch" (P per context bucket through SDPA),
+    or "cudnn" / "flash": the same with fresh sequences of at least
+    ``dense_prefill.MIN_TOKENS`` through that dense kernel (model/dense_prefill.py), which
+    needs the kernel to take query/key heads of ``qk_dim`` with value heads of ``v_dim``.
+    "auto": flash where it can run, else cudnn, else torch. "triton" is refused: MLA has no
+    Triton P kernel."""
+    from colo_rollout.config.attention_support import dense_kernel_problem
+
+    if requested == "triton":
+        raise ValueError("engine.prefill_attention: 'triton' with attention 'mla': MLA's P has "
+                         "no Triton kernel ('auto', 'torch', 'cudnn' or 'flash')")
+    if requested in ("cudnn", "flash"):
+        why = dense_kernel_problem(requested, device, dtype, qk_dim, v_dim)
+        if why is not None:
+            raise RuntimeError(f"engine.prefill_attention: {requested} was requested but {why}; "
+                               "set it to 'torch' or 'auto'")
+        return requested
+    if requested == "auto":
+        for backend in ("flash", "cudnn"):
+            if dense_kernel_problem(backend, device, dtype, qk_dim, v_dim) is None:
+                return backend
+    return "torch"
 
 
 class LatentKVStorage:
@@ -116,7 +143,8 @@ class PagedMLAttention(torch.nn.Module):
         self.scale = softmax_scale
 
     def prefill_plan(self, new, ctx, dtype, device) -> None:
-        """No kernel plan: P attends per context bucket (``AttnMetadata.buckets``)."""
+        """No kernel plan: P attends per context bucket (``AttnMetadata.buckets``) and, with
+        a dense backend, in the runner's dense calls."""
         return None
 
     # ------------------------------------------------------------------ projections
@@ -168,30 +196,51 @@ class PagedMLAttention(torch.nn.Module):
         kv.slots[layer].index_copy_(0, meta.slot_mapping,
                                     torch.cat((latent, k_pe), dim=-1).to(kv.latent.dtype))
         if meta.is_prefill:
-            out = self._prefill(q[..., : self.nope], q_pe, kv, layer, meta)
+            out = self._prefill(q[..., : self.nope], q_pe, latent, k_pe, kv, layer, meta)
         else:
             out = self._decode(q[..., : self.nope], q_pe, kv, layer, meta)
         return self._linear(out.reshape(T, self.heads * self.v_dim), self.linear_proj.weight,
                             n_q + 1)
 
     # ------------------------------------------------------------------ attention
-    def _prefill(self, q_nope, q_pe, kv, layer, meta: AttnMetadata) -> torch.Tensor:
-        """Per context bucket: the context's keys [k_nope | rope key] and values decompressed
-        from the cache, queries [q_nope | rotated q_pe], one SDPA call (megatron's core
-        attention per head; padded query rows are computed and dropped)."""
+    def _prefill(self, q_nope, q_pe, latent, k_pe, kv, layer, meta: AttnMetadata
+                 ) -> torch.Tensor:
+        """The fresh long sequences of ``meta.dense_calls`` (``prefill_backend`` cudnn or
+        flash: the runner made them, and left those sequences out of the buckets) through
+        a dense causal kernel over their own rows -- every key is one of the step's new tokens,
+        so their keys and values are this step's latents decompressed (``latent`` [T, latent]
+        normalised, ``k_pe`` [T, rope] rotated), no cache read. Then per context bucket: the
+        context's keys [k_nope | rope key] and values decompressed from the cache, queries
+        [q_nope | rotated q_pe], one SDPA call (megatron's core attention per head; padded
+        query rows are computed and dropped)."""
         q = torch.cat((q_nope, q_pe), dim=-1)
-        out = q.new_empty((q.shape[0], self.heads, self.v_dim))
+        T = q.shape[0]
+        calls = meta.dense_calls
+        if calls:
+            # the values the cache holds (its dtype), as the buckets read them
+            cached = kv.latent.dtype
+            up = F.linear(latent.to(cached).to(q.dtype), self.linear_kv_up_proj.weight).view(
+                T, self.heads, self.nope + self.v_dim)
+            k_pe = k_pe.to(cached).to(q.dtype)
+            backend = getattr(self, "prefill_backend", "cudnn")
+            if not meta.buckets and len(calls) == 1 and calls[0].covers(T):
+                # one dense call over every row: its result is the output (no copy)
+                return dense_mla_attention(q, up, k_pe, self.nope, calls[0], self.scale, None,
+                                           backend)
+        out = q.new_empty((T, self.heads, self.v_dim))
+        for call in calls:
+            dense_mla_attention(q, up, k_pe, self.nope, call, self.scale, out, backend)
         for b in meta.buckets:
             Sb = b.seqs.shape[0]
             lat, _ = cached_entries(kv.latent[layer], meta.block_tables[b.seqs, : b.blocks],
                                     b.ctx, q.dtype)
             keys = lat.shape[1]
-            up = F.linear(lat[..., : self.kv_lora_rank], self.linear_kv_up_proj.weight)
-            up = up.view(Sb, keys, self.heads, self.nope + self.v_dim)
-            k_pe = lat[:, :, None, self.kv_lora_rank:].expand(Sb, keys, self.heads,
-                                                               self.rope_dim)
-            k = torch.cat((up[..., : self.nope], k_pe), dim=-1)
-            v = up[..., self.nope:]
+            up_b = F.linear(lat[..., : self.kv_lora_rank], self.linear_kv_up_proj.weight)
+            up_b = up_b.view(Sb, keys, self.heads, self.nope + self.v_dim)
+            k_rope = lat[:, :, None, self.kv_lora_rank:].expand(Sb, keys, self.heads,
+                                                                 self.rope_dim)
+            k = torch.cat((up_b[..., : self.nope], k_rope), dim=-1)
+            v = up_b[..., self.nope:]
             o = F.scaled_dot_product_attention(
                 q[b.q_rows].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                 attn_mask=b.causal_mask(keys), scale=self.scale)  # [Sb, heads, n_max, v]

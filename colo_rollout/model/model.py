@@ -53,6 +53,7 @@ from colo_rollout.model.attention import (
 )
 from colo_rollout.model.comm import GatherComm
 from colo_rollout.model.mla_attention import LatentKVStorage, PagedMLAttention
+from colo_rollout.model.mla_attention import resolve_prefill as resolve_mla_prefill
 from colo_rollout.model.dispatch import new_dispatchers
 from colo_rollout.model.fp8 import ROW_MULTIPLE, Fp8Weight, fp8_supported, recipe_block
 from colo_rollout.model.fused_moe import resolve_backend as resolve_moe_kernel
@@ -65,6 +66,13 @@ from colo_rollout.model.norm_add import (
     fused_rms_norm,
 )
 from colo_rollout.model.residual import add_rounded, add_rounded_slots
+from colo_rollout.model import dense_prefill
+from colo_rollout.model.dense_prefill import (
+    DENSE_BACKENDS,
+    dense_held,
+    dense_sequences,
+    warm_mla_plans,
+)
 from colo_rollout.model.dense_prefill import warm_plans as warm_dense_plans
 from colo_rollout.model.paged_prefill import resolve_backend as resolve_prefill_backend
 from colo_rollout.model.moe import GatherMoE, mlp_partial
@@ -470,15 +478,13 @@ class InferenceGPT(torch.nn.Module):
         # chosen once for the model's device before anything is allocated: "triton" without
         # CUDA or triton fails here
         if cfg.is_mla:  # MLA attends in its own ops (model/mla_attention.py, mla_decode.py)
-            if prefill_attention not in ("auto", "torch"):
-                raise ValueError(f"engine.prefill_attention: {prefill_attention!r} with "
-                                 "attention 'mla': MLA's P runs its own attention ('auto' or "
-                                 "'torch')")
             # D: its Triton kernel (model/mla_decode.py) or its torch ops, "auto" as GQA's
             # (triton on CUDA where it imports: 1.08-1.73x faster D steps on an H200, session
             # 29); resolve_backend refuses "triton" without CUDA or triton
             self.decode_attention = resolve_backend(decode_attention, groups.device)
-            self.prefill_attention = "torch"
+            # P: its bucketed SDPA, with the fresh long sequences in dense calls (cudnn, flash)
+            self.prefill_attention = resolve_mla_prefill(prefill_attention, groups.device,
+                                                         dtype, cfg.head_dim, cfg.v_head_dim)
         else:
             self.decode_attention = resolve_backend(decode_attention, groups.device)
             self.prefill_attention = resolve_prefill_backend(prefill_attention, groups.device,
@@ -705,6 +711,10 @@ class InferenceGPT(torch.nn.Module):
         if self.prefill_attention not in ("cudnn", "flash"):
             return 0
         att = self.decoder.layers[0].self_attention
+        if self.cfg.is_mla:
+            return warm_mla_plans(att.heads, att.nope, att.rope_dim, att.v_dim, self.dtype,
+                                  self.device, max_tokens, max_len,
+                                  kernel=self.prefill_attention)
         return warm_dense_plans(att.heads, att.groups, att.head_dim, self.dtype, self.device,
                                 max_tokens, max_len, kernel=self.prefill_attention)
 
@@ -760,6 +770,20 @@ class InferenceGPT(torch.nn.Module):
         tables ride their host->device copy."""
         att = self.decoder.layers[0].self_attention
         return att.prefill_plan(new, ctx, self.dtype, self.device)
+
+    @property
+    def bucketed_prefill(self) -> bool:
+        """P attention reads ``AttnMetadata.buckets`` (the torch backend; MLA always, for
+        the sequences its dense calls leave)."""
+        return self.prefill_attention == "torch" or self.cfg.is_mla
+
+    def dense_prefill(self, new: list[int], ctx: list[int]) -> tuple[tuple[int, int, int], ...]:
+        """MLA's dense calls' sequences (sequence, first row, new tokens) for a P epoch of
+        these sequences, where its P backend is cudnn or flash; () otherwise (GQA's come with
+        its kernel plan, ``prefill_plan``)."""
+        if not self.cfg.is_mla or self.prefill_attention not in DENSE_BACKENDS:
+            return ()
+        return dense_held(new, dense_sequences(new, ctx, dense_prefill.MIN_TOKENS))
 
     def rope_angles(self, positions: torch.Tensor) -> RopeAngles:
         """One forward's angles at ``positions`` (every layer reads them)."""

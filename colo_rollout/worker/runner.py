@@ -497,6 +497,8 @@ class ModelRunner:
         dev = self.device
         # the attention kernels' plan rides the same copy (int32 tables as int64 words)
         plan = self.model.prefill_plan(new, ctx) if mine else None
+        # the dense calls' sequences: the kernel plan's (GQA), else MLA's own
+        held = plan.dense if plan is not None else self.model.dense_prefill(new, ctx)
         ids_d, pos_d, slots_d, tables_d, ctx_d, last_d, *plan_d = h2d_packed(
             [ids, pos, slots, tables, ctx, last_rows]
             + ([plan.packed()] if plan is not None else []), dev, self._p_stage)
@@ -507,14 +509,16 @@ class ModelRunner:
             block_tables=tables_d,
             context_lens=ctx_d,
             seq_lens_new=new, context_lens_host=ctx,
-            # the bucketed SDPA path's batches; the Triton kernel makes its own launch plan
+            # the bucketed SDPA path's batches (but the dense calls' sequences); the Triton
+            # kernel makes its own launch plan
             buckets=(prefill_buckets(new, ctx, self.block_size, lambda v, t: h2d(v, t, dev),
-                                     self.prefill_merge_pairs)
-                     if self.model.prefill_attention == "torch" else []),
+                                     self.prefill_merge_pairs,
+                                     skip=frozenset(s for s, _, _ in held))
+                     if self.model.bucketed_prefill else []),
+            dense_calls=dense_calls(held, dev),
         )
         if plan is not None:
             attn.prefill_plan = plan.on_device(plan_d[0])
-            attn.dense_calls = dense_calls(plan.dense, dev)
         return PrefillInputs(
             token_ids=ids_d, attn=attn,
             row_counts=row_counts, last_counts=last_counts,
