@@ -67,9 +67,11 @@ def _rope_inputs(T, seed=0, G=4, n=8, D=128, blocks=600, bs=16):
 
 def _rope(args):
     q, k, v, cos, sin, kc, vc, slots, norm, pos = args
+    kv_out = (torch.empty_like(k, memory_format=torch.contiguous_format),
+              torch.empty_like(v, memory_format=torch.contiguous_format))
     out = rope_kv.rope_and_store(q, k, v, cos, sin, kc, vc, slots, backend="triton",
-                                 qk_norm=norm, positions=pos, store_k=True)
-    return out, k, kc, vc
+                                 qk_norm=norm, positions=pos, kv_out=kv_out)
+    return out, *kv_out, kc, vc
 
 
 @pytest.mark.gpu

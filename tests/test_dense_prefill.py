@@ -14,7 +14,7 @@ import torch
 
 from colo_rollout.model import dense_prefill as dp
 from colo_rollout.model import paged_prefill as pp
-from colo_rollout.testing.attention_oracle import prefill_per_sequence, qkv_from_cache
+from colo_rollout.testing.attention_oracle import kv_from_cache, prefill_per_sequence
 from tests.test_paged_prefill import _case, _oracle
 
 F32 = torch.float32
@@ -64,29 +64,32 @@ def test_the_dense_calls_are_the_oracle(g, n_q, lens, multiple):
     calls = dp.dense_calls(tuple((s, starts[s], n) for s, n in enumerate(lens)), "cpu",
                            multiple)
     ref = _oracle(q, k_all, v_all, tables, lens, lens, g, n_q, dim)
-    # the step's QKV rows (k rotated in place): the calls' only source of K and V
-    qkv = qkv_from_cache(q, k_all[1], v_all[1], slots)
+    # the step's rotated K and V rows: the calls' only source of keys and values
+    k, v = kv_from_cache(k_all[1], v_all[1], slots)
     out = torch.full_like(q, float("nan"))
     for call in calls:
-        got = dp.dense_prefill_attention(q, qkv, call, dim ** -0.5, out)
+        got = dp.dense_prefill_attention(q, k, v, call, dim ** -0.5, out)
         assert got is out
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     if len(calls) == 1 and calls[0].rows is None:
-        whole = dp.dense_prefill_attention(q, qkv, calls[0], dim ** -0.5, None)
+        whole = dp.dense_prefill_attention(q, k, v, calls[0], dim ** -0.5, None)
         assert whole.shape == q.shape and whole.dtype == q.dtype
         torch.testing.assert_close(whole, ref, rtol=1e-5, atol=1e-5)
     elif calls[0].rows is not None:
         with pytest.raises(ValueError, match="needs out"):
-            dp.dense_prefill_attention(q, qkv, calls[0], 0.3, None)
+            dp.dense_prefill_attention(q, k, v, calls[0], 0.3, None)
 
 
-def test_the_dense_call_refuses_q_and_qkv_that_do_not_match():
+def test_the_dense_call_refuses_q_k_and_v_that_do_not_match():
     call = dp.DenseCall(4, ((0, 0, 4),), None)
+    kv = torch.zeros(4, 2, 8)
     with pytest.raises(ValueError, match="do not match"):  # 3 heads over 2 groups
-        dp.dense_prefill_attention(torch.zeros(4, 3, 8), torch.zeros(4, 2, 3, 8), call, 0.3,
-                                   None)
+        dp.dense_prefill_attention(torch.zeros(4, 3, 8), kv, kv, call, 0.3, None)
     with pytest.raises(ValueError, match="do not match"):  # another row count
-        dp.dense_prefill_attention(torch.zeros(4, 4, 8), torch.zeros(5, 2, 4, 8), call, 0.3,
+        dp.dense_prefill_attention(torch.zeros(4, 4, 8), torch.zeros(5, 2, 8), kv, call, 0.3,
+                                   None)
+    with pytest.raises(ValueError, match="do not match"):  # another value width
+        dp.dense_prefill_attention(torch.zeros(4, 4, 8), kv, torch.zeros(4, 2, 6), call, 0.3,
                                    None)
 
 
@@ -139,8 +142,8 @@ def test_prefill_on_cudnn_fills_the_rows_the_kernel_leaves(monkeypatch, backend)
     monkeypatch.setattr(at, "triton_prefill_attention", kernel)
     monkeypatch.setattr(at, "dense_sequences",
                         lambda n, c: dp.dense_sequences(n, c, min_tokens=10))
-    qkv = qkv_from_cache(q, kv.k[1], kv.v[1], slots)
-    got = at.PagedSelfAttention._prefill(fake, q, qkv, kv, 1, meta)
+    got = at.PagedSelfAttention._prefill(fake, q, kv_from_cache(kv.k[1], kv.v[1], slots), kv,
+                                         1, meta)
     assert [s for s, _, _ in meta.prefill_plan.dense] == [0, 2]
     torch.testing.assert_close(got, prefill_per_sequence(fake, q, kv, 1, meta),
                                rtol=1e-5, atol=1e-5)

@@ -133,25 +133,31 @@ def test_gpu_mla_matches_reference(gpu_groups, world, adp, ep, dtype, decode):
 
 
 @pytest.mark.parametrize("kernel", ["cudnn", "flash"])
-def test_gpu_mla_dense_prefill_matches_reference(gpu_groups, kernel):
-    """MLA's P with its fresh sequences in dense calls (engine.prefill_attention cudnn /
-    flash; from 12 tokens here, padded to 256) at DeepSeek's head widths (query/key 192,
-    value 128), bf16, against megatron's MLA GPTModel: no worse than megatron's own bf16."""
+@pytest.mark.parametrize("arch", ["gqa", "mla"])
+def test_gpu_dense_prefill_matches_reference(gpu_groups, arch, kernel):
+    """P with its fresh sequences in dense calls (engine.prefill_attention cudnn / flash;
+    from 12 tokens here, padded to 256), bf16, against megatron's GPTModel -- no worse than
+    megatron's own bf16: the tier's GQA model (K and V from the rope kernel's contiguous
+    rows) and MLA at DeepSeek's head widths (query/key 192, value 128)."""
     from colo_rollout.config.attention_support import dense_kernel_problem
     from tests.cases_engine import MLA_ARCH
 
-    why = dense_kernel_problem(kernel, "cuda", torch.bfloat16, 192, 128)
+    model_kw = None
+    dims = (64, None)
+    if arch == "mla":
+        model_kw = {**MLA_ARCH, "num_attention_heads": 8, "num_query_groups": 8,
+                    "kv_lora_rank": 64, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                    "v_head_dim": 128}
+        dims = (192, 128)
+    why = dense_kernel_problem(kernel, "cuda", torch.bfloat16, *dims)
     if why is not None:
         pytest.skip(why)
     res = gpu_groups(1).run("tests.cases_gpu:gpu_engine_matches_reference", timeout=600,
                             adp=1, ep=1, dtype="bfloat16", use_te="off", n_requests=64,
-                            model_kw={**MLA_ARCH, "num_attention_heads": 8,
-                                      "num_query_groups": 8, "kv_lora_rank": 64,
-                                      "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-                                      "v_head_dim": 128},
-                            engine_kw={"prefill_attention": kernel}, dense_from=12)
+                            model_kw=model_kw, engine_kw={"prefill_attention": kernel},
+                            dense_from=12)
     assert res[0]["prefill_attention"] == kernel
-    _check_against_reference(f"mla_dense_prefill_{kernel}", res, 1, "bfloat16")
+    _check_against_reference(f"{arch}_dense_prefill_{kernel}", res, 1, "bfloat16")
 
 
 @pytest.mark.parametrize("world,adp,ep", [(2, 2, 2), (2, 1, 2)])
@@ -693,7 +699,7 @@ def test_gpu_cudnn_prefill_rows_match_the_kernel(kernel):
     from colo_rollout.model.dense_prefill import (cudnn_usable, dense_calls,
                                                   dense_prefill_attention, dense_sequences,
                                                   flash_usable)
-    from colo_rollout.testing.attention_oracle import qkv_from_cache
+    from colo_rollout.testing.attention_oracle import kv_from_cache
 
     dev = torch.device("cuda")
     why = (cudnn_usable if kernel == "cudnn" else flash_usable)(dev)
@@ -726,12 +732,12 @@ def test_gpu_cudnn_prefill_rows_match_the_kernel(kernel):
     def triton_only():
         return pp.triton_prefill_attention(q, k, v, tables, full, scale)
 
-    qkv = qkv_from_cache(q, k, v, slots)  # the step's rows, k rotated in place
+    rows = kv_from_cache(k, v, slots)  # the step's rotated K and V rows (contiguous)
 
     def mixed():
         out = pp.triton_prefill_attention(q, k, v, tables, split, scale)
         for call in calls:
-            dense_prefill_attention(q, qkv, call, scale, out, kernel)
+            dense_prefill_attention(q, *rows, call, scale, out, kernel)
         return out
 
     def ms(fn):

@@ -115,7 +115,7 @@ def _interpreted() -> list[str]:
     # computed by the dense call (model/dense_prefill.py; torch's SDPA on CPU) into the rows
     # the kernel leaves: together the oracle's output
     from colo_rollout.model.dense_prefill import dense_calls, dense_prefill_attention
-    from colo_rollout.testing.attention_oracle import qkv_from_cache
+    from colo_rollout.testing.attention_oracle import kv_from_cache
 
     g, n, dim, bs, new, ctx = 2, 4, 64, 16, [40, 9, 33, 5], [40, 30, 33, 5]
     q, k_all, v_all, tables = _case(g, n, dim, bs, new, ctx, F32, torch.int64, seed=77)
@@ -124,9 +124,9 @@ def _interpreted() -> list[str]:
     slots = torch.cat([torch.tensor([int(tables[s, p // bs]) * bs + p % bs
                                      for p in range(c - m, c)]) for s, (m, c) in
                        enumerate(zip(new, ctx))])
-    qkv = qkv_from_cache(q, k_all[1], v_all[1], slots)
+    k, v = kv_from_cache(k_all[1], v_all[1], slots)
     for call in dense_calls(plan.dense, "cpu", 16):  # one call: 40 and 33 padded to 48
-        dense_prefill_attention(q, qkv, call, dim ** -0.5, got)
+        dense_prefill_attention(q, k, v, call, dim ** -0.5, got)
     ref = _oracle(q, k_all, v_all, tables, new, ctx, g, n, dim)
     err = (got - ref).abs().max().item()
     if plan.dense != ((0, 0, 40), (2, 49, 33)) or not err < 1e-4:

@@ -177,7 +177,7 @@ def test_kernel_takes_only_one_dtype_throughout():
 
 def _tabled(i):
     """Case i as the model runs it: the angles as whole tables [P, rot] (model.rope_tables)
-    read at the positions, and k written back rotated into the QKV rows (store_k)."""
+    read at the positions, and the rotated k and the v into the dense calls' rows (kv_out)."""
     T, G, n, D, rot, dtype = CASES[i]
     g = torch.Generator().manual_seed(i)
     table = torch.randn(64, 1, 1, rot, generator=g)
@@ -188,26 +188,29 @@ def _tabled(i):
 
 
 def _run_tabled(fn, i):
-    """(q, k cache, v cache, the QKV rows' k after the call) of ``fn`` with tables and
-    store_k on case i."""
+    """(q, k cache, v cache, kv_out's k, kv_out's v) of ``fn`` with tables and kv_out on
+    case i."""
     qkv, slots, pos, (cos_t, sin_t), _ = _tabled(i)
-    qkv = qkv.clone()
-    n = qkv.shape[2] - 2
-    q, kc, vc = _run(lambda *a: fn(*a, positions=pos, store_k=True), qkv, slots, cos_t,
+    T, G, _, D = qkv.shape
+    kv_out = (torch.full((T, G, D), 5.0, dtype=qkv.dtype),
+              torch.full((T, G, D), 5.0, dtype=qkv.dtype))
+    qkv_before = qkv.clone()
+    q, kc, vc = _run(lambda *a: fn(*a, positions=pos, kv_out=kv_out), qkv, slots, cos_t,
                      sin_t)
-    return q, kc, vc, qkv[:, :, n]
+    assert torch.equal(qkv, qkv_before)  # the QKV rows are only read
+    return q, kc, vc, *kv_out
 
 
 @pytest.mark.parametrize("i", range(len(CASES)))
-def test_angle_tables_and_the_k_write_back_change_nothing_else(i):
-    """Tables read at the positions give the per-row angles' result bitwise; store_k leaves
-    the rotated k (the cache's rows) in the QKV rows and nothing else different."""
+def test_angle_tables_and_the_dense_rows_change_nothing_else(i):
+    """Tables read at the positions give the per-row angles' result bitwise; kv_out holds
+    the rotated k and the v (the cache's rows) and nothing else is different."""
     qkv, slots, pos, _, (cos, sin) = _tabled(i)
     want = _run(rope_kv.torch_rope_and_store, qkv, slots, cos, sin)
-    q, kc, vc, k_rows = _run_tabled(rope_kv.torch_rope_and_store, i)
+    q, kc, vc, k_rows, v_rows = _run_tabled(rope_kv.torch_rope_and_store, i)
     assert torch.equal(q, want[0]) and torch.equal(kc, want[1]) and torch.equal(vc, want[2])
-    assert torch.equal(k_rows, kc[slots])  # the rotated k, in place
-    assert not torch.equal(k_rows, qkv[:, :, qkv.shape[2] - 2])  # (it was not already)
+    assert torch.equal(k_rows, kc[slots]) and torch.equal(v_rows, vc[slots])
+    assert not torch.equal(k_rows, qkv[:, :, qkv.shape[2] - 2])  # (rotated: not the input)
 
 
 def _interpreted() -> list[str]:
@@ -217,7 +220,8 @@ def _interpreted() -> list[str]:
         for i in range(len(CASES)):  # tables + write-back, kernel vs torch path
             ref = _run_tabled(rope_kv.torch_rope_and_store, i)
             got = _run_tabled(rope_kv.triton_rope_and_store, i)
-            for name, a, b in zip(("q", "k cache", "v cache", "k rows"), got, ref):
+            for name, a, b in zip(("q", "k cache", "v cache", "k rows", "v rows"), got,
+                                  ref):
                 if not torch.equal(a, b):
                     fails.append(f"tabled case {i}, whole tokens from {whole}: {name} differs")
     for i in range(len(CASES)):

@@ -326,20 +326,22 @@ class PagedSelfAttention(torch.nn.Module):
             q = self.q_layernorm(q.reshape(T, self.heads, D)).view(T, G, n, D)
             k = self.k_layernorm(k.contiguous())
         # rotate q and k, and write the new K/V into their slots before attending (a prefill
-        # sees its own tokens): one Triton launch, or the torch ops (model/rope_kv.py)
-        # dense P calls (cudnn, flash) read the step's rotated k in place, not from the cache
-        store_k = (meta.is_prefill
-                   and getattr(self, "prefill_backend", "auto") in DENSE_BACKENDS)
+        # sees its own tokens): one Triton launch, or the torch ops (model/rope_kv.py).
+        # Dense P calls (cudnn, flash) read the step's rotated k and its v from contiguous
+        # copies the same launch writes (not from the cache, not as the QKV rows' views)
+        kv_out = None
+        if meta.is_prefill and getattr(self, "prefill_backend", "auto") in DENSE_BACKENDS \
+                and (meta.dense_calls or meta.prefill_plan is None):
+            kv_out = (torch.empty_like(v, memory_format=torch.contiguous_format),
+                      torch.empty_like(v, memory_format=torch.contiguous_format))
         cos, sin, positions = (rope.kernel_angles(q.dtype) if backend == "triton"
                                else (*rope.cos_sin(q.dtype, 2), None))
         q = rope_and_store(q, k, v, cos, sin, kv.k_slots[layer], kv.v_slots[layer],
                            meta.slot_mapping, backend=backend,
-                           qk_norm=qk_norm, positions=positions, store_k=store_k)
-        if store_k and k.data_ptr() != qkv[:, :, n].data_ptr():  # a normed copy of k
-            qkv[:, :, n].copy_(k)
+                           qk_norm=qk_norm, positions=positions, kv_out=kv_out)
 
         if meta.is_prefill:
-            out = self._prefill(q, qkv, kv, layer, meta)
+            out = self._prefill(q, kv_out, kv, layer, meta)
         else:
             out = self._decode(q, kv, layer, meta)
         out = out.reshape(T, self.heads * self.head_dim)
@@ -396,7 +398,7 @@ class PagedSelfAttention(torch.nn.Module):
         v = v.repeat_interleave(self.q_per_group, dim=2)
         return k, v
 
-    def _prefill(self, q, qkv, kv, layer, meta: AttnMetadata) -> torch.Tensor:
+    def _prefill(self, q, dense_kv, kv, layer, meta: AttnMetadata) -> torch.Tensor:
         """Queries [T, heads, dim] of every sequence back to back; query j of a sequence sits
         at position ctx - new + j and sees keys 0..that position. No P rows on this replica:
         zero rows out (collectives still match). Checked against testing/attention_oracle.py's
@@ -410,8 +412,8 @@ class PagedSelfAttention(torch.nn.Module):
             here by the epoch's first layer where the caller did not; the buckets are unused.
           * cudnn: the same, but fresh sequences of >= 1024 tokens (model/dense_prefill.py)
             are left out of the kernel's tiles and computed by cuDNN's dense attention, up to
-            8 sequences of one padded length per call, from ``qkv`` (the step's QKV rows, k
-            rotated in place by the rope kernel's ``store_k``).
+            8 sequences of one padded length per call, from ``dense_kv`` (the step's rotated
+            k and its v [T, groups, dim], contiguous: the rope kernel's ``kv_out``).
           * flash: cudnn's calls through FlashAttention-4's kernel.
           * torch (the CPU path and the reference): one SDPA call per context bucket, queries
             [Sb, heads, n_max, dim] against the bucket's keys [Sb, heads, blocks*block, dim]
@@ -428,11 +430,12 @@ class PagedSelfAttention(torch.nn.Module):
             calls = meta.dense_calls
             if plan.n_tiles == 0 and len(calls) == 1 and calls[0].covers(q.shape[0]):
                 # one dense call over every row: its result is the output (no copy)
-                return dense_prefill_attention(q, qkv, calls[0], self.scale, None, backend)
+                return dense_prefill_attention(q, *dense_kv, calls[0], self.scale, None,
+                                               backend)
             out = triton_prefill_attention(q, kv.k[layer], kv.v[layer], meta.block_tables,
                                            plan, self.scale)
             for call in calls:  # the rows the kernel left unwritten
-                dense_prefill_attention(q, qkv, call, self.scale, out, backend)
+                dense_prefill_attention(q, *dense_kv, call, self.scale, out, backend)
             return out
         out = q.new_empty(q.shape)
         for b in meta.buckets:

@@ -27,13 +27,12 @@ config/attention_support.py's (the door asks it too).
 
 Invariants:
   * Only fresh sequences (every key is one of the step's new tokens: ctx == new) of at least
-    ``MIN_TOKENS`` go dense; their keys are the step's own rows of the QKV projection's
-    output, where the rope kernel wrote the rotated k back (``rope_and_store(store_k=True)``:
-    the K it wrote into the cache, which the Triton kernel reads) -- no gather from the
-    cache.
-  * K and V always reach cuDNN with the QKV output's strides (views of it, or a gather of
-    whole QKV rows): cuDNN's plans are keyed by strides too, and ``warm_plans`` builds the
-    plans of exactly those.
+    ``MIN_TOKENS`` go dense; their keys and values are the step's own rows, as the rope
+    kernel wrote them beside the cache (``rope_and_store(kv_out=...)``: the K and V it wrote
+    into the cache, which the Triton kernel reads) -- no gather from the cache.
+  * Q, K and V reach the kernels contiguous per row ([T, heads or groups, dim]: views of
+    those, or row gathers of them): cuDNN's plans are keyed by strides too, and
+    ``warm_plans`` builds the plans of exactly those.
   * A call's sequences share one padded length L (a multiple of ``PAD_MULTIPLE``) and a batch
     size from ``BATCHES``: cuDNN builds one plan per (S, L) shape (~50 ms, on its first use),
     so the shapes are few -- at most len(BATCHES) x max_seq_len / PAD_MULTIPLE.
@@ -147,23 +146,23 @@ def dense_calls(held: tuple[tuple[int, int, int], ...], device: torch.device | s
     return calls
 
 
-def dense_prefill_attention(q: torch.Tensor, qkv: torch.Tensor, call: DenseCall,
-                            scale: float, out: torch.Tensor | None,
+def dense_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            call: DenseCall, scale: float, out: torch.Tensor | None,
                             kernel: str = "cudnn") -> torch.Tensor:
     """One dense call: the rows of ``call``'s sequences in q [T, heads, dim] (rotated)
-    against their own keys, causal. ``qkv`` [T, groups, m, dim]: the step's QKV projection
-    per query group (megatron's layout: the group's q heads, then k at m - 2 and v at m - 1),
-    k rotated in place. Writes the sequences' rows of ``out`` [T, heads, dim] and returns it;
-    ``out`` None (the call covers every row of q back to back): returns the result itself, a
-    view. ``kernel``: "cudnn", or "flash" (FlashAttention-4 for a call of one sequence, cuDNN
-    for a batched one) on CUDA tensors; on CPU torch's SDPA either way."""
+    against their own keys, causal. k and v [T, groups, dim]: the step's rotated keys and
+    values (the rope kernel's ``kv_out``: contiguous). Writes the sequences' rows of ``out``
+    [T, heads, dim] and returns it; ``out`` None (the call covers every row of q back to
+    back): returns the result itself, a view. ``kernel``: "cudnn", or "flash"
+    (FlashAttention-4 for a call of one sequence, cuDNN for a batched one) on CUDA tensors;
+    on CPU torch's SDPA either way."""
     T, heads, dim = q.shape
-    g, m = qkv.shape[1], qkv.shape[2]
-    if heads % g or qkv.shape[0] != T or qkv.shape[3] != dim:
-        raise ValueError(f"q {tuple(q.shape)} and qkv {tuple(qkv.shape)} do not match")
-    qb, rows = _call_rows(call, T, q, qkv)  # whole QKV rows: K and V keep the views' strides
-    o = dense_attention(qb, rows[:, :, m - 2], rows[:, :, m - 1], call, scale, kernel)
-    return _scatter(o, call, out, T)
+    g = k.shape[1]
+    if heads % g or k.shape != (T, g, dim) or v.shape != (T, g, dim):
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} "
+                         "do not match")
+    qb, kb, vb = _call_rows(call, T, q, k, v)
+    return _scatter(dense_attention(qb, kb, vb, call, scale, kernel), call, out, T)
 
 
 def dense_mla_attention(q: torch.Tensor, up: torch.Tensor, k_pe: torch.Tensor, nope: int,
@@ -255,13 +254,12 @@ def warm_plans(heads: int, groups: int, dim: int, dtype: torch.dtype, device: to
     ``max_tokens`` tokens and sequences of up to ``max_len``, so that cuDNN builds each plan
     (40-70 ms apiece on one H200) -- or FlashAttention-4 JIT-compiles its kernel (~2.5 s, once
     per process) -- before serving rather than inside a P epoch. Returns the shapes run."""
-    m = heads // groups + 2  # per query group: its q heads, k, v (the QKV output's strides)
     shapes = _call_shapes(max_tokens, max_len, multiple, batches)
     for call in shapes:
         T = len(call.seqs) * call.length
         q = torch.zeros(T, heads, dim, dtype=dtype, device=device)
-        qkv = torch.zeros(T, groups, m, dim, dtype=dtype, device=device)
-        dense_prefill_attention(q, qkv, call, dim ** -0.5, None, kernel)
+        k = torch.zeros(T, groups, dim, dtype=dtype, device=device)
+        dense_prefill_attention(q, k, torch.zeros_like(k), call, dim ** -0.5, None, kernel)
     return len(shapes)
 
 

@@ -9,9 +9,11 @@ and k, v [T, G, D], with cos/sin [T, rot] of each token's position:
 
 With ``positions`` [T], cos and sin are whole tables [P, rot] and token t's angles are row
 ``positions[t]`` (the kernel reads the row itself: no per-step gather of the angles, and a
-captured graph reads the positions buffer on replay). With ``store_k`` the rotated k is also
-written back into k itself (a view of the QKV projection's output): a dense attention call
-over the step's own rows then reads q, k and v as views, without gathering K from the cache.
+captured graph reads the positions buffer on replay). With ``kv_out`` (two [T, G, D]
+tensors) the rotated k and v are also written there: a dense attention call over the step's
+own rows then reads K and V without gathering them from the cache, and contiguously (on one
+H200 FlashAttention-4 ran a 4k causal call 1.15x faster on contiguous K/V than on the QKV
+projection's strided views: docs/benchmarks.md session 27).
 
 With ``qk_norm`` (a ``QKRMSNorm``: Qwen3's q/k norms when they are torch's RMSNorm) q and k are
 first normalised per head as ``F.rms_norm(x, (D,), weight, eps)`` computes it -- the torch
@@ -77,11 +79,13 @@ def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 def torch_rope_and_store(q, k, v, cos, sin, k_cache, v_cache, slots,
                          qk_norm: QKRMSNorm | None = None, positions=None,
-                         store_k: bool = False) -> torch.Tensor:
+                         kv_out: tuple[torch.Tensor, torch.Tensor] | None = None
+                         ) -> torch.Tensor:
     """The reference: q [T, G, n, D], k and v [T, G, D] (any strides), cos and sin [T, rot]
     in q's dtype (or tables [P, rot] read at ``positions`` [T]); k_cache and v_cache
     [slots, G, D]; slots [T] int64 -> rotated q [T, G * n, D] contiguous (k and v written
-    into their slots, cast to the cache's dtype; with ``store_k`` the rotated k into k too).
+    into their slots, cast to the cache's dtype; with ``kv_out`` the rotated k and v into
+    those [T, G, D] too).
     ``qk_norm``: q and k normalised first, by torch's rms_norm (what the modules call)."""
     T, D = q.shape[0], q.shape[-1]
     if positions is not None:
@@ -93,14 +97,16 @@ def torch_rope_and_store(q, k, v, cos, sin, k_cache, v_cache, slots,
     kr = rotate(k, cos.view(T, 1, -1), sin.view(T, 1, -1))
     k_cache.index_copy_(0, slots, as_dtype(kr, k_cache.dtype))
     v_cache.index_copy_(0, slots, as_dtype(v, v_cache.dtype))
-    if store_k:
-        k.copy_(kr)
+    if kv_out is not None:
+        kv_out[0].copy_(kr)
+        kv_out[1].copy_(v)
     return qr.reshape(T, -1, q.shape[-1])
 
 
 def triton_rope_and_store(q, k, v, cos, sin, k_cache, v_cache, slots,
                           qk_norm: QKRMSNorm | None = None, positions=None,
-                          store_k: bool = False) -> torch.Tensor:
+                          kv_out: tuple[torch.Tensor, torch.Tensor] | None = None
+                          ) -> torch.Tensor:
     """``torch_rope_and_store`` in one Triton launch (q, k, v, caches in one dtype). CPU
     tensors run under TRITON_INTERPRET=1 only (the tests)."""
     T, G, n, D = q.shape
@@ -113,10 +119,18 @@ def triton_rope_and_store(q, k, v, cos, sin, k_cache, v_cache, slots,
         raise ValueError("rope kernel: the head dims must be contiguous and rot even")
     if qk_norm is not None and not _norm_fits(qk_norm, D):
         raise ValueError("rope kernel: the q/k norm weights must be contiguous [D]")
-    return _launch(q, k, v, cos, sin, k_cache, v_cache, slots, qk_norm, positions, store_k)
+    if kv_out is not None and not _out_fits(kv_out, k):
+        raise ValueError("rope kernel: kv_out must be two [T, G, D] tensors of k's dtype with "
+                         "contiguous head dims")
+    return _launch(q, k, v, cos, sin, k_cache, v_cache, slots, qk_norm, positions, kv_out)
 
 
-def _launch(q, k, v, cos, sin, k_cache, v_cache, slots, qk_norm, positions, store_k):
+def _out_fits(kv_out, k: torch.Tensor) -> bool:
+    return all(t.shape == k.shape and t.dtype == k.dtype and t.stride(-1) == 1
+               for t in kv_out)
+
+
+def _launch(q, k, v, cos, sin, k_cache, v_cache, slots, qk_norm, positions, kv_out):
     """The kernel on tensors ``triton_rope_and_store`` (or ``kernel_fits``) has checked: one
     launch, every group of each token in one program from WHOLE_TOKEN_FROM tokens."""
     if triton is None:
@@ -138,19 +152,24 @@ def _launch(q, k, v, cos, sin, k_cache, v_cache, slots, qk_norm, positions, stor
     GB = G if T >= WHOLE_TOKEN_FROM else 1
     block = pow2(GB * n) * pow2(half)
     pos = slots if positions is None else positions
+    # without kv_out its pointers are never read (STORE_KV is a constexpr): k and v stand in
+    ko, vo = (k, v) if kv_out is None else kv_out
     ints = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), v.stride(0),
             v.stride(1), cos.stride(0), k_cache.stride(0), k_cache.stride(1),
-            v_cache.stride(0), v_cache.stride(1), G, GB, n, D, half)
+            v_cache.stride(0), v_cache.stride(1), ko.stride(0), ko.stride(1), vo.stride(0),
+            vo.stride(1), G, GB, n, D, half)
     consts = (pow2(GB * n), pow2(GB), pow2(half), pow2(D), rot < D, qk_norm is not None,
-              positions is not None, store_k, upcast and q.dtype == torch.bfloat16)
+              positions is not None, kv_out is not None,
+              upcast and q.dtype == torch.bfloat16)
     warps = 8 if block >= 4096 else 4 if block >= 1024 else 2
     # the bound variant's key: every integer and constexpr as it is (constants of the model's
     # layout, one variant per model and regime) and the dtypes; pointers not all 16-byte
     # aligned go through Triton's own launch (key None)
     key = ((q.dtype, qw.dtype, ints, consts, warps)
-           if all_aligned(q, k, v, cos, sin, k_cache, v_cache, slots, qw, kw, pos) else None)
+           if all_aligned(q, k, v, cos, sin, k_cache, v_cache, slots, qw, kw, pos, ko, vo)
+           else None)
     _ROPE_KV(key, (T, G // GB), (q, k, v, cos, sin, k_cache, v_cache, slots, out, qw, kw,
-                                 float(eps), pos, *ints, *consts), warps)
+                                 float(eps), pos, ko, vo, *ints, *consts), warps)
     return out.view(T, G * n, D)
 
 
@@ -168,18 +187,20 @@ def _norm_fits(qk_norm: QKRMSNorm, D: int) -> bool:
 
 
 def rope_and_store(q, k, v, cos, sin, k_cache, v_cache, slots, backend: str = "torch",
-                   qk_norm: QKRMSNorm | None = None, positions=None, store_k: bool = False):
+                   qk_norm: QKRMSNorm | None = None, positions=None,
+                   kv_out: tuple[torch.Tensor, torch.Tensor] | None = None):
     """``backend`` "triton" (the kernel, where ``kernel_fits``) or "torch" (the reference);
     ``qk_norm``: q's and k's RMSNorm first, in the same launch; ``positions``: cos and sin
-    are tables read at them; ``store_k``: the rotated k written back into k; see the module
-    docstring."""
+    are tables read at them; ``kv_out``: the rotated k and v written there too; see the
+    module docstring."""
     if backend == "triton" and kernel_fits(q, k, v, cos, k_cache, v_cache) and (
-            qk_norm is None or _norm_fits(qk_norm, q.shape[-1])):
+            qk_norm is None or _norm_fits(qk_norm, q.shape[-1])) and (
+            kv_out is None or _out_fits(kv_out, k)):
         # checked here: the launch without triton_rope_and_store's second look (host time on
         # P's critical path, every layer)
-        return _launch(q, k, v, cos, sin, k_cache, v_cache, slots, qk_norm, positions, store_k)
+        return _launch(q, k, v, cos, sin, k_cache, v_cache, slots, qk_norm, positions, kv_out)
     return torch_rope_and_store(q, k, v, cos, sin, k_cache, v_cache, slots, qk_norm,
-                                positions, store_k)
+                                positions, kv_out)
 
 
 if triton is not None:
@@ -241,12 +262,13 @@ if triton is not None:
             tl.store(dst + rows[:, None] + p, xp.to(dtype), mask=hmask[:, None] & (p < D))
 
     @triton.jit
-    def _rope_kv_kernel(Q, K, V, Cos, Sin, KC, VC, Slots, Out, QW, KW, eps, Pos,
+    def _rope_kv_kernel(Q, K, V, Cos, Sin, KC, VC, Slots, Out, QW, KW, eps, Pos, KO, VO,
                         sq_t, sq_g, sq_h, sk_t, sk_g, sv_t, sv_g, sc_t, skc_s, skc_g,
-                        svc_s, svc_g, G, GB, n, D, half,
+                        svc_s, svc_g, sko_t, sko_g, svo_t, svo_g, G, GB, n, D, half,
                         H_PAD: tl.constexpr, G_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
                         D_PAD: tl.constexpr, PASS: tl.constexpr, HAS_NORM: tl.constexpr,
-                        TABLES: tl.constexpr, STORE_K: tl.constexpr, RNE_BF16: tl.constexpr):
+                        TABLES: tl.constexpr, STORE_KV: tl.constexpr,
+                        RNE_BF16: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         dtype = Out.dtype.element_ty
         row = tl.load(Pos + t).to(tl.int64) if TABLES else t  # the angles' row
@@ -269,14 +291,15 @@ if triton is not None:
                                 KW, eps, dtype, HALF_PAD, D_PAD, PASS, HAS_NORM, RNE_BF16)
         _store_rows(KC + slot * skc_s, gg * skc_g, o1, o2, xp, gmask, half, D, dtype,
                     HALF_PAD, D_PAD, PASS)
-        if STORE_K:  # and over k itself, once every thread of this program has read it
-            tl.debug_barrier()
-            _store_rows(K + t * sk_t, gg * sk_g, o1, o2, xp, gmask, half, D, dtype, HALF_PAD,
-                        D_PAD, PASS)
+        if STORE_KV:  # the dense calls' K
+            _store_rows(KO + t * sko_t, gg * sko_g, o1, o2, xp, gmask, half, D, dtype,
+                        HALF_PAD, D_PAD, PASS)
         d = tl.arange(0, D_PAD)[None, :]
         dm = gmask[:, None] & (d < D)
         vv = tl.load(V + t * sv_t + gg[:, None] * sv_g + d, mask=dm, other=0.0)
         tl.store(VC + slot * svc_s + gg[:, None] * svc_g + d, vv, mask=dm)
+        if STORE_KV:  # ... and V
+            tl.store(VO + t * svo_t + gg[:, None] * svo_g + d, vv, mask=dm)
 
 
 # the rope launch through its bound variant (model/bound_kernel.py): P's critical path

@@ -35,15 +35,11 @@ def prefill_per_sequence(attn, q: torch.Tensor, kv, layer: int, meta) -> torch.T
     return torch.cat(outs, dim=0)
 
 
-def qkv_from_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slots: torch.Tensor) -> torch.Tensor:
-    """A step's QKV projection as the attention holds it after the rope kernel ran with
-    ``store_k`` -- [T, groups, n + 2, dim]: each group's q heads (from q [T, groups * n,
-    dim]), then its rotated k and its v -- rebuilt from the K and V that the step wrote into
-    one layer's cache [blocks, block_size, groups, dim] at ``slots`` [T]. What the dense P
-    calls read (model/dense_prefill.py), for tests that start from a cache."""
-    T, heads, dim = q.shape
-    g = k_cache.shape[2]
-    k = k_cache.reshape(-1, g, dim)[slots]
-    v = v_cache.reshape(-1, g, dim)[slots]
-    return torch.cat([q.view(T, g, heads // g, dim), k[:, :, None], v[:, :, None]], dim=2)
+def kv_from_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's rotated keys and values as the rope kernel's ``kv_out`` holds them after the
+    step -- each [T, groups, dim], contiguous -- rebuilt from the K and V that the step wrote
+    into one layer's cache [blocks, block_size, groups, dim] at ``slots`` [T]. What the dense
+    P calls read (model/dense_prefill.py), for tests that start from a cache."""
+    g, dim = k_cache.shape[2], k_cache.shape[3]
+    return k_cache.reshape(-1, g, dim)[slots], v_cache.reshape(-1, g, dim)[slots]
