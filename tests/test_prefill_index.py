@@ -152,7 +152,8 @@ def test_the_step_inputs_carry_the_attention_plan_in_their_one_copy():
     runner = SimpleNamespace(
         groups=SimpleNamespace(replica=0), block_size=bs, kv=SimpleNamespace(sink_block=SINK),
         device=torch.device("cpu"), prefill_merge_pairs=0, _p_stage=PinnedStage(),
-        model=SimpleNamespace(prefill_plan=plan, prefill_attention="cudnn"))
+        model=SimpleNamespace(prefill_plan=plan, prefill_attention="cudnn",
+                              bucketed_prefill=False, dense_prefill=lambda n, c: ()))
     step = StepPlan(step=0, phase=Phase.PREFILL, replicas=(ReplicaWork(prefill=items),))
     meta = ModelRunner._prefill_inputs(runner, step).attn
     want = pp.plan_prefill(new, ctx, 2, 64, torch.float32, "cpu", cfg, dense=(0,))
