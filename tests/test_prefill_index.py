@@ -163,6 +163,15 @@ def test_the_step_inputs_carry_the_attention_plan_in_their_one_copy():
     assert got.dense == want.dense == ((0, 0, 1100),)
     assert [(c.length, c.seqs) for c in meta.dense_calls] == [(1280, ((0, 0, 1100),))]
     # the torch backend: no plan (its buckets instead)
-    runner.model = SimpleNamespace(prefill_plan=lambda n, c: None, prefill_attention="torch")
+    runner.model = SimpleNamespace(prefill_plan=lambda n, c: None, prefill_attention="torch",
+                                   bucketed_prefill=True, dense_prefill=lambda n, c: ())
     meta = ModelRunner._prefill_inputs(runner, step).attn
     assert meta.prefill_plan is None and meta.dense_calls == [] and meta.buckets
+    # MLA with a dense backend: no kernel plan; its own dense sequences in calls, the rest
+    # (only those) in buckets
+    runner.model = SimpleNamespace(prefill_plan=lambda n, c: None, prefill_attention="flash",
+                                   bucketed_prefill=True,
+                                   dense_prefill=lambda n, c: ((0, 0, 1100),))
+    meta = ModelRunner._prefill_inputs(runner, step).attn
+    assert [(c.length, c.seqs) for c in meta.dense_calls] == [(1280, ((0, 0, 1100),))]
+    assert [b.seqs.tolist() for b in meta.buckets] == [[1]]
