@@ -115,10 +115,11 @@ def compare_with_reference(ref, requests, outs, tol: float = LOGPROB_TOL) -> dic
 def engine_matches_reference(rank: int, world: int, adp: int, ep: int, n_requests: int = 14,
                              seed: int = 0, moe_compute: str = "auto",
                              model_kw: dict | None = None, mode: str = "normal",
-                             dense_from: int | None = None) -> dict:
+                             dense_from: int | None = None, dense_kernel: str = "cudnn") -> dict:
     """``dense_from``: P's fresh sequences of at least this many tokens through the dense
-    path ("cudnn": torch's SDPA on CPU; model/dense_prefill.py) -- MLA models only; the
-    result counts its calls."""
+    path of ``dense_kernel`` ("cudnn": the rest on the buckets; "flash": the rest in one
+    variable-length call; torch's SDPA in the kernels' place on CPU; model/dense_prefill.py)
+    -- MLA models only; the result counts the dense calls."""
     # A batch cap of 3 rows per replica admits requests in waves: later P steps run while other
     # replicas hold D rows, and some replicas take part in a P step with zero rows.
     cfg = tiny_config(world, adp, ep, max_batch_size=3, decode_buckets=[1, 2, 4], mode=mode,
@@ -128,15 +129,15 @@ def engine_matches_reference(rank: int, world: int, adp: int, ep: int, n_request
     sd = random_state_dict(cfg.model)
     engine = Engine(cfg, groups, sd)
     if dense_from is not None:
-        with _dense_mla_prefill(engine, dense_from) as calls:
+        with _dense_mla_prefill(engine, dense_from, dense_kernel) as calls:
             result = _serve_and_compare(rank, cfg, groups, sd, engine, n_requests, seed)
         return {**result, "dense_calls": calls[0]}
     return _serve_and_compare(rank, cfg, groups, sd, engine, n_requests, seed)
 
 
 @contextlib.contextmanager
-def _dense_mla_prefill(engine, min_tokens: int):
-    """An MLA engine's P through its dense calls (backend "cudnn", the SDPA path on CPU)
+def _dense_mla_prefill(engine, min_tokens: int, kernel: str = "cudnn"):
+    """An MLA engine's P through its dense calls (backend ``kernel``, the SDPA path on CPU)
     from ``min_tokens`` fresh tokens, as a GPU build would pick it; yields [calls made]."""
     from colo_rollout.model import dense_prefill, mla_attention
 
@@ -148,10 +149,10 @@ def _dense_mla_prefill(engine, min_tokens: int):
         return inner(*args, **kwargs)
 
     saved = dense_prefill.MIN_TOKENS, model.prefill_attention
-    dense_prefill.MIN_TOKENS, model.prefill_attention = min_tokens, "cudnn"
+    dense_prefill.MIN_TOKENS, model.prefill_attention = min_tokens, kernel
     mla_attention.dense_mla_attention = counted
     for layer in model._all_layers():
-        layer.self_attention.prefill_backend = "cudnn"
+        layer.self_attention.prefill_backend = kernel
     try:
         yield calls
     finally:
@@ -492,14 +493,15 @@ def injected_violation(rank: int, world: int, adp: int, ep: int) -> dict:
 def multi_turn_matches_reference(rank: int, world: int, adp: int, ep: int, mode: str = "normal",
                                  num_kv_blocks: int = 128, sessions: int = 5,
                                  turns: int = 3, model_kw: dict | None = None,
-                                 dense_from: int | None = None) -> dict:
+                                 dense_from: int | None = None,
+                                 dense_kernel: str = "cudnn") -> dict:
     """Trajectories of several turns: each continuation prefills only its new tokens on top of
     the retained context (or re-prefills the context after an eviction). Every turn's output is
     teacher-forced through the megatron reference over the whole trajectory. ``dense_from``:
     as ``engine_matches_reference``'s."""
     cfg, groups, sd, engine = _engine(world, adp, ep, max_batch_size=3, decode_buckets=[1, 2, 4],
                                       mode=mode, num_kv_blocks=num_kv_blocks, model_kw=model_kw)
-    with (_dense_mla_prefill(engine, dense_from) if dense_from is not None
+    with (_dense_mla_prefill(engine, dense_from, dense_kernel) if dense_from is not None
           else contextlib.nullcontext([0])) as calls:
         res = _serve_turns(rank, engine, turns, sessions)
     res["dense_calls"] = calls[0]

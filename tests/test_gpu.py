@@ -6,6 +6,7 @@ appends its measurements to $COLO_GPU_REPORT (JSON lines) for the summary table.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -158,6 +159,38 @@ def test_gpu_dense_prefill_matches_reference(gpu_groups, arch, kernel):
                             dense_from=12)
     assert res[0]["prefill_attention"] == kernel
     _check_against_reference(f"{arch}_dense_prefill_{kernel}", res, 1, "bfloat16")
+
+
+def test_gpu_flash_varlen_is_attention_at_the_end_of_each_context():
+    """FlashAttention-4's variable-length call as MLA's P makes it (``varlen_attention``: a
+    fresh sequence, continuations on longer contexts, one row on a 3000-key context; query
+    / key heads 192, value heads 128) against the same attention per sequence in fp32 on
+    the CPU path: within bf16's error."""
+    from colo_rollout.config.attention_support import dense_kernel_problem
+    from colo_rollout.model import dense_prefill as dp
+
+    why = dense_kernel_problem("flash", "cuda", torch.bfloat16, 192, 128)
+    if why is not None:
+        pytest.skip(why)
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(3)
+    new, ctx, heads = [700, 300, 1, 64], [700, 2300, 3000, 64], 16
+    q = torch.randn(sum(new), heads, 192, device=dev, generator=gen).bfloat16()
+    k = torch.randn(sum(ctx), heads, 192, device=dev, generator=gen).bfloat16()
+    v = torch.randn(sum(ctx), heads, 128, device=dev, generator=gen).bfloat16()
+
+    def cu(xs):
+        return torch.tensor([0, *itertools.accumulate(xs)], dtype=torch.int32)
+
+    call = dp.VarlenCall(None, cu(new).to(dev), cu(ctx).to(dev), max(new), max(ctx),
+                         torch.zeros(0, dtype=torch.int64, device=dev))
+    got = dp.varlen_attention(q, k, v, call, 192 ** -0.5).float().cpu()
+    cpu = dp.VarlenCall(None, cu(new), cu(ctx), max(new), max(ctx), call.kv_slots.cpu())
+    want = dp.varlen_attention(q.float().cpu(), k.float().cpu(), v.float().cpu(), cpu,
+                               192 ** -0.5)
+    err = (got - want).abs().max().item()
+    _record("flash_varlen", {"gpus": 1, "max_err": err, "passed": err < 2e-2})
+    assert err < 2e-2, err
 
 
 @pytest.mark.parametrize("world,adp,ep", [(2, 2, 2), (2, 1, 2)])

@@ -77,16 +77,20 @@ def test_engine_matches_megatron(worker_groups, world, adp, ep, mode, q_lora_ran
 
 
 # ---- P's dense calls (engine.prefill_attention cudnn / flash; CPU: torch's SDPA in their place)
-@pytest.mark.parametrize("world,adp,ep,mode", [(1, 1, 1, "normal"), (2, 2, 2, "fine")])
-def test_dense_prefill_calls_match_megatron(worker_groups, world, adp, ep, mode):
+@pytest.mark.parametrize("world,adp,ep,mode,kernel", [(1, 1, 1, "normal", "cudnn"),
+                                                     (2, 2, 2, "fine", "cudnn"),
+                                                     (1, 1, 1, "normal", "flash"),
+                                                     (2, 2, 2, "fine", "flash")])
+def test_dense_prefill_calls_match_megatron(worker_groups, world, adp, ep, mode, kernel):
     """Fresh sequences of >= 12 tokens through the dense calls (their own rows' latents
-    decompressed, padded to 256, batched), the shorter ones through the buckets in the same
-    P steps: every token and logprob megatron's."""
+    decompressed, padded to 256, batched), the shorter ones in the same P steps through the
+    buckets (cudnn) or one variable-length call over the cache (flash): every token and
+    logprob megatron's."""
     from tests.cases_engine import LOGPROB_TOL, MLA_ARCH
 
     res = worker_groups(world).run("tests.cases_engine:engine_matches_reference", adp=adp,
                                    ep=ep, n_requests=12, mode=mode, moe_compute="grouped",
-                                   model_kw=MLA_ARCH, dense_from=12)
+                                   model_kw=MLA_ARCH, dense_from=12, dense_kernel=kernel)
     r0 = res[0]
     assert sum(r["dense_calls"] for r in res) > 0
     assert r0["checked"] > 30 and r0["mismatches"] == []
@@ -95,14 +99,16 @@ def test_dense_prefill_calls_match_megatron(worker_groups, world, adp, ep, mode)
         assert r["tokens"] == r0["tokens"]
 
 
-def test_dense_prefill_beside_continuations_matches_megatron(worker_groups):
+@pytest.mark.parametrize("kernel", ["cudnn", "flash"])
+def test_dense_prefill_beside_continuations_matches_megatron(worker_groups, kernel):
     """Multi-turn sessions: first turns (and re-prefills after evictions) fresh through the
-    dense calls, continuations on the retained latent cache through the buckets."""
+    dense calls, continuations on the retained latent cache through the buckets (cudnn) or
+    the variable-length call (flash)."""
     from tests.cases_engine import LOGPROB_TOL, MLA_ARCH
 
     res = worker_groups(1).run("tests.cases_engine:multi_turn_matches_reference", adp=1, ep=1,
                                num_kv_blocks=40, model_kw={**MLA_ARCH, "moe_compute": "grouped"},
-                               dense_from=5)
+                               dense_from=5, dense_kernel=kernel)
     r0 = res[0]
     assert r0["dense_calls"] > 0
     assert r0["checked"] > 30 and r0["mismatches"] == []
@@ -141,6 +147,30 @@ def test_dense_mla_calls_are_per_sequence_attention(lens, multiple):
         for call in calls:
             dp.dense_mla_attention(q, up, k_pe, nope, call, scale, got)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_variable_length_call_is_per_sequence_attention_at_the_end_of_each_context():
+    """``varlen_attention`` (CPU: its per-sequence path; the GPU test runs FlashAttention-4's
+    against it): a fresh sequence, continuations with 3 and 1 new rows on longer contexts,
+    GQA heads -- each query j of n new rows on c keys sees keys 0..c - n + j."""
+    from colo_rollout.model import dense_prefill as dp
+
+    torch.manual_seed(1)
+    new, ctx, heads, g, dim, dv = [5, 3, 1], [5, 9, 4], 4, 2, 8, 6
+    q = torch.randn(sum(new), heads, dim)
+    k = torch.randn(sum(ctx), g, dim)
+    v = torch.randn(sum(ctx), g, dv)
+    cu_q = torch.tensor([0, 5, 8, 9], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 14, 18], dtype=torch.int32)
+    call = dp.VarlenCall(None, cu_q, cu_k, 5, 9, torch.zeros(0, dtype=torch.int64))
+    got = dp.varlen_attention(q, k, v, call, 0.4)
+    for i, (n, c) in enumerate(zip(new, ctx)):
+        for j in range(n):
+            row = int(cu_q[i]) + j
+            for h in range(heads):
+                keys = slice(int(cu_k[i]), int(cu_k[i]) + c - n + j + 1)
+                p = torch.softmax(k[keys, h // (heads // g)] @ q[row, h] * 0.4, dim=0)
+                torch.testing.assert_close(got[row, h], p @ v[keys, h // (heads // g)])
 
 
 def test_mla_prefill_backends_resolve_by_what_runs():

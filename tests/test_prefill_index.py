@@ -153,7 +153,8 @@ def test_the_step_inputs_carry_the_attention_plan_in_their_one_copy():
         groups=SimpleNamespace(replica=0), block_size=bs, kv=SimpleNamespace(sink_block=SINK),
         device=torch.device("cpu"), prefill_merge_pairs=0, _p_stage=PinnedStage(),
         model=SimpleNamespace(prefill_plan=plan, prefill_attention="cudnn",
-                              bucketed_prefill=False, dense_prefill=lambda n, c: ()))
+                              bucketed_prefill=False, varlen_prefill=False,
+                              dense_prefill=lambda n, c: ()))
     step = StepPlan(step=0, phase=Phase.PREFILL, replicas=(ReplicaWork(prefill=items),))
     meta = ModelRunner._prefill_inputs(runner, step).attn
     want = pp.plan_prefill(new, ctx, 2, 64, torch.float32, "cpu", cfg, dense=(0,))
@@ -164,14 +165,28 @@ def test_the_step_inputs_carry_the_attention_plan_in_their_one_copy():
     assert [(c.length, c.seqs) for c in meta.dense_calls] == [(1280, ((0, 0, 1100),))]
     # the torch backend: no plan (its buckets instead)
     runner.model = SimpleNamespace(prefill_plan=lambda n, c: None, prefill_attention="torch",
-                                   bucketed_prefill=True, dense_prefill=lambda n, c: ())
+                                   bucketed_prefill=True, varlen_prefill=False,
+                                   dense_prefill=lambda n, c: ())
     meta = ModelRunner._prefill_inputs(runner, step).attn
     assert meta.prefill_plan is None and meta.dense_calls == [] and meta.buckets
     # MLA with a dense backend: no kernel plan; its own dense sequences in calls, the rest
     # (only those) in buckets
-    runner.model = SimpleNamespace(prefill_plan=lambda n, c: None, prefill_attention="flash",
-                                   bucketed_prefill=True,
+    runner.model = SimpleNamespace(prefill_plan=lambda n, c: None, prefill_attention="cudnn",
+                                   bucketed_prefill=True, varlen_prefill=False,
                                    dense_prefill=lambda n, c: ((0, 0, 1100),))
     meta = ModelRunner._prefill_inputs(runner, step).attn
     assert [(c.length, c.seqs) for c in meta.dense_calls] == [(1280, ((0, 0, 1100),))]
-    assert [b.seqs.tolist() for b in meta.buckets] == [[1]]
+    assert [b.seqs.tolist() for b in meta.buckets] == [[1]] and meta.varlen is None
+    # ... and flash: the rest in one variable-length call (sequence 1: rows 1100-1102, its
+    # 23 keys through its table: blocks 70, 71)
+    runner.model = SimpleNamespace(prefill_plan=lambda n, c: None, prefill_attention="flash",
+                                   bucketed_prefill=False, varlen_prefill=True,
+                                   dense_prefill=lambda n, c: ((0, 0, 1100),))
+    meta = ModelRunner._prefill_inputs(runner, step).attn
+    assert meta.buckets == [] and len(meta.dense_calls) == 1
+    vc = meta.varlen
+    assert vc.q_rows.tolist() == [1100, 1101, 1102]
+    assert vc.cu_q.tolist() == [0, 3] and vc.cu_k.tolist() == [0, 23]
+    assert (vc.max_q, vc.max_k) == (3, 23)
+    assert vc.kv_slots.tolist() == [70 * bs + p for p in range(16)] + [71 * bs + p
+                                                                        for p in range(7)]

@@ -77,6 +77,15 @@ def flash_attention():
     return _FLASH[0]
 
 
+def flash_varlen():
+    """FlashAttention-4's ``flash_attn_varlen_func`` (imported with ``flash_attention``'s
+    rule: ImportError, one line, where it is not installed)."""
+    flash_attention()
+    from flash_attn.cute import flash_attn_varlen_func
+
+    return flash_attn_varlen_func
+
+
 def flash_usable(device: Any) -> str | None:
     """None when FlashAttention-4's dense path can run on ``device``, else why not (one
     line)."""

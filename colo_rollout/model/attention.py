@@ -79,6 +79,9 @@ class AttnMetadata:
     # P only, cudnn backend: the dense calls of the sequences the plan leaves out (model/
     # dense_prefill.py), made with the plan
     dense_calls: list = field(default_factory=list)
+    # P only, MLA with flash: one variable-length call over the sequences the dense calls
+    # leave (model/dense_prefill.py ``VarlenCall``), made with the step's inputs
+    varlen: object | None = None
 
 
 class RopeAngles:

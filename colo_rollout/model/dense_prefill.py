@@ -22,8 +22,11 @@ differs.
 
 Owns: which sequences go dense (``dense_sequences``), their padded length (``padded_len``),
 their grouping into calls (``dense_calls``: made once per P epoch with the plan, read by every
-layer), and the calls (``dense_prefill_attention``, ``dense_mla_attention``). Whether each kernel can run is
-config/attention_support.py's (the door asks it too).
+layer), and the calls (``dense_prefill_attention``, ``dense_mla_attention``); MLA's
+variable-length call over the other sequences with flash (``VarlenCall``, ``varlen_call``,
+``varlen_attention``: FlashAttention-4's varlen forward, queries at the end of each
+context). Whether each kernel can run is config/attention_support.py's (the door asks it
+too).
 
 Invariants:
   * Only fresh sequences (every key is one of the step's new tokens: ctx == new) of at least
@@ -52,6 +55,7 @@ Imports only torch (and the config level's checks); ``flash_attn.cute`` on first
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -60,7 +64,7 @@ import torch.nn.functional as F
 # (the checks of whether each kernel can run live at the config level, where the door asks
 # them too; imported here as this module's own)
 from colo_rollout.config.attention_support import (  # noqa: F401
-    cudnn_fits, cudnn_usable, flash_attention, flash_fits, flash_usable)
+    cudnn_fits, cudnn_usable, flash_attention, flash_fits, flash_usable, flash_varlen)
 
 # A fresh sequence goes dense from this many new tokens: the 1k rows of the probe (8 x 1k
 # batched) were 1.5-1.65x the Triton kernel's packed grid; shorter ones are not compared.
@@ -188,6 +192,74 @@ def mla_dense_kv(up: torch.Tensor, k_pe: torch.Tensor, nope: int
     N, heads = up.shape[0], up.shape[1]
     k = torch.cat((up[..., :nope], k_pe[:, None].expand(N, heads, k_pe.shape[-1])), dim=-1)
     return k, up[..., nope:]
+
+
+@dataclass(frozen=True)
+class VarlenCall:
+    """One variable-length call over sequences of any context: sequence i's ``new`` query
+    rows (the last of its ``ctx`` positions) against its ``ctx`` keys, causal with the
+    queries at the end. ``q_rows`` [sum new]: the rows of q it takes, in order (None: every
+    row of q, back to back); ``cu_q`` / ``cu_k`` [S + 1] int32: the sequences' offsets in
+    the packed queries and keys; ``kv_slots`` [sum ctx] int64: the cache slot of each packed
+    key (made on the device from the block tables: no host loop over the keys)."""
+
+    q_rows: torch.Tensor | None
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+    kv_slots: torch.Tensor
+
+
+def varlen_call(seqs: tuple[int, ...], seq_lens_new: list[int], context_lens: list[int],
+                block_tables: torch.Tensor, block_size: int, to_device) -> VarlenCall:
+    """The call of sequences ``seqs`` of a P epoch (their new tokens, contexts and block
+    tables [S, W] on the device); ``to_device(values, dtype)`` makes host lists device
+    tensors without a host wait."""
+    new = [seq_lens_new[s] for s in seqs]
+    ctx = [context_lens[s] for s in seqs]
+    starts, off = [], 0
+    for n in seq_lens_new:
+        starts.append(off)
+        off += n
+    everything = list(seqs) == list(range(len(seq_lens_new)))
+    q_rows = None if everything else to_device(
+        [r for s in seqs for r in range(starts[s], starts[s] + seq_lens_new[s])], torch.int64)
+    cu_q = to_device([0, *itertools.accumulate(new)], torch.int32)
+    cu_k = to_device([0, *itertools.accumulate(ctx)], torch.int32)
+    total_k = sum(ctx)
+    dev = block_tables.device
+    which = torch.repeat_interleave(torch.arange(len(seqs), device=dev),
+                                    to_device(ctx, torch.int64), output_size=total_k)
+    pos = torch.arange(total_k, device=dev) - cu_k[:-1].long()[which]
+    tables = block_tables[to_device(list(seqs), torch.int64)]
+    slots = tables[which, pos // block_size] * block_size + pos % block_size
+    return VarlenCall(q_rows, cu_q, cu_k, max(new), max(ctx), slots)
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: VarlenCall,
+                     scale: float) -> torch.Tensor:
+    """``call``'s causal attention: q [sum new, heads, dim] (its rows), k [sum ctx, kv heads,
+    dim], v [sum ctx, kv heads, v dim] packed by sequence -> [sum new, heads, v dim]; query j
+    of a sequence of ``new`` rows and ``ctx`` keys sees keys 0..ctx - new + j. CUDA:
+    FlashAttention-4's varlen forward (its causal mask sits at the bottom right: exactly
+    that); CPU (the tests): the same per sequence through SDPA."""
+    if q.is_cuda:
+        got = flash_varlen()(q, k, v, cu_seqlens_q=call.cu_q, cu_seqlens_k=call.cu_k,
+                             max_seqlen_q=call.max_q, max_seqlen_k=call.max_k,
+                             softmax_scale=scale, causal=True)
+        return got[0] if isinstance(got, tuple) else got
+    cu_q, cu_k = call.cu_q.tolist(), call.cu_k.tolist()
+    out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
+    heads, g = q.shape[1], k.shape[1]
+    for i in range(len(cu_q) - 1):
+        n, c = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
+        qs = q[cu_q[i] : cu_q[i + 1]].transpose(0, 1)
+        ks, vs = (t[cu_k[i] : cu_k[i + 1]].transpose(0, 1) for t in (k, v))
+        mask = (torch.arange(c)[None, :] <= (c - n + torch.arange(n))[:, None])
+        out[cu_q[i] : cu_q[i + 1]] = F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=heads != g).transpose(0, 1)
+    return out
 
 
 def _call_rows(call: DenseCall, T: int, *tensors: torch.Tensor) -> list[torch.Tensor]:

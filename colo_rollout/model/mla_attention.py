@@ -44,7 +44,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from colo_rollout.model.attention import AttnMetadata, RopeAngles
-from colo_rollout.model.dense_prefill import dense_mla_attention
+from colo_rollout.model.dense_prefill import dense_mla_attention, mla_dense_kv, varlen_attention
 from colo_rollout.model.fp8_linear import fp8_linear
 from colo_rollout.model.mla_decode import cached_entries, mla_decode
 from colo_rollout.model.rope_kv import rotate
@@ -209,13 +209,16 @@ class PagedMLAttention(torch.nn.Module):
         flash: the runner made them, and left those sequences out of the buckets) through
         a dense causal kernel over their own rows -- every key is one of the step's new tokens,
         so their keys and values are this step's latents decompressed (``latent`` [T, latent]
-        normalised, ``k_pe`` [T, rope] rotated), no cache read. Then per context bucket: the
-        context's keys [k_nope | rope key] and values decompressed from the cache, queries
-        [q_nope | rotated q_pe], one SDPA call (megatron's core attention per head; padded
-        query rows are computed and dropped)."""
+        normalised, ``k_pe`` [T, rope] rotated), no cache read. The others: with flash, in
+        ``meta.varlen`` (one variable-length call, ``_varlen``); else per context bucket:
+        the context's keys [k_nope | rope key] and values decompressed from the cache,
+        queries [q_nope | rotated q_pe], one SDPA call (megatron's core attention per head;
+        padded query rows are computed and dropped)."""
         q = torch.cat((q_nope, q_pe), dim=-1)
         T = q.shape[0]
-        calls = meta.dense_calls
+        calls, vc = meta.dense_calls, meta.varlen
+        if vc is not None and not calls and vc.q_rows is None:
+            return self._varlen(q, kv, layer, vc)  # one call over every row: the output
         if calls:
             # the values the cache holds (its dtype), as the buckets read them
             cached = kv.latent.dtype
@@ -230,6 +233,9 @@ class PagedMLAttention(torch.nn.Module):
         out = q.new_empty((T, self.heads, self.v_dim))
         for call in calls:
             dense_mla_attention(q, up, k_pe, self.nope, call, self.scale, out, backend)
+        if vc is not None:
+            out.index_copy_(0, vc.q_rows, self._varlen(q.index_select(0, vc.q_rows), kv,
+                                                       layer, vc))
         for b in meta.buckets:
             Sb = b.seqs.shape[0]
             lat, _ = cached_entries(kv.latent[layer], meta.block_tables[b.seqs, : b.blocks],
@@ -247,6 +253,16 @@ class PagedMLAttention(torch.nn.Module):
             o = o.transpose(1, 2).reshape(Sb * b.n_max, self.heads, self.v_dim)
             out.index_copy_(0, b.out_rows, o.index_select(0, b.slots))
         return out
+
+    def _varlen(self, q: torch.Tensor, kv: LatentKVStorage, layer: int, vc) -> torch.Tensor:
+        """``vc``'s sequences (``VarlenCall``; q: their rows) against their whole contexts,
+        read from the cache by slot and decompressed -- one variable-length call
+        (FlashAttention-4's on a GPU)."""
+        lat = kv.slots[layer].index_select(0, vc.kv_slots).to(q.dtype)  # [keys, latent+rope]
+        up = F.linear(lat[:, : self.kv_lora_rank], self.linear_kv_up_proj.weight)
+        k, v = mla_dense_kv(up.view(lat.shape[0], self.heads, self.nope + self.v_dim),
+                            lat[:, self.kv_lora_rank:], self.nope)
+        return varlen_attention(q, k, v, vc, self.scale)
 
     def _decode(self, q_nope, q_pe, kv, layer, meta: AttnMetadata) -> torch.Tensor:
         """Absorbed: q_nope into the latent space, scored with q_pe against every cached

@@ -773,9 +773,15 @@ class InferenceGPT(torch.nn.Module):
 
     @property
     def bucketed_prefill(self) -> bool:
-        """P attention reads ``AttnMetadata.buckets`` (the torch backend; MLA always, for
+        """P attention reads ``AttnMetadata.buckets`` (the torch backend; MLA's cudnn, for
         the sequences its dense calls leave)."""
-        return self.prefill_attention == "torch" or self.cfg.is_mla
+        return self.prefill_attention == "torch" or (self.cfg.is_mla and not self.varlen_prefill)
+
+    @property
+    def varlen_prefill(self) -> bool:
+        """P attention reads ``AttnMetadata.varlen`` (MLA's flash: the sequences its dense
+        calls leave, in one FlashAttention-4 variable-length call)."""
+        return self.cfg.is_mla and self.prefill_attention == "flash"
 
     def dense_prefill(self, new: list[int], ctx: list[int]) -> tuple[tuple[int, int, int], ...]:
         """MLA's dense calls' sequences (sequence, first row, new tokens) for a P epoch of

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from colo_rollout.model.dense_prefill import dense_calls
+from colo_rollout.model.dense_prefill import dense_calls, varlen_call
 from colo_rollout.model.attention import AttnMetadata, prefill_buckets
 from colo_rollout.worker.decode_graph import DecodeGraphs, graphs_supported
 from colo_rollout.model.model import DecodeInputs, InferenceGPT, PrefillInputs
@@ -519,6 +519,11 @@ class ModelRunner:
         )
         if plan is not None:
             attn.prefill_plan = plan.on_device(plan_d[0])
+        dense = {s for s, _, _ in held}
+        rest = tuple(s for s in range(len(mine)) if s not in dense)
+        if self.model.varlen_prefill and rest:
+            attn.varlen = varlen_call(rest, new, ctx, tables_d, self.block_size,
+                                      lambda v, t: h2d(v, t, dev))
         return PrefillInputs(
             token_ids=ids_d, attn=attn,
             row_counts=row_counts, last_counts=last_counts,
