@@ -15,7 +15,9 @@ YaRN's mscale (``RopeAngles``); softmax scale 1/sqrt(q head) times mscale(mscale
 (the model passes it). Two equal forms of the same attention:
   * P (prefill): the keys and values of the context are decompressed from the cache
     (``linear_kv_up_proj``), the new tokens' among them, and attended per head like
-    megatron's core attention (one SDPA call per context bucket);
+    megatron's core attention -- long fresh sequences in dense calls over their own rows
+    (cuDNN or FlashAttention-4), the rest in one FlashAttention-4 variable-length call
+    (flash) or one SDPA call per context bucket (model/dense_prefill.py; ``_prefill``);
   * D (decode): the up-projection is absorbed -- each query's nope part is mapped into the
     latent space by the key half of ``linear_kv_up_proj`` and scored against the cached
     latents directly (a single shared key of ``kv_lora_rank + qk_rope_head_dim`` dims), the
