@@ -52,14 +52,21 @@ from colo_rollout.model.mla_decode import cached_entries, mla_decode
 from colo_rollout.model.rope_kv import rotate
 
 
+# engine.prefill_attention "auto" for MLA: the dense backends in the order tried
+AUTO_ORDER = ("cudnn", "flash")
+
+
 def resolve_prefill(requested: str, device: torch.device | str, dtype: torch.dtype | None,
                     qk_dim: int, v_dim: int) -> str:
     """``engine.prefill_attention`` for MLA -> "torch" (P per context bucket through SDPA),
     or "cudnn" / "flash": the same with fresh sequences of at least
     ``dense_prefill.MIN_TOKENS`` through that dense kernel (model/dense_prefill.py), which
-    needs the kernel to take query/key heads of ``qk_dim`` with value heads of ``v_dim``.
-    "auto": flash where it can run, else cudnn, else torch. "triton" is refused: MLA has no
-    Triton P kernel."""
+    needs the kernel to take query/key heads of ``qk_dim`` with value heads of ``v_dim``;
+    flash also sends the other sequences to one FlashAttention-4 variable-length call.
+    "auto": cudnn where it can run, else flash, else torch -- cudnn first while flash's
+    variable-length call has not yet been checked on a GPU (the dense calls of both were,
+    level in speed: docs/benchmarks.md session 30). "triton" is refused: MLA has no Triton
+    P kernel."""
     from colo_rollout.config.attention_support import dense_kernel_problem
 
     if requested == "triton":
@@ -72,7 +79,7 @@ def resolve_prefill(requested: str, device: torch.device | str, dtype: torch.dty
                                "set it to 'torch' or 'auto'")
         return requested
     if requested == "auto":
-        for backend in ("flash", "cudnn"):
+        for backend in AUTO_ORDER:
             if dense_kernel_problem(backend, device, dtype, qk_dim, v_dim) is None:
                 return backend
     return "torch"
