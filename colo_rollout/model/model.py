@@ -482,7 +482,8 @@ class InferenceGPT(torch.nn.Module):
             # (triton on CUDA where it imports: 1.08-1.73x faster D steps on an H200, session
             # 29); resolve_backend refuses "triton" without CUDA or triton
             self.decode_attention = resolve_backend(decode_attention, groups.device)
-            # P: its bucketed SDPA, with the fresh long sequences in dense calls (cudnn, flash)
+            # P: fresh long sequences in dense calls (cudnn, flash), the rest per context
+            # bucket through SDPA (cudnn) or in one variable-length call (flash)
             self.prefill_attention = resolve_mla_prefill(prefill_attention, groups.device,
                                                          dtype, cfg.head_dim, cfg.v_head_dim)
         else:
