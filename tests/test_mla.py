@@ -124,11 +124,13 @@ def test_dense_mla_calls_are_per_sequence_attention(lens, multiple):
     from colo_rollout.model import dense_prefill as dp
 
     torch.manual_seed(0)
-    heads, nope, rope, v_dim = 3, 8, 4, 6
+    heads, nope, rope, v_dim, rank = 3, 8, 4, 6, 5
     T = sum(lens)
     q = torch.randn(T, heads, nope + rope)
-    up = torch.randn(T, heads, nope + v_dim)
-    k_pe = torch.randn(T, rope)
+    entries = torch.randn(T, rank + rope)  # [latent | rope key] per row, as cached
+    w_up = torch.randn(heads * (nope + v_dim), rank)
+    up = (entries[:, :rank] @ w_up.T).view(T, heads, nope + v_dim)
+    k_pe = entries[:, rank:]
     scale = 0.3
     want = torch.empty(T, heads, v_dim)
     at = 0
@@ -141,11 +143,11 @@ def test_dense_mla_calls_are_per_sequence_attention(lens, multiple):
         at += n
     calls = dp.dense_calls(dp.dense_held(lens, tuple(range(len(lens)))), "cpu", multiple)
     if len(calls) == 1 and calls[0].covers(T):
-        got = dp.dense_mla_attention(q, up, k_pe, nope, calls[0], scale, None)
+        got = dp.dense_mla_attention(q, entries, w_up, nope, calls[0], scale, None)
     else:
         got = torch.full((T, heads, v_dim), float("nan"))
         for call in calls:
-            dp.dense_mla_attention(q, up, k_pe, nope, call, scale, got)
+            dp.dense_mla_attention(q, entries, w_up, nope, call, scale, got)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 

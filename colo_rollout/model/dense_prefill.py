@@ -2,7 +2,7 @@
 via torch's SDPA (``engine.prefill_attention: cudnn``), or FlashAttention-4's CuTe DSL kernel
 where ``flash_attn.cute`` is installed (``flash``) -- for GQA's heads and for multi-head latent
 attention's (``dense_mla_attention``: the fresh rows' latents decompressed, query/key heads
-wider than value heads; the rest of MLA's P stays on its bucketed SDPA).
+wider than value heads).
 
 Why: on one H200 cuDNN's dense causal attention ran 1.3-1.65x the engine's Triton kernel on
 fresh sequences (4k-8k single, 8 x 1k batched: 390-600 TFLOP/s against 250-375; docs/
@@ -108,11 +108,13 @@ def dense_held(seq_lens_new: list[int], dense: tuple[int, ...]
     """(sequence, first row, new tokens) of each of the ``dense`` sequences, their rows back
     to back in sequence order (what ``dense_calls`` takes; the Triton kernel's plan makes the
     same for GQA)."""
-    starts, off = [], 0
-    for n in seq_lens_new:
-        starts.append(off)
-        off += n
+    starts = row_starts(seq_lens_new)
     return tuple((s, starts[s], seq_lens_new[s]) for s in dense)
+
+
+def row_starts(seq_lens_new: list[int]) -> list[int]:
+    """Each sequence's first row in a P step's rows (the sequences back to back)."""
+    return [0, *itertools.accumulate(seq_lens_new)][: len(seq_lens_new)]
 
 
 def padded_len(n: int, multiple: int = PAD_MULTIPLE) -> int:
@@ -169,28 +171,32 @@ def dense_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return _scatter(dense_attention(qb, kb, vb, call, scale, kernel), call, out, T)
 
 
-def dense_mla_attention(q: torch.Tensor, up: torch.Tensor, k_pe: torch.Tensor, nope: int,
+def dense_mla_attention(q: torch.Tensor, entries: torch.Tensor, w_up: torch.Tensor, nope: int,
                         call: DenseCall, scale: float, out: torch.Tensor | None,
                         kernel: str = "cudnn") -> torch.Tensor:
     """One dense call of multi-head latent attention (model/mla_attention.py): q [T, heads,
     nope + rope] (rope part rotated) against the call's own keys [k_nope | k_pe] and values,
-    causal. ``up`` [T, heads, nope + v]: the step's latents through ``linear_kv_up_proj``
-    (per head: the key's nope part, then the value); ``k_pe`` [T, rope]: each row's rotated
-    rope key, shared by the heads. Rows, padding, ``out`` and ``kernel`` as
-    ``dense_prefill_attention``'s (out [T, heads, v])."""
+    causal. ``entries`` [T, latent + rope]: the step's rows as the latent cache holds them
+    (normalised latent, rotated rope key), decompressed here for the call's rows only
+    (``mla_kv``). Rows, padding, ``out`` and ``kernel`` as ``dense_prefill_attention``'s
+    (out [T, heads, v])."""
     T = q.shape[0]
-    qb, ub, pb = _call_rows(call, T, q, up, k_pe)
-    k, v = mla_dense_kv(ub, pb, nope)
+    qb, eb = _call_rows(call, T, q, entries)
+    k, v = mla_kv(eb, w_up, q.shape[1], nope)
     return _scatter(dense_attention(qb, k, v, call, scale, kernel), call, out, T)
 
 
-def mla_dense_kv(up: torch.Tensor, k_pe: torch.Tensor, nope: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """MLA's per-head keys [N, heads, nope + rope] (contiguous: the rope key copied to every
-    head) and values [N, heads, v] (a view of ``up``): what the dense kernels read -- and,
-    with these strides, what ``warm_mla_plans`` builds cuDNN's plans for."""
-    N, heads = up.shape[0], up.shape[1]
-    k = torch.cat((up[..., :nope], k_pe[:, None].expand(N, heads, k_pe.shape[-1])), dim=-1)
+def mla_kv(entries: torch.Tensor, w_up: torch.Tensor, heads: int, nope: int
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA's keys and values of latent-cache entries [N, latent + rope] (normalised latent,
+    rotated rope key) through ``w_up`` (``linear_kv_up_proj``: per head the key's nope part,
+    then the value): keys [N, heads, nope + rope] (contiguous: the rope key copied to every
+    head) and values [N, heads, v] (a view of the decompression) -- what every MLA P path
+    attends, and, with these strides, what ``warm_mla_plans`` builds cuDNN's plans for."""
+    N, rank = entries.shape[0], w_up.shape[1]
+    up = F.linear(entries[:, :rank], w_up).view(N, heads, -1)
+    rope = entries.shape[1] - rank
+    k = torch.cat((up[..., :nope], entries[:, None, rank:].expand(N, heads, rope)), dim=-1)
     return k, up[..., nope:]
 
 
@@ -218,10 +224,7 @@ def varlen_call(seqs: tuple[int, ...], seq_lens_new: list[int], context_lens: li
     tensors without a host wait."""
     new = [seq_lens_new[s] for s in seqs]
     ctx = [context_lens[s] for s in seqs]
-    starts, off = [], 0
-    for n in seq_lens_new:
-        starts.append(off)
-        off += n
+    starts = row_starts(seq_lens_new)
     everything = list(seqs) == list(range(len(seq_lens_new)))
     q_rows = None if everything else to_device(
         [r for s in seqs for r in range(starts[s], starts[s] + seq_lens_new[s])], torch.int64)
@@ -335,19 +338,19 @@ def warm_plans(heads: int, groups: int, dim: int, dtype: torch.dtype, device: to
     return len(shapes)
 
 
-def warm_mla_plans(heads: int, nope: int, rope: int, v_dim: int, dtype: torch.dtype,
-                   device: torch.device, max_tokens: int, max_len: int,
+def warm_mla_plans(heads: int, nope: int, rope: int, v_dim: int, rank: int,
+                   dtype: torch.dtype, device: torch.device, max_tokens: int, max_len: int,
                    multiple: int = PAD_MULTIPLE, batches: tuple[int, ...] = BATCHES,
                    kernel: str = "cudnn") -> int:
     """``warm_plans`` for MLA's dense calls (``dense_mla_attention``: its keys and values
-    with the strides ``mla_dense_kv`` gives them)."""
+    with the strides ``mla_kv`` gives them; ``rank``: the latent width)."""
     shapes = _call_shapes(max_tokens, max_len, multiple, batches)
+    w_up = torch.zeros(heads * (nope + v_dim), rank, dtype=dtype, device=device)
     for call in shapes:
         T = len(call.seqs) * call.length
         q = torch.zeros(T, heads, nope + rope, dtype=dtype, device=device)
-        up = torch.zeros(T, heads, nope + v_dim, dtype=dtype, device=device)
-        k_pe = torch.zeros(T, rope, dtype=dtype, device=device)
-        dense_mla_attention(q, up, k_pe, nope, call, (nope + rope) ** -0.5, None, kernel)
+        entries = torch.zeros(T, rank + rope, dtype=dtype, device=device)
+        dense_mla_attention(q, entries, w_up, nope, call, (nope + rope) ** -0.5, None, kernel)
     return len(shapes)
 
 

@@ -46,7 +46,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from colo_rollout.model.attention import AttnMetadata, RopeAngles
-from colo_rollout.model.dense_prefill import dense_mla_attention, mla_dense_kv, varlen_attention
+from colo_rollout.model.dense_prefill import dense_mla_attention, mla_kv, varlen_attention
 from colo_rollout.model.fp8_linear import fp8_linear
 from colo_rollout.model.mla_decode import cached_entries, mla_decode
 from colo_rollout.model.rope_kv import rotate
@@ -202,23 +202,22 @@ class PagedMLAttention(torch.nn.Module):
         q_pe = rotate(mla_deinterleave(q[..., self.nope:]), cos, sin)
         k_pe = rotate(mla_deinterleave(down[:, None, self.kv_lora_rank:]), cos, sin)[:, 0]
         # the token's cache entry before any read: a prefill attends its own tokens
-        kv.slots[layer].index_copy_(0, meta.slot_mapping,
-                                    torch.cat((latent, k_pe), dim=-1).to(kv.latent.dtype))
+        entries = torch.cat((latent, k_pe), dim=-1).to(kv.latent.dtype)
+        kv.slots[layer].index_copy_(0, meta.slot_mapping, entries)
         if meta.is_prefill:
-            out = self._prefill(q[..., : self.nope], q_pe, latent, k_pe, kv, layer, meta)
+            out = self._prefill(q[..., : self.nope], q_pe, entries, kv, layer, meta)
         else:
             out = self._decode(q[..., : self.nope], q_pe, kv, layer, meta)
         return self._linear(out.reshape(T, self.heads * self.v_dim), self.linear_proj.weight,
                             n_q + 1)
 
     # ------------------------------------------------------------------ attention
-    def _prefill(self, q_nope, q_pe, latent, k_pe, kv, layer, meta: AttnMetadata
-                 ) -> torch.Tensor:
+    def _prefill(self, q_nope, q_pe, entries, kv, layer, meta: AttnMetadata) -> torch.Tensor:
         """The fresh long sequences of ``meta.dense_calls`` (``prefill_backend`` cudnn or
         flash: the runner made them, and left those sequences out of the buckets) through
         a dense causal kernel over their own rows -- every key is one of the step's new tokens,
-        so their keys and values are this step's latents decompressed (``latent`` [T, latent]
-        normalised, ``k_pe`` [T, rope] rotated), no cache read. The others: with flash, in
+        so their keys and values are this step's cache entries decompressed (``entries``
+        [T, latent + rope], as written into the cache), no cache read. The others: with flash, in
         ``meta.varlen`` (one variable-length call, ``_varlen``); else per context bucket:
         the context's keys [k_nope | rope key] and values decompressed from the cache,
         queries [q_nope | rotated q_pe], one SDPA call (megatron's core attention per head;
@@ -228,20 +227,17 @@ class PagedMLAttention(torch.nn.Module):
         calls, vc = meta.dense_calls, meta.varlen
         if vc is not None and not calls and vc.q_rows is None:
             return self._varlen(q, kv, layer, vc)  # one call over every row: the output
+        w_up = self.linear_kv_up_proj.weight
         if calls:
-            # the values the cache holds (its dtype), as the buckets read them
-            cached = kv.latent.dtype
-            up = F.linear(latent.to(cached).to(q.dtype), self.linear_kv_up_proj.weight).view(
-                T, self.heads, self.nope + self.v_dim)
-            k_pe = k_pe.to(cached).to(q.dtype)
+            entries = entries.to(q.dtype)  # the values the cache holds, as the buckets read them
             backend = getattr(self, "prefill_backend", "cudnn")
             if not meta.buckets and len(calls) == 1 and calls[0].covers(T):
                 # one dense call over every row: its result is the output (no copy)
-                return dense_mla_attention(q, up, k_pe, self.nope, calls[0], self.scale, None,
-                                           backend)
+                return dense_mla_attention(q, entries, w_up, self.nope, calls[0], self.scale,
+                                           None, backend)
         out = q.new_empty((T, self.heads, self.v_dim))
         for call in calls:
-            dense_mla_attention(q, up, k_pe, self.nope, call, self.scale, out, backend)
+            dense_mla_attention(q, entries, w_up, self.nope, call, self.scale, out, backend)
         if vc is not None:
             out.index_copy_(0, vc.q_rows, self._varlen(q.index_select(0, vc.q_rows), kv,
                                                        layer, vc))
@@ -250,12 +246,9 @@ class PagedMLAttention(torch.nn.Module):
             lat, _ = cached_entries(kv.latent[layer], meta.block_tables[b.seqs, : b.blocks],
                                     b.ctx, q.dtype)
             keys = lat.shape[1]
-            up_b = F.linear(lat[..., : self.kv_lora_rank], self.linear_kv_up_proj.weight)
-            up_b = up_b.view(Sb, keys, self.heads, self.nope + self.v_dim)
-            k_rope = lat[:, :, None, self.kv_lora_rank:].expand(Sb, keys, self.heads,
-                                                                 self.rope_dim)
-            k = torch.cat((up_b[..., : self.nope], k_rope), dim=-1)
-            v = up_b[..., self.nope:]
+            k, v = mla_kv(lat.flatten(0, 1), w_up, self.heads, self.nope)
+            k = k.view(Sb, keys, self.heads, self.q_head)
+            v = v.view(Sb, keys, self.heads, self.v_dim)
             o = F.scaled_dot_product_attention(
                 q[b.q_rows].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                 attn_mask=b.causal_mask(keys), scale=self.scale)  # [Sb, heads, n_max, v]
@@ -268,9 +261,7 @@ class PagedMLAttention(torch.nn.Module):
         read from the cache by slot and decompressed -- one variable-length call
         (FlashAttention-4's on a GPU)."""
         lat = kv.slots[layer].index_select(0, vc.kv_slots).to(q.dtype)  # [keys, latent+rope]
-        up = F.linear(lat[:, : self.kv_lora_rank], self.linear_kv_up_proj.weight)
-        k, v = mla_dense_kv(up.view(lat.shape[0], self.heads, self.nope + self.v_dim),
-                            lat[:, self.kv_lora_rank:], self.nope)
+        k, v = mla_kv(lat, self.linear_kv_up_proj.weight, self.heads, self.nope)
         return varlen_attention(q, k, v, vc, self.scale)
 
     def _decode(self, q_nope, q_pe, kv, layer, meta: AttnMetadata) -> torch.Tensor:

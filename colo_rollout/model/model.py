@@ -713,9 +713,9 @@ class InferenceGPT(torch.nn.Module):
             return 0
         att = self.decoder.layers[0].self_attention
         if self.cfg.is_mla:
-            return warm_mla_plans(att.heads, att.nope, att.rope_dim, att.v_dim, self.dtype,
-                                  self.device, max_tokens, max_len,
-                                  kernel=self.prefill_attention)
+            return warm_mla_plans(att.heads, att.nope, att.rope_dim, att.v_dim,
+                                  att.kv_lora_rank, self.dtype, self.device, max_tokens,
+                                  max_len, kernel=self.prefill_attention)
         return warm_dense_plans(att.heads, att.groups, att.head_dim, self.dtype, self.device,
                                 max_tokens, max_len, kernel=self.prefill_attention)
 

@@ -499,6 +499,7 @@ class ModelRunner:
         plan = self.model.prefill_plan(new, ctx) if mine else None
         # the dense calls' sequences: the kernel plan's (GQA), else MLA's own
         held = plan.dense if plan is not None else self.model.dense_prefill(new, ctx)
+        dense = frozenset(s for s, _, _ in held)
         ids_d, pos_d, slots_d, tables_d, ctx_d, last_d, *plan_d = h2d_packed(
             [ids, pos, slots, tables, ctx, last_rows]
             + ([plan.packed()] if plan is not None else []), dev, self._p_stage)
@@ -513,13 +514,12 @@ class ModelRunner:
             # kernel makes its own launch plan
             buckets=(prefill_buckets(new, ctx, self.block_size, lambda v, t: h2d(v, t, dev),
                                      self.prefill_merge_pairs,
-                                     skip=frozenset(s for s, _, _ in held))
+                                     skip=dense)
                      if self.model.bucketed_prefill else []),
             dense_calls=dense_calls(held, dev),
         )
         if plan is not None:
             attn.prefill_plan = plan.on_device(plan_d[0])
-        dense = {s for s, _, _ in held}
         rest = tuple(s for s in range(len(mine)) if s not in dense)
         if self.model.varlen_prefill and rest:
             attn.varlen = varlen_call(rest, new, ctx, tables_d, self.block_size,
