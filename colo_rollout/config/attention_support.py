@@ -129,3 +129,20 @@ def dense_kernel_problem(kernel: str, device: Any, dtype: Any = None,
     if kernel == "flash":
         why = flash_usable(device) or flash_fits(dtype, head_dim, v_dim) or why
     return why
+
+
+def choose_dense_kernel(requested: str, order: tuple[str, ...], problem, others: str) -> str | None:
+    """The dense kernel ``engine.prefill_attention: requested`` names, for a model whose
+    ``problem(kernel)`` says why that kernel cannot serve it (None: it can): "cudnn" / "flash"
+    -> that kernel, or RuntimeError naming why not and the ``others`` to set instead; "auto" ->
+    the first of ``order`` that can serve, else None; any other name -> None (no dense
+    kernel: the caller's own backends)."""
+    if requested in ("cudnn", "flash"):
+        why = problem(requested)
+        if why is not None:
+            raise RuntimeError(f"engine.prefill_attention: {requested} was requested but {why}; "
+                               f"set it to {others}")
+        return requested
+    if requested == "auto":
+        return next((kernel for kernel in order if problem(kernel) is None), None)
+    return None

@@ -67,22 +67,15 @@ def resolve_prefill(requested: str, device: torch.device | str, dtype: torch.dty
     variable-length call has not yet been checked on a GPU (the dense calls of both were,
     level in speed: docs/benchmarks.md session 30). "triton" is refused: MLA has no Triton
     P kernel."""
-    from colo_rollout.config.attention_support import dense_kernel_problem
+    from colo_rollout.config.attention_support import choose_dense_kernel, dense_kernel_problem
 
     if requested == "triton":
         raise ValueError("engine.prefill_attention: 'triton' with attention 'mla': MLA's P has "
                          "no Triton kernel ('auto', 'torch', 'cudnn' or 'flash')")
-    if requested in ("cudnn", "flash"):
-        why = dense_kernel_problem(requested, device, dtype, qk_dim, v_dim)
-        if why is not None:
-            raise RuntimeError(f"engine.prefill_attention: {requested} was requested but {why}; "
-                               "set it to 'torch' or 'auto'")
-        return requested
-    if requested == "auto":
-        for backend in AUTO_ORDER:
-            if dense_kernel_problem(backend, device, dtype, qk_dim, v_dim) is None:
-                return backend
-    return "torch"
+    return choose_dense_kernel(
+        requested, AUTO_ORDER,
+        lambda kernel: dense_kernel_problem(kernel, device, dtype, qk_dim, v_dim),
+        "'torch' or 'auto'") or "torch"
 
 
 class LatentKVStorage:

@@ -76,24 +76,17 @@ def resolve_backend(requested: str, device: torch.device | str,
     installed, an sm_90 / sm_100 GPU; batched calls stay cuDNN's). "auto" takes flash where
     it can run, else cudnn (measured 1.0-1.16x the kernel alone per P step on one H200, docs/
     benchmarks.md session 16), else triton on CUDA, else torch."""
-    from colo_rollout.config.attention_support import dense_kernel_problem
+    from colo_rollout.config.attention_support import choose_dense_kernel, dense_kernel_problem
 
     def problem(backend: str) -> str | None:
         why = dense_kernel_problem(backend, device, dtype, head_dim)
         return why or (None if triton_available() else "triton does not import")
 
-    if requested in ("cudnn", "flash"):
-        why = problem(requested)
-        if why is not None:
-            raise RuntimeError(f"engine.prefill_attention: {requested} was requested but {why}; "
-                               "set it to 'triton', 'torch' or 'auto'")
-        return requested
-    got = _resolve("engine.prefill_attention", requested, device)
-    if requested == "auto" and got == "triton":
-        for backend in ("flash", "cudnn"):  # the fastest that can run (session 27's rows)
-            if problem(backend) is None:
-                return backend
-    return got
+    # auto: the fastest dense kernel that can run (session 27's rows) -- any of them needs
+    # CUDA and triton, where the key's own resolution gives triton
+    dense = choose_dense_kernel(requested, ("flash", "cudnn"), problem,
+                                "'triton', 'torch' or 'auto'")
+    return dense or _resolve("engine.prefill_attention", requested, device)
 
 
 def group_pack(q_per_group: int, block_m: int) -> int:
