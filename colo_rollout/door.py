@@ -286,9 +286,11 @@ def check_fp8(cfg: Config, source: str) -> None:
     if m.is_mla:  # its FP8 GEMMs: the query, key/value-down and output projections
         widths = {"model.hidden_size": m.hidden_size,
                   "model.kv_lora_rank + qk_rope_head_dim": m.kv_lora_rank + m.qk_rope_head_dim,
-                  "model.num_attention_heads x (qk_nope_head_dim + qk_rope_head_dim)":
-                      m.num_attention_heads * m.head_dim,
-                  "model.num_attention_heads x v_head_dim": m.num_attention_heads * m.v_head_dim}
+                  # the heads split over attention TP, the down projections whole
+                  "model.num_attention_heads x (qk_nope_head_dim + qk_rope_head_dim) / "
+                  "parallel.atp": m.num_attention_heads * m.head_dim // atp,
+                  "model.num_attention_heads x v_head_dim / parallel.atp":
+                      m.num_attention_heads * m.v_head_dim // atp}
         if m.q_lora_rank is not None:
             widths["model.q_lora_rank"] = m.q_lora_rank
     else:

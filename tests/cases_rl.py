@@ -237,7 +237,7 @@ def weight_sync_exact(rank: int, world: int, adp: int, ep: int, trainer_tp: int,
     n_local = cfg.model.num_experts // groups.layout.ep
     mismatched, checked = [], 0
     for name, full in trained_sd.items():
-        mapped = shard_for(name, full, groups.layout, rank, n_local)
+        mapped = shard_for(name, full, groups.layout, rank, n_local, params)
         if mapped is None:
             continue
         local, shard = mapped
@@ -308,7 +308,7 @@ def weight_sync_two_model_pairs(rank: int, world: int, adp: int, ep: int,
         params = loadable_tensors(engine.model)
         n_local = cfg.model.num_experts // groups.layout.ep
         for name, full in trained.items():
-            mapped = shard_for(name, full, groups.layout, rank, n_local)
+            mapped = shard_for(name, full, groups.layout, rank, n_local, params)
             if mapped is not None and not torch.equal(params[mapped[0]], mapped[1]):
                 mismatched.append((which, mapped[0]))
     return {"mismatched": mismatched}

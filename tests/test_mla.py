@@ -59,10 +59,21 @@ def test_ep2_adp2_matches_transformers_in_each_mode(worker_groups, ds, name, mod
     check_equivalent(res)
 
 
+@pytest.mark.parametrize("name", ["bottleneck", "full_q"])
+def test_attention_tp_matches_transformers(worker_groups, ds, name):
+    """EP2/ATP2: each rank reads its half of the heads' query, key/value-up and output rows
+    from the checkpoint and the down projections whole (model/mla_attention.py)."""
+    res = worker_groups(2).run(f"{CASES}:serve_checkpoint", directory=ds[name], adp=1, ep=2)
+    assert res[0]["layout"] == "EP2/ATP2"
+    check_equivalent(res)
+
+
 # ---- against megatron's GPTModel with MLA (the local spec through model/mla_core_attention.py)
 @pytest.mark.parametrize("world,adp,ep,mode,q_lora_rank", [
     (1, 1, 1, "normal", 32), (1, 1, 1, "normal", None), (2, 2, 2, "fine", 32),
-    (4, 4, 4, "global_enqueue", 32)])
+    (4, 4, 4, "global_enqueue", 32),
+    # attention TP: each rank its half of the heads over the whole latent cache
+    (2, 1, 2, "normal", None), (4, 2, 4, "fine", 32)])
 def test_engine_matches_megatron(worker_groups, world, adp, ep, mode, q_lora_rank):
     from tests.cases_engine import LOGPROB_TOL, MLA_ARCH
 
@@ -70,6 +81,7 @@ def test_engine_matches_megatron(worker_groups, world, adp, ep, mode, q_lora_ran
                                    ep=ep, n_requests=10, mode=mode, moe_compute="grouped",
                                    model_kw={**MLA_ARCH, "q_lora_rank": q_lora_rank})
     r0 = res[0]
+    assert ("ATP" in r0["layout"]) == (adp < world), r0["layout"]
     assert r0["checked"] > 30 and r0["mismatches"] == []
     assert r0["max_logprob_diff"] < LOGPROB_TOL, r0["max_logprob_diff"]
     for r in res[1:]:
@@ -80,7 +92,8 @@ def test_engine_matches_megatron(worker_groups, world, adp, ep, mode, q_lora_ran
 @pytest.mark.parametrize("world,adp,ep,mode,kernel", [(1, 1, 1, "normal", "cudnn"),
                                                      (2, 2, 2, "fine", "cudnn"),
                                                      (1, 1, 1, "normal", "flash"),
-                                                     (2, 2, 2, "fine", "flash")])
+                                                     (2, 2, 2, "fine", "flash"),
+                                                     (2, 1, 2, "normal", "flash")])
 def test_dense_prefill_calls_match_megatron(worker_groups, world, adp, ep, mode, kernel):
     """Fresh sequences of >= 12 tokens through the dense calls (their own rows' latents
     decompressed, padded to 256, batched), the shorter ones in the same P steps through the
@@ -266,8 +279,8 @@ def _door(ds, tmp_path, parallel=None, engine=None, config=None, **model) -> Con
 
 
 @pytest.mark.parametrize("parallel, engine, model, config, key, fragment", [
-    ({"world_size": 2, "adp": 1, "ep": 2}, None, {}, None, "parallel.atp",
-     "2 with model.attention 'mla'"),
+    ({"world_size": 8, "adp": 1, "ep": 8}, None, {}, None, "model.num_attention_heads",
+     "4 is not divisible by parallel.atp 8"),
     (None, {"prefill_attention": "triton"}, {}, None, "engine.prefill_attention",
      "MLA's P has no Triton kernel"),
     (None, None, {"use_te": "on"}, None, "model.use_te", "local layer spec"),
@@ -363,7 +376,8 @@ MLA_OVERRIDES = {"model.attention": "mla", "model.num_query_groups": 4,
                  "model.v_head_dim": 12}
 
 
-@pytest.mark.parametrize("world,adp,ep,trainer_ep", [(2, 2, 2, 1), (2, 2, 2, 2), (4, 4, 4, 2)])
+@pytest.mark.parametrize("world,adp,ep,trainer_ep", [(2, 2, 2, 1), (2, 2, 2, 2), (4, 4, 4, 2),
+                                                     (2, 1, 2, 1)])
 def test_sync_into_mla_is_bit_exact(worker_groups, world, adp, ep, trainer_ep):
     """Every MLA projection and latent norm (and the rest) from the trainer (TP1 x DP, or its
     experts over EP) into the engine, bit for bit; the engine then serves megatron's tokens
@@ -378,7 +392,7 @@ def test_sync_into_mla_is_bit_exact(worker_groups, world, adp, ep, trainer_ep):
     assert r0["mismatches"] == [] and r0["max_logprob_diff"] < LOGPROB_TOL
 
 
-@pytest.mark.parametrize("world,adp,ep", [(2, 2, 2), (4, 4, 4)])
+@pytest.mark.parametrize("world,adp,ep", [(2, 2, 2), (4, 4, 4), (2, 1, 2)])
 def test_sync_from_a_sequence_parallel_trainer_into_mla_is_bit_exact(worker_groups, world,
                                                                      adp, ep):
     """The RL Trainer at rl.trainer_tp 2: megatron's MLA with its down projections' rows
@@ -408,18 +422,19 @@ def test_a_tensor_parallel_mla_trainer_takes_the_same_gradient(worker_groups):
     assert _gradient_problems(res, True, "grpo", sharded=20) == []
 
 
-@pytest.mark.parametrize("trainer_tp,trainer_ep", [(1, 2), (2, 1)])
+@pytest.mark.parametrize("trainer_tp,trainer_ep,adp", [(1, 2, 2), (2, 1, 1)])
 def test_grpo_with_mla_learns_and_the_trainer_recomputes_the_rollouts_logprobs(
-        worker_groups, tmp_path, trainer_tp, trainer_ep):
-    """Colocated GRPO on 2 ranks (engine EP2/ADP2; trainer experts over EP2, or TP2 with
-    sequence parallelism) with routing replay: the reward rises from the random policy's
-    ~1/64 and the trainer's logprobs of every rollout token are the engine's (fp32:
-    summation order only)."""
+        worker_groups, tmp_path, trainer_tp, trainer_ep, adp):
+    """Colocated GRPO on 2 ranks (engine EP2/ADP2 with the trainer's experts over EP2, or
+    engine EP2/ATP2 with the trainer at TP2 under sequence parallelism) with routing replay:
+    the reward rises from the random policy's ~1/64 and the trainer's logprobs of every
+    rollout token are the engine's (fp32: summation order only)."""
     res = worker_groups(2).run("colo_rollout.rl.train:run_train", timeout=600,
                                config_path="configs/grpo_cpu.yaml",
                                overrides={"rl.out_dir": str(tmp_path),
                                           "rl.trainer_ep": trainer_ep,
                                           "rl.trainer_tp": trainer_tp,
+                                          "parallel.adp": adp,
                                           "engine.record_routing": True,
                                           "rl.routing_replay": True, **MLA_OVERRIDES},
                                quiet=True)
@@ -446,20 +461,22 @@ def test_export_of_an_mla_model_is_exact_and_transformers_loads_it(worker_groups
     assert r0["max_diff_vs_transformers"] < 1e-4
 
 
+@pytest.mark.parametrize("world,adp", [(1, 1), (2, 1)])
 def test_deepseek_mtp_layer_loads_and_drafts_without_changing_the_tokens(worker_groups, ds,
-                                                                        tmp_path):
+                                                                        tmp_path, world, adp):
     """DeepSeek-V3's MTP layer stored at model.layers.{num_hidden_layers} (its own shard, with
     the embed_tokens / shared_head.head copies) loads as megatron's mtp.layers.0 with an MLA
-    attention; engine.mtp drafts with it and the greedy tokens stay transformers'."""
+    attention; engine.mtp drafts with it and the greedy tokens stay transformers' (1 rank,
+    and EP2/ATP2: the MTP layer's heads split too)."""
     from tests.test_hf_mtp import add_mtp_layer
 
     d = str(tmp_path / "mtp")
     shutil.copytree(ds["bottleneck"], d)
     add_mtp_layer(d, duplicates=True, own_shard=True)
     assert hf_architecture(d).fields["mtp_num_layers"] == 1
-    res = worker_groups(1).run(f"{CASES}:serve_checkpoint", directory=d, adp=1, ep=1,
-                               engine={"mtp": True})
+    res = worker_groups(world).run(f"{CASES}:serve_checkpoint", directory=d, adp=adp,
+                                   ep=world, engine={"mtp": True})
     r0 = check_equivalent(res)
-    plain = worker_groups(1).run(f"{CASES}:serve_checkpoint", directory=ds["bottleneck"],
-                                 adp=1, ep=1)[0]
+    plain = worker_groups(world).run(f"{CASES}:serve_checkpoint", directory=ds["bottleneck"],
+                                     adp=adp, ep=world)[0]
     assert r0["tokens"] == plain["tokens"]

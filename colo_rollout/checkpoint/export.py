@@ -43,6 +43,7 @@ from colo_rollout.model.weights import (
     DTYPES,
     MTP_PREFIX,
     loadable_tensors,
+    held_rule,
     shard_rule,
     tensor_shapes,
     to_spec_names,
@@ -212,6 +213,7 @@ def export_checkpoint(model: torch.nn.Module, cfg: ModelConfig, directory: str |
             else:
                 rule = shard_rule(spec[name], layout, tp_rank, cfg.num_experts)
                 local = _param(params, rule.local)
+                rule = held_rule(rule, local)
                 full = _full_tensor(local.detach(), rule.kind, tp_group, size)
             if tuple(full.shape) != shapes[name]:
                 raise ValueError(f"export: {name} gathered to {tuple(full.shape)}, expected "

@@ -48,6 +48,7 @@ from colo_rollout.config import ModelConfig
 from colo_rollout.model.weights import (
     ShardRule,
     loadable_tensors,
+    held_rule,
     shard_rule,
     tensor_shapes,
     to_spec_names,
@@ -267,6 +268,7 @@ def load_checkpoint(model: torch.nn.Module, cfg: ModelConfig, layout: Layout, ra
                 target = params.get(rule.local)
                 if target is None:
                     raise KeyError(f"{name}: the model has no {rule.local!r}")
+                rule = held_rule(rule, target)
                 part = read_shard(store, src, rule, target.dtype)
                 if tuple(part.shape) != tuple(target.shape):
                     raise CheckpointError(f"slice shape {list(part.shape)} does not fit the "

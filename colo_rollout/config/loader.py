@@ -71,7 +71,7 @@ class Config:
             f"{model.num_attention_heads} is not divisible by {atp_desc}; ATP shards attention heads",
         )
         _require(
-            model.num_query_groups % par.atp == 0,
+            model.is_mla or model.num_query_groups % par.atp == 0,  # MLA: no KV groups
             "model.num_query_groups",
             f"{model.num_query_groups} is not divisible by {atp_desc}; ATP shards KV groups",
         )
@@ -127,10 +127,6 @@ class Config:
             "save_pretrained writes none)",
         )
         if model.is_mla:
-            _require(par.atp == 1, "parallel.atp",
-                     f"{par.atp} with model.attention 'mla': MLA's latent cache is one head "
-                     "every query head reads, so its attention runs unsplit; use attention DP "
-                     f"(parallel.adp: {par.world_size}) with expert parallelism")
             _require(engine.prefill_attention != "triton", "engine.prefill_attention",
                      "'triton' with model.attention 'mla': MLA's P has no Triton kernel "
                      "('auto', 'torch', 'cudnn' or 'flash')")

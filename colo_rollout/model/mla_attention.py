@@ -25,9 +25,15 @@ YaRN's mscale (``RopeAngles``); softmax scale 1/sqrt(q head) times mscale(mscale
     per-head key or value is ever materialised for the context: D reads the small cache.
 
 Invariants:
-  * Attention TP is 1 (the door refuses more): the latent is one head that every query head
-    reads; an attention-TP split would replicate the cache on every rank. Attention DP and
-    expert parallelism are what MLA models serve with.
+  * Attention TP splits the heads (the query and key/value up projections' rows, the output
+    projection's columns), never the latent: the latent is one head that every query head
+    reads, so every ATP rank holds the whole cache and computes the whole down projections
+    (``linear_q_down_proj`` and ``linear_kv_down_proj`` are duplicated, as in megatron's TE
+    spec; megatron's local spec splits their rows and gathers their outputs -- the weight
+    sync and the loaders hand each rank the whole tensor, ``weights.DUPLICATED``). No
+    collective is added: the attention's input rows are the replica's on every ATP rank, its
+    output the ATP-partial sum the layer reduces, as ``PagedSelfAttention``'s. Attention DP
+    with expert parallelism is the layout that does not repeat the cache.
   * P writes its tokens' latents into their slots before reading, so a continuation sees the
     retained context plus itself (as ``PagedSelfAttention``). Block ``num_blocks`` is the sink.
   * Slots past a row's context may hold anything (a stale request, NaN after a bad load):
@@ -50,6 +56,7 @@ from colo_rollout.model.dense_prefill import dense_mla_attention, mla_kv, varlen
 from colo_rollout.model.fp8_linear import fp8_linear
 from colo_rollout.model.mla_decode import cached_entries, mla_decode
 from colo_rollout.model.rope_kv import rotate
+from colo_rollout.model.weights import mark_duplicated
 
 
 # engine.prefill_attention "auto" for MLA: the dense backends in the order tried
@@ -102,18 +109,34 @@ def mla_deinterleave(t: torch.Tensor) -> torch.Tensor:
     return torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1)
 
 
+class DuplicatedLinear(torch.nn.Module):
+    """A projection every attention-TP rank holds whole (``weight`` [n_out, n_in], no bias):
+    the weight is marked ``weights.DUPLICATED`` (loaders and the export read it whole) and
+    not ``tensor_model_parallel`` (megatron's resharding then gathers a TP trainer's row
+    shards into it)."""
+
+    def __init__(self, n_in: int, n_out: int, config: TransformerConfig, init_method) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty((n_out, n_in),
+                                                     dtype=config.params_dtype))
+        if config.perform_initialization:
+            init_method(self.weight)
+        mark_duplicated(self.weight)
+
+
 class PagedMLAttention(torch.nn.Module):
-    """megatron-named MLA over a paged latent cache (attention TP 1)."""
+    """megatron-named MLA over a paged latent cache; this rank's ATP share of the heads."""
 
     def __init__(self, config: TransformerConfig, layer_number: int, atp_group, init_method,
                  norm_cls, *, q_lora_rank: int | None, kv_lora_rank: int, qk_nope_head_dim: int,
                  qk_rope_head_dim: int, v_head_dim: int, softmax_scale: float) -> None:
         super().__init__()
-        if atp_group.size() != 1:
-            raise ValueError("attention 'mla' runs with attention TP 1 (parallel.atp: 1): the "
-                             "latent cache is one head every query head reads")
+        atp = atp_group.size()
+        if config.num_attention_heads % atp:
+            raise ValueError(f"attention 'mla': {config.num_attention_heads} heads do not split "
+                             f"over attention TP {atp}")
         self.layer_number = layer_number
-        self.heads = config.num_attention_heads
+        self.heads = config.num_attention_heads // atp  # this rank's
         self.nope, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.q_head = qk_nope_head_dim + qk_rope_head_dim
         self.kv_lora_rank = kv_lora_rank
@@ -127,20 +150,22 @@ class PagedMLAttention(torch.nn.Module):
         def norm(width: int) -> torch.nn.Module:
             return norm_cls(config=config, hidden_size=width, eps=config.layernorm_epsilon)
 
-        q_out = self.heads * self.q_head
+        all_heads = config.num_attention_heads  # megatron's sizes are whole; it splits them
+        q_out = all_heads * self.q_head
         self.linear_q_proj = self.linear_q_down_proj = self.linear_q_up_proj = None
         self.q_layernorm = None
         if q_lora_rank is None:
             self.linear_q_proj = column(H, q_out)
         else:
-            self.linear_q_down_proj = column(H, q_lora_rank)
+            self.linear_q_down_proj = DuplicatedLinear(H, q_lora_rank, config, init_method)
             self.linear_q_up_proj = column(q_lora_rank, q_out)
             self.q_layernorm = norm(q_lora_rank)
-        self.linear_kv_down_proj = column(H, kv_lora_rank + qk_rope_head_dim)
-        self.linear_kv_up_proj = column(kv_lora_rank, self.heads * (qk_nope_head_dim + v_head_dim))
+        self.linear_kv_down_proj = DuplicatedLinear(H, kv_lora_rank + qk_rope_head_dim, config,
+                                                    init_method)
+        self.linear_kv_up_proj = column(kv_lora_rank, all_heads * (qk_nope_head_dim + v_head_dim))
         self.kv_layernorm = norm(kv_lora_rank)
         self.linear_proj = RowParallelLinear(
-            self.heads * v_head_dim, H, config=config, init_method=init_method, bias=False,
+            all_heads * v_head_dim, H, config=config, init_method=init_method, bias=False,
             input_is_parallel=True, skip_bias_add=True, is_expert=False, tp_group=atp_group)
         self.scale = softmax_scale
 

@@ -90,8 +90,9 @@ def shard_rule(name: str, layout: Layout, rank: int, num_local_experts: int) -> 
     if name.endswith(("mlp.linear_fc2.weight", "shared_experts.linear_fc2.weight",
                       "linear_proj.weight")):
         return ShardRule(name, "cols", atp_rank, atp)
-    # MLA's projections are all column-parallel in megatron (the down projections' outputs
-    # gathered after): the engine runs MLA at attention TP 1 (whole), a TP trainer splits them
+    # MLA's projections are all column-parallel in megatron's local spec (the down
+    # projections' outputs gathered after); the engine holds the down projections whole on
+    # every ATP rank (``DUPLICATED``: ``held_rule``)
     if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "output_layer.weight",
                       "word_embeddings.weight", "eh_proj.weight", "linear_q_proj.weight",
                       "linear_q_down_proj.weight", "linear_q_up_proj.weight",
@@ -100,11 +101,34 @@ def shard_rule(name: str, layout: Layout, rank: int, num_local_experts: int) -> 
     return ShardRule(name, "full")  # norms, router, expert bias, shared-expert gate
 
 
+# The attribute marking a parameter every attention-TP rank holds whole although megatron's
+# local spec splits it (MLA's down projections in the engine: model/mla_attention.py)
+DUPLICATED = "colo_duplicated"
+
+
+def mark_duplicated(param: torch.Tensor) -> None:
+    setattr(param, DUPLICATED, True)
+
+
+def held_rule(rule: ShardRule, target: torch.Tensor | None) -> ShardRule:
+    """``rule`` for the model tensor ``target`` it fills: the whole tensor where the model
+    holds it duplicated (``DUPLICATED``), however megatron splits it."""
+    if target is not None and getattr(target, DUPLICATED, False):
+        return ShardRule(rule.local, "full")
+    return rule
+
+
 def shard_for(name: str, full: torch.Tensor, layout: Layout, rank: int,
-              num_local_experts: int) -> tuple[str, torch.Tensor] | None:
-    """(local name, local shard) of full-model tensor ``name`` on ``rank``; None = not held."""
+              num_local_experts: int,
+              held: dict[str, torch.Tensor] | None = None) -> tuple[str, torch.Tensor] | None:
+    """(local name, local shard) of full-model tensor ``name`` on ``rank``; None = not held.
+    ``held``: the model's tensors by local name (``loadable_tensors``), for the ones it
+    holds whole (``held_rule``)."""
     rule = shard_rule(name, layout, rank, num_local_experts)
-    return None if rule is None else (rule.local, rule.apply(full))
+    if rule is None:
+        return None
+    rule = held_rule(rule, (held or {}).get(rule.local))
+    return rule.local, rule.apply(full)
 
 
 def loadable_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -171,7 +195,7 @@ def load_sharded(model: torch.nn.Module, full: dict[str, torch.Tensor], layout: 
         if m and int(m.group(2)) >= total:
             raise KeyError(f"state dict has {name!r}: expert {m.group(2)} of a model with "
                            f"{total}")
-        mapped = shard_for(name, t, layout, rank, num_local)
+        mapped = shard_for(name, t, layout, rank, num_local, params)
         if mapped is None:
             continue
         local, shard = mapped

@@ -23,12 +23,14 @@ Must not go in here: optimizer logic, rollout scheduling.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from megatron.core.resharding import planner as _planner
 from megatron.core.resharding import refit as _refit
 from megatron.core.resharding import swap_model_weights
 from megatron.core.resharding.copy_services.base import (
@@ -38,6 +40,7 @@ from megatron.core.resharding.copy_services.base import (
     match_local_ops_by_task_id,
 )
 
+from colo_rollout.model.weights import DUPLICATED
 from colo_rollout.rl.multi_copy import MultiCopy, eligible
 
 
@@ -180,6 +183,29 @@ class RefitView(torch.nn.Module):
             m = _SEQ_EXPERT.match(name)
             yield (f"{m.group(1)}.mlp.experts.linear_fc{m.group(3)}.weight{m.group(2)}"
                    if m else name), p
+
+
+@contextlib.contextmanager
+def _duplicated_whole():
+    """megatron's planner, for the duration of one plan, with the parameters an inference
+    model holds whole on every attention-TP rank (``weights.DUPLICATED``: MLA's down
+    projections) described as a TP group of their own rank. The planner sizes a tensor that
+    is not TP-split by its model's TP group (local rows x group size), so a whole tensor on an
+    ATP-2 rank would read as twice its size; a group of one makes it whole, and a TP
+    trainer's row shards are gathered into it."""
+    inner = _planner.extract_param_metadata
+
+    def described(param, name, owner_rank, *args, **kwargs):
+        meta = inner(param, name, owner_rank, *args, **kwargs)
+        if getattr(param, DUPLICATED, False):
+            meta.is_tp, meta.tensor_parallel_group_ranks = False, [owner_rank]
+        return meta
+
+    _planner.extract_param_metadata = described
+    try:
+        yield
+    finally:
+        _planner.extract_param_metadata = inner
 
 
 def _unwrapped(name: str) -> str:
@@ -561,7 +587,8 @@ class WeightSync:
             _refit._plan_cache.clear()
             _refit._plan_cache.update(self._plans.get(pair, {}))
             try:
-                swap_model_weights(views[0], views[1], self.service)
+                with _duplicated_whole():
+                    swap_model_weights(views[0], views[1], self.service)
             except RuntimeError as e:  # gloo / NCCL's own words: say whose operation it was
                 raise RuntimeError(f"WeightSync: the sync's transfers failed on this rank "
                                    f"(a rank that did not join the sync, or left it?): "

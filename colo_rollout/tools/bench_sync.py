@@ -86,7 +86,7 @@ def run_bench_sync(rank: int, world: int, config_path: str, overrides: dict | No
     if pgc.tp.size() == 1 and pgc.ep.size() == 1:
         n_local = cfg.model.num_experts // groups.layout.ep
         for name, t in full.items():
-            mapped = shard_for(name, t, groups.layout, groups.rank, n_local)
+            mapped = shard_for(name, t, groups.layout, groups.rank, n_local, params)
             if mapped is None or mapped[0] not in params:
                 continue
             checked += 1
