@@ -48,6 +48,9 @@ MLA_FAMILY_MODELS = {
     "DeepseekV2ForCausalLM": {**MLA_ARCH, "router_score": "softmax", "router_norm_topk": False,
                               "router_expert_bias": False, "router_group_topk": 4,
                               "router_scaling_factor": 1.5, "q_lora_rank": None},
+    # GLM-4.7-Flash: the dense layers by mlp_layer_types, here not only the first
+    "Glm4MoeLiteForCausalLM": {**MLA_ARCH, "first_k_dense": 0, "dense_layers": [1],
+                               "ffn_hidden_size": 48},
 }
 
 

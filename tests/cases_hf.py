@@ -16,7 +16,7 @@ import torch
 
 FAMILIES = ("qwen3", "qwen2", "mixtral", "glm")
 # multi-head latent attention (DeepSeek-V3): its own tests -- MLA runs at attention TP 1
-MLA_FAMILIES = ("deepseek", "deepseek2")
+MLA_FAMILIES = ("deepseek", "deepseek2", "glm_lite")
 
 _COMMON = {"vocab_size": 256, "hidden_size": 64, "num_attention_heads": 4,
            "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
@@ -81,6 +81,17 @@ def family_config(family: str, **overrides):
                                   "original_max_position_embeddings": 16, "mscale": 0.707,
                                   "mscale_all_dim": 0.707}}
         cls = tf.DeepseekV2Config
+    elif family == "glm_lite":  # GLM-4.7-Flash's shape: MLA with the value head as wide as
+        # the query head, GLM's sigmoid router in one group, routed scaling 1.8, a shared
+        # expert, its dense layers by mlp_layer_types (not only the first), rope theta 1e6
+        kw = {**_COMMON, "num_hidden_layers": 3, "mlp_layer_types": ["dense", "sparse", "dense"],
+              "intermediate_size": 96, "moe_intermediate_size": 32, "n_routed_experts": 8,
+              "n_shared_experts": 1, "num_experts_per_tok": 4, "n_group": 1, "topk_group": 1,
+              "norm_topk_prob": True, "routed_scaling_factor": 1.8, "rms_norm_eps": 1e-5,
+              "q_lora_rank": 24, "kv_lora_rank": 32, "qk_nope_head_dim": 12,
+              "qk_rope_head_dim": 8, "v_head_dim": 20, "num_key_value_heads": 4,
+              "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
+        cls = tf.Glm4MoeLiteConfig
     else:
         raise ValueError(f"unknown family {family!r}; one of {FAMILIES + MLA_FAMILIES}")
     kw.update(overrides)

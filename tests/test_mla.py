@@ -24,6 +24,7 @@ from tests.cases_hf import save_tiny_checkpoint
 from tests.test_hf_import import check_equivalent, copy_ckpt, edit_config
 
 CASES = "tests.cases_hf"
+GLM_LITE = hasattr(__import__("transformers"), "Glm4MoeLiteConfig")
 # check_equivalent: transformers' argmax and logprobs within 1e-3 (fp32: summation order only,
 # ~5e-5 seen; a wrong row or scale moves > 1e-1), every rank the same
 
@@ -41,17 +42,35 @@ def ds(tmp_path_factory):
     save_tiny_checkpoint(root / "v2", "deepseek2")
     save_tiny_checkpoint(root / "v2_groups", "deepseek2", seed=2, q_lora_rank=24,
                          topk_method="group_limited_greedy", n_group=4, topk_group=3)
-    return {n: str(root / n) for n in ("bottleneck", "full_q", "v2", "v2_groups")}
+    # GLM-4.7-Flash (Glm4MoeLite): dense layers 0 and 2 by mlp_layer_types; and its default
+    # (layer 0 dense) from a config.json without the key
+    names = ["bottleneck", "full_q", "v2", "v2_groups"]
+    if GLM_LITE:
+        save_tiny_checkpoint(root / "glm_lite", "glm_lite", seed=3)
+        save_tiny_checkpoint(root / "glm_lite_default", "glm_lite", seed=4, sharded=True,
+                             mlp_layer_types=None, num_hidden_layers=2)
+        edit_config(str(root / "glm_lite_default"), mlp_layer_types=None)
+        names += ["glm_lite", "glm_lite_default"]
+    return {n: str(root / n) for n in names}
 
 
-@pytest.mark.parametrize("name", ["bottleneck", "full_q", "v2", "v2_groups"])
+def _lite(*names):
+    """``names`` as parameters that skip where transformers has no Glm4MoeLite."""
+    return [pytest.param(n, marks=pytest.mark.skipif(not GLM_LITE, reason="transformers "
+                                                     "without Glm4MoeLite")) for n in names]
+
+
+@pytest.mark.parametrize("name", ["bottleneck", "full_q", "v2", "v2_groups",
+                                  *_lite("glm_lite", "glm_lite_default")])
 def test_one_rank_matches_transformers(worker_groups, ds, name):
     res = worker_groups(1).run(f"{CASES}:serve_checkpoint", directory=ds[name], adp=1, ep=1)
     check_equivalent(res)
 
 
 @pytest.mark.parametrize("name,mode", [("bottleneck", "normal"), ("bottleneck", "fine"),
-                                       ("bottleneck", "global_complete"), ("v2", "fine")])
+                                       ("bottleneck", "global_complete"), ("v2", "fine"),
+                                       *[pytest.param(*p.values, "fine", marks=p.marks)
+                                         for p in _lite("glm_lite")]])
 def test_ep2_adp2_matches_transformers_in_each_mode(worker_groups, ds, name, mode):
     res = worker_groups(2).run(f"{CASES}:serve_checkpoint", directory=ds[name], adp=2,
                                ep=2, engine={"mode": mode})
@@ -59,7 +78,7 @@ def test_ep2_adp2_matches_transformers_in_each_mode(worker_groups, ds, name, mod
     check_equivalent(res)
 
 
-@pytest.mark.parametrize("name", ["bottleneck", "full_q"])
+@pytest.mark.parametrize("name", ["bottleneck", "full_q", *_lite("glm_lite")])
 def test_attention_tp_matches_transformers(worker_groups, ds, name):
     """EP2/ATP2: each rank reads its half of the heads' query, key/value-up and output rows
     from the checkpoint and the down projections whole (model/mla_attention.py)."""
@@ -321,6 +340,23 @@ def test_deepseek_v2_routers_megatron_cannot_express_are_named(ds, tmp_path, con
     assert f"config.json: {key}: " in str(e.value) and fragment in str(e.value), str(e.value)
 
 
+@pytest.mark.skipif(not GLM_LITE, reason="transformers without Glm4MoeLite")
+@pytest.mark.parametrize("types, fragment", [
+    (["dense", "sparse"], "2 entries for num_hidden_layers 3"),
+    (["dense", "moe", "sparse"], "'moe': expected 'dense' or 'sparse'"),
+    (["dense", {"a": 1}, "sparse"], "expected 'dense' or 'sparse'"),
+    (["dense"] * 3, "every layer dense"),
+    ("dense", "expected list"),
+])
+def test_glm_lite_layer_types_are_checked(ds, tmp_path, types, fragment):
+    d = copy_ckpt(ds["glm_lite"], tmp_path / "lite")
+    edit_config(d, mlp_layer_types=types)
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"engine": {"max_seq_len": 128}, "model": {"checkpoint": d}})
+    assert "config.json: mlp_layer_types: " in str(e.value) and fragment in str(e.value), \
+        str(e.value)
+
+
 def test_mla_keys_without_mla_are_refused():
     """A latent width beside attention 'gqa' would be ignored (probing found runs training a
     GQA model with them): refused, naming the key."""
@@ -446,11 +482,12 @@ def test_grpo_with_mla_learns_and_the_trainer_recomputes_the_rollouts_logprobs(
     assert all(x["failed"] == 0 and x["routing_disagree_frac"] == 0.0 for x in h)
 
 
-@pytest.mark.parametrize("family", ["DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"])
+@pytest.mark.parametrize("family", ["DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM",
+                                    *_lite("Glm4MoeLiteForCausalLM")])
 def test_export_of_an_mla_model_is_exact_and_transformers_loads_it(worker_groups, tmp_path,
                                                                    family):
-    """A megatron MLA model written as a DeepSeek-V3 (sigmoid router) or DeepSeek-V2 (softmax)
-    checkpoint: the files hold the HF split of every tensor, this project's loader reads it
+    """A megatron MLA model written as a DeepSeek-V3 (sigmoid router), DeepSeek-V2 (softmax)
+    or GLM-4.7-Flash (a dense middle layer) checkpoint: the files hold the HF split of every tensor, this project's loader reads it
     back bit for bit, and transformers computes megatron's logprobs."""
     res = worker_groups(1).run("tests.cases_export:export_round_trip", family=family,
                                directory=str(tmp_path / "out"))
@@ -461,22 +498,27 @@ def test_export_of_an_mla_model_is_exact_and_transformers_loads_it(worker_groups
     assert r0["max_diff_vs_transformers"] < 1e-4
 
 
-@pytest.mark.parametrize("world,adp", [(1, 1), (2, 1)])
+@pytest.mark.parametrize("world,adp,name", [
+    (1, 1, "bottleneck"), (2, 1, "bottleneck"),
+    *[pytest.param(1, 1, *p.values, marks=p.marks) for p in _lite("glm_lite")]])
 def test_deepseek_mtp_layer_loads_and_drafts_without_changing_the_tokens(worker_groups, ds,
-                                                                        tmp_path, world, adp):
+                                                                        tmp_path, world, adp,
+                                                                        name):
     """DeepSeek-V3's MTP layer stored at model.layers.{num_hidden_layers} (its own shard, with
     the embed_tokens / shared_head.head copies) loads as megatron's mtp.layers.0 with an MLA
     attention; engine.mtp drafts with it and the greedy tokens stay transformers' (1 rank,
-    and EP2/ATP2: the MTP layer's heads split too)."""
+    and EP2/ATP2: the MTP layer's heads split too; GLM-4.7-Flash's nextn layer alike)."""
     from tests.test_hf_mtp import add_mtp_layer
 
     d = str(tmp_path / "mtp")
-    shutil.copytree(ds["bottleneck"], d)
+    shutil.copytree(ds[name], d)
     add_mtp_layer(d, duplicates=True, own_shard=True)
+    edit_config(d, num_nextn_predict_layers=1)  # GLM-4.7-Flash's config.json key (its
+    # transformers config class has none: save_pretrained drops it)
     assert hf_architecture(d).fields["mtp_num_layers"] == 1
     res = worker_groups(world).run(f"{CASES}:serve_checkpoint", directory=d, adp=adp,
                                    ep=world, engine={"mtp": True})
     r0 = check_equivalent(res)
-    plain = worker_groups(world).run(f"{CASES}:serve_checkpoint", directory=ds["bottleneck"],
+    plain = worker_groups(world).run(f"{CASES}:serve_checkpoint", directory=ds[name],
                                      adp=adp, ep=world)[0]
     assert r0["tokens"] == plain["tokens"]

@@ -30,6 +30,7 @@ from colo_rollout.config.hf_config import (
     DEEPSEEK2,
     DEEPSEEK3,
     GLM4,
+    GLM4_LITE,
     MIXTRAL,
     QWEN2,
     QWEN3,
@@ -51,13 +52,15 @@ from colo_rollout.model.weights import (
 from colo_rollout.runtime.parallel import Layout
 
 _MODEL_TYPES = {QWEN3: "qwen3_moe", QWEN2: "qwen2_moe", MIXTRAL: "mixtral", GLM4: "glm4_moe",
-                DEEPSEEK3: "deepseek_v3", DEEPSEEK2: "deepseek_v2"}
+                DEEPSEEK3: "deepseek_v3", DEEPSEEK2: "deepseek_v2", GLM4_LITE: "glm4_moe_lite"}
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
 def default_family(cfg: ModelConfig) -> str:
     """The family whose format holds ``cfg`` most directly."""
-    if cfg.is_mla:
+    if cfg.is_mla:  # dense layers past the first ones: only GLM-4.7-Flash's format names them
+        if cfg.dense_layers and cfg.router_score == "sigmoid":
+            return GLM4_LITE
         return DEEPSEEK3 if cfg.router_score == "sigmoid" else DEEPSEEK2
     if cfg.router_score == "sigmoid" or cfg.first_k_dense:
         return GLM4
@@ -118,11 +121,11 @@ def hf_config_dict(cfg: ModelConfig, family: str | None = None,
     elif family == MIXTRAL:
         c.update(num_local_experts=cfg.num_experts, intermediate_size=ffn, sliding_window=None)
     else:
-        if family in (DEEPSEEK3, DEEPSEEK2):
+        if family in (DEEPSEEK3, DEEPSEEK2, GLM4_LITE):
             c.update(head_dim=cfg.qk_rope_head_dim, q_lora_rank=cfg.q_lora_rank,
                      kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
                      qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim)
-        if family == DEEPSEEK3:
+        if family in (DEEPSEEK3, GLM4_LITE):
             c["rope_interleave"] = True
         shared = cfg.shared_expert_ffn_hidden_size or 0
         if shared % ffn:
@@ -137,6 +140,10 @@ def hf_config_dict(cfg: ModelConfig, family: str | None = None,
                  num_nextn_predict_layers=cfg.mtp_num_layers)
         if family == GLM4:
             c["use_qk_norm"] = cfg.qk_layernorm
+        if family == GLM4_LITE:  # its dense layers by type, wherever they are
+            del c["first_k_dense_replace"]
+            c["mlp_layer_types"] = ["sparse" if cfg.is_moe_layer(i) else "dense"
+                                    for i in range(cfg.num_layers)]
         if family == DEEPSEEK2:
             grouped = cfg.router_num_groups is not None
             c.update(topk_method="group_limited_greedy" if grouped else "greedy",

@@ -35,8 +35,10 @@ MIXTRAL = "MixtralForCausalLM"
 GLM4 = "Glm4MoeForCausalLM"
 DEEPSEEK3 = "DeepseekV3ForCausalLM"  # also Kimi-K2's and Moonlight's architecture
 DEEPSEEK2 = "DeepseekV2ForCausalLM"  # DeepSeek-V2(-Lite)
-FAMILIES = (QWEN3, QWEN2, MIXTRAL, GLM4, DEEPSEEK3, DEEPSEEK2)
-MLA_ARCHS = (DEEPSEEK3, DEEPSEEK2)  # the families whose attention is multi-head latent
+GLM4_LITE = "Glm4MoeLiteForCausalLM"  # GLM-4.7-Flash: DeepSeek-V3's MLA with GLM-4.5's MoE
+FAMILIES = (QWEN3, QWEN2, MIXTRAL, GLM4, DEEPSEEK3, DEEPSEEK2, GLM4_LITE)
+# the families whose attention is multi-head latent
+MLA_ARCHS = (DEEPSEEK3, DEEPSEEK2, GLM4_LITE)
 # other names of multi-head latent attention architectures: not supported
 UNSUPPORTED_MLA = ("KimiK2ForCausalLM",)
 
@@ -174,14 +176,14 @@ def hf_architecture(directory: str | pathlib.Path, config: dict | None = None) -
     if family in UNSUPPORTED_MLA or ("kv_lora_rank" in config and family not in MLA_ARCHS):
         raise r.error("architectures", f"{family!r} with multi-head latent attention (MLA) "
                       "keys (kv_lora_rank) is not supported: MLA is read from "
-                      f"{' and '.join(MLA_ARCHS)} checkpoints; supported: "
+                      f"{', '.join(MLA_ARCHS)} checkpoints; supported: "
                       f"{', '.join(FAMILIES)}")
     if family not in FAMILIES:
         raise r.error("architectures", f"{family!r} is not supported; supported: "
                       f"{', '.join(FAMILIES)}")
     _common(r, family)
     {QWEN3: _qwen3, QWEN2: _qwen2, MIXTRAL: _mixtral, GLM4: _glm4,
-     DEEPSEEK3: _deepseek3, DEEPSEEK2: _deepseek2}[family](r)
+     DEEPSEEK3: _deepseek3, DEEPSEEK2: _deepseek2, GLM4_LITE: _glm4_lite}[family](r)
     f = r.fields
     # transformers renormalises a single softmax score to 1.0; megatron refuses top-1 softmax
     # routing without its pre-softmax (model section's router_norm_topk check), and with
@@ -520,9 +522,41 @@ def _deepseek3(r: _Reader) -> None:
     """DeepSeek-V3 (Kimi-K2, Moonlight): MLA attention (model.attention 'mla') and GLM-4.5's
     router; DeepseekV3Config's defaults where a key is absent."""
     _mla(r)
+    _rope_interleaved(r)
+    _deepseek_moe(r, scaling=2.5, groups=8, topk_group=4, dense=3)
+
+
+def _glm4_lite(r: _Reader) -> None:
+    """GLM-4.7-Flash (transformers' Glm4MoeLite): DeepSeek-V3's attention class and GLM-4.5's
+    MoE, its dense layers named by ``mlp_layer_types`` ("dense" / "sparse" per layer;
+    absent: layer 0 dense, the rest sparse -- Glm4MoeLiteConfig's default; transformers
+    reads no first_k_dense_replace for this family, so neither does this);
+    Glm4MoeLiteConfig's defaults where a key is absent."""
+    _mla(r)
+    _rope_interleaved(r)
+    n = r.fields["num_layers"]
+    types = r.get("mlp_layer_types", list, None, null_ok=True)
+    if types is None:
+        types = ["dense"] + ["sparse"] * (n - 1)
+    bad = next((t for t in types if t not in ("dense", "sparse")), None)
+    r.refuse("mlp_layer_types", bad is not None, f"{bad!r:.40}: expected 'dense' or 'sparse'")
+    r.refuse("mlp_layer_types", len(types) != n,
+             f"{len(types)} entries for num_hidden_layers {n}")
+    dense = [i for i, t in enumerate(types) if t == "dense"]
+    r.refuse("mlp_layer_types", len(dense) == n, "every layer dense: not a MoE model")
+    _deepseek_moe(r, scaling=1.8, groups=1, topk_group=1, dense=0, first_k_dense=False)
+    # a leading run of dense layers is first_k_dense (DeepSeek's form); others dense_layers
+    if dense == list(range(len(dense))):
+        r.set("first_k_dense", len(dense), "mlp_layer_types")
+    else:
+        r.set("dense_layers", dense, "mlp_layer_types")
+    if dense:
+        r.take("ffn_hidden_size", "intermediate_size", int, 10240)
+
+
+def _rope_interleaved(r: _Reader) -> None:
     r.refuse("rope_interleave", not r.flag("rope_interleave", True),
              "false: megatron's MLA rotates DeepSeek's interleaved rope pairs (true) only")
-    _deepseek_moe(r, scaling=2.5, groups=8, topk_group=4, dense=3)
 
 
 def _deepseek2(r: _Reader) -> None:
@@ -582,10 +616,11 @@ def _mla(r: _Reader) -> None:
 
 
 def _deepseek_moe(r: _Reader, *, scaling: float, groups: int, topk_group: int,
-                  dense: int) -> None:
+                  dense: int, first_k_dense: bool = True) -> None:
     """DeepSeek-V3's MoE (GLM-4.5 has it too): sigmoid scores with a score-correction bias,
-    group-limited top-k, routed scaling, shared experts, dense first layers, MTP layers; the
-    arguments are the family config class's defaults for absent keys."""
+    group-limited top-k, routed scaling, shared experts, dense first layers
+    (``first_k_dense_replace``, where the family reads it), MTP layers; the arguments are
+    the family config class's defaults for absent keys."""
     r.take("num_experts", "n_routed_experts", int)
     moe_ffn = r.take("moe_ffn_hidden_size", "moe_intermediate_size", int)
     r.set("router_norm_topk", r.flag("norm_topk_prob", True), "norm_topk_prob")
@@ -606,10 +641,11 @@ def _deepseek_moe(r: _Reader, *, scaling: float, groups: int, topk_group: int,
     shared = r.count("n_shared_experts", 1)  # Glm4MoeConfig's defaults when absent: 1, 1
     if shared:
         r.set("shared_expert_ffn_hidden_size", shared * moe_ffn, "n_shared_experts")
-    dense = r.count("first_k_dense_replace", dense)
-    r.set("first_k_dense", dense, "first_k_dense_replace")
-    if dense:
-        r.take("ffn_hidden_size", "intermediate_size", int)
+    if first_k_dense:
+        dense = r.count("first_k_dense_replace", dense)
+        r.set("first_k_dense", dense, "first_k_dense_replace")
+        if dense:
+            r.take("ffn_hidden_size", "intermediate_size", int)
     _mtp(r)
 
 
