@@ -105,6 +105,11 @@ def test_the_format_is_checked_from_the_headers(tmp_path):
     assert "a block scale without its weight 'b.weight'" in got
     got = error({"a.weight": q.view(10, 5, 70), "a.weight_scale_inv": s})
     assert "2-D weights only" in got
+    # scales that are not 16- or 32-bit floats would scale the codes by their truncations
+    # (found by probing: int32 scales served zero weights)
+    for bad in (torch.int32, torch.float8_e4m3fn):
+        got = error({"a.weight": q, "a.weight_scale_inv": s.to(bad)})
+        assert "a.weight_scale_inv" in got and "block scales load from float32" in got, got
 
 
 @pytest.mark.parametrize("qc, key, problem", [

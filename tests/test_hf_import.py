@@ -618,6 +618,36 @@ def test_a_missing_rope_theta_is_the_familys_default(ckpt, tmp_path, family, rop
     assert model_cfg(str(d)).model.rotary_base == want
 
 
+@pytest.mark.parametrize("family, want", [("qwen3", 1.0), ("qwen2", 1.0), ("mixtral", 1.0),
+                                          ("glm", 0.25)])
+def test_partial_rotary_is_read_only_where_transformers_applies_it(ckpt, tmp_path, family,
+                                                                   want):
+    """transformers' default RoPE reads partial_rotary_factor in GLM's families only; Qwen's
+    and Mixtral's rotate whole heads whatever config.json says (found by probing: tokens
+    differed from transformers where the engine applied it)."""
+    d = copy_ckpt(ckpt[family], tmp_path / family)
+    edit_config(d, partial_rotary_factor=0.25, rope_parameters={"rope_type": "default",
+                                                                "rope_theta": 10000.0})
+    assert model_cfg(d).model.rotary_percent == want
+
+
+def test_partial_rotary_beside_whole_head_attention_matches_transformers(worker_groups,
+                                                                        ckpt, tmp_path):
+    d = copy_ckpt(ckpt["qwen2"], tmp_path / "qwen2")
+    edit_config(d, partial_rotary_factor=0.5)
+    check_equivalent(worker_groups(1).run(f"{CASES}:serve_checkpoint", directory=d, adp=1,
+                                          ep=1))
+
+
+def test_partial_rotary_with_llama3_scaling_is_refused_where_transformers_cannot_run_it(
+        ckpt, tmp_path):
+    e = _config_error(ckpt, tmp_path, partial_rotary_factor=0.5, max_position_embeddings=8192,
+                      rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0,
+                                       "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0})
+    assert "partial_rotary_factor: 0.5 with rope_type llama3" in str(e), str(e)
+
+
 def test_a_yarn_mscale_all_dim_megatron_cannot_take_names_its_own_key(ckpt, tmp_path):
     e = _config_error(ckpt, tmp_path, rope_parameters={**YARN, "factor": 16.0, "mscale": 1.0,
                                                        "mscale_all_dim": -5.0})

@@ -79,6 +79,12 @@ class BlockFp8Store:
             if len(shape) != 2:
                 raise CheckpointError(f"a block-scaled weight of shape {list(shape)}: 2-D "
                                       "weights only", path=store.file_of(name), name=name)
+            sdtype = store.dtype(scale)
+            if not sdtype.is_floating_point or sdtype.itemsize < 2:
+                # integer or 8-bit scales would multiply the codes by their truncations
+                raise CheckpointError(f"stored as {str(sdtype).removeprefix('torch.')}: block "
+                                      "scales load from float32, bfloat16 or float16",
+                                      path=store.file_of(scale), name=scale)
             grid = (-(-shape[0] // br), -(-shape[1] // bc))
             if tuple(store.shape(scale)) != grid:
                 raise CheckpointError(f"shape {list(store.shape(scale))}, expected "

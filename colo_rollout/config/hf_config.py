@@ -233,6 +233,10 @@ def _weight_block(r: _Reader) -> tuple[int, int] | None:
 # config.json keys whose absence transformers fills with a family default other than "none":
 # the model transformers builds from such a config.json is the reference, so read them alike
 _PARTIAL_ROTARY_DEFAULT = {GLM4: 0.5}  # Glm4MoeConfig: partial_rotary_factor 0.5 when absent
+# the families whose default RoPE reads partial_rotary_factor; the others' rotates whole heads
+# whatever config.json says (transformers' own compute_default_rope_parameters; found by
+# probing: a Qwen3 config.json with 0.5 served other tokens than transformers)
+_PARTIAL_ROTARY_FAMILIES = (GLM4, GLM4_LITE)
 _THETA_DEFAULT = {MIXTRAL: 1e6}  # the config classes' default_theta (others: 10000)
 
 
@@ -314,14 +318,16 @@ def _rope(r: _Reader, partial_default: float = 1.0, theta_default: float = 10000
     r.refuse(src, isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0,
              f"expected a positive number, got {theta!r}")
     r.set("rotary_base", float(theta), src)
-    partial, src = pick("partial_rotary_factor", partial_default, "partial_rotary_factor")
-    r.refuse(src, isinstance(partial, bool) or not isinstance(partial, (int, float))
+    partial, psrc = pick("partial_rotary_factor", partial_default, "partial_rotary_factor")
+    r.refuse(psrc, isinstance(partial, bool) or not isinstance(partial, (int, float))
              or not 0 < partial <= 1, f"expected a number in (0, 1], got {partial!r}")
-    r.set("rotary_percent", float(partial), src)
+    r.set("rotary_percent", float(partial), psrc)
     rtype, src = pick("rope_type", None, "rope_type")
     if rtype is None:
         rtype, src = pick("type", "default", "rope_scaling.type")
     if rtype == "default":
+        if family not in _PARTIAL_ROTARY_FAMILIES:
+            r.set("rotary_percent", 1.0, "architectures")
         r.set("rope_scaling", None, src)
         r.set("rope_scaling_factor", 8.0, src)
         return
@@ -330,6 +336,10 @@ def _rope(r: _Reader, partial_default: float = 1.0, theta_default: float = 10000
         return
     if rtype != "llama3":
         raise r.error(src, f"RoPE type {rtype!r} is not supported (default, llama3, yarn)")
+    # transformers' llama3 frequencies cover partial_rotary_factor of the head, which only the
+    # partial families' attention applies (the others' cannot run with it)
+    r.refuse(psrc, partial != 1 and family not in _PARTIAL_ROTARY_FAMILIES,
+             f"{partial!r} with rope_type llama3: {family}'s attention rotates whole heads")
     # megatron's llama3 scaling fixes the other three parameters; refuse different ones
     for key, want in (("low_freq_factor", 1.0), ("high_freq_factor", 4.0)):
         got, ksrc = pick(key, want, key)
