@@ -537,6 +537,18 @@ def test_unsupported_architecture(ckpt, tmp_path):
     assert "Qwen3MoeForCausalLM" in msg  # lists what is
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_config_without_architectures_is_read_by_its_model_type(ckpt, tmp_path, family):
+    """As transformers' Auto classes: model_type picks the family (found by probing)."""
+    d = copy_ckpt(ckpt[family], tmp_path / family)
+    want = model_cfg(d).model
+    edit_config(d, architectures=None)
+    assert model_cfg(d).model == want
+    edit_config(d, model_type="llama")
+    with pytest.raises(ConfigError, match="architectures: expected a non-empty list"):
+        model_cfg(d)
+
+
 def test_other_mla_families_are_refused(ckpt, tmp_path):
     # DeepSeek-V2/V3's MLA is served (tests/test_mla.py); Kimi-K2's remote-code name is not
     # read as DeepSeek-V3's, and a latent width on another family is not its attention

@@ -324,6 +324,15 @@ def test_the_door_names_what_mla_cannot_run(ds, tmp_path, parallel, engine, mode
     assert "\n" not in str(e)
 
 
+def test_deepseek_v2_group_limited_routing_in_one_group_is_greedy(ds, tmp_path):
+    """One group limits nothing (found by probing: it was refused)."""
+    d = copy_ckpt(ds["v2"], tmp_path / "v2")
+    want = config_from_dict({"engine": {"max_seq_len": 128}, "model": {"checkpoint": d}}).model
+    edit_config(d, topk_method="group_limited_greedy", n_group=1, topk_group=1)
+    got = config_from_dict({"engine": {"max_seq_len": 128}, "model": {"checkpoint": d}}).model
+    assert got == want and got.router_num_groups is None
+
+
 @pytest.mark.parametrize("config, key, fragment", [
     ({"norm_topk_prob": True}, "norm_topk_prob", "never renormalises"),
     ({"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 1}, "topk_group",

@@ -32,6 +32,7 @@ from colo_rollout.config.hf_config import (
     GLM4,
     GLM4_LITE,
     MIXTRAL,
+    MODEL_TYPES,
     QWEN2,
     QWEN3,
     hf_architecture,
@@ -51,8 +52,6 @@ from colo_rollout.model.weights import (
 )
 from colo_rollout.runtime.parallel import Layout
 
-_MODEL_TYPES = {QWEN3: "qwen3_moe", QWEN2: "qwen2_moe", MIXTRAL: "mixtral", GLM4: "glm4_moe",
-                DEEPSEEK3: "deepseek_v3", DEEPSEEK2: "deepseek_v2", GLM4_LITE: "glm4_moe_lite"}
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
@@ -74,8 +73,8 @@ def hf_config_dict(cfg: ModelConfig, family: str | None = None,
     """config.json for ``cfg`` in ``family``'s format; ValueError if the family cannot express
     ``cfg`` (checked by parsing the result back: every architecture field must round-trip)."""
     family = family or default_family(cfg)
-    if family not in _MODEL_TYPES:
-        raise ValueError(f"family {family!r}: choose one of {', '.join(_MODEL_TYPES)}")
+    if family not in MODEL_TYPES:
+        raise ValueError(f"family {family!r}: choose one of {', '.join(MODEL_TYPES)}")
     rope = {"rope_theta": cfg.rotary_base, "rope_type": "default"}
     if cfg.rope_scaling == "llama3":
         rope.update(rope_type="llama3", factor=cfg.rope_scaling_factor, low_freq_factor=1.0,
@@ -97,7 +96,7 @@ def hf_config_dict(cfg: ModelConfig, family: str | None = None,
     # always written: a family's default when absent is not always 1 (GLM-4.5: 0.5)
     rope["partial_rotary_factor"] = cfg.rotary_percent
     c: dict = {
-        "architectures": [family], "model_type": _MODEL_TYPES[family],
+        "architectures": [family], "model_type": MODEL_TYPES[family],
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
         "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.num_query_groups, "head_dim": cfg.head_dim,

@@ -39,6 +39,11 @@ GLM4_LITE = "Glm4MoeLiteForCausalLM"  # GLM-4.7-Flash: DeepSeek-V3's MLA with GL
 FAMILIES = (QWEN3, QWEN2, MIXTRAL, GLM4, DEEPSEEK3, DEEPSEEK2, GLM4_LITE)
 # the families whose attention is multi-head latent
 MLA_ARCHS = (DEEPSEEK3, DEEPSEEK2, GLM4_LITE)
+# config.json's model_type -> the family, where architectures is absent (transformers' Auto
+# classes pick the model by model_type then)
+MODEL_TYPES = {QWEN3: "qwen3_moe", QWEN2: "qwen2_moe", MIXTRAL: "mixtral", GLM4: "glm4_moe",
+               DEEPSEEK3: "deepseek_v3", DEEPSEEK2: "deepseek_v2", GLM4_LITE: "glm4_moe_lite"}
+_MODEL_TYPE_FAMILIES = {t: f for f, t in MODEL_TYPES.items()}
 # other names of multi-head latent attention architectures: not supported
 UNSUPPORTED_MLA = ("KimiK2ForCausalLM",)
 
@@ -170,6 +175,8 @@ def hf_architecture(directory: str | pathlib.Path, config: dict | None = None) -
     config = read_hf_config(directory) if config is None else config
     r = _Reader(config, path)
     archs = config.get("architectures")
+    if archs is None and config.get("model_type") in _MODEL_TYPE_FAMILIES:
+        archs = [_MODEL_TYPE_FAMILIES[config["model_type"]]]  # as transformers' Auto classes
     if not (isinstance(archs, list) and archs and all(isinstance(a, str) for a in archs)):
         raise r.error("architectures", f"expected a non-empty list of names, got {archs!r}")
     family = archs[0]
@@ -586,6 +593,8 @@ def _deepseek2(r: _Reader) -> None:
     r.set("router_norm_topk", False, "norm_topk_prob")
     r.take("router_scaling_factor", "routed_scaling_factor", float, 1.0)
     method = r.get("topk_method", str, "greedy")
+    if method == "group_limited_greedy" and r.count("n_group", 1) == 1:
+        method = "greedy"  # one group limits nothing: transformers' scores are greedy's
     if method == "group_limited_greedy":
         groups, topk_group = r.get("n_group", int), r.get("topk_group", int)
         topk = r.fields["moe_router_topk"]
