@@ -190,7 +190,7 @@ def test_versus_measures_a_variant_on_the_same_rows_in_the_same_process(tmp_path
     out_dir = tmp_path / "vs"
     rows = ["--set", "bench_speed.decode_batches=[1, 2]", "--set", "bench_speed.long_contexts=[]",
             "--set", "bench_speed.long_batches=[]",
-            "--set", "bench_speed.sampled_batches=[]", "--set", "bench_speed.prefill_lengths=[64]",
+            "--set", "bench_speed.sampled_batches=[2]", "--set", "bench_speed.prefill_lengths=[64]",
             "--set", "bench_speed.prefill_batch_seqs=0", "--set", "bench_speed.prefill_mixed=[]",
             "--set", "bench_speed.continuation_seqs=0", "--set", "bench_speed.hf_peer=false",
             "--set", "bench_speed.profile=false", "--set", "bench_speed.iters=2",
@@ -201,13 +201,18 @@ def test_versus_measures_a_variant_on_the_same_rows_in_the_same_process(tmp_path
     (v,) = res["versus"]
     assert v["set"] == {"model.moe_compute": "megatron"}
     base = {("decode", r["batch"], r["context"]): r["step_s"] for r in res["decode"]}
+    # the sampled rows too (found by probing: their key was read as a prefill row's)
+    base |= {("decode_sampled", r["batch"], r["context"]): r["step_s"]
+             for r in res["decode_sampled"]}
     base |= {("prefill", r["shape"]): r["step_s"] for r in res["prefill"]}
+    assert any(k[0] == "decode_sampled" for k in base)
     assert [(r["kind"], *r["row"]) for r in v["rows"]] == list(base)  # every row, in order
     for r in v["rows"]:
         assert r["base_step_s"] == base[(r["kind"], *r["row"])] and r["step_s"] > 0
         assert r["ratio"] == pytest.approx(r["step_s"] / r["base_step_s"])
         what = (f"decode B={r['row'][0]} ctx {r['row'][1]}" if r["kind"] == "decode"
-                else f"prefill {r['row'][0]}")
+                else f"sampled B={r['row'][0]} ctx {r['row'][1]}"
+                if r["kind"] == "decode_sampled" else f"prefill {r['row'][0]}")
         assert f"{what:<34} {r['base_step_s'] * 1e3:>9.3f} {r['step_s'] * 1e3:>9.3f}" in table
     assert 'versus (same process' in table and 'model.moe_compute="megatron"' in table
 

@@ -304,7 +304,8 @@ def run_bench_speed(rank: int, world: int, config_path: str,
 
 
 def _row_key(kind: str, r: dict) -> tuple:
-    return (kind, r["batch"], r["context"]) if kind == "decode" else (kind, r["shape"])
+    # D rows (greedy and sampled) by batch and context, P rows by shape
+    return (kind, r["shape"]) if kind == "prefill" else (kind, r["batch"], r["context"])
 
 
 def _versus_rows(overrides: dict, base: dict, got: dict) -> dict:
