@@ -253,6 +253,12 @@ def _sharded(tmp_path):
     ('{"metadata": {}}', "weight_map: missing or not an object"),
     ('{"weight_map": ["a"]}', "weight_map: missing or not an object"),
     ('{"weight_map": {"a": 3}}', "weight_map.a: expected a file name, got 3"),
+    # shards outside the checkpoint's directory (found by probing: read without a word)
+    ('{"weight_map": {"a": "/etc/passwd"}}',
+     "weight_map.a: '/etc/passwd': expected a file in the checkpoint's directory"),
+    ('{"weight_map": {"a": "../other/model.safetensors"}}',
+     "weight_map.a: '../other/model.safetensors': expected a file in the checkpoint's"),
+    ('{"weight_map": {"a": ""}}', "weight_map.a: '': expected a file in the checkpoint's"),
 ])
 def test_index_errors(tmp_path, content, prefix):
     index, _ = _sharded(tmp_path)

@@ -108,6 +108,12 @@ class CheckpointStore:
             if not isinstance(file, str):
                 raise CheckpointError(f"expected a file name, got {file!r}", path=index,
                                       name=f"weight_map.{name}")
+            rel = pathlib.PurePosixPath(file)
+            if rel.is_absolute() or ".." in rel.parts or "\\" in file or not file:
+                # the shards live in the checkpoint's directory (the file names themselves may
+                # be links, as in the hub's cache: the name is checked, not its target)
+                raise CheckpointError(f"{file!r}: expected a file in the checkpoint's directory",
+                                      path=index, name=f"weight_map.{name}")
             files[name] = self.directory / file
         # Check each shard once, naming one tensor the index maps to it.
         for path, name in {p: n for n, p in reversed(files.items())}.items():
