@@ -134,6 +134,10 @@ def _launch(target: str, config: str, overrides: dict, gather: bool = False, cfg
             return all_gather_json(out, dist.new_group(backend="gloo"))
         except DeviceStall as e:  # the device is wedged: a teardown would wait on it forever
             _exit_wedged(rank, e)
+        except Exception as e:
+            if not getattr(type(e), "user_facing", False):
+                raise
+            _rank_error(" ".join(str(e).split()))
         finally:
             # an explicit teardown (groups left to interpreter exit can hang there), bounded:
             # after another error (a peer's death seen by the control exchange, say) this
@@ -142,8 +146,20 @@ def _launch(target: str, config: str, overrides: dict, gather: bool = False, cfg
                 destroy_parallel(drain_timeout_s=cfg.parallel.timeout_s)
             except DeviceStall as e:
                 _exit_wedged(rank, e)
-    from colo_rollout.runtime.spawn import WorkerGroup
+    from colo_rollout.runtime.spawn import WorkerError, WorkerGroup
 
-    with WorkerGroup(cfg.parallel.world_size) as group:
-        return group.run("colo_rollout.quiet:run_quietly", timeout=3600, fn=target,
-                         config_path=config, overrides=overrides, **extra)
+    try:
+        with WorkerGroup(cfg.parallel.world_size) as group:
+            return group.run("colo_rollout.quiet:run_quietly", timeout=3600, fn=target,
+                             config_path=config, overrides=overrides, **extra)
+    except WorkerError as e:
+        if e.user_line is None:
+            raise
+        _rank_error(e.user_line)
+
+
+def _rank_error(line: str):
+    """A checkpoint, config or request error a rank raised after the door (a weight that is
+    not finite, say): one ``error:`` line, exit code 1 (the run had started)."""
+    print(f"error: {line}", file=sys.stderr)
+    raise SystemExit(1) from None

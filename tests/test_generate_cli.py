@@ -196,6 +196,26 @@ def test_error_no_tokenizer(ckpt, tmp_path):
                     "tokenizer; rollout() itself is token-in/token-out)")
 
 
+def test_a_weight_that_is_not_finite_is_one_error_line_naming_it(ckpt, tmp_path):
+    """Found past the door (the door reads headers only): the rank's CheckpointError is the
+    command's one line, exit code 1 (was a traceback, the logits' NaN refused per prompt)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    d, _, _ = ckpt
+    shutil.copytree(d, tmp_path / "c")
+    path = tmp_path / "c" / "model.safetensors"
+    tensors = load_file(path)
+    tensors["model.norm.weight"][3] = float("nan")
+    tensors["model.layers.1.mlp.gate.weight"][0, :2] = torch.inf
+    save_file(tensors, path, metadata={"format": "pt"})
+    r = _cli("--model", str(tmp_path / "c"), "hi")
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {path}: "), r.stderr
+    assert "not finite (NaN or inf)" in lines[0], lines[0]
+
+
 def test_error_bad_set_value(ckpt):
     d, _, _ = ckpt
     line = _one_error(_cli("--model", str(d), "--set", "engine.max_batch_size=abc", "hi"))

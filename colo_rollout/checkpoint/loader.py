@@ -292,7 +292,22 @@ def _first(src: Source) -> str:
 
 def read_shard(store: CheckpointStore, src: Source, rule: ShardRule,
                dtype: torch.dtype) -> torch.Tensor:
-    """This rank's part of one megatron tensor, read as slices of its HF sources."""
+    """This rank's part of one megatron tensor, read as slices of its HF sources; a value that
+    is not finite (NaN, inf: a corrupt or badly converted file) is a CheckpointError naming
+    the tensor -- served, it would turn every logit to NaN (found by probing)."""
+    part = _read_shard(store, src, rule, dtype)
+    finite = torch.isfinite(part)
+    if not bool(finite.all()):
+        bad = part.numel() - int(finite.sum())
+        name = _first(src)
+        where = "this rank's slice" if rule.kind != "full" and rule.size > 1 else "it"
+        raise CheckpointError(f"{bad} value{'s' if bad > 1 else ''} not finite (NaN or inf) "
+                              f"in {where}", path=store.file_of(name), name=name)
+    return part
+
+
+def _read_shard(store: CheckpointStore, src: Source, rule: ShardRule,
+                dtype: torch.dtype) -> torch.Tensor:
     if isinstance(src, Direct):
         if rule.kind == "full" or rule.size == 1:
             return store.read(src.name, dtype=dtype)

@@ -17,7 +17,11 @@ class CheckpointError(ValueError):
     (config.json, a shard file, the index) and WHAT the tensor name or key when there is one.
 
     ``message`` is the problem alone; the prefix is built from ``path`` and ``name``, which are
-    kept as attributes (``path`` as a :class:`pathlib.Path` or None)."""
+    kept as attributes (``path`` as a :class:`pathlib.Path` or None). ``user_facing``: raised
+    on a rank, the command prints the message as its one ``error:`` line
+    (runtime/spawn.py)."""
+
+    user_facing = True
 
     def __init__(self, message: str, *, path: str | os.PathLike | None = None,
                  name: str | None = None) -> None:

@@ -11,12 +11,15 @@ import types
 import typing
 from typing import Any
 
+
 class ConfigError(ValueError):
     """An invalid configuration.
 
     The message names the source (file path or ``"<dict>"``) when known and the
     dotted key of the offending setting; both are also kept as attributes.
     """
+
+    user_facing = True  # raised on a rank: the command's one error line (runtime/spawn.py)
 
     def __init__(self, message: str, *, key: str | None = None, source: str | None = None):
         super().__init__(message)

@@ -25,7 +25,13 @@ from typing import Any
 
 
 class WorkerError(RuntimeError):
-    """A function raised on one or more ranks."""
+    """A function raised on one or more ranks. ``user_line``: the message of the first
+    failing rank's exception where its class is ``user_facing`` (a config, checkpoint or
+    request error meant to be read as one line), else None."""
+
+    def __init__(self, message: str, user_line: str | None = None) -> None:
+        super().__init__(message)
+        self.user_line = user_line
 
 
 class WorkerTimeout(TimeoutError):
@@ -58,8 +64,9 @@ def _worker_main(rank: int, world: int, store_path: str, tasks, results, env: di
             mod_name, fn_name = target.split(":")
             fn = getattr(importlib.import_module(mod_name), fn_name)
             results.put((rank, True, fn(rank=rank, world=world, **kwargs)))
-        except BaseException:  # report, keep serving: the next call may still work
-            results.put((rank, False, traceback.format_exc()))
+        except BaseException as e:  # report, keep serving: the next call may still work
+            line = " ".join(str(e).split()) if getattr(type(e), "user_facing", False) else None
+            results.put((rank, False, (traceback.format_exc(), line)))
     try:
         dist.destroy_process_group()
     except Exception:
@@ -126,15 +133,17 @@ class WorkerGroup:
                     why = (f"rank(s) {sorted(dead)} died (exit codes {dead})" if dead else
                            f"{self.world - len(out) - len(errors)} rank(s) did not finish "
                            f"within {timeout:.0f}s")
-                    detail = "".join(f"\n--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
+                    detail = "".join(f"\n--- rank {r} ---\n{e[0]}"
+                                     for r, e in sorted(errors.items()))
                     raise WorkerTimeout(f"{target}: {why}; group torn down{detail}") from None
                 continue
             (out if ok else errors)[rank] = value
         if errors:
             # the rank that failed first is usually the one whose error is not a peer timeout
-            first = min(errors, key=lambda r: ("Timed out" in errors[r], r))
-            raise WorkerError(f"{target} failed on ranks {sorted(errors)}; rank {first}:\n"
-                              f"{errors[first]}")
+            first = min(errors, key=lambda r: ("Timed out" in errors[r][0], r))
+            tb, line = errors[first]
+            raise WorkerError(f"{target} failed on ranks {sorted(errors)}; rank {first}:\n{tb}",
+                              line)
         return [out[r] for r in range(self.world)]
 
     def close(self, force: bool = False) -> None:

@@ -18,6 +18,8 @@ from enum import Enum
 class RequestError(ValueError):
     """A request (or a cancel) the engine refuses; the message names the request id."""
 
+    user_facing = True  # raised on a rank: the command's one error line (runtime/spawn.py)
+
 
 class SubmissionRefused(RequestError):
     """Raised by ``Engine.step()`` on the rank whose own submissions every rank refused when
