@@ -166,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {bad[0]}", file=sys.stderr)
             return 2
         overrides = _door(_overrides, args.set)
-        if overrides.get("model.mtp_num_layers", 1) != 1:
+        layers = overrides.get("model.mtp_num_layers", 1)
+        if isinstance(layers, bool) or layers != 1:  # (True == 1 in Python)
             print(f"error: --set model.mtp_num_layers={overrides['model.mtp_num_layers']}: "
                   "bench-mtp measures the model with its one MTP layer (1)", file=sys.stderr)
             return 2

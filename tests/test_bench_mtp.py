@@ -63,6 +63,9 @@ def test_bench_mtp_bad_arguments(capsys, tmp_path):
     assert main(["bench-mtp", CFG, "--set", "model.mtp_num_layers=0", "--out",
                  str(tmp_path)]) == 2
     assert "error: --set model.mtp_num_layers=0" in capsys.readouterr().err
+    assert main(["bench-mtp", CFG, "--set", "model.mtp_num_layers=true", "--out",
+                 str(tmp_path)]) == 2  # a bool is no count (found by probing: True == 1)
+    assert "error: --set model.mtp_num_layers=True" in capsys.readouterr().err
     assert main(["bench-mtp", CFG, "--distill-steps", "-1", "--out", str(tmp_path)]) == 2
     assert "error: --distill-steps" in capsys.readouterr().err
     assert main(["bench-mtp", CFG, "--distill-batch", "0", "--out", str(tmp_path)]) == 2

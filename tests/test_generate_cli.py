@@ -216,6 +216,22 @@ def test_a_weight_that_is_not_finite_is_one_error_line_naming_it(ckpt, tmp_path)
     assert "not finite (NaN or inf)" in lines[0], lines[0]
 
 
+def test_a_config_file_without_engine_limits_is_sized_to_the_prompts(ckpt, tmp_path):
+    """--config naming only the layout: the engine limits it leaves unset are sized to the
+    prompts as without --config (found by probing: the engine's default max_seq_len outgrew
+    a model of few positions and the error named a key the file never set)."""
+    d, chat, _ = ckpt
+    shutil.copytree(d, tmp_path / "c")
+    cfg = json.loads((tmp_path / "c" / "config.json").read_text())
+    cfg["max_position_embeddings"] = 64
+    (tmp_path / "c" / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "run.yaml").write_text("parallel: {world_size: 1}\n")
+    r = _cli("--model", str(tmp_path / "c"), "--config", str(tmp_path / "run.yaml"),
+             "--max-tokens", str(MAX_TOKENS), PROMPTS[0])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"[0] {chat[PROMPTS[0]]}\n"
+
+
 def test_error_bad_set_value(ckpt):
     d, _, _ = ckpt
     line = _one_error(_cli("--model", str(d), "--set", "engine.max_batch_size=abc", "hi"))

@@ -216,14 +216,23 @@ def _check_params(params: SamplingParams, vocab: int,
         raise GenerateError(f"sampling parameters: {what}{tail}") from None
 
 
-def _yaml_checkpoint(config_path: str):
-    """The config file's own model.checkpoint (None where it sets none)."""
+def _yaml_section(config_path: str, name: str) -> dict:
+    """The config file's own section ``name`` ({} where it has none, or where the file cannot
+    be read: ``load_config`` names that problem)."""
     import yaml
 
-    with open(config_path, encoding="utf-8") as f:
-        data = yaml.safe_load(f)
-    model = data.get("model") if isinstance(data, dict) else None
-    return model.get("checkpoint") if isinstance(model, dict) else None
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, ValueError):
+        return {}
+    section = data.get(name) if isinstance(data, dict) else None
+    return section if isinstance(section, dict) else {}
+
+
+# the engine limits generate sizes to the prompts where neither --config nor --set gives them
+_SIZED = ("max_seq_len", "max_prefill_tokens", "kv_block_size", "max_batch_size",
+          "num_kv_blocks")
 
 
 def prepare(model_dir: str, config_path: str | None, overrides: Mapping[str, Any],
@@ -262,8 +271,15 @@ def prepare(model_dir: str, config_path: str | None, overrides: Mapping[str, Any
     if config_path is None:
         cfg = _default_config(model_dir, overrides, lens, params.max_tokens, eos, mt)
     else:
-        cfg = load_config(config_path, {**overrides, "model.checkpoint": model_dir})
-        given = _yaml_checkpoint(config_path)  # the file read and checked just above
+        # limits the file leaves unset are sized to the prompts, as without --config (found
+        # by probing: the engine's defaults outgrew a small model's positions, and the error
+        # named a key the file never set)
+        mine = _yaml_section(config_path, "engine")
+        sized = _default_config(model_dir, overrides, lens, params.max_tokens, eos, mt).engine
+        fill = {f"engine.{k}": getattr(sized, k) for k in _SIZED
+                if k not in mine and f"engine.{k}" not in overrides}
+        cfg = load_config(config_path, {**fill, **overrides, "model.checkpoint": model_dir})
+        given = _yaml_section(config_path, "model").get("checkpoint")  # checked just above
         if given is not None and os.path.realpath(str(given)) != os.path.realpath(model_dir):
             raise GenerateError(f"{config_path}: model.checkpoint: {given!r} is not --model "
                                 f"{model_dir!r}; give the checkpoint once")
