@@ -62,6 +62,7 @@ def load(command: str, config_path: str | os.PathLike, overrides: Mapping[str, A
     check_use_te(cfg, source)
     check_fp8(cfg, source)
     check_backend(cfg, source)  # after the settings' own checks: those name the key to change
+    check_memory(cfg, source)
     check_outputs(cfg, source, command)
     check = {"demo": check_demo, "train": check_train, "bench": check_bench,
              "bench-decode-overhead": check_decode_overhead,
@@ -174,6 +175,75 @@ def check_backend(cfg: Config, source: str) -> None:
     if why:
         raise ConfigError(f"{source}: parallel.backend: 'nccl' runs a rank per GPU, and {why}; "
                           "use 'gloo' for CPU ranks", key="parallel.backend", source=source)
+
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# a trajectory's token as the RL step holds it, at the least: its id and logprob (8 + 8)
+_TOKEN_BYTES = 16
+
+
+def memory_need(cfg: Config, drawn_whole: bool = False) -> dict[str, int]:
+    """Bytes one rank holds at the least, by the config key that sizes them: its shares of
+    the embedding and output layer (``model.vocab_size``; vocab-parallel over attention TP),
+    of the routed experts (``model.num_experts``; over every rank), of the rest
+    (``model.num_layers``: attention, norms, routers, dense and shared MLPs; over attention
+    TP), and its KV cache (``engine.num_kv_blocks``); ``drawn_whole``: each rank also holds
+    the whole model once (random weights drawn before its slices are taken). A lower bound:
+    activations, graphs, FP8 copies and the trainer are not counted."""
+    from colo_rollout.config.tensor_shapes import parameter_counts
+
+    m, e, lay = cfg.model, cfg.engine, cfg.parallel
+    b = _DTYPE_BYTES[m.params_dtype]
+    n = parameter_counts(m)
+    layers = m.num_layers + m.mtp_num_layers
+    kv = (e.num_kv_blocks + 1) * e.kv_block_size * layers * m.kv_cache_elems(lay.atp) * b
+
+    def held(values: int, over: int) -> int:
+        return values * b // over + (values * b if drawn_whole else 0)
+
+    return {"model.vocab_size": held(n.vocab, lay.atp),
+            "model.num_experts": held(n.experts, lay.world_size),
+            "model.num_layers": held(n.rest, lay.atp), "engine.num_kv_blocks": kv}
+
+
+def _memory_budget(cfg: Config) -> tuple[int, str, int] | None:
+    """(bytes, where, ranks sharing them): one GPU's memory for GPU ranks, else this host's
+    memory shared by the host's ranks; None where it cannot be read."""
+    if cfg.parallel.backend == "nccl":
+        import torch
+
+        if not torch.cuda.is_available():
+            return None  # check_backend names it
+        props = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0")))
+        return props.total_memory, f"a GPU's {props.total_memory / 2**30:.0f} GiB", 1
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallel.world_size))
+    return total, f"this host's {total / 2**30:.0f} GiB", ranks
+
+
+def check_memory(cfg: Config, source: str) -> None:
+    """A run whose weights and KV cache cannot fit at all is refused before any rank
+    allocates (found by probing: a vocabulary of 10^13 or 10^8 layers ended in an allocator
+    traceback or a hang). Only the impossible is refused: the need counted is a lower bound
+    (``memory_need``; CPU ranks without a checkpoint also draw the whole model each) against
+    the whole memory, not what is free."""
+    budget = _memory_budget(cfg)
+    if budget is None:
+        return
+    total, where, ranks = budget
+    # CPU ranks without a checkpoint each draw the full random state dict (worker.py)
+    need = memory_need(cfg, cfg.model.checkpoint is None and cfg.parallel.backend != "nccl")
+    if ranks * sum(need.values()) <= total:
+        return
+    key = max(need, key=need.get)
+    parts = ", ".join(f"{k.split('.')[1]} {v / 2**30:.3g} GiB" for k, v in need.items() if v)
+    raise ConfigError(f"{source}: {key}: the run needs at least "
+                      f"{ranks * sum(need.values()) / 2**30:.3g} GiB ({ranks} rank"
+                      f"{'s' if ranks > 1 else ''} x {parts}), more than {where}",
+                      key=key, source=source)
 
 
 # engine keys that pick a kernel backend (auto | torch | triton; prefill_attention: | cudnn |
@@ -390,6 +460,17 @@ def check_train(cfg: Config, source: str) -> None:
         raise ConfigError(f"{source}: rl.max_new_tokens: {rl.max_new_tokens} tokens after "
                           f"{what} exceed engine.max_seq_len {cfg.engine.max_seq_len}",
                           key="rl.max_new_tokens", source=source)
+    # every trajectory of a step is held at once (rollout, rewards, the trainer's batch): at
+    # the least its tokens and their logprobs (found by probing: 10^10 trajectories a step
+    # grew the ranks until they were killed)
+    budget = _memory_budget(cfg)
+    trajectories = rl.prompts_per_step * rl.samples_per_prompt
+    held = trajectories * (longest + rl.max_new_tokens) * _TOKEN_BYTES
+    if budget is not None and held > budget[0]:
+        raise ConfigError(f"{source}: rl.prompts_per_step: {rl.prompts_per_step} prompts x "
+                          f"rl.samples_per_prompt {rl.samples_per_prompt} = {trajectories} "
+                          f"trajectories a step hold at least {held / 2**30:.3g} GiB, more "
+                          f"than {budget[1]}", key="rl.prompts_per_step", source=source)
     params = SamplingParams(temperature=rl.temperature, max_tokens=min(rl.max_new_tokens, room),
                             ignore_eos=True)
     why = _refusal(cfg, (1,) * longest, params)

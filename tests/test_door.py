@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -127,6 +128,49 @@ def test_duplicate_section_names_both_lines(tmp_path, capsys):
 def test_timeouts_that_would_crash_every_rank(capsys, value, fragment):
     line = door_error(capsys, "demo", DEMO, "--set", f"parallel.timeout_s={value}")
     assert line == f"error: {DEMO}: {fragment}" or line.startswith(f"error: {DEMO}: {fragment}")
+
+
+@pytest.mark.parametrize("cmd, config, key, value, named", [
+    # found by probing: each ended in an allocator traceback inside the ranks, or a hang
+    ("demo", DEMO, "model.vocab_size", "10000000000000", "model.vocab_size"),
+    ("demo", DEMO, "model.num_experts", "100000000", "model.num_experts"),
+    ("demo", DEMO, "model.num_layers", "100000000", "model.num_experts"),  # most of the layers
+    ("demo", DEMO, "engine.num_kv_blocks", "1000000000000", "engine.num_kv_blocks"),
+    ("train", TRAIN, "model.num_experts", "100000000", "model.num_experts"),
+    ("bench-speed", str(CONFIGS / "bench_speed_cpu.yaml"), "model.vocab_size", "10000000000000",
+     "model.vocab_size"),
+])
+def test_a_run_that_cannot_fit_in_memory_names_its_largest_part(capsys, cmd, config, key,
+                                                                 value, named):
+    line = door_error(capsys, cmd, config, "--set", f"{key}={value}")
+    assert line.startswith(f"error: {config}: {named}: the run needs at least "), line
+    assert "GiB), more than this host's" in line, line
+
+
+def test_the_memory_need_counts_each_ranks_share():
+    """memory_need: the rank's share of each part (the embedding over attention TP, the
+    experts over every rank), the whole model once more where random weights are drawn."""
+    from colo_rollout.config import load_config
+    from colo_rollout.config.tensor_shapes import parameter_counts, tensor_shapes
+    from colo_rollout.door import memory_need
+
+    cfg = load_config(DEMO, {"model.num_layers": 3, "model.first_k_dense": 1,
+                             "model.mtp_num_layers": 1})
+    n = parameter_counts(cfg.model)
+    assert n.total == sum(math.prod(s) for s in tensor_shapes(cfg.model).values())
+    b, lay = 4, cfg.parallel
+    need = memory_need(cfg)
+    assert need["model.vocab_size"] == n.vocab * b // lay.atp
+    assert need["model.num_experts"] == n.experts * b // lay.world_size
+    drawn = memory_need(cfg, drawn_whole=True)
+    assert sum(drawn.values()) - sum(need.values()) == pytest.approx(n.total * b, abs=8)
+
+
+def test_a_training_step_that_cannot_fit_names_its_size(capsys):
+    line = door_error(capsys, "train", TRAIN, "--set", "rl.prompts_per_step=100000", "--set",
+                      "rl.samples_per_prompt=100000")
+    assert line.startswith(f"error: {TRAIN}: rl.prompts_per_step: 100000 prompts x "
+                           "rl.samples_per_prompt 100000 = 10000000000 trajectories"), line
 
 
 def test_top1_without_pre_softmax(capsys):

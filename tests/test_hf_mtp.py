@@ -32,7 +32,8 @@ from colo_rollout.checkpoint.store import CheckpointError, CheckpointStore
 from colo_rollout.config import ConfigError, config_from_dict
 from colo_rollout.config.checkpoint_index import stored_tensor_names
 from colo_rollout.config.hf_config import GLM4, QWEN3, hf_architecture
-from colo_rollout.model.weights import shard_rule, tensor_shapes
+from colo_rollout.model.weights import shard_rule
+from colo_rollout.config.tensor_shapes import tensor_shapes
 from colo_rollout.runtime.parallel import Layout
 from tests.cases_hf import save_tiny_checkpoint
 from tests.test_hf_import import edit_config

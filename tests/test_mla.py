@@ -401,7 +401,7 @@ def test_a_yaml_mla_section_is_checked():
 
 
 def test_the_model_builds_no_gqa_tensor_for_mla():
-    from colo_rollout.model.weights import tensor_shapes
+    from colo_rollout.config.tensor_shapes import tensor_shapes
 
     cfg = ModelConfig(attention="mla", num_attention_heads=4, num_query_groups=4,
                       qk_layernorm=True, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16,

@@ -43,13 +43,12 @@ from colo_rollout.checkpoint.store import write_checkpoint
 from colo_rollout.config import ModelConfig
 from colo_rollout.model.weights import (
     DTYPES,
-    MTP_PREFIX,
     loadable_tensors,
     held_rule,
     shard_rule,
-    tensor_shapes,
     to_spec_names,
 )
+from colo_rollout.config.tensor_shapes import MTP_PREFIX, tensor_shapes
 from colo_rollout.runtime.parallel import Layout
 
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}

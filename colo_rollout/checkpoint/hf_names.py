@@ -31,7 +31,7 @@ import torch
 
 from colo_rollout.config.hf_config import DEEPSEEK2, DEEPSEEK3, GLM4, GLM4_LITE, MIXTRAL, QWEN2
 from colo_rollout.config import ModelConfig
-from colo_rollout.model.weights import MTP_PREFIX, tensor_shapes
+from colo_rollout.config.tensor_shapes import MTP_PREFIX, tensor_shapes
 
 # families whose format stores MTP layers after the decoder layers (DeepSeek-V3's naming)
 MTP_FAMILIES = (GLM4, DEEPSEEK3, GLM4_LITE)

@@ -50,9 +50,9 @@ from colo_rollout.model.weights import (
     loadable_tensors,
     held_rule,
     shard_rule,
-    tensor_shapes,
     to_spec_names,
 )
+from colo_rollout.config.tensor_shapes import tensor_shapes
 from colo_rollout.runtime.parallel import Layout
 
 

@@ -87,7 +87,8 @@ from colo_rollout.model.mtp import (
     shift_tokens,
 )
 from colo_rollout.runtime.parallel import ParallelGroups
-from colo_rollout.model.weights import DTYPES, load_sharded, mtp_is_moe, to_spec_names
+from colo_rollout.model.weights import DTYPES, load_sharded, to_spec_names
+from colo_rollout.config.tensor_shapes import mtp_is_moe
 
 class MoEBlock(Protocol):
     """How P computes MoE layer i's routed experts on the residual stream h [N, H] (every

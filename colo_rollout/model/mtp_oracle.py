@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from colo_rollout.model.weights import MTP_PREFIX, mtp_layer_prefix, random_state_dict
+from colo_rollout.model.weights import random_state_dict
+from colo_rollout.config.tensor_shapes import MTP_PREFIX, mtp_layer_prefix
 
 
 def oracle_state_dict(cfg, device: torch.device | str | None = None) -> dict:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from colo_rollout.config import ModelConfig
+from colo_rollout.config.tensor_shapes import MTP_PREFIX, mla_shapes, mtp_is_moe, mtp_layer_prefix
 from colo_rollout.runtime.parallel import Layout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -212,105 +213,6 @@ def load_sharded(model: torch.nn.Module, full: dict[str, torch.Tensor], layout: 
     with torch.no_grad():
         for p, shard in writes:
             p.copy_(shard)
-
-
-MTP_PREFIX = "mtp.layers."  # megatron's MTP block: mtp.layers.{j}.{enorm,hnorm,eh_proj,...}
-
-
-def mtp_layer_prefix(j: int) -> str:
-    """Megatron's name prefix of MTP layer j's transformer layer."""
-    return f"{MTP_PREFIX}{j}.mtp_model_layer."
-
-
-def mtp_is_moe(cfg: ModelConfig) -> bool:
-    """MTP's transformer layer is of the last decoder layer's kind (megatron's
-    get_gpt_mtp_block_spec takes the last layer spec)."""
-    return cfg.is_moe_layer(cfg.num_layers - 1)
-
-
-def mla_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
-    """An MLA attention's tensors under prefix ``p`` (megatron's MLASelfAttention names):
-    the query bottleneck (or the full-rank query projection), the key/value latent's down
-    projection [latent | rope key] and its per-head up projection [k_nope | v], the latents'
-    norms, the output projection."""
-    H, n = cfg.hidden_size, cfg.num_attention_heads
-    q_out = n * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
-    a = p + "self_attention."
-    out: dict[str, tuple[int, ...]] = {}
-    if cfg.q_lora_rank is None:
-        out[a + "linear_q_proj.weight"] = (q_out, H)
-    else:
-        out[a + "linear_q_down_proj.weight"] = (cfg.q_lora_rank, H)
-        out[a + "linear_q_up_proj.weight"] = (q_out, cfg.q_lora_rank)
-        out[a + "q_layernorm.weight"] = (cfg.q_lora_rank,)
-    out[a + "linear_kv_down_proj.weight"] = (cfg.kv_lora_rank + cfg.qk_rope_head_dim, H)
-    out[a + "linear_kv_up_proj.weight"] = (n * (cfg.qk_nope_head_dim + cfg.v_head_dim),
-                                           cfg.kv_lora_rank)
-    out[a + "kv_layernorm.weight"] = (cfg.kv_lora_rank,)
-    out[a + "linear_proj.weight"] = (H, n * cfg.v_head_dim)
-    return out
-
-
-def _layer_shapes(cfg: ModelConfig, p: str, is_moe: bool) -> dict[str, tuple[int, ...]]:
-    """One transformer layer's tensors under prefix ``p``."""
-    H, F_, E, hd = cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.num_experts, cfg.head_dim
-    qkv = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * hd
-    out: dict[str, tuple[int, ...]] = {}
-    out[p + "input_layernorm.weight"] = (H,)
-    if cfg.is_mla:
-        out.update(mla_shapes(cfg, p))
-    else:
-        out[p + "self_attention.linear_qkv.weight"] = (qkv, H)
-        if cfg.qkv_bias:
-            out[p + "self_attention.linear_qkv.bias"] = (qkv,)
-        if cfg.qk_layernorm:
-            out[p + "self_attention.q_layernorm.weight"] = (hd,)
-            out[p + "self_attention.k_layernorm.weight"] = (hd,)
-        out[p + "self_attention.linear_proj.weight"] = (H, cfg.num_attention_heads * hd)
-    out[p + "pre_mlp_layernorm.weight"] = (H,)
-    if not is_moe:
-        Fd = cfg.dense_ffn_hidden_size
-        out[p + "mlp.linear_fc1.weight"] = (2 * Fd, H)
-        out[p + "mlp.linear_fc2.weight"] = (H, Fd)
-        return out
-    out[p + "mlp.router.weight"] = (E, H)
-    if cfg.router_expert_bias:
-        out[p + "mlp.router.expert_bias"] = (E,)
-    for e in range(E):
-        q = p + f"mlp.experts.local_experts.{e}."
-        out[q + "linear_fc1.weight"] = (2 * F_, H)
-        out[q + "linear_fc2.weight"] = (H, F_)
-    if cfg.shared_expert_ffn_hidden_size is not None:
-        Fs = cfg.shared_expert_ffn_hidden_size
-        q = p + "mlp.shared_experts."
-        out[q + "linear_fc1.weight"] = (2 * Fs, H)
-        out[q + "linear_fc2.weight"] = (H, Fs)
-        if cfg.shared_expert_gate:
-            out[q + "gate_weight"] = (1, H)
-    return out
-
-
-def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the full (unsharded) megatron-named state dict of ``cfg`` (local-spec
-    names) with its shape, in state-dict order: what a checkpoint must provide. MTP layers
-    (``model.mtp_num_layers``) under megatron's ``mtp.layers.{j}.`` names: enorm, hnorm,
-    eh_proj [H, 2H] (its input [enorm(embedding); hnorm(hidden)]), the transformer layer
-    (``mtp_model_layer.``), final_layernorm."""
-    H = cfg.hidden_size
-    out: dict[str, tuple[int, ...]] = {"embedding.word_embeddings.weight": (cfg.vocab_size, H)}
-    for i in range(cfg.num_layers):
-        out.update(_layer_shapes(cfg, f"decoder.layers.{i}.", cfg.is_moe_layer(i)))
-    out["decoder.final_layernorm.weight"] = (H,)
-    for j in range(cfg.mtp_num_layers):
-        m = f"{MTP_PREFIX}{j}."
-        out[m + "enorm.weight"] = (H,)
-        out[m + "hnorm.weight"] = (H,)
-        out[m + "eh_proj.weight"] = (H, 2 * H)
-        out.update(_layer_shapes(cfg, mtp_layer_prefix(j), mtp_is_moe(cfg)))
-        out[m + "final_layernorm.weight"] = (H,)
-    if not cfg.tie_embeddings:
-        out["output_layer.weight"] = (cfg.vocab_size, H)
-    return out
 
 
 def random_state_dict(cfg: ModelConfig, seed: int | None = None,

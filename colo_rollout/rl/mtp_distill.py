@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from colo_rollout.model.weights import MTP_PREFIX
+from colo_rollout.config.tensor_shapes import MTP_PREFIX
 
 
 @dataclass

@@ -80,7 +80,8 @@ import numpy as np
 import torch
 
 from colo_rollout.config import Config, ModelConfig, load_config
-from colo_rollout.model.weights import DTYPES, mla_shapes
+from colo_rollout.model.weights import DTYPES
+from colo_rollout.config.tensor_shapes import mla_shapes
 from colo_rollout.quiet import quiet_known_warnings
 from colo_rollout.sched.plan import DecodeRow, Phase, PrefillItem, ReplicaWork, StepPlan
 from colo_rollout.sched.planner import pick_bucket

@@ -303,6 +303,9 @@ def prepare(model_dir: str, config_path: str | None, overrides: Mapping[str, Any
         params = dataclasses.replace(params, top_k=vocab)
     _check_params(params, vocab, origins)
     _check_fits(cfg, lens, params.max_tokens, mt)
+    from colo_rollout.door import check_memory
+
+    check_memory(cfg, config_path or f"{model_dir} (generate's default config)")
     return cfg, tokenizer, params
 
 
