@@ -40,6 +40,12 @@ FAMILY_MODELS = {
                            "router_scaling_factor": 2.5, "shared_expert_ffn_hidden_size": 64,
                            "first_k_dense": 1, "ffn_hidden_size": 96, "num_layers": 3,
                            "rotary_percent": 0.5, "qkv_bias": True, "qk_layernorm": True},
+    # dots.llm1: Qwen3's attention, DeepSeek-V3's MoE
+    "Dots1ForCausalLM": {"router_score": "sigmoid", "router_expert_bias": True,
+                         "router_num_groups": 4, "router_group_topk": 2, "moe_router_topk": 4,
+                         "router_scaling_factor": 2.5, "shared_expert_ffn_hidden_size": 64,
+                         "first_k_dense": 1, "ffn_hidden_size": 96, "num_layers": 3,
+                         "qk_layernorm": True, "head_dim": 24},
 }
 # MLA runs at TP 1: its export test's trainer is one rank (tests/test_mla.py)
 MLA_FAMILY_MODELS = {
@@ -65,7 +71,8 @@ def export_round_trip(rank: int, world: int, family: str, directory: str) -> dic
     tp = dist.new_group(list(range(world)))
     pgc = tp_pg_collection(tp)
     model = build_reference(cfg, sd, pgc, torch.device("cpu"))
-    files = export_checkpoint(model, cfg, directory, tp_group=tp, max_shard_bytes=200_000)
+    files = export_checkpoint(model, cfg, directory, tp_group=tp, max_shard_bytes=200_000,
+                              family=family)
     dist.barrier()
     res: dict = {"files": len(files)}
     # (2) back through this project's loader, into a TP model of the same layout

@@ -14,7 +14,7 @@ import random
 
 import torch
 
-FAMILIES = ("qwen3", "qwen2", "mixtral", "glm")
+FAMILIES = ("qwen3", "qwen2", "mixtral", "glm", "dots")
 # multi-head latent attention (DeepSeek-V3): its own tests -- MLA runs at attention TP 1
 MLA_FAMILIES = ("deepseek", "deepseek2", "glm_lite")
 
@@ -55,6 +55,16 @@ def family_config(family: str, **overrides):
               "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                   "partial_rotary_factor": 0.5}}
         cls = tf.Glm4MoeConfig
+    elif family == "dots":  # dots.llm1: Qwen3's attention (q/k norms, head_dim != hidden /
+        # heads) with DeepSeek-V3's MoE: group-limited sigmoid routing with the correction
+        # bias, routed scaling, a shared expert, a dense first layer
+        kw = {**_COMMON, "num_hidden_layers": 3, "first_k_dense_replace": 1, "head_dim": 32,
+              "intermediate_size": 96, "moe_intermediate_size": 32, "n_routed_experts": 8,
+              "n_shared_experts": 1, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2,
+              "norm_topk_prob": True, "routed_scaling_factor": 2.5, "rms_norm_eps": 1e-6,
+              "sliding_window": None,
+              "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+        cls = tf.Dots1Config
     elif family == "deepseek":  # MLA with a query bottleneck (q_lora_rank null: q_proj),
         # v head != nope head, YaRN with DeepSeek's mscale pair (the softmax scale too), GLM's
         # router, a dense first layer, a shared expert

@@ -310,7 +310,27 @@ EXPECTED = {
             "shared_expert_gate": False, "qkv_bias": True, "qk_layernorm": True,
             "rotary_percent": 0.5,
             "mtp_num_layers": 0},  # declared (transformers' default 1), not stored
+    "dots": {"num_layers": 3, "first_k_dense": 1, "ffn_hidden_size": 96, "head_dim": 32,
+             "num_query_groups": 2, "qk_layernorm": True, "qkv_bias": False,
+             "router_score": "sigmoid", "router_expert_bias": True, "router_norm_topk": True,
+             "router_scaling_factor": 2.5, "router_num_groups": 4, "router_group_topk": 2,
+             "shared_expert_ffn_hidden_size": 32, "rotary_percent": 1.0, "mtp_num_layers": 0},
 }
+
+
+@pytest.mark.parametrize("changes, key, fragment", [
+    ({"layer_types": ["full_attention", "sliding_attention", "full_attention"]},
+     "layer_types", "sliding-window attention is not supported"),
+    ({"layer_types": None, "sliding_window": 64, "max_window_layers": 1}, "sliding_window",
+     "64 from layer max_window_layers 1"),
+    ({"attention_bias": True}, "attention_bias", "includes o_proj"),
+])
+def test_what_dots1_has_and_megatron_has_not_is_named(ckpt, tmp_path, changes, key, fragment):
+    d = copy_ckpt(ckpt["dots"], tmp_path / "dots")
+    edit_config(d, **changes)
+    with pytest.raises(ConfigError) as e:
+        model_cfg(d)
+    assert f"config.json: {key}: " in str(e.value) and fragment in str(e.value), str(e.value)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

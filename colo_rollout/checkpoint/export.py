@@ -29,6 +29,7 @@ import torch.distributed as dist
 from colo_rollout.config.hf_config import (
     DEEPSEEK2,
     DEEPSEEK3,
+    DOTS1,
     GLM4,
     GLM4_LITE,
     MIXTRAL,
@@ -138,6 +139,9 @@ def hf_config_dict(cfg: ModelConfig, family: str | None = None,
                  num_nextn_predict_layers=cfg.mtp_num_layers)
         if family == GLM4:
             c["use_qk_norm"] = cfg.qk_layernorm
+        if family == DOTS1:  # every layer full attention; no MTP layers
+            c.update(sliding_window=None, layer_types=["full_attention"] * cfg.num_layers)
+            del c["num_nextn_predict_layers"]
         if family == GLM4_LITE:  # its dense layers by type, wherever they are
             del c["first_k_dense_replace"]
             c["mlp_layer_types"] = ["sparse" if cfg.is_moe_layer(i) else "dense"

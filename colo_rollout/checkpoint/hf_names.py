@@ -29,7 +29,15 @@ from dataclasses import dataclass
 
 import torch
 
-from colo_rollout.config.hf_config import DEEPSEEK2, DEEPSEEK3, GLM4, GLM4_LITE, MIXTRAL, QWEN2
+from colo_rollout.config.hf_config import (
+    DEEPSEEK2,
+    DEEPSEEK3,
+    DOTS1,
+    GLM4,
+    GLM4_LITE,
+    MIXTRAL,
+    QWEN2,
+)
 from colo_rollout.config import ModelConfig
 from colo_rollout.config.tensor_shapes import MTP_PREFIX, tensor_shapes
 
@@ -127,7 +135,7 @@ def hf_sources(cfg: ModelConfig, family: str, fused: bool = False) -> dict[str, 
     moe = "block_sparse_moe" if family == MIXTRAL and not fused else "mlp"
     shared = {QWEN2: "mlp.shared_expert.", GLM4: "mlp.shared_experts.",
               DEEPSEEK3: "mlp.shared_experts.", DEEPSEEK2: "mlp.shared_experts.",
-              GLM4_LITE: "mlp.shared_experts."}.get(family)
+              GLM4_LITE: "mlp.shared_experts.", DOTS1: "mlp.shared_experts."}.get(family)
     gate_up_down = ("w1", "w3", "w2") if family == MIXTRAL else ("gate_proj", "up_proj",
                                                                  "down_proj")
     n = cfg.num_attention_heads // cfg.num_query_groups

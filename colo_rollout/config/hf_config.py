@@ -36,13 +36,15 @@ GLM4 = "Glm4MoeForCausalLM"
 DEEPSEEK3 = "DeepseekV3ForCausalLM"  # also Kimi-K2's and Moonlight's architecture
 DEEPSEEK2 = "DeepseekV2ForCausalLM"  # DeepSeek-V2(-Lite)
 GLM4_LITE = "Glm4MoeLiteForCausalLM"  # GLM-4.7-Flash: DeepSeek-V3's MLA with GLM-4.5's MoE
-FAMILIES = (QWEN3, QWEN2, MIXTRAL, GLM4, DEEPSEEK3, DEEPSEEK2, GLM4_LITE)
+DOTS1 = "Dots1ForCausalLM"  # dots.llm1: Qwen3's attention with DeepSeek-V3's MoE
+FAMILIES = (QWEN3, QWEN2, MIXTRAL, GLM4, DEEPSEEK3, DEEPSEEK2, GLM4_LITE, DOTS1)
 # the families whose attention is multi-head latent
 MLA_ARCHS = (DEEPSEEK3, DEEPSEEK2, GLM4_LITE)
 # config.json's model_type -> the family, where architectures is absent (transformers' Auto
 # classes pick the model by model_type then)
 MODEL_TYPES = {QWEN3: "qwen3_moe", QWEN2: "qwen2_moe", MIXTRAL: "mixtral", GLM4: "glm4_moe",
-               DEEPSEEK3: "deepseek_v3", DEEPSEEK2: "deepseek_v2", GLM4_LITE: "glm4_moe_lite"}
+               DEEPSEEK3: "deepseek_v3", DEEPSEEK2: "deepseek_v2", GLM4_LITE: "glm4_moe_lite",
+               DOTS1: "dots1"}
 _MODEL_TYPE_FAMILIES = {t: f for f, t in MODEL_TYPES.items()}
 # other names of multi-head latent attention architectures: not supported
 UNSUPPORTED_MLA = ("KimiK2ForCausalLM",)
@@ -190,7 +192,8 @@ def hf_architecture(directory: str | pathlib.Path, config: dict | None = None) -
                       f"{', '.join(FAMILIES)}")
     _common(r, family)
     {QWEN3: _qwen3, QWEN2: _qwen2, MIXTRAL: _mixtral, GLM4: _glm4,
-     DEEPSEEK3: _deepseek3, DEEPSEEK2: _deepseek2, GLM4_LITE: _glm4_lite}[family](r)
+     DEEPSEEK3: _deepseek3, DEEPSEEK2: _deepseek2, GLM4_LITE: _glm4_lite,
+     DOTS1: _dots1}[family](r)
     f = r.fields
     # transformers renormalises a single softmax score to 1.0; megatron refuses top-1 softmax
     # routing without its pre-softmax (model section's router_norm_topk check), and with
@@ -571,6 +574,30 @@ def _glm4_lite(r: _Reader) -> None:
         r.take("ffn_hidden_size", "intermediate_size", int, 10240)
 
 
+def _dots1(r: _Reader) -> None:
+    """dots.llm1 (transformers' Dots1): Qwen3's attention (q/k norms, no bias) with
+    DeepSeek-V3's MoE (sigmoid scores with the score-correction bias, group-limited top-k,
+    routed scaling, shared experts, dense first layers); Dots1Config's defaults where a key is
+    absent (norm_topk_prob false -- which megatron's sigmoid router cannot take --, one group,
+    scaling 1). Its sliding-window layers (``layer_types``, else every layer from
+    ``max_window_layers`` where ``sliding_window`` is set) are refused."""
+    r.set("qk_layernorm", True, "architectures")
+    r.refuse("attention_bias", r.flag("attention_bias", False),
+             "true: Qwen3's attention bias includes o_proj, which megatron has no bias for")
+    n = r.fields["num_layers"]
+    types = r.get("layer_types", list, None, null_ok=True)
+    if types is not None:
+        r.refuse("layer_types", any(t != "full_attention" for t in types),
+                 "sliding-window attention is not supported")
+    else:
+        window = r.get("sliding_window", int, None, null_ok=True)
+        first = r.get("max_window_layers", int, n, null_ok=True)
+        r.refuse("sliding_window", window is not None and first is not None and first < n,
+                 f"{window} from layer max_window_layers {first}: sliding-window attention is "
+                 "not supported")
+    _deepseek_moe(r, scaling=1.0, groups=1, topk_group=1, dense=0, norm_topk=False)
+
+
 def _rope_interleaved(r: _Reader) -> None:
     r.refuse("rope_interleave", not r.flag("rope_interleave", True),
              "false: megatron's MLA rotates DeepSeek's interleaved rope pairs (true) only")
@@ -635,14 +662,14 @@ def _mla(r: _Reader) -> None:
 
 
 def _deepseek_moe(r: _Reader, *, scaling: float, groups: int, topk_group: int,
-                  dense: int, first_k_dense: bool = True) -> None:
+                  dense: int, first_k_dense: bool = True, norm_topk: bool = True) -> None:
     """DeepSeek-V3's MoE (GLM-4.5 has it too): sigmoid scores with a score-correction bias,
     group-limited top-k, routed scaling, shared experts, dense first layers
     (``first_k_dense_replace``, where the family reads it), MTP layers; the arguments are
     the family config class's defaults for absent keys."""
     r.take("num_experts", "n_routed_experts", int)
     moe_ffn = r.take("moe_ffn_hidden_size", "moe_intermediate_size", int)
-    r.set("router_norm_topk", r.flag("norm_topk_prob", True), "norm_topk_prob")
+    r.set("router_norm_topk", r.flag("norm_topk_prob", norm_topk), "norm_topk_prob")
     r.set("router_score", "sigmoid", "architectures")
     r.set("router_expert_bias", True, "architectures")  # e_score_correction_bias
     r.take("router_scaling_factor", "routed_scaling_factor", float, scaling)
