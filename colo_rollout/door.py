@@ -378,6 +378,9 @@ def check_fp8(cfg: Config, source: str) -> None:
     if m.fp8_recipe == "blockwise":  # 1 x 128 / 128 x 128 scale blocks: the experts' too
         multiple = FP8_BLOCK
         widths["model.moe_ffn_hidden_size"] = m.moe_ffn_hidden_size
+        # MLA's key/value down projection stays in params_dtype where its rows are no whole
+        # number of blocks (DeepSeek-V3's 576; model/mla_attention.py fp8_weights)
+        widths.pop("model.kv_lora_rank + qk_rope_head_dim", None)
     for what, v in widths.items():
         if v % multiple:
             key = "model.fp8_recipe" if multiple != ROW_MULTIPLE else "model.fp8"

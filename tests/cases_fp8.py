@@ -58,7 +58,12 @@ def fp8_vs_reference(rank: int, world: int, adp: int, ep: int, backend: str = "g
         lp16 = [reference_logprobs(ref16, _teacher(r, outs)) for r in requests]
         row = {"wall_s": wall, "graphs": engine.runner.graphs is not None,
                "fp8_bytes": sum(t.numel() * t.element_size()
-                                for t in engine.model.fp8_tensors())}
+                                for t in engine.model.fp8_tensors()),
+               # per attention: the GEMMs that stay in params_dtype (None in colo_fp8)
+               "bf16_gemms": [[i for i, w in enumerate(getattr(layer.self_attention,
+                                                               "colo_fp8", None) or ())
+                               if w is None] for layer in engine.model._all_layers()]
+               if fp8 else []}
         if ref32 is not None:  # the GPU tier's bf16 comparison (cases_gpu.compare_bf16)
             row.update({k: v for k, v in compare_bf16(ref32, lp16, requests, outs).items()
                         if k != "mismatches"})

@@ -316,6 +316,23 @@ def test_fp8_engine_against_fp32_beside_bf16(worker_groups, world, adp, ep, extr
     _assert_fp8_near_fp32(r)
 
 
+def test_fp8_blockwise_mla_keeps_a_partial_block_kv_down_in_bf16(worker_groups):
+    """The blockwise recipe on an MLA model whose key/value down projection has no whole
+    number of 128-row blocks (24 + 8 rows here, DeepSeek-V3's 576): that GEMM stays bf16,
+    every other FP8 -- and the engine stays near fp32. Measured (session 31, CPU reference
+    math): mean |dlogp| to fp32 0.089, argmax 0.81, beside rowwise's 0.069 / 0.85 and bf16's
+    0.005 on the same model."""
+    model_kw = {**MLA_FP8, "fp8_recipe": "blockwise", "q_lora_rank": 128,
+                "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 16}
+    r = worker_groups(1).run("tests.cases_fp8:fp8_vs_reference", timeout=900, adp=1, ep=1,
+                             model_kw=model_kw)[0]
+    b, f = r["bf16"], r["fp8"]
+    assert b["fp8_bytes"] == 0 and f["fp8_bytes"] > 0, r
+    assert f["bf16_gemms"] == [[2]] * 4, r  # the kv down projection of each of the 4 layers
+    assert b["mean_logprob_diff"] < f["mean_logprob_diff"] < 0.1, r
+    assert f["argmax_agreement"] >= 0.75, r
+
+
 @pytest.mark.parametrize("world,adp,q_lora_rank", [(2, 2, 32), (1, 1, None), (2, 1, 32)])
 def test_fp8_mla_engine_against_fp32_beside_bf16(worker_groups, world, adp, q_lora_rank):
     """MLA (DeepSeek-V3's attention; EP2/ADP2 and EP2/ATP2 -- the heads' FP8 GEMMs split --
@@ -413,6 +430,15 @@ def test_door_fp8_refusals_on_an_fp8_gpu_host(monkeypatch):
                                        fp8_recipe="blockwise", hidden_size=256,
                                        num_attention_heads=8, num_query_groups=4,
                                        moe_ffn_hidden_size=128)), "c.yaml")  # ok
+    # MLA at DeepSeek-V3's widths: the key/value down projection's 512 + 64 rows stay bf16
+    # (no whole number of blocks); every other width still a multiple of 128
+    mla = dict(params_dtype="bfloat16", fp8="e4m3", fp8_recipe="blockwise", attention="mla",
+               hidden_size=256, num_attention_heads=8, num_query_groups=8, qk_layernorm=True,
+               q_lora_rank=128, kv_lora_rank=512, qk_nope_head_dim=64, qk_rope_head_dim=64,
+               v_head_dim=16, moe_ffn_hidden_size=128)
+    check_fp8(Config(model=ModelConfig(**mla)), "c.yaml")  # ok
+    got = error(**{**mla, "q_lora_rank": 96})
+    assert "model.q_lora_rank is 96" in got, got
     # model.fp8_backend te: Transformer Engine importable with the recipe supported (this
     # host has no TE: the door names the key and what to do)
     got = error(fp8_backend="te", fp8_recipe="tensorwise")

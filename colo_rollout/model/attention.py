@@ -354,8 +354,9 @@ class PagedSelfAttention(torch.nn.Module):
             return fp8_linear(out, fp8[1])
         return F.linear(out, self.linear_proj.weight)  # partial over ATP: caller reduces
 
-    def fp8_weights(self) -> tuple[torch.Tensor, ...]:
-        """The GEMM weights model.fp8 runs in FP8, in ``colo_fp8``'s order."""
+    def fp8_weights(self, block: int = 0) -> tuple[torch.Tensor, ...]:
+        """The GEMM weights model.fp8 runs in FP8, in ``colo_fp8``'s order (``block``: the
+        blockwise recipe's, which the door holds every dimension to)."""
         return (self.linear_qkv.weight, self.linear_proj.weight)
 
     def _fused_qk_norm(self) -> QKRMSNorm | None:

@@ -175,19 +175,23 @@ class PagedMLAttention(torch.nn.Module):
         return None
 
     # ------------------------------------------------------------------ projections
-    def fp8_weights(self) -> tuple[torch.Tensor, ...]:
+    def fp8_weights(self, block: int = 0) -> tuple[torch.Tensor | None, ...]:
         """The GEMM weights model.fp8 runs in FP8, in ``colo_fp8``'s order: the query
-        projection(s), the key/value down projection, the output projection.
-        ``linear_kv_up_proj`` stays in params_dtype: D reads it as the per-head key and
-        value matrices of the absorbed attention, not as a GEMM over the rows."""
+        projection(s), the key/value down projection, the output projection; None where one
+        stays in params_dtype -- the key/value down projection under the blockwise recipe
+        (``block``) when its [latent | rope key] rows are no whole number of blocks
+        (DeepSeek-V3's 512 + 64 = 576; a small GEMM: H x 576 of the layer's). Always:
+        ``linear_kv_up_proj`` stays in params_dtype: D reads it as the per-head key and value
+        matrices of the absorbed attention, not as a GEMM over the rows."""
         q = ((self.linear_q_proj.weight,) if self.linear_q_proj is not None
              else (self.linear_q_down_proj.weight, self.linear_q_up_proj.weight))
-        return (*q, self.linear_kv_down_proj.weight, self.linear_proj.weight)
+        kv = self.linear_kv_down_proj.weight
+        return (*q, None if block and kv.shape[0] % block else kv, self.linear_proj.weight)
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor, i: int) -> torch.Tensor:
-        """x @ w^T, through weight i of the FP8 copies where model.fp8 made them."""
+        """x @ w^T, through weight i of the FP8 copies where model.fp8 made one."""
         fp8 = getattr(self, "colo_fp8", None)
-        return F.linear(x, w) if fp8 is None else fp8_linear(x, fp8[i])
+        return F.linear(x, w) if fp8 is None or fp8[i] is None else fp8_linear(x, fp8[i])
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> queries [T, heads, q_head] (not yet rotated)."""

@@ -173,6 +173,8 @@ def _check_fp8_shapes(holder: torch.nn.Module, weights, block: int = 0) -> None:
     shard) in multiples of 16 -- of the scale block with the blockwise recipe."""
     m = max(ROW_MULTIPLE, block)
     for w in weights:
+        if w is None:  # stays in params_dtype
+            continue
         if w.dim() != 2 or w.shape[0] % m or w.shape[1] % m:
             raise ValueError(
                 f"model.fp8: {type(holder).__name__} has a weight of shape {tuple(w.shape)} "
@@ -621,7 +623,7 @@ class InferenceGPT(torch.nn.Module):
         sites = []
         for layer in self._all_layers():
             att = layer.self_attention
-            sites.append((att, att.fp8_weights()))
+            sites.append((att, att.fp8_weights(self.fp8_block)))
             mlp = layer.mlp
             if isinstance(mlp, GatherMoE):
                 mlp = mlp.shared_experts
@@ -630,7 +632,7 @@ class InferenceGPT(torch.nn.Module):
         return sites
 
     def _fp8_sources(self) -> list[torch.Tensor]:
-        return ([w for _, ws in self._fp8_sites() for w in ws]
+        return ([w for _, ws in self._fp8_sites() for w in ws if w is not None]
                 + [w for moe in self.moe_layers() for w in moe.expert_params()])
 
     def weights_updated(self) -> None:
@@ -643,11 +645,15 @@ class InferenceGPT(torch.nn.Module):
             for holder, ws in self._fp8_sites():
                 _check_fp8_shapes(holder, ws, self.fp8_block)
                 old = getattr(holder, "colo_fp8", None)
-                if old is not None and all(o.matches(w) for o, w in zip(old, ws)):
+                # (None: a GEMM that stays in params_dtype, fp8_weights says which)
+                if old is not None and all(o is None if w is None else o is not None
+                                           and o.matches(w) for o, w in zip(old, ws)):
                     for o, w in zip(old, ws):
-                        o.refresh(w)
+                        if o is not None:
+                            o.refresh(w)
                 else:
-                    holder.colo_fp8 = tuple(self._fp8_weight(w) for w in ws)
+                    holder.colo_fp8 = tuple(None if w is None else self._fp8_weight(w)
+                                            for w in ws)
             for moe in self.moe_layers():
                 moe.refresh_fp8()
         self._fp8_ptrs = [w.data_ptr() for w in self._fp8_sources()]
@@ -685,7 +691,8 @@ class InferenceGPT(torch.nn.Module):
         out = []
         for holder, _ in self._fp8_sites():
             for w in getattr(holder, "colo_fp8", None) or ():
-                out += w.tensors()
+                if w is not None:
+                    out += w.tensors()
         for moe in self.moe_layers():
             for w in moe.fp8_weights or ():
                 out += w.tensors()
