@@ -117,11 +117,12 @@ def test_gpu_architectures_match_reference(gpu_groups, world, adp, ep, arch, dty
 
 @pytest.mark.parametrize("decode", ["torch", "triton"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("world,adp,ep", [(1, 1, 1), (2, 2, 2)])
+@pytest.mark.parametrize("world,adp,ep", [(1, 1, 1), (2, 2, 2), (2, 1, 2)])
 def test_gpu_mla_matches_reference(gpu_groups, world, adp, ep, dtype, decode):
     """DeepSeek-V3's attention (model.attention mla: the latent cache, P decompressed, D
     absorbed -- by its torch ops or its Triton kernel, inside D's CUDA graphs) against
-    megatron's MLA GPTModel."""
+    megatron's MLA GPTModel; EP2/ATP2 (session 31, not yet run): each GPU half the heads
+    over the whole latent cache."""
     from tests.cases_engine import MLA_ARCH
 
     res = gpu_groups(world).run("tests.cases_gpu:gpu_engine_matches_reference", timeout=600,
