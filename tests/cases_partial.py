@@ -4,6 +4,8 @@ new weight version; engine.pause() aborts what is in flight and refuses submits.
 
 from __future__ import annotations
 
+import torch
+
 from colo_rollout.engine.engine import Engine
 from colo_rollout.model.weights import random_state_dict
 from colo_rollout.rl.rollout import Carry, rollout
@@ -220,6 +222,44 @@ def api_misuse(rank: int, world: int) -> dict:
     res["generate"] = sorted(outs)
     res["seen"] = sorted(seen)
     res["remembered_after_generate"] = sorted(engine.scheduler.by_id)
+    # rollout() beside a request it did not submit (it would take that output): refused on
+    # every rank, the request untouched; served by generate(), then rollout() runs
+    if rank == 0:
+        engine.submit(Request("foreign", tuple(PROMPTS[1]), SamplingParams(max_tokens=2)))
+    try:
+        rollout(engine, PROMPTS[:1], params=params)
+    except RuntimeError as e:
+        res["rollout_beside_foreign"] = str(e)
+    res["foreign_served"] = sorted(engine.generate([]))
+    res["rollout_after"] = [t.status for t in rollout(engine, PROMPTS[:1], params=params)]
+    # load_full_state_dict: a bad state dict on one rank is refused on every rank before
+    # any rank writes; a meta tensor is refused before the first write; busy: refused
+    before = [p.detach().clone() for p in engine.model.parameters()]
+    sd = random_state_dict(cfg.model, seed=3)
+    if rank == 1:
+        sd.pop("embedding.word_embeddings.weight")
+    loads = {}
+    try:
+        engine.model.load_full_state_dict(sd)
+    except KeyError as e:
+        loads["one_rank_bad"] = str(e)
+    sd = random_state_dict(cfg.model, seed=3)
+    sd["output_layer.weight"] = torch.empty_like(sd["output_layer.weight"], device="meta")
+    try:
+        engine.model.load_full_state_dict(sd)
+    except ValueError as e:
+        loads["meta"] = str(e)
+    if rank == 0:
+        engine.submit(Request("busy", tuple(PROMPTS[1]), SamplingParams(max_tokens=3)))
+    engine.step()  # in flight on every rank now
+    try:
+        engine.model.load_full_state_dict(random_state_dict(cfg.model, seed=3))
+    except RuntimeError as e:
+        loads["busy"] = str(e)
+    while engine.busy():
+        engine.step()
+    res["loads"] = loads
+    res["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, engine.model.parameters()))
     engine.close()
     closed = {}
     for name, call in (("submit", lambda: engine.submit(Request("late", (1, 2), params))),

@@ -323,6 +323,10 @@ EXPECTED = {
      "layer_types", "sliding-window attention is not supported"),
     ({"layer_types": None, "sliding_window": 64, "max_window_layers": 1}, "sliding_window",
      "64 from layer max_window_layers 1"),
+    # Dots1Config's default of 62 where the key is absent (found by probing: a 63-layer
+    # model's last layer slides in transformers)
+    ({"layer_types": None, "sliding_window": 64, "max_window_layers": None,
+      "num_hidden_layers": 63}, "sliding_window", "64 from layer max_window_layers 62"),
     ({"attention_bias": True}, "attention_bias", "includes o_proj"),
 ])
 def test_what_dots1_has_and_megatron_has_not_is_named(ckpt, tmp_path, changes, key, fragment):
@@ -564,6 +568,8 @@ def test_a_config_without_architectures_is_read_by_its_model_type(ckpt, tmp_path
     want = model_cfg(d).model
     edit_config(d, architectures=None)
     assert model_cfg(d).model == want
+    edit_config(d, architectures=[])  # transformers loads this one by model_type too
+    assert model_cfg(d).model == want
     edit_config(d, model_type="llama")
     with pytest.raises(ConfigError, match="architectures: expected a non-empty list"):
         model_cfg(d)
@@ -728,6 +734,18 @@ def test_yarn_values_megatron_cannot_take_name_the_key(ckpt, tmp_path, rope, top
                                                        fragment):
     e = _config_error(ckpt, tmp_path, rope_parameters=rope, **top)
     assert f"config.json: {key}: {fragment}" in str(e), str(e)
+
+
+@pytest.mark.parametrize("family", ["glm", "dots"])
+def test_group_limited_routing_that_keeps_every_group_is_plain_top_k(ckpt, tmp_path, family):
+    """topk_group = n_group limits nothing: transformers' logits are the ungrouped router's
+    (found by probing: it was refused)."""
+    d = copy_ckpt(ckpt[family], tmp_path / family)
+    edit_config(d, n_group=1, topk_group=1)
+    want = model_cfg(d).model
+    edit_config(d, n_group=4, topk_group=4)
+    got = model_cfg(d).model
+    assert got == want and got.router_num_groups is None
 
 
 def test_top1_renormalised_routing_names_the_key(ckpt, tmp_path):

@@ -331,6 +331,9 @@ def test_deepseek_v2_group_limited_routing_in_one_group_is_greedy(ds, tmp_path):
     edit_config(d, topk_method="group_limited_greedy", n_group=1, topk_group=1)
     got = config_from_dict({"engine": {"max_seq_len": 128}, "model": {"checkpoint": d}}).model
     assert got == want and got.router_num_groups is None
+    edit_config(d, n_group=4, topk_group=4)  # every group kept
+    got = config_from_dict({"engine": {"max_seq_len": 128}, "model": {"checkpoint": d}}).model
+    assert got == want and got.router_num_groups is None
 
 
 @pytest.mark.parametrize("config, key, fragment", [

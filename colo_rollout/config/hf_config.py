@@ -177,7 +177,7 @@ def hf_architecture(directory: str | pathlib.Path, config: dict | None = None) -
     config = read_hf_config(directory) if config is None else config
     r = _Reader(config, path)
     archs = config.get("architectures")
-    if archs is None and config.get("model_type") in _MODEL_TYPE_FAMILIES:
+    if archs in (None, []) and config.get("model_type") in _MODEL_TYPE_FAMILIES:
         archs = [_MODEL_TYPE_FAMILIES[config["model_type"]]]  # as transformers' Auto classes
     if not (isinstance(archs, list) and archs and all(isinstance(a, str) for a in archs)):
         raise r.error("architectures", f"expected a non-empty list of names, got {archs!r}")
@@ -591,7 +591,8 @@ def _dots1(r: _Reader) -> None:
                  "sliding-window attention is not supported")
     else:
         window = r.get("sliding_window", int, None, null_ok=True)
-        first = r.get("max_window_layers", int, n, null_ok=True)
+        # (Dots1Config's default 62 where the key is absent, whatever the layer count)
+        first = r.get("max_window_layers", int, 62, null_ok=True)
         r.refuse("sliding_window", window is not None and first is not None and first < n,
                  f"{window} from layer max_window_layers {first}: sliding-window attention is "
                  "not supported")
@@ -620,8 +621,8 @@ def _deepseek2(r: _Reader) -> None:
     r.set("router_norm_topk", False, "norm_topk_prob")
     r.take("router_scaling_factor", "routed_scaling_factor", float, 1.0)
     method = r.get("topk_method", str, "greedy")
-    if method == "group_limited_greedy" and r.count("n_group", 1) == 1:
-        method = "greedy"  # one group limits nothing: transformers' scores are greedy's
+    if method == "group_limited_greedy" and r.count("n_group", 1) in (1, r.count("topk_group", 1)):
+        method = "greedy"  # every group kept limits nothing: transformers' scores are greedy's
     if method == "group_limited_greedy":
         groups, topk_group = r.get("n_group", int), r.get("topk_group", int)
         topk = r.fields["moe_router_topk"]
@@ -675,7 +676,7 @@ def _deepseek_moe(r: _Reader, *, scaling: float, groups: int, topk_group: int,
     r.take("router_scaling_factor", "routed_scaling_factor", float, scaling)
     groups = r.count("n_group", groups)
     topk_group = r.count("topk_group", topk_group)
-    if groups > 1:
+    if groups > 1 and topk_group != groups:  # (every group kept: plain top-k, as transformers)
         topk = r.fields["moe_router_topk"]
         # HF scores a group by the sum of its top-2 experts; megatron by its top-(k / groups)
         r.refuse("topk_group", topk_group <= 0 or topk % topk_group or topk // topk_group != 2,

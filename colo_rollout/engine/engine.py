@@ -606,19 +606,25 @@ class Engine:
         done.update(rejected)
         return done
 
-    def agree_ready(self, what: str, request_problem: str | None = None) -> bool:
+    def agree_ready(self, what: str, request_problem: str | None = None,
+                    idle: bool = False) -> bool:
         """Collective, at the start of a collective call (``generate``, ``rollout``): every
         rank's memory is resident with its weights loaded, and every rank is paused or none
         is. Returns whether the engine is paused. A problem on any rank raises RuntimeError on
         every rank, naming it (one all-gather over the control group): a refusal on one rank
         alone would let the others' call pair with that rank's next one.
         ``request_problem``: this rank's refusal of the call's arguments, raised on every rank
-        as a RequestError."""
+        as a RequestError. ``idle``: the call drives ``step()`` itself and keeps only its own
+        outputs (rollout()), so no request may be in flight or unsent on any rank -- another
+        caller's outputs would be taken and dropped (found by probing)."""
         try:
             self.memory.check_ready()
             problem = None
         except RuntimeError as e:
             problem = str(e)
+        if problem is None and idle and (self.busy() or self._outbox.submits):
+            problem = ("requests submitted outside this call are in flight or unsent; "
+                       "serve them first (generate(), or step() until idle) or cancel them")
         mine = [problem, self.paused, request_problem]
         if self.groups.layout.world_size == 1:
             every = [mine]
@@ -752,6 +758,8 @@ class Engine:
             self.model.close_dispatch()
 
     def _check_open(self) -> None:
+        if self._handed_over:  # (found by probing: a submit was taken, then never served)
+            raise RuntimeError("this engine handed its worker to another engine; use that one")
         if self._closed:
             raise RuntimeError("this engine is closed (its graphs, dispatch buffers and "
                                "control plane are released): build a new Engine")

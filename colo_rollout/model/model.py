@@ -87,7 +87,8 @@ from colo_rollout.model.mtp import (
     shift_tokens,
 )
 from colo_rollout.runtime.parallel import ParallelGroups
-from colo_rollout.model.weights import DTYPES, load_sharded, to_spec_names
+from colo_rollout.model.weights import DTYPES, sharded_writes, to_spec_names, write_shards
+from colo_rollout.runtime.control import first_problem
 from colo_rollout.config.tensor_shapes import mtp_is_moe
 
 class MoEBlock(Protocol):
@@ -736,10 +737,32 @@ class InferenceGPT(torch.nn.Module):
                 close()
 
     def load_full_state_dict(self, full: dict[str, torch.Tensor]) -> None:
-        """Copy this rank's shard of every parameter from an unsharded megatron state dict
-        (local-spec or TE-spec names; converted to this model's spec first)."""
-        full = to_spec_names(full, self.use_te)
-        load_sharded(self, full, self.groups.layout, self.groups.rank)
+        """Collective (every rank of the model's layout calls it): copy this rank's shard of
+        every parameter from an unsharded megatron state dict (local-spec or TE-spec names;
+        converted to this model's spec first). All or nothing on every rank: each rank checks
+        its shards (``sharded_writes``) and that its engine serves nothing (``serving``: set
+        by the engine; tokens would mix two models), the ranks agree (one all-gather of each
+        verdict), and only then does any rank write -- a problem on one rank raises on every
+        rank, naming it (found by probing: one rank refused, the others served new weights
+        beside its old ones)."""
+        problem, writes = None, []
+        serving = getattr(self, "serving", None)
+        try:
+            if serving is not None and serving():
+                raise RuntimeError("the engine has requests in flight; finish them or "
+                                   "engine.pause() first (their tokens would mix two models)")
+            full = to_spec_names(full, self.use_te)
+            writes = sharded_writes(self, full, self.groups.layout, self.groups.rank)
+        except (TypeError, ValueError, KeyError, RuntimeError) as e:
+            problem = [type(e).__name__, str(e).strip("'\"")]
+        got = first_problem(problem, self.groups.control, self.groups.layout.world_size)
+        if got is not None:
+            r, (kind, text) = got
+            where = "" if r == self.groups.rank else f"rank {r}: "
+            raise {"TypeError": TypeError, "KeyError": KeyError,
+                   "RuntimeError": RuntimeError}.get(kind, ValueError)(
+                f"load_full_state_dict: {where}{text}")
+        write_shards(writes)
         self.weight_epoch += 1  # new weights: what a partial rollout's carry checks
         if self._fp8_ptrs is not None:  # FP8 copies exist: follow the new weights (a first
             self.weights_updated()  # load's are made where the model runs: build_model)

@@ -12,6 +12,7 @@ Must not go in here: modules and forwards (model.py), files (checkpoint/).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -178,9 +179,26 @@ def load_sharded(model: torch.nn.Module, full: dict[str, torch.Tensor], layout: 
                  rank: int, num_experts: int | None = None) -> None:
     """Copy ``rank``'s shard of every tensor of ``full`` into ``model``'s parameters; every
     parameter must be covered. Works for this inference model and for megatron GPTModels.
-    All or nothing: every entry is checked -- a tensor of a float dtype, a name the model has
-    (an expert index below the model's count), the shard's shape, every parameter covered --
-    before the first parameter is written, so a bad state dict leaves the model as it was."""
+    All or nothing (``sharded_writes`` checks everything before the first write), so a bad
+    state dict leaves the model as it was."""
+    write_shards(sharded_writes(model, full, layout, rank, num_experts))
+
+
+def write_shards(writes: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for p, shard in writes:
+            p.copy_(shard)
+
+
+def sharded_writes(model: torch.nn.Module, full: dict[str, torch.Tensor], layout: Layout,
+                   rank: int, num_experts: int | None = None
+                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(parameter, its shard) of every tensor of ``full`` on ``rank``, each checked -- a
+    tensor of a float dtype with data (not on the meta device), a name the model has (an
+    expert index below the model's count), the shard's shape, every parameter covered --
+    nothing written: ValueError / KeyError naming the first entry that fails."""
+    if not isinstance(full, Mapping):
+        raise TypeError(f"a state dict maps names to tensors, got {type(full).__name__}")
     total = num_experts if num_experts is not None else model.cfg.num_experts
     num_local = total // layout.ep
     params = loadable_tensors(model)
@@ -189,9 +207,13 @@ def load_sharded(model: torch.nn.Module, full: dict[str, torch.Tensor], layout: 
     for name, t in full.items():
         if name.endswith("_extra_state"):
             continue
+        if not isinstance(name, str):
+            raise TypeError(f"state dict key {name!r}: expected a parameter name (str)")
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             what = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{name}: expected a floating-point tensor, got {what}")
+        if t.is_meta:  # (found by probing: the copy failed half-way through the writes)
+            raise ValueError(f"{name}: a tensor on the meta device holds no values")
         m = _LOCAL_EXPERT.match(name)
         if m and int(m.group(2)) >= total:
             raise KeyError(f"state dict has {name!r}: expert {m.group(2)} of a model with "
@@ -210,9 +232,7 @@ def load_sharded(model: torch.nn.Module, full: dict[str, torch.Tensor], layout: 
     missing = sorted(set(params) - seen)
     if missing:
         raise KeyError(f"state dict is missing {missing[:5]}{'...' if len(missing) > 5 else ''}")
-    with torch.no_grad():
-        for p, shard in writes:
-            p.copy_(shard)
+    return writes
 
 
 def random_state_dict(cfg: ModelConfig, seed: int | None = None,

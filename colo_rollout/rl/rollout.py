@@ -122,7 +122,7 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
                               n, max_turns, max_total_tokens, weight_version, tag,
                               finish_groups, None if carry is None else len(carry.trajectories)))
     # every rank resident, loaded, and paused alike (raises on every rank otherwise)
-    if engine.agree_ready("rollout()"):
+    if engine.agree_ready("rollout()", idle=True):
         raise RuntimeError("rollout() on a paused engine: call engine.resume() once the "
                            "weight update is done")
     if finish_groups is not None and (carry is None or finish_groups < 1):
