@@ -514,10 +514,20 @@ def weight_sync_misuse(rank: int, world: int) -> dict:
     # two MLA models of one layout but another latent width (engine and trainer)
     wide = dataclasses.replace(mla_cfg, kv_lora_rank=24)
     mla_engine = Engine(dataclasses.replace(cfg, model=wide), groups, random_state_dict(wide))
+    # one shape, another function of the weights (found by probing: synced without a word)
+    def variant(**kw):
+        c = dataclasses.replace(cfg.model, **kw)
+        return build_reference(c, random_state_dict(c), _trainer_pgc(world, 1),
+                               torch.device("cpu"))
+
     errors = {}
     for name, args in (("swapped", (engine.model, trainer)), ("none", (None, engine.model)),
                        ("layers", (other, engine.model)), ("mla", (mla, engine.model)),
-                       ("mla_rank", (mla, mla_engine.model))):
+                       ("mla_rank", (mla, mla_engine.model)),
+                       ("topk", (variant(moe_router_topk=1, router_norm_topk=False),
+                                 engine.model)),
+                       ("eps", (variant(norm_epsilon=0.1), engine.model)),
+                       ("rope", (variant(rotary_base=5e5), engine.model))):
         try:
             WeightSync()(*args)
         except (TypeError, ValueError) as e:

@@ -269,6 +269,11 @@ def test_misuse_is_refused_before_any_tensor_moves(worker_groups):
                                "the inference model's False"), e["mla"]
     assert e["mla_rank"].startswith("WeightSync: the trainer's kv_lora_rank is 16, the "
                                     "inference model's 24"), e["mla_rank"]
+    assert e["topk"].startswith("WeightSync: the trainer's moe_router_topk is 1, the "
+                                "inference model's 2: the two models must compute one "
+                                "function"), e["topk"]
+    assert e["eps"].startswith("WeightSync: the trainer's layernorm_epsilon is 0.1"), e["eps"]
+    assert e["rope"].startswith("WeightSync: the trainer's rotary frequencies"), e["rope"]
     assert "call engine.resume_memory() before the sync" in e["released"]
     assert r["path"] == "plan"
     assert e["unwritten"].startswith("weights_loaded(): ") and "was not written since " \
