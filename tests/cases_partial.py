@@ -260,6 +260,15 @@ def api_misuse(rank: int, world: int) -> dict:
         engine.step()
     res["loads"] = loads
     res["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, engine.model.parameters()))
+    # different collective calls on the two ranks: named on both, and the ranks stay paired
+    try:
+        if rank == 0:
+            engine.generate([])
+        else:
+            rollout(engine, PROMPTS[:1], params=params)
+    except RuntimeError as e:
+        res["crossed_calls"] = str(e).split(": ", 1)[1]
+    res["after_crossed"] = [t.status for t in rollout(engine, PROMPTS[:1], params=params)]
     engine.close()
     closed = {}
     for name, call in (("submit", lambda: engine.submit(Request("late", (1, 2), params))),

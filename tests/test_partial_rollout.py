@@ -87,5 +87,9 @@ def test_api_misuse_is_refused_or_served(worker_groups):
     assert "output_layer.weight: a tensor on the meta device" in r0["loads"]["meta"]
     assert "the engine has requests in flight" in r0["loads"]["busy"]
     assert r0["unchanged"] and r1["unchanged"]
+    assert r0["crossed_calls"] == ("the ranks are in different collective calls (rank 0 in "
+                                   "generate(), rank 1 in rollout()): every rank calls the "
+                                   "same collective operations in the same order")
+    assert r0["after_crossed"] == ["completed"]
     assert set(r0["closed"]) == {"submit", "step"}
     assert all("this engine is closed" in m for m in r0["closed"].values())

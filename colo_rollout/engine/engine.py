@@ -35,7 +35,7 @@ import torch
 
 from colo_rollout.config import Config, ConfigError
 from colo_rollout.runtime.control import (ControlError, ControlPlane, Message, first_problem,
-                                          all_gather_json)
+                                          all_gather_json, gather_call)
 from colo_rollout.worker.memory import WEIGHT_POLICIES, MemoryReport
 from colo_rollout.runtime.device import fp32_norms
 from colo_rollout.runtime.parallel import ParallelGroups
@@ -629,7 +629,7 @@ class Engine:
         if self.groups.layout.world_size == 1:
             every = [mine]
         else:
-            every = all_gather_json(mine, self.groups.control)
+            every = gather_call(what, mine, self.groups.control)
         for r, (_, _, p) in enumerate(every):
             if p is not None:
                 raise RequestError(p if r == self.groups.rank else f"rank {r}: {p}")

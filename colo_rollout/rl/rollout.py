@@ -42,7 +42,7 @@ from typing import Any, Callable, Protocol
 import torch.distributed as dist
 
 from colo_rollout.engine.engine import Engine
-from colo_rollout.runtime.control import ControlError, all_gather_json
+from colo_rollout.runtime.control import ControlError, all_gather_json, gather_call
 from colo_rollout.runtime.device import DeviceStall
 from colo_rollout.sched.request import (FinishReason, Request, RequestError, SamplingParams,
                                         token_ids)
@@ -465,7 +465,7 @@ def _check_same_call(engine: Engine, args: tuple) -> None:
     # hash() of ints and tuples of them is the same in every process (no hash seed for them)
     digest = [None if prompts is None else hash(tuple(map(tuple, prompts))),
               json.dumps(rest, sort_keys=True, default=str)]
-    every = all_gather_json(digest, engine.groups.control)
+    every = gather_call("rollout()", digest, engine.groups.control)
     bad = [r for r, d in enumerate(every) if d != every[0]]
     if bad:
         what = "prompts" if every[bad[0]][0] != every[0][0] else "arguments"

@@ -201,6 +201,22 @@ def first_problem(problem, group: dist.ProcessGroup, world: int):
     return next(((r, p) for r, p in enumerate(every) if p is not None), None)
 
 
+def gather_call(what: str, payload, group: dist.ProcessGroup) -> list:
+    """Every rank's ``payload`` for the collective call ``what`` (one all-gather, tagged):
+    a rank in another collective call at this point -- generate() on one rank, rollout() on
+    another -- is a RuntimeError on every rank naming both calls (found by probing: the two
+    calls' exchanges paired, and one failed unpacking the other's payload)."""
+    every = all_gather_json([what, payload], group)
+    first: dict[str, int] = {}  # each call seen -> the first rank in it
+    for r, (tag, _) in enumerate(every):
+        first.setdefault(tag, r)
+    if len(first) > 1:
+        calls = ", ".join(f"rank {r} in {tag}" for tag, r in first.items())
+        raise RuntimeError(f"{what}: the ranks are in different collective calls ({calls}): "
+                           "every rank calls the same collective operations in the same order")
+    return [p for _, p in every]
+
+
 def all_gather_json(obj, group: dist.ProcessGroup | None = None) -> list:
     """All-gather one JSON-serialisable value per rank (rank order). JSON, never pickle."""
     world = dist.get_world_size(group)
