@@ -68,3 +68,21 @@ def test_a_peer_on_another_wire_version_is_named():
 def test_garbage_bytes_raise_control_error():
     with pytest.raises(ControlError, match="rank 2"):
         Message.decode(b"\xc1\x04not msgpack", 2)
+
+
+def test_an_exchange_a_peer_never_joins_names_the_call(monkeypatch):
+    """all_gather_json over a group whose peer is in another call (or none): the backend's
+    timeout comes back as a ControlError naming the call (was gloo's bare text: found by
+    probing)."""
+    from colo_rollout.runtime import control
+
+    def timed_out(*args, **kwargs):
+        raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting "
+                           "20000ms for send operation to complete")
+
+    monkeypatch.setattr(control.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(control.dist, "all_gather", timed_out)
+    with pytest.raises(ControlError) as e:
+        control.gather_call("generate()", [None, False, None], group=None)
+    assert str(e.value).startswith("generate(): not every rank took part within the timeout "
+                                   "(is every rank in the same collective call?): [gloo")

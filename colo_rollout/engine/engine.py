@@ -683,7 +683,8 @@ class Engine:
                 problem = (f"weights_loaded(): {bad[0]} (and {len(bad) - 1} more) was not "
                            "written since resume_memory() after a discard: sync or load every "
                            "parameter first")
-        got = first_problem(problem, self.groups.control, self.groups.layout.world_size)
+        got = first_problem(problem, self.groups.control, self.groups.layout.world_size,
+                            "weights_loaded()")
         if got is not None:
             r, p = got
             raise RuntimeError(p if p == problem else f"rank {r}: {p}")

@@ -755,7 +755,8 @@ class InferenceGPT(torch.nn.Module):
             writes = sharded_writes(self, full, self.groups.layout, self.groups.rank)
         except (TypeError, ValueError, KeyError, RuntimeError) as e:
             problem = [type(e).__name__, str(e).strip("'\"")]
-        got = first_problem(problem, self.groups.control, self.groups.layout.world_size)
+        got = first_problem(problem, self.groups.control, self.groups.layout.world_size,
+                            "load_full_state_dict")
         if got is not None:
             r, (kind, text) = got
             where = "" if r == self.groups.rank else f"rank {r}: "

@@ -109,8 +109,13 @@ class CpuCopyService(CopyService):
 
         super().__init__(group=group)
         # (a collective: a rank that never makes it times the others out within timeout_s)
-        self.pg = group if group is not None else dist.new_group(
-            backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        try:
+            self.pg = group if group is not None else dist.new_group(
+                backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as e:  # (found by probing: gloo's bare 'Wait timeout')
+            raise RuntimeError(f"WeightSync(): building it is collective (its process group) "
+                               f"and not every rank took part within {timeout_s:g} s: "
+                               f"{' '.join(str(e).split())[:200]}") from e
         self.send_ops: list[SendOp] = []
         self.recv_ops: list[RecvOp] = []
         self.bytes_moved = 0  # remote bytes of the last run
@@ -582,7 +587,7 @@ class WeightSync:
 
         groups = getattr(inference_model, "groups", None)
         got = first_problem(problem, groups.control if groups else None,
-                            groups.layout.world_size if groups else 1)
+                            groups.layout.world_size if groups else 1, "WeightSync")
         if got is not None:
             r, p = got
             kind = {"TypeError": TypeError, "ValueError": ValueError}.get(p[0], RuntimeError)

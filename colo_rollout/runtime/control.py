@@ -192,12 +192,13 @@ class ControlPlane:
                 f"a peer died or stopped stepping (diverged) [{e}]") from e
 
 
-def first_problem(problem, group: dist.ProcessGroup, world: int):
+def first_problem(problem, group: dist.ProcessGroup, world: int,
+                  what: str = "an exchange between the ranks"):
     """Every rank's verdict before a collective step (None: fine here), agreed: (rank, its
     problem) of the lowest rank that has one, or None -- the same on every rank (one
     all-gather, none on one rank), so a refusal raises everywhere instead of leaving the
     other ranks waiting in the step's collectives."""
-    every = [problem] if world == 1 else all_gather_json(problem, group)
+    every = [problem] if world == 1 else all_gather_json(problem, group, what)
     return next(((r, p) for r, p in enumerate(every) if p is not None), None)
 
 
@@ -206,7 +207,7 @@ def gather_call(what: str, payload, group: dist.ProcessGroup) -> list:
     a rank in another collective call at this point -- generate() on one rank, rollout() on
     another -- is a RuntimeError on every rank naming both calls (found by probing: the two
     calls' exchanges paired, and one failed unpacking the other's payload)."""
-    every = all_gather_json([what, payload], group)
+    every = all_gather_json([what, payload], group, what)
     first: dict[str, int] = {}  # each call seen -> the first rank in it
     for r, (tag, _) in enumerate(every):
         first.setdefault(tag, r)
@@ -217,16 +218,25 @@ def gather_call(what: str, payload, group: dist.ProcessGroup) -> list:
     return [p for _, p in every]
 
 
-def all_gather_json(obj, group: dist.ProcessGroup | None = None) -> list:
-    """All-gather one JSON-serialisable value per rank (rank order). JSON, never pickle."""
+def all_gather_json(obj, group: dist.ProcessGroup | None = None,
+                    what: str = "an exchange between the ranks") -> list:
+    """All-gather one JSON-serialisable value per rank (rank order). JSON, never pickle.
+    A peer that never joins (a rank not in the same call) fails it within the group's
+    timeout: a ControlError naming ``what`` (was the backend's own text, e.g. gloo's
+    'Timed out waiting 20000ms for send operation to complete': found by probing)."""
     world = dist.get_world_size(group)
     data = json.dumps(obj).encode()
     n = torch.tensor([len(data)], dtype=torch.int64)
     lens = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(lens, n, group=group)
-    width = max(int(x) for x in lens)
-    buf = torch.zeros(width, dtype=torch.uint8)
-    buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    outs = [torch.empty(width, dtype=torch.uint8) for _ in range(world)]
-    dist.all_gather(outs, buf, group=group)
+    try:
+        dist.all_gather(lens, n, group=group)
+        width = max(int(x) for x in lens)
+        buf = torch.zeros(width, dtype=torch.uint8)
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        outs = [torch.empty(width, dtype=torch.uint8) for _ in range(world)]
+        dist.all_gather(outs, buf, group=group)
+    except RuntimeError as e:
+        raise ControlError(f"{what}: not every rank took part within the timeout (is every "
+                           f"rank in the same collective call?): "
+                           f"{' '.join(str(e).split())[:200]}") from e
     return [json.loads(o[: int(lens[i])].numpy().tobytes()) for i, o in enumerate(outs)]
