@@ -197,7 +197,11 @@ def api_misuse(rank: int, world: int) -> dict:
     errors = {}
     for name, kw in (("n0", {"n": 0}), ("n_float", {"n": 2.5}), ("params", {"params": None}),
                      ("cap0", {"max_total_tokens": 0}), ("carry_list", {"carry": []}),
-                     ("carry_lost", {"carry": Carry([full], {})})):
+                     ("carry_lost", {"carry": Carry([full], {})}),
+                     # found by probing (session 31): an AttributeError, and a reward that
+                     # failed every trajectory after the whole rollout
+                     ("carry_junk", {"carry": Carry(["junk"], {})}),
+                     ("reward_5", {"reward_fn": 5})):
         args = {"params": params, **kw}
         try:
             rollout(engine, PROMPTS[:1], **args)
@@ -211,6 +215,16 @@ def api_misuse(rank: int, world: int) -> dict:
         rollout(engine, [PROMPTS[rank]], params=params)
     except ValueError as e:
         errors["diverged_prompts"] = str(e)
+    try:
+        rollout(engine, envs=[5], params=params)
+    except ValueError as e:
+        errors["env_5"] = str(e)
+    for name, args in (("engine_cfg", (None, groups)), ("engine_groups", (cfg, None)),
+                       ("engine_sd", (cfg, groups, [("a", 1)]))):
+        try:
+            Engine(*args)
+        except TypeError as e:
+            errors[name] = str(e)
     res["errors"] = errors
     # generate(): this call's outputs (and an earlier submit's that finished in its first
     # step), every one through on_finish, then forgotten

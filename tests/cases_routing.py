@@ -115,7 +115,10 @@ def routing_round_trip(rank: int, world: int, adp: int, ep: int, mode: str,
     # bad input: a trajectory without routing, and one with another expert count
     errors = []
     for bad in (dataclasses.replace(batch[0], routing=None),
-                dataclasses.replace(batch[0], routing=batch[0].routing[:, :, :1])):
+                dataclasses.replace(batch[0], routing=batch[0].routing[:, :, :1]),
+                # found by probing: torch's index error, an AttributeError
+                dataclasses.replace(batch[0], routing=batch[0].routing.astype("int64") - 99),
+                dataclasses.replace(batch[0], routing=batch[0].routing.tolist())):
         try:
             trainer.token_logprobs([bad], replay=True)
         except ValueError as e:

@@ -70,6 +70,12 @@ def test_api_misuse_is_refused_or_served(worker_groups):
     assert e["cap0"] == "rollout(): max_total_tokens must be an int >= 1 or None, got 0"
     assert e["carry_list"] == "rollout(): carry must be a Carry, got list"
     assert e["carry_lost"].startswith("rollout(): the carry holds trajectories of group 0")
+    assert e["carry_junk"] == "rollout(): carry.trajectories holds a str, not a Trajectory"
+    assert e["reward_5"].startswith("rollout(): reward_fn must be callable")
+    assert e["env_5"].startswith("rollout(): environment 0 must have reset() and step()")
+    assert e["engine_cfg"] == "Engine(cfg=...): expected a Config, got NoneType"
+    assert e["engine_groups"] == "Engine(groups=...): expected a ParallelGroups, got NoneType"
+    assert e["engine_sd"].startswith("Engine(state_dict=...): expected a mapping")
     assert e["diverged"] == ("rollout(): rank 1's arguments differ from rank 0's (every rank "
                              "calls rollout() with the same prompts and arguments)")
     assert e["diverged_prompts"].startswith("rollout(): rank 1's prompts differ")

@@ -35,9 +35,11 @@ def test_recorded_routing_is_replayed_by_the_trainer(worker_groups, mode, moe_co
     assert r0["rollout_vs_replay_logp"] < 1e-4  # the rollout's logprobs, recomputed
     # a different routing replayed: the forward follows it, and the logprobs move
     assert r0["shift_disagree"] == 0 and r0["shift_vs_free_logp"] > 1e-3
-    assert len(r0["errors"]) == 2
+    assert len(r0["errors"]) == 4
     assert "no recorded routing" in r0["errors"][0]
     assert "does not fit" in r0["errors"][1]
+    assert "outside the trainer's 8 experts [0, 8)" in r0["errors"][2], r0["errors"][2]
+    assert "routing must be an integer numpy array" in r0["errors"][3], r0["errors"][3]
 
 
 @pytest.mark.parametrize("world,adp,ep,mode", [(2, 2, 2, "normal"), (2, 2, 2, "fine"),

@@ -118,6 +118,17 @@ class Engine:
     def __init__(self, cfg: Config, groups: ParallelGroups,
                  state_dict: dict[str, torch.Tensor] | None = None, *,
                  worker: Worker | None = None) -> None:
+        # the arguments' types first (found by probing: AttributeErrors from deep inside)
+        for name, value, kind in (("cfg", cfg, Config), ("groups", groups, ParallelGroups)):
+            if not isinstance(value, kind):
+                raise TypeError(f"Engine({name}=...): expected a {kind.__name__}, got "
+                                f"{type(value).__name__}")
+        if state_dict is not None and not isinstance(state_dict, Mapping):
+            raise TypeError(f"Engine(state_dict=...): expected a mapping of parameter names to "
+                            f"tensors (or None), got {type(state_dict).__name__}")
+        if worker is not None and not isinstance(worker, Worker):
+            raise TypeError(f"Engine(worker=...): expected a Worker (another engine's, from "
+                            f"hand_over()), got {type(worker).__name__}")
         self.cfg = cfg
         self.groups = groups
         self._handed_over = False  # set by hand_over(): this engine must not step again

@@ -116,6 +116,7 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
         raise ValueError("rollout() takes either prompts or envs")
     _check_rollout_args(params, n, max_turns, max_total_tokens, finish_groups, carry,
                         weight_version, tag, prompts, envs)
+    _check_callables(reward_fn, envs, carry)
     # every prompt as ints, or why not (that group's trajectories fail; the rest are served)
     checked = None if prompts is None else [_prompt_ids(g, p) for g, p in enumerate(prompts)]
     _check_same_call(engine, (checked, None if envs is None else len(envs), params.to_json(),
@@ -447,11 +448,28 @@ def _check_rollout_args(params, n, max_turns, max_total_tokens, finish_groups, c
     if carry is not None and not isinstance(carry, Carry):
         raise ValueError(f"rollout(): carry must be a Carry, got {type(carry).__name__}")
     if carry is not None:
+        bad = next((t for t in carry.trajectories if not isinstance(t, Trajectory)), None)
+        if bad is not None:
+            raise ValueError(f"rollout(): carry.trajectories holds a "
+                             f"{type(bad).__name__}, not a Trajectory")
         lost = sorted({t.group for t in carry.trajectories}
                       - set(carry.prompts) - set(carry.envs))
         if lost:
             raise ValueError(f"rollout(): the carry holds trajectories of group {lost[0]} but "
                              "neither its prompt nor its environment")
+
+
+def _check_callables(reward_fn, envs, carry) -> None:
+    """The reward function and environments can be called before anything is generated
+    (found by probing: a reward_fn of 5 failed every trajectory after the whole rollout)."""
+    if reward_fn is not None and not callable(reward_fn):
+        raise ValueError(f"rollout(): reward_fn must be callable (prompt, completion) -> "
+                         f"float, got {type(reward_fn).__name__}")
+    everything = list(envs or ()) + list(carry.envs.values() if carry is not None else ())
+    for i, env in enumerate(everything):
+        if not all(callable(getattr(env, m, None)) for m in ("reset", "step")):
+            raise ValueError(f"rollout(): environment {i} must have reset() and step() "
+                             f"(rl.rollout.Environment), got {type(env).__name__}")
 
 
 def _check_same_call(engine: Engine, args: tuple) -> None:

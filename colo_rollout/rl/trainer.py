@@ -41,6 +41,7 @@ Must not go in here: rollout, weight resharding (weight_sync.py), the model's co
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -290,14 +291,20 @@ class Trainer:
                 raise ValueError(f"routing replay: trajectory (group {t.group}, sample "
                                  f"{t.sample}) has no recorded routing (engine.record_routing "
                                  "off, or it failed before any forward)")
-            if r.shape[1:] != (len(routers), k) or r.shape[0] > length:
+            if not isinstance(r, np.ndarray) or r.dtype.kind not in "iu":
+                raise ValueError(f"routing replay: trajectory (group {t.group}, sample "
+                                 f"{t.sample}): routing must be an integer numpy array "
+                                 f"[positions, MoE layers, k], got "
+                                 f"{getattr(r, 'dtype', type(r).__name__)}")
+            if r.ndim != 3 or r.shape[1:] != (len(routers), k) or r.shape[0] > length:
                 raise ValueError(f"routing replay: recorded routing {tuple(r.shape)} does not "
                                  f"fit the trainer's {len(routers)} MoE layers x top-{k} for "
                                  f"{len(t.tokens)} tokens")
             got = torch.from_numpy(r.astype("int64"))
-            if got.numel() and int(got.max()) >= E:
-                raise ValueError(f"routing replay: an expert id {int(got.max())} >= the "
-                                 f"trainer's {E} experts")
+            if got.numel() and (int(got.max()) >= E or int(got.min()) < 0):
+                bad = int(got.max()) if int(got.max()) >= E else int(got.min())
+                raise ValueError(f"routing replay: an expert id {bad} outside the trainer's "
+                                 f"{E} experts [0, {E})")
             ids[: r.shape[0], b] = got
         # megatron's router sees [S, B] tokens flattened sequence-first: row = s * B + b; under
         # sequence parallelism only this TP rank's shard of S
