@@ -74,6 +74,7 @@ def partial_round_trip(rank: int, world: int, adp: int, ep: int, mode: str) -> d
     for _ in range(3):
         engine.step()
     outs = engine.pause()
+    errors["remembered_after_pause"] = sorted(engine.scheduler.by_id)
     try:
         engine.submit(Request("late", (1, 2), SamplingParams(max_tokens=2)))
     except RequestError as e:
@@ -236,6 +237,16 @@ def api_misuse(rank: int, world: int) -> dict:
     res["generate"] = sorted(outs)
     res["seen"] = sorted(seen)
     res["remembered_after_generate"] = sorted(engine.scheduler.by_id)
+    # a callback that raises: every request still served and forgotten, the outputs on the
+    # error (found by probing: neither returned nor forgotten)
+    from colo_rollout.engine.engine import OnFinishError
+
+    try:
+        engine.generate([Request(f"cb{i}", tuple(PROMPTS[i]), params) for i in range(2)]
+                        if rank == 0 else [], on_finish=lambda o: 1 / 0)
+    except OnFinishError as e:
+        res["on_finish_error"] = (str(e).split(":")[1].strip(), sorted(e.outputs))
+    res["remembered_after_callback"] = sorted(engine.scheduler.by_id)
     # rollout() beside a request it did not submit (it would take that output): refused on
     # every rank, the request untouched; served by generate(), then rollout() runs
     if rank == 0:

@@ -29,6 +29,7 @@ def test_paused_groups_resume_to_the_uninterrupted_tokens(worker_groups, mode):
     assert "the engine's weights were written since its tokens of that version" in \
         e["synced"], e
     assert "paused" in e["paused_submit"] and "resume()" in e["paused_rollout"]
+    assert e["remembered_after_pause"] == []  # handed back and forgotten (session 31)
     # engine.pause(): every in-flight request cancelled with the tokens it had
     assert [o[1] for o in r0["pause_outs"]] == ["cancelled"] * 4
     assert all(0 <= o[2] < 6 for o in r0["pause_outs"])
@@ -81,6 +82,8 @@ def test_api_misuse_is_refused_or_served(worker_groups):
     assert e["diverged_prompts"].startswith("rollout(): rank 1's prompts differ")
     assert r0["generate"] == ["early", "g1"] and r0["seen"] == ["early", "g1"]
     assert r0["remembered_after_generate"] == []
+    assert r0["on_finish_error"] == ("on_finish raised on request 'cb0'", ["cb0", "cb1"])
+    assert r0["remembered_after_callback"] == []
     # found by probing (session 31): rollout() took and dropped another caller's output;
     # a state dict bad on one rank was loaded on the other; a meta tensor failed half-way
     assert r0["rollout_beside_foreign"].startswith("rollout(): rank 0: requests submitted "

@@ -108,6 +108,13 @@ def _flat(tree: dict, prefix: str = "") -> dict:
     return out
 
 
+class OnFinishError(RuntimeError):
+    """``generate(on_finish=...)``'s callback raised; every request was still served and
+    forgotten. ``outputs``: what ``generate`` would have returned."""
+
+    outputs: dict
+
+
 class Engine:
     """A serving session over a ``Worker`` (worker/worker.py: the model, KV storage and
     graphs). ``worker``: serve on an existing worker, taking it over from the engine serving on
@@ -275,6 +282,7 @@ class Engine:
             for out in self._step_past_refusals()[0]:
                 outs[out.request_id] = out
         self.paused = True
+        self.forget(outs)  # handed back, as generate()'s (found by probing: kept for good)
         return outs
 
     def resume(self) -> None:
@@ -605,16 +613,31 @@ class Engine:
                     rejected[out.request_id] = out
             return finished
 
+        failed = None  # (request id, what on_finish raised): the first
         while True:  # the first step too: a request may finish in it
             for out in step():
                 done[out.request_id] = out
-                if on_finish is not None:
-                    on_finish(out)
+                if on_finish is not None and failed is None:
+                    # served on regardless: a rank leaving the loop would leave its peers
+                    # waiting in the step's collectives (found by probing: the outputs of a
+                    # raising callback were neither returned nor forgotten)
+                    try:
+                        on_finish(out)
+                    except Exception as e:
+                        failed = (out.request_id, e)
             if not self.busy():
                 break
         # handed back: the engine forgets them (bounded memory; their ids free again)
         self.forget(done)
         done.update(rejected)
+        if failed is not None:
+            rid, e = failed
+            err = OnFinishError(f"generate(): on_finish raised on request {rid!r}: "
+                                f"{type(e).__name__}: {e}; every request was served (the "
+                                "outputs are this error's .outputs; later ones were not "
+                                "passed to on_finish)")
+            err.outputs = done
+            raise err from e
         return done
 
     def agree_ready(self, what: str, request_problem: str | None = None,
