@@ -154,6 +154,10 @@ def hf_config_dict(cfg: ModelConfig, family: str | None = None,
     back = hf_architecture(".", c).fields
     if back.get("ffn_hidden_size") == cfg.dense_ffn_hidden_size:  # (null = the experts' width)
         back["ffn_hidden_size"] = cfg.ffn_hidden_size
+    if cfg.router_num_groups and cfg.router_group_topk == cfg.router_num_groups:
+        # every group kept limits nothing: read back as plain top-k, the same routing
+        back.update(router_num_groups=cfg.router_num_groups,
+                    router_group_topk=cfg.router_group_topk)
     wrong = {k: (getattr(cfg, k), v) for k, v in back.items() if getattr(cfg, k) != v
              and not (isinstance(v, float) and math.isclose(getattr(cfg, k), v, rel_tol=1e-12,
                                                            abs_tol=1e-12))}
