@@ -117,10 +117,13 @@ def test_named_templates_special_tokens_and_tojson(tmp_path: Path) -> None:
     assert "caf\u00e9 <b>" in rendered and '"name"' not in rendered
     assert rendered.startswith("<|endoftext|>user=") and rendered.endswith(EOS_TOKEN + ">")
 
+    # no 'default': the tokenizer loads and encodes (transformers too); rendering is refused
     config["chat_template"] = [{"name": "tool_use", "template": "tools"}]
     write_json(tmp_path / "tokenizer_config.json", config)
+    tok = Tokenizer.from_dir(tmp_path)
+    assert tok.encode("hello") == ref.encode("hello")
     with pytest.raises(TokenizerError, match="no 'default'"):
-        Tokenizer.from_dir(tmp_path)
+        tok.apply_chat_template(chat)
 
 
 def test_eos_ids(tmp_path: Path) -> None:
@@ -138,8 +141,11 @@ def test_eos_ids(tmp_path: Path) -> None:
 
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     write_json(tmp_path / "tokenizer_config.json", {**config, "eos_token": "<|nope|>"})
-    with pytest.raises(TokenizerError, match="tokenizer_config.json: eos_token '<|nope|>'"):
-        Tokenizer.from_dir(tmp_path)
+    # a named eos token tokenizer.json lacks is added as a special token, as transformers
+    # adds it (the next free id)
+    tok = Tokenizer.from_dir(tmp_path)
+    assert tok.eos_token_ids == (tok.vocab_size - 1,) and tok.encode("<|nope|>") == [
+        tok.vocab_size - 1]
     write_json(tmp_path / "tokenizer_config.json", {k: v for k, v in config.items() if k != "eos_token"})
     assert Tokenizer.from_dir(tmp_path).eos_token_ids == ()
 
@@ -280,3 +286,97 @@ def test_import_needs_neither_torch_nor_transformers() -> None:
     code = ("import sys, colo_rollout.text.tokenizer; "
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+
+
+# ---- tokenizer files as transformers 5 reads them (found by probing, session 31) ------------
+_CORPUS = ["the quick brown fox jumps over the lazy dog",
+           "hello world, Don't do it, isn't it ? yes !", "word word word"] * 5
+
+
+def _byte_bpe():
+    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
+
+    t = Backend(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    t.train_from_iterator(_CORPUS, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    return t
+
+
+def _saved(directory: Path, backend, edit=None, **kw):
+    """(directory, transformers' tokenizer of it): ``backend`` saved by transformers'
+    PreTrainedTokenizerFast, then tokenizer_config.json edited by ``edit``."""
+    transformers = pytest.importorskip("transformers")
+    transformers.PreTrainedTokenizerFast(tokenizer_object=backend, **kw).save_pretrained(directory)
+    if edit is not None:
+        path = directory / "tokenizer_config.json"
+        config = json.loads(path.read_text())
+        edit(config)
+        write_json(path, config)
+    return directory, transformers.AutoTokenizer.from_pretrained(directory)
+
+
+def test_the_files_truncation_and_padding_do_not_cut_or_pad_prompts(tmp_path: Path) -> None:
+    t = _byte_bpe()
+    t.enable_truncation(max_length=8)
+    d, ref = _saved(tmp_path / "trunc", t, eos_token="<|im_end|>")
+    assert Tokenizer.from_dir(d).encode("word " * 20) == ref.encode("word " * 20)
+    t = _byte_bpe()
+    t.enable_padding(pad_id=0, pad_token="<|endoftext|>", length=12)
+    d, ref = _saved(tmp_path / "pad", t, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    assert Tokenizer.from_dir(d).encode("hello") == ref.encode("hello")
+
+
+def test_named_special_tokens_are_special_and_added(tmp_path: Path) -> None:
+    from tokenizers import AddedToken
+
+    text = "a <|pad|><|tool|> b<|eot|>"
+    for key, value in (("pad_token", "<|pad|>"), ("additional_special_tokens", ["<|tool|>"]),
+                       ("extra_special_tokens", ["<|tool|>"])):
+        t = _byte_bpe()
+        t.add_tokens([AddedToken("<|eot|>", special=False, normalized=False)])  # plain there
+        d, ref = _saved(tmp_path / key, t, edit=lambda c: c.update({key: value,
+                                                                     "eos_token": "<|eot|>"}))
+        tok = Tokenizer.from_dir(d)
+        assert tok.vocab_size == len(ref) and tok.encode(text) == ref.encode(text), key
+        ids = ref.encode(text)
+        assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True), key
+        assert tok.eos_token_ids == (ref.eos_token_id,)
+
+
+def test_config_flags_of_tokens_the_file_has_and_split_special_tokens(tmp_path: Path) -> None:
+    from tokenizers import AddedToken
+
+    t = _byte_bpe()
+    t.add_tokens([AddedToken("<think>", special=False, normalized=False)])
+    flags = {"content": "<think>", "special": True, "lstrip": True, "rstrip": False,
+             "normalized": False, "single_word": False}
+    d, ref = _saved(tmp_path / "flags", t, eos_token="<|im_end|>", edit=lambda c: c.update(
+        added_tokens_decoder={str(t.token_to_id("<think>")): flags}))
+    tok, text = Tokenizer.from_dir(d), "x   <think>y"
+    assert tok.encode(text) == ref.encode(text)
+    assert tok.decode(ref.encode(text)) == ref.decode(ref.encode(text), skip_special_tokens=True)
+    d, ref = _saved(tmp_path / "split", _byte_bpe(), eos_token="<|im_end|>",
+                    edit=lambda c: c.update(split_special_tokens=True))
+    assert Tokenizer.from_dir(d).encode("<|im_end|>") == ref.encode("<|im_end|>")
+
+
+def test_spaces_are_cleaned_up_where_transformers_cleans_them(tmp_path: Path) -> None:
+    """clean_up_tokenization_spaces: transformers 5 applies it except to BPE models."""
+    from tokenizers import Tokenizer as Backend, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import trainers
+
+    t = Backend(models.WordPiece(unk_token="[UNK]"))
+    t.normalizer = normalizers.BertNormalizer(lowercase=True)
+    t.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    t.decoder = decoders.WordPiece()
+    t.train_from_iterator(_CORPUS, trainers.WordPieceTrainer(vocab_size=200,
+                                                             special_tokens=["[UNK]"],
+                                                             show_progress=False))
+    for clean in (True, False):
+        d, ref = _saved(tmp_path / f"wp{clean}", t, unk_token="[UNK]",
+                        edit=lambda c: c.update(clean_up_tokenization_spaces=clean))
+        ids = ref.encode("Don't do it, isn't it ? yes !")
+        assert Tokenizer.from_dir(d).decode(ids) == ref.decode(ids, skip_special_tokens=True)

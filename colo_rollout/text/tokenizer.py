@@ -55,6 +55,10 @@ def _token_content(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+class _NoDefault(str):
+    """A chat_template list without a 'default' entry: the problem, raised at rendering."""
+
+
 def _pick_template(path: Path, value: Any) -> str | None:
     """tokenizer_config.json's chat_template: a string, or a list of {"name", "template"} (use "default")."""
     if value is None or isinstance(value, str):
@@ -63,7 +67,10 @@ def _pick_template(path: Path, value: Any) -> str | None:
         named = {t.get("name"): t.get("template") for t in value if isinstance(t, Mapping)}
         if isinstance(named.get("default"), str):
             return named["default"]
-        raise TokenizerError(path, f"chat_template lists {sorted(map(str, named))} but no 'default'")
+        # refused when a template is rendered, not at load: encode and decode still work, as in
+        # transformers (found by probing: the whole tokenizer was refused)
+        return _NoDefault(f"{path}: chat_template lists {sorted(map(str, named))} but no "
+                          "'default'")
     raise TokenizerError(path, f"chat_template must be a string or a list, got {type(value).__name__}")
 
 
@@ -89,20 +96,50 @@ def _add_config_tokens(backend: Any, path: Path, decoder: Any) -> None:
     for tid, tok in sorted(entries, key=lambda e: e[0]):
         content = tok["content"]
         have = backend.token_to_id(content)
-        if have is not None:
-            if have != tid:
-                raise TokenizerError(path, f"added_tokens_decoder: {content!r} is id {tid} "
-                                     f"there and {have} in tokenizer.json")
-            continue
+        if have is not None and have != tid:
+            raise TokenizerError(path, f"added_tokens_decoder: {content!r} is id {tid} "
+                                 f"there and {have} in tokenizer.json")
         size = backend.get_vocab_size(with_added_tokens=True)
-        if tid != size:
+        if have is None and tid != size:
             raise TokenizerError(path, f"added_tokens_decoder: {content!r} (id {tid}) is not in "
                                  f"tokenizer.json, whose next free id is {size}")
+        # a token tokenizer.json has takes the config's flags too (found by probing: a
+        # config marking <think> special and lstrip was read without them)
         flags = {k: bool(tok[k]) for k in ("single_word", "lstrip", "rstrip", "normalized")
                  if k in tok}
         special = bool(tok.get("special", False))
         token = AddedToken(content, special=special, **flags)
         (backend.add_special_tokens if special else backend.add_tokens)([token])
+
+
+def _add_named_specials(backend: Any, config: Mapping[str, Any]) -> None:
+    """The special tokens tokenizer_config.json names -- bos/eos/unk/sep/pad/cls/mask,
+    ``additional_special_tokens``, ``extra_special_tokens`` -- are special, as transformers
+    makes them: added (the next free id) where tokenizer.json lacks them, else marked special
+    (split out before the model's pre-tokenizer, dropped by a skipping decode). Found by
+    probing: a named eos token tokenizer.json held as plain text decoded as text; a pad
+    token it lacked was split into bytes."""
+    from tokenizers import AddedToken
+
+    names = [_token_content(config.get(n)) for n in _SPECIAL_TOKEN_NAMES]
+    for key in ("additional_special_tokens", "extra_special_tokens"):
+        more = config.get(key)
+        if isinstance(more, Mapping):
+            more = list(more.values())
+        if isinstance(more, list):
+            names += [_token_content(t) for t in more]
+    for name in dict.fromkeys(n for n in names if n):
+        backend.add_special_tokens([AddedToken(name, special=True, normalized=False)])
+
+
+def _clean_up_spaces(text: str) -> str:
+    """transformers' ``clean_up_tokenization``: the spaces a word-level decoder leaves before
+    punctuation and English contractions."""
+    for a, b in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"),
+                 (" n't", "n't"), (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"),
+                 (" 're", "'re")):
+        text = text.replace(a, b)
+    return text
 
 
 @contextlib.contextmanager
@@ -139,6 +176,8 @@ class Tokenizer:
         self.directory = directory
         self._backend = backend
         self._chat_template = chat_template
+        model = json.loads(backend.to_str()).get("model", {}).get("type")
+        self._clean_up = config.get("clean_up_tokenization_spaces") is True and model != "BPE"
         self._compiled: Any = None  # the jinja Template, compiled on first use (a bad one must not block encode)
         # Only the special tokens the config names reach the template, as in transformers: an absent one
         # is undefined there (renders as ''), never the string 'None'.
@@ -166,9 +205,16 @@ class Tokenizer:
             backend = Backend.from_file(str(path))
         except Exception as e:  # the Rust side raises a bare Exception for bad JSON or an unknown model
             raise TokenizerError(path, f"unreadable ({e})") from e
+        # encode() is one whole sequence, as transformers' encode (it switches the file's
+        # truncation and padding off; found by probing: prompts were cut or padded)
+        backend.no_truncation()
+        backend.no_padding()
         config_path = directory / "tokenizer_config.json"
         config = _read_json(config_path) or {}
         _add_config_tokens(backend, config_path, config.get("added_tokens_decoder"))
+        _add_named_specials(backend, config)
+        if config.get("split_special_tokens") is True:  # special tokens' text as plain text
+            backend.encode_special_tokens = True
         # transformers >= 4.43 saves the template as chat_template.jinja, which wins over the config entry.
         jinja_path = directory / "chat_template.jinja"
         if jinja_path.is_file():
@@ -208,8 +254,9 @@ class Tokenizer:
         return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        # Verbatim backend decode: no clean_up_tokenization_spaces pass (transformers skips it for BPE too).
-        return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        text = self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        # transformers 5 cleans up spaces where the config asks, except for BPE models
+        return _clean_up_spaces(text) if self._clean_up else text
 
     def _template(self) -> Any:
         if self._compiled is not None:
@@ -217,6 +264,9 @@ class Tokenizer:
         if self._chat_template is None:
             raise TokenizerError(self.directory, "no chat template (neither chat_template.jinja nor "
                                  "tokenizer_config.json's chat_template)")
+        if isinstance(self._chat_template, _NoDefault):
+            path, problem = str(self._chat_template).split(": ", 1)
+            raise TokenizerError(path, problem)
         import jinja2
         import jinja2.ext
         from jinja2.sandbox import ImmutableSandboxedEnvironment
