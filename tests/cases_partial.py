@@ -220,6 +220,12 @@ def api_misuse(rank: int, world: int) -> dict:
         rollout(engine, envs=[5], params=params)
     except ValueError as e:
         errors["env_5"] = str(e)
+    for name, call in (("warmup", lambda: engine.warmup("a")),
+                       ("take_routings", lambda: engine.take_routings(["a", "b"], [1]))):
+        try:
+            call()
+        except ValueError as e:
+            errors[name] = str(e)
     for name, args in (("engine_cfg", (None, groups)), ("engine_groups", (cfg, None)),
                        ("engine_sd", (cfg, groups, [("a", 1)]))):
         try:

@@ -75,6 +75,8 @@ def test_api_misuse_is_refused_or_served(worker_groups):
     assert e["reward_5"].startswith("rollout(): reward_fn must be callable")
     assert e["env_5"].startswith("rollout(): environment 0 must have reset() and step()")
     assert e["engine_cfg"] == "Engine(cfg=...): expected a Config, got NoneType"
+    assert e["warmup"] == "warmup(max_context=...): an int >= 1 or None, got 'a'"
+    assert e["take_routings"] == "take_routings: 2 keys and 1 input counts"
     assert e["engine_groups"] == "Engine(groups=...): expected a ParallelGroups, got NoneType"
     assert e["engine_sd"].startswith("Engine(state_dict=...): expected a mapping")
     assert e["diverged"] == ("rollout(): rank 1's arguments differ from rank 0's (every rank "

@@ -504,6 +504,8 @@ class Engine:
         per position the latest recording wins (its stamp; ties to the lowest rank) and is
         summed over the world from that one owner; a key's ids are its positions from 0 up
         to the first that no rank recorded. Else local."""
+        if inputs is not None and len(inputs) != len(keys):  # (zip would drop the rest)
+            raise ValueError(f"take_routings: {len(keys)} keys and {len(inputs)} input counts")
         world = self.groups.layout.world_size
         if self.routes is None or world == 1 or not self.model.records_own_rows:
             return [self.take_routing(k, None if inputs is None else n)
@@ -743,6 +745,10 @@ class Engine:
         communicator exists -- all otherwise happen inside the first requests' latency.
         Returns the graphs captured."""
         self._check_open()
+        if max_context is not None and (isinstance(max_context, bool)
+                                        or not isinstance(max_context, int) or max_context < 1):
+            raise ValueError(f"warmup(max_context=...): an int >= 1 or None, got "
+                             f"{max_context!r}")
         self.memory.check_ready()
         n = 0
         if self.runner.graphs is not None:
