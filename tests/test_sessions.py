@@ -47,6 +47,11 @@ def test_busy_session_and_context_budget_are_validated():
     with pytest.raises(RequestError, match=r"context \(60\) \+ prompt \(1\) \+ max_tokens"):
         s2.add(Request("t1", (1,), SamplingParams(max_tokens=4), session="b"))
 
+    # a close pending for the next step (applied before its submits): a turn of that
+    # session is a new conversation (found by probing: checked against the closed context)
+    s2.validate(Request("t1", tuple(range(1, 31)), SamplingParams(max_tokens=30),
+                        session="b"), closing=["b"])
+
 
 def test_eviction_frees_lru_context_and_forces_reprefill():
     s = make(blocks=6)  # 24 tokens of KV

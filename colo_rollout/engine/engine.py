@@ -233,7 +233,7 @@ class Engine:
             raise RequestError(why)
         if request.request_id in self._pending_ids:
             raise RequestError(f"request {request.request_id!r}: duplicate request id")
-        self.scheduler.validate(request)
+        self.scheduler.validate(request, closing=self._outbox.closes)
         self._outbox.submits.append({"id": request.request_id, "prompt": list(request.prompt),
                                      "params": request.params.to_json(),
                                      "session": request.session})

@@ -19,6 +19,7 @@ Pure Python: no torch, no torch.distributed.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -115,13 +116,16 @@ class Scheduler:
         self.drafts_accepted = 0
 
     # ------------------------------------------------------------------ intake
-    def validate(self, req: Request) -> None:
+    def validate(self, req: Request, closing: Iterable[str] = ()) -> None:
         """Raise RequestError if ``req`` can never be served. Same answer on every rank.
         Types first (request.checked_request: a str id, integral token ids), so a wrong type
-        is a RequestError too, never a TypeError."""
-        self._checked(req)
+        is a RequestError too, never a TypeError. ``closing``: sessions a close is pending
+        for (the next step applies closes before submits): a turn of one starts a new
+        conversation (found by probing: it was checked against the closed context)."""
+        self._checked(req, frozenset(closing))
 
-    def _checked(self, req: Request) -> tuple[Request, np.ndarray]:
+    def _checked(self, req: Request,
+                 closing: frozenset = frozenset()) -> tuple[Request, np.ndarray]:
         """``validate``'s checks; returns the checked request (its prompt a tuple of Python
         ints) and its prompt as an int64 array."""
         req = checked_request(req)
@@ -149,8 +153,9 @@ class Scheduler:
         if req.session is not None and req.session != rid and req.session in self.live:
             raise RequestError(f"request {rid!r}: session {req.session!r} is the id of a "
                                "request in flight")
-        sess = self.sessions.get(req.session) if req.session is not None else None
-        if sess is None and req.session in self.ended:
+        fresh = req.session is None or req.session in closing
+        sess = None if fresh else self.sessions.get(req.session)
+        if sess is None and not fresh and req.session in self.ended:
             raise RequestError(f"request {rid!r}: session {req.session!r} was ended by the "
                                f"cancel of {self.ended[req.session]!r} (its context is gone); "
                                "close_session() it to reuse the id, or start a new session")
