@@ -200,6 +200,20 @@ def test_numpy_numbers_are_sampling_params_and_cross_as_python_values():
     assert SamplingParams.from_json(wire).to_json() == wire
 
 
+def test_zero_d_tensors_are_sampling_params_too():
+    """As a 0-d bool tensor is an ignore_eos and a 0-d int tensor a token id (found by
+    probing: a 0-d float tensor was refused as a temperature)."""
+    torch = pytest.importorskip("torch")
+    p = SamplingParams(temperature=torch.tensor(0.5), top_k=torch.tensor(3),
+                       top_p=torch.tensor(0.9), max_tokens=torch.tensor(4),
+                       ignore_eos=torch.tensor(True))
+    p.validate("r", VOCAB)
+    wire = p.to_json()
+    assert [type(v) for v in wire.values()] == [float, int, float, int, bool]
+    with pytest.raises(RequestError, match="temperature must be a finite number"):
+        SamplingParams(temperature=torch.tensor([0.5])).validate("r", VOCAB)
+
+
 def test_a_top_p_below_fp32s_range_keeps_the_top_token():
     """top_p 1e-50 is valid (> 0) but 0 in the sampler's fp32 table, which masked every token
     (NaN probabilities, token 0): the table floors it, keeping the top token alone."""

@@ -111,9 +111,19 @@ def valid_unicode(text: str) -> bool:
     return True
 
 
+def _scalar(value: object) -> object:
+    """A 0-d tensor or array as its Python number (as ``ignore_eos`` takes a 0-d bool
+    tensor; found by probing: a 0-d float tensor was refused as a temperature)."""
+    if getattr(value, "shape", None) == () and callable(getattr(value, "item", None)) \
+            and not _is_bool(value):
+        return value.item()
+    return value
+
+
 def _real(value: object) -> float | None:
-    """``value`` as a float where it is a real number (int, float, numpy scalars), never a
-    bool; None otherwise (also for an int too large for a float)."""
+    """``value`` as a float where it is a real number (int, float, numpy scalars, 0-d
+    tensors), never a bool; None otherwise (also for an int too large for a float)."""
+    value = _scalar(value)
     if _is_bool(value) or not isinstance(value, numbers.Real):
         return None
     try:
@@ -123,7 +133,9 @@ def _real(value: object) -> float | None:
 
 
 def _integer(value: object) -> int | None:
-    """``value`` as an int where it is integral (int, numpy integers), never a bool."""
+    """``value`` as an int where it is integral (int, numpy integers, 0-d integer tensors),
+    never a bool."""
+    value = _scalar(value)
     if _is_bool(value) or not isinstance(value, numbers.Integral):
         return None
     return int(value)
@@ -169,8 +181,8 @@ class SamplingParams:
     def to_json(self) -> dict:
         """Plain Python values (what the ranks' control message encodes: numpy scalars that
         pass ``validate`` become floats, ints and bools here)."""
-        return {"temperature": float(self.temperature), "top_k": int(self.top_k),
-                "top_p": float(self.top_p), "max_tokens": int(self.max_tokens),
+        return {"temperature": _real(self.temperature), "top_k": _integer(self.top_k),
+                "top_p": _real(self.top_p), "max_tokens": _integer(self.max_tokens),
                 "ignore_eos": bool(self.ignore_eos)}
 
     @classmethod
