@@ -21,6 +21,19 @@ CFG = "configs/grpo_cpu.yaml"
 # per D iteration when a draft is accepted) that the trainer trains too (megatron's MTP loss),
 # records and replays the routing of both verify rows, and releases memory with the MTP
 # layer's KV; the trainer's logprobs of every emitted token must still be the engine's
+def test_a_frozen_mtp_layer_syncs_and_stays_frozen(worker_groups, tmp_path):
+    """rl.mtp_loss_scale 0 freezes the trainer's MTP layer (megatron then reads no MTP count
+    from its config): the sync still pairs the two models' MTP layers (found by probing: the
+    first sync refused the trainer's count None against the engine's 1)."""
+    res = worker_groups(2).run("colo_rollout.rl.train:run_train", timeout=600, config_path=CFG,
+                               overrides={"rl.out_dir": str(tmp_path), "rl.steps": 4,
+                                          "model.mtp_num_layers": 1, "engine.mtp": True,
+                                          "rl.mtp_loss_scale": 0.0}, quiet=True)
+    h = res[0]["history"]
+    assert len(h) == 4 and all(x["failed"] == 0 and x["sync_bytes"] > 0 for x in h)
+    assert max(x["logprob_gap_max"] for x in h) < 1e-4
+
+
 @pytest.mark.parametrize("algorithm,release,is_level,replay,trainer_ep,trainer_tp,mtp", [
     ("grpo", "discard", "none", True, 1, 1, False), ("ppo", "off", "token", False, 2, 1, False),
     ("grpo", "off", "none", True, 1, 2, False), ("grpo", "discard", "none", True, 1, 1, True)])

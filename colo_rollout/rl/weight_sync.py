@@ -469,6 +469,9 @@ def check_pair(trainer_model, inference_model) -> None:
         a, b = getattr(tc, field, None), getattr(ic, field, None)
         if field == "num_query_groups":  # None: one group per head
             a, b = a or tc.num_attention_heads, b or ic.num_attention_heads
+        if field == "mtp_num_layers":  # the layers the models hold: a trainer that freezes
+            # its MTP layer (rl.mtp_loss_scale 0) sets the config's count to None
+            a, b = _mtp_layers(trainer_model), _mtp_layers(inference_model)
         if (a or 0) != (b or 0):
             raise ValueError(f"WeightSync: the trainer's {field} is {a}, the inference "
                              f"model's {b}: the two models must have one shape")
@@ -501,6 +504,12 @@ def check_pair(trainer_model, inference_model) -> None:
         raise ValueError(f"WeightSync: the trainer has {lost[0]} (and {len(lost) - 1} more "
                          "kinds of tensor) that the inference model does not: the two models "
                          "must be one architecture")
+
+
+def _mtp_layers(model: torch.nn.Module) -> int:
+    """How many MTP layers the model's parameters hold (``mtp.layers.{j}.``)."""
+    return len({_unwrapped(n).split(".")[2] for n, _ in model.named_parameters()
+                if _unwrapped(n).startswith("mtp.layers.")})
 
 
 def _kinds(model: torch.nn.Module) -> set[str]:
