@@ -130,6 +130,12 @@ def test_mismatch_metrics():
     w, kept = MismatchCorrection("token", cap=2.0).weights(TRAIN, ROLL, MASK)
     got = mismatch_metrics(TRAIN, ROLL, MASK, 0.2, w, kept, cap=2.0)
     assert math.isclose(got["is_weight_max"], 2.0) and math.isclose(got["is_corrected_frac"], 0.2)
+    # a cap fp32 cannot hold exactly: the clamped weights still count as at the cap (found by
+    # probing: 1.01 in fp32 is below 1.01 in float64, and none counted)
+    for cap in (1.01, 1.05, 1.3):
+        w, kept = MismatchCorrection("token", cap=cap).weights(TRAIN, ROLL, MASK)
+        got = mismatch_metrics(TRAIN, ROLL, MASK, 0.2, w, kept, cap=cap)
+        assert math.isclose(got["is_corrected_frac"], 2 / 5), (cap, got)  # 4 and 1.5
     identical = mismatch_metrics(TRAIN, TRAIN, MASK, 0.2)
     assert identical["mismatch_kl_k3"] == 0.0 and identical["mismatch_clip_frac"] == 0.0
 

@@ -131,6 +131,9 @@ def mismatch_metrics(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor,
         out["is_weight_mean"] = float(w.sum() / n)
         out["is_weight_max"] = float(w.max()) if w.numel() else 0.0
         dropped = int((~kept[m]).sum()) if kept is not None else 0
-        at_cap = int((w >= cap).sum()) if cap is not None else 0
+        # the cap as the weights hold it (they were clamped, then cast to the logprobs'
+        # dtype: 1.01 in fp32 is below 1.01 in float64 -- found by probing: never counted)
+        cap_held = float(torch.tensor(cap, dtype=weights.dtype)) if cap is not None else None
+        at_cap = int((w >= cap_held).sum()) if cap is not None else 0
         out["is_corrected_frac"] = (at_cap + dropped) / n
     return out
