@@ -181,6 +181,13 @@ def test_a_kl_term_the_trainer_cannot_compute_is_refused(capsys):
                            "policy is not implemented"), line
 
 
+def test_an_mtp_model_under_a_tensor_parallel_trainer_is_refused(capsys):
+    line = door_error(capsys, "train", TRAIN, "--set", "model.mtp_num_layers=1", "--set",
+                      "rl.trainer_tp=2")
+    assert line.startswith(f"error: {TRAIN}: rl.trainer_tp: 2 with model.mtp_num_layers 1: "
+                           "megatron's MTP layer on the local spec"), line
+
+
 def test_top1_without_pre_softmax(capsys):
     line = door_error(capsys, "demo", DEMO, "--set", "model.moe_router_topk=1")
     assert line.startswith(f"error: {DEMO}: model.router_norm_topk: true with moe_router_topk 1 "

@@ -133,6 +133,12 @@ class Config:
         why = batch_invariance_problem(model) if engine.batch_invariant else None
         _require(why is None, "engine.batch_invariant", str(why))
         tp = self.rl.trainer_tp
+        # megatron's MTP layer on the local spec cannot run sequence parallelism (its torch
+        # norms assert; found by probing: the trainer crashed building it)
+        _require(tp == 1 or model.mtp_num_layers == 0, "rl.trainer_tp",
+                 f"{tp} with model.mtp_num_layers {model.mtp_num_layers}: megatron's MTP layer "
+                 "on the local spec cannot take the sequence parallelism a TP trainer runs; "
+                 "train an MTP model at rl.trainer_tp 1 (rl.trainer_ep for expert parallelism)")
         tp_widths = {"parallel.world_size": par.world_size,
                      **trainer_tp_widths(model, self.rl.trainer_ep)}
         bad = [f"{k} {v}" for k, v in tp_widths.items() if v % tp]
