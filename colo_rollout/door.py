@@ -151,6 +151,11 @@ def _check_export_dir(cfg: Config, source: str) -> None:
                               f"{'' if export == ckpt else 'inside '}model.checkpoint {ckpt}, "
                               "which the run reads: export elsewhere", key="rl.export_dir",
                               source=source)
+    from colo_rollout.checkpoint.export import export_problem
+
+    why = export_problem(cfg.model)
+    if why is not None:
+        raise ConfigError(f"{source}: rl.export_dir: {why}", key="rl.export_dir", source=source)
     out = os.path.realpath(cfg.rl.out_dir)
     own = {os.path.join(out, name) for name in ("metrics.jsonl", "reward.png", "tb")}
     if export in own:

@@ -188,6 +188,16 @@ def test_an_mtp_model_under_a_tensor_parallel_trainer_is_refused(capsys):
                            "megatron's MTP layer on the local spec"), line
 
 
+def test_an_export_the_format_cannot_hold_is_refused_before_training(capsys, tmp_path):
+    """(found by probing: refused only after the whole run, then the other rank waited out
+    its timeout)"""
+    line = door_error(capsys, "train", TRAIN, "--set", "model.mtp_num_layers=1", "--set",
+                      f"rl.export_dir={tmp_path / 'x'}")
+    assert line.startswith(f"error: {TRAIN}: rl.export_dir: the model cannot be written as a "
+                           "MixtralForCausalLM checkpoint: mtp.layers.0.enorm.weight: the "
+                           "MixtralForCausalLM format stores no MTP layers"), line
+
+
 def test_top1_without_pre_softmax(capsys):
     line = door_error(capsys, "demo", DEMO, "--set", "model.moe_router_topk=1")
     assert line.startswith(f"error: {DEMO}: model.router_norm_topk: true with moe_router_topk 1 "

@@ -237,19 +237,13 @@ def export_checkpoint(model: torch.nn.Module, cfg: ModelConfig, directory: str |
                 yield from ((n, t.cpu().clone()) for n, t in src.split(keep))
                 yield from ((n, keep.cpu().clone()) for n in duplicates.get(name, ()))
 
+    # config.json on every rank before any gather: a model section the family cannot express
+    # raises everywhere alike (raised on the writer alone, it left the others in a gather)
+    config = _export_config(cfg, family, dtype_name)
     if not writer:
         for _ in tensors():
             pass
         return []
-    if cfg.checkpoint is not None:
-        config = read_hf_config(cfg.checkpoint)
-        config["dtype"] = dtype_name
-        config.pop("torch_dtype", None)
-        if family in MTP_FAMILIES:
-            config.pop("num_mtp_layers", None)  # transformers 5's alias
-            config["num_nextn_predict_layers"] = cfg.mtp_num_layers
-    else:
-        config = hf_config_dict(cfg, family, dtype_name)
     extra = _tokenizer_files(cfg.checkpoint)
     return write_checkpoint(directory, tensors(), config, max_shard_bytes=max_shard_bytes,
                             extra_files=extra)
@@ -274,6 +268,35 @@ def _expert_tensor(name: str, shape: tuple, params: dict, ep_group, ep_layout: L
         buf = torch.empty(shape, dtype=dtype, device=device)
     dist.broadcast(buf, src=dist.get_global_rank(ep_group, owner), group=ep_group)
     return buf
+
+
+def _export_config(cfg: ModelConfig, family: str, dtype_name: str) -> dict:
+    """The exported checkpoint's config.json: the source checkpoint's with the new dtype (and
+    MTP count), else generated for ``family`` (ValueError where it cannot express ``cfg``)."""
+    if cfg.checkpoint is None:
+        return hf_config_dict(cfg, family, dtype_name)
+    config = read_hf_config(cfg.checkpoint)
+    config["dtype"] = dtype_name
+    config.pop("torch_dtype", None)
+    if family in MTP_FAMILIES:
+        config.pop("num_mtp_layers", None)  # transformers 5's alias
+        config["num_nextn_predict_layers"] = cfg.mtp_num_layers
+    return config
+
+
+def export_problem(cfg: ModelConfig) -> str | None:
+    """Why ``cfg`` cannot be exported as a Hugging Face checkpoint (the family its source
+    checkpoint has, else the one that holds it most directly), or None: what the door asks
+    of rl.export_dir before the run trains (found by probing: refused only after training)."""
+    family = None
+    try:
+        family = _source_family(cfg)
+        hf_sources(cfg, family)
+        _export_config(cfg, family, "bfloat16")
+    except (ValueError, KeyError) as e:  # (CheckpointError is a ValueError)
+        what = f"a {family} checkpoint" if family else "a Hugging Face checkpoint"
+        return f"the model cannot be written as {what}: {' '.join(str(e).split())}"
+    return None
 
 
 def _source_family(cfg: ModelConfig) -> str:

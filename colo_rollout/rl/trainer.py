@@ -250,7 +250,7 @@ class Trainer:
             elif self.dp_rank == 0:
                 files = export_checkpoint(self.module, self.cfg.model, directory,
                                           tp_group=self.pgc.tp)
-        except OSError as e:
+        except Exception as e:  # (any failure: the other ranks wait in the flag's all-reduce)
             failed = e
         # every rank learns whether a writer failed (a barrier alone left the others waiting
         # on the failed rank forever)
