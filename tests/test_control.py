@@ -86,3 +86,15 @@ def test_an_exchange_a_peer_never_joins_names_the_call(monkeypatch):
         control.gather_call("generate()", [None, False, None], group=None)
     assert str(e.value).startswith("generate(): not every rank took part within the timeout "
                                    "(is every rank in the same collective call?): [gloo")
+
+
+def test_a_peer_in_an_untagged_exchange_is_named_too(monkeypatch):
+    """gather_call beside another call's untagged all-gather (weights_loaded's verdict, say):
+    a RuntimeError naming both, never an unpacking error."""
+    from colo_rollout.runtime import control
+
+    monkeypatch.setattr(control, "all_gather_json",
+                        lambda obj, group=None, what="": [obj, None])
+    with pytest.raises(RuntimeError) as e:
+        control.gather_call("generate()", [None, False, None], group=None)
+    assert "(rank 0 in generate(), rank 1 in another collective call)" in str(e.value)

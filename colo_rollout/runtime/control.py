@@ -209,8 +209,10 @@ def gather_call(what: str, payload, group: dist.ProcessGroup) -> list:
     calls' exchanges paired, and one failed unpacking the other's payload)."""
     every = all_gather_json([what, payload], group, what)
     first: dict[str, int] = {}  # each call seen -> the first rank in it
-    for r, (tag, _) in enumerate(every):
-        first.setdefault(tag, r)
+    for r, item in enumerate(every):
+        # (an untagged exchange of another call: any other shape)
+        tagged = isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)
+        first.setdefault(item[0] if tagged else "another collective call", r)
     if len(first) > 1:
         calls = ", ".join(f"rank {r} in {tag}" for tag, r in first.items())
         raise RuntimeError(f"{what}: the ranks are in different collective calls ({calls}): "
