@@ -173,14 +173,6 @@ def test_a_training_step_that_cannot_fit_names_its_size(capsys):
                            "rl.samples_per_prompt 100000 = 10000000000 trajectories"), line
 
 
-def test_a_kl_term_the_trainer_cannot_compute_is_refused(capsys):
-    """rl.kl_coef: no reference policy is kept (found by probing: a non-zero value trained
-    exactly as 0)."""
-    line = door_error(capsys, "train", TRAIN, "--set", "rl.kl_coef=0.1")
-    assert line.startswith(f"error: {TRAIN}: rl.kl_coef: 0.1: the KL term to a reference "
-                           "policy is not implemented"), line
-
-
 def test_an_mtp_model_under_a_tensor_parallel_trainer_is_refused(capsys):
     line = door_error(capsys, "train", TRAIN, "--set", "model.mtp_num_layers=1", "--set",
                       "rl.trainer_tp=2")

@@ -21,6 +21,24 @@ CFG = "configs/grpo_cpu.yaml"
 # per D iteration when a draft is accepted) that the trainer trains too (megatron's MTP loss),
 # records and replays the routing of both verify rows, and releases memory with the MTP
 # layer's KV; the trainer's logprobs of every emitted token must still be the engine's
+def test_the_kl_term_pulls_toward_the_first_steps_policy(worker_groups, tmp_path):
+    """rl.kl_coef: the reference is the policy of step 0 (its KL there exactly 0), then the
+    k3 estimate grows as the policy moves; a strong pull trains another policy than none
+    (found by probing: the key was read and ignored -- every loss equal)."""
+    runs = {}
+    for kl in (0.0, 5.0):
+        res = worker_groups(2).run("colo_rollout.rl.train:run_train", timeout=600,
+                                   config_path=CFG, overrides={
+                                       "rl.out_dir": str(tmp_path / str(kl)), "rl.steps": 8,
+                                       "rl.kl_coef": kl}, quiet=True)
+        runs[kl] = res[0]["history"]
+    h = runs[5.0]
+    assert "kl_ref" not in runs[0.0][0] and h[0]["kl_ref"] == 0.0
+    assert max(x["kl_ref"] for x in h[1:]) > 0
+    assert [x["loss"] for x in h[1:]] != [x["loss"] for x in runs[0.0][1:]]
+    assert max(x["logprob_gap_max"] for x in h) < 1e-4  # the weights came back exactly
+
+
 def test_a_frozen_mtp_layer_syncs_and_stays_frozen(worker_groups, tmp_path):
     """rl.mtp_loss_scale 0 freezes the trainer's MTP layer (megatron then reads no MTP count
     from its config): the sync still pairs the two models' MTP layers (found by probing: the

@@ -998,9 +998,9 @@ class RLConfig:
     lr: float = 0.01
     # PPO-style ratio clip.
     clip: float = 0.2
-    # Weight of the KL term to the initial (reference) policy. Only 0 (off) is accepted: the
-    # trainer keeps no reference policy yet (rl/grpo.py's loss has the term; found by probing
-    # that a non-zero value was read and ignored).
+    # Weight of the KL term to the initial (reference) policy (k3 estimator per token; the
+    # trainer keeps the first step's weights as the reference: one more copy of its shard);
+    # 0 = off.
     kl_coef: float = 0.0
     # Train/inference mismatch correction (rl/grpo.py: MismatchCorrection): importance weights
     # w = pi_trainer / pi_rollout of the sampled tokens. "none": the rollout's logprobs are
@@ -1104,10 +1104,8 @@ class RLConfig:
         _require(self.is_cap > 1, "rl.is_cap", f"must be > 1 (a weight cap), got {self.is_cap}")
         _require(0 <= self.is_floor < 1, "rl.is_floor",
                  f"must be in [0, 1) (the mask's lower bound), got {self.is_floor}")
-        _require(self.kl_coef == 0, "rl.kl_coef",
-                 f"{self.kl_coef}: the KL term to a reference policy is not implemented (the "
-                 "trainer keeps no reference policy); 0, or rely on the ratio clip and the "
-                 "mismatch correction (rl.is_level)")
+        _require(self.kl_coef >= 0 and math.isfinite(self.kl_coef), "rl.kl_coef",
+                 f"must be a finite number >= 0, got {self.kl_coef}")
         _require(self.temperature > 0, "rl.temperature",
                  f"must be > 0 for exploration, got {self.temperature}")
         _require_choice(self, "task", ("target_token", "reverse"))

@@ -187,6 +187,9 @@ class Trainer:
         # the mismatch correction (None: the rollout's logprobs are PPO's old policy)
         self.correction = (None if rl.is_level == "none" else MismatchCorrection(
             rl.is_level, rl.is_mode, rl.is_cap, rl.is_floor))
+        # rl.kl_coef > 0: the reference policy's weights (this rank's shard), taken at the
+        # first step -- the weights before any update (``_ref_logprobs``)
+        self._ref: list[torch.Tensor] | None = None
         self.value_head = None
         if cfg.rl.algorithm == "ppo":
             # PPO's baseline: a linear value head on the final hidden states (trainer only;
@@ -346,6 +349,23 @@ class Trainer:
         r = self.pgc.tp.rank()
         return slice(r * n, (r + 1) * n)
 
+    def _ref_logprobs(self, batch: list[Trajectory], shape: tuple[int, int]) -> torch.Tensor:
+        """The reference policy's logprobs of the batch (rl.kl_coef), no gradient: its weights
+        -- this rank's parameters as the first step found them, kept apart -- copied into the
+        model for one forward without routing replay (the reference routes as it would), the
+        trained ones copied back exactly. One extra copy of the rank's weights is held."""
+        params = [p.data for p in self.module.parameters()]
+        if self._ref is None:
+            self._ref = [p.clone() for p in params]
+        held = [p.clone() for p in params]
+        with torch.no_grad():
+            torch._foreach_copy_(params, self._ref)
+            try:
+                logp, _ = self.token_logprobs(batch, replay=False, shape=shape)
+            finally:
+                torch._foreach_copy_(params, held)
+        return logp
+
     def own_routing(self, trajs: list[Trajectory],
                     shape: tuple[int, int] | None = None) -> tuple[torch.Tensor, float]:
         """The trainer's forward without replay (no gradient): (its logprobs [B, T-1], the
@@ -462,6 +482,8 @@ class Trainer:
                             "logprob_gap_max_no_replay": float(gap.max()),
                             "logprob_gap_mean_no_replay":
                                 float(gap.sum() / lmask.sum().clamp(min=1))}
+        kl_coef = self.cfg.rl.kl_coef
+        ref = self._ref_logprobs(batch, shape)[:, :T] if kl_coef else None
         if self._megatron_opt:
             self.ddp.zero_grad_buffer()
         self.opt.zero_grad()
@@ -482,8 +504,12 @@ class Trainer:
         else:
             metrics = mismatch_metrics(new, old, m, clip)
         extra = {}
+        if ref is not None:  # KL(policy || reference) by the k3 estimator, as the loss has it
+            d = (ref - new.detach()).double()
+            extra["kl_ref"] = float(((torch.exp(d) - d - 1) * m).sum() / m.sum().clamp(min=1))
         if self.value_head is None:
-            loss = clipped_loss(new, base, adv, m, clip=clip, weights=weights)
+            loss = clipped_loss(new, base, adv, m, clip=clip, weights=weights, kl_coef=kl_coef,
+                                ref_logp=ref)
         else:
             # hidden [S, B, H] (megatron is sequence-first): V(h_j) scores the token at j+1
             h = self._hidden
@@ -499,9 +525,9 @@ class Trainer:
             values = self.value_head(h)[..., 0]
             tok_adv, returns = ppo_advantages(rewards, values.detach(), m)
             v_loss = value_loss(values, returns, m)
-            loss = clipped_loss(new, base, tok_adv, m, clip=clip, weights=weights) \
-                + self.cfg.rl.vf_coef * v_loss
-            extra = {"value_loss": float(v_loss.detach())}
+            loss = clipped_loss(new, base, tok_adv, m, clip=clip, weights=weights,
+                                kl_coef=kl_coef, ref_logp=ref) + self.cfg.rl.vf_coef * v_loss
+            extra["value_loss"] = float(v_loss.detach())
         # every DP rank contributes its share: scale so the all-reduce sum is the mean
         try:
             (loss * len(batch) / max(len(trajs), 1) * self.dp).backward()
