@@ -26,7 +26,7 @@ than through ``GatherComm`` or a dispatcher (model/dispatch.py, ``model.moe_disp
 from __future__ import annotations
 
 import math
-from collections.abc import Generator, Mapping
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -751,10 +751,6 @@ class InferenceGPT(torch.nn.Module):
             if serving is not None and serving():
                 raise RuntimeError("the engine has requests in flight; finish them or "
                                    "engine.pause() first (their tokens would mix two models)")
-            bad = next((k for k in full if not isinstance(k, str)), None) if isinstance(
-                full, Mapping) else None
-            if bad is not None:
-                raise TypeError(f"state dict key {bad!r}: expected a parameter name (str)")
             full = to_spec_names(full, self.use_te)
             writes = sharded_writes(self, full, self.groups.layout, self.groups.rank)
         except (TypeError, ValueError, KeyError, RuntimeError) as e:

@@ -144,14 +144,25 @@ _TE_EXPERT = re.compile(r"^(.*)\.mlp\.experts\.linear_fc([12])\.weight(\d+)$")
 _LOCAL_EXPERT = re.compile(r"^(.*)\.mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight$")
 
 
+def check_names(sd) -> None:
+    """A state dict is a mapping keyed by parameter names: TypeError naming what is not."""
+    if not isinstance(sd, Mapping):
+        raise TypeError(f"a state dict maps names to tensors, got {type(sd).__name__}")
+    bad = next((k for k in sd if not isinstance(k, str)), None)
+    if bad is not None:
+        raise TypeError(f"state dict key {bad!r}: expected a parameter name (str)")
+
+
 def to_spec_names(sd: dict[str, torch.Tensor], te: bool) -> dict[str, torch.Tensor]:
-    """Rename a megatron GPT state dict between the local spec and the TE spec.
+    """Rename a megatron GPT state dict between the local spec and the TE spec (``sd``
+    checked first: ``check_names``).
 
     TE fuses the attention input norm into ``linear_qkv`` (``layer_norm_weight``) and stores
     grouped experts as ``experts.linear_fc{1,2}.weight{e}``; the local spec has
     ``input_layernorm.weight`` and ``experts.local_experts.{e}.linear_fc{1,2}.weight``.
     ``_extra_state`` entries (TE's FP8 metadata) are dropped: they are not weights.
     """
+    check_names(sd)
     out = {}
     # dense layers (an unrouted mlp.linear_fc1): TE fuses their pre-MLP norm into fc1 too
     dense = {k[: -len("mlp.linear_fc1.weight")] for k in sd if k.endswith(".mlp.linear_fc1.weight")}
@@ -197,8 +208,7 @@ def sharded_writes(model: torch.nn.Module, full: dict[str, torch.Tensor], layout
     tensor of a float dtype with data (not on the meta device), a name the model has (an
     expert index below the model's count), the shard's shape, every parameter covered --
     nothing written: ValueError / KeyError naming the first entry that fails."""
-    if not isinstance(full, Mapping):
-        raise TypeError(f"a state dict maps names to tensors, got {type(full).__name__}")
+    check_names(full)
     total = num_experts if num_experts is not None else model.cfg.num_experts
     num_local = total // layout.ep
     params = loadable_tensors(model)
@@ -207,8 +217,6 @@ def sharded_writes(model: torch.nn.Module, full: dict[str, torch.Tensor], layout
     for name, t in full.items():
         if name.endswith("_extra_state"):
             continue
-        if not isinstance(name, str):
-            raise TypeError(f"state dict key {name!r}: expected a parameter name (str)")
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             what = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{name}: expected a floating-point tensor, got {what}")

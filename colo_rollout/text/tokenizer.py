@@ -176,8 +176,9 @@ class Tokenizer:
         self.directory = directory
         self._backend = backend
         self._chat_template = chat_template
-        model = json.loads(backend.to_str()).get("model", {}).get("type")
-        self._clean_up = config.get("clean_up_tokenization_spaces") is True and model != "BPE"
+        # (the model's class names its type: no serialisation of a 150k-entry vocabulary)
+        self._clean_up = (config.get("clean_up_tokenization_spaces") is True
+                          and type(backend.model).__name__ != "BPE")
         self._compiled: Any = None  # the jinja Template, compiled on first use (a bad one must not block encode)
         # Only the special tokens the config names reach the template, as in transformers: an absent one
         # is undefined there (renders as ''), never the string 'None'.

@@ -216,9 +216,9 @@ def _check_params(params: SamplingParams, vocab: int,
         raise GenerateError(f"sampling parameters: {what}{tail}") from None
 
 
-def _yaml_section(config_path: str, name: str) -> dict:
-    """The config file's own section ``name`` ({} where it has none, or where the file cannot
-    be read: ``load_config`` names that problem)."""
+def _yaml_sections(config_path: str) -> dict[str, dict]:
+    """The config file's own sections that are mappings ({} where the file cannot be read:
+    ``load_config`` names that problem)."""
     import yaml
 
     try:
@@ -226,8 +226,8 @@ def _yaml_section(config_path: str, name: str) -> dict:
             data = yaml.safe_load(f)
     except (OSError, UnicodeDecodeError, yaml.YAMLError, ValueError):
         return {}
-    section = data.get(name) if isinstance(data, dict) else None
-    return section if isinstance(section, dict) else {}
+    return ({k: v for k, v in data.items() if isinstance(v, dict)}
+            if isinstance(data, dict) else {})
 
 
 # the engine limits generate sizes to the prompts where neither --config nor --set gives them
@@ -274,12 +274,13 @@ def prepare(model_dir: str, config_path: str | None, overrides: Mapping[str, Any
         # limits the file leaves unset are sized to the prompts, as without --config (found
         # by probing: the engine's defaults outgrew a small model's positions, and the error
         # named a key the file never set)
-        mine = _yaml_section(config_path, "engine")
+        sections = _yaml_sections(config_path)
+        mine = sections.get("engine", {})
         sized = _default_config(model_dir, overrides, lens, params.max_tokens, eos, mt).engine
         fill = {f"engine.{k}": getattr(sized, k) for k in _SIZED
                 if k not in mine and f"engine.{k}" not in overrides}
         cfg = load_config(config_path, {**fill, **overrides, "model.checkpoint": model_dir})
-        given = _yaml_section(config_path, "model").get("checkpoint")  # checked just above
+        given = sections.get("model", {}).get("checkpoint")  # load_config checked the file
         if given is not None and os.path.realpath(str(given)) != os.path.realpath(model_dir):
             raise GenerateError(f"{config_path}: model.checkpoint: {given!r} is not --model "
                                 f"{model_dir!r}; give the checkpoint once")
