@@ -235,6 +235,10 @@ def bad_input_isolated(rank: int, world: int, adp: int, ep: int) -> dict:
            "good": {r.request_id: (outs[r.request_id].finish_reason.value,
                                    len(outs[r.request_id].tokens), r.params.max_tokens)
                     for r in good}}
+    # every rank returns every output, the refused ones too (rank 0 alone did)
+    res["bad_here"] = {r.request_id: (outs[r.request_id].finish_reason.value,
+                                      outs[r.request_id].prompt_len, outs[r.request_id].error)
+                       for r in bad[:-1] if r.request_id in outs}
     if rank == 0:
         res["bad"] = {r.request_id: (outs[r.request_id].finish_reason.value,
                                      outs[r.request_id].error) for r in bad[:-1]}

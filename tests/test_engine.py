@@ -142,6 +142,7 @@ def test_bad_input_is_isolated(worker_groups, world, adp, ep):
         assert reason == "length" and n == want, rid
     assert r0["mismatches"] == [] and r0["max_logprob_diff"] < LOGPROB_TOL
     for r in res:
+        assert r["bad_here"] == res[0]["bad_here"] and len(r["bad_here"]) == 5
         assert "unknown request id" in r["errors"]["cancel_unknown"]
         # generate() handed the finished output back and forgot it: unknown since
         assert "unknown request id" in r["errors"]["cancel_finished"]

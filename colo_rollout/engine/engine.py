@@ -607,6 +607,16 @@ class Engine:
                     if isinstance(rid, str) and rid not in self.scheduler.by_id \
                             and rid not in ids:
                         rejected[rid] = out
+        if self.groups.layout.world_size > 1:
+            # every rank returns every output: rank 0's accepted ids and refusals go to the
+            # others (found by probing: a request refused at submit came back on rank 0 only)
+            mine = None if self.groups.rank else \
+                [ids, {rid: [o.prompt_len, o.error] for rid, o in rejected.items()}]
+            ids, told = gather_call("generate()", mine, self.groups.control)[0]
+            if self.groups.rank:
+                for rid, (n, error) in told.items():
+                    rejected[rid] = out = RequestOutput(rid, n, error=error)
+                    out.finish_reason = FinishReason.REJECTED
 
         def step() -> list[RequestOutput]:
             finished, refused = self._step_past_refusals()
