@@ -157,6 +157,21 @@ def test_checkpoint_check_sees_the_float_release(fp8_ckpt):
         assert st.dtype("model.layers.0.mlp.gate.weight") == torch.float32  # the router: kept
 
 
+def test_the_export_of_an_fp8_release_declares_float_weights(fp8_ckpt):
+    """The export writes float tensors (no scales): its config.json drops the source's
+    quantization_config, else transformers would read the export as an FP8 release."""
+    from colo_rollout.checkpoint.export import export_problem, _export_config
+    from colo_rollout.config import config_from_dict
+
+    fp8, _ = fp8_ckpt
+    cfg = config_from_dict({"model": {"checkpoint": fp8}, "engine": {"max_seq_len": 128}}).model
+    assert export_problem(cfg) is None
+    got = _export_config(cfg, "Qwen3MoeForCausalLM", "bfloat16")
+    assert "quantization_config" not in got and got["dtype"] == "bfloat16"
+    with open(os.path.join(fp8, "config.json")) as f:
+        assert "quantization_config" in json.load(f)  # (the source's, left as it is)
+
+
 def test_an_fp8_release_without_its_quantization_config_is_refused(fp8_ckpt, tmp_path):
     """Malformed releases, checked at the door: scales beside weights, or e4m3 weights alone,
     with no quantization_config to say how to read them (the codes unscaled would load)."""

@@ -278,6 +278,9 @@ def _export_config(cfg: ModelConfig, family: str, dtype_name: str) -> dict:
     config = read_hf_config(cfg.checkpoint)
     config["dtype"] = dtype_name
     config.pop("torch_dtype", None)
+    # the weights are written in dtype_name, never quantised: a source's quantization_config
+    # (a block-FP8 release) would make transformers read them as FP8 (found by probing)
+    config.pop("quantization_config", None)
     if family in MTP_FAMILIES:
         config.pop("num_mtp_layers", None)  # transformers 5's alias
         config["num_nextn_predict_layers"] = cfg.mtp_num_layers
