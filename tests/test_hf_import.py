@@ -328,6 +328,10 @@ EXPECTED = {
     ({"layer_types": None, "sliding_window": 64, "max_window_layers": None,
       "num_hidden_layers": 63}, "sliding_window", "64 from layer max_window_layers 62"),
     ({"attention_bias": True}, "attention_bias", "includes o_proj"),
+    # (found by probing: both were read -- transformers refuses the first and cannot build
+    # the second; the door had assumed one shared expert)
+    ({"layer_types": ["full_attention"] * 2}, "layer_types", "2 entries for num_hidden_layers 3"),
+    ({"n_shared_experts": None}, "n_shared_experts", "missing"),
 ])
 def test_what_dots1_has_and_megatron_has_not_is_named(ckpt, tmp_path, changes, key, fragment):
     d = copy_ckpt(ckpt["dots"], tmp_path / "dots")
@@ -335,6 +339,14 @@ def test_what_dots1_has_and_megatron_has_not_is_named(ckpt, tmp_path, changes, k
     with pytest.raises(ConfigError) as e:
         model_cfg(d)
     assert f"config.json: {key}: " in str(e.value) and fragment in str(e.value), str(e.value)
+
+
+def test_dots1_reads_no_mtp_layers(ckpt, tmp_path):
+    """transformers' Dots1 reads no MTP keys and builds no MTP layer: neither does the door
+    (found by probing: num_nextn_predict_layers was read, then the names had no MTP layer)."""
+    d = copy_ckpt(ckpt["dots"], tmp_path / "dots")
+    edit_config(d, num_nextn_predict_layers=1)
+    assert model_cfg(d).model.mtp_num_layers == 0
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -587,6 +587,8 @@ def _dots1(r: _Reader) -> None:
     n = r.fields["num_layers"]
     types = r.get("layer_types", list, None, null_ok=True)
     if types is not None:
+        r.refuse("layer_types", len(types) != n,
+                 f"{len(types)} entries for num_hidden_layers {n}")
         r.refuse("layer_types", any(t != "full_attention" for t in types),
                  "sliding-window attention is not supported")
     else:
@@ -596,7 +598,11 @@ def _dots1(r: _Reader) -> None:
         r.refuse("sliding_window", window is not None and first is not None and first < n,
                  f"{window} from layer max_window_layers {first}: sliding-window attention is "
                  "not supported")
-    _deepseek_moe(r, scaling=1.0, groups=1, topk_group=1, dense=0, norm_topk=False)
+    # Dots1Config: no default shared-expert count (transformers multiplies None), no MTP
+    # layers (transformers' Dots1 reads no MTP keys and builds none: stored ones are
+    # unexpected tensors here)
+    _deepseek_moe(r, scaling=1.0, groups=1, topk_group=1, dense=0, norm_topk=False,
+                  shared=None, mtp=False)
 
 
 def _rope_interleaved(r: _Reader) -> None:
@@ -663,11 +669,13 @@ def _mla(r: _Reader) -> None:
 
 
 def _deepseek_moe(r: _Reader, *, scaling: float, groups: int, topk_group: int,
-                  dense: int, first_k_dense: bool = True, norm_topk: bool = True) -> None:
+                  dense: int, first_k_dense: bool = True, norm_topk: bool = True,
+                  shared: int | None = 1, mtp: bool = True) -> None:
     """DeepSeek-V3's MoE (GLM-4.5 has it too): sigmoid scores with a score-correction bias,
     group-limited top-k, routed scaling, shared experts, dense first layers
-    (``first_k_dense_replace``, where the family reads it), MTP layers; the arguments are
-    the family config class's defaults for absent keys."""
+    (``first_k_dense_replace``, where the family reads it), MTP layers (where the family has
+    them); the arguments are the family config class's defaults for absent keys (``shared``
+    None: none -- the key is required, transformers builds no model without it)."""
     r.take("num_experts", "n_routed_experts", int)
     moe_ffn = r.take("moe_ffn_hidden_size", "moe_intermediate_size", int)
     r.set("router_norm_topk", r.flag("norm_topk_prob", norm_topk), "norm_topk_prob")
@@ -685,7 +693,9 @@ def _deepseek_moe(r: _Reader, *, scaling: float, groups: int, topk_group: int,
                  f"{topk_group}, which must then be 2")
         r.set("router_num_groups", groups, "n_group")
         r.set("router_group_topk", topk_group, "topk_group")
-    shared = r.count("n_shared_experts", 1)  # Glm4MoeConfig's defaults when absent: 1, 1
+    # (Glm4MoeConfig's defaults when absent: 1 shared expert, 1 dense layer)
+    shared = r.get("n_shared_experts", int) if shared is None else r.count("n_shared_experts",
+                                                                           shared)
     if shared:
         r.set("shared_expert_ffn_hidden_size", shared * moe_ffn, "n_shared_experts")
     if first_k_dense:
@@ -693,7 +703,8 @@ def _deepseek_moe(r: _Reader, *, scaling: float, groups: int, topk_group: int,
         r.set("first_k_dense", dense, "first_k_dense_replace")
         if dense:
             r.take("ffn_hidden_size", "intermediate_size", int)
-    _mtp(r)
+    if mtp:
+        _mtp(r)
 
 
 def _mtp(r: _Reader) -> None:
