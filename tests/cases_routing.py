@@ -65,8 +65,9 @@ def _disagree(maps, batch, routing_of) -> tuple[int, int]:
 
 def routing_round_trip(rank: int, world: int, adp: int, ep: int, mode: str,
                        moe_compute: str = "auto", model_kw: dict | None = None,
-                       mtp: bool = False) -> dict:
+                       mtp: bool = False, engine_kw: dict | None = None) -> dict:
     cfg = tiny_config(world, adp, ep, record_routing=True, mode=mode, mtp=mtp,
+                      **(engine_kw or {}),
                       model_kw={"moe_compute": moe_compute, **(model_kw or {}),
                                 **({"mtp_num_layers": 1} if mtp else {})})
     cfg = dataclasses.replace(cfg, rl=RLConfig(routing_replay=True))

@@ -42,6 +42,19 @@ def test_recorded_routing_is_replayed_by_the_trainer(worker_groups, mode, moe_co
     assert "routing must be an integer numpy array" in r0["errors"][3], r0["errors"][3]
 
 
+@pytest.mark.parametrize("mtp", [False, True])
+def test_attention_tp_records_an_odd_last_buckets_padded_rows(worker_groups, mtp):
+    """EP2/ATP2 with decode buckets [1, 3]: the planner pads a D batch to a multiple of the
+    attention TP (3 -> 4 rows), and the routing record holds those rows (found by probing:
+    its D buffer was sized by the last bucket, 3, and the first full D step raised)."""
+    r0, r1 = worker_groups(2).run("tests.cases_routing:routing_round_trip", timeout=300,
+                                  adp=1, ep=2, mode="normal", mtp=mtp,
+                                  engine_kw={"decode_buckets": [1, 3], "max_batch_size": 3})
+    assert r0["shapes_ok"] and r0["leftover"] == 0 and r0["plain_ok"]
+    assert r0["routing"] == r1["routing"]
+    assert r0["replay_disagree"] == 0 and r0["own_disagree"] == 0
+
+
 @pytest.mark.parametrize("world,adp,ep,mode", [(2, 2, 2, "normal"), (2, 2, 2, "fine"),
                                                (4, 2, 4, "normal"), (4, 2, 4, "fine")])
 def test_alltoall_records_each_replicas_rows_and_rollout_merges_them(worker_groups, world, adp,

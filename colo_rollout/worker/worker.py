@@ -24,6 +24,7 @@ from colo_rollout.config import Config
 from colo_rollout.worker.memory import WorkerMemory
 from colo_rollout.model.model import InferenceGPT
 from colo_rollout.runtime.parallel import ParallelGroups
+from colo_rollout.sched.planner import pick_bucket
 from colo_rollout.worker.runner import ModelRunner
 from colo_rollout.worker.speculate import ROWS_PER_SEQUENCE
 from colo_rollout.model.weights import DTYPES, random_state_dict
@@ -91,11 +92,15 @@ class Worker:
         e = cfg.engine
         if e.record_routing:  # the routers' expert ids of every P token and D row
             adp = groups.layout.adp
+            # a replica's D batch: the largest bucket, padded to a multiple of attention TP as
+            # the planner pads it (found by probing: an odd last bucket at ATP2 overflowed);
+            # engine.mtp: two verify rows per sequence (worker/speculate.py)
+            d_rows = pick_bucket(e.decode_buckets[-1], tuple(e.decode_buckets),
+                                 groups.layout.atp)
             self.model.routing = RoutingRecord(
                 [i for i in range(cfg.model.num_layers) if cfg.model.is_moe_layer(i)],
                 p_rows=e.max_prefill_tokens * adp,
-                # engine.mtp: two verify rows per sequence (worker/speculate.py)
-                d_rows=e.decode_buckets[-1] * adp * (2 if e.mtp else 1),
+                d_rows=d_rows * adp * (ROWS_PER_SEQUENCE if e.mtp else 1),
                 topk=cfg.model.moe_router_topk, device=groups.device)
         # the engine serving on it sets its streams, sampler seed and P settings (renew)
         self.runner = ModelRunner(self.model, e.num_kv_blocks, e.kv_block_size,
