@@ -1051,3 +1051,53 @@ def session_protocol(rank: int, world: int) -> dict:
     engine.check_integrity()
     engine.close()
     return res
+
+
+def sessions_follow_new_weights_and_hand_over(rank: int, world: int, adp: int,
+                                              ep: int) -> dict:
+    """One session's turns across a weight load and a hand-over: the turn after
+    load_full_state_dict re-prefills the context under the new weights (the retained KV was
+    computed under the old ones), and the engine the worker is handed to (Fine mode) goes on
+    with the session. Every turn teacher-forced through megatron over the whole trajectory,
+    under the weights it was served with (rank 0)."""
+    import dataclasses
+
+    cfg, groups, sd, engine = _engine(world, adp, ep)
+    sd2 = random_state_dict(cfg.model, seed=99)
+    rng = random.Random(5)
+    plan = [tuple(rng.randrange(1, 250) for _ in range(n)) for n in (14, 3, 5, 4)]
+
+    def turn(eng, t: int):
+        rid = f"S-t{t}"
+        return eng.generate([Request(rid, plan[t], SamplingParams(max_tokens=4, ignore_eos=True),
+                                     session="S")])[rid]
+
+    outs = [turn(engine, 0)]
+    engine.model.load_full_state_dict(sd2)
+    outs.append(turn(engine, 1))
+    nxt = Engine(dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, mode="fine")),
+                 groups, worker=engine.worker)
+    outs += [turn(nxt, 2), turn(nxt, 3)]
+    retained = len(nxt.scheduler.idle_sessions())
+    if rank == 0:
+        nxt.close_session("S")
+    nxt.step()
+    for kv in nxt.scheduler.kv:
+        kv.assert_empty()
+    res = {"tokens": [o.tokens for o in outs], "retained": retained}
+    pgc = singleton_pg_collection()
+    if rank == 0:
+        refs = [build_reference(cfg.model, w, pgc, torch.device("cpu")) for w in (sd, sd2)]
+        worst, mism, context = 0.0, [], []
+        for t, out in enumerate(outs):
+            full = context + list(plan[t]) + out.tokens
+            lp = reference_logprobs(refs[min(t, 1)], full[:-1])
+            base = len(context) + len(plan[t]) - 1
+            for j, (tok, l) in enumerate(zip(out.tokens, out.logprobs)):
+                row = lp[base + j]
+                worst = max(worst, abs(float(row[tok]) - l))
+                if float(row[tok]) < float(row.max()) - LOGPROB_TOL:
+                    mism.append((t, j))
+            context = full
+        res.update(max_logprob_diff=worst, mismatches=mism)
+    return res

@@ -23,3 +23,19 @@ def test_multi_turn_matches_reference(worker_groups, mode, blocks):
     else:  # 24 blocks of 4 tokens per replica: contexts must be evicted and re-prefilled
         assert r0["evictions"] > 0
     assert all(r["tokens"] == r0["tokens"] for r in res)
+
+
+@pytest.mark.parametrize("world,adp,ep", [(1, 1, 1), (2, 2, 2)])
+def test_a_session_follows_new_weights_and_a_hand_over(worker_groups, world, adp, ep):
+    """A turn after a weight load is served under the new weights over its whole context (the
+    retained KV was the old weights'); the engine a worker is handed to goes on with the
+    session (found by probing: the first mixed two models, the second started a new
+    conversation without a word)."""
+    from tests.cases_engine import LOGPROB_TOL
+
+    res = worker_groups(world).run(f"{C}:sessions_follow_new_weights_and_hand_over", adp=adp,
+                                   ep=ep)
+    r0 = res[0]
+    assert r0["mismatches"] == [] and r0["max_logprob_diff"] < LOGPROB_TOL
+    assert r0["retained"] == 1 and all(len(t) == 4 for t in r0["tokens"])
+    assert all(r["tokens"] == r0["tokens"] for r in res)

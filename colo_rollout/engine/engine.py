@@ -150,12 +150,19 @@ class Engine:
             worker.check_fits(cfg)
             if worker.engine is not None and not worker.engine._handed_over:
                 worker.engine.hand_over()
+        before = worker.engine  # (None: a new worker)
         worker.engine = self
         self.worker = worker
         self.model = worker.model
         self.load_stats = worker.load_stats  # checkpoint load time and bytes
         lay = groups.layout
         self.scheduler = Scheduler(cfg.engine, lay.adp, lay.atp, cfg.model.vocab_size)
+        if before is not None:
+            # the sessions go on here, their contexts re-prefilled into this engine's KV
+            # (found by probing: a turn after hand_over() was served as a new conversation)
+            self.scheduler.adopt_sessions(*before.scheduler.idle_session_state())
+        # the model's count of weight writes when the cached contexts were last valid
+        self._weights_seen = getattr(self.model, "weight_epoch", 0)
         self.paused = False  # pause() .. resume(): submits refused (a weight update)
         m = cfg.model
         self.routes = (RoutingStore(sum(1 for i in range(m.num_layers) if m.is_moe_layer(i)),
@@ -375,6 +382,13 @@ class Engine:
         if not self.busy():
             # a step from idle: the only point where parameters may have been replaced
             self.runner.check_weights()
+            epoch = getattr(self.model, "weight_epoch", 0)
+            if epoch != self._weights_seen:
+                # the retained contexts' KV was computed under the old weights: their next
+                # turns re-prefill under the new ones (found by probing: a turn after
+                # load_full_state_dict was served on the old weights' KV, two models mixed)
+                self.scheduler.evict_retained()
+                self._weights_seen = epoch
         rec = self.recorder
         rec.begin_step()
         self._outbox.step = self.scheduler.step_no

@@ -19,7 +19,7 @@ Pure Python: no torch, no torch.distributed.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -358,6 +358,21 @@ class Scheduler:
         sess.cached = 0
         self.evictions += 1
         return True
+
+    def idle_session_state(self) -> tuple[dict[str, list[int]], dict[str, str]]:
+        """Every session's context and the ends a cancel left (``ended``), for the engine a
+        worker is handed to (``adopt_sessions``). Idle scheduler only: no turn in flight."""
+        busy = [sid for sid, s in self.sessions.items() if s.busy]
+        if busy:
+            raise RuntimeError(f"sessions {busy[:3]} have a turn in flight")
+        return {sid: list(s.context) for sid, s in self.sessions.items()}, dict(self.ended)
+
+    def adopt_sessions(self, contexts: Mapping[str, list[int]], ended: Mapping[str, str]) -> None:
+        """Take another scheduler's sessions (``idle_session_state``), uncached: each one's
+        next turn prefills its whole context into this scheduler's KV."""
+        for sid, context in contexts.items():
+            self.sessions[sid] = _Session(context=list(context), busy=False)
+        self.ended.update(ended)
 
     def evict_retained(self) -> int:
         """Drop every idle retained context (their next turn re-prefills); returns how many.
