@@ -60,7 +60,7 @@ from colo_rollout.model.weights import mark_duplicated
 
 
 # engine.prefill_attention "auto" for MLA: the dense backends in the order tried
-AUTO_ORDER = ("cudnn", "flash")
+AUTO_ORDER = ("flash", "cudnn")
 
 
 def resolve_prefill(requested: str, device: torch.device | str, dtype: torch.dtype | None,
@@ -70,10 +70,10 @@ def resolve_prefill(requested: str, device: torch.device | str, dtype: torch.dty
     ``dense_prefill.MIN_TOKENS`` through that dense kernel (model/dense_prefill.py), which
     needs the kernel to take query/key heads of ``qk_dim`` with value heads of ``v_dim``;
     flash also sends the other sequences to one FlashAttention-4 variable-length call.
-    "auto": cudnn where it can run, else flash, else torch -- cudnn first while flash's
-    variable-length call has not yet been checked on a GPU (the dense calls of both were,
-    level in speed: docs/benchmarks.md session 30). "triton" is refused: MLA has no Triton
-    P kernel."""
+    "auto": flash where it imports, else cudnn, else torch -- flash's dense calls were
+    1.006-1.024x cuDNN's (docs/benchmarks.md session 30) and its variable-length call for
+    the other sequences passed its GPU checks (session 32), where cudnn leaves them to the
+    buckets' masked SDPA. "triton" is refused: MLA has no Triton P kernel."""
     from colo_rollout.config.attention_support import choose_dense_kernel, dense_kernel_problem
 
     if requested == "triton":
