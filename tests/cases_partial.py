@@ -42,10 +42,11 @@ def partial_round_trip(rank: int, world: int, adp: int, ep: int, mode: str) -> d
               for t in joined)
     masks_ok = all(t.loss_mask == ref[(t.group, t.sample)].loss_mask for t in joined)
     errors = {}
+    # a trajectory resumed under version 1 (as the second call returned it), carried again
+    # and resumed under version 0
+    resumed = [t for t in second if (t.group, t.sample) == (paused[0].group, paused[0].sample)]
     try:
-        rollout(engine, [], params=params, carry=Carry([paused[0]] if paused else [],
-                                                        {paused[0].group: PROMPTS[0]}
-                                                        if paused else {}),
+        rollout(engine, [], params=params, carry=Carry(resumed, {paused[0].group: PROMPTS[0]}),
                 weight_version=0)
     except ValueError as e:
         errors["stale"] = str(e)
@@ -310,4 +311,82 @@ def api_misuse(rank: int, world: int) -> dict:
             closed[name] = str(e)
     res["closed"] = closed
     engine.close()  # twice: a no-op
+    return res
+
+
+class _Boom(_Turns):
+    """_Turns whose step raises KeyboardInterrupt once ``armed`` (an interrupted resume)."""
+
+    armed = False
+
+    def step(self, generated):
+        if _Boom.armed:
+            raise KeyboardInterrupt
+        return super().step(generated)
+
+
+def carry_after_an_interrupt(rank: int, world: int) -> dict:
+    """A resume that raises leaves the carry as it was (single turn: the next call resumes
+    and scores every carried trajectory in full); one that had stepped a carried
+    environment marks those groups spoiled (refused, naming them); a carried episode whose
+    next turn is past the resuming call's max_turns ends truncated without running it; a
+    trajectory paused between turns keeps the routing of the positions it forwarded only."""
+    cfg = tiny_config(world, world, world, record_routing=True, mtp=True,
+                      model_kw={"mtp_num_layers": 1})
+    groups = init_parallel(cfg.parallel)
+    engine = Engine(cfg, groups, random_state_dict(cfg.model))
+    p = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    res: dict = {}
+    carry = Carry()
+    rollout(engine, PROMPTS[:3], params=p, max_total_tokens=CAP, finish_groups=1, carry=carry,
+            tag="a")
+    before = [(t.group, t.status, list(t.tokens), list(t.segments)) for t in carry.trajectories]
+
+    def boom(prompt, completion):
+        raise KeyboardInterrupt
+
+    try:
+        rollout(engine, [], params=p, carry=carry, weight_version=1, reward_fn=boom, tag="b")
+    except KeyboardInterrupt:
+        res["interrupted"] = True
+    res["carry_unchanged"] = before == [(t.group, t.status, list(t.tokens), list(t.segments))
+                                        for t in carry.trajectories]
+    res["paused_before"] = sum(1 for b in before if b[1] == "paused")
+    again = rollout(engine, [], params=p, carry=carry, weight_version=1, tag="c",
+                    max_total_tokens=CAP, reward_fn=lambda pr, c: float(len(c)))
+    res["again"] = sorted((t.group, t.status, len(t.tokens) - len(PROMPTS[t.group]), t.reward,
+                           t.routing.shape[0] == len(t.tokens) - 1) for t in again)
+    # multi-turn: episodes paused between turns, resumed with max_turns 1
+    carry = Carry()
+    rollout(engine, envs=[_Turns(s) for s in range(3)], params=SamplingParams(
+        temperature=0.0, max_tokens=4, ignore_eos=True), max_turns=6, finish_groups=1,
+        carry=carry, tag="m")
+    between = [t for t in carry.trajectories if t.status == "paused"
+               and t.turn_start == len(t.tokens)]
+    # forwarded: everything but the last observation (2 tokens) and the last output
+    res["between_routing"] = [t.routing.shape[0] == len(t.tokens) - 3 for t in between]
+    out = rollout(engine, envs=[], params=SamplingParams(temperature=0.0, max_tokens=4,
+                                                         ignore_eos=True),
+                  max_turns=1, carry=carry, weight_version=1, tag="n")
+    res["max_turns_1"] = sorted((t.status, t.turns) for t in out)
+    # an environment's step interrupted while resuming: its group is spoiled
+    carry = Carry()
+    envs = [_Boom(s) for s in range(3)]
+    rollout(engine, envs=envs, params=SamplingParams(temperature=0.0, max_tokens=4,
+                                                     ignore_eos=True),
+            max_turns=6, finish_groups=1, carry=carry, tag="s")
+    _Boom.armed = True
+    try:
+        rollout(engine, envs=[], params=SamplingParams(temperature=0.0, max_tokens=4,
+                                                       ignore_eos=True),
+                max_turns=6, carry=carry, weight_version=1, tag="t")
+    except KeyboardInterrupt:
+        pass
+    _Boom.armed = False
+    res["spoiled"] = list(carry.spoiled)
+    try:
+        rollout(engine, envs=[], params=p, carry=carry, weight_version=1, tag="u")
+    except ValueError as e:
+        res["spoiled_error"] = str(e)
+    engine.close()
     return res

@@ -104,3 +104,27 @@ def test_api_misuse_is_refused_or_served(worker_groups):
     assert r0["after_crossed"] == ["completed"]
     assert set(r0["closed"]) == {"submit", "step"}
     assert all("this engine is closed" in m for m in r0["closed"].values())
+
+
+def test_a_carry_survives_an_interrupted_resume_and_the_resuming_calls_limits(worker_groups):
+    """(found by probing) A resume that raises leaves the carry resumable: the next call
+    resumes and scores every carried trajectory in full (it had returned them cut short,
+    unscored); a carried environment stepped before the error marks its group spoiled,
+    refused by name; max_turns holds for a resumed episode; a trajectory paused between
+    turns under MTP keeps only the routing of positions it forwarded (MTP's draft row of its
+    last output went along)."""
+    from tests.cases_partial import PROMPTS
+
+    (r0,) = worker_groups(1).run("tests.cases_partial:carry_after_an_interrupt", timeout=300)
+    assert r0["interrupted"] and r0["carry_unchanged"] and r0["paused_before"] >= 1
+    # every carried group resumed to its whole budget (min(8, cap - prompt)) and scored
+    for g, status, new, reward, routing_ok in r0["again"]:
+        want = min(16, 24 - len(PROMPTS[g]))
+        # (a completion that fills the 24-token cap ends "truncated", as uninterrupted)
+        assert status == ("truncated" if len(PROMPTS[g]) + want >= 24 else "completed"), g
+        assert (new, reward, routing_ok) == (want, float(want), True), g
+    assert r0["between_routing"] and all(r0["between_routing"])
+    assert all(turns <= 1 for _, turns in r0["max_turns_1"]) and \
+        ("truncated", 1) in r0["max_turns_1"]
+    assert r0["spoiled"] and "were being resumed by a rollout() call that raised" in \
+        r0["spoiled_error"]

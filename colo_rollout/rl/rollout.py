@@ -32,6 +32,7 @@ episode goes on from there. The next call passes ``envs=[]`` for no new environm
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import numbers
@@ -100,6 +101,9 @@ class Carry:
     # the engine's weight writes (InferenceGPT.weight_epoch) when the carry was filled: a
     # resume after a sync must come with a newer weight_version
     weight_epoch: int | None = None
+    # groups whose environment a rollout() call that then raised had stepped: their carried
+    # trajectories no longer match their environments' state (refused until removed)
+    spoiled: list[int] = field(default_factory=list)
 
 
 def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
@@ -129,7 +133,11 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
     if finish_groups is not None and (carry is None or finish_groups < 1):
         raise ValueError("finish_groups needs a Carry to hold the unfinished groups and must "
                          f"be >= 1, got {finish_groups}")
-    carried = list(carry.trajectories) if carry is not None else []
+    # resumed on copies: the carry keeps its trajectories as they were until this call
+    # returns, so a call that raises leaves it resumable (found by probing: an interrupted
+    # resume had marked them completed, and the next call returned them cut short, unscored)
+    carried = copy.deepcopy(carry.trajectories) if carry is not None else []
+    stepped: set[int] = set()  # carried groups whose environment this call stepped
     synced = (carry is not None and carry.weight_epoch is not None
               and getattr(engine.model, "weight_epoch", 0) != carry.weight_epoch)
     for t in carried:
@@ -154,6 +162,10 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
     inflight: dict[str, str] = {}  # session -> its request in flight
     submitted: list[str] = []  # request ids the engine took: forgotten at the end
     pausing = False
+    # session -> the positions forwarded where fewer than all but the last token: a
+    # trajectory paused between turns (its observation not yet prefilled; under MTP the last
+    # output's row would be its rejected draft's -- found by probing)
+    inputs: dict[str, int] = {}
 
     def submit(sid: str, tokens: list[int], turn: int) -> None:
         """``tokens`` were already appended to the trajectory."""
@@ -194,6 +206,8 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
         """A multi-turn trajectory's turn has all its output (a resumed turn: from before the
         pause too): the environment's step, then the next turn submitted or the trajectory
         ended. Returns True where it was paused between turns (the caller skips the rest)."""
+        if sid in resumed:
+            stepped.add(t.group)
         try:
             obs, reward, done = env_of[sid].step(list(t.tokens[t.turn_start:]))
             obs = list(token_ids(sid, obs))
@@ -216,6 +230,7 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
             t._append(obs, None)
             if pausing:  # between turns: resumed from this observation on
                 t.status, t.turn_start = "paused", len(t.tokens)
+                inputs[sid] = len(t.tokens) - len(obs) - 1  # (the observation not forwarded)
                 _end(engine, live, sid, leader)
                 return True
             # a session the engine holds continues with the observation; a resumed trajectory
@@ -225,14 +240,20 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
                 _end(engine, live, sid, leader)
         return False
 
+    resumed: set[str] = set()
     for i, t in enumerate(carried):  # resumed first: the oldest work
         sid = f"{tag}-{weight_version}-c{i}"
         trajs[sid] = t
+        resumed.add(sid)
         multi = t.group in carry.envs
         if multi:
             env_of[sid] = carry.envs[t.group]
         else:
             prompt_of[sid] = carry.prompts[t.group]
+        if t.status == "paused" and multi and t.turns >= max_turns:
+            # its next turn is past this call's max_turns (found by probing: it ran one more)
+            t.status = "truncated"
+            continue
         if t.status == "paused":  # all its tokens as one prompt: KV under these weights
             # the rest of the interrupted turn's budget (single turn: the whole completion)
             start = t.turn_start if multi else len(prompt_of[sid])
@@ -346,6 +367,8 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
                     continue
                 pausing = pausing or pause_the_rest()
     except BaseException as e:
+        if carry is not None and stepped:
+            carry.spoiled = sorted(stepped)
         # an error out of the loop (an interrupt in a reward function, a step that raised on
         # every rank): nothing of this call stays in the engine -- the leader cancels what is
         # in flight, the engine drains, the sessions close and the outputs are forgotten, so
@@ -362,7 +385,8 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
     while engine.busy():
         engine.step()
     # the same routing on every rank (a dispatch backend's is merged over the ranks here)
-    got_all = engine.take_routings(list(trajs), [len(t.tokens) - 1 for t in trajs.values()])
+    got_all = engine.take_routings(list(trajs), [inputs.get(sid, len(t.tokens) - 1)
+                                                 for sid, t in trajs.items()])
     for (sid, t), got in zip(trajs.items(), got_all):
         if got is not None or t.routing is None:
             t.routing = got  # a resumed trajectory's whole context was recomputed: the latest
@@ -452,6 +476,12 @@ def _check_rollout_args(params, n, max_turns, max_total_tokens, finish_groups, c
         if bad is not None:
             raise ValueError(f"rollout(): carry.trajectories holds a "
                              f"{type(bad).__name__}, not a Trajectory")
+        if carry.spoiled:
+            raise ValueError(f"rollout(): the carry's groups {carry.spoiled} were being resumed "
+                             "by a rollout() call that raised after stepping their "
+                             "environments: their trajectories no longer match those "
+                             "environments -- remove them from carry.trajectories, "
+                             "carry.envs and carry.spoiled, or start a new Carry")
         lost = sorted({t.group for t in carry.trajectories}
                       - set(carry.prompts) - set(carry.envs))
         if lost:
