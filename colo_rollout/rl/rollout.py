@@ -32,7 +32,7 @@ episode goes on from there. The next call passes ``envs=[]`` for no new environm
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import json
 import math
 import numbers
@@ -86,6 +86,13 @@ class Trajectory:
         self.loss_mask += [1 if logprobs is not None else 0] * len(tokens)
 
 
+def _copy(t: Trajectory) -> Trajectory:
+    """``t`` with its own lists (what a resume appends to); the routing array is shared: it
+    is only ever replaced, never written (a deep copy would double a large carry's memory)."""
+    return dataclasses.replace(t, tokens=list(t.tokens), logprobs=list(t.logprobs),
+                               loss_mask=list(t.loss_mask), segments=list(t.segments))
+
+
 RewardFn = Callable[[list[int], list[int]], float]  # (prompt tokens, completion) -> reward
 
 
@@ -136,7 +143,7 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
     # resumed on copies: the carry keeps its trajectories as they were until this call
     # returns, so a call that raises leaves it resumable (found by probing: an interrupted
     # resume had marked them completed, and the next call returned them cut short, unscored)
-    carried = copy.deepcopy(carry.trajectories) if carry is not None else []
+    carried = [_copy(t) for t in carry.trajectories] if carry is not None else []
     stepped: set[int] = set()  # carried groups whose environment this call stepped
     synced = (carry is not None and carry.weight_epoch is not None
               and getattr(engine.model, "weight_epoch", 0) != carry.weight_epoch)
