@@ -23,21 +23,24 @@ def layout_membership(rank: int, world: int, adp: int, ep: int) -> dict:
     return out
 
 
-def default_group_is_bounded(rank: int, world: int) -> dict:
+def default_group_is_bounded(rank: int, world: int, group: str = "default") -> dict:
     """A collective on the default group that a peer never joins (rank 0 alone) raises
-    within parallel.timeout_s: the spawner's default group takes the config's timeout."""
+    within parallel.timeout_s: the spawner's default group takes the config's timeout; and
+    megatron's groups (attention TP, EP: ``group``) too, at EP2/ATP2."""
     import time
 
     import torch
     import torch.distributed as dist
 
-    init_parallel(ParallelConfig(world_size=world, adp=world, ep=world, backend="gloo",
-                                 timeout_s=3.0))
+    adp = world if group == "default" else 1
+    groups = init_parallel(ParallelConfig(world_size=world, adp=adp, ep=world, backend="gloo",
+                                          timeout_s=3.0))
     start = time.monotonic()
     error = None
     if rank == 0:
         try:
-            dist.all_reduce(torch.ones(1))
+            dist.all_reduce(torch.ones(1), group=None if group == "default"
+                            else getattr(groups, group))
         except Exception as e:  # noqa: BLE001 - gloo's timeout error
             error = type(e).__name__
     seconds = time.monotonic() - start

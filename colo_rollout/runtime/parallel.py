@@ -215,7 +215,9 @@ def init_parallel(cfg: ParallelConfig) -> ParallelGroups:
         tensor_model_parallel_size=layout.atp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
-        distributed_timeout_minutes=max(1, int(cfg.timeout_s // 60)),
+        # (megatron makes timedelta(minutes=...) of it: parallel.timeout_s exactly, as every
+        # other group -- whole minutes let a stalled attention-TP peer wait 60 s: probing)
+        distributed_timeout_minutes=cfg.timeout_s / 60,
         # on gloo every group is already a gloo group: megatron's gloo copies would be twins
         create_gloo_process_groups=backend != "gloo",
     )
