@@ -301,6 +301,18 @@ def api_misuse(rank: int, world: int) -> dict:
     except RuntimeError as e:
         res["crossed_calls"] = str(e).split(": ", 1)[1]
     res["after_crossed"] = [t.status for t in rollout(engine, PROMPTS[:1], params=params)]
+    # a weight load on one rank, weights_loaded() on the other: both refused, the weights
+    # unchanged on both (they had agreed, and rank 0 loaded alone)
+    before = [p.detach().clone() for p in engine.model.parameters()]
+    try:
+        if rank == 0:
+            engine.model.load_full_state_dict(random_state_dict(cfg.model, seed=4))
+        else:
+            engine.weights_loaded()
+    except RuntimeError as e:
+        res["crossed_weights"] = str(e)
+    res["unchanged_after_crossed"] = all(torch.equal(a, b) for a, b in
+                                         zip(before, engine.model.parameters()))
     engine.close()
     closed = {}
     for name, call in (("submit", lambda: engine.submit(Request("late", (1, 2), params))),

@@ -54,8 +54,9 @@ def test_multi_turn_partial_rollout_resumes_mid_episode(worker_groups):
 
 def test_api_misuse_is_refused_or_served(worker_groups):
     r0, r1 = worker_groups(2).run("tests.cases_partial:api_misuse", timeout=300)
-    assert {k: v for k, v in r0.items() if k != "loads"} == {
-        k: v for k, v in r1.items() if k != "loads"}
+    own = ("loads", "crossed_weights")  # (each rank's message names its own call first)
+    assert {k: v for k, v in r0.items() if k not in own} == {
+        k: v for k, v in r1.items() if k not in own}
     # a second rollout under the same tag and version: served (its ids were free again)
     assert r0["again_same"] and r0["again_status"] == ["completed"]
     assert r0["remembered_after_rollouts"] == 0  # the engine forgets what it handed back
@@ -102,6 +103,10 @@ def test_api_misuse_is_refused_or_served(worker_groups):
                                    "generate(), rank 1 in rollout()): every rank calls the "
                                    "same collective operations in the same order")
     assert r0["after_crossed"] == ["completed"]
+    for r in (r0, r1):  # (found by fault injection: both calls agreed)
+        assert "(rank 0 in load_full_state_dict, rank 1 in weights_loaded())" in \
+            r["crossed_weights"], r["crossed_weights"]
+        assert r["unchanged_after_crossed"]
     assert set(r0["closed"]) == {"submit", "step"}
     assert all("this engine is closed" in m for m in r0["closed"].values())
 

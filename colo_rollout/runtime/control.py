@@ -197,8 +197,10 @@ def first_problem(problem, group: dist.ProcessGroup, world: int,
     """Every rank's verdict before a collective step (None: fine here), agreed: (rank, its
     problem) of the lowest rank that has one, or None -- the same on every rank (one
     all-gather, none on one rank), so a refusal raises everywhere instead of leaving the
-    other ranks waiting in the step's collectives."""
-    every = [problem] if world == 1 else all_gather_json(problem, group, what)
+    other ranks waiting in the step's collectives. Tagged by ``what`` (``gather_call``): a
+    rank in another call is a RuntimeError on every rank (found by fault injection: a load
+    on one rank and weights_loaded() on the other both agreed, leaving different weights)."""
+    every = [problem] if world == 1 else gather_call(what, problem, group)
     return next(((r, p) for r, p in enumerate(every) if p is not None), None)
 
 
