@@ -993,6 +993,22 @@ def config_divergence(rank: int, world: int) -> dict:
     return {"error": None}
 
 
+def engine_build_beside_generate(rank: int, world: int) -> dict:
+    """Rank 0 builds an engine on the worker (a hand-over) while rank 1 is in generate():
+    both raise, naming the two calls (found by fault injection: a TypeError on rank 0), and
+    the engine serves on afterwards on both."""
+    cfg, groups, sd, engine = _engine(world, world, world)
+    try:
+        if rank == 0:
+            Engine(cfg, groups, worker=engine.worker)
+        else:
+            engine.generate([])
+    except RuntimeError as e:
+        error = str(e)
+    outs = engine.generate([Request("after", (1, 2, 3), SamplingParams(max_tokens=2))])
+    return {"error": error, "after": outs["after"].finish_reason.value}
+
+
 def session_protocol(rank: int, world: int) -> dict:
     """Multi-turn sessions where the protocol used to fail (1 rank, greedy): two sessions
     whose next turns each wait for blocks the other's retained context held (the engine

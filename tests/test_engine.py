@@ -265,6 +265,13 @@ def test_architecture_on_the_grouped_expert_path_and_in_fine_mode(worker_groups,
     assert r0["max_logprob_diff"] < LOGPROB_TOL
 
 
+def test_an_engine_built_beside_another_call_refuses_on_every_rank(worker_groups):
+    res = worker_groups(2).run(f"{CASES}:engine_build_beside_generate")
+    for r in res:
+        assert "(rank 0 in Engine(), rank 1 in generate())" in r["error"], r
+        assert r["after"] == "length"
+
+
 def test_ranks_built_from_different_configs_refuse_on_every_rank(worker_groups):
     res = worker_groups(2).run(f"{CASES}:config_divergence")
     for r in res:
