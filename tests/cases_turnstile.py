@@ -37,7 +37,12 @@ def stalled_peer(rank: int, world: int, timeout_s: float, kind: str) -> dict:
     rdv.pre_d(1, 0)  # everyone healthy once
     if rank == world - 1:
         time.sleep(3 * timeout_s)
-        return {"raised": None, "stalled": True}
+        try:  # late: the others gave up on this rendezvous (shared memory: it says so)
+            rdv.post_d(1, 0)
+            late = None
+        except RendezvousError as e:
+            late = str(e)
+        return {"raised": None, "stalled": True, "late": late}
     t0 = time.perf_counter()
     try:
         rdv.post_d(1, 0)
@@ -91,7 +96,12 @@ def control_stalled_peer(rank: int, world: int, timeout_s: float) -> dict:
     cp.exchange(Message(rank=rank, step=0))
     if rank == world - 1:
         time.sleep(3 * timeout_s)
-        return {"raised": None, "stalled": True}
+        try:  # late: the others gave up on this exchange -- never taken as complete
+            cp.exchange(Message(rank=rank, step=1))
+            late = None
+        except ControlError as e:
+            late = str(e)
+        return {"raised": None, "stalled": True, "late": late}
     t0 = time.perf_counter()
     try:
         cp.exchange(Message(rank=rank, step=1))

@@ -48,6 +48,8 @@ def test_stalled_peer_raises_within_timeout(worker_groups, kind):
         if kind == "shm":
             assert "ranks [3] never arrived" in msg  # the shared-memory path names the peer
         assert res[rank]["seconds"] < timeout_s + 3
+    if kind == "shm":  # the late rank finds the rendezvous abandoned (fault injection)
+        assert "gave up on a PostD rendezvous" in res[3]["late"], res[3]["late"]
 
 
 def test_dead_rank_fails_the_group_fast():
@@ -89,3 +91,6 @@ def test_shm_control_exchange_names_a_stalled_peer_within_timeout(worker_groups)
         assert msg is not None and msg.startswith(f"rank {rank}, step 1:"), msg
         assert "did not complete within 2 s; ranks [3] never arrived" in msg
         assert res[rank]["seconds"] < 2.0 + 3
+    # the late rank does not take the abandoned exchange as complete (found by fault
+    # injection: it applied its peers' messages, then failed in gloo)
+    assert res[3]["late"].startswith("rank 3, step 1: ranks [0, 1, 2] gave up"), res[3]["late"]

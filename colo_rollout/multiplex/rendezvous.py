@@ -110,7 +110,12 @@ class ShmRendezvous(_Phases):
         self._n += 1
         n, slot = self._n, self._n % 2
         self._phase[self.rank, slot] = phase
-        late = arrive_and_wait(self._arrive, self.rank, n, self.timeout_s)
+        gone, late = arrive_and_wait(self._arrive, self.rank, n, self.timeout_s)
+        if gone:
+            raise RendezvousError(
+                f"rank {self.rank}, epoch {epoch}, boundary {boundary}: ranks {gone} gave up "
+                f"on a {_NAMES[phase]} rendezvous (their timeout passed before every rank "
+                "arrived): the ranks are out of step")
         if late:
             raise RendezvousError(
                 f"rank {self.rank}, epoch {epoch}, boundary {boundary}: {_NAMES[phase]} "

@@ -115,7 +115,12 @@ class ShmMailbox:
             self._length[par, self.rank] = len(data)
         else:
             self._length[par, self.rank] = -1
-        late = arrive_and_wait(self._arrive, self.rank, n, self.timeout_s)
+        gone, late = arrive_and_wait(self._arrive, self.rank, n, self.timeout_s)
+        if gone:
+            raise ControlError(
+                f"rank {self.rank}, step {step}: ranks {gone} gave up on the control exchange "
+                "(their parallel.timeout_s passed before every rank arrived): the ranks are out "
+                "of step and this engine cannot serve on")
         if late:
             raise ControlError(
                 f"rank {self.rank}, step {step}: the control exchange did not complete within "

@@ -80,11 +80,20 @@ def wait_until(ready, timeout_s: float) -> bool:
     return True
 
 
-def arrive_and_wait(arrive, rank: int, n: int, timeout_s: float) -> list[int]:
+def arrive_and_wait(arrive, rank: int, n: int, timeout_s: float) -> tuple[list[int], list[int]]:
     """Mark ``rank`` as entered into round ``n`` of a shared arrival-counter array and wait
-    until every rank has; returns the ranks that had not arrived after ``timeout_s`` (empty:
-    all did). The caller writes its round's data before calling (stores are ordered)."""
+    until every rank has. Returns (ranks that gave up, ranks that had not arrived after
+    ``timeout_s``); both empty: all did. A rank that times out marks its entry -n, so a peer
+    arriving later finds the round abandoned (the first list) instead of taking it as
+    complete (found by fault injection: a late rank applied an exchange its peer had given up
+    on); every later round then finds it too. The caller writes its round's data before
+    calling (stores are ordered)."""
     arrive[rank] = n
-    if wait_until(lambda: int(arrive.min()) >= n, timeout_s):
-        return []
-    return [r for r in range(len(arrive)) if arrive[r] < n]
+    wait_until(lambda: int(arrive.min()) >= n or int(arrive.min()) < 0, timeout_s)
+    # (a peer that gave up ends the wait early: the ranks it waited for are named, and this
+    # rank gives up too)
+    late = [r for r in range(len(arrive)) if 0 <= arrive[r] < n]
+    if late:
+        arrive[rank] = -n
+        return [], late
+    return [r for r in range(len(arrive)) if arrive[r] < 0], []
