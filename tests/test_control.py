@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+import torch
 
 from colo_rollout.runtime.control import WIRE_VERSION, ControlError, Message
 
@@ -98,3 +99,50 @@ def test_a_peer_in_an_untagged_exchange_is_named_too(monkeypatch):
     with pytest.raises(RuntimeError) as e:
         control.gather_call("generate()", [None, False, None], group=None)
     assert "(rank 0 in generate(), rank 1 in another collective call)" in str(e.value)
+
+
+def _gathered(monkeypatch, peer: bytes):
+    """dist.all_gather on 2 'ranks' whose peer (rank 1) sent ``peer``."""
+    from colo_rollout.runtime import control
+
+    def fake(outs, t, group=None):
+        if t.numel() == 1 and t.dtype == torch.int64:  # the lengths
+            outs[0].copy_(t)
+            outs[1].fill_(len(peer))
+            return
+        width = outs[0].numel()
+        outs[0].copy_(t)
+        outs[1].zero_()
+        outs[1][: len(peer)] = torch.frombuffer(bytearray(peer), dtype=torch.uint8)[:width]
+
+    monkeypatch.setattr(control.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(control.dist, "all_gather", fake)
+    return control
+
+
+def test_a_peer_in_another_calls_binary_exchange_is_named(monkeypatch):
+    """A JSON exchange paired with another call's binary one (the step's msgpack message on
+    the gloo transport): a ControlError naming the rank and what it means, not a
+    UnicodeDecodeError (found by fault injection)."""
+    control = _gathered(monkeypatch, b"\x89\xa4wire\x01\xff\xfe")
+    with pytest.raises(ControlError) as e:
+        control.all_gather_json({"a": 1}, None, "generate()")
+    assert str(e.value).startswith("generate(): rank 1 sent something else: it is in another "
+                                   "collective call"), str(e.value)
+
+
+def test_a_broken_control_group_says_so(monkeypatch):
+    """After a peer exited or an earlier timeout closed its connections, gloo fails at once:
+    the error says the group is broken -- not a timeout worth retrying (fault injection)."""
+    from colo_rollout.runtime import control
+
+    def closed(*args, **kwargs):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:598] Connection closed by peer "
+                           "[127.0.0.1]:12345")
+
+    monkeypatch.setattr(control.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(control.dist, "all_gather", closed)
+    with pytest.raises(ControlError) as e:
+        control.gather_call("rollout()", None, group=None)
+    assert str(e.value).startswith("rollout(): the control group is broken (a peer exited"), \
+        str(e.value)

@@ -66,7 +66,8 @@ class Message(msgspec.Struct, forbid_unknown_fields=True):
         try:
             msg = _DECODER.decode(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            raise ControlError(f"malformed control message from rank {src}: {e}") from e
+            raise ControlError(f"malformed control message from rank {src} (a rank in another "
+                               f"collective call sends other bytes): {e}") from e
         if msg.wire != WIRE_VERSION:
             raise ControlError(f"control message from rank {src} has wire version {msg.wire}, "
                                f"this rank {WIRE_VERSION}: every rank must run the same code")
@@ -191,10 +192,8 @@ class ControlPlane:
         try:
             dist.all_gather(outs, t, group=self.group)
         except RuntimeError as e:  # gloo: timeout or a closed peer connection
-            within = f" within {self.timeout_s:g} s" if self.timeout_s is not None else ""
-            raise ControlError(
-                f"rank {self.rank}, step {step}: the control exchange did not complete{within}; "
-                f"a peer died or stopped stepping (diverged) [{e}]") from e
+            raise ControlError(f"rank {self.rank}, step {step}: the control exchange failed: "
+                               f"{_transport_problem(e)}") from e
 
 
 def first_problem(problem, group: dist.ProcessGroup, world: int,
@@ -245,7 +244,27 @@ def all_gather_json(obj, group: dist.ProcessGroup | None = None,
         outs = [torch.empty(width, dtype=torch.uint8) for _ in range(world)]
         dist.all_gather(outs, buf, group=group)
     except RuntimeError as e:
-        raise ControlError(f"{what}: not every rank took part within the timeout (is every "
-                           f"rank in the same collective call?): "
-                           f"{' '.join(str(e).split())[:200]}") from e
-    return [json.loads(o[: int(lens[i])].numpy().tobytes()) for i, o in enumerate(outs)]
+        raise ControlError(f"{what}: {_transport_problem(e)}") from e
+    every = []
+    for r, o in enumerate(outs):
+        try:
+            every.append(json.loads(o[: int(lens[r])].numpy().tobytes()))
+        except ValueError:  # (UnicodeDecodeError, JSONDecodeError): another call's bytes
+            raise ControlError(f"{what}: rank {r} sent something else: it is in another "
+                               "collective call (every rank calls the same collective "
+                               "operations in the same order)") from None
+    return every
+
+
+def _transport_problem(e: BaseException) -> str:
+    """What a failed exchange on the control group means, from gloo's text: a connection a
+    peer closed (it exited, or an earlier failure broke the group: no later exchange can
+    succeed) or a peer that did not take part within the timeout (found by fault injection:
+    the first read like a timeout worth retrying)."""
+    text = " ".join(str(e).split())[:200]
+    if any(k in text for k in ("pair closure", "Connection closed", "Connection reset",
+                                 "Broken pipe")):
+        return ("the control group is broken (a peer exited, or an earlier failure closed its "
+                f"connections): the ranks cannot agree any more; restart them [{text}]")
+    return ("not every rank took part within the timeout (is every rank in the same "
+            f"collective call?): {text}")
