@@ -636,7 +636,9 @@ class Engine:
 
         def step() -> list[RequestOutput]:
             finished, refused = self._step_past_refusals()
-            for out in refused:  # this call's refused requests go back with the rest
+            # this call's refused requests go back with the rest (rank 0 submitted them; a
+            # refusal on another rank is of its own earlier submit under the same id)
+            for out in refused if self.groups.rank == 0 else ():
                 if out.request_id in ids:
                     rejected[out.request_id] = out
             return finished
