@@ -34,7 +34,7 @@ def default_group_is_bounded(rank: int, world: int, group: str = "default") -> d
 
     adp = world if group == "default" else 1
     groups = init_parallel(ParallelConfig(world_size=world, adp=adp, ep=world, backend="gloo",
-                                          timeout_s=3.0))
+                                          timeout_s=1.5))
     start = time.monotonic()
     error = None
     if rank == 0:
@@ -45,5 +45,5 @@ def default_group_is_bounded(rank: int, world: int, group: str = "default") -> d
             error = type(e).__name__
     seconds = time.monotonic() - start
     if rank != 0:
-        time.sleep(6.0)  # until rank 0 gave up (its collective must not meet this rank's)
+        time.sleep(3.5)  # until rank 0 gave up (its collective must not meet this rank's)
     return {"error": error, "seconds": seconds}

@@ -79,4 +79,4 @@ def test_every_group_takes_the_configs_timeout(worker_groups, group):
     minutes, at least one, let an attention-TP peer stall for 60 s)."""
     r0 = worker_groups(2).run("tests.cases_parallel:default_group_is_bounded", timeout=60,
                               group=group)[0]
-    assert r0["error"] is not None and r0["seconds"] < 8, r0
+    assert r0["error"] is not None and r0["seconds"] < 3.5, r0  # (megatron's: 60 s)
