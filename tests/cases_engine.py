@@ -1117,3 +1117,22 @@ def sessions_follow_new_weights_and_hand_over(rank: int, world: int, adp: int,
             context = full
         res.update(max_logprob_diff=worst, mismatches=mism)
     return res
+
+
+def a_failed_collective_is_named(rank: int, world: int) -> dict:
+    """A backend failure inside a step (what gloo raises when a peer stalls past the timeout,
+    as a plain RuntimeError) comes out of step() as a ControlError naming the rank and step;
+    an engine's own RuntimeError passes as it is."""
+    cfg, groups, sd, engine = _engine(world, world, world)
+    res = {}
+    for name, text in (("gloo", "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+                                "3000ms for recv operation to complete"),
+                       ("own", "this engine handed its worker to another engine")):
+        def fail(text=text):
+            raise RuntimeError(text)
+        engine._step = fail
+        try:
+            engine.step()
+        except RuntimeError as e:
+            res[name] = (type(e).__name__, str(e))
+    return res

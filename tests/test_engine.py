@@ -265,6 +265,15 @@ def test_architecture_on_the_grouped_expert_path_and_in_fine_mode(worker_groups,
     assert r0["max_logprob_diff"] < LOGPROB_TOL
 
 
+def test_a_failed_collective_in_a_step_names_the_rank_and_step(worker_groups):
+    (r,) = worker_groups(1).run(f"{CASES}:a_failed_collective_is_named")
+    kind, text = r["gloo"]
+    assert kind == "ControlError" and text.startswith(
+        "rank 0, step 0: a collective of the step failed: not every rank took part within the "
+        "timeout"), text
+    assert r["own"] == ("RuntimeError", "this engine handed its worker to another engine")
+
+
 def test_an_engine_built_beside_another_call_refuses_on_every_rank(worker_groups):
     res = worker_groups(2).run(f"{CASES}:engine_build_beside_generate")
     for r in res:

@@ -35,7 +35,7 @@ import torch
 
 from colo_rollout.config import Config, ConfigError
 from colo_rollout.runtime.control import (ControlError, ControlPlane, Message, first_problem,
-                                          gather_call)
+                                          gather_call, transport_failure, transport_problem)
 from colo_rollout.worker.memory import WEIGHT_POLICIES, MemoryReport
 from colo_rollout.runtime.device import fp32_norms
 from colo_rollout.runtime.parallel import ParallelGroups
@@ -53,7 +53,7 @@ from colo_rollout.sched.request import (
     SubmissionRefused,
     checked_request,
 )
-from colo_rollout.multiplex.rendezvous import make_rendezvous
+from colo_rollout.multiplex.rendezvous import RendezvousError, make_rendezvous
 from colo_rollout.runtime.shm import same_host
 from colo_rollout.worker.runner import PendingSampled
 from colo_rollout.engine.strategy import RoundParts, strategy_for
@@ -371,6 +371,14 @@ class Engine:
             self._wedged = True
             raise DeviceStall(f"rank {self.groups.rank}, step {self.scheduler.step_no}: "
                               f"{e}") from e
+        except RuntimeError as e:
+            if isinstance(e, (ControlError, RendezvousError)) or not transport_failure(e):
+                raise
+            # a collective of the model's forward (its gloo/NCCL groups) failed: a peer
+            # stalled past parallel.timeout_s, exited, or is in another call -- named here
+            # with this rank and step (found by fault injection: gloo's text alone)
+            raise ControlError(f"rank {self.groups.rank}, step {self.scheduler.step_no}: a "
+                               f"collective of the step failed: {transport_problem(e)}") from e
         finally:
             if watch is not None:
                 watch.disarm()

@@ -193,7 +193,7 @@ class ControlPlane:
             dist.all_gather(outs, t, group=self.group)
         except RuntimeError as e:  # gloo: timeout or a closed peer connection
             raise ControlError(f"rank {self.rank}, step {step}: the control exchange failed: "
-                               f"{_transport_problem(e)}") from e
+                               f"{transport_problem(e)}") from e
 
 
 def first_problem(problem, group: dist.ProcessGroup, world: int,
@@ -244,7 +244,7 @@ def all_gather_json(obj, group: dist.ProcessGroup | None = None,
         outs = [torch.empty(width, dtype=torch.uint8) for _ in range(world)]
         dist.all_gather(outs, buf, group=group)
     except RuntimeError as e:
-        raise ControlError(f"{what}: {_transport_problem(e)}") from e
+        raise ControlError(f"{what}: {transport_problem(e)}") from e
     every = []
     for r, o in enumerate(outs):
         try:
@@ -256,14 +256,24 @@ def all_gather_json(obj, group: dist.ProcessGroup | None = None,
     return every
 
 
-def _transport_problem(e: BaseException) -> str:
-    """What a failed exchange on the control group means, from gloo's text: a connection a
-    peer closed (it exited, or an earlier failure broke the group: no later exchange can
-    succeed) or a peer that did not take part within the timeout (found by fault injection:
-    the first read like a timeout worth retrying)."""
+# what a communication backend's failure reads like (gloo's transport, NCCL's watchdog)
+_CLOSED = ("pair closure", "Connection closed", "Connection reset", "Broken pipe")
+_TRANSPORT = _CLOSED + ("Timed out waiting", "gloo", "NCCL", "ProcessGroup")
+
+
+def transport_failure(e: BaseException) -> bool:
+    """Whether ``e`` is a collective's failure in the backend (a timeout, a closed
+    connection), judged by its text: torch raises them as plain RuntimeErrors."""
+    return any(k in str(e) for k in _TRANSPORT)
+
+
+def transport_problem(e: BaseException) -> str:
+    """What a failed collective means, from the backend's text: a connection a peer closed
+    (it exited, or an earlier failure broke the group: no later exchange can succeed) or a
+    peer that did not take part within the timeout (found by fault injection: the first read
+    like a timeout worth retrying)."""
     text = " ".join(str(e).split())[:200]
-    if any(k in text for k in ("pair closure", "Connection closed", "Connection reset",
-                                 "Broken pipe")):
+    if any(k in text for k in _CLOSED):
         return ("the control group is broken (a peer exited, or an earlier failure closed its "
                 f"connections): the ranks cannot agree any more; restart them [{text}]")
     return ("not every rank took part within the timeout (is every rank in the same "
