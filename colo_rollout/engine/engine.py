@@ -378,7 +378,8 @@ class Engine:
             # stalled past parallel.timeout_s, exited, or is in another call -- named here
             # with this rank and step (found by fault injection: gloo's text alone)
             raise ControlError(f"rank {self.groups.rank}, step {self.scheduler.step_no}: a "
-                               f"collective of the step failed: {transport_problem(e)}") from e
+                               f"collective of the step failed: "
+                               f"{transport_problem(e, 'a process group of the model')}") from e
         finally:
             if watch is not None:
                 watch.disarm()

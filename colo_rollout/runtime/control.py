@@ -267,14 +267,14 @@ def transport_failure(e: BaseException) -> bool:
     return any(k in str(e) for k in _TRANSPORT)
 
 
-def transport_problem(e: BaseException) -> str:
-    """What a failed collective means, from the backend's text: a connection a peer closed
-    (it exited, or an earlier failure broke the group: no later exchange can succeed) or a
-    peer that did not take part within the timeout (found by fault injection: the first read
-    like a timeout worth retrying)."""
+def transport_problem(e: BaseException, group: str = "the control group") -> str:
+    """What a failed collective on ``group`` means, from the backend's text: a connection a
+    peer closed (it exited, or an earlier failure broke the group: no later exchange can
+    succeed) or a peer that did not take part within the timeout (found by fault injection:
+    the first read like a timeout worth retrying)."""
     text = " ".join(str(e).split())[:200]
     if any(k in text for k in _CLOSED):
-        return ("the control group is broken (a peer exited, or an earlier failure closed its "
+        return (f"{group} is broken (a peer exited, or an earlier failure closed its "
                 f"connections): the ranks cannot agree any more; restart them [{text}]")
     return ("not every rank took part within the timeout (is every rank in the same "
             f"collective call?): {text}")
