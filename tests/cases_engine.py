@@ -231,10 +231,17 @@ def bad_input_isolated(rank: int, world: int, adp: int, ep: int) -> dict:
     engine.check_integrity()
     for kv in engine.scheduler.kv:
         kv.assert_empty()
-    res = {"errors": errors,
-           "good": {r.request_id: (outs[r.request_id].finish_reason.value,
-                                   len(outs[r.request_id].tokens), r.params.max_tokens)
-                    for r in good}}
+    # two turns of one session in one call: the second is refused at the step's exchange (the
+    # first made the session busy), and every rank returns that refusal too
+    turns = engine.generate([
+        Request("s-t1", (1, 2, 3), SamplingParams(max_tokens=2), session="sess"),
+        Request("s-t2", (4, 5), SamplingParams(max_tokens=2), session="sess")])
+    res = {"session_turns": {rid: (o.finish_reason.value, o.error)
+                             for rid, o in sorted(turns.items())}}
+    res["errors"] = errors
+    res["good"] = {r.request_id: (outs[r.request_id].finish_reason.value,
+                                  len(outs[r.request_id].tokens), r.params.max_tokens)
+                   for r in good}
     # every rank returns every output, the refused ones too (rank 0 alone did)
     res["bad_here"] = {r.request_id: (outs[r.request_id].finish_reason.value,
                                       outs[r.request_id].prompt_len, outs[r.request_id].error)

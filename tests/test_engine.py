@@ -141,8 +141,12 @@ def test_bad_input_is_isolated(worker_groups, world, adp, ep):
     for rid, (reason, n, want) in r0["good"].items():
         assert reason == "length" and n == want, rid
     assert r0["mismatches"] == [] and r0["max_logprob_diff"] < LOGPROB_TOL
+    turns = r0["session_turns"]
+    assert turns["s-t1"] == ("length", None)
+    assert turns["s-t2"][0] == "rejected" and "already has a turn" in turns["s-t2"][1]
     for r in res:
         assert r["bad_here"] == res[0]["bad_here"] and len(r["bad_here"]) == 5
+        assert r["session_turns"] == turns  # refused at the exchange: on every rank too
         assert "unknown request id" in r["errors"]["cancel_unknown"]
         # generate() handed the finished output back and forgot it: unknown since
         assert "unknown request id" in r["errors"]["cancel_finished"]

@@ -219,6 +219,9 @@ class Engine:
         self._last_sampled: list[Sampled] = []
         self.rejected: list[RequestOutput] = []  # every refusal seen on this rank, in order
         self._refused_here: list[RequestOutput] = []  # this rank's, refused at the exchange
+        # the last step's exchange refusals of every rank, as (submitting rank, output): the
+        # same list on every rank (the exchange and the checks are replicated)
+        self.exchange_refusals: list[tuple[int, RequestOutput]] = []
         # step statistics, the P/D timeline, host seconds by part (engine/recorder.py)
         self.recorder = Recorder()
         self.history = self.recorder.history
@@ -460,6 +463,7 @@ class Engine:
                 if sid in self.scheduler.sessions and not self.scheduler.sessions[sid].busy \
                         or sid in self.scheduler.ended:
                     self.scheduler.close_session(sid)
+        self.exchange_refusals = []
         for m in msgs:
             for s in m.submits:
                 req = Request(s["id"], tuple(s["prompt"]), SamplingParams.from_json(s["params"]),
@@ -468,6 +472,7 @@ class Engine:
                     self.scheduler.add(req, now)
                 except RequestError as e:
                     self.rejected.append(_rejected(req, str(e)))
+                    self.exchange_refusals.append((m.rank, self.rejected[-1]))
                     if m.rank == self.groups.rank:  # raised to this rank's caller by step()
                         self._refused_here.append(self.rejected[-1])
         for m in msgs:
@@ -644,11 +649,14 @@ class Engine:
                     out.finish_reason = FinishReason.REJECTED
 
         def step() -> list[RequestOutput]:
-            finished, refused = self._step_past_refusals()
-            # this call's refused requests go back with the rest (rank 0 submitted them; a
-            # refusal on another rank is of its own earlier submit under the same id)
-            for out in refused if self.groups.rank == 0 else ():
-                if out.request_id in ids:
+            finished = self._step_past_refusals()[0]
+            # this call's requests refused at the exchange go back with the rest, on every
+            # rank (rank 0 submitted them; another rank's refusal under the same id is of its
+            # own earlier submit). Found by probing: two turns of one session in one call --
+            # the second refused once the first made the session busy -- came back on rank 0
+            # alone.
+            for r, out in self.exchange_refusals:
+                if r == 0 and out.request_id in ids:
                     rejected[out.request_id] = out
             return finished
 
