@@ -151,6 +151,24 @@ def rollout_misuse(rank: int, world: int) -> dict:
 
     res["str_done"] = [(t.status, t.error) for t in rollout(engine, envs=[StrDone()],
                                                             params=p, tag="env")]
+
+    class EndsOnRankOne:  # the last live episode: rank 1's environment ends it, rank 0's not
+        def reset(self):
+            return [1, 2]
+
+        def step(self, generated):
+            return [3], 0.0, rank == 1
+
+    import time
+    t0 = time.perf_counter()
+    try:
+        rollout(engine, envs=[EndsOnRankOne()], params=p, max_turns=4, tag="diverge")
+        res["env_by_rank"] = "returned"
+    except ValueError as e:
+        res["env_by_rank"] = str(e)
+    res["env_by_rank_s"] = time.perf_counter() - t0
+    res["after_diverge"] = [t.status for t in rollout(engine, [[5, 6]], params=p, tag="after")]
+    res["kv_empty_after_diverge"] = kv_empty()
     engine.release_memory("keep")
     try:
         rollout(engine, [[5, 6]], params=p, tag="released")

@@ -146,3 +146,23 @@ def test_a_broken_control_group_says_so(monkeypatch):
         control.gather_call("rollout()", None, group=None)
     assert str(e.value).startswith("rollout(): the control group is broken (a peer exited"), \
         str(e.value)
+
+
+def test_divergence_names_the_rank_and_the_first_key_that_differs():
+    from colo_rollout.runtime.control import divergence
+
+    def msg(rank, agree, what="rollout()"):
+        return Message(rank=rank, step=3, agree_what=what, agree=agree)
+
+    same = {"a": "1", "b": "2"}
+    assert divergence([msg(0, same), msg(1, dict(same))]) is None
+    assert divergence([msg(0, {}, ""), msg(1, {}, "")]) is None
+    text, rank, key = divergence([msg(0, same), msg(1, same), msg(2, {"a": "1", "b": "3"})])
+    assert (rank, key) == (2, "b") and text == "rollout(): rank 2 decided otherwise than rank 0 at b"
+    _, rank, key = divergence([msg(0, same), msg(1, {"a": "1"})])
+    assert (rank, key) == (1, "b")
+    text, _, key = divergence([msg(0, {"a": "1"}), msg(1, {"a": "1", "c": "0"})])
+    assert key == "c" and text.endswith("(absent on rank 0)")
+    # the digests survive the wire
+    m = msg(1, {"x-0-1": "completed 0 1.0 5 ab"})
+    assert Message.decode(m.encode(), 1).agree == m.agree

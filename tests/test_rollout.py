@@ -81,5 +81,11 @@ def test_rollout_under_misuse_loses_nothing_and_never_hangs(worker_groups):
     assert status == "failed" and "done must be a bool, got str 'False'" in error
     for r in res:  # every rank raises, naming the trajectory
         assert r["by_rank"].startswith("rollout(): rank 1 ended trajectory (group 0, sample 0)")
+        # an environment that ends the last live episode on one rank only: named at the step
+        # it happened, on every rank, well within the groups' timeout; nothing left behind
+        assert r["env_by_rank"].startswith(
+            "rollout(): rank 1 ended trajectory (group 0, sample 0)"), r["env_by_rank"]
+        assert r["env_by_rank_s"] < 2.0
+        assert r["after_diverge"] == ["completed"] and r["kv_empty_after_diverge"]
         assert "memory is released" in r["released"]
         assert r["after_release"] == ["completed"] and r["kv_empty"]

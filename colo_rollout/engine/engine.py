@@ -34,7 +34,8 @@ import numpy as np
 import torch
 
 from colo_rollout.config import Config, ConfigError
-from colo_rollout.runtime.control import (ControlError, ControlPlane, Message, first_problem,
+from colo_rollout.runtime.control import (ControlError, ControlPlane, Message,
+                                          ReplicaDivergence, divergence, first_problem,
                                           gather_call, transport_failure, transport_problem)
 from colo_rollout.worker.memory import WEIGHT_POLICIES, MemoryReport
 from colo_rollout.runtime.device import fp32_norms
@@ -219,6 +220,8 @@ class Engine:
         self._last_sampled: list[Sampled] = []
         self.rejected: list[RequestOutput] = []  # every refusal seen on this rank, in order
         self._refused_here: list[RequestOutput] = []  # this rank's, refused at the exchange
+        # the last exchange's expect_same difference: (sentence, rank, key), or None
+        self._diverged: tuple[str, int, str | None] | None = None
         # the last step's exchange refusals of every rank, as (submitting rank, output): the
         # same list on every rank (the exchange and the checks are replicated)
         self.exchange_refusals: list[tuple[int, RequestOutput]] = []
@@ -328,6 +331,18 @@ class Engine:
             raise RequestError(f"close of session {session!r}: {state}")
         self._outbox.closes.append(session)
 
+    def expect_same(self, what: str, digests: dict[str, str]) -> None:
+        """Non-collective: the next step's exchange carries ``digests`` (key -> digest of what
+        this rank's caller decided from replicated inputs since the last step, e.g. each
+        environment step) under the label ``what``, and every rank compares them. A
+        difference makes that ``step()`` raise ReplicaDivergence on every rank, naming the
+        first key that differs -- the divergence caught at the step it happens, not later as
+        the ranks' mismatched collectives (found by probing: an environment that ended an
+        episode on one rank only left the ranks in different calls until a timeout)."""
+        if self.groups.layout.world_size > 1:
+            self._outbox.agree_what = what
+            self._outbox.agree = dict(digests)
+
     def has_unsent(self) -> bool:
         """Submissions, cancels or closes made on this rank that the next step will send."""
         o = self._outbox
@@ -358,13 +373,17 @@ class Engine:
 
         Raises SubmissionRefused (a RequestError) on a rank whose own submissions were refused
         by every rank when the ranks' submissions met in this step (its ``refused`` and
-        ``finished``: the step completed; keep stepping)."""
+        ``finished``: the step completed; keep stepping), and ReplicaDivergence on every rank
+        when the ranks' ``expect_same`` digests for this step differ."""
         watch = self._stall_watch
         if watch is not None:
             watch.arm(f"rank {self.groups.rank} step {self.scheduler.step_no}")
         try:
+            self._diverged = None
             finished = self._step()
             refused, self._refused_here = self._refused_here, []
+            if self._diverged is not None:
+                raise ReplicaDivergence(*self._diverged, finished)
             if refused:
                 raise SubmissionRefused(refused, finished)
             return finished
@@ -410,6 +429,7 @@ class Engine:
         with rec.clock("exchange"):
             msgs = self.control.exchange(self._outbox)
         self._outbox = Message(rank=self.groups.rank)
+        self._diverged = divergence(msgs)  # raised once the step is done, on every rank
         self._pending_ids.clear()
         finished = self._apply(msgs, time.perf_counter())
         if self.routes is not None:  # a request without a session: its routing goes with it

@@ -43,7 +43,8 @@ from typing import Any, Callable, Protocol
 import torch.distributed as dist
 
 from colo_rollout.engine.engine import Engine
-from colo_rollout.runtime.control import ControlError, all_gather_json, gather_call
+from colo_rollout.runtime.control import (ControlError, ReplicaDivergence, all_gather_json,
+                                          gather_call)
 from colo_rollout.runtime.device import DeviceStall
 from colo_rollout.sched.request import (FinishReason, Request, RequestError, SamplingParams,
                                         token_ids)
@@ -327,6 +328,9 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
                     pass
         return True
 
+    # what each rank decided for its trajectories goes with the next step's exchange, so an
+    # environment or reward that differs on one rank raises on every rank at that step
+    engine.expect_same(_AGREE, {sid: _digest(t, sid in live) for sid, t in trajs.items()})
     try:
         while live:
             outs = engine.step()
@@ -373,6 +377,12 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
                 if turn_done(sid, t):
                     continue
                 pausing = pausing or pause_the_rest()
+            touched = {o.request_id.rsplit("#", 1)[0] for o in outs}.union(lost)
+            engine.expect_same(_AGREE, {sid: _digest(trajs[sid], sid in live)
+                                        for sid in touched if sid in trajs})
+        engine.step()  # collective on every rank: flushes the leader's last session closes
+        while engine.busy():
+            engine.step()
     except BaseException as e:
         if carry is not None and stepped:
             carry.spoiled = sorted(stepped)
@@ -387,10 +397,14 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
                 _abandon(engine, live, inflight, submitted, list(trajs), leader)
             except Exception:  # noqa: BLE001 - the original error is the one to raise
                 pass
+        if isinstance(e, ReplicaDivergence):
+            t = trajs.get(e.key)
+            which = f"trajectory {e.key!r}" if t is None else \
+                f"trajectory (group {t.group}, sample {t.sample})"
+            raise ValueError(f"rollout(): rank {e.rank} ended {which} otherwise than rank 0 "
+                             "(status, reward or tokens): reward functions and environments "
+                             "must be deterministic and equal on every rank") from e
         raise
-    engine.step()  # collective on every rank: flushes the leader's last session closes
-    while engine.busy():
-        engine.step()
     # the same routing on every rank (a dispatch backend's is merged over the ranks here)
     got_all = engine.take_routings(list(trajs), [inputs.get(sid, len(t.tokens) - 1)
                                                  for sid, t in trajs.items()])
@@ -412,6 +426,16 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
                   if t.group in unfinished and sid in env_of}
     carry.weight_epoch = getattr(engine.model, "weight_epoch", 0)
     return [t for t in trajs.values() if t.group not in unfinished]
+
+
+# the label of rollout()'s digests in the step exchange (Engine.expect_same)
+_AGREE = "rollout(): the trajectories' progress"
+
+
+def _digest(t: Trajectory, live: bool) -> str:
+    """What a rank decided for a trajectory so far: status, whether it goes on, reward and
+    tokens (hash() of a tuple of ints is the same in every process)."""
+    return f"{t.status} {int(live)} {float(t.reward)!r} {len(t.tokens)} {hash(tuple(t.tokens)):x}"
 
 
 def _abandon(engine: Engine, live: dict, inflight: dict, submitted: list[str],

@@ -33,7 +33,37 @@ class ControlError(RuntimeError):
     """A peer sent something that is not a valid control message."""
 
 
-WIRE_VERSION = 3  # bumped whenever Message's fields change: mixed versions are refused
+class ReplicaDivergence(RuntimeError):
+    """Raised by ``Engine.step()`` on every rank when the digests the ranks' callers gave
+    ``Engine.expect_same`` for that step differ: host logic that must be replicated (an
+    environment's step, a reward) decided otherwise on some rank. The step itself completed
+    on every rank; ``finished`` holds what it would have returned, ``rank`` the first rank
+    that differs from rank 0 and ``key`` the first key that differs (None: the labels)."""
+
+    def __init__(self, message: str, rank: int, key: str | None, finished: list):
+        super().__init__(message)
+        self.rank, self.key, self.finished = rank, key, finished
+
+
+def divergence(msgs: list["Message"]) -> tuple[str, int, str | None] | None:
+    """The first difference between the ranks' ``agree`` digests in one exchange (rank
+    order): (a sentence naming the caller's label, the rank and the key, the rank, the key);
+    None if every rank sent the same."""
+    first = msgs[0]
+    for m in msgs[1:]:
+        if (m.agree_what, m.agree) == (first.agree_what, first.agree):
+            continue
+        what = first.agree_what or m.agree_what
+        keys = sorted(set(first.agree) | set(m.agree))
+        key = next((k for k in keys if first.agree.get(k) != m.agree.get(k)), None)
+        at = ("" if key is None else
+              f" at {key}" + (" (absent on rank 0)" if key not in first.agree else
+                              " (absent there)" if key not in m.agree else ""))
+        return f"{what}: rank {m.rank} decided otherwise than rank 0{at}", m.rank, key
+    return None
+
+
+WIRE_VERSION = 4  # bumped whenever Message's fields change: mixed versions are refused
 
 
 class Message(msgspec.Struct, forbid_unknown_fields=True):
@@ -56,6 +86,10 @@ class Message(msgspec.Struct, forbid_unknown_fields=True):
     # empty for a rank that samples none), sent once, when its P GPU work is done;
     # None: not done yet, or no epoch awaits commit
     p_sampled: list[tuple[int, int, float, int, int]] | None = None
+    # the caller's digests that every rank must send alike (Engine.expect_same): key ->
+    # digest, under the caller's label
+    agree_what: str = ""
+    agree: dict[str, str] = {}
     wire: int = WIRE_VERSION
 
     def encode(self) -> bytes:
