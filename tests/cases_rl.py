@@ -484,6 +484,54 @@ def tensor_parallel_trainer_grads(rank: int, world: int, tp: int = 2,
             "stats": [stats[1], stats[tp]]}
 
 
+def data_parallel_split_is_one_batch(rank: int, world: int, algorithm: str,
+                                     is_level: str, is_mode: str) -> dict:
+    """One update of a TP1 x DP-``world`` trainer on trajectories split over its ranks (the
+    usual case: rank r takes every world-th) against the same trainer on every trajectory
+    repeated ``world`` times in a row, so each rank holds the whole batch -- one replica's
+    math. Loss, metrics and gradients must agree: every mean is the whole batch's. Some
+    trajectories' rollout logprobs are far off, so masked IS drops most of their tokens and
+    the ranks keep unequal token counts (found by probing: the loss was a per-rank token
+    mean, and every metric rank 0's half)."""
+    import dataclasses
+
+    from colo_rollout.config import RLConfig
+    from colo_rollout.model.weights import random_state_dict
+    from colo_rollout.rl.trainer import Trainer
+    from colo_rollout.runtime.parallel import init_parallel
+    from tests.cases_engine import tiny_config
+
+    base = tiny_config(world, world, world)
+    groups = init_parallel(base.parallel)
+    sd = random_state_dict(base.model)
+    trajs = _random_trajectories(3 * world, base.model.vocab_size, seed=23)
+    for t in trajs[0: 2 * world: 2]:  # rank 0's share: most generated tokens off by far
+        k = sum(1 for m in t.loss_mask if m)
+        for j in range(len(t.tokens) - k, len(t.tokens) - 1):
+            t.logprobs[j] = -30.0
+    grads, stats = {}, {}
+    for name, batch in (("one", [x for x in trajs for _ in range(world)]), ("split", trajs)):
+        rl = RLConfig(lr=1e-3, algorithm=algorithm, is_level=is_level, is_mode=is_mode,
+                      is_cap=2.0)
+        trainer = Trainer(dataclasses.replace(base, rl=rl), sd, groups.device)
+        if trainer.value_head is not None:  # not zero (its start): the value loss moves
+            with torch.no_grad():
+                trainer.value_head.weight.copy_(torch.randn(
+                    trainer.value_head.weight.shape, generator=torch.Generator().manual_seed(3)))
+        stats[name] = trainer.step(batch)
+        grads[name] = {n: p.grad.clone() for n, p in trainer.module.named_parameters()
+                       if p.grad is not None}
+        if trainer.value_head is not None:
+            grads[name].update({f"value_head.{n}": p.grad.clone()
+                                for n, p in trainer.value_head.named_parameters()})
+    worst = max((grads["one"][k] - g).abs().max().item()
+                / (grads["one"][k].abs().max().item() + 1e-12) for k, g in grads["split"].items())
+    worst_stat = max(abs(v - stats["one"][k]) / max(1.0, abs(stats["one"][k]))
+                     for k, v in stats["split"].items())
+    return {"worst_rel": worst, "worst_stat": worst_stat, "compared": len(grads["split"]),
+            "stats": stats}
+
+
 def export_failure_is_collective(rank: int, world: int, directory: str) -> dict:
     """The trainer's export into a folder that cannot be made (under a file): the writer's
     OSError reaches every rank as one RuntimeError (the others used to wait in a barrier for

@@ -138,6 +138,23 @@ def test_tensor_parallel_trainer_takes_the_same_gradient(worker_groups, world, a
     assert _gradient_problems(res, replay, algorithm, sharded=30) == []
 
 
+@pytest.mark.parametrize("algorithm,is_level,is_mode", [
+    ("grpo", "token", "mask"),  # the ranks keep unequal token counts
+    ("ppo", "sequence", "mask"),  # ... and PPO whitens over the whole batch
+])
+def test_a_data_parallel_split_trains_as_one_batch(worker_groups, algorithm, is_level, is_mode):
+    """TP1 x DP2: the trajectories split over the two ranks give the loss, the metrics and
+    the gradients of one replica holding them all -- every token mean, PPO's whitening and
+    every reported number over the whole batch, whatever each rank kept."""
+    res = worker_groups(2).run("tests.cases_rl:data_parallel_split_is_one_batch",
+                               algorithm=algorithm, is_level=is_level, is_mode=is_mode)
+    for r in res:
+        assert r["compared"] > 20
+        assert r["worst_rel"] < 1e-5, r["worst_rel"]
+        assert r["worst_stat"] < 1e-6, r["stats"]
+        assert r["stats"]["split"]["is_corrected_frac"] > 0.1  # masked IS dropped tokens
+
+
 def _gradient_problems(res: list, replay: bool, algorithm: str, sharded: int,
                        experts: bool = False) -> list:
     """What differs from the TP1 trainer on any rank (cases_rl:

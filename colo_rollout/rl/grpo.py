@@ -8,8 +8,29 @@ Owns the objective only (no models, no processes), so it is unit-tested on hand-
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+@dataclass(frozen=True)
+class Totals:
+    """How one rank's partial sums and maxima become the whole batch's, when the batch is
+    split over data-parallel ranks: ``sum`` / ``max`` map a tensor to its total over the ranks
+    (the trainer passes all-reduces over its DP group; on one rank both are the identity).
+    Every mean below is over the whole batch's tokens, so the loss and the metrics do not
+    depend on how the batch was split (found by probing: per-rank token means weighed the
+    ranks' tokens unequally once masked IS dropped different numbers on each)."""
+
+    sum: Callable[[torch.Tensor], torch.Tensor] = _same
+    max: Callable[[torch.Tensor], torch.Tensor] = _same
+
+
+LOCAL = Totals()
 
 
 def group_advantages(rewards: list[float], groups: list[int], eps: float = 1e-6) -> list[float]:
@@ -41,13 +62,15 @@ def flat_group_share(rewards: list[float], groups: list[int]) -> float:
 def clipped_loss(new_logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
                  mask: torch.Tensor, clip: float = 0.2, kl_coef: float = 0.0,
                  ref_logp: torch.Tensor | None = None,
-                 weights: torch.Tensor | None = None) -> torch.Tensor:
+                 weights: torch.Tensor | None = None, totals: Totals = LOCAL) -> torch.Tensor:
     """-mean over masked tokens of w * min(ratio * A, clip(ratio, 1-e, 1+e) * A)
     [+ kl_coef * KL].
 
     new/old/ref_logp, mask: [B, T]; adv: [B] (one advantage per trajectory) or [B, T];
     ``weights`` [B, T] (no gradient): the mismatch correction's importance weights w (None:
-    1). KL uses the k3 estimator exp(ref - new) - (ref - new) - 1 (non-negative, unbiased)."""
+    1). KL uses the k3 estimator exp(ref - new) - (ref - new) - 1 (non-negative; an unbiased
+    estimate of the KL's value). ``totals``: the mean's count is the whole batch's; the sum
+    is this rank's rows (its share of the batch's loss: the ranks' shares add up to it)."""
     ratio = torch.exp(new_logp - old_logp)
     a = adv[:, None] if adv.dim() == 1 else adv  # per trajectory (GRPO) or per token (PPO)
     obj = torch.minimum(ratio * a, torch.clamp(ratio, 1 - clip, 1 + clip) * a)
@@ -56,25 +79,29 @@ def clipped_loss(new_logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tens
         d = ref_logp - new_logp
         per_tok = per_tok + kl_coef * (torch.exp(d) - d - 1)
     m = mask.to(per_tok.dtype)
-    return (per_tok * m).sum() / m.sum().clamp(min=1)
+    return (per_tok * m).sum() / totals.sum(m.sum().detach()).clamp(min=1)
 
 
 def ppo_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                   eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+                   eps: float = 1e-6, totals: Totals = LOCAL
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Terminal reward, gamma = lambda = 1: the return of every generated token is its
-    trajectory's reward; advantage = return - V(token), whitened over the masked tokens.
-    rewards [B], values/mask [B, T] -> (advantages [B, T], returns [B, T])."""
+    trajectory's reward; advantage = return - V(token), whitened over the masked tokens of
+    the whole batch (``totals``). rewards [B], values/mask [B, T] -> (advantages [B, T],
+    returns [B, T])."""
     returns = rewards[:, None].expand_as(values) * mask
     adv = (returns - values) * mask
-    n = mask.sum().clamp(min=1)
-    mean = adv.sum() / n
-    std = (((adv - mean) * mask) ** 2).sum().div(n).sqrt()
+    n = totals.sum(mask.sum()).clamp(min=1)
+    mean = totals.sum(adv.sum()) / n
+    std = totals.sum((((adv - mean) * mask) ** 2).sum()).div(n).sqrt()
     return ((adv - mean) / (std + eps)) * mask, returns
 
 
-def value_loss(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def value_loss(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               totals: Totals = LOCAL) -> torch.Tensor:
+    """Squared error over the masked tokens: this rank's sum over the whole batch's count."""
     m = mask.to(values.dtype)
-    return (((values - returns) ** 2) * m).sum() / m.sum().clamp(min=1)
+    return (((values - returns) ** 2) * m).sum() / totals.sum(m.sum().detach()).clamp(min=1)
 
 
 @dataclass(frozen=True)
@@ -111,29 +138,39 @@ class MismatchCorrection:
 
 def mismatch_metrics(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor,
                      mask: torch.Tensor, clip: float, weights: torch.Tensor | None = None,
-                     kept: torch.Tensor | None = None, cap: float | None = None) -> dict:
+                     kept: torch.Tensor | None = None, cap: float | None = None,
+                     totals: Totals = LOCAL) -> dict:
     """Per-step numbers of the train/inference mismatch over the masked (generated) tokens:
     the logprob gap's max and mean, KL(rollout || trainer) by the k1 and k3 estimators on the
     rollout's samples, the share of tokens whose ratio trainer/rollout falls outside PPO's clip
     band (what the uncorrected loss clips), and with a correction the weights' mean and max
-    and the share truncated (weight at the cap) or masked out."""
+    and the share truncated (weight at the cap) or masked out. Over the whole batch
+    (``totals``: every rank's tokens)."""
     m = mask.bool()
-    n = max(int(m.sum()), 1)
     d = (trainer_logp.detach() - rollout_logp).double()[m]  # log(pi_train / pi_rollout)
     ratio = torch.exp(d)
-    out = {"logprob_gap_max": float(d.abs().max()) if d.numel() else 0.0,
-           "logprob_gap_mean": float(d.abs().sum() / n),
-           "mismatch_kl_k1": float(-d.sum() / n),
-           "mismatch_kl_k3": float((ratio - d - 1).sum() / n),
-           "mismatch_clip_frac": int(((ratio < 1 - clip) | (ratio > 1 + clip)).sum()) / n}
+    zero = d.new_zeros(())
+    # the sums and counts of every rank in one reduction, the maxima in another
+    sums = [d.numel(), d.abs().sum(), -d.sum(), (ratio - d - 1).sum(),
+            ((ratio < 1 - clip) | (ratio > 1 + clip)).sum()]
+    maxes = [d.abs().max() if d.numel() else zero]
     if weights is not None:
         w = weights.double()[m]
-        out["is_weight_mean"] = float(w.sum() / n)
-        out["is_weight_max"] = float(w.max()) if w.numel() else 0.0
-        dropped = int((~kept[m]).sum()) if kept is not None else 0
         # the cap as the weights hold it (they were clamped, then cast to the logprobs'
         # dtype: 1.01 in fp32 is below 1.01 in float64 -- found by probing: never counted)
         cap_held = float(torch.tensor(cap, dtype=weights.dtype)) if cap is not None else None
-        at_cap = int((w >= cap_held).sum()) if cap is not None else 0
-        out["is_corrected_frac"] = (at_cap + dropped) / n
+        sums += [w.sum(), (~kept[m]).sum() if kept is not None else 0,
+                 (w >= cap_held).sum() if cap is not None else 0]
+        maxes.append(w.max() if w.numel() else zero)
+    s = totals.sum(torch.stack([torch.as_tensor(x, dtype=torch.float64, device=d.device)
+                                for x in sums])).tolist()
+    mx = totals.max(torch.stack(maxes)).tolist()
+    n = max(s[0], 1.0)
+    out = {"logprob_gap_max": mx[0], "logprob_gap_mean": s[1] / n,
+           "mismatch_kl_k1": s[2] / n, "mismatch_kl_k3": s[3] / n,
+           "mismatch_clip_frac": s[4] / n}
+    if weights is not None:
+        out["is_weight_mean"] = s[5] / n
+        out["is_weight_max"] = mx[1]
+        out["is_corrected_frac"] = (s[7] + s[6]) / n
     return out

@@ -54,7 +54,9 @@ from colo_rollout.model.megatron_gpt import (
     singleton_pg_collection,
 )
 from colo_rollout.rl.grpo import (
+    LOCAL,
     MismatchCorrection,
+    Totals,
     clipped_loss,
     group_advantages,
     mismatch_metrics,
@@ -265,6 +267,22 @@ class Trainer:
             raise RuntimeError(f"export to {directory} failed{why}") from failed
         return files
 
+    @property
+    def totals(self) -> Totals:
+        """The batch's sums and maxima over the DP ranks (each holds its share of the
+        trajectories; TP ranks hold the same ones): all-reduces over the DP group."""
+        if self.dp == 1:
+            return LOCAL
+        group = self.pgc.dp
+
+        def reduce(op):
+            def f(t: torch.Tensor) -> torch.Tensor:
+                t = t.detach().clone()
+                dist.all_reduce(t, op=op, group=group)
+                return t
+            return f
+        return Totals(sum=reduce(dist.ReduceOp.SUM), max=reduce(dist.ReduceOp.MAX))
+
     def routers(self) -> list:
         """The decoder's MoE routers in layer order (megatron TopKRouter modules) -- not the
         MTP layer's: the rollout records the decoder's layers only (the MTP layer, when it
@@ -397,9 +415,11 @@ class Trainer:
                 want.scatter_(1, ids, True)
                 differ += int((want != m[: r.shape[0], b]).any(dim=1).sum())
                 total += r.shape[0]
-        if self.tp > 1:  # the shards' counts: every TP rank reports the whole sequence's share
+        if dist.get_world_size() > 1:
+            # TP ranks hold disjoint sequence shards, DP ranks disjoint trajectories: the sum
+            # over every rank counts each (token, MoE layer) once -- the whole batch's share
             counts = torch.tensor([differ, total], dtype=torch.long, device=self.device)
-            dist.all_reduce(counts, group=self.pgc.tp)
+            dist.all_reduce(counts)
             differ, total = counts.tolist()
         return logp, differ / max(total, 1)
 
@@ -473,15 +493,16 @@ class Trainer:
             n = len(t.tokens) - 1
             old[i, :n] = torch.tensor(t.logprobs[1:], device=self.device)
             lmask[i, :n] = torch.tensor(t.loss_mask[1:], device=self.device, dtype=torch.float)
+        totals = self.totals
         replay_stats = {}
         if self.cfg.rl.routing_replay:  # the mismatch replay removes, measured without it
             own, differ = self.own_routing(batch, shape)
             own = own[:, :T]
             gap = (own - old).abs() * lmask
+            gap_sum, count = totals.sum(torch.stack([gap.sum(), lmask.sum()])).tolist()
             replay_stats = {"routing_disagree_frac": differ,
-                            "logprob_gap_max_no_replay": float(gap.max()),
-                            "logprob_gap_mean_no_replay":
-                                float(gap.sum() / lmask.sum().clamp(min=1))}
+                            "logprob_gap_max_no_replay": float(totals.max(gap.max())),
+                            "logprob_gap_mean_no_replay": gap_sum / max(count, 1.0)}
         kl_coef = self.cfg.rl.kl_coef
         ref = self._ref_logprobs(batch, shape)[:, :T] if kl_coef else None
         if self._megatron_opt:
@@ -499,17 +520,22 @@ class Trainer:
             weights, kept = corr.weights(new, old, m)
             base = new.detach()
             metrics = mismatch_metrics(new, old, m, clip, weights, kept,
-                                       corr.cap if corr.mode == "truncate" else None)
+                                       corr.cap if corr.mode == "truncate" else None,
+                                       totals=totals)
             m = m * kept
         else:
-            metrics = mismatch_metrics(new, old, m, clip)
+            metrics = mismatch_metrics(new, old, m, clip, totals=totals)
         extra = {}
         if ref is not None:  # KL(policy || reference) by the k3 estimator, as the loss has it
             d = (ref - new.detach()).double()
-            extra["kl_ref"] = float(((torch.exp(d) - d - 1) * m).sum() / m.sum().clamp(min=1))
+            kl_sum, count = totals.sum(torch.stack([((torch.exp(d) - d - 1) * m).sum(),
+                                                    m.sum().double()])).tolist()
+            extra["kl_ref"] = kl_sum / max(count, 1.0)
+        # every loss below is this rank's rows' sum over the whole batch's token count: the
+        # DP ranks' losses add up to the batch's token mean, whatever the split
         if self.value_head is None:
             loss = clipped_loss(new, base, adv, m, clip=clip, weights=weights, kl_coef=kl_coef,
-                                ref_logp=ref)
+                                ref_logp=ref, totals=totals)
         else:
             # hidden [S, B, H] (megatron is sequence-first): V(h_j) scores the token at j+1
             h = self._hidden
@@ -523,14 +549,16 @@ class Trainer:
                                                          group=self.pgc.tp)
             h = h.transpose(0, 1)[:, :-1][:, :T].float()
             values = self.value_head(h)[..., 0]
-            tok_adv, returns = ppo_advantages(rewards, values.detach(), m)
-            v_loss = value_loss(values, returns, m)
+            tok_adv, returns = ppo_advantages(rewards, values.detach(), m, totals=totals)
+            v_loss = value_loss(values, returns, m, totals=totals)
             loss = clipped_loss(new, base, tok_adv, m, clip=clip, weights=weights,
-                                kl_coef=kl_coef, ref_logp=ref) + self.cfg.rl.vf_coef * v_loss
-            extra["value_loss"] = float(v_loss.detach())
-        # every DP rank contributes its share: scale so the all-reduce sum is the mean
+                                kl_coef=kl_coef, ref_logp=ref, totals=totals) \
+                + self.cfg.rl.vf_coef * v_loss
+            extra["value_loss"] = float(totals.sum(v_loss.detach()))
+        # the gradients are summed over DP, then divided by dp (megatron's DDP and the loop
+        # below): scaled by dp, the sum of the ranks' shares
         try:
-            (loss * len(batch) / max(len(trajs), 1) * self.dp).backward()
+            (loss * self.dp).backward()
         finally:
             if self.cfg.rl.routing_replay and self.recompute:
                 self.end_replay()  # the recompute took its replayed ids
@@ -566,7 +594,7 @@ class Trainer:
                     p.grad /= self.dp
             self._check_finite(loss, "grad")
             self.opt.step()
-        return {"loss": float(loss.detach()), **metrics, **replay_stats, **extra}
+        return {"loss": float(totals.sum(loss.detach())), **metrics, **replay_stats, **extra}
 
     def _check_finite(self, loss: torch.Tensor, attr: str) -> None:
         """Before the optimizer moves anything: the loss and every gradient (``attr``: grad or
