@@ -21,14 +21,31 @@ import matplotlib.pyplot as plt  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("bench_json")
-    ap.add_argument("--variants", nargs="+", required=True)
-    ap.add_argument("--window", nargs=2, type=float, default=None, metavar=("START", "END"))
+    ap.add_argument("--variants", nargs="+", required=True,
+                    help="the bench's variant names (its table's rows, e.g. normal fine-bal)")
+    ap.add_argument("--window", nargs=2, type=float, default=None, metavar=("START", "END"),
+                    help="seconds since the run's first work (default: every span)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--title", default="")
     args = ap.parse_args()
-    with open(args.bench_json) as f:
-        data = json.load(f)
-    ranks = data.get("timelines_by_rank") or [data["timelines_rank0"]]
+    try:
+        with open(args.bench_json) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        ap.exit(2, f"error: {args.bench_json}: {e}\n")
+    ranks = data.get("timelines_by_rank") or (
+        [data["timelines_rank0"]] if "timelines_rank0" in data else None)
+    if not ranks:
+        ap.exit(2, f"error: {args.bench_json}: no timelines (timelines_by_rank): not a "
+                   "bench.json of `colo-rollout bench`\n")
+    have = sorted({name for tl in ranks for name in tl})
+    missing = [v for v in args.variants if not any(tl.get(v) for tl in ranks)]
+    if missing:
+        ap.exit(2, f"error: {args.bench_json}: no timeline of variant {missing[0]!r} "
+                   f"(it has {', '.join(have) or 'none'})\n")
+    if args.window is not None and not args.window[0] < args.window[1]:
+        ap.exit(2, f"error: --window: START must be below END, got {args.window[0]:g} "
+                   f"{args.window[1]:g}\n")
     fig, axes = plt.subplots(len(args.variants), 1, squeeze=False,
                              figsize=(10, 1.0 + 0.7 * len(ranks) * len(args.variants)))
     for ax, name in zip(axes[:, 0], args.variants):
@@ -48,7 +65,8 @@ def main() -> None:
         ax.set_ylabel("rank")
         ax.set_title(f"{args.title}{name}: P segments (orange), D iterations (blue)",
                      fontsize=9)
-    axes[-1, 0].set_xlabel("seconds since first work (GPU clock)")
+    axes[-1, 0].set_xlabel("seconds since first work (the device's clock: CUDA events on a "
+                           "GPU, the host's on CPU)")
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)
 

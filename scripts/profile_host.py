@@ -97,7 +97,7 @@ def main(path: str) -> None:
     for shm in (False, True):
         cp = ControlPlane(groups.control, rank, world, 60.0, shm=shm)
         rows[f"control exchange ({'shm' if shm else 'gloo'})"] = _per_call(
-            lambda i: cp.exchange(Message(rank=rank, step=i, sampled=[[i, 5, -0.1]] * 16)))
+            lambda i: cp.exchange(Message(rank=rank, step=i, sampled=[(i, 5, -0.1, -1, 0)] * 16)))
         cp.close()
     for kind in ("gloo", "shm"):
         rv = make_rendezvous(groups.control, rank, world, 60.0, kind)
