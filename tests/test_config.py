@@ -297,6 +297,20 @@ def test_float_settings_must_be_finite(tmp_path, key, value):
     assert_load_error(path, key, "must be a finite number", overrides={key: value})
 
 
+@pytest.mark.parametrize("key,value,words", [
+    ("rl.lr", 1e39, "past float32's range"), ("rl.kl_coef", 1e300, "past float32's range"),
+    ("rl.vf_coef", 1e300, "past float32's range"),
+    ("rl.mtp_loss_scale", 1e300, "past float32's range"),
+    ("rl.is_cap", 1e39, "past float32's range"),
+    ("rl.temperature", 1e-50, "below float32's smallest normal"),
+])
+def test_rl_coefficients_float32_cannot_hold_are_refused(tmp_path, key, value, words):
+    """The trainer computes in float32: a coefficient it cannot hold is refused at the door
+    (found by probing: Adam's overflow or a NaN first loss, as a traceback)."""
+    path = write(tmp_path, "{}\n")
+    assert_load_error(path, key, words, overrides={key: value})
+
+
 @pytest.mark.parametrize("value", [86_400.5, 1e9])
 def test_timeout_is_bounded_by_a_day(tmp_path, value):
     path = write(tmp_path, f"parallel:\n  timeout_s: {value!r}\n")

@@ -261,5 +261,9 @@ def test_a_diverged_step_raises_on_every_rank_before_the_weights_move(worker_gro
                              overrides={"rl.out_dir": str(tmp_path), "rl.lr": 1.0e+30,
                                         "rl.algorithm": "ppo", "rl.steps": 6})
     msg = str(e.value)
-    assert "ranks [0, 1]" in msg and "FloatingPointError: rl step: the loss or a gradient is " \
+    assert "ranks [0, 1]" in msg and "TrainingDiverged: rl step: the loss or a gradient is " \
         "not finite" in msg, msg
+    # the command's one error line (user-facing), naming the coefficients to look at
+    line = e.value.user_line
+    assert line.startswith("rl step: the loss or a gradient is not finite") and \
+        "rl.lr 1e+30" in line and "rl.vf_coef" in line, line

@@ -127,6 +127,10 @@ SEGMENT_POLICIES = ("fixed", "load", "balanced")
 # parallel.timeout_s at most a day: every host wait is bounded by it (torch's timedelta and
 # threading waits overflow far above that, and a wait of a day is a hang)
 MAX_TIMEOUT_S = 86_400.0
+# float32's largest finite value and smallest normal one (the trainer's arithmetic)
+FP32_MAX = 3.4028234663852886e38
+FP32_TINY = 1.1754943508222875e-38
+
 # bench-speed's repeat counts (iters, warmup, profile steps) at most this
 MAX_BENCH_REPEATS = 10_000
 # ... and at least this: the ranks' gloo connections need it to form (0.001 s failed inside
@@ -1121,3 +1125,13 @@ class RLConfig:
                  f"compare a prompt's samples), got {self.samples_per_prompt}")
         _require_choice(self, "release_memory", ("off", "keep", "offload", "discard"))
         _require(self.vf_coef >= 0, "rl.vf_coef", f"must be >= 0, got {self.vf_coef}")
+        # the trainer's arithmetic is fp32: a coefficient past its range is inf there, and
+        # the first step's loss (inf x a zero KL, say) NaN (found by probing: a traceback)
+        for key in ("lr", "kl_coef", "vf_coef", "mtp_loss_scale", "is_cap", "temperature"):
+            value = getattr(self, key)
+            _require(not math.isfinite(value) or abs(value) <= FP32_MAX, f"rl.{key}",
+                     f"{value:g} is past float32's range ({FP32_MAX:.4g}): the trainer "
+                     "computes in float32")
+        _require(self.temperature >= FP32_TINY, "rl.temperature",
+                 f"{self.temperature:g} is below float32's smallest normal number "
+                 f"({FP32_TINY:.4g}): logits / temperature would be inf")

@@ -613,11 +613,22 @@ class Trainer:
         flag = bad.any().to(torch.int32).reshape(1)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if int(flag.item()):
-            raise FloatingPointError(
+            rl = self.cfg.rl
+            knobs = [f"rl.lr {rl.lr:g}"] + [f"rl.{k} {getattr(rl, k):g}" for k in
+                                            ("kl_coef", "vf_coef", "mtp_loss_scale")
+                                            if getattr(rl, k)]
+            raise TrainingDiverged(
                 f"rl step: the loss or a gradient is not finite on some rank (this rank's "
                 f"loss {float(loss.detach()):.4g}); the optimizer step was skipped and the "
-                "weights are the previous step's -- lower rl.lr (or rl.vf_coef) or check the "
-                "rewards")
+                f"weights are the previous step's -- lower the step's coefficients "
+                f"({', '.join(knobs)}) or check the rewards")
+
+
+class TrainingDiverged(FloatingPointError):
+    """A step's loss or gradients were not finite on some rank (raised on every rank before
+    the optimizer moved anything): the run's coefficients or rewards, a user's to change."""
+
+    user_facing = True  # raised on a rank: the command's one error line (runtime/spawn.py)
 
 
 def setup_mtp(model: torch.nn.Module, scale: float) -> bool:
