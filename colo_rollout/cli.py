@@ -35,7 +35,8 @@ class _Parser(argparse.ArgumentParser):
 
 def main(argv: list[str] | None = None) -> int:
     quiet_known_warnings()
-    ap = _Parser(prog="colo-rollout", description=__doc__.splitlines()[0])
+    ap = _Parser(prog="colo-rollout",  # the docstring's first paragraph: every command
+                 description=" ".join(__doc__.split("\n\n")[0].split()))
     sub = ap.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="serve a synthetic workload and print throughput/latency")
     d.add_argument("config", help="YAML config, e.g. configs/demo_cpu.yaml")
