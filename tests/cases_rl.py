@@ -524,12 +524,23 @@ def data_parallel_split_is_one_batch(rank: int, world: int, algorithm: str,
         if trainer.value_head is not None:
             grads[name].update({f"value_head.{n}": p.grad.clone()
                                 for n, p in trainer.value_head.named_parameters()})
+    # a rollout logprob that is not finite where the loss trains: refused on every rank (the
+    # trajectories are replicated), naming it, before any collective
+    import copy
+
+    bad = copy.deepcopy(trajs)
+    bad[1].logprobs[len(bad[1].tokens) - 2] = float("nan")
+    try:
+        trainer.step(bad)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
     worst = max((grads["one"][k] - g).abs().max().item()
                 / (grads["one"][k].abs().max().item() + 1e-12) for k, g in grads["split"].items())
     worst_stat = max(abs(v - stats["one"][k]) / max(1.0, abs(stats["one"][k]))
                      for k, v in stats["split"].items())
     return {"worst_rel": worst, "worst_stat": worst_stat, "compared": len(grads["split"]),
-            "stats": stats}
+            "stats": stats, "refused": refused}
 
 
 def export_failure_is_collective(rank: int, world: int, directory: str) -> dict:

@@ -194,3 +194,25 @@ def test_every_task_prompt_is_within_the_configs_longest_prompt():
         task, rng = task_for(rl, 64), random.Random(0)
         lens = [len(task.prompt(rng)) for _ in range(200)]
         assert max(lens) == longest
+
+
+def test_padding_values_outside_the_mask_never_reach_the_loss():
+    """-inf / nan where the mask is 0 (an API user's padding) leave the loss and the
+    importance weights finite: selected away, not multiplied by 0 (found by probing)."""
+    new = torch.tensor([[-1.0, float("nan")]], requires_grad=True)
+    old = torch.tensor([[-1.2, float("-inf")]])
+    mask = torch.tensor([[1, 0]])
+    loss = clipped_loss(new, old, torch.tensor([1.0]), mask, kl_coef=0.1,
+                        ref_logp=torch.tensor([[-1.1, float("inf")]]))
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(new.grad).all()
+    for level, mode in (("token", "truncate"), ("sequence", "truncate"), ("token", "mask")):
+        w, kept = MismatchCorrection(level, mode).weights(new, old, mask)
+        assert torch.isfinite(w[mask.bool()]).all() and bool(kept[0, 0]), (level, mode)
+
+
+@pytest.mark.parametrize("args", [("tokens",), ("token", "truncated"), ("token", "truncate", -1.0),
+                                  ("token", "mask", 2.0, 5.0), ("sequence", "mask", 1.0)])
+def test_a_mismatch_correction_it_cannot_mean_is_refused(args):
+    with pytest.raises(ValueError, match="MismatchCorrection"):
+        MismatchCorrection(*args)

@@ -153,6 +153,8 @@ def test_a_data_parallel_split_trains_as_one_batch(worker_groups, algorithm, is_
         assert r["worst_rel"] < 1e-5, r["worst_rel"]
         assert r["worst_stat"] < 1e-6, r["stats"]
         assert r["stats"]["split"]["is_corrected_frac"] > 0.1  # masked IS dropped tokens
+        assert r["refused"] == ("trainer step: trajectory (group 0, sample 1) has a rollout "
+                                "logprob that is not finite at a trained position")
 
 
 def _gradient_problems(res: list, replay: bool, algorithm: str, sharded: int,

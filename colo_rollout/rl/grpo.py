@@ -71,15 +71,18 @@ def clipped_loss(new_logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tens
     1). KL uses the k3 estimator exp(ref - new) - (ref - new) - 1 (non-negative; an unbiased
     estimate of the KL's value). ``totals``: the mean's count is the whole batch's; the sum
     is this rank's rows (its share of the batch's loss: the ranks' shares add up to it)."""
-    ratio = torch.exp(new_logp - old_logp)
+    keep = mask.bool()
+    # positions outside the mask are selected away, never multiplied by 0: a padding value
+    # there (-inf, nan) would make the loss NaN (found by probing)
+    ratio = torch.exp(torch.where(keep, new_logp - old_logp, 0.0))
     a = adv[:, None] if adv.dim() == 1 else adv  # per trajectory (GRPO) or per token (PPO)
     obj = torch.minimum(ratio * a, torch.clamp(ratio, 1 - clip, 1 + clip) * a)
     per_tok = -obj if weights is None else -weights * obj
     if kl_coef and ref_logp is not None:
-        d = ref_logp - new_logp
+        d = torch.where(keep, ref_logp - new_logp, 0.0)
         per_tok = per_tok + kl_coef * (torch.exp(d) - d - 1)
     m = mask.to(per_tok.dtype)
-    return (per_tok * m).sum() / totals.sum(m.sum().detach()).clamp(min=1)
+    return torch.where(keep, per_tok, 0.0).sum() / totals.sum(m.sum().detach()).clamp(min=1)
 
 
 def ppo_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
@@ -120,12 +123,26 @@ class MismatchCorrection:
     cap: float = 2.0
     floor: float = 0.0
 
+    def __post_init__(self) -> None:
+        # (found by probing: 'tokens' ran as token level, 'truncated' as mask, a negative
+        # cap flipped the gradient's sign)
+        if self.level not in ("token", "sequence"):
+            raise ValueError(f"MismatchCorrection: level must be token or sequence, got "
+                             f"{self.level!r}")
+        if self.mode not in ("truncate", "mask"):
+            raise ValueError(f"MismatchCorrection: mode must be truncate or mask, got "
+                             f"{self.mode!r}")
+        if not (self.cap > 1 and 0 <= self.floor < 1):
+            raise ValueError(f"MismatchCorrection: cap must be > 1 and floor in [0, 1), got "
+                             f"cap {self.cap}, floor {self.floor}")
+
     def weights(self, trainer_logp: torch.Tensor, rollout_logp: torch.Tensor,
                 mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """trainer/rollout logp, mask [B, T] -> (weights [B, T], kept [B, T] bool): the
         weight of each token in the loss and whether it stays in; no gradient."""
         m = mask.to(torch.float64)
-        log_w = (trainer_logp.detach() - rollout_logp).to(torch.float64) * m
+        log_w = torch.where(mask.bool(), (trainer_logp.detach() - rollout_logp).to(
+            torch.float64), 0.0)
         if self.level == "sequence":  # geometric mean over the trajectory's tokens
             n = m.sum(dim=1, keepdim=True).clamp(min=1)
             log_w = (log_w.sum(dim=1, keepdim=True) / n).expand_as(log_w)
@@ -143,7 +160,8 @@ def mismatch_metrics(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor,
     """Per-step numbers of the train/inference mismatch over the masked (generated) tokens:
     the logprob gap's max and mean, KL(rollout || trainer) by the k1 and k3 estimators on the
     rollout's samples, the share of tokens whose ratio trainer/rollout falls outside PPO's clip
-    band (what the uncorrected loss clips), and with a correction the weights' mean and max
+    band on either side (the uncorrected loss clips the side its advantage's sign selects),
+    and with a correction the weights' mean and max
     and the share truncated (weight at the cap) or masked out. Over the whole batch
     (``totals``: every rank's tokens)."""
     m = mask.bool()

@@ -478,6 +478,14 @@ class Trainer:
 
     def step(self, trajs: list[Trajectory]) -> dict:
         """One GRPO or PPO update on this DP rank's share of the (replicated) trajectories."""
+        for t in trajs:  # replicated on every rank: every rank refuses alike
+            lp, lm = np.asarray(t.logprobs[1:], dtype=np.float64), np.asarray(t.loss_mask[1:])
+            if not np.isfinite(lp[lm.astype(bool)]).all():
+                # (found by probing: masked IS dropped such a token silently, truncated IS
+                # capped it, the metrics went NaN)
+                raise ValueError(f"trainer step: trajectory (group {t.group}, sample "
+                                 f"{t.sample}) has a rollout logprob that is not finite at a "
+                                 "trained position")
         adv_all = group_advantages([t.reward for t in trajs], [t.group for t in trajs])
         mine = [i for i in range(len(trajs)) if i % self.dp == self.dp_rank]
         batch = [trajs[i] for i in mine]
@@ -493,6 +501,7 @@ class Trainer:
             n = len(t.tokens) - 1
             old[i, :n] = torch.tensor(t.logprobs[1:], device=self.device)
             lmask[i, :n] = torch.tensor(t.loss_mask[1:], device=self.device, dtype=torch.float)
+
         totals = self.totals
         replay_stats = {}
         if self.cfg.rl.routing_replay:  # the mismatch replay removes, measured without it
