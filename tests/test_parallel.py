@@ -80,3 +80,38 @@ def test_every_group_takes_the_configs_timeout(worker_groups, group):
     r0 = worker_groups(2).run("tests.cases_parallel:default_group_is_bounded", timeout=60,
                               group=group)[0]
     assert r0["error"] is not None and r0["seconds"] < 3.5, r0  # (megatron's: 60 s)
+
+
+def test_a_process_no_launcher_started_runs_one_rank_and_refuses_more(monkeypatch):
+    """`python script.py` without torchrun (RANK unset): world_size 1 makes its own one-rank
+    group and serves; world_size 2 is one error naming torchrun, before any group exists
+    (found by probing: torch's 'environment variable RANK expected' from the README's
+    snippet)."""
+    import os
+    import subprocess
+    import sys
+
+    from colo_rollout.runtime.parallel import init_parallel
+
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(RuntimeError, match="run it under torchrun --nproc-per-node 2"):
+        init_parallel(ParallelConfig(world_size=2, adp=2, ep=2, backend="gloo"))
+    script = (
+        "from colo_rollout.config import config_from_dict\n"
+        "from colo_rollout.runtime.parallel import init_parallel\n"
+        "from colo_rollout.engine.engine import Engine\n"
+        "from colo_rollout.sched.request import Request, SamplingParams\n"
+        "from colo_rollout.model.weights import random_state_dict\n"
+        "cfg = config_from_dict({'parallel': {'world_size': 1, 'adp': 1, 'ep': 1, "
+        "'backend': 'gloo'}, 'model': {'num_layers': 1, 'hidden_size': 32, "
+        "'num_attention_heads': 2, 'num_query_groups': 1, 'num_experts': 2, "
+        "'moe_router_topk': 2, 'moe_ffn_hidden_size': 16, 'vocab_size': 64}})\n"
+        "e = Engine(cfg, init_parallel(cfg.parallel), random_state_dict(cfg.model))\n"
+        "print('tokens', len(e.generate([Request('a', (1, 2), "
+        "SamplingParams(max_tokens=3))])['a'].tokens))\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+    got = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=240, env=env, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert got.returncode == 0 and "tokens 3" in got.stdout, got.stderr[-2000:]

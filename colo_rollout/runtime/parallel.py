@@ -159,6 +159,15 @@ def resolve_backend(cfg: ParallelConfig) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def _free_port() -> int:
+    """A TCP port of this host no one listens on now (a one-rank group's store)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def init_parallel(cfg: ParallelConfig) -> ParallelGroups:
     """Initialise torch.distributed (if needed), megatron parallel_state and our own groups.
 
@@ -177,7 +186,16 @@ def init_parallel(cfg: ParallelConfig) -> ParallelGroups:
         from colo_rollout.runtime.nccl_env import apply_nccl_env
 
         apply_nccl_env()
-    if not dist.is_initialized():
+    if not dist.is_initialized() and "RANK" not in os.environ:
+        # a plain `python script.py` (no torchrun): one rank runs on its own; more need a
+        # launcher (found by probing: torch's "environment variable RANK expected")
+        if cfg.world_size != 1:
+            raise RuntimeError(f"parallel.world_size {cfg.world_size}: this process was not "
+                               f"started by a launcher (RANK is not set); run it under "
+                               f"torchrun --nproc-per-node {cfg.world_size}")
+        dist.init_process_group(backend=backend, timeout=timeout, rank=0, world_size=1,
+                                init_method=f"tcp://127.0.0.1:{_free_port()}")
+    elif not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=timeout)
     else:  # made by a spawner (runtime/spawn.py): its default group's timeout becomes ours,
         # so a collective on it (a weight sync's copies, a checkpoint export's verdict) that a
