@@ -222,6 +222,72 @@ def test_logprob_is_under_unmodified_distribution(params: SamplingParams) -> Non
     assert max(abs(lp - mod[i, t].item()) for i, (t, lp) in enumerate(zip(toks, lps))) > 1e-2
 
 
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.4, tempered_logprobs=True),
+    SamplingParams(temperature=2.0, top_k=3, tempered_logprobs=True),
+    SamplingParams(temperature=0.7, top_p=0.6, tempered_logprobs=True),
+])
+def test_tempered_logprobs_are_of_the_distribution_drawn_from(params: SamplingParams) -> None:
+    """``tempered_logprobs``: log_softmax(logits / T) of the sampled token (before top-k /
+    top-p), what a trainer dividing its logits by the rollout temperature recomputes; rows
+    without it in the same batch keep the model's own logprobs bit for bit, and the tokens
+    drawn are the same either way (the flag changes what is reported, not the draw)."""
+    torch.manual_seed(7)
+    logits = torch.randn(300, 17) * 2
+    plain = SamplingParams(temperature=params.temperature, top_k=params.top_k,
+                           top_p=params.top_p)
+    mixed = [params if i % 2 == 0 else plain for i in range(300)]
+    toks, lps = sample(logits, mixed, gen(8))
+    toks_plain, lps_plain = sample(logits, [plain] * 300, gen(8))
+    assert toks == toks_plain
+    mod = torch.log_softmax(logits.double() / params.temperature, dim=-1)
+    for i, (t, lp) in enumerate(zip(toks, lps)):
+        if i % 2 == 0:
+            assert lp == pytest.approx(mod[i, t].item(), abs=1e-5), i
+        else:
+            assert lp == lps_plain[i], i  # bit for bit
+
+
+def test_tempered_logprobs_leave_greedy_rows_and_the_d_graph_draw_alike() -> None:
+    """A greedy row with the flag is the model's own logprob (its temperature is 0); the
+    D graphs' draw (``draw_tensors`` with the per-row ``logprob_temperatures`` buffer, ones
+    where unset) gives the eager sampler's tokens and logprobs."""
+    from colo_rollout.worker.sampler import (Draw, draw_params, draw_tensors,
+                                             logprob_temperatures)
+
+    torch.manual_seed(3)
+    logits = torch.randn(6, 17) * 2
+    params = [SamplingParams(temperature=0.0, tempered_logprobs=True),
+              SamplingParams(temperature=0.5, tempered_logprobs=True),
+              SamplingParams(temperature=0.5), SamplingParams(temperature=1.3, top_k=4,
+                                                              tempered_logprobs=True)]
+    assert [p.logprob_temperature for p in params] == [1.0, 0.5, 1.0, 1.3]
+    table = torch.tensor(draw_params(params, 6), dtype=torch.float32).view(3, 6)
+    lpt = torch.tensor(logprob_temperatures(params, 6), dtype=torch.float32)
+    assert lpt.tolist() == [1.0, 0.5, 1.0, pytest.approx(1.3), 1.0, 1.0]
+    toks, lps = draw_tensors(Draw.TRUNCATED, logits, table, gen(4), lpt)
+    etoks, elps = sample(logits, params + [SamplingParams()] * 2, gen(4))
+    assert toks.tolist() == etoks and lps.tolist() == elps
+    ref = torch.log_softmax(logits, dim=-1)
+    assert lps[0].item() == ref[0, toks[0]].item() and toks[0] == logits[0].argmax()
+    # ones everywhere: exactly the draw without the buffer (division by 1 is exact)
+    ones = torch.ones(6)
+    a = draw_tensors(Draw.TEMPERATURE, logits, table, gen(5), ones)
+    b = draw_tensors(Draw.TEMPERATURE, logits, table, gen(5))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_tempered_logprobs_cross_the_wire_and_are_validated() -> None:
+    from colo_rollout.sched.request import RequestError
+
+    p = SamplingParams(temperature=0.7, tempered_logprobs=True)
+    assert SamplingParams.from_json(p.to_json()) == p
+    old_wire = {k: v for k, v in p.to_json().items() if k != "tempered_logprobs"}
+    assert SamplingParams.from_json(old_wire).tempered_logprobs is False
+    with pytest.raises(RequestError, match="tempered_logprobs must be a bool"):
+        SamplingParams(temperature=0.7, tempered_logprobs="yes").validate("r", 17)
+
+
 # --------------------------------------------------------------------------- numerics
 
 

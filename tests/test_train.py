@@ -39,6 +39,17 @@ def test_the_kl_term_pulls_toward_the_first_steps_policy(worker_groups, tmp_path
     assert max(x["logprob_gap_max"] for x in h) < 1e-4  # the weights came back exactly
 
 
+def test_a_tempered_rollout_trains_the_policy_it_drew_from(worker_groups, tmp_path):
+    """rl.temperature 0.6: the rollouts report their tokens' logprobs under softmax(logits /
+    0.6) and the trainer divides its logits by 0.6 -- the two agree as at temperature 1 (the
+    trainer at T = 1 against the rollout's tempered numbers would be O(1) apart)."""
+    res = worker_groups(2).run("colo_rollout.rl.train:run_train", timeout=600, config_path=CFG,
+                               overrides={"rl.out_dir": str(tmp_path), "rl.steps": 3,
+                                          "rl.temperature": 0.6}, quiet=True)
+    h = res[0]["history"]
+    assert len(h) == 3 and max(x["logprob_gap_max"] for x in h) < 1e-4, h
+
+
 def test_a_frozen_mtp_layer_syncs_and_stays_frozen(worker_groups, tmp_path):
     """rl.mtp_loss_scale 0 freezes the trainer's MTP layer (megatron then reads no MTP count
     from its config): the sync still pairs the two models' MTP layers (found by probing: the

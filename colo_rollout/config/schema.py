@@ -996,11 +996,10 @@ class RLConfig:
     samples_per_prompt: int = 4
     # Generated tokens per sample.
     max_new_tokens: int = 4
-    # Sampling temperature during rollout. The engine's logprobs, the trainer's and so the
-    # PPO ratio and the importance weights are all of the model's own distribution
-    # (temperature 1): at another temperature the tokens come from a sharper or flatter
-    # distribution than the policy trained, a gap none of them sees -- 1.0 keeps the
-    # rollouts on-policy (verl and OpenRLHF divide the logits by it on both sides instead).
+    # Sampling temperature during rollout. The policy trained is the tempered one, pi_T =
+    # softmax(logits / T), as in verl and OpenRLHF: the rollout reports its tokens' logprobs
+    # under it (SamplingParams.tempered_logprobs) and the trainer divides its logits by T, so
+    # the PPO ratio and the importance weights compare the distribution the tokens came from.
     temperature: float = 1.0
     # Adam learning rate.
     lr: float = 0.01

@@ -188,9 +188,8 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
             else:
                 t.status = "truncated"
             return
-        p = SamplingParams(temperature=params.temperature, top_k=params.top_k,
-                           top_p=params.top_p, ignore_eos=params.ignore_eos,
-                           max_tokens=min(budget.pop(sid, params.max_tokens), room))
+        p = dataclasses.replace(params, max_tokens=min(budget.pop(sid, params.max_tokens),
+                                                       room))
         req = Request(f"{sid}#{turn}", tuple(tokens), p, session=sid)
         inflight[sid] = req.request_id
         try:

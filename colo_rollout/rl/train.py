@@ -56,8 +56,10 @@ def run_train(rank: int, world: int, config_path: str, overrides: dict | None = 
     sync(trainer.module, engine.model)  # start from identical weights (checks the plan too)
     rng = random.Random(cfg.rl.seed)
     task = task_for(cfg.rl, cfg.model.vocab_size)
+    # the rollout's logprobs are of the tempered distribution it draws from, as the trainer's
+    # (Trainer.token_logprobs divides by rl.temperature): the policy trained is pi_T
     params = SamplingParams(temperature=cfg.rl.temperature, max_tokens=cfg.rl.max_new_tokens,
-                            ignore_eos=True)
+                            ignore_eos=True, tempered_logprobs=True)
     os.makedirs(cfg.rl.out_dir, exist_ok=True)
     log = open(os.path.join(cfg.rl.out_dir, "metrics.jsonl"), "w") if rank == 0 else None
     tb = _tensorboard(cfg.rl.out_dir) if rank == 0 else None

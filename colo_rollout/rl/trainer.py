@@ -431,7 +431,9 @@ class Trainer:
 
     def token_logprobs(self, trajs: list[Trajectory], replay: bool | None = None,
                        shape: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """log p(token_t | tokens_<t) under the trainer for every position t >= 1, padded:
+        """log p(token_t | tokens_<t) under the trainer at ``rl.temperature`` (the logits
+        divided by it, as the RL loop's rollouts draw and report: SamplingParams
+        ``tempered_logprobs``) for every position t >= 1, padded:
         returns (logp [B, T-1], valid [B, T-1]); ``shape`` (rows B, tokens T): at least the
         trajectories' (default: exactly), the rest padding. ``replay`` (default
         ``rl.routing_replay``): the forward routes as the rollout did (``replay_routing``).
@@ -473,7 +475,10 @@ class Trainer:
                         RouterReplayAction.REPLAY_BACKWARD)
             else:  # the forward's saved tensors hold the replayed routing
                 self.end_replay()
-        logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+        x = logits[:, :-1]
+        if self.cfg.rl.temperature != 1.0:  # the policy the rollout drew from: pi_T
+            x = x / self.cfg.rl.temperature
+        logp = torch.log_softmax(x, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
         return logp, valid
 
     def step(self, trajs: list[Trajectory]) -> dict:

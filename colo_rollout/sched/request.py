@@ -148,6 +148,11 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = off
     max_tokens: int = 16  # generated tokens, >= 1
     ignore_eos: bool = False  # generate exactly max_tokens (benchmarks, fixed-work replays)
+    # logprobs of the distribution the token is drawn from -- log_softmax(logits /
+    # temperature), before top-k / top-p -- instead of the model's own (temperature 1). What
+    # an RL trainer that divides its logits by the rollout temperature recomputes (the RL
+    # loop's rollouts); greedy rows are the model's own either way.
+    tempered_logprobs: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -173,22 +178,33 @@ class SamplingParams:
         max_tokens = _integer(self.max_tokens)
         if max_tokens is None or max_tokens < 1:
             raise bad(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if not (isinstance(self.ignore_eos, bool)
-                or _is_bool(self.ignore_eos) and getattr(self.ignore_eos, "shape", None) == ()):
-            raise bad(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__} "
-                      f"{self.ignore_eos!r}")
+        for name in ("ignore_eos", "tempered_logprobs"):
+            value = getattr(self, name)
+            if not (isinstance(value, bool)
+                    or _is_bool(value) and getattr(value, "shape", None) == ()):
+                raise bad(f"{name} must be a bool, got {type(value).__name__} {value!r}")
 
     def to_json(self) -> dict:
         """Plain Python values (what the ranks' control message encodes: numpy scalars that
         pass ``validate`` become floats, ints and bools here)."""
-        return {"temperature": _real(self.temperature), "top_k": _integer(self.top_k),
+        wire = {"temperature": _real(self.temperature), "top_k": _integer(self.top_k),
                 "top_p": _real(self.top_p), "max_tokens": _integer(self.max_tokens),
                 "ignore_eos": bool(self.ignore_eos)}
+        if self.tempered_logprobs:  # (absent: off -- the wire of every other request as it was)
+            wire["tempered_logprobs"] = True
+        return wire
 
     @classmethod
     def from_json(cls, d: dict) -> "SamplingParams":
         return cls(temperature=d["temperature"], top_k=d["top_k"], top_p=d["top_p"],
-                   max_tokens=d["max_tokens"], ignore_eos=d["ignore_eos"])
+                   max_tokens=d["max_tokens"], ignore_eos=d["ignore_eos"],
+                   tempered_logprobs=d.get("tempered_logprobs", False))
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature this row's logprob is computed at: its own with
+        ``tempered_logprobs`` on a sampled row, else 1 (the model's distribution)."""
+        return float(self.temperature) if self.tempered_logprobs and not self.greedy else 1.0
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,8 @@ import torch
 from colo_rollout.model.attention import AttnMetadata
 from colo_rollout.model.model import DecodeInputs, InferenceGPT
 from colo_rollout.model.weights import loadable_tensors
-from colo_rollout.worker.sampler import Draw, draw_params, draw_tensors, greedy_tensors
+from colo_rollout.worker.sampler import (Draw, draw_params, draw_tensors, greedy_tensors,
+                                         logprob_temperatures)
 from colo_rollout.worker.speculate import ROWS_PER_SEQUENCE, verify_and_draft
 from colo_rollout.runtime.device import h2d
 
@@ -98,6 +99,8 @@ class _Graph:
         # rows greedy), and per Draw the graph and its packed output
         self.draw_params = torch.zeros(3, rows, dtype=torch.float32, device=device)
         self.draw_params[2].fill_(1.0)
+        # each row's logprob temperature (1: the model's own distribution; sampler.py)
+        self.logprob_temps = torch.ones(rows, dtype=torch.float32, device=device)
         self.draw_graphs: dict[Draw, torch.cuda.CUDAGraph] = {}
         self.drawn: dict[Draw, torch.Tensor] = {}
 
@@ -218,6 +221,8 @@ class DecodeGraphs:
             self._capture_draw(g, kind)
         g.draw_params.copy_(h2d(draw_params(params, g.rows), torch.float32,
                                 self.device).view(3, g.rows), non_blocking=True)
+        g.logprob_temps.copy_(h2d(logprob_temperatures(params, g.rows), torch.float32,
+                                  self.device), non_blocking=True)
         g.draw_graphs[kind].replay()
         self.draws += 1
         return g.drawn[kind]
@@ -246,7 +251,8 @@ class DecodeGraphs:
     def _draw_step(self, g: _Graph, kind: Draw) -> torch.Tensor:
         """What a draw graph runs: the draw of g's logits (engine.mtp: then the verify and the
         MTP draft on the drawn tokens)."""
-        tokens, logprobs = draw_tensors(kind, g.logits, g.draw_params, self.generator)
+        tokens, logprobs = draw_tensors(kind, g.logits, g.draw_params, self.generator,
+                                        g.logprob_temps)
         if self.model.mtp_draft:
             return verify_and_draft(self.model, self.kv, g.inputs, g.logits, g.hidden,
                                     tokens, logprobs)

@@ -2,7 +2,10 @@
 
 Owns the math only. Runs on the replica leader's device; the engine's control plane shares the
 result with every rank. ``logprob`` is log p(token) under the unmodified model distribution
-(temperature 1, no truncation) -- what an RL trainer recomputes.
+(temperature 1, no truncation) -- what an RL trainer recomputes -- or, for a sampled row with
+``tempered_logprobs``, under the distribution it was drawn from before truncation,
+log_softmax(logits / temperature) (a trainer that divides its logits by the rollout
+temperature: the RL loop's).
 
 Random draws use the exponential-race form of categorical sampling (argmax of p / Exp(1)) with
 one seeded generator per engine, so a run is reproducible for a fixed request order and layout.
@@ -46,7 +49,9 @@ def sample_tensors(logits: torch.Tensor, params: list[SamplingParams],
         return greedy_tensors(logits)
     rows = logits.shape[0]
     table = h2d(draw_params(params, rows), torch.float32, logits.device).view(3, rows)
-    return draw_tensors(kind, logits, table, generator)
+    lpt = (h2d(logprob_temperatures(params, rows), torch.float32, logits.device)
+           if any(p.logprob_temperature != 1.0 for p in params) else None)
+    return draw_tensors(kind, logits, table, generator, lpt)
 
 
 class Draw(enum.Enum):
@@ -71,15 +76,19 @@ def draw_for(params: Iterable[SamplingParams]) -> Draw:
     return kind
 
 
-def _tempered(logits: torch.Tensor, temperature: torch.Tensor):
-    """(logprobs [n, V] of the unmodified distribution, greedy tokens [n], rows that draw
-    [n], the tempered logits [n, V]). Shifted by the row max first: (x - max) / T stays
-    finite-or--inf for any T > 0, so a tiny temperature tends to greedy instead of NaN."""
+def _tempered(logits: torch.Tensor, temperature: torch.Tensor,
+              logprob_temperature: torch.Tensor | None = None):
+    """(logprobs [n, V] of the unmodified distribution -- or, with ``logprob_temperature``
+    [n], of logits / it per row (1: the unmodified one, bit for bit) --, greedy tokens [n],
+    rows that draw [n], the tempered logits [n, V]). Shifted by the row max first: (x - max)
+    / T stays finite-or--inf for any T > 0, so a tiny temperature tends to greedy instead of
+    NaN."""
     logits = logits.float()
     hot = temperature > 0
     t = torch.where(hot, temperature, torch.ones_like(temperature))[:, None]
     sub = (logits - logits.max(dim=-1, keepdim=True).values) / t
-    return torch.log_softmax(logits, dim=-1), logits.argmax(dim=-1), hot, sub
+    x = logits if logprob_temperature is None else logits / logprob_temperature[:, None]
+    return torch.log_softmax(x, dim=-1), logits.argmax(dim=-1), hot, sub
 
 
 def _race(logp, greedy, hot, sub, generator):
@@ -92,25 +101,28 @@ def _race(logp, greedy, hot, sub, generator):
 
 
 def temperature_tensors(logits: torch.Tensor, temperature: torch.Tensor,
-                        generator: torch.Generator | None
+                        generator: torch.Generator | None,
+                        logprob_temperature: torch.Tensor | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every row of ``logits`` [n, V] drawn at its ``temperature`` [n] (fp32 on the logits'
     device; 0 = greedy, the row's argmax bit for bit as ``greedy_tensors``): tokens [n] int64,
     logprobs [n] fp32 under the unmodified distribution. Fixed shapes and no host read, so a
     CUDA graph can capture it; noise is drawn for every row (greedy ones too), so the random
-    stream advances by the same amount for a given n whichever rows are greedy."""
-    return _race(*_tempered(logits, temperature), generator)
+    stream advances by the same amount for a given n whichever rows are greedy.
+    ``logprob_temperature`` [n]: each row's logprob at that temperature (``_tempered``)."""
+    return _race(*_tempered(logits, temperature, logprob_temperature), generator)
 
 
 def truncated_tensors(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                      top_p: torch.Tensor, generator: torch.Generator | None
+                      top_p: torch.Tensor, generator: torch.Generator | None,
+                      logprob_temperature: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """``temperature_tensors`` with each row's top-k (``top_k`` [n] int64, 0 = off) and then
     nucleus (``top_p`` [n] fp32, 1 = off) truncation of its tempered distribution -- a row
     keeps the logits >= its k-th largest, then drops a token when the mass strictly before it
     already reaches top_p (keeping >= 1) -- as tensor ops over a sort of every row:
     graph-capturable. Greedy rows are their argmax bit for bit."""
-    logp, greedy, hot, sub = _tempered(logits, temperature)
+    logp, greedy, hot, sub = _tempered(logits, temperature, logprob_temperature)
     V = sub.shape[-1]
     ordered, order = sub.sort(dim=-1, descending=True)
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V)).clamp(max=V)
@@ -125,15 +137,24 @@ def truncated_tensors(logits: torch.Tensor, temperature: torch.Tensor, top_k: to
 
 
 def draw_tensors(kind: Draw, logits: torch.Tensor, params: torch.Tensor,
-                 generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+                 generator: torch.Generator | None,
+                 logprob_temperature: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A TEMPERATURE or TRUNCATED draw of ``logits`` [n, V] from ``params`` [3, n] fp32 (rows:
     temperature, top_k, top_p; ``draw_params`` makes it): what the D graphs' draw graphs and
-    eager D both run."""
+    eager D both run. ``logprob_temperature`` [n] fp32 (``logprob_temperatures`` makes it;
+    None: every row's logprob of the unmodified distribution)."""
     if kind is Draw.TEMPERATURE:
-        return temperature_tensors(logits, params[0], generator)
+        return temperature_tensors(logits, params[0], generator, logprob_temperature)
     if kind is Draw.TRUNCATED:
-        return truncated_tensors(logits, params[0], params[1].long(), params[2], generator)
+        return truncated_tensors(logits, params[0], params[1].long(), params[2], generator,
+                                 logprob_temperature)
     raise ValueError(f"no tensor draw for {kind}")
+
+
+def logprob_temperatures(params: list[SamplingParams], rows: int) -> list[float]:
+    """Each row's ``SamplingParams.logprob_temperature`` (rows past ``params``: 1)."""
+    return [p.logprob_temperature for p in params] + [1.0] * (rows - len(params))
 
 
 TOP_P_FLOOR = 1.1754943508222875e-38  # fp32's least normal number
