@@ -703,10 +703,12 @@ def gpu_sampled_graphs(rank: int, world: int, adp: int, ep: int, mtp: bool = Fal
     rng = random.Random(4)
     prompts = [tuple(rng.randrange(V) for _ in range(rng.choice([8, 40, 120])))
                for _ in range(8 * adp)]
-    # mostly T = 0.8, every fourth greedy: a Draw.TEMPERATURE iteration mixes both
+    # mostly T = 0.8, every fourth greedy: a Draw.TEMPERATURE iteration mixes both; every
+    # fourth reports tempered logprobs (the draw graph's per-row logprob temperatures)
     cut = {"top_k": 20, "top_p": 0.9} if truncate else {}
     params = [SamplingParams(temperature=0.0 if i % 4 == 3 else 0.8, max_tokens=32,
-                             ignore_eos=True, **({} if i % 4 == 3 else cut))
+                             ignore_eos=True, tempered_logprobs=i % 4 == 1,
+                             **({} if i % 4 == 3 else cut))
               for i in range(len(prompts))]
     greedy = SamplingParams(max_tokens=32, ignore_eos=True)
 
