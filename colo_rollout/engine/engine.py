@@ -394,7 +394,8 @@ class Engine:
             raise DeviceStall(f"rank {self.groups.rank}, step {self.scheduler.step_no}: "
                               f"{e}") from e
         except RuntimeError as e:
-            if isinstance(e, (ControlError, RendezvousError)) or not transport_failure(e):
+            if isinstance(e, (ControlError, RendezvousError, ReplicaDivergence)) \
+                    or not transport_failure(e):
                 raise
             # a collective of the model's forward (its gloo/NCCL groups) failed: a peer
             # stalled past parallel.timeout_s, exited, or is in another call -- named here

@@ -161,9 +161,8 @@ def mismatch_metrics(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor,
     the logprob gap's max and mean, KL(rollout || trainer) by the k1 and k3 estimators on the
     rollout's samples, the share of tokens whose ratio trainer/rollout falls outside PPO's clip
     band on either side (the uncorrected loss clips the side its advantage's sign selects),
-    and with a correction the weights' mean and max
-    and the share truncated (weight at the cap) or masked out. Over the whole batch
-    (``totals``: every rank's tokens)."""
+    and with a correction the weights' mean and max and the share truncated (weight at the
+    cap) or masked out. Over the whole batch (``totals``: every rank's tokens)."""
     m = mask.bool()
     d = (trainer_logp.detach() - rollout_logp).double()[m]  # log(pi_train / pi_rollout)
     ratio = torch.exp(d)
