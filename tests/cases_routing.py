@@ -131,3 +131,57 @@ def routing_round_trip(rank: int, world: int, adp: int, ep: int, mode: str,
             "shift_vs_free_logp": float((sh_logp - free_logp)[valid].abs().max()),
             "rollout_vs_replay_logp": rollout_gap, "errors": errors, "L": L,
             "routing": [t.routing.tolist() for t in batch]}
+
+
+def routing_store_stays_bounded(rank: int, world: int) -> dict:
+    """The routing store over many calls (found by probing): a session id used again for a
+    new conversation starts from no routing (it returned the old conversation's positions),
+    and the routing of closed sessions nobody took -- generate() with sessions, rollout()
+    calls a reward interrupted -- is forgotten when the next collective call begins (the
+    store grew by every one)."""
+    from colo_rollout.sched.request import Request
+
+    cfg = tiny_config(world, world, world, record_routing=True)
+    groups = init_parallel(cfg.parallel)
+    engine = Engine(cfg, groups, random_state_dict(cfg.model))
+    p = SamplingParams(max_tokens=4, ignore_eos=True)
+    out = {}
+    for i in range(12):  # sessions served and closed, their routing never taken
+        sid = f"conv{i}"
+        engine.generate([Request(f"{sid}#0", (1, 2, 3, 4 + i), p, session=sid)])
+        engine.close_session(sid)
+    engine.generate([])  # applies the last close
+    out["after_closed"] = len(engine.routes)  # the last close's, kept for one more call
+    # a closed session's routing can still be taken in the call after the close
+    engine.generate([Request("keep#0", (5, 6, 7), p, session="keep")])
+    engine.close_session("keep")
+    engine.generate([])
+    out["kept_rows"] = engine.take_routing("keep").shape[0]
+    # the id of a long closed conversation, used again for a short new one
+    engine.generate([Request("x#0", tuple(range(1, 41)),
+                             SamplingParams(max_tokens=20, ignore_eos=True), session="x")])
+    engine.close_session("x")
+    engine.generate([Request("x#0", (9, 9, 9), p, session="x")])
+    out["reused_rows"] = engine.take_routing("x").shape[0]  # 3 + 4 tokens: 6 inputs
+    engine.close_session("x")
+    calls = [0]
+
+    def interrupt(prompt, completion):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise KeyboardInterrupt
+        return 0.0
+
+    for k in range(6):
+        calls[0] = 0
+        try:
+            rollout(engine, [[1, 2, 3], [4, 5]], params=SamplingParams(temperature=1.0,
+                                                                       max_tokens=5),
+                    n=3, reward_fn=interrupt, tag=f"cut{k}")
+        except KeyboardInterrupt:
+            pass
+    out["after_interrupts"] = len(engine.routes)  # the last call's 6 at most
+    engine.generate([])
+    out["at_rest"] = len(engine.routes)
+    engine.close()
+    return out

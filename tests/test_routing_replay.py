@@ -135,3 +135,11 @@ def test_recompute_needs_gpus_at_the_door():
     with pytest.raises(ConfigError, match="rl.recompute"):
         RLConfig(recompute="selective")
     assert Config(parallel=ParallelConfig(backend="nccl"), rl=RLConfig(recompute="full"))
+
+
+def test_the_routing_store_stays_bounded_and_a_reused_session_starts_afresh(worker_groups):
+    r = worker_groups(1).run("tests.cases_routing:routing_store_stays_bounded", timeout=300)[0]
+    assert r["after_closed"] <= 1, r
+    assert r["kept_rows"] == 6, r  # 3 prompt + 4 new tokens: 6 inputs
+    assert r["reused_rows"] == 6, r  # the new conversation's, not the old one's 59
+    assert r["after_interrupts"] <= 6 and r["at_rest"] == 0, r

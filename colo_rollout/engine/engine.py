@@ -225,6 +225,9 @@ class Engine:
         # the last step's exchange refusals of every rank, as (submitting rank, output): the
         # same list on every rank (the exchange and the checks are replicated)
         self.exchange_refusals: list[tuple[int, RequestOutput]] = []
+        # sessions closed since the last collective call began whose routing nobody took:
+        # dropped when the next one begins (agree_ready), so the store stays bounded
+        self._closed_routes: set[str] = set()
         # step statistics, the P/D timeline, host seconds by part (engine/recorder.py)
         self.recorder = Recorder()
         self.history = self.recorder.history
@@ -484,13 +487,21 @@ class Engine:
                 if sid in self.scheduler.sessions and not self.scheduler.sessions[sid].busy \
                         or sid in self.scheduler.ended:
                     self.scheduler.close_session(sid)
+                    self._closed_routes.add(sid)
         self.exchange_refusals = []
         for m in msgs:
             for s in m.submits:
                 req = Request(s["id"], tuple(s["prompt"]), SamplingParams.from_json(s["params"]),
                               session=s.get("session"))
+                key = req.session or req.request_id
+                fresh = req.session is None or req.session not in self.scheduler.sessions
                 try:
                     self.scheduler.add(req, now)
+                    if fresh and self.routes is not None:
+                        # a new conversation under a used key starts from no routing (found
+                        # by probing: a reused session id returned the old one's positions)
+                        self.routes.drop(key)
+                        self._closed_routes.discard(key)
                 except RequestError as e:
                     self.rejected.append(_rejected(req, str(e)))
                     self.exchange_refusals.append((m.rank, self.rejected[-1]))
@@ -727,6 +738,14 @@ class Engine:
         if problem is None and idle and (self.busy() or self._outbox.submits):
             problem = ("requests submitted outside this call are in flight or unsent; "
                        "serve them first (generate(), or step() until idle) or cancel them")
+        if self.routes is not None:
+            # the routing of sessions closed before this call that nobody took (generate()
+            # with sessions, an interrupted rollout()): a closed conversation's is taken in
+            # the call that closed it or the one after, else forgotten here (found by
+            # probing: the store grew by every closed session)
+            for key in self._closed_routes:
+                self.routes.drop(key)
+            self._closed_routes.clear()
         mine = [problem, self.paused, request_problem]
         if self.groups.layout.world_size == 1:
             every = [mine]

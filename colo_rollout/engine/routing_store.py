@@ -77,5 +77,11 @@ class RoutingStore:
             n = min(n, inputs)
         return arr[:n].copy(), st[:n].copy()
 
+    def drop(self, key: str) -> None:
+        """Forget ``key``'s ids (a new conversation under a used key; a closed one nobody
+        took)."""
+        self._ids.pop(key, None)
+        self._stamps.pop(key, None)
+
     def __len__(self) -> int:
         return len(self._ids)
