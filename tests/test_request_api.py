@@ -144,12 +144,14 @@ def api_on_two_ranks(rank: int, world: int) -> dict:
             "tokens": {rid: outs[rid].tokens for rid in ("np", "py", "np32", "dup")},
             "reasons": sorted({o.finish_reason.value for o in outs.values()}),
             "keys": sorted(outs),
-            "rejected": [(repr(o.request_id), o.error) for o in engine.rejected]}
+            "rejected": [(repr(o.request_id), o.error) for o in engine.rejected],
+            "rejected_kept": engine.rejected.maxlen}
 
 
 def test_engine_api_refuses_types_and_serves_numpy_ids(worker_groups):
     res = worker_groups(2).run("tests.test_request_api:api_on_two_ranks")
     for r in res:
+        assert r["rejected_kept"] == 4096  # the list of refusals is bounded in a long run
         e = r["errors"]
         assert e["submit list id"] == "request id must be a non-empty string, got ['a']"
         assert "token id 2.5 at position 1 is a float" in e["submit float id"]

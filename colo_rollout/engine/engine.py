@@ -25,6 +25,7 @@ a long P epoch on the GPU never blocks the host loop.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import time
@@ -70,6 +71,7 @@ from colo_rollout.multiplex.stream_route import StreamRoute
 # the sections every rank's engine must hold alike: their values shape the collectives (the
 # model's and the layout's) and the replicated scheduler's decisions (the engine's)
 SHARED_SECTIONS = ("model", "engine", "parallel")
+REJECTED_KEPT = 4096  # Engine.rejected keeps the latest this many refusals
 
 
 def check_same_config(cfg: Config, groups: ParallelGroups) -> None:
@@ -218,7 +220,10 @@ class Engine:
                              if cfg.engine.stall_dump_s > 0 else None)
         self._last_plan: StepPlan | None = None
         self._last_sampled: list[Sampled] = []
-        self.rejected: list[RequestOutput] = []  # every refusal seen on this rank, in order
+        # the refusals seen on this rank, in order: the latest REJECTED_KEPT (a long run's
+        # memory stays bounded)
+        self.rejected: collections.deque[RequestOutput] = collections.deque(
+            maxlen=REJECTED_KEPT)
         self._refused_here: list[RequestOutput] = []  # this rank's, refused at the exchange
         # the last exchange's expect_same difference: (sentence, rank, key), or None
         self._diverged: tuple[str, int, str | None] | None = None
