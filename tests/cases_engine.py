@@ -1126,6 +1126,29 @@ def sessions_follow_new_weights_and_hand_over(rank: int, world: int, adp: int,
     return res
 
 
+def hand_over_is_refused_on_every_rank(rank: int, world: int) -> dict:
+    """A hand-over that one rank must refuse (its close_session not yet sent) is refused on
+    every rank (found by probing: rank 0 alone refused, the others built the next engine
+    against a broken control group); once the close went out it works."""
+    cfg, groups, sd, engine = _engine(world, world, world)
+    engine.generate([Request("S-t0", (1, 2, 3), SamplingParams(max_tokens=2), session="S")])
+    if rank == 0:
+        engine.close_session("S")
+    try:
+        Engine(cfg, groups, worker=engine.worker)
+        refused = None
+    except RuntimeError as e:
+        refused = str(e)
+    engine.step()  # the close goes out
+    # without routing recording nothing waits on closed sessions (found by probing: the
+    # set of closed sessions awaiting their routing grew by every close)
+    closed_waiting = len(engine._closed_routes)
+    nxt = Engine(cfg, groups, worker=engine.worker)
+    after = nxt.generate([Request("x", (1, 2), SamplingParams(max_tokens=2))])["x"].tokens
+    nxt.close()
+    return {"refused": refused, "after": len(after), "closed_waiting": closed_waiting}
+
+
 def a_failed_collective_is_named(rank: int, world: int) -> dict:
     """A backend failure inside a step (what gloo raises when a peer stalls past the timeout,
     as a plain RuntimeError) comes out of step() as a ControlError naming the rank and step;

@@ -39,3 +39,11 @@ def test_a_session_follows_new_weights_and_a_hand_over(worker_groups, world, adp
     assert r0["mismatches"] == [] and r0["max_logprob_diff"] < LOGPROB_TOL
     assert r0["retained"] == 1 and all(len(t) == 4 for t in r0["tokens"])
     assert all(r["tokens"] == r0["tokens"] for r in res)
+
+
+def test_a_hand_over_one_rank_must_refuse_is_refused_on_every_rank(worker_groups):
+    res = worker_groups(2).run(f"{C}:hand_over_is_refused_on_every_rank")
+    for r in res:
+        assert "hand_over() of an engine with requests in flight or unsent" in r["refused"], r
+        assert r["after"] == 2 and r["closed_waiting"] == 0, r
+    assert res[1]["refused"].startswith("rank 0: "), res[1]

@@ -164,3 +164,33 @@ def test_normal_runs_one_phase_and_counts_p_as_d_wait_when_d_was_ready():
     assert log == ["P", "D"]
     parts.recorder.end_step(_Plan(False, True), p_in_flight=False, d_ready=3)
     assert parts.recorder.history[-1].d_wait_s > 0 and parts.recorder.history[-1].d_rows == 1
+
+
+def test_the_recorder_keeps_the_latest_steps_and_whole_run_totals(monkeypatch):
+    """history / timeline keep the latest HISTORY_KEPT / TIMELINE_KEPT entries (a long RL
+    run's memory stays bounded; found by probing: ~20 entries per rollout step, for ever),
+    while host_seconds still covers every step since the engine was made."""
+    import time
+    from types import SimpleNamespace
+
+    from colo_rollout.engine import recorder as rec_mod
+    from colo_rollout.sched.plan import Phase
+
+    monkeypatch.setattr(rec_mod, "HISTORY_KEPT", 5)
+    monkeypatch.setattr(rec_mod, "TIMELINE_KEPT", 7)
+    r = rec_mod.Recorder()
+    spent = {"steps": 0.0, "D_enqueue": 0.0}
+    for i in range(20):
+        r.begin_step()
+        with r.phase("D") as t:
+            time.sleep(0.0005)
+        spent["D_enqueue"] += t.end - t.start
+        r.end_step(SimpleNamespace(step=i, phase=Phase.DECODE, replicas=[]), p_in_flight=False,
+                   d_ready=0)
+        spent["steps"] += r.history[-1].seconds
+    assert len(r.history) == 5 and [h.step for h in r.history] == [15, 16, 17, 18, 19]
+    assert len(r.timeline) == 7
+    host = r.host_seconds()
+    assert host["steps"] == pytest.approx(spent["steps"]) and host["steps"] > sum(
+        h.seconds for h in r.history)
+    assert host["D_enqueue"] == pytest.approx(spent["D_enqueue"]) and host["P_enqueue"] == 0.0

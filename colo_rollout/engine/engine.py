@@ -72,6 +72,9 @@ from colo_rollout.multiplex.stream_route import StreamRoute
 # model's and the layout's) and the replicated scheduler's decisions (the engine's)
 SHARED_SECTIONS = ("model", "engine", "parallel")
 REJECTED_KEPT = 4096  # Engine.rejected keeps the latest this many refusals
+# closed sessions whose routing waits to be taken, at most (the oldest is dropped past it;
+# far above one rollout() call's trajectories, whose routing is taken at its end)
+CLOSED_ROUTES_KEPT = 65536
 
 
 def check_same_config(cfg: Config, groups: ParallelGroups) -> None:
@@ -232,7 +235,7 @@ class Engine:
         self.exchange_refusals: list[tuple[int, RequestOutput]] = []
         # sessions closed since the last collective call began whose routing nobody took:
         # dropped when the next one begins (agree_ready), so the store stays bounded
-        self._closed_routes: set[str] = set()
+        self._closed_routes: collections.OrderedDict[str, None] = collections.OrderedDict()
         # step statistics, the P/D timeline, host seconds by part (engine/recorder.py)
         self.recorder = Recorder()
         self.history = self.recorder.history
@@ -492,7 +495,12 @@ class Engine:
                 if sid in self.scheduler.sessions and not self.scheduler.sessions[sid].busy \
                         or sid in self.scheduler.ended:
                     self.scheduler.close_session(sid)
-                    self._closed_routes.add(sid)
+                    if self.routes is not None:
+                        self._closed_routes[sid] = None
+                        if len(self._closed_routes) > CLOSED_ROUTES_KEPT:
+                            # a step() loop that never begins a collective call: the
+                            # oldest closed conversation's routing goes
+                            self.routes.drop(self._closed_routes.popitem(last=False)[0])
         self.exchange_refusals = []
         for m in msgs:
             for s in m.submits:
@@ -506,7 +514,7 @@ class Engine:
                         # a new conversation under a used key starts from no routing (found
                         # by probing: a reused session id returned the old one's positions)
                         self.routes.drop(key)
-                        self._closed_routes.discard(key)
+                        self._closed_routes.pop(key, None)
                 except RequestError as e:
                     self.rejected.append(_rejected(req, str(e)))
                     self.exchange_refusals.append((m.rank, self.rejected[-1]))
@@ -865,11 +873,20 @@ class Engine:
         when busy, or when the worker's memory is released or its weights were discarded."""
         if self._handed_over:
             raise RuntimeError("this engine was already handed over")
+        problem = None
         if self.busy() or self.has_unsent():
-            raise RuntimeError("hand_over() of an engine with requests in flight or unsent")
-        if self.memory.released is not None or not self.memory.weights_valid:
-            raise RuntimeError("hand_over() of an engine whose memory is released or whose "
-                               "weights were discarded")
+            problem = "hand_over() of an engine with requests in flight or unsent"
+        elif self.memory.released is not None or not self.memory.weights_valid:
+            problem = ("hand_over() of an engine whose memory is released or whose weights "
+                       "were discarded")
+        # agreed: a refusal on one rank alone (its unsent close_session, say) let the others
+        # hand over and build the next engine against a broken control group (found by
+        # probing)
+        got = first_problem(problem, self.groups.control, self.groups.layout.world_size,
+                            "hand_over()")
+        if got is not None:
+            r, p = got
+            raise RuntimeError(p if p == problem else f"rank {r}: {p}")
         self._close_host_agreement()
         self._handed_over = True
         return self.worker

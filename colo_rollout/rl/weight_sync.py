@@ -23,6 +23,8 @@ Must not go in here: optimizer logic, rollout scheduling.
 
 from __future__ import annotations
 
+import collections
+
 import contextlib
 import re
 import time
@@ -546,7 +548,8 @@ class WeightSync:
         else:
             self.service = CpuCopyService(group, timeout_s)
         self.version = 0
-        self.history: list[SyncStats] = []
+        # the latest syncs' stats (bounded: a long run syncs every step)
+        self.history: collections.deque[SyncStats] = collections.deque(maxlen=1024)
         self._views: dict = {}  # (trainer id, inference id) -> views
         self._plans: dict = {}  # (trainer id, inference id) -> megatron's plan-cache entries
         self._replays: dict = {}  # (trainer id, inference id) -> LocalReplay
