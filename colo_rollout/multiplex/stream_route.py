@@ -24,6 +24,8 @@ Invariants:
 
 from __future__ import annotations
 
+import collections
+
 import contextlib
 from dataclasses import dataclass
 
@@ -93,7 +95,9 @@ class StreamRoute:
         self.p_stream = torch.cuda.Stream(device, priority=p_prio) if self.active else None
         self.routed = 0  # P collectives placed on D's stream so far
         self._in_p = False
-        self._marks: list[tuple[str, int, object, object]] = []
+        # the latest marked intervals (bounded as the recorder's timeline: a long run)
+        self._marks: collections.deque[tuple[str, int, object, object]] = collections.deque(
+            maxlen=131072)
         self._base = None
         if self.active:
             torch.cuda.synchronize(device)  # weights, KV and tables were made on the default stream
