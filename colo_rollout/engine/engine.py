@@ -817,11 +817,7 @@ class Engine:
                 problem = (f"weights_loaded(): {bad[0]} (and {len(bad) - 1} more) was not "
                            "written since resume_memory() after a discard: sync or load every "
                            "parameter first")
-        got = first_problem(problem, self.groups.control, self.groups.layout.world_size,
-                            "weights_loaded()")
-        if got is not None:
-            r, p = got
-            raise RuntimeError(p if p == problem else f"rank {r}: {p}")
+        self._refuse_together(problem, "weights_loaded()")
         self.model.weights_updated()  # model.fp8: re-quantise what the caller wrote
         self.memory.weights_valid = True
 
@@ -882,14 +878,18 @@ class Engine:
         # agreed: a refusal on one rank alone (its unsent close_session, say) let the others
         # hand over and build the next engine against a broken control group (found by
         # probing)
-        got = first_problem(problem, self.groups.control, self.groups.layout.world_size,
-                            "hand_over()")
-        if got is not None:
-            r, p = got
-            raise RuntimeError(p if p == problem else f"rank {r}: {p}")
+        self._refuse_together(problem, "hand_over()")
         self._close_host_agreement()
         self._handed_over = True
         return self.worker
+
+    def _refuse_together(self, problem: str | None, what: str) -> None:
+        """This rank's refusal of the collective call ``what`` (or None) agreed over the
+        ranks: a RuntimeError on every rank naming the lowest rank that refused."""
+        got = first_problem(problem, self.groups.control, self.groups.layout.world_size, what)
+        if got is not None:
+            r, p = got
+            raise RuntimeError(p if p == problem else f"rank {r}: {p}")
 
     def close(self) -> None:
         """Drop the D graphs (they hold NCCL collectives) and drain both streams: call before
