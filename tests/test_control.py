@@ -71,18 +71,24 @@ def test_garbage_bytes_raise_control_error():
         Message.decode(b"\xc1\x04not msgpack", 2)
 
 
+def _gather_fails(monkeypatch, text: str):
+    """dist.all_gather on 2 'ranks' failing as gloo does, with ``text``."""
+    from colo_rollout.runtime import control
+
+    def fail(*args, **kwargs):
+        raise RuntimeError(text)
+
+    monkeypatch.setattr(control.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(control.dist, "all_gather", fail)
+    return control
+
+
 def test_an_exchange_a_peer_never_joins_names_the_call(monkeypatch):
     """all_gather_json over a group whose peer is in another call (or none): the backend's
     timeout comes back as a ControlError naming the call (was gloo's bare text: found by
     probing)."""
-    from colo_rollout.runtime import control
-
-    def timed_out(*args, **kwargs):
-        raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting "
-                           "20000ms for send operation to complete")
-
-    monkeypatch.setattr(control.dist, "get_world_size", lambda group=None: 2)
-    monkeypatch.setattr(control.dist, "all_gather", timed_out)
+    control = _gather_fails(monkeypatch, "[gloo/transport/tcp/unbound_buffer.cc:129] Timed out "
+                            "waiting 20000ms for send operation to complete")
     with pytest.raises(ControlError) as e:
         control.gather_call("generate()", [None, False, None], group=None)
     assert str(e.value).startswith("generate(): not every rank took part within the timeout "
@@ -134,14 +140,8 @@ def test_a_peer_in_another_calls_binary_exchange_is_named(monkeypatch):
 def test_a_broken_control_group_says_so(monkeypatch):
     """After a peer exited or an earlier timeout closed its connections, gloo fails at once:
     the error says the group is broken -- not a timeout worth retrying (fault injection)."""
-    from colo_rollout.runtime import control
-
-    def closed(*args, **kwargs):
-        raise RuntimeError("[gloo/transport/tcp/pair.cc:598] Connection closed by peer "
-                           "[127.0.0.1]:12345")
-
-    monkeypatch.setattr(control.dist, "get_world_size", lambda group=None: 2)
-    monkeypatch.setattr(control.dist, "all_gather", closed)
+    control = _gather_fails(monkeypatch, "[gloo/transport/tcp/pair.cc:598] Connection closed by "
+                            "peer [127.0.0.1]:12345")
     with pytest.raises(ControlError) as e:
         control.gather_call("rollout()", None, group=None)
     assert str(e.value).startswith("rollout(): the control group is broken (a peer exited"), \
