@@ -311,6 +311,15 @@ def test_rl_coefficients_float32_cannot_hold_are_refused(tmp_path, key, value, w
     assert_load_error(path, key, words, overrides={key: value})
 
 
+@pytest.mark.parametrize("value", [0.5, 1.0, -3.0, 1e39])
+def test_dual_clip_is_off_or_above_one(tmp_path, value):
+    path = write(tmp_path, "{}\n")
+    assert_load_error(path, "rl.dual_clip", "0 (off) or a finite number > 1",
+                      overrides={"rl.dual_clip": value})
+    assert load_config(path, {"rl.dual_clip": 3.0}).rl.dual_clip == 3.0
+    assert load_config(path).rl.dual_clip == 0.0
+
+
 @pytest.mark.parametrize("value", [86_400.5, 1e9])
 def test_timeout_is_bounded_by_a_day(tmp_path, value):
     path = write(tmp_path, f"parallel:\n  timeout_s: {value!r}\n")

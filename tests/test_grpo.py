@@ -42,6 +42,30 @@ def test_clipped_loss_matches_the_formula():
                         rel_tol=1e-6)
 
 
+def test_dual_clip_bounds_negative_advantages_only():
+    old = torch.log(torch.tensor([[0.1, 0.5, 0.5]]))
+    new = torch.log(torch.tensor([[0.8, 0.6, 0.25]]))  # ratios 8, 1.2 and 0.5
+    mask = torch.ones(1, 3)
+    # A = -2: min(r*A, clip(r)*A) = -16, -2.4, -1.6; bounded below by 3 * A = -6 -> -6, -2.4,
+    # -1.6: loss (6 + 2.4 + 1.6) / 3
+    got = clipped_loss(new, old, torch.tensor([-2.0]), mask, dual_clip=3.0)
+    assert math.isclose(float(got), 10.0 / 3, rel_tol=1e-6)
+    assert math.isclose(float(clipped_loss(new, old, torch.tensor([-2.0]), mask)), 20.0 / 3,
+                        rel_tol=1e-6)  # without it the huge ratio dominates
+    # positive advantages: unchanged (min(16, 2.4), 2.4, 1.0)
+    pos = torch.tensor([2.0])
+    assert float(clipped_loss(new, old, pos, mask, dual_clip=3.0)) == \
+        float(clipped_loss(new, old, pos, mask))
+    # per-token advantages: only the negative token's term is bounded
+    tok = torch.tensor([[-2.0, 2.0, 2.0]])
+    assert math.isclose(float(clipped_loss(new, old, tok, mask, dual_clip=3.0)),
+                        -(-6.0 + 2.4 + 1.0) / 3, rel_tol=1e-6)
+    # the bounded token passes no gradient (the bound is a constant)
+    n = new.clone().requires_grad_(True)
+    clipped_loss(n, old, torch.tensor([-2.0]), mask, dual_clip=3.0).backward()
+    assert n.grad[0, 0] == 0 and n.grad[0, 1] != 0  # (the third is PPO-clipped: 0 too)
+
+
 def test_kl_term_is_zero_at_the_reference_and_positive_away():
     logp = torch.log(torch.tensor([[0.3, 0.6]]))
     z = clipped_loss(logp, logp, torch.tensor([0.0]), torch.tensor([[1, 1]]), kl_coef=1.0,

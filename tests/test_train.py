@@ -73,6 +73,8 @@ def test_reward_rises_and_logprobs_agree(worker_groups, tmp_path, algorithm, rel
                                           "rl.algorithm": algorithm,
                                           "rl.release_memory": release,
                                           "rl.is_level": is_level,
+                                          # dual-clip where the mismatch stays in the ratio
+                                          "rl.dual_clip": 3.0 if is_level == "none" else 0.0,
                                           "engine.record_routing": replay,
                                           "rl.routing_replay": replay,
                                           "rl.trainer_ep": trainer_ep,

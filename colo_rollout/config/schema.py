@@ -1005,6 +1005,11 @@ class RLConfig:
     lr: float = 0.01
     # PPO-style ratio clip.
     clip: float = 0.2
+    # Dual-clip PPO (verl's clip_ratio_c, typically 3): for negative advantages the objective
+    # is bounded below by dual_clip x A, so tokens with a huge ratio (the rollout's logprobs
+    # far below the trainer's: is_level none leaves the mismatch in the ratio) cannot dominate
+    # the step. 0 = off; else > 1.
+    dual_clip: float = 0.0
     # Weight of the KL term to the initial (reference) policy (k3 estimator per token; the
     # trainer keeps the first step's weights as the reference: one more copy of its shard);
     # 0 = off.
@@ -1099,6 +1104,9 @@ class RLConfig:
         _require(self.mtp_loss_scale >= 0, "rl.mtp_loss_scale",
                  f"must be >= 0, got {self.mtp_loss_scale}")
         _require(0 < self.clip < 1, "rl.clip", f"must be in (0, 1), got {self.clip}")
+        _require(self.dual_clip == 0 or 1 < self.dual_clip <= FP32_MAX, "rl.dual_clip",
+                 f"must be 0 (off) or a finite number > 1 (verl's clip_ratio_c, e.g. 3), got "
+                 f"{self.dual_clip}")
         _require(0 <= self.finish_groups <= self.prompts_per_step, "rl.finish_groups",
                  f"must be in [0, rl.prompts_per_step {self.prompts_per_step}], got "
                  f"{self.finish_groups}")

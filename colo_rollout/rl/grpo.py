@@ -62,9 +62,14 @@ def flat_group_share(rewards: list[float], groups: list[int]) -> float:
 def clipped_loss(new_logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
                  mask: torch.Tensor, clip: float = 0.2, kl_coef: float = 0.0,
                  ref_logp: torch.Tensor | None = None,
-                 weights: torch.Tensor | None = None, totals: Totals = LOCAL) -> torch.Tensor:
+                 weights: torch.Tensor | None = None, totals: Totals = LOCAL,
+                 dual_clip: float = 0.0) -> torch.Tensor:
     """-mean over masked tokens of w * min(ratio * A, clip(ratio, 1-e, 1+e) * A)
     [+ kl_coef * KL].
+
+    ``dual_clip`` c > 1 (0: off): dual-clip PPO (Ye et al. 2020; verl's clip_ratio_c) -- where
+    A < 0 the objective is bounded below by c * A, so a token whose ratio is huge (a
+    rollout/trainer mismatch, a stale sample) cannot pull the loss without bound.
 
     new/old/ref_logp, mask: [B, T]; adv: [B] (one advantage per trajectory) or [B, T];
     ``weights`` [B, T] (no gradient): the mismatch correction's importance weights w (None:
@@ -77,6 +82,8 @@ def clipped_loss(new_logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tens
     ratio = torch.exp(torch.where(keep, new_logp - old_logp, 0.0))
     a = adv[:, None] if adv.dim() == 1 else adv  # per trajectory (GRPO) or per token (PPO)
     obj = torch.minimum(ratio * a, torch.clamp(ratio, 1 - clip, 1 + clip) * a)
+    if dual_clip:
+        obj = torch.where(a < 0, torch.maximum(obj, dual_clip * a), obj)
     per_tok = -obj if weights is None else -weights * obj
     if kl_coef and ref_logp is not None:
         d = torch.where(keep, ref_logp - new_logp, 0.0)

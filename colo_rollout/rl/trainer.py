@@ -549,7 +549,7 @@ class Trainer:
         # DP ranks' losses add up to the batch's token mean, whatever the split
         if self.value_head is None:
             loss = clipped_loss(new, base, adv, m, clip=clip, weights=weights, kl_coef=kl_coef,
-                                ref_logp=ref, totals=totals)
+                                ref_logp=ref, totals=totals, dual_clip=self.cfg.rl.dual_clip)
         else:
             # hidden [S, B, H] (megatron is sequence-first): V(h_j) scores the token at j+1
             h = self._hidden
@@ -566,7 +566,8 @@ class Trainer:
             tok_adv, returns = ppo_advantages(rewards, values.detach(), m, totals=totals)
             v_loss = value_loss(values, returns, m, totals=totals)
             loss = clipped_loss(new, base, tok_adv, m, clip=clip, weights=weights,
-                                kl_coef=kl_coef, ref_logp=ref, totals=totals) \
+                                kl_coef=kl_coef, ref_logp=ref, totals=totals,
+                                dual_clip=self.cfg.rl.dual_clip) \
                 + self.cfg.rl.vf_coef * v_loss
             extra["value_loss"] = float(totals.sum(v_loss.detach()))
         # the gradients are summed over DP, then divided by dp (megatron's DDP and the loop
