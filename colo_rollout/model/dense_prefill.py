@@ -65,7 +65,6 @@ import torch.nn.functional as F
 # them too; imported here as this module's own)
 from colo_rollout.config.attention_support import (  # noqa: F401
     cudnn_fits, cudnn_usable, flash_attention, flash_fits, flash_usable, flash_varlen)
-from colo_rollout.model.bound_flash import BoundFlash
 
 # A fresh sequence goes dense from this many new tokens: the 1k rows of the probe (8 x 1k
 # batched) were 1.5-1.65x the Triton kernel's packed grid; shorter ones are not compared.
@@ -77,9 +76,6 @@ PAD_MULTIPLE = 256
 BATCHES = (8, 4, 2, 1)
 # engine.prefill_attention's values whose P runs dense calls (each names the dense kernel)
 DENSE_BACKENDS = ("cudnn", "flash")
-# FlashAttention-4's dense calls, each shape through the compiled kernel its first call found
-# (a cache of compiled kernels, as Triton's own: model/bound_flash.py)
-_FLASH = BoundFlash()
 
 
 @dataclass(frozen=True)
@@ -288,10 +284,10 @@ def dense_attention(qb: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: De
     S, L = len(call.seqs), call.length
     heads, dim, g, dv = qb.shape[1], qb.shape[2], k.shape[1], v.shape[2]
     if qb.is_cuda and kernel == "flash" and S == 1:  # (batched calls stay cuDNN's: below)
-        # [S, L, h, dim] views of the token-major rows; GQA's k and v as they are; through
-        # the compiled kernel its first call of this shape found (model/bound_flash.py)
-        return _FLASH(qb.view(S, L, heads, dim), k.view(S, L, g, dim), v.view(S, L, g, dv),
-                      scale)  # [S, L, heads, dv]
+        # [S, L, h, dim] views of the token-major rows; GQA's k and v as they are
+        got = flash_attention()(qb.view(S, L, heads, dim), k.view(S, L, g, dim),
+                                v.view(S, L, g, dv), softmax_scale=scale, causal=True)
+        return got[0] if isinstance(got, tuple) else got  # [S, L, heads, dv]
     # [S, h, L, dim] views of the token-major rows (SDPA takes the strides)
     qd, kd, vd = (t.view(S, L, t.shape[1], t.shape[2]).transpose(1, 2) for t in (qb, k, v))
     if qb.is_cuda:
