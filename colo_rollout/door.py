@@ -78,6 +78,12 @@ def unwritable(path: str | os.PathLike, file: bool = False) -> str | None:
     output path is not found after minutes of work. The nearest existing ancestor must be a
     writable directory; an existing ``path`` must be a directory (a file with ``file``)."""
     p = pathlib.Path(path)
+    # a link to nowhere (the path or a folder on the way): exists() follows it and says no,
+    # but neither a file nor a folder can be made there (found by probing: a traceback after
+    # the whole run, or rank 0's FileExistsError and the others' timeout)
+    for q in (p, *p.parents):
+        if q.is_symlink() and not q.exists():
+            return f"{q} is a link to {os.readlink(q)}, which does not exist"
     if p.exists():
         if file and p.is_dir():
             return f"{p} is a directory"
@@ -185,6 +191,10 @@ def check_backend(cfg: Config, source: str) -> None:
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # a trajectory's token as the RL step holds it, at the least: its id and logprob (8 + 8)
 _TOKEN_BYTES = 16
+# a request the demo makes up front: its objects, and each token of it as a Python int in a
+# tuple (the least they take: 8 bytes of pointer + a 28-byte int)
+_PY_REQUEST_BYTES = 400
+_PY_TOKEN_BYTES = 36
 
 
 def memory_need(cfg: Config, drawn_whole: bool = False) -> dict[str, int]:
@@ -221,6 +231,11 @@ def _memory_budget(cfg: Config) -> tuple[int, str, int] | None:
             return None  # check_backend names it
         props = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0")))
         return props.total_memory, f"a GPU's {props.total_memory / 2**30:.0f} GiB", 1
+    return _host_budget(cfg)
+
+
+def _host_budget(cfg: Config) -> tuple[int, str, int] | None:
+    """(bytes, where, ranks sharing them) of this host's memory; None where unreadable."""
     try:
         total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
@@ -420,8 +435,20 @@ def _refusal(cfg: Config, prompt: tuple[int, ...], params: SamplingParams) -> st
 
 def check_demo(cfg: Config, source: str) -> None:
     """The demo's synthetic requests (workload section) are all served: its longest request
-    and its sampling parameters pass the engine's request rule."""
+    and its sampling parameters pass the engine's request rule, and every rank can hold them
+    (they are made up front)."""
     w = cfg.workload
+    # each request's prompt and output are tuples of Python ints on every rank (~36 bytes a
+    # token) besides its request objects (found by probing: 10^20 requests grew the ranks
+    # silently until they were killed); counted at the shortest lengths: a lower bound of
+    # need, refused only past the whole memory
+    budget = _host_budget(cfg)
+    held = w.num_requests * (_PY_REQUEST_BYTES + (w.prompt_len_min + w.output_len_min)
+                             * _PY_TOKEN_BYTES)
+    if budget is not None and held * budget[2] > budget[0]:
+        raise ConfigError(f"{source}: workload.num_requests: {w.num_requests} requests hold at "
+                          f"least {held / 2**30:.3g} GiB on each of {budget[2]} rank(s), more "
+                          f"than {budget[1]}", key="workload.num_requests", source=source)
     params = SamplingParams(temperature=w.temperature, top_k=w.top_k, top_p=w.top_p,
                             max_tokens=1, ignore_eos=True)
     why = _refusal(cfg, (0,), params)
@@ -611,8 +638,21 @@ def check_bench(cfg: Config, source: str) -> None:
             from None
 
 
+def turn_cap(e) -> int:
+    """The most tokens (context + prompt + output) one replayed turn may hold on an engine of
+    settings ``e``: max_seq_len, a re-prefill of the whole context within max_prefill_tokens,
+    one replica's KV blocks."""
+    return min(e.max_seq_len, e.max_prefill_tokens, e.num_kv_blocks * e.kv_block_size)
+
+
 def bench_trace(cfg: Config, source: str = "<config>") -> Trace:
-    """The trace the bench replays: ``bench.trace``'s first ``bench.conversations``
+    """The trace the bench replays (``bench_trace_offered``'s second part)."""
+    return bench_trace_offered(cfg, source)[1]
+
+
+def bench_trace_offered(cfg: Config, source: str = "<config>") -> tuple[Trace, Trace]:
+    """(the trace offered -- selected and scaled, before the turns that do not fit are
+    dropped --, the trace the bench replays): ``bench.trace``'s first ``bench.conversations``
     conversations, ``bench.max_turns`` turns each, lengths scaled by ``bench.length_scale``,
     and each turn that does not fit the engine dropped with the rest of its conversation
     (context + prompt + output within engine.max_seq_len and one replica's KV blocks, a
@@ -644,7 +684,7 @@ def bench_trace(cfg: Config, source: str = "<config>") -> Trace:
     convs = tuple(Conversation(c.conv, c.arrival_s, c.turns[: b.max_turns])
                   for c in trace.conversations[: b.conversations])
     trace = Trace(convs, source=trace.source)
-    cap = min(e.max_seq_len, e.max_prefill_tokens, e.num_kv_blocks * e.kv_block_size)
+    cap = turn_cap(e)
     vocab = cfg.model.vocab_size
     for t in trace.iter_turns():  # explicit ids: their content and length are fixed
         if t.prompt is None:
@@ -678,7 +718,7 @@ def bench_trace(cfg: Config, source: str = "<config>") -> Trace:
                           f"{first.output_tokens} output tokens, after bench.length_scale "
                           f"{b.length_scale:g}) exceeds {cap} tokens ({_cap_text(e)})",
                           key="bench.trace", source=source)
-    return kept
+    return trace, kept
 
 
 # the longest a replay's schedule may take (a spawned run's own limit: launch.py's)

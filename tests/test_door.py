@@ -398,6 +398,15 @@ def test_demo_workload_over_the_kv_blocks_and_top_k_over_the_vocabulary(capsys):
                            "would be refused: top_k 100000 exceeds the vocabulary size")
 
 
+@pytest.mark.parametrize("n", ["99999999999999999999", "100000000000"])
+def test_demo_workload_no_host_can_hold_is_refused(capsys, n):
+    """The demo makes its requests up front on every rank (found by probing: 10^20 requests
+    grew the ranks silently until they were killed)."""
+    line = door_error(capsys, "demo", DEMO, "--set", f"workload.num_requests={n}")
+    assert line.startswith(f"error: {DEMO}: workload.num_requests: {n} requests hold at least ")
+    assert "GiB on each of 2 rank(s), more than this host's" in line
+
+
 def test_train_prompts_and_target_that_cannot_work(capsys):
     line = door_error(capsys, "train", TRAIN, "--set", "rl.target_token=64")
     assert line.startswith(f"error: {TRAIN}: rl.target_token: 64 is outside the model's "
@@ -540,6 +549,11 @@ def test_bench_trace_keeps_what_fits(tmp_path):
                               "engine.num_kv_blocks": 3, "engine.kv_block_size": 16})
     t = bench_trace(cfg, BENCH)  # cap 48: a's turn 1 dropped
     assert [(c.conv, len(c.turns)) for c in t.conversations] == [("a", 1), ("b", 1)]
+    # what was offered before the drop: the bench says how many turns it dropped
+    from colo_rollout.door import bench_trace_offered, turn_cap
+
+    offered, kept = bench_trace_offered(cfg, BENCH)
+    assert (offered.num_requests, kept.num_requests, turn_cap(cfg.engine)) == (3, 2, 48)
 
 
 # --------------------------------------------------------------------------- argument commands
@@ -663,6 +677,18 @@ def test_a_report_path_that_cannot_be_written(tmp_path, capsys):
     afile.write_text("")
     assert door_error(capsys, "demo", DEMO, "--report", f"{afile}/r.json") == (
         f"error: --report: {afile}/r.json: cannot write here ({afile} is not a directory)")
+
+
+def test_a_link_to_nowhere_is_refused_as_an_output(tmp_path, capsys):
+    """exists() follows a link and says no: the run would have made its folder or file there
+    and failed after the whole run (found by probing)."""
+    gone = tmp_path / "gone"
+    gone.symlink_to("/nonexistent/zz")
+    why = f"{gone} is a link to /nonexistent/zz, which does not exist"
+    assert door_error(capsys, "demo", DEMO, "--report", str(gone)) == (
+        f"error: --report: {gone}: cannot write here ({why})")
+    line = door_error(capsys, "bench", BENCH, "--set", f"bench.out_dir={gone}/sub")
+    assert line == f"error: {BENCH}: bench.out_dir: {gone}/sub: cannot write here ({why})"
 
 
 def test_unwritable_paths():

@@ -152,6 +152,25 @@ def test_missing_turn_error_names_line_of_later_turn(tmp_path):
     assert str(info.value).startswith(f"{path}:1: turn: conversation 'c' is missing turn 2")
 
 
+def test_a_conversation_id_that_is_another_ones_request_id_is_refused(tmp_path):
+    """The replay names turn t of conversation c "c#t" and makes c its session: a conversation
+    "a#1" beside "a" (two turns) would meet a's second request (found by probing: the bench
+    stopped after parallel.timeout_s). "a#2" (a has no turn 2), "a#01" and "b#0" are fine."""
+    path = write_lines(tmp_path, [rec("a", 0), rec("a", 1, wait_s=1.0), rec("x", 0),
+                                  rec("a#1", 0)])
+    with pytest.raises(TraceError) as info:
+        load_trace(path)
+    assert str(info.value) == (f"{path}:4: conv: 'a#1' is also the request id of turn 1 of "
+                               "conversation 'a' (the replay names requests CONV#TURN and "
+                               "sessions CONV): rename one of them")
+    ok = write_lines(tmp_path, [rec("a", 0), rec("a", 1, wait_s=1.0), rec("a#2", 0),
+                                rec("a#01", 0), rec("b#0", 0)], name="ok.jsonl")
+    assert load_trace(ok).num_requests == 5
+    t = load_trace(ok)
+    with pytest.raises(ValueError, match="also the request id of turn 0"):
+        Trace(t.conversations + (Conversation("a#2#0", 0.0, (Turn("a#2#0", 0, 3, 2, 0.0),)),))
+
+
 def test_invalid_utf8_names_line(tmp_path):
     path = tmp_path / "trace.jsonl"
     path.write_bytes(json.dumps(OK0).encode() + b"\n\xff\xfe\n")

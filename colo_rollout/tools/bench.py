@@ -24,7 +24,7 @@ from colo_rollout.engine.engine import Engine
 from colo_rollout.model.weights import random_state_dict
 from colo_rollout.runtime.parallel import init_parallel
 from colo_rollout.workloads.replay import replay
-from colo_rollout.door import bench_trace  # noqa: F401 (checked at the door too)
+from colo_rollout.door import bench_trace, bench_trace_offered, turn_cap  # noqa: F401 (bench_trace: checked at the door too)
 from colo_rollout.quiet import quiet_known_warnings
 from colo_rollout.workloads.trace import Trace
 from colo_rollout.config.files import strict_json
@@ -65,7 +65,16 @@ def run_bench(rank: int, world: int, config_path: str, overrides: dict | None = 
     quiet_known_warnings()
     cfg = load_config(config_path, overrides)
     groups = init_parallel(cfg.parallel)
-    trace = bench_trace(cfg, os.fspath(config_path))
+    offered, trace = bench_trace_offered(cfg, os.fspath(config_path))
+    # turns past what the engine holds are dropped with the rest of their conversation (door.
+    # bench_trace): said once, not found by counting the report's requests
+    dropped = offered.num_requests - trace.num_requests
+    if rank == 0 and dropped:
+        lost = len(offered.conversations) - len(trace.conversations)
+        print(f"bench: {dropped} of {offered.num_requests} turns dropped ({lost} of "
+              f"{len(offered.conversations)} conversations entirely): each does not fit the engine (context + prompt + output past "
+              f"the {turn_cap(cfg.engine)} tokens one turn may hold) or "
+              "follows one that does not", flush=True)
     # drawn where the model runs: a multi-GB MoE takes minutes to draw on one CPU thread
     sd = random_state_dict(cfg.model, device=groups.device)
     runs, timelines = [], {}
@@ -132,7 +141,8 @@ def run_bench(rank: int, world: int, config_path: str, overrides: dict | None = 
             "clock": "GPU (CUDA events)" if gpu else "host",
             "layout": groups.layout.name, "trace": {"source": trace.source,
                                                     "requests": trace.num_requests,
-                                                    "conversations": stats.conversations}}
+                                                    "conversations": stats.conversations,
+                                                    "dropped_turns": dropped}}
 
 
 def _serve(cfg: Config, groups, sd, trace: Trace, wait_scale: float, max_context: int,

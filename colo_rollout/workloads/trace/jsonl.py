@@ -21,6 +21,7 @@ from colo_rollout.workloads.trace.model import (
     Turn,
     _is_int,
     _is_real,
+    id_clash,
     read_trace_bytes,
 )
 
@@ -237,6 +238,13 @@ def load_trace(path: str | os.PathLike[str]) -> Trace:
     if not convs:
         raise TraceError(name, 1, "file", "no trace records (empty trace)")
 
+    clash = id_clash({conv: len(by_turn) for conv, by_turn in convs.items()})
+    if clash is not None:
+        conv, base, turn = clash
+        raise TraceError(
+            name, min(r.line for r in convs[conv].values()), "conv",
+            f"{conv!r} is also the request id of turn {turn} of conversation {base!r} (the "
+            "replay names requests CONV#TURN and sessions CONV): rename one of them")
     built: list[tuple[float, int, Conversation]] = []
     for conv, by_turn in convs.items():
         first_line = min(r.line for r in by_turn.values())

@@ -241,6 +241,19 @@ def _percentiles(values: list[float] | np.ndarray) -> dict[str, float]:
     return {"p50": float(p50), "p99": float(p99)}
 
 
+def id_clash(turns: dict[str, int]) -> tuple[str, str, int] | None:
+    """A conversation id that is also a request id of the replay, or None. ``turns``: each
+    conversation's turn count. The replay names turn t of conversation c ``"c#t"`` and makes c
+    its session; the engine keeps request and session ids apart, so a conversation "a#0"
+    beside a conversation "a" would meet "a"'s first request (found by probing: the replay
+    stopped after parallel.timeout_s). Returns (that id, the other conversation, the turn)."""
+    for conv in turns:
+        base, sep, n = conv.rpartition("#")
+        if sep and n.isdigit() and n == str(int(n)) and int(n) < turns.get(base, 0):
+            return conv, base, int(n)
+    return None
+
+
 @dataclass(frozen=True)
 class Trace:
     """A replayable workload: conversations in release order.
@@ -264,6 +277,11 @@ class Trace:
             if c.conv in seen:
                 raise ValueError(f"Trace: duplicate conversation id {c.conv!r}")
             seen.add(c.conv)
+        clash = id_clash({c.conv: len(c.turns) for c in self.conversations})
+        if clash is not None:
+            conv, base, turn = clash
+            raise ValueError(f"Trace: conversation id {conv!r} is also the request id of turn "
+                             f"{turn} of conversation {base!r} (requests are named CONV#TURN)")
         for prev, c in zip(self.conversations, self.conversations[1:]):
             if c.arrival_s < prev.arrival_s:
                 raise ValueError(
