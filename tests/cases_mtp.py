@@ -77,7 +77,7 @@ def mtp_tokens(rank: int, world: int, adp: int, ep: int, mode: str = "normal", m
         kv.assert_empty()
     res = {"tokens": {r.request_id: outs[r.request_id].tokens for r in requests},
            "logprobs": {r.request_id: outs[r.request_id].logprobs for r in requests},
-           "d_iterations": sum(1 for h in engine.history if h.rows > 0),
+           "d_iterations": sum(1 for h in engine.history if h.d_rows > 0),
            "verified": sched.drafts_verified, "accepted": sched.drafts_accepted,
            "drafts": drafts, "layout": groups.layout.name,
            "p_boundaries": engine.worker.model.boundaries_per_prefill}

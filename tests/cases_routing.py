@@ -133,6 +133,36 @@ def routing_round_trip(rank: int, world: int, adp: int, ep: int, mode: str,
             "routing": [t.routing.tolist() for t in batch]}
 
 
+def session_routing_with_mtp(rank: int, world: int) -> dict:
+    """A session's routing with MTP drafting (random weights: drafts rejected) is one row per
+    input, as without MTP -- a D iteration also routes the draft's position, which outruns the
+    sequence when it ends on a rejected draft (found by probing: one row too many, a draft
+    that never entered the sequence). Taken while the session is open and after its close."""
+    from colo_rollout.sched.request import Request
+
+    out = {}
+    for mtp in (False, True):
+        cfg = tiny_config(world, world, world, record_routing=True, mtp=mtp,
+                          model_kw={"mtp_num_layers": 1})
+        groups = init_parallel(cfg.parallel)
+        engine = Engine(cfg, groups, random_state_dict(cfg.model))
+        for key, close in (("open", False), ("closed", True)):
+            n = 0
+            for t in range(3):
+                got = engine.generate([Request(f"{key}#{t}", (3 + t,) * (1 + t),
+                                               SamplingParams(max_tokens=2 + 3 * t,
+                                                              ignore_eos=True), session=key)])
+                n += 1 + t + len(got[f"{key}#{t}"].tokens)
+            if close:
+                engine.close_session(key)
+                engine.generate([])  # the close applied; its routing kept for this call
+            rows = engine.take_routing(key)
+            out[f"{key}_{mtp}"] = (rows.shape[0], n - 1)
+            out[f"{key}_{mtp}_ids"] = rows.tolist()
+        engine.close()
+    return out
+
+
 def routing_store_stays_bounded(rank: int, world: int) -> dict:
     """The routing store over many calls (found by probing): a session id used again for a
     new conversation starts from no routing (it returned the old conversation's positions),

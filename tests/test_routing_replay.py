@@ -137,6 +137,16 @@ def test_recompute_needs_gpus_at_the_door():
     assert Config(parallel=ParallelConfig(backend="nccl"), rl=RLConfig(recompute="full"))
 
 
+def test_a_sessions_routing_with_mtp_is_one_row_per_input(worker_groups):
+    r = worker_groups(1).run("tests.cases_routing:session_routing_with_mtp", timeout=300)[0]
+    for key in ("open", "closed"):
+        for mtp in (False, True):
+            rows, inputs = r[f"{key}_{mtp}"]
+            assert rows == inputs, (key, mtp, rows, inputs)
+        # greedy tokens are the same with MTP, so the routing of the same inputs is too
+        assert r[f"{key}_True_ids"] == r[f"{key}_False_ids"], key
+
+
 def test_the_routing_store_stays_bounded_and_a_reused_session_starts_afresh(worker_groups):
     r = worker_groups(1).run("tests.cases_routing:routing_store_stays_bounded", timeout=300)[0]
     assert r["after_closed"] <= 1, r

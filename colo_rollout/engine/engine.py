@@ -494,8 +494,11 @@ class Engine:
             for sid in m.closes:
                 if sid in self.scheduler.sessions and not self.scheduler.sessions[sid].busy \
                         or sid in self.scheduler.ended:
+                    known = self._session_inputs(sid)
                     self.scheduler.close_session(sid)
                     if self.routes is not None:
+                        if known is not None:  # its routing ends where its inputs do
+                            self.routes.trim(sid, known)
                         self._closed_routes[sid] = None
                         if len(self._closed_routes) > CLOSED_ROUTES_KEPT:
                             # a step() loop that never begins a collective call: the
@@ -568,8 +571,17 @@ class Engine:
         without one): [positions, MoE layers, k] for its positions 0 .. n-1 (every token that
         was an input; engine/routing_store.py), forgotten here; None when nothing was
         recorded (engine.record_routing off, or an unknown key). ``inputs``: the trajectory's
-        input count (its length - 1), which bounds what is returned (routing_store.py)."""
-        return self.routes.take(key, inputs) if self.routes is not None else None
+        input count (its length - 1), which bounds what is returned (routing_store.py); an
+        idle session's own by default."""
+        if self.routes is None:
+            return None
+        return self.routes.take(key, self._session_inputs(key) if inputs is None else inputs)
+
+    def _session_inputs(self, key: str) -> int | None:
+        """An idle session's input count (its context - 1: the last output was never an
+        input), else None."""
+        sess = self.scheduler.sessions.get(key)
+        return None if sess is None or sess.busy else max(len(sess.context) - 1, 0)
 
     def take_routings(self, keys: list[str], inputs: list[int] | None = None) -> list:
         """``take_routing`` of many keys, the same on every rank. With a dispatch backend a
@@ -587,7 +599,7 @@ class Engine:
                     for k, n in zip(keys, inputs or [None] * len(keys))]
         import torch.distributed as dist
 
-        mine = [self.routes.take_partial(k, None if inputs is None else n)
+        mine = [self.routes.take_partial(k, self._session_inputs(k) if n is None else n)
                 for k, n in zip(keys, inputs or [None] * len(keys))]
         dev, rank = self.groups.device, self.groups.rank
         # each key's positions recorded anywhere (-1: nowhere), then per position the

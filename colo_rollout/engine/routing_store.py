@@ -77,6 +77,14 @@ class RoutingStore:
             n = min(n, inputs)
         return arr[:n].copy(), st[:n].copy()
 
+    def trim(self, key: str, inputs: int) -> None:
+        """Positions of ``key`` from ``inputs`` on no longer hold anything: a trajectory that
+        ended with ``inputs`` input tokens (with MTP drafting, a rejected draft's position past
+        them was routed: found by probing, a session's routing one row too long)."""
+        st = self._stamps.get(key)
+        if st is not None:
+            st[max(inputs, 0):] = 0
+
     def drop(self, key: str) -> None:
         """Forget ``key``'s ids (a new conversation under a used key; a closed one nobody
         took)."""

@@ -137,11 +137,11 @@ def run_bench_mtp(rank: int, world: int, config_path: str, overrides: dict | Non
                     pre, _ = _timed(eng, _requests(B, prompt_len, 1, base.model.vocab_size,
                                                    rep, tag + "p"))
                     v0, a0 = sched.drafts_verified, sched.drafts_accepted
-                    d0 = sum(1 for h in eng.history if h.rows > 0)
+                    d0 = sum(1 for h in eng.history if h.d_rows > 0)
                     full, outs = _timed(eng, _requests(B, prompt_len, new_tokens,
                                                        base.model.vocab_size, rep, tag + "f"))
                     best_pre, best_full = min(best_pre, pre), min(best_full, full)
-                    d_iters = sum(1 for h in eng.history if h.rows > 0) - d0
+                    d_iters = sum(1 for h in eng.history if h.d_rows > 0) - d0
                     verified, accepted = sched.drafts_verified - v0, sched.drafts_accepted - a0
                 got[wname, B, mtp] = {
                     # NaN when the decode time does not come out positive (a timing
