@@ -57,12 +57,7 @@ def load(command: str, config_path: str | os.PathLike, overrides: Mapping[str, A
         from colo_rollout.checkpoint.loader import check_checkpoint
 
         check_checkpoint(cfg.model)
-    check_kernels(cfg, source)
-    check_dispatch(cfg, source)
-    check_use_te(cfg, source)
-    check_fp8(cfg, source)
-    check_backend(cfg, source)  # after the settings' own checks: those name the key to change
-    check_memory(cfg, source)
+    check_engine(cfg, source)
     check_outputs(cfg, source, command)
     check = {"demo": check_demo, "train": check_train, "bench": check_bench,
              "bench-decode-overhead": check_decode_overhead,
@@ -70,6 +65,18 @@ def load(command: str, config_path: str | os.PathLike, overrides: Mapping[str, A
     if check is not None:
         check(cfg, source, **args)
     return cfg
+
+
+def check_engine(cfg: Config, source: str) -> None:
+    """What the engine will ask of this host and of itself: its kernels, dispatch backend,
+    layer spec, FP8, the process-group backend and the memory (every command that builds an
+    engine; generate runs it with its own source)."""
+    check_kernels(cfg, source)
+    check_dispatch(cfg, source)
+    check_use_te(cfg, source)
+    check_fp8(cfg, source)
+    check_backend(cfg, source)  # after the settings' own checks: those name the key to change
+    check_memory(cfg, source)
 
 
 def unwritable(path: str | os.PathLike, file: bool = False) -> str | None:

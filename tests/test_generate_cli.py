@@ -270,6 +270,9 @@ def test_door_checks_in_process(ckpt, tmp_path, capsys):
         ("--model", str(d), "--config", str(other_cfg), "hi"):
             f"{other_cfg}: model.checkpoint: '{small}' is not --model '{d}'",
         ("--model", str(d), "caf\udce9"): "prompt 0: not valid UTF-8 text",
+        # the engine's checks name the user's source, not the launch's temporary file
+        ("--model", str(d), "--set", "model.fp8=e4m3", "hi"):
+            f"error: {d} (generate's default config): model.fp8: 'e4m3' needs a CUDA GPU",
     }
     for argv, want in cases.items():
         assert main(["generate", *argv]) == 2, argv

@@ -60,6 +60,8 @@ def test_a_good_state_dict_loads_every_parameter():
     (lambda f: f.pop(sorted(f)[-1]), KeyError, "state dict is missing"),
     (lambda f: f.__setitem__("decoder.layers.0.extra.weight", torch.zeros(2)), KeyError,
      "the inference model has no"),
+    (lambda f: f.__setitem__("mtp.layers.0.enorm.weight", torch.zeros(4)), KeyError,
+     "an MTP layer's weight, and the model has no MTP layer: model.mtp_num_layers 1 serves"),
 ])
 def test_a_bad_entry_leaves_the_model_as_it_was(change, error, fragment):
     model = Tiny()

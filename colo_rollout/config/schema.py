@@ -513,8 +513,9 @@ class ModelConfig:
                  f"{self.fp8_backend!r} (its recipes: {', '.join(recipes)})"
                  + ("; 'tensorwise' is Transformer Engine's Float8CurrentScaling: set "
                     "model.fp8_backend: te" if self.fp8_recipe == "tensorwise" else
-                    "; Transformer Engine has no per-row FP8 recipe" if self.fp8_recipe ==
-                    "rowwise" else ""))
+                    "; Transformer Engine has no per-row FP8 recipe (rowwise is "
+                    "model.fp8_recipe's default: name one of te's beside model.fp8_backend)"
+                    if self.fp8_recipe == "rowwise" else ""))
 
     def _check_mla(self) -> None:
         """attention "mla": the latent widths, and what megatron's MLASelfAttention fixes."""

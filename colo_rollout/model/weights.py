@@ -231,7 +231,11 @@ def sharded_writes(model: torch.nn.Module, full: dict[str, torch.Tensor], layout
             continue
         local, shard = mapped
         if local not in params:
-            raise KeyError(f"state dict has {name!r}; the inference model has no {local!r}")
+            hint = (" (an MTP layer's weight, and the model has no MTP layer: model."
+                    "mtp_num_layers 1 serves it)" if name.startswith("mtp.")
+                    and not any(k.startswith("mtp.") for k in params) else "")
+            raise KeyError(f"state dict has {name!r}; the inference model has no "
+                           f"{local!r}{hint}")
         p = params[local]
         if p.shape != shard.shape:
             raise ValueError(f"{name}: shard shape {tuple(shard.shape)} != {tuple(p.shape)}")

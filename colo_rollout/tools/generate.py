@@ -304,9 +304,11 @@ def prepare(model_dir: str, config_path: str | None, overrides: Mapping[str, Any
         params = dataclasses.replace(params, top_k=vocab)
     _check_params(params, vocab, origins)
     _check_fits(cfg, lens, params.max_tokens, mt)
-    from colo_rollout.door import check_memory
+    from colo_rollout.door import check_engine
 
-    check_memory(cfg, config_path or f"{model_dir} (generate's default config)")
+    # the door's checks of the engine, naming the user's source (the launch's own door
+    # reads a temporary file: found by probing, model.fp8 on a CPU host named it)
+    check_engine(cfg, config_path or f"{model_dir} (generate's default config)")
     return cfg, tokenizer, params
 
 
