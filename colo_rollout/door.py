@@ -589,8 +589,10 @@ def check_bench_speed(cfg: Config, source: str) -> None:
         refuse("parallel.world_size", f"bench-speed runs on one rank; got "
                f"{cfg.parallel.world_size}")
 
-    def fits(key: str, seqs: list[tuple[int, int]], what: str) -> None:
-        """seqs: (cached, new) tokens of one step's sequences."""
+    def fits(key: str, seqs: list[tuple[int, int]], what: str, prefill: bool = True) -> None:
+        """seqs: (cached, new) tokens of one step's sequences (``prefill``: a P step, whose
+        new tokens the engine holds to engine.max_prefill_tokens -- found by probing: the
+        bench timed P steps the engine would never schedule)."""
         longest = max(c + n for c, n in seqs)
         if longest > e.max_seq_len:
             refuse(key, f"{what}: a sequence of {longest} tokens exceeds engine.max_seq_len "
@@ -599,6 +601,10 @@ def check_bench_speed(cfg: Config, source: str) -> None:
         if need > e.num_kv_blocks:
             refuse(key, f"{what} needs {need} KV blocks of {e.kv_block_size} tokens; "
                    f"engine.num_kv_blocks is {e.num_kv_blocks}")
+        new = sum(n for _, n in seqs)
+        if prefill and new > e.max_prefill_tokens:
+            refuse(key, f"{what}: {new} new tokens in one P step exceed "
+                   f"engine.max_prefill_tokens {e.max_prefill_tokens}")
 
     for key, batches, contexts in (("bench_speed.decode_batches", b.decode_batches,
                                     [b.short_context]),
@@ -610,7 +616,8 @@ def check_bench_speed(cfg: Config, source: str) -> None:
             if B > e.max_batch_size:
                 refuse(key, f"{B} rows exceed engine.max_batch_size {e.max_batch_size}")
             for ctx in contexts:
-                fits(key, [(ctx - 1, 1)] * B, f"decode of {B} rows at {ctx} tokens of context")
+                fits(key, [(ctx - 1, 1)] * B, f"decode of {B} rows at {ctx} tokens of context",
+                     prefill=False)
     for n in b.prefill_lengths:
         fits("bench_speed.prefill_lengths", [(0, n)], f"a prefill of {n} tokens")
     if b.prefill_batch_seqs:

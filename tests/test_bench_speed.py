@@ -172,6 +172,15 @@ def test_bench_speed_config_is_checked_at_the_door(capsys, tmp_path):
     line = door_error(capsys, "bench-speed", CPU, "--set", "bench_speed.prefill_mixed=[600, 8]")
     assert line.startswith(f"error: {CPU}: bench_speed.prefill_mixed: the mixed prefill of 2 "
                            "sequences: a sequence of 600 tokens exceeds engine.max_seq_len 512")
+    # a P step the engine would never schedule (found by probing: it was timed)
+    line = door_error(capsys, "bench-speed", CPU, "--set", "engine.max_prefill_tokens=64",
+                      "--set", "bench_speed.prefill_lengths=[256]")
+    assert line == (f"error: {CPU}: bench_speed.prefill_lengths: a prefill of 256 tokens: 256 "
+                    "new tokens in one P step exceed engine.max_prefill_tokens 64")
+    line = door_error(capsys, "bench-speed", CPU, "--set", "engine.max_prefill_tokens=200",
+                      "--set", "bench_speed.prefill_lengths=[64]")
+    assert line.startswith(f"error: {CPU}: bench_speed.prefill_batch_seqs: 4 prefills of 64 "
+                           "tokens: 256 new tokens in one P step exceed")
     line = door_error(capsys, "bench-speed", CPU, "--set", "bench_speed.prefill_mixed=[0]")
     assert "bench_speed.prefill_mixed: every value must be >= 1, got [0]" in line
     line = door_error(capsys, "bench-speed", CPU, "--set", "bench_speed.sampled_batches=[16]")

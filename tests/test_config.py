@@ -644,6 +644,24 @@ def test_a_yaml_base_60_number_is_named(tmp_path):
     assert load_config(path).bench.out_dir == "1:30"
 
 
+def test_a_yaml_octal_number_is_named(tmp_path):
+    """YAML 1.1 reads an unquoted 010 as 8 (found by probing: a seed or count padded with a
+    zero was read silently as another number); 0, 10, 0x10 and a quoted '010' are fine."""
+    path = write(tmp_path, "workload:\n  num_requests: 010\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert str(e.value) == (f"{path}:2: workload.num_requests: 010 is an octal number in YAML "
+                            "1.1 (8); write the number without its leading zero, or quote the "
+                            "text")
+    path = write(tmp_path, "workload:\n  seed: 0\n  num_requests: 10\nbench:\n  out_dir: '010'\n")
+    cfg = load_config(path)
+    assert (cfg.workload.seed, cfg.workload.num_requests, cfg.bench.out_dir) == (0, 10, "010")
+    from colo_rollout.config.loader import parse_override
+
+    with pytest.raises(ConfigError, match="--set workload.seed: .*010 is an octal number"):
+        parse_override("workload.seed=010")
+
+
 def test_a_config_path_that_is_not_a_regular_file_is_refused_at_once(tmp_path):
     """A FIFO (the door waited for a writer for ever) and /dev/zero (read for ever) are
     refused without blocking; so is a directory."""

@@ -8,6 +8,7 @@ mapping is an error naming both lines (PyYAML would keep the last silently).
 import copy
 import dataclasses
 import os
+import re
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -302,6 +303,14 @@ class UniqueKeyLoader(yaml.SafeLoader):
                              f"{node.value} is a base-60 number in YAML 1.1 "
                              f"({self.construct_object(node)!r}); write the number, or quote "
                              "the text")
+        if (isinstance(node, yaml.ScalarNode) and node.tag == "tag:yaml.org,2002:int"
+                and re.fullmatch(r"[-+]?0[0-7_]+", node.value)):
+            # YAML 1.1's octal: an unquoted 010 is the number 8 (a seed, a count or an id
+            # padded with a zero would be read silently as another number; found by probing)
+            raise _BadScalar(path, node.start_mark.line + 1,
+                             f"{node.value} is an octal number in YAML 1.1 "
+                             f"({self.construct_object(node)!r}); write the number without its "
+                             "leading zero, or quote the text")
         if isinstance(node, yaml.MappingNode):
             first: dict[Any, int] = {}
             for key_node, value_node in node.value:
