@@ -347,8 +347,13 @@ class _Bench:
         self.device = groups.device
         self.gpu = self.device.type == "cuda"
         t0 = time.perf_counter()
-        # drawn where the model runs (a multi-GB MoE takes minutes on one CPU thread)
-        sd = random_state_dict(cfg.model, device=self.device)
+        # drawn where the model runs (a multi-GB MoE takes minutes on one CPU thread), then
+        # moved to the host a tensor at a time: held on the GPU beside the engine's weights
+        # and KV cache it doubled the weights' share there (the Qwen3 shape ran out of an
+        # H100's 80 GB); the engine loads through host memory anyway (worker.build_model)
+        drawn = random_state_dict(cfg.model, device=self.device)
+        sd = {name: drawn.pop(name).cpu() for name in list(drawn)} if self.gpu else drawn
+        del drawn
         ecfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, mode="normal"))
         self.engine = Engine(ecfg, groups, sd)
         del sd
