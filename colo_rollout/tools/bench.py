@@ -24,7 +24,8 @@ from colo_rollout.engine.engine import Engine
 from colo_rollout.model.weights import random_state_dict
 from colo_rollout.runtime.parallel import init_parallel
 from colo_rollout.workloads.replay import replay
-from colo_rollout.door import bench_trace, bench_trace_offered, turn_cap  # noqa: F401 (bench_trace: checked at the door too)
+# (bench_trace: the door's check, imported here as this module's own)
+from colo_rollout.door import bench_trace, bench_trace_offered, turn_cap  # noqa: F401
 from colo_rollout.quiet import quiet_known_warnings
 from colo_rollout.workloads.trace import Trace
 from colo_rollout.config.files import strict_json
@@ -72,9 +73,9 @@ def run_bench(rank: int, world: int, config_path: str, overrides: dict | None = 
     if rank == 0 and dropped:
         lost = len(offered.conversations) - len(trace.conversations)
         print(f"bench: {dropped} of {offered.num_requests} turns dropped ({lost} of "
-              f"{len(offered.conversations)} conversations entirely): each does not fit the engine (context + prompt + output past "
-              f"the {turn_cap(cfg.engine)} tokens one turn may hold) or "
-              "follows one that does not", flush=True)
+              f"{len(offered.conversations)} conversations entirely): each does not fit the "
+              f"engine (context + prompt + output past the {turn_cap(cfg.engine)} tokens one "
+              "turn may hold) or follows one that does not", flush=True)
     # drawn where the model runs: a multi-GB MoE takes minutes to draw on one CPU thread
     sd = random_state_dict(cfg.model, device=groups.device)
     runs, timelines = [], {}
