@@ -277,6 +277,18 @@ def test_tempered_logprobs_leave_greedy_rows_and_the_d_graph_draw_alike() -> Non
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
+@pytest.mark.parametrize("t", [1e-38, 1e-40, 1e-46])
+def test_a_tiny_temperatures_tempered_logprob_stays_finite(t: float) -> None:
+    """logits / 1e-38 overflowed to inf and the tempered logprob was NaN (found by probing:
+    the request ended as 'the model's logits are not finite'): the shifted logits are divided,
+    so the drawn token -- the argmax at such a temperature -- has logprob 0 (1e-46 is 0 in
+    fp32: drawn greedily and reported as a greedy row, at T = 1)."""
+    logits = torch.tensor([[40.0, 3.0, -7.0, 39.5]])
+    toks, lps = sample(logits, [SamplingParams(temperature=t, tempered_logprobs=True)], gen(1))
+    want = torch.log_softmax(logits, -1)[0, 0].item() if t < 1e-45 else 0.0
+    assert toks == [0] and lps == [want]
+
+
 def test_tempered_logprobs_cross_the_wire_and_are_validated() -> None:
     from colo_rollout.sched.request import RequestError
 

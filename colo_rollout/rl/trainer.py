@@ -477,7 +477,9 @@ class Trainer:
                 self.end_replay()
         x = logits[:, :-1]
         if self.cfg.rl.temperature != 1.0:  # the policy the rollout drew from: pi_T
-            x = x / self.cfg.rl.temperature
+            # shifted by the row max first (the sampler's way; log_softmax is shift-invariant,
+            # the max detached): x / T alone overflows for a tiny T
+            x = (x - x.max(dim=-1, keepdim=True).values.detach()) / self.cfg.rl.temperature
         logp = torch.log_softmax(x, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
         return logp, valid
 

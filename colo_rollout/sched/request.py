@@ -234,7 +234,8 @@ class RequestOutput:
     request_id: str
     prompt_len: int
     tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)  # log p(token) under the model, T=1
+    # log p(token) under the model at T = 1 (SamplingParams.tempered_logprobs: at its T)
+    logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: str | None = None
     replica: int = -1

@@ -86,8 +86,16 @@ def _tempered(logits: torch.Tensor, temperature: torch.Tensor,
     logits = logits.float()
     hot = temperature > 0
     t = torch.where(hot, temperature, torch.ones_like(temperature))[:, None]
-    sub = (logits - logits.max(dim=-1, keepdim=True).values) / t
-    x = logits if logprob_temperature is None else logits / logprob_temperature[:, None]
+    shifted = logits - logits.max(dim=-1, keepdim=True).values
+    sub = shifted / t
+    x = logits
+    if logprob_temperature is not None:
+        # the shifted logits too (found by probing: logits / 1e-38 overflowed to inf and the
+        # logprob was NaN, reported as non-finite weights); rows at 1 keep the plain logits,
+        # bit for bit, and so do rows whose temperature is 0 in fp32 (1e-46: drawn greedily,
+        # reported as greedy rows are)
+        lpt = logprob_temperature[:, None]
+        x = torch.where((lpt == 1.0) | (lpt <= 0.0), logits, shifted / lpt)
     return torch.log_softmax(x, dim=-1), logits.argmax(dim=-1), hot, sub
 
 
