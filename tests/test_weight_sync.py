@@ -276,6 +276,13 @@ def test_local_replay_merges_halves_and_keeps_whole_parameters_static():
     assert not rep.valid()
 
 
+def test_a_sync_per_step_closed_after_it_frees_its_process_group(worker_groups):
+    for r in worker_groups(2).run("tests.cases_rl:weight_sync_closed", timeout=300):
+        assert r["fds"][-1] <= r["fds"][4] + 2, r["fds"]  # was ~5 more a call
+        assert r["after_close"] == "WeightSync: this sync was closed; build a new one"
+        assert r["exact"]
+
+
 def test_misuse_is_refused_before_any_tensor_moves(worker_groups):
     r = worker_groups(1).run("tests.cases_rl:weight_sync_misuse", timeout=300)[0]
     e = r["errors"]

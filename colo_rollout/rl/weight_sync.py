@@ -111,19 +111,32 @@ class CpuCopyService(CopyService):
 
         super().__init__(group=group)
         # (a collective: a rank that never makes it times the others out within timeout_s)
+        self.own_pg = group is None  # made here: close() destroys it
         try:
             self.pg = group if group is not None else dist.new_group(
                 backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         except RuntimeError as e:  # (found by probing: gloo's bare 'Wait timeout')
+            text = " ".join(str(e).split())[:200]
+            if "Too many open files" in text:  # (found by probing: blamed on a late rank)
+                raise RuntimeError(f"WeightSync(): this process is out of file handles for "
+                                   f"the sync's process group ({text}); each WeightSync() "
+                                   "makes one: build one and reuse it for every step, or "
+                                   "close() the ones done with") from e
             raise RuntimeError(f"WeightSync(): building it is collective (its process group) "
                                f"and not every rank took part within {timeout_s:g} s: "
-                               f"{' '.join(str(e).split())[:200]}") from e
+                               f"{text}") from e
         self.send_ops: list[SendOp] = []
         self.recv_ops: list[RecvOp] = []
         self.bytes_moved = 0  # remote bytes of the last run
         self.bytes_local = 0  # same-rank bytes of the last run
         self.record: list | None = None  # LocalReplay's recording of the same-rank pairs
         self.remote_ops = 0  # point-to-point ops of the runs since the recording started
+
+    def close(self) -> None:
+        """The process group this service made, destroyed (its sockets and file handles)."""
+        if self.own_pg and self.pg is not None:
+            dist.destroy_process_group(self.pg)
+        self.pg = None
 
     def submit_send(self, src_tensor: torch.Tensor, dest_rank: int, task_id=None) -> None:
         self.send_ops.append(SendOp(task_id=task_id, tensor=src_tensor, dest_rank=dest_rank))
@@ -555,6 +568,26 @@ class WeightSync:
         self._replays: dict = {}  # (trainer id, inference id) -> LocalReplay
         self._buffers: dict = {}  # (trainer id, inference id) -> BufferSync
         self.group = group
+        self.closed = False
+
+    def close(self) -> None:
+        """Free what this sync holds: its plans and buffers, and the process group it made
+        (CPU ranks: a gloo group per WeightSync -- one built per step without close() ran a
+        run out of file handles; build one and reuse it). Using it afterwards raises."""
+        closing = getattr(self.service, "close", None)
+        if closing is not None:
+            closing()
+        self._views.clear()
+        self._plans.clear()
+        self._replays.clear()
+        self._buffers.clear()
+        self.closed = True
+
+    def __enter__(self) -> "WeightSync":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _everywhere(self, ok: bool, device: torch.device) -> bool:
         """``ok`` on every rank (collective: a replay skips megatron's collective plan, so all
@@ -606,6 +639,8 @@ class WeightSync:
             raise kind(p[1] if p == problem else f"rank {r}: {p[1]}")
 
     def __call__(self, trainer_model, inference_model) -> SyncStats:
+        if self.closed:
+            raise RuntimeError("WeightSync: this sync was closed; build a new one")
         t0 = time.perf_counter()
         pair = (id(trainer_model), id(inference_model))  # the views keep both alive: ids stay
         self._agree(trainer_model, inference_model, first=pair not in self._views)
