@@ -127,6 +127,7 @@ def run_train(rank: int, world: int, config_path: str, overrides: dict | None = 
         bar.close()
     if cfg.rl.export_dir is not None:
         trainer.export(cfg.rl.export_dir)
+    sync.close()  # its process group
     engine.close()  # D graphs hold NCCL collectives: drop them before the groups go away
     if rank == 0:
         log.close()
