@@ -838,11 +838,30 @@ def test_transformers_checkpoint_round_trips_bit_exactly(worker_groups, tmp_path
     src = tmp_path / "src"
     model.save_pretrained(src)
     (src / "generation_config.json").write_text(json.dumps({"eos_token_id": 3}))
+    # what a hub checkpoint ships beside its weights (remote code, a sentencepiece model, a
+    # BPE vocabulary): copied, bytes as they are (found by probing: five named files were)
+    extras = {"configuration_custom.py": b"X = 1\n", "tokenizer.model": bytes(range(256)),
+              "vocab.json": b'{"a": 0}', "merges.txt": b"#version: 0.2\n"}
+    for name, data in extras.items():
+        (src / name).write_bytes(data)
+    # the export folder already holds links into another checkpoint (a hub cache's layout, a
+    # `cp -rs` copy): replaced, never written through (found by probing)
+    other = tmp_path / "other"
+    other.mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("config.json", "generation_config.json", "vocab.json"):
+        (other / name).write_text("untouched")
+        (out / name).symlink_to(other / name)
     res = worker_groups(2).run("tests.cases_export:hf_round_trip", source=str(src),
-                               directory=str(tmp_path / "out"))
+                               directory=str(out))
     r0 = res[0]
     assert r0["names_equal"] and r0["unequal"] == [] and r0["dtype_equal"]
     assert "config.json" in r0["copied"] and "generation_config.json" in r0["copied"]
+    for name, data in extras.items():
+        assert (out / name).read_bytes() == data, name
+    for name in ("config.json", "generation_config.json", "vocab.json"):
+        assert (other / name).read_text() == "untouched" and not (out / name).is_symlink()
 
 
 # ---------------------------------------------------------------------- found by probing

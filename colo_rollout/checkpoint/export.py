@@ -41,6 +41,7 @@ from colo_rollout.config.hf_config import (
 )
 from colo_rollout.checkpoint.hf_names import MTP_FAMILIES, hf_sources, mtp_duplicates
 from colo_rollout.checkpoint.store import write_checkpoint
+from colo_rollout.config.checkpoint_errors import CONFIG_NAME
 from colo_rollout.config import ModelConfig
 from colo_rollout.model.weights import (
     DTYPES,
@@ -323,19 +324,28 @@ def _param(params: dict[str, torch.Tensor], local: str) -> torch.Tensor:
     raise KeyError(f"export: the model has no {local!r}")
 
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                    "chat_template.jinja", "generation_config.json")
+# the source checkpoint's files that are its weights (written anew) or other formats of them
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5",
+                    ".msgpack", ".safetensors.index.json", ".bin.index.json")
 
 
-def _tokenizer_files(source: str | None) -> dict[str, str]:
-    """Text files to copy beside the exported weights (tokenizer, chat template, generation
-    config), so the checkpoint is usable on its own."""
+def _tokenizer_files(source: str | None) -> dict[str, bytes]:
+    """The source checkpoint's other files, copied beside the exported weights so the export
+    is usable on its own: tokenizer files of any kind (tokenizer.json, tokenizer.model,
+    tiktoken.model, vocab.json / merges.txt, a custom tokenizer's .py), the chat template,
+    generation_config.json, remote code that config.json's ``auto_map`` names (found by
+    probing: only five named files were copied, and a DeepSeek / Kimi export kept its
+    auto_map without the code, and its tokenizer config without the tokenizer). Top-level
+    regular files only; config.json (written anew), weights in any format and hidden files
+    are not copied."""
     if source is None:
         return {}
     out = {}
-    for name in _TOKENIZER_FILES:
-        p = pathlib.Path(source) / name
-        if p.is_file():
-            out[name] = p.read_text(encoding="utf-8")
+    for p in sorted(pathlib.Path(source).iterdir()):
+        name = p.name
+        if (name.startswith(".") or name == CONFIG_NAME or name.endswith(_WEIGHT_SUFFIXES)
+                or not p.is_file()):
+            continue
+        out[name] = p.read_bytes()
     return out
 

@@ -228,7 +228,8 @@ class CheckpointStore:
 
 def write_checkpoint(directory: str | os.PathLike, tensors: Iterable[tuple[str, torch.Tensor]],
                      config: dict, max_shard_bytes: int = 5 * 2**30,
-                     extra_files: dict[str, str] | None = None) -> list[pathlib.Path]:
+                     extra_files: dict[str, str | bytes] | None = None
+                     ) -> list[pathlib.Path]:
     """Stream (name, tensor) pairs into safetensors laid out as transformers' save_pretrained does:
     one 'model.safetensors' when everything fits in one shard, else shards
     'model-0000i-of-0000N.safetensors' plus 'model.safetensors.index.json'
@@ -238,9 +239,12 @@ def write_checkpoint(directory: str | os.PathLike, tensors: Iterable[tuple[str, 
     renamed once N is known) when the next tensor would take it past max_shard_bytes; a larger
     tensor gets a shard of its own. Tensors go to CPU, contiguous; CPU tensors are held by
     reference until written, so the caller must not modify one after yielding it. Safetensors
-    metadata is {"format": "pt"}. Also writes each extra_files entry (file name -> text) and
-    config.json (indent=2, key order kept); weight files of an earlier checkpoint here that this
-    one does not use are removed. Duplicate names -> ValueError. Returns the weight files."""
+    metadata is {"format": "pt"}. Also writes each extra_files entry (file name -> text or
+    bytes) and config.json (indent=2, key order kept); weight files of an earlier checkpoint
+    here that this one does not use are removed. A file here that is a symbolic link is
+    replaced, never written through (a folder of links into a hub cache or another checkpoint:
+    found by probing, the export rewrote the source's config.json). Duplicate names ->
+    ValueError. Returns the weight files."""
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     directory = pathlib.Path(directory)
@@ -300,14 +304,25 @@ def write_checkpoint(directory: str | os.PathLike, tensors: Iterable[tuple[str, 
         weight_map = {name: final.name for names, final in zip(shard_names, finals)
                       for name in names}
         index_obj = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
-        index.write_text(json.dumps(index_obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        _write_own(index, json.dumps(index_obj, indent=2, sort_keys=True) + "\n")
     else:
         index.unlink(missing_ok=True)
     for old in directory.iterdir():
         if _WEIGHT_FILE.fullmatch(old.name) and old not in finals:
             old.unlink()
-    for file, text in extra_files.items():
-        (directory / file).write_text(text, encoding="utf-8")
+    for file, data in extra_files.items():
+        _write_own(directory / file, data)
     # config.json last: a new directory only becomes a loadable checkpoint once all is written.
-    (directory / CONFIG_NAME).write_text(config_text, encoding="utf-8")
+    _write_own(directory / CONFIG_NAME, config_text)
     return finals
+
+
+def _write_own(path: pathlib.Path, data: str | bytes) -> None:
+    """``data`` as the file ``path`` itself: a symbolic link there is removed first, so what
+    it pointed to is left alone."""
+    if path.is_symlink():
+        path.unlink()
+    if isinstance(data, bytes):
+        path.write_bytes(data)
+    else:
+        path.write_text(data, encoding="utf-8")
