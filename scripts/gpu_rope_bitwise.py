@@ -3,7 +3,8 @@ kernel claims the torch path's roundings bit for bit (model/rope_kv.py), which t
 CPU tests check; session 33's P-size probe (scripts/gpu_rope_prefill.py) found its GPU output
 not bitwise. Every combination of the q/k norms, the angle tables, the dense calls' K/V rows
 and the program layout, each output's differing elements and their largest gap.
-  PYTHONPATH=$PWD python3 scripts/gpu_rope_bitwise.py     (a CUDA host; on CPU: the
+  PYTHONPATH=$PWD python3 scripts/gpu_rope_bitwise.py     (a CUDA host: also a run compiled
+                                                            without FP fusion; on CPU: the
                                                             interpreter, TRITON_INTERPRET=1)
 """
 import sys; sys.path.insert(0, ".")
@@ -40,3 +41,14 @@ for norm, tables, kvout, whole in itertools.product((False, True), (False, True)
             diffs.append(f"{name}: {int((d > 0).sum())}/{d.numel()} max {float(d.max()):.3g} rel {float(rel):.3g}")
     print(f"norm={norm} tables={tables} kv_out={kvout} whole_from={whole}: "
           + ("bitwise" if not diffs else "; ".join(diffs)))
+
+# On a GPU the same combinations once more in a process compiled without Triton's floating-point
+# fusion (ptxas --fmad=false, LLVM's contraction off): bitwise there names the cause as a product
+# fused into the sum across the kernel's rounding casts (session 34's finding: ~24% of elements
+# one bf16 step off under every combination).
+import os  # noqa: E402
+if dev == "cuda" and "TRITON_DEFAULT_FP_FUSION" not in os.environ:
+    import subprocess  # noqa: E402
+    print("--- again with TRITON_DEFAULT_FP_FUSION=0", flush=True)
+    subprocess.run([sys.executable, __file__], env={**os.environ, "TRITON_DEFAULT_FP_FUSION": "0"},
+                   check=False)
