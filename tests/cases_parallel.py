@@ -47,3 +47,26 @@ def default_group_is_bounded(rank: int, world: int, group: str = "default") -> d
     if rank != 0:
         time.sleep(3.5)  # until rank 0 gave up (its collective must not meet this rank's)
     return {"error": error, "seconds": seconds}
+
+
+def layouts_that_differ(rank: int, world: int, key: str) -> dict:
+    """Rank 1 given another parallel section (found by fault injection: ranks built megatron's
+    groups apart and met in torch's store timeouts, 10-24 s, naming no key): a ConfigError on
+    every rank naming the key, at once; the same section on every rank sets up again after."""
+    import time
+
+    from colo_rollout.config import ConfigError
+
+    kw = {"world_size": world, "adp": world, "ep": world, "backend": "gloo", "timeout_s": 20.0}
+    if rank == 1:
+        kw[key] = {"adp": 1, "ep": 1, "timeout_s": 30.0}[key]
+    start = time.monotonic()
+    try:
+        init_parallel(ParallelConfig(**kw))
+        error = None
+    except ConfigError as e:
+        error = (str(e), e.key)
+    seconds = time.monotonic() - start
+    again = init_parallel(ParallelConfig(world_size=world, adp=world, ep=world, backend="gloo",
+                                         timeout_s=20.0))
+    return {"error": error, "seconds": seconds, "again": group_ranks(again.ep)}

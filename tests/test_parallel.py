@@ -82,6 +82,17 @@ def test_every_group_takes_the_configs_timeout(worker_groups, group):
     assert r0["error"] is not None and r0["seconds"] < 3.5, r0  # (megatron's: 60 s)
 
 
+@pytest.mark.parametrize("key, theirs, mine", [("adp", "1", "2"), ("ep", "1", "2"),
+                                              ("timeout_s", "30.0", "20.0")])
+def test_ranks_given_different_layouts_are_told_the_key(worker_groups, key, theirs, mine):
+    for r in worker_groups(2).run("tests.cases_parallel:layouts_that_differ", timeout=120,
+                                  key=key):
+        assert r["error"] == (f"rank 1's parallel.{key} is {theirs} where rank 0's is {mine} "
+                              "(every rank sets up one layout: give the ranks one parallel "
+                              f"section)", f"parallel.{key}"), r
+        assert r["seconds"] < 5 and r["again"] == [0, 1], r
+
+
 def test_a_process_no_launcher_started_runs_one_rank_and_refuses_more(monkeypatch):
     """`python script.py` without torchrun (RANK unset): world_size 1 makes its own one-rank
     group and serves; world_size 2 is one error naming torchrun, before any group exists

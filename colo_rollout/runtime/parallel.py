@@ -206,6 +206,15 @@ def init_parallel(cfg: ParallelConfig) -> ParallelGroups:
         set_timeout(timeout)
     world = dist.get_world_size()
     rank = dist.get_rank()
+    all_ranks = list(range(world))
+    # the control group first, and on it every rank's parallel section compared: ranks given
+    # different layouts would build megatron's groups apart and meet in torch's store
+    # timeouts (found by fault injection: 10-24 s, then DistStoreError naming no key)
+    if backend == "gloo":  # the previous layout's own groups (see below)
+        _destroy_groups(_OWN_GLOO_GROUPS)
+        _OWN_GLOO_GROUPS.clear()
+    control = _new_group(all_ranks, timeout, backend="gloo")
+    _agree_on_layout(cfg, control)
     layout = Layout.from_config(cfg, world)
 
     if backend == "nccl":
@@ -241,13 +250,9 @@ def init_parallel(cfg: ParallelConfig) -> ParallelGroups:
     )
     pgc = ProcessGroupCollection.use_mpu_process_groups()
 
-    all_ranks = list(range(world))
     # Order of creation is identical on every rank (new_group is collective).
-    if backend == "gloo":  # the previous layout's own groups (see above)
-        _destroy_groups(_OWN_GLOO_GROUPS)
     full_p = _new_group(all_ranks, timeout)
     full_d = _new_group(all_ranks, timeout)
-    control = _new_group(all_ranks, timeout, backend="gloo")
     _OWN_GLOO_GROUPS[:] = [full_p, full_d, control] if backend == "gloo" else []
 
     groups = ParallelGroups(
@@ -265,6 +270,27 @@ def init_parallel(cfg: ParallelConfig) -> ParallelGroups:
     )
     verify_membership(groups)
     return groups
+
+
+def _agree_on_layout(cfg: ParallelConfig, control: dist.ProcessGroup) -> None:
+    """Every rank's parallel section is rank 0's, else a ConfigError on every rank naming the
+    first key that differs (one tagged all-gather over ``control``)."""
+    if dist.get_world_size(control) == 1:
+        return
+    import dataclasses
+
+    from colo_rollout.config import ConfigError
+    from colo_rollout.runtime.control import gather_call
+
+    mine = {k: repr(v) for k, v in dataclasses.asdict(cfg).items()}
+    every = gather_call("init_parallel()", mine, control)
+    for r, theirs in enumerate(every):
+        for key in sorted(set(mine) | set(theirs)):
+            if theirs.get(key) != every[0].get(key):
+                raise ConfigError(
+                    f"rank {r}'s parallel.{key} is {theirs.get(key)} where rank 0's is "
+                    f"{every[0].get(key)} (every rank sets up one layout: give the ranks one "
+                    "parallel section)", key=f"parallel.{key}")
 
 
 # The groups the last init_parallel made itself on gloo, freed by the next one: process state,

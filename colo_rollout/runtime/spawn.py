@@ -43,9 +43,29 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
                  "NVSHMEM_DISABLE_NVLS": "1"}
 
 
+def _die_with(parent: int) -> None:
+    """Exit this rank once ``parent`` (the process that spawned the group) is gone: a parent
+    killed outright (SIGKILL, an unhandled SIGTERM) runs no teardown, and its ranks -- children
+    of the forkserver, not of it -- trained on and then waited for ever on their task queue
+    (found by fault injection)."""
+    while True:
+        time.sleep(1.0)
+        try:
+            os.kill(parent, 0)
+        except ProcessLookupError:
+            os._exit(1)
+        except PermissionError:  # (a pid reused by another user's process: gone too)
+            os._exit(1)
+
+
 def _worker_main(rank: int, world: int, store_path: str, tasks, results, env: dict,
-                 backend: str) -> None:
+                 backend: str, parent: int | None = None) -> None:
     os.environ.update(env)
+    if parent is not None:
+        import threading
+
+        threading.Thread(target=_die_with, args=(parent,), name="colo-parent-watch",
+                         daemon=True).start()
     import torch
     import torch.distributed as dist
 
@@ -103,7 +123,7 @@ class WorkerGroup:
         self._procs = [
             ctx.Process(target=_worker_main, daemon=True,
                         args=(r, world_size, os.path.join(self._dir, "store"), self._tasks[r],
-                              self._results, child_env, backend))
+                              self._results, child_env, backend, os.getpid()))
             for r in range(world_size)
         ]
         for p in self._procs:
@@ -164,5 +184,7 @@ class WorkerGroup:
     def __enter__(self) -> "WorkerGroup":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        # leaving on an error (a KeyboardInterrupt, say): the ranks may be mid-task, and a
+        # polite shutdown waits 10 s for each (found by fault injection: Ctrl-C took 20 s)
+        self.close(force=exc_type is not None)
