@@ -280,3 +280,31 @@ def test_a_diverged_step_raises_on_every_rank_before_the_weights_move(worker_gro
     line = e.value.user_line
     assert line.startswith("rl step: the loss or a gradient is not finite") and \
         "rl.lr 1e+30" in line and "rl.vf_coef" in line, line
+
+
+def test_a_failed_collective_in_a_trainer_step_is_named():
+    """A peer that dies inside the update's all-reduce surfaced as gloo's own text (found by
+    fault injection); now a ControlError naming the rank and what it means -- other errors
+    pass unchanged."""
+    from types import SimpleNamespace
+
+    from colo_rollout.rl.trainer import Trainer
+    from colo_rollout.runtime.control import ControlError
+
+    def failing(e):
+        def _step(trajs):
+            raise e
+        return SimpleNamespace(_step=_step)
+
+    gloo = RuntimeError("[gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:1234: "
+                        "Connection reset by peer")
+    with pytest.raises(ControlError) as info:
+        Trainer.step(failing(gloo), [])
+    assert str(info.value).startswith("trainer step, rank 0: a collective of the update "
+                                      "failed: a process group of the trainer is broken (a "
+                                      "peer exited")
+    assert info.value.__cause__ is gloo
+    other = RuntimeError("something else")
+    with pytest.raises(RuntimeError) as info:
+        Trainer.step(failing(other), [])
+    assert info.value is other

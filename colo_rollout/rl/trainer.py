@@ -484,7 +484,24 @@ class Trainer:
         return logp, valid
 
     def step(self, trajs: list[Trajectory]) -> dict:
-        """One GRPO or PPO update on this DP rank's share of the (replicated) trajectories."""
+        """One GRPO or PPO update on this DP rank's share of the (replicated) trajectories. A
+        collective of the update that fails in its backend (a peer exited or stalled past the
+        timeout) is a ControlError naming this rank and what it means (found by fault
+        injection: gloo's own text, as the engine's steps had been)."""
+        from colo_rollout.runtime.control import (ControlError, transport_failure,
+                                                  transport_problem)
+
+        try:
+            return self._step(trajs)
+        except RuntimeError as e:
+            if isinstance(e, ControlError) or not transport_failure(e):
+                raise
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            raise ControlError(f"trainer step, rank {rank}: a collective of the update "
+                               f"failed: {transport_problem(e, 'a process group of the trainer')}"
+                               ) from e
+
+    def _step(self, trajs: list[Trajectory]) -> dict:
         for t in trajs:  # replicated on every rank: every rank refuses alike
             lp, lm = np.asarray(t.logprobs[1:], dtype=np.float64), np.asarray(t.loss_mask[1:])
             if not np.isfinite(lp[lm.astype(bool)]).all():
