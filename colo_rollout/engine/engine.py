@@ -36,8 +36,9 @@ import torch
 
 from colo_rollout.config import Config, ConfigError
 from colo_rollout.runtime.control import (ControlError, ControlPlane, Message,
-                                          ReplicaDivergence, divergence, first_problem,
-                                          gather_call, transport_failure, transport_problem)
+                                          ReplicaDivergence, divergence, first_difference,
+                                          first_problem, gather_call, transport_failure,
+                                          transport_problem)
 from colo_rollout.worker.memory import WEIGHT_POLICIES, MemoryReport
 from colo_rollout.runtime.device import fp32_norms
 from colo_rollout.runtime.parallel import ParallelGroups
@@ -96,14 +97,13 @@ def check_same_config(cfg: Config, groups: ParallelGroups) -> None:
         return
     mine = {k: repr(v) for k, v in flat.items()}
     every = gather_call("Engine()", mine, groups.control)
-    for rank, theirs in enumerate(every):
-        for key in sorted(set(mine) | set(theirs)):
-            if theirs.get(key) != every[0].get(key):
-                raise ConfigError(
-                    f"rank {rank}'s config differs from rank 0's at {key}: {theirs.get(key)} "
-                    f"vs {every[0].get(key)} (every rank builds its engine from one config: "
-                    f"{', '.join(SHARED_SECTIONS)})", key=key)
-    raise ConfigError("the ranks' configs differ (digests) though no key does", key=None)
+    differs = first_difference(every)
+    if differs is None:
+        raise ConfigError("the ranks' configs differ (digests) though no key does", key=None)
+    rank, key = differs
+    raise ConfigError(f"rank {rank}'s config differs from rank 0's at {key}: "
+                      f"{every[rank].get(key)} vs {every[0].get(key)} (every rank builds its "
+                      f"engine from one config: {', '.join(SHARED_SECTIONS)})", key=key)
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:

@@ -260,6 +260,16 @@ def gather_call(what: str, payload, group: dist.ProcessGroup) -> list:
     return [p for _, p in every]
 
 
+def first_difference(every: list[dict]) -> tuple[int, str] | None:
+    """The first (rank, key) at which a rank's mapping differs from rank 0's (keys in sorted
+    order, ranks in order), or None: what the ranks' gathered settings disagree on."""
+    for rank, theirs in enumerate(every):
+        for key in sorted(set(every[0]) | set(theirs)):
+            if theirs.get(key) != every[0].get(key):
+                return rank, key
+    return None
+
+
 def all_gather_json(obj, group: dist.ProcessGroup | None = None,
                     what: str = "an exchange between the ranks") -> list:
     """All-gather one JSON-serialisable value per rank (rank order). JSON, never pickle.

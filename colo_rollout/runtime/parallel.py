@@ -280,17 +280,16 @@ def _agree_on_layout(cfg: ParallelConfig, control: dist.ProcessGroup) -> None:
     import dataclasses
 
     from colo_rollout.config import ConfigError
-    from colo_rollout.runtime.control import gather_call
+    from colo_rollout.runtime.control import first_difference, gather_call
 
     mine = {k: repr(v) for k, v in dataclasses.asdict(cfg).items()}
     every = gather_call("init_parallel()", mine, control)
-    for r, theirs in enumerate(every):
-        for key in sorted(set(mine) | set(theirs)):
-            if theirs.get(key) != every[0].get(key):
-                raise ConfigError(
-                    f"rank {r}'s parallel.{key} is {theirs.get(key)} where rank 0's is "
-                    f"{every[0].get(key)} (every rank sets up one layout: give the ranks one "
-                    "parallel section)", key=f"parallel.{key}")
+    differs = first_difference(every)
+    if differs is not None:
+        r, key = differs
+        raise ConfigError(f"rank {r}'s parallel.{key} is {every[r].get(key)} where rank 0's is "
+                          f"{every[0].get(key)} (every rank sets up one layout: give the ranks "
+                          "one parallel section)", key=f"parallel.{key}")
 
 
 # The groups the last init_parallel made itself on gloo, freed by the next one: process state,
