@@ -142,6 +142,17 @@ def rollout_misuse(rank: int, world: int) -> dict:
         res["by_rank"] = "returned"
     except ValueError as e:
         res["by_rank"] = str(e)
+
+    def raises_on_one(prompt, completion):
+        if rank == 1:
+            raise RuntimeError("reward exploded on rank 1")
+        return 0.5
+
+    try:  # the rank where the reward raised says so (its exception was lost)
+        rollout(engine, [[5, 7]], params=p, reward_fn=raises_on_one, tag="raises")
+        res["raised_by_rank"] = "returned"
+    except ValueError as e:
+        res["raised_by_rank"] = str(e)
     class StrDone:  # done as a str: "False" is truthy, and used to end the episode
         def reset(self):
             return [1, 2]

@@ -81,6 +81,8 @@ def test_rollout_under_misuse_loses_nothing_and_never_hangs(worker_groups):
     assert status == "failed" and "done must be a bool, got str 'False'" in error
     for r in res:  # every rank raises, naming the trajectory
         assert r["by_rank"].startswith("rollout(): rank 1 ended trajectory (group 0, sample 0)")
+        assert r["raised_by_rank"].startswith(
+            "rollout(): rank 1 ended trajectory (group 0, sample 0)"), r["raised_by_rank"]
         # an environment that ends the last live episode on one rank only: named at the step
         # it happened, on every rank, well within the groups' timeout; nothing left behind
         assert r["env_by_rank"].startswith(
@@ -89,3 +91,7 @@ def test_rollout_under_misuse_loses_nothing_and_never_hangs(worker_groups):
         assert r["after_diverge"] == ["completed"] and r["kv_empty_after_diverge"]
         assert "memory is released" in r["released"]
         assert r["after_release"] == ["completed"] and r["kv_empty"]
+    # the rank where the reward raised says so; the other only that the ranks differ
+    assert "failed" not in res[0]["raised_by_rank"]
+    assert res[1]["raised_by_rank"].endswith(
+        "(on rank 1 it failed: reward raised RuntimeError('reward exploded on rank 1'))")

@@ -402,7 +402,8 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
                 f"trajectory (group {t.group}, sample {t.sample})"
             raise ValueError(f"rollout(): rank {e.rank} ended {which} otherwise than rank 0 "
                              "(status, reward or tokens): reward functions and environments "
-                             "must be deterministic and equal on every rank") from e
+                             "must be deterministic and equal on every rank"
+                             + _failed_here(t, engine.groups.rank)) from e
         raise
     # the same routing on every rank (a dispatch backend's is merged over the ranks here)
     got_all = engine.take_routings(list(trajs), [inputs.get(sid, len(t.tokens) - 1)
@@ -566,16 +567,26 @@ def _check_same_result(engine: Engine, trajs: dict[str, Trajectory]) -> None:
         if d != every[0]:
             i = next((i for i, (a, b) in enumerate(zip(d, every[0])) if a != b), 0)
             g, k = every[0][i][:2] if every[0] else (None, None)
+            here = next((t for t in trajs.values() if (t.group, t.sample) == (g, k)), None)
             raise ValueError(f"rollout(): rank {r} ended trajectory (group {g}, sample {k}) "
                              "otherwise than rank 0 (status, reward or tokens): reward "
                              "functions and environments must be deterministic and equal "
-                             "on every rank")
+                             "on every rank" + _failed_here(here, engine.groups.rank))
 
 
 def _groups_done(trajs: dict[str, Trajectory], live: dict[str, int]) -> int:
     """Groups none of whose trajectories is still generating."""
     busy = {trajs[sid].group for sid in live}
     return len({t.group for t in trajs.values()} - busy)
+
+
+def _failed_here(t: Trajectory | None, rank: int) -> str:
+    """What a divergence's message adds on the rank where the trajectory failed: its error
+    (found by fault injection: a reward function raising on one rank was reported on both as
+    a divergence, and that rank's exception was lost)."""
+    if t is None or t.status != "failed" or not t.error:
+        return ""
+    return f" (on rank {rank} it failed: {t.error})"
 
 
 def _score(t: Trajectory, fn: Callable[[], float], accumulate: bool = False) -> None:
