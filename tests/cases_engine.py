@@ -993,11 +993,18 @@ def config_divergence(rank: int, world: int) -> dict:
     engine's build, naming the key (they would otherwise meet in collectives of other sizes)."""
     from colo_rollout.config import ConfigError
 
+    out = {"error": None}
     try:
         _engine(world, 2, 2, num_kv_blocks=64 if rank == 0 else 48)
     except ConfigError as e:
-        return {"error": str(e), "key": e.key}
-    return {"error": None}
+        out = {"error": str(e), "key": e.key}
+    # another hidden_size: the head_dim derived from it sorts first; both are named (found by
+    # fault injection: only head_dim was)
+    try:
+        _engine(world, 2, 2, model_kw={"hidden_size": 64 if rank == 0 else 32})
+    except ConfigError as e:
+        out["hidden"] = str(e)
+    return out
 
 
 def engine_build_beside_generate(rank: int, world: int) -> dict:

@@ -290,7 +290,9 @@ def test_ranks_built_from_different_configs_refuse_on_every_rank(worker_groups):
     for r in res:
         assert r["key"] == "engine.num_kv_blocks", r
         assert r["error"].startswith("rank 1's config differs from rank 0's at "
-                                     "engine.num_kv_blocks: 48 vs 64"), r
+                                     "engine.num_kv_blocks: 48 vs 64 (every rank builds"), r
+        assert r["hidden"].startswith("rank 1's config differs from rank 0's at "
+                                      "model.head_dim: 8 vs 16; also model.hidden_size"), r
 
 
 def test_session_protocol_never_spins_drops_a_close_or_forgets_a_cancel(worker_groups):

@@ -101,9 +101,15 @@ def check_same_config(cfg: Config, groups: ParallelGroups) -> None:
     if differs is None:
         raise ConfigError("the ranks' configs differ (digests) though no key does", key=None)
     rank, key = differs
+    # every key that differs there, named (found by fault injection: another hidden_size was
+    # named by the head_dim derived from it, which sorts first)
+    also = [k for k in sorted(set(every[0]) | set(every[rank]))
+            if k != key and every[rank].get(k) != every[0].get(k)]
+    more = f"; also {', '.join(also[:4])}{' ...' if len(also) > 4 else ''}" if also else ""
     raise ConfigError(f"rank {rank}'s config differs from rank 0's at {key}: "
-                      f"{every[rank].get(key)} vs {every[0].get(key)} (every rank builds its "
-                      f"engine from one config: {', '.join(SHARED_SECTIONS)})", key=key)
+                      f"{every[rank].get(key)} vs {every[0].get(key)}{more} (every rank "
+                      f"builds its engine from one config: {', '.join(SHARED_SECTIONS)})",
+                      key=key)
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
