@@ -25,7 +25,6 @@ Invariants:
 from __future__ import annotations
 
 import collections
-
 import contextlib
 from dataclasses import dataclass
 

@@ -97,10 +97,10 @@ class _Graph:
         self.packed: torch.Tensor | None = None
         # the draw graphs (DecodeGraphs.draw): the rows' temperature, top_k, top_p (padding
         # rows greedy), and per Draw the graph and its packed output
-        self.draw_params = torch.zeros(3, rows, dtype=torch.float32, device=device)
-        self.draw_params[2].fill_(1.0)
-        # each row's logprob temperature (1: the model's own distribution; sampler.py)
-        self.logprob_temps = torch.ones(rows, dtype=torch.float32, device=device)
+        # rows 0-2: ``draw_params``'s; row 3: each row's logprob temperature (1: the model's
+        # own distribution; sampler.py) -- one buffer, so a draw's parameters cross in one copy
+        self.draw_params = torch.zeros(4, rows, dtype=torch.float32, device=device)
+        self.draw_params[2:].fill_(1.0)
         self.draw_graphs: dict[Draw, torch.cuda.CUDAGraph] = {}
         self.drawn: dict[Draw, torch.Tensor] = {}
 
@@ -219,10 +219,9 @@ class DecodeGraphs:
         g.packed's layout; a static output like g.packed."""
         if kind not in g.draw_graphs:
             self._capture_draw(g, kind)
-        g.draw_params.copy_(h2d(draw_params(params, g.rows), torch.float32,
-                                self.device).view(3, g.rows), non_blocking=True)
-        g.logprob_temps.copy_(h2d(logprob_temperatures(params, g.rows), torch.float32,
-                                  self.device), non_blocking=True)
+        g.draw_params.copy_(h2d(draw_params(params, g.rows)
+                                + logprob_temperatures(params, g.rows), torch.float32,
+                                self.device).view(4, g.rows), non_blocking=True)
         g.draw_graphs[kind].replay()
         self.draws += 1
         return g.drawn[kind]
@@ -251,8 +250,8 @@ class DecodeGraphs:
     def _draw_step(self, g: _Graph, kind: Draw) -> torch.Tensor:
         """What a draw graph runs: the draw of g's logits (engine.mtp: then the verify and the
         MTP draft on the drawn tokens)."""
-        tokens, logprobs = draw_tensors(kind, g.logits, g.draw_params, self.generator,
-                                        g.logprob_temps)
+        tokens, logprobs = draw_tensors(kind, g.logits, g.draw_params[:3], self.generator,
+                                        g.draw_params[3])
         if self.model.mtp_draft:
             return verify_and_draft(self.model, self.kv, g.inputs, g.logits, g.hidden,
                                     tokens, logprobs)
