@@ -9,6 +9,7 @@ and the program layout, each output's differing elements and their largest gap.
 """
 import sys; sys.path.insert(0, ".")
 import itertools
+import os
 import torch
 from colo_rollout.model import rope_kv
 dev, bf = ("cuda" if torch.cuda.is_available() else "cpu"), torch.bfloat16
@@ -21,6 +22,12 @@ cos_t, sin_t = torch.cos(ang).to(bf), torch.sin(ang).to(bf)
 pos = torch.randperm(4096, device=dev)[:T]
 slots = torch.arange(T, device=dev) + 3
 w = (torch.randn(D, device=dev) * 0.3 + 1).to(bf)
+if os.environ.get("ROPE_FORCE_RNE") == "1" and dev == "cuda":
+    # the kernel's roundings by bit arithmetic (rne_bf16, the interpreter's path) instead of
+    # fp32 -> bf16 -> fp32 casts: a compiler that folds a cast pair away cannot fold these
+    _bound = rope_kv._ROPE_KV
+    rope_kv._ROPE_KV = lambda key, grid, args, warps: _bound(
+        None if key is None else ("rne", key), grid, args[:-1] + (True,), warps)
 for norm, tables, kvout, whole in itertools.product((False, True), (False, True), (False, True), (256, 1 << 30)):
     rope_kv.WHOLE_TOKEN_FROM = whole
     qk = rope_kv.QKRMSNorm(w, w, 1e-6) if norm else None
@@ -46,9 +53,13 @@ for norm, tables, kvout, whole in itertools.product((False, True), (False, True)
 # fusion (ptxas --fmad=false, LLVM's contraction off): bitwise there names the cause as a product
 # fused into the sum across the kernel's rounding casts (session 34's finding: ~24% of elements
 # one bf16 step off under every combination).
-import os  # noqa: E402
-if dev == "cuda" and "TRITON_DEFAULT_FP_FUSION" not in os.environ:
+if dev == "cuda" and "TRITON_DEFAULT_FP_FUSION" not in os.environ \
+        and "ROPE_FORCE_RNE" not in os.environ:
     import subprocess  # noqa: E402
     print("--- again with TRITON_DEFAULT_FP_FUSION=0", flush=True)
     subprocess.run([sys.executable, __file__], env={**os.environ, "TRITON_DEFAULT_FP_FUSION": "0"},
+                   check=False)
+    # and with the roundings by bit arithmetic (the cast pairs not left to the compiler)
+    print("--- again with the roundings by bit arithmetic (RNE_BF16 on the GPU)", flush=True)
+    subprocess.run([sys.executable, __file__], env={**os.environ, "ROPE_FORCE_RNE": "1"},
                    check=False)

@@ -4,6 +4,7 @@ time per call against the bytes it must move (HBM roofline at 4.8 TB/s), for the
 layouts the kernel can take (every group of a token in one program, or one per group).
   PYTHONPATH=$PWD python3 scripts/gpu_rope_prefill.py   (repo root, a CUDA host)
 """
+import os
 import sys; sys.path.insert(0, ".")
 import torch
 from scripts.gpu_timing import graph_time
@@ -11,6 +12,10 @@ from colo_rollout.model import rope_kv
 
 dev, bf = "cuda", torch.bfloat16
 HBM = 4.8e12
+if os.environ.get("ROPE_FORCE_RNE") == "1":  # the roundings by bit arithmetic (RNE_BF16)
+    _bound = rope_kv._ROPE_KV
+    rope_kv._ROPE_KV = lambda key, grid, args, warps: _bound(
+        None if key is None else ("rne", key), grid, args[:-1] + (True,), warps)
 TOKENS = [int(a) for a in sys.argv[1:]] or [1024, 4096, 8192]
 print("| shape | T | layout | us | GB moved | TB/s | x roofline |")
 print("|---|---|---|---|---|---|---|")

@@ -207,9 +207,12 @@ if triton is not None:
 
     @triton.jit
     def _round(v, dtype: tl.constexpr, RNE_BF16: tl.constexpr):
-        """fp32 -> the model dtype, to nearest even (as torch's elementwise ops round)."""
+        """fp32 -> the model dtype, to nearest even (as torch's elementwise ops round).
+        ``RNE_BF16``: by bit arithmetic alone (the rounding bias, then the low half cleared:
+        a value bf16 holds exactly, which the casts after it keep on any target)."""
         if RNE_BF16:
-            v = rne_bf16(v)
+            bits = rne_bf16(v).to(tl.uint32, bitcast=True) & 0xFFFF0000
+            v = bits.to(tl.float32, bitcast=True)
         return v.to(dtype).to(tl.float32)
 
     @triton.jit
