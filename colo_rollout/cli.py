@@ -48,11 +48,17 @@ def main(argv: list[str] | None = None) -> int:
     main_thread = (threading.current_thread() is threading.main_thread()
                    and "WORLD_SIZE" not in os.environ)
     previous = signal.signal(signal.SIGTERM, terminate) if main_thread else None
+    from colo_rollout.runtime.spawn import WorkerTimeout
+
     try:
         return _main(argv)
     except KeyboardInterrupt:
         print("\nerror: interrupted", file=sys.stderr)  # (after a progress bar's line)
         return 130
+    except WorkerTimeout as e:  # spawned ranks past the run's limit, or killed (out of
+        # memory, say): the group is torn down; one line, no traceback (found by probing)
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)

@@ -459,9 +459,12 @@ def check_demo(cfg: Config, source: str) -> None:
     params = SamplingParams(temperature=w.temperature, top_k=w.top_k, top_p=w.top_p,
                             max_tokens=1, ignore_eos=True)
     why = _refusal(cfg, (0,), params)
-    if why is not None:  # the sampling parameters alone
-        raise ConfigError(f"{source}: workload.top_k: every request of the workload would be "
-                          f"refused: {why}", key="workload.top_k", source=source)
+    if why is not None:  # the sampling parameters alone: the key the refusal names
+        said = why.split(":", 1)[-1]
+        key = "workload." + min(("temperature", "top_k", "top_p"),
+                                key=lambda k: (said.find(k) < 0, said.find(k)))
+        raise ConfigError(f"{source}: {key}: every request of the workload would be "
+                          f"refused: {why}", key=key, source=source)
     params = SamplingParams(temperature=w.temperature, top_k=w.top_k, top_p=w.top_p,
                             max_tokens=w.output_len_max, ignore_eos=True)
     why = _refusal(cfg, (0,) * w.prompt_len_max, params)
@@ -723,7 +726,7 @@ def bench_trace_offered(cfg: Config, source: str = "<config>") -> tuple[Trace, T
     if b.length_scale != 1.0:
         trace = trace.scaled_lengths(b.length_scale)
     kept = trace.truncated(cap)
-    _check_schedule(kept, b.wait_scales, name, source)
+    _check_schedule(kept, b, name, source)
     if not kept.conversations:
         first = min((c.turns[0] for c in trace.conversations),
                     key=lambda t: t.prompt_tokens + t.output_tokens)
@@ -739,23 +742,43 @@ def bench_trace_offered(cfg: Config, source: str = "<config>") -> tuple[Trace, T
 MAX_REPLAY_S = 3600.0
 
 
-def _check_schedule(trace: Trace, wait_scales: list[float], name: str, source: str) -> None:
-    """Refuse a replay whose schedule alone -- a conversation's arrival plus its client
-    waits (x the largest of bench.wait_scales) -- outlasts MAX_REPLAY_S: it would sit at 0%
-    for hours (a trace in ms read as seconds) until the run's limit tore it down. ``name``:
-    the trace's file."""
-    if not trace.conversations:
+def _check_schedule(trace: Trace, b, name: str, source: str) -> None:
+    """Refuse a bench whose schedule alone outlasts what a run may take: a replay whose
+    arrival plus client waits (x the largest of bench.wait_scales) does (a trace in ms read
+    as seconds would sit at 0% for hours), or --
+    for a run of spawned ranks, whose limit it is -- the warm-up and every cell's replay
+    together (found by probing: such runs sat for an hour, then ended in a traceback).
+    ``b``: the bench section; ``name``: the trace's file."""
+    convs = trace.conversations
+    if not convs:
         return
-    scale = max(wait_scales)
-    conv = max(trace.conversations,
-               key=lambda c: c.arrival_s + scale * sum(t.wait_s for t in c.turns))
-    span = conv.arrival_s + scale * sum(t.wait_s for t in conv.turns)
-    if span > MAX_REPLAY_S:
+    def span(scale: float):  # (the replay's least length at this wait scale, its longest
+        # conversation)
+        def end(c):
+            return c.arrival_s + scale * sum(t.wait_s for t in c.turns)
+        c = max(convs, key=end)
+        return end(c), c
+
+    scale = max(b.wait_scales)
+    longest, conv = span(scale)
+    if longest > MAX_REPLAY_S:
         raise ConfigError(
             f"{source}: bench.wait_scales: conversation {conv.conv!r} of {name} is "
-            f"scheduled over {span:.6g} s (arrival {conv.arrival_s:g} s + its waits x "
+            f"scheduled over {longest:.6g} s (arrival {conv.arrival_s:g} s + its waits x "
             f"{scale:g}), past the {MAX_REPLAY_S:g} s a replay may take; scale the waits "
             "down or use a trace in seconds", key="bench.wait_scales", source=source)
+    if "WORLD_SIZE" in os.environ:  # torchrun's ranks: no limit on the run as a whole
+        return
+    variants = len(b.ladder())
+    total = ((span(b.wait_scales[0])[0] if b.warmup_replay else 0.0)
+             + sum(span(w)[0] for w in b.wait_scales) * variants * b.reps)
+    if total > MAX_REPLAY_S:
+        raise ConfigError(
+            f"{source}: bench.reps: the replays are scheduled over {total:.6g} s at least (the "
+            f"warm-up and {len(b.wait_scales)} wait scale(s) x {variants} variant(s) x "
+            f"{b.reps} rep(s), each as long as its trace's arrivals and waits), past the "
+            f"{MAX_REPLAY_S:g} s a run of spawned ranks may take; fewer reps, variants or "
+            "wait scales, or shorter waits", key="bench.reps", source=source)
 
 
 def _cap_text(e) -> str:
@@ -770,15 +793,27 @@ def _require_arg(cond: bool, flag: str, detail: str) -> None:
         raise DoorError(f"{flag}: {detail}")
 
 
+# the local tools' process and repeat counts at most these (found by probing: --ranks 100000
+# passed the door and would have started that many processes)
+MAX_LOCAL_RANKS = 64
+MAX_COUNT = 1_000_000
+
+
 def check_stress_args(ranks: int, seeds: int, cycles: int, max_skew_ms: float, span: int,
                       control_cycles: int) -> None:
     """stress-turnstile's arguments (tools/stress.py's bounds)."""
     _require_arg(ranks >= 1, "--ranks", f"must be >= 1, got {ranks}")
     _require_arg(seeds >= 1, "--seeds", f"must be >= 1, got {seeds}")
     _require_arg(cycles >= 1, "--cycles", f"must be >= 1, got {cycles}")
+    _require_arg(ranks <= MAX_LOCAL_RANKS, "--ranks", f"must be at most {MAX_LOCAL_RANKS} (one "
+                 f"process each on this host), got {ranks}")
+    _require_arg(seeds <= MAX_COUNT, "--seeds", f"must be at most {MAX_COUNT}, got {seeds}")
+    _require_arg(cycles <= MAX_COUNT, "--cycles", f"must be at most {MAX_COUNT}, got {cycles}")
     _require_arg(span >= 1, "--span", f"must be >= 1 (boundaries per turnstile round), got "
                  f"{span}")
     _require_arg(control_cycles >= 0, "--control-cycles", f"must be >= 0, got {control_cycles}")
+    _require_arg(control_cycles <= MAX_COUNT, "--control-cycles",
+                 f"must be at most {MAX_COUNT}, got {control_cycles}")
     _require_arg(math.isfinite(max_skew_ms) and 0 <= max_skew_ms <= MAX_SKEW_MS,
                  "--max-skew-ms", f"must be in [0, {MAX_SKEW_MS:g}] (a skewed rank must meet its "
                  f"peers within the 30 s rendezvous timeout), got {max_skew_ms:g}")
@@ -789,3 +824,7 @@ def check_rendezvous_args(ranks: list[int], rounds: int) -> None:
     bad = [n for n in ranks if n < 1]
     _require_arg(not bad, "--ranks", f"every rank count must be >= 1, got {bad[0] if bad else 0}")
     _require_arg(rounds >= 1, "--rounds", f"must be >= 1, got {rounds}")
+    big = [n for n in ranks if n > MAX_LOCAL_RANKS]
+    _require_arg(not big, "--ranks", f"every rank count must be at most {MAX_LOCAL_RANKS} (one "
+                 f"process each on this host), got {big[0] if big else 0}")
+    _require_arg(rounds <= MAX_COUNT, "--rounds", f"must be at most {MAX_COUNT}, got {rounds}")

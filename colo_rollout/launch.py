@@ -131,7 +131,10 @@ def _launch(target: str, config: str, overrides: dict, gather: bool = False, cfg
 
             from colo_rollout.runtime.control import all_gather_json
 
-            return all_gather_json(out, dist.new_group(backend="gloo"))
+            import datetime
+
+            return all_gather_json(out, dist.new_group(
+                backend="gloo", timeout=datetime.timedelta(seconds=cfg.parallel.timeout_s)))
         except DeviceStall as e:  # the device is wedged: a teardown would wait on it forever
             _exit_wedged(rank, e)
         except Exception as e:

@@ -238,6 +238,16 @@ def bad_input_isolated(rank: int, world: int, adp: int, ep: int) -> dict:
         Request("s-t2", (4, 5), SamplingParams(max_tokens=2), session="sess")])
     res = {"session_turns": {rid: (o.finish_reason.value, o.error)
                              for rid, o in sorted(turns.items())}}
+    # a refusal never takes the place of a served request of its id: a bad "x" before a good
+    # "x" in one call, and "y" refused as a duplicate of an earlier submit("y") that is served
+    shadow = engine.generate([Request("x", (1, 2, 3), SamplingParams(top_p=0.0)),
+                              Request("x", (1, 2, 3), SamplingParams(max_tokens=3))])
+    if rank == 0:
+        engine.submit(Request("y", (4, 5), SamplingParams(max_tokens=2)))
+    shadow.update(engine.generate([Request("y", (4, 5), SamplingParams(max_tokens=2)),
+                                   Request("z", (6,), SamplingParams(max_tokens=1))]))
+    res["shadow"] = {rid: (o.finish_reason.value, len(o.tokens), o.error)
+                     for rid, o in sorted(shadow.items())}
     res["errors"] = errors
     res["good"] = {r.request_id: (outs[r.request_id].finish_reason.value,
                                   len(outs[r.request_id].tokens), r.params.max_tokens)

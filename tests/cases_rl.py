@@ -748,3 +748,25 @@ def one_rank_released(rank: int, world: int) -> dict:
         max_tokens=2, ignore_eos=True))]))
     engine.close()
     return out
+
+
+def trainer_groups_time_out(rank: int, world: int) -> dict:
+    """Rank 0 enters an all-reduce on the trainer's data-parallel group that rank 1 never
+    joins: with the config's timeout the wait ends in a RuntimeError within it (the groups
+    had gloo's 30 minutes: a rank that failed in a training step left its peers waiting)."""
+    import time
+
+    import torch.distributed as dist
+
+    from colo_rollout.rl.trainer import trainer_pg_collection
+
+    pgc = trainer_pg_collection(world, 1, 1, timeout_s=2.0)
+    start = time.monotonic()
+    if rank == 0:
+        try:
+            dist.all_reduce(torch.ones(1), group=pgc.dp)
+        except RuntimeError as e:
+            return {"raised": type(e).__name__, "after_s": time.monotonic() - start}
+        return {"raised": None, "after_s": time.monotonic() - start}
+    time.sleep(6.0)  # never joins
+    return {"raised": None, "after_s": None}

@@ -493,6 +493,58 @@ def test_a_replay_scheduled_past_the_runs_limit(tmp_path, capsys):
     assert "past the 3600 s a replay may take" in line
 
 
+def test_replays_that_add_up_past_the_runs_limit(tmp_path, capsys, monkeypatch):
+    """Each replay fits the limit, but the warm-up and every cell together do not: refused at
+    the door (a spawned run's limit tore it down after an hour, with a traceback); torchrun's
+    ranks have no limit on the whole run."""
+    path = trace_file(tmp_path, [dict(turn(), arrival_s=1000)])
+    sets = ["--set", f"bench.trace={path}", "--set", "bench.modes=[normal]",
+            "--set", "bench.reps=3"]
+    line = door_error(capsys, "bench", BENCH, *sets)
+    assert line.startswith(f"error: {BENCH}: bench.reps: the replays are scheduled over 4000 s "
+                           "at least (the warm-up and 1 wait scale(s) x 1 variant(s) x 3 "
+                           "rep(s)"), line
+    from colo_rollout.config import load_config
+    from colo_rollout.door import bench_trace_offered
+
+    cfg = load_config(BENCH, {"bench.trace": path, "bench.modes": ["normal"], "bench.reps": 2})
+    bench_trace_offered(cfg, BENCH)  # 3000 s: within the limit
+    cfg = load_config(BENCH, {"bench.trace": path, "bench.modes": ["normal"], "bench.reps": 3})
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    bench_trace_offered(cfg, BENCH)  # under torchrun: each replay alone is held to it
+
+
+@pytest.mark.parametrize("value, line", [
+    ("1000000000", "bench.reps: must be at most 10000, got 1000000000"),
+])
+def test_bench_repeats_are_bounded(capsys, value, line):
+    assert door_error(capsys, "bench", BENCH, "--set", f"bench.reps={value}") \
+        == f"error: {BENCH}: {line}"
+
+
+@pytest.mark.parametrize("key, value, line", [
+    ("bench.modes", "[normal,normal]", "lists a mode twice: ['normal', 'normal']"),
+    ("bench.spans", "[1,2,1]", "lists a span twice: [1, 2, 1]"),
+])
+def test_a_variant_listed_twice_is_refused(capsys, key, value, line):
+    """(it ran twice and the table pooled both runs as one variant's reps)"""
+    assert door_error(capsys, "bench", BENCH, "--set", f"{key}={value}") \
+        == f"error: {BENCH}: {key}: {line}"
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-Infinity"])
+def test_a_float_setting_of_nan_or_inf_is_not_taken_for_an_exponent(capsys, value):
+    line = door_error(capsys, "demo", DEMO, "--set", f"workload.temperature={value}")
+    assert line == f"error: {DEMO}: workload.temperature: must be a finite number, got {value!r}"
+
+
+def test_a_temperature_past_float32_names_the_temperature(capsys):
+    line = door_error(capsys, "demo", DEMO, "--set", "workload.temperature=1.0e+39")
+    assert line.startswith(f"error: {DEMO}: workload.temperature: every request of the "
+                           "workload would be refused: temperature 1e+39 is past float32's "
+                           "largest value"), line
+
+
 @pytest.mark.parametrize("key,value", [("bench.length_scale", "1.0e+308"),
                                        ("bench.wait_scales", "[1.0e+300]")])
 def test_scales_past_any_run_are_refused(capsys, key, value):
@@ -571,6 +623,18 @@ def test_bench_trace_keeps_what_fits(tmp_path):
     (["bench-rendezvous", "--rounds", "0"], "error: --rounds: must be >= 1, got 0"),
     (["bench-rendezvous", "--ranks", "2", "0"],
      "error: --ranks: every rank count must be >= 1, got 0"),
+    # bounded above too: --ranks 100000 would have started that many processes
+    (["stress-turnstile", "--ranks", "100000"],
+     "error: --ranks: must be at most 64 (one process each on this host), got 100000"),
+    (["stress-turnstile", "--seeds", "1000000000"],
+     "error: --seeds: must be at most 1000000, got 1000000000"),
+    (["stress-turnstile", "--cycles", "1000000000"],
+     "error: --cycles: must be at most 1000000, got 1000000000"),
+    (["bench-rendezvous", "--ranks", "2", "100000"],
+     "error: --ranks: every rank count must be at most 64 (one process each on this host), "
+     "got 100000"),
+    (["bench-rendezvous", "--rounds", "1000000000000"],
+     "error: --rounds: must be at most 1000000, got 1000000000000"),
 ])
 def test_argument_checks(capsys, argv, line):
     assert door_error(capsys, *argv) == line

@@ -145,6 +145,9 @@ def test_bad_input_is_isolated(worker_groups, world, adp, ep):
     assert turns["s-t1"] == ("length", None)
     assert turns["s-t2"][0] == "rejected" and "already has a turn" in turns["s-t2"][1]
     for r in res:
+        # the served requests' outputs, not the refusals of their ids (every rank alike)
+        assert r["shadow"] == {"x": ("length", 3, None), "y": ("length", 2, None),
+                               "z": ("length", 1, None)}
         assert r["bad_here"] == res[0]["bad_here"] and len(r["bad_here"]) == 5
         assert r["session_turns"] == turns  # refused at the exchange: on every rank too
         assert "unknown request id" in r["errors"]["cancel_unknown"]

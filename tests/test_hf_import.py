@@ -358,6 +358,68 @@ def test_architecture_fields_come_from_config_json(ckpt, family):
     check_checkpoint(cfg.model)  # the headers agree with the config
 
 
+def _with_generation_config(src: str, dst, **gen) -> str:
+    shutil.copytree(src, dst)
+    (dst / "generation_config.json").write_text(json.dumps(gen), encoding="utf-8")
+    return str(dst)
+
+
+def test_the_checkpoints_eos_ids_stop_the_engine_unless_the_yaml_says(ckpt, tmp_path):
+    """As transformers' generate stops: generation_config.json's eos ids, else config.json's
+    (found by probing: an engine built from a checkpoint in Python ran past its eos to
+    max_tokens); the YAML's own value, null included, wins; ids past the vocabulary are never
+    generated and left out."""
+    d = _with_generation_config(ckpt["qwen3"], tmp_path / "one", eos_token_id=7)
+    assert model_cfg(d).engine.eos_token_id == 7
+    d = _with_generation_config(ckpt["qwen3"], tmp_path / "list", eos_token_id=[9, 3, 9, 4096])
+    e = model_cfg(d).engine
+    assert (e.eos_token_id, e.stop_token_ids) == (9, [3])
+    for engine, want in (({"eos_token_id": None}, (None, [])),
+                         ({"eos_token_id": 5}, (5, [])),
+                         ({"stop_token_ids": [1]}, (9, [1]))):
+        e = config_from_dict({"engine": {**SMALL_ENGINE, **engine},
+                              "model": {"checkpoint": d}}).engine
+        assert (e.eos_token_id, e.stop_token_ids) == want, engine
+    # no generation_config.json: config.json's, as GenerationConfig.from_model_config
+    d = tmp_path / "cfg"
+    shutil.copytree(ckpt["mixtral"], d)
+    (d / "generation_config.json").unlink(missing_ok=True)
+    conf = json.loads((d / "config.json").read_text())
+    conf["eos_token_id"] = 11
+    (d / "config.json").write_text(json.dumps(conf))
+    assert model_cfg(str(d)).engine.eos_token_id == 11
+    d = _with_generation_config(ckpt["qwen3"], tmp_path / "bad", eos_token_id="</s>")
+    with pytest.raises(ConfigError) as info:
+        model_cfg(d, source="run.yaml")
+    assert str(info.value) == (f"run.yaml: model.checkpoint: {d}/generation_config.json: "
+                               "eos_token_id: must be a token id >= 0 or a list of them, got "
+                               "'</s>'")
+
+
+def test_a_model_of_few_positions_is_served_without_naming_max_seq_len(ckpt, tmp_path):
+    """engine.max_seq_len left unset is at most the checkpoint's positions (the default
+    1024 refused a 512-position model naming a key the user never wrote); set, it is held to
+    them; a pathlib.Path names the checkpoint as its string does."""
+    import pathlib
+
+    cfg = config_from_dict({"model": {"checkpoint": pathlib.Path(ckpt["qwen3"])}})
+    assert cfg.engine.max_seq_len == 512 and cfg.model.checkpoint == ckpt["qwen3"]
+    with pytest.raises(ConfigError, match="engine.max_seq_len: 1024 exceeds "
+                                          "model.max_position_embeddings 512"):
+        config_from_dict({"engine": {"max_seq_len": 1024},
+                          "model": {"checkpoint": ckpt["qwen3"]}})
+
+
+def test_swish_is_silu(ckpt, tmp_path):
+    d = tmp_path / "swish"
+    shutil.copytree(ckpt["qwen3"], d)
+    conf = json.loads((d / "config.json").read_text())
+    conf["hidden_act"] = "swish"  # transformers' ACT2FN: the same function
+    (d / "config.json").write_text(json.dumps(conf))
+    assert model_cfg(str(d)).model == model_cfg(ckpt["qwen3"]).model.__class__(
+        **{**dataclasses.asdict(model_cfg(ckpt["qwen3"]).model), "checkpoint": str(d)})
+
+
 def test_agreeing_yaml_fields_are_fine_and_run_choices_stay(ckpt):
     cfg = model_cfg(ckpt["glm"], hidden_size=64, num_experts=8, router_scaling_factor=2.5,
                     max_position_embeddings=256,  # may be lower

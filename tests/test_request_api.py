@@ -48,6 +48,26 @@ def test_integer_tensors_are_ints_too():
         token_ids("r", torch.tensor([True]))
 
 
+class _Raising:
+    """A prompt whose iteration raises something other than a TypeError."""
+
+    def __iter__(self):
+        raise RuntimeError("no")
+
+    def __repr__(self):
+        return "<_Raising>"
+
+
+class _BadIndex:
+    """A token id whose __index__ overflows (as a huge numpy-like scalar may)."""
+
+    def __index__(self):
+        raise OverflowError("too big")
+
+    def __repr__(self):
+        return "<_BadIndex>"
+
+
 @pytest.mark.parametrize("prompt, fragment", [
     ((1, True), "request 'r': token id True at position 1 is a bool, not an integer id"),
     ((np.bool_(False),), "position 0 is a bool"),
@@ -56,6 +76,11 @@ def test_integer_tensors_are_ints_too():
     ("hello", "prompt must be a sequence of token ids, got str 'hello' (encode text first"),
     (7, "prompt must be a sequence of token ids, got int 7"),
     ((1, None), "token id None at position 1 is a NoneType"),
+    # whatever a user's object raises while it is read is the request's refusal
+    (_Raising(), "prompt must be a sequence of token ids, got _Raising <_Raising> "
+                 "(RuntimeError reading it: RuntimeError('no'))"),
+    ((1, _BadIndex()), "token id <_BadIndex> at position 1 (_BadIndex) could not be read as an "
+                       "integer id: OverflowError: "),
 ])
 def test_non_integral_token_ids_are_refused_clearly(prompt, fragment):
     s = make()
@@ -178,6 +203,8 @@ def test_an_id_past_int64_is_named_outside_the_vocabulary():
 
 @pytest.mark.parametrize("params, fragment", [
     (SamplingParams(temperature=10 ** 400), "temperature must be a finite number >= 0, got 1000"),
+    # finite, but inf in the sampler's float32 table (top_k 1 then drew uniformly)
+    (SamplingParams(temperature=1e39, top_k=1), "temperature 1e+39 is past float32's largest"),
     (SamplingParams(ignore_eos=np.array([True])), "ignore_eos must be a bool, got ndarray"),
     (SamplingParams(ignore_eos="no"), "ignore_eos must be a bool, got str 'no'"),
     (SamplingParams(ignore_eos=None), "ignore_eos must be a bool, got NoneType"),

@@ -171,6 +171,34 @@ def read_hf_config(directory: str | pathlib.Path) -> dict:
     return config
 
 
+GENERATION_CONFIG = "generation_config.json"
+
+
+def checkpoint_eos_ids(directory: str | pathlib.Path) -> list[int]:
+    """The checkpoint's end-of-sequence ids as transformers' ``generate`` takes them:
+    generation_config.json's ``eos_token_id`` where that file exists, else config.json's
+    (``GenerationConfig.from_model_config``); an int or a list of ints, null or absent: none.
+    A value of another type is a CheckpointError naming the file and the key."""
+    path = pathlib.Path(directory) / GENERATION_CONFIG
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise CheckpointError(f"cannot read: {type(e).__name__}: "
+                                  f"{' '.join(str(e).split())[:200]}", path=path) from None
+    else:
+        path = pathlib.Path(directory) / CONFIG_NAME
+        data = read_hf_config(directory)
+    eos = data.get("eos_token_id") if isinstance(data, dict) else None
+    if eos is None:
+        return []
+    ids = [eos] if not isinstance(eos, list) else eos
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise CheckpointError(f"must be a token id >= 0 or a list of them, got {eos!r:.80}",
+                              path=path, name="eos_token_id")
+    return list(dict.fromkeys(ids))
+
+
 def hf_architecture(directory: str | pathlib.Path, config: dict | None = None) -> HFArchitecture:
     """Parse ``directory``/config.json (or ``config``, already parsed from there)."""
     path = pathlib.Path(directory) / CONFIG_NAME
@@ -274,7 +302,9 @@ def _common(r: _Reader, family: str) -> None:
     r.take("moe_router_topk", "num_experts_per_tok", int)
     r.set("normalization", "RMSNorm", "rms_norm_eps")
     act = r.get("hidden_act", str, "silu")
-    r.refuse("hidden_act", act != "silu", f"{act!r}: only SwiGLU ('silu') MLPs are supported")
+    # ('swish' is transformers' other name of the same function: ACT2FN maps both to SiLU)
+    r.refuse("hidden_act", act not in ("silu", "swish"),
+             f"{act!r}: only SwiGLU ('silu') MLPs are supported")
     _rope(r, _PARTIAL_ROTARY_DEFAULT.get(family, 1.0), _THETA_DEFAULT.get(family, 10000.0),
           family)
     # defaults that families override

@@ -243,6 +243,10 @@ def _with_checkpoint_fields(data: Mapping[str, Any], source: str):
     """(``data`` with the model section's architecture fields read from ``model.checkpoint``'s
     config.json (config/hf_config.py) when it names one, that HFArchitecture or None)."""
     model = data.get("model") if isinstance(data, Mapping) else None
+    if isinstance(model, Mapping) and isinstance(model.get("checkpoint"), os.PathLike):
+        # (a pathlib.Path from Python callers: the path it names)
+        model = {**model, "checkpoint": os.fspath(model["checkpoint"])}
+        data = {**data, "model": model}
     if not (isinstance(model, Mapping) and isinstance(model.get("checkpoint"), str)):
         return data, None  # no checkpoint (a wrong type is reported by the schema)
     from colo_rollout.config.hf_config import ContradictionError, merge_checkpoint_fields
@@ -255,7 +259,56 @@ def _with_checkpoint_fields(data: Mapping[str, Any], source: str):
                           source=source) from None
     except ContradictionError as err:
         raise _with_source(ConfigError(str(err), key=err.key), source) from None
-    return {**data, "model": merged}, arch
+    return {**data, "model": merged, **_checkpoint_engine(data, merged, source)}, arch
+
+
+def _checkpoint_engine(data: Mapping[str, Any], model: Mapping[str, Any], source: str) -> dict:
+    """``{"engine": ...}`` with what the checkpoint decides where the YAML leaves it unset
+    (found by probing: an engine built from a checkpoint ran past its eos to max_tokens, and
+    one of a model with fewer than 1024 positions was refused naming engine.max_seq_len, a key
+    the user never wrote):
+
+      * engine.eos_token_id (and engine.stop_token_ids: the other ids) from the checkpoint's
+        generation_config.json / config.json, as transformers' generate stops;
+        ``engine.eos_token_id: null`` keeps it off. Ids past the vocabulary (never
+        generated) are left out;
+      * engine.max_seq_len at most the model's max_position_embeddings.
+
+    ``{}`` when nothing is filled."""
+    engine = data.get("engine")
+    if engine is None:
+        engine = {}
+    if not isinstance(engine, Mapping):
+        return {}  # (the schema names the wrong type)
+    out = dict(engine)
+    positions = model.get("max_position_embeddings")
+    default_len = EngineConfig.max_seq_len
+    if "max_seq_len" not in engine and isinstance(positions, int) \
+            and not isinstance(positions, bool) and 0 < positions < default_len:
+        out["max_seq_len"] = positions
+    if "eos_token_id" not in engine:
+        out.update(_checkpoint_eos(engine, model, source))
+    return {"engine": out} if out != engine else {}
+
+
+def _checkpoint_eos(engine: Mapping[str, Any], model: Mapping[str, Any], source: str) -> dict:
+    """engine.eos_token_id / stop_token_ids from the checkpoint (``_checkpoint_engine``)."""
+    from colo_rollout.config.checkpoint_errors import CheckpointError
+    from colo_rollout.config.hf_config import checkpoint_eos_ids
+
+    try:
+        ids = checkpoint_eos_ids(model["checkpoint"])
+    except CheckpointError as err:
+        raise ConfigError(f"{source}: model.checkpoint: {err}", key="model.checkpoint",
+                          source=source) from None
+    vocab = model.get("vocab_size")
+    ids = [i for i in ids if not isinstance(vocab, int) or i < vocab]
+    if not ids:
+        return {}
+    out = {"eos_token_id": ids[0]}
+    if "stop_token_ids" not in engine and len(ids) > 1:
+        out["stop_token_ids"] = ids[1:]
+    return out
 
 
 class _DuplicateKey(Exception):

@@ -846,6 +846,9 @@ class BenchConfig:
     def __post_init__(self) -> None:
         _check_field_types(self)
         _require_min(self, ("conversations", "max_turns", "reps"), 1)
+        # (found by probing: 10^9 reps passed, then the cell list alone took the host's memory)
+        _require(self.reps <= MAX_BENCH_REPEATS, "bench.reps",
+                 f"must be at most {MAX_BENCH_REPEATS}, got {self.reps}")
         _require_seed(self)
         # (a scale past MAX_SCALE turns a trace's tokens or seconds into what no run holds)
         _require(0 < self.length_scale <= MAX_SCALE, "bench.length_scale",
@@ -856,8 +859,14 @@ class BenchConfig:
         bad = [m for m in self.modes if m not in ENGINE_MODES]
         _require(bool(self.modes) and not bad, "bench.modes",
                  f"unknown mode(s) {bad}; choose from {list(ENGINE_MODES)}")
+        # a mode or span listed twice would run its cells twice and pool them as one variant's
+        # reps (the table's rep counts then wrong)
+        _require(len(set(self.modes)) == len(self.modes), "bench.modes",
+                 f"lists a mode twice: {self.modes}")
         _require(bool(self.spans) and all(k >= 1 for k in self.spans), "bench.spans",
                  f"must be spans >= 1, got {self.spans}")
+        _require(len(set(self.spans)) == len(self.spans), "bench.spans",
+                 f"lists a span twice: {self.spans}")
         full = dataclasses.replace(self, variants=[]).ladder() if self.variants else []
         unknown = [v for v in self.variants if v not in full]
         _require(not unknown, "bench.variants",

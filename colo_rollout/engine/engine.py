@@ -739,7 +739,11 @@ class Engine:
                 break
         # handed back: the engine forgets them (bounded memory; their ids free again)
         self.forget(done)
-        done.update(rejected)
+        # a refusal never shadows a served request of its id (found by probing: a bad "x"
+        # before a good "x" in one call, or "x" refused as a duplicate of an earlier
+        # submit("x") -- the served output was returned as the refusal and lost)
+        for rid, out in rejected.items():
+            done.setdefault(rid, out)
         if failed is not None:
             rid, e = failed
             err = OnFinishError(f"generate(): on_finish raised on request {rid!r}: "

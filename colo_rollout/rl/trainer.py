@@ -41,6 +41,8 @@ Must not go in here: rollout, weight resharding (weight_sync.py), the model's co
 
 from __future__ import annotations
 
+import datetime
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -91,7 +93,7 @@ def check_trainer_layout(world: int, tp: int, ep: int) -> None:
                          "both above 1 an EP group must be whole TP groups)")
 
 
-def trainer_pg_collection(world: int, tp: int, ep: int = 1):
+def trainer_pg_collection(world: int, tp: int, ep: int = 1, timeout_s: float | None = None):
     """Megatron's groups for a TP-``tp`` x DP-``world/tp`` trainer with its experts over EP
     ``ep``, laid out by megatron's own rank arithmetic (``parallel_state.RankGenerator`` in
     its default order "tp-cp-ep-dp-pp", as ``initialize_model_parallel`` builds them; no
@@ -100,6 +102,9 @@ def trainer_pg_collection(world: int, tp: int, ep: int = 1):
     docstring); EP groups of ``ep`` consecutive ranks at ETP 1 (megatron carves EP out of
     TP x DP, expert TP varying fastest); tp_ep = expert TP x EP (the dispatcher's group);
     expt_dp = the ranks holding the same experts (world / (etp x ep) of them).
+    ``timeout_s``: the groups' collective timeout (parallel.timeout_s; None: the backend's
+    default -- gloo's 30 minutes: found by probing, a rank that failed in a training step left
+    its peers in the gradient all-reduce for that long).
 
     Collective: every rank walks every group of every kind in the same order and creates each
     distinct multi-rank group once (identical lists -- e.g. tp_ep and ep at ETP 1, or EP and
@@ -114,13 +119,14 @@ def trainer_pg_collection(world: int, tp: int, ep: int = 1):
     pgc = singleton_pg_collection()
     single, me = pgc.pp, dist.get_rank()
     made: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
 
     def mine(gen, token: str):
         own = None
         for ranks in gen.get_ranks(token):
             key = tuple(ranks)
             if len(key) > 1 and key not in made:
-                made[key] = dist.new_group(list(key))
+                made[key] = dist.new_group(list(key), timeout=timeout)
             if me in key:
                 own = made[key] if len(key) > 1 else single
         return own
@@ -157,7 +163,7 @@ class Trainer:
         if cfg.model.num_experts % self.ep:
             raise ValueError(f"rl.trainer_ep {self.ep} does not divide model.num_experts "
                              f"{cfg.model.num_experts}")
-        self.pgc = trainer_pg_collection(world, self.tp, self.ep)
+        self.pgc = trainer_pg_collection(world, self.tp, self.ep, cfg.parallel.timeout_s)
         weights = state_dict if state_dict is not None else self._checkpoint_loader(cfg)
         self.recompute = cfg.rl.recompute == "full"
         # TP > 1: sequence parallel (megatron's MoE refuses to train under TP without it)

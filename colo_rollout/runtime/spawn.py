@@ -34,6 +34,19 @@ class WorkerError(RuntimeError):
         self.user_line = user_line
 
 
+def _signals(codes: dict[int, int | None]) -> str:
+    """The signals that killed ranks (negative exit codes), named: SIGKILL is most often the
+    kernel's out-of-memory killer."""
+    import signal
+
+    named = sorted({signal.Signals(-c).name for c in codes.values()
+                    if c is not None and c < 0 and -c in signal.valid_signals()})
+    if not named:
+        return ""
+    oom = " -- the kernel's out-of-memory killer, most often" if "SIGKILL" in named else ""
+    return f": killed by {', '.join(named)}{oom}"
+
+
 class WorkerTimeout(TimeoutError):
     """A call did not finish in time; the group has been torn down."""
 
@@ -150,7 +163,8 @@ class WorkerGroup:
                     # a dead rank never answers and its peers may be stuck in a collective
                     # with it: fail now, with whatever the other ranks reported
                     self.close(force=True)
-                    why = (f"rank(s) {sorted(dead)} died (exit codes {dead})" if dead else
+                    why = (f"rank(s) {sorted(dead)} died (exit codes {dead}{_signals(dead)})"
+                           if dead else
                            f"{self.world - len(out) - len(errors)} rank(s) did not finish "
                            f"within {timeout:.0f}s")
                     detail = "".join(f"\n--- rank {r} ---\n{e[0]}"

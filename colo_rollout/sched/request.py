@@ -14,6 +14,8 @@ import operator
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
+FP32_MAX = 3.4028234663852886e38  # float32's largest finite value (the sampler's tables)
+
 
 class RequestError(ValueError):
     """A request (or a cancel) the engine refuses; the message names the request id."""
@@ -60,11 +62,17 @@ def token_ids(request_id: object, prompt: object) -> tuple[int, ...]:
                   f"{prompt[:40]!r} (encode text first, e.g. colo_rollout.text.tokenizer)")
     if isinstance(prompt, (dict, set, frozenset)):  # iterable, but not a sequence in order
         raise bad(f"prompt must be a sequence of token ids, got {type(prompt).__name__}")
+    # any error a user's object raises while it is read is this request's refusal (found by
+    # probing: a meta-device tensor's RuntimeError, an __index__'s OverflowError escaped
+    # generate() and dropped the rest of its batch)
     try:
         items = list(prompt)  # type: ignore[call-overload]
     except TypeError:
         raise bad(f"prompt must be a sequence of token ids, got {type(prompt).__name__} "
                   f"{prompt!r}") from None
+    except Exception as e:
+        raise bad(f"prompt must be a sequence of token ids, got {type(prompt).__name__} "
+                  f"{_short(prompt)} ({type(e).__name__} reading it: {_short(e)})") from None
     out = []
     for i, t in enumerate(items):
         if _is_bool(t):
@@ -74,7 +82,20 @@ def token_ids(request_id: object, prompt: object) -> tuple[int, ...]:
         except TypeError:
             raise bad(f"token id {t!r} at position {i} is a {type(t).__name__}, not an "
                       "integer id") from None
+        except Exception as e:
+            raise bad(f"token id {_short(t)} at position {i} ({type(t).__name__}) could not be "
+                      f"read as an integer id: {type(e).__name__}: {_short(e)}") from None
     return tuple(out)
+
+
+def _short(v: object, limit: int = 80) -> str:
+    """repr(v) cut to ``limit`` characters (a user's object may repr to anything, or raise)."""
+    try:
+        r = repr(v)
+    except Exception:
+        return f"<{type(v).__name__}>"
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
 
 
 def checked_request(req: object) -> "Request":
@@ -167,6 +188,11 @@ class SamplingParams:
         temperature = _real(self.temperature)
         if temperature is None or not math.isfinite(temperature) or temperature < 0:
             raise bad(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if temperature > FP32_MAX:  # drawn in fp32: an inf temperature flattens every row,
+            # and top-k / top-p then keep the whole vocabulary (found by probing: top_k 1 at
+            # 1e39 drew uniformly)
+            raise bad(f"temperature {temperature:g} is past float32's largest value "
+                      f"({FP32_MAX:.4g}): the sampler draws in float32")
         top_k = _integer(self.top_k)
         if top_k is None or top_k < 0:
             raise bad(f"top_k must be an int >= 0, got {self.top_k!r}")

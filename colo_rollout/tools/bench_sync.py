@@ -16,7 +16,6 @@ Table on stdout, ``bench_sync.json`` in ``--out``.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
@@ -70,7 +69,8 @@ def run_bench_sync(rank: int, world: int, config_path: str, overrides: dict | No
     engine_model = InferenceGPT(cfg.model, groups, dtype, e.decode_attention,
                                 e.prefill_attention, moe_kernel=e.moe_kernel).to(dev).eval()
     _fill(engine_model, seed=1)
-    pgc = trainer_pg_collection(world, cfg.rl.trainer_tp, cfg.rl.trainer_ep)
+    pgc = trainer_pg_collection(world, cfg.rl.trainer_tp, cfg.rl.trainer_ep,
+                                cfg.parallel.timeout_s)
     # one seed on every rank: the trainer's data-parallel replicas hold the same weights
     trainer = build_reference(cfg.model, lambda m: _fill(m, seed=2), pgc, dev)
     sync = WeightSync()
