@@ -751,6 +751,19 @@ def test_partial_rotary_beside_whole_head_attention_matches_transformers(worker_
                                           ep=1))
 
 
+@pytest.mark.parametrize("factor", [0.6, 0.3])
+def test_a_partial_rotary_width_that_is_not_even_matches_transformers(worker_groups, ckpt,
+                                                                       tmp_path, factor):
+    """GLM's head_dim 16 x 0.6 = 9.6: transformers and megatron take int() = 9 frequencies'
+    worth -- 5 frequencies over 10 dims --; x 0.3 = 4.8: 4 dims (was refused)."""
+    d = copy_ckpt(ckpt["glm"], tmp_path / "glm")
+    edit_config(d, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                    "partial_rotary_factor": factor})
+    assert model_cfg(d).model.rotary_percent == factor
+    check_equivalent(worker_groups(1).run(f"{CASES}:serve_checkpoint", directory=d, adp=1,
+                                          ep=1))
+
+
 def test_partial_rotary_with_llama3_scaling_is_refused_where_transformers_cannot_run_it(
         ckpt, tmp_path):
     e = _config_error(ckpt, tmp_path, partial_rotary_factor=0.5, max_position_embeddings=8192,

@@ -412,10 +412,18 @@ class ModelConfig:
                  f"must be > 0, got {self.norm_epsilon}")
         _require(0 < self.rotary_percent <= 1, "model.rotary_percent",
                  f"must be in (0, 1], got {self.rotary_percent}")
-        rot = self.rope_dim() if self.is_mla else self.head_dim * self.rotary_percent
-        _require(rot == int(rot) and int(rot) % 2 == 0, "model.rotary_percent",
-                 f"head_dim {self.head_dim} x {self.rotary_percent} = {rot} is not an even "
-                 "number of dims")
+        if self.is_mla:
+            rot = self.rope_dim()
+            _require(rot == int(rot) and int(rot) % 2 == 0, "model.rotary_percent",
+                     f"head_dim {self.head_dim} x {self.rotary_percent} = {rot} is not an even "
+                     "number of dims")
+        else:
+            # megatron's RotaryEmbedding and transformers' default RoPE alike: int(head_dim x
+            # percent) frequencies' worth -- arange(0, dim, 2) / dim -- each rotating a pair, so
+            # a width that is not even rotates the next even number of dims (found by probing:
+            # GLM's 0.6 of 16 was refused; transformers serves it)
+            _require(int(self.head_dim * self.rotary_percent) >= 1, "model.rotary_percent",
+                     f"head_dim {self.head_dim} x {self.rotary_percent} leaves no rotary dim")
         _require_choice(self, "rope_scaling", ROPE_SCALINGS)
         _require(self.rope_scaling_factor > 0, "model.rope_scaling_factor",
                  f"must be > 0, got {self.rope_scaling_factor}")
