@@ -602,14 +602,18 @@ class EngineConfig:
     kv_block_size: int = 16
     # KV-cache blocks per replica.
     num_kv_blocks: int = 512
-    # Cap on prompt + output tokens of one sequence; <= model.max_position_embeddings.
+    # Cap on prompt + output tokens of one sequence; <= model.max_position_embeddings (unset
+    # with model.checkpoint: at most the checkpoint's max_position_embeddings).
     max_seq_len: int = 1024
     # Decode graph buckets (rows per replica): strictly increasing, all >= 1, last >= max_batch_size.
     decode_buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
-    # Token id that ends a sequence; null = never stop on EOS.
+    # Token id that ends a sequence; null = never stop on EOS. Unset with model.checkpoint:
+    # the checkpoint's (generation_config.json's eos_token_id, else config.json's: as
+    # transformers' generate stops); an explicit null keeps it off.
     eos_token_id: int | None = None
     # Further token ids that end a sequence (a checkpoint's other eos ids, e.g. Llama-3's
-    # <|eot_id|> beside <|end_of_text|>); a request's ignore_eos ignores them too.
+    # <|eot_id|> beside <|end_of_text|>; unset with model.checkpoint: the checkpoint's eos ids
+    # after the first); a request's ignore_eos ignores them too.
     stop_token_ids: list[int] = field(default_factory=list)
     # Routing replay's rollout side: record the top-k expert ids of every token at every MoE
     # layer, in P and in D (D graphs write them to static buffers); rollout() returns them per
