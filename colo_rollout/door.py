@@ -169,6 +169,20 @@ def _check_export_dir(cfg: Config, source: str) -> None:
     why = export_problem(cfg.model)
     if why is not None:
         raise ConfigError(f"{source}: rl.export_dir: {why}", key="rl.export_dir", source=source)
+    # the files the export writes there: none may be a folder (found by probing: a folder
+    # named config.json failed the export after the whole run, its weights left beside no
+    # config) -- config.json, the weights and the source's other files it copies
+    if os.path.isdir(export):
+        writes = {"config.json", "model.safetensors", "model.safetensors.index.json"}
+        if ckpt is not None and os.path.isdir(ckpt):
+            writes |= {e.name for e in os.scandir(ckpt) if e.is_file()}
+        for entry in sorted(os.scandir(export), key=lambda e: e.name):
+            name = entry.name
+            shard = name.startswith("model-") and name.endswith(".safetensors")
+            if (name in writes or shard) and entry.is_dir():
+                raise ConfigError(f"{source}: rl.export_dir: {cfg.rl.export_dir}: {name} there "
+                                  "is a folder; the export writes a file of that name",
+                                  key="rl.export_dir", source=source)
     out = os.path.realpath(cfg.rl.out_dir)
     own = {os.path.join(out, name) for name in ("metrics.jsonl", "reward.png", "tb")}
     if export in own:

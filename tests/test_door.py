@@ -323,6 +323,19 @@ def test_train_output_paths_that_would_do_harm(capsys, tmp_path):
             _check_export_dir(bad, TRAIN)
 
 
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors",
+                                  "model-00001-of-00002.safetensors"])
+def test_an_export_dir_holding_a_folder_of_a_name_the_export_writes(capsys, tmp_path, name):
+    """(found by probing: the export failed after the whole run, leaving weights beside no
+    config)"""
+    export = tmp_path / "export"
+    (export / name).mkdir(parents=True)
+    (export / "notes").mkdir()  # a folder of another name is the user's
+    line = door_error(capsys, "train", TRAIN, "--set", f"rl.export_dir={export}")
+    assert line == (f"error: {TRAIN}: rl.export_dir: {export}: {name} there is a folder; the "
+                    "export writes a file of that name")
+
+
 def test_a_stray_world_size_is_not_taken_for_torchrun(capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     for key in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):

@@ -120,6 +120,9 @@ def test_the_format_is_checked_from_the_headers(tmp_path):
     ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]},
      "quantization_config.fmt", "'e5m2'"),
     ("fp8", "quantization_config", "expected an object or null"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},
+     "quantization_config.activation_scheme", "'static': block-scaled FP8 checkpoints load "
+                                              "with dynamic activations only"),
 ])
 def test_quantization_config_is_parsed_or_refused_naming_the_key(tmp_path, qc, key, problem):
     d = tmp_path / "q"

@@ -313,6 +313,21 @@ def test_a_transformers_saved_checkpoint_exports_without_the_mtp_layer(saved, tm
     assert model_cfg(out).mtp_num_layers == 0
 
 
+def test_an_export_in_another_family_than_its_source_or_dtype_is_refused(saved, tmp_path):
+    """config.json is the source checkpoint's: another family's tensor names beside it loaded
+    as random weights in transformers (found by probing); an unknown dtype was a KeyError.
+    Nothing is written."""
+    cfg = model_cfg(saved["single"])
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=r"export: family 'Qwen2MoeForCausalLM' is not the "
+                                         r"source checkpoint's \(Glm4MoeForCausalLM, "):
+        export_checkpoint(Flat(load(cfg)), cfg, out, family="Qwen2MoeForCausalLM")
+    with pytest.raises(ValueError, match=r"export: dtype 'fp16': choose one of "):
+        export_checkpoint(Flat(load(cfg)), cfg, out, dtype="fp16")
+    assert not out.exists()
+    export_checkpoint(Flat(load(cfg)), cfg, out, family="Glm4MoeForCausalLM")  # its own: fine
+
+
 def test_asking_for_an_mtp_layer_a_checkpoint_does_not_store_is_one_line(saved):
     d = saved["single"]
     with pytest.raises(ConfigError) as e:  # the YAML's 1

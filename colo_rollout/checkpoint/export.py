@@ -211,11 +211,22 @@ def export_checkpoint(model: torch.nn.Module, cfg: ModelConfig, directory: str |
     if cfg.mtp_num_layers and not _has_param(params, f"{MTP_PREFIX}0.enorm.weight"):
         cfg = dataclasses.replace(cfg, mtp_num_layers=0)
     model_dtype = next(iter(params.values())).dtype
+    if dtype is not None and dtype not in DTYPES:  # (was a bare KeyError)
+        raise ValueError(f"export: dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     dtype_name = dtype or _DTYPE_NAMES.get(model_dtype, "bfloat16")
     out_dtype = DTYPES[dtype_name]
     shapes = tensor_shapes(cfg)
     spec = {local: name for name, local in to_spec_names({n: n for n in shapes}, te).items()}
-    family = family or _source_family(cfg)
+    source = _source_family(cfg)
+    if family is not None and cfg.checkpoint is not None and family != source:
+        # config.json is the source checkpoint's: another family's tensor names beside it
+        # load as random weights in transformers (found by probing: a Mixtral model exported
+        # as Qwen2-MoE)
+        raise ValueError(f"export: family {family!r} is not the source checkpoint's "
+                         f"({source}, {cfg.checkpoint}), whose config.json the export "
+                         "keeps; export in its family, or from a model section without "
+                         "model.checkpoint")
+    family = family or source
     sources = hf_sources(cfg, family)
     duplicates = mtp_duplicates(cfg)
 

@@ -264,6 +264,13 @@ def _weight_block(r: _Reader) -> tuple[int, int] | None:
     r.refuse(f"{key}.weight_block_size", not ok,
              f"expected [rows, cols] of positive ints (per-tensor FP8 checkpoints are not "
              f"supported), got {block!r}")
+    # activations quantised per token group at run time (DeepSeek-V3's, Qwen3-FP8's): what
+    # the dequantised float weights serve within FP8's rounding; a static scheme carries
+    # activation scales transformers applies and this engine would not (found by probing:
+    # any value was taken)
+    scheme = q.get("activation_scheme", "dynamic")
+    r.refuse(f"{key}.activation_scheme", scheme != "dynamic",
+             f"{scheme!r}: block-scaled FP8 checkpoints load with dynamic activations only")
     return (block[0], block[1])
 
 
