@@ -71,6 +71,12 @@ def check_engine(cfg: Config, source: str) -> None:
     """What the engine will ask of this host and of itself: its kernels, dispatch backend,
     layer spec, FP8, the process-group backend and the memory (every command that builds an
     engine; generate runs it with its own source)."""
+    from colo_rollout.config.schema import normalization_problem
+
+    why = normalization_problem(cfg.model)
+    if why is not None:
+        raise ConfigError(f"{source}: model.normalization: {why}", key="model.normalization",
+                          source=source)
     check_kernels(cfg, source)
     check_dispatch(cfg, source)
     check_use_te(cfg, source)

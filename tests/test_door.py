@@ -61,6 +61,16 @@ def test_every_config_command_checks_at_the_door(capsys, cmd, config):
     assert line == f"error: {config}: model.hidden_size: expected int, got str 'abc'"
 
 
+@pytest.mark.parametrize("cmd, config", [("demo", DEMO), ("train", TRAIN), ("bench", BENCH)])
+def test_a_normalization_the_engine_cannot_serve_is_refused_at_the_door(capsys, cmd, config):
+    """(found by probing: LayerNorm passed the config check, then every command failed with
+    a traceback on the norms' missing biases)"""
+    line = door_error(capsys, cmd, config, "--set", "model.normalization=LayerNorm")
+    assert line == (f"error: {config}: model.normalization: 'LayerNorm' is not served by the "
+                    "engine (its norms, weights and checkpoints are RMSNorm's, as every "
+                    "supported family's): use RMSNorm")
+
+
 def test_use_te_on_is_refused_at_the_door(capsys):
     """model.use_te 'on' on a host without CUDA (this one), and with the trainer (its local
     spec cannot take the sync into TE's layers): one line naming the key."""

@@ -71,6 +71,16 @@ def deepep_layout_problem(ep: int, hidden: int, topk: int) -> str | None:
     return None
 
 
+def normalization_problem(cfg: "ModelConfig") -> str | None:
+    """Why the engine cannot serve ``cfg``'s normalisation, or None: its norm kernels, random
+    weights and checkpoint names are RMSNorm's (found by probing: LayerNorm passed the config
+    check, then every command failed on the norms' missing biases)."""
+    if cfg.normalization == "RMSNorm":
+        return None
+    return (f"{cfg.normalization!r} is not served by the engine (its norms, weights and "
+            "checkpoints are RMSNorm's, as every supported family's): use RMSNorm")
+
+
 def batch_invariance_problem(model: "ModelConfig") -> str | None:
     """Why engine.batch_invariant cannot hold for this model (None: it can): a combine or
     GEMMs that pick their order or algorithm by the row count (model/batch_invariant.py; D's
@@ -292,7 +302,9 @@ class ModelConfig:
     yarn_mscale: float = 1.0
     yarn_mscale_all_dim: float = 0.0
     yarn_truncate: bool = True
-    # Normalisation layer: "RMSNorm" or "LayerNorm".
+    # Normalisation layer: "RMSNorm" or "LayerNorm" (megatron's; the trainer's models take
+    # either, the engine serves RMSNorm -- every supported family's -- only:
+    # ``normalization_problem``).
     normalization: str = "RMSNorm"
     # Parameter dtype: "float32", "bfloat16" or "float16".
     params_dtype: str = "float32"

@@ -42,7 +42,7 @@ from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from colo_rollout.config import ModelConfig
-from colo_rollout.config.schema import batch_invariance_problem
+from colo_rollout.config.schema import batch_invariance_problem, normalization_problem
 from colo_rollout.config.te_support import te_available, te_fp8_problem
 from colo_rollout.model.batch_invariant import invariant_linear
 from colo_rollout.model.attention import (
@@ -478,6 +478,9 @@ class InferenceGPT(torch.nn.Module):
         tiles batch-invariant (model/batch_invariant.py); refused where a layout or a kernel
         the model would run cannot be (``batch_invariance_problem``)."""
         super().__init__()
+        why = normalization_problem(cfg)
+        if why is not None:
+            raise ValueError(f"model.normalization: {why}")
         # D and P attention's backends (engine.decode_attention, engine.prefill_attention),
         # chosen once for the model's device before anything is allocated: "triton" without
         # CUDA or triton fails here

@@ -1,4 +1,5 @@
-"""`colo-rollout demo`: serve a synthetic workload with the Normal-mode engine and report.
+"""`colo-rollout demo`: serve a synthetic workload with the engine (engine.mode: Normal, or a PD
+mode) and report.
 
 Runs on every rank (spawned CPU processes, or torchrun on GPUs). The engine is warmed up first
 (decode and prefill CUDA graphs captured for the workload's contexts, the P communicator made),
@@ -89,7 +90,12 @@ def summarize(outs, requests, wall: float, engine: Engine) -> dict:
         "requests_per_s": len(done) / wall, "tokens_per_s": gen / wall,
         "latency_s": {f"p{q}": pct(lat, q) for q in (50, 90, 99)},
         "ttft_s": {f"p{q}": pct(ttft, q) for q in (50, 90, 99)},
-        "steps": {"prefill": phases.count("prefill"), "decode": phases.count("decode")},
+        # Normal mode's steps are P or D; a PD mode's are rounds (D rows and P segments
+        # together: found by probing, they were reported as 0 prefill, 0 decode)
+        "steps": {"prefill": phases.count("prefill"), "decode": phases.count("decode"),
+                  "rounds": phases.count("round"),
+                  "rounds_with_d": sum(1 for h in engine.history
+                                       if h.phase.value == "round" and h.d_rows)},
         "finish_reasons": sorted({o.finish_reason.value for o in done}),
     }
 
@@ -102,7 +108,12 @@ def print_report(rep: dict) -> None:
     for name in ("latency_s", "ttft_s"):
         v = rep[name]
         print(f"  {name:10s} {v['p50']:9.3f} {v['p90']:9.3f} {v['p99']:9.3f}")
-    print(f"  steps      : {rep['steps']['prefill']} prefill, {rep['steps']['decode']} decode")
+    st = rep["steps"]
+    if st.get("rounds"):
+        print(f"  steps      : {st['rounds']} PD rounds ({st['rounds_with_d']} with a D "
+              "iteration)")
+    else:
+        print(f"  steps      : {st['prefill']} prefill, {st['decode']} decode")
     if "mtp" in rep:
         m = rep["mtp"]
         print(f"  MTP drafts : {m['drafts']} verified, {m['accepted']} accepted "
