@@ -479,10 +479,10 @@ def check_demo(cfg: Config, source: str) -> None:
     params = SamplingParams(temperature=w.temperature, top_k=w.top_k, top_p=w.top_p,
                             max_tokens=1, ignore_eos=True)
     why = _refusal(cfg, (0,), params)
-    if why is not None:  # the sampling parameters alone: the key the refusal names
-        said = why.split(":", 1)[-1]
-        key = "workload." + min(("temperature", "top_k", "top_p"),
-                                key=lambda k: (said.find(k) < 0, said.find(k)))
+    if why is not None:  # the sampling parameters alone: the key the refusal names first
+        said = why.split("': ", 1)[-1] if why.startswith("request '") else why
+        named = [k for k in ("temperature", "top_k", "top_p") if k in said]
+        key = "workload." + (min(named, key=said.find) if named else "top_k")
         raise ConfigError(f"{source}: {key}: every request of the workload would be "
                           f"refused: {why}", key=key, source=source)
     params = SamplingParams(temperature=w.temperature, top_k=w.top_k, top_p=w.top_p,
@@ -763,17 +763,22 @@ MAX_REPLAY_S = 3600.0
 
 
 def _check_schedule(trace: Trace, b, name: str, source: str) -> None:
-    """Refuse a bench whose schedule alone outlasts what a run may take: a replay whose
-    arrival plus client waits (x the largest of bench.wait_scales) does (a trace in ms read
-    as seconds would sit at 0% for hours), or --
-    for a run of spawned ranks, whose limit it is -- the warm-up and every cell's replay
-    together (found by probing: such runs sat for an hour, then ended in a traceback).
+    """Refuse a bench whose schedule alone outlasts what a run may take:
+
+      * one replay: a conversation's arrival plus its client waits (x the largest of
+        bench.wait_scales) past MAX_REPLAY_S -- it would sit at 0% for hours (a trace in ms
+        read as seconds) until the run's limit tore it down;
+      * a run of spawned ranks (whose limit MAX_REPLAY_S is): the warm-up and every cell's
+        replay together (found by probing: such runs sat for an hour, then ended in a
+        traceback).
+
     ``b``: the bench section; ``name``: the trace's file."""
     convs = trace.conversations
     if not convs:
         return
-    def span(scale: float):  # (the replay's least length at this wait scale, its longest
-        # conversation)
+
+    def span(scale: float):
+        """(the least length of a replay at this wait scale, its longest conversation)"""
         def end(c):
             return c.arrival_s + scale * sum(t.wait_s for t in c.turns)
         c = max(convs, key=end)
