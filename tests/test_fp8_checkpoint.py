@@ -110,6 +110,10 @@ def test_the_format_is_checked_from_the_headers(tmp_path):
     for bad in (torch.int32, torch.float8_e4m3fn):
         got = error({"a.weight": q, "a.weight_scale_inv": s.to(bad)})
         assert "a.weight_scale_inv" in got and "block scales load from float32" in got, got
+    # another 8-bit weight beside its scales is named (it was "an unexpected scale tensor")
+    got = error({"a.weight": q.float().to(torch.float8_e5m2), "a.weight_scale_inv": s})
+    assert got.endswith("a.weight: stored as float8_e5m2 beside its block scales: "
+                        "block-scaled weights load from e4m3 (quantization_config.fmt)"), got
 
 
 @pytest.mark.parametrize("qc, key, problem", [

@@ -67,6 +67,14 @@ class BlockFp8Store:
                 if weight not in names:
                     raise CheckpointError(f"a block scale without its weight {weight!r}",
                                           path=store.file_of(name), name=name)
+                wdtype = store.dtype(weight)
+                if wdtype not in FP8_DTYPES and wdtype.itemsize == 1:
+                    # another 8-bit weight beside its scales is named as such (found by
+                    # probing: an e5m2 weight was reported as its scale being unexpected)
+                    raise CheckpointError(f"stored as {str(wdtype).removeprefix('torch.')} "
+                                          "beside its block scales: block-scaled weights load "
+                                          "from e4m3 (quantization_config.fmt)",
+                                          path=store.file_of(weight), name=weight)
                 continue
             if store.dtype(name) not in FP8_DTYPES:
                 continue
