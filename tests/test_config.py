@@ -694,13 +694,3 @@ def test_bench_speed_repeat_counts_are_bounded(tmp_path):
     path = write(tmp_path, "bench_speed:\n  iters: 99999999999999999999999\n")
     assert_load_error(path, "bench_speed.iters", "at most 10000")
 
-
-def test_an_unquoted_yaml_on_or_off_for_use_te_is_the_word(tmp_path):
-    """YAML 1.1 reads on / off as bools: ``use_te: off`` failed as "expected str, got bool",
-    and so did the refusal's own advice (found by probing)."""
-    from colo_rollout.config import load_config
-
-    path = tmp_path / "c.yaml"
-    for text, want in (("off", "off"), ("on", "on"), ("'auto'", "auto")):
-        path.write_text(f"model:\n  use_te: {text}\n", encoding="utf-8")
-        assert load_config(str(path)).model.use_te == want

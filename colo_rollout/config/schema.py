@@ -315,8 +315,8 @@ class ModelConfig:
     # Transformer Engine's layers in the engine: "on" (required: TE's fused norm + QKV,
     # grouped-GEMM experts, like megatron's TE spec) or "auto" / "off" (the local spec, which
     # the engine's own fused kernels run: faster on the H200, and the RL trainer's spec --
-    # model/model.py resolve_use_te says why "auto" is not TE where it is importable). An
-    # unquoted YAML on / off (a bool to YAML) means "on" / "off".
+    # model/model.py resolve_use_te says why "auto" is not TE where it is importable). Quote
+    # 'on' / 'off' in YAML (unquoted, YAML 1.1 reads them as bools: refused with that hint).
     use_te: str = "auto"
     # Expert compute: "grouped" (host-sync-free grouped GEMM; needed for P/D overlap on GPUs),
     # "megatron" (the experts module's own forward; one host sync per MoE layer) or "auto"
@@ -367,9 +367,6 @@ class ModelConfig:
     mtp_num_layers: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.use_te, bool):  # YAML 1.1 reads an unquoted on / off as a bool
-            # (found by probing: the refusal of 'on' advised "off", which failed the same way)
-            object.__setattr__(self, "use_te", "on" if self.use_te else "off")
         _check_field_types(self)
         _require_min(
             self,
