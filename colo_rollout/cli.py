@@ -288,8 +288,10 @@ def _stress(args) -> int:
     print(f"  completed cycles        : {done}/{total}")
     print(f"  epoch/boundary logs     : {'identical on all ranks' if same else 'DIFFER'} "
           f"({res[0]['events']} events per rank)")
-    print(f"  rendezvous (skewed)     : {res[0]['rendezvous']} per rank, mean wait "
-          f"{res[0]['rendezvous_mean_us'] / 1000:.2f} ms (includes peers' injected skew)")
+    # (the seeds' skewed cycles and the delayed-P control's, two rendezvous a cycle)
+    print(f"  rendezvous              : {res[0]['rendezvous']} per rank (seeds and control), "
+          f"mean wait {res[0]['rendezvous_mean_us'] / 1000:.2f} ms (includes peers' injected "
+          "skew)")
     print(f"  delayed-P control       : D acknowledged while P incomplete in "
           f"{res[0]['control_d_acked_while_p_incomplete']}/{res[0]['control_cycles']} cycles "
           "(enqueue order is not a completion fence)")

@@ -37,7 +37,8 @@ def run_demo(rank: int, world: int, config_path: str, overrides: dict | None = N
         print(f"loaded {cfg.model.checkpoint}: {st.bytes_read / 1e9:.2f} GB (this rank's "
               f"slices) in {st.seconds:.2f} s, {st.gb_per_s:.2f} GB/s", flush=True)
     if rank == 0 and not quiet:
-        print("warming up: capturing decode and prefill graphs ...", flush=True)
+        print("warming up: capturing decode and prefill graphs ..."
+              if cfg.parallel.backend == "nccl" else "warming up ...", flush=True)
     t0 = time.perf_counter()
     graphs = engine.warmup(max_context=max(len(r.prompt) + r.params.max_tokens
                                            for r in requests))
