@@ -21,8 +21,9 @@ class CountingEnv:
     turn whose generation contains an even token; done after ``turns`` turns. Optional faults."""
 
     def __init__(self, seed: int, turns: int = 3, fail_at: int | None = None,
-                 nan_at: int | None = None) -> None:
+                 nan_at: int | None = None, empty_at: int | None = None) -> None:
         self.seed, self.turns, self.fail_at, self.nan_at = seed, turns, fail_at, nan_at
+        self.empty_at = empty_at  # the turn whose observation is no tokens
         self.t = 0
 
     def reset(self) -> list[int]:
@@ -35,7 +36,8 @@ class CountingEnv:
             raise RuntimeError("tool crashed")
         reward = float("nan") if self.nan_at == self.t else float(
             any(g % 2 == 0 for g in generated))
-        return [self.t, len(generated) % 7 + 20], reward, self.t >= self.turns
+        obs = [] if self.empty_at == self.t else [self.t, len(generated) % 7 + 20]
+        return obs, reward, self.t >= self.turns
 
 
 def _as_dicts(trajs):
@@ -58,7 +60,8 @@ def grpo_groups(rank: int, world: int) -> dict:
 def env_multi_turn(rank: int, world: int) -> dict:
     cfg, groups, sd, engine = _engine(world, 2, 2)
     envs = [CountingEnv(s) for s in range(4)] + [CountingEnv(9, fail_at=2),
-                                                 CountingEnv(11, nan_at=1)]
+                                                 CountingEnv(11, nan_at=1),
+                                                 CountingEnv(15, empty_at=1)]
     trajs = rollout(engine, envs=envs, params=SamplingParams(max_tokens=5, ignore_eos=True),
                     max_turns=8, weight_version=3)
     short = rollout(engine, envs=[CountingEnv(13, turns=50)],

@@ -47,6 +47,10 @@ def test_environments_multi_turn_and_faults(worker_groups):
     assert failed_step["status"] == "failed" and "tool crashed" in failed_step["error"]
     assert failed_step["turns"] == 2
     assert nan_reward["status"] == "failed" and "not finite" in nan_reward["error"]
+    empty = trajs[6]  # an environment's empty observation is its error, named as such
+    assert empty["status"] == "failed" and empty["turns"] == 1 and empty["error"] == (
+        "environment step returned no observation tokens with done False (return done=True "
+        "to end the trajectory)")
     short = r0["short"][0]
     assert short["status"] == "truncated" and len(short["tokens"]) <= 40
     # every generated token's logprob equals megatron's full recompute over the trajectory:

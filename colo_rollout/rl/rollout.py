@@ -225,6 +225,12 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
             _end(engine, live, sid, leader)
             return False
         _score(t, lambda: reward, accumulate=True)
+        if not done and not obs and t.status != "failed":
+            # a next turn continues from the observation: none is the environment's error
+            # (found by probing: it failed as the engine's "empty prompt" of an internal id)
+            t.status, t.error = "failed", ("environment step returned no observation tokens "
+                                           "with done False (return done=True to end the "
+                                           "trajectory)")
         if t.status == "failed" or done:
             _end(engine, live, sid, leader)
         elif t.turns >= max_turns:
