@@ -238,6 +238,18 @@ def test_section_not_a_mapping(tmp_path):
     assert_load_error(path, "engine", "expected a mapping")
 
 
+def test_a_section_header_alone_takes_the_sections_defaults(tmp_path):
+    """``bench:`` with nothing under it is YAML's null: the section's defaults (it was
+    refused as "expected a mapping, got NoneType")."""
+    path = write(tmp_path, "engine:\nbench:\n")
+    cfg = load_config(path)
+    assert cfg.engine == load_config(write(tmp_path, "{}\n", "b.yaml")).engine
+    assert cfg.bench.reps == 3
+    # an override of such a section's key applies (not dropped into the null)
+    cfg = load_config(path, {"engine.max_seq_len": 128, "bench": {"reps": 2}})
+    assert (cfg.engine.max_seq_len, cfg.bench.reps) == (128, 2)
+
+
 def test_non_divisible_adp(tmp_path):
     path = write(tmp_path, "parallel:\n  world_size: 6\n  adp: 4\n")
     assert_load_error(path, "parallel.adp: world_size 6 is not divisible by adp 4")

@@ -203,6 +203,8 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     each class's ``__post_init__``.  ``prefix`` is the dotted key of ``data``.
     """
     where = prefix or "top level"
+    if data is None and prefix:  # a section's header alone (``bench:``): its defaults
+        data = {}
     if not isinstance(data, Mapping):
         at = "" if prefix else " at the top level"
         raise _error(prefix, f"expected a mapping{at}, got {_describe(data)}")
@@ -463,7 +465,9 @@ def _apply_overrides(data: dict[str, Any], overrides: Mapping[str, Any]) -> None
             sub_cls = typing.get_type_hints(cls)[part]
             if not dataclasses.is_dataclass(sub_cls):
                 raise _error(dotted, f"{'.'.join(parts[: depth + 1])} is not a section")
-            child = node.setdefault(part, {})
+            if node.get(part) is None:  # absent, or a section's header alone (its defaults)
+                node[part] = {}
+            child = node[part]
             if not isinstance(child, dict):
                 # Leave it for _build to report as "expected a mapping".
                 break

@@ -275,12 +275,12 @@ def prepare(model_dir: str, config_path: str | None, overrides: Mapping[str, Any
         # by probing: the engine's defaults outgrew a small model's positions, and the error
         # named a key the file never set)
         sections = _yaml_sections(config_path)
-        mine = sections.get("engine", {})
+        mine = sections.get("engine") or {}
         sized = _default_config(model_dir, overrides, lens, params.max_tokens, eos, mt).engine
         fill = {f"engine.{k}": getattr(sized, k) for k in _SIZED
                 if k not in mine and f"engine.{k}" not in overrides}
         cfg = load_config(config_path, {**fill, **overrides, "model.checkpoint": model_dir})
-        given = sections.get("model", {}).get("checkpoint")  # load_config checked the file
+        given = (sections.get("model") or {}).get("checkpoint")  # load_config checked the file
         if given is not None and os.path.realpath(str(given)) != os.path.realpath(model_dir):
             raise GenerateError(f"{config_path}: model.checkpoint: {given!r} is not --model "
                                 f"{model_dir!r}; give the checkpoint once")
