@@ -96,12 +96,14 @@ def _main(argv: list[str] | None = None) -> int:
     bd.add_argument("--mode", default="fine", help="PD mode to compare with normal")
     bn = sub.add_parser("bench", help="replay a multi-turn trace under every mode of the "
                         "ordering ladder; table, JSON and plots")
-    bn.add_argument("config", help="YAML config with a bench: section, e.g. configs/bench_cpu.yaml")
+    bn.add_argument("config", help="YAML config and its bench: section (absent: the "
+                    "defaults -- the synthetic trace, every mode, 3 reps, into runs/bench), "
+                    "e.g. configs/bench_cpu.yaml")
     bn.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     bs = sub.add_parser("bench-speed", help="decode/prefill speed on one rank against the "
                         "roofline, a kernel-time breakdown and the Hugging Face peer")
-    bs.add_argument("config", help="YAML config with a bench_speed: section, e.g. "
-                    "configs/bench_speed_cpu.yaml")
+    bs.add_argument("config", help="YAML config and its bench_speed: section (absent: the "
+                    "defaults, into runs/bench_speed), e.g. configs/bench_speed_cpu.yaml")
     bs.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     bs.add_argument("--versus", action="append", default=[], metavar="'KEY=VALUE ...'",
                     help="a variant measured in the same process after the base, on the same "
