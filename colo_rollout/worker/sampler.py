@@ -8,7 +8,10 @@ log_softmax(logits / temperature) (a trainer that divides its logits by the roll
 temperature: the RL loop's).
 
 Random draws use the exponential-race form of categorical sampling (argmax of p / Exp(1)) with
-one seeded generator per engine, so a run is reproducible for a fixed request order and layout.
+one seeded generator per engine, so a run is reproducible for a fixed request order, layout and
+engine mode: the draws follow the order P and D steps take, which the mode decides (Normal,
+Fine and the Global modes draw other sampled streams from one seed; greedy tokens are the same
+in every mode).
 
 A D iteration's rows are drawn one of three ways (``Draw``, decided by ``draw_for``):
 greedy rows by argmax; rows with a temperature and nothing else (top-k off, top-p 1) by
