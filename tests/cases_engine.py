@@ -195,6 +195,12 @@ def _engine(world: int, adp: int, ep: int, timeout_s: float = 60.0,
     return cfg, groups, sd, Engine(cfg, groups, sd)
 
 
+def _raising_requests():
+    """A caller's request iterator that fails after its first request."""
+    yield Request("g0", (1, 2), SamplingParams(max_tokens=2))
+    raise ValueError("the dataset ran dry")
+
+
 def bad_input_isolated(rank: int, world: int, adp: int, ep: int) -> dict:
     """Bad requests get a clear error for that request; the rest finish; KV stays intact."""
     from colo_rollout.sched.request import RequestError
@@ -223,11 +229,14 @@ def bad_input_isolated(rank: int, world: int, adp: int, ep: int) -> dict:
     for name, call in (("output_unknown", lambda: engine.output("nope")),
                        ("forget_none", lambda: engine.forget(None)),
                        ("forget_str", lambda: engine.forget("abc")),
-                       ("generate_str", lambda: engine.generate("abc"))):
+                       ("generate_str", lambda: engine.generate("abc")),
+                       ("generate_raising", lambda: engine.generate(_raising_requests()))):
         try:
             call()
         except RequestError as e:
             errors[name] = str(e)
+    # nothing of the iterator that raised was submitted: the next call serves nothing of it
+    errors["after_raising"] = sorted(engine.generate([]))
     engine.check_integrity()
     for kv in engine.scheduler.kv:
         kv.assert_empty()

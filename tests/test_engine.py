@@ -159,6 +159,10 @@ def test_bad_input_is_isolated(worker_groups, world, adp, ep):
         # rank 0's argument is read; its refusal raised on every rank (the others name it)
         assert r["errors"]["generate_str"].endswith("generate: requests must be a list of "
                                                     "Request, got str")
+        # an iterator raising partway: refused on every rank, nothing of it left to serve
+        assert r["errors"]["generate_raising"].endswith(
+            "generate: reading the requests raised ValueError: the dataset ran dry")
+        assert r["errors"]["after_raising"] == []
 
 
 def test_cancel_running_and_waiting_and_cross_rank_duplicate(worker_groups):

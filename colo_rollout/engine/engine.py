@@ -682,6 +682,14 @@ class Engine:
                 isinstance(requests, (str, bytes, Request, Mapping))
                 or not isinstance(requests, Iterable)):
             bad = f"generate: requests must be a list of Request, got {type(requests).__name__}"
+        elif self.groups.rank == 0 and requests is not None:
+            # read whole before anything is submitted: an iterator raising partway left its
+            # first requests unsent in the outbox, served by the next call (found by probing)
+            try:
+                requests = list(requests)
+            except Exception as e:  # noqa: BLE001 - the caller's iterator: its error, named
+                bad = (f"generate: reading the requests raised {type(e).__name__}: "
+                       f"{' '.join(str(e).split())[:200]}")
         ids: list[str] = []
         rejected: dict[str, RequestOutput] = {}
         done: dict[str, RequestOutput] = {}  # what finishes during this call, on every rank
