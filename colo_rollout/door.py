@@ -758,8 +758,10 @@ def bench_trace_offered(cfg: Config, source: str = "<config>") -> tuple[Trace, T
     return trace, kept
 
 
-# the longest a replay's schedule may take (a spawned run's own limit: launch.py's)
-MAX_REPLAY_S = 3600.0
+# the longest a run of spawned ranks may take (launch.py's limit), and so the longest a
+# replay's schedule may take
+SPAWNED_RUN_S = 3600.0
+MAX_REPLAY_S = SPAWNED_RUN_S
 
 
 def _check_schedule(trace: Trace, b, name: str, source: str) -> None:
@@ -768,7 +770,7 @@ def _check_schedule(trace: Trace, b, name: str, source: str) -> None:
       * one replay: a conversation's arrival plus its client waits (x the largest of
         bench.wait_scales) past MAX_REPLAY_S -- it would sit at 0% for hours (a trace in ms
         read as seconds) until the run's limit tore it down;
-      * a run of spawned ranks (whose limit MAX_REPLAY_S is): the warm-up and every cell's
+      * a run of spawned ranks (SPAWNED_RUN_S): the warm-up and every cell's
         replay together (found by probing: such runs sat for an hour, then ended in a
         traceback).
 
@@ -797,12 +799,12 @@ def _check_schedule(trace: Trace, b, name: str, source: str) -> None:
     variants = len(b.ladder())
     total = ((span(b.wait_scales[0])[0] if b.warmup_replay else 0.0)
              + sum(span(w)[0] for w in b.wait_scales) * variants * b.reps)
-    if total > MAX_REPLAY_S:
+    if total > SPAWNED_RUN_S:
         raise ConfigError(
             f"{source}: bench.reps: the replays are scheduled over {total:.6g} s at least (the "
             f"warm-up and {len(b.wait_scales)} wait scale(s) x {variants} variant(s) x "
             f"{b.reps} rep(s), each as long as its trace's arrivals and waits), past the "
-            f"{MAX_REPLAY_S:g} s a run of spawned ranks may take; fewer reps, variants or "
+            f"{SPAWNED_RUN_S:g} s a run of spawned ranks may take; fewer reps, variants or "
             "wait scales, or shorter waits", key="bench.reps", source=source)
 
 

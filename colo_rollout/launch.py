@@ -149,12 +149,13 @@ def _launch(target: str, config: str, overrides: dict, gather: bool = False, cfg
                 destroy_parallel(drain_timeout_s=cfg.parallel.timeout_s)
             except DeviceStall as e:
                 _exit_wedged(rank, e)
+    from colo_rollout.door import SPAWNED_RUN_S  # (the bench's schedules are held to it)
     from colo_rollout.runtime.spawn import WorkerError, WorkerGroup
 
     try:
         with WorkerGroup(cfg.parallel.world_size) as group:
-            return group.run("colo_rollout.quiet:run_quietly", timeout=3600, fn=target,
-                             config_path=config, overrides=overrides, **extra)
+            return group.run("colo_rollout.quiet:run_quietly", timeout=SPAWNED_RUN_S,
+                             fn=target, config_path=config, overrides=overrides, **extra)
     except WorkerError as e:
         if e.user_line is None:
             raise

@@ -120,10 +120,9 @@ def _check_value(value: Any, tp: Any, key: str) -> Any:
             if not math.isfinite(value):  # YAML .inf / .nan: no setting means them
                 raise _error(key, f"must be a finite number, got {_short(value)}")
             return value
-        if isinstance(value, str) and _parses_as_float(value) \
-                and not math.isfinite(float(value)):  # 'nan', 'inf': no setting means them
-            raise _error(key, f"must be a finite number, got {_short(value)}")
         if isinstance(value, str) and _parses_as_float(value):
+            if not math.isfinite(float(value)):  # 'nan', 'inf': no setting means them
+                raise _error(key, f"must be a finite number, got {_short(value)}")
             raise _error(
                 key,
                 f"expected float, got str {value!r} (YAML reads exponents without a "
