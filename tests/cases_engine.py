@@ -320,6 +320,46 @@ def cancel_and_cross_rank_duplicates(rank: int, world: int, adp: int, ep: int) -
             "refused_here": refused_here}
 
 
+def cancel_a_p_step_read_late(rank: int, world: int, adp: int, ep: int) -> dict:
+    """engine.overlap_prefill: cancel the requests of a P step whose tokens are still unread
+    (``Engine._deferred``), and a session turn among them; record routing throughout. The
+    cancelled end with no tokens, their blocks serve the next P, the rest is served whole and
+    alike on every rank, with each output's recorded routing covering its tokens."""
+    cfg, groups, sd, engine = _engine(world, adp, ep, max_batch_size=4, decode_buckets=[1, 2, 4],
+                                      max_prefill_tokens=16, overlap_prefill="always",
+                                      record_routing=True)
+    reqs = [Request(f"o{i}", tuple(range(1 + i, 12 + i)), SamplingParams(max_tokens=5,
+                                                                          ignore_eos=True),
+                    session="s3" if i == 3 else None) for i in range(10)]
+    if rank == 0:
+        for r in reqs:
+            engine.submit(r)
+    outs, cancelled, late_p = {}, [], 0
+    while engine.busy() or not outs:
+        for o in engine.step():
+            outs[o.request_id] = o
+        late = engine._deferred
+        if late is not None:
+            late_p += 1
+            if not cancelled:  # the first P step read late: cancel every request in it
+                lts = {it.lifetime for w in late[0].replicas for it in w.prefill}
+                cancelled = sorted(engine.scheduler.seqs[lt].request.request_id for lt in lts)
+                if rank == 0:
+                    for rid in cancelled:
+                        engine.cancel(rid)
+    if rank == 0:
+        engine.close_session("s3")
+    engine.step()
+    engine.check_integrity()
+    for kv in engine.scheduler.kv:
+        kv.assert_empty()
+    routed = {rid: (None if o.routing is None else len(o.routing)) for rid, o in outs.items()}
+    return {"late_p": late_p, "cancelled": cancelled,
+            "outputs": {rid: (o.finish_reason.value, o.tokens) for rid, o in outs.items()},
+            "routed": routed,
+            "plens": {r.request_id: len(r.prompt) for r in reqs}}
+
+
 def tp_reference_matches_tp1(rank: int, world: int) -> dict:
     """megatron GPTModel at TP=world (our TP-sharded load) computes what the TP1 model does."""
     import torch.distributed as dist
@@ -429,12 +469,17 @@ def prefill_segments_with_decode_between(rank: int, world: int, adp: int, ep: in
 
 def engine_mode_tokens(rank: int, world: int, adp: int, ep: int, mode: str,
                        span: int = 1, n_requests: int = 14, model_kw: dict | None = None,
-                       policy: str = "fixed") -> dict:
+                       policy: str = "fixed", overlap: str = "auto", max_batch_size: int = 3,
+                       max_prefill_tokens: int = 256) -> dict:
     """Serve the same greedy requests in ``mode``; report tokens, logprobs, how often D ran
-    while a P epoch was in flight, and the turnstile's permits (post_d events)."""
-    cfg, groups, sd, engine = _engine(world, adp, ep, max_batch_size=3,
-                                      decode_buckets=[1, 2, 4], mode=mode, segment_span=span,
-                                      segment_policy=policy, model_kw=model_kw)
+    while a P epoch was in flight, the turnstile's permits (post_d events), and the P steps
+    whose tokens were read one step late (engine.overlap_prefill)."""
+    cfg, groups, sd, engine = _engine(world, adp, ep, max_batch_size=max_batch_size,
+                                      decode_buckets=[1, 2, 4] if max_batch_size <= 4 else [1, 2, 4, 8],
+                                      mode=mode, segment_span=span,
+                                      segment_policy=policy, model_kw=model_kw,
+                                      overlap_prefill=overlap,
+                                      max_prefill_tokens=max_prefill_tokens)
     engine.turnstile.record = True
     requests = mixed_requests(n_requests, 0, cfg.model.vocab_size)
     outs = engine.generate(requests)
@@ -447,7 +492,13 @@ def engine_mode_tokens(rank: int, world: int, adp: int, ep: int, mode: str,
             "d_during_p": sum(1 for h in hist if h.p_in_flight and h.rows > 0),
             "rounds": len(hist),
             "rendezvous": engine.rendezvous.count if engine.rendezvous else 0,
-            "turnstile": [(e.kind, e.epoch, e.boundary) for e in engine.turnstile.log]}
+            "turnstile": [(e.kind, e.epoch, e.boundary) for e in engine.turnstile.log],
+            "read_late": sum(1 for h in hist if h.read_late),
+            # a P step right after a P step read late: the overlap itself (its GPU work
+            # queued behind the one whose tokens were not yet read)
+            "p_after_late": sum(1 for a, b in zip(hist, list(hist)[1:])
+                                if a.read_late and b.phase.name == "PREFILL"),
+            "most_d_rows": max((h.rows for h in hist if h.phase.name == "DECODE"), default=0)}
 
 
 def cancel_during_prefill_epoch(rank: int, world: int, adp: int, ep: int) -> dict:

@@ -167,6 +167,28 @@ def gpu_mode_tokens(rank: int, world: int, adp: int, ep: int, mode: str,
             "streams": engine.route.active, "routed": engine.route.routed}
 
 
+def gpu_overlap_prefill_tokens(rank: int, world: int, adp: int, ep: int, overlap: str) -> dict:
+    """Normal mode with engine.overlap_prefill ``overlap``: a P budget of 48 tokens makes the
+    16 prompts several P steps in a row, each (when on) enqueued before the last one's tokens
+    are read. fp32: the same greedy tokens either way."""
+    cfg = gpu_config(world, adp, ep, "float32")
+    cfg = dataclasses.replace(cfg, engine=dataclasses.replace(
+        cfg.engine, max_prefill_tokens=48, max_batch_size=8, decode_buckets=[1, 2, 4, 8],
+        overlap_prefill=overlap))
+    groups = init_parallel(cfg.parallel)
+    engine = Engine(cfg, groups, random_state_dict(cfg.model))
+    requests = mixed_requests(16, 0, cfg.model.vocab_size)
+    outs = engine.generate(requests)
+    engine.check_integrity()
+    for kv in engine.scheduler.kv:
+        kv.assert_empty()
+    hist = list(engine.history)
+    return {"tokens": {r.request_id: outs[r.request_id].tokens for r in requests},
+            "read_late": sum(1 for h in hist if h.read_late),
+            "p_after_late": sum(1 for a, b in zip(hist, hist[1:])
+                                if a.read_late and b.phase.name == "PREFILL")}
+
+
 def overlap_config(world: int, adp: int, ep: int, mode: str, policy: str = "fixed") -> Config:
     """A model where one long P epoch takes many D iterations' time (bf16: grouped experts)."""
     return Config(

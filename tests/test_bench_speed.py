@@ -142,6 +142,17 @@ def test_cpu_config_end_to_end(tmp_path, capsys):
         "mixed", 4, 192, 0)
     for r in res["prefill"]:
         assert r["frac_peak"] > 0 and r["tok_s"] > 0 and r["shape"] in table
+        # every fresh row also as P steps back to back through Engine.step (the overlap is
+        # off on CPU: "auto"), a continuation row not
+        fresh = r["cached_tokens"] == 0
+        assert ("burst_step_s" in r) == fresh and "burst_note" not in r
+        if fresh:
+            assert r["burst_step_s"] > 0 and r["burst_steps"] == res["prefill_burst"] == 10
+            assert r["burst_frac_peak"] == pytest.approx(
+                r["frac_peak"] * r["step_s"] / r["burst_step_s"])
+    assert res["overlap_prefill"] is False
+    assert "b2b: per step of 10 such P steps back to back through Engine.step " \
+           "(engine.overlap_prefill off)" in table
     cont = res["prefill"][-1]
     assert (cont["seqs"], cont["tokens"], cont["cached_tokens"]) == (4, 16 + 32 + 48 + 64,
                                                                        128 + 171 + 213 + 256)

@@ -190,6 +190,23 @@ def test_cancel_running_and_waiting_and_cross_rank_duplicate(worker_groups):
     assert res[0] == res[1]
 
 
+def test_cancelling_a_p_step_whose_tokens_are_read_late(worker_groups):
+    res = worker_groups(2).run(f"{CASES}:cancel_a_p_step_read_late", adp=2, ep=2)
+    r0 = res[0]
+    assert r0["late_p"] >= 2 and r0["cancelled"]  # P steps were read late, one cancelled
+    for r in res:
+        assert r["outputs"] == r0["outputs"] and r["cancelled"] == r0["cancelled"]
+    for rid, (reason, tokens) in r0["outputs"].items():
+        if rid in r0["cancelled"]:
+            assert (reason, tokens) == ("cancelled", [])
+        else:
+            assert reason == "length" and len(tokens) == 5, rid
+            # every position but the last output token's was routed and recorded (a
+            # session's turn leaves its routing to Engine.take_routing)
+            assert r0["routed"][rid] == (None if rid == "o3" else r0["plens"][rid] + 4), rid
+    assert len(r0["outputs"]) == 10
+
+
 def test_tp2_megatron_reference_equals_tp1(worker_groups):
     """The TP-matched yardstick (megatron GPTModel at TP2 loaded from the full state dict with
     our sharding rules) computes the same function as the TP1 reference."""

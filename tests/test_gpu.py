@@ -194,6 +194,23 @@ def test_gpu_flash_varlen_is_attention_at_the_end_of_each_context():
     assert err < 2e-2, err
 
 
+@pytest.mark.parametrize("world,adp,ep", [(1, 1, 1), (2, 2, 2)])
+def test_gpu_overlapped_prefill_matches_normal(gpu_groups, world, adp, ep):
+    """engine.overlap_prefill on the GPU ("auto": on): P steps enqueued before the previous
+    one's tokens are read, same greedy tokens as with it off."""
+    g = gpu_groups(world)
+    off = g.run("tests.cases_gpu:gpu_overlap_prefill_tokens", timeout=600, adp=adp, ep=ep,
+                overlap="never")[0]
+    on = g.run("tests.cases_gpu:gpu_overlap_prefill_tokens", timeout=600, adp=adp, ep=ep,
+               overlap="auto")[0]
+    _record(f"overlap_prefill_{world}", {"layout": f"adp{adp}/ep{ep}", "gpus": world,
+                                         "read_late": on["read_late"],
+                                         "p_after_late": on["p_after_late"],
+                                         "passed": on["tokens"] == off["tokens"]})
+    assert off["read_late"] == 0 and on["read_late"] > 0 and on["p_after_late"] > 0
+    assert on["tokens"] == off["tokens"]
+
+
 @pytest.mark.parametrize("world,adp,ep", [(2, 2, 2), (2, 1, 2)])
 def test_gpu_pd_modes_match_normal(gpu_groups, world, adp, ep):
     """Every PD mode runs P and D on their own streams and gives Normal's greedy tokens;

@@ -26,6 +26,26 @@ def test_mode_matches_normal_tokens(worker_groups, normal, mode, span):
         assert res[0]["d_during_p"] > 0  # D iterations ran while a P epoch was in flight
 
 
+@pytest.mark.parametrize("batch,budget", [(3, 256), (8, 48)])
+def test_normal_reading_p_steps_one_step_late_matches_normal(worker_groups, normal, batch,
+                                                            budget):
+    """engine.overlap_prefill: a P step's tokens read in the next step (after its work is
+    enqueued) while prompts wait. Same tokens; the batch rows of sequences awaiting their first
+    token held (no D step past max_batch_size); with a small P budget, P steps queued behind
+    one another."""
+    res = worker_groups(4).run(f"{C}:engine_mode_tokens", adp=2, ep=4, mode="normal",
+                               overlap="always", max_batch_size=batch, max_prefill_tokens=budget)
+    for r in res:
+        assert r["tokens"] == normal["tokens"]
+        for rid, lps in r["logprobs"].items():
+            assert all(abs(a - b) < 1e-4 for a, b in zip(lps, normal["logprobs"][rid])), rid
+        assert r["read_late"] == res[0]["read_late"] > 0
+        assert r["most_d_rows"] <= 2 * batch  # two replicas
+    assert normal["read_late"] == 0  # "auto": off on CPU
+    if budget < 256:
+        assert res[0]["p_after_late"] > 0
+
+
 def test_fine_balanced_matches_normal_and_agrees_on_every_span(worker_groups, normal):
     """The balanced span moves every round from each rank's measurements, agreed through the
     control exchange: every rank must run the same permits. On CPU ranks D is synchronous, so

@@ -551,3 +551,61 @@ def test_randomized_driver_keeps_integrity_and_drains() -> None:
         kv.assert_empty()
     # the driver really exercised every path
     assert all(v > 0 for v in counts.values()), counts
+
+
+# ------------------------------------------------------- a P step committed one step late
+# (engine.overlap_prefill: the next step is planned before the previous P step's tokens are
+# committed; the engine commits both plans at the exchange after, in plan order)
+
+
+def test_next_prefill_planned_before_the_last_ones_commit_holds_its_batch_rows() -> None:
+    s = make(engine_cfg(max_batch_size=2, max_prefill_tokens=8), replicas=1)
+    for rid in "abcd":
+        s.add(req(rid, prompt_len=4, max_tokens=3))
+    p0 = s.plan()  # a and b (8 tokens), their tokens not yet committed
+    assert [it.lifetime for it in items(p0)] == [0, 1]
+    # a and b hold both batch rows while awaiting their first tokens: c may not be admitted
+    # (it was, past max_batch_size, before awaiting sequences counted as rows)
+    p1 = s.plan()
+    assert p1.phase is Phase.IDLE and len(s.waiting) == 2
+    assert s.commit(p0, [Sampled(0, 20, -0.1), Sampled(1, 21, -0.2)]) == []
+    assert s.commit(p1, []) == []
+    p2 = s.plan()  # strict P priority, but no rows are free: a and b decode
+    assert p2.phase is Phase.DECODE and len(items(p2)) == 2
+    assert_drains(s, [p2])
+
+
+def test_two_prefill_steps_in_flight_commit_in_plan_order() -> None:
+    s = make(engine_cfg(max_batch_size=4, max_prefill_tokens=5), replicas=1)
+    for rid in "abc":
+        s.add(req(rid, prompt_len=5, max_tokens=2))
+    p0 = s.plan()
+    p1 = s.plan()  # planned before p0's tokens: b, on new blocks
+    assert p0.phase is p1.phase is Phase.PREFILL
+    assert [it.lifetime for it in items(p0)] == [0] and [it.lifetime for it in items(p1)] == [1]
+    assert not set(s.block_table(0, 0)) & set(s.block_table(0, 1))
+    # a is cancelled while its P's tokens are in flight: freed now, its token later ignored
+    s.cancel("a")
+    p2 = s.plan()  # c takes a's freed blocks (the engine's one stream orders the writes)
+    assert [it.lifetime for it in items(p2)] == [2]
+    sampled = [Sampled(0, 30, -0.5), Sampled(1, 31, -0.6)]
+    done = s.commit(p0, sampled) + s.commit(p1, sampled)
+    assert done == [] and s.by_id["a"].tokens == [] and s.by_id["b"].tokens == [31]
+    assert s.by_id["a"].finish_reason is FinishReason.CANCELLED
+    s.commit(p2, [Sampled(2, 32, -0.7)])
+    p3 = s.plan()
+    assert p3.phase is Phase.DECODE and [d.lifetime for d in items(p3)] == [1, 2]
+    assert_drains(s, [p3])
+
+
+def assert_drains(s: Scheduler, plans: list[StepPlan]) -> None:
+    """Commit ``plans`` with one token each, then step D to the end: empty and consistent."""
+    tok = 40
+    while plans:
+        for plan in plans:
+            s.commit(plan, [Sampled(it.lifetime, tok, 0.0) for it in items(plan)])
+            tok += 1
+        s.check_integrity()
+        nxt = s.plan()
+        plans = [] if nxt.phase is Phase.IDLE else [nxt]
+    assert_all_empty(s)

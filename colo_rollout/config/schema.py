@@ -691,6 +691,13 @@ class EngineConfig:
     # P's AllReduce onto D's stream (no stall in that run, and no Fine gain: -1.9%) -- "never"
     # nowhere (words YAML does not read as bools).
     prefill_graphs: str = "auto"
+    # Normal mode: a P step's first tokens are read one step late when more prompts wait --
+    # the next P step is planned and enqueued while this one's kernels run, so the GPU never
+    # idles through a P step's host head (SGLang's overlap scheduler, for P bursts). The
+    # tokens, and every request's output, are the same; a request's first token is committed
+    # one step later. "auto": on CUDA devices; "always" also on CPU (tests); "never" off.
+    # The PD modes run P asynchronously already: "always" is refused there.
+    overlap_prefill: str = "auto"
     # D attention (model/paged_attention.py): "triton" = the split-KV paged kernel (CUDA and
     # triton required: an error at model build otherwise), "torch" = gather + matmuls (the
     # CPU path and the reference), "auto" = triton on CUDA when it imports, else torch.
@@ -746,6 +753,11 @@ class EngineConfig:
         _require_choice(self, "segment_policy", SEGMENT_POLICIES)
         _require_choice(self, "stream_route", STREAM_ROUTES)
         _require_choice(self, "prefill_graphs", PREFILL_GRAPHS)
+        _require_choice(self, "overlap_prefill", PREFILL_GRAPHS)
+        _require(self.overlap_prefill != "always" or self.mode == "normal",
+                 "engine.overlap_prefill",
+                 f"'always' needs engine.mode normal (mode {self.mode!r} runs P "
+                 "asynchronously already)")
         _require_choice(self, "stream_priority", STREAM_PRIORITIES)
         _require_choice(self, "rendezvous", ("auto", "shm", "gloo"))
         _require_choice(self, "decode_attention", ("auto", "torch", "triton"))
@@ -936,6 +948,11 @@ class BenchSpeedConfig:
     warmup: int = 2
     iters: int = 10
     prefill_iters: int = 5
+    # Each fresh prefill row's shape also as this many P steps back to back through the
+    # engine's own step loop (its prompts submitted; where engine.overlap_prefill is on each
+    # step's host head runs under the previous step's kernels): seconds per step in the
+    # "back to back" columns. 0: none; else at least 2.
+    prefill_burst: int = 10
     # Kernel-time breakdown per layer part from torch.profiler over profile_steps decode steps
     # (at profile_batch rows, short context; 0: the largest of decode_batches) and one prefill
     # of profile_prefill tokens (0: the first of prefill_lengths, else prefill_batch_len).
@@ -975,6 +992,9 @@ class BenchSpeedConfig:
             # a timing count past this is a typo (1e22 iterations ran until killed)
             _require(getattr(self, name) <= MAX_BENCH_REPEATS, f"bench_speed.{name}",
                      f"must be at most {MAX_BENCH_REPEATS}, got {getattr(self, name)}")
+        _require(self.prefill_burst == 0 or 2 <= self.prefill_burst <= MAX_BENCH_REPEATS,
+                 "bench_speed.prefill_burst",
+                 f"must be 0 (none) or 2 to {MAX_BENCH_REPEATS} steps, got {self.prefill_burst}")
         _require_min(self, ("short_context",), 2)  # the peer's cache holds short_context - 1
         _require_min(self, ("prefill_batch_seqs", "continuation_seqs", "profile_batch",
                             "profile_prefill", "seed"), 0)

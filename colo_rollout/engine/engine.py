@@ -16,6 +16,16 @@ One step, on every rank (``_step``):
   5. collect: wait (bounded) for this step's sampled tokens, kept for the next exchange;
   6. record: the step's statistics (engine/recorder.py).
 
+Normal mode with engine.overlap_prefill: a P step while more prompts wait is not waited for in
+its own step (5.): its tokens are read in the next step's collect, after that step's work is
+enqueued -- the host plans and enqueues P step N + 1 while P step N's kernels run, so the GPU
+does not idle through each P step's host head. Its tokens go out with the next step's and both
+plans commit at the exchange after (in plan order; their lifetimes are disjoint: a sequence
+awaiting its first token is in no plan until then, and its batch row is held meanwhile --
+``ReplicaView.awaiting``). Every rank decides alike (the plan and the waiting queue are
+replicated state); P and D share the default stream there, so a cancelled sequence's blocks,
+reused by the next P, are written in stream order.
+
 PD mode: a P epoch's first tokens are not waited for. When its host enqueue completes, the
 epoch awaits commit; each rank sends its P tokens (``Message.p_sampled``) at the first step end
 at which its own P GPU work is done, and every rank commits the epoch (promotion P -> D) at the
@@ -227,8 +237,16 @@ class Engine:
         # engine.stall_dump_s: a step outlasting it prints this rank's stack (diagnosis)
         self._stall_watch = (StallWatch(cfg.engine.stall_dump_s)
                              if cfg.engine.stall_dump_s > 0 else None)
-        self._last_plan: StepPlan | None = None
+        # the plans whose tokens the next exchange sends and commits, in plan order (two: a
+        # P step read one step late, then the step after it), and those tokens
+        self._last_plans: list[StepPlan] = []
         self._last_sampled: list[Sampled] = []
+        # engine.overlap_prefill: the P step whose tokens are still on the GPU, read in the
+        # next step's collect (its plan and pending tokens)
+        self._deferred: tuple[StepPlan, list[PendingSampled]] | None = None
+        over = e.overlap_prefill
+        self._overlap = self.strategy.overlaps_p and (
+            over == "always" or (over == "auto" and groups.device.type == "cuda"))
         # the refusals seen on this rank, in order: the latest REJECTED_KEPT (a long run's
         # memory stays bounded)
         self.rejected: collections.deque[RequestOutput] = collections.deque(
@@ -467,7 +485,7 @@ class Engine:
         out = self.strategy.run(plan, self.parts, d_ready)
         self._collect(plan, out)
         rec.end_step(plan, p_in_flight=self.runner.epoch_active or self._p_epoch is not None,
-                     d_ready=d_ready)
+                     d_ready=d_ready, read_late=self._deferred is not None)
         return finished
 
     def _apply(self, msgs: list[Message], now: float) -> list[RequestOutput]:
@@ -485,13 +503,15 @@ class Engine:
                 self._p_got[m.rank] = m.p_sampled
         if self._p_epoch is not None and len(self._p_got) == len(msgs):
             epoch_done = self._p_epoch
-        if self._last_plan is not None or epoch_done is not None:
+        if self._last_plans or epoch_done is not None:
             sampled = [s for m in msgs for s in _from_wire(m.sampled)]
             if epoch_done is not None:
                 sampled += [s for got in self._p_got.values() for s in _from_wire(got)]
                 self._p_epoch, self._p_got = None, {}
-            finished += self.scheduler.commit(self._last_plan, sampled, now,
-                                              epoch_done=epoch_done)
+            plans = self._last_plans or [None]
+            for i, plan in enumerate(plans):
+                finished += self.scheduler.commit(
+                    plan, sampled, now, epoch_done=epoch_done if i == len(plans) - 1 else None)
         # closes first (every rank's), then submits, then cancels: a session closed and
         # started again in one step is a new conversation (a close applied after the submit
         # found the session busy and was dropped: the new turn continued the old context),
@@ -542,11 +562,27 @@ class Engine:
             self._p_epoch, self._p_out = out.epoch_plan, out.p_out
         if out.span_hint is not None:
             self._outbox.span_hint = out.span_hint
+        plans: list[StepPlan] = []
+        sampled: list[Sampled] = []
         with self.recorder.clock("resolve"):
-            self._last_sampled = [x for p in out.pending
-                                  for x in p.resolve(self._wait_s, "D tokens")]
-            self._store_routing(out.pending)
-        self._last_plan = plan if plan.phase is not Phase.IDLE else None
+            if self._deferred is not None:  # the P step before this one: its GPU work ran
+                # while this step's was enqueued (its tokens first: plan order)
+                d_plan, d_pending = self._deferred
+                self._deferred = None
+                sampled += [x for p in d_pending for x in p.resolve(self._wait_s, "P tokens")]
+                self._store_routing(d_pending)
+                plans.append(d_plan)
+            if (self._overlap and plan.phase is Phase.PREFILL and self.scheduler.waiting
+                    and out.p_out is None):
+                # more prompts wait, so the next step is P again (unless KV or batch rows
+                # block the queue's head): read this one's tokens after its enqueue
+                self._deferred = (plan, out.pending)
+            else:
+                sampled += [x for p in out.pending for x in p.resolve(self._wait_s, "D tokens")]
+                self._store_routing(out.pending)
+                if plan.phase is not Phase.IDLE:
+                    plans.append(plan)
+        self._last_plans, self._last_sampled = plans, sampled
         if self._p_out is not None:
             if not out.pending:  # nothing else to do this step: wait for P rather than spin
                 self._p_out.wait(self._wait_s, "P epoch")
@@ -660,8 +696,9 @@ class Engine:
     def busy(self) -> bool:
         """True while any rank may still have work. Identical on all ranks right after a step
         (the state is replicated); a submission made since then shows up at the next step."""
-        return (self.scheduler.has_work() or self._last_plan is not None
-                or self._p_epoch is not None or self.runner.epoch_active)
+        return (self.scheduler.has_work() or bool(self._last_plans)
+                or self._deferred is not None or self._p_epoch is not None
+                or self.runner.epoch_active)
 
     def generate(self, requests: list[Request] | None = None,
                  on_finish=None) -> dict[str, RequestOutput]:

@@ -43,6 +43,9 @@ class StepStats:
     d_wait_s: float = 0.0  # P time that held this D iteration back while its rows were ready
     span: int = 0  # PD: boundaries P was permitted after this step's D iteration (0: none)
     d_ready: int = 0  # D rows with a token when the step planned, whole world (d_rows <= it)
+    # Normal, engine.overlap_prefill: this step's P tokens are read in the next step (its
+    # GPU work left running under that step's enqueue)
+    read_late: bool = False
 
 
 @dataclass
@@ -106,7 +109,8 @@ class Recorder:
     def span_set(self, span: int) -> None:
         self._span = span
 
-    def end_step(self, plan: StepPlan, *, p_in_flight: bool, d_ready: int) -> None:
+    def end_step(self, plan: StepPlan, *, p_in_flight: bool, d_ready: int,
+                 read_late: bool = False) -> None:
         rows = sum(w.prefill_tokens if plan.phase is Phase.PREFILL else len(w.decode)
                    for w in plan.replicas)
         seconds = time.perf_counter() - self._step_t0
@@ -114,7 +118,7 @@ class Recorder:
         self.history.append(StepStats(plan.step, plan.phase, rows, seconds,
                                       p_in_flight=p_in_flight, d_rows=self._d_rows,
                                       d_wait_s=self._d_wait_run, span=self._span,
-                                      d_ready=d_ready))
+                                      d_ready=d_ready, read_late=read_late))
 
     def host_seconds(self, rendezvous_s: float = 0.0) -> dict[str, float]:
         """Host time since the engine was made: the whole steps, their control exchange,

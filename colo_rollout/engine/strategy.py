@@ -78,6 +78,9 @@ class Normal:
     fence = False  # whole-P GPU fence before D (Global-Complete)
     whole_epoch = True  # P's span is the whole epoch
     p_graphs_by_default = True  # engine.prefill_graphs "auto"
+    # engine.overlap_prefill may read a P step's tokens one step late (the engine's
+    # ``_collect``): P and D share one stream here, so the next step's work queues behind it
+    overlaps_p = True
     policy = None  # the span policy (Fine only)
     balanced = False  # the span policy re-sizes K every round from rank-agreed hints
 
@@ -108,6 +111,7 @@ class _PD:
     strategy's; the rest is shared."""
 
     pd = True
+    overlaps_p = False  # P epochs are committed asynchronously already
     p_graphs_by_default = False
 
     def observe(self, hints: list) -> None:

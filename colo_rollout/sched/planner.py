@@ -45,6 +45,9 @@ class ReplicaView:
     free_blocks: int
     block_size: int
     prefill_ready: list[PrefillItem] = field(default_factory=list)  # already admitted P
+    # admitted sequences whose P ran but whose first token is not committed yet (a P step
+    # read one step late: engine.overlap_prefill): batch rows they hold, not yet D rows
+    awaiting: int = 0
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -76,7 +79,7 @@ def _admit(waiting: list[WaitingView], replicas: list[ReplicaView], limits: Plan
     """FIFO admission into the batch rows, P budget and KV blocks left after D (D goes first:
     running rows already count against ``max_batch_size``)."""
     n = len(replicas)
-    rows = [len(r.running) + len(r.prefill_ready) for r in replicas]
+    rows = [len(r.running) + len(r.prefill_ready) + r.awaiting for r in replicas]
     p_tokens = [sum(len(p.tokens) for p in r.prefill_ready) for r in replicas]
     free = [r.free_blocks for r in replicas]
     prefill: list[list[PrefillItem]] = [list(r.prefill_ready) for r in replicas]

@@ -207,7 +207,9 @@ class Scheduler:
 
     def cancel(self, request_id: str, now: float = 0.0) -> RequestOutput:
         """Cancel a waiting or running request at a step boundary; its KV is freed at once
-        (Normal mode has no P work in flight between steps)."""
+        in Normal mode: P work still in flight there (a P step read one step late,
+        engine.overlap_prefill) is on the one stream that any later writer of these blocks
+        queues behind."""
         if request_id not in self.live:
             state = "already finished" if request_id in self.by_id else "unknown"
             raise RequestError(f"cancel of request {request_id!r}: {state} request id")
@@ -272,10 +274,14 @@ class Scheduler:
         row and, if no P epoch is in flight, a new epoch's P items."""
         views = []
         for i, kv in enumerate(self.kv):
+            mine = [s for s in self.seqs.values() if s.replica == i]
             running = [DecodeRow(s.lifetime, s.last_token, s.length, draft=s.draft)
-                       for s in self.seqs.values() if s.replica == i and s.last_token is not None]
+                       for s in mine if s.last_token is not None]
+            # (Normal with engine.overlap_prefill: a P step's sequences until its tokens are
+            # committed; PD: none -- an epoch is admitted only when none is in flight)
             views.append(ReplicaView(running=running, free_blocks=kv.num_free_blocks(),
-                                     block_size=kv.block_size))
+                                     block_size=kv.block_size,
+                                     awaiting=len(mine) - len(running)))
         # retained trajectory contexts are evicted only when the FIFO head lacks KV blocks
         for _ in range(len(self.sessions) + 1):
             waiting = [self._waiting_view(r) for r in self.waiting]

@@ -15,6 +15,16 @@ width and P its MoE-block graphs, exactly as the engine's steps do -- and its ti
 median of ``iters`` host-timed steps after ``warmup`` untimed ones (graph capture, allocator
 growth and lazy initialisation land there, never in a timed step).
 
+Prefill back to back (``prefill_burst``): each fresh prefill row's shape also as that many P
+steps in a row through the engine's own loop -- its prompts submitted to the engine (random
+ids, max_tokens 1), the step's P budget set to the row's tokens so each step takes one row's
+worth, ``Engine.step`` called until idle. The row's "back to back" time is the burst's wall
+time, from its first step's start to its last token on the host, over its steps: the rate at
+which a burst of prompts is prefilled, with the engine's planning, exchange and commit in it
+and the first step's host head -- and, where engine.overlap_prefill is on, every later step's
+host head under the previous step's kernels (engine/engine.py). One step alone (the "step ms"
+column) pays its host head in full.
+
 Formulas (``decode_roofline``, ``prefill_flops``; model section values, ``b`` = bytes per
 parameter of params_dtype):
   * decode roofline bytes = weights the step must read + KV read. Weights: every layer's
@@ -68,6 +78,7 @@ import contextlib
 import dataclasses
 import gc
 import inspect
+import itertools
 import json
 import math
 import os
@@ -85,7 +96,7 @@ from colo_rollout.config.tensor_shapes import mla_shapes
 from colo_rollout.quiet import quiet_known_warnings
 from colo_rollout.sched.plan import DecodeRow, Phase, PrefillItem, ReplicaWork, StepPlan
 from colo_rollout.sched.planner import pick_bucket
-from colo_rollout.sched.request import SamplingParams
+from colo_rollout.sched.request import Request, SamplingParams
 from colo_rollout.config.files import strict_json
 
 GREEDY = SamplingParams(max_tokens=1)
@@ -361,6 +372,7 @@ class _Bench:
         self.model = self.engine.model
         self.wait_s = cfg.parallel.timeout_s
         self.rng = random.Random(self.b.seed)
+        self._burst_ids = itertools.count()
         self.setup_s = time.perf_counter() - t0
 
     def close(self) -> None:
@@ -477,10 +489,63 @@ class _Bench:
         # the step's time at the hardware limit: FP8 GEMMs (model.fp8) at twice the 16-bit peak
         peak = self.b.peak_flops
         limit_s = fl["fp8_flops"] / (2 * peak) + (fl["flops"] - fl["fp8_flops"]) / peak
-        return {"kind": kind, "shape": shape, "seqs": len(seqs), "tokens": tokens,
-                "cached_tokens": sum(c for c, _ in seqs), "step_s": step, "times_s": times,
-                "tok_s": tokens / step, **fl, "flops_per_s": fl["flops"] / step,
-                "frac_peak": limit_s / step}
+        row = {"kind": kind, "shape": shape, "seqs": len(seqs), "tokens": tokens,
+               "cached_tokens": sum(c for c, _ in seqs), "step_s": step, "times_s": times,
+               "tok_s": tokens / step, **fl, "flops_per_s": fl["flops"] / step,
+               "frac_peak": limit_s / step}
+        burst = self.burst(seqs)
+        if isinstance(burst, str):
+            row["burst_note"] = burst
+        elif burst is not None:
+            row.update(burst_step_s=burst, burst_steps=self.b.prefill_burst,
+                       burst_frac_peak=limit_s / burst)
+        return row
+
+    def burst(self, seqs: list[tuple[int, int]]) -> float | str | None:
+        """``prefill_burst`` P steps of ``seqs``'s shape in a row through ``Engine.step``
+        (module docstring): seconds per step, from the first step's start to the last token
+        on the host -- or why the engine's config cannot take them (a note), or None (no
+        burst asked, or a row on cached contexts)."""
+        n_steps, e = self.b.prefill_burst, self.cfg.engine
+        if n_steps < 2 or any(c for c, _ in seqs):
+            return None
+        tokens = sum(n for _, n in seqs)
+        # what two steps' sequences hold at once: the step read late and the next one's
+        # (the ones finishing are freed at the commit before the next plan)
+        need = {"engine.max_prefill_tokens": (tokens, e.max_prefill_tokens),
+                "engine.max_batch_size": (2 * len(seqs), e.max_batch_size),
+                "engine.max_seq_len": (max(n for _, n in seqs) + 1, e.max_seq_len),
+                "engine.num_kv_blocks": (2 * sum(-(-(n + 1) // e.kv_block_size)
+                                                 for _, n in seqs), e.num_kv_blocks)}
+        short = [f"{k} {have} < {want}" for k, (want, have) in need.items() if have < want]
+        if short:
+            return "no back-to-back steps: " + ", ".join(short)
+        eng = self.engine
+        limits = eng.scheduler.limits
+        # one row's worth of prompts per step
+        eng.scheduler.limits = dataclasses.replace(limits, max_prefill_tokens=tokens)
+        params = SamplingParams(max_tokens=1, ignore_eos=True)
+        try:
+            for count in (2, n_steps):  # the first burst untimed: the engine loop's first use
+                ids = []
+                for _ in range(count):
+                    for _, n in seqs:
+                        ids.append(f"bench-speed burst {next(self._burst_ids)}")
+                        eng.submit(Request(ids[-1], tuple(
+                            self.rng.randrange(self.m.vocab_size) for _ in range(n)), params))
+                # until the last token is on the host: a step returns the requests its
+                # exchange committed, whose tokens the step before it read
+                t0 = last = time.perf_counter()
+                while eng.has_unsent() or eng.busy():
+                    if eng.step():
+                        end = last
+                    last = time.perf_counter()
+                eng.forget(ids)
+        finally:
+            eng.scheduler.limits = limits
+        # the burst's wall time over its steps: the first step's host head (which nothing
+        # hides) included -- never shorter than the steps' own time, whatever runs ahead
+        return (end - t0) / n_steps
 
     def run(self) -> dict:
         b = self.b
@@ -521,6 +586,8 @@ class _Bench:
                "threads": torch.get_num_threads(), "setup_s": self.setup_s,
                "hbm_bytes_per_s": b.hbm_bytes_per_s, "peak_flops": b.peak_flops,
                "decode": decode, "decode_sampled": sampled, "prefill": prefill,
+               "prefill_burst": b.prefill_burst,
+               "overlap_prefill": self.engine._overlap,
                "breakdown": {}}
         if b.profile:
             out["breakdown"] = self.breakdowns(decode, prefill)
@@ -932,14 +999,23 @@ def table(res: dict, cfg: Config, source: str) -> str:
               + (" (model.fp8: time at the limit / step, FP8 GEMMs at 2 x peak)"
                  if m.fp8 else ""),
               f"{'shape':<30} {'tokens':>7} {'step ms':>9} {'tok/s':>10} {'TFLOP':>9} "
-              f"{'TFLOP/s':>9} {'frac':>8} {'HF ms':>9} {'HF tok/s':>10} {'HF/ours':>7}"]
+              f"{'TFLOP/s':>9} {'frac':>8} {'b2b ms':>8} {'b2b frac':>8} "
+              f"{'HF ms':>9} {'HF tok/s':>10} {'HF/ours':>7}"]
     for r in res["prefill"]:
         peer = hf_p.get(r["tokens"]) if r["kind"] == "single" else None
+        b2b = (f"{1e3 * r['burst_step_s']:>8.2f} {_num(r['burst_frac_peak']):>8} "
+               if "burst_step_s" in r else f"{'-':>8} {'-':>8} ")
         lines.append(
             f"{r['shape']:<30} {r['tokens']:>7} {1e3 * r['step_s']:>9.2f} {r['tok_s']:>10.1f} "
             f"{_num(r['flops'] / 1e12):>9} {_num(r['flops_per_s'] / 1e12):>9} "
-            f"{_num(r['frac_peak']):>8} "
+            f"{_num(r['frac_peak']):>8} {b2b}"
             + _peer_cols(peer, r["step_s"]))
+    notes = sorted({r["burst_note"] for r in res["prefill"] if "burst_note" in r})
+    lines += [f"  ({n})" for n in notes]
+    if any("burst_step_s" in r for r in res["prefill"]):
+        lines.append(f"  b2b: per step of {res['prefill_burst']} such P steps back to back "
+                     f"through Engine.step (engine.overlap_prefill "
+                     f"{'on' if res['overlap_prefill'] else 'off'})")
     bd = res.get("breakdown") or {}
     if bd:
         kinds = [k for k in ("decode", "prefill") if k in bd]
