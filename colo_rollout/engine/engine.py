@@ -244,8 +244,10 @@ class Engine:
         # engine.overlap_prefill: the P step whose tokens are still on the GPU, read in the
         # next step's collect (its plan and pending tokens)
         self._deferred: tuple[StepPlan, list[PendingSampled]] | None = None
+        # engine.overlap_prefill, resolved: whether a P step may be read one step late (set
+        # alike on every rank; switching it between steps is safe -- bench-speed's A/B)
         over = e.overlap_prefill
-        self._overlap = self.strategy.overlaps_p and (
+        self.overlap_prefill = self.strategy.overlaps_p and (
             over == "always" or (over == "auto" and groups.device.type == "cuda"))
         # the refusals seen on this rank, in order: the latest REJECTED_KEPT (a long run's
         # memory stays bounded)
@@ -572,7 +574,7 @@ class Engine:
                 sampled += [x for p in d_pending for x in p.resolve(self._wait_s, "P tokens")]
                 self._store_routing(d_pending)
                 plans.append(d_plan)
-            if (self._overlap and plan.phase is Phase.PREFILL and self.scheduler.waiting
+            if (self.overlap_prefill and plan.phase is Phase.PREFILL and self.scheduler.waiting
                     and out.p_out is None):
                 # more prompts wait, so the next step is P again (unless KV or batch rows
                 # block the queue's head): read this one's tokens after its enqueue

@@ -499,6 +499,12 @@ class _Bench:
         elif burst is not None:
             row.update(burst_step_s=burst, burst_steps=self.b.prefill_burst,
                        burst_frac_peak=limit_s / burst)
+            if self.engine.overlap_prefill:  # the same burst with every step read in its own
+                self.engine.overlap_prefill = False
+                try:
+                    row["burst_sequential_s"] = self.burst(seqs)
+                finally:
+                    self.engine.overlap_prefill = True
         return row
 
     def burst(self, seqs: list[tuple[int, int]]) -> float | str | None:
@@ -587,7 +593,7 @@ class _Bench:
                "hbm_bytes_per_s": b.hbm_bytes_per_s, "peak_flops": b.peak_flops,
                "decode": decode, "decode_sampled": sampled, "prefill": prefill,
                "prefill_burst": b.prefill_burst,
-               "overlap_prefill": self.engine._overlap,
+               "overlap_prefill": self.engine.overlap_prefill,
                "breakdown": {}}
         if b.profile:
             out["breakdown"] = self.breakdowns(decode, prefill)
@@ -1016,6 +1022,12 @@ def table(res: dict, cfg: Config, source: str) -> str:
         lines.append(f"  b2b: per step of {res['prefill_burst']} such P steps back to back "
                      f"through Engine.step (engine.overlap_prefill "
                      f"{'on' if res['overlap_prefill'] else 'off'})")
+    seq = [r for r in res["prefill"] if "burst_sequential_s" in r]
+    if seq:
+        lines.append("  the same with each step's tokens read in its own step (overlap off): "
+                     + ", ".join(f"{r['shape']} {1e3 * r['burst_sequential_s']:.2f} ms "
+                                 f"({r['burst_sequential_s'] / r['burst_step_s']:.3f}x)"
+                                 for r in seq))
     bd = res.get("breakdown") or {}
     if bd:
         kinds = [k for k in ("decode", "prefill") if k in bd]
