@@ -152,7 +152,7 @@ def test_cpu_config_end_to_end(tmp_path, capsys):
                 r["frac_peak"] * r["step_s"] / r["burst_step_s"])
     assert res["overlap_prefill"] is False
     assert "b2b: per step of 10 such P steps back to back through Engine.step " \
-           "(engine.overlap_prefill off)" in table
+           "(engine.overlap_prefill off; wall time over the steps)" in table
     cont = res["prefill"][-1]
     assert (cont["seqs"], cont["tokens"], cont["cached_tokens"]) == (4, 16 + 32 + 48 + 64,
                                                                        128 + 171 + 213 + 256)

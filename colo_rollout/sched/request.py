@@ -73,6 +73,12 @@ def token_ids(request_id: object, prompt: object) -> tuple[int, ...]:
     except Exception as e:
         raise bad(f"prompt must be a sequence of token ids, got {type(prompt).__name__} "
                   f"{_short(prompt)} ({type(e).__name__} reading it: {_short(e)})") from None
+    if all(type(t) is int for t in items):
+        # the common case (and what the ranks' exchange carries): Python ints, bools
+        # excluded by the exact type -- one pass, ~6x faster than the checks below, which
+        # cost ~1 ms per 4k-token prompt on the step's host path (each prompt is checked at
+        # submit and again when every rank adds it)
+        return tuple(items)
     out = []
     for i, t in enumerate(items):
         if _is_bool(t):

@@ -18,12 +18,16 @@ growth and lazy initialisation land there, never in a timed step).
 Prefill back to back (``prefill_burst``): each fresh prefill row's shape also as that many P
 steps in a row through the engine's own loop -- its prompts submitted to the engine (random
 ids, max_tokens 1), the step's P budget set to the row's tokens so each step takes one row's
-worth, ``Engine.step`` called until idle. The row's "back to back" time is the burst's wall
-time, from its first step's start to its last token on the host, over its steps: the rate at
-which a burst of prompts is prefilled, with the engine's planning, exchange and commit in it
-and the first step's host head -- and, where engine.overlap_prefill is on, every later step's
-host head under the previous step's kernels (engine/engine.py). One step alone (the "step ms"
-column) pays its host head in full.
+worth, ``Engine.step`` called until idle. The row's "back to back" time is the steady state's
+time per step: on a GPU, from the first P step's end to the last's over the steps between (CUDA
+events around each step: the GPU's idle between steps counted -- the engine's planning,
+exchange and commit where they are not hidden -- the burst's arrival, its first step's intake
+and host head, not); on a CPU, the burst's wall time over its steps. Where
+engine.overlap_prefill is on, each step's host head runs under the previous step's kernels
+(engine/engine.py); with it off (the JSON's ``burst_sequential_s``, measured beside it) each
+waits for the previous step's tokens. One step alone (the "step ms" column) pays its host
+head in full, after a rest: a GPU at its power limit runs faster after one (docs/
+benchmarks.md, sessions 21 and 36), so the steady state can be the slower of the two.
 
 Formulas (``decode_roofline``, ``prefill_flops``; model section values, ``b`` = bytes per
 parameter of params_dtype):
@@ -509,9 +513,8 @@ class _Bench:
 
     def burst(self, seqs: list[tuple[int, int]]) -> float | str | None:
         """``prefill_burst`` P steps of ``seqs``'s shape in a row through ``Engine.step``
-        (module docstring): seconds per step, from the first step's start to the last token
-        on the host -- or why the engine's config cannot take them (a note), or None (no
-        burst asked, or a row on cached contexts)."""
+        (module docstring): seconds per step -- or why the engine's config cannot take them
+        (a note), or None (no burst asked, or a row on cached contexts)."""
         n_steps, e = self.b.prefill_burst, self.cfg.engine
         if n_steps < 2 or any(c for c, _ in seqs):
             return None
@@ -531,8 +534,12 @@ class _Bench:
         # one row's worth of prompts per step
         eng.scheduler.limits = dataclasses.replace(limits, max_prefill_tokens=tokens)
         params = SamplingParams(max_tokens=1, ignore_eos=True)
+        route, timing = eng.route, eng.route.timing
         try:
             for count in (2, n_steps):  # the first burst untimed: the engine loop's first use
+                if self.gpu and count == n_steps:  # CUDA events around each P step
+                    route.timing = True
+                    route._marks.clear()
                 ids = []
                 for _ in range(count):
                     for _, n in seqs:
@@ -547,10 +554,16 @@ class _Bench:
                         end = last
                     last = time.perf_counter()
                 eng.forget(ids)
+            spans = [sp for sp in route.gpu_spans() if sp.kind == "P"] if self.gpu else []
         finally:
             eng.scheduler.limits = limits
-        # the burst's wall time over its steps: the first step's host head (which nothing
-        # hides) included -- never shorter than the steps' own time, whatever runs ahead
+            route.timing = timing
+        if len(spans) == n_steps:
+            # on the GPU: from the first step's end to the last's, over the steps between --
+            # the steady state, the GPU's idle between steps included (what the overlap
+            # removes), the burst's arrival (the first step's intake and head) not
+            return (spans[-1].end - spans[0].end) / (n_steps - 1)
+        # CPU: the burst's wall time over its steps, the first step's host head included
         return (end - t0) / n_steps
 
     def run(self) -> dict:
@@ -1021,7 +1034,9 @@ def table(res: dict, cfg: Config, source: str) -> str:
     if any("burst_step_s" in r for r in res["prefill"]):
         lines.append(f"  b2b: per step of {res['prefill_burst']} such P steps back to back "
                      f"through Engine.step (engine.overlap_prefill "
-                     f"{'on' if res['overlap_prefill'] else 'off'})")
+                     f"{'on' if res['overlap_prefill'] else 'off'}; "
+                     + ("the steady state: first step's end to the last's, CUDA events)"
+                        if res["gpu"] else "wall time over the steps)"))
     seq = [r for r in res["prefill"] if "burst_sequential_s" in r]
     if seq:
         lines.append("  the same with each step's tokens read in its own step (overlap off): "
