@@ -149,32 +149,17 @@ def compare_bf16(ref32, lp16_all, requests, outs) -> dict:
 
 
 def gpu_mode_tokens(rank: int, world: int, adp: int, ep: int, mode: str,
-                    stream_route: str = "auto", policy: str = "fixed") -> dict:
+                    stream_route: str = "auto", policy: str = "fixed", **engine_kw) -> dict:
     """The PD modes on NCCL, with streams: same greedy tokens as Normal (fp32: batching does not
-    change a row's result beyond summation order, far below a token flip)."""
+    change a row's result beyond summation order, far below a token flip). ``engine_kw``: more
+    engine settings -- Normal's engine.overlap_prefill with a P budget that makes the prompts
+    several P steps in a row, each (when on) enqueued before the last one's tokens are read."""
     cfg = gpu_config(world, adp, ep, "float32")
     cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, mode=mode,
                                                               segment_span=1,
                                                               segment_policy=policy,
-                                                              stream_route=stream_route))
-    groups = init_parallel(cfg.parallel)
-    engine = Engine(cfg, groups, random_state_dict(cfg.model))
-    requests = mixed_requests(16, 0, cfg.model.vocab_size)
-    outs = engine.generate(requests)
-    engine.check_integrity()
-    return {"tokens": {r.request_id: outs[r.request_id].tokens for r in requests},
-            "d_during_p": sum(1 for h in engine.history if h.p_in_flight and h.d_rows > 0),
-            "streams": engine.route.active, "routed": engine.route.routed}
-
-
-def gpu_overlap_prefill_tokens(rank: int, world: int, adp: int, ep: int, overlap: str) -> dict:
-    """Normal mode with engine.overlap_prefill ``overlap``: a P budget of 48 tokens makes the
-    16 prompts several P steps in a row, each (when on) enqueued before the last one's tokens
-    are read. fp32: the same greedy tokens either way."""
-    cfg = gpu_config(world, adp, ep, "float32")
-    cfg = dataclasses.replace(cfg, engine=dataclasses.replace(
-        cfg.engine, max_prefill_tokens=48, max_batch_size=8, decode_buckets=[1, 2, 4, 8],
-        overlap_prefill=overlap))
+                                                              stream_route=stream_route,
+                                                              **engine_kw))
     groups = init_parallel(cfg.parallel)
     engine = Engine(cfg, groups, random_state_dict(cfg.model))
     requests = mixed_requests(16, 0, cfg.model.vocab_size)
@@ -184,6 +169,8 @@ def gpu_overlap_prefill_tokens(rank: int, world: int, adp: int, ep: int, overlap
         kv.assert_empty()
     hist = list(engine.history)
     return {"tokens": {r.request_id: outs[r.request_id].tokens for r in requests},
+            "d_during_p": sum(1 for h in hist if h.p_in_flight and h.d_rows > 0),
+            "streams": engine.route.active, "routed": engine.route.routed,
             "read_late": sum(1 for h in hist if h.read_late),
             "p_after_late": sum(1 for a, b in zip(hist, hist[1:])
                                 if a.read_late and b.phase.name == "PREFILL")}

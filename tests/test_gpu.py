@@ -199,10 +199,11 @@ def test_gpu_overlapped_prefill_matches_normal(gpu_groups, world, adp, ep):
     """engine.overlap_prefill on the GPU ("auto": on): P steps enqueued before the previous
     one's tokens are read, same greedy tokens as with it off."""
     g = gpu_groups(world)
-    off = g.run("tests.cases_gpu:gpu_overlap_prefill_tokens", timeout=600, adp=adp, ep=ep,
-                overlap="never")[0]
-    on = g.run("tests.cases_gpu:gpu_overlap_prefill_tokens", timeout=600, adp=adp, ep=ep,
-               overlap="auto")[0]
+    kw = {"max_prefill_tokens": 48, "max_batch_size": 8, "decode_buckets": [1, 2, 4, 8]}
+    off = g.run("tests.cases_gpu:gpu_mode_tokens", timeout=600, adp=adp, ep=ep, mode="normal",
+                overlap_prefill="never", **kw)[0]
+    on = g.run("tests.cases_gpu:gpu_mode_tokens", timeout=600, adp=adp, ep=ep, mode="normal",
+               overlap_prefill="auto", **kw)[0]
     _record(f"overlap_prefill_{world}", {"layout": f"adp{adp}/ep{ep}", "gpus": world,
                                          "read_late": on["read_late"],
                                          "p_after_late": on["p_after_late"],
