@@ -498,7 +498,8 @@ def engine_mode_tokens(rank: int, world: int, adp: int, ep: int, mode: str,
             # queued behind the one whose tokens were not yet read)
             "p_after_late": sum(1 for a, b in zip(hist, list(hist)[1:])
                                 if a.read_late and b.phase.name == "PREFILL"),
-            "most_d_rows": max((h.rows for h in hist if h.phase.name == "DECODE"), default=0)}
+            "most_d_rows": max((h.rows for h in hist if h.phase.name == "DECODE"), default=0),
+            "idle_steps": sum(1 for h in hist if h.phase.name == "IDLE")}
 
 
 def cancel_during_prefill_epoch(rank: int, world: int, adp: int, ep: int) -> dict:

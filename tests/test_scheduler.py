@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections import deque
@@ -596,6 +597,38 @@ def test_two_prefill_steps_in_flight_commit_in_plan_order() -> None:
     p3 = s.plan()
     assert p3.phase is Phase.DECODE and [d.lifetime for d in items(p3)] == [1, 2]
     assert_drains(s, [p3])
+
+
+def test_head_admissible_says_whether_the_next_plan_can_take_the_queues_head() -> None:
+    # rows: a and b hold both batch rows while awaiting their tokens and while decoding
+    s = make(engine_cfg(max_batch_size=2, max_prefill_tokens=8), replicas=1)
+    assert not s.head_admissible()  # nothing waits
+    for rid in "abc":
+        s.add(req(rid, prompt_len=4, max_tokens=2))
+    assert s.head_admissible()
+    p0 = s.plan()
+    assert not s.head_admissible()  # c waits for a row
+    s.commit(p0, [Sampled(0, 20, 0.0), Sampled(1, 21, 0.0)])
+    assert not s.head_admissible()
+    p1 = s.plan()
+    assert p1.phase is Phase.DECODE
+    s.commit(p1, [Sampled(0, 22, 0.0), Sampled(1, 23, 0.0)])  # both done: rows free
+    assert s.head_admissible() and s.plan().phase is Phase.PREFILL
+    # KV: the head's blocks are not free -- unless a retained context no one uses holds them
+    # (the plan evicts it)
+    s = make(engine_cfg(num_kv_blocks=4, max_seq_len=16), replicas=1)
+    s.add(dataclasses.replace(req("t1", prompt_len=8, max_tokens=4), session="x"))  # 3 blocks
+    p = s.plan()
+    s.add(req("d", prompt_len=4, max_tokens=4))  # 2 blocks: 1 free
+    assert not s.head_admissible()
+    s.commit(p, [Sampled(0, 5, 0.0)])
+    for _ in range(3):  # x's turn ends: its context stays cached
+        p = s.plan()
+        s.commit(p, [Sampled(0, 5, 0.0)])
+    assert s.sessions["x"].lifetime is not None and not s.seqs
+    assert s.head_admissible()
+    p = s.plan()
+    assert p.phase is Phase.PREFILL and s.evictions == 1
 
 
 def assert_drains(s: Scheduler, plans: list[StepPlan]) -> None:

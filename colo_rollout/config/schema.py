@@ -696,7 +696,8 @@ class EngineConfig:
     # idles through a P step's host head (SGLang's overlap scheduler, for P bursts). The
     # tokens, and every request's output, are the same; a request's first token is committed
     # one step later. "auto": on CUDA devices; "always" also on CPU (tests); "never" off.
-    # The PD modes run P asynchronously already: "always" is refused there.
+    # Normal mode only: the PD modes commit P epochs asynchronously already (a config that
+    # the bench runs in every mode keeps its value for the Normal cell).
     overlap_prefill: str = "auto"
     # D attention (model/paged_attention.py): "triton" = the split-KV paged kernel (CUDA and
     # triton required: an error at model build otherwise), "torch" = gather + matmuls (the
@@ -754,10 +755,6 @@ class EngineConfig:
         _require_choice(self, "stream_route", STREAM_ROUTES)
         _require_choice(self, "prefill_graphs", PREFILL_GRAPHS)
         _require_choice(self, "overlap_prefill", PREFILL_GRAPHS)
-        _require(self.overlap_prefill != "always" or self.mode == "normal",
-                 "engine.overlap_prefill",
-                 f"'always' needs engine.mode normal (mode {self.mode!r} runs P "
-                 "asynchronously already)")
         _require_choice(self, "stream_priority", STREAM_PRIORITIES)
         _require_choice(self, "rendezvous", ("auto", "shm", "gloo"))
         _require_choice(self, "decode_attention", ("auto", "torch", "triton"))

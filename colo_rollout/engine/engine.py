@@ -16,8 +16,9 @@ One step, on every rank (``_step``):
   5. collect: wait (bounded) for this step's sampled tokens, kept for the next exchange;
   6. record: the step's statistics (engine/recorder.py).
 
-Normal mode with engine.overlap_prefill: a P step while more prompts wait is not waited for in
-its own step (5.): its tokens are read in the next step's collect, after that step's work is
+Normal mode with engine.overlap_prefill: a P step while the waiting queue's head could be
+admitted next (``Scheduler.head_admissible``) is not waited for in its own step (5.): its
+tokens are read in the next step's collect, after that step's work is
 enqueued -- the host plans and enqueues P step N + 1 while P step N's kernels run, so the GPU
 does not idle through each P step's host head. Its tokens go out with the next step's and both
 plans commit at the exchange after (in plan order; their lifetimes are disjoint: a sequence
@@ -574,10 +575,11 @@ class Engine:
                 sampled += [x for p in d_pending for x in p.resolve(self._wait_s, "P tokens")]
                 self._store_routing(d_pending)
                 plans.append(d_plan)
-            if (self.overlap_prefill and plan.phase is Phase.PREFILL and self.scheduler.waiting
-                    and out.p_out is None):
-                # more prompts wait, so the next step is P again (unless KV or batch rows
-                # block the queue's head): read this one's tokens after its enqueue
+            if (self.overlap_prefill and plan.phase is Phase.PREFILL and out.p_out is None
+                    and self.scheduler.head_admissible()):
+                # the queue's head fits now, so the next step is P again: read this one's
+                # tokens after its enqueue (with the head blocked the next step would be no P
+                # -- idle, or a D step these sequences would miss)
                 self._deferred = (plan, out.pending)
             else:
                 sampled += [x for p in out.pending for x in p.resolve(self._wait_s, "D tokens")]

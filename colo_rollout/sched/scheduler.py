@@ -269,9 +269,7 @@ class Scheduler:
         return self.epoch is not None and any(
             p.lifetime == lifetime for w in self.epoch.replicas for p in w.prefill)
 
-    def plan(self, pd: bool = False) -> StepPlan:
-        """Normal mode: a PREFILL or DECODE step. PD mode (``pd``): a ROUND with every ready D
-        row and, if no P epoch is in flight, a new epoch's P items."""
+    def _views(self) -> list[ReplicaView]:
         views = []
         for i, kv in enumerate(self.kv):
             mine = [s for s in self.seqs.values() if s.replica == i]
@@ -282,6 +280,33 @@ class Scheduler:
             views.append(ReplicaView(running=running, free_blocks=kv.num_free_blocks(),
                                      block_size=kv.block_size,
                                      awaiting=len(mine) - len(running)))
+        return views
+
+    def head_admissible(self) -> bool:
+        """Whether the next plan could admit the waiting queue's head as things stand (no
+        commit in between): a replica with a free batch row and the head's KV blocks free or
+        held by retained contexts no sequence uses (``plan`` evicts those). The engine reads a
+        P step one step late only then (engine.overlap_prefill): with the head blocked the
+        next step would be no P, and the late sequences would miss it."""
+        if not self.waiting:
+            return False
+        views = self._views()
+        head = self.waiting[0]
+        w = self._waiting_view(head)
+        spare = [0] * len(views)
+        for sid, sess in self.sessions.items():
+            if (sess.lifetime is not None and sess.lifetime not in self.seqs
+                    and sid != head.session):
+                spare[sess.replica] += len(self.kv[sess.replica].block_table(sess.lifetime))
+        cands = [w.replica] if w.replica is not None else range(len(views))
+        return any(len(views[i].running) + views[i].awaiting < self.limits.max_batch_size
+                   and views[i].blocks_for(w.budget_tokens) - w.held_blocks
+                   <= views[i].free_blocks + spare[i] for i in cands)
+
+    def plan(self, pd: bool = False) -> StepPlan:
+        """Normal mode: a PREFILL or DECODE step. PD mode (``pd``): a ROUND with every ready D
+        row and, if no P epoch is in flight, a new epoch's P items."""
+        views = self._views()
         # retained trajectory contexts are evicted only when the FIFO head lacks KV blocks
         for _ in range(len(self.sessions) + 1):
             waiting = [self._waiting_view(r) for r in self.waiting]
