@@ -691,9 +691,10 @@ class EngineConfig:
     # P's AllReduce onto D's stream (no stall in that run, and no Fine gain: -1.9%) -- "never"
     # nowhere (words YAML does not read as bools).
     prefill_graphs: str = "auto"
-    # Normal mode: a P step's first tokens are read one step late when more prompts wait --
-    # the next P step is planned and enqueued while this one's kernels run, so the GPU never
-    # idles through a P step's host head (SGLang's overlap scheduler, for P bursts). The
+    # Normal mode: a P step's first tokens are read one step late when the next waiting
+    # prompt could be admitted -- the next P step is planned and enqueued while this one's
+    # kernels run, so the GPU never idles through a P step's host head (SGLang's overlap
+    # scheduler, for P bursts). The
     # tokens, and every request's output, are the same; a request's first token is committed
     # one step later. "auto": on CUDA devices; "always" also on CPU (tests); "never" off.
     # Normal mode only: the PD modes commit P epochs asynchronously already (a config that
