@@ -172,6 +172,10 @@ class StreamRoute:
         end.record(stream)
         self._marks.append((kind, epoch, start, end))
 
+    def clear_marks(self) -> None:
+        """Forget the marked intervals so far (a measurement's own spans start here)."""
+        self._marks.clear()
+
     def gpu_spans(self) -> list[Span]:
         """Every marked interval as the GPU ran it, seconds since the route's first event
         (synchronizes the device)."""

@@ -539,7 +539,7 @@ class _Bench:
             for count in (2, n_steps):  # the first burst untimed: the engine loop's first use
                 if self.gpu and count == n_steps:  # CUDA events around each P step
                     route.timing = True
-                    route._marks.clear()
+                    route.clear_marks()
                 ids = []
                 for _ in range(count):
                     for _, n in seqs:
