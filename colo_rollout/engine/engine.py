@@ -575,7 +575,7 @@ class Engine:
                 sampled += [x for p in d_pending for x in p.resolve(self._wait_s, "P tokens")]
                 self._store_routing(d_pending)
                 plans.append(d_plan)
-            if (self.overlap_prefill and plan.phase is Phase.PREFILL and out.p_out is None
+            if (self.overlap_prefill and plan.phase is Phase.PREFILL
                     and self.scheduler.head_admissible()):
                 # the queue's head fits now, so the next step is P again: read this one's
                 # tokens after its enqueue (with the head blocked the next step would be no P

@@ -112,6 +112,12 @@ def _admit(waiting: list[WaitingView], replicas: list[ReplicaView], limits: Plan
     return prefill, admissions
 
 
+def admits(head: WaitingView, replicas: list[ReplicaView], limits: PlannerLimits) -> bool:
+    """Whether a plan on these replicas would admit ``head`` (the FIFO's head): the
+    admission rule itself, on a head alone."""
+    return bool(_admit([head], replicas, limits, 0)[1])
+
+
 def _decode_bucket(replicas: list[ReplicaView], limits: PlannerLimits) -> int:
     most = max(len(r.running) for r in replicas)
     return pick_bucket(most, limits.decode_buckets, limits.atp) if most else 0

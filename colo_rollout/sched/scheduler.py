@@ -39,6 +39,7 @@ from colo_rollout.sched.planner import (
     PlannerLimits,
     ReplicaView,
     WaitingView,
+    admits,
     plan_normal,
     plan_round,
 )
@@ -292,16 +293,12 @@ class Scheduler:
             return False
         views = self._views()
         head = self.waiting[0]
-        w = self._waiting_view(head)
-        spare = [0] * len(views)
-        for sid, sess in self.sessions.items():
+        for sid, sess in self.sessions.items():  # what plan's evictions could free
             if (sess.lifetime is not None and sess.lifetime not in self.seqs
                     and sid != head.session):
-                spare[sess.replica] += len(self.kv[sess.replica].block_table(sess.lifetime))
-        cands = [w.replica] if w.replica is not None else range(len(views))
-        return any(len(views[i].running) + views[i].awaiting < self.limits.max_batch_size
-                   and views[i].blocks_for(w.budget_tokens) - w.held_blocks
-                   <= views[i].free_blocks + spare[i] for i in cands)
+                views[sess.replica].free_blocks += len(
+                    self.kv[sess.replica].block_table(sess.lifetime))
+        return admits(self._waiting_view(head), views, self.limits)
 
     def plan(self, pd: bool = False) -> StepPlan:
         """Normal mode: a PREFILL or DECODE step. PD mode (``pd``): a ROUND with every ready D

@@ -519,17 +519,18 @@ class _Bench:
         if n_steps < 2 or any(c for c, _ in seqs):
             return None
         tokens = sum(n for _, n in seqs)
+        eng = self.engine
+        kv = eng.scheduler.kv[0]
         # what two steps' sequences hold at once: the step read late and the next one's
         # (the ones finishing are freed at the commit before the next plan)
         need = {"engine.max_prefill_tokens": (tokens, e.max_prefill_tokens),
                 "engine.max_batch_size": (2 * len(seqs), e.max_batch_size),
                 "engine.max_seq_len": (max(n for _, n in seqs) + 1, e.max_seq_len),
-                "engine.num_kv_blocks": (2 * sum(-(-(n + 1) // e.kv_block_size)
-                                                 for _, n in seqs), e.num_kv_blocks)}
+                "engine.num_kv_blocks": (2 * sum(kv.blocks_needed(n + 1) for _, n in seqs),
+                                         e.num_kv_blocks)}
         short = [f"{k} {have} < {want}" for k, (want, have) in need.items() if have < want]
         if short:
             return "no back-to-back steps: " + ", ".join(short)
-        eng = self.engine
         limits = eng.scheduler.limits
         # one row's worth of prompts per step
         eng.scheduler.limits = dataclasses.replace(limits, max_prefill_tokens=tokens)
