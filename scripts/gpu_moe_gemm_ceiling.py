@@ -3,6 +3,8 @@ fc1 and fc2 of the fused-MoE kernel (model/fused_moe.py) at 4096 and 8192 tokens
 
   * fc1 on a pre-permuted copy of x (its A rows through TMA too; the gather's own time
     reported apart),
+  * fc1 with its gate and up weight tiles in one TMA box and one MMA (``Tile.paired``),
+    at a few tiles,
   * fc2 on the persistent kernel (``Tile.persistent``: one program per SM walking the tiles,
     the tile loop flattened into the K loop) with a few tiles, the one-tile-per-program
     kernel's tile among them,
@@ -90,6 +92,23 @@ def main() -> int:
                     lambda c, tm=tm: fm.moe_gemm(
                         x, ex.fc1[c], offs, rows, token=token, prob=prob, gated=True, act=1,
                         out=hs[c], tile=dataclasses.replace(fc1_tile, tail_m=tm)))
+            # the gate and up tiles in one [2, n, k] TMA box and one MMA of 2n columns
+            for label, t in (
+                    ("paired (the tile)", dataclasses.replace(fc1_tile, paired=True)),
+                    ("paired, no tails", dataclasses.replace(fc1_tile, paired=True, tail_m=0)),
+                    ("paired, 3 stages", dataclasses.replace(fc1_tile, paired=True,
+                                                             num_stages=3)),
+                    ("paired, 128x64x64 w8 s4", T(128, 64, 64, 8, 4, 1, True, tail_m=64,
+                                                  paired=True)),
+                    ("paired, 128x64x64 w4 s4", T(128, 64, 64, 4, 4, 1, True, tail_m=64,
+                                                  paired=True)),
+                    ("paired, 64x128x64 w4 s4", T(64, 128, 64, 4, 4, 1, True, paired=True)),
+                    ("paired, 128x128x64 w8 s4 g4", T(128, 128, 64, 8, 4, 4, True, tail_m=64,
+                                                      paired=True))):
+                cases[("fc1", f"kernel (gather), {label}")] = (
+                    lambda c, t=t: fm.moe_gemm(
+                        x, ex.fc1[c], offs, rows, token=token, prob=prob, gated=True, act=1,
+                        out=hs[c], tile=t))
             for t in P2:
                 key = ("fc2", f"persistent {g._fmt(t)}")
                 cases[key] = (lambda c, t=t: fm.moe_gemm(
@@ -103,7 +122,8 @@ def main() -> int:
                 flops = f1 if which == "fc1" else f2
                 err = ""
                 try:
-                    if label.startswith("persistent") or "tails" in label:
+                    if (label.startswith("persistent") or "tails" in label
+                            or "paired" in label):
                         ref = ref2 if which == "fc2" else ref1
                         got = fn(0).float()
                         e = ((got - ref).abs().max() / ref.abs().max()).item()

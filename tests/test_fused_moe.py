@@ -61,6 +61,12 @@ CASES = [
      (T(32, 16, 16, 4, 2, tail_m=16), T(16, 32, 16, 4, 2))),
     (60, 4, 12, 4, 48, 40, torch.bfloat16, F.silu, True, 2,
      (T(32, 16, 16, 4, 2, 2, True, tail_m=16), T(16, 16, 16, 4, 2, 2, True, True))),
+    # fc1's gate and up tiles in one [2, n, k] TMA box and one MMA (``paired``): ragged F (the
+    # box's columns past n_out zero-filled), other ranks' pairs, padding rows; with tails
+    (29, 4, 16, 4, 32, 40, torch.bfloat16, F.silu, True, 2,
+     (T(16, 16, 16, 4, 2, 2, True, paired=True), T(16, 16, 16, 4, 2, 1, True))),
+    (60, 4, 12, 4, 48, 40, torch.bfloat16, F.gelu, True, 2,
+     (T(32, 16, 16, 4, 2, 2, True, tail_m=16, paired=True), T(16, 16, 16, 4, 2, 2, True, True))),
 ]
 
 

@@ -88,6 +88,11 @@ class Tile:
     # off) runs a tile of this many rows in its place -- the MMA work of the padded rows cut;
     # only where A comes by pointer (a TMA descriptor's block is block_m rows)
     tail_m: int = 0
+    # a gated GEMM's gate and up weight tiles in one TMA load of a [2, block_n, block_k] box
+    # (the weight stack seen as [2E, n, K]) and one MMA of 2 x block_n columns, split in the
+    # epilogue: A's tile is read once per K step instead of once per half (W through TMA
+    # only; elsewhere the two-MMA body runs)
+    paired: bool = False
 
     def __post_init__(self) -> None:
         t = self.tail_m
@@ -271,7 +276,7 @@ if triton is not None:
               PROB: tl.constexpr, SCATTER: tl.constexpr, EVEN_K: tl.constexpr,
               DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, RNE_BF16: tl.constexpr,
               FP8: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr,
-              SCALE_K: tl.constexpr):
+              SCALE_K: tl.constexpr, PAIRED: tl.constexpr):
         """One output tile of ``_moe_gemm_kernel``: rows [row_lo, min(row_lo + BM, row_hi))
         of expert e, columns offs_n; the K loop and the epilogue."""
         offs_m = tl.arange(0, BM)
@@ -296,57 +301,73 @@ if triton is not None:
         w_row = e * (stride_we // stride_wn) + pid_n * BLOCK_N
         acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
+        if PAIRED:  # [gate | up] columns of one MMA (W: a [2E, n_out, K] descriptor)
+            acc_pair = tl.zeros([BM, 2 * BLOCK_N], dtype=tl.float32)
         for k0 in range(0, k_dim, BLOCK_K):
-            if W_TMA:
-                if A_TMA:
-                    a = A.load([row_lo, k0])
-                elif EVEN_K:
+            if PAIRED:
+                if EVEN_K:
                     a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
                 else:
                     kmask = offs_k < k_dim - k0
                     a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
-                w = W.load([w_row, k0]).T
-            elif EVEN_K:
-                a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
-                w = tl.load(w_ptrs)
-            else:
-                kmask = offs_k < k_dim - k0
-                a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
-                w = tl.load(w_ptrs, mask=kmask[:, None], other=0.0)
-            if UPCAST:  # the interpreter's dot reads bf16 as integers: fp32 there
-                a = a.to(tl.float32)
-                w = w.to(tl.float32)
-            if SCALE_K:  # blockwise FP8: this K step's partial product, rescaled by its K
-                # block's scales (A's row x 1 x SCALE_K, W's SCALE_K x SCALE_K; BLOCK_K divides
-                # SCALE_K, and the tile's columns lie in one weight block or wrap per column)
-                kb = k0 // SCALE_K
-                a_sk = tl.load(AScale + a_rows * stride_as + kb, mask=mmask, other=0.0)
-                w_sk = tl.load(WScale + e.to(tl.int64) * stride_wse
-                               + (offs_wn // SCALE_K) * stride_wsn + kb)
-                acc += (tl.dot(a, w, input_precision=DOT_PREC) * a_sk[:, None]
-                        * w_sk[None, :])
-            else:
-                acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
-            if GATED:  # the up projection's rows sit up_off past the gate's
-                if W_TMA:
-                    wu = W.load([w_row + n_out, k0]).T
-                elif EVEN_K:
-                    wu = tl.load(w_ptrs + up_off)
-                else:
-                    wu = tl.load(w_ptrs + up_off, mask=kmask[:, None], other=0.0)
+                wp = W.load([2 * e, pid_n * BLOCK_N, k0]).reshape(2 * BLOCK_N, BLOCK_K).T
                 if UPCAST:
-                    wu = wu.to(tl.float32)
-                if SCALE_K:
-                    wu_sk = tl.load(WScale + e.to(tl.int64) * stride_wse
-                                    + ((offs_wn + n_out) // SCALE_K) * stride_wsn + kb)
-                    acc_up += (tl.dot(a, wu, input_precision=DOT_PREC) * a_sk[:, None]
-                               * wu_sk[None, :])
+                    a = a.to(tl.float32)
+                    wp = wp.to(tl.float32)
+                acc_pair = tl.dot(a, wp, acc_pair, input_precision=DOT_PREC)
+            else:
+                if W_TMA:
+                    if A_TMA:
+                        a = A.load([row_lo, k0])
+                    elif EVEN_K:
+                        a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
+                    else:
+                        kmask = offs_k < k_dim - k0
+                        a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
+                    w = W.load([w_row, k0]).T
+                elif EVEN_K:
+                    a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
+                    w = tl.load(w_ptrs)
                 else:
-                    acc_up = tl.dot(a, wu, acc_up, input_precision=DOT_PREC)
+                    kmask = offs_k < k_dim - k0
+                    a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
+                    w = tl.load(w_ptrs, mask=kmask[:, None], other=0.0)
+                if UPCAST:  # the interpreter's dot reads bf16 as integers: fp32 there
+                    a = a.to(tl.float32)
+                    w = w.to(tl.float32)
+                if SCALE_K:  # blockwise FP8: this K step's partial product, rescaled by its K
+                    # block's scales (A's row x 1 x SCALE_K, W's SCALE_K x SCALE_K; BLOCK_K divides
+                    # SCALE_K, and the tile's columns lie in one weight block or wrap per column)
+                    kb = k0 // SCALE_K
+                    a_sk = tl.load(AScale + a_rows * stride_as + kb, mask=mmask, other=0.0)
+                    w_sk = tl.load(WScale + e.to(tl.int64) * stride_wse
+                                   + (offs_wn // SCALE_K) * stride_wsn + kb)
+                    acc += (tl.dot(a, w, input_precision=DOT_PREC) * a_sk[:, None]
+                            * w_sk[None, :])
+                else:
+                    acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+                if GATED:  # the up projection's rows sit up_off past the gate's
+                    if W_TMA:
+                        wu = W.load([w_row + n_out, k0]).T
+                    elif EVEN_K:
+                        wu = tl.load(w_ptrs + up_off)
+                    else:
+                        wu = tl.load(w_ptrs + up_off, mask=kmask[:, None], other=0.0)
+                    if UPCAST:
+                        wu = wu.to(tl.float32)
+                    if SCALE_K:
+                        wu_sk = tl.load(WScale + e.to(tl.int64) * stride_wse
+                                        + ((offs_wn + n_out) // SCALE_K) * stride_wsn + kb)
+                        acc_up += (tl.dot(a, wu, input_precision=DOT_PREC) * a_sk[:, None]
+                                   * wu_sk[None, :])
+                    else:
+                        acc_up = tl.dot(a, wu, acc_up, input_precision=DOT_PREC)
             if not A_TMA:
                 a_ptrs += BLOCK_K
             if not W_TMA:
                 w_ptrs += BLOCK_K * stride_wk
+        if PAIRED:  # the gate's columns, then the up projection's
+            acc, acc_up = acc_pair.reshape(BM, 2, BLOCK_N).permute(0, 2, 1).split()
         if FP8 and not SCALE_K:  # row-wise x channel-wise scales (model/fp8.py), in fp32
             a_s = tl.load(AScale + a_rows, mask=mmask, other=0.0)
             ws_ptrs = WScale + e.to(tl.int64) * stride_wse + offs_wn
@@ -383,7 +404,7 @@ if triton is not None:
         EVEN_K: tl.constexpr,
         DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, RNE_BF16: tl.constexpr,
         FP8: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr, SCALE_K: tl.constexpr,
-        TAIL_M: tl.constexpr,
+        TAIL_M: tl.constexpr, PAIRED: tl.constexpr,
     ):
         pid = tl.program_id(0)
         n_tiles = tl.cdiv(n_out, BLOCK_N)
@@ -420,7 +441,7 @@ if triton is not None:
                   BM=TAIL_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GATHER=GATHER, GATED=GATED,
                   ACT=ACT, PROB=PROB, SCATTER=SCATTER, EVEN_K=EVEN_K, DOT_PREC=DOT_PREC,
                   UPCAST=UPCAST, RNE_BF16=RNE_BF16, FP8=FP8, W_TMA=W_TMA, A_TMA=A_TMA,
-                  SCALE_K=SCALE_K)
+                  SCALE_K=SCALE_K, PAIRED=PAIRED)
         else:
             _tile(A, Tok, W, Prob, Out, Scatter, AScale, WScale, e, row_lo, row_hi, pid_n,
                   offs_n, nmask, n_out, k_dim, stride_am, stride_tok, stride_we, stride_wn,
@@ -428,7 +449,7 @@ if triton is not None:
                   BM=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GATHER=GATHER, GATED=GATED,
                   ACT=ACT, PROB=PROB, SCATTER=SCATTER, EVEN_K=EVEN_K, DOT_PREC=DOT_PREC,
                   UPCAST=UPCAST, RNE_BF16=RNE_BF16, FP8=FP8, W_TMA=W_TMA, A_TMA=A_TMA,
-                  SCALE_K=SCALE_K)
+                  SCALE_K=SCALE_K, PAIRED=PAIRED)
 
     @triton.jit(do_not_specialize=["rows", "m_blocks", "group_m", "E"])
     def _moe_gemm_persistent_kernel(
@@ -602,7 +623,11 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, rows: int, *,
         _persistent_gemm(a, w, offs, rows, out, tile, m_blocks, zero_tail, scatter)
         return out
     a_arg, w_arg = a, w
-    if w_tma:
+    paired = w_tma and gated and tile.paired and not a_tma
+    if paired:  # [gate; up] of expert e are rows 2e and 2e + 1 of a [2E, n_out, K] stack
+        w_arg = TensorDescriptor(w, [2 * E, n_out, K], [n_out * w.stride(1), w.stride(1), 1],
+                                 [2, tile.block_n, tile.block_k])
+    elif w_tma:
         w_arg = TensorDescriptor(w, [E * wn, K], [w.stride(1), 1], [tile.block_n, tile.block_k])
         if a_tma:
             a_arg = TensorDescriptor(a, [a.shape[0], K], [a.stride(0), 1],
@@ -619,7 +644,7 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, rows: int, *,
         EVEN_K=K % tile.block_k == 0,
         DOT_PREC=prec, UPCAST=upcast, RNE_BF16=upcast and out.dtype == torch.bfloat16,
         FP8=fp8, W_TMA=w_tma, A_TMA=a_tma, SCALE_K=scale_k,
-        TAIL_M=0 if a_tma else tile.tail_m, num_warps=tile.num_warps,
+        TAIL_M=0 if a_tma else tile.tail_m, PAIRED=paired, num_warps=tile.num_warps,
         num_stages=tile.num_stages,
     )
     return out
