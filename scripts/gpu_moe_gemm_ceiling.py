@@ -43,7 +43,13 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."),
                                                    "moe_gemm_ceiling.json"))
+    ap.add_argument("--fc1-sweep", type=int, default=0, metavar="REPS",
+                    help="only fc1: the picked tile beside paired tiles of group sizes 1-8, "
+                         "REPS rounds in turn (a variant's median over rounds: one "
+                         "machine's clock drifts by ~5%% between back-to-back timings)")
     args = ap.parse_args()
+    if args.fc1_sweep:
+        return fc1_sweep(args.fc1_sweep, args.json)
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     results = []
@@ -140,6 +146,50 @@ def main() -> int:
                 results.append({"model": name, "N": N, "gemm": which, "variant": label,
                                 "ms": s * 1e3, "tflops": tf})
     with open(args.json, "w") as fh:
+        json.dump(results, fh, indent=1)
+    return 0
+
+
+def fc1_sweep(reps: int, path: str) -> int:
+    """fc1 at the prefill regime's tile against paired tiles (group sizes 1, 2, 4, 8), every
+    shape at 4096 and 8192 tokens, the variants timed in turn ``reps`` times."""
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    t0 = fm.TILES[("prefill", "fc1")]
+    variants = {"the tile": t0}
+    for gm in (1, 2, 4, 8):
+        variants[f"paired g{gm}"] = dataclasses.replace(t0, paired=True, group_m=gm)
+    results = []
+    for name, m in g.MODELS.items():
+        ex = g.Experts(m["H"], m["F"], m["E"], dev, gen)
+        for N in (4096, 8192):
+            token, _, offs, prob = g.routing(N, ex.E, m["k"], dev, gen)
+            x = torch.randn(N, ex.H, device=dev, generator=gen).to(g.DTYPE)
+            rows = N * m["k"]
+            hs = [torch.empty(rows, ex.F, device=dev, dtype=g.DTYPE) for _ in range(2)]
+            flops = 4 * rows * ex.H * ex.F
+            ref = fm.moe_gemm(x, ex.fc1[0], offs, rows, token=token, prob=prob, gated=True,
+                              act=1, tile=t0)
+            times = {k: [] for k in variants}
+            for _ in range(reps):
+                for label, t in variants.items():
+                    def fn(c, t=t):
+                        return fm.moe_gemm(x, ex.fc1[c], offs, rows, token=token, prob=prob,
+                                           gated=True, act=1, out=hs[c], tile=t)
+                    if not times[label] and not torch.equal(fn(0), ref):
+                        print(f"{name} N={N} {label}: NOT the tile's output", flush=True)
+                    times[label].append(g.graph_time([lambda c=c: fn(c) for c in (0, 1, 0, 1)],
+                                                     reps=5, warm=1))
+            base = sorted(times["the tile"])[reps // 2]
+            for label, ts in times.items():
+                s = sorted(ts)[reps // 2]
+                tf = flops / s / 1e12
+                print(f"{name:10s} N={N:5d} fc1 {label:12s} {s * 1e3:7.3f} ms {tf:6.1f} TFLOP/s "
+                      f"{100 * tf / 989:5.1f}%  x{base / s:5.3f}  (all: "
+                      f"{' '.join(f'{v * 1e3:.3f}' for v in ts)})", flush=True)
+                results.append({"model": name, "N": N, "variant": label, "ms": s * 1e3,
+                                "all_ms": [v * 1e3 for v in ts], "tflops": tf})
+    with open(path, "w") as fh:
         json.dump(results, fh, indent=1)
     return 0
 
