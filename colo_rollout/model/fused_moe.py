@@ -121,7 +121,7 @@ TILES = {
     ("small", "fc2"): Tile(16, 128, 128, 4, 4),
     ("decode", "fc1"): Tile(16, 64, 128, 4, 3),
     ("decode", "fc2"): Tile(32, 128, 64, 4, 3),
-    ("prefill", "fc1"): Tile(128, 128, 64, 8, 4, 1, True, tail_m=64),
+    ("prefill", "fc1"): Tile(128, 128, 64, 8, 4, 1, True, tail_m=64, paired=True),
     ("prefill", "fc2"): Tile(128, 256, 64, 8, 3, 8, True, True),
 }
 # engine.batch_invariant's D (model/batch_invariant.py): the small and decode regimes' tiles
