@@ -2,7 +2,8 @@
 into their cache slots and the dense calls' contiguous K/V rows, with Qwen3's q/k RMSNorms --
 time per call against the bytes it must move (HBM roofline at 4.8 TB/s), for the program
 layouts the kernel can take (every group of a token in one program, or one per group).
-  PYTHONPATH=$PWD python3 scripts/gpu_rope_prefill.py   (repo root, a CUDA host)
+  PYTHONPATH=$PWD python3 scripts/gpu_rope_prefill.py   (repo root, a CUDA host; with
+  ROPE_FP_FUSION=1 the launch compiled with FMA contraction, as before session 37)
 """
 import os
 import sys; sys.path.insert(0, ".")
@@ -16,6 +17,8 @@ if os.environ.get("ROPE_FORCE_RNE") == "1":  # the roundings by bit arithmetic (
     _bound = rope_kv._ROPE_KV
     rope_kv._ROPE_KV = lambda key, grid, args, warps: _bound(
         None if key is None else ("rne", key), grid, args[:-1] + (True,), warps)
+if os.environ.get("ROPE_FP_FUSION") == "1":  # the launch as before session 37: FMA contraction
+    rope_kv._ROPE_KV = rope_kv.BoundKernel(rope_kv._rope_kv_kernel)
 TOKENS = [int(a) for a in sys.argv[1:]] or [1024, 4096, 8192]
 print("| shape | T | layout | us | GB moved | TB/s | x roofline |")
 print("|---|---|---|---|---|---|---|")

@@ -77,7 +77,7 @@ def _rope(args):
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a GPU")
 def test_rope_bound_launch_writes_what_tritons_launch_writes(monkeypatch):
-    launcher = bk.BoundKernel(rope_kv._rope_kv_kernel, check=True)
+    launcher = bk.BoundKernel(rope_kv._rope_kv_kernel, check=True, **rope_kv._ROPE_KV.options)
     monkeypatch.setattr(rope_kv, "_ROPE_KV", launcher)
     for T in (300, 4096, 257):  # P's whole-token regime: one key for every count
         first = _rope(_rope_inputs(T))  # binds (Triton's own launch) or replays the bound one

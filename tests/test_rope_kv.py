@@ -254,6 +254,41 @@ def test_triton_kernel_matches_torch_path_bitwise_interpreted(interpreted):
     interpreted.check(__file__)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON,
+                    reason="needs a GPU and triton")
+@pytest.mark.parametrize("whole", [1, 1 << 30])
+def test_kernel_is_the_torch_path_bitwise_on_the_gpu(whole):
+    """The compiled kernel (no FMA contraction: rope_kv's launch options) against the torch
+    path on the GPU, every case at 512 tokens, both program layouts, angle tables and dense
+    rows: bitwise (with FP fusion on, ~24% of q's elements were one bf16 step off)."""
+    before = rope_kv.WHOLE_TOKEN_FROM
+    rope_kv.WHOLE_TOKEN_FROM = whole
+    try:
+        for i, (_, G, n, D, rot, dtype) in enumerate(CASES):
+            g = torch.Generator(device="cuda").manual_seed(i)
+            T = 512
+            qkv = torch.randn(T, G, n + 2, D, device="cuda", generator=g).to(dtype)
+            ang = torch.randn(4096, rot, device="cuda", generator=g)
+            cos, sin = torch.cos(ang).to(dtype), torch.sin(ang).to(dtype)
+            pos = torch.randperm(4096, device="cuda", generator=g)[:T]
+            slots = torch.randperm(2 * T, device="cuda", generator=g)[:T]
+            outs = []
+            for fn in (rope_kv.torch_rope_and_store, rope_kv.triton_rope_and_store):
+                kc = torch.zeros(2 * T, G, D, device="cuda", dtype=dtype)
+                vc = torch.zeros_like(kc)
+                rows = (torch.empty(T, G, D, device="cuda", dtype=dtype),
+                        torch.empty(T, G, D, device="cuda", dtype=dtype))
+                q = fn(qkv[:, :, :n], qkv[:, :, n], qkv[:, :, n + 1], cos, sin, kc, vc, slots,
+                       positions=pos, kv_out=rows)
+                outs.append((q, kc, vc, *rows))
+            for name, a, b in zip(("q", "k cache", "v cache", "k rows", "v rows"), *outs):
+                assert torch.equal(a, b), (f"case {i} ({dtype}, whole tokens from {whole}): "
+                                           f"{name}: {int((a != b).sum())} elements differ")
+    finally:
+        rope_kv.WHOLE_TOKEN_FROM = before
+
+
 if __name__ == "__main__":  # the interpreted run (the test above starts it)
     interpreted_main(_interpreted)
 

@@ -37,30 +37,33 @@ _JIT = object()  # a key whose launches go through Triton's own path
 
 class BoundKernel:
     """``fn`` (a ``triton.jit`` function) launched as ``bk(key, grid, args, num_warps)``:
-    ``args`` every parameter in signature order, constexprs included (positionally)."""
+    ``args`` every parameter in signature order, constexprs included (positionally);
+    ``options``: compile options every launch passes (e.g. ``enable_fp_fusion=False``)."""
 
-    def __init__(self, fn, check: bool = False) -> None:
+    def __init__(self, fn, check: bool = False, **options) -> None:
         self.fn = fn
         self.check = check
+        self.options = options
         self._variants: dict = {}
 
     def __call__(self, key, grid: tuple, args: tuple, num_warps: int) -> None:
         """Launch on the current stream; ``key`` None: Triton's own launch (arguments the
         caller cannot key cheaply, e.g. unaligned pointers)."""
         if key is None or not args[0].is_cuda:  # (CPU tensors: the interpreter)
-            self.fn[grid](*args, num_warps=num_warps)
+            self.fn[grid](*args, num_warps=num_warps, **self.options)
             return
         dev = torch.cuda.current_device()  # Triton's variants are per current device
         kernel = self._variants.get((key, dev))
         if kernel is None:
-            got = self.fn[grid](*args, num_warps=num_warps)
+            got = self.fn[grid](*args, num_warps=num_warps, **self.options)
             self._variants[(key, dev)] = got if _launchable(got) else _JIT
             return
         if kernel is _JIT:
-            self.fn[grid](*args, num_warps=num_warps)
+            self.fn[grid](*args, num_warps=num_warps, **self.options)
             return
         if self.check:
-            picked = self.fn.run(*args, grid=grid, warmup=True, num_warps=num_warps)
+            picked = self.fn.run(*args, grid=grid, warmup=True, num_warps=num_warps,
+                                 **self.options)
             if picked is not kernel:
                 raise RuntimeError(f"{self.fn.__name__}: key {key!r} names a compiled variant "
                                    "Triton's binder does not pick for these arguments (the "

@@ -34,7 +34,12 @@ The kernel computes megatron's elementwise ops in the same order with the same r
 every product and the sum are rounded to the model dtype as torch's bf16/fp16 ops round
 them (computed in fp32, rounded to nearest even), and ``rotate_half`` is the negation and the
 swap of halves, exact. Partial rotary (rot < D) passes
-the rest of each head through.
+the rest of each head through. The launch is compiled without floating-point contraction
+(``enable_fp_fusion=False``): with it, on the GPU, ptxas fused a product into the sum across
+the casts that round it (~24% of q's elements one bf16 step off megatron's; docs/
+benchmarks.md sessions 34 and 37); without it the rotation is bitwise megatron's on the GPU
+too (``scripts/gpu_rope_bitwise.py``). With the q/k norms a few elements in a million still
+differ by one step (the sum of squares' order and the rsqrt, above).
 
 Imports only torch (and triton when present): no megatron.
 """
@@ -305,5 +310,8 @@ if triton is not None:
             tl.store(VO + t * svo_t + gg[:, None] * svo_g + d, vv, mask=dm)
 
 
-# the rope launch through its bound variant (model/bound_kernel.py): P's critical path
-_ROPE_KV = BoundKernel(_rope_kv_kernel) if triton is not None else None
+# the rope launch through its bound variant (model/bound_kernel.py): P's critical path; no
+# FMA contraction (the roundings above are megatron's only when each product is rounded
+# before the sum)
+_ROPE_KV = (BoundKernel(_rope_kv_kernel, enable_fp_fusion=False) if triton is not None
+            else None)
