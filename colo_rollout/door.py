@@ -653,8 +653,10 @@ def check_bench_speed(cfg: Config, source: str) -> None:
         fits("bench_speed.continuation_context", b.continuation_shape(),
              f"the continuation prefill ({b.continuation_seqs} sequences)")
     if b.profile:
-        fits("bench_speed.profile_prefill", [(0, b.breakdown_prefill)],
-             f"the profiled prefill of {b.breakdown_prefill} tokens")
+        k = b.profile_prefill_seqs
+        fits("bench_speed.profile_prefill", [(0, b.breakdown_prefill)] * k,
+             f"the profiled prefill of {k} x {b.breakdown_prefill} tokens" if k > 1
+             else f"the profiled prefill of {b.breakdown_prefill} tokens")
     if b.hf_peer:
         over = [n for n in b.hf_prefill_lengths if n > cfg.model.max_position_embeddings]
         if over:

@@ -237,6 +237,40 @@ def test_versus_measures_a_variant_on_the_same_rows_in_the_same_process(tmp_path
     assert 'versus (same process' in table and 'model.moe_compute="megatron"' in table
 
 
+def test_the_profiled_prefill_can_be_a_batched_step(tmp_path, capsys):
+    """profile_prefill_seqs: the breakdown's P step is that many sequences (the 8 x 1k row's
+    shape), its wall time the timed batch row's; a step the engine cannot take is refused."""
+    out_dir = tmp_path / "bd"
+    rows = ["--set", "bench_speed.decode_batches=[1]", "--set", "bench_speed.long_contexts=[]",
+            "--set", "bench_speed.long_batches=[]", "--set", "bench_speed.sampled_batches=[]",
+            "--set", "bench_speed.prefill_lengths=[48]", "--set", "bench_speed.prefill_batch_seqs=3",
+            "--set", "bench_speed.prefill_batch_len=16", "--set", "bench_speed.prefill_mixed=[]",
+            "--set", "bench_speed.continuation_seqs=0", "--set", "bench_speed.hf_peer=false",
+            "--set", "bench_speed.prefill_burst=0", "--set", "bench_speed.iters=2",
+            "--set", "bench_speed.prefill_iters=1", "--set", f"bench_speed.out_dir={out_dir}"]
+    assert main(["bench-speed", CPU, *rows, "--set", "bench_speed.profile_prefill=16",
+                 "--set", "bench_speed.profile_prefill_seqs=3"]) == 0
+    capsys.readouterr()
+    res = json.loads((out_dir / "bench_speed.json").read_text())
+    bd = res["breakdown"]["prefill"]
+    batch = next(r for r in res["prefill"] if r["shape"] == "3 x 16")
+    single = next(r for r in res["prefill"] if r["shape"] == "1 x 48")  # same tokens, 1 seq
+    assert bd["shape"] == "prefill 3 x 16"
+    assert bd["measured_ms"] == pytest.approx(batch["step_s"] * 1e3)
+    assert bd["measured_ms"] != pytest.approx(single["step_s"] * 1e3)
+    assert bd["parts_ms"]["attention"] > 0 and bd["parts_ms"]["expert GEMMs"] > 0
+    line = door_error(capsys, "bench-speed", CPU, "--set", "engine.max_prefill_tokens=100",
+                      "--set", "bench_speed.prefill_lengths=[64]",
+                      "--set", "bench_speed.prefill_batch_seqs=0",
+                      "--set", "bench_speed.prefill_mixed=[]",
+                      "--set", "bench_speed.continuation_seqs=0",
+                      "--set", "bench_speed.profile_prefill_seqs=3")
+    assert line == (f"error: {CPU}: bench_speed.profile_prefill: the profiled prefill of 3 x 64 "
+                    "tokens: 192 new tokens in one P step exceed engine.max_prefill_tokens 100")
+    line = door_error(capsys, "bench-speed", CPU, "--set", "bench_speed.profile_prefill_seqs=0")
+    assert "bench_speed.profile_prefill_seqs: must be >= 1, got 0" in line
+
+
 def test_versus_variants_are_checked_at_the_door(capsys):
     line = door_error(capsys, "bench-speed", CPU, "--versus", "bench_speed.iters=3")
     assert line.startswith("error: --versus bench_speed.iters: a variant changes the model or "

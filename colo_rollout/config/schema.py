@@ -953,11 +953,13 @@ class BenchSpeedConfig:
     prefill_burst: int = 10
     # Kernel-time breakdown per layer part from torch.profiler over profile_steps decode steps
     # (at profile_batch rows, short context; 0: the largest of decode_batches) and one prefill
-    # of profile_prefill tokens (0: the first of prefill_lengths, else prefill_batch_len).
+    # step of profile_prefill_seqs sequences of profile_prefill tokens each (0: the first of
+    # prefill_lengths, else prefill_batch_len; 8 sequences of 1024: the 8 x 1k row's step).
     profile: bool = True
     profile_steps: int = 3
     profile_batch: int = 0
     profile_prefill: int = 0
+    profile_prefill_seqs: int = 1
     # The same shapes through Hugging Face transformers (random weights of this model section)
     # as the peer: decode at every decode_batches row (short context), prefill of one sequence
     # of each hf_prefill_lengths. Skipped (with a note) when transformers is not installed.
@@ -985,8 +987,9 @@ class BenchSpeedConfig:
         _require(bool(self.long_batches) == bool(self.long_contexts), "bench_speed.long_batches",
                  "set both long_batches and long_contexts, or leave both empty")
         _require_min(self, ("prefill_batch_len", "iters", "prefill_iters", "warmup",
-                            "profile_steps"), 1)
-        for name in ("iters", "prefill_iters", "warmup", "profile_steps"):
+                            "profile_steps", "profile_prefill_seqs"), 1)
+        for name in ("iters", "prefill_iters", "warmup", "profile_steps",
+                     "profile_prefill_seqs"):
             # a timing count past this is a typo (1e22 iterations ran until killed)
             _require(getattr(self, name) <= MAX_BENCH_REPEATS, f"bench_speed.{name}",
                      f"must be at most {MAX_BENCH_REPEATS}, got {getattr(self, name)}")

@@ -53,7 +53,8 @@ parameter of params_dtype):
 On a CPU the ratios are taken against the same (GPU) numbers: tiny, and labelled so.
 
 Breakdown: torch.profiler over ``profile_steps`` decode steps (``breakdown_batch`` rows, short
-context) and one prefill (``breakdown_prefill`` tokens), run eagerly (graphs hide which op
+context) and one prefill step (``profile_prefill_seqs`` sequences of ``breakdown_prefill``
+tokens), run eagerly (graphs hide which op
 launched a kernel). Forward hooks open a ``record_function`` range around the norms, the
 attention, the router, the MoE block and its experts module, and wrapped methods around the
 embedding, shared experts, dense MLPs and the runner's sampling; each op's time (GPU: the CUDA
@@ -620,14 +621,16 @@ class _Bench:
         d_row = next(r for r in decode if r["batch"] == rows and r["context"] == b.short_context)
         tokens = [self.rng.randrange(self.m.vocab_size) for _ in range(rows)]
         d_plan = decode_plan([b.short_context] * rows, tokens, d_row["bucket"], e.kv_block_size)
-        n = b.breakdown_prefill
-        p_plan = prefill_plan([(0, n)], self.rng, self.m.vocab_size, e.kv_block_size)
-        p_row = next((r for r in prefill if r["kind"] == "single" and r["tokens"] == n), None)
+        n, k = b.breakdown_prefill, b.profile_prefill_seqs
+        p_plan = prefill_plan([(0, n)] * k, self.rng, self.m.vocab_size, e.kv_block_size)
+        # the timed row of this shape, if there is one (its median is the step's wall time)
+        p_row = next((r for r in prefill if r["kind"] in ("single", "batch")
+                      and r["seqs"] == k and r["tokens"] == n * k), None)
         p_wall = (p_row["step_s"] if p_row is not None
                   else statistics.median(self.timed(p_plan, b.prefill_iters)))
         return {"decode": {"shape": f"decode B={rows}, context {b.short_context}",
                            **self.breakdown(d_plan, b.profile_steps, d_row["step_s"])},
-                "prefill": {"shape": f"prefill 1 x {n}", **self.breakdown(p_plan, 1, p_wall)}}
+                "prefill": {"shape": f"prefill {k} x {n}", **self.breakdown(p_plan, 1, p_wall)}}
 
     def breakdown(self, plan: StepPlan, steps: int, wall_s: float) -> dict:
         """Per-step time of each part (ms) over ``steps`` profiled eager steps of ``plan``;
