@@ -108,6 +108,49 @@ def test_breakdown_attributes_kernels_to_layer_parts():
     assert attribute(events[:3], device_time=False) == ({"attention": 30.0}, 1000.0)
 
 
+def test_breakdown_credits_each_kernel_where_its_launch_sits():
+    """The same profile as torch 2.11 reports it on a GPU: no op lists its kernels; each CUDA
+    kernel shares its correlation id with the host call that launched it (a Triton launch
+    straight under a range, library kernels under their aten op) -- the same parts."""
+    cuda = torch.autograd.DeviceType.CUDA
+    calls, kernels = [], []
+
+    def launch(parent, us, api="cuLaunchKernelEx"):
+        i = len(calls) + 1
+        start = parent.time_range.start + 0.5
+        calls.append(SimpleNamespace(**{**vars(_event(api, parent, start=start)), "id": i}))
+        kernels.append(SimpleNamespace(name="k", id=i, cpu_parent=None, kernels=[],
+                                       device_type=cuda,
+                                       time_range=SimpleNamespace(start=start,
+                                                                  elapsed_us=lambda: us)))
+
+    step = _event("bs::step", None, dur=1000.0)
+    att = _event("bs::attention", step)
+    moe = _event("bs::moe", step, start=100.0)
+    router = _event("bs::router", moe, start=101.0)
+    lm = _event("aten::linear", step, start=200.0)
+    mm_att = _event("aten::mm", att)
+    mm_router = _event("aten::mm", router, start=102.0)
+    sort = _event("aten::sort", moe, start=110.0)
+    fc1 = _event("colo.moe_gemm", moe, start=120.0)  # the range around the Triton launches
+    silu = _event("aten::silu", moe, start=130.0)
+    fc2 = _event("aten::_grouped_mm", moe, start=140.0)
+    add = _event("aten::index_add_", moe, start=150.0)
+    mm_lm = _event("aten::mm", lm, start=201.0)
+    outside = _event("aten::mm", None)
+    for parent, us in ((att, 50.0), (mm_att, 30.0), (mm_router, 5.0), (sort, 7.0),
+                       (fc1, 40.0), (silu, 3.0), (fc2, 20.0), (add, 4.0), (mm_lm, 11.0),
+                       (outside, 99.0)):
+        launch(parent, us, "cudaLaunchKernel" if parent.name.startswith("aten") else
+               "cuLaunchKernelEx")
+    events = [step, att, mm_att, moe, router, mm_router, sort, fc1, silu, fc2, add, lm, mm_lm,
+              outside, *calls, *kernels]
+    parts, step_us = attribute(events, device_time=True)
+    assert step_us == 1000.0
+    assert parts == {"attention": 80.0, "router/top-k": 5.0, "permutation": 7.0,
+                     "expert GEMMs": 60.0, "activation": 3.0, "combine": 4.0, "lm head": 11.0}
+
+
 def test_cpu_config_end_to_end(tmp_path, capsys):
     out_dir = tmp_path / "speed"
     assert main(["bench-speed", CPU, "--set", f"bench_speed.out_dir={out_dir}",

@@ -783,26 +783,55 @@ def _classify(label: str | None, chain: list[str]) -> str:
     return "other"
 
 
+# host API calls that put work on a stream (the CPU events CUPTI pairs with their kernels)
+_LAUNCHES = ("cudaLaunch", "cuLaunch", "cudaMemcpy", "cudaMemset", "cudaGraphLaunch")
+
+
+def launched_kernels(events) -> list[tuple[object, float]]:
+    """[(the host call that launched it, microseconds)] for each CUDA kernel, copy or set of a
+    profile -- paired by CUPTI's correlation id, which the launching call and the kernel share.
+    Empty when the profile pairs none (then ``attribute`` reads the ops' own kernel lists)."""
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    calls = {ev.id: ev for ev in events
+             if ev.device_type == cpu and ev.name.startswith(_LAUNCHES)}
+    return [(calls[ev.id], ev.time_range.elapsed_us()) for ev in events
+            if ev.device_type == cuda and ev.id in calls]
+
+
 def attribute(events, device_time: bool) -> tuple[dict[str, float], float]:
     """({part: microseconds}, microseconds of the ``bs::step`` ranges) of a profile.
 
     Each op inside a step range counts its CUDA kernels (``device_time``) or its self CPU time
     once, for the part of its innermost ``bs::`` range; ops of a MoE block (its own range or its
-    experts') are split by position around the block's GEMMs. With ``device_time`` a range's
-    own kernels (launched by no aten op: Triton's) count for the range's part."""
+    experts') are split by position around the block's GEMMs. With ``device_time`` each kernel
+    counts where the host call that launched it sits (``launched_kernels``): under an aten op,
+    or directly under a range (Triton's launches, which no aten op makes). Profiles that pair no
+    kernel with its call fall back to the kernels torch attached to each op and range -- which
+    on torch 2.11 left every Triton kernel out (issue 16's breakdown, 2026-12-06: a Qwen3 8 x 1k
+    step's fused-MoE, norm, rope and router kernels, 33 ms, counted as launch gaps)."""
     parts: dict[str, float] = defaultdict(float)
     moe: dict[int, list] = defaultdict(list)
     step_us = 0.0
+    items = []  # (the event a kernel's or op's time is credited at, its time)
     for ev in events:
         if ev.device_type != torch.autograd.DeviceType.CPU:
             continue
         if ev.name == _RANGE + "step":
             step_us += ev.time_range.elapsed_us()
-        # a range's own CPU time is the Python between its ops (the gaps), but kernels launched
-        # outside any aten op -- Triton's -- are attached to the innermost range
-        if ev.name.startswith(_RANGE) and not device_time:
-            continue
-        t = (sum(k.duration for k in ev.kernels) if device_time else ev.self_cpu_time_total)
+    launched = launched_kernels(events) if device_time else []
+    if launched:
+        items = launched
+    else:
+        for ev in events:
+            if ev.device_type != torch.autograd.DeviceType.CPU:
+                continue
+            # a range's own CPU time is the Python between its ops (the gaps), but kernels
+            # launched outside any aten op -- Triton's -- may be attached to the innermost range
+            if ev.name.startswith(_RANGE) and not device_time:
+                continue
+            items.append((ev, sum(k.duration for k in ev.kernels) if device_time
+                          else ev.self_cpu_time_total))
+    for ev, t in items:
         if t <= 0:
             continue
         chain, label, block, node = [], None, None, ev
