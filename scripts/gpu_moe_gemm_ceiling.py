@@ -47,9 +47,14 @@ def main() -> int:
                     help="only fc1: the picked tile beside paired tiles of group sizes 1-8, "
                          "REPS rounds in turn (a variant's median over rounds: one "
                          "machine's clock drifts by ~5%% between back-to-back timings)")
+    ap.add_argument("--fc2-sweep", type=int, default=0, metavar="REPS",
+                    help="only fc2: the persistent tile storing each row at its pair's place "
+                         "(the engine's scatter) against storing the sorted rows, REPS rounds")
     args = ap.parse_args()
     if args.fc1_sweep:
         return fc1_sweep(args.fc1_sweep, args.json)
+    if args.fc2_sweep:
+        return fc2_sweep(args.fc2_sweep, args.json)
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     results = []
@@ -187,6 +192,48 @@ def fc1_sweep(reps: int, path: str) -> int:
                 print(f"{name:10s} N={N:5d} fc1 {label:12s} {s * 1e3:7.3f} ms {tf:6.1f} TFLOP/s "
                       f"{100 * tf / 989:5.1f}%  x{base / s:5.3f}  (all: "
                       f"{' '.join(f'{v * 1e3:.3f}' for v in ts)})", flush=True)
+                results.append({"model": name, "N": N, "variant": label, "ms": s * 1e3,
+                                "all_ms": [v * 1e3 for v in ts], "tflops": tf})
+    with open(path, "w") as fh:
+        json.dump(results, fh, indent=1)
+    return 0
+
+
+def fc2_sweep(reps: int, path: str) -> int:
+    """fc2 on the prefill regime's persistent tile as the engine runs it -- each row stored at
+    its pair's own place (``scatter``: the pairs' order, so the norm after the MoE reads a
+    token's k rows together) -- against the same tile storing the rows in sorted order, and a
+    128-column tile both ways; every shape at 4096 and 8192 tokens, ``reps`` rounds in turn."""
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    t0 = fm.TILES[("prefill", "fc2")]
+    t1 = T(128, 128, 64, 8, 4, 8, True, True)
+    variants = {"scatter": (t0, True), "sorted": (t0, False),
+                f"scatter {g._fmt(t1)}": (t1, True), f"sorted {g._fmt(t1)}": (t1, False)}
+    results = []
+    for name, m in g.MODELS.items():
+        ex = g.Experts(m["H"], m["F"], m["E"], dev, gen)
+        for N in (4096, 8192):
+            token, _, offs, prob = g.routing(N, ex.E, m["k"], dev, gen)
+            rows = N * m["k"]
+            order = torch.randperm(rows, device=dev, generator=gen)  # (a permutation)
+            h0 = torch.randn(rows, ex.F, device=dev, generator=gen).to(g.DTYPE)
+            ys = [torch.empty(rows, ex.H, device=dev, dtype=g.DTYPE) for _ in range(2)]
+            flops = 2 * rows * ex.H * ex.F
+            times = {k: [] for k in variants}
+            for _ in range(reps):
+                for label, (t, sc) in variants.items():
+                    def fn(c, t=t, sc=sc):
+                        return fm.moe_gemm(h0, ex.fc2[c], offs, rows, zero_tail=True,
+                                           out=ys[c], tile=t, scatter=order if sc else None)
+                    times[label].append(g.graph_time([lambda c=c: fn(c) for c in (0, 1, 0, 1)],
+                                                     reps=5, warm=1))
+            base = sorted(times["scatter"])[reps // 2]
+            for label, ts in times.items():
+                s = sorted(ts)[reps // 2]
+                tf = flops / s / 1e12
+                print(f"{name:10s} N={N:5d} fc2 {label:34s} {s * 1e3:7.3f} ms {tf:6.1f} TFLOP/s "
+                      f"{100 * tf / 989:5.1f}%  x{base / s:5.3f}", flush=True)
                 results.append({"model": name, "N": N, "variant": label, "ms": s * 1e3,
                                 "all_ms": [v * 1e3 for v in ts], "tflops": tf})
     with open(path, "w") as fh:
