@@ -14,6 +14,7 @@ import torch
 
 from colo_rollout.cli import main
 from colo_rollout.config import ModelConfig, load_config
+from colo_rollout.model.norm_add import NORM_RANGE
 from colo_rollout.tools.bench_speed import (
     PARTS,
     attribute,
@@ -137,18 +138,20 @@ def test_breakdown_credits_each_kernel_where_its_launch_sits():
     fc2 = _event("aten::_grouped_mm", moe, start=140.0)
     add = _event("aten::index_add_", moe, start=150.0)
     mm_lm = _event("aten::mm", lm, start=201.0)
+    norm = _event(NORM_RANGE, step, start=90.0)  # a layer's fused add + norm, in no module
     outside = _event("aten::mm", None)
     for parent, us in ((att, 50.0), (mm_att, 30.0), (mm_router, 5.0), (sort, 7.0),
                        (fc1, 40.0), (silu, 3.0), (fc2, 20.0), (add, 4.0), (mm_lm, 11.0),
-                       (outside, 99.0)):
+                       (norm, 6.0), (outside, 99.0)):
         launch(parent, us, "cudaLaunchKernel" if parent.name.startswith("aten") else
                "cuLaunchKernelEx")
     events = [step, att, mm_att, moe, router, mm_router, sort, fc1, silu, fc2, add, lm, mm_lm,
-              outside, *calls, *kernels]
+              norm, outside, *calls, *kernels]
     parts, step_us = attribute(events, device_time=True)
     assert step_us == 1000.0
     assert parts == {"attention": 80.0, "router/top-k": 5.0, "permutation": 7.0,
-                     "expert GEMMs": 60.0, "activation": 3.0, "combine": 4.0, "lm head": 11.0}
+                     "expert GEMMs": 60.0, "activation": 3.0, "combine": 4.0, "lm head": 11.0,
+                     "norms": 6.0}
 
 
 def test_cpu_config_end_to_end(tmp_path, capsys):

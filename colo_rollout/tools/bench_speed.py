@@ -96,6 +96,7 @@ import numpy as np
 import torch
 
 from colo_rollout.config import Config, ModelConfig, load_config
+from colo_rollout.model.norm_add import NORM_RANGE
 from colo_rollout.model.weights import DTYPES
 from colo_rollout.config.tensor_shapes import mla_shapes
 from colo_rollout.quiet import quiet_known_warnings
@@ -772,6 +773,8 @@ def _classify(label: str | None, chain: list[str]) -> str:
                 "sampling": "sampling"}
     if label in by_label:
         return by_label[label]
+    if NORM_RANGE in chain:  # the layers' fused add + norm kernels (model/norm_add.py)
+        return "norms"
     if _named(chain, ("c10d::", "nccl")):
         return "collectives"
     if _named(chain, ("embedding",)):
