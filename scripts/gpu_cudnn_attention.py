@@ -9,7 +9,8 @@ sequence offsets) and which cuDNN; how fast is it on the bench shapes -- causal,
 128, the KV heads expanded to the query heads (torch's varlen wrapper does not hand GQA to
 cuDNN; only with CUDNN_VARLEN=1: it rebuilt its plan on every call, ~50 ms) -- and dense SDPA
 on the cuDNN backend (one sequence, or equal fresh ones as a batch; KV heads expanded, and
-GQA handed to the kernel), with the first call's time (cuDNN builds a plan per shape); and
+GQA handed to the kernel), with the first call's time (cuDNN builds a plan per shape);
+FlashAttention-4's batched and variable-length calls where ``flash_attn.cute`` imports; and
 the max abs error of each against an fp32 reference. The engine's kernel (model/paged_prefill.py, K/V in a block cache
 with consecutive tables) is timed beside it. FLOPs: 4 x heads x dim x causal pairs.
 
@@ -150,8 +151,36 @@ def main(argv: list[str]) -> int:
                 except Exception as e:
                     row[key + "_ms"] = None
                     row[key + "_error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
+        # FlashAttention-4 (flash_attn.cute, where carried): its dense call for equal fresh
+        # sequences as a batch and its variable-length call over the packed rows -- GQA's k and
+        # v as they are (whether either beats cuDNN's batched call at 8 x 1k: issue 16)
+        try:
+            from colo_rollout.config.attention_support import flash_attention, flash_varlen
+            fa, fv = flash_attention(), flash_varlen()
+        except ImportError as e:
+            fa = fv = None
+            row["flash_error"] = str(e)[:120]
+        flash_fns = []
+        if fv is not None:
+            flash_fns.append(("flash_varlen", lambda: fv(
+                q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
+                max_seqlen_k=max(lens), softmax_scale=scale, causal=True)))
+        if fa is not None and len(set(lens)) == 1:
+            S_, L_ = len(lens), lens[0]
+            flash_fns.append(("flash_batched", lambda: fa(
+                q.view(S_, L_, hq, D), k.view(S_, L_, kvg, D), v.view(S_, L_, kvg, D),
+                softmax_scale=scale, causal=True)))
+        for key, fn in flash_fns:
+            try:
+                row[key + "_ms"] = _time(fn)
+                got = fn()
+                got = (got[0] if isinstance(got, tuple) else got).reshape(T, hq, D)
+                row[key + "_err"] = (got.float() - ref).abs().max().item()
+            except Exception as e:  # a shape or build FA4 does not take
+                row[key + "_ms"] = None
+                row[key + "_error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
         for key in ("triton", "cudnn_varlen", "cudnn_varlen_with_expand", "cudnn_dense",
-                    "cudnn_dense_gqa"):
+                    "cudnn_dense_gqa", "flash_varlen", "flash_batched"):
             ms = row.get(key + "_ms")
             if ms:
                 row[key + "_tflops"] = flops / ms / 1e9
