@@ -208,8 +208,11 @@ def fc2_sweep(reps: int, path: str) -> int:
     gen = torch.Generator(device=dev).manual_seed(0)
     t0 = fm.TILES[("prefill", "fc2")]
     t1 = T(128, 128, 64, 8, 4, 8, True, True)
+    t2 = T(128, 256, 128, 8, 2, 8, True, True)  # half the K steps (Qwen3's K is 768)
+    t3 = T(128, 256, 64, 8, 4, 8, True, True)
     variants = {"scatter": (t0, True), "sorted": (t0, False),
-                f"scatter {g._fmt(t1)}": (t1, True), f"sorted {g._fmt(t1)}": (t1, False)}
+                f"scatter {g._fmt(t1)}": (t1, True), f"sorted {g._fmt(t1)}": (t1, False),
+                f"scatter {g._fmt(t2)}": (t2, True), f"scatter {g._fmt(t3)}": (t3, True)}
     results = []
     for name, m in g.MODELS.items():
         ex = g.Experts(m["H"], m["F"], m["E"], dev, gen)
