@@ -289,7 +289,8 @@ def test_the_profiled_prefill_can_be_a_batched_step(tmp_path, capsys):
     out_dir = tmp_path / "bd"
     rows = ["--set", "bench_speed.decode_batches=[1]", "--set", "bench_speed.long_contexts=[]",
             "--set", "bench_speed.long_batches=[]", "--set", "bench_speed.sampled_batches=[]",
-            "--set", "bench_speed.prefill_lengths=[48]", "--set", "bench_speed.prefill_batch_seqs=3",
+            "--set", "bench_speed.prefill_lengths=[48]",
+            "--set", "bench_speed.prefill_batch_seqs=3",
             "--set", "bench_speed.prefill_batch_len=16", "--set", "bench_speed.prefill_mixed=[]",
             "--set", "bench_speed.continuation_seqs=0", "--set", "bench_speed.hf_peer=false",
             "--set", "bench_speed.prefill_burst=0", "--set", "bench_speed.iters=2",

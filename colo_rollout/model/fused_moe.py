@@ -304,40 +304,33 @@ if triton is not None:
         if PAIRED:  # [gate | up] columns of one MMA (W: a [2E, n_out, K] descriptor)
             acc_pair = tl.zeros([BM, 2 * BLOCK_N], dtype=tl.float32)
         for k0 in range(0, k_dim, BLOCK_K):
+            if A_TMA:  # (A_TMA implies W_TMA: a pointer-fed W always has kmask below)
+                a = A.load([row_lo, k0])
+            elif EVEN_K:
+                a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
+            else:
+                kmask = offs_k < k_dim - k0
+                a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
+            if UPCAST:  # the interpreter's dot reads bf16 as integers: fp32 there
+                a = a.to(tl.float32)
             if PAIRED:
-                if EVEN_K:
-                    a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
-                else:
-                    kmask = offs_k < k_dim - k0
-                    a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
                 wp = W.load([2 * e, pid_n * BLOCK_N, k0]).reshape(2 * BLOCK_N, BLOCK_K).T
                 if UPCAST:
-                    a = a.to(tl.float32)
                     wp = wp.to(tl.float32)
                 acc_pair = tl.dot(a, wp, acc_pair, input_precision=DOT_PREC)
             else:
                 if W_TMA:
-                    if A_TMA:
-                        a = A.load([row_lo, k0])
-                    elif EVEN_K:
-                        a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
-                    else:
-                        kmask = offs_k < k_dim - k0
-                        a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
                     w = W.load([w_row, k0]).T
                 elif EVEN_K:
-                    a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
                     w = tl.load(w_ptrs)
                 else:
-                    kmask = offs_k < k_dim - k0
-                    a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
                     w = tl.load(w_ptrs, mask=kmask[:, None], other=0.0)
-                if UPCAST:  # the interpreter's dot reads bf16 as integers: fp32 there
-                    a = a.to(tl.float32)
+                if UPCAST:
                     w = w.to(tl.float32)
-                if SCALE_K:  # blockwise FP8: this K step's partial product, rescaled by its K
-                    # block's scales (A's row x 1 x SCALE_K, W's SCALE_K x SCALE_K; BLOCK_K divides
-                    # SCALE_K, and the tile's columns lie in one weight block or wrap per column)
+                if SCALE_K:  # blockwise FP8: this K step's partial product, rescaled by its
+                    # K block's scales (A's row x 1 x SCALE_K, W's SCALE_K x SCALE_K; BLOCK_K
+                    # divides SCALE_K, and the tile's columns lie in one weight block or wrap
+                    # per column)
                     kb = k0 // SCALE_K
                     a_sk = tl.load(AScale + a_rows * stride_as + kb, mask=mmask, other=0.0)
                     w_sk = tl.load(WScale + e.to(tl.int64) * stride_wse
