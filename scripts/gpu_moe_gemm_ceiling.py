@@ -155,6 +155,31 @@ def main() -> int:
     return 0
 
 
+def _rounds(model: str, N: int, gemm: str, variants: dict, call, flops: int, reps: int,
+            base: str) -> list[dict]:
+    """Every variant's ``call(variant, copy)`` timed in turn, ``reps`` rounds (CUDA graphs of
+    four calls over the two weight copies); prints each variant's median against ``base``'s
+    and returns the rows (a variant's median over rounds: one machine's clock drifts by ~5%
+    between back-to-back timings)."""
+    times = {k: [] for k in variants}
+    for _ in range(reps):
+        for label, v in variants.items():
+            times[label].append(g.graph_time([lambda c=c, v=v: call(v, c) for c in (0, 1, 0, 1)],
+                                             reps=5, warm=1))
+    base_s = sorted(times[base])[reps // 2]
+    rows = []
+    for label, ts in times.items():
+        s = sorted(ts)[reps // 2]
+        tf = flops / s / 1e12
+        print(f"{model:10s} N={N:5d} {gemm} {label:34s} {s * 1e3:7.3f} ms {tf:6.1f} TFLOP/s "
+              f"{100 * tf / 989:5.1f}%"
+              f"  x{base_s / s:5.3f}  (all: {' '.join(f'{v * 1e3:.3f}' for v in ts)})",
+              flush=True)
+        rows.append({"model": model, "N": N, "gemm": gemm, "variant": label, "ms": s * 1e3,
+                     "all_ms": [v * 1e3 for v in ts], "tflops": tf})
+    return rows
+
+
 def fc1_sweep(reps: int, path: str) -> int:
     """fc1 at the prefill regime's tile against paired tiles (group sizes 1, 2, 4, 8), every
     shape at 4096 and 8192 tokens, the variants timed in turn ``reps`` times."""
@@ -175,25 +200,14 @@ def fc1_sweep(reps: int, path: str) -> int:
             flops = 4 * rows * ex.H * ex.F
             ref = fm.moe_gemm(x, ex.fc1[0], offs, rows, token=token, prob=prob, gated=True,
                               act=1, tile=t0)
-            times = {k: [] for k in variants}
-            for _ in range(reps):
-                for label, t in variants.items():
-                    def fn(c, t=t):
-                        return fm.moe_gemm(x, ex.fc1[c], offs, rows, token=token, prob=prob,
-                                           gated=True, act=1, out=hs[c], tile=t)
-                    if not times[label] and not torch.equal(fn(0), ref):
-                        print(f"{name} N={N} {label}: NOT the tile's output", flush=True)
-                    times[label].append(g.graph_time([lambda c=c: fn(c) for c in (0, 1, 0, 1)],
-                                                     reps=5, warm=1))
-            base = sorted(times["the tile"])[reps // 2]
-            for label, ts in times.items():
-                s = sorted(ts)[reps // 2]
-                tf = flops / s / 1e12
-                print(f"{name:10s} N={N:5d} fc1 {label:12s} {s * 1e3:7.3f} ms {tf:6.1f} TFLOP/s "
-                      f"{100 * tf / 989:5.1f}%  x{base / s:5.3f}  (all: "
-                      f"{' '.join(f'{v * 1e3:.3f}' for v in ts)})", flush=True)
-                results.append({"model": name, "N": N, "variant": label, "ms": s * 1e3,
-                                "all_ms": [v * 1e3 for v in ts], "tflops": tf})
+
+            def call(t, c):
+                return fm.moe_gemm(x, ex.fc1[c], offs, rows, token=token, prob=prob,
+                                   gated=True, act=1, out=hs[c], tile=t)
+            for label, t in variants.items():
+                if not torch.equal(call(t, 0), ref):
+                    print(f"{name} N={N} {label}: NOT the tile's output", flush=True)
+            results += _rounds(name, N, "fc1", variants, call, flops, reps, "the tile")
     with open(path, "w") as fh:
         json.dump(results, fh, indent=1)
     return 0
@@ -202,8 +216,9 @@ def fc1_sweep(reps: int, path: str) -> int:
 def fc2_sweep(reps: int, path: str) -> int:
     """fc2 on the prefill regime's persistent tile as the engine runs it -- each row stored at
     its pair's own place (``scatter``: the pairs' order, so the norm after the MoE reads a
-    token's k rows together) -- against the same tile storing the rows in sorted order, and a
-    128-column tile both ways; every shape at 4096 and 8192 tokens, ``reps`` rounds in turn."""
+    token's k rows together) -- against the same tile storing the rows in sorted order, a
+    128-column tile both ways, and the tile with a K step of 128 (2 stages) or 4 stages;
+    every shape at 4096 and 8192 tokens, ``reps`` rounds in turn."""
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     t0 = fm.TILES[("prefill", "fc2")]
@@ -223,22 +238,12 @@ def fc2_sweep(reps: int, path: str) -> int:
             h0 = torch.randn(rows, ex.F, device=dev, generator=gen).to(g.DTYPE)
             ys = [torch.empty(rows, ex.H, device=dev, dtype=g.DTYPE) for _ in range(2)]
             flops = 2 * rows * ex.H * ex.F
-            times = {k: [] for k in variants}
-            for _ in range(reps):
-                for label, (t, sc) in variants.items():
-                    def fn(c, t=t, sc=sc):
-                        return fm.moe_gemm(h0, ex.fc2[c], offs, rows, zero_tail=True,
-                                           out=ys[c], tile=t, scatter=order if sc else None)
-                    times[label].append(g.graph_time([lambda c=c: fn(c) for c in (0, 1, 0, 1)],
-                                                     reps=5, warm=1))
-            base = sorted(times["scatter"])[reps // 2]
-            for label, ts in times.items():
-                s = sorted(ts)[reps // 2]
-                tf = flops / s / 1e12
-                print(f"{name:10s} N={N:5d} fc2 {label:34s} {s * 1e3:7.3f} ms {tf:6.1f} TFLOP/s "
-                      f"{100 * tf / 989:5.1f}%  x{base / s:5.3f}", flush=True)
-                results.append({"model": name, "N": N, "variant": label, "ms": s * 1e3,
-                                "all_ms": [v * 1e3 for v in ts], "tflops": tf})
+
+            def call(v, c):
+                t, sc = v
+                return fm.moe_gemm(h0, ex.fc2[c], offs, rows, zero_tail=True, out=ys[c],
+                                   tile=t, scatter=order if sc else None)
+            results += _rounds(name, N, "fc2", variants, call, flops, reps, "scatter")
     with open(path, "w") as fh:
         json.dump(results, fh, indent=1)
     return 0
