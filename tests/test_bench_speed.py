@@ -145,8 +145,13 @@ def test_breakdown_credits_each_kernel_where_its_launch_sits():
                        (norm, 6.0), (outside, 99.0)):
         launch(parent, us, "cudaLaunchKernel" if parent.name.startswith("aten") else
                "cuLaunchKernelEx")
+    # the ranges' spans on the GPU (user annotations), one sharing a launch's id: not kernels
+    spans = [SimpleNamespace(name=r.name, id=i, cpu_parent=None, kernels=[], device_type=cuda,
+                             is_user_annotation=True,
+                             time_range=SimpleNamespace(start=0.0, elapsed_us=lambda: 500.0))
+             for i, r in ((1, att), (2, moe))]
     events = [step, att, mm_att, moe, router, mm_router, sort, fc1, silu, fc2, add, lm, mm_lm,
-              norm, outside, *calls, *kernels]
+              norm, outside, *calls, *kernels, *spans]
     parts, step_us = attribute(events, device_time=True)
     assert step_us == 1000.0
     assert parts == {"attention": 80.0, "router/top-k": 5.0, "permutation": 7.0,

@@ -797,8 +797,12 @@ def launched_kernels(events) -> list[tuple[object, float]]:
     cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
     calls = {ev.id: ev for ev in events
              if ev.device_type == cpu and ev.name.startswith(_LAUNCHES)}
+    # the profiler also lists each range's span on the GPU as a CUDA event (a user
+    # annotation, ids of its own): a span, not work -- never a kernel here
     return [(calls[ev.id], ev.time_range.elapsed_us()) for ev in events
-            if ev.device_type == cuda and ev.id in calls]
+            if ev.device_type == cuda and ev.id in calls
+            and not (getattr(ev, "is_user_annotation", False)
+                     or ev.name.startswith((_RANGE, "colo.")))]
 
 
 def attribute(events, device_time: bool) -> tuple[dict[str, float], float]:
