@@ -293,9 +293,9 @@ class Scheduler:
             return False
         views = self._views()
         head = self.waiting[0]
-        for sid, sess in self.sessions.items():  # what plan's evictions could free
-            if (sess.lifetime is not None and sess.lifetime not in self.seqs
-                    and sid != head.session):
+        for _, sid in self._idle_contexts():  # what plan's evictions could free
+            sess = self.sessions[sid]
+            if sid != head.session:
                 views[sess.replica].free_blocks += len(
                     self.kv[sess.replica].block_table(sess.lifetime))
         return admits(self._waiting_view(head), views, self.limits)
@@ -367,14 +367,19 @@ class Scheduler:
         return all(views[i].blocks_for(w.budget_tokens) - w.held_blocks > views[i].free_blocks
                    for i in cands)
 
+    def _idle_contexts(self) -> list[tuple[int, str]]:
+        """(last used step, session id) of each retained context no running sequence uses --
+        what eviction may drop -- least recently used first."""
+        return sorted((s.last_used, sid) for sid, s in self.sessions.items()
+                      if s.lifetime is not None and s.lifetime not in self.seqs)
+
     def _evict_lru(self, views: list[ReplicaView], keep: str | None) -> bool:
         """Drop the least recently used retained context that no running request uses (other
         than ``keep``'s if any other exists); returns False when there is none. A session
         whose next turn waits is evictable too: that turn re-prefills its context (with only
         idle sessions evictable, the waiting turns of two sessions could each hold the blocks
         the other needs, and the engine stepped idle for ever)."""
-        idle = sorted((s.last_used, sid) for sid, s in self.sessions.items()
-                      if s.lifetime is not None and s.lifetime not in self.seqs)
+        idle = self._idle_contexts()
         others = [x for x in idle if x[1] != keep]
         pick = (others or idle)
         if not pick:
