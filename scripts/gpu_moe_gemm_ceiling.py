@@ -216,18 +216,25 @@ def fc1_sweep(reps: int, path: str) -> int:
 def fc2_sweep(reps: int, path: str) -> int:
     """fc2 on the prefill regime's persistent tile as the engine runs it -- each row stored at
     its pair's own place (``scatter``: the pairs' order, so the norm after the MoE reads a
-    token's k rows together) -- against the same tile storing the rows in sorted order, a
-    128-column tile both ways, and the tile with a K step of 128 (2 stages) or 4 stages;
-    every shape at 4096 and 8192 tokens, ``reps`` rounds in turn."""
+    token's k rows together) -- against the same tile storing the rows in sorted order, the
+    tile with 4 stages, and 64-row tiles (an expert's padded last row block half as wide: at
+    Qwen3's ~512 pairs per expert ~12% of a 128-row tile's MMA rows are padding), one program
+    per SM or two (``x2``: two 64-row programs share an SM where their stages fit); every
+    shape at 4096 and 8192 tokens, ``reps`` rounds in turn."""
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     t0 = fm.TILES[("prefill", "fc2")]
-    t1 = T(128, 128, 64, 8, 4, 8, True, True)
-    t2 = T(128, 256, 128, 8, 2, 8, True, True)  # half the K steps (Qwen3's K is 768)
-    t3 = T(128, 256, 64, 8, 4, 8, True, True)
-    variants = {"scatter": (t0, True), "sorted": (t0, False),
-                f"scatter {g._fmt(t1)}": (t1, True), f"sorted {g._fmt(t1)}": (t1, False),
-                f"scatter {g._fmt(t2)}": (t2, True), f"scatter {g._fmt(t3)}": (t3, True)}
+    s4 = dataclasses.replace(t0, num_stages=4)
+    m64 = T(64, 256, 64, 4, 4, 8, True, True)
+    m64s2 = T(64, 256, 64, 4, 2, 8, True, True)
+    m64n128 = T(64, 128, 64, 4, 4, 8, True, True)
+    # (tile, scatter, programs per SM)
+    variants = {"scatter": (t0, True, 1), "sorted": (t0, False, 1),
+                f"scatter {g._fmt(s4)}": (s4, True, 1), f"sorted {g._fmt(s4)}": (s4, False, 1),
+                f"scatter {g._fmt(m64)}": (m64, True, 1),
+                f"scatter {g._fmt(m64s2)} x2": (m64s2, True, 2),
+                f"scatter {g._fmt(m64n128)} x2": (m64n128, True, 2)}
+    programs = fm._programs
     results = []
     for name, m in g.MODELS.items():
         ex = g.Experts(m["H"], m["F"], m["E"], dev, gen)
@@ -238,11 +245,20 @@ def fc2_sweep(reps: int, path: str) -> int:
             h0 = torch.randn(rows, ex.F, device=dev, generator=gen).to(g.DTYPE)
             ys = [torch.empty(rows, ex.H, device=dev, dtype=g.DTYPE) for _ in range(2)]
             flops = 2 * rows * ex.H * ex.F
+            ref = fm.moe_gemm(h0, ex.fc2[0], offs, rows, zero_tail=True, tile=t0,
+                              scatter=order)
 
             def call(v, c):
-                t, sc = v
-                return fm.moe_gemm(h0, ex.fc2[c], offs, rows, zero_tail=True, out=ys[c],
-                                   tile=t, scatter=order if sc else None)
+                t, sc, per_sm = v
+                fm._programs = lambda d: per_sm * programs(d)
+                try:
+                    return fm.moe_gemm(h0, ex.fc2[c], offs, rows, zero_tail=True, out=ys[c],
+                                       tile=t, scatter=order if sc else None)
+                finally:
+                    fm._programs = programs
+            for label, v in variants.items():
+                if v[1] and not torch.equal(call(v, 0), ref):
+                    print(f"{name} N={N} {label}: NOT the tile's output", flush=True)
             results += _rounds(name, N, "fc2", variants, call, flops, reps, "scatter")
     with open(path, "w") as fh:
         json.dump(results, fh, indent=1)

@@ -240,6 +240,15 @@ def test_regimes_and_tiles():
     assert not fm.runs_persistent(a, w, small, token=torch.zeros(8, dtype=torch.long))
     assert not fm.runs_persistent(a, w, small, fp8=True)
     assert not fm.runs_persistent(a.float(), w.float(), small)  # no TMA for fp32
+    # a short prefill's fc2 (<= PREFILL_FC2_DEEP_PAIRS pairs) pipelines deeper; nothing else
+    deep, n = fm.PREFILL_FC2_DEEP, fm.PREFILL_FC2_DEEP_PAIRS
+    assert deep.num_stages > fm.TILES[("prefill", "fc2")].num_stages and deep.persistent
+    assert fm.tile_for("prefill", "fc2", pairs=n) == deep
+    assert fm.tile_for("prefill", "fc2", pairs=n + 1) == fm.TILES[("prefill", "fc2")]
+    assert fm.tile_for("prefill", "fc2") == fm.TILES[("prefill", "fc2")]
+    assert fm.tile_for("prefill", "fc1", pairs=n) == fm.TILES[("prefill", "fc1")]
+    assert fm.tile_for("decode", "fc2", pairs=64) == fm.TILES[("decode", "fc2")]
+    assert fm.tile_for("prefill", "fc2", True, n) == fm.BLOCKWISE_TILES[("prefill", "fc2")]
 
 
 def test_engine_config_key():

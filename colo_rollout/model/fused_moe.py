@@ -124,6 +124,12 @@ TILES = {
     ("prefill", "fc1"): Tile(128, 128, 64, 8, 4, 1, True, tail_m=64, paired=True),
     ("prefill", "fc2"): Tile(128, 256, 64, 8, 3, 8, True, True),
 }
+# fc2's prefill tile one pipeline stage deeper where a launch holds at most this many pairs
+# (4096 tokens of top-8): scripts/gpu_moe_gemm_ceiling.py --fc2-sweep 5 (2026-12-06, H100):
+# 1.078x / 1.079x at 4096 tokens on the Qwen3 / first shape (2048 tiles over 132 SMs), 0.987x /
+# 0.989x at 8192 (4096 tiles) -- so only the shorter launches take it
+PREFILL_FC2_DEEP = Tile(128, 256, 64, 8, 4, 8, True, True)
+PREFILL_FC2_DEEP_PAIRS = 32768
 # engine.batch_invariant's D (model/batch_invariant.py): the small and decode regimes' tiles
 # only -- pointer-fed, 16-32 rows, 4 warps, the K loop adding 16-deep MMA steps in K order,
 # so a pair row's bits are the same in either (checked on an H200: tests/
@@ -140,11 +146,14 @@ BLOCKWISE_TILES = {
 }
 
 
-def tile_for(reg: str, which: str, blockwise: bool = False) -> Tile:
+def tile_for(reg: str, which: str, blockwise: bool = False, pairs: int | None = None) -> Tile:
     """The tile of a launch in regime ``reg`` ("small" / "decode" / "prefill") for ``which``
-    ("fc1" / "fc2"; a dense projection takes fc2's); ``blockwise``: blockwise-FP8 operands."""
+    ("fc1" / "fc2"; a dense projection takes fc2's); ``blockwise``: blockwise-FP8 operands;
+    ``pairs``: the launch's rows where known (a short prefill's fc2 pipelines deeper)."""
     if blockwise and (reg, which) in BLOCKWISE_TILES:
         return BLOCKWISE_TILES[(reg, which)]
+    if (reg, which) == ("prefill", "fc2") and pairs is not None and pairs <= PREFILL_FC2_DEEP_PAIRS:
+        return PREFILL_FC2_DEEP
     return TILES[(reg, which)]
 
 
@@ -299,6 +308,14 @@ if triton is not None:
         # next expert's pairs -- finite values whose products the stores mask; past the
         # tensors' ends the descriptor reads zeros
         w_row = e * (stride_we // stride_wn) + pid_n * BLOCK_N
+        # the epilogue's per-row operands loaded before the K loop: their latency hides under
+        # the MMAs instead of stalling the stores after them
+        if PROB:
+            p = tl.load(Prob + rows_m * stride_p, mask=mmask, other=0.0).to(tl.float32)
+        if SCATTER:  # row r of the sorted pairs goes to its pair's place, Scatter[r]
+            out_rows = tl.load(Scatter + rows_m, mask=mmask, other=0).to(tl.int64)
+        else:
+            out_rows = rows_m.to(tl.int64)
         acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
         if PAIRED:  # [gate | up] columns of one MMA (W: a [2E, n_out, K] descriptor)
@@ -372,14 +389,9 @@ if triton is not None:
         else:
             acc = _activate(acc, ACT)
         if PROB:
-            p = tl.load(Prob + rows_m * stride_p, mask=mmask, other=0.0).to(tl.float32)
             acc = acc * p[:, None]
         if RNE_BF16:
             acc = rne_bf16(acc)
-        if SCATTER:  # row r of the sorted pairs goes to its pair's place, Scatter[r]
-            out_rows = tl.load(Scatter + rows_m, mask=mmask, other=0).to(tl.int64)
-        else:
-            out_rows = rows_m.to(tl.int64)
         tl.store(Out + out_rows[:, None] * stride_om + offs_n[None, :],
                  acc.to(Out.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
@@ -481,6 +493,12 @@ if triton is not None:
             row_lo = tl.sum(tl.where(sel, starts, 0), 0) + (pid_m - first_blk) * BLOCK_M
             row_hi = tl.sum(tl.where(sel, ends, 0), 0)
             w_row = e * w_rows_per_expert + pid_n * BLOCK_N
+            rows_m = row_lo + offs_m
+            mmask = rows_m < row_hi
+            if SCATTER:  # loaded before the K loop: the latency under the MMAs (as _tile)
+                out_rows = tl.load(Scatter + rows_m, mask=mmask, other=0).to(tl.int64)
+            else:
+                out_rows = rows_m.to(tl.int64)
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for k0 in range(0, k_dim, BLOCK_K):
                 a = A.load([row_lo, k0])
@@ -491,12 +509,6 @@ if triton is not None:
                 acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
             if RNE_BF16:
                 acc = rne_bf16(acc)
-            rows_m = row_lo + offs_m
-            mmask = rows_m < row_hi
-            if SCATTER:
-                out_rows = tl.load(Scatter + rows_m, mask=mmask, other=0).to(tl.int64)
-            else:
-                out_rows = rows_m.to(tl.int64)
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             tl.store(Out + out_rows[:, None] * stride_om + offs_n[None, :],
                      acc.to(Out.dtype.element_ty),
@@ -719,7 +731,7 @@ def triton_experts(x: torch.Tensor, token: torch.Tensor, offs: torch.Tensor,
         if invariant and r not in INVARIANT_REGIMES:
             r = "decode"
         block = isinstance(fc1, Fp8Weight) and bool(fc1.block)
-        tiles = (tile_for(r, "fc1", block), tile_for(r, "fc2", block))
+        tiles = (tile_for(r, "fc1", block), tile_for(r, "fc2", block, rows))
     # the group max is offs[-1]; the kernel reads offs, so int32 and int64 both do
     if isinstance(fc1, Fp8Weight):  # FP8 operands: x and h quantised on the way in
         if fc1.tensorwise:
