@@ -152,7 +152,8 @@ def tile_for(reg: str, which: str, blockwise: bool = False, pairs: int | None = 
     ``pairs``: the launch's rows where known (a short prefill's fc2 pipelines deeper)."""
     if blockwise and (reg, which) in BLOCKWISE_TILES:
         return BLOCKWISE_TILES[(reg, which)]
-    if (reg, which) == ("prefill", "fc2") and pairs is not None and pairs <= PREFILL_FC2_DEEP_PAIRS:
+    short = pairs is not None and pairs <= PREFILL_FC2_DEEP_PAIRS
+    if (reg, which) == ("prefill", "fc2") and short:
         return PREFILL_FC2_DEEP
     return TILES[(reg, which)]
 
@@ -308,14 +309,6 @@ if triton is not None:
         # next expert's pairs -- finite values whose products the stores mask; past the
         # tensors' ends the descriptor reads zeros
         w_row = e * (stride_we // stride_wn) + pid_n * BLOCK_N
-        # the epilogue's per-row operands loaded before the K loop: their latency hides under
-        # the MMAs instead of stalling the stores after them
-        if PROB:
-            p = tl.load(Prob + rows_m * stride_p, mask=mmask, other=0.0).to(tl.float32)
-        if SCATTER:  # row r of the sorted pairs goes to its pair's place, Scatter[r]
-            out_rows = tl.load(Scatter + rows_m, mask=mmask, other=0).to(tl.int64)
-        else:
-            out_rows = rows_m.to(tl.int64)
         acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
         if PAIRED:  # [gate | up] columns of one MMA (W: a [2E, n_out, K] descriptor)
@@ -389,9 +382,14 @@ if triton is not None:
         else:
             acc = _activate(acc, ACT)
         if PROB:
+            p = tl.load(Prob + rows_m * stride_p, mask=mmask, other=0.0).to(tl.float32)
             acc = acc * p[:, None]
         if RNE_BF16:
             acc = rne_bf16(acc)
+        if SCATTER:  # row r of the sorted pairs goes to its pair's place, Scatter[r]
+            out_rows = tl.load(Scatter + rows_m, mask=mmask, other=0).to(tl.int64)
+        else:
+            out_rows = rows_m.to(tl.int64)
         tl.store(Out + out_rows[:, None] * stride_om + offs_n[None, :],
                  acc.to(Out.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
@@ -493,12 +491,6 @@ if triton is not None:
             row_lo = tl.sum(tl.where(sel, starts, 0), 0) + (pid_m - first_blk) * BLOCK_M
             row_hi = tl.sum(tl.where(sel, ends, 0), 0)
             w_row = e * w_rows_per_expert + pid_n * BLOCK_N
-            rows_m = row_lo + offs_m
-            mmask = rows_m < row_hi
-            if SCATTER:  # loaded before the K loop: the latency under the MMAs (as _tile)
-                out_rows = tl.load(Scatter + rows_m, mask=mmask, other=0).to(tl.int64)
-            else:
-                out_rows = rows_m.to(tl.int64)
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for k0 in range(0, k_dim, BLOCK_K):
                 a = A.load([row_lo, k0])
@@ -509,6 +501,15 @@ if triton is not None:
                 acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
             if RNE_BF16:
                 acc = rne_bf16(acc)
+            rows_m = row_lo + offs_m
+            mmask = rows_m < row_hi
+            # (loaded here, after the K loop: loaded before it and held through it, the
+            # scatter rows spilled the 128 x 256 accumulator -- 2.9-3.7x slower on an H100,
+            # 2026-12-06)
+            if SCATTER:
+                out_rows = tl.load(Scatter + rows_m, mask=mmask, other=0).to(tl.int64)
+            else:
+                out_rows = rows_m.to(tl.int64)
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             tl.store(Out + out_rows[:, None] * stride_om + offs_n[None, :],
                      acc.to(Out.dtype.element_ty),
