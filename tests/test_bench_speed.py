@@ -17,9 +17,11 @@ from colo_rollout.config import ModelConfig, load_config
 from colo_rollout.model.norm_add import NORM_RANGE
 from colo_rollout.tools.bench_speed import (
     PARTS,
+    _idle_lines,
     attribute,
     decode_roofline,
     expected_experts,
+    idle_gaps,
     prefill_flops,
 )
 from tests.test_door import door_error
@@ -157,6 +159,46 @@ def test_breakdown_credits_each_kernel_where_its_launch_sits():
     assert parts == {"attention": 80.0, "router/top-k": 5.0, "permutation": 7.0,
                      "expert GEMMs": 60.0, "activation": 3.0, "combine": 4.0, "lm head": 11.0,
                      "norms": 6.0}
+
+
+def test_idle_gaps_are_the_gpus_waits_inside_each_step():
+    """A hand-built timeline of two profiled steps: the gaps between a step's kernels (a
+    kernel covering a later one's start closes no gap; the sync between the steps is no
+    gap), each with its neighbours, offset and how late the host launched the kernel after
+    it; the floor's small gaps counted apart; kernels outside the steps ignored."""
+    cuda = torch.autograd.DeviceType.CUDA
+    events = []
+
+    def kernel(step, name, start, us, launched):
+        i = len(events) + 1
+        events.append(SimpleNamespace(**{**vars(_event("cuLaunchKernelEx", step,
+                                                       start=launched)), "id": i}))
+        events.append(SimpleNamespace(name=name, id=i, cpu_parent=None, kernels=[],
+                                      device_type=cuda, time_range=SimpleNamespace(
+                                          start=start, elapsed_us=lambda: us)))
+
+    s1, s2 = _event("bs::step", None, start=0.0), _event("bs::step", None, start=1000.0)
+    kernel(s1, "copy", 10.0, 5.0, 1.0)
+    kernel(s1, "embed", 265.0, 10.0, 250.0)  # 250 us idle: launched 235 us after it went idle
+    kernel(s1, "gemm", 277.0, 100.0, 200.0)  # 2 us: under the floor, queued before
+    kernel(s1, "rope", 300.0, 10.0, 210.0)  # inside gemm's span: no gap
+    kernel(s1, "attn", 407.0, 50.0, 220.0)  # 30 us after gemm's end, queued before
+    kernel(s2, "copy", 2000.0, 5.0, 1001.0)  # the sync between the steps: no gap
+    kernel(s2, "embed", 2105.0, 10.0, 1100.0)  # 100 us
+    kernel(None, "outside", 2200.0, 1.0, 2150.0)
+    got = idle_gaps(events, steps=2, top=3)
+    assert got["idle_ms"] == pytest.approx((250 + 2 + 30 + 100) / 2 / 1e3)
+    assert got["small_gaps"] == 0.5 and got["small_ms"] == pytest.approx(0.001)
+    assert [(g["us"], g["after"], g["before"]) for g in got["largest"]] == [
+        (250.0, "copy", "embed"), (100.0, "copy", "embed"), (30.0, "gemm", "attn")]
+    assert got["largest"][0]["at_ms"] == pytest.approx(0.255)
+    assert got["largest"][0]["host_late_us"] == pytest.approx(235.0)
+    assert got["largest"][2]["host_late_us"] < 0
+    assert idle_gaps([e for e in events if e.device_type != cuda], steps=1) == {}
+    lines = _idle_lines({"shape": "prefill 1 x 8", "idle": got})
+    assert "GPU idle inside an eager step 0.191 ms" in lines[0]
+    assert "launched 235 us after the GPU went idle" in lines[1]
+    assert "queued before it" in lines[3]
 
 
 def test_cpu_config_end_to_end(tmp_path, capsys):

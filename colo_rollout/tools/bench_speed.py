@@ -66,7 +66,10 @@ RoPE angles, input copies). With Transformer Engine modules the input norm is fu
 and counts as attention. "launch gaps" = the step's
 wall time minus the summed parts: on a GPU the wall time is the measured (graph-replay) step,
 on a CPU the profiled steps' own wall time (Python and dispatch between ops). On a GPU the
-graph replay's own kernel total is in the JSON (``graph_kernel_ms``) as a cross-check.
+graph replay's own kernel total is in the JSON (``graph_kernel_ms``) as a cross-check, and
+where the GPU idled inside the eager steps is listed (``idle_gaps``): the idle between a step's
+kernels and the largest gaps with the kernels around them and how late the host launched the
+next one (the step head, a layer the host's Python fell behind in).
 
 Peer: the same model section as a transformers model (``checkpoint/export.hf_config_dict``,
 ``AutoModelForCausalLM.from_config``, random weights, its default sdpa attention and grouped_mm
@@ -666,6 +669,8 @@ class _Bench:
             out["note"] = ("no CUDA kernel was recorded (CUPTI unavailable?); set "
                            "KINETO_LOG_LEVEL=0 to see the profiler's messages")
         out["parts_ms"]["launch gaps"] = max(0.0, wall_ms - sum(parts.values()))
+        if self.gpu:
+            out["idle"] = idle_gaps(prof.events(), steps)
         if self.gpu and (self.runner.graphs is not None or self.runner.prefill_graphs is not None):
             for _ in range(self.b.warmup):
                 self.step(plan)
@@ -790,19 +795,70 @@ def _classify(label: str | None, chain: list[str]) -> str:
 _LAUNCHES = ("cudaLaunch", "cuLaunch", "cudaMemcpy", "cudaMemset", "cudaGraphLaunch")
 
 
-def launched_kernels(events) -> list[tuple[object, float]]:
-    """[(the host call that launched it, microseconds)] for each CUDA kernel, copy or set of a
-    profile -- paired by CUPTI's correlation id, which the launching call and the kernel share.
-    Empty when the profile pairs none (then ``attribute`` reads the ops' own kernel lists)."""
+def _paired(events) -> list[tuple[object, object]]:
+    """[(the host call that launched it, the GPU event)] for each CUDA kernel, copy or set of a
+    profile -- paired by CUPTI's correlation id, which the launching call and the kernel share."""
     cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
     calls = {ev.id: ev for ev in events
              if ev.device_type == cpu and ev.name.startswith(_LAUNCHES)}
     # the profiler also lists each range's span on the GPU as a CUDA event (a user
     # annotation, ids of its own): a span, not work -- never a kernel here
-    return [(calls[ev.id], ev.time_range.elapsed_us()) for ev in events
+    return [(calls[ev.id], ev) for ev in events
             if ev.device_type == cuda and ev.id in calls
             and not (getattr(ev, "is_user_annotation", False)
                      or ev.name.startswith((_RANGE, "colo.")))]
+
+
+def launched_kernels(events) -> list[tuple[object, float]]:
+    """[(the host call that launched it, microseconds)] for each CUDA kernel, copy or set of a
+    profile (``_paired``). Empty when the profile pairs none (then ``attribute`` reads the
+    ops' own kernel lists)."""
+    return [(call, ev.time_range.elapsed_us()) for call, ev in _paired(events)]
+
+
+def _step_of(call) -> object | None:
+    """The ``bs::step`` range a host call ran in (None: outside every profiled step)."""
+    node = call
+    while node is not None and node.name != _RANGE + "step":
+        node = node.cpu_parent
+    return node
+
+
+def idle_gaps(events, steps: int, top: int = 5, floor_us: float = 20.0) -> dict:
+    """Where the GPU idled inside the profiled steps: the gaps between a step's consecutive
+    kernels (copies and sets included; the time between steps -- their synchronisations --
+    is not counted). Per step: the idle in all (ms) and in gaps under ``floor_us`` (the
+    launch-to-launch floor of kernels queued back to back); the ``top`` largest gaps over
+    the steps, each with the kernels around it, its offset from its step's first kernel and
+    how late the host launched the kernel after it (``host_late_us``: its launch call's start
+    less the GPU's going idle -- positive, the GPU waited for the host's Python; negative,
+    the kernel was queued already and waited for something else). Empty without pairs."""
+    by_step: dict[int, list] = defaultdict(list)
+    for call, ev in _paired(events):
+        step = _step_of(call)
+        if step is not None:
+            by_step[id(step)].append((ev.time_range.start,
+                                      ev.time_range.start + ev.time_range.elapsed_us(), ev, call))
+    if not by_step:
+        return {}
+    gaps, n_small, small_us = [], 0, 0.0
+    for kernels in by_step.values():
+        kernels.sort(key=lambda k: k[0])
+        first, end, prev = kernels[0][0], kernels[0][1], kernels[0][2]
+        for start, stop, ev, call in kernels[1:]:
+            if start > end:
+                gap = start - end
+                if gap < floor_us:
+                    n_small, small_us = n_small + 1, small_us + gap
+                gaps.append({"us": gap, "at_ms": (start - first) / 1e3, "after": prev.name,
+                             "before": ev.name,
+                             "host_late_us": call.time_range.start - end})
+            if stop > end:
+                end, prev = stop, ev
+    gaps.sort(key=lambda g: -g["us"])
+    return {"idle_ms": sum(g["us"] for g in gaps) / steps / 1e3,
+            "small_gaps": n_small / steps, "small_ms": small_us / steps / 1e3,
+            "floor_us": floor_us, "largest": gaps[:top]}
 
 
 def attribute(events, device_time: bool) -> tuple[dict[str, float], float]:
@@ -1107,6 +1163,8 @@ def table(res: dict, cfg: Config, source: str) -> str:
             if bd[k].get("note"):
                 lines.append(f"{k}: {bd[k]['note']}")
         for k in kinds:
+            lines += _idle_lines(bd[k])
+        for k in kinds:
             gk = bd[k].get("graph_kernels")
             if not gk:
                 continue
@@ -1116,6 +1174,24 @@ def table(res: dict, cfg: Config, source: str) -> str:
             lines += [f"{r['count']:>7.0f} {r['us']:>9.1f}  {r['name'][:100]}" for r in gk["top"]]
     lines += _versus_lines(res.get("versus") or [])
     return "\n".join(lines)
+
+
+def _idle_lines(bd: dict) -> list[str]:
+    """A breakdown's GPU idle inside its eager steps (``idle_gaps``): the total, the share
+    under the floor, and the largest gaps with the kernels around them."""
+    idle = bd.get("idle")
+    if not idle:
+        return []
+    out = [f"{bd['shape']}: GPU idle inside an eager step {idle['idle_ms']:.3f} ms "
+           f"({idle['small_gaps']:.0f} gaps under {idle['floor_us']:.0f} us: "
+           f"{idle['small_ms']:.3f} ms); the largest:"]
+    for g in idle["largest"]:
+        late = g["host_late_us"]
+        why = (f"launched {late:.0f} us after the GPU went idle" if late > 0
+               else "queued before it")
+        out.append(f"  {g['us']:8.1f} us at {g['at_ms']:8.3f} ms, {g['after'][:40]} -> "
+                   f"{g['before'][:40]} ({why})")
+    return out
 
 
 def _versus_lines(versus: list[dict]) -> list[str]:
