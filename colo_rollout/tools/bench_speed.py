@@ -27,7 +27,10 @@ engine.overlap_prefill is on, each step's host head runs under the previous step
 (engine/engine.py); with it off (the JSON's ``burst_sequential_s``, measured beside it) each
 waits for the previous step's tokens. One step alone (the "step ms" column) pays its host
 head in full, after a rest: a GPU at its power limit runs faster after one (docs/
-benchmarks.md, sessions 21 and 36), so the steady state can be the slower of the two.
+benchmarks.md, sessions 21 and 36), so the steady state can be the slower of the two. On a GPU
+each prefill row and its burst carry the SM clock and board power they ran at (``clock``,
+``burst_clock``: tools/clock_watch.py, through nvidia-ml-py where it is installed; the table
+says when none was read).
 
 Formulas (``decode_roofline``, ``prefill_flops``; model section values, ``b`` = bytes per
 parameter of params_dtype):
@@ -107,6 +110,7 @@ from colo_rollout.sched.plan import DecodeRow, Phase, PrefillItem, ReplicaWork, 
 from colo_rollout.sched.planner import pick_bucket
 from colo_rollout.sched.request import Request, SamplingParams
 from colo_rollout.config.files import strict_json
+from colo_rollout.tools.clock_watch import ClockWatch
 
 GREEDY = SamplingParams(max_tokens=1)
 SAMPLED = SamplingParams(temperature=1.0, max_tokens=1)  # the sampled decode rows' draw
@@ -491,7 +495,8 @@ class _Bench:
     def prefill_row(self, kind: str, shape: str, seqs: list[tuple[int, int]]) -> dict:
         e = self.cfg.engine
         plan = prefill_plan(seqs, self.rng, self.m.vocab_size, e.kv_block_size)
-        times = self.timed(plan, self.b.prefill_iters)
+        with ClockWatch(self.device) as watch:  # the clock the steps ran at (power cap)
+            times = self.timed(plan, self.b.prefill_iters)
         step = statistics.median(times)
         fl = prefill_flops(self.m, seqs)
         tokens = sum(n for _, n in seqs)
@@ -501,8 +506,10 @@ class _Bench:
         row = {"kind": kind, "shape": shape, "seqs": len(seqs), "tokens": tokens,
                "cached_tokens": sum(c for c, _ in seqs), "step_s": step, "times_s": times,
                "tok_s": tokens / step, **fl, "flops_per_s": fl["flops"] / step,
-               "frac_peak": limit_s / step}
-        burst = self.burst(seqs)
+               "frac_peak": limit_s / step, "clock": watch.summary()}
+        if watch.reason and self.gpu:
+            row["clock_note"] = watch.reason
+        burst, row["burst_clock"] = self.burst(seqs)
         if isinstance(burst, str):
             row["burst_note"] = burst
         elif burst is not None:
@@ -511,18 +518,19 @@ class _Bench:
             if self.engine.overlap_prefill:  # the same burst with every step read in its own
                 self.engine.overlap_prefill = False
                 try:
-                    row["burst_sequential_s"] = self.burst(seqs)
+                    row["burst_sequential_s"] = self.burst(seqs)[0]
                 finally:
                     self.engine.overlap_prefill = True
         return row
 
-    def burst(self, seqs: list[tuple[int, int]]) -> float | str | None:
+    def burst(self, seqs: list[tuple[int, int]]) -> tuple[float | str | None, dict | None]:
         """``prefill_burst`` P steps of ``seqs``'s shape in a row through ``Engine.step``
-        (module docstring): seconds per step -- or why the engine's config cannot take them
-        (a note), or None (no burst asked, or a row on cached contexts)."""
+        (module docstring): (seconds per step -- or why the engine's config cannot take them
+        (a note), or None (no burst asked, or a row on cached contexts); the GPU's clock
+        during the timed burst, ``ClockWatch.summary``)."""
         n_steps, e = self.b.prefill_burst, self.cfg.engine
         if n_steps < 2 or any(c for c, _ in seqs):
-            return None
+            return None, None
         tokens = sum(n for _, n in seqs)
         eng = self.engine
         kv = eng.scheduler.kv[0]
@@ -535,7 +543,7 @@ class _Bench:
                                          e.num_kv_blocks)}
         short = [f"{k} {have} < {want}" for k, (want, have) in need.items() if have < want]
         if short:
-            return "no back-to-back steps: " + ", ".join(short)
+            return "no back-to-back steps: " + ", ".join(short), None
         limits = eng.scheduler.limits
         # one row's worth of prompts per step
         eng.scheduler.limits = dataclasses.replace(limits, max_prefill_tokens=tokens)
@@ -554,11 +562,12 @@ class _Bench:
                             self.rng.randrange(self.m.vocab_size) for _ in range(n)), params))
                 # until the last token is on the host: a step returns the requests its
                 # exchange committed, whose tokens the step before it read
-                t0 = last = time.perf_counter()
-                while eng.has_unsent() or eng.busy():
-                    if eng.step():
-                        end = last
-                    last = time.perf_counter()
+                with ClockWatch(self.device) as watch:
+                    t0 = last = time.perf_counter()
+                    while eng.has_unsent() or eng.busy():
+                        if eng.step():
+                            end = last
+                        last = time.perf_counter()
                 eng.forget(ids)
             spans = [sp for sp in route.gpu_spans() if sp.kind == "P"] if self.gpu else []
         finally:
@@ -568,9 +577,9 @@ class _Bench:
             # on the GPU: from the first step's end to the last's, over the steps between --
             # the steady state, the GPU's idle between steps included (what the overlap
             # removes), the burst's arrival (the first step's intake and head) not
-            return (spans[-1].end - spans[0].end) / (n_steps - 1)
+            return (spans[-1].end - spans[0].end) / (n_steps - 1), watch.summary()
         # CPU: the burst's wall time over its steps, the first step's host head included
-        return (end - t0) / n_steps
+        return (end - t0) / n_steps, watch.summary()
 
     def run(self) -> dict:
         b = self.b
@@ -1139,6 +1148,7 @@ def table(res: dict, cfg: Config, source: str) -> str:
                      + ", ".join(f"{r['shape']} {1e3 * r['burst_sequential_s']:.2f} ms "
                                  f"({r['burst_sequential_s'] / r['burst_step_s']:.3f}x)"
                                  for r in seq))
+    lines += _clock_lines(res["prefill"])
     bd = res.get("breakdown") or {}
     if bd:
         kinds = [k for k in ("decode", "prefill") if k in bd]
@@ -1174,6 +1184,22 @@ def table(res: dict, cfg: Config, source: str) -> str:
             lines += [f"{r['count']:>7.0f} {r['us']:>9.1f}  {r['name'][:100]}" for r in gk["top"]]
     lines += _versus_lines(res.get("versus") or [])
     return "\n".join(lines)
+
+
+def _clock_lines(prefill: list[dict]) -> list[str]:
+    """The SM clock and board power each prefill row ran at (``ClockWatch``), or why none was
+    read: under sustained P the chip clocks down at its power cap."""
+    def fmt(c: dict) -> str:
+        return (f"{c['sm_mhz_median']:.0f} MHz (min {c['sm_mhz_min']:.0f}), "
+                f"{c['power_w_median']:.0f} W (max {c['power_w_max']:.0f})")
+    got = [f"{r['shape']} " + "; ".join(
+        f"{what} {fmt(c)}" for what, c in (("single", r.get("clock")),
+                                           ("b2b", r.get("burst_clock"))) if c)
+        for r in prefill if r.get("clock") or r.get("burst_clock")]
+    if got:
+        return ["  SM clock and board power while the rows ran (median): " + " | ".join(got)]
+    notes = sorted({r["clock_note"] for r in prefill if r.get("clock_note")})
+    return [f"  (no SM clock read: {n})" for n in notes]
 
 
 def _idle_lines(bd: dict) -> list[str]:
