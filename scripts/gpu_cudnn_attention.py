@@ -11,8 +11,15 @@ cuDNN; only with CUDNN_VARLEN=1: it rebuilt its plan on every call, ~50 ms) -- a
 on the cuDNN backend (one sequence, or equal fresh ones as a batch; KV heads expanded, and
 GQA handed to the kernel), with the first call's time (cuDNN builds a plan per shape);
 FlashAttention-4's batched and variable-length calls where ``flash_attn.cute`` imports; and
-the max abs error of each against an fp32 reference. The engine's kernel (model/paged_prefill.py, K/V in a block cache
-with consecutive tables) is timed beside it. FLOPs: 4 x heads x dim x causal pairs.
+the max abs error of each against an fp32 reference. The engine's kernel (model/
+paged_prefill.py, K/V in a block cache with consecutive tables) is timed beside it. FLOPs: 4 x
+heads x dim x causal pairs.
+
+  PYTHONPATH=$PWD python3 scripts/gpu_cudnn_attention.py --fa4-sweep [SHAPE ...]
+
+FlashAttention-4's Hopper forward at other tile shapes and pipelining choices than its
+head-dim-128 default, beside cuDNN's batched call (``FA4_VARIANTS``; default shapes: both
+8 x 1k).
 
 Owns nothing of the engine; loads only paged_prefill.py and torch.
 """
@@ -65,10 +72,81 @@ def _reference(q, k, v, lens, scale):
     return out
 
 
+# --fa4-sweep: FlashAttention-4's Hopper forward at configurations other than its default for
+# head dim 128 (128 x 128 tiles, P @ V from registers, intra-warpgroup overlap, GQA packed) --
+# whether any beats cuDNN's batched call on the equal fresh sequences (8 x 1k: issue 16)
+FA4_VARIANTS = {
+    "default": {},
+    "no_pack_gqa": {"pack_gqa": False},
+    "no_intra_wg_overlap": {"intra_wg_overlap": False},
+    "pv_from_smem": {"mma_pv_is_rs": False},
+    "tile_128x176": {"tile_mn": (128, 176)},
+    "tile_128x64": {"tile_mn": (128, 64)},
+    "tile_192x128_512t": {"tile_mn": (192, 128), "num_threads": 512, "mma_pv_is_rs": False},
+}
+
+
+def fa4_sweep(shapes: list[str]) -> list[dict]:
+    """FA4's batched forward (``flash_attn.cute.interface._flash_attn_fwd``) at each of
+    ``FA4_VARIANTS`` on the named equal-length shapes, beside cuDNN's batched GQA call: ms,
+    TFLOP/s and max error against the fp32 reference; a variant that does not build or run is
+    reported with its error."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+    for name, hq, kvg, lens in SHAPES:
+        if name not in shapes or len(set(lens)) != 1:
+            continue
+        S, L = len(lens), lens[0]
+        T = S * L
+        q = torch.randn(S, L, hq, D, device=dev, dtype=torch.bfloat16, generator=g)
+        k = torch.randn(S, L, kvg, D, device=dev, dtype=torch.bfloat16, generator=g)
+        v = torch.randn(S, L, kvg, D, device=dev, dtype=torch.bfloat16, generator=g)
+        scale = D ** -0.5
+        flops = 4 * hq * D * S * L * (L + 1) // 2
+        ref = _reference(q.view(T, hq, D), k.view(T, kvg, D), v.view(T, kvg, D), lens, scale)
+
+        def cudnn():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                    scale=scale, enable_gqa=True).transpose(1, 2)
+
+        fns = {"cudnn_dense_gqa": cudnn}
+        for label, kw in FA4_VARIANTS.items():
+            fns["fa4_" + label] = (lambda kw=kw: _flash_attn_fwd(
+                q, k, v, softmax_scale=scale, causal=True, **kw)[0])
+        for label, fn in fns.items():
+            row = {"shape": name, "variant": label}
+            try:
+                row["ms"] = _time(fn)
+                row["tflops"] = flops / row["ms"] / 1e9
+                row["err"] = (fn().reshape(T, hq, D).float() - ref).abs().max().item()
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
+            rows.append(row)
+            print(" | ".join(f"{k_}={v_:.4g}" if isinstance(v_, float) else f"{k_}={v_}"
+                             for k_, v_ in row.items()), flush=True)
+    return rows
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
+    ap.add_argument("--fa4-sweep", nargs="*", metavar="SHAPE",
+                    help="FlashAttention-4's configurations on these shapes (default: both "
+                         "8 x 1k) instead of the kernel table")
     args = ap.parse_args(argv)
+    if args.fa4_sweep is not None:
+        rows = fa4_sweep(args.fa4_sweep or ["qwen3 8 x 1k", "first 8 x 1k"])
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"fa4_sweep": rows}, f, indent=1)
+        return 0
     dev = torch.device("cuda")
     info = {"torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
             "varlen_op": hasattr(torch.ops.aten, "_cudnn_attention_forward")}
