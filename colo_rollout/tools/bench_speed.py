@@ -28,9 +28,9 @@ engine.overlap_prefill is on, each step's host head runs under the previous step
 waits for the previous step's tokens. One step alone (the "step ms" column) pays its host
 head in full, after a rest: a GPU at its power limit runs faster after one (docs/
 benchmarks.md, sessions 21 and 36), so the steady state can be the slower of the two. On a GPU
-each prefill row and its burst carry the SM clock and board power they ran at (``clock``,
-``burst_clock``: tools/clock_watch.py, through nvidia-ml-py where it is installed; the table
-says when none was read).
+each prefill row and its burst carry the SM clock and board power they ran at (``clock``: over
+the row's warm-up and timed steps; ``burst_clock``: over the timed burst; tools/clock_watch.py,
+through nvidia-ml-py where it is installed; the table says when none was read).
 
 Formulas (``decode_roofline``, ``prefill_flops``; model section values, ``b`` = bytes per
 parameter of params_dtype):
