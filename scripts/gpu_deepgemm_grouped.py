@@ -77,76 +77,72 @@ def main(argv: list[str]) -> int:
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     results = []
-    for name, m in g.MODELS.items():
-        ex = g.Experts(m["H"], m["F"], m["E"], dev, gen)
-        for N in (4096, 8192):
-            token, _, offs, prob = g.routing(N, ex.E, m["k"], dev, gen)
-            rows = N * m["k"]
-            R = int(offs[-1])
-            place, m_idx, M = padded_layout(offs, rows, align)
-            ok = place >= 0
-            x = torch.randn(N, ex.H, device=dev, generator=gen).to(g.DTYPE)
-            h = torch.randn(rows, ex.F, device=dev, generator=gen).to(g.DTYPE)
-            h_pad = torch.zeros(M, ex.F, device=dev, dtype=g.DTYPE)
-            h_pad[place[ok]] = h[ok]
-            x_pad = torch.zeros(M, ex.H, device=dev, dtype=g.DTYPE)
-            x_pad[place[ok]] = x[token[ok].long()]
-            y_sorted = torch.empty(rows, ex.H, device=dev, dtype=g.DTYPE)
-            y_pad = torch.empty(M, ex.H, device=dev, dtype=g.DTYPE)
-            h1 = torch.empty(rows, ex.F, device=dev, dtype=g.DTYPE)
-            u_pad = torch.empty(M, 2 * ex.F, device=dev, dtype=g.DTYPE)
-            order = torch.randperm(rows, device=dev, generator=gen)
-            fc2_tile = fm.tile_for("prefill", "fc2", pairs=rows)
-            fc1_tile = fm.TILES[("prefill", "fc1")]
-            calls = {
-                "fc2 triton, sorted store": lambda c: fm.moe_gemm(
-                    h, ex.fc2[c], offs, rows, zero_tail=True, out=y_sorted, tile=fc2_tile),
-                "fc2 triton, scatter (engine)": lambda c: fm.moe_gemm(
-                    h, ex.fc2[c], offs, rows, zero_tail=True, out=y_sorted, tile=fc2_tile,
-                    scatter=order),
-                "fc2 deepgemm (padded)": lambda c: deep_gemm.m_grouped_bf16_gemm_nt_contiguous(
-                    h_pad, ex.fc2[c], y_pad, m_idx),
-                "fc1 triton (gather, SwiGLU, prob)": lambda c: fm.moe_gemm(
-                    x, ex.fc1[c], offs, rows, token=token, prob=prob, gated=True, act=1,
-                    out=h1, tile=fc1_tile),
-                "fc1 deepgemm (permuted, no epilogue)":
-                    lambda c: deep_gemm.m_grouped_bf16_gemm_nt_contiguous(
-                        x_pad, ex.fc1[c], u_pad, m_idx),
-                "fc1's gather alone (x[token] into the padded rows)":
-                    lambda c: x_pad.index_copy_(0, place[ok], x[token[ok].long()]),
-            }
-            flops = {"fc2": 2 * R * ex.H * ex.F, "fc1": 4 * R * ex.H * ex.F}
-            times = {k: [] for k in calls}
-            for _ in range(args.reps):
-                for label, fn in calls.items():
-                    try:
-                        times[label].append(g.graph_time(
-                            [lambda c=c, fn=fn: fn(c) for c in (0, 1, 0, 1)], reps=5, warm=1))
-                    except Exception as e:  # a build or shape DeepGEMM does not take
-                        times[label] = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
-                        break
-            # DeepGEMM's rows against the Triton kernel's (same weights copy 0)
-            fm.moe_gemm(h, ex.fc2[0], offs, rows, zero_tail=True, out=y_sorted, tile=fc2_tile)
-            diff = {}
-            if isinstance(times["fc2 deepgemm (padded)"], list):
-                deep_gemm.m_grouped_bf16_gemm_nt_contiguous(h_pad, ex.fc2[0], y_pad, m_idx)
-                diff["fc2"] = (y_pad[place[ok]].float() - y_sorted[ok].float()).abs().max().item()
-            for label, ts in times.items():
-                row = {"model": name, "tokens": N, "variant": label, "padded_rows": M,
-                       "rows": R}
-                if isinstance(ts, str):
-                    row["error"] = ts
-                else:
-                    s = sorted(ts)[len(ts) // 2]
-                    row["ms"] = 1e3 * s
-                    which = label[:3]
-                    if which in flops and "gather" not in label:
-                        row["tflops"] = flops[which] / s / 1e12
-                    if "deepgemm" in label and which in diff:
-                        row["max_abs_diff"] = diff[which]
-                results.append(row)
-                print(" | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                 for k, v in row.items()), flush=True)
+    for name, m, ex, N, token, offs, prob, rows in g.shape_routings(dev, gen):
+        R = int(offs[-1])
+        place, m_idx, M = padded_layout(offs, rows, align)
+        ok = place >= 0
+        x = torch.randn(N, ex.H, device=dev, generator=gen).to(g.DTYPE)
+        h = torch.randn(rows, ex.F, device=dev, generator=gen).to(g.DTYPE)
+        h_pad = torch.zeros(M, ex.F, device=dev, dtype=g.DTYPE)
+        h_pad[place[ok]] = h[ok]
+        x_pad = torch.zeros(M, ex.H, device=dev, dtype=g.DTYPE)
+        x_pad[place[ok]] = x[token[ok].long()]
+        y_sorted = torch.empty(rows, ex.H, device=dev, dtype=g.DTYPE)
+        y_pad = torch.empty(M, ex.H, device=dev, dtype=g.DTYPE)
+        h1 = torch.empty(rows, ex.F, device=dev, dtype=g.DTYPE)
+        u_pad = torch.empty(M, 2 * ex.F, device=dev, dtype=g.DTYPE)
+        order = torch.randperm(rows, device=dev, generator=gen)
+        fc2_tile = fm.tile_for("prefill", "fc2", pairs=rows)
+        fc1_tile = fm.TILES[("prefill", "fc1")]
+        calls = {
+            "fc2 triton, sorted store": lambda c: fm.moe_gemm(
+                h, ex.fc2[c], offs, rows, zero_tail=True, out=y_sorted, tile=fc2_tile),
+            "fc2 triton, scatter (engine)": lambda c: fm.moe_gemm(
+                h, ex.fc2[c], offs, rows, zero_tail=True, out=y_sorted, tile=fc2_tile,
+                scatter=order),
+            "fc2 deepgemm (padded)": lambda c: deep_gemm.m_grouped_bf16_gemm_nt_contiguous(
+                h_pad, ex.fc2[c], y_pad, m_idx),
+            "fc1 triton (gather, SwiGLU, prob)": lambda c: fm.moe_gemm(
+                x, ex.fc1[c], offs, rows, token=token, prob=prob, gated=True, act=1,
+                out=h1, tile=fc1_tile),
+            "fc1 deepgemm (permuted, no epilogue)":
+                lambda c: deep_gemm.m_grouped_bf16_gemm_nt_contiguous(
+                    x_pad, ex.fc1[c], u_pad, m_idx),
+            "fc1's gather alone (x[token] into the padded rows)":
+                lambda c: x_pad.index_copy_(0, place[ok], x[token[ok].long()]),
+        }
+        flops = {"fc2": 2 * R * ex.H * ex.F, "fc1": 4 * R * ex.H * ex.F}
+        times = {k: [] for k in calls}
+        for _ in range(args.reps):
+            for label, fn in calls.items():
+                try:
+                    times[label].append(g.graph_time(
+                        [lambda c=c, fn=fn: fn(c) for c in (0, 1, 0, 1)], reps=5, warm=1))
+                except Exception as e:  # a build or shape DeepGEMM does not take
+                    times[label] = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+                    break
+        # DeepGEMM's rows against the Triton kernel's (same weights copy 0)
+        fm.moe_gemm(h, ex.fc2[0], offs, rows, zero_tail=True, out=y_sorted, tile=fc2_tile)
+        diff = {}
+        if isinstance(times["fc2 deepgemm (padded)"], list):
+            deep_gemm.m_grouped_bf16_gemm_nt_contiguous(h_pad, ex.fc2[0], y_pad, m_idx)
+            diff["fc2"] = (y_pad[place[ok]].float() - y_sorted[ok].float()).abs().max().item()
+        for label, ts in times.items():
+            row = {"model": name, "tokens": N, "variant": label, "padded_rows": M,
+                   "rows": R}
+            if isinstance(ts, str):
+                row["error"] = ts
+            else:
+                s = sorted(ts)[len(ts) // 2]
+                row["ms"] = 1e3 * s
+                which = label[:3]
+                if which in flops and "gather" not in label:
+                    row["tflops"] = flops[which] / s / 1e12
+                if "deepgemm" in label and which in diff:
+                    row["max_abs_diff"] = diff[which]
+            results.append(row)
+            print(" | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                             for k, v in row.items()), flush=True)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=1)

@@ -105,6 +105,17 @@ def routing(N, E, k, dev, gen, E_global=None, first=0, pad=0):
     return order // k, sorted_key, offs, weight.flatten()[order]
 
 
+def shape_routings(dev, gen, tokens=(4096, 8192)):
+    """The prefill probes' cases: each of ``MODELS``' layers (its experts, made once) with
+    random top-k routing of each token count -- yields (model name, its MODELS entry,
+    Experts, tokens N, token, offs, prob, pairs N * k)."""
+    for name, m in MODELS.items():
+        ex = Experts(m["H"], m["F"], m["E"], dev, gen)
+        for N in tokens:
+            token, _, offs, prob = routing(N, ex.E, m["k"], dev, gen)
+            yield name, m, ex, N, token, offs, prob, N * m["k"]
+
+
 def reference(x, token, offs, prob, fc1, fc2, act=F.silu, gated=True):
     """fp32 per-expert loop (host offsets): y [R_local, H]."""
     ends = offs.tolist()

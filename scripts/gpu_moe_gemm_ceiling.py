@@ -61,95 +61,91 @@ def main() -> int:
     fc1_tile, fc2_tile = fm.TILES[("prefill", "fc1")], fm.TILES[("prefill", "fc2")]
     # the persistent fc2 with tiles around the picked one
     P2 = [fc2_tile, T(128, 256, 64, 8, 4, 8, True, True), T(128, 128, 64, 8, 4, 8, True, True)]
-    for name, m in g.MODELS.items():
-        ex = g.Experts(m["H"], m["F"], m["E"], dev, gen)
-        H, F_, E = ex.H, ex.F, ex.E
-        for N in (4096, 8192):
-            token, _, offs, prob = g.routing(N, E, m["k"], dev, gen)
-            x = torch.randn(N, H, device=dev, generator=gen).to(g.DTYPE)
-            rows = N * m["k"]
-            xs = x[token].contiguous()
-            h0 = torch.randn(rows, F_, device=dev, generator=gen).to(g.DTYPE)
-            hs = [torch.empty(rows, F_, device=dev, dtype=g.DTYPE) for _ in range(2)]
-            h2 = [torch.empty(rows, 2 * F_, device=dev, dtype=g.DTYPE) for _ in range(2)]
-            ys = [torch.empty(rows, H, device=dev, dtype=g.DTYPE) for _ in range(2)]
-            dense1 = [w.reshape(-1, H)[: 2 * F_].T.contiguous() for w in ex.fc1]  # [H, 2F]
-            dense2 = [w.reshape(-1, F_)[:H].T.contiguous() for w in ex.fc2]  # [F, H]
-            f1, f2 = 4 * rows * H * F_, 2 * rows * H * F_
-            cases = {
-                ("fc1", "kernel (gather)"): lambda c: fm.moe_gemm(
+    for name, m, ex, N, token, offs, prob, rows in g.shape_routings(dev, gen):
+        H, F_ = ex.H, ex.F
+        x = torch.randn(N, H, device=dev, generator=gen).to(g.DTYPE)
+        xs = x[token].contiguous()
+        h0 = torch.randn(rows, F_, device=dev, generator=gen).to(g.DTYPE)
+        hs = [torch.empty(rows, F_, device=dev, dtype=g.DTYPE) for _ in range(2)]
+        h2 = [torch.empty(rows, 2 * F_, device=dev, dtype=g.DTYPE) for _ in range(2)]
+        ys = [torch.empty(rows, H, device=dev, dtype=g.DTYPE) for _ in range(2)]
+        dense1 = [w.reshape(-1, H)[: 2 * F_].T.contiguous() for w in ex.fc1]  # [H, 2F]
+        dense2 = [w.reshape(-1, F_)[:H].T.contiguous() for w in ex.fc2]  # [F, H]
+        f1, f2 = 4 * rows * H * F_, 2 * rows * H * F_
+        cases = {
+            ("fc1", "kernel (gather)"): lambda c: fm.moe_gemm(
+                x, ex.fc1[c], offs, rows, token=token, prob=prob, gated=True, act=1,
+                out=hs[c], tile=fc1_tile),
+            ("fc1", "kernel, permuted A (TMA)"): lambda c: fm.moe_gemm(
+                xs, ex.fc1[c], offs, rows, prob=prob, gated=True, act=1, out=hs[c],
+                tile=fc1_tile),
+            ("fc1", "gather x[token] alone"): lambda c: torch.index_select(
+                x, 0, token, out=xs),
+            ("fc1", "torch._grouped_mm (no act)"): lambda c: torch._grouped_mm(
+                xs, ex.fc1[c].transpose(1, 2), offs=offs),
+            ("fc1", "dense cuBLAS same FLOPs"): lambda c: torch.mm(xs, dense1[c],
+                                                                  out=h2[c]),
+            ("fc2", "kernel (one tile per program)"): lambda c: fm.moe_gemm(
+                h0, ex.fc2[c], offs, rows, zero_tail=True, out=ys[c],
+                tile=dataclasses.replace(fc2_tile, persistent=False)),
+            ("fc2", "torch._grouped_mm"): lambda c: torch._grouped_mm(
+                h0, ex.fc2[c].transpose(1, 2), offs=offs),
+            ("fc2", "dense cuBLAS same FLOPs"): lambda c: torch.mm(h0, dense2[c],
+                                                                  out=ys[c]),
+        }
+        # an expert's last row block of <= tail_m rows as a tail_m-row tile in place
+        for tm in (16, 32, 64):
+            cases[("fc1", f"kernel (gather), tails <= {tm} as {tm}-row tiles")] = (
+                lambda c, tm=tm: fm.moe_gemm(
                     x, ex.fc1[c], offs, rows, token=token, prob=prob, gated=True, act=1,
-                    out=hs[c], tile=fc1_tile),
-                ("fc1", "kernel, permuted A (TMA)"): lambda c: fm.moe_gemm(
-                    xs, ex.fc1[c], offs, rows, prob=prob, gated=True, act=1, out=hs[c],
-                    tile=fc1_tile),
-                ("fc1", "gather x[token] alone"): lambda c: torch.index_select(
-                    x, 0, token, out=xs),
-                ("fc1", "torch._grouped_mm (no act)"): lambda c: torch._grouped_mm(
-                    xs, ex.fc1[c].transpose(1, 2), offs=offs),
-                ("fc1", "dense cuBLAS same FLOPs"): lambda c: torch.mm(xs, dense1[c],
-                                                                      out=h2[c]),
-                ("fc2", "kernel (one tile per program)"): lambda c: fm.moe_gemm(
-                    h0, ex.fc2[c], offs, rows, zero_tail=True, out=ys[c],
-                    tile=dataclasses.replace(fc2_tile, persistent=False)),
-                ("fc2", "torch._grouped_mm"): lambda c: torch._grouped_mm(
-                    h0, ex.fc2[c].transpose(1, 2), offs=offs),
-                ("fc2", "dense cuBLAS same FLOPs"): lambda c: torch.mm(h0, dense2[c],
-                                                                      out=ys[c]),
-            }
-            # an expert's last row block of <= tail_m rows as a tail_m-row tile in place
-            for tm in (16, 32, 64):
-                cases[("fc1", f"kernel (gather), tails <= {tm} as {tm}-row tiles")] = (
-                    lambda c, tm=tm: fm.moe_gemm(
-                        x, ex.fc1[c], offs, rows, token=token, prob=prob, gated=True, act=1,
-                        out=hs[c], tile=dataclasses.replace(fc1_tile, tail_m=tm)))
-            # the gate and up tiles in one [2, n, k] TMA box and one MMA of 2n columns
-            for label, t in (
-                    ("paired (the tile)", dataclasses.replace(fc1_tile, paired=True)),
-                    ("paired, no tails", dataclasses.replace(fc1_tile, paired=True, tail_m=0)),
-                    ("paired, 3 stages", dataclasses.replace(fc1_tile, paired=True,
-                                                             num_stages=3)),
-                    ("paired, 128x64x64 w8 s4", T(128, 64, 64, 8, 4, 1, True, tail_m=64,
-                                                  paired=True)),
-                    ("paired, 128x64x64 w4 s4", T(128, 64, 64, 4, 4, 1, True, tail_m=64,
-                                                  paired=True)),
-                    ("paired, 64x128x64 w4 s4", T(64, 128, 64, 4, 4, 1, True, paired=True)),
-                    ("paired, 128x128x64 w8 s4 g4", T(128, 128, 64, 8, 4, 4, True, tail_m=64,
-                                                      paired=True))):
-                cases[("fc1", f"kernel (gather), {label}")] = (
-                    lambda c, t=t: fm.moe_gemm(
-                        x, ex.fc1[c], offs, rows, token=token, prob=prob, gated=True, act=1,
-                        out=hs[c], tile=t))
-            for t in P2:
-                key = ("fc2", f"persistent {g._fmt(t)}")
-                cases[key] = (lambda c, t=t: fm.moe_gemm(
-                    h0, ex.fc2[c], offs, rows, zero_tail=True, out=ys[c], tile=t))
-            # the persistent fc2 against the one-tile-per-program kernel (first copy)
-            ref2 = fm.moe_gemm(h0, ex.fc2[0], offs, rows,
-                               tile=dataclasses.replace(fc2_tile, persistent=False)).float()
-            ref1 = fm.moe_gemm(x, ex.fc1[0], offs, rows, token=token, prob=prob, gated=True,
-                               act=1, tile=fc1_tile).float()
-            for (which, label), fn in cases.items():
-                flops = f1 if which == "fc1" else f2
-                err = ""
-                try:
-                    if (label.startswith("persistent") or "tails" in label
-                            or "paired" in label):
-                        ref = ref2 if which == "fc2" else ref1
-                        got = fn(0).float()
-                        e = ((got - ref).abs().max() / ref.abs().max()).item()
-                        err = f" err {e:.1e}"
-                    s = g.graph_time([lambda c=c: fn(c) for c in (0, 1, 0, 1)], reps=5, warm=1)
-                except Exception as ex_:  # noqa: BLE001 - a variant that does not compile
-                    print(f"{name} N={N} {which} {label}: {type(ex_).__name__}: "
-                          f"{str(ex_).splitlines()[0][:160] if str(ex_) else ''}", flush=True)
-                    torch.cuda.synchronize()
-                    continue
-                tf = flops / s / 1e12
-                print(f"{name:10s} N={N:5d} {which} {label:52s} {s * 1e3:7.3f} ms "
-                      f"{tf:6.1f} TFLOP/s {100 * tf / 989:5.1f}%{err}", flush=True)
-                results.append({"model": name, "N": N, "gemm": which, "variant": label,
-                                "ms": s * 1e3, "tflops": tf})
+                    out=hs[c], tile=dataclasses.replace(fc1_tile, tail_m=tm)))
+        # the gate and up tiles in one [2, n, k] TMA box and one MMA of 2n columns
+        for label, t in (
+                ("paired (the tile)", dataclasses.replace(fc1_tile, paired=True)),
+                ("paired, no tails", dataclasses.replace(fc1_tile, paired=True, tail_m=0)),
+                ("paired, 3 stages", dataclasses.replace(fc1_tile, paired=True,
+                                                         num_stages=3)),
+                ("paired, 128x64x64 w8 s4", T(128, 64, 64, 8, 4, 1, True, tail_m=64,
+                                              paired=True)),
+                ("paired, 128x64x64 w4 s4", T(128, 64, 64, 4, 4, 1, True, tail_m=64,
+                                              paired=True)),
+                ("paired, 64x128x64 w4 s4", T(64, 128, 64, 4, 4, 1, True, paired=True)),
+                ("paired, 128x128x64 w8 s4 g4", T(128, 128, 64, 8, 4, 4, True, tail_m=64,
+                                                  paired=True))):
+            cases[("fc1", f"kernel (gather), {label}")] = (
+                lambda c, t=t: fm.moe_gemm(
+                    x, ex.fc1[c], offs, rows, token=token, prob=prob, gated=True, act=1,
+                    out=hs[c], tile=t))
+        for t in P2:
+            key = ("fc2", f"persistent {g._fmt(t)}")
+            cases[key] = (lambda c, t=t: fm.moe_gemm(
+                h0, ex.fc2[c], offs, rows, zero_tail=True, out=ys[c], tile=t))
+        # the persistent fc2 against the one-tile-per-program kernel (first copy)
+        ref2 = fm.moe_gemm(h0, ex.fc2[0], offs, rows,
+                           tile=dataclasses.replace(fc2_tile, persistent=False)).float()
+        ref1 = fm.moe_gemm(x, ex.fc1[0], offs, rows, token=token, prob=prob, gated=True,
+                           act=1, tile=fc1_tile).float()
+        for (which, label), fn in cases.items():
+            flops = f1 if which == "fc1" else f2
+            err = ""
+            try:
+                if (label.startswith("persistent") or "tails" in label
+                        or "paired" in label):
+                    ref = ref2 if which == "fc2" else ref1
+                    got = fn(0).float()
+                    e = ((got - ref).abs().max() / ref.abs().max()).item()
+                    err = f" err {e:.1e}"
+                s = g.graph_time([lambda c=c: fn(c) for c in (0, 1, 0, 1)], reps=5, warm=1)
+            except Exception as ex_:  # noqa: BLE001 - a variant that does not compile
+                print(f"{name} N={N} {which} {label}: {type(ex_).__name__}: "
+                      f"{str(ex_).splitlines()[0][:160] if str(ex_) else ''}", flush=True)
+                torch.cuda.synchronize()
+                continue
+            tf = flops / s / 1e12
+            print(f"{name:10s} N={N:5d} {which} {label:52s} {s * 1e3:7.3f} ms "
+                  f"{tf:6.1f} TFLOP/s {100 * tf / 989:5.1f}%{err}", flush=True)
+            results.append({"model": name, "N": N, "gemm": which, "variant": label,
+                            "ms": s * 1e3, "tflops": tf})
     with open(args.json, "w") as fh:
         json.dump(results, fh, indent=1)
     return 0
@@ -190,24 +186,20 @@ def fc1_sweep(reps: int, path: str) -> int:
     for gm in (1, 2, 4, 8):
         variants[f"paired g{gm}"] = dataclasses.replace(t0, paired=True, group_m=gm)
     results = []
-    for name, m in g.MODELS.items():
-        ex = g.Experts(m["H"], m["F"], m["E"], dev, gen)
-        for N in (4096, 8192):
-            token, _, offs, prob = g.routing(N, ex.E, m["k"], dev, gen)
-            x = torch.randn(N, ex.H, device=dev, generator=gen).to(g.DTYPE)
-            rows = N * m["k"]
-            hs = [torch.empty(rows, ex.F, device=dev, dtype=g.DTYPE) for _ in range(2)]
-            flops = 4 * rows * ex.H * ex.F
-            ref = fm.moe_gemm(x, ex.fc1[0], offs, rows, token=token, prob=prob, gated=True,
-                              act=1, tile=t0)
+    for name, m, ex, N, token, offs, prob, rows in g.shape_routings(dev, gen):
+        x = torch.randn(N, ex.H, device=dev, generator=gen).to(g.DTYPE)
+        hs = [torch.empty(rows, ex.F, device=dev, dtype=g.DTYPE) for _ in range(2)]
+        flops = 4 * rows * ex.H * ex.F
+        ref = fm.moe_gemm(x, ex.fc1[0], offs, rows, token=token, prob=prob, gated=True,
+                          act=1, tile=t0)
 
-            def call(t, c):
-                return fm.moe_gemm(x, ex.fc1[c], offs, rows, token=token, prob=prob,
-                                   gated=True, act=1, out=hs[c], tile=t)
-            for label, t in variants.items():
-                if not torch.equal(call(t, 0), ref):
-                    print(f"{name} N={N} {label}: NOT the tile's output", flush=True)
-            results += _rounds(name, N, "fc1", variants, call, flops, reps, "the tile")
+        def call(t, c):
+            return fm.moe_gemm(x, ex.fc1[c], offs, rows, token=token, prob=prob,
+                               gated=True, act=1, out=hs[c], tile=t)
+        for label, t in variants.items():
+            if not torch.equal(call(t, 0), ref):
+                print(f"{name} N={N} {label}: NOT the tile's output", flush=True)
+        results += _rounds(name, N, "fc1", variants, call, flops, reps, "the tile")
     with open(path, "w") as fh:
         json.dump(results, fh, indent=1)
     return 0
@@ -236,30 +228,26 @@ def fc2_sweep(reps: int, path: str) -> int:
                 f"scatter {g._fmt(m64n128)} x2": (m64n128, True, 2)}
     programs = fm._programs
     results = []
-    for name, m in g.MODELS.items():
-        ex = g.Experts(m["H"], m["F"], m["E"], dev, gen)
-        for N in (4096, 8192):
-            token, _, offs, prob = g.routing(N, ex.E, m["k"], dev, gen)
-            rows = N * m["k"]
-            order = torch.randperm(rows, device=dev, generator=gen)  # (a permutation)
-            h0 = torch.randn(rows, ex.F, device=dev, generator=gen).to(g.DTYPE)
-            ys = [torch.empty(rows, ex.H, device=dev, dtype=g.DTYPE) for _ in range(2)]
-            flops = 2 * rows * ex.H * ex.F
-            ref = fm.moe_gemm(h0, ex.fc2[0], offs, rows, zero_tail=True, tile=t0,
-                              scatter=order)
+    for name, m, ex, N, token, offs, prob, rows in g.shape_routings(dev, gen):
+        order = torch.randperm(rows, device=dev, generator=gen)  # (a permutation)
+        h0 = torch.randn(rows, ex.F, device=dev, generator=gen).to(g.DTYPE)
+        ys = [torch.empty(rows, ex.H, device=dev, dtype=g.DTYPE) for _ in range(2)]
+        flops = 2 * rows * ex.H * ex.F
+        ref = fm.moe_gemm(h0, ex.fc2[0], offs, rows, zero_tail=True, tile=t0,
+                          scatter=order)
 
-            def call(v, c):
-                t, sc, per_sm = v
-                fm._programs = lambda d: per_sm * programs(d)
-                try:
-                    return fm.moe_gemm(h0, ex.fc2[c], offs, rows, zero_tail=True, out=ys[c],
-                                       tile=t, scatter=order if sc else None)
-                finally:
-                    fm._programs = programs
-            for label, v in variants.items():
-                if v[1] and not torch.equal(call(v, 0), ref):
-                    print(f"{name} N={N} {label}: NOT the tile's output", flush=True)
-            results += _rounds(name, N, "fc2", variants, call, flops, reps, "scatter")
+        def call(v, c):
+            t, sc, per_sm = v
+            fm._programs = lambda d: per_sm * programs(d)
+            try:
+                return fm.moe_gemm(h0, ex.fc2[c], offs, rows, zero_tail=True, out=ys[c],
+                                   tile=t, scatter=order if sc else None)
+            finally:
+                fm._programs = programs
+        for label, v in variants.items():
+            if v[1] and not torch.equal(call(v, 0), ref):
+                print(f"{name} N={N} {label}: NOT the tile's output", flush=True)
+        results += _rounds(name, N, "fc2", variants, call, flops, reps, "scatter")
     with open(path, "w") as fh:
         json.dump(results, fh, indent=1)
     return 0

@@ -47,39 +47,36 @@ def main() -> int:
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     out = []
-    for name, m in g.MODELS.items():
-        ex = g.Experts(m["H"], m["F"], m["E"], dev, gen)
-        for N in (4096, 8192):
-            token, _, offs, prob = g.routing(N, ex.E, m["k"], dev, gen)
-            x = torch.randn(N, ex.H, device=dev, generator=gen).to(g.DTYPE)
-            rows, R = N * m["k"], g.calls_per_graph(N)
-            h0 = torch.randn(rows, ex.F, device=dev, generator=gen).to(g.DTYPE)
-            hs = [torch.empty(rows, ex.F, device=dev, dtype=g.DTYPE) for _ in range(2)]
-            ys = [torch.empty(rows, ex.H, device=dev, dtype=g.DTYPE) for _ in range(2)]
-            for which, tiles, flops in (("fc1", FC1, 4 * rows * ex.H * ex.F),
-                                        ("fc2", FC2, 2 * rows * ex.H * ex.F)):
-                res = {}
-                for tile in tiles:
-                    if which == "fc1":
-                        fns = [lambda c=c, t=tile: fm.moe_gemm(
-                            x, ex.fc1[c], offs, rows, token=token, prob=prob, gated=True,
-                            act=1, out=hs[c], tile=t) for c in (0, 1) * (R // 2)]
-                    else:
-                        fns = [lambda c=c, t=tile: fm.moe_gemm(
-                            h0, ex.fc2[c], offs, rows, zero_tail=True, out=ys[c], tile=t)
-                            for c in (0, 1) * (R // 2)]
-                    try:
-                        s = g.graph_time(fns, reps=3, warm=1)
-                    except Exception as e:  # noqa: BLE001 - out of resources: skipped
-                        print(f"{name} N={N} {which} {g._fmt(tile)}: {type(e).__name__}")
-                        torch.cuda.synchronize()
-                        continue
-                    res[g._fmt(tile)] = flops / s / 1e12
-                base = res.get(g._fmt(tiles[0]), float("nan"))
-                best = max(res, key=res.get)
-                print(f"{name:10s} N={N:5d} {which}: current {base:6.1f} TFLOP/s ({100 * base / 989:4.1f}%),"
-                      f" best {best} {res[best]:6.1f} ({res[best] / base:.3f}x)", flush=True)
-                out.append({"model": name, "N": N, "gemm": which, "tflops": res})
+    for name, m, ex, N, token, offs, prob, rows in g.shape_routings(dev, gen):
+        x = torch.randn(N, ex.H, device=dev, generator=gen).to(g.DTYPE)
+        rows, R = N * m["k"], g.calls_per_graph(N)
+        h0 = torch.randn(rows, ex.F, device=dev, generator=gen).to(g.DTYPE)
+        hs = [torch.empty(rows, ex.F, device=dev, dtype=g.DTYPE) for _ in range(2)]
+        ys = [torch.empty(rows, ex.H, device=dev, dtype=g.DTYPE) for _ in range(2)]
+        for which, tiles, flops in (("fc1", FC1, 4 * rows * ex.H * ex.F),
+                                    ("fc2", FC2, 2 * rows * ex.H * ex.F)):
+            res = {}
+            for tile in tiles:
+                if which == "fc1":
+                    fns = [lambda c=c, t=tile: fm.moe_gemm(
+                        x, ex.fc1[c], offs, rows, token=token, prob=prob, gated=True,
+                        act=1, out=hs[c], tile=t) for c in (0, 1) * (R // 2)]
+                else:
+                    fns = [lambda c=c, t=tile: fm.moe_gemm(
+                        h0, ex.fc2[c], offs, rows, zero_tail=True, out=ys[c], tile=t)
+                        for c in (0, 1) * (R // 2)]
+                try:
+                    s = g.graph_time(fns, reps=3, warm=1)
+                except Exception as e:  # noqa: BLE001 - out of resources: skipped
+                    print(f"{name} N={N} {which} {g._fmt(tile)}: {type(e).__name__}")
+                    torch.cuda.synchronize()
+                    continue
+                res[g._fmt(tile)] = flops / s / 1e12
+            base = res.get(g._fmt(tiles[0]), float("nan"))
+            best = max(res, key=res.get)
+            print(f"{name:10s} N={N:5d} {which}: current {base:6.1f} TFLOP/s ({100 * base / 989:4.1f}%),"
+                  f" best {best} {res[best]:6.1f} ({res[best] / base:.3f}x)", flush=True)
+            out.append({"model": name, "N": N, "gemm": which, "tflops": res})
     with open(args.json, "w") as fh:
         json.dump(out, fh, indent=1)
     return 0
