@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from colo_rollout.model.paged_prefill import plan_prefill, triton_prefill_attention
+from gpu_timing import print_row  # (this script's folder is on sys.path when run)
 
 SHAPES = [  # (name, q heads, kv groups, sequence lengths)
     ("first 1 x 4k", 16, 4, [4096]), ("first 1 x 8k", 16, 4, [8192]),
@@ -129,8 +130,7 @@ def fa4_sweep(shapes: list[str]) -> list[dict]:
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
             rows.append(row)
-            print(" | ".join(f"{k_}={v_:.4g}" if isinstance(v_, float) else f"{k_}={v_}"
-                             for k_, v_ in row.items()), flush=True)
+            print_row(row)
     return rows
 
 
@@ -263,8 +263,7 @@ def main(argv: list[str]) -> int:
             if ms:
                 row[key + "_tflops"] = flops / ms / 1e9
         rows.append(row)
-        print(" | ".join(f"{k_}={v_:.4g}" if isinstance(v_, float) else f"{k_}={v_}"
-                         for k_, v_ in row.items()))
+        print_row(row)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"info": info, "rows": rows}, f, indent=1)

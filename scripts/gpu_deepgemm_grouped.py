@@ -44,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import gpu_fused_moe as g  # noqa: E402
+from gpu_timing import print_row  # noqa: E402
 from colo_rollout.model import fused_moe as fm  # noqa: E402
 
 
@@ -141,8 +142,7 @@ def main(argv: list[str]) -> int:
                 if "deepgemm" in label and which in diff:
                     row["max_abs_diff"] = diff[which]
             results.append(row)
-            print(" | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                             for k, v in row.items()), flush=True)
+            print_row(row)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=1)

@@ -1,5 +1,6 @@
 """CUDA-graph timing shared by the GPU kernel scripts (gpu_attention.py, gpu_prefill_attention.py,
-gpu_fused_moe.py): a list of calls warmed on a side stream, captured in one graph, replayed.
+gpu_fused_moe.py): a list of calls warmed on a side stream, captured in one graph, replayed;
+and the one-line print of a result row (``print_row``).
 
 Imports only torch, so each script still runs on a bare CUDA host with torch and triton."""
 
@@ -8,6 +9,12 @@ from __future__ import annotations
 import statistics
 
 import torch
+
+
+def print_row(row: dict) -> None:
+    """One result row on a line: ``key=value`` pairs, floats to 4 significant digits."""
+    print(" | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                     for k, v in row.items()), flush=True)
 
 
 def capture(fns) -> tuple[torch.cuda.CUDAGraph, object]:
