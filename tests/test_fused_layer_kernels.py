@@ -203,7 +203,59 @@ def _interpreted() -> list[str]:
                          f"cache {v_ulps} (at most {V_ULPS[name]})")
         print(f"{name} vs unfused: max logit difference {worst:.3g}, K cache {k_ulps} ulps, "
               f"V cache {v_ulps} ulps")
+    _sorted_slots_check(model, fails)
     return fails
+
+
+def _sorted_slots_check(model, fails) -> None:
+    """The experts on the Triton kernel in a prefill long enough for its prefill regime (45
+    tokens: R / E = 45 rows per expert > DECODE_ROWS): fc2 leaves its rows sorted and the
+    fused slot sums read them by index (``fused_moe.stores_sorted``, ``SortedSlots``) -- the
+    logits and caches bitwise those of the scattered store; and the sorted slots did reach
+    the sums (counted)."""
+    import torch
+
+    from colo_rollout.model import moe as moe_mod
+    from colo_rollout.model.attention import AttnMetadata
+    from colo_rollout.model.model import PrefillInputs
+    from colo_rollout.model.residual import SortedSlots
+
+    i64, n = torch.int64, 45
+    table = torch.arange(12, dtype=i64)[None]  # blocks of 4: 12 blocks hold 45 positions
+    p = PrefillInputs(
+        token_ids=torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(5)),
+        row_counts=[n], last_counts=[1], last_rows=torch.tensor([n - 1], dtype=i64),
+        attn=AttnMetadata(is_prefill=True, positions=torch.arange(n, dtype=i64),
+                          slot_mapping=torch.arange(n, dtype=i64), block_tables=table,
+                          context_lens=torch.tensor([n], dtype=i64), seq_lens_new=[n],
+                          context_lens_host=[n]))
+    for layer in model.decoder.layers:
+        layer.mlp.kernel, layer.mlp._kernel = "triton", {}
+    seen, grouped, stores_sorted_fn = [0], moe_mod.GatherMoE._grouped, moe_mod.stores_sorted
+
+    def counting(self, *a, **kw):
+        out = grouped(self, *a, **kw)
+        seen[0] += isinstance(out, SortedSlots)
+        return out
+
+    runs = []
+    moe_mod.GatherMoE._grouped = counting
+    try:
+        for keep in (True, False):
+            if not keep:
+                moe_mod.stores_sorted = lambda *a: False
+            kv = model.new_kv_storage(num_blocks=13, block_size=4)
+            runs.append((model.forward_prefill(p, kv), kv.k.clone(), kv.v.clone()))
+    finally:
+        moe_mod.GatherMoE._grouped = grouped
+        moe_mod.stores_sorted = stores_sorted_fn
+        for layer in model.decoder.layers:
+            layer.mlp.kernel, layer.mlp._kernel = "torch", {}
+    if seen[0] != len(model.decoder.layers):
+        fails.append(f"sorted slots reached {seen[0]} MoE layers, not every one")
+    for name, a, b in zip(("logits", "K cache", "V cache"), runs[0], runs[1]):
+        if not torch.equal(a, b):
+            fails.append(f"sorted vs scattered fc2 rows: the {name} differ")
 
 
 def _bf16_ulps(a, b) -> float:

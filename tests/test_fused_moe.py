@@ -249,6 +249,10 @@ def test_regimes_and_tiles():
     assert fm.tile_for("prefill", "fc1", pairs=n) == fm.TILES[("prefill", "fc1")]
     assert fm.tile_for("decode", "fc2", pairs=64) == fm.TILES[("decode", "fc2")]
     assert fm.tile_for("prefill", "fc2", True, n) == fm.BLOCKWISE_TILES[("prefill", "fc2")]
+    # fc2 leaves its rows sorted for the slot sums in the prefill regime on the kernel only
+    assert fm.stores_sorted(8 * 4096, 128, "triton")
+    assert not fm.stores_sorted(8 * 4096, 128, "torch")
+    assert not fm.stores_sorted(8 * 64, 64, "triton")  # decode: the scatter
 
 
 def test_engine_config_key():

@@ -29,6 +29,7 @@ from colo_rollout.model.norm_add import (
     fused_rms_norm,
 )
 from colo_rollout.model.residual import add_rounded, add_rounded_slots
+from tests.test_residual import sorted_slots
 from tests.interpreted import HAS_TRITON, interpreted_main
 
 NORM_ULPS = 1
@@ -114,6 +115,10 @@ def test_torch_path_is_the_add_then_the_module(i):
         want = _unfused(res, part, norm)
         got = _fused(res, part, norm, "torch")
         assert all(torch.equal(a, b) for a, b in zip(got, want))
+        if part.dim() == 3:  # the slots where fc2 left them sorted, read by index
+            got = add_slots_rms_norm(res, sorted_slots(part, i),
+                                     fused_rms_norm(norm, res.shape[-1]), "torch")
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 @pytest.mark.filterwarnings("ignore:Mismatch dtype")  # torch: no fused kernel, as intended
@@ -196,6 +201,11 @@ def _interpreted() -> list[str]:
             if part.dim() == 3:  # and the unfused slot kernel it replaces
                 if not torch.equal(new, add_rounded_slots(res, part, "triton")):
                     fails.append(f"{name}: the residual differs from the slot kernel's")
+                # the slots read by index where fc2 left them sorted: the same bits
+                got = add_slots_rms_norm(res, sorted_slots(part, i),
+                                         fused_rms_norm(norm, res.shape[-1]), "triton")
+                if not (torch.equal(got[0], new) and torch.equal(got[1], normed)):
+                    fails.append(f"{name}: the sorted slots' outputs differ")
             if new.dtype != res.dtype or not torch.equal(new, want_new):
                 fails.append(f"{name}: residual {int((new != want_new).sum())} elements differ")
             ulps, differ = _ulps(normed, want_normed)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colo_rollout.model.residual import add_rounded, add_rounded_slots, slot_sum
+from colo_rollout.model.residual import SortedSlots, add_rounded, add_rounded_slots, slot_sum
 from tests.interpreted import HAS_TRITON, interpreted_main
 
 CASES = [((1, 37), torch.bfloat16), ((3, 2048), torch.bfloat16), ((5, 1100), torch.float16)]
@@ -89,6 +89,33 @@ def test_slots_torch_path_is_the_unfused_add():
         add_rounded_slots(res, pairs[:, :, :-1])
 
 
+def sorted_slots(pairs: torch.Tensor, seed: int, dtype=torch.int32) -> SortedSlots:
+    """``pairs`` [n, k, H] as fc2 leaves them sorted: the n * k rows in a shuffled order among
+    rows no slot names (NaN: a read of one shows), each pair's row in ``where``."""
+    n, k, H = pairs.shape
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.full((n * k + 3, H), float("nan"), dtype=pairs.dtype)
+    place = torch.randperm(n * k + 3, generator=g)[: n * k]
+    rows[place] = pairs.reshape(-1, H)
+    return SortedSlots(rows, place.view(n, k).to(dtype))
+
+
+def test_sorted_slots_sum_as_the_slots_in_place():
+    for i in range(len(SLOT_CASES)):
+        res, pairs = _slot_case(i)
+        for dtype in (torch.int32, torch.int64):
+            s = sorted_slots(pairs, i, dtype)
+            assert s.shape == pairs.shape and torch.equal(s.in_place(), pairs)
+            assert torch.equal(slot_sum(s), slot_sum(pairs))
+            assert torch.equal(add_rounded_slots(res, s), add_rounded_slots(res, pairs))
+    res, pairs = _slot_case(1)
+    s = sorted_slots(pairs, 0)
+    for bad in (SortedSlots(s.rows[:, :-1], s.where), SortedSlots(s.rows, s.where[:-1]),
+                SortedSlots(s.rows, s.where.float())):
+        with pytest.raises(ValueError, match="do not match res"):
+            add_rounded_slots(res, bad)
+
+
 def _interpreted() -> list[str]:
     fails = []
     for i in range(len(CASES)):
@@ -108,6 +135,12 @@ def _interpreted() -> list[str]:
                          f"torch path, {int((got != unfused).sum())} from the unfused kernels")
         if not torch.equal(pairs, before):
             fails.append(f"slot case {i}: the pairs were written")
+        for dtype in (torch.int32, torch.int64):  # the rows where fc2 left them, by index
+            s = sorted_slots(pairs, i, dtype)
+            got_s = add_rounded_slots(res, s, "triton")
+            if not torch.equal(got_s, want):
+                fails.append(f"slot case {i}, sorted ({dtype}): "
+                             f"{int((got_s != want).sum())} elements differ")
     return fails
 
 

@@ -656,6 +656,17 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, rows: int, *,
     return out
 
 
+def stores_sorted(rows: int, experts: int, backend: str) -> bool:
+    """Whether a caller that sums the k slots itself (model/residual.py: ``SortedSlots``) has
+    fc2 leave a launch of ``rows`` pairs over ``experts`` in the pairs' sorted order: the
+    prefill regime's Triton launches, whose scattered store costs fc2 3-7% (each row's place
+    loaded in the epilogue, its latency exposed; scripts/gpu_moe_gemm_ceiling.py
+    --fc2-sweep, 2026-12-06, H100: sorted 1.03x at 8192 tokens, 1.07x at 4096 over the
+    scatter), while the slot sum reads the same rows through an index either way. Decode
+    keeps the scatter: its launches are bound by reading the weights."""
+    return backend == "triton" and regime(rows, experts) == "prefill"
+
+
 def runs_persistent(a: torch.Tensor, w: torch.Tensor, tile: Tile, *,
                     token: torch.Tensor | None = None, gated: bool = False,
                     prob: torch.Tensor | None = None, act: int = ACT_NONE,

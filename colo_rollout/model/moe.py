@@ -46,12 +46,14 @@ from colo_rollout.model.fused_moe import (
     BACKENDS as MOE_KERNELS,
     KERNEL_DTYPES,
     moe_experts,
+    stores_sorted,
     triton_available,
     triton_supports,
 )
 from colo_rollout.model.fp8 import Fp8Weight
 from colo_rollout.model.fp8_linear import fp8_linear
 from colo_rollout.model.moe_align import align
+from colo_rollout.model.residual import SortedSlots
 from colo_rollout.model import router_topk
 
 # The partial MoE outputs are summed over experts and reduced across ranks in fp32 and rounded
@@ -199,9 +201,11 @@ class GatherMoE(torch.nn.Module):
         router is per row) but given to no expert, and their output rows are zero.
         ``record`` [N, k] (routing replay): the rows' chosen expert ids are written into it.
         ``pairs`` (grouped path only, ``uses_grouped``): the k slots of each token unsummed,
-        [N, k, H] in x's dtype (other ranks' experts' and padding rows' slots zero) -- for a
-        caller that sums them into the residual itself (model/residual.py:
-        ``add_rounded_slots``, one launch where the combine collective is the identity).
+        [N, k, H] in x's dtype (other ranks' experts' and padding rows' slots zero) -- or,
+        where fc2 leaves its rows sorted (``fused_moe.stores_sorted``: prefill on the Triton
+        kernel), a ``SortedSlots`` naming each slot's row -- for a caller that sums them into
+        the residual itself (model/residual.py: ``add_rounded_slots``, one launch where the
+        combine collective is the identity).
         ``invariant`` (engine.batch_invariant's D; the grouped path): the gate and the expert
         GEMMs batch-invariant (model/batch_invariant.py)."""
         if self.uses_grouped(x):
@@ -329,12 +333,24 @@ class GatherMoE(torch.nn.Module):
         al = align(chosen, weight, self.first_expert, self.num_local, n_valid,
                    backend=backend, expert_ids=self._expert_ids(x.device))
         fc1, fc2 = self.expert_weights()
+        R = al.order.shape[0]
+        # a caller summing the slots itself may read them where fc2 leaves them, in sorted
+        # order (fused_moe.stores_sorted: the prefill launches), through each pair's row
+        keep_sorted = pairs and stores_sorted(R, self.num_local, backend)
         # fc1 -> activation -> * router prob (megatron: probs after the activation) -> fc2, on
-        # the sorted pairs, each result row stored back at its (token, slot) place (model/
-        # fused_moe.py: torch._grouped_mm or the Triton kernel); other ranks' rows are zero
+        # the sorted pairs, each result row stored back at its (token, slot) place -- or left
+        # in sorted order (model/fused_moe.py: torch._grouped_mm or the Triton kernel); other
+        # ranks' rows are zero
         y = moe_experts(x, al.token, al.offs, al.prob, fc1, fc2, self.config.activation_func,
-                        self.config.gated_linear_unit, backend, order=al.order,
+                        self.config.gated_linear_unit, backend,
+                        order=None if keep_sorted else al.order,
                         invariant=invariant)  # [N*k, H]
+        if keep_sorted:  # pair p's row: where[p], the inverse of order (a range, a scatter:
+            # made in the forward, so a P graph's capture records them -- a range kept between
+            # calls and grown would leave earlier captures reading freed memory)
+            where = torch.empty_like(al.order)
+            where[al.order] = torch.arange(R, device=x.device, dtype=al.order.dtype)
+            return SortedSlots(y, where.view(-1, k))
         y = y.view(-1, k, y.shape[-1])
         if pairs:  # the caller sums the slots (into the residual, in one launch)
             return y

@@ -42,7 +42,8 @@ import torch.nn.functional as F
 
 from colo_rollout.model.bound_kernel import BoundKernel, all_aligned
 from colo_rollout.model.kernel_backend import pow2, rne_bf16, tl, triton
-from colo_rollout.model.residual import add_rounded, add_rounded_slots
+from colo_rollout.model.residual import (Slots, _slot_shape_error, add_rounded,
+                                         add_rounded_slots, slot_operands)
 
 if triton is not None:
     from colo_rollout.model.residual import slot_residual
@@ -91,17 +92,20 @@ def add_rms_norm(res: torch.Tensor, partial: torch.Tensor, norm: FusedRMSNorm,
     return _launch(res, partial.view(n, 1, H), norm, out)
 
 
-def add_slots_rms_norm(res: torch.Tensor, pairs: torch.Tensor, norm: FusedRMSNorm,
+def add_slots_rms_norm(res: torch.Tensor, pairs: Slots, norm: FusedRMSNorm,
                        backend: str = "torch", out: Outputs | None = None) -> Outputs:
-    """res [n, H] (model dtype) + the fp32 sum of pairs [n, k, H] over k rounded to res's dtype
-    -> (that sum, its RMSNorm): ``add_rounded_slots(res, pairs)`` and ``F.rms_norm`` of it, in
-    one kernel with ``backend`` "triton" where it applies. ``out`` as for ``add_rms_norm``."""
-    n, H = res.shape
-    if pairs.dim() != 3 or pairs.shape[0] != n or pairs.shape[2] != H or pairs.shape[1] < 1:
-        raise ValueError(f"add_slots_rms_norm: pairs {tuple(pairs.shape)} do not match "
-                         f"res {tuple(res.shape)} as [n, k, H]")
+    """res [n, H] (model dtype) + the fp32 sum of pairs [n, k, H] (or ``SortedSlots``) over k
+    rounded to res's dtype -> (that sum, its RMSNorm): ``add_rounded_slots(res, pairs)`` and
+    ``F.rms_norm`` of it, in one kernel with ``backend`` "triton" where it applies. ``out`` as
+    for ``add_rms_norm``."""
+    H = res.shape[1]
+    problem = _slot_shape_error("add_slots_rms_norm", pairs, res)
+    if problem:
+        raise ValueError(problem)
     _check_out(res, out)
-    if not _kernel_applies(res, pairs, norm, backend):
+    rows, where = slot_operands(pairs)
+    if (not _kernel_applies(res, rows, norm, backend)
+            or not (where is None or where.is_contiguous())):
         new = add_rounded_slots(res, pairs)
         return _into(out, new, F.rms_norm(new, (H,), norm.weight, norm.eps))
     return _launch(res, pairs, norm, out)
@@ -155,9 +159,10 @@ def _kernel_applies(res, partial, norm: FusedRMSNorm, backend: str) -> bool:
             and res.is_contiguous() and partial.is_contiguous() and w.is_contiguous())
 
 
-def _launch(res: torch.Tensor, pairs: torch.Tensor, norm: FusedRMSNorm,
+def _launch(res: torch.Tensor, pairs: Slots, norm: FusedRMSNorm,
             out: Outputs | None = None) -> Outputs:
     n, k, H = pairs.shape
+    rows, where = slot_operands(pairs)
     new, normed = (torch.empty_like(res), torch.empty_like(res)) if out is None else out
     if n and H:
         block = pow2(H, 16)
@@ -166,9 +171,13 @@ def _launch(res: torch.Tensor, pairs: torch.Tensor, norm: FusedRMSNorm,
         # (bound once per key: model/bound_kernel.py)
         rne = not res.is_cuda and res.dtype == torch.bfloat16
         warps = min(16, max(1, block // 256))
-        key = ((res.dtype, pairs.dtype, H, k, block, rne, warps)
-               if all_aligned(res, pairs, norm.weight, new, normed) else None)
-        args = (res, pairs, norm.weight, new, normed, H, norm.eps, k, block, rne)
+        sort = where is not None
+        key = ((res.dtype, rows.dtype, H, k, sort, where.dtype if sort else None, block, rne,
+                warps)
+               if all_aligned(res, rows, norm.weight, new, normed, *([where] if sort else []))
+               else None)
+        args = (res, rows, where if sort else rows, norm.weight, new, normed, H, norm.eps, k,
+                sort, block, rne)
         if torch.autograd.profiler._is_profiler_enabled:
             # a named range the profiler sees the launch under (bench-speed's "norms": the
             # layers call this kernel themselves, outside the norm modules); entered only
@@ -183,14 +192,15 @@ def _launch(res: torch.Tensor, pairs: torch.Tensor, norm: FusedRMSNorm,
 if triton is not None:
 
     @triton.jit
-    def _add_rms_norm_kernel(Res, Pairs, W, New, Normed, H, eps, K: tl.constexpr,
-                             BLOCK: tl.constexpr, RNE_BF16: tl.constexpr):
+    def _add_rms_norm_kernel(Res, Pairs, Where, W, New, Normed, H, eps, K: tl.constexpr,
+                             SORTED: tl.constexpr, BLOCK: tl.constexpr,
+                             RNE_BF16: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < H
         dtype = New.dtype.element_ty
         # the new residual, bitwise add_rounded / add_rounded_slots (exact in fp32; masked: 0)
-        x = slot_residual(Res, Pairs, row, cols, mask, H, K, dtype, RNE_BF16)
+        x = slot_residual(Res, Pairs, Where, row, cols, mask, H, K, SORTED, dtype, RNE_BF16)
         tl.store(New + row * H + cols, x.to(dtype), mask=mask)
         # torch's rms_norm on it
         _store_rms_norm(x, W, Normed, row, cols, mask, H, eps, dtype, RNE_BF16)
