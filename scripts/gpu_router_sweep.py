@@ -43,7 +43,8 @@ def _align(chosen, weight, E, block, warps):
     out = ma.Aligned(torch.empty(n * k, dtype=torch.int32, device=dev),
                      torch.empty(n * k, dtype=torch.int32, device=dev),
                      torch.empty(E, dtype=torch.int32, device=dev),
-                     torch.empty(n * k, dtype=weight.dtype, device=dev))
+                     torch.empty(n * k, dtype=weight.dtype, device=dev),
+                     torch.empty(n * k, dtype=torch.int32, device=dev))
     return ma._blocked_align(chosen, weight, 0, E, None, out, block=block, warps=warps)
 
 

@@ -64,6 +64,7 @@ def test_torch_align_is_a_stable_sort_by_expert(i):
     assert got.order.tolist() == order and got.token.tolist() == token
     assert got.offs.tolist() == offs and got.offs.dtype == torch.int32
     assert torch.equal(got.prob, torch.stack(prob)) and got.prob.dtype == weight.dtype
+    assert got.where.tolist() == sorted(range(len(order)), key=order.__getitem__)
 
 
 def test_use_triton_by_backend_and_size():
@@ -83,7 +84,7 @@ def _interpreted() -> list[str]:
         chosen, weight, first, E, n_valid = _case(i)
         ref = ma.torch_align(chosen, weight, first, E, n_valid)
         got = ma.triton_align(chosen, weight, first, E, n_valid)
-        for name in ("order", "token", "offs"):
+        for name in ("order", "token", "offs", "where"):
             if getattr(got, name).tolist() != getattr(ref, name).tolist():
                 fails.append(f"case {i}: {name} {getattr(got, name).tolist()[:12]} != "
                              f"{getattr(ref, name).tolist()[:12]}")

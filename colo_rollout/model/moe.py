@@ -345,12 +345,8 @@ class GatherMoE(torch.nn.Module):
                         self.config.gated_linear_unit, backend,
                         order=None if keep_sorted else al.order,
                         invariant=invariant)  # [N*k, H]
-        if keep_sorted:  # pair p's row: where[p], the inverse of order (a range, a scatter:
-            # made in the forward, so a P graph's capture records them -- a range kept between
-            # calls and grown would leave earlier captures reading freed memory)
-            where = torch.empty_like(al.order)
-            where[al.order] = torch.arange(R, device=x.device, dtype=al.order.dtype)
-            return SortedSlots(y, where.view(-1, k))
+        if keep_sorted:  # pair p's row: al.where[p] (the align kernel's inverse of order)
+            return SortedSlots(y, al.where.view(-1, k))
         y = y.view(-1, k, y.shape[-1])
         if pairs:  # the caller sums the slots (into the residual, in one launch)
             return y

@@ -56,6 +56,7 @@ class Aligned:
     token: torch.Tensor  # [R] the token row (of x) at each sorted position
     offs: torch.Tensor  # [E] int32 group ends: positions < offs[e] hold experts <= e
     prob: torch.Tensor  # [R] each sorted pair's router probability (the weights' dtype)
+    where: torch.Tensor  # [R] each pair's sorted position: the inverse of ``order``
 
 
 def torch_align(chosen: torch.Tensor, weight: torch.Tensor, first: int, experts: int,
@@ -76,7 +77,9 @@ def torch_align(chosen: torch.Tensor, weight: torch.Tensor, first: int, experts:
     if expert_ids is None:
         expert_ids = torch.arange(experts, device=chosen.device)
     offs = torch.searchsorted(sorted_key, expert_ids, right=True, out_int32=True)
-    return Aligned(order, order // k, offs, weight.flatten()[order])
+    where = torch.empty_like(order)
+    where[order] = torch.arange(order.shape[0], device=order.device)
+    return Aligned(order, order // k, offs, weight.flatten()[order], where)
 
 
 def triton_align(chosen: torch.Tensor, weight: torch.Tensor, first: int, experts: int,
@@ -96,20 +99,21 @@ def triton_align(chosen: torch.Tensor, weight: torch.Tensor, first: int, experts
     token = torch.empty(pairs, dtype=torch.int32, device=dev)
     prob = torch.empty(pairs, dtype=weight.dtype, device=dev)
     offs = torch.empty(experts, dtype=torch.int32, device=dev)
+    where = torch.empty(pairs, dtype=torch.int32, device=dev)
     if pairs == 0:
         offs.zero_()
-        return Aligned(order, token, offs, prob)
+        return Aligned(order, token, offs, prob, where)
     if pairs > TRITON_MAX_PAIRS:
         return _blocked_align(chosen, weight, first, experts, n_valid,
-                              Aligned(order, token, offs, prob))
+                              Aligned(order, token, offs, prob, where))
     p_pad = next(w for w in _WIDTHS if pairs <= w)
     nv = n_valid if n_valid is not None else offs  # unread without HAS_NVALID
     _align_kernel[(1,)](
-        chosen, weight, nv, order, token, prob, offs, pairs, first, experts,
+        chosen, weight, nv, order, token, prob, offs, where, pairs, first, experts,
         K=k, HAS_NVALID=n_valid is not None, P_PAD=p_pad, E_BINS=pow2(experts + 2, 16),
         num_warps=4 if p_pad <= 1024 else (8 if p_pad <= 4096 else 16),
     )
-    return Aligned(order, token, offs, prob)
+    return Aligned(order, token, offs, prob, where)
 
 
 def _blocked_align(chosen: torch.Tensor, weight: torch.Tensor, first: int, experts: int,
@@ -131,7 +135,7 @@ def _blocked_align(chosen: torch.Tensor, weight: torch.Tensor, first: int, exper
     _block_scan_kernel[(1,)](counts, base, out.offs, blocks, experts, E_BINS=bins,
                              ROWS=_SCAN_ROWS, num_warps=4)
     _block_scatter_kernel[(blocks,)](chosen, weight, nv, base, out.order, out.token, out.prob,
-                                     pairs, first, experts, **kw, num_warps=warps)
+                                     out.where, pairs, first, experts, **kw, num_warps=warps)
     return out
 
 
@@ -183,7 +187,7 @@ if triton is not None:
     # the pair and expert counts change nothing in the code: one compiled kernel per top-k
     # and power-of-two bucket of pairs
     @triton.jit(do_not_specialize=["pairs", "first", "E"])
-    def _align_kernel(Chosen, Weight, NValid, Order, Token, Prob, Offs, pairs, first, E,
+    def _align_kernel(Chosen, Weight, NValid, Order, Token, Prob, Offs, Where, pairs, first, E,
                       K: tl.constexpr, HAS_NVALID: tl.constexpr, P_PAD: tl.constexpr,
                       E_BINS: tl.constexpr):
         i = tl.arange(0, P_PAD)
@@ -194,6 +198,7 @@ if triton is not None:
         tl.store(Order + i, src, mask=ok)
         tl.store(Token + i, src // K, mask=ok)
         tl.store(Prob + i, tl.load(Weight + src, mask=ok, other=0.0), mask=ok)
+        tl.store(Where + src, i, mask=ok)
         # group ends: keys <= e, counted by a histogram (E_BINS > E + 1: every key in range)
         ends = tl.cumsum(tl.histogram(key, E_BINS), 0)
         e = tl.arange(0, E_BINS)
@@ -235,8 +240,8 @@ if triton is not None:
             run += tl.sum(c, axis=0)
 
     @triton.jit(do_not_specialize=["pairs", "first", "E"])
-    def _block_scatter_kernel(Chosen, Weight, NValid, Base, Order, Token, Prob, pairs, first,
-                              E, K: tl.constexpr, HAS_NVALID: tl.constexpr,
+    def _block_scatter_kernel(Chosen, Weight, NValid, Base, Order, Token, Prob, Where, pairs,
+                              first, E, K: tl.constexpr, HAS_NVALID: tl.constexpr,
                               BLOCK: tl.constexpr, E_BINS: tl.constexpr):
         """Block b's pairs sorted by (key, pair) in the block, each stored at its global sorted
         position: Base[b, key] + its rank among the block's pairs of that key."""
@@ -261,3 +266,4 @@ if triton is not None:
         tl.store(Order + dest, pair.to(tl.int32), mask=ok)
         tl.store(Token + dest, (pair // K).to(tl.int32), mask=ok)
         tl.store(Prob + dest, tl.load(Weight + pair, mask=ok, other=0.0), mask=ok)
+        tl.store(Where + pair, dest.to(tl.int32), mask=ok)
