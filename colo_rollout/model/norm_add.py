@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from colo_rollout.model.bound_kernel import BoundKernel, all_aligned
 from colo_rollout.model.kernel_backend import pow2, rne_bf16, tl, triton
-from colo_rollout.model.residual import (Slots, _slot_shape_error, add_rounded,
+from colo_rollout.model.residual import (Slots, slot_shape_error, add_rounded,
                                          add_rounded_slots, slot_operands)
 
 if triton is not None:
@@ -99,7 +99,7 @@ def add_slots_rms_norm(res: torch.Tensor, pairs: Slots, norm: FusedRMSNorm,
     ``F.rms_norm`` of it, in one kernel with ``backend`` "triton" where it applies. ``out`` as
     for ``add_rms_norm``."""
     H = res.shape[1]
-    problem = _slot_shape_error("add_slots_rms_norm", pairs, res)
+    problem = slot_shape_error("add_slots_rms_norm", pairs, res)
     if problem:
         raise ValueError(problem)
     _check_out(res, out)

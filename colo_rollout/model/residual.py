@@ -16,6 +16,11 @@ Owns
     sequential only for k <= 4, or k <= 16 with H a multiple of the vector width -- measured
     -- and CUDA's reduction keeps several accumulators; the torch path therefore spells the
     order out.) One launch instead of the slot sum's reduction and the add.
+  * ``SortedSlots``: the slots where fc2 left them in prefill -- in the pairs' expert-sorted
+    order, each token's slot j at the row its ``where`` names (model/fused_moe.py:
+    ``stores_sorted``; its scattered store into the pairs' order cost fc2 3-7%) -- which the
+    functions here read by index: the same rows, the same adds in the same order, so the
+    same bits as the slots in place.
 
 Where a kernel does not apply (backend torch, CPU tensors outside the interpreter's tests,
 fp32 models, non-contiguous inputs) it is the torch expression. The same adds fused with the
@@ -81,7 +86,7 @@ class SortedSlots:
 Slots = torch.Tensor | SortedSlots
 
 
-def _slot_shape_error(what: str, pairs: Slots, res: torch.Tensor) -> str | None:
+def slot_shape_error(what: str, pairs: Slots, res: torch.Tensor) -> str | None:
     """Why ``pairs`` cannot be summed into res [n, H] (None: it can)."""
     if isinstance(pairs, SortedSlots):
         ok = (pairs.rows.dim() == 2 and pairs.where.dim() == 2
@@ -110,7 +115,7 @@ def slot_sum(pairs: Slots) -> torch.Tensor:
 
 
 def slot_operands(pairs: Slots) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The kernels' operands of ``pairs``: (the rows, the index or None), each contiguous."""
+    """The kernels' operands of ``pairs``: (the rows, the index or None)."""
     if isinstance(pairs, SortedSlots):
         return pairs.rows, pairs.where
     return pairs, None
@@ -123,7 +128,7 @@ def add_rounded_slots(res: torch.Tensor, pairs: Slots, backend: str = "torch",
     graph's shared output rows): ``add_rounded(res, slot_sum(pairs))``. ``backend``
     "triton": one kernel where it applies (bf16/fp16, contiguous, pairs in res's dtype)."""
     n, H = res.shape
-    problem = _slot_shape_error("add_rounded_slots", pairs, res)
+    problem = slot_shape_error("add_rounded_slots", pairs, res)
     if problem:
         raise ValueError(problem)
     if out is not None and (out.shape != res.shape or out.dtype != res.dtype
