@@ -23,9 +23,16 @@ DeepGEMM on the GPU host (no package index there): carry ``.dg/DeepGEMM`` -- Dee
 nvidia-cutlass==4.2.0.0 wheel (``cutlass_library/source/include``; 27 MB) -- then, there:
 
   cd .dg/DeepGEMM && cp -r third-party/cutlass/include/cute third-party/cutlass/include/cutlass \
-      deep_gemm/include/ && python3 setup.py build_ext --inplace && cd -
+      deep_gemm/include/ && CXX=/usr/bin/g++ CC=/usr/bin/gcc python3 setup.py build_ext \
+      --inplace && cd -
 
-(the host extension: a minute or two; each kernel shape then JIT-compiles at its first call).
+(the host extension: about a minute; each kernel shape then JIT-compiles at its first call).
+The system compiler matters: built with the host's default ``CXX`` (/opt/gcc's g++ 13.3) the
+extension segfaulted in ``deep_gemm_cpp.init`` at import; with /usr/bin/g++ it loads.
+
+Answered on an H100 (2026-12-06, docs/benchmarks.md session 39): no -- DeepGEMM's grouped GEMM
+runs at the Triton kernels' rate (fc2 0.91-1.04x, fc1 without its gather 0.89-1.08x), the
+expert GEMMs are not behind what this library reaches at these shapes.
 
 Owns nothing of the engine; loads model/fused_moe.py and the sweep helpers of
 scripts/gpu_fused_moe.py.
@@ -93,6 +100,9 @@ def main(argv: list[str]) -> int:
         h1 = torch.empty(rows, ex.F, device=dev, dtype=g.DTYPE)
         u_pad = torch.empty(M, 2 * ex.F, device=dev, dtype=g.DTYPE)
         order = torch.randperm(rows, device=dev, generator=gen)
+        # the gather's index pair made outside the timed calls (a boolean mask syncs, which a
+        # graph capture refuses)
+        dst, src = place[ok], token[ok].long()
         fc2_tile = fm.tile_for("prefill", "fc2", pairs=rows)
         fc1_tile = fm.TILES[("prefill", "fc1")]
         calls = {
@@ -110,12 +120,14 @@ def main(argv: list[str]) -> int:
                 lambda c: deep_gemm.m_grouped_bf16_gemm_nt_contiguous(
                     x_pad, ex.fc1[c], u_pad, m_idx),
             "fc1's gather alone (x[token] into the padded rows)":
-                lambda c: x_pad.index_copy_(0, place[ok], x[token[ok].long()]),
+                lambda c: x_pad.index_copy_(0, dst, x.index_select(0, src)),
         }
         flops = {"fc2": 2 * R * ex.H * ex.F, "fc1": 4 * R * ex.H * ex.F}
         times = {k: [] for k in calls}
         for _ in range(args.reps):
             for label, fn in calls.items():
+                if isinstance(times[label], str):  # failed in an earlier round: its error stays
+                    continue
                 try:
                     times[label].append(g.graph_time(
                         [lambda c=c, fn=fn: fn(c) for c in (0, 1, 0, 1)], reps=5, warm=1))
