@@ -86,9 +86,7 @@ class Tile:
     persistent: bool = False
     # an expert's last row block with at most this many rows (a power of two < block_m, or 0:
     # off) runs a tile of this many rows in its place -- the MMA work of the padded rows cut;
-    # where A comes by pointer, or in the persistent kernel (a second loop over the tails
-    # with a descriptor of tail_m-row boxes); not in the other kernel's TMA-fed A (its
-    # descriptor's box is block_m rows)
+    # only where A comes by pointer (a TMA descriptor's block is block_m rows)
     tail_m: int = 0
     # a gated GEMM's gate and up weight tiles in one TMA load of a [2, block_n, block_k] box
     # (the weight stack seen as [2E, n, K]) and one MMA of 2 x block_n columns, split in the
@@ -458,33 +456,27 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["rows", "m_blocks", "group_m", "E"])
     def _moe_gemm_persistent_kernel(
-        A, ATail, W, Offs, Out, Scatter,
+        A, W, Offs, Out, Scatter,
         rows, m_blocks, group_m, n_out, k_dim, E, w_rows_per_expert, stride_om,
         E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, ZERO_TAIL: tl.constexpr, SCATTER: tl.constexpr,
         NPROG: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-        RNE_BF16: tl.constexpr, TAIL_M: tl.constexpr,
+        RNE_BF16: tl.constexpr,
     ):
         """``_moe_gemm_kernel``'s plain GEMM (no gather, gate or probability; A and W
         through TMA descriptors) with NPROG programs walking the tiles in use: tile t of
         program p is p + t * NPROG, in the same grouped order. The tile loop is flattened
         into the K loop (the software pipeline loads the next tile's operands while this
-        tile's epilogue stores). With ``TAIL_M`` an expert's last row block holding at most
-        TAIL_M rows is not one of those tiles: after them the programs walk these tail
-        blocks with TAIL_M-row tiles (A through ``ATail``, a descriptor of TAIL_M-row boxes),
-        the padded rows' MMA work cut. The row blocks past the last expert's then zero the
-        rows past offs[-1] (``ZERO_TAIL``), one block each, as in the other kernel."""
+        tile's epilogue stores). The row blocks past the last expert's then zero the rows
+        past offs[-1] (``ZERO_TAIL``), one block each, as in the other kernel."""
         pid = tl.program_id(0)
         eids = tl.arange(0, E_PAD)
         inside = eids < E
         ends = tl.load(Offs + eids, mask=inside, other=0).to(tl.int32)
         starts = tl.load(Offs + eids - 1, mask=inside & (eids > 0), other=0).to(tl.int32)
-        count = tl.where(inside, ends - starts, 0)
-        # full-height tiles: every row block but a last one of <= TAIL_M rows (a tail),
-        # ceil((count - TAIL_M) / BLOCK_M) of them ((count + BLOCK_M - 1) // BLOCK_M at 0)
-        nblk = (count + BLOCK_M - TAIL_M - 1) // BLOCK_M
+        nblk = (tl.where(inside, ends - starts, 0) + BLOCK_M - 1) // BLOCK_M
         cum = tl.cumsum(nblk, 0)
-        total = tl.sum(nblk, 0)  # full-height row blocks in use
+        total = tl.sum(nblk, 0)  # row blocks in use
         n_tiles = tl.cdiv(n_out, BLOCK_N)
         per_group = group_m * n_tiles
         offs_m = tl.arange(0, BLOCK_M)
@@ -522,41 +514,6 @@ if triton is not None:
             tl.store(Out + out_rows[:, None] * stride_om + offs_n[None, :],
                      acc.to(Out.dtype.element_ty),
                      mask=mmask[:, None] & (offs_n < n_out)[None, :])
-        if TAIL_M:  # the tail blocks: the tile indices after the full-height ones, in turn
-            rem = count % BLOCK_M
-            has_tail = (rem > 0) & (rem <= TAIL_M)
-            tcum = tl.cumsum(has_tail.to(tl.int32), 0)
-            used = total * n_tiles
-            first = used + ((pid - used) % NPROG + NPROG) % NPROG
-            offs_t = tl.arange(0, TAIL_M)
-            for t in tl.range(first, used + tl.sum(has_tail.to(tl.int32), 0) * n_tiles, NPROG):
-                i = (t - used) // n_tiles  # the i-th tail, of the expert e:
-                pid_n = (t - used) % n_tiles
-                e = tl.sum((tcum <= i).to(tl.int32), 0)
-                sel = eids == e
-                row_hi = tl.sum(tl.where(sel, ends, 0), 0)
-                row_lo = row_hi - tl.sum(tl.where(sel, rem, 0), 0)
-                w_row = e * w_rows_per_expert + pid_n * BLOCK_N
-                acc_t = tl.zeros([TAIL_M, BLOCK_N], dtype=tl.float32)
-                for k0 in range(0, k_dim, BLOCK_K):
-                    a = ATail.load([row_lo, k0])
-                    w = W.load([w_row, k0]).T
-                    if UPCAST:
-                        a = a.to(tl.float32)
-                        w = w.to(tl.float32)
-                    acc_t = tl.dot(a, w, acc_t, input_precision=DOT_PREC)
-                if RNE_BF16:
-                    acc_t = rne_bf16(acc_t)
-                rows_m = row_lo + offs_t
-                mmask = rows_m < row_hi
-                if SCATTER:
-                    out_rows = tl.load(Scatter + rows_m, mask=mmask, other=0).to(tl.int64)
-                else:
-                    out_rows = rows_m.to(tl.int64)
-                offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-                tl.store(Out + out_rows[:, None] * stride_om + offs_n[None, :],
-                         acc_t.to(Out.dtype.element_ty),
-                         mask=mmask[:, None] & (offs_n < n_out)[None, :])
         if ZERO_TAIL:  # spare row blocks (see row_blocks): the rows past offs[-1]
             tail = tl.load(Offs + E - 1).to(tl.int32)
             for t in range(total * n_tiles + pid, m_blocks * n_tiles, NPROG):
@@ -738,20 +695,16 @@ def _persistent_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, rows:
     nprog = _programs(a.device)
     upcast = not a.is_cuda
     sc = scatter if scatter is not None else offs
-    a_desc = TensorDescriptor(a, [a.shape[0], K], [a.stride(0), 1],
-                              [tile.block_m, tile.block_k])
     _moe_gemm_persistent_kernel[(nprog,)](
-        a_desc,
-        TensorDescriptor(a, [a.shape[0], K], [a.stride(0), 1], [tile.tail_m, tile.block_k])
-        if tile.tail_m else a_desc,
+        TensorDescriptor(a, [a.shape[0], K], [a.stride(0), 1], [tile.block_m, tile.block_k]),
         TensorDescriptor(w, [E * wn, K], [w.stride(1), 1], [tile.block_n, tile.block_k]),
         offs, out, sc, rows, m_blocks, tile.group_m, wn, K, E, wn, out.stride(0),
         E_PAD=pow2(E, E_PAD_MIN), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, ZERO_TAIL=zero_tail, SCATTER=scatter is not None,
         NPROG=nprog,
         DOT_PREC="ieee" if a.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
-        RNE_BF16=upcast and out.dtype == torch.bfloat16, TAIL_M=tile.tail_m,
-        num_warps=tile.num_warps, num_stages=tile.num_stages)
+        RNE_BF16=upcast and out.dtype == torch.bfloat16, num_warps=tile.num_warps,
+        num_stages=tile.num_stages)
 
 
 def tma_usable(a: torch.Tensor, w: torch.Tensor) -> bool:
