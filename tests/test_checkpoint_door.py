@@ -4,6 +4,8 @@ rank starts (the CLI checks config.json and the safetensors headers at the door)
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.test_door import door_error as _door_error
@@ -37,3 +39,32 @@ def test_contradicting_yaml_and_a_missing_tensor_are_named(tmp_path, capsys):
     line = _door_error(capsys, "train", "configs/checkpoint_cpu.yaml", "--set",
                        f"model.checkpoint={tmp_path}")
     assert "model.layers.0.self_attn.k_proj.weight: missing" in line
+
+
+# --------------------------------------------------------------------------- found by probing
+CKPT_YAML = "configs/checkpoint_cpu.yaml"
+
+
+def _qwen3(directory, **kw):
+    """A tiny Qwen3-MoE checkpoint saved by transformers (``kw``: save_tiny_checkpoint's)."""
+    pytest.importorskip("transformers")
+    from tests.cases_hf import save_tiny_checkpoint
+
+    save_tiny_checkpoint(directory, "qwen3", **kw)
+    return directory
+
+
+def _ckpt_error(capsys, directory) -> str:
+    return _door_error(capsys, "demo", CKPT_YAML, "--set", f"model.checkpoint={directory}")
+
+
+@pytest.mark.timeout(60)
+def test_config_json_that_is_a_fifo_is_refused_without_blocking(tmp_path, capsys):
+    # opened for a blocking read, a FIFO waits for a writer for ever: the door hung
+    _qwen3(tmp_path)
+    (tmp_path / "config.json").unlink()
+    os.mkfifo(tmp_path / "config.json")
+    line = _ckpt_error(capsys, tmp_path)
+    assert line == (f"error: {CKPT_YAML}: model.checkpoint: {tmp_path}/config.json: not a "
+                    "regular file (a directory, FIFO or device): a checkpoint's config.json "
+                    "and index are JSON files")

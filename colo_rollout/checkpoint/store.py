@@ -27,7 +27,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from colo_rollout.config.checkpoint_errors import CONFIG_NAME, CheckpointError
+from colo_rollout.config.checkpoint_errors import (
+    CONFIG_NAME,
+    CheckpointError,
+    read_checkpoint_file,
+)
 
 SINGLE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -47,12 +51,9 @@ _DTYPES: dict[str, torch.dtype] = {
 def _read_json_object(path: pathlib.Path) -> dict[str, Any]:
     """The JSON object in ``path``, or a CheckpointError saying why not."""
     try:
-        text = path.read_bytes().decode("utf-8")
+        text = read_checkpoint_file(path).decode("utf-8")
     except UnicodeDecodeError as e:
         raise CheckpointError(f"not UTF-8 ({e.reason} at byte {e.start})", path=path) from None
-    except OSError as e:
-        problem = "missing" if isinstance(e, FileNotFoundError) else f"cannot read: {e.strerror}"
-        raise CheckpointError(problem, path=path) from None
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:

@@ -26,7 +26,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from colo_rollout.config.checkpoint_errors import CONFIG_NAME, CheckpointError
+from colo_rollout.config.checkpoint_errors import (
+    CONFIG_NAME,
+    CheckpointError,
+    read_checkpoint_file,
+)
 from colo_rollout.config.checkpoint_index import stored_tensor_names
 
 QWEN3 = "Qwen3MoeForCausalLM"
@@ -151,12 +155,11 @@ class _Reader:
 
 def read_hf_config(directory: str | pathlib.Path) -> dict:
     path = pathlib.Path(directory) / CONFIG_NAME
+    raw = read_checkpoint_file(path, "missing (a Hugging Face checkpoint directory holds "
+                               "config.json and safetensors)")
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise CheckpointError("missing (a Hugging Face checkpoint directory holds config.json "
-                              "and safetensors)", path=path) from None
-    except (OSError, UnicodeDecodeError) as e:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
         raise CheckpointError(f"cannot read: {e}", path=path) from None
     try:
         config = json.loads(text)
