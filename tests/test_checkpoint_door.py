@@ -4,6 +4,7 @@ rank starts (the CLI checks config.json and the safetensors headers at the door)
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -68,3 +69,31 @@ def test_config_json_that_is_a_fifo_is_refused_without_blocking(tmp_path, capsys
     assert line == (f"error: {CKPT_YAML}: model.checkpoint: {tmp_path}/config.json: not a "
                     "regular file (a directory, FIFO or device): a checkpoint's config.json "
                     "and index are JSON files")
+
+
+def test_weight_file_that_is_not_a_regular_file_is_named(tmp_path, capsys):
+    # was: "DIR: no weights: expected model.safetensors or ... (shards without an index are
+    # not accepted)", though model.safetensors is there
+    _qwen3(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    (tmp_path / "model.safetensors").mkdir()
+    line = _ckpt_error(capsys, tmp_path)
+    assert line == (f"error: {tmp_path}/model.safetensors: not a regular file (a directory, "
+                    "FIFO, device or a link to nowhere), so the checkpoint has no weights")
+    (tmp_path / "model.safetensors").rmdir()
+    (tmp_path / "model.safetensors").symlink_to(tmp_path / "nowhere.safetensors")
+    assert _ckpt_error(capsys, tmp_path) == line
+
+
+def test_index_entry_naming_a_folder_is_not_called_missing(tmp_path, capsys):
+    import json
+
+    _qwen3(tmp_path, sharded=True)
+    index = tmp_path / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    data["weight_map"]["lm_head.weight"] = "sub"
+    (tmp_path / "sub").mkdir()
+    index.write_text(json.dumps(data))
+    line = _ckpt_error(capsys, tmp_path)
+    assert line == (f"error: {tmp_path}/sub: lm_head.weight: not a regular file (a directory, "
+                    "FIFO or device) (listed in model.safetensors.index.json)")

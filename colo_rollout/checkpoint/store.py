@@ -93,6 +93,12 @@ class CheckpointStore:
             self._source = index
             self._files = self._read_index(index)
         else:
+            # a weight file's name on something that is no regular file (a folder, a FIFO, a
+            # link to nowhere): named as such, not as absent (found by probing)
+            odd = next((p for p in (single, index) if os.path.lexists(p)), None)
+            if odd is not None:
+                raise CheckpointError("not a regular file (a directory, FIFO, device or a link "
+                                      "to nowhere), so the checkpoint has no weights", path=odd)
             pickled = sorted(p.name for p in self.directory.glob("*.bin"))[:1]
             why = (f"; {pickled[0]} is a pickle, which is never loaded (convert it with "
                    "transformers' save_pretrained(..., safe_serialization=True))"
@@ -119,8 +125,9 @@ class CheckpointStore:
         # Check each shard once, naming one tensor the index maps to it.
         for path, name in {p: n for n, p in reversed(files.items())}.items():
             if not path.is_file():
-                raise CheckpointError(f"shard file missing (listed in {INDEX_NAME})",
-                                      path=path, name=name)
+                what = ("not a regular file (a directory, FIFO or device)" if path.exists()
+                        else "shard file missing")
+                raise CheckpointError(f"{what} (listed in {INDEX_NAME})", path=path, name=name)
         return files
 
     def _handle(self, path: pathlib.Path) -> Any:
