@@ -9,6 +9,7 @@ import os
 
 import pytest
 
+from colo_rollout import door
 from tests.test_door import door_error as _door_error
 
 
@@ -97,3 +98,23 @@ def test_index_entry_naming_a_folder_is_not_called_missing(tmp_path, capsys):
     line = _ckpt_error(capsys, tmp_path)
     assert line == (f"error: {tmp_path}/sub: lm_head.weight: not a regular file (a directory, "
                     "FIFO or device) (listed in model.safetensors.index.json)")
+
+
+def test_tensor_listed_twice_in_the_index_is_named(tmp_path, capsys):
+    # JSON keeps the last entry: the error was "not in this file, though
+    # model.safetensors.index.json maps it here", naming the wrong shard
+    _qwen3(tmp_path, sharded=True)
+    index = tmp_path / "model.safetensors.index.json"
+    name = "model.layers.0.self_attn.o_proj.weight"
+    text = index.read_text()
+    home = json.loads(text)["weight_map"][name]
+    other = next(p.name for p in sorted(tmp_path.glob("model-*.safetensors")) if p.name != home)
+    entry = f'"{name}": "{home}"'
+    assert entry in text
+    index.write_text(text.replace(entry, f'{entry},\n    "{name}": "{other}"'))
+    line = _ckpt_error(capsys, tmp_path)
+    assert line == (f"error: {index}: weight_map.{name}: listed 2 times ({home!r}, {other!r}): "
+                    "a tensor has one entry")
+    # the same shard twice is harmless: the checkpoint passes the door
+    index.write_text(text.replace(entry, f"{entry},\n    {entry}"))
+    door.load("demo", CKPT_YAML, {"model.checkpoint": str(tmp_path)})

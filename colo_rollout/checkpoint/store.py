@@ -48,14 +48,28 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
+class _Repeated(dict):
+    """A JSON object as ``json.loads`` builds it (the last of a repeated key wins), which also
+    keeps each repeated key with its values in order (``repeated``)."""
+
+    def __init__(self, pairs: list[tuple[str, Any]]) -> None:
+        super().__init__(pairs)
+        self.repeated: dict[str, list[Any]] = {}
+        if len(self) != len(pairs):
+            for key, value in pairs:
+                self.repeated.setdefault(key, []).append(value)
+            self.repeated = {k: v for k, v in self.repeated.items() if len(v) > 1}
+
+
 def _read_json_object(path: pathlib.Path) -> dict[str, Any]:
-    """The JSON object in ``path``, or a CheckpointError saying why not."""
+    """The JSON object in ``path``, or a CheckpointError saying why not. Every object in it
+    is a ``_Repeated`` (a dict that also lists its repeated keys)."""
     try:
         text = read_checkpoint_file(path).decode("utf-8")
     except UnicodeDecodeError as e:
         raise CheckpointError(f"not UTF-8 ({e.reason} at byte {e.start})", path=path) from None
     try:
-        obj = json.loads(text)
+        obj = json.loads(text, object_pairs_hook=_Repeated)
     except json.JSONDecodeError as e:
         raise CheckpointError(f"not JSON: {e.msg} at line {e.lineno} column {e.colno}",
                               path=path) from None
@@ -110,6 +124,15 @@ class CheckpointStore:
         weight_map = _read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError("missing or not an object", path=index, name="weight_map")
+        # a tensor listed twice with different shards: JSON keeps the last entry, which may
+        # name a shard that does not hold it -- named as what it is (found by probing: "not in
+        # this file"); the same shard twice is harmless
+        name, shards = next(((n, v) for n, v in weight_map.repeated.items()
+                             if len(set(map(repr, v))) > 1), (None, None))
+        if name is not None:
+            raise CheckpointError(f"listed {len(shards)} times ({', '.join(map(repr, shards))}): "
+                                  "a tensor has one entry", path=index,
+                                  name=f"weight_map.{name}")
         files: dict[str, pathlib.Path] = {}
         for name, file in weight_map.items():
             if not isinstance(file, str):
