@@ -118,3 +118,15 @@ def test_tensor_listed_twice_in_the_index_is_named(tmp_path, capsys):
     # the same shard twice is harmless: the checkpoint passes the door
     index.write_text(text.replace(entry, f"{entry},\n    {entry}"))
     door.load("demo", CKPT_YAML, {"model.checkpoint": str(tmp_path)})
+
+
+def test_zero_layers_names_num_hidden_layers(tmp_path, capsys):
+    # Qwen's dense-layer keys were read against 0 layers first: "mlp_only_layers: every layer
+    # dense: not a MoE model", a key the config.json never set
+    _qwen3(tmp_path)
+    config = tmp_path / "config.json"
+    config.write_text(config.read_text().replace('"num_hidden_layers": 2',
+                                                 '"num_hidden_layers": 0'))
+    line = _ckpt_error(capsys, tmp_path)
+    assert line == (f"error: {CKPT_YAML}: model.checkpoint: {config}: num_hidden_layers: must "
+                    "be >= 1, got 0")

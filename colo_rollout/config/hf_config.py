@@ -291,7 +291,11 @@ _THETA_DEFAULT = {MIXTRAL: 1e6}  # the config classes' default_theta (others: 10
 def _common(r: _Reader, family: str) -> None:
     r.take("vocab_size", "vocab_size", int)
     r.take("hidden_size", "hidden_size", int)
-    r.take("num_layers", "num_hidden_layers", int)
+    layers = r.take("num_layers", "num_hidden_layers", int)
+    # checked here, before the families read their per-layer keys against it (found by
+    # probing: 0 layers of Qwen3 were refused as "mlp_only_layers: every layer dense", the
+    # wrong key; the schema's own >= 1 check comes later)
+    r.refuse("num_hidden_layers", layers < 1, f"must be >= 1, got {layers}")
     heads = r.take("num_attention_heads", "num_attention_heads", int)
     # checked here, before head_dim divides by it (the schema's own >= 1 check comes later)
     r.refuse("num_attention_heads", heads < 1, f"must be >= 1, got {heads}")
