@@ -130,3 +130,24 @@ def test_zero_layers_names_num_hidden_layers(tmp_path, capsys):
     line = _ckpt_error(capsys, tmp_path)
     assert line == (f"error: {CKPT_YAML}: model.checkpoint: {config}: num_hidden_layers: must "
                     "be >= 1, got 0")
+
+
+def test_yarn_without_factor_is_refused_as_transformers_refuses_it(tmp_path, capsys):
+    # transformers requires rope_type yarn's factor (KeyError); read without it, the factor
+    # was max_position_embeddings / max_position_embeddings = 1 -- YaRN off, served silently
+    _qwen3(tmp_path)
+    config = tmp_path / "config.json"
+    data = json.loads(config.read_text())
+    data.pop("rope_parameters", None)
+    data["rope_theta"] = 10000.0
+    data["rope_scaling"] = {"rope_type": "yarn", "original_max_position_embeddings": 16}
+    config.write_text(json.dumps(data))
+    line = _ckpt_error(capsys, tmp_path)
+    assert line == (f"error: {CKPT_YAML}: model.checkpoint: {config}: rope_scaling.factor: "
+                    "missing: rope_type yarn requires it (null: max_position_embeddings / "
+                    "original_max_position_embeddings)")
+    # null is transformers' ratio: 512 / 16, as before
+    data["rope_scaling"]["factor"] = None
+    config.write_text(json.dumps(data))
+    cfg = door.load("demo", CKPT_YAML, {"model.checkpoint": str(tmp_path)})
+    assert cfg.model.rope_scaling == "yarn" and cfg.model.rope_scaling_factor == 32.0

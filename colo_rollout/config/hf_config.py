@@ -446,6 +446,11 @@ def _yarn(r: _Reader, pick, src: str, partial_default: float, family: str, rope:
         original = int(original)
     r.refuse(osrc, isinstance(original, bool) or not isinstance(original, int) or original < 1,
              f"expected a positive int, got {original!r}")
+    # transformers' YaRN requires the key (null: the ratio below); read without it, the
+    # factor was the ratio of max_position_embeddings to itself -- 1, YaRN off -- where
+    # transformers refuses the config.json (found by probing)
+    r.refuse(f"{rope_name}.factor", "factor" not in rope, "missing: rope_type yarn requires "
+             "it (null: max_position_embeddings / original_max_position_embeddings)")
     factor, fsrc = number("factor", None)
     if factor is None:  # DeepSeek-V3's rule: the ratio of the two context lengths
         longest = r.c.get("max_position_embeddings")
