@@ -87,8 +87,6 @@ def test_weight_file_that_is_not_a_regular_file_is_named(tmp_path, capsys):
 
 
 def test_index_entry_naming_a_folder_is_not_called_missing(tmp_path, capsys):
-    import json
-
     _qwen3(tmp_path, sharded=True)
     index = tmp_path / "model.safetensors.index.json"
     data = json.loads(index.read_text())
