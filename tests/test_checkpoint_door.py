@@ -149,3 +149,15 @@ def test_yarn_without_factor_is_refused_as_transformers_refuses_it(tmp_path, cap
     config.write_text(json.dumps(data))
     cfg = door.load("demo", CKPT_YAML, {"model.checkpoint": str(tmp_path)})
     assert cfg.model.rope_scaling == "yarn" and cfg.model.rope_scaling_factor == 32.0
+
+
+def test_float_key_holding_an_integer_past_floats_range_is_one_line(tmp_path, capsys):
+    # float(10**400) raised OverflowError: a traceback at the door
+    _qwen3(tmp_path)
+    config = tmp_path / "config.json"
+    data = json.loads(config.read_text())
+    data["rms_norm_eps"] = 10 ** 400
+    config.write_text(json.dumps(data))
+    line = _ckpt_error(capsys, tmp_path)
+    assert line == (f"error: {CKPT_YAML}: model.checkpoint: {config}: rms_norm_eps: must be a "
+                    "finite number, got an integer of 401 digits")

@@ -123,7 +123,14 @@ class _Reader:
               else isinstance(v, kind))
         if not ok:
             raise self.error(key, f"expected {kind.__name__}, got {type(v).__name__} {v!r}")
-        return float(v) if kind is float else v
+        if kind is float:
+            try:
+                return float(v)
+            except OverflowError:  # an integer past float's range (found by probing: a
+                # traceback)
+                raise self.error(key, f"must be a finite number, got an integer of "
+                                 f"{len(str(abs(v)))} digits") from None
+        return v
 
     def flag(self, key: str, default: bool) -> bool:
         """A boolean key as transformers tests it (``if config.key``): absent -> ``default``,
@@ -369,11 +376,11 @@ def _rope(r: _Reader, partial_default: float = 1.0, theta_default: float = 10000
         return default, where
 
     theta, src = pick("rope_theta", theta_default, "rope_theta")
-    r.refuse(src, isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0,
+    r.refuse(src, not _is_number(theta) or theta <= 0,
              f"expected a positive number, got {theta!r}")
     r.set("rotary_base", float(theta), src)
     partial, psrc = pick("partial_rotary_factor", partial_default, "partial_rotary_factor")
-    r.refuse(psrc, isinstance(partial, bool) or not isinstance(partial, (int, float))
+    r.refuse(psrc, not _is_number(partial)
              or not 0 < partial <= 1, f"expected a number in (0, 1], got {partial!r}")
     r.set("rotary_percent", float(partial), psrc)
     rtype, src = pick("rope_type", None, "rope_type")
@@ -406,10 +413,19 @@ def _rope(r: _Reader, partial_default: float = 1.0, theta_default: float = 10000
              "llama3 RoPE scaling are 8192 (transformers takes max_position_embeddings where "
              "rope_parameters gives none)")
     factor, fsrc = pick("factor", 8.0, "factor")
-    r.refuse(fsrc, isinstance(factor, bool) or not isinstance(factor, (int, float))
+    r.refuse(fsrc, not _is_number(factor)
              or factor <= 0, f"expected a positive number, got {factor!r}")
     r.set("rope_scaling", "llama3", src)
     r.set("rope_scaling_factor", float(factor), fsrc)
+
+
+def _is_number(v: Any) -> bool:
+    """A JSON number that is a finite float (bools are not numbers; an integer past float's
+    range is not either: float() and math.isfinite raise on it -- found by probing, a
+    traceback at the door)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    return math.isfinite(v) if isinstance(v, float) else abs(v) < 2 ** 1023
 
 
 # the RoPE keys transformers takes from config.json's top level when its RoPE dict lacks them
@@ -430,8 +446,7 @@ def _yarn(r: _Reader, pick, src: str, partial_default: float, family: str, rope:
     def number(key: str, default: Any, positive: bool = True) -> tuple[Any, str]:
         got, ksrc = pick(key, default, key)
         if got is not None:
-            r.refuse(ksrc, isinstance(got, bool) or not isinstance(got, (int, float))
-                     or not math.isfinite(got) or (positive and got <= 0),
+            r.refuse(ksrc, not _is_number(got) or (positive and got <= 0),
                      f"expected a {'positive ' if positive else ''}number, got {got!r}")
         return got, ksrc
 
