@@ -161,3 +161,18 @@ def test_float_key_holding_an_integer_past_floats_range_is_one_line(tmp_path, ca
     line = _ckpt_error(capsys, tmp_path)
     assert line == (f"error: {CKPT_YAML}: model.checkpoint: {config}: rms_norm_eps: must be a "
                     "finite number, got an integer of 401 digits")
+
+
+@pytest.mark.parametrize("key, want", [("rope_theta", "a positive number"),
+                                       ("factor", "a positive number"),
+                                       ("beta_fast", "a number")])
+def test_rope_number_past_floats_range_is_one_line(tmp_path, capsys, key, want):
+    # float(theta) and math.isfinite(10**400) raised OverflowError: a traceback at the door
+    _qwen3(tmp_path)
+    config = tmp_path / "config.json"
+    data = json.loads(config.read_text())
+    data["rope_parameters"][key] = 10 ** 400
+    config.write_text(json.dumps(data))
+    line = _ckpt_error(capsys, tmp_path)
+    assert line.startswith(f"error: {CKPT_YAML}: model.checkpoint: {config}: "
+                           f"rope_parameters.{key}: expected {want}, got 1000"), line
