@@ -454,6 +454,10 @@ def _yarn(r: _Reader, pick, src: str, partial_default: float, family: str, rope:
     r.refuse(psrc or src, partial != 1,
              f"{partial!r}{'' if psrc else f' ({family} default)'} partial rotary with "
              "rope_type yarn is not supported: megatron-core's YaRN rotates whole heads")
+    # the top level first: what transformers' model computes with -- its config object shows
+    # the dict's value (or max_position_embeddings) until the rotary embedding's build
+    # standardises again with the top-level attribute set (transformers 5.17 and 5.25,
+    # checked against the model's inv_freq; the config alone misleads)
     original, osrc = pick("original_max_position_embeddings", None, "", top_first=True)
     if original is None:
         original, osrc = r.c.get("max_position_embeddings"), "max_position_embeddings"
