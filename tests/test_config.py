@@ -452,6 +452,38 @@ def test_an_int_too_long_for_python_is_a_config_error(tmp_path):
         parse_override(f"model.hidden_size={huge}")
 
 
+def test_yaml_nested_past_the_bound_is_one_line_naming_where(tmp_path):
+    """Found by probing: 1000 nested brackets were a RecursionError traceback at the door
+    (PyYAML composes one Python frame a level); a file or --set value nested past
+    MAX_YAML_DEPTH is an invalid-YAML error at the node that crossed it."""
+    from colo_rollout.config.loader import parse_override
+
+    path = write(tmp_path, "rl:\n  steps: " + "[" * 1000 + "]" * 1000 + "\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == (f"{path}: line 2, column 40: invalid YAML: nested more than 32 "
+                               "levels deep (a config nests three)")
+    with pytest.raises(ConfigError, match=r"^--set rl.steps: .* nested more than 32 levels"):
+        parse_override("rl.steps=" + "{a: " * 1000 + "1" + "}" * 1000)
+
+
+def test_yaml_of_too_many_values_is_refused_before_it_is_read_whole(tmp_path):
+    """Found by probing: a 20 MB list (under the 64 MB the reader took then) ran past two
+    minutes at the door -- PyYAML's pure-Python reader takes ~8 s a MB of dense YAML. A file
+    is at most 1 MiB, a document at most MAX_YAML_NODES values."""
+    path = write(tmp_path, "rl:\n  steps: [" + ", ".join(["1"] * 20000) + "]\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == (f"{path}: line 2, column 29996: invalid YAML: more than 10000 "
+                               "values (a config holds a few hundred)")
+    big = tmp_path / "big.yaml"
+    big.write_text("rl:\n  steps: 1\n" + "#" * (2**20) + "\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(big)
+    assert str(info.value) == (f"{big}: 1048592 bytes, more than the 1048576 a config file "
+                               "may have")
+
+
 def test_set_values_parse_as_yaml():
     from colo_rollout.config.loader import parse_override
 

@@ -321,8 +321,17 @@ class _BadScalar(ValueError):
     """A scalar YAML reads but Python cannot hold: (dotted key, 1-based line, problem)."""
 
 
-# the largest config file read (real ones are a few kB; /dev/zero would never end)
-MAX_CONFIG_BYTES = 64 * 2**20
+# the largest config file read (real ones are a few kB; /dev/zero would never end). PyYAML's
+# pure-Python reader takes ~8 s a MB of dense YAML (found by probing: a 20 MB list, well
+# under the 64 MB this was, ran past two minutes at the door); a MB of comments takes 0.3 s
+MAX_CONFIG_BYTES = 2**20
+# the most YAML nodes (scalars, lists, mappings, aliases) and the deepest nesting one config
+# document (or --set value) may hold: real configs hold a few hundred nodes three levels
+# deep. The node bound keeps a dense file's parse under ~0.2 s; the depth bound keeps the
+# composer's recursion (one Python frame per level) far from Python's limit (found by
+# probing: 1000 nested brackets were a RecursionError traceback at the door)
+MAX_YAML_NODES = 10_000
+MAX_YAML_DEPTH = 32
 
 # Python converts integers of at most this many digits (sys.get_int_max_str_digits' default)
 _MAX_INT_CHARS = 4300
@@ -332,7 +341,28 @@ class UniqueKeyLoader(yaml.SafeLoader):
     """``yaml.SafeLoader`` that refuses a key repeated in one mapping (``_DuplicateKey``).
 
     Everything else is safe_load's: the same tags and resolution; merge keys (``<<``) may still
-    be overridden by the mapping's own keys, as YAML specifies."""
+    be overridden by the mapping's own keys, as YAML specifies. A document past MAX_YAML_NODES
+    nodes or MAX_YAML_DEPTH levels is a ComposerError at the node that crossed the bound
+    (a YAMLError with its line and column, as a syntax error)."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._nodes = 0  # nodes composed so far (this loader reads one document)
+        self._depth = 0  # nesting of the node being composed
+
+    def compose_node(self, parent: Any, index: Any) -> yaml.Node:
+        self._nodes += 1
+        self._depth += 1
+        try:
+            if self._nodes > MAX_YAML_NODES or self._depth > MAX_YAML_DEPTH:
+                what = (f"more than {MAX_YAML_NODES} values (a config holds a few hundred)"
+                        if self._nodes > MAX_YAML_NODES else
+                        f"nested more than {MAX_YAML_DEPTH} levels deep (a config nests three)")
+                raise yaml.composer.ComposerError(None, None, what,
+                                                  self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
     def get_single_data(self) -> Any:
         node = self.get_single_node()
