@@ -484,6 +484,28 @@ def test_yaml_of_too_many_values_is_refused_before_it_is_read_whole(tmp_path):
                                "may have")
 
 
+@pytest.mark.parametrize("value, problem", [
+    # found by probing: PyYAML's constructors raised KeyError, IndexError and AttributeError
+    # (tracebacks at the door) and a ValueError naming neither line nor key
+    ("!!bool maybe", "'maybe' cannot be read as !!bool"),
+    ("!!int ''", "'' cannot be read as !!int"),
+    ("!!timestamp soon", "'soon' cannot be read as !!timestamp"),
+    ("!!int abc", "'abc' cannot be read as !!int (invalid literal for int() with base 10: "
+     "'abc')"),
+])
+def test_a_tagged_scalar_yaml_cannot_read_names_line_and_key(tmp_path, value, problem):
+    from colo_rollout.config.loader import parse_override
+
+    path = write(tmp_path, f"workload:\n  num_requests: 4\n  seed: {value}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == f"{path}:3: workload.seed: {problem}"
+    assert info.value.key == "workload.seed"
+    with pytest.raises(ConfigError) as info:
+        parse_override(f"workload.seed={value}")
+    assert str(info.value) == f"--set workload.seed: invalid value: {problem}"
+
+
 def test_set_values_parse_as_yaml():
     from colo_rollout.config.loader import parse_override
 

@@ -23,6 +23,7 @@ from colo_rollout.config.checks import (
     _describe,
     _error,
     _require,
+    _short,
     _with_source,
 )
 from colo_rollout.config.schema import (
@@ -396,13 +397,15 @@ class UniqueKeyLoader(yaml.SafeLoader):
                              f"{node.value} is an octal number in YAML 1.1 "
                              f"({self.construct_object(node)!r}); write the number without its "
                              "leading zero, or quote the text")
+        if isinstance(node, yaml.ScalarNode):
+            self._construct_scalar(node, path)
         if isinstance(node, yaml.MappingNode):
             first: dict[Any, int] = {}
             for key_node, value_node in node.value:
                 if key_node.tag == "tag:yaml.org,2002:merge":
                     self._check_unique(value_node, path, seen)
                     continue
-                key = (self.construct_object(key_node)
+                key = (self._construct_scalar(key_node, path)
                        if isinstance(key_node, yaml.ScalarNode) else None)
                 dotted = f"{path}.{key}" if path else str(key)
                 line = key_node.start_mark.line + 1
@@ -417,6 +420,20 @@ class UniqueKeyLoader(yaml.SafeLoader):
         elif isinstance(node, yaml.SequenceNode):
             for i, item in enumerate(node.value):
                 self._check_unique(item, f"{path}[{i}]", seen)
+
+    def _construct_scalar(self, node: yaml.ScalarNode, path: str) -> Any:
+        """The Python value of scalar ``node`` (at dotted key ``path``), or _BadScalar naming
+        its line: PyYAML's constructors fail on text an explicit tag cannot read with plain
+        Python errors, not YAMLErrors (found by probing: ``!!bool abc`` a KeyError,
+        ``!!int ''`` an IndexError, ``!!timestamp abc`` an AttributeError -- tracebacks at
+        the door -- and ``!!int abc`` a ValueError that named neither line nor key)."""
+        try:
+            return self.construct_object(node)
+        except (ValueError, LookupError, AttributeError, TypeError) as err:
+            tag = node.tag.replace("tag:yaml.org,2002:", "!!")
+            why = f" ({err})" if isinstance(err, ValueError) else ""
+            raise _BadScalar(path, node.start_mark.line + 1,
+                             f"{_short(node.value)} cannot be read as {tag}{why}") from None
 
 
 def _yaml_load(text: str) -> Any:
