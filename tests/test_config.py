@@ -506,6 +506,34 @@ def test_a_tagged_scalar_yaml_cannot_read_names_line_and_key(tmp_path, value, pr
     assert str(info.value) == f"--set workload.seed: invalid value: {problem}"
 
 
+def test_a_long_key_is_cut_short_in_the_error_line(tmp_path):
+    """Found by probing: an explicit YAML key (``? KEY``, no length bound) of 2 MB was a 2 MB
+    error line; keys in messages are cut in the middle past 80 characters, as values are."""
+    from colo_rollout.config import RLConfig
+    from colo_rollout.config.loader import parse_override
+
+    key = "k" * 200
+    short = "k" * 38 + "..." + "k" * 38
+    allowed = ", ".join(f.name for f in dataclasses.fields(RLConfig) if f.init)
+    path = write(tmp_path, f"rl:\n  ? {key}\n  : 1\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == f"{path}: rl.{short}: unknown key; allowed keys at rl: {allowed}"
+    path = write(tmp_path, f"rl:\n  ? {key}\n  : 1\n  ? {key}\n  : 2\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == (f"{path}:4: rl.{short}: duplicate key (first at line 2); YAML "
+                               "would silently keep only this last one")
+    with pytest.raises(ConfigError) as info:
+        parse_override(key)
+    assert str(info.value) == f"--set {short}: expected KEY=VALUE, e.g. --set engine.mode=fine"
+    path = write(tmp_path, "rl: {}\n")
+    with pytest.raises(ConfigError) as info:  # (the dotted key cut whole)
+        load_config(path, {f"rl.{key}": 1})
+    assert str(info.value) == (f"{path}: rl.{'k' * 35}...{'k' * 38}: unknown override key; "
+                               f"allowed keys at rl: {allowed}")
+
+
 def test_set_values_parse_as_yaml():
     from colo_rollout.config.loader import parse_override
 

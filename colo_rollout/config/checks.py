@@ -75,6 +75,14 @@ def _short(value: Any) -> str:
     return _SHORT.repr(value)
 
 
+def _key_text(key: Any) -> str:
+    """A user's key as it appears in a dotted key of a message, cut in the middle past 80
+    characters: YAML bounds a plain key at 1024 characters, but an explicit one (``? KEY``) or
+    a ``--set`` key has no bound (found by probing: a 2 MB key was a 2 MB error line)."""
+    text = str(key)
+    return text if len(text) <= 80 else f"{text[:38]}...{text[-38:]}"
+
+
 def _describe(value: Any) -> str:
     """``<type> <repr>`` of a value, for error messages (repr bounded: ``_short``)."""
     return f"{type(value).__name__} {_short(value)}"

@@ -22,6 +22,7 @@ from colo_rollout.config.checks import (
     _check_field_types,
     _describe,
     _error,
+    _key_text,
     _require,
     _short,
     _with_source,
@@ -213,7 +214,7 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     allowed = [f.name for f in dataclasses.fields(cls) if f.init]
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
-        dotted = f"{prefix}.{key}" if prefix else str(key)
+        dotted = f"{prefix}.{_key_text(key)}" if prefix else _key_text(key)
         if key not in allowed:
             raise _error(dotted, f"unknown key; allowed keys at {where}: {', '.join(allowed)}")
         tp = hints[key]
@@ -407,7 +408,7 @@ class UniqueKeyLoader(yaml.SafeLoader):
                     continue
                 key = (self._construct_scalar(key_node, path)
                        if isinstance(key_node, yaml.ScalarNode) else None)
-                dotted = f"{path}.{key}" if path else str(key)
+                dotted = f"{path}.{_key_text(key)}" if path else _key_text(key)
                 line = key_node.start_mark.line + 1
                 try:
                     if key in first:
@@ -449,30 +450,33 @@ def parse_override(pair: str, flag: str = "--set") -> tuple[str, Any]:
     """``KEY=VALUE`` of ``--set`` (or ``flag``) as (dotted key, value parsed as YAML); a
     ConfigError whose message starts ``--set KEY:`` for a pair without ``=`` or a value that
     is not valid YAML."""
+    # (the messages quote a key or value cut short: an argument may be 128 kB long)
     if "=" not in pair:
-        raise ConfigError(f"{flag} {pair}: expected KEY=VALUE, e.g. {flag} engine.mode=fine",
-                          key=pair, source=flag)
+        raise ConfigError(f"{flag} {_key_text(pair)}: expected KEY=VALUE, e.g. {flag} "
+                          "engine.mode=fine", key=pair, source=flag)
     key, text = pair.split("=", 1)
     if not key:
-        raise ConfigError(f"{flag} {pair}: the key before '=' is empty", source=flag)
+        raise ConfigError(f"{flag} {_key_text(pair)}: the key before '=' is empty",
+                          source=flag)
+    name, shown = _key_text(key), _short(text)
     try:
         return key, _yaml_load(text)
     except _DuplicateKey as dup:
-        raise ConfigError(f"{flag} {key}: duplicate key {dup.args[0]!r} in the value {text!r}",
+        raise ConfigError(f"{flag} {name}: duplicate key {dup.args[0]!r} in the value {shown}",
                           key=key, source=flag) from None
     except _BadScalar as bad:
-        raise ConfigError(f"{flag} {key}: invalid value: {bad.args[2]}", key=key,
+        raise ConfigError(f"{flag} {name}: invalid value: {bad.args[2]}", key=key,
                           source=flag) from None
     except ValueError as err:  # a scalar YAML resolves but Python refuses
-        raise ConfigError(f"{flag} {key}: invalid value: {err}", key=key, source=flag) \
+        raise ConfigError(f"{flag} {name}: invalid value: {err}", key=key, source=flag) \
             from None
     except yaml.YAMLError as err:
         problem = getattr(err, "problem", None) or getattr(err, "context", None) or str(err)
         mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
         at = f" at column {mark.column + 1}" if mark is not None and mark.line == 0 else ""
-        raise ConfigError(f"{flag} {key}: the value {text!r} is not valid YAML{at}: {problem} "
+        raise ConfigError(f"{flag} {name}: the value {shown} is not valid YAML{at}: {problem} "
                           "(quote a string that YAML cannot read, inside the shell's quotes: "
-                          f"{flag} '{key}=\"...\"')", key=key, source=flag) from None
+                          f"{flag} '{name}=\"...\"')", key=key, source=flag) from None
 
 
 def _merged(base: dict, update: Mapping) -> dict:
@@ -488,8 +492,10 @@ def _apply_overrides(data: dict[str, Any], overrides: Mapping[str, Any]) -> None
     """Set each dotted key of ``overrides`` in nested ``data`` (in place), checking it exists."""
     for dotted, value in overrides.items():
         if not isinstance(dotted, str) or not dotted:
-            raise _error(repr(dotted), "override keys must be non-empty dotted strings")
+            raise _error(_key_text(repr(dotted)), "override keys must be non-empty dotted "
+                         "strings")
         parts = dotted.split(".")
+        dotted = _key_text(dotted)  # (as the messages name it)
         cls: Any = Config
         node = data
         for depth, part in enumerate(parts):
