@@ -350,6 +350,30 @@ def test_generation_config_sampling_defaults(tmp_path):
         read_generation_defaults(tmp_path)
 
 
+def test_generation_config_numbers_past_floats_range(tmp_path):
+    """An int of hundreds of digits in a number key is one error naming the key where it is
+    out of range or past float's range, and read as the int where an int may be that large
+    (top_k: the door clamps it to the vocabulary). Found by probing: math.isfinite raised
+    OverflowError, a traceback at the door."""
+    from colo_rollout.text.generation_config import read_generation_defaults
+    from colo_rollout.text.tokenizer import TokenizerError
+
+    g = tmp_path / "generation_config.json"
+    big = 10 ** 400
+    shown = repr(big)[:37] + "..."
+    for data, want in (({"do_sample": True, "temperature": big},
+                        f"temperature must be a number within float's range, got {shown}"),
+                       ({"do_sample": True, "top_p": big}, f"top_p must be in (0.0, 1.0], got {shown}"),
+                       ({"top_k": -big}, f"top_k must be >= 0, got -{shown[:-4]}...")):
+        g.write_text(json.dumps(data))
+        with pytest.raises(TokenizerError) as e:
+            read_generation_defaults(tmp_path)
+        assert str(e.value) == f"{g}: {want}"
+    g.write_text(json.dumps({"do_sample": True, "top_k": big, "max_new_tokens": big}))
+    d = read_generation_defaults(tmp_path)
+    assert (d.top_k, d.max_tokens) == (big, big)
+
+
 def test_the_files_top_k_and_length_at_the_door(ckpt, tmp_path):
     """A top_k of the file past the vocabulary is the whole vocabulary (transformers clamps
     it); a max_new_tokens of the file too long for the model is refused naming the file."""

@@ -18,6 +18,7 @@ A value of the wrong type or out of range is a TokenizerError naming the file an
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,14 +62,26 @@ def _number(path: Path, key: str, value: Any, *, integer: bool, low: float,
             high: float = math.inf, open_low: bool = False) -> float | int:
     kind = "an int" if integer else "a number"
     ok = (isinstance(value, int) if integer else isinstance(value, (int, float)))
-    if not ok or isinstance(value, bool) or not math.isfinite(value):
-        raise TokenizerError(path, f"{key} must be {kind}, got {value!r}")
-    if value < low or value > high or (open_low and value == low):
+    # (an int is finite: math.isfinite of one past float's range raises OverflowError -- found
+    # by probing: a traceback for temperature / top_k / max_new_tokens of 400 digits)
+    if not ok or isinstance(value, bool) or (isinstance(value, float)
+                                             and not math.isfinite(value)):
+        raise TokenizerError(path, f"{key} must be {kind}, got {_short(value)}")
+    if value < low or value > high or (open_low and value == low):  # exact, also for big ints
         bound = f"> {low}" if open_low else f">= {low}"
         span = bound if high == math.inf else f"in ({low}, {high}]" if open_low else \
             f"in [{low}, {high}]"
-        raise TokenizerError(path, f"{key} must be {span}, got {value!r}")
+        raise TokenizerError(path, f"{key} must be {span}, got {_short(value)}")
+    if not integer and value > sys.float_info.max:  # an int float() cannot hold
+        raise TokenizerError(path, f"{key} must be a number within float's range, got "
+                             f"{_short(value)}")
     return value
+
+
+def _short(value: Any) -> str:
+    """``value`` for a message, at most ~40 characters (an int of 400 digits, say)."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:37]}..."
 
 
 def read_generation_defaults(directory: str | Path) -> GenerationDefaults:
