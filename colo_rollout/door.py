@@ -229,9 +229,10 @@ def memory_need(cfg: Config, drawn_whole: bool = False) -> dict[str, int]:
     the embedding and output layer (``model.vocab_size``; vocab-parallel over attention TP),
     of the routed experts (``model.num_experts``; over every rank), of the rest
     (``model.num_layers``: attention, norms, routers, dense and shared MLPs; over attention
-    TP), and its KV cache (``engine.num_kv_blocks``); ``drawn_whole``: each rank also holds
-    the whole model once (random weights drawn before its slices are taken). A lower bound:
-    activations, graphs, FP8 copies and the trainer are not counted."""
+    TP), its KV cache (``engine.num_kv_blocks``) and, with engine.record_routing, the routing
+    record (``engine.max_prefill_tokens``, ``engine.decode_buckets``); ``drawn_whole``: each
+    rank also holds the whole model once (random weights drawn before its slices are taken).
+    A lower bound: activations, graphs, FP8 copies and the trainer are not counted."""
     from colo_rollout.config.tensor_shapes import parameter_counts
 
     m, e, lay = cfg.model, cfg.engine, cfg.parallel
@@ -243,9 +244,22 @@ def memory_need(cfg: Config, drawn_whole: bool = False) -> dict[str, int]:
     def held(values: int, over: int) -> int:
         return values * b // over + (values * b if drawn_whole else 0)
 
-    return {"model.vocab_size": held(n.vocab, lay.atp),
+    need = {"model.vocab_size": held(n.vocab, lay.atp),
             "model.num_experts": held(n.experts, lay.world_size),
             "model.num_layers": held(n.rest, lay.atp), "engine.num_kv_blocks": kv}
+    if e.record_routing:
+        # routing replay's record (worker.py: RoutingRecord, made whole at the engine's build):
+        # int16 expert ids of every MoE layer for every replica's P token budget and D rows --
+        # the largest decode bucket padded to attention TP, two rows a sequence with MTP
+        # (found by probing: a decode bucket of 10^12, past any batch the engine builds, was
+        # accepted and failed in each rank's allocator)
+        moe = (m.num_layers - m.first_k_dense
+               - sum(1 for i in m.dense_layers if i >= m.first_k_dense))
+        per_row = 2 * moe * m.moe_router_topk * lay.adp
+        d_rows = -(-e.decode_buckets[-1] // lay.atp) * lay.atp * (2 if e.mtp else 1)
+        need["engine.max_prefill_tokens"] = per_row * e.max_prefill_tokens
+        need["engine.decode_buckets"] = per_row * d_rows
+    return need
 
 
 def _memory_budget(cfg: Config) -> tuple[int, str, int] | None:

@@ -176,6 +176,25 @@ def test_the_memory_need_counts_each_ranks_share():
     assert sum(drawn.values()) - sum(need.values()) == pytest.approx(n.total * b, abs=8)
 
 
+def test_the_routing_record_counts_in_the_memory_need(capsys):
+    """With engine.record_routing each rank holds the routing record, sized by P's token
+    budget and the largest decode bucket (found by probing: a bucket of 10^12 passed the door
+    and failed in each rank's allocator)."""
+    from colo_rollout.config import load_config
+    from colo_rollout.door import memory_need
+
+    cfg = load_config(DEMO, {"engine.record_routing": True})
+    need = memory_need(cfg)  # int16 ids x 2 MoE layers x top-2 x 2 replicas a row
+    assert need["engine.max_prefill_tokens"] == 2 * 2 * 2 * 2 * 512
+    assert need["engine.decode_buckets"] == 2 * 2 * 2 * 2 * 16
+    assert "engine.decode_buckets" not in memory_need(load_config(DEMO))
+    line = door_error(capsys, "demo", DEMO, "--set", "engine.record_routing=true", "--set",
+                      "engine.decode_buckets=[1, 2, 4, 8, 16, 1000000000000]")
+    assert line.startswith(f"error: {DEMO}: engine.decode_buckets: the run needs at least "
+                           "2.98e+04 GiB (2 ranks x "), line
+    assert "decode_buckets 1.49e+04 GiB), more than this host's" in line, line
+
+
 def test_a_training_step_that_cannot_fit_names_its_size(capsys):
     line = door_error(capsys, "train", TRAIN, "--set", "rl.prompts_per_step=100000", "--set",
                       "rl.samples_per_prompt=100000")
