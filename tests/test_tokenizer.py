@@ -210,6 +210,21 @@ def test_added_tokens_only_in_the_config_are_added(tmp_path: Path) -> None:
         Tokenizer.from_dir(tmp_path)
 
 
+def test_an_added_token_id_int_cannot_read_is_one_error(tmp_path: Path) -> None:
+    """An added_tokens_decoder key of digits int() refuses ('²': isdigit() but not decimal)
+    or cannot read (past Python's 4300-digit limit) is a TokenizerError naming the entry,
+    shortened. Found by probing: both were ValueError tracebacks at the door."""
+    save_tiny_tokenizer(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    path = tmp_path / "tokenizer_config.json"
+    for key, shown in (("\u00b2", "'\u00b2'"), ("9" * 5000, "'" + "9" * 36 + "...")):
+        write_json(path, {**config, "added_tokens_decoder": {key: {"content": "<x>"}}})
+        with pytest.raises(TokenizerError) as e:
+            Tokenizer.from_dir(tmp_path)
+        assert str(e.value) == (f"{path}: added_tokens_decoder entry {shown} is not an id "
+                                "with {content: ...}")
+
+
 def test_a_template_that_renders_for_ever_is_cut_off(tmp_path: Path, monkeypatch) -> None:
     import colo_rollout.text.tokenizer as tk
 
