@@ -225,6 +225,27 @@ def test_an_added_token_id_int_cannot_read_is_one_error(tmp_path: Path) -> None:
                                 "with {content: ...}")
 
 
+def test_a_template_nested_past_what_compiles_is_one_error(tmp_path: Path) -> None:
+    """A template Jinja cannot compile for its depth -- its parser recursing past Python's
+    limit, or Python's compiler refusing over 20 nested for loops -- is one TokenizerError,
+    as transformers refuses it too. Found by probing: a RecursionError traceback at the door."""
+    transformers = pytest.importorskip("transformers")
+    save_tiny_tokenizer(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    chat = [{"role": "user", "content": "hi"}]
+    for template, problem in (
+            ("{% if true %}" * 3000 + "x" + "{% endif %}" * 3000, "nested too deeply"),
+            ("{% for a in [1] %}" * 25 + "x" + "{% endfor %}" * 25,
+             "SyntaxError: too many statically nested blocks")):
+        write_json(tmp_path / "tokenizer_config.json", {**config, "chat_template": template})
+        with pytest.raises(TokenizerError) as e:
+            Tokenizer.from_dir(tmp_path).apply_chat_template(chat)
+        assert str(e.value) == f"{tmp_path}: chat template does not compile ({problem})"
+        with pytest.raises((RecursionError, SyntaxError)):
+            transformers.AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(
+                chat, tokenize=False)
+
+
 def test_a_template_that_renders_for_ever_is_cut_off(tmp_path: Path, monkeypatch) -> None:
     import colo_rollout.text.tokenizer as tk
 

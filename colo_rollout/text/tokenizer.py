@@ -308,6 +308,13 @@ class Tokenizer:
             self._compiled = env.from_string(self._chat_template)
         except jinja2.TemplateError as e:
             raise TokenizerError(directory, f"chat template does not compile ({e})") from e
+        except (SyntaxError, RecursionError) as e:  # Jinja's parser recursing, or Python's
+            # compiler refusing its code (over 20 nested for loops): found by probing, a
+            # traceback at the door; transformers refuses such a template alike
+            problem = ("nested too deeply" if isinstance(e, RecursionError)
+                       else f"{type(e).__name__}: {e.msg}")
+            raise TokenizerError(directory, f"chat template does not compile ({problem})") \
+                from None
         return self._compiled
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
