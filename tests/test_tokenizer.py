@@ -159,6 +159,25 @@ def test_eos_from_the_models_config_json(tmp_path: Path) -> None:
     assert Tokenizer.from_dir(tmp_path).eos_token_ids != (5, 9)
 
 
+def test_a_checkpoint_without_eos_ids_stops_on_none(tmp_path: Path) -> None:
+    """A checkpoint (config.json beside the tokenizer) whose generation_config.json has
+    eos_token_id null or absent, or with no such file and none in config.json: transformers'
+    generate stops on no id (runs to its length), so none here either -- not the tokenizer's
+    eos_token (found by probing: completions were cut at <|im_end|> where transformers' went
+    on). The tokenizer's stays the fallback of a directory without config.json."""
+    transformers = pytest.importorskip("transformers")
+    save_tiny_tokenizer(tmp_path)
+    eos = Tokenizer.from_dir(tmp_path).encode(EOS_TOKEN)[0]
+    write_json(tmp_path / "config.json", {"model_type": "qwen3_moe"})
+    assert Tokenizer.from_dir(tmp_path).eos_token_ids == ()  # no file: config.json's, none
+    for gen in ({"eos_token_id": None}, {"temperature": 0.7}):
+        write_json(tmp_path / "generation_config.json", gen)
+        assert Tokenizer.from_dir(tmp_path).eos_token_ids == ()
+        assert transformers.GenerationConfig.from_pretrained(tmp_path).eos_token_id is None
+    (tmp_path / "config.json").unlink()  # a tokenizer directory: its eos_token
+    assert Tokenizer.from_dir(tmp_path).eos_token_ids == (eos,)
+
+
 def test_templates_transformers_renders(tmp_path: Path) -> None:
     """tools / documents defined as None, the {% generation %} tag: rendered as transformers
     renders them; a template's raise_exception is one line naming the folder once."""

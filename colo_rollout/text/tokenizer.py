@@ -233,13 +233,20 @@ class Tokenizer:
             template = _pick_template(config_path, config.get("chat_template"))
 
         # eos ids as transformers' generate takes them: generation_config.json's, else the
-        # model's config.json's (GenerationConfig.from_model_config), else the tokenizer's
+        # model's config.json's (GenerationConfig.from_model_config) -- null or absent there:
+        # none, generate runs to its length (found by probing: the tokenizer's eos_token was
+        # taken, the completion cut where transformers' goes on, and the engine's own
+        # checkpoint_eos_ids said none). Only a directory without config.json (a tokenizer,
+        # no model for generate to read) falls back to the tokenizer's eos_token.
         gen_path = directory / "generation_config.json"
         eos: Any = (_read_json(gen_path) or {}).get("eos_token_id")
+        model = (directory / "config.json").is_file()
         if eos is None and not gen_path.is_file():
             gen_path = directory / "config.json"
             eos = (_read_json(gen_path) or {}).get("eos_token_id")
-        if eos is not None:
+        if eos is None and model:
+            ids = []
+        elif eos is not None:
             ids = [eos] if isinstance(eos, int) else eos
             if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
                 raise TokenizerError(gen_path, f"eos_token_id must be an int or a list of ints, got {eos!r}")
