@@ -245,6 +245,27 @@ def test_mooncake_duplicate_keys_are_refused(tmp_path):
         load_mooncake(path)
 
 
+def test_a_key_that_is_not_short_text_is_named_by_its_repr(tmp_path):
+    """An unknown or duplicate key holding a newline, or 100,000 characters long, is the
+    error's field as its repr, shortened: the error stays one short line. Found by probing:
+    the key went into the message verbatim (a line break; a 100 kB line)."""
+    long = "k" * 100_000
+    for reader, head, extra, field, problem in (
+            (load_trace, json.dumps(rec())[:-1], ', "x\\ny": 1', "'x\\ny'", "unknown key"),
+            (load_trace, json.dumps(rec())[:-1], ', "x\\ny": 1, "x\\ny": 2', "'x\\ny'",
+             "duplicate key in the record"),
+            (load_mooncake, '{"timestamp": 0, "input_length": 9, "output_length": 2, '
+             '"hash_ids": [1]', f', "{long}": 1, "{long}": 2', "'" + "k" * 36 + "...",
+             "duplicate key in the record")):
+        path = tmp_path / "keys.jsonl"
+        path.write_text(head + extra + "}\n", encoding="utf-8")
+        with pytest.raises(TraceError) as e:
+            reader(path)
+        assert (e.value.field, e.value.line) == (field, 1)
+        assert str(e.value).startswith(f"{path}:1: {field}: {problem}")
+        assert "\n" not in str(e.value) and len(str(e.value)) < 300
+
+
 def test_loaded_turns_know_their_line(tmp_path):
     path = write_lines(tmp_path, [rec("b", 0), "", OK0, OK1])
     t = load_trace(path)

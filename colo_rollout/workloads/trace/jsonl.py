@@ -72,6 +72,16 @@ def _big(value: int | float) -> str:
         return f"10^{int(abs(value).bit_length() * math.log10(2))}"
 
 
+def _key_field(key: str) -> str:
+    """A record key of the file as the field of an error: as written when it is short
+    printable text, else its repr shortened -- a key holding a newline split the error line,
+    one of 100,000 characters made it that long (found by probing)."""
+    if key.isprintable() and len(key) <= 40:
+        return key
+    text = repr(key)
+    return text if len(text) <= 40 else f"{text[:37]}..."
+
+
 def _describe(value: Any) -> str:
     return f"{type(value).__name__} {value!r}"
 
@@ -100,7 +110,7 @@ def _parse_record(path: str, line: int, text: str) -> _Record:
         obj = json.loads(text, object_pairs_hook=_reject_duplicate_keys,
                          parse_constant=_reject_constant)
     except _DuplicateKey as e:
-        raise fail(str(e.args[0]), "duplicate key in the record") from None
+        raise fail(_key_field(e.args[0]), "duplicate key in the record") from None
     except _NonFinite as e:
         raise fail("record", f"non-finite number {e.args[0]} is not allowed") from None
     except json.JSONDecodeError as e:
@@ -118,7 +128,8 @@ def _parse_record(path: str, line: int, text: str) -> _Record:
             hint = ("; a Mooncake-format trace (timestamp, input_length, output_length, "
                     "hash_ids) is read with bench.trace: 'mooncake:PATH'"
                     if key in _MOONCAKE_KEYS else "")
-            raise fail(str(key), f"unknown key (known keys: {', '.join(_KNOWN_KEYS)}){hint}")
+            raise fail(_key_field(key), f"unknown key (known keys: {', '.join(_KNOWN_KEYS)})"
+                       f"{hint}")
     for key in _REQUIRED_KEYS:
         if key not in obj:
             raise fail(key, "missing key")

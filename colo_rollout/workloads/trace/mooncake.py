@@ -18,7 +18,8 @@ from colo_rollout.workloads.trace.model import (
     read_trace_bytes,
 )
 from colo_rollout.workloads.trace.jsonl import (_MOONCAKE_KEYS, MAX_SECONDS, MAX_TURN_TOKENS,
-                                                _DuplicateKey, _reject_duplicate_keys)
+                                                _DuplicateKey, _key_field,
+                                                _reject_duplicate_keys)
 
 MAX_TIMESTAMP_MS = 1000.0 * MAX_SECONDS  # one day of replay, as the JSONL reader's
 
@@ -59,8 +60,8 @@ def _parse_mooncake(path: str) -> list[_MooncakeRecord]:
         try:
             obj = json.loads(text, object_pairs_hook=_reject_duplicate_keys)
         except _DuplicateKey as e:
-            raise TraceError(path, lineno, str(e.args[0]), "duplicate key in the record") \
-                from None
+            raise TraceError(path, lineno, _key_field(e.args[0]), "duplicate key in the "
+                             "record") from None
         except json.JSONDecodeError as e:
             raise TraceError(path, lineno, "record", f"malformed JSON: {e.msg}") from None
         except RecursionError:
