@@ -114,7 +114,11 @@ def read_generation_defaults(directory: str | Path) -> GenerationDefaults:
         if temperature == 0:  # transformers refuses it: sampling needs a positive temperature
             raise TokenizerError(path, "temperature must be > 0 when do_sample is true, got 0")
     return GenerationDefaults(temperature=float(temperature),
-                              top_k=int(checked.get("top_k", _SAMPLE_TOP_K)),
+                              # past any vocabulary is the whole one, as transformers'
+                              # top-k takes min(top_k, vocab): capped to what the door's
+                              # checks take before it clamps (found by probing: 400 digits
+                              # were refused there)
+                              top_k=min(int(checked.get("top_k", _SAMPLE_TOP_K)), sys.maxsize),
                               top_p=float(checked.get("top_p", _SAMPLE_TOP_P)),
                               max_tokens=checked.get("max_new_tokens"), ignored=ignored,
                               source=path)
