@@ -254,6 +254,13 @@ def test_door_checks_in_process(ckpt, tmp_path, capsys):
     yaml_cfg = tmp_path / "short.yaml"
     yaml_cfg.write_text("engine: {max_seq_len: 16}\nworkload: {prompt_len_max: 8, "
                         "output_len_max: 8}\n")
+    # generate reads the file's own sections before load_config: through the door's reader
+    # too (an open() of its own blocked on a FIFO; nesting past Python's recursion limit was
+    # a RecursionError traceback)
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("engine: " + "[" * 5000 + "]" * 5000 + "\n")
     cases = {
         ("--model", str(small), "hi"): "the tokenizer has 200 ids, more than the model's "
                                        "vocab_size 100",
@@ -270,6 +277,9 @@ def test_door_checks_in_process(ckpt, tmp_path, capsys):
         ("--model", str(d), "--config", str(other_cfg), "hi"):
             f"{other_cfg}: model.checkpoint: '{small}' is not --model '{d}'",
         ("--model", str(d), "caf\udce9"): "prompt 0: not valid UTF-8 text",
+        ("--model", str(d), "--config", str(fifo), "hi"):
+            f"{fifo}: not a regular file (a directory, FIFO or device)",
+        ("--model", str(d), "--config", str(deep), "hi"): "invalid YAML: nested more than",
         # the engine's checks name the user's source, not the launch's temporary file
         ("--model", str(d), "--set", "model.fp8=e4m3", "hi"):
             f"error: {d} (generate's default config): model.fp8: 'e4m3' needs a CUDA GPU",

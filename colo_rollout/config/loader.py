@@ -536,6 +536,22 @@ def load_config(path: str | os.PathLike, overrides: Mapping[str, Any] | None = N
     failed validation.
     """
     source = os.fspath(path)
+    data = read_config_file(source)
+    if overrides:
+        try:
+            _apply_overrides(data, overrides)
+        except ConfigError as err:
+            raise _with_source(err, source) from err
+    return config_from_dict(data, source=source)
+
+
+def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    """The top-level mapping of the YAML config file ``path``, as the door reads it (a
+    bounded regular file, UTF-8, safe_load with duplicate keys, tags, size and depth
+    refused), not yet validated against the schema -- for a caller that reads the file's own
+    sections before ``load_config`` (it must not open the file any other way: a FIFO would
+    block, an alias bomb grow). Raises ConfigError as ``load_config`` does."""
+    source = os.fspath(path)
     try:
         raw = read_regular_file(source, MAX_CONFIG_BYTES, "config file",
                                 "a config is a YAML file")
@@ -569,12 +585,7 @@ def load_config(path: str | os.PathLike, overrides: Mapping[str, Any] | None = N
         raise ConfigError(
             f"{source}: expected a mapping at the top level, got {got}", source=source
         )
-    if overrides:
-        try:
-            _apply_overrides(data, overrides)
-        except ConfigError as err:
-            raise _with_source(err, source) from err
-    return config_from_dict(data, source=source)
+    return data
 
 
 def _yaml_error_text(err: yaml.YAMLError) -> str:

@@ -217,17 +217,12 @@ def _check_params(params: SamplingParams, vocab: int,
 
 
 def _yaml_sections(config_path: str) -> dict[str, dict]:
-    """The config file's own sections that are mappings ({} where the file cannot be read:
-    ``load_config`` names that problem)."""
-    import yaml
+    """The config file's own sections that are mappings, read by the door's reader (a
+    ConfigError where the file cannot be read; found by probing: an open() of its own hung on
+    a FIFO, and a nesting bomb was a RecursionError traceback, before load_config looked)."""
+    from colo_rollout.config.loader import read_config_file
 
-    try:
-        with open(config_path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, ValueError):
-        return {}
-    return ({k: v for k, v in data.items() if isinstance(v, dict)}
-            if isinstance(data, dict) else {})
+    return {k: v for k, v in read_config_file(config_path).items() if isinstance(v, dict)}
 
 
 # the engine limits generate sizes to the prompts where neither --config nor --set gives them
