@@ -331,6 +331,18 @@ def test_generation_config_sampling_defaults(tmp_path):
     p = sampling_params(d, temperature=0.7)
     assert (p.temperature, p.top_k, p.top_p) == (0.7, 7, 0.8)
     assert (sampling_params(d).top_k, sampling_params(d).top_p) == (0, 1.0)
+    # ... its top_k / top_p out of range: ignored by a greedy run, as transformers' generate
+    # ignores them; refused (naming the file and key) by a run that samples with them
+    for data, want in (({"top_p": 2.0}, "top_p must be in (0.0, 1.0], got 2.0"),
+                       ({"do_sample": False, "top_k": -1}, "top_k must be >= 0, got -1")):
+        g.write_text(json.dumps(data))
+        d = read_generation_defaults(tmp_path)
+        p = sampling_params(d)
+        assert (p.greedy, p.top_k, p.top_p) == (True, 0, 1.0), data
+        with pytest.raises(TokenizerError, match=re.escape(f"{g}: {want}")):
+            sampling_params(d, temperature=0.7)
+        p = sampling_params(d, temperature=0.7, top_k=4, top_p=0.5)  # both flags given
+        assert (p.top_k, p.top_p) == (4, 0.5), data
     g.unlink()  # no file: the engine's own defaults (top_k, top_p off) also when sampling
     p = sampling_params(read_generation_defaults(tmp_path), temperature=0.7)
     assert (p.top_k, p.top_p) == (0, 1.0)
@@ -342,10 +354,10 @@ def test_generation_config_sampling_defaults(tmp_path):
                        ({"do_sample": True, "temperature": 0}, "temperature must be > 0"),
                        ({"do_sample": True, "temperature": "hot"},
                         "temperature must be a number, got 'hot'"),
-                       ({"top_p": 0}, "top_p must be in (0.0, 1.0], got 0"),
-                       ({"top_p": 1.5}, "top_p must be in"),
-                       ({"top_k": 2.5}, "top_k must be an int"),
-                       ({"top_k": -1}, "top_k must be >= 0"),
+                       ({"do_sample": True, "top_p": 0}, "top_p must be in (0.0, 1.0], got 0"),
+                       ({"do_sample": True, "top_p": 1.5}, "top_p must be in"),
+                       ({"do_sample": True, "top_k": 2.5}, "top_k must be an int"),
+                       ({"do_sample": True, "top_k": -1}, "top_k must be >= 0"),
                        ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
                        ({"do_sample": True, "temperature": float("nan")},
                         "temperature must be a number"),
@@ -374,7 +386,7 @@ def test_generation_config_numbers_past_floats_range(tmp_path):
     for data, want in (({"do_sample": True, "temperature": big},
                         f"temperature must be a number within float's range, got {shown}"),
                        ({"do_sample": True, "top_p": big}, f"top_p must be in (0.0, 1.0], got {shown}"),
-                       ({"top_k": -big}, f"top_k must be >= 0, got -{shown[:-4]}...")):
+                       ({"do_sample": True, "top_k": -big}, f"top_k must be >= 0, got -{shown[:-4]}...")):
         g.write_text(json.dumps(data))
         with pytest.raises(TokenizerError) as e:
             read_generation_defaults(tmp_path)

@@ -12,7 +12,9 @@ output and that the engine cannot honour (repetition_penalty, min_p, beams, min_
 user can still want the model's other defaults. Without the file the engine's own defaults
 hold: greedy, top_k and top_p off.
 
-A value of the wrong type or out of range is a TokenizerError naming the file and the key.
+A value of the wrong type or out of range is a TokenizerError naming the file and the key --
+a top_k or top_p of a file that does not sample only when the run samples (transformers
+ignores them otherwise).
 """
 
 from __future__ import annotations
@@ -52,6 +54,10 @@ class GenerationDefaults:
     max_tokens: int | None = None
     ignored: tuple[str, ...] = ()
     source: Path | None = None
+    # (key, its error): a top_k / top_p out of range in a file that does not sample --
+    # transformers' generate ignores them unless the run samples (``--temperature``), and then
+    # refuses them; ``sampling_params`` raises the error only for such a run
+    deferred: tuple[tuple[str, TokenizerError], ...] = ()
 
     @property
     def sampling(self) -> bool:
@@ -101,11 +107,19 @@ def read_generation_defaults(directory: str | Path) -> GenerationDefaults:
     if do_sample:  # transformers reads the temperature of a sampling run only
         keys.insert(0, ("temperature", False, 0.0, math.inf, False))
     checked: dict[str, Any] = {}
+    deferred = []
     for key, integer, low, high, open_low in keys:
         value = data.get(key)
         if value is not None:
-            checked[key] = _number(path, key, value, integer=integer, low=low, high=high,
-                                   open_low=open_low)
+            try:
+                checked[key] = _number(path, key, value, integer=integer, low=low, high=high,
+                                       open_low=open_low)
+            except TokenizerError as e:
+                # a greedy file's top_k / top_p: refused only by a run that samples (found by
+                # probing: {"do_sample": false, "top_p": 2.0} was refused, transformers runs it)
+                if do_sample or key not in ("top_k", "top_p"):
+                    raise
+                deferred.append((key, e))
     ignored = tuple(f"{k} {data[k]!r}" for k, noop in _UNSUPPORTED.items()
                     if data.get(k) is not None and data[k] != noop)
     temperature = 0.0
@@ -121,4 +135,4 @@ def read_generation_defaults(directory: str | Path) -> GenerationDefaults:
                               top_k=min(int(checked.get("top_k", _SAMPLE_TOP_K)), sys.maxsize),
                               top_p=float(checked.get("top_p", _SAMPLE_TOP_P)),
                               max_tokens=checked.get("max_new_tokens"), ignored=ignored,
-                              source=path)
+                              source=path, deferred=tuple(deferred))

@@ -320,6 +320,10 @@ def sampling_params(defaults: GenerationDefaults, *, max_tokens: int | None = No
     # a sampling run takes the file's top_k / top_p (or transformers' 50 / 1.0), also where
     # only the command line samples: generate(do_sample=True, temperature=...) does the same
     sampling = isinstance(temperature, (int, float)) and temperature > 0
+    given = {"top_k": top_k, "top_p": top_p}
+    for key, problem in defaults.deferred:  # the file's value this run would sample with
+        if sampling and given[key] is None:
+            raise problem
     if top_k is None:
         top_k = defaults.top_k if sampling else 0
     if top_p is None:
