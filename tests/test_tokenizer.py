@@ -7,6 +7,7 @@ run on a tiny tokenizer trained here in milliseconds (tests/tiny_tokenizer.py).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -295,6 +296,22 @@ def test_missing_and_unreadable_files(tmp_path: Path) -> None:
     write_json(tmp_path / "tokenizer_config.json", [1, 2])
     with pytest.raises(TokenizerError, match="expected a JSON object"):
         Tokenizer.from_dir(tmp_path)
+    # a folder or FIFO under a tokenizer file's name is named as such, never read as no file
+    # (a FIFO would block a read) -- transformers fails on each
+    save_tiny_tokenizer(tmp_path)
+    for name in ("tokenizer_config.json", "chat_template.jinja", "tokenizer.json",
+                 "generation_config.json"):
+        target = tmp_path / name
+        saved = target.read_bytes() if target.is_file() else None
+        target.unlink(missing_ok=True)
+        for make in (target.mkdir, lambda t=target: os.mkfifo(t)):
+            make()
+            with pytest.raises(TokenizerError) as e:
+                Tokenizer.from_dir(tmp_path)
+            assert str(e.value).startswith(f"{target}: not a regular file"), (name, str(e.value))
+            target.rmdir() if target.is_dir() else target.unlink()
+        if saved is not None:
+            target.write_bytes(saved)
 
 
 def test_without_chat_template(tmp_path: Path) -> None:

@@ -34,9 +34,16 @@ class TokenizerError(ValueError):
         self.path = Path(path)
 
 
+_NOT_REGULAR = "not a regular file (a directory, FIFO or device)"
+
+
 def _read_json(path: Path) -> dict[str, Any] | None:
-    """The JSON object in `path`, or None when the file does not exist."""
+    """The JSON object in `path`, or None when the file does not exist (a folder, FIFO or
+    device under its name is an error: transformers fails on it too -- found by probing, it
+    was read as no file)."""
     if not path.is_file():
+        if path.exists():
+            raise TokenizerError(path, _NOT_REGULAR)
         return None
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -206,7 +213,8 @@ class Tokenizer:
         directory = Path(directory)
         path = directory / "tokenizer.json"
         if not path.is_file():
-            raise TokenizerError(path, "missing (no tokenizer saved with this checkpoint)")
+            raise TokenizerError(path, _NOT_REGULAR if path.exists()
+                                 else "missing (no tokenizer saved with this checkpoint)")
         try:
             backend = Backend.from_file(str(path))
         except Exception as e:  # the Rust side raises a bare Exception for bad JSON or an unknown model
@@ -223,6 +231,8 @@ class Tokenizer:
             backend.encode_special_tokens = True
         # transformers >= 4.43 saves the template as chat_template.jinja, which wins over the config entry.
         jinja_path = directory / "chat_template.jinja"
+        if jinja_path.exists() and not jinja_path.is_file():
+            raise TokenizerError(jinja_path, _NOT_REGULAR)
         if jinja_path.is_file():
             try:
                 template: str | None = jinja_path.read_text(encoding="utf-8")
