@@ -72,6 +72,21 @@ def test_config_json_that_is_a_fifo_is_refused_without_blocking(tmp_path, capsys
                     "and index are JSON files")
 
 
+def test_generation_config_that_is_not_a_regular_file_is_named(tmp_path, capsys):
+    # the eos ids come from generation_config.json where it exists: a folder or FIFO under
+    # its name was read as no file (config.json's ids taken instead); transformers fails
+    _qwen3(tmp_path)
+    target = tmp_path / "generation_config.json"
+    target.unlink(missing_ok=True)
+    for make, cleanup in ((target.mkdir, target.rmdir), (lambda: os.mkfifo(target),
+                                                        target.unlink)):
+        make()
+        line = _ckpt_error(capsys, tmp_path)
+        assert line == (f"error: {CKPT_YAML}: model.checkpoint: {target}: not a regular file "
+                        "(a directory, FIFO or device)"), line
+        cleanup()
+
+
 def test_weight_file_that_is_not_a_regular_file_is_named(tmp_path, capsys):
     # was: "DIR: no weights: expected model.safetensors or ... (shards without an index are
     # not accepted)", though model.safetensors is there

@@ -190,6 +190,8 @@ def checkpoint_eos_ids(directory: str | pathlib.Path) -> list[int]:
     (``GenerationConfig.from_model_config``); an int or a list of ints, null or absent: none.
     A value of another type is a CheckpointError naming the file and the key."""
     path = pathlib.Path(directory) / GENERATION_CONFIG
+    if path.exists() and not path.is_file():  # never read as absent (transformers fails)
+        raise CheckpointError("not a regular file (a directory, FIFO or device)", path=path)
     if path.is_file():
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
