@@ -567,9 +567,12 @@ def test_bench_repeats_are_bounded(capsys, value, line):
 @pytest.mark.parametrize("key, value, line", [
     ("bench.modes", "[normal,normal]", "lists a mode twice: ['normal', 'normal']"),
     ("bench.spans", "[1,2,1]", "lists a span twice: [1, 2, 1]"),
+    # (no mode at all was reported as "unknown mode(s) []")
+    ("bench.modes", "[]", "must list at least one mode, from ['normal', 'global_complete', "
+                          "'global_enqueue', 'fine']"),
 ])
 def test_a_variant_listed_twice_is_refused(capsys, key, value, line):
-    """(it ran twice and the table pooled both runs as one variant's reps)"""
+    """(it ran twice and the table pooled both runs as one variant's reps); and none listed"""
     assert door_error(capsys, "bench", BENCH, "--set", f"{key}={value}") \
         == f"error: {BENCH}: {key}: {line}"
 

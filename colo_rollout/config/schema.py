@@ -892,7 +892,9 @@ class BenchConfig:
                  "bench.wait_scales", f"must be a non-empty list of values in [0, "
                  f"{MAX_SCALE:g}], got {[float(f'{w:.6g}') for w in self.wait_scales]}")
         bad = [m for m in self.modes if m not in ENGINE_MODES]
-        _require(bool(self.modes) and not bad, "bench.modes",
+        _require(bool(self.modes), "bench.modes",
+                 f"must list at least one mode, from {list(ENGINE_MODES)}")
+        _require(not bad, "bench.modes",
                  f"unknown mode(s) {bad}; choose from {list(ENGINE_MODES)}")
         # a mode or span listed twice would run its cells twice and pool them as one variant's
         # reps (the table's rep counts then wrong)
