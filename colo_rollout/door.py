@@ -253,8 +253,7 @@ def memory_need(cfg: Config, drawn_whole: bool = False) -> dict[str, int]:
         # the largest decode bucket padded to attention TP, two rows a sequence with MTP
         # (found by probing: a decode bucket of 10^12, past any batch the engine builds, was
         # accepted and failed in each rank's allocator)
-        moe = (m.num_layers - m.first_k_dense
-               - sum(1 for i in m.dense_layers if i >= m.first_k_dense))
+        moe = sum(1 for i in range(m.num_layers) if m.is_moe_layer(i))
         per_row = 2 * moe * m.moe_router_topk * lay.adp
         d_rows = -(-e.decode_buckets[-1] // lay.atp) * lay.atp * (2 if e.mtp else 1)
         need["engine.max_prefill_tokens"] = per_row * e.max_prefill_tokens

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from colo_rollout.text.tokenizer import TokenizerError, _read_json
+from colo_rollout.text.tokenizer import TokenizerError, _read_json, _short
 
 # keys that change transformers' output and that the engine does not implement, with the
 # value at which each is a no-op (a file that states the no-op is not reported)
@@ -84,18 +84,10 @@ def _number(path: Path, key: str, value: Any, *, integer: bool, low: float,
     return value
 
 
-def _short(value: Any) -> str:
-    """``value`` for a message, at most ~40 characters (an int of 400 digits, say)."""
-    text = repr(value)
-    return text if len(text) <= 40 else f"{text[:37]}..."
-
-
 def read_generation_defaults(directory: str | Path) -> GenerationDefaults:
     """The sampling defaults of the checkpoint in ``directory`` (the engine's own -- greedy,
     top_k and top_p off -- when it has no generation_config.json)."""
     path = Path(directory) / "generation_config.json"
-    if path.exists() and not path.is_file():
-        raise TokenizerError(path, "not a regular file")
     data = _read_json(path)
     if data is None:
         return GenerationDefaults()

@@ -37,6 +37,12 @@ class TokenizerError(ValueError):
 _NOT_REGULAR = "not a regular file (a directory, FIFO or device)"
 
 
+def _short(value: Any) -> str:
+    """``value`` for a message, at most ~40 characters (an int of 400 digits, say)."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:37]}..."
+
+
 def _read_json(path: Path) -> dict[str, Any] | None:
     """The JSON object in `path`, or None when the file does not exist (a folder, FIFO or
     device under its name is an error: transformers fails on it too -- found by probing, it
@@ -101,9 +107,8 @@ def _add_config_tokens(backend: Any, path: Path, decoder: Any) -> None:
         if not (isinstance(key, str) and key.isdecimal() and len(key) <= 18
                 and isinstance(tok, dict) and isinstance(tok.get("content"), str)
                 and tok["content"]):
-            shown = repr(key) if len(repr(key)) <= 40 else f"{repr(key)[:37]}..."
-            raise TokenizerError(path, f"added_tokens_decoder entry {shown} is not an id with "
-                                 "{content: ...}")
+            raise TokenizerError(path, f"added_tokens_decoder entry {_short(key)} is not an id "
+                                 "with {content: ...}")
         entries.append((int(key), tok))
     for tid, tok in sorted(entries, key=lambda e: e[0]):
         content = tok["content"]
