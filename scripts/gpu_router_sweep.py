@@ -4,9 +4,10 @@ k-rounds top-k took 15.4 us, the counting sort's scatter 11.0, scan 5.8, histogr
 
   * ``softmax_topk``'s k-rounds kernel: rows per program x warps;
   * ``moe_align``'s counting sort (histogram + scan + scatter, three launches): pairs per
-    block x warps.
+    block x warps; and (``--kernels scan``) the scan's keys per program.
 
-  PYTHONPATH=$PWD python3 scripts/gpu_router_sweep.py [--tokens 4096,8192] [--json PATH]
+  PYTHONPATH=$PWD python3 scripts/gpu_router_sweep.py [--tokens 4096,8192]
+      [--kernels topk,align,scan] [--json PATH]
 
 Every variant's outputs are compared bitwise with the shipped configuration's (ids, probs;
 order, token, offs, prob) before it is timed (median us per call over CUDA-graph replays:
@@ -37,7 +38,7 @@ def _bench(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3
 
 
-def _align(chosen, weight, E, block, warps):
+def _align(chosen, weight, E, block, warps, keys=ma.SCAN_KEYS):
     n, k = chosen.shape
     dev = chosen.device
     out = ma.Aligned(torch.empty(n * k, dtype=torch.int32, device=dev),
@@ -45,7 +46,8 @@ def _align(chosen, weight, E, block, warps):
                      torch.empty(E, dtype=torch.int32, device=dev),
                      torch.empty(n * k, dtype=weight.dtype, device=dev),
                      torch.empty(n * k, dtype=torch.int32, device=dev))
-    return ma._blocked_align(chosen, weight, 0, E, None, out, block=block, warps=warps)
+    return ma._blocked_align(chosen, weight, 0, E, None, out, block=block, warps=warps,
+                             scan_keys=keys)
 
 
 def main() -> int:
@@ -102,6 +104,19 @@ def main() -> int:
                                     warps=warps, us=us, same=same))
                     print(f"  block {block:4d} warps {warps:2d}: {us:7.2f} us"
                           + ("" if same else "  DIFFERS"))
+            if "scan" in a.kernels:  # the scan's keys per program, at the shipped block
+                print(f"{name} N={N}: align by the scan's keys per program (shipped: "
+                      f"{ma.SCAN_KEYS}; 256 and more: one program)")
+            for keys in ((256, 128, 64, 32, 16, 8) if "scan" in a.kernels else ()):
+                got = _align(chosen, weight, E, ma.BLOCK_PAIRS, ma.ALIGN_WARPS, keys)
+                same = all(torch.equal(x, y) for x, y in
+                           zip((got.order, got.token, got.offs, got.prob, got.where),
+                               (want.order, want.token, want.offs, want.prob, want.where)))
+                us = _bench(lambda: _align(chosen, weight, E, ma.BLOCK_PAIRS, ma.ALIGN_WARPS,
+                                           keys))
+                res.append(dict(kernel="scan_keys", shape=name, N=N, keys=keys, us=us,
+                                same=same))
+                print(f"  keys {keys:3d}: {us:7.2f} us" + ("" if same else "  DIFFERS"))
     with open(a.json, "w") as fh:
         json.dump(res, fh, indent=1)
     return 0

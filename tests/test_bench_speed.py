@@ -18,10 +18,12 @@ from colo_rollout.model.norm_add import NORM_RANGE
 from colo_rollout.tools.bench_speed import (
     PARTS,
     _idle_lines,
+    _paired,
     attribute,
     decode_roofline,
     expected_experts,
     idle_gaps,
+    kernel_table,
     prefill_flops,
 )
 from tests.test_door import door_error
@@ -199,6 +201,38 @@ def test_idle_gaps_are_the_gpus_waits_inside_each_step():
     assert "GPU idle inside an eager step 0.191 ms" in lines[0]
     assert "launched 235 us after the GPU went idle" in lines[1]
     assert "queued before it" in lines[3]
+
+
+def test_replayed_kernel_table_counts_kernels_not_range_spans():
+    """The replayed step's kernel table (``kernel_table`` over ``_paired``): the profiler
+    lists a range's span on the GPU as a CUDA event too -- one named like the fused norm's
+    range (colo.norm) was counted as 24 kernels of a Qwen3 P step on an H100 (2026-12-06) --
+    so only launched work is tabled; and its idle gaps print under their own heading."""
+    cuda = torch.autograd.DeviceType.CUDA
+    step = _event("bs::step", None, dur=1000.0)
+    events = [step]
+    for i, (name, start, us) in enumerate((("gemm", 10.0, 50.0), ("norm_kernel", 70.0, 5.0),
+                                           ("gemm", 80.0, 50.0)), start=1):
+        events.append(SimpleNamespace(**{**vars(_event("cudaGraphLaunch", step, start=1.0)),
+                                         "id": i}))
+        events.append(SimpleNamespace(name=name, id=i, cpu_parent=None, kernels=[],
+                                      device_type=cuda, time_range=SimpleNamespace(
+                                          start=start, elapsed_us=lambda us=us: us)))
+    for name, annotated in ((NORM_RANGE, False), ("bs::step", True)):
+        events.append(SimpleNamespace(name=name, id=2, cpu_parent=None, kernels=[],
+                                      device_type=cuda, is_user_annotation=annotated,
+                                      time_range=SimpleNamespace(start=60.0,
+                                                                 elapsed_us=lambda: 40.0)))
+    table = kernel_table([ev for _, ev in _paired(events)], steps=1)
+    assert table["per_step"] == 3
+    assert [(r["name"], r["count"], r["us"]) for r in table["top"]] == [
+        ("gemm", 2, 100.0), ("norm_kernel", 1, 5.0)]
+    idle = idle_gaps(events, steps=1)
+    assert idle["idle_ms"] == pytest.approx(0.015)
+    lines = _idle_lines({"shape": "prefill 8 x 1024", "graph_idle": idle}, "graph_idle",
+                        "a replayed step")
+    assert lines[0].startswith("prefill 8 x 1024: GPU idle inside a replayed step 0.015 ms")
+    assert _idle_lines({"shape": "x", "idle": idle}, "graph_idle", "a replayed step") == []
 
 
 def test_cpu_config_end_to_end(tmp_path, capsys):

@@ -3,7 +3,8 @@ sort by (local expert, pair index), and the one-launch Triton kernel bitwise aga
 path, run by Triton's CPU interpreter in a subprocess (tests/interpreted.py; skipped when
 triton does not import): other ranks' experts, padding rows, more pairs than one program
 ranks and more experts than one program counts; past one program's 1024 pairs, the counting
-sort over blocks (its scan walking more than one chunk of blocks)."""
+sort over blocks (its scan walking more than one chunk of blocks, its keys split over
+programs or all in one)."""
 
 from __future__ import annotations
 
@@ -27,8 +28,10 @@ CASES = [
     (128, 8, 64, 64, 0, 120, torch.bfloat16),  # 1024 pairs (the widest), padding rows
     # past one program: the counting sort over blocks of BLOCK_PAIRS pairs (its scan walks
     # the blocks one at a time in the interpreted run: more than one chunk)
-    (129, 8, 128, 128, 0, None, torch.float32),  # 1032 pairs: a last block of 8; 256 bins
-    (260, 4, 8, 16, 8, 250, torch.bfloat16),  # 1040 pairs, other ranks' experts, padding
+    (129, 8, 128, 128, 0, None, torch.float32),  # 1032 pairs: a last block of 8; 256 bins,
+    # split by key over the scan's programs (SCAN_KEYS each)
+    (260, 4, 8, 16, 8, 250, torch.bfloat16),  # 1040 pairs, other ranks' experts, padding;
+    # 16 bins: one scan program
 ]
 
 

@@ -284,9 +284,13 @@ def dense_attention(qb: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: De
     S, L = len(call.seqs), call.length
     heads, dim, g, dv = qb.shape[1], qb.shape[2], k.shape[1], v.shape[2]
     if qb.is_cuda and kernel == "flash" and S == 1:  # (batched calls stay cuDNN's: below)
-        # [S, L, h, dim] views of the token-major rows; GQA's k and v as they are
+        # [S, L, h, dim] views of the token-major rows; GQA's k and v as they are, each KV
+        # head's query heads as their own rows (``pack_gqa=False``: FA4's default packs them
+        # into one query block -- 1.02-1.03x slower at one sequence of 4k-8k on an H100;
+        # docs/benchmarks.md session 40)
         got = flash_attention()(qb.view(S, L, heads, dim), k.view(S, L, g, dim),
-                                v.view(S, L, g, dv), softmax_scale=scale, causal=True)
+                                v.view(S, L, g, dv), softmax_scale=scale, causal=True,
+                                pack_gqa=False)
         return got[0] if isinstance(got, tuple) else got  # [S, L, heads, dv]
     # [S, h, L, dim] views of the token-major rows (SDPA takes the strides)
     qd, kd, vd = (t.view(S, L, t.shape[1], t.shape[2]).transpose(1, 2) for t in (qb, k, v))

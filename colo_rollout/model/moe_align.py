@@ -46,6 +46,11 @@ _WIDTHS = (64, 256, TRITON_MAX_PAIRS)
 BLOCK_PAIRS = 512
 ALIGN_WARPS = 4
 _SCAN_ROWS = 64
+# the scan's keys per program: its programs split the keys (each reads every block's counts
+# for the keys before its own, and runs its own keys' sums over the blocks). One program
+# walking all 256 bins of Qwen3's 128 experts took 12.8 us of the trio's ~20 at 8192 tokens
+# (128 blocks; H100, 2026-12-06 -- the running sum over the blocks of a [64, 256] tile)
+SCAN_KEYS = 32
 
 
 @dataclass(frozen=True)
@@ -118,9 +123,9 @@ def triton_align(chosen: torch.Tensor, weight: torch.Tensor, first: int, experts
 
 def _blocked_align(chosen: torch.Tensor, weight: torch.Tensor, first: int, experts: int,
                    n_valid: torch.Tensor | None, out: Aligned, block: int = BLOCK_PAIRS,
-                   warps: int = ALIGN_WARPS) -> Aligned:
-    """The counting sort over blocks (the module docstring) into ``out``'s tensors; ``block``
-    and ``warps``: the sweep's overrides (scripts/gpu_router_sweep.py)."""
+                   warps: int = ALIGN_WARPS, scan_keys: int = SCAN_KEYS) -> Aligned:
+    """The counting sort over blocks (the module docstring) into ``out``'s tensors; ``block``,
+    ``warps`` and ``scan_keys``: the sweep's overrides (scripts/gpu_router_sweep.py)."""
     n, k = chosen.shape
     pairs = n * k
     blocks = triton.cdiv(pairs, block)
@@ -132,8 +137,9 @@ def _blocked_align(chosen: torch.Tensor, weight: torch.Tensor, first: int, exper
     kw = dict(K=k, HAS_NVALID=n_valid is not None, BLOCK=block, E_BINS=bins)
     _block_hist_kernel[(blocks,)](chosen, nv, counts, pairs, first, experts, **kw,
                                   num_warps=warps)
-    _block_scan_kernel[(1,)](counts, base, out.offs, blocks, experts, E_BINS=bins,
-                             ROWS=_SCAN_ROWS, num_warps=4)
+    keys = min(scan_keys, bins)
+    _block_scan_kernel[(bins // keys,)](counts, base, out.offs, blocks, experts, E_BINS=bins,
+                                        ROWS=_SCAN_ROWS, KEYS=keys, num_warps=4)
     _block_scatter_kernel[(blocks,)](chosen, weight, nv, base, out.order, out.token, out.prob,
                                      out.where, pairs, first, experts, **kw, num_warps=warps)
     return out
@@ -216,26 +222,35 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["blocks", "E"])
     def _block_scan_kernel(Counts, Base, Offs, blocks, E, E_BINS: tl.constexpr,
-                           ROWS: tl.constexpr):
+                           ROWS: tl.constexpr, KEYS: tl.constexpr):
         """Base[b, e] = (pairs of keys < e) + (block b's predecessors' pairs of key e) -- where
-        block b's first pair of key e goes -- and the group ends Offs[e] (keys <= e), in one
-        program walking the blocks ROWS at a time (any block count, one compiled variant)."""
+        block b's first pair of key e goes -- and the group ends Offs[e] (keys <= e). Program
+        j takes keys [j * KEYS, (j + 1) * KEYS), walking the blocks ROWS at a time (any block
+        count, one compiled variant): first the pairs of every earlier key and its own keys'
+        totals, then its keys' running sums over the blocks."""
         e = tl.arange(0, E_BINS)
-        total = tl.zeros([E_BINS], dtype=tl.int32)
-        for start in range(0, blocks, ROWS):  # first pass: each key's total
+        lo = tl.program_id(0) * KEYS
+        own = lo + tl.arange(0, KEYS)
+        earlier = tl.zeros([E_BINS], dtype=tl.int32)
+        total = tl.zeros([KEYS], dtype=tl.int32)
+        for start in range(0, blocks, ROWS):  # first pass: the earlier keys', own totals
             r = start + tl.arange(0, ROWS)
-            c = tl.load(Counts + r[:, None] * E_BINS + e[None, :], mask=(r < blocks)[:, None],
-                        other=0)
+            inside = (r < blocks)[:, None]
+            if KEYS < E_BINS:  # (one program: no key before its own)
+                c = tl.load(Counts + r[:, None] * E_BINS + e[None, :],
+                            mask=inside & (e < lo)[None, :], other=0)
+                earlier += tl.sum(c, axis=0)
+            c = tl.load(Counts + r[:, None] * E_BINS + own[None, :], mask=inside, other=0)
             total += tl.sum(c, axis=0)
-        ends = tl.cumsum(total, 0)
-        tl.store(Offs + e, ends, mask=e < E)
+        ends = tl.sum(earlier, 0) + tl.cumsum(total, 0)
+        tl.store(Offs + own, ends, mask=own < E)
         run = ends - total  # the keys < e
         for start in range(0, blocks, ROWS):  # second pass: the blocks' running sums
             r = start + tl.arange(0, ROWS)
             inside = (r < blocks)[:, None]
-            c = tl.load(Counts + r[:, None] * E_BINS + e[None, :], mask=inside, other=0)
+            c = tl.load(Counts + r[:, None] * E_BINS + own[None, :], mask=inside, other=0)
             before = tl.cumsum(c, 0) - c  # earlier rows of this chunk
-            tl.store(Base + r[:, None] * E_BINS + e[None, :], run[None, :] + before,
+            tl.store(Base + r[:, None] * E_BINS + own[None, :], run[None, :] + before,
                      mask=inside)
             run += tl.sum(c, axis=0)
 

@@ -70,7 +70,8 @@ and counts as attention. "launch gaps" = the step's
 wall time minus the summed parts: on a GPU the wall time is the measured (graph-replay) step,
 on a CPU the profiled steps' own wall time (Python and dispatch between ops). On a GPU the
 graph replay's own kernel total is in the JSON (``graph_kernel_ms``) as a cross-check, and
-where the GPU idled inside the eager steps is listed (``idle_gaps``): the idle between a step's
+where the GPU idled inside the eager steps and inside the graph-replay steps the rows time is
+listed (``idle_gaps``; JSON ``idle``, ``graph_idle``): the idle between a step's
 kernels and the largest gaps with the kernels around them and how late the host launched the
 next one (the step head, a layer the host's Python fell behind in).
 
@@ -686,12 +687,17 @@ class _Bench:
             self.sync()
             with profile(activities=acts) as prof:
                 for _ in range(steps):
-                    self.step(plan)
-                    self.sync()
-            kernels = [ev for ev in prof.events()
-                       if ev.device_type == torch.autograd.DeviceType.CUDA]
+                    with record_function(_RANGE + "step"):
+                        self.step(plan)
+                        self.sync()
+            # the replayed step's kernels, copies and sets -- not the ranges' GPU spans,
+            # which the profiler lists as CUDA events too (``_paired``)
+            kernels = [ev for _, ev in _paired(prof.events())]
             out["graph_kernel_ms"] = sum(ev.time_range.elapsed_us() for ev in kernels) / steps / 1e3
             out["graph_kernels"] = kernel_table(kernels, steps)
+            # where the timed (graph-replay) step's GPU waits: its head, a layer whose host
+            # falls behind
+            out["graph_idle"] = idle_gaps(prof.events(), steps)
         return out
 
 
@@ -1174,6 +1180,7 @@ def table(res: dict, cfg: Config, source: str) -> str:
                 lines.append(f"{k}: {bd[k]['note']}")
         for k in kinds:
             lines += _idle_lines(bd[k])
+            lines += _idle_lines(bd[k], "graph_idle", "a replayed step")
         for k in kinds:
             gk = bd[k].get("graph_kernels")
             if not gk:
@@ -1202,13 +1209,14 @@ def _clock_lines(prefill: list[dict]) -> list[str]:
     return [f"  (no SM clock read: {n})" for n in notes]
 
 
-def _idle_lines(bd: dict) -> list[str]:
-    """A breakdown's GPU idle inside its eager steps (``idle_gaps``): the total, the share
-    under the floor, and the largest gaps with the kernels around them."""
-    idle = bd.get("idle")
+def _idle_lines(bd: dict, key: str = "idle", what: str = "an eager step") -> list[str]:
+    """A breakdown's GPU idle inside its eager steps (``idle_gaps``; ``key`` "graph_idle":
+    its graph-replay steps'): the total, the share under the floor, and the largest gaps
+    with the kernels around them."""
+    idle = bd.get(key)
     if not idle:
         return []
-    out = [f"{bd['shape']}: GPU idle inside an eager step {idle['idle_ms']:.3f} ms "
+    out = [f"{bd['shape']}: GPU idle inside {what} {idle['idle_ms']:.3f} ms "
            f"({idle['small_gaps']:.0f} gaps under {idle['floor_us']:.0f} us: "
            f"{idle['small_ms']:.3f} ms); the largest:"]
     for g in idle["largest"]:
