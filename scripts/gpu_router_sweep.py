@@ -89,6 +89,14 @@ def main() -> int:
             chosen = want_i
             weight = want_p.to(torch.bfloat16)
             want = _align(chosen, weight, E, ma.BLOCK_PAIRS, ma.ALIGN_WARPS)
+            ref = ma.torch_align(chosen, weight, 0, E)  # the reference (a stable torch.sort)
+            ref_same = all(torch.equal(x.long(), y.long()) for x, y in
+                           zip((want.order, want.token, want.offs, want.where),
+                               (ref.order, ref.token, ref.offs, ref.where))
+                           ) and torch.equal(want.prob, ref.prob)
+            print(f"{name} N={N}: shipped align against torch's: "
+                  f"{'bitwise equal' if ref_same else 'DIFFERS'}")
+            res.append(dict(kernel="align_vs_torch", shape=name, N=N, same=ref_same))
             print(f"{name} N={N}: align (shipped: block {ma.BLOCK_PAIRS}, warps "
                   f"{ma.ALIGN_WARPS})")
             for block in ((128, 256, 512, 1024, 2048) if "align" in a.kernels else ()):

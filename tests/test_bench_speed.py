@@ -302,7 +302,8 @@ def test_bench_speed_config_is_checked_at_the_door(capsys, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(Path(CPU).read_text().replace("short_context: 32", "short_context: 0"))
     line = door_error(capsys, "bench-speed", str(bad))
-    assert line == f"error: {bad}: bench_speed.short_context: must be >= 2, got 0"
+    at = bad.read_text().splitlines().index("  short_context: 0") + 1  # the key's line
+    assert line == f"error: {bad}:{at}: bench_speed.short_context: must be >= 2, got 0"
     line = door_error(capsys, "bench-speed", CPU, "--set", "bench_speed.long_contexts=[128, 600]")
     assert line.startswith(f"error: {CPU}: bench_speed.long_batches: decode of 2 rows at 600 "
                            "tokens of context: a sequence of 600 tokens exceeds "

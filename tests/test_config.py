@@ -2,6 +2,7 @@
 
 import dataclasses
 import pickle
+import re
 import textwrap
 from pathlib import Path
 
@@ -31,11 +32,12 @@ def write(tmp_path: Path, text: str, name: str = "cfg.yaml") -> Path:
 
 
 def assert_load_error(path: Path, *needles: str, overrides: dict | None = None) -> ConfigError:
-    """load_config(path) raises ConfigError naming the file and every needle."""
+    """load_config(path) raises ConfigError naming the file (and the line of a key the file
+    writes) and every needle."""
     with pytest.raises(ConfigError) as info:
         load_config(path, overrides)
     msg = str(info.value)
-    assert msg.startswith(f"{path}: "), msg
+    assert re.match(rf"{re.escape(str(path))}(:[0-9]+)?: ", msg), msg
     for needle in needles:
         assert needle in msg, f"{needle!r} not in {msg!r}"
     assert info.value.source == str(path)
@@ -202,10 +204,40 @@ def test_unknown_nested_key(tmp_path):
     assert err.key == "model.hidden"
 
 
+def test_an_error_names_the_line_of_the_key_the_file_writes(tmp_path):
+    """``FILE:LINE: KEY: problem`` where the file writes the key (nested, or a section
+    header); no line for a key the file leaves to its default (a cross-key check), and a key
+    an override set -- or one under a section an override gave -- is named as coming from
+    the command line, not given the file's line."""
+    text = ("parallel:\n  world_size: 1\n\nengine:\n  # the batch\n"
+            "  max_batch_size: 0\n  kv_block_size: 16\nworkload: 3\n")
+    path = write(tmp_path, text)
+    err = assert_load_error(path, "engine.max_batch_size")
+    assert str(err).startswith(f"{path}:6: engine.max_batch_size: must be >= 1, got 0")
+    err = assert_load_error(path, overrides={"engine.max_batch_size": 4})
+    assert str(err).startswith(f"{path}:8: workload: expected a mapping"), str(err)
+    # written in the file, then overridden: the override's value is the one refused
+    over = " (set by an override, not in the file)"
+    err = assert_load_error(write(tmp_path, "engine:\n  max_batch_size: 4\n"),
+                            overrides={"engine.max_batch_size": -1})
+    assert str(err).endswith(f": engine.max_batch_size: must be >= 1, got -1{over}")
+    assert ":2:" not in str(err)
+    err = assert_load_error(write(tmp_path, "rl:\n  steps: 1\n"),
+                            overrides={"rl": {"steps": 0}})
+    assert str(err).endswith(over) and ":2:" not in str(err)
+    # a cross-key check naming a key the file does not write (its default): no line
+    err = assert_load_error(write(tmp_path, "model:\n  num_attention_heads: 6\n"))
+    assert err.key == "model.hidden_size", str(err)
+    assert str(err).startswith(f"{path}: model.hidden_size: 64 is not divisible"), str(err)
+    err = assert_load_error(write(tmp_path, "parallel:\n  world_size: 4\n  adp: 3\n"))
+    assert str(err).startswith(f"{path}:3: parallel.adp: "), str(err)
+
+
 def test_wrong_type_str_for_int(tmp_path):
     path = write(tmp_path, "model:\n  hidden_size: abc\n")
     err = assert_load_error(path, "model.hidden_size: expected int, got str 'abc'")
-    assert str(err) == f"{path}: model.hidden_size: expected int, got str 'abc'"
+    # the key's line in the file (line 2)
+    assert str(err) == f"{path}:2: model.hidden_size: expected int, got str 'abc'"
 
 
 def test_wrong_type_bool_for_int(tmp_path):
@@ -518,7 +550,7 @@ def test_a_long_key_is_cut_short_in_the_error_line(tmp_path):
     path = write(tmp_path, f"rl:\n  ? {key}\n  : 1\n")
     with pytest.raises(ConfigError) as info:
         load_config(path)
-    assert str(info.value) == f"{path}: rl.{short}: unknown key; allowed keys at rl: {allowed}"
+    assert str(info.value) == f"{path}:2: rl.{short}: unknown key; allowed keys at rl: {allowed}"
     path = write(tmp_path, f"rl:\n  ? {key}\n  : 1\n  ? {key}\n  : 2\n")
     with pytest.raises(ConfigError) as info:
         load_config(path)

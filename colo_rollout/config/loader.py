@@ -66,7 +66,7 @@ class Config:
 
     def __post_init__(self) -> None:
         _check_field_types(self)
-        par, model, engine, work = self.parallel, self.model, self.engine, self.workload
+        par, model, engine = self.parallel, self.model, self.engine
         atp_desc = f"parallel.atp {par.atp} (world_size {par.world_size} / adp {par.adp})"
         _require(
             model.num_attention_heads % par.atp == 0,
@@ -351,6 +351,9 @@ class UniqueKeyLoader(yaml.SafeLoader):
         super().__init__(stream)
         self._nodes = 0  # nodes composed so far (this loader reads one document)
         self._depth = 0  # nesting of the node being composed
+        # dotted key (as messages name it: ``_key_text``; list items ``key[i]``) -> the
+        # 1-based line it is written on, for the schema's errors (``load_config``)
+        self.key_lines: dict[str, int] = {}
 
     def compose_node(self, parent: Any, index: Any) -> yaml.Node:
         self._nodes += 1
@@ -410,6 +413,7 @@ class UniqueKeyLoader(yaml.SafeLoader):
                        if isinstance(key_node, yaml.ScalarNode) else None)
                 dotted = f"{path}.{_key_text(key)}" if path else _key_text(key)
                 line = key_node.start_mark.line + 1
+                self.key_lines.setdefault(dotted, line)
                 try:
                     if key in first:
                         raise _DuplicateKey(dotted, line, first[key])
@@ -420,6 +424,7 @@ class UniqueKeyLoader(yaml.SafeLoader):
                 self._check_unique(value_node, dotted, seen)
         elif isinstance(node, yaml.SequenceNode):
             for i, item in enumerate(node.value):
+                self.key_lines.setdefault(f"{path}[{i}]", item.start_mark.line + 1)
                 self._check_unique(item, f"{path}[{i}]", seen)
 
     def _construct_scalar(self, node: yaml.ScalarNode, path: str) -> Any:
@@ -437,12 +442,15 @@ class UniqueKeyLoader(yaml.SafeLoader):
                              f"{_short(node.value)} cannot be read as {tag}{why}") from None
 
 
-def _yaml_load(text: str) -> Any:
-    """``yaml.safe_load(text)``, refusing duplicate keys (UniqueKeyLoader)."""
+def _yaml_load(text: str, lines: dict[str, int] | None = None) -> Any:
+    """``yaml.safe_load(text)``, refusing duplicate keys (UniqueKeyLoader); ``lines``: filled
+    with each dotted key's line (``UniqueKeyLoader.key_lines``)."""
     loader = UniqueKeyLoader(text)
     try:
         return loader.get_single_data()
     finally:
+        if lines is not None:
+            lines.update(loader.key_lines)
         loader.dispose()
 
 
@@ -536,21 +544,46 @@ def load_config(path: str | os.PathLike, overrides: Mapping[str, Any] | None = N
     failed validation.
     """
     source = os.fspath(path)
-    data = read_config_file(source)
+    lines: dict[str, int] = {}
+    data = read_config_file(source, lines)
     if overrides:
         try:
             _apply_overrides(data, overrides)
         except ConfigError as err:
             raise _with_source(err, source) from err
-    return config_from_dict(data, source=source)
+    try:
+        return config_from_dict(data, source=source)
+    except ConfigError as err:
+        raise _located(err, source, lines, overrides or {}) from err
 
 
-def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
+def _located(err: ConfigError, source: str, lines: Mapping[str, int],
+             overrides: Mapping[str, Any]) -> ConfigError:
+    """``err`` (a message ``source: KEY: problem``) with where its key was given: the file's
+    line of it (``source:LINE: KEY: problem``), or -- a key an override set, or one under a
+    section an override gave -- the note that an override set it (--set, or a command's own
+    override of a key), not the file.
+    A key the file does not write (a default, a value config.json gave) stays as it is."""
+    key, text = err.key, str(err)
+    if not key or not text.startswith(f"{source}: "):
+        return err
+    if any(key == o or key.startswith((f"{o}.", f"{o}[")) for o in map(str, overrides)):
+        return ConfigError(f"{text} (set by an override, not in the file)", key=key,
+                           source=source)
+    line = lines.get(key)
+    if line is None:
+        return err
+    return ConfigError(f"{source}:{line}: {text[len(source) + 2:]}", key=key, source=source)
+
+
+def read_config_file(path: str | os.PathLike,
+                     lines: dict[str, int] | None = None) -> dict[str, Any]:
     """The top-level mapping of the YAML config file ``path``, as the door reads it (a
     bounded regular file, UTF-8, safe_load with duplicate keys, tags, size and depth
     refused), not yet validated against the schema -- for a caller that reads the file's own
     sections before ``load_config`` (it must not open the file any other way: a FIFO would
-    block, an alias bomb grow). Raises ConfigError as ``load_config`` does."""
+    block, an alias bomb grow). Raises ConfigError as ``load_config`` does. ``lines``: filled
+    with the line each dotted key is written on."""
     source = os.fspath(path)
     try:
         raw = read_regular_file(source, MAX_CONFIG_BYTES, "config file",
@@ -566,7 +599,7 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
             f"{source}:{line}: not valid UTF-8: byte 0x{raw[err.start]:02x} at column {column} "
             f"({err.reason}); config files are read as UTF-8", source=source) from None
     try:
-        data = _yaml_load(text)
+        data = _yaml_load(text, lines)
     except _DuplicateKey as dup:
         dotted, line, first = dup.args
         raise ConfigError(

@@ -49,8 +49,12 @@ _SCAN_ROWS = 64
 # the scan's keys per program: its programs split the keys (each reads every block's counts
 # for the keys before its own, and runs its own keys' sums over the blocks). One program
 # walking all 256 bins of Qwen3's 128 experts took 12.8 us of the trio's ~20 at 8192 tokens
-# (128 blocks; H100, 2026-12-06 -- the running sum over the blocks of a [64, 256] tile)
-SCAN_KEYS = 32
+# (128 blocks; H100, 2026-12-06 -- the running sum over the blocks of a [64, 256] tile). The
+# trio by keys per program (scripts/gpu_router_sweep.py --kernels scan, H100, 2026-12-06), us
+# at 4096 / 8192 tokens: Qwen3 256 (one program) 13.4 / 18.9, 128 11.6 / 15.6, 64 10.7 /
+# 13.7, 32 11.0 / 14.2, 16 11.6 / 15.4; the first shape's 64 experts (128 bins) 9.9-10.3 /
+# 12.6-13.5 at every width
+SCAN_KEYS = 64
 
 
 @dataclass(frozen=True)
