@@ -559,17 +559,16 @@ def load_config(path: str | os.PathLike, overrides: Mapping[str, Any] | None = N
 
 def _located(err: ConfigError, source: str, lines: Mapping[str, int],
              overrides: Mapping[str, Any]) -> ConfigError:
-    """``err`` (a message ``source: KEY: problem``) with where its key was given: the file's
-    line of it (``source:LINE: KEY: problem``), or -- a key an override set, or one under a
-    section an override gave -- the note that an override set it (--set, or a command's own
-    override of a key), not the file.
-    A key the file does not write (a default, a value config.json gave) stays as it is."""
+    """``err`` (a message ``source: KEY: problem``) with the file's line of its key
+    (``source:LINE: KEY: problem``) where the file writes the key and no override replaced it
+    (a key an override set, or one under a section an override gave, stays as it is -- the
+    file's line would point at a value that is not the one refused; so does a key the file
+    leaves to its default or to config.json)."""
     key, text = err.key, str(err)
     if not key or not text.startswith(f"{source}: "):
         return err
     if any(key == o or key.startswith((f"{o}.", f"{o}[")) for o in map(str, overrides)):
-        return ConfigError(f"{text} (set by an override, not in the file)", key=key,
-                           source=source)
+        return err
     line = lines.get(key)
     if line is None:
         return err
