@@ -18,6 +18,7 @@ from colo_rollout.model.norm_add import NORM_RANGE
 from colo_rollout.tools.bench_speed import (
     PARTS,
     _idle_lines,
+    _is_span,
     _paired,
     attribute,
     decode_roofline,
@@ -225,6 +226,9 @@ def test_replayed_kernel_table_counts_kernels_not_range_spans():
                                                                  elapsed_us=lambda: 40.0)))
     table = kernel_table([ev for _, ev in _paired(events)], steps=1)
     assert table["per_step"] == 3
+    # where nothing pairs (no launch calls recorded): the CUDA events that are no span
+    unpaired = [ev for ev in events if ev.device_type == cuda and not _is_span(ev)]
+    assert kernel_table(unpaired, steps=1) == table
     assert [(r["name"], r["count"], r["us"]) for r in table["top"]] == [
         ("gemm", 2, 100.0), ("norm_kernel", 1, 5.0)]
     idle = idle_gaps(events, steps=1)

@@ -691,8 +691,11 @@ class _Bench:
                         self.step(plan)
                         self.sync()
             # the replayed step's kernels, copies and sets -- not the ranges' GPU spans,
-            # which the profiler lists as CUDA events too (``_paired``)
-            kernels = [ev for _, ev in _paired(prof.events())]
+            # which the profiler lists as CUDA events too (``_paired``; where nothing pairs,
+            # the CUDA events that are no range's span)
+            kernels = [ev for _, ev in _paired(prof.events())] or [
+                ev for ev in prof.events()
+                if ev.device_type == torch.autograd.DeviceType.CUDA and not _is_span(ev)]
             out["graph_kernel_ms"] = sum(ev.time_range.elapsed_us() for ev in kernels) / steps / 1e3
             out["graph_kernels"] = kernel_table(kernels, steps)
             # where the timed (graph-replay) step's GPU waits: its head, a layer whose host
@@ -819,9 +822,13 @@ def _paired(events) -> list[tuple[object, object]]:
     # the profiler also lists each range's span on the GPU as a CUDA event (a user
     # annotation, ids of its own): a span, not work -- never a kernel here
     return [(calls[ev.id], ev) for ev in events
-            if ev.device_type == cuda and ev.id in calls
-            and not (getattr(ev, "is_user_annotation", False)
-                     or ev.name.startswith((_RANGE, "colo.")))]
+            if ev.device_type == cuda and ev.id in calls and not _is_span(ev)]
+
+
+def _is_span(ev) -> bool:
+    """Whether a profiler event is a range's span (bench-speed's ``bs::`` ranges, the
+    engine's ``colo.`` ones), not a kernel, copy or set."""
+    return getattr(ev, "is_user_annotation", False) or ev.name.startswith((_RANGE, "colo."))
 
 
 def launched_kernels(events) -> list[tuple[object, float]]:
