@@ -25,6 +25,7 @@ from typing import Any
 
 from colo_rollout.config.checkpoint_errors import CheckpointError
 from colo_rollout.config import ENGINE_MODES, Config, ConfigError, load_config
+from colo_rollout.config.loader import located
 from colo_rollout.sched.request import Request, RequestError, SamplingParams
 from colo_rollout.workloads.trace import Conversation, Trace, TraceError, generate_trace, load_trace
 
@@ -52,18 +53,22 @@ def load(command: str, config_path: str | os.PathLike, overrides: Mapping[str, A
     named checkpoint's files checked (headers only) and everything the command will ask of the
     engine checked against it. Raises a user error (is_user_error)."""
     source = os.fspath(config_path)
-    cfg = load_config(source, overrides)
+    lines: dict[str, int] = {}  # each key's line in the file: the checks' errors name it too
+    cfg = load_config(source, overrides, lines)
     if cfg.model.checkpoint is not None:
         from colo_rollout.checkpoint.loader import check_checkpoint
 
         check_checkpoint(cfg.model)
-    check_engine(cfg, source)
-    check_outputs(cfg, source, command)
     check = {"demo": check_demo, "train": check_train, "bench": check_bench,
              "bench-decode-overhead": check_decode_overhead,
              "bench-speed": check_bench_speed, "bench-mtp": check_bench_mtp}.get(command)
-    if check is not None:
-        check(cfg, source, **args)
+    try:
+        check_engine(cfg, source)
+        check_outputs(cfg, source, command)
+        if check is not None:
+            check(cfg, source, **args)
+    except ConfigError as err:
+        raise located(err, source, lines, overrides) from err
     return cfg
 
 

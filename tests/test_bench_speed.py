@@ -27,7 +27,7 @@ from colo_rollout.tools.bench_speed import (
     kernel_table,
     prefill_flops,
 )
-from tests.test_door import door_error
+from tests.test_door import at, door_error
 
 CPU = str(Path(__file__).resolve().parents[1] / "configs" / "bench_speed_cpu.yaml")
 
@@ -306,10 +306,11 @@ def test_bench_speed_config_is_checked_at_the_door(capsys, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(Path(CPU).read_text().replace("short_context: 32", "short_context: 0"))
     line = door_error(capsys, "bench-speed", str(bad))
-    at = bad.read_text().splitlines().index("  short_context: 0") + 1  # the key's line
-    assert line == f"error: {bad}:{at}: bench_speed.short_context: must be >= 2, got 0"
+    n = bad.read_text().splitlines().index("  short_context: 0") + 1  # the key's line
+    assert line == f"error: {bad}:{n}: bench_speed.short_context: must be >= 2, got 0"
     line = door_error(capsys, "bench-speed", CPU, "--set", "bench_speed.long_contexts=[128, 600]")
-    assert line.startswith(f"error: {CPU}: bench_speed.long_batches: decode of 2 rows at 600 "
+    assert line.startswith(f"error: {at(CPU, 'bench_speed.long_batches')}: "
+                           "bench_speed.long_batches: decode of 2 rows at 600 "
                            "tokens of context: a sequence of 600 tokens exceeds "
                            "engine.max_seq_len 512")
     line = door_error(capsys, "bench-speed", CPU, "--set", "bench_speed.prefill_mixed=[600, 8]")
@@ -322,7 +323,8 @@ def test_bench_speed_config_is_checked_at_the_door(capsys, tmp_path):
                     "new tokens in one P step exceed engine.max_prefill_tokens 64")
     line = door_error(capsys, "bench-speed", CPU, "--set", "engine.max_prefill_tokens=200",
                       "--set", "bench_speed.prefill_lengths=[64]")
-    assert line.startswith(f"error: {CPU}: bench_speed.prefill_batch_seqs: 4 prefills of 64 "
+    assert line.startswith(f"error: {at(CPU, 'bench_speed.prefill_batch_seqs')}: "
+                           "bench_speed.prefill_batch_seqs: 4 prefills of 64 "
                            "tokens: 256 new tokens in one P step exceed")
     line = door_error(capsys, "bench-speed", CPU, "--set", "bench_speed.prefill_mixed=[0]")
     assert "bench_speed.prefill_mixed: every value must be >= 1, got [0]" in line

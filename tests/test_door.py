@@ -33,6 +33,19 @@ def door_error(capsys, *argv: str) -> str:
     return lines[0]
 
 
+def at(config: str, key: str) -> str:
+    """``CONFIG:LINE`` of a two-level key as an error line names it (the line the shipped
+    config writes it on)."""
+    section, leaf = key.split(".")
+    inside = False
+    for i, text in enumerate(Path(config).read_text().splitlines(), start=1):
+        if not text.startswith(" ") and text.strip():
+            inside = text.startswith(f"{section}:")
+        elif inside and text.strip().startswith(f"{leaf}:"):
+            return f"{config}:{i}"
+    raise AssertionError(f"{config} does not write {key}")
+
+
 def trace_file(tmp_path: Path, records: list[dict], name: str = "t.jsonl") -> str:
     path = tmp_path / name
     path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
@@ -153,7 +166,10 @@ def test_timeouts_that_would_crash_every_rank(capsys, value, fragment):
 def test_a_run_that_cannot_fit_in_memory_names_its_largest_part(capsys, cmd, config, key,
                                                                  value, named):
     line = door_error(capsys, cmd, config, "--set", f"{key}={value}")
-    assert line.startswith(f"error: {config}: {named}: the run needs at least "), line
+    # the named key's line where the file writes it (not the overridden key's own: the
+    # file's line would show a value that is not the one refused)
+    where = config if named == key else at(config, named)
+    assert line.startswith(f"error: {where}: {named}: the run needs at least "), line
     assert "GiB), more than this host's" in line, line
 
 
@@ -410,7 +426,8 @@ def test_trainer_ep_not_a_multiple_of_trainer_tp(capsys):
 # --------------------------------------------------------------------------- workloads
 def test_demo_workload_over_the_prefill_budget(capsys):
     line = door_error(capsys, "demo", DEMO, "--set", "engine.max_prefill_tokens=32")
-    assert line == (f"error: {DEMO}: workload.prompt_len_max: the workload's longest request "
+    where = at(DEMO, "workload.prompt_len_max")  # the key the check names, where it is written
+    assert line == (f"error: {where}: workload.prompt_len_max: the workload's longest request "
                     "(prompt 192 + output_len_max 64 tokens) would be refused: prompt of 192 "
                     "tokens exceeds engine.max_prefill_tokens 32")
 
@@ -423,7 +440,8 @@ def test_only_the_demo_holds_its_workload_to_max_seq_len(capsys):
 
     small = {"engine.max_seq_len": 96}  # demo_cpu's workload: 192 + 64
     line = door_error(capsys, "demo", DEMO, "--set", "engine.max_seq_len=96")
-    assert line == (f"error: {DEMO}: workload.prompt_len_max: the workload's longest request "
+    where = at(DEMO, "workload.prompt_len_max")
+    assert line == (f"error: {where}: workload.prompt_len_max: the workload's longest request "
                     "(prompt 192 + output_len_max 64 tokens) would be refused: prompt (192) + "
                     "max_tokens (64) = 256 exceeds engine.max_seq_len 96")
     assert load("bench", BENCH, {**small, "workload.prompt_len_max": 192,
@@ -520,7 +538,8 @@ def test_explicit_prompt_ids_the_bench_can_never_run(tmp_path, capsys):
     # explicit ids cannot be rescaled (bench_cpu: length_scale 0.03)
     path = trace_file(tmp_path, [turn(prompt=[1, 2])])
     line = door_error(capsys, "bench", BENCH, "--set", f"bench.trace={path}")
-    assert line.startswith(f"error: {BENCH}: bench.length_scale: 0.03 cannot rescale the "
+    assert line.startswith(f"error: {at(BENCH, 'bench.length_scale')}: bench.length_scale: 0.03 "
+                           "cannot rescale the "
                            f"explicit prompt ids of {path}:1")
 
 
@@ -529,7 +548,8 @@ def test_a_replay_scheduled_past_the_runs_limit(tmp_path, capsys):
     replay sitting at 0% until the run's limit tears it down."""
     path = trace_file(tmp_path, [dict(turn(), arrival_s=80_000)])
     line = door_error(capsys, "bench", BENCH, "--set", f"bench.trace={path}")
-    assert line.startswith(f"error: {BENCH}: bench.wait_scales: conversation 'a' of {path} is "
+    assert line.startswith(f"error: {at(BENCH, 'bench.wait_scales')}: bench.wait_scales: "
+                           f"conversation 'a' of {path} is "
                            "scheduled over 80000 s (arrival 80000 s + its waits x 0)")
     line = door_error(capsys, "bench", BENCH, "--set", "bench.wait_scales=[1000.0]")
     assert "past the 3600 s a replay may take" in line

@@ -535,7 +535,8 @@ def _apply_overrides(data: dict[str, Any], overrides: Mapping[str, Any]) -> None
             cls, node = sub_cls, child
 
 
-def load_config(path: str | os.PathLike, overrides: Mapping[str, Any] | None = None) -> Config:
+def load_config(path: str | os.PathLike, overrides: Mapping[str, Any] | None = None,
+                lines: dict[str, int] | None = None) -> Config:
     """Load a YAML config file, apply dotted-key ``overrides``, and validate it.
 
     ``overrides`` maps dotted keys to values, e.g. ``{"parallel.world_size": 4}``.
@@ -544,7 +545,7 @@ def load_config(path: str | os.PathLike, overrides: Mapping[str, Any] | None = N
     failed validation.
     """
     source = os.fspath(path)
-    lines: dict[str, int] = {}
+    lines = {} if lines is None else lines  # the caller's: its own checks' errors (located)
     data = read_config_file(source, lines)
     if overrides:
         try:
@@ -554,12 +555,13 @@ def load_config(path: str | os.PathLike, overrides: Mapping[str, Any] | None = N
     try:
         return config_from_dict(data, source=source)
     except ConfigError as err:
-        raise _located(err, source, lines, overrides or {}) from err
+        raise located(err, source, lines, overrides or {}) from err
 
 
-def _located(err: ConfigError, source: str, lines: Mapping[str, int],
+def located(err: ConfigError, source: str, lines: Mapping[str, int],
              overrides: Mapping[str, Any]) -> ConfigError:
-    """``err`` (a message ``source: KEY: problem``) with the file's line of its key
+    """``err`` (a message ``source: KEY: problem``: the schema's, or a later check's of the
+    same file -- the door's) with the file's line of its key
     (``source:LINE: KEY: problem``) where the file writes the key and no override replaced it
     (a key an override set, or one under a section an override gave, stays as it is -- the
     file's line would point at a value that is not the one refused; so does a key the file
