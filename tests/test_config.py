@@ -216,6 +216,9 @@ def test_an_error_names_the_line_of_the_key_the_file_writes(tmp_path):
     assert str(err).startswith(f"{path}:6: engine.max_batch_size: must be >= 1, got 0")
     err = assert_load_error(path, overrides={"engine.max_batch_size": 4})
     assert str(err).startswith(f"{path}:8: workload: expected a mapping"), str(err)
+    # a section holding a key an override set: the section's line is not the refused value's
+    err = assert_load_error(path, overrides={"engine.max_batch_size": 4, "workload.seed": 1})
+    assert str(err).startswith(f"{path}: workload: expected a mapping"), str(err)
     # written in the file, then overridden: the override's value is the one refused, so the
     # file's line is not given
     err = assert_load_error(write(tmp_path, "engine:\n  max_batch_size: 4\n"),

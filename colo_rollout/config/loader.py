@@ -562,14 +562,15 @@ def located(err: ConfigError, source: str, lines: Mapping[str, int],
              overrides: Mapping[str, Any]) -> ConfigError:
     """``err`` (a message ``source: KEY: problem``: the schema's, or a later check's of the
     same file -- the door's) with the file's line of its key
-    (``source:LINE: KEY: problem``) where the file writes the key and no override replaced it
-    (a key an override set, or one under a section an override gave, stays as it is -- the
-    file's line would point at a value that is not the one refused; so does a key the file
-    leaves to its default or to config.json)."""
+    (``source:LINE: KEY: problem``) where the file writes the key and no override touched it
+    (a key an override set, one under a section an override gave, or a section holding a key
+    an override set, stays as it is -- the file's line would point at a value that is not
+    the one refused; so does a key the file leaves to its default or to config.json)."""
     key, text = err.key, str(err)
     if not key or not text.startswith(f"{source}: "):
         return err
-    if any(key == o or key.startswith((f"{o}.", f"{o}[")) for o in map(str, overrides)):
+    if any(key == o or key.startswith((f"{o}.", f"{o}[")) or o.startswith(f"{key}.")
+           for o in map(str, overrides)):  # (a section whose key an override set: as well)
         return err
     line = lines.get(key)
     if line is None:
