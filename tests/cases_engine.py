@@ -257,6 +257,32 @@ def bad_input_isolated(rank: int, world: int, adp: int, ep: int) -> dict:
                                    Request("z", (6,), SamplingParams(max_tokens=1))]))
     res["shadow"] = {rid: (o.finish_reason.value, len(o.tokens), o.error)
                      for rid, o in sorted(shadow.items())}
+    # found by probing: a str-subclass id or session (numpy.str_) raised inside the step's
+    # exchange -- every later step too, and a peer rank waited out its timeout -- and a 0-d
+    # prompt tensor aborted the call, the good requests before it left queued
+    import numpy as np
+
+    odd = engine.generate([
+        Request(np.str_("np-id"), (1, 2), SamplingParams(max_tokens=2),
+                session=np.str_("np-sess")),
+        Request("zero-d", torch.tensor(5), SamplingParams(max_tokens=2)),
+        Request("after", (3, 4), SamplingParams(max_tokens=2))])
+    res["odd"] = {rid: (o.finish_reason.value, type(rid).__name__, len(o.tokens))
+                  for rid, o in sorted(odd.items())}
+    engine.close_session(np.str_("np-sess"))
+    for name, call in (("forget_unhashable", lambda: engine.forget([["x"]])),
+                       ("on_finish_not_callable",
+                        lambda: engine.generate([Request("f", (1,), SamplingParams())],
+                                                on_finish=5))):
+        try:
+            call()
+        except RequestError as e:
+            errors[name] = str(e)
+    errors["after_on_finish"] = sorted(engine.generate([]))  # "f" was never submitted
+    try:
+        engine.take_routings("abc")
+    except TypeError as e:
+        errors["take_routings_str"] = str(e)
     res["errors"] = errors
     res["good"] = {r.request_id: (outs[r.request_id].finish_reason.value,
                                   len(outs[r.request_id].tokens), r.params.max_tokens)
@@ -276,6 +302,13 @@ def bad_input_isolated(rank: int, world: int, adp: int, ep: int) -> dict:
         res.update(compare_with_reference(ref, good, outs))
     else:
         singleton_pg_collection()  # collective: keep ranks matched
+    # a closed engine hands nothing over (its graphs and dispatch buffers are released)
+    engine.close()
+    for name, call in (("hand_over_closed", engine.hand_over), ("resume_closed", engine.resume)):
+        try:
+            call()
+        except RuntimeError as e:
+            errors[name] = str(e)
     return res
 
 

@@ -163,6 +163,17 @@ def test_bad_input_is_isolated(worker_groups, world, adp, ep):
         assert r["errors"]["generate_raising"].endswith(
             "generate: reading the requests raised ValueError: the dataset ran dry")
         assert r["errors"]["after_raising"] == []
+        # a numpy.str_ id is served under its plain text, a 0-d prompt refused, the request
+        # after it served in the same call
+        assert r["odd"] == {"after": ("length", "str", 2), "np-id": ("length", "str", 2),
+                            "zero-d": ("rejected", "str", 0)}
+        assert "request ids are strings, got list" in r["errors"]["forget_unhashable"]
+        assert r["errors"]["on_finish_not_callable"].endswith(
+            "generate: on_finish must be callable, got int")
+        assert r["errors"]["after_on_finish"] == []
+        assert "expected a list of keys" in r["errors"]["take_routings_str"]
+        assert "this engine is closed" in r["errors"]["hand_over_closed"]
+        assert "this engine is closed" in r["errors"]["resume_closed"]
 
 
 def test_cancel_running_and_waiting_and_cross_rank_duplicate(worker_groups):

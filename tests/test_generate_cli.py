@@ -150,6 +150,13 @@ def test_completion_stops_at_any_eos_id(ckpt):
             return {out.request_id: out}
 
     assert generate_text(Engine(), tok, ["hi"], SamplingParams(max_tokens=9)) == ["the cat"]
+    # its ids start with a control character: no id a caller picks ("text3-0", say) is one
+    # (found by probing: a caller's pending "text0-0" was taken for generate_text's own)
+    seen = []
+    Engine.generate = lambda self, reqs, _g=Engine.generate: seen.extend(
+        r.request_id for r in reqs) or _g(self, reqs)
+    generate_text(Engine(), tok, ["hi"], SamplingParams(max_tokens=9))
+    assert seen == ["\x1ftext3-0"]
     kept = generate_text(Engine(), tok, ["hi"], SamplingParams(max_tokens=9, ignore_eos=True))
     assert kept == ["the catdog"]  # special tokens are dropped from the text, not cut at
 
@@ -449,6 +456,11 @@ def test_generate_text_prompts_must_be_a_list_of_text():
     from colo_rollout.tools.generate import generate_text
 
     assert generate_text(None, None, [], SamplingParams()) == []
+    # found by probing: params=None failed late with an AttributeError; chat="yes" was True
+    with pytest.raises(RequestError, match="params must be SamplingParams, got NoneType"):
+        generate_text(None, None, ["hi"], None)
+    with pytest.raises(RequestError, match="chat must be True, False or None, got 'yes'"):
+        generate_text(None, None, ["hi"], SamplingParams(), chat="yes")
     for prompts, want in (("hello", "prompts must be a list of strings, got str"),
                           ([b"x"], "prompt 0: expected a str, got bytes"),
                           ([None], "prompt 0: expected a str, got NoneType"),

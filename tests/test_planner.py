@@ -14,8 +14,10 @@ from colo_rollout.sched.planner import (
     PlannerLimits,
     ReplicaView,
     WaitingView,
+    admission_window,
     pick_bucket,
     plan_normal,
+    plan_round,
 )
 
 BS = 4  # KV block size used throughout
@@ -220,6 +222,35 @@ def test_fifo_admits_prefix_then_stops_at_first_misfit() -> None:
     w = [waiting("a", 2, 2), waiting("b", 20, 4), waiting("c", 1, 1)]
     _, adm = plan_normal(0, w, reps, limits(), next_lifetime=0)
     assert [a.request_id for a in adm] == ["a"]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_plan_reads_no_waiting_request_past_the_admission_window(seed: int) -> None:
+    """The scheduler views only the queue's first ``admission_window`` requests (a queue of a
+    million made every step rebuild a million views): the plan and admissions on that prefix
+    are the plan on the whole queue, in both modes -- random replicas (rows, pending P,
+    awaiting, free blocks) and queues of every shape."""
+    rng = random.Random(seed)
+    lim = limits(max_batch_size=rng.randint(1, 5), max_prefill_tokens=rng.randint(4, 40))
+    reps = []
+    for r in range(rng.randint(1, 3)):
+        reps.append(ReplicaView(running=rows(100 * r, rng.randint(0, 4)),
+                                free_blocks=rng.randint(0, 30), block_size=BS,
+                                prefill_ready=[PrefillItem(lifetime=900 + 10 * r + i,
+                                                           tokens=(1, 2), start=0)
+                                               for i in range(rng.randint(0, 2))],
+                                awaiting=rng.randint(0, 1)))
+    w = [waiting(f"w{i}", rng.randint(1, 12), rng.randint(1, 8))
+         for i in range(rng.randint(0, 30))]
+    window = admission_window(reps, lim)
+    assert window >= 1
+    for plan_fn in (lambda q: plan_normal(3, q, copy.deepcopy(reps), lim, next_lifetime=50),
+                    lambda q: plan_round(3, q, copy.deepcopy(reps), lim, next_lifetime=50,
+                                         admit=True)):
+        whole, adm_whole = plan_fn(w)
+        prefix, adm_prefix = plan_fn(w[:window])
+        assert (prefix, adm_prefix) == (whole, adm_whole)
+        assert len(adm_whole) < window  # the window holds every admission and one more
 
 
 def test_lifetimes_consecutive_from_next_lifetime_and_items_match() -> None:

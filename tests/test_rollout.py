@@ -99,3 +99,29 @@ def test_rollout_under_misuse_loses_nothing_and_never_hangs(worker_groups):
     assert "failed" not in res[0]["raised_by_rank"]
     assert res[1]["raised_by_rank"].endswith(
         "(on rank 1 it failed: reward raised RuntimeError('reward exploded on rank 1'))")
+
+
+def test_a_reward_is_a_finite_real_number_or_its_trajectory_fails():
+    """``_score`` (no processes): numbers of every kind kept, the rest failing their own
+    trajectory with the reason -- an int past float's range aborted the whole rollout() call
+    with OverflowError (found by probing)."""
+    import numpy as np
+    import torch
+
+    from colo_rollout.rl.rollout import Trajectory, _score
+
+    def scored(value, accumulate=False):
+        t = Trajectory(group=0, sample=0, reward=1.0)
+        _score(t, lambda: value, accumulate)
+        return t.status, t.reward, t.error
+
+    assert scored(0.5) == ("completed", 0.5, None)
+    assert scored(np.float32(2.0), accumulate=True) == ("completed", 3.0, None)
+    assert scored(True) == ("completed", 1.0, None)
+    assert scored(torch.tensor(4.0)) == ("completed", 4.0, None)
+    status, _, error = scored(10 ** 400)
+    assert status == "failed" and "reward is not finite (int past float's range)" in error
+    status, _, error = scored(float("nan"))
+    assert status == "failed" and "not finite" in error
+    status, _, error = scored("0.5")
+    assert status == "failed" and "reward is not a number: str '0.5'" in error

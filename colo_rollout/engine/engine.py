@@ -66,6 +66,7 @@ from colo_rollout.sched.request import (
     SamplingParams,
     SubmissionRefused,
     checked_request,
+    plain_str,
 )
 from colo_rollout.multiplex.rendezvous import RendezvousError, make_rendezvous
 from colo_rollout.runtime.shm import same_host
@@ -340,12 +341,14 @@ class Engine:
 
     def resume(self) -> None:
         """Accept submits again after ``pause()``."""
+        self._check_open()
         self.paused = False
 
     def cancel(self, request_id: str) -> None:
         self._check_open()
         if not isinstance(request_id, str):
             raise RequestError(f"cancel: request id must be a string, got {request_id!r}")
+        request_id = plain_str(request_id)  # (a str subclass: the wire takes exact str)
         if request_id not in self.scheduler.live and request_id not in self._pending_ids:
             state = "already finished" if request_id in self.scheduler.by_id else "unknown"
             raise RequestError(f"cancel of request {request_id!r}: {state} request id")
@@ -357,6 +360,7 @@ class Engine:
         self._check_open()
         if not isinstance(session, str):
             raise RequestError(f"close of session {session!r}: a session id is a string")
+        session = plain_str(session)
         if any(s.get("session") == session for s in self._outbox.submits):
             raise RequestError(f"close of session {session!r}: a turn of it was submitted on "
                                "this rank and not yet sent; close it after that turn")
@@ -403,7 +407,12 @@ class Engine:
         if isinstance(request_ids, (str, bytes)) or not isinstance(request_ids, Iterable):
             raise RequestError(f"forget: expected request ids (a list or a dict of outputs), "
                                f"got {type(request_ids).__name__} {request_ids!r:.60}")
-        self.scheduler.forget(request_ids)
+        ids = list(request_ids)
+        bad = next((r for r in ids if not isinstance(r, str)), None)
+        if bad is not None:  # (an unhashable one was a TypeError from the lookup)
+            raise RequestError(f"forget: request ids are strings, got "
+                               f"{type(bad).__name__} {bad!r:.60}")
+        self.scheduler.forget(ids)
 
     # ------------------------------------------------------------------ collective API
     def step(self) -> list[RequestOutput]:
@@ -637,6 +646,8 @@ class Engine:
         per position the latest recording wins (its stamp; ties to the lowest rank) and is
         summed over the world from that one owner; a key's ids are its positions from 0 up
         to the first that no rank recorded. Else local."""
+        if isinstance(keys, (str, bytes)):  # (found by probing: "abc" read as three keys)
+            raise TypeError(f"take_routings: expected a list of keys, got {keys!r:.60}")
         if inputs is not None and len(inputs) != len(keys):  # (zip would drop the rest)
             raise ValueError(f"take_routings: {len(keys)} keys and {len(inputs)} input counts")
         world = self.groups.layout.world_size
@@ -731,6 +742,9 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - the caller's iterator: its error, named
                 bad = (f"generate: reading the requests raised {type(e).__name__}: "
                        f"{' '.join(str(e).split())[:200]}")
+        if on_finish is not None and not callable(on_finish) and bad is None:
+            # (found by probing: every request was served first, then the call raised)
+            bad = f"generate: on_finish must be callable, got {type(on_finish).__name__}"
         ids: list[str] = []
         rejected: dict[str, RequestOutput] = {}
         done: dict[str, RequestOutput] = {}  # what finishes during this call, on every rank
@@ -740,11 +754,13 @@ class Engine:
             for req in requests or []:
                 try:
                     self.submit(req)
-                    ids.append(req.request_id)
+                    ids.append(plain_str(req.request_id))  # (the wire's exact str)
                 except RequestError as e:
                     out = _rejected(req, str(e))
                     self.rejected.append(out)
                     rid = out.request_id
+                    if isinstance(rid, str):
+                        rid = out.request_id = plain_str(rid)
                     # a refused duplicate must not shadow the accepted request's output
                     if isinstance(rid, str) and rid not in self.scheduler.by_id \
                             and rid not in ids:
@@ -940,6 +956,7 @@ class Engine:
         when busy, or when the worker's memory is released or its weights were discarded."""
         if self._handed_over:
             raise RuntimeError("this engine was already handed over")
+        self._check_open()  # (a closed engine's graphs and dispatch buffers are released)
         problem = None
         if self.busy() or self.has_unsent():
             problem = "hand_over() of an engine with requests in flight or unsent"
@@ -1025,6 +1042,10 @@ def _from_wire(rows: list[tuple[int, int, float, int, int]]) -> list[Sampled]:
 def _rejected(req: Request, error: str) -> RequestOutput:
     """The REJECTED output of ``req`` (which may be malformed: a refusal's output never fails)."""
     rid, prompt = getattr(req, "request_id", None), getattr(req, "prompt", ())
-    out = RequestOutput(rid, len(prompt) if hasattr(prompt, "__len__") else 0, error=error)
+    try:
+        n = len(prompt)
+    except Exception:  # no length, or a 0-d tensor / array's TypeError (found by probing)
+        n = 0
+    out = RequestOutput(rid, n if isinstance(n, int) else 0, error=error)
     out.finish_reason = FinishReason.REJECTED
     return out

@@ -607,8 +607,12 @@ def _score(t: Trajectory, fn: Callable[[], float], accumulate: bool = False) -> 
         if isinstance(got, (str, bytes)) or isinstance(got, complex):
             raise TypeError
         r = float(got)
+    except OverflowError:  # an int past float's range (found by probing: the call raised)
+        t.status, t.error = "failed", f"reward is not finite ({type(got).__name__} past " \
+                                      "float's range)"
+        return
     except (TypeError, ValueError):
-        t.status, t.error = "failed", f"reward is not a number: {type(got).__name__} {got!r}"
+        t.status, t.error = "failed", f"reward is not a number: {type(got).__name__} {got!r:.80}"
         return
     if not math.isfinite(r):
         t.status, t.error = "failed", f"reward is not finite ({r})"

@@ -114,6 +114,12 @@ def checked_request(req: object) -> "Request":
     rid = req.request_id
     if not isinstance(rid, str) or not rid:
         raise RequestError(f"request id must be a non-empty string, got {rid!r}")
+    # a str subclass (numpy.str_, a user's class) as the plain str of its text: the ranks
+    # exchange ids through msgspec, which encodes exact str only (found by probing: a
+    # numpy.str_ id raised inside the step, every later step too)
+    rid = plain_str(rid)
+    if isinstance(req.session, str):
+        req = replace(req, session=plain_str(req.session))
     if not valid_unicode(rid):  # the ranks exchange ids as UTF-8: a lone surrogate cannot cross
         raise RequestError(f"request id {rid!r} is not valid Unicode text (a lone surrogate)")
     if req.session is not None and (not isinstance(req.session, str) or not req.session):
@@ -125,7 +131,13 @@ def checked_request(req: object) -> "Request":
     if not isinstance(req.params, SamplingParams):
         raise RequestError(f"request {rid!r}: params must be SamplingParams, got "
                            f"{type(req.params).__name__}")
-    return replace(req, prompt=token_ids(rid, req.prompt))
+    return replace(req, request_id=rid, prompt=token_ids(rid, req.prompt))
+
+
+def plain_str(text: str) -> str:
+    """``text`` (a str, or an instance of a str subclass) as an exact ``str`` of the same
+    characters -- never its class's own ``__str__``."""
+    return text if type(text) is str else str.__str__(text)
 
 
 def valid_unicode(text: str) -> bool:

@@ -18,6 +18,7 @@ Pure Python: no torch, no torch.distributed.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -39,6 +40,7 @@ from colo_rollout.sched.planner import (
     PlannerLimits,
     ReplicaView,
     WaitingView,
+    admission_window,
     admits,
     plan_normal,
     plan_round,
@@ -304,9 +306,13 @@ class Scheduler:
         """Normal mode: a PREFILL or DECODE step. PD mode (``pd``): a ROUND with every ready D
         row and, if no P epoch is in flight, a new epoch's P items."""
         views = self._views()
+        # only the queue's first requests a plan can admit are viewed (planner.
+        # admission_window: found by probing, a million queued requests made every step
+        # rebuild a million views)
+        window = admission_window(views, self.limits)
         # retained trajectory contexts are evicted only when the FIFO head lacks KV blocks
         for _ in range(len(self.sessions) + 1):
-            waiting = [self._waiting_view(r) for r in self.waiting]
+            waiting = [self._waiting_view(r) for r in itertools.islice(self.waiting, window)]
             if not waiting or not self._blocked_by_kv(waiting[0], views):
                 break
             if not self._evict_lru(views, keep=self.waiting[0].session):

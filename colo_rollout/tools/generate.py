@@ -84,6 +84,11 @@ def generate_text(engine: Any, tokenizer: Tokenizer, prompts: Sequence[str],
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
         raise RequestError(f"generate_text: prompts must be a list of strings, got "
                            f"{type(prompts).__name__} (a single prompt: [prompt])")
+    if not isinstance(params, SamplingParams):  # (found by probing: an AttributeError late)
+        raise RequestError(f"generate_text: params must be SamplingParams, got "
+                           f"{type(params).__name__}")
+    if chat is not None and not isinstance(chat, bool):
+        raise RequestError(f"generate_text: chat must be True, False or None, got {chat!r:.60}")
     # every check is deterministic on replicated state, so every rank refuses the same
     # prompts before any collective (generate() would report a refusal on rank 0 only)
     if not prompts:
@@ -100,8 +105,10 @@ def generate_text(engine: Any, tokenizer: Tokenizer, prompts: Sequence[str],
         raise PromptErrors(texts, errors)
     sched = engine.scheduler
     # ids unique over the engine's life, identical on every rank: the step counter is
-    # replicated state, and every generate() call advances it
-    base = f"text{sched.step_no}"
+    # replicated state, and every generate() call advances it; a control character first, so
+    # that no id a caller would choose matches (found by probing: a caller's own pending
+    # "text0-0" was refused as our duplicate id's original, and its output returned as ours)
+    base = f"\x1ftext{sched.step_no}"
     for i, p in enumerate(prompts):
         if i in errors:
             continue
