@@ -452,3 +452,34 @@ def test_spaces_are_cleaned_up_where_transformers_cleans_them(tmp_path: Path) ->
                         edit=lambda c: c.update(clean_up_tokenization_spaces=clean))
         ids = ref.encode("Don't do it, isn't it ? yes !")
         assert Tokenizer.from_dir(d).decode(ids) == ref.decode(ids, skip_special_tokens=True)
+
+
+def test_wrong_arguments_are_named_not_passed_to_the_backend(hf_dir: Path) -> None:
+    """Found by probing: the Rust backend's errors for these named neither the argument nor
+    the problem (OverflowError for -1, "TextInputSequence must be str" for a lone surrogate,
+    a dict-constructor ValueError for a str conversation), and 1.7 decoded as id 1."""
+    import numpy as np
+    import torch
+
+    tok = Tokenizer.from_dir(hf_dir)
+    ids = tok.encode("hello world")
+    assert tok.decode(np.array(ids)) == tok.decode(ids) == tok.decode(torch.tensor(ids))
+    for bad, err, want in (([-1], ValueError, "id 0 \\(-1\\) is not a token id"),
+                           ([1, 2 ** 40], ValueError, "id 1 .* is not a token id"),
+                           ([1.7], TypeError, "id 0 is not an integer: float"),
+                           ([True], TypeError, "id 0 is not an integer: bool"),
+                           ("abc", TypeError, "ids must be a sequence of token ids, got str")):
+        with pytest.raises(err, match=want):
+            tok.decode(bad)
+    for bad, err, want in ((None, TypeError, "text must be a str, got NoneType"),
+                           (5, TypeError, "text must be a str, got int"),
+                           ("a\ud800", ValueError, "not valid Unicode")):
+        with pytest.raises(err, match=want):
+            tok.encode(bad)
+    for bad, want in (("hi", "messages must be a list of dicts .* got str"),
+                      ([None], "message 0 must be a dict .* got NoneType"),
+                      (None, "messages must be a list of dicts .* got NoneType")):
+        with pytest.raises(TypeError, match=want):
+            tok.apply_chat_template(bad)
+    with pytest.raises(TypeError, match="prompt must be a str, got NoneType"):
+        tok.encode_prompt(None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import operator
 import signal
 import threading
 from collections.abc import Iterable, Mapping
@@ -24,6 +25,29 @@ RENDER_LIMIT_S = 10.0
 
 # Special-token names a chat template may read, as transformers passes them (its special_tokens_map).
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+
+def _token_ids(ids: Iterable[int]) -> list[int]:
+    """``ids`` as the backend's list of ints: each an integer (numpy's, a 0-d integer
+    tensor's), never a bool, a float truncated or text read as digits, in the backend's
+    32-bit range (found by probing: the backend's own errors were OverflowError /
+    ValueError naming no id, and 1.7 decoded as id 1)."""
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+        raise TypeError(f"decode: ids must be a sequence of token ids, got {type(ids).__name__}")
+    out = []
+    for n, i in enumerate(ids):
+        try:
+            if isinstance(i, bool):
+                raise TypeError
+            v = operator.index(i)
+        except TypeError:
+            raise TypeError(f"decode: id {n} is not an integer: {type(i).__name__} "
+                            f"{i!r:.40}") from None
+        if not 0 <= v < 2 ** 32:
+            raise ValueError(f"decode: id {n} ({v}) is not a token id")
+        out.append(v)
+    return out
 
 
 class TokenizerError(ValueError):
@@ -279,10 +303,18 @@ class Tokenizer:
         return self._chat_template is not None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # checked here: the Rust backend's own errors for these name neither the argument nor
+        # the problem ("TextInputSequence must be str" for a lone surrogate too)
+        if not isinstance(text, str):
+            raise TypeError(f"encode: text must be a str, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("encode: the text is not valid Unicode (a lone surrogate)") from None
         return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        text = self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        text = self._backend.decode(_token_ids(ids), skip_special_tokens=skip_special_tokens)
         # transformers 5 cleans up spaces where the config asks, except for BPE models
         return _clean_up_spaces(text) if self._clean_up else text
 
@@ -343,6 +375,14 @@ class Tokenizer:
         """The conversation rendered as the model was trained to read it (a string, not yet encoded)."""
         import jinja2
 
+        if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Iterable):
+            raise TypeError(f"apply_chat_template: messages must be a list of dicts (role, "
+                            f"content), got {type(messages).__name__}")
+        messages = list(messages)
+        for i, m in enumerate(messages):
+            if not isinstance(m, Mapping):
+                raise TypeError(f"apply_chat_template: message {i} must be a dict (role, "
+                                f"content), got {type(m).__name__}")
         template = self._template()
         # As transformers does: a None value means an absent key (OpenAI-style content=None).
         chat = [{k: v for k, v in dict(m).items() if v is not None} for m in messages]
@@ -362,6 +402,8 @@ class Tokenizer:
 
     def encode_prompt(self, prompt: str, chat: bool | None = None) -> list[int]:
         """Token ids for one user prompt; `chat` None means: through the chat template when there is one."""
+        if not isinstance(prompt, str):  # (None rendered as a message without content)
+            raise TypeError(f"encode_prompt: the prompt must be a str, got {type(prompt).__name__}")
         if chat is None:
             chat = self.has_chat_template
         if not chat:
