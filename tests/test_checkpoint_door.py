@@ -191,3 +191,85 @@ def test_rope_number_past_floats_range_is_one_line(tmp_path, capsys, key, want):
     line = _ckpt_error(capsys, tmp_path)
     assert line.startswith(f"error: {CKPT_YAML}: model.checkpoint: {config}: "
                            f"rope_parameters.{key}: expected {want}, got 1000"), line
+
+
+def _family(directory, family):
+    pytest.importorskip("transformers")
+    from tests.cases_hf import save_tiny_checkpoint
+
+    save_tiny_checkpoint(directory, family)
+    return directory
+
+
+def _edit(directory, drop=(), **keys):
+    config = directory / "config.json"
+    data = json.loads(config.read_text())
+    for k in drop:
+        data.pop(k, None)
+    data.update(keys)
+    config.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("family, keys, want", [
+    # 0 kept groups: transformers masks every expert (degenerate routing), the door took
+    # plain top-k -- logprobs 8-10 apart
+    ("glm", {"n_group": 1, "topk_group": 0}, "topk_group: 0: expected 1 to n_group 1 groups kept"),
+    ("dots", {"n_group": 1, "topk_group": 0}, "topk_group: 0: expected 1 to n_group 1"),
+    ("glm_lite", {"n_group": 1, "topk_group": 0}, "topk_group: 0: expected 1 to n_group 1"),
+    ("deepseek2", {"topk_method": "group_limited_greedy", "n_group": 1, "topk_group": 0},
+     "topk_group: 0: expected 1 to n_group 1"),
+    # every group kept read as plain top-k without the groups' own checks: transformers'
+    # forward fails on each
+    ("glm", {"n_group": 0, "topk_group": 0}, "n_group: 0: expected at least 1 group"),
+    ("glm", {"n_group": 3, "topk_group": 3}, "n_group: 3: 8 experts do not split evenly"),
+    ("dots", {"n_group": 8, "topk_group": 8}, "n_group: 8: 1 expert(s) per group; a group is "
+                                              "scored by its top 2"),
+    ("deepseek2", {"topk_method": "group_limited_greedy", "n_group": 3, "topk_group": 3},
+     "n_group: 3: 8 experts do not split evenly"),
+    # a model_type naming another supported family: transformers builds that one
+    ("dots", {"model_type": "glm4_moe"}, "model_type: 'glm4_moe' is Glm4MoeForCausalLM's, but "
+                                         "architectures names Dots1ForCausalLM"),
+    # an explicit layer_types: Qwen2-MoE builds it as given (the door never read it)
+    ("qwen2", {"layer_types": ["full_attention"]}, "layer_types: 1 entries for "
+                                                   "num_hidden_layers 2"),
+    ("qwen2", {"layer_types": ["sliding_attention", "full_attention"]},
+     "layer_types: sliding-window attention is not supported"),
+    # Dots1Config's sliding_window is 4096 where absent: layers from max_window_layers slide
+    ("dots", {"max_window_layers": 1, "_drop": ["layer_types", "sliding_window"]},
+     "sliding_window: 4096 from layer max_window_layers 1: sliding-window attention is not "
+     "supported"),
+    ("dots", {"sliding_window": 4, "max_window_layers": None, "_drop": ["layer_types"]},
+     "max_window_layers: null beside sliding_window 4"),
+    ("deepseek2", {"topk_method": None}, "topk_method: null: expected 'greedy' or "
+                                         "'group_limited_greedy'"),
+    ("glm", {"routed_scaling_factor": None}, "routed_scaling_factor: null: expected a value"),
+    ("qwen2", {"decoder_sparse_step": None}, "decoder_sparse_step: null: expected an int"),
+    ("qwen2", {"hidden_act": None}, "hidden_act: null: expected a value"),
+    ("deepseek2", {"num_key_value_heads": 2}, "num_key_value_heads: 2: DeepSeek-V2's attention "
+                                              "has one key/value head per query head"),
+])
+def test_what_transformers_builds_otherwise_is_refused(tmp_path, capsys, family, keys, want):
+    """Found by probing the other families' config.json: each was served (some with other
+    tokens than transformers'; transformers failed on the rest)."""
+    _family(tmp_path, family)
+    keys = dict(keys)
+    _edit(tmp_path, drop=keys.pop("_drop", ()), **keys)
+    line = _ckpt_error(capsys, tmp_path)
+    assert line.startswith(f"error: {CKPT_YAML}: model.checkpoint: {tmp_path}/config.json: "
+                           f"{want}"), line
+
+
+@pytest.mark.parametrize("family, alias", [("glm", "num_local_experts"),
+                                           ("dots", "num_local_experts"),
+                                           ("deepseek2", "num_experts")])
+def test_the_expert_count_under_transformers_alias_is_read(tmp_path, family, alias):
+    """transformers' attribute_map reads num_local_experts (num_experts for DeepSeek-V2) as
+    n_routed_experts: the door refused it ("n_routed_experts: missing") or took the class
+    default (64 experts for DeepSeek-V2)."""
+    from colo_rollout.config.hf_config import hf_architecture
+
+    _family(tmp_path, family)
+    n = json.loads((tmp_path / "config.json").read_text())["n_routed_experts"]
+    _edit(tmp_path, drop=["n_routed_experts"], **{alias: n})
+    arch = hf_architecture(tmp_path)
+    assert arch.fields["num_experts"] == n and arch.sources["num_experts"] == alias

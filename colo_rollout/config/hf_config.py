@@ -222,6 +222,15 @@ def hf_architecture(directory: str | pathlib.Path, config: dict | None = None) -
     if not (isinstance(archs, list) and archs and all(isinstance(a, str) for a in archs)):
         raise r.error("architectures", f"expected a non-empty list of names, got {archs!r}")
     family = archs[0]
+    mtype = config.get("model_type")
+    # transformers' Auto classes build the model_type's class: a supported model_type that
+    # names another family than architectures is two models in one file (found by probing:
+    # served as architectures' family, transformers built the other -- other tokens). A
+    # model_type this module does not know (Kimi-K2's kimi_k2) is no contradiction.
+    if (family in FAMILIES and isinstance(mtype, str) and mtype in _MODEL_TYPE_FAMILIES
+            and _MODEL_TYPE_FAMILIES[mtype] != family):
+        raise r.error("model_type", f"{mtype!r} is {_MODEL_TYPE_FAMILIES[mtype]}'s, but "
+                      f"architectures names {family}: which model this is, is ambiguous")
     if family in UNSUPPORTED_MLA or ("kv_lora_rank" in config and family not in MLA_ARCHS):
         raise r.error("architectures", f"{family!r} with multi-head latent attention (MLA) "
                       "keys (kv_lora_rank) is not supported: MLA is read from "
@@ -324,6 +333,7 @@ def _common(r: _Reader, family: str) -> None:
     r.take("max_position_embeddings", "max_position_embeddings", int)
     r.take("moe_router_topk", "num_experts_per_tok", int)
     r.set("normalization", "RMSNorm", "rms_norm_eps")
+    _not_null(r, "hidden_act")  # (null: transformers' ACT2FN has no None)
     act = r.get("hidden_act", str, "silu")
     # ('swish' is transformers' other name of the same function: ACT2FN maps both to SiLU)
     r.refuse("hidden_act", act not in ("silu", "swish"),
@@ -541,6 +551,20 @@ def _no_sliding_window(r: _Reader) -> None:
              "sliding-window attention is not supported")
 
 
+def _full_attention_layers(r: _Reader) -> list | None:
+    """An explicit ``layer_types``: one entry per layer, every one full attention (the
+    config classes build the layers from it as given, sliding ones included); None where the
+    key is absent or null (the class derives it)."""
+    n = r.fields["num_layers"]
+    types = r.get("layer_types", list, None, null_ok=True)
+    if types is not None:
+        r.refuse("layer_types", len(types) != n,
+                 f"{len(types)} entries for num_hidden_layers {n}")
+        r.refuse("layer_types", any(t != "full_attention" for t in types),
+                 "sliding-window attention is not supported")
+    return types
+
+
 def _qwen_dense_layers(r: _Reader, ffn_default: int) -> None:
     """Qwen's mlp_only_layers / decoder_sparse_step: as transformers builds the layers, layer i
     is MoE unless i is in mlp_only_layers or (i + 1) is not a multiple of decoder_sparse_step
@@ -550,7 +574,7 @@ def _qwen_dense_layers(r: _Reader, ffn_default: int) -> None:
     only = r.get("mlp_only_layers", list, [])
     r.refuse("mlp_only_layers", not all(isinstance(i, int) and not isinstance(i, bool)
                                         for i in only), f"{only}: expected layer indices")
-    step = r.get("decoder_sparse_step", int, 1)
+    step = r.count("decoder_sparse_step", 1)  # (null: transformers' (i + 1) % None fails)
     r.refuse("decoder_sparse_step", step < 1, f"{step}: expected a step >= 1")
     n = r.fields["num_layers"]
     src = "decoder_sparse_step" if step != 1 else "mlp_only_layers"
@@ -590,6 +614,7 @@ def _qwen2(r: _Reader) -> None:
         r.set("shared_expert_ffn_hidden_size", shared, "shared_expert_intermediate_size")
         r.set("shared_expert_gate", True, "architectures")  # Qwen2-MoE's shared_expert_gate
     _no_sliding_window(r)
+    _full_attention_layers(r)  # (an explicit layer_types overrides use_sliding_window there)
     _qwen_dense_layers(r, 5632)  # Qwen2MoeConfig's intermediate_size
 
 
@@ -655,16 +680,16 @@ def _dots1(r: _Reader) -> None:
     r.refuse("attention_bias", r.flag("attention_bias", False),
              "true: Qwen3's attention bias includes o_proj, which megatron has no bias for")
     n = r.fields["num_layers"]
-    types = r.get("layer_types", list, None, null_ok=True)
-    if types is not None:
-        r.refuse("layer_types", len(types) != n,
-                 f"{len(types)} entries for num_hidden_layers {n}")
-        r.refuse("layer_types", any(t != "full_attention" for t in types),
-                 "sliding-window attention is not supported")
-    else:
-        window = r.get("sliding_window", int, None, null_ok=True)
-        # (Dots1Config's default 62 where the key is absent, whatever the layer count)
+    if _full_attention_layers(r) is None:
+        # Dots1Config's defaults where a key is absent: sliding_window 4096 (found by
+        # probing: read as none, the layers from max_window_layers were served with full
+        # attention where transformers' slide) and max_window_layers 62, whatever the layer
+        # count; a null max_window_layers beside a window is a config transformers cannot
+        # build its layers from
+        window = r.get("sliding_window", int, 4096, null_ok=True)
         first = r.get("max_window_layers", int, 62, null_ok=True)
+        r.refuse("max_window_layers", window is not None and first is None,
+                 f"null beside sliding_window {window}: expected the first sliding layer")
         r.refuse("sliding_window", window is not None and first is not None and first < n,
                  f"{window} from layer max_window_layers {first}: sliding-window attention is "
                  "not supported")
@@ -689,14 +714,29 @@ def _deepseek2(r: _Reader) -> None:
     _mla(r)
     r.refuse("mlp_bias", r.flag("mlp_bias", False),
              "true: megatron's MLPs have no bias")
-    r.take("num_experts", "n_routed_experts", int, 64)
+    # (transformers' attribute_map: num_experts is n_routed_experts)
+    key = "num_experts" if "n_routed_experts" not in r.c and "num_experts" in r.c \
+        else "n_routed_experts"
+    experts = r.take("num_experts", key, int, 64)
     moe_ffn = r.take("moe_ffn_hidden_size", "moe_intermediate_size", int, 1407)
+    heads = r.fields["num_attention_heads"]
+    kv = r.get("num_key_value_heads", int, heads, null_ok=True)
+    # (transformers' DeepseekV2 attention repeats no key/value head: its forward fails)
+    r.refuse("num_key_value_heads", kv is not None and kv != heads,
+             f"{kv}: DeepSeek-V2's attention has one key/value head per query head "
+             f"(num_attention_heads {heads})")
     r.refuse("norm_topk_prob", r.flag("norm_topk_prob", False),
              "true: transformers' DeepseekV2 router never renormalises the top-k weights "
              "(DeepSeek's own code does): ambiguous, refused")
     r.set("router_norm_topk", False, "norm_topk_prob")
+    _not_null(r, "routed_scaling_factor")
     r.take("router_scaling_factor", "routed_scaling_factor", float, 1.0)
+    # (null: transformers' router has no branch for it -- its forward fails)
+    r.refuse("topk_method", "topk_method" in r.c and r.c["topk_method"] is None,
+             "null: expected 'greedy' or 'group_limited_greedy'")
     method = r.get("topk_method", str, "greedy")
+    if method == "group_limited_greedy":  # transformers ranks groups by their best expert
+        _groups(r, r.count("n_group", 1), r.count("topk_group", 1), experts, per_group=1)
     if method == "group_limited_greedy" and r.count("n_group", 1) in (1, r.count("topk_group", 1)):
         method = "greedy"  # every group kept limits nothing: transformers' scores are greedy's
     if method == "group_limited_greedy":
@@ -746,14 +786,23 @@ def _deepseek_moe(r: _Reader, *, scaling: float, groups: int, topk_group: int,
     (``first_k_dense_replace``, where the family reads it), MTP layers (where the family has
     them); the arguments are the family config class's defaults for absent keys (``shared``
     None: none -- the key is required, transformers builds no model without it)."""
-    r.take("num_experts", "n_routed_experts", int)
+    # (transformers' attribute_map: num_local_experts is n_routed_experts)
+    key = "num_local_experts" if "n_routed_experts" not in r.c and "num_local_experts" in r.c \
+        else "n_routed_experts"
+    experts = r.take("num_experts", key, int)
     moe_ffn = r.take("moe_ffn_hidden_size", "moe_intermediate_size", int)
     r.set("router_norm_topk", r.flag("norm_topk_prob", norm_topk), "norm_topk_prob")
     r.set("router_score", "sigmoid", "architectures")
     r.set("router_expert_bias", True, "architectures")  # e_score_correction_bias
+    _not_null(r, "routed_scaling_factor")
     r.take("router_scaling_factor", "routed_scaling_factor", float, scaling)
     groups = r.count("n_group", groups)
     topk_group = r.count("topk_group", topk_group)
+    # transformers scores every group by the sum of its top-2 experts and keeps topk_group
+    # of them whatever the counts (found by probing: 0 groups, a count not dividing the
+    # experts, one expert per group failed its forward; 0 kept groups masked every expert):
+    # so checked also where every group is kept
+    _groups(r, groups, topk_group, experts, per_group=2)
     if groups > 1 and topk_group != groups:  # (every group kept: plain top-k, as transformers)
         topk = r.fields["moe_router_topk"]
         # HF scores a group by the sum of its top-2 experts; megatron by its top-(k / groups)
@@ -775,6 +824,27 @@ def _deepseek_moe(r: _Reader, *, scaling: float, groups: int, topk_group: int,
             r.take("ffn_hidden_size", "intermediate_size", int)
     if mtp:
         _mtp(r)
+
+
+def _groups(r: _Reader, groups: int, topk_group: int, experts: int, per_group: int) -> None:
+    """Group-limited routing's counts as transformers' routers need them: at least one group,
+    the experts split evenly over them with at least ``per_group`` each (the experts a group
+    is scored by), between 1 and all of them kept."""
+    r.refuse("n_group", groups < 1, f"{groups}: expected at least 1 group")
+    r.refuse("n_group", experts % groups, f"{groups}: {experts} experts do not split evenly "
+             "into them")
+    r.refuse("n_group", experts // groups < per_group,
+             f"{groups}: {experts // groups} expert(s) per group; a group is scored by its top "
+             f"{per_group}")
+    r.refuse("topk_group", not 1 <= topk_group <= groups,
+             f"{topk_group}: expected 1 to n_group {groups} groups kept")
+
+
+def _not_null(r: _Reader, key: str) -> None:
+    """A key whose absence takes the family's default but whose null transformers' config
+    class refuses (a strictly typed field): refused too, not read as the default."""
+    r.refuse(key, key in r.c and r.c[key] is None, "null: expected a value (absent: the "
+             "family's default)")
 
 
 def _mtp(r: _Reader) -> None:
