@@ -1046,6 +1046,6 @@ def _rejected(req: Request, error: str) -> RequestOutput:
         n = len(prompt)
     except Exception:  # no length, or a 0-d tensor / array's TypeError (found by probing)
         n = 0
-    out = RequestOutput(rid, n if isinstance(n, int) else 0, error=error)
+    out = RequestOutput(rid, n, error=error)
     out.finish_reason = FinishReason.REJECTED
     return out

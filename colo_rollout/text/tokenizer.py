@@ -27,7 +27,6 @@ RENDER_LIMIT_S = 10.0
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
-
 def _token_ids(ids: Iterable[int]) -> list[int]:
     """``ids`` as the backend's list of ints: each an integer (numpy's, a 0-d integer
     tensor's), never a bool, a float truncated or text read as digits, in the backend's
