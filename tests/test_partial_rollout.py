@@ -54,7 +54,7 @@ def test_multi_turn_partial_rollout_resumes_mid_episode(worker_groups):
 
 def test_api_misuse_is_refused_or_served(worker_groups):
     r0, r1 = worker_groups(2).run("tests.cases_partial:api_misuse", timeout=300)
-    own = ("loads", "crossed_weights")  # (each rank's message names its own call first)
+    own = ("loads", "crossed_weights", "at_close")  # (each rank's message names its own call first)
     assert {k: v for k, v in r0.items() if k not in own} == {
         k: v for k, v in r1.items() if k not in own}
     # a second rollout under the same tag and version: served (its ids were free again)
@@ -107,6 +107,12 @@ def test_api_misuse_is_refused_or_served(worker_groups):
         assert "(rank 0 in load_full_state_dict, rank 1 in weights_loaded())" in \
             r["crossed_weights"], r["crossed_weights"]
         assert r["unchanged_after_crossed"]
+    inflight = r0["at_close"].pop("inflight")  # some of its 6 tokens, not all
+    assert inflight[:2] == ("cancelled", "the engine was closed with the request in flight")
+    assert 0 < inflight[2] < 6, inflight
+    assert r0["at_close"] == {
+        "unsent": ("rejected", "the engine was closed before the request was sent", 0)}
+    assert r1["at_close"] == {"inflight": inflight}
     assert set(r0["closed"]) == {"submit", "step"}
     assert all("this engine is closed" in m for m in r0["closed"].values())
 

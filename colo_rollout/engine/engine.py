@@ -987,11 +987,25 @@ class Engine:
         if self._handed_over or self._closed:
             return  # (handed over: the next engine on the worker owns the graphs)
         self._closed = True
+        self._end_unserved()
         if not self._wedged:  # releasing graphs drains the device first
             self.runner.release_graphs()
         self._close_host_agreement()
         if not self._wedged:  # the dispatch buffers, once no graph can replay into them
             self.model.close_dispatch()
+
+    def _end_unserved(self) -> None:
+        """What close() leaves unserved ends, so ``output()`` answers for it (found by
+        probing: a request in flight stayed unfinished for good): a request in flight is
+        CANCELLED, a submit no step sent is REJECTED, each naming the close."""
+        now = time.perf_counter()
+        self.scheduler.abandon("the engine was closed with the request in flight", now)
+        for s in self._outbox.submits:
+            self.scheduler.by_id.setdefault(s["id"], RequestOutput(
+                s["id"], len(s["prompt"]), finish_reason=FinishReason.REJECTED,
+                error="the engine was closed before the request was sent", submit_time=now,
+                finish_time=now))
+        self._outbox.submits.clear()
 
     def _check_open(self) -> None:
         if self._handed_over:  # (found by probing: a submit was taken, then never served)

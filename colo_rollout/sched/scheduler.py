@@ -241,6 +241,17 @@ class Scheduler:
                 del self.ended[next(iter(self.ended))]
         return out
 
+    def abandon(self, reason: str, now: float = 0.0) -> list[RequestOutput]:
+        """Finish every request in flight as CANCELLED with ``reason`` as its error: the
+        engine is closing and no step will serve them (each is ended as ``cancel`` ends it,
+        its session with it)."""
+        outs = []
+        for rid in list(self.live):
+            out = self.cancel(rid, now)
+            out.error = reason
+            outs.append(out)
+        return outs
+
     def close_session(self, session: str) -> None:
         """Forget a finished trajectory and free its retained context (or acknowledge the end
         of one a cancel ended: its id may be used again)."""
