@@ -481,27 +481,22 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["rows", "m_blocks", "group_m", "E"])
     def _moe_gemm_persistent_kernel(
-        A, Tok, W, Offs, Prob, Out, OutD, Scatter,
+        A, W, Offs, Out, OutD, Scatter,
         rows, m_blocks, group_m, n_out, k_dim, E, w_rows_per_expert, stride_om,
-        stride_am, stride_tok, stride_p,
         E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, ZERO_TAIL: tl.constexpr, SCATTER: tl.constexpr,
         NPROG: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-        RNE_BF16: tl.constexpr, STORE_SPLIT: tl.constexpr, GATHER: tl.constexpr,
-        PAIRED: tl.constexpr, ACT: tl.constexpr, PROB: tl.constexpr,
+        RNE_BF16: tl.constexpr, STORE_SPLIT: tl.constexpr,
     ):
-        """``_moe_gemm_kernel`` with NPROG programs walking the tiles in use: tile t of
+        """``_moe_gemm_kernel``'s plain GEMM (no gather, gate or probability; A and W
+        through TMA descriptors) with NPROG programs walking the tiles in use: tile t of
         program p is p + t * NPROG, in the same grouped order. The tile loop is flattened
         into the K loop (the software pipeline loads the next tile's operands while this
-        tile's epilogue stores). Two bodies: the plain GEMM (fc2: A and W through TMA
-        descriptors, no epilogue but the store) and, with ``GATHER`` and ``PAIRED``, the
-        gated GEMM of fc1 (A's rows gathered through the pairs' token index by pointer, the
-        gate and up weight tiles in one [2, BLOCK_N, BLOCK_K] box and one MMA, act(gate) *
-        up, times the router probability with ``PROB``); K a multiple of BLOCK_K there. The
-        row blocks past the last expert's then zero the rows past offs[-1] (``ZERO_TAIL``),
-        one block each, as in the other kernel. ``STORE_SPLIT`` (``Tile.store_split``;
-        sorted rows only): a full row block goes out through OutD, a TMA descriptor over
-        Out's first ``rows`` rows with [BLOCK_M, BLOCK_N / STORE_SPLIT] boxes."""
+        tile's epilogue stores). The row blocks past the last expert's then zero the rows
+        past offs[-1] (``ZERO_TAIL``), one block each, as in the other kernel.
+        ``STORE_SPLIT`` (``Tile.store_split``; sorted rows only): a full row block goes out
+        through OutD, a TMA descriptor over Out with [BLOCK_M, BLOCK_N / STORE_SPLIT]
+        boxes."""
         pid = tl.program_id(0)
         eids = tl.arange(0, E_PAD)
         inside = eids < E
@@ -513,7 +508,6 @@ if triton is not None:
         n_tiles = tl.cdiv(n_out, BLOCK_N)
         per_group = group_m * n_tiles
         offs_m = tl.arange(0, BLOCK_M)
-        offs_k = tl.arange(0, BLOCK_K)
         for t in tl.range(pid, total * n_tiles, NPROG, flatten=True):
             first_m = (t // per_group) * group_m
             size_m = tl.minimum(total - first_m, group_m)
@@ -524,38 +518,19 @@ if triton is not None:
             first_blk = tl.sum(tl.where(sel, cum - nblk, 0), 0)
             row_lo = tl.sum(tl.where(sel, starts, 0), 0) + (pid_m - first_blk) * BLOCK_M
             row_hi = tl.sum(tl.where(sel, ends, 0), 0)
-            rows_m = row_lo + offs_m
-            mmask = rows_m < row_hi
-            if GATHER:  # A's rows through the pairs' token index
-                a_rows = tl.load(Tok + rows_m * stride_tok, mask=mmask, other=0).to(tl.int64)
-                a_ptrs = A + a_rows[:, None] * stride_am + offs_k[None, :]
-            if PAIRED:  # [gate | up] columns of one MMA (W: a [2E, n_out, K] descriptor)
-                acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
-            else:
-                w_row = e * w_rows_per_expert + pid_n * BLOCK_N
-                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            w_row = e * w_rows_per_expert + pid_n * BLOCK_N
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for k0 in range(0, k_dim, BLOCK_K):
-                if GATHER:
-                    a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
-                    a_ptrs += BLOCK_K
-                else:
-                    a = A.load([row_lo, k0])
-                if PAIRED:
-                    w = W.load([2 * e, pid_n * BLOCK_N, k0]).reshape(2 * BLOCK_N, BLOCK_K).T
-                else:
-                    w = W.load([w_row, k0]).T
+                a = A.load([row_lo, k0])
+                w = W.load([w_row, k0]).T
                 if UPCAST:
                     a = a.to(tl.float32)
                     w = w.to(tl.float32)
                 acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
-            if PAIRED:  # the gate's columns, then the up projection's
-                gate, up = acc.reshape(BLOCK_M, 2, BLOCK_N).permute(0, 2, 1).split()
-                acc = _activate(gate, ACT) * up
-            if PROB:
-                p = tl.load(Prob + rows_m * stride_p, mask=mmask, other=0.0).to(tl.float32)
-                acc = acc * p[:, None]
             if RNE_BF16:
                 acc = rne_bf16(acc)
+            rows_m = row_lo + offs_m
+            mmask = rows_m < row_hi
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             if STORE_SPLIT:  # (never with SCATTER: the host checks)
                 # branch-free (a branch in the flattened loop fails Triton's loop fusion): a
@@ -690,8 +665,7 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, rows: int, *,
     w_tma = tile.tma and tma_usable(a, w)
     a_tma = w_tma and token is None
     if runs_persistent(a, w, tile, token=token, gated=gated, prob=prob, act=act, fp8=fp8):
-        _persistent_gemm(a, w, offs, rows, out, tile, m_blocks, zero_tail, scatter,
-                         token=token, prob=prob, act=act)
+        _persistent_gemm(a, w, offs, rows, out, tile, m_blocks, zero_tail, scatter)
         return out
     a_arg, w_arg = a, w
     paired = w_tma and gated and tile.paired and not a_tma
@@ -737,15 +711,12 @@ def runs_persistent(a: torch.Tensor, w: torch.Tensor, tile: Tile, *,
                     prob: torch.Tensor | None = None, act: int = ACT_NONE,
                     fp8: bool = False) -> bool:
     """Whether ``moe_gemm`` with these arguments launches the persistent kernel: the tile
-    asks for it, the weights come through TMA, no FP8 scales, and either the plain GEMM (A
-    through TMA too: no row gather; no gate, activation or probability: fc2) or the paired
-    gated GEMM on gathered rows (``Tile.paired``; fc1) with K a multiple of the K step."""
-    if not (tile.persistent and tile.tma and tma_usable(a, w)) or fp8:
-        return False
-    plain = token is None and not (gated or prob is not None or act)
-    fc1 = (token is not None and gated and tile.paired
-           and a.shape[-1] % tile.block_k == 0)
-    return plain or fc1
+    asks for it, both operands come through TMA (no row gather) and the epilogue is a plain
+    store (no gate, activation, probability or FP8 scales)."""
+    return (tile.persistent and tile.tma and token is None and tma_usable(a, w)
+            and not (fp8 or gated or prob is not None or act))
+
+
 def _programs(device: torch.device) -> int:
     """Programs of a persistent launch: the device's SMs (4 under the interpreter)."""
     if device.type != "cuda":
@@ -755,40 +726,27 @@ def _programs(device: torch.device) -> int:
 
 def _persistent_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, rows: int,
                      out: torch.Tensor, tile: Tile, m_blocks: int, zero_tail: bool,
-                     scatter: torch.Tensor | None, *, token: torch.Tensor | None = None,
-                     prob: torch.Tensor | None = None, act: int = ACT_NONE) -> None:
-    """``moe_gemm``'s persistent cases (``runs_persistent``): one program per SM, whatever
-    the shapes (one compiled kernel for every bucket; programs past the tiles find their
-    loops empty). ``token`` given: fc1's paired gated GEMM on the gathered rows."""
+                     scatter: torch.Tensor | None) -> None:
+    """``moe_gemm``'s plain case (A and W through TMA, no epilogue but the store) on the
+    persistent kernel: one program per SM, whatever the shapes (one compiled kernel for every
+    bucket; programs past the tiles find their loops empty)."""
     E, wn, K = w.shape
-    gather = token is not None
-    n_out = wn // 2 if gather else wn
     nprog = _programs(a.device)
     upcast = not a.is_cuda
     sc = scatter if scatter is not None else offs
-    tok = token if gather else offs
-    pr = prob if prob is not None else offs
     split = tile.store_split if _out_tma(out, scatter) else 0
     # (rows: the descriptor's extent -- the kernel aims a partial block's box there)
-    out_d = (TensorDescriptor(out, [rows, n_out], [out.stride(0), 1],
+    out_d = (TensorDescriptor(out, [rows, wn], [out.stride(0), 1],
                               [tile.block_m, tile.block_n // split]) if split else out)
-    if gather:  # [gate; up] of expert e are rows 2e and 2e + 1 of a [2E, n_out, K] stack
-        a_arg = a
-        w_arg = TensorDescriptor(w, [2 * E, n_out, K], [n_out * w.stride(1), w.stride(1), 1],
-                                 [2, tile.block_n, tile.block_k])
-    else:
-        a_arg = TensorDescriptor(a, [a.shape[0], K], [a.stride(0), 1],
-                                 [tile.block_m, tile.block_k])
-        w_arg = TensorDescriptor(w, [E * wn, K], [w.stride(1), 1], [tile.block_n, tile.block_k])
     _moe_gemm_persistent_kernel[(nprog,)](
-        a_arg, tok, w_arg, offs, pr, out, out_d, sc, rows, m_blocks, tile.group_m, n_out, K,
-        E, wn, out.stride(0), a.stride(0), tok.stride(0), pr.stride(0),
+        TensorDescriptor(a, [a.shape[0], K], [a.stride(0), 1], [tile.block_m, tile.block_k]),
+        TensorDescriptor(w, [E * wn, K], [w.stride(1), 1], [tile.block_n, tile.block_k]),
+        offs, out, out_d, sc, rows, m_blocks, tile.group_m, wn, K, E, wn, out.stride(0),
         E_PAD=pow2(E, E_PAD_MIN), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, ZERO_TAIL=zero_tail, SCATTER=scatter is not None,
         NPROG=nprog,
         DOT_PREC="ieee" if a.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
-        RNE_BF16=upcast and out.dtype == torch.bfloat16, STORE_SPLIT=split, GATHER=gather,
-        PAIRED=gather, ACT=act, PROB=prob is not None,
+        RNE_BF16=upcast and out.dtype == torch.bfloat16, STORE_SPLIT=split,
         num_warps=tile.num_warps, num_stages=tile.num_stages)
 
 
