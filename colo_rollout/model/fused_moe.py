@@ -93,22 +93,12 @@ class Tile:
     # epilogue: A's tile is read once per K step instead of once per half (W through TMA
     # only; elsewhere the two-MMA body runs)
     paired: bool = False
-    # the persistent kernel's full row blocks stored through a TMA descriptor in this many
-    # column pieces (staged in shared memory, the copy to HBM asynchronous: the next tile's
-    # MMAs run under it) instead of the registers' own stores; an expert's partial last block
-    # keeps the masked stores (a TMA box would write the next expert's first rows). 0: off.
-    # Only for a 16-bit output stored in sorted order (``_out_tma``)
-    store_split: int = 0
 
     def __post_init__(self) -> None:
         t = self.tail_m
         if t and (t & (t - 1) or not 16 <= t < self.block_m):
             raise ValueError(f"Tile.tail_m {t}: a power of two in [16, block_m "
                              f"{self.block_m}), or 0")
-        sp = self.store_split
-        if sp and (sp & (sp - 1) or self.block_n % sp):
-            raise ValueError(f"Tile.store_split {sp}: a power of two dividing block_n "
-                             f"{self.block_n}, or 0")
 
 
 # Tile shapes by regime (average pairs per local expert, R / E), one for each GEMM (fc1: the
@@ -464,39 +454,21 @@ if triton is not None:
                   UPCAST=UPCAST, RNE_BF16=RNE_BF16, FP8=FP8, W_TMA=W_TMA, A_TMA=A_TMA,
                   SCALE_K=SCALE_K, PAIRED=PAIRED)
 
-    @triton.jit
-    def _store_rows(Out, Scatter, acc, rows_m, mmask, offs_n, n_out, stride_om,
-                    SCATTER: tl.constexpr):
-        """A tile's rows by the registers' own (masked) stores: row r at Out[Scatter[r]]
-        (``SCATTER``) or Out[r]."""
-        # (loaded here, after the K loop: loaded before it and held through it, the
-        # scatter rows spilled the 128 x 256 accumulator -- 2.9-3.7x slower on an H100,
-        # 2026-12-06)
-        if SCATTER:
-            out_rows = tl.load(Scatter + rows_m, mask=mmask, other=0).to(tl.int64)
-        else:
-            out_rows = rows_m.to(tl.int64)
-        tl.store(Out + out_rows[:, None] * stride_om + offs_n[None, :],
-                 acc.to(Out.dtype.element_ty), mask=mmask[:, None] & (offs_n < n_out)[None, :])
-
     @triton.jit(do_not_specialize=["rows", "m_blocks", "group_m", "E"])
     def _moe_gemm_persistent_kernel(
-        A, W, Offs, Out, OutD, Scatter,
+        A, W, Offs, Out, Scatter,
         rows, m_blocks, group_m, n_out, k_dim, E, w_rows_per_expert, stride_om,
         E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, ZERO_TAIL: tl.constexpr, SCATTER: tl.constexpr,
         NPROG: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-        RNE_BF16: tl.constexpr, STORE_SPLIT: tl.constexpr,
+        RNE_BF16: tl.constexpr,
     ):
         """``_moe_gemm_kernel``'s plain GEMM (no gather, gate or probability; A and W
         through TMA descriptors) with NPROG programs walking the tiles in use: tile t of
         program p is p + t * NPROG, in the same grouped order. The tile loop is flattened
         into the K loop (the software pipeline loads the next tile's operands while this
         tile's epilogue stores). The row blocks past the last expert's then zero the rows
-        past offs[-1] (``ZERO_TAIL``), one block each, as in the other kernel.
-        ``STORE_SPLIT`` (``Tile.store_split``; sorted rows only): a full row block goes out
-        through OutD, a TMA descriptor over Out with [BLOCK_M, BLOCK_N / STORE_SPLIT]
-        boxes."""
+        past offs[-1] (``ZERO_TAIL``), one block each, as in the other kernel."""
         pid = tl.program_id(0)
         eids = tl.arange(0, E_PAD)
         inside = eids < E
@@ -531,28 +503,17 @@ if triton is not None:
                 acc = rne_bf16(acc)
             rows_m = row_lo + offs_m
             mmask = rows_m < row_hi
-            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            if STORE_SPLIT:  # (never with SCATTER: the host checks)
-                # branch-free (a branch in the flattened loop fails Triton's loop fusion): a
-                # full row block goes out through the descriptor, a partial one by the masked
-                # stores; each store is aimed past its target where the other one writes --
-                # the box at row `rows` (wholly outside the descriptor: TMA writes nothing),
-                # the masked stores with every row masked off
-                partial = row_hi - row_lo < BLOCK_M
-                box_row = tl.where(partial, rows, row_lo)
-                v = acc.to(Out.dtype.element_ty)
-                if STORE_SPLIT == 1:
-                    OutD.store([box_row, pid_n * BLOCK_N], v)
-                else:
-                    tl.static_assert(STORE_SPLIT == 2, "store_split is 0, 1 or 2")
-                    v0, v1 = v.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
-                    OutD.store([box_row, pid_n * BLOCK_N], v0)
-                    OutD.store([box_row, pid_n * BLOCK_N + BLOCK_N // 2], v1)
-                _store_rows(Out, Scatter, acc, rows_m, mmask & partial, offs_n, n_out,
-                            stride_om, SCATTER)
+            # (loaded here, after the K loop: loaded before it and held through it, the
+            # scatter rows spilled the 128 x 256 accumulator -- 2.9-3.7x slower on an H100,
+            # 2026-12-06)
+            if SCATTER:
+                out_rows = tl.load(Scatter + rows_m, mask=mmask, other=0).to(tl.int64)
             else:
-                _store_rows(Out, Scatter, acc, rows_m, mmask, offs_n, n_out, stride_om,
-                            SCATTER)
+                out_rows = rows_m.to(tl.int64)
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            tl.store(Out + out_rows[:, None] * stride_om + offs_n[None, :],
+                     acc.to(Out.dtype.element_ty),
+                     mask=mmask[:, None] & (offs_n < n_out)[None, :])
         if ZERO_TAIL:  # spare row blocks (see row_blocks): the rows past offs[-1]
             tail = tl.load(Offs + E - 1).to(tl.int32)
             for t in range(total * n_tiles + pid, m_blocks * n_tiles, NPROG):
@@ -734,30 +695,16 @@ def _persistent_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, rows:
     nprog = _programs(a.device)
     upcast = not a.is_cuda
     sc = scatter if scatter is not None else offs
-    split = tile.store_split if _out_tma(out, scatter) else 0
-    # (rows: the descriptor's extent -- the kernel aims a partial block's box there)
-    out_d = (TensorDescriptor(out, [rows, wn], [out.stride(0), 1],
-                              [tile.block_m, tile.block_n // split]) if split else out)
     _moe_gemm_persistent_kernel[(nprog,)](
         TensorDescriptor(a, [a.shape[0], K], [a.stride(0), 1], [tile.block_m, tile.block_k]),
         TensorDescriptor(w, [E * wn, K], [w.stride(1), 1], [tile.block_n, tile.block_k]),
-        offs, out, out_d, sc, rows, m_blocks, tile.group_m, wn, K, E, wn, out.stride(0),
+        offs, out, sc, rows, m_blocks, tile.group_m, wn, K, E, wn, out.stride(0),
         E_PAD=pow2(E, E_PAD_MIN), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, ZERO_TAIL=zero_tail, SCATTER=scatter is not None,
         NPROG=nprog,
         DOT_PREC="ieee" if a.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
-        RNE_BF16=upcast and out.dtype == torch.bfloat16, STORE_SPLIT=split,
-        num_warps=tile.num_warps, num_stages=tile.num_stages)
-
-
-def _out_tma(out: torch.Tensor, scatter: torch.Tensor | None) -> bool:
-    """Whether the persistent kernel may store ``out``'s full row blocks through a TMA
-    descriptor: rows in sorted order (a scatter's rows are not a box), 16-bit (an fp32 box
-    of 128 x 256 would not fit shared memory beside the pipeline's stages), rows contiguous
-    and 16-byte aligned (TMA's rule for base and strides)."""
-    return (scatter is None and TensorDescriptor is not None and out.dtype in KERNEL_DTYPES
-            and out.stride(-1) == 1 and out.stride(0) * out.element_size() % 16 == 0
-            and out.data_ptr() % 16 == 0)
+        RNE_BF16=upcast and out.dtype == torch.bfloat16, num_warps=tile.num_warps,
+        num_stages=tile.num_stages)
 
 
 def tma_usable(a: torch.Tensor, w: torch.Tensor) -> bool:
