@@ -339,6 +339,29 @@ def test_cancel_running_frees_kv_and_later_result_is_stale() -> None:
     s.check_integrity()
 
 
+def test_abandon_ends_every_request_in_flight_naming_the_reason() -> None:
+    """What Engine.close() leaves: running and waiting requests alike end CANCELLED with the
+    reason as their error, their KV freed, their sessions ended; finished ones untouched."""
+    s = make(replicas=1)
+    s.add(req("done", 3, 1))
+    s.commit(s.plan(), [Sampled(0, 20, 0.0)])
+    assert s.by_id["done"].finish_reason is FinishReason.LENGTH
+    s.add(req("run", 5, 8))
+    s.add(dataclasses.replace(req("turn", 4, 8), session="chat"))
+    s.commit(s.plan(), [Sampled(1, 21, 0.0), Sampled(2, 22, 0.0)])
+    s.add(req("wait", 5, 8))
+    outs = s.abandon("closed", now=7.0)
+    assert sorted(o.request_id for o in outs) == ["run", "turn", "wait"]
+    for o in outs:
+        assert (o.finish_reason, o.error, o.finish_time) == (FinishReason.CANCELLED, "closed",
+                                                             7.0)
+    assert s.by_id["run"].tokens == [21] and s.by_id["wait"].tokens == []
+    assert s.by_id["done"].error is None and s.by_id["done"].tokens == [20]
+    assert "chat" not in s.sessions and "chat" in s.ended
+    assert_all_empty(s)
+    assert not s.has_work() and s.abandon("again") == []
+
+
 def test_cancel_between_prefill_plan_and_commit_ignores_result_and_missing_token() -> None:
     s = make()
     s.add(req("a", 5, 3))
