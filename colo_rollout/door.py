@@ -503,13 +503,24 @@ def check_demo(cfg: Config, source: str) -> None:
         key = "workload." + (min(named, key=said.find) if named else "top_k")
         raise ConfigError(f"{source}: {key}: every request of the workload would be "
                           f"refused: {why}", key=key, source=source)
+    # the longest request, refused naming the longer of its two lengths -- checked against
+    # the engine's sequence cap first: the request itself is a tuple of prompt_len_max ints
+    # (found by probing: 10^11 was a MemoryError at the door, 10^20 an OverflowError)
+    longest = w.prompt_len_max + w.output_len_max
+    key = ("workload.output_len_max" if w.output_len_max > w.prompt_len_max
+           else "workload.prompt_len_max")
+    what = (f"the workload's longest request (prompt {w.prompt_len_max} + output_len_max "
+            f"{w.output_len_max} tokens)")
+    if longest > cfg.engine.max_seq_len:  # (as the scheduler's refusal words it)
+        raise ConfigError(f"{source}: {key}: {what} would be refused: prompt "
+                          f"({w.prompt_len_max}) + max_tokens ({w.output_len_max}) = {longest} "
+                          f"exceeds engine.max_seq_len {cfg.engine.max_seq_len}", key=key,
+                          source=source)
     params = SamplingParams(temperature=w.temperature, top_k=w.top_k, top_p=w.top_p,
                             max_tokens=w.output_len_max, ignore_eos=True)
     why = _refusal(cfg, (0,) * w.prompt_len_max, params)
     if why is not None:
-        raise ConfigError(f"{source}: workload.prompt_len_max: the workload's longest request "
-                          f"(prompt {w.prompt_len_max} + output_len_max {w.output_len_max} "
-                          f"tokens) would be refused: {why}", key="workload.prompt_len_max",
+        raise ConfigError(f"{source}: {key}: {what} would be refused: {why}", key=key,
                           source=source)
 
 

@@ -204,6 +204,34 @@ def test_unknown_nested_key(tmp_path):
     assert err.key == "model.hidden"
 
 
+def test_lines_are_counted_as_editors_count_them(tmp_path):
+    """Found by probing: a character YAML refuses (a BEL) named a stream "<unicode string>"
+    and a character offset instead of the line; PyYAML counts U+2028 inside a quoted value as
+    a line break (the key below would have been named on line 4); a CR-only file's bad UTF-8
+    byte was counted on line 1; a key the mapping writes itself was named on the line of a
+    merge that it overrides; a top-level key a tag cannot read had an empty KEY."""
+    def msg(data: bytes) -> str:
+        path = tmp_path / "cfg.yaml"
+        path.write_bytes(data)
+        with pytest.raises(ConfigError) as info:
+            load_config(path)
+        return str(info.value).removeprefix(f"{path}")
+
+    assert msg(b"engine:\n  mode: a\x07b\n") == (
+        ":2: line 2, column 10: invalid YAML: unacceptable character #x0007: special "
+        "characters are not allowed")
+    assert msg("bench:\n  out_dir: 'a\u2028b'\nengine:\n  max_batch_size: 0\n"
+               .encode()).startswith(":4: engine.max_batch_size: must be >= 1")
+    assert msg(b"engine:\r  mode: normal\r  max_batch_size: \xff\r") == (
+        ":3: not valid UTF-8: byte 0xff at column 19 (invalid start byte); config files are "
+        "read as UTF-8")
+    assert msg(b"engine:\n  <<: {max_batch_size: 16}\n  max_batch_size: 0\n").startswith(
+        ":3: engine.max_batch_size: must be >= 1")
+    assert msg(b"engine:\n  <<: {max_batch_size: 0}\n").startswith(
+        ":2: engine.max_batch_size: must be >= 1")  # (the merge's own line where it gives it)
+    assert msg(b"!!bool maybe: 1\n") == ":1: maybe: 'maybe' cannot be read as !!bool"
+
+
 def test_an_error_names_the_line_of_the_key_the_file_writes(tmp_path):
     """``FILE:LINE: KEY: problem`` where the file writes the key (nested, or a section
     header); no line for a key the file leaves to its default (a cross-key check), nor for a
@@ -495,7 +523,7 @@ def test_yaml_nested_past_the_bound_is_one_line_naming_where(tmp_path):
     path = write(tmp_path, "rl:\n  steps: " + "[" * 1000 + "]" * 1000 + "\n")
     with pytest.raises(ConfigError) as info:
         load_config(path)
-    assert str(info.value) == (f"{path}: line 2, column 40: invalid YAML: nested more than 32 "
+    assert str(info.value) == (f"{path}:2: line 2, column 40: invalid YAML: nested more than 32 "
                                "levels deep (a config nests three)")
     with pytest.raises(ConfigError, match=r"^--set rl.steps: .* nested more than 32 levels"):
         parse_override("rl.steps=" + "{a: " * 1000 + "1" + "}" * 1000)
@@ -508,7 +536,7 @@ def test_yaml_of_too_many_values_is_refused_before_it_is_read_whole(tmp_path):
     path = write(tmp_path, "rl:\n  steps: [" + ", ".join(["1"] * 20000) + "]\n")
     with pytest.raises(ConfigError) as info:
         load_config(path)
-    assert str(info.value) == (f"{path}: line 2, column 29996: invalid YAML: more than 10000 "
+    assert str(info.value) == (f"{path}:2: line 2, column 29996: invalid YAML: more than 10000 "
                                "values (a config holds a few hundred)")
     big = tmp_path / "big.yaml"
     big.write_text("rl:\n  steps: 1\n" + "#" * (2**20) + "\n")
@@ -669,9 +697,8 @@ def test_malformed_yaml_reports_line(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(path)
     msg = str(info.value)
-    assert msg.startswith(f"{path}: ")
+    assert msg.startswith(f"{path}:4: line 4, column ")
     assert "invalid YAML" in msg
-    assert "line 4" in msg, msg
 
 
 def test_malformed_yaml_mapping_values(tmp_path):
@@ -819,6 +846,6 @@ def test_reports_are_strict_json():
 
 
 def test_bench_speed_repeat_counts_are_bounded(tmp_path):
-    path = write(tmp_path, "bench_speed:\n  iters: 99999999999999999999999\n")
+    path = write(tmp_path, "bench_speed:\n  iters: 99999999999\n")
     assert_load_error(path, "bench_speed.iters", "at most 10000")
 

@@ -458,13 +458,56 @@ def test_demo_workload_over_the_kv_blocks_and_top_k_over_the_vocabulary(capsys):
                            "would be refused: top_k 100000 exceeds the vocabulary size")
 
 
-@pytest.mark.parametrize("n", ["99999999999999999999", "100000000000"])
+@pytest.mark.parametrize("n", ["9000000000000000000", "100000000000"])
 def test_demo_workload_no_host_can_hold_is_refused(capsys, n):
     """The demo makes its requests up front on every rank (found by probing: 10^20 requests
     grew the ranks silently until they were killed)."""
     line = door_error(capsys, "demo", DEMO, "--set", f"workload.num_requests={n}")
     assert line.startswith(f"error: {DEMO}: workload.num_requests: {n} requests hold at least ")
     assert "GiB on each of 2 rank(s), more than this host's" in line
+
+
+BIG = "1" + "0" * 400
+
+
+@pytest.mark.parametrize("cmd,key", [
+    ("demo", "model.vocab_size"), ("demo", "engine.num_kv_blocks"),
+    ("demo", "model.num_layers"), ("demo", "model.hidden_size"),
+    ("demo", "workload.num_requests"), ("train", "rl.prompts_per_step"),
+    ("demo", "engine.max_seq_len")])
+def test_an_integer_past_64_bits_is_refused_by_the_schema(capsys, cmd, key):
+    """Found by probing: a 400-digit count was an OverflowError traceback in the door's float
+    arithmetic (the memory, demo and train checks, the rotary fraction); every int setting
+    is a 64-bit integer."""
+    line = door_error(capsys, cmd, TRAIN if cmd == "train" else DEMO, "--set", f"{key}={BIG}")
+    assert line.endswith(f": {key}: 100000000000000000...0000000000000000000 is out of range: a "
+                         "setting is a 64-bit integer (at most 2**63 - 1 in size)"), line
+
+
+def test_the_longest_demo_request_is_refused_before_it_is_made(capsys):
+    """Found by probing: the door built the longest request as a tuple of prompt_len_max ints
+    before asking whether the engine takes it (10^11 a MemoryError, 10^20 an OverflowError);
+    the length it names is the longer of the two (output_len_max 10^11 had been blamed on
+    prompt_len_max)."""
+    line = door_error(capsys, "demo", DEMO, "--set", "workload.prompt_len_max=100000000000")
+    assert line.startswith(f"error: {DEMO}: workload.prompt_len_max: the workload's longest "
+                           "request (prompt 100000000000 + output_len_max 64 tokens) would be "
+                           "refused: prompt (100000000000) + max_tokens (64) = 100000000064 "
+                           "exceeds engine.max_seq_len 512"), line
+    line = door_error(capsys, "demo", DEMO, "--set", "workload.output_len_max=100000000000")
+    assert line.startswith(f"error: {DEMO}: workload.output_len_max: the workload's longest "
+                           "request (prompt 192 + output_len_max 100000000000 tokens)"), line
+
+
+def test_positions_past_the_rotary_bound_are_refused_at_the_door(capsys):
+    """Found by probing: max_position_embeddings 10^20 (with max_seq_len) passed the door and
+    failed building the rotary table in every rank."""
+    line = door_error(capsys, "demo", DEMO,
+                      "--set", "model.max_position_embeddings=100000000000000000",
+                      "--set", "engine.max_seq_len=100000000000000000")
+    assert line == (f"error: {DEMO}: model.max_position_embeddings: 100000000000000000 "
+                    "positions: at most 16777216 (the rotary tables hold a row per position, "
+                    "built with the model)")
 
 
 def test_train_prompts_and_target_that_cannot_work(capsys):

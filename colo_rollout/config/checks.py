@@ -88,6 +88,11 @@ def _describe(value: Any) -> str:
     return f"{type(value).__name__} {_short(value)}"
 
 
+# the largest magnitude of an int setting: what torch and numpy hold (int64); every check after
+# the types may then compute with it in floats
+MAX_INT = 2**63 - 1
+
+
 def _check_value(value: Any, tp: Any, key: str) -> Any:
     """Check ``value`` against annotation ``tp``; return it normalised.
 
@@ -118,6 +123,10 @@ def _check_value(value: Any, tp: Any, key: str) -> Any:
             return value
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if not -MAX_INT <= value <= MAX_INT:  # (found by probing: a 400-digit count was
+                # an OverflowError traceback in the door's float arithmetic)
+                raise _error(key, f"{_short(value)} is out of range: a setting is a 64-bit "
+                                  "integer (at most 2**63 - 1 in size)")
             return value
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -5,6 +5,7 @@ validated ``Config``. YAML is read with safe_load's semantics, except that a key
 mapping is an error naming both lines (PyYAML would keep the last silently).
 """
 
+import bisect
 import copy
 import dataclasses
 import os
@@ -339,6 +340,30 @@ MAX_YAML_DEPTH = 32
 _MAX_INT_CHARS = 4300
 
 
+# a line break as editors, `wc -l` and diff count them: LF, CRLF, or a lone CR (PyYAML also
+# breaks lines at U+0085, U+2028 and U+2029, so its own line numbers drift past one of those)
+_BREAK = re.compile(r"\r\n|\n|\r")
+_BREAK_BYTES = re.compile(rb"\r\n|\n|\r")
+
+
+class LineIndex:
+    """1-based (line, column) of a character (or byte) offset in a text (bytes), lines
+    counted as editors count them (``_BREAK``): PyYAML's marks carry an offset, and their
+    own line numbers would name an editor's line 3 as line 4 past a U+2028 inside a quoted
+    value (found by probing)."""
+
+    def __init__(self, text: str | bytes) -> None:
+        pattern = _BREAK_BYTES if isinstance(text, bytes) else _BREAK
+        self._ends = [m.end() for m in pattern.finditer(text)]  # each line's first offset
+
+    def line(self, index: int) -> int:
+        return bisect.bisect_right(self._ends, index) + 1
+
+    def column(self, index: int) -> int:
+        n = bisect.bisect_right(self._ends, index)
+        return index - (self._ends[n - 1] if n else 0) + 1
+
+
 class UniqueKeyLoader(yaml.SafeLoader):
     """``yaml.SafeLoader`` that refuses a key repeated in one mapping (``_DuplicateKey``).
 
@@ -349,6 +374,7 @@ class UniqueKeyLoader(yaml.SafeLoader):
 
     def __init__(self, stream: str) -> None:
         super().__init__(stream)
+        self.lines = LineIndex(stream)
         self._nodes = 0  # nodes composed so far (this loader reads one document)
         self._depth = 0  # nesting of the node being composed
         # dotted key (as messages name it: ``_key_text``; list items ``key[i]``) -> the
@@ -382,14 +408,14 @@ class UniqueKeyLoader(yaml.SafeLoader):
         seen.add(id(node))
         if (isinstance(node, yaml.ScalarNode) and node.tag == "tag:yaml.org,2002:int"
                 and len(node.value) > _MAX_INT_CHARS):
-            raise _BadScalar(path, node.start_mark.line + 1,
+            raise _BadScalar(path, self._line(node),
                              f"an integer of {len(node.value)} characters (Python converts at "
                              f"most {_MAX_INT_CHARS} digits)")
         if (isinstance(node, yaml.ScalarNode) and ":" in node.value and node.tag in
                 ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")):
             # YAML 1.1's base 60: an unquoted 1:30 is the number 90 (a time, a ratio or a
             # step count written so would be read silently as another number)
-            raise _BadScalar(path, node.start_mark.line + 1,
+            raise _BadScalar(path, self._line(node),
                              f"{node.value} is a base-60 number in YAML 1.1 "
                              f"({self.construct_object(node)!r}); write the number, or quote "
                              "the text")
@@ -397,7 +423,7 @@ class UniqueKeyLoader(yaml.SafeLoader):
                 and re.fullmatch(r"[-+]?0[0-7_]+", node.value)):
             # YAML 1.1's octal: an unquoted 010 is the number 8 (a seed, a count or an id
             # padded with a zero would be read silently as another number; found by probing)
-            raise _BadScalar(path, node.start_mark.line + 1,
+            raise _BadScalar(path, self._line(node),
                              f"{node.value} is an octal number in YAML 1.1 "
                              f"({self.construct_object(node)!r}); write the number without its "
                              "leading zero, or quote the text")
@@ -405,14 +431,19 @@ class UniqueKeyLoader(yaml.SafeLoader):
             self._construct_scalar(node, path)
         if isinstance(node, yaml.MappingNode):
             first: dict[Any, int] = {}
+            merges = []
             for key_node, value_node in node.value:
                 if key_node.tag == "tag:yaml.org,2002:merge":
-                    self._check_unique(value_node, path, seen)
+                    merges.append(value_node)  # after the mapping's own keys: they win
                     continue
-                key = (self._construct_scalar(key_node, path)
+                # (a key that cannot be read is named by its text: at the top level the
+                # path alone would be empty)
+                text = _key_text(key_node.value) if isinstance(key_node, yaml.ScalarNode) \
+                    else "?"
+                key = (self._construct_scalar(key_node, f"{path}.{text}" if path else text)
                        if isinstance(key_node, yaml.ScalarNode) else None)
                 dotted = f"{path}.{_key_text(key)}" if path else _key_text(key)
-                line = key_node.start_mark.line + 1
+                line = self._line(key_node)
                 self.key_lines.setdefault(dotted, line)
                 try:
                     if key in first:
@@ -422,10 +453,15 @@ class UniqueKeyLoader(yaml.SafeLoader):
                 except TypeError:  # an unhashable key: the constructor reports it
                     pass
                 self._check_unique(value_node, dotted, seen)
+            for value_node in merges:  # a merged key takes the line of the mapping merged
+                self._check_unique(value_node, path, seen)  # (where the mapping lacks it)
         elif isinstance(node, yaml.SequenceNode):
             for i, item in enumerate(node.value):
-                self.key_lines.setdefault(f"{path}[{i}]", item.start_mark.line + 1)
+                self.key_lines.setdefault(f"{path}[{i}]", self._line(item))
                 self._check_unique(item, f"{path}[{i}]", seen)
+
+    def _line(self, node: yaml.Node) -> int:
+        return self.lines.line(node.start_mark.index)
 
     def _construct_scalar(self, node: yaml.ScalarNode, path: str) -> Any:
         """The Python value of scalar ``node`` (at dotted key ``path``), or _BadScalar naming
@@ -438,13 +474,14 @@ class UniqueKeyLoader(yaml.SafeLoader):
         except (ValueError, LookupError, AttributeError, TypeError) as err:
             tag = node.tag.replace("tag:yaml.org,2002:", "!!")
             why = f" ({err})" if isinstance(err, ValueError) else ""
-            raise _BadScalar(path, node.start_mark.line + 1,
+            raise _BadScalar(path, self._line(node),
                              f"{_short(node.value)} cannot be read as {tag}{why}") from None
 
 
 def _yaml_load(text: str, lines: dict[str, int] | None = None) -> Any:
     """``yaml.safe_load(text)``, refusing duplicate keys (UniqueKeyLoader); ``lines``: filled
-    with each dotted key's line (``UniqueKeyLoader.key_lines``)."""
+    with each dotted key's line (``UniqueKeyLoader.key_lines``). A ReaderError (a character
+    YAML does not allow) is raised before the loader exists."""
     loader = UniqueKeyLoader(text)
     try:
         return loader.get_single_data()
@@ -595,8 +632,8 @@ def read_config_file(path: str | os.PathLike,
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
-        line = raw.count(b"\n", 0, err.start) + 1
-        column = err.start - (raw.rfind(b"\n", 0, err.start) + 1) + 1
+        at = LineIndex(raw)
+        line, column = at.line(err.start), at.column(err.start)
         raise ConfigError(
             f"{source}:{line}: not valid UTF-8: byte 0x{raw[err.start]:02x} at column {column} "
             f"({err.reason}); config files are read as UTF-8", source=source) from None
@@ -608,7 +645,8 @@ def read_config_file(path: str | os.PathLike,
             f"{source}:{line}: {dotted}: duplicate key (first at line {first}); YAML would "
             "silently keep only this last one", key=dotted, source=source) from None
     except yaml.YAMLError as err:
-        raise ConfigError(f"{source}: {_yaml_error_text(err)}", source=source) from err
+        raise ConfigError(f"{source}{_yaml_error_text(err, LineIndex(text))}",
+                          source=source) from None
     except _BadScalar as bad:
         dotted, line, problem = bad.args
         raise ConfigError(f"{source}:{line}: {dotted}: {problem}", key=dotted or None,
@@ -623,15 +661,27 @@ def read_config_file(path: str | os.PathLike,
     return data
 
 
-def _yaml_error_text(err: yaml.YAMLError) -> str:
-    """``line L, column C: invalid YAML: <problem>`` (1-based) for a PyYAML error."""
+def _yaml_error_text(err: yaml.YAMLError, at: LineIndex) -> str:
+    """``:L: line L, column C: invalid YAML: <problem>`` (1-based, lines as editors count
+    them: ``at``, the document's LineIndex) for a PyYAML error, to follow the file's name;
+    ``: invalid YAML: <problem>`` where it has no place."""
+    index = None
     if isinstance(err, yaml.MarkedYAMLError):
         mark = err.problem_mark or err.context_mark
         problem = err.problem or err.context or "syntax error"
-        if mark is not None:
-            return f"line {mark.line + 1}, column {mark.column + 1}: invalid YAML: {problem}"
-        return f"invalid YAML: {problem}"
-    return f"invalid YAML: {err}"
+        index = None if mark is None else mark.index
+    elif isinstance(err, yaml.reader.ReaderError):
+        # (a character YAML refuses: its own text names a stream "<unicode string>" and a
+        # character offset, found by probing)
+        problem = (f"unacceptable character #x{err.character:04x}: {err.reason}"
+                   if isinstance(err.character, int) else str(err.reason))
+        index = err.position
+    else:
+        problem = " ".join(str(err).split())
+    if index is None:
+        return f": invalid YAML: {problem}"
+    line = at.line(index)
+    return f":{line}: line {line}, column {at.column(index)}: invalid YAML: {problem}"
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:

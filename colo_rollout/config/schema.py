@@ -16,6 +16,7 @@ from colo_rollout.config.checks import (
     _require_choice,
     _require_min,
     _require_seed,
+    _short,
 )
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -194,6 +195,12 @@ class ParallelConfig:
     def etp(self) -> int:
         """Expert tensor-parallel width (ranks sharing each expert)."""
         return self.world_size // self.ep
+
+
+# model.max_position_embeddings' bound: 16M positions (the longest real contexts are ~10M; the
+# fp32 angle table alone is then ~4 GB). Found by probing: 10^20 passed the door and failed
+# building the rotary table in every rank
+MAX_POSITIONS = 2**24
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -383,6 +390,9 @@ class ModelConfig:
             ),
             1,
         )
+        _require(self.max_position_embeddings <= MAX_POSITIONS, "model.max_position_embeddings",
+                 f"{_short(self.max_position_embeddings)} positions: at most {MAX_POSITIONS} "
+                 "(the rotary tables hold a row per position, built with the model)")
         _require_min(self, ("first_k_dense", "mtp_num_layers"), 0)
         _require_seed(self)
         _require(self.mtp_num_layers <= 1, "model.mtp_num_layers",
