@@ -258,6 +258,10 @@ def test_door_checks_in_process(ckpt, tmp_path, capsys):
     (small / "config.json").write_text(json.dumps({**config, "vocab_size": 100}))
     other_cfg = tmp_path / "other.yaml"
     other_cfg.write_text(f"model: {{checkpoint: {small}}}\n")
+    fp8_cfg = tmp_path / "fp8.yaml"
+    fp8_cfg.write_text("model:\n  fp8: e4m3\n")
+    nl_cfg = tmp_path / "nl.yaml"
+    nl_cfg.write_text('engine: {"a\\nb": 1}\n')
     yaml_cfg = tmp_path / "short.yaml"
     yaml_cfg.write_text("engine: {max_seq_len: 16}\nworkload: {prompt_len_max: 8, "
                         "output_len_max: 8}\n")
@@ -282,7 +286,7 @@ def test_door_checks_in_process(ckpt, tmp_path, capsys):
             f"--set model.checkpoint={small}: generate serves --model {d}; give the checkpoint "
             "once",
         ("--model", str(d), "--config", str(other_cfg), "hi"):
-            f"{other_cfg}: model.checkpoint: '{small}' is not --model '{d}'",
+            f"{other_cfg}:1: model.checkpoint: '{small}' is not --model '{d}'",
         ("--model", str(d), "caf\udce9"): "prompt 0: not valid UTF-8 text",
         ("--model", str(d), "--config", str(fifo), "hi"):
             f"{fifo}: not a regular file (a directory, FIFO or device)",
@@ -290,6 +294,12 @@ def test_door_checks_in_process(ckpt, tmp_path, capsys):
         # the engine's checks name the user's source, not the launch's temporary file
         ("--model", str(d), "--set", "model.fp8=e4m3", "hi"):
             f"error: {d} (generate's default config): model.fp8: 'e4m3' needs a CUDA GPU",
+        # ... and the line of the key in --config (found by probing: none was named); an
+        # error's text holding a newline (a key, PyYAML's own) is one line
+        ("--model", str(d), "--config", str(fp8_cfg), "hi"):
+            f"error: {fp8_cfg}:2: model.fp8: 'e4m3' needs a CUDA GPU",
+        ("--model", str(d), "--config", str(nl_cfg), "hi"):
+            f"error: {nl_cfg}:1: engine.a b: unknown key",
     }
     for argv, want in cases.items():
         assert main(["generate", *argv]) == 2, argv

@@ -245,9 +245,12 @@ def prepare(model_dir: str, config_path: str | None, overrides: Mapping[str, Any
     ``origins``: the parameters generation_config.json chose ('FILE key'): a top_k of the file
     past the vocabulary is the whole vocabulary (transformers clamps it), and the messages
     name the file."""
-    from colo_rollout.config import load_config
+    from colo_rollout.config import ConfigError, load_config
+    from colo_rollout.config.loader import located
 
     origins = origins or {}
+    lines: dict[str, int] = {}  # each key's line in --config: the checks below name it too
+    given_overrides: Mapping[str, Any] = overrides
     mt = f"max_tokens {params.max_tokens}" + (
         f" ({origins['max_tokens']}; --max-tokens sets it)" if "max_tokens" in origins else "")
 
@@ -281,10 +284,12 @@ def prepare(model_dir: str, config_path: str | None, overrides: Mapping[str, Any
         sized = _default_config(model_dir, overrides, lens, params.max_tokens, eos, mt).engine
         fill = {f"engine.{k}": getattr(sized, k) for k in _SIZED
                 if k not in mine and f"engine.{k}" not in overrides}
-        cfg = load_config(config_path, {**fill, **overrides, "model.checkpoint": model_dir})
+        given_overrides = {**fill, **overrides, "model.checkpoint": model_dir}
+        cfg = load_config(config_path, given_overrides, lines)
         given = (sections.get("model") or {}).get("checkpoint")  # load_config checked the file
         if given is not None and os.path.realpath(str(given)) != os.path.realpath(model_dir):
-            raise GenerateError(f"{config_path}: model.checkpoint: {given!r} is not --model "
+            at = f":{lines['model.checkpoint']}" if "model.checkpoint" in lines else ""
+            raise GenerateError(f"{config_path}{at}: model.checkpoint: {given!r} is not --model "
                                 f"{model_dir!r}; give the checkpoint once")
         if cfg.engine.eos_token_id is None and eos is not None:  # not set: the tokenizer's
             cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine,
@@ -309,8 +314,13 @@ def prepare(model_dir: str, config_path: str | None, overrides: Mapping[str, Any
     from colo_rollout.door import check_engine
 
     # the door's checks of the engine, naming the user's source (the launch's own door
-    # reads a temporary file: found by probing, model.fp8 on a CPU host named it)
-    check_engine(cfg, config_path or f"{model_dir} (generate's default config)")
+    # reads a temporary file: found by probing, model.fp8 on a CPU host named it) and the
+    # line of the key in --config (found by probing: none was named)
+    source = config_path or f"{model_dir} (generate's default config)"
+    try:
+        check_engine(cfg, source)
+    except ConfigError as err:
+        raise located(err, source, lines, given_overrides) from err
     return cfg, tokenizer, params
 
 
@@ -379,7 +389,7 @@ def main(args) -> int:
     try:
         overrides = _overrides(args.set)
     except ConfigError as e:  # --set without '=', or a value that is not valid YAML
-        print(f"error: {e}", file=sys.stderr)
+        print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)
         return 2
     try:
         defaults = read_generation_defaults(args.model)
@@ -390,7 +400,9 @@ def main(args) -> int:
         cfg, _, params = prepare(args.model, args.config, overrides, args.prompts, params, chat,
                                  origins)
     except (GenerateError, ConfigError, TokenizerError, RequestError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        # one line, as the door's (found by probing: a key or path holding a newline, and
+        # PyYAML's own texts, came out over two)
+        print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)
         return 2
     if "WORLD_SIZE" not in os.environ or os.environ.get("RANK") == "0":
         _say_defaults(defaults, params, origins)
