@@ -255,6 +255,11 @@ def test_an_error_names_the_line_of_the_key_the_file_writes(tmp_path):
     err = assert_load_error(write(tmp_path, "rl:\n  steps: 1\n"),
                             overrides={"rl": {"steps": 0}})
     assert str(err).startswith(f"{path}: rl.steps: "), str(err)
+    # a section given as a mapping sets the keys it holds: the file's others keep their lines
+    # (found by probing: they had lost them)
+    err = assert_load_error(write(tmp_path, "rl:\n  steps: 1\n  prompts_per_step: 0\n"),
+                            overrides={"rl": {"steps": 2}})
+    assert str(err).startswith(f"{path}:3: rl.prompts_per_step: "), str(err)
     # a cross-key check naming a key the file does not write (its default): no line
     err = assert_load_error(write(tmp_path, "model:\n  num_attention_heads: 6\n"))
     assert err.key == "model.hidden_size", str(err)
@@ -293,6 +298,15 @@ def test_wrong_type_list(tmp_path):
 def test_optional_str_accepts_null_rejects_int(tmp_path):
     assert load_config(write(tmp_path, "model:\n  fp8: null\n", "a.yaml")).model.fp8 is None
     assert_load_error(write(tmp_path, "model:\n  fp8: 8\n", "b.yaml"), "model.fp8", "str or null")
+
+
+def test_a_key_yaml_reads_as_a_boolean_or_null_says_so(tmp_path):
+    err = assert_load_error(write(tmp_path, "engine:\n  on: 4\n"), "engine.True: unknown key "
+                            "(YAML reads an unquoted yes/no/on/off/true/false key as a boolean")
+    assert str(err).startswith(f"{tmp_path / 'cfg.yaml'}:2: "), str(err)
+    assert_load_error(write(tmp_path, "~: 1\n"), "None: unknown key (YAML reads")
+    err = assert_load_error(write(tmp_path, 'engine: {}\n"": 5\n'), '"": unknown key; allowed')
+    assert str(err).startswith(f"{tmp_path / 'cfg.yaml'}:2: "), str(err)
 
 
 def test_section_not_a_mapping(tmp_path):

@@ -80,6 +80,8 @@ def _key_text(key: Any) -> str:
     characters: YAML bounds a plain key at 1024 characters, but an explicit one (``? KEY``) or
     a ``--set`` key has no bound (found by probing: a 2 MB key was a 2 MB error line)."""
     text = str(key)
+    if not text:  # (an empty key, `"": 5`, was a message with no key at all)
+        return '""'
     return text if len(text) <= 80 else f"{text[:38]}...{text[-38:]}"
 
 

@@ -217,7 +217,12 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     for key, value in data.items():
         dotted = f"{prefix}.{_key_text(key)}" if prefix else _key_text(key)
         if key not in allowed:
-            raise _error(dotted, f"unknown key; allowed keys at {where}: {', '.join(allowed)}")
+            # (found by probing: `on:` and `null:` were named engine.True and engine.None)
+            read = (" (YAML reads an unquoted yes/no/on/off/true/false key as a boolean, null "
+                    "or ~ as null: quote a key meant as text)"
+                    if key is None or isinstance(key, bool) else "")
+            raise _error(dotted, f"unknown key{read}; allowed keys at {where}: "
+                                 f"{', '.join(allowed)}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             value = _build(tp, value, dotted)
@@ -607,12 +612,26 @@ def located(err: ConfigError, source: str, lines: Mapping[str, int],
     if not key or not text.startswith(f"{source}: "):
         return err
     if any(key == o or key.startswith((f"{o}.", f"{o}[")) or o.startswith(f"{key}.")
-           for o in map(str, overrides)):  # (a section whose key an override set: as well)
+           for o in _set_keys(overrides)):  # (a section whose key an override set: as well)
         return err
     line = lines.get(key)
     if line is None:
         return err
     return ConfigError(f"{source}:{line}: {text[len(source) + 2:]}", key=key, source=source)
+
+
+def _set_keys(overrides: Mapping[str, Any]) -> list[str]:
+    """The dotted keys ``overrides`` set: a section given as a mapping (``--set
+    'workload={seed: 1}'``) sets the keys it holds -- the file's others stay the file's
+    (``_apply_overrides`` merges it; found by probing: their errors had lost their lines) --
+    any other value the key itself."""
+    out: list[str] = []
+    for o, v in overrides.items():
+        if isinstance(v, Mapping) and v:
+            out += _set_keys({f"{o}.{k}": sub for k, sub in v.items()})
+        else:
+            out.append(str(o))
+    return out
 
 
 def read_config_file(path: str | os.PathLike,
