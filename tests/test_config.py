@@ -300,6 +300,14 @@ def test_optional_str_accepts_null_rejects_int(tmp_path):
     assert_load_error(write(tmp_path, "model:\n  fp8: 8\n", "b.yaml"), "model.fp8", "str or null")
 
 
+def test_a_section_override_of_null_is_refused(tmp_path):
+    err = assert_load_error(write(tmp_path, "workload:\n  seed: 3\n"),
+                            overrides={"workload": None})
+    assert str(err) == (f"{tmp_path / 'cfg.yaml'}: workload: a section is set key by key "
+                        "(--set workload.KEY=VALUE) or as a mapping (--set 'workload={KEY: "
+                        "VALUE}'), not null")
+
+
 def test_a_key_yaml_reads_as_a_boolean_or_null_says_so(tmp_path):
     err = assert_load_error(write(tmp_path, "engine:\n  on: 4\n"), "engine.True: unknown key "
                             "(YAML reads an unquoted yes/no/on/off/true/false key as a boolean")

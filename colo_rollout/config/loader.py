@@ -557,6 +557,12 @@ def _apply_overrides(data: dict[str, Any], overrides: Mapping[str, Any]) -> None
                 )
             if depth == len(parts) - 1:
                 sub_cls = typing.get_type_hints(cls)[part]
+                if dataclasses.is_dataclass(sub_cls) and value is None:
+                    # (found by probing: `--set workload=~` dropped the file's whole section
+                    # to its defaults, where a mapping is merged key by key)
+                    raise _error(dotted, f"a section is set key by key (--set {dotted}.KEY="
+                                         f"VALUE) or as a mapping (--set '{dotted}={{KEY: "
+                                         "VALUE}'), not null")
                 if (dataclasses.is_dataclass(sub_cls) and isinstance(value, Mapping)
                         and isinstance(node.get(part), dict)):
                     # a section given whole (--set 'rl={steps: 1}') sets those keys: the
