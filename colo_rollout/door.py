@@ -123,11 +123,13 @@ def unwritable(path: str | os.PathLike, file: bool = False) -> str | None:
 
 
 # the files each output folder receives (a directory or a device of one of these names
-# there was found only by the final write, after the whole run)
+# there was found only by the final write, after the whole run); a name ending in / is a
+# folder (tensorboard's: a file of its name failed the train run after ~2 minutes, found by
+# probing)
 OUTPUT_FILES = {"bench.out_dir": ("bench.json", "runs_partial.jsonl", "ccdf_request.png",
                                   "timeline.png"),
                 "bench_speed.out_dir": ("bench_speed.json", "bench_speed_breakdown.png"),
-                "rl.out_dir": ("metrics.jsonl", "reward.png"),
+                "rl.out_dir": ("metrics.jsonl", "reward.png", "tb/"),
                 "bench-sync --out": ("bench_sync.json",), "bench-mtp --out": ("bench_mtp.json",)}
 
 
@@ -139,25 +141,77 @@ def check_output(key: str, path: str | os.PathLike | None, source: str | None = 
     why = None if path is None else (
         "an empty path" if not os.fspath(path).strip() else unwritable(path, file))
     if why is None and path is not None:
-        why = next((f"{os.path.join(path, n)} exists and is not a regular file (the run "
-                    f"writes its {n} there)" for n in files
-                    if os.path.lexists(os.path.join(path, n))
-                    and not os.path.isfile(os.path.join(path, n))), None)
+        why = next((_not_writable_as(os.path.join(path, n.rstrip("/")), n) for n in files
+                    if _not_writable_as(os.path.join(path, n.rstrip("/")), n)), None)
     if why:
         at = f"{source}: " if source else ""
         raise ConfigError(f"{at}{key}: {path}: cannot write here ({why})", key=key,
                           source=source)
 
 
+def _not_writable_as(target: str, name: str) -> str | None:
+    """Why ``target`` cannot receive the run's ``name`` (a file, or a folder where ``name``
+    ends in /), or None (absent, or already of its kind)."""
+    if not os.path.lexists(target):
+        return None
+    if name.endswith("/"):
+        return None if os.path.isdir(target) else (
+            f"{target} exists and is not a folder (the run writes its {name} there)")
+    return None if os.path.isfile(target) else (
+        f"{target} exists and is not a regular file (the run writes its {name} there)")
+
+
+def run_inputs(cfg: Config, source: str, command: str) -> list[tuple[str, str, bool]]:
+    """What a run of ``command`` reads that an output could overwrite: (what, real path,
+    whether a folder) -- the config file, model.checkpoint, bench's trace file."""
+    out = [(f"the config file {source}", os.path.realpath(source), False)]
+    if cfg.model.checkpoint is not None:
+        out.append((f"model.checkpoint {cfg.model.checkpoint}",
+                    os.path.realpath(cfg.model.checkpoint), True))
+    trace = cfg.bench.trace
+    if command == "bench" and trace not in ("synthetic", "mooncake"):
+        trace = trace.removeprefix("mooncake:")
+        out.append((f"bench.trace {trace}", os.path.realpath(trace), False))
+    return out
+
+
+def check_not_inputs(key: str, path: str | os.PathLike | None, inputs, source: str | None = None,
+                     file: bool = False, files: tuple[str, ...] = ()) -> None:
+    """An output (a config key, or a flag where ``source`` is None: the file ``path``, or the
+    folder ``path`` receiving ``files``) that would overwrite what the run reads (``inputs``,
+    ``run_inputs``) is refused, naming it (found by probing: a report written over the
+    config, into the checkpoint -- over its config.json too -- and a bench's partial runs over
+    its own trace, each silently)."""
+    if path is None or not os.fspath(path).strip():
+        return
+    real = os.path.realpath(path)
+    targets = [real] if file else [os.path.join(real, n.rstrip("/")) for n in files]
+    why = None
+    for what, at, folder in inputs:
+        if folder and (real == at or real.startswith(at + os.sep)):
+            why = f"{'is' if real == at else 'is inside'} {what}, which the run reads"
+        elif not folder and at in targets:
+            why = (f"the run would overwrite {what} (its {os.path.basename(at)} there)"
+                   if not file else f"is {what}, which the run reads")
+        if why:
+            at_ = f"{source}: " if source else ""
+            raise ConfigError(f"{at_}{key}: {path}: {why}; write elsewhere", key=key,
+                              source=source)
+
+
 def check_outputs(cfg: Config, source: str, command: str) -> None:
     """The output folders ``command`` writes, from its config (the flags' paths are checked by
-    the CLI through ``check_output``)."""
+    the CLI through ``check_output`` and ``check_not_inputs``)."""
     keys = {"train": ("rl.out_dir", "rl.export_dir"), "bench": ("bench.out_dir",),
             "bench-speed": ("bench_speed.out_dir",)}.get(command, ())
+    inputs = run_inputs(cfg, source, command)
     for key in keys:
         section, name = key.split(".")
         check_output(key, getattr(getattr(cfg, section), name), source,
                      files=OUTPUT_FILES.get(key, ()))
+        if key != "rl.export_dir":  # (its own check below says more)
+            check_not_inputs(key, getattr(getattr(cfg, section), name), inputs, source,
+                             files=OUTPUT_FILES.get(key, ()))
     if command == "train" and cfg.rl.export_dir is not None:
         _check_export_dir(cfg, source)
 

@@ -273,3 +273,43 @@ def test_the_expert_count_under_transformers_alias_is_read(tmp_path, family, ali
     _edit(tmp_path, drop=["n_routed_experts"], **{alias: n})
     arch = hf_architecture(tmp_path)
     assert arch.fields["num_experts"] == n and arch.sources["num_experts"] == alias
+
+
+def test_an_output_over_what_the_run_reads_is_refused(tmp_path, capsys):
+    """Found by probing: `demo --report` wrote its JSON over the config file and over the
+    checkpoint's config.json, bench.out_dir / bench_speed.out_dir / rl.out_dir / bench-sync's
+    --out filled the checkpoint's folder, and bench wrote its partial runs over its own trace
+    (runs_partial.jsonl in the trace's folder) -- each silently, exit 0. And a file where
+    train writes its tensorboard folder failed the run after ~2 minutes."""
+    ckpt = _qwen3(tmp_path / "ckpt")
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(open(CKPT_YAML).read())
+    with_ckpt = ("--set", f"model.checkpoint={ckpt}")
+    line = _door_error(capsys, "demo", str(cfg), *with_ckpt, "--report", str(cfg))
+    assert line == (f"error: --report: {cfg}: is the config file {cfg}, which the run reads; "
+                    "write elsewhere")
+    line = _door_error(capsys, "demo", str(cfg), *with_ckpt, "--report",
+                       str(ckpt / "config.json"))
+    assert line == (f"error: --report: {ckpt / 'config.json'}: is inside model.checkpoint "
+                    f"{ckpt}, which the run reads; write elsewhere")
+    line = _door_error(capsys, "train", str(cfg), *with_ckpt, "--set", f"rl.out_dir={ckpt}")
+    assert line.startswith(f"error: {cfg}: rl.out_dir: {ckpt}: is model.checkpoint {ckpt}, "
+                           "which the run reads"), line
+    line = _door_error(capsys, "bench-sync", str(cfg), *with_ckpt, "--out", str(ckpt / "x"))
+    assert line.startswith(f"error: --out: {ckpt / 'x'}: is inside model.checkpoint"), line
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "tb").write_text("")
+    line = _door_error(capsys, "train", str(cfg), *with_ckpt, "--set",
+                       f"rl.out_dir={tmp_path / 'out'}")
+    assert line.startswith(f"error: {cfg}: rl.out_dir: {tmp_path / 'out'}: cannot write here "
+                           f"({tmp_path / 'out' / 'tb'} exists and is not a folder"), line
+
+
+def test_bench_never_writes_over_its_trace(tmp_path, capsys):
+    from tests.test_door import BENCH, trace_file, turn
+
+    trace = trace_file(tmp_path, [turn()], name="runs_partial.jsonl")
+    line = _door_error(capsys, "bench", BENCH, "--set", f"bench.trace={trace}", "--set",
+                       f"bench.out_dir={tmp_path}")
+    assert line.startswith(f"error: {BENCH}: bench.out_dir: {tmp_path}: the run would "
+                           f"overwrite bench.trace {trace} (its runs_partial.jsonl there)"), line
