@@ -173,8 +173,11 @@ def _main(argv: list[str] | None = None) -> int:
         report(res, cfg, args.config)
         return 0
     if args.cmd == "bench-sync":
-        if args.iters < 1:
-            print(f"error: --iters: must be >= 1, got {args.iters}", file=sys.stderr)
+        from colo_rollout.config.schema import MAX_BENCH_REPEATS
+
+        if not 1 <= args.iters <= MAX_BENCH_REPEATS:  # (found by probing: 10^23 ran on)
+            print(f"error: --iters: must be in [1, {MAX_BENCH_REPEATS}], got {args.iters}",
+                  file=sys.stderr)
             return 2
         overrides = _door(_overrides, args.set)
         cfg = _config_at_the_door(args.config, overrides, args.cmd)
@@ -191,6 +194,8 @@ def _main(argv: list[str] | None = None) -> int:
             report(res, args.out)
         return 0
     if args.cmd == "bench-mtp":
+        from colo_rollout.config.schema import MAX_BENCH_REPEATS
+
         bad = ([f"--batches: every batch must be >= 1, got {args.batches}"]
                if min(args.batches) < 1 else [])
         bad += [f"--{k.replace('_', '-')}: must be >= {lo}, got {getattr(args, k)}"
@@ -198,6 +203,14 @@ def _main(argv: list[str] | None = None) -> int:
                               ("distill_steps", 0), ("distill_seqs", 1),
                               ("distill_batch", 1))
                 if getattr(args, k) < lo]
+        # (found by probing: 10^14 repetitions or 10^11 sequences ran until killed, a batch of
+        # 10^6 until the host's memory ran out)
+        bad += [f"--{k.replace('_', '-')}: must be at most {MAX_BENCH_REPEATS}, got "
+                f"{getattr(args, k)}" for k in ("reps", "distill_steps", "distill_seqs")
+                if getattr(args, k) > MAX_BENCH_REPEATS]
+        if args.distill_batch > args.distill_seqs:
+            bad.append(f"--distill-batch: {args.distill_batch} sequences a step, more than "
+                       f"the {args.distill_seqs} --distill-seqs there are")
         if bad:
             print(f"error: {bad[0]}", file=sys.stderr)
             return 2

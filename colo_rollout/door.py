@@ -642,8 +642,13 @@ def check_bench_mtp(cfg: Config, source: str, *, batches: tuple[int, ...], promp
                           "the last layer's kind: layer 0 must be of that kind too",
                           key=key, source=source)
     e = cfg.engine
-    why = _refusal(cfg, (1,) * prompt_len, SamplingParams(max_tokens=new_tokens,
-                                                          ignore_eos=True))
+    # the engine's sequence cap first: the request is a tuple of prompt_len ints (found by
+    # probing: 10^10 was a MemoryError at the door, 10^20 an OverflowError)
+    why = (f"prompt ({prompt_len}) + max_tokens ({new_tokens}) = {prompt_len + new_tokens} "
+           f"exceeds engine.max_seq_len {e.max_seq_len}"
+           if prompt_len + new_tokens > e.max_seq_len else
+           _refusal(cfg, (1,) * prompt_len, SamplingParams(max_tokens=new_tokens,
+                                                           ignore_eos=True)))
     if why is None and max(batches) > e.max_batch_size:
         why = f"--batches {max(batches)} exceeds engine.max_batch_size {e.max_batch_size}"
     if why is None:
@@ -662,13 +667,18 @@ def check_bench_mtp(cfg: Config, source: str, *, batches: tuple[int, ...], promp
 def check_decode_overhead(cfg: Config, source: str, *, reps: int, mode: str) -> None:
     """bench-decode-overhead's arguments, and its requests (8-token prompts, up to 128 output
     tokens: bench_decode.decode_overhead) are served."""
-    _require_arg(reps >= 1, "--reps", f"must be >= 1, got {reps}")
+    from colo_rollout.config.schema import MAX_BENCH_REPEATS
+
+    _require_arg(1 <= reps <= MAX_BENCH_REPEATS, "--reps",
+                 f"must be in [1, {MAX_BENCH_REPEATS}], got {reps}")
     _require_arg(mode in ENGINE_MODES and mode != "normal", "--mode",
                  f"expected a PD mode ({', '.join(m for m in ENGINE_MODES if m != 'normal')}) "
                  f"to time against Normal; got {mode!r}")
     out_len = min(128, cfg.engine.max_seq_len - 8)
-    why = ("engine.max_seq_len must be >= 9 (8 prompt tokens + at least 1 generated)"
-           if out_len < 1 else
+    # two generated tokens at least: P gives the first, D steps (what is timed) the rest
+    # (found by probing: with one there was no D step, and the ratio divided by zero)
+    why = ("engine.max_seq_len must be >= 10 (8 prompt tokens + at least 2 generated: D "
+           "steps are what is timed)" if out_len < 2 else
            _refusal(cfg, tuple(range(1, 9)), SamplingParams(max_tokens=out_len, ignore_eos=True)))
     if why is not None:
         raise ConfigError(f"{source}: engine: the decode-heavy requests (8 prompt tokens, "

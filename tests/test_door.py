@@ -530,11 +530,45 @@ def test_bench_decode_overhead_arguments(capsys):
     line = door_error(capsys, "bench-decode-overhead", DEMO, "--mode", "normal")
     assert line.endswith("to time against Normal; got 'normal'")
     assert door_error(capsys, "bench-decode-overhead", DEMO, "--reps", "0") == \
-        "error: --reps: must be >= 1, got 0"
-    line = door_error(capsys, "bench-decode-overhead", DEMO, "--set", "engine.max_seq_len=8",
+        "error: --reps: must be in [1, 10000], got 0"
+    # (found by probing: 10^20 repetitions ran on until killed; with max_seq_len 9 there was
+    # no D step to time, and the ratio divided by zero after the run)
+    assert door_error(capsys, "bench-decode-overhead", DEMO, "--reps", "10001") == \
+        "error: --reps: must be in [1, 10000], got 10001"
+    line = door_error(capsys, "bench-decode-overhead", DEMO, "--set", "engine.max_seq_len=9",
                       "--set", "workload.prompt_len_min=1", "--set", "workload.prompt_len_max=4",
                       "--set", "workload.output_len_min=1", "--set", "workload.output_len_max=4")
-    assert "engine.max_seq_len must be >= 9" in line
+    assert "engine.max_seq_len must be >= 10 (8 prompt tokens + at least 2 generated" in line
+
+
+def test_bench_mtp_and_bench_sync_counts_are_bounded(capsys):
+    """Found by probing: bench-mtp's --prompt-len 10^20 was an OverflowError traceback at the
+    door (10^10 a MemoryError), and 10^14 repetitions, 10^11 distillation sequences or 10^23
+    bench-sync iterations ran until killed."""
+    cfg = str(CONFIGS / "bench_speed_cpu.yaml")
+    line = door_error(capsys, "bench-mtp", cfg, "--batches", "1", "--prompt-len",
+                      "100000000000000000000")
+    assert "--prompt-len 100000000000000000000 + --new-tokens 128) would not all be served: " \
+           "prompt (100000000000000000000) + max_tokens (128) = 100000000000000000128 " \
+           "exceeds engine.max_seq_len" in line, line
+    for flag, value, want in (("--reps", "100000000000000",
+                               "--reps: must be at most 10000, got 100000000000000"),
+                              ("--distill-seqs", "100000000000",
+                               "--distill-seqs: must be at most 10000, got 100000000000"),
+                              ("--distill-batch", "1000", "--distill-batch: 1000 sequences a "
+                               "step, more than the 128 --distill-seqs there are")):
+        assert arg_error(capsys, "bench-mtp", cfg, flag, value) == f"error: {want}"
+    assert arg_error(capsys, "bench-sync", cfg, "--iters", "99999999999999999999999") == \
+        "error: --iters: must be in [1, 10000], got 99999999999999999999999"
+
+
+def arg_error(capsys, *argv: str) -> str:
+    """``main(argv)`` returns 2 for a flag it refuses itself; its one stderr line."""
+    capsys.readouterr()
+    assert main(list(argv)) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "Traceback" not in err, err
+    return err.strip()
 
 
 # --------------------------------------------------------------------------- the bench's trace
