@@ -41,7 +41,7 @@ def _check_torchrun_env() -> None:
     there too (a stray WORLD_SIZE in a shell used to end in a KeyError on RANK)."""
     from colo_rollout.door import DoorError
 
-    bad = [k for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+    bad = [k for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
            if k in os.environ and not os.environ[k].isdigit()]
     needed = ("RANK", "LOCAL_RANK") + (("MASTER_ADDR", "MASTER_PORT")
                                        if os.environ["WORLD_SIZE"] not in ("0", "1") else ())
@@ -60,6 +60,32 @@ def _check_torchrun_env() -> None:
                 f"{', '.join(bad)} not a non-negative integer")
         raise DoorError(f"WORLD_SIZE is set ({os.environ['WORLD_SIZE']!r}), so this process "
                         f"would be a torchrun rank, but {what}: launch it with torchrun, or "
+                        "unset WORLD_SIZE to run the CPU ranks")
+    # what torchrun itself never sets (found by probing: RANK past WORLD_SIZE waited for its
+    # peers for ever, WORLD_SIZE 0 was taken for a world, a MASTER_PORT of 'notaport' or
+    # 99999 was a traceback and an unresolvable MASTER_ADDR a retry loop)
+    env = os.environ
+    world, rank, local = (int(env[k]) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"))
+    why = None
+    if world < 1:
+        why = "WORLD_SIZE 0: a run has at least one rank"
+    elif rank >= world:
+        why = f"RANK {rank} is not below WORLD_SIZE {world}"
+    elif local >= int(env.get("LOCAL_WORLD_SIZE", world)):
+        why = (f"LOCAL_RANK {local} is not below LOCAL_WORLD_SIZE "
+               f"{env.get('LOCAL_WORLD_SIZE', world)}")
+    elif "MASTER_PORT" in env and not (env["MASTER_PORT"].isdigit()
+                                       and 1 <= int(env["MASTER_PORT"]) <= 65535):
+        why = f"MASTER_PORT {env['MASTER_PORT']!r} is not a port (1-65535)"
+    elif world > 1:
+        import socket
+
+        try:
+            socket.getaddrinfo(env["MASTER_ADDR"], int(env["MASTER_PORT"]))
+        except (OSError, UnicodeError) as e:
+            why = f"MASTER_ADDR {env['MASTER_ADDR']!r} does not resolve ({e})"
+    if why:
+        raise DoorError(f"torchrun's environment: {why}; launch the command with torchrun, or "
                         "unset WORLD_SIZE to run the CPU ranks")
 
 

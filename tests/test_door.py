@@ -409,6 +409,29 @@ def test_a_stray_world_size_is_not_taken_for_torchrun(capsys, monkeypatch):
     assert "but MASTER_ADDR, MASTER_PORT not set" in door_error(capsys, "demo", DEMO)
 
 
+@pytest.mark.parametrize("env,why", [
+    ({"WORLD_SIZE": "1", "RANK": "1"}, "RANK 1 is not below WORLD_SIZE 1"),
+    ({"WORLD_SIZE": "2", "RANK": "5"}, "RANK 5 is not below WORLD_SIZE 2"),
+    ({"WORLD_SIZE": "0"}, "WORLD_SIZE 0: a run has at least one rank"),
+    ({"WORLD_SIZE": "2", "MASTER_PORT": "notaport"}, "MASTER_PORT 'notaport' is not a port"),
+    ({"WORLD_SIZE": "1", "MASTER_PORT": "99999"}, "MASTER_PORT '99999' is not a port"),
+    ({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "1", "RANK": "1"},
+     "LOCAL_RANK 1 is not below LOCAL_WORLD_SIZE 1"),
+    ({"WORLD_SIZE": "2", "MASTER_ADDR": "nonexistent.invalid"},
+     "MASTER_ADDR 'nonexistent.invalid' does not resolve"),
+])
+def test_a_torchrun_environment_torchrun_never_makes_is_refused(capsys, monkeypatch, env, why):
+    """Found by probing: RANK past WORLD_SIZE waited for its peers for ever, WORLD_SIZE 0 was
+    taken for a world, a bad MASTER_PORT was a traceback, an unresolvable MASTER_ADDR a
+    retry loop that never ended."""
+    base = {"RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"}
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    for key, value in {**base, **env}.items():
+        monkeypatch.setenv(key, value)
+    line = door_error(capsys, "demo", DEMO)
+    assert line.startswith(f"error: torchrun's environment: {why}"), line
+
+
 def test_unsupported_trainer_width(capsys):
     line = door_error(capsys, "train", TRAIN, "--set", "rl.trainer_tp=3")
     assert line.startswith(f"error: {TRAIN}: rl.trainer_tp: 3 does not divide "
