@@ -278,6 +278,10 @@ def test_door_checks_in_process(ckpt, tmp_path, capsys):
         ("--model", str(d), "--set", "engine", "hi"): "--set engine: expected KEY=VALUE",
         ("--model", str(d), "--set", "engine.nope=1", "hi"): "engine.nope: unknown override key",
         ("--model", str(d), "--temperature", "-1", "hi"): "sampling parameters: temperature",
+        # (found by probing: said to exceed a vocabulary of 9223372036854775807)
+        ("--model", str(d), "--temperature", "1", "--top-k", "1" + "0" * 20, "hi"):
+            f"sampling parameters: top_k {10**20} exceeds the vocabulary size "
+            f"{json.loads((d / 'config.json').read_text())['vocab_size']}\n",
         ("--model", str(d), "--config", str(yaml_cfg), "hi"): "over engine.max_seq_len 16",
         ("--model", str(d), "--max-tokens", "40000", "hi"): "max_position_embeddings 32768",
         ("--model", str(d), "--config", str(tmp_path / "absent.yaml"), "hi"):

@@ -212,8 +212,16 @@ def _check_fits(cfg, prompt_lens: list[int], max_tokens: int, mt: str = "") -> N
                                 f"engine.num_kv_blocks {e.num_kv_blocks}")
 
 
-def _check_params(params: SamplingParams, vocab: int,
+def _check_params(params: SamplingParams, vocab: int | None,
                   origins: Mapping[str, str] | None = None) -> None:
+    """``params`` as the engine will check them against ``vocab``; None: the vocabulary is
+    not known yet -- every rule but top_k's bound (found by probing: a top_k past 2**63 was
+    said to exceed a vocabulary of 9223372036854775807)."""
+    if vocab is None:
+        k = params.top_k
+        if isinstance(k, int) and not isinstance(k, bool) and k >= 0:
+            params = dataclasses.replace(params, top_k=0)
+        vocab = sys.maxsize
     try:
         params.validate("generate", vocab)
     except RequestError as e:  # "request 'generate': what" -> "sampling parameters: what"
@@ -271,7 +279,7 @@ def prepare(model_dir: str, config_path: str | None, overrides: Mapping[str, Any
     lens = [len(tokenizer.encode_prompt(p, chat=chat)) for p in prompts]
     if 0 in lens:
         raise GenerateError(f"prompt {lens.index(0)} encodes to no tokens")
-    _check_params(params, sys.maxsize, origins)  # before the engine is sized by max_tokens
+    _check_params(params, None, origins)  # before the engine is sized by max_tokens
     eos = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None
     if config_path is None:
         cfg = _default_config(model_dir, overrides, lens, params.max_tokens, eos, mt)
