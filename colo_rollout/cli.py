@@ -48,10 +48,14 @@ def main(argv: list[str] | None = None) -> int:
     main_thread = (threading.current_thread() is threading.main_thread()
                    and "WORLD_SIZE" not in os.environ)
     previous = signal.signal(signal.SIGTERM, terminate) if main_thread else None
+    from colo_rollout.config.files import OutputError
     from colo_rollout.runtime.spawn import WorkerTimeout
 
     try:
         return _main(argv)
+    except OutputError as e:  # a report written here after the run (the disk full, say)
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("\nerror: interrupted", file=sys.stderr)  # (after a progress bar's line)
         return 130

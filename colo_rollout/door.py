@@ -25,6 +25,7 @@ from typing import Any
 
 from colo_rollout.config.checkpoint_errors import CheckpointError
 from colo_rollout.config import ENGINE_MODES, Config, ConfigError, load_config
+from colo_rollout.config.files import OutputError
 from colo_rollout.config.loader import located
 from colo_rollout.sched.request import Request, RequestError, SamplingParams
 from colo_rollout.workloads.trace import Conversation, Trace, TraceError, generate_trace, load_trace
@@ -35,7 +36,7 @@ class DoorError(ValueError):
 
 
 # a mistake in the command's inputs, reported as one ``error:`` line with exit code 2
-USER_ERRORS = (ConfigError, CheckpointError, TraceError, DoorError)
+USER_ERRORS = (ConfigError, CheckpointError, TraceError, DoorError, OutputError)
 
 
 def is_user_error(err: BaseException) -> bool:

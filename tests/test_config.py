@@ -871,3 +871,37 @@ def test_bench_speed_repeat_counts_are_bounded(tmp_path):
     path = write(tmp_path, "bench_speed:\n  iters: 99999999999\n")
     assert_load_error(path, "bench_speed.iters", "at most 10000")
 
+
+
+def test_a_report_is_written_whole_or_not_at_all(tmp_path, monkeypatch, capsys):
+    """Found by probing: on a full disk every report was a traceback and each JSON was left
+    truncated or empty. ``write_output`` writes beside the file and renames it over; an
+    OSError is OutputError naming the file and what it is, the previous file untouched, no
+    temporary file left; the command prints it as one line, exit code 1."""
+    import errno
+
+    from colo_rollout.cli import main
+    from colo_rollout.config import files
+
+    path = tmp_path / "r.json"
+    files.write_output(path, '{"a": 1}', "the report")
+    assert path.read_text() == '{"a": 1}'
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(files.os, "replace", full)
+    with pytest.raises(files.OutputError) as info:
+        files.write_output(path, '{"a": 2}', "the report")
+    assert str(info.value) == f"{path}: cannot write the report: No space left on device"
+    assert path.read_text() == '{"a": 1}' and sorted(tmp_path.iterdir()) == [path]
+    assert getattr(files.OutputError, "user_facing", False)  # a rank's error: one line too
+
+    def run(argv):
+        raise files.OutputError(f"{path}: cannot write the report: No space left on device")
+
+    monkeypatch.setattr("colo_rollout.cli._main", run)
+    capsys.readouterr()
+    assert main(["demo", "x.yaml"]) == 1
+    assert capsys.readouterr().err == (f"error: {path}: cannot write the report: No space left "
+                                       "on device\n")

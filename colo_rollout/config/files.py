@@ -11,15 +11,56 @@ number written as null -- Python's bare NaN / Infinity tokens are refused by str
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import stat
+import tempfile
 from typing import Any
 
 
 class FileProblem(ValueError):
     """Why a named file cannot be read (one line, without the path)."""
+
+
+class OutputError(RuntimeError):
+    """A run's output could not be written (the disk full, the folder gone or read-only):
+    the command's one error line, exit code 1 -- the door checked the path could be written,
+    the run found it could not (found by probing: on a full disk every report was a
+    traceback, and each JSON was left truncated or empty)."""
+
+    user_facing = True  # raised on a rank: the command's one error line (runtime/spawn.py)
+
+
+@contextlib.contextmanager
+def output_errors(path: str | os.PathLike[str], what: str):
+    """An OSError inside the block (writing ``path``, ``what`` it is) as OutputError."""
+    try:
+        yield
+    except OSError as e:
+        raise OutputError(f"{os.fspath(path)}: cannot write {what}: {e.strerror or e}") \
+            from None
+
+
+def write_output(path: str | os.PathLike[str], text: str, what: str) -> None:
+    """``text`` into the file ``path`` whole or not at all: written beside it and renamed
+    over it (a reader never sees half a report, and a failed write leaves the previous one);
+    an OSError is OutputError naming ``what``."""
+    name = os.fspath(path)
+    tmp = None
+    with output_errors(name, what):
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(name)}.",
+                                       dir=os.path.dirname(name) or ".")
+            with open(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+            os.replace(tmp, name)
+            tmp = None
+        finally:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
 
 
 def read_regular_file(path: str | os.PathLike[str], max_bytes: int, kind: str,

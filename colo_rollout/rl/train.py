@@ -39,7 +39,7 @@ from colo_rollout.rl.rollout import Carry, rollout  # noqa: E402
 from colo_rollout.rl.tasks import task_for  # noqa: E402
 from colo_rollout.rl.trainer import Trainer  # noqa: E402
 from colo_rollout.rl.weight_sync import WeightSync  # noqa: E402
-from colo_rollout.config.files import strict_json
+from colo_rollout.config.files import output_errors, strict_json
 
 
 def run_train(rank: int, world: int, config_path: str, overrides: dict | None = None,
@@ -60,8 +60,10 @@ def run_train(rank: int, world: int, config_path: str, overrides: dict | None = 
     # (Trainer.token_logprobs divides by rl.temperature): the policy trained is pi_T
     params = SamplingParams(temperature=cfg.rl.temperature, max_tokens=cfg.rl.max_new_tokens,
                             ignore_eos=True, tempered_logprobs=True)
-    os.makedirs(cfg.rl.out_dir, exist_ok=True)
-    log = open(os.path.join(cfg.rl.out_dir, "metrics.jsonl"), "w") if rank == 0 else None
+    metrics = os.path.join(cfg.rl.out_dir, "metrics.jsonl")
+    with output_errors(metrics, "the metrics"):
+        os.makedirs(cfg.rl.out_dir, exist_ok=True)
+        log = open(metrics, "w") if rank == 0 else None
     tb = _tensorboard(cfg.rl.out_dir) if rank == 0 else None
     bar = None
     if rank == 0 and not quiet:
@@ -114,8 +116,9 @@ def run_train(rank: int, world: int, config_path: str, overrides: dict | None = 
                "sync_s": s.seconds, "sync_bytes": s.bytes_remote + s.bytes_local, **stats, **mem}
         history.append(row)
         if log is not None:
-            log.write(strict_json(row) + "\n")
-            log.flush()
+            with output_errors(metrics, "the metrics"):
+                log.write(strict_json(row) + "\n")
+                log.flush()
         if tb is not None:
             for k, v in row.items():
                 if k != "step":
@@ -133,7 +136,8 @@ def run_train(rank: int, world: int, config_path: str, overrides: dict | None = 
         log.close()
         if tb is not None:
             tb.close()
-        _plot(history, os.path.join(cfg.rl.out_dir, "reward.png"))
+        with output_errors(cfg.rl.out_dir, "the reward plot"):
+            _plot(history, os.path.join(cfg.rl.out_dir, "reward.png"))
     return {"history": history}
 
 

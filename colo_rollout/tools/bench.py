@@ -28,7 +28,7 @@ from colo_rollout.workloads.replay import replay
 from colo_rollout.door import bench_trace, bench_trace_offered, turn_cap  # noqa: F401
 from colo_rollout.quiet import quiet_known_warnings
 from colo_rollout.workloads.trace import Trace
-from colo_rollout.config.files import strict_json
+from colo_rollout.config.files import output_errors, strict_json, write_output
 
 METRICS = ("makespan_s", "requests_per_s", "request_p50_s", "request_p99_s",
            "trajectory_p50_s", "trajectory_p99_s", "ttft_p50_s", "ttft_p99_s", "mean_d_wait_ms",
@@ -90,8 +90,10 @@ def run_bench(rank: int, world: int, config_path: str, overrides: dict | None = 
         bar = tqdm(total=len(cells), unit="run", desc="bench", dynamic_ncols=True)
     partial = None
     if rank == 0:
-        os.makedirs(cfg.bench.out_dir, exist_ok=True)
-        partial = open(os.path.join(cfg.bench.out_dir, "runs_partial.jsonl"), "w")
+        partial_path = os.path.join(cfg.bench.out_dir, "runs_partial.jsonl")
+        with output_errors(partial_path, "the partial runs"):
+            os.makedirs(cfg.bench.out_dir, exist_ok=True)
+            partial = open(partial_path, "w")
     gpu = groups.device.type == "cuda"
     # One untimed replay first: the process's first P and D shapes pay one-off costs (kernel
     # selection, allocator growth, lazy library init) that would otherwise land in whichever
@@ -120,10 +122,11 @@ def run_bench(rank: int, world: int, config_path: str, overrides: dict | None = 
                                 for h in engine.history]
         runs.append(row)
         if partial is not None:  # survives a run that is cut short (device time limits)
-            partial.write(strict_json({k: v for k, v in row.items()
-                                       if k not in ("request_completion_s", "ttft_s",
-                                                    "steps")}) + "\n")
-            partial.flush()
+            with output_errors(partial_path, "the partial runs"):
+                partial.write(strict_json({k: v for k, v in row.items()
+                                           if k not in ("request_completion_s", "ttft_s",
+                                                        "steps")}) + "\n")
+                partial.flush()
         if timeline_cell:  # what the GPU ran where it was timed, else the host's enqueue
             spans = gpu_spans or engine.timeline
             t0 = min((s.start for s in spans), default=0.0)
@@ -228,15 +231,15 @@ def report(results: list[dict], cfg: Config, out_dir: str) -> dict:
         for v, st in steps.items():
             print(f"{v:>22s} {st['steps']:6d} {st['p_steps']:6d} {st['p_alone']:6d} "
                   f"{st['p_alone_ms']:9.1f} {st['p_with_d']:6d} {st['p_with_d_ms']:9.1f}")
-    with open(os.path.join(out_dir, "bench.json"), "w") as f:
-        f.write(strict_json({"summary": summary, "runs": runs, "trace": t,
-                             "layout": results[0]["layout"], "timeline_stats": tstats,
-                             "step_fields": STEP_FIELDS, "step_stats": steps,
-                             # every rank's: a stall on one rank is explained by what its
-                             # peers ran
-                             "timelines_by_rank": [r["timelines"] for r in results]},
-                            indent=1))
-    _plots(results, runs, cfg, out_dir)
+    report = {"summary": summary, "runs": runs, "trace": t,
+              "layout": results[0]["layout"], "timeline_stats": tstats,
+              "step_fields": STEP_FIELDS, "step_stats": steps,
+              # every rank's: a stall on one rank is explained by what its peers ran
+              "timelines_by_rank": [r["timelines"] for r in results]}
+    write_output(os.path.join(out_dir, "bench.json"), strict_json(report, indent=1),
+                 "the report")
+    with output_errors(out_dir, "the plots"):
+        _plots(results, runs, cfg, out_dir)
     return summary
 
 

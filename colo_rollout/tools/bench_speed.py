@@ -110,7 +110,7 @@ from colo_rollout.quiet import quiet_known_warnings
 from colo_rollout.sched.plan import DecodeRow, Phase, PrefillItem, ReplicaWork, StepPlan
 from colo_rollout.sched.planner import pick_bucket
 from colo_rollout.sched.request import Request, SamplingParams
-from colo_rollout.config.files import strict_json
+from colo_rollout.config.files import output_errors, strict_json, write_output
 from colo_rollout.tools.clock_watch import ClockWatch
 
 GREEDY = SamplingParams(max_tokens=1)
@@ -1058,14 +1058,15 @@ def report(res: dict, cfg: Config, source: str = "<config>") -> None:
     """The table on stdout, ``bench_speed.json`` and ``bench_speed_breakdown.png`` in
     bench_speed.out_dir."""
     b = cfg.bench_speed
-    os.makedirs(b.out_dir, exist_ok=True)
+    with output_errors(b.out_dir, "the report's folder"):
+        os.makedirs(b.out_dir, exist_ok=True)
     print(table(res, cfg, source))
     path = os.path.join(b.out_dir, "bench_speed.json")
-    with open(path, "w") as fh:
-        fh.write(strict_json({"config": source, **res}, indent=1))
+    write_output(path, strict_json({"config": source, **res}, indent=1), "the report")
     plot = os.path.join(b.out_dir, "bench_speed_breakdown.png")
     if res.get("breakdown"):
-        plot_breakdown(res["breakdown"], plot)
+        with output_errors(plot, "the breakdown plot"):
+            plot_breakdown(res["breakdown"], plot)
         print(f"JSON: {path}; breakdown plot: {plot}")
     else:
         print(f"JSON: {path}")
