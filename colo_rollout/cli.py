@@ -224,10 +224,9 @@ def _main(argv: list[str] | None = None) -> int:
             print(f"error: --set model.mtp_num_layers={overrides['model.mtp_num_layers']}: "
                   "bench-mtp measures the model with its one MTP layer (1)", file=sys.stderr)
             return 2
+        user_set = "model.mtp_num_layers" in overrides
         overrides["model.mtp_num_layers"] = 1
-        cfg = _config_at_the_door(args.config, overrides, args.cmd,
-                                  batches=tuple(args.batches), prompt_len=args.prompt_len,
-                                  new_tokens=args.new_tokens)
+        cfg = _door(_bench_mtp_config, args, overrides, user_set)
         from colo_rollout.door import OUTPUT_FILES, check_not_inputs, check_output, run_inputs
 
         _door(check_output, "--out", args.out, files=OUTPUT_FILES["bench-mtp --out"])
@@ -291,6 +290,25 @@ def _main(argv: list[str] | None = None) -> int:
           file=True)
     _launch("colo_rollout.tools.demo:run_demo", args.config, overrides, cfg=cfg, report=args.report)
     return 0
+
+
+def _bench_mtp_config(args, overrides: dict, user_set: bool):
+    """bench-mtp's config at the door: the command sets model.mtp_num_layers 1 itself, so a
+    checkpoint without an MTP layer is named as such (found by probing: the error named
+    model.mtp_num_layers, which the user never set, and said to drop it)."""
+    from colo_rollout import door
+    from colo_rollout.config import ConfigError
+
+    try:
+        return door.load("bench-mtp", args.config, overrides, batches=tuple(args.batches),
+                         prompt_len=args.prompt_len, new_tokens=args.new_tokens)
+    except ConfigError as err:
+        if err.key != "model.mtp_num_layers" or user_set or "contradicts" not in str(err):
+            raise
+        raise ConfigError(f"{args.config}: model.checkpoint: bench-mtp measures the model's MTP "
+                          "layer, and the checkpoint has none (its config.json gives no "
+                          "num_nextn_predict_layers / mtp layers)", key="model.checkpoint",
+                          source=args.config) from None
 
 
 def _stress(args) -> int:

@@ -313,3 +313,14 @@ def test_bench_never_writes_over_its_trace(tmp_path, capsys):
                        f"bench.out_dir={tmp_path}")
     assert line.startswith(f"error: {BENCH}: bench.out_dir: {tmp_path}: the run would "
                            f"overwrite bench.trace {trace} (its runs_partial.jsonl there)"), line
+
+
+def test_bench_mtp_names_a_checkpoint_without_an_mtp_layer(tmp_path, capsys):
+    """Found by probing: the error named model.mtp_num_layers -- which bench-mtp sets itself,
+    never the user -- and said to drop it."""
+    ckpt = _qwen3(tmp_path / "ckpt")
+    line = _door_error(capsys, "bench-mtp", CKPT_YAML, "--set", f"model.checkpoint={ckpt}",
+                       "--set", "parallel.world_size=1", "--out", str(tmp_path / "o"))
+    assert line == (f"error: {CKPT_YAML}: model.checkpoint: bench-mtp measures the model's MTP "
+                    "layer, and the checkpoint has none (its config.json gives no "
+                    "num_nextn_predict_layers / mtp layers)"), line
