@@ -168,8 +168,8 @@ def _main(argv: list[str] | None = None) -> int:
         overrides = _door(_overrides, args.set)
         cfg = _config_at_the_door(args.config, overrides, args.cmd)
         versus = [_door(versus_overrides, v) for v in args.versus]
-        for v in versus:  # each variant's config checked at the door too
-            _config_at_the_door(args.config, {**overrides, **v}, args.cmd)
+        for text, v in zip(args.versus, versus):  # each variant's config checked at the door
+            _door(_versus_config, args.config, overrides, v, text)
         res = _launch("colo_rollout.tools.bench_speed:run_bench_speed", args.config, overrides,
                       cfg=cfg, versus=versus)[0]
         from colo_rollout.tools.bench_speed import report
@@ -290,6 +290,18 @@ def _main(argv: list[str] | None = None) -> int:
           file=True)
     _launch("colo_rollout.tools.demo:run_demo", args.config, overrides, cfg=cfg, report=args.report)
     return 0
+
+
+def _versus_config(config: str, overrides: dict, variant: dict, text: str):
+    """A bench-speed --versus variant's config at the door, its errors naming the variant
+    (found by probing: a variant's refusal read as the file's own)."""
+    from colo_rollout import door
+    from colo_rollout.config import ConfigError
+
+    try:
+        return door.load("bench-speed", config, {**overrides, **variant})
+    except ConfigError as err:
+        raise ConfigError(f"--versus {text!r}: {err}", key=err.key, source=err.source) from None
 
 
 def _bench_mtp_config(args, overrides: dict, user_set: bool):

@@ -292,6 +292,7 @@ def test_door_checks_in_process(ckpt, tmp_path, capsys):
         ("--model", str(d), "--config", str(other_cfg), "hi"):
             f"{other_cfg}:1: model.checkpoint: '{small}' is not --model '{d}'",
         ("--model", str(d), "caf\udce9"): "prompt 0: not valid UTF-8 text",
+        ("--model", "", "hi"): "error: --model: no checkpoint folder named (the path is empty)",
         ("--model", str(d), "--config", str(fifo), "hi"):
             f"{fifo}: not a regular file (a directory, FIFO or device)",
         ("--model", str(d), "--config", str(deep), "hi"): "invalid YAML: nested more than",

@@ -652,8 +652,9 @@ def read_config_file(path: str | os.PathLike,
     try:
         raw = read_regular_file(source, MAX_CONFIG_BYTES, "config file",
                                 "a config is a YAML file")
-    except FileProblem as err:
-        raise ConfigError(f"{source}: {err}", source=source) from None
+    except FileProblem as err:  # (an empty path is named as the argument it is: found by
+        # probing, the line began "error: : ")
+        raise ConfigError(f"{source or 'CONFIG'}: {err}", source=source) from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:

@@ -266,6 +266,8 @@ def prepare(model_dir: str, config_path: str | None, overrides: Mapping[str, Any
     if other is not None and os.path.realpath(str(other)) != os.path.realpath(model_dir):
         raise GenerateError(f"--set model.checkpoint={other}: generate serves --model "
                             f"{model_dir}; give the checkpoint once")
+    if not model_dir.strip():  # (found by probing: the line began "error: : ")
+        raise GenerateError("--model: no checkpoint folder named (the path is empty)")
     if not Tokenizer.available(model_dir):
         raise GenerateError(f"{model_dir}: no tokenizer.json (generate needs the checkpoint's "
                             "tokenizer; rollout() itself is token-in/token-out)")
@@ -400,6 +402,8 @@ def main(args) -> int:
         print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)
         return 2
     try:
+        if not args.model.strip():  # (before its files are looked for: "" is the cwd)
+            raise GenerateError("--model: no checkpoint folder named (the path is empty)")
         defaults = read_generation_defaults(args.model)
         params = sampling_params(defaults, max_tokens=args.max_tokens,
                                  temperature=args.temperature, top_p=args.top_p,
