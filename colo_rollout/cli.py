@@ -315,7 +315,8 @@ def _bench_mtp_config(args, overrides: dict, user_set: bool):
         return door.load("bench-mtp", args.config, overrides, batches=tuple(args.batches),
                          prompt_len=args.prompt_len, new_tokens=args.new_tokens)
     except ConfigError as err:
-        if err.key != "model.mtp_num_layers" or user_set or "contradicts" not in str(err):
+        # (only the checkpoint without one: another count is the contradiction it says)
+        if err.key != "model.mtp_num_layers" or user_set or ", which has 0 (" not in str(err):
             raise
         raise ConfigError(f"{args.config}: model.checkpoint: bench-mtp measures the model's MTP "
                           "layer, and the checkpoint has none (its config.json gives no "
