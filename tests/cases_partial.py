@@ -4,6 +4,8 @@ new weight version; engine.pause() aborts what is in flight and refuses submits.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from colo_rollout.engine.engine import Engine
@@ -281,6 +283,12 @@ def api_misuse(rank: int, world: int) -> dict:
         engine.model.load_full_state_dict(sd)
     except ValueError as e:
         loads["meta"] = str(e)
+    sd = random_state_dict(cfg.model, seed=3)  # a sparse one, last in order (found by
+    sd["output_layer.weight"] = sd["output_layer.weight"].to_sparse()  # probing: half-loaded)
+    try:
+        engine.model.load_full_state_dict(sd)
+    except ValueError as e:
+        loads["sparse"] = str(e)
     if rank == 0:
         engine.submit(Request("busy", tuple(PROMPTS[1]), SamplingParams(max_tokens=3)))
     engine.step()  # in flight on every rank now
@@ -313,6 +321,52 @@ def api_misuse(rank: int, world: int) -> dict:
         res["crossed_weights"] = str(e)
     res["unchanged_after_crossed"] = all(torch.equal(a, b) for a, b in
                                          zip(before, engine.model.parameters()))
+    # found by probing (session 41): an interrupt in the second environment's reset() left
+    # the first's request in the engine, and the retry continued its session (other tokens)
+    import numpy as np
+
+    class Interrupting(CountingEnv):
+        def reset(self):
+            raise KeyboardInterrupt
+
+    class ArrayReset(CountingEnv):
+        def reset(self):
+            return np.array(super().reset())  # token ids as an array (a tensor, a numpy row)
+
+    class NoneAtEnd(CountingEnv):
+        def step(self, generated):
+            obs, reward, done = super().step(generated)
+            return (None if done else obs), reward, done
+
+    def envs(cls=CountingEnv, k=2):
+        return [cls(i, turns=2) for i in range(k)]
+
+    clean = [t.tokens for t in rollout(engine, envs=envs(), params=params)]
+    try:
+        rollout(engine, envs=[CountingEnv(0, turns=2), Interrupting(1)], params=params)
+    except KeyboardInterrupt:
+        res["interrupted"] = True
+    res["retry_same"] = [t.tokens for t in rollout(engine, envs=envs(), params=params)] == clean
+    res["array_reset"] = [(t.status, t.tokens) for t in
+                          rollout(engine, envs=envs(ArrayReset), params=params)] == \
+        [("completed", tk) for tk in clean]
+    res["none_at_end"] = sorted({t.status for t in rollout(engine, envs=envs(NoneAtEnd),
+                                                           params=params)})
+
+    class MetaReward:  # a number whose conversion raises something else than TypeError
+        def __float__(self):
+            raise RuntimeError("Tensor.item() cannot be called on meta tensors")
+
+    scored = rollout(engine, PROMPTS[:2], params=params,
+                     reward_fn=lambda p, c: MetaReward() if p == list(PROMPTS[0]) else 1.0)
+    res["meta_reward"] = [(t.status, t.error) for t in scored]
+    judged = rollout(engine, PROMPTS[:2], params=params, n=2,
+                     reward_fn=lambda p, c: engine.generate([]) and 1.0)
+    res["judge"] = sorted({(t.status, (t.error or "")[:60]) for t in judged})
+    try:
+        rollout(engine, PROMPTS[:1], params=dataclasses.replace(params, max_tokens=None))
+    except ValueError as e:
+        res["max_tokens_none"] = str(e)
     # requests close() leaves unserved end (found by probing: one in flight stayed unfinished
     # for good): in flight -> CANCELLED, a submit no step sent -> REJECTED, each naming it
     if rank == 0:
@@ -326,6 +380,10 @@ def api_misuse(rank: int, world: int) -> dict:
     res["at_close"] = {rid: (engine.output(rid).finish_reason.value, engine.output(rid).error,
                              len(engine.output(rid).tokens))
                        for rid in ("inflight", "unsent") if rid in engine.scheduler.by_id}
+    try:  # (found by probing: a closed engine was said to hold requests in flight)
+        rollout(engine, PROMPTS[:1], params=params)
+    except RuntimeError as e:
+        res["rollout_closed"] = str(e)
     closed = {}
     for name, call in (("submit", lambda: engine.submit(Request("late", (1, 2), params))),
                        ("step", engine.step)):

@@ -258,6 +258,9 @@ def test_memory_release_and_resume(worker_groups, mode):
         assert "while requests are in flight" in r["errors"]["busy"]
         assert "resume_memory() first" in r["errors"]["released_step"]
         assert "weights were discarded" in r["errors"]["discarded_step"]
+        assert r["errors"]["load_released"].endswith(  # ("rank 0: " on the other rank)
+            "the engine's memory is released (engine.release_memory); call "
+            "engine.resume_memory() first, then load the weights"), r["errors"]
 
 
 def test_decode_graph_key_is_the_same_on_every_rank(worker_groups):

@@ -97,6 +97,8 @@ def test_api_misuse_is_refused_or_served(worker_groups):
         "['embedding.word_embeddings.weight']\"")
     assert r1["loads"]["one_rank_bad"].startswith("\"load_full_state_dict: state dict is missing")
     assert "output_layer.weight: a tensor on the meta device" in r0["loads"]["meta"]
+    assert "output_layer.weight: a torch.sparse_coo tensor; weights are dense" in \
+        r0["loads"]["sparse"]
     assert "the engine has requests in flight" in r0["loads"]["busy"]
     assert r0["unchanged"] and r1["unchanged"]
     assert r0["crossed_calls"] == ("the ranks are in different collective calls (rank 0 in "
@@ -107,6 +109,19 @@ def test_api_misuse_is_refused_or_served(worker_groups):
         assert "(rank 0 in load_full_state_dict, rank 1 in weights_loaded())" in \
             r["crossed_weights"], r["crossed_weights"]
         assert r["unchanged_after_crossed"]
+    for r in (r0, r1):
+        assert r["interrupted"] and r["retry_same"] and r["array_reset"], r
+        assert r["none_at_end"] == ["completed"], r["none_at_end"]
+        assert r["meta_reward"] == [
+            ("failed", "reward could not be read as a number: MetaReward (RuntimeError("
+                       "'Tensor.item() cannot be called on meta tensors'))"),
+            ("completed", None)], r["meta_reward"]
+        assert [tuple(x) for x in r["judge"]] == [
+            ("failed", 'reward raised RuntimeError("generate() inside rollout() (fro')], \
+            r["judge"]
+        assert r["max_tokens_none"] == ("rollout(): params.max_tokens must be an int >= 1, "
+                                        "got None")
+        assert r["rollout_closed"].startswith("this engine is closed"), r["rollout_closed"]
     inflight = r0["at_close"].pop("inflight")  # some of its 6 tokens, not all
     assert inflight[:2] == ("cancelled", "the engine was closed with the request in flight")
     assert 0 < inflight[2] < 6, inflight

@@ -166,6 +166,11 @@ class Engine:
         self.groups = groups
         self._handed_over = False  # set by hand_over(): this engine must not step again
         self._closed = False  # set by close(): its graphs, buffers and control plane are gone
+        # the collective call that drives step() and keeps only its own outputs now
+        # (rl/rollout.py sets "rollout()"): a generate() inside it -- from a reward function
+        # or an environment -- is refused, as its steps would take the other's outputs (found
+        # by probing: rollout() reported them lost, "cancelled outside this call")
+        self.driving: str | None = None
         check_same_config(cfg, groups)  # before any collective the sections' values shape
         if worker is None:
             worker = Worker(cfg, groups, state_dict)
@@ -212,6 +217,9 @@ class Engine:
         # what a weight sync asks before it writes (rl/weight_sync.py): whether this engine
         # serves anything -- parameters change only on an idle engine
         self.model.serving = self.busy
+        # and whether its memory is released (its parameters' storage gone or on the host: a
+        # load then writes nowhere; found by probing, it was refused as the caller's shapes)
+        self.model.released = lambda: self.memory.released not in (None, "keep")
         # host agreement (control exchange, PreD/PostD): shared memory when every rank is on
         # this host (engine.rendezvous "auto"), else gloo; decided once, the same on all ranks
         agree = cfg.engine.rendezvous
@@ -749,6 +757,10 @@ class Engine:
         rejected: dict[str, RequestOutput] = {}
         done: dict[str, RequestOutput] = {}  # what finishes during this call, on every rank
         self._check_open()
+        if self.driving is not None:  # (every rank: the reward or environment runs on each)
+            raise RuntimeError(f"generate() inside {self.driving} (from a reward function or "
+                               f"an environment): its steps would take {self.driving}'s "
+                               "outputs; score or step with the engine after it returns")
         self.agree_ready("generate()", bad)  # before anything is submitted, on every rank
         if self.groups.rank == 0:
             for req in requests or []:
@@ -830,6 +842,7 @@ class Engine:
         as a RequestError. ``idle``: the call drives ``step()`` itself and keeps only its own
         outputs (rollout()), so no request may be in flight or unsent on any rank -- another
         caller's outputs would be taken and dropped (found by probing)."""
+        self._check_open()  # (found by probing: a closed engine was said to be busy)
         try:
             self.memory.check_ready()
             problem = None

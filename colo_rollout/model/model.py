@@ -750,10 +750,14 @@ class InferenceGPT(torch.nn.Module):
         beside its old ones)."""
         problem, writes = None, []
         serving = getattr(self, "serving", None)
+        released = getattr(self, "released", None)
         try:
             if serving is not None and serving():
                 raise RuntimeError("the engine has requests in flight; finish them or "
                                    "engine.pause() first (their tokens would mix two models)")
+            if released is not None and released():
+                raise RuntimeError("the engine's memory is released (engine.release_memory); "
+                                   "call engine.resume_memory() first, then load the weights")
             full = to_spec_names(full, self.use_te)
             writes = sharded_writes(self, full, self.groups.layout, self.groups.rank)
         except (TypeError, ValueError, KeyError, RuntimeError) as e:

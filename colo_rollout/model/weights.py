@@ -222,6 +222,9 @@ def sharded_writes(model: torch.nn.Module, full: dict[str, torch.Tensor], layout
             raise ValueError(f"{name}: expected a floating-point tensor, got {what}")
         if t.is_meta:  # (found by probing: the copy failed half-way through the writes)
             raise ValueError(f"{name}: a tensor on the meta device holds no values")
+        if t.layout != torch.strided:  # (found by probing: a sparse one, too -- the model
+            # served with 39 of 45 parameters new)
+            raise ValueError(f"{name}: a {t.layout} tensor; weights are dense (.to_dense())")
         m = _LOCAL_EXPERT.match(name)
         if m and int(m.group(2)) >= total:
             raise KeyError(f"state dict has {name!r}: expert {m.group(2)} of a model with "

@@ -217,9 +217,11 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
             stepped.add(t.group)
         try:
             obs, reward, done = env_of[sid].step(list(t.tokens[t.turn_start:]))
-            obs = list(token_ids(sid, obs))
             if type(done).__name__ not in ("bool", "bool_"):  # "False" would read as done
                 raise TypeError(f"done must be a bool, got {type(done).__name__} {done!r}")
+            # an ended episode's observation is never read: None is as good as [] (found by
+            # probing: it failed the finished episode as a bad prompt)
+            obs = [] if done and obs is None else list(token_ids(sid, obs))
         except Exception as e:  # noqa: BLE001 - an environment's failure is its own
             t.status, t.error = "failed", f"environment step raised {e!r}"
             _end(engine, live, sid, leader)
@@ -254,71 +256,81 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
         return False
 
     resumed: set[str] = set()
-    for i, t in enumerate(carried):  # resumed first: the oldest work
-        sid = f"{tag}-{weight_version}-c{i}"
-        trajs[sid] = t
-        resumed.add(sid)
-        multi = t.group in carry.envs
-        if multi:
-            env_of[sid] = carry.envs[t.group]
-        else:
-            prompt_of[sid] = carry.prompts[t.group]
-        if t.status == "paused" and multi and t.turns >= max_turns:
-            # its next turn is past this call's max_turns (found by probing: it ran one more)
-            t.status = "truncated"
-            continue
-        if t.status == "paused":  # all its tokens as one prompt: KV under these weights
-            # the rest of the interrupted turn's budget (single turn: the whole completion)
-            start = t.turn_start if multi else len(prompt_of[sid])
-            left = params.max_tokens - (len(t.tokens) - start)
-            if left < 1:
-                # paused just as its turn reached max_tokens: the turn is whole -- finished as
-                # a length-ended turn (a request for 0 more tokens would be refused)
-                t.status = "completed"
-                t.turns += 1  # (a paused one counts its interrupted turn as not done)
-                if multi:
-                    live[sid] = 1
-                    turn_done(sid, t)
-                else:
-                    completion = t.tokens[len(prompt_of[sid]):]
-                    _score(t, lambda: reward_fn(prompt_of[sid], completion)
-                           if reward_fn else 0.0)
-                    if len(t.tokens) >= cap:
-                        t.status = "truncated"
+
+    def start() -> None:
+        """The carried trajectories resubmitted, then the new prompts' or environments'
+        first turns (inside the call's cleanup: found by probing, an interrupt in an
+        environment's reset() left the earlier ones' requests in the engine, and a retry
+        continued their sessions)."""
+        for i, t in enumerate(carried):  # resumed first: the oldest work
+            sid = f"{tag}-{weight_version}-c{i}"
+            trajs[sid] = t
+            resumed.add(sid)
+            multi = t.group in carry.envs
+            if multi:
+                env_of[sid] = carry.envs[t.group]
+            else:
+                prompt_of[sid] = carry.prompts[t.group]
+            if t.status == "paused" and multi and t.turns >= max_turns:
+                # its next turn is past this call's max_turns (found by probing: it ran one
+                # more)
+                t.status = "truncated"
                 continue
-            budget[sid] = left
-            submit(sid, list(t.tokens), t.turns)  # (a paused one keeps its turn_start)
-            t.status = "completed" if t.status == "paused" else t.status
-            if sid in live and multi:
-                live[sid] = 1
-    base = 1 + max((t.group for t in carried), default=-1)
-    if checked is not None:
-        for g0, prompt in enumerate(checked):
-            g = base + g0
-            for k in range(n):
-                sid = f"{tag}-{weight_version}-{g}-{k}"
-                trajs[sid] = Trajectory(g, k, weight_version=weight_version)
-                if isinstance(prompt, str):  # not token ids: this group fails alone
-                    trajs[sid].status, trajs[sid].error = "failed", prompt
+            if t.status == "paused":  # all its tokens as one prompt: KV under these weights
+                # the rest of the interrupted turn's budget (single turn: the whole completion)
+                first = t.turn_start if multi else len(prompt_of[sid])
+                left = params.max_tokens - (len(t.tokens) - first)
+                if left < 1:
+                    # paused just as its turn reached max_tokens: the turn is whole -- finished
+                    # as a length-ended turn (a request for 0 more tokens would be refused)
+                    t.status = "completed"
+                    t.turns += 1  # (a paused one counts its interrupted turn as not done)
+                    if multi:
+                        live[sid] = 1
+                        turn_done(sid, t)
+                    else:
+                        completion = t.tokens[len(prompt_of[sid]):]
+                        _score(t, lambda: reward_fn(prompt_of[sid], completion)
+                               if reward_fn else 0.0)
+                        if len(t.tokens) >= cap:
+                            t.status = "truncated"
                     continue
-                trajs[sid]._append(list(prompt), None)
-                prompt_of[sid] = list(prompt)
-                submit(sid, list(prompt), 0)
-    else:
-        for g0, env in enumerate(envs):
-            g = base + g0
-            sid = f"{tag}-{weight_version}-{g}-0"
-            trajs[sid] = Trajectory(g, 0, weight_version=weight_version)
-            env_of[sid] = env
-            try:
-                obs = list(env.reset())
-            except Exception as e:  # noqa: BLE001 - an environment's failure is its own
-                trajs[sid].status, trajs[sid].error = "failed", f"reset raised {e!r}"
-                continue
-            trajs[sid]._append(obs, None)
-            submit(sid, obs, 0)
-            if sid in live:
-                live[sid] = 1
+                budget[sid] = left
+                submit(sid, list(t.tokens), t.turns)  # (a paused one keeps its turn_start)
+                t.status = "completed" if t.status == "paused" else t.status
+                if sid in live and multi:
+                    live[sid] = 1
+        base = 1 + max((t.group for t in carried), default=-1)
+        if checked is not None:
+            for g0, prompt in enumerate(checked):
+                g = base + g0
+                for k in range(n):
+                    sid = f"{tag}-{weight_version}-{g}-{k}"
+                    trajs[sid] = Trajectory(g, k, weight_version=weight_version)
+                    if isinstance(prompt, str):  # not token ids: this group fails alone
+                        trajs[sid].status, trajs[sid].error = "failed", prompt
+                        continue
+                    trajs[sid]._append(list(prompt), None)
+                    prompt_of[sid] = list(prompt)
+                    submit(sid, list(prompt), 0)
+        else:
+            for g0, env in enumerate(envs):
+                g = base + g0
+                sid = f"{tag}-{weight_version}-{g}-0"
+                trajs[sid] = Trajectory(g, 0, weight_version=weight_version)
+                env_of[sid] = env
+                try:  # token ids as a step's observations are read (found by probing: a
+                    # numpy or tensor observation was kept as such -- unhashable, or a tensor
+                    # hashed by identity that read as a divergence between ranks -- and a
+                    # dict as its keys)
+                    obs = list(token_ids(sid, env.reset()))
+                except Exception as e:  # noqa: BLE001 - an environment's failure is its own
+                    trajs[sid].status, trajs[sid].error = "failed", f"reset raised {e!r}"
+                    continue
+                trajs[sid]._append(obs, None)
+                submit(sid, obs, 0)
+                if sid in live:
+                    live[sid] = 1
 
     def pause_the_rest() -> bool:
         """With ``finish_groups`` groups done: cancel the rest where they are (to be
@@ -333,10 +345,12 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
                     pass
         return True
 
-    # what each rank decided for its trajectories goes with the next step's exchange, so an
-    # environment or reward that differs on one rank raises on every rank at that step
-    engine.expect_same(_AGREE, {sid: _digest(t, sid in live) for sid, t in trajs.items()})
+    engine.driving = "rollout()"
     try:
+        start()
+        # what each rank decided for its trajectories goes with the next step's exchange, so
+        # an environment or reward that differs on one rank raises on every rank at that step
+        engine.expect_same(_AGREE, {sid: _digest(t, sid in live) for sid, t in trajs.items()})
         while live:
             outs = engine.step()
             # right after a step the state is replicated: a live trajectory's request is in
@@ -411,6 +425,8 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
                              "must be deterministic and equal on every rank"
                              + _failed_here(t, engine.groups.rank)) from e
         raise
+    finally:
+        engine.driving = None
     # the same routing on every rank (a dispatch backend's is merged over the ranks here)
     got_all = engine.take_routings(list(trajs), [inputs.get(sid, len(t.tokens) - 1)
                                                  for sid, t in trajs.items()])
@@ -497,6 +513,11 @@ def _check_rollout_args(params, n, max_turns, max_total_tokens, finish_groups, c
     if not isinstance(params, SamplingParams):
         raise ValueError(f"rollout(): params must be SamplingParams, got "
                          f"{type(params).__name__}")
+    # (read before any request is made, which validates the rest: found by probing, None
+    # was a TypeError from the budget's min())
+    if not whole(params.max_tokens) or params.max_tokens < 1:
+        raise ValueError(f"rollout(): params.max_tokens must be an int >= 1, got "
+                         f"{params.max_tokens!r}")
     for name, value in (("n", n), ("max_turns", max_turns)):
         if not whole(value) or value < 1:
             raise ValueError(f"rollout(): {name} must be an int >= 1, got {value!r}")
@@ -613,6 +634,11 @@ def _score(t: Trajectory, fn: Callable[[], float], accumulate: bool = False) -> 
         return
     except (TypeError, ValueError):
         t.status, t.error = "failed", f"reward is not a number: {type(got).__name__} {got!r:.80}"
+        return
+    except Exception as e:  # noqa: BLE001 - a user's number that fails to convert (found by
+        # probing: a meta tensor's RuntimeError ended the whole call, the good ones with it)
+        t.status, t.error = "failed", (f"reward could not be read as a number: "
+                                       f"{type(got).__name__} ({e!r:.120})")
         return
     if not math.isfinite(r):
         t.status, t.error = "failed", f"reward is not finite ({r})"
