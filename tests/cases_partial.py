@@ -363,6 +363,9 @@ def api_misuse(rank: int, world: int) -> dict:
     judged = rollout(engine, PROMPTS[:2], params=params, n=2,
                      reward_fn=lambda p, c: engine.generate([]) and 1.0)
     res["judge"] = sorted({(t.status, (t.error or "")[:60]) for t in judged})
+    stepping = rollout(engine, PROMPTS[:2], params=params,
+                       reward_fn=lambda p, c: engine.step() and 1.0)
+    res["stepping"] = sorted({(t.status, (t.error or "")[:56]) for t in stepping})
     try:
         rollout(engine, PROMPTS[:1], params=dataclasses.replace(params, max_tokens=None))
     except ValueError as e:

@@ -119,6 +119,9 @@ def test_api_misuse_is_refused_or_served(worker_groups):
         assert [tuple(x) for x in r["judge"]] == [
             ("failed", 'reward raised RuntimeError("generate() inside rollout() (fro')], \
             r["judge"]
+        assert [tuple(x) for x in r["stepping"]] == [
+            ("failed", 'reward raised RuntimeError("step() inside rollout() (fro')], \
+            r["stepping"]
         assert r["max_tokens_none"] == ("rollout(): params.max_tokens must be an int >= 1, "
                                         "got None")
         assert r["rollout_closed"].startswith("this engine is closed"), r["rollout_closed"]

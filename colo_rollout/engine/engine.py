@@ -166,10 +166,9 @@ class Engine:
         self.groups = groups
         self._handed_over = False  # set by hand_over(): this engine must not step again
         self._closed = False  # set by close(): its graphs, buffers and control plane are gone
-        # the collective call that drives step() and keeps only its own outputs now
-        # (rl/rollout.py sets "rollout()"): a generate() inside it -- from a reward function
-        # or an environment -- is refused, as its steps would take the other's outputs (found
-        # by probing: rollout() reported them lost, "cancelled outside this call")
+        # the collective call whose caller's code runs now (rl/rollout.py sets "rollout()"
+        # around its reward function and environments): a step() or generate() from that
+        # code is refused, as its steps would take that call's outputs
         self.driving: str | None = None
         check_same_config(cfg, groups)  # before any collective the sections' values shape
         if worker is None:
@@ -430,6 +429,7 @@ class Engine:
         by every rank when the ranks' submissions met in this step (its ``refused`` and
         ``finished``: the step completed; keep stepping), and ReplicaDivergence on every rank
         when the ranks' ``expect_same`` digests for this step differ."""
+        self._check_not_driven("step()")
         watch = self._stall_watch
         if watch is not None:
             watch.arm(f"rank {self.groups.rank} step {self.scheduler.step_no}")
@@ -757,10 +757,7 @@ class Engine:
         rejected: dict[str, RequestOutput] = {}
         done: dict[str, RequestOutput] = {}  # what finishes during this call, on every rank
         self._check_open()
-        if self.driving is not None:  # (every rank: the reward or environment runs on each)
-            raise RuntimeError(f"generate() inside {self.driving} (from a reward function or "
-                               f"an environment): its steps would take {self.driving}'s "
-                               "outputs; score or step with the engine after it returns")
+        self._check_not_driven("generate()")
         self.agree_ready("generate()", bad)  # before anything is submitted, on every rank
         if self.groups.rank == 0:
             for req in requests or []:
@@ -1019,6 +1016,14 @@ class Engine:
                 error="the engine was closed before the request was sent", submit_time=now,
                 finish_time=now))
         self._outbox.submits.clear()
+
+    def _check_not_driven(self, what: str) -> None:
+        """``what`` from a reward function or an environment that ``driving``'s call runs
+        (on every rank alike: they run on each) is refused."""
+        if self.driving is not None:
+            raise RuntimeError(f"{what} inside {self.driving} (from a reward function or an "
+                               f"environment): its steps would take {self.driving}'s outputs; "
+                               "use the engine after it returns")
 
     def _check_open(self) -> None:
         if self._handed_over:  # (found by probing: a submit was taken, then never served)

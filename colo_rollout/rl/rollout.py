@@ -32,6 +32,7 @@ episode goes on from there. The next call passes ``envs=[]`` for no new environm
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -216,7 +217,8 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
         if sid in resumed:
             stepped.add(t.group)
         try:
-            obs, reward, done = env_of[sid].step(list(t.tokens[t.turn_start:]))
+            with _user_code(engine):
+                obs, reward, done = env_of[sid].step(list(t.tokens[t.turn_start:]))
             if type(done).__name__ not in ("bool", "bool_"):  # "False" would read as done
                 raise TypeError(f"done must be a bool, got {type(done).__name__} {done!r}")
             # an ended episode's observation is never read: None is as good as [] (found by
@@ -290,8 +292,9 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
                         turn_done(sid, t)
                     else:
                         completion = t.tokens[len(prompt_of[sid]):]
-                        _score(t, lambda: reward_fn(prompt_of[sid], completion)
-                               if reward_fn else 0.0)
+                        with _user_code(engine):
+                            _score(t, lambda: reward_fn(prompt_of[sid], completion)
+                                   if reward_fn else 0.0)
                         if len(t.tokens) >= cap:
                             t.status = "truncated"
                     continue
@@ -323,7 +326,9 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
                     # numpy or tensor observation was kept as such -- unhashable, or a tensor
                     # hashed by identity that read as a divergence between ranks -- and a
                     # dict as its keys)
-                    obs = list(token_ids(sid, env.reset()))
+                    with _user_code(engine):
+                        obs = env.reset()
+                    obs = list(token_ids(sid, obs))
                 except Exception as e:  # noqa: BLE001 - an environment's failure is its own
                     trajs[sid].status, trajs[sid].error = "failed", f"reset raised {e!r}"
                     continue
@@ -345,7 +350,6 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
                     pass
         return True
 
-    engine.driving = "rollout()"
     try:
         start()
         # what each rank decided for its trajectories goes with the next step's exchange, so
@@ -386,7 +390,9 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
                 g = live[sid]
                 if g < 0:  # single turn: score it on its whole completion (every segment)
                     completion = t.tokens[len(prompt_of[sid]):]
-                    _score(t, lambda: reward_fn(prompt_of[sid], completion) if reward_fn else 0.0)
+                    with _user_code(engine):
+                        _score(t, lambda: reward_fn(prompt_of[sid], completion)
+                               if reward_fn else 0.0)
                     if out.finish_reason is FinishReason.LENGTH and t.status == "completed" \
                             and len(t.tokens) >= cap:
                         t.status = "truncated"
@@ -425,8 +431,6 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
                              "must be deterministic and equal on every rank"
                              + _failed_here(t, engine.groups.rank)) from e
         raise
-    finally:
-        engine.driving = None
     # the same routing on every rank (a dispatch backend's is merged over the ranks here)
     got_all = engine.take_routings(list(trajs), [inputs.get(sid, len(t.tokens) - 1)
                                                  for sid, t in trajs.items()])
@@ -614,6 +618,19 @@ def _failed_here(t: Trajectory | None, rank: int) -> str:
     if t is None or t.status != "failed" or not t.error:
         return ""
     return f" (on rank {rank} it failed: {t.error})"
+
+
+@contextlib.contextmanager
+def _user_code(engine: Engine):
+    """The caller's reward function or environment runs: the engine refuses a step() or
+    generate() from inside it (``Engine.driving``) -- their steps would take this call's
+    outputs (found by probing: rollout() then reported them lost, "cancelled outside this
+    call")."""
+    engine.driving = "rollout()"
+    try:
+        yield
+    finally:
+        engine.driving = None
 
 
 def _score(t: Trajectory, fn: Callable[[], float], accumulate: bool = False) -> None:
