@@ -304,7 +304,7 @@ class Engine:
         """``step()`` for the collective calls that serve on past this rank's refused
         submissions (already in ``self.rejected``): (finished, this rank's refused)."""
         try:
-            return self.step(), []
+            return self._step_once(), []
         except SubmissionRefused as e:
             return e.finished, e.refused
 
@@ -430,6 +430,12 @@ class Engine:
         ``finished``: the step completed; keep stepping), and ReplicaDivergence on every rank
         when the ranks' ``expect_same`` digests for this step differ."""
         self._check_not_driven("step()")
+        return self._step_once()
+
+    def _step_once(self) -> list[RequestOutput]:
+        """``step()`` for the engine's own collective calls (generate(), pause()): a pause()
+        from a reward function is the weight update's (rollout() reports what it
+        cancelled), not a caller's loop taking rollout()'s outputs."""
         watch = self._stall_watch
         if watch is not None:
             watch.arm(f"rank {self.groups.rank} step {self.scheduler.step_no}")
