@@ -256,6 +256,18 @@ def api_misuse(rank: int, world: int) -> dict:
     except OnFinishError as e:
         res["on_finish_error"] = (str(e).split(":")[1].strip(), sorted(e.outputs))
     res["remembered_after_callback"] = sorted(engine.scheduler.by_id)
+    # an id the engine still holds (finished by step(), not forgotten): refused, and the
+    # refusal in the result (found by probing: the id was missing from it)
+    if rank == 0:
+        engine.submit(Request("held", tuple(PROMPTS[1]), SamplingParams(max_tokens=1)))
+    while True:
+        engine.step()
+        if not engine.busy():
+            break
+    outs = engine.generate([Request("held", tuple(PROMPTS[2]), params),
+                            Request("fresh", tuple(PROMPTS[2]), params)] if rank == 0 else [])
+    res["held"] = {k: (o.finish_reason.value, (o.error or "")[:60]) for k, o in outs.items()}
+    engine.forget(["held"])
     # rollout() beside a request it did not submit (it would take that output): refused on
     # every rank, the request untouched; served by generate(), then rollout() runs
     if rank == 0:

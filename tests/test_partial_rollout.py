@@ -110,6 +110,9 @@ def test_api_misuse_is_refused_or_served(worker_groups):
             r["crossed_weights"], r["crossed_weights"]
         assert r["unchanged_after_crossed"]
     for r in (r0, r1):
+        assert {k: v[0] for k, v in r["held"].items()} == {"held": "rejected",
+                                                           "fresh": "length"}, r["held"]
+        assert "held" in r["held"]["held"][1], r["held"]
         assert r["interrupted"] and r["retry_same"] and r["array_reset"], r
         assert r["none_at_end"] == ["completed"], r["none_at_end"]
         assert r["meta_reward"] == [

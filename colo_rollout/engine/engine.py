@@ -734,8 +734,9 @@ class Engine:
         """Collective: serve ``requests`` (submitted from rank 0; other ranks' argument is
         ignored) until all finish; every rank returns every output. Requests refused at submit
         come back with finish_reason REJECTED instead of raising, so the rest are served (a
-        refused duplicate id, and a request whose id is not a string, is listed in
-        ``self.rejected`` only: the id maps to the original, or cannot be a key). The same holds
+        duplicate of a request of this call or of one still in flight, and a request whose
+        id is not a string, is listed in ``self.rejected`` only: the id maps to the original,
+        or cannot be a key). The same holds
         for this rank's earlier ``submit()`` calls that the first step's exchange refuses (the
         SubmissionRefused that step() raises is taken here: listed in ``self.rejected``).
         Returns the outputs of every request that finished during the call -- these requests
@@ -776,9 +777,13 @@ class Engine:
                     rid = out.request_id
                     if isinstance(rid, str):
                         rid = out.request_id = plain_str(rid)
-                    # a refused duplicate must not shadow the accepted request's output
-                    if isinstance(rid, str) and rid not in self.scheduler.by_id \
-                            and rid not in ids:
+                    # a refused duplicate must not shadow the accepted request's output:
+                    # one of this call, or one in flight that finishes in it -- an earlier
+                    # request finished and not forgotten never comes back, so the refusal
+                    # does (found by probing: the id was missing from the result)
+                    held = self.scheduler.by_id.get(rid) if isinstance(rid, str) else None
+                    if isinstance(rid, str) and rid not in ids and (
+                            held is None or held.finished and rid not in self.scheduler.live):
                         rejected[rid] = out
         if self.groups.layout.world_size > 1:
             # every rank returns every output: rank 0's accepted ids and refusals go to the
