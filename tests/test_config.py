@@ -230,6 +230,23 @@ def test_lines_are_counted_as_editors_count_them(tmp_path):
     assert msg(b"engine:\n  <<: {max_batch_size: 0}\n").startswith(
         ":2: engine.max_batch_size: must be >= 1")  # (the merge's own line where it gives it)
     assert msg(b"!!bool maybe: 1\n") == ":1: maybe: 'maybe' cannot be read as !!bool"
+    # a key under an alias takes the line the anchored node writes it on
+    assert msg(b"bench:\n  wait_scales: &w [0.0, 0.5]\n  spans: *w\n") == (
+        ":2: bench.spans[0]: expected int, got float 0.0")
+
+
+def test_an_alias_bomb_is_read_in_bounded_time(tmp_path):
+    """Nested aliases multiply the paths under them: the lines they give are a courtesy,
+    walked for at most MAX_YAML_NODES paths."""
+    import time
+
+    rows = ["a0: &a0 [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]"]
+    rows += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]
+    path = write(tmp_path, "bench:\n  spans: [1]\nx:\n" + "".join(f"  {r}\n" for r in rows))
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match="x: unknown key"):
+        load_config(path)
+    assert time.monotonic() - t0 < 5
 
 
 def test_an_error_names_the_line_of_the_key_the_file_writes(tmp_path):

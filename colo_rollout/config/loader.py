@@ -381,6 +381,7 @@ class UniqueKeyLoader(yaml.SafeLoader):
         super().__init__(stream)
         self.lines = LineIndex(stream)
         self._nodes = 0  # nodes composed so far (this loader reads one document)
+        self._alias_paths = 0  # paths walked under aliases for their lines (bounded)
         self._depth = 0  # nesting of the node being composed
         # dotted key (as messages name it: ``_key_text``; list items ``key[i]``) -> the
         # 1-based line it is written on, for the schema's errors (``load_config``)
@@ -408,7 +409,8 @@ class UniqueKeyLoader(yaml.SafeLoader):
         return self.construct_document(node)
 
     def _check_unique(self, node: yaml.Node, path: str, seen: set[int]) -> None:
-        if id(node) in seen:  # an alias: its node was checked where it was anchored
+        if id(node) in seen:  # an alias: its node was checked where it was anchored; its
+            self._alias_lines(node, path)  # keys under this path take the anchor's lines
             return
         seen.add(id(node))
         if (isinstance(node, yaml.ScalarNode) and node.tag == "tag:yaml.org,2002:int"
@@ -467,6 +469,28 @@ class UniqueKeyLoader(yaml.SafeLoader):
 
     def _line(self, node: yaml.Node) -> int:
         return self.lines.line(node.start_mark.index)
+
+    def _alias_lines(self, node: yaml.Node, path: str) -> None:
+        """The lines of the keys under ``path`` that an alias gives (where the anchored node
+        writes them; found by probing: an error inside `spans: *w` named no line), at most
+        MAX_YAML_NODES of them over the document: nested aliases multiply the paths (an
+        alias bomb), and a line is a courtesy, not worth that walk."""
+        stack = [(node, path)]
+        while stack and self._alias_paths < MAX_YAML_NODES:
+            n, p = stack.pop()
+            self._alias_paths += 1
+            if isinstance(n, yaml.MappingNode):
+                for key_node, value_node in n.value:
+                    if isinstance(key_node, yaml.ScalarNode) and \
+                            key_node.tag != "tag:yaml.org,2002:merge":
+                        dotted = f"{p}.{_key_text(key_node.value)}" if p else \
+                            _key_text(key_node.value)
+                        self.key_lines.setdefault(dotted, self._line(key_node))
+                        stack.append((value_node, dotted))
+            elif isinstance(n, yaml.SequenceNode):
+                for i, item in enumerate(n.value):
+                    self.key_lines.setdefault(f"{p}[{i}]", self._line(item))
+                    stack.append((item, f"{p}[{i}]"))
 
     def _construct_scalar(self, node: yaml.ScalarNode, path: str) -> Any:
         """The Python value of scalar ``node`` (at dotted key ``path``), or _BadScalar naming
