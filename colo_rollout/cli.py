@@ -185,11 +185,10 @@ def _main(argv: list[str] | None = None) -> int:
             return 2
         overrides = _door(_overrides, args.set)
         cfg = _config_at_the_door(args.config, overrides, args.cmd)
-        from colo_rollout.door import OUTPUT_FILES, check_not_inputs, check_output, run_inputs
+        from colo_rollout.door import OUTPUT_FILES, check_output, run_inputs
 
-        _door(check_output, "--out", args.out, files=OUTPUT_FILES["bench-sync --out"])
-        _door(check_not_inputs, "--out", args.out, run_inputs(cfg, args.config, args.cmd),
-              files=OUTPUT_FILES["bench-sync --out"])
+        _door(check_output, "--out", args.out, files=OUTPUT_FILES["bench-sync --out"],
+              inputs=run_inputs(cfg, args.config, args.cmd))
         res = _launch("colo_rollout.tools.bench_sync:run_bench_sync", args.config, overrides,
                       cfg=cfg, iters=args.iters)[0]
         if int(os.environ.get("RANK", "0")) == 0:
@@ -227,11 +226,10 @@ def _main(argv: list[str] | None = None) -> int:
         user_set = "model.mtp_num_layers" in overrides
         overrides["model.mtp_num_layers"] = 1
         cfg = _door(_bench_mtp_config, args, overrides, user_set)
-        from colo_rollout.door import OUTPUT_FILES, check_not_inputs, check_output, run_inputs
+        from colo_rollout.door import OUTPUT_FILES, check_output, run_inputs
 
-        _door(check_output, "--out", args.out, files=OUTPUT_FILES["bench-mtp --out"])
-        _door(check_not_inputs, "--out", args.out, run_inputs(cfg, args.config, args.cmd),
-              files=OUTPUT_FILES["bench-mtp --out"])
+        _door(check_output, "--out", args.out, files=OUTPUT_FILES["bench-mtp --out"],
+              inputs=run_inputs(cfg, args.config, args.cmd))
         res = _launch("colo_rollout.tools.bench_mtp:run_bench_mtp", args.config, overrides,
                       cfg=cfg, batches=tuple(args.batches), prompt_len=args.prompt_len,
                       new_tokens=args.new_tokens, reps=args.reps,
@@ -283,11 +281,10 @@ def _main(argv: list[str] | None = None) -> int:
         return _stress(args)
     if args.cmd == "bench-rendezvous":
         return _bench_rendezvous(args)
-    from colo_rollout.door import check_not_inputs, check_output, run_inputs
+    from colo_rollout.door import check_output, run_inputs
 
-    _door(check_output, "--report", args.report, file=True)
-    _door(check_not_inputs, "--report", args.report, run_inputs(cfg, args.config, args.cmd),
-          file=True)
+    _door(check_output, "--report", args.report, file=True,
+          inputs=run_inputs(cfg, args.config, args.cmd))
     _launch("colo_rollout.tools.demo:run_demo", args.config, overrides, cfg=cfg, report=args.report)
     return 0
 

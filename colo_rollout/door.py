@@ -135,19 +135,22 @@ OUTPUT_FILES = {"bench.out_dir": ("bench.json", "runs_partial.jsonl", "ccdf_requ
 
 
 def check_output(key: str, path: str | os.PathLike | None, source: str | None = None,
-                 file: bool = False, files: tuple[str, ...] = ()) -> None:
+                 file: bool = False, files: tuple[str, ...] = (), inputs=()) -> None:
     """One output path (a config key, or a command's flag when ``source`` is None) that the
     run will write: refused now, naming the key, if it cannot be written. ``files``: the
-    names the run writes in the folder ``path`` -- any that exists must be a regular file."""
+    names the run writes in the folder ``path`` -- any that exists must be a regular file
+    (a folder, for a name ending in /). ``inputs``: what the run reads (``run_inputs``),
+    which the output must not overwrite (``_check_not_inputs``)."""
     why = None if path is None else (
         "an empty path" if not os.fspath(path).strip() else unwritable(path, file))
     if why is None and path is not None:
-        why = next((_not_writable_as(os.path.join(path, n.rstrip("/")), n) for n in files
-                    if _not_writable_as(os.path.join(path, n.rstrip("/")), n)), None)
+        why = next(filter(None, (_not_writable_as(os.path.join(path, n.rstrip("/")), n)
+                                 for n in files)), None)
     if why:
         at = f"{source}: " if source else ""
         raise ConfigError(f"{at}{key}: {path}: cannot write here ({why})", key=key,
                           source=source)
+    _check_not_inputs(key, path, inputs, source, file, files)
 
 
 def _not_writable_as(target: str, name: str) -> str | None:
@@ -176,8 +179,9 @@ def run_inputs(cfg: Config, source: str, command: str) -> list[tuple[str, str, b
     return out
 
 
-def check_not_inputs(key: str, path: str | os.PathLike | None, inputs, source: str | None = None,
-                     file: bool = False, files: tuple[str, ...] = ()) -> None:
+def _check_not_inputs(key: str, path: str | os.PathLike | None, inputs,
+                      source: str | None = None, file: bool = False,
+                      files: tuple[str, ...] = ()) -> None:
     """An output (a config key, or a flag where ``source`` is None: the file ``path``, or the
     folder ``path`` receiving ``files``) that would overwrite what the run reads (``inputs``,
     ``run_inputs``) is refused, naming it (found by probing: a report written over the
@@ -202,17 +206,16 @@ def check_not_inputs(key: str, path: str | os.PathLike | None, inputs, source: s
 
 def check_outputs(cfg: Config, source: str, command: str) -> None:
     """The output folders ``command`` writes, from its config (the flags' paths are checked by
-    the CLI through ``check_output`` and ``check_not_inputs``)."""
+    the CLI through ``check_output``)."""
     keys = {"train": ("rl.out_dir", "rl.export_dir"), "bench": ("bench.out_dir",),
             "bench-speed": ("bench_speed.out_dir",)}.get(command, ())
     inputs = run_inputs(cfg, source, command)
     for key in keys:
         section, name = key.split(".")
         check_output(key, getattr(getattr(cfg, section), name), source,
-                     files=OUTPUT_FILES.get(key, ()))
-        if key != "rl.export_dir":  # (its own check below says more)
-            check_not_inputs(key, getattr(getattr(cfg, section), name), inputs, source,
-                             files=OUTPUT_FILES.get(key, ()))
+                     files=OUTPUT_FILES.get(key, ()),
+                     # (rl.export_dir: its own check below says more)
+                     inputs=inputs if key != "rl.export_dir" else ())
     if command == "train" and cfg.rl.export_dir is not None:
         _check_export_dir(cfg, source)
 
@@ -533,6 +536,18 @@ def _refusal(cfg: Config, prompt: tuple[int, ...], params: SamplingParams) -> st
     return None
 
 
+def _refusal_of_length(cfg: Config, n: int, params: SamplingParams,
+                       token: int = 0) -> str | None:
+    """``_refusal`` of a prompt of ``n`` copies of ``token``, the engine's sequence cap
+    checked first, as the engine checks it, before the prompt is made (found by probing: a
+    length of 10^11 was a MemoryError at the door, 10^20 an OverflowError)."""
+    total = n + params.max_tokens
+    if total > cfg.engine.max_seq_len:
+        return (f"prompt ({n}) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                f"engine.max_seq_len {cfg.engine.max_seq_len}")
+    return _refusal(cfg, (token,) * n, params)
+
+
 def check_demo(cfg: Config, source: str) -> None:
     """The demo's synthetic requests (workload section) are all served: its longest request
     and its sampling parameters pass the engine's request rule, and every rank can hold them
@@ -558,22 +573,15 @@ def check_demo(cfg: Config, source: str) -> None:
         key = "workload." + (min(named, key=said.find) if named else "top_k")
         raise ConfigError(f"{source}: {key}: every request of the workload would be "
                           f"refused: {why}", key=key, source=source)
-    # the longest request, refused naming the longer of its two lengths -- checked against
-    # the engine's sequence cap first: the request itself is a tuple of prompt_len_max ints
-    # (found by probing: 10^11 was a MemoryError at the door, 10^20 an OverflowError)
-    longest = w.prompt_len_max + w.output_len_max
+    # the longest request, refused naming the longer of its two lengths (found by probing:
+    # an output_len_max of 10^11 was blamed on prompt_len_max)
     key = ("workload.output_len_max" if w.output_len_max > w.prompt_len_max
            else "workload.prompt_len_max")
     what = (f"the workload's longest request (prompt {w.prompt_len_max} + output_len_max "
             f"{w.output_len_max} tokens)")
-    if longest > cfg.engine.max_seq_len:  # (as the scheduler's refusal words it)
-        raise ConfigError(f"{source}: {key}: {what} would be refused: prompt "
-                          f"({w.prompt_len_max}) + max_tokens ({w.output_len_max}) = {longest} "
-                          f"exceeds engine.max_seq_len {cfg.engine.max_seq_len}", key=key,
-                          source=source)
     params = SamplingParams(temperature=w.temperature, top_k=w.top_k, top_p=w.top_p,
                             max_tokens=w.output_len_max, ignore_eos=True)
-    why = _refusal(cfg, (0,) * w.prompt_len_max, params)
+    why = _refusal_of_length(cfg, w.prompt_len_max, params)
     if why is not None:
         raise ConfigError(f"{source}: {key}: {what} would be refused: {why}", key=key,
                           source=source)
@@ -622,7 +630,7 @@ def check_train(cfg: Config, source: str) -> None:
                           f"than {budget[1]}", key="rl.prompts_per_step", source=source)
     params = SamplingParams(temperature=rl.temperature, max_tokens=min(rl.max_new_tokens, room),
                             ignore_eos=True)
-    why = _refusal(cfg, (1,) * longest, params)
+    why = _refusal_of_length(cfg, longest, params, token=1)
     if why is not None:
         raise ConfigError(f"{source}: {key}: the trainer's longest prompt ({longest} tokens, "
                           f"max_new_tokens {rl.max_new_tokens}) would be refused: {why}",
@@ -643,13 +651,8 @@ def check_bench_mtp(cfg: Config, source: str, *, batches: tuple[int, ...], promp
                           "the last layer's kind: layer 0 must be of that kind too",
                           key=key, source=source)
     e = cfg.engine
-    # the engine's sequence cap first: the request is a tuple of prompt_len ints (found by
-    # probing: 10^10 was a MemoryError at the door, 10^20 an OverflowError)
-    why = (f"prompt ({prompt_len}) + max_tokens ({new_tokens}) = {prompt_len + new_tokens} "
-           f"exceeds engine.max_seq_len {e.max_seq_len}"
-           if prompt_len + new_tokens > e.max_seq_len else
-           _refusal(cfg, (1,) * prompt_len, SamplingParams(max_tokens=new_tokens,
-                                                           ignore_eos=True)))
+    why = _refusal_of_length(cfg, prompt_len, SamplingParams(max_tokens=new_tokens,
+                                                             ignore_eos=True), token=1)
     if why is None and max(batches) > e.max_batch_size:
         why = f"--batches {max(batches)} exceeds engine.max_batch_size {e.max_batch_size}"
     if why is None:

@@ -44,13 +44,14 @@ def output_errors(path: str | os.PathLike[str], what: str):
 
 
 def write_output(path: str | os.PathLike[str], text: str, what: str) -> None:
-    """``text`` into the file ``path`` whole or not at all: written beside it and renamed
-    over it (a reader never sees half a report, and a failed write leaves the previous one);
-    an OSError is OutputError naming ``what``."""
+    """``text`` into the file ``path`` whole or not at all, its folder made if missing:
+    written beside it and renamed over it (a reader never sees half a report, and a failed
+    write leaves the previous one); an OSError is OutputError naming ``what``."""
     name = os.fspath(path)
     tmp = None
     with output_errors(name, what):
         try:
+            os.makedirs(os.path.dirname(os.path.abspath(name)), exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(name)}.",
                                        dir=os.path.dirname(name) or ".")
             with open(fd, "w", encoding="utf-8") as f:

@@ -34,7 +34,7 @@ import torch
 
 from colo_rollout.config import load_config
 from colo_rollout.runtime.parallel import init_parallel
-from colo_rollout.config.files import output_errors, strict_json, write_output
+from colo_rollout.config.files import strict_json, write_output
 
 
 def _requests(B: int, prompt_len: int, new: int, vocab: int, seed: int, tag: str):
@@ -196,7 +196,5 @@ def report(res: dict, out_dir: str) -> None:
               f"{d['accuracy_last']:.3f} (first / last tenth of the steps), on held-out "
               f"continuations {d['held_out_accuracy'] if d['held_out_accuracy'] is not None else float('nan'):.3f}")
     path = os.path.join(out_dir, "bench_mtp.json")
-    with output_errors(out_dir, "the report's folder"):
-        os.makedirs(out_dir, exist_ok=True)
     write_output(path, strict_json(res, indent=1), "the report")
     print(f"JSON: {path}")

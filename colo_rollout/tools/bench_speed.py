@@ -1058,8 +1058,6 @@ def report(res: dict, cfg: Config, source: str = "<config>") -> None:
     """The table on stdout, ``bench_speed.json`` and ``bench_speed_breakdown.png`` in
     bench_speed.out_dir."""
     b = cfg.bench_speed
-    with output_errors(b.out_dir, "the report's folder"):
-        os.makedirs(b.out_dir, exist_ok=True)
     print(table(res, cfg, source))
     path = os.path.join(b.out_dir, "bench_speed.json")
     write_output(path, strict_json({"config": source, **res}, indent=1), "the report")

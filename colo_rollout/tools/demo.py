@@ -11,7 +11,6 @@ finish.
 from __future__ import annotations
 
 import json
-import os
 import time
 
 import numpy as np
@@ -21,7 +20,7 @@ from colo_rollout.engine.engine import Engine
 from colo_rollout.runtime.parallel import init_parallel
 from colo_rollout.quiet import quiet_known_warnings
 from colo_rollout.workloads.workload import synthetic_requests
-from colo_rollout.config.files import output_errors, strict_json, write_output
+from colo_rollout.config.files import strict_json, write_output
 
 
 def run_demo(rank: int, world: int, config_path: str, overrides: dict | None = None,
@@ -73,8 +72,6 @@ def run_demo(rank: int, world: int, config_path: str, overrides: dict | None = N
     if rank == 0 and not quiet:
         print_report(rep)
     if rank == 0 and report:  # its folder made if missing (the door checked it can be)
-        with output_errors(report, "the report"):
-            os.makedirs(os.path.dirname(os.path.abspath(report)), exist_ok=True)
         write_output(report, strict_json(rep, indent=1), "the report")
     return rep
 
