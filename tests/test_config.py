@@ -635,6 +635,21 @@ def test_a_long_key_is_cut_short_in_the_error_line(tmp_path):
                                f"allowed keys at rl: {allowed}")
 
 
+def test_a_misspelt_key_names_the_keys_meant(tmp_path):
+    """An unknown key, in the file or in --set, names the allowed keys closest to it (a
+    truncated name, a typo); a key like none of them gets no hint."""
+    path = write(tmp_path, "engine:\n  max_batch_sise: 3\n")
+    assert_load_error(path, "engine.max_batch_sise: unknown key (did you mean max_batch_size?)")
+    path = write(tmp_path, "engine: {}\n")
+    assert_load_error(path, "engine.max_batch: unknown override key (did you mean "
+                      "max_batch_size?); allowed", overrides={"engine.max_batch": 2})
+    assert_load_error(path, "model.hiden_size: unknown override key (did you mean hidden_size",
+                      overrides={"model.hiden_size": 2})
+    err = assert_load_error(path, "engine.zzz: unknown override key; allowed",
+                            overrides={"engine.zzz": 2})
+    assert "did you mean" not in str(err)
+
+
 def test_set_values_parse_as_yaml():
     from colo_rollout.config.loader import parse_override
 

@@ -8,6 +8,7 @@ mapping is an error naming both lines (PyYAML would keep the last silently).
 import bisect
 import copy
 import dataclasses
+import difflib
 import os
 import re
 import typing
@@ -199,6 +200,18 @@ class Config:
 # --------------------------------------------------------------------------- #
 
 
+def _did_you_mean(key: Any, allowed: list[str]) -> str:
+    """A hint naming the allowed keys closest to a misspelt ``key`` (difflib's ratio >= 0.6,
+    or, for keys of 4+ characters, one that starts with it or it with one: ``max_batch`` for
+    ``max_batch_size``), else ""."""
+    if not isinstance(key, str) or not key:
+        return ""
+    near = ([a for a in allowed if a.startswith(key) or key.startswith(a)] if len(key) >= 4
+            else [])
+    near += [a for a in difflib.get_close_matches(key, allowed, n=3) if a not in near]
+    return f" (did you mean {' or '.join(near[:3])}?)" if near else ""
+
+
 def _build(cls: type, data: Any, prefix: str) -> Any:
     """Build dataclass ``cls`` from mapping ``data``, recursing into dataclass-typed fields.
 
@@ -221,8 +234,8 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
             read = (" (YAML reads an unquoted yes/no/on/off/true/false key as a boolean, null "
                     "or ~ as null: quote a key meant as text)"
                     if key is None or isinstance(key, bool) else "")
-            raise _error(dotted, f"unknown key{read}; allowed keys at {where}: "
-                                 f"{', '.join(allowed)}")
+            raise _error(dotted, f"unknown key{read}{_did_you_mean(key, allowed)}; allowed "
+                                 f"keys at {where}: {', '.join(allowed)}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             value = _build(tp, value, dotted)
@@ -576,9 +589,8 @@ def _apply_overrides(data: dict[str, Any], overrides: Mapping[str, Any]) -> None
             names = [f.name for f in dataclasses.fields(cls) if f.init]
             if part not in names:
                 where = ".".join(parts[:depth]) or "top level"
-                raise _error(
-                    dotted, f"unknown override key; allowed keys at {where}: {', '.join(names)}"
-                )
+                raise _error(dotted, f"unknown override key{_did_you_mean(part, names)}; "
+                                     f"allowed keys at {where}: {', '.join(names)}")
             if depth == len(parts) - 1:
                 sub_cls = typing.get_type_hints(cls)[part]
                 if dataclasses.is_dataclass(sub_cls) and value is None:
