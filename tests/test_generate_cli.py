@@ -277,10 +277,10 @@ def test_door_checks_in_process(ckpt, tmp_path, capsys):
                                        "vocab_size 100",
         ("--model", str(d), "--set", "engine", "hi"): "--set engine: expected KEY=VALUE",
         ("--model", str(d), "--set", "engine.nope=1", "hi"): "engine.nope: unknown override key",
-        ("--model", str(d), "--temperature", "-1", "hi"): "sampling parameters: temperature",
+        ("--model", str(d), "--temperature", "-1", "hi"): "error: --temperature: temperature must",
         # (found by probing: said to exceed a vocabulary of 9223372036854775807)
         ("--model", str(d), "--temperature", "1", "--top-k", "1" + "0" * 20, "hi"):
-            f"sampling parameters: top_k {10**20} exceeds the vocabulary size "
+            f"--top-k: top_k {10**20} exceeds the vocabulary size "
             f"{json.loads((d / 'config.json').read_text())['vocab_size']}\n",
         ("--model", str(d), "--config", str(yaml_cfg), "hi"): "over engine.max_seq_len 16",
         ("--model", str(d), "--max-tokens", "40000", "hi"): "max_position_embeddings 32768",
@@ -295,7 +295,7 @@ def test_door_checks_in_process(ckpt, tmp_path, capsys):
         ("--model", "", "hi"): "error: --model: no checkpoint folder named (the path is empty)",
         ("--model", str(d), "--config", str(fifo), "hi"):
             f"{fifo}: not a regular file (a directory, FIFO or device)",
-        ("--model", str(d), "--config", str(deep), "hi"): "invalid YAML: nested more than",
+        ("--model", str(d), "--config", str(deep), "hi"): "invalid YAML at column 40: nested more than",
         # the engine's checks name the user's source, not the launch's temporary file
         ("--model", str(d), "--set", "model.fp8=e4m3", "hi"):
             f"error: {d} (generate's default config): model.fp8: 'e4m3' needs a CUDA GPU",

@@ -80,7 +80,7 @@ def test_api_misuse_is_refused_or_served(worker_groups):
     assert e["take_routings"] == "take_routings: 2 keys and 1 input counts"
     assert e["engine_groups"] == "Engine(groups=...): expected a ParallelGroups, got NoneType"
     assert e["engine_sd"].startswith("Engine(state_dict=...): expected a mapping")
-    assert e["diverged"] == ("rollout(): rank 1's arguments differ from rank 0's (every rank "
+    assert e["diverged"] == ("rollout(): rank 1's n differs from rank 0's (every rank "
                              "calls rollout() with the same prompts and arguments)")
     assert e["diverged_prompts"].startswith("rollout(): rank 1's prompts differ")
     assert r0["generate"] == ["early", "g1"] and r0["seen"] == ["early", "g1"]

@@ -724,7 +724,7 @@ def read_config_file(path: str | os.PathLike,
 
 
 def _yaml_error_text(err: yaml.YAMLError, at: LineIndex) -> str:
-    """``:L: line L, column C: invalid YAML: <problem>`` (1-based, lines as editors count
+    """``:L: invalid YAML at column C: <problem>`` (1-based, lines as editors count
     them: ``at``, the document's LineIndex) for a PyYAML error, to follow the file's name;
     ``: invalid YAML: <problem>`` where it has no place."""
     index = None
@@ -743,7 +743,7 @@ def _yaml_error_text(err: yaml.YAMLError, at: LineIndex) -> str:
     if index is None:
         return f": invalid YAML: {problem}"
     line = at.line(index)
-    return f":{line}: line {line}, column {at.column(index)}: invalid YAML: {problem}"
+    return f":{line}: invalid YAML at column {at.column(index)}: {problem}"
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:

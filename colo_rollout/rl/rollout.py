@@ -132,9 +132,12 @@ def rollout(engine: Engine, prompts: list[list[int]] | None = None, *,
     _check_callables(reward_fn, envs, carry)
     # every prompt as ints, or why not (that group's trajectories fail; the rest are served)
     checked = None if prompts is None else [_prompt_ids(g, p) for g, p in enumerate(prompts)]
-    _check_same_call(engine, (checked, None if envs is None else len(envs), params.to_json(),
-                              n, max_turns, max_total_tokens, weight_version, tag,
-                              finish_groups, None if carry is None else len(carry.trajectories)))
+    _check_same_call(engine, {
+        "prompts": checked, "envs": None if envs is None else len(envs),
+        "params": params.to_json(), "n": n, "max_turns": max_turns,
+        "max_total_tokens": max_total_tokens, "weight_version": weight_version, "tag": tag,
+        "finish_groups": finish_groups,
+        "carry": None if carry is None else len(carry.trajectories)})
     # every rank resident, loaded, and paused alike (raises on every rank otherwise)
     if engine.agree_ready("rollout()", idle=True):
         raise RuntimeError("rollout() on a paused engine: call engine.resume() once the "
@@ -564,23 +567,24 @@ def _check_callables(reward_fn, envs, carry) -> None:
                              f"(rl.rollout.Environment), got {type(env).__name__}")
 
 
-def _check_same_call(engine: Engine, args: tuple) -> None:
-    """rollout() is collective and every rank plans from its own arguments: they must be
-    equal (only the leader submits, so another rank's ``n`` or prompts would go unnoticed and
-    its trajectories differ). One all-gather of a digest over the control group; a
-    difference raises ValueError on every rank."""
+def _check_same_call(engine: Engine, args: dict) -> None:
+    """rollout() is collective and every rank plans from its own arguments ``args`` (name ->
+    value; the prompts as token-id lists): they must be equal (only the leader submits, so
+    another rank's ``n`` or prompts would go unnoticed and its trajectories differ). One
+    all-gather of a digest per argument over the control group; a difference raises
+    ValueError on every rank, naming the first argument that differs."""
     if engine.groups.layout.world_size == 1:
         return
-    prompts, *rest = args
     # hash() of ints and tuples of them is the same in every process (no hash seed for them)
-    digest = [None if prompts is None else hash(tuple(map(tuple, prompts))),
-              json.dumps(rest, sort_keys=True, default=str)]
+    digest = {k: (None if v is None else hash(tuple(map(tuple, v)))) if k == "prompts"
+              else json.dumps(v, sort_keys=True, default=str) for k, v in args.items()}
     every = gather_call("rollout()", digest, engine.groups.control)
     bad = [r for r, d in enumerate(every) if d != every[0]]
     if bad:
-        what = "prompts" if every[bad[0]][0] != every[0][0] else "arguments"
-        raise ValueError(f"rollout(): rank {bad[0]}'s {what} differ from rank 0's (every rank "
-                         "calls rollout() with the same prompts and arguments)")
+        name = next(k for k in args if every[bad[0]].get(k) != every[0].get(k))
+        raise ValueError(f"rollout(): rank {bad[0]}'s {name} differ{'' if name == 'prompts' else 's'} "
+                         "from rank 0's (every rank calls rollout() with the same prompts and "
+                         "arguments)")
 
 
 def _check_same_result(engine: Engine, trajs: dict[str, Trajectory]) -> None:

@@ -185,7 +185,7 @@ def _default_config(model_dir: str, overrides: Mapping[str, Any], prompt_lens: l
     need = longest + max_tokens
     if need > model.max_position_embeddings:
         i = prompt_lens.index(longest)
-        raise GenerateError(f"prompt {i} is {longest} tokens; with "
+        raise GenerateError(f"prompt {i}: {longest} tokens; with "
                             f"{mt or f'max_tokens {max_tokens}'} that is {need}, over the "
                             f"model's max_position_embeddings {model.max_position_embeddings}")
     rows = min(len(prompt_lens), _MAX_ROWS)
@@ -200,15 +200,15 @@ def _check_fits(cfg, prompt_lens: list[int], max_tokens: int, mt: str = "") -> N
     e = cfg.engine
     for i, n in enumerate(prompt_lens):
         if n + max_tokens > e.max_seq_len:
-            raise GenerateError(f"prompt {i} is {n} tokens; with "
+            raise GenerateError(f"prompt {i}: {n} tokens; with "
                                 f"{mt or f'max_tokens {max_tokens}'} that is {n + max_tokens}, "
                                 f"over engine.max_seq_len {e.max_seq_len}")
         if n > e.max_prefill_tokens:
-            raise GenerateError(f"prompt {i} is {n} tokens, over engine.max_prefill_tokens "
+            raise GenerateError(f"prompt {i}: {n} tokens, over engine.max_prefill_tokens "
                                 f"{e.max_prefill_tokens}")
         blocks = -(-(n + max_tokens) // e.kv_block_size)
         if blocks > e.num_kv_blocks:
-            raise GenerateError(f"prompt {i} needs {blocks} KV blocks, a replica has "
+            raise GenerateError(f"prompt {i}: needs {blocks} KV blocks, a replica has "
                                 f"engine.num_kv_blocks {e.num_kv_blocks}")
 
 
@@ -226,9 +226,14 @@ def _check_params(params: SamplingParams, vocab: int | None,
         params.validate("generate", vocab)
     except RequestError as e:  # "request 'generate': what" -> "sampling parameters: what"
         what = str(e).split(': ', 1)[-1]
-        tail = next((f" (from {o}; --{k.replace('_', '-')} sets it)"
-                     for k, o in (origins or {}).items() if what.startswith(k)), "")
-        raise GenerateError(f"sampling parameters: {what}{tail}") from None
+        key = next((k for k in ("max_tokens", "temperature", "top_p", "top_k")
+                    if what.startswith(k)), None)
+        flag = None if key is None else f"--{key.replace('_', '-')}"
+        if key is not None and key in (origins or {}):  # the file chose it
+            raise GenerateError(f"sampling parameters: {what} (from {origins[key]}; {flag} "
+                                "sets it)") from None
+        # a flag's value: named as the flag (found by probing: "sampling parameters: ...")
+        raise GenerateError(f"{flag or 'sampling parameters'}: {what}") from None
 
 
 def _yaml_sections(config_path: str) -> dict[str, dict]:
