@@ -650,6 +650,22 @@ def test_a_misspelt_key_names_the_keys_meant(tmp_path):
     assert "did you mean" not in str(err)
 
 
+def test_the_config_reference_is_current():
+    """docs/config.md is generated from schema.py's comments: a key added, removed or
+    re-described there without regenerating it fails here."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    got = subprocess.run([sys.executable, str(root / "scripts" / "config_reference.py"),
+                          "--check"], capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0, got.stderr
+    text = (root / "docs" / "config.md").read_text(encoding="utf-8")
+    for key in ("parallel.world_size", "engine.max_seq_len", "rl.algorithm",
+                "bench_speed.peak_flops"):
+        assert f"| `{key}` |" in text
+
+
 def test_set_values_parse_as_yaml():
     from colo_rollout.config.loader import parse_override
 
