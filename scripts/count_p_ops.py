@@ -94,4 +94,7 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help") or sys.argv[1].startswith("-"):
+        print(__doc__.strip())  # (its usage: the arguments are read by hand below)
+        sys.exit(0 if len(sys.argv) > 1 and sys.argv[1] in ("-h", "--help") else 2)
     main(sys.argv[1])
