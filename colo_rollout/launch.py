@@ -180,8 +180,11 @@ def _launch(target: str, config: str, overrides: dict, gather: bool = False, cfg
 
     try:
         with WorkerGroup(cfg.parallel.world_size) as group:
+            # once a rank fails the others fail within their collectives' timeouts (and
+            # their bounded teardown): past that one is stuck, and the run is over
             return group.run("colo_rollout.quiet:run_quietly", timeout=SPAWNED_RUN_S,
-                             fn=target, config_path=config, overrides=overrides, **extra)
+                             grace=2 * cfg.parallel.timeout_s + 30, fn=target,
+                             config_path=config, overrides=overrides, **extra)
     except WorkerError as e:
         if e.user_line is None:
             raise

@@ -12,6 +12,8 @@ inherit either); GPU groups use plain spawn and never load this module.
 from __future__ import annotations
 
 import importlib
+import sys
+import traceback
 
 from colo_rollout.quiet import quiet_known_warnings
 
@@ -22,3 +24,20 @@ MODULES = ("torch.distributed", "colo_rollout.engine.engine", "colo_rollout.mode
 quiet_known_warnings()
 for _name in MODULES:
     importlib.import_module(_name)
+
+
+def _quiet_orphan_start(exc_type, exc, tb, _default=sys.excepthook):
+    """The forkserver's children report a failed start through ``sys.excepthook``. A start
+    that fails inside multiprocessing's own bootstrap, on the launcher's resources (a
+    semaphore or pipe the launcher removed as it exited: an interrupt while the ranks were
+    starting), is the launcher's exit, which reports itself: no traceback here (found by
+    probing: Ctrl-C 1-2 s into a run printed `error: interrupted` and then a child's
+    FileNotFoundError from SemLock._rebuild). Anything else: the default hook."""
+    frames = traceback.extract_tb(tb)
+    if (issubclass(exc_type, (OSError, EOFError)) and frames
+            and all("multiprocessing" in f.filename for f in frames)):
+        return
+    _default(exc_type, exc, tb)
+
+
+sys.excepthook = _quiet_orphan_start

@@ -70,3 +70,49 @@ def layouts_that_differ(rank: int, world: int, key: str) -> dict:
     again = init_parallel(ParallelConfig(world_size=world, adp=world, ep=world, backend="gloo",
                                          timeout_s=20.0))
     return {"error": error, "seconds": seconds, "again": group_ranks(again.ep)}
+
+
+def command_sections_that_differ(rank: int, world: int, key: str, value) -> dict:
+    """Rank 1 given another value of a command's own key (``key``: "rl.lr", "bench.reps"):
+    the command's check refuses on every rank naming it (found by probing: different rl.lr
+    trained diverged replicas to exit 0; a rank's bench.reps was reported as engine.mode)."""
+    from colo_rollout.config import ConfigError
+    from colo_rollout.config.loader import config_from_dict
+    from colo_rollout.engine.engine import SHARED_SECTIONS, check_same_config
+
+    data = {"parallel": {"world_size": world, "adp": world, "ep": world, "backend": "gloo",
+                         "timeout_s": 20.0}}
+    section, name = key.split(".")
+    if rank == 1:
+        data[section] = {name: value}
+    cfg = config_from_dict(data)
+    groups = init_parallel(cfg.parallel)
+    out = {}
+    for sections in (SHARED_SECTIONS, (*SHARED_SECTIONS, section)):
+        try:
+            check_same_config(cfg, groups, sections, section)
+            out[len(sections)] = None
+        except ConfigError as e:
+            out[len(sections)] = (str(e), e.key)
+    return out
+
+
+def sync_built_on_one_rank(rank: int, world: int) -> dict:
+    """Rank 0 builds WeightSync() as the README does (no timeout given), rank 1 never does:
+    rank 0's refusal comes within parallel.timeout_s (found by probing: after 300 s)."""
+    import time
+
+    from colo_rollout.rl.weight_sync import WeightSync
+    from colo_rollout.runtime.parallel import default_timeout_s
+
+    init_parallel(ParallelConfig(world_size=world, adp=world, ep=world, backend="gloo",
+                                 timeout_s=3.0))
+    out = {"timeout": default_timeout_s(), "error": None, "seconds": None}
+    if rank == 0:
+        start = time.monotonic()
+        try:
+            WeightSync()
+        except RuntimeError as e:
+            out["error"] = str(e)
+        out["seconds"] = time.monotonic() - start
+    return out

@@ -64,3 +64,26 @@ def test_ranks_exit_once_their_parent_is_killed(tmp_path):
     p.kill()  # no teardown at all
     p.wait(timeout=10)
     assert _session_gone(p.pid, 15), "ranks left behind"
+
+
+def test_a_rank_start_failing_on_the_launchers_gone_resources_prints_nothing(capsys):
+    """An interrupt while the ranks start: a forkserver child fails inside multiprocessing's
+    bootstrap on a semaphore the exiting launcher removed, and stays quiet (found by probing:
+    its FileNotFoundError traceback followed the launcher's `error: interrupted`); an error
+    with the package's own frames still prints."""
+    import multiprocessing.synchronize as mps
+    import sys
+
+    before = sys.excepthook
+    try:
+        from colo_rollout.preload import _quiet_orphan_start
+    finally:
+        sys.excepthook = before
+    try:
+        object.__new__(mps.SemLock).__setstate__((0, 1, 1, "/colo-no-such-semaphore"))
+    except OSError as e:
+        tb = e.__traceback__.tb_next  # (from multiprocessing's frames on, as in the child)
+        _quiet_orphan_start(type(e), e, tb)
+        assert capsys.readouterr().err == ""
+        _quiet_orphan_start(type(e), e, e.__traceback__)  # (this test's frame too)
+        assert "FileNotFoundError" in capsys.readouterr().err

@@ -93,6 +93,30 @@ def test_ranks_given_different_layouts_are_told_the_key(worker_groups, key, thei
         assert r["seconds"] < 5 and r["again"] == [0, 1], r
 
 
+@pytest.mark.parametrize("key, value, default", [("rl.lr", 0.5, 0.01),
+                                                 ("bench.reps", 2, 3),
+                                                 ("workload.num_requests", 3, 32)])
+def test_a_commands_own_section_is_the_same_on_every_rank(worker_groups, key, value, default):
+    for r in worker_groups(2).run("tests.cases_parallel:command_sections_that_differ",
+                                  timeout=120, key=key, value=value):
+        assert r[3] is None, r  # the engine's sections alone: equal
+        text, named = r[4]
+        assert named == key and text.startswith(
+            f"rank 1's config differs from rank 0's at {key}: {value} vs {default}"), r
+        assert text.endswith(f"(every rank runs from one config: model, engine, parallel, "
+                             f"{key.split('.')[0]})"), r
+
+
+def test_a_weight_sync_waits_for_its_peers_as_long_as_the_layout_says():
+    from colo_rollout.runtime.spawn import WorkerGroup
+
+    with WorkerGroup(2) as group:  # (its own: a half-built group is left behind)
+        r0, r1 = group.run("tests.cases_parallel:sync_built_on_one_rank", timeout=120)
+    assert r0["timeout"] == r1["timeout"] == 3.0, (r0, r1)
+    assert r0["seconds"] < 15, r0
+    assert "not every rank took part within 3 s" in r0["error"], r0
+
+
 def test_a_process_no_launcher_started_runs_one_rank_and_refuses_more(monkeypatch):
     """`python script.py` without torchrun (RANK unset): world_size 1 makes its own one-rank
     group and serves; world_size 2 is one error naming torchrun, before any group exists

@@ -90,25 +90,30 @@ REJECTED_KEPT = 4096  # Engine.rejected keeps the latest this many refusals
 CLOSED_ROUTES_KEPT = 65536
 
 
-def check_same_config(cfg: Config, groups: ParallelGroups) -> None:
+def check_same_config(cfg: Config, groups: ParallelGroups,
+                      sections: tuple[str, ...] = SHARED_SECTIONS, what: str = "Engine()",
+                      ) -> None:
     """Raise on every rank, naming the first differing key and a rank, unless every rank's
-    ``SHARED_SECTIONS`` are equal: ranks built from different configs would meet in
-    collectives of different sizes (gloo aborts one process, NCCL hangs) or plan apart. One
-    all-gather of a digest over the control group (bounded by its timeout); the keys are
-    compared only when the digests differ."""
+    ``sections`` are equal: ranks built from different configs would meet in collectives of
+    different sizes (gloo aborts one process, NCCL hangs) or plan apart -- the engine's
+    ``SHARED_SECTIONS``, and a command's own sections, which its ranks read alike (found by
+    probing: a train run whose ranks had different rl.lr trained diverged replicas to exit 0;
+    one rank's bench.reps was reported as an engine.mode difference). One all-gather of a
+    digest over the control group (bounded by its timeout), tagged ``what`` (the collective
+    call); the keys are compared only when the digests differ."""
     if groups.layout.world_size == 1:
         return
     import hashlib
 
-    flat = _flat({s: dataclasses.asdict(getattr(cfg, s)) for s in SHARED_SECTIONS})
+    flat = _flat({s: dataclasses.asdict(getattr(cfg, s)) for s in sections})
     digest = hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()
     # tagged: a rank in another collective call is named (found by fault injection: a peer
     # in generate() made this a TypeError)
-    digests = gather_call("Engine()", digest, groups.control)
+    digests = gather_call(what, digest, groups.control)
     if len(set(digests)) == 1:
         return
     mine = {k: repr(v) for k, v in flat.items()}
-    every = gather_call("Engine()", mine, groups.control)
+    every = gather_call(what, mine, groups.control)
     differs = first_difference(every)
     if differs is None:
         raise ConfigError("the ranks' configs differ (digests) though no key does", key=None)
@@ -120,8 +125,7 @@ def check_same_config(cfg: Config, groups: ParallelGroups) -> None:
     more = f"; also {', '.join(also[:4])}{' ...' if len(also) > 4 else ''}" if also else ""
     raise ConfigError(f"rank {rank}'s config differs from rank 0's at {key}: "
                       f"{every[rank].get(key)} vs {every[0].get(key)}{more} (every rank "
-                      f"builds its engine from one config: {', '.join(SHARED_SECTIONS)})",
-                      key=key)
+                      f"runs from one config: {', '.join(sections)})", key=key)
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:

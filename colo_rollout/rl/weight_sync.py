@@ -99,17 +99,30 @@ def new_gpu_copy_service(group=None) -> CopyService:
 
 
 # the sync's own gloo group's timeout where the caller names none (WeightSync(timeout_s=);
-# the train loop passes parallel.timeout_s): far below gloo's 30-minute default
+# the train loop passes parallel.timeout_s) and the default process group does not say its
+# own (init_parallel makes it parallel.timeout_s): far below gloo's 30-minute default
 DEFAULT_TIMEOUT_S = 300.0
+
+
+def _timeout_s(timeout_s: float | None) -> float:
+    """The sync group's timeout: the caller's, else the default process group's (found by
+    probing: WeightSync() as the README builds it waited 300 s for a peer that had failed
+    within parallel.timeout_s), else DEFAULT_TIMEOUT_S."""
+    if timeout_s is not None:
+        return timeout_s
+    from colo_rollout.runtime.parallel import default_timeout_s
+
+    return default_timeout_s() or DEFAULT_TIMEOUT_S
 
 
 class CpuCopyService(CopyService):
     """Batched send/recv of CPU tensors over a gloo group; same-rank pairs copy locally."""
 
-    def __init__(self, group=None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, group=None, timeout_s: float | None = None) -> None:
         import datetime
 
         super().__init__(group=group)
+        timeout_s = _timeout_s(timeout_s)
         # (a collective: a rank that never makes it times the others out within timeout_s)
         self.own_pg = group is None  # made here: close() destroys it
         try:
@@ -550,8 +563,10 @@ class WeightSync:
     The inference model must expose megatron's ``config`` and ``pg_collection`` (its groups
     decide which shard each rank holds); the plan is built on the first call and cached."""
 
-    def __init__(self, group=None, timeout_s: float = DEFAULT_TIMEOUT_S,
+    def __init__(self, group=None, timeout_s: float | None = None,
                  check_finite: bool = False) -> None:
+        # timeout_s: the sync's waits on its peers (CPU ranks' gloo group); None: the default
+        # process group's timeout (parallel.timeout_s under init_parallel)
         # check_finite: refuse a trainer whose weights hold NaN or inf (a pass over every
         # trainer byte: ~half the sync's own time, so off by default -- rl/trainer.py refuses
         # a non-finite step before its optimizer writes, which is where they come from)

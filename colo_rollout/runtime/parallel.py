@@ -326,6 +326,26 @@ def _destroy_groups(groups: list[dist.ProcessGroup]) -> None:
             pass
 
 
+def default_timeout_s() -> float | None:
+    """The timeout the default process group was made with -- ``parallel.timeout_s`` where
+    ``init_parallel`` made or re-timed it -- or None: no default group, or a torch that does
+    not say (its backend's options are not public API: read defensively)."""
+    if not dist.is_initialized():
+        return None
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+        for dev in ("cpu", "cuda"):
+            try:
+                t = pg._get_backend(torch.device(dev)).options._timeout
+            except (RuntimeError, AttributeError, ValueError):
+                continue
+            if isinstance(t, datetime.timedelta) and t.total_seconds() > 0:
+                return t.total_seconds()
+    except Exception:  # noqa: BLE001 - a private API moved: no answer, not a failure
+        return None
+    return None
+
+
 def group_ranks(group: dist.ProcessGroup) -> list[int]:
     return sorted(dist.get_process_group_ranks(group))
 

@@ -51,6 +51,11 @@ class WorkerTimeout(TimeoutError):
     """A call did not finish in time; the group has been torn down."""
 
 
+# what a rank's error says when it only saw a peer fail (its last line): the timeouts of
+# gloo, the control exchange and the rendezvous, a peer's closed connection or broken group
+PEER_FAILURE_MARKS = ("Timed out", "never arrived", "a peer exited", "did not complete within",
+                      "Connection closed by peer", "Connection reset by peer", "is broken")
+
 # NVLink multicast stays off on shared GPU hosts (it can take the host's GPUs out of service).
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                  "NVSHMEM_DISABLE_NVLS": "1"}
@@ -143,14 +148,20 @@ class WorkerGroup:
             p.start()
         self.alive = True
 
-    def run(self, target: str, timeout: float = 300.0, **kwargs: Any) -> list[Any]:
-        """Run ``target(rank=, world=, **kwargs)`` on every rank; results in rank order."""
+    def run(self, target: str, timeout: float = 300.0, grace: float | None = None,
+            **kwargs: Any) -> list[Any]:
+        """Run ``target(rank=, world=, **kwargs)`` on every rank; results in rank order.
+        ``grace``: once a rank has raised, how long the others may still take (they are
+        expected to fail or finish within their collectives' timeout) before the group is torn
+        down and the first rank's error raised (found by fault injection: a rank stuck in a
+        user's reward function held a failed run for the whole ``timeout``, silent); None:
+        ``timeout`` alone bounds the call."""
         if not self.alive:
             raise WorkerError("worker group is closed")
         for q in self._tasks:
             q.put((target, kwargs))
         out: dict[int, Any] = {}
-        errors: dict[int, str] = {}
+        errors: dict[int, str] = {}  # (in the order they arrived)
         deadline = time.monotonic() + timeout
         while len(out) + len(errors) < self.world:
             left = deadline - time.monotonic()
@@ -159,6 +170,12 @@ class WorkerGroup:
             except queue.Empty:
                 dead = {r: p.exitcode for r, p in enumerate(self._procs)
                         if not p.is_alive() and r not in out and r not in errors}
+                if errors and grace is not None and left <= 0 and not dead:
+                    # the grace after a failure ran out
+                    self.close(force=True)
+                    late = sorted(set(range(self.world)) - set(out) - set(errors))
+                    raise self._failure(target, errors, f"; rank(s) {late} still running "
+                                        f"{grace:g} s after it, group torn down")
                 if dead or left <= 0:
                     # a dead rank never answers and its peers may be stuck in a collective
                     # with it: fail now, with whatever the other ranks reported
@@ -172,13 +189,27 @@ class WorkerGroup:
                     raise WorkerTimeout(f"{target}: {why}; group torn down{detail}") from None
                 continue
             (out if ok else errors)[rank] = value
+            if not ok and grace is not None:
+                deadline = min(deadline, time.monotonic() + grace)
         if errors:
-            # the rank that failed first is usually the one whose error is not a peer timeout
-            first = min(errors, key=lambda r: ("Timed out" in errors[r][0], r))
-            tb, line = errors[first]
-            raise WorkerError(f"{target} failed on ranks {sorted(errors)}; rank {first}:\n{tb}",
-                              line)
+            raise self._failure(target, errors)
         return [out[r] for r in range(self.world)]
+
+    @staticmethod
+    def _failure(target: str, errors: dict, more: str = "") -> WorkerError:
+        """The call's WorkerError, reporting the rank whose error caused the others: the
+        first to arrive whose message is not a peer's absence (a collective or control
+        exchange timing out, a peer gone) -- found by fault injection: rank 0's "ranks [1]
+        never arrived" was reported and rank 1's own exception nowhere."""
+        def consequence(r: int) -> bool:
+            last = errors[r][0].strip().splitlines()[-1:] or [""]
+            return any(m in last[0] for m in PEER_FAILURE_MARKS)
+
+        arrival = list(errors)
+        first = min(errors, key=lambda r: (consequence(r), arrival.index(r)))
+        tb, line = errors[first]
+        return WorkerError(f"{target} failed on ranks {sorted(errors)}{more}; rank {first}:"
+                           f"\n{tb}", line)
 
     def close(self, force: bool = False) -> None:
         if not self.alive:
