@@ -582,9 +582,9 @@ def _check_same_call(engine: Engine, args: dict) -> None:
     bad = [r for r, d in enumerate(every) if d != every[0]]
     if bad:
         name = next(k for k in args if every[bad[0]].get(k) != every[0].get(k))
-        raise ValueError(f"rollout(): rank {bad[0]}'s {name} differ{'' if name == 'prompts' else 's'} "
-                         "from rank 0's (every rank calls rollout() with the same prompts and "
-                         "arguments)")
+        verb = "differ" if name == "prompts" else "differs"
+        raise ValueError(f"rollout(): rank {bad[0]}'s {name} {verb} from rank 0's (every rank "
+                         "calls rollout() with the same prompts and arguments)")
 
 
 def _check_same_result(engine: Engine, trajs: dict[str, Trajectory]) -> None:
