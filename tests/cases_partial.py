@@ -321,6 +321,15 @@ def api_misuse(rank: int, world: int) -> dict:
     except RuntimeError as e:
         res["crossed_calls"] = str(e).split(": ", 1)[1]
     res["after_crossed"] = [t.status for t in rollout(engine, PROMPTS[:1], params=params)]
+    try:  # (found by probing: pause() against generate() read as a peer dead or diverged)
+        if rank == 0:
+            engine.pause()
+        else:
+            engine.generate([])
+    except RuntimeError as e:
+        res["crossed_pause"] = str(e).split(": ", 1)[1]
+    engine.resume()
+    res["after_pause"] = [t.status for t in rollout(engine, PROMPTS[:1], params=params)]
     # a weight load on one rank, weights_loaded() on the other: both refused, the weights
     # unchanged on both (they had agreed, and rank 0 loaded alone)
     before = [p.detach().clone() for p in engine.model.parameters()]

@@ -105,6 +105,11 @@ def test_api_misuse_is_refused_or_served(worker_groups):
                                    "generate(), rank 1 in rollout()): every rank calls the "
                                    "same collective operations in the same order")
     assert r0["after_crossed"] == ["completed"]
+    for r in (r0, r1):
+        assert r["crossed_pause"] == ("the ranks are in different collective calls (rank 0 in "
+                                      "pause(), rank 1 in generate()): every rank calls the "
+                                      "same collective operations in the same order"), r
+        assert r["after_pause"] == ["completed"], r
     for r in (r0, r1):  # (found by fault injection: both calls agreed)
         assert "(rank 0 in load_full_state_dict, rank 1 in weights_loaded())" in \
             r["crossed_weights"], r["crossed_weights"]

@@ -333,6 +333,10 @@ class Engine:
         them as prompts under the new weights: rl/rollout.py), and any that ended on their
         own in its steps -- none is lost to a ``step()`` loop around it."""
         self._check_open()
+        if self.groups.layout.world_size > 1:
+            # tagged first: a rank in another collective call (generate(), a step() loop) is
+            # named on every rank (found by probing: it read as a peer dead or diverged)
+            gather_call("pause()", None, self.groups.control)
         if self.groups.rank == 0:
             for rid in list(self.scheduler.live):
                 self.cancel(rid)
