@@ -768,15 +768,19 @@ def memory_release_resume(rank: int, world: int, adp: int, ep: int,
         engine.step()
     except RuntimeError as e:
         errors["discarded_step"] = str(e)
+    # an idle pause() before the weights are back: nothing to cancel or serve, no step
+    # (found by probing: it stepped into the discarded weights' refusal)
+    paused_outputs = engine.pause()
     engine.model.load_full_state_dict(sd)  # what the weight-sync hook does, in place
     engine.weights_loaded()
+    engine.resume()
     reloaded = run("c")
     engine.check_integrity()
     return {"offload_equal": offload == base, "reload_equal": reloaded == base,
             "evicted": engine.memory.evicted, "errors": errors,
             "bytes": [before.allocated, rel.allocated, res.allocated],
             "shm_before": shm_before, "shm_after": engine.control.mailbox is not None,
-            "gloo_fallbacks": engine.control.fallbacks}
+            "gloo_fallbacks": engine.control.fallbacks, "paused_outputs": paused_outputs}
 
 
 def graph_key_agrees(rank: int, world: int, adp: int, ep: int) -> dict:

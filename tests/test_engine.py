@@ -258,6 +258,7 @@ def test_memory_release_and_resume(worker_groups, mode):
         assert "while requests are in flight" in r["errors"]["busy"]
         assert "resume_memory() first" in r["errors"]["released_step"]
         assert "weights were discarded" in r["errors"]["discarded_step"]
+        assert r["paused_outputs"] == {}
         assert r["errors"]["load_released"].endswith(  # ("rank 0: " on the other rank)
             "the engine's memory is released (engine.release_memory); call "
             "engine.resume_memory() first, then load the weights"), r["errors"]
@@ -328,7 +329,7 @@ def test_ranks_built_from_different_configs_refuse_on_every_rank(worker_groups):
     for r in res:
         assert r["key"] == "engine.num_kv_blocks", r
         assert r["error"].startswith("rank 1's config differs from rank 0's at "
-                                     "engine.num_kv_blocks: 48 vs 64 (every rank builds"), r
+                                     "engine.num_kv_blocks: 48 vs 64 (every rank runs from one config"), r
         assert r["hidden"].startswith("rank 1's config differs from rank 0's at "
                                       "model.head_dim: 8 vs 16; also model.hidden_size"), r
 

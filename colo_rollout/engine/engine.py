@@ -333,10 +333,18 @@ class Engine:
         them as prompts under the new weights: rl/rollout.py), and any that ended on their
         own in its steps -- none is lost to a ``step()`` loop around it."""
         self._check_open()
+        out = self._outbox
+        idle = not (self.busy() or self._pending_ids or out.submits or out.cancels or out.closes
+                    or out.sampled or out.agree)
         if self.groups.layout.world_size > 1:
             # tagged first: a rank in another collective call (generate(), a step() loop) is
             # named on every rank (found by probing: it read as a peer dead or diverged)
-            gather_call("pause()", None, self.groups.control)
+            idle = all(gather_call("pause()", idle, self.groups.control))
+        if idle:  # nothing anywhere to cancel or serve: no step (found by probing: an idle
+            # pause() between resume_memory() and weights_loaded() stepped into the
+            # discarded weights' refusal)
+            self.paused = True
+            return {}
         if self.groups.rank == 0:
             for rid in list(self.scheduler.live):
                 self.cancel(rid)
