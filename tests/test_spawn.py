@@ -18,7 +18,7 @@ def test_a_rank_stuck_after_a_peer_failed_ends_the_call_within_the_grace():
         with pytest.raises(WorkerError) as info:
             group.run("tests.cases_spawn:one_rank_stuck", timeout=120, grace=2.0)
         took = time.monotonic() - start
-        assert took < 20, took
+        assert took < 45, took  # (rank 0 sleeps 60 s: without the grace the call waits for it)
         text = str(info.value)
         assert "ZeroDivisionError: rank 1's own failure" in text, text
         assert "rank(s) [0] still running 2 s after it, group torn down; rank 1:" in text, text
