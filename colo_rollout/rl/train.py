@@ -29,7 +29,7 @@ if __name__ in ("__main__", "__mp_main__"):
 import torch  # noqa: E402
 
 from colo_rollout.config import Config, load_config  # noqa: E402
-from colo_rollout.engine.engine import SHARED_SECTIONS, Engine, check_same_config  # noqa: E402
+from colo_rollout.engine.engine import Engine, check_same_config  # noqa: E402
 from colo_rollout.worker.memory import MemoryReport  # noqa: E402
 from colo_rollout.model.weights import random_state_dict  # noqa: E402
 from colo_rollout.runtime.parallel import init_parallel  # noqa: E402
@@ -47,7 +47,8 @@ def run_train(rank: int, world: int, config_path: str, overrides: dict | None = 
     quiet_known_warnings()
     cfg = load_config(config_path, overrides)
     groups = init_parallel(cfg.parallel)
-    check_same_config(cfg, groups, (*SHARED_SECTIONS, "rl"), "train")
+    # the command's own section (Engine() checks the model, engine and parallel ones)
+    check_same_config(cfg, groups, ("rl",), "train")
     # model.checkpoint: the engine and the trainer each read their own slices of it;
     # otherwise both start from the same random full state dict
     sd = None if cfg.model.checkpoint is not None else random_state_dict(cfg.model)

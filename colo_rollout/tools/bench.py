@@ -20,7 +20,7 @@ import os
 import statistics
 
 from colo_rollout.config import Config, load_config
-from colo_rollout.engine.engine import SHARED_SECTIONS, Engine, check_same_config
+from colo_rollout.engine.engine import Engine, check_same_config
 from colo_rollout.model.weights import random_state_dict
 from colo_rollout.runtime.parallel import init_parallel
 from colo_rollout.workloads.replay import replay
@@ -66,7 +66,8 @@ def run_bench(rank: int, world: int, config_path: str, overrides: dict | None = 
     quiet_known_warnings()
     cfg = load_config(config_path, overrides)
     groups = init_parallel(cfg.parallel)
-    check_same_config(cfg, groups, (*SHARED_SECTIONS, "workload", "bench"), "bench")
+    # the command's own sections (each Engine() checks the model, engine and parallel ones)
+    check_same_config(cfg, groups, ("workload", "bench"), "bench")
     offered, trace = bench_trace_offered(cfg, os.fspath(config_path))
     # turns past what the engine holds are dropped with the rest of their conversation (door.
     # bench_trace): said once, not found by counting the report's requests
