@@ -35,7 +35,6 @@ from colo_rollout.model.dense_prefill import (
 from colo_rollout.model.batch_invariant import SPLIT_TOKENS, invariant_linear
 from colo_rollout.model.fp8_linear import fp8_linear
 from colo_rollout.model.kernel_backend import as_dtype
-from colo_rollout.model import qkv_rope
 from colo_rollout.model.paged_attention import decode_attention
 from colo_rollout.model.rope_kv import QKRMSNorm, rope_and_store, rotate
 from colo_rollout.model.paged_prefill import (
@@ -310,12 +309,6 @@ class PagedSelfAttention(torch.nn.Module):
         # engine.batch_invariant: D's projections through the batch-invariant GEMM
         # (model/batch_invariant.py; set at model build, which refuses FP8 and TE beside it)
         invariant = not meta.is_prefill and getattr(self, "batch_invariant", False)
-        fused = (self._fused_prefill_qkv(x, rope, meta, kv, layer)
-                 if meta.is_prefill and fp8 is None else None)
-        if fused is not None:
-            q, kv_out = fused
-            out = self._prefill(q, kv_out, kv, layer, meta)
-            return F.linear(out.reshape(T, self.heads * self.head_dim), self.linear_proj.weight)
         if invariant:
             qkv = invariant_linear(x, self.linear_qkv.weight, self.linear_qkv.bias)
         elif fp8 is not None:
@@ -339,7 +332,11 @@ class PagedSelfAttention(torch.nn.Module):
         # sees its own tokens): one Triton launch, or the torch ops (model/rope_kv.py).
         # Dense P calls (cudnn, flash) read the step's rotated k and its v from contiguous
         # copies the same launch writes (not from the cache, not as the QKV rows' views)
-        kv_out = self._dense_kv_rows(meta, x)
+        kv_out = None
+        if meta.is_prefill and getattr(self, "prefill_backend", "auto") in DENSE_BACKENDS \
+                and (meta.dense_calls or meta.prefill_plan is None):
+            kv_out = (torch.empty_like(v, memory_format=torch.contiguous_format),
+                      torch.empty_like(v, memory_format=torch.contiguous_format))
         cos, sin, positions = (rope.kernel_angles(q.dtype) if backend == "triton"
                                else (*rope.cos_sin(q.dtype, 2), None))
         q = rope_and_store(q, k, v, cos, sin, kv.k_slots[layer], kv.v_slots[layer],
@@ -361,40 +358,6 @@ class PagedSelfAttention(torch.nn.Module):
         """The GEMM weights model.fp8 runs in FP8, in ``colo_fp8``'s order (``block``: the
         blockwise recipe's, which the door holds every dimension to)."""
         return (self.linear_qkv.weight, self.linear_proj.weight)
-
-    def _dense_kv_rows(self, meta: AttnMetadata, x: torch.Tensor):
-        """The dense P calls' contiguous K/V rows (two [T, G, D] tensors of x's dtype), where
-        this P step has dense calls; else None."""
-        if meta.is_prefill and getattr(self, "prefill_backend", "auto") in DENSE_BACKENDS \
-                and (meta.dense_calls or meta.prefill_plan is None):
-            shape = (x.shape[0], self.groups, self.head_dim)
-            return (x.new_empty(shape), x.new_empty(shape))
-        return None
-
-    def _fused_prefill_qkv(self, x: torch.Tensor, rope: RopeAngles, meta: AttnMetadata,
-                           kv: KVStorage, layer: int):
-        """P's projection, q/k norms, rope and KV store in one launch (model/qkv_rope.py):
-        (rotated q [T, heads, D], the dense calls' K/V rows or None) where the layer and the
-        step are what it computes -- megatron's plain bias-free QKV linear, the Triton rope
-        path with its norms fused or none, angle tables, at least FROM_TOKENS rows -- else
-        None (the projection and ``rope_and_store`` as two launches)."""
-        lin = self.linear_qkv
-        if (x.shape[0] < qkv_rope.FROM_TOKENS or not self._plain_qkv or lin.bias is not None
-                or self._rope_backend(x, meta) != "triton"):
-            return None
-        qk_norm = self._fused_qk_norm()
-        if self.q_layernorm is not None and qk_norm is None:
-            return None
-        k_cache, v_cache = kv.k_slots[layer], kv.v_slots[layer]
-        cos, sin, positions = rope.kernel_angles(x.dtype)
-        if not qkv_rope.fits(x, lin.weight, self.head_dim, cos.shape[-1], k_cache.dtype,
-                             positions is not None):
-            return None
-        kv_out = self._dense_kv_rows(meta, x)
-        q = qkv_rope.qkv_rope_and_store(x, lin.weight, self.groups, self.q_per_group, cos, sin,
-                                        positions, k_cache, v_cache, meta.slot_mapping,
-                                        qk_norm, kv_out)
-        return q, kv_out
 
     def _fused_qk_norm(self) -> QKRMSNorm | None:
         """The q/k norms as the rope kernel's fused RMSNorm: when both are exactly torch's
