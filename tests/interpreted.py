@@ -32,8 +32,7 @@ KERNEL_TESTS = ("test_fused_moe.py", "test_moe_align.py", "test_paged_attention.
                 "test_paged_prefill.py", "test_residual.py", "test_rope_kv.py",
                 "test_fused_layer_kernels.py", "test_norm_add.py", "test_fp8.py",
                 "test_multi_copy.py", "test_router_topk.py", "test_greedy_pick.py",
-                "test_batch_invariant.py", "test_fp8_te_scaling.py", "test_mla_decode.py",
-                "test_qkv_rope.py")
+                "test_batch_invariant.py", "test_fp8_te_scaling.py", "test_mla_decode.py")
 
 
 def shared_dir(uid: str | None = None) -> pathlib.Path | None:
