@@ -2,15 +2,10 @@
 into their cache slots and the dense calls' contiguous K/V rows, with Qwen3's q/k RMSNorms --
 time per call against the bytes it must move (HBM roofline at 4.8 TB/s), for the program
 layouts the kernel can take (every group of a token in one program, or one per group).
-  PYTHONPATH=$PWD python3 scripts/gpu_rope_prefill.py [TOKENS ...]   (repo root, a CUDA host;
-  with ROPE_FP_FUSION=1 the launch compiled with FMA contraction, as before session 37)
-  ... --sweep [BASE.py]: whole-token programs only, the shipped launch against tokens per
-  program x warps (rope_kv.TOKENS_PER_PROGRAM, rope_kv.launch_warps) and, given BASE.py (an
-  older copy of model/rope_kv.py), that copy's kernel -- each variant's output checked
-  bitwise against the torch path; rounds in turn, medians.
+  PYTHONPATH=$PWD python3 scripts/gpu_rope_prefill.py   (repo root, a CUDA host; with
+  ROPE_FP_FUSION=1 the launch compiled with FMA contraction, as before session 37)
 """
 import os
-import statistics
 import sys; sys.path.insert(0, ".")
 import torch
 from scripts.gpu_timing import graph_time
@@ -21,83 +16,10 @@ HBM = 4.8e12
 if os.environ.get("ROPE_FORCE_RNE") == "1":  # the roundings by bit arithmetic (RNE_BF16)
     _bound = rope_kv._ROPE_KV
     rope_kv._ROPE_KV = lambda key, grid, args, warps: _bound(
-        None if key is None else ("rne", key), grid, args[:-2] + (True, args[-1]), warps)
+        None if key is None else ("rne", key), grid, args[:-1] + (True,), warps)
 if os.environ.get("ROPE_FP_FUSION") == "1":  # the launch as before session 37: FMA contraction
     rope_kv._ROPE_KV = rope_kv.BoundKernel(rope_kv._rope_kv_kernel)
-ARGS = sys.argv[1:]
-SWEEP = "--sweep" in ARGS
-BASE = None
-if SWEEP:
-    i = ARGS.index("--sweep")
-    if i + 1 < len(ARGS) and ARGS[i + 1].endswith(".py"):
-        import importlib.util
-        spec = importlib.util.spec_from_file_location("rope_kv_base", ARGS[i + 1])
-        BASE = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(BASE)
-        del ARGS[i + 1]
-    ARGS.remove("--sweep")
-TOKENS = [int(a) for a in ARGS] or ([4096, 8192] if SWEEP else [1024, 4096, 8192])
-
-
-def sweep() -> None:
-    """Whole-token variants, rounds in turn (module docstring)."""
-    shipped_warps = rope_kv.launch_warps
-    variants = [("shipped", rope_kv, 1, None)]
-    if BASE is not None:
-        variants.append(("base copy", BASE, 1, None))
-    variants += [(f"{t} tok/prog, {w} warps", rope_kv, t, w)
-                 for t in (1, 2, 4) for w in (4, 8) if (t, w) != (1, 4)]
-    print("| shape | T | variant | us (median of 5 rounds) | TB/s | vs shipped |")
-    print("|---|---|---|---|---|---|")
-    for name, G, n, norm in (("first (16 q / 4 KV)", 4, 4, False),
-                             ("Qwen3 (32 q / 4 KV)", 4, 8, True)):
-        D = 128
-        for T in TOKENS:
-            qkv = torch.randn(T, G, n + 2, D, device=dev).to(bf)
-            q, k, v = qkv[:, :, :n], qkv[:, :, n], qkv[:, :, n + 1]
-            cos = torch.cos(torch.randn(16384, D, device=dev)).to(bf)
-            sin = torch.sin(torch.randn(16384, D, device=dev)).to(bf)
-            kc = torch.zeros(T + 64, G, D, device=dev, dtype=bf)
-            vc = torch.zeros_like(kc)
-            slots = torch.arange(T, device=dev) + 17
-            pos = torch.arange(T, device=dev)
-            ko, vo = (torch.empty(T, G, D, device=dev, dtype=bf),
-                      torch.empty(T, G, D, device=dev, dtype=bf))
-            qk = (rope_kv.QKRMSNorm(torch.ones(D, device=dev, dtype=bf),
-                                    torch.ones(D, device=dev, dtype=bf), 1e-6)
-                  if norm else None)
-            ref = rope_kv.rope_and_store(q, k, v, cos, sin, kc, vc, slots, "torch", qk, pos,
-                                         (ko, vo))
-            kref = kc.clone()
-            moved = 2 * T * (G * (n + 2) * D * 2 + G * 4 * D) + 2 * T * 2 * D * 2
-            times = {name_: [] for name_, *_ in variants}
-            ok = {}
-            for rnd in range(5):
-                for vname, mod, tpp, warps in variants:
-                    mod.WHOLE_TOKEN_FROM = 0
-                    if hasattr(mod, "TOKENS_PER_PROGRAM"):
-                        mod.TOKENS_PER_PROGRAM = tpp
-                    if hasattr(mod, "launch_warps"):
-                        mod.launch_warps = ((lambda b, w=warps: w) if warps else shipped_warps)
-                    call = (lambda m=mod: m.rope_and_store(q, k, v, cos, sin, kc, vc, slots,
-                                                           "triton", qk, pos, (ko, vo)))
-                    if rnd == 0:
-                        kc.zero_()
-                        out = call()
-                        ok[vname] = torch.equal(out, ref) and torch.equal(kc, kref)
-                    times[vname].append(graph_time([call]))
-            rope_kv.TOKENS_PER_PROGRAM, rope_kv.launch_warps = 1, shipped_warps
-            rope_kv.WHOLE_TOKEN_FROM = 256
-            t0 = statistics.median(times["shipped"])
-            for vname, *_ in variants:
-                t = statistics.median(times[vname])
-                print(f"| {name} | {T} | {vname}{'' if ok[vname] else ' (NOT bitwise)'} | "
-                      f"{t * 1e6:.1f} | {moved / t / 1e12:.2f} | {t0 / t:.3f}x |", flush=True)
-
-
-if SWEEP:
-    sweep()
-    sys.exit(0)
+TOKENS = [int(a) for a in sys.argv[1:]] or [1024, 4096, 8192]
 print("| shape | T | layout | us | GB moved | TB/s | x roofline |")
 print("|---|---|---|---|---|---|---|")
 for name, G, n, norm in (("first (16 q / 4 KV)", 4, 4, False), ("Qwen3 (32 q / 4 KV)", 4, 8, True)):

@@ -215,19 +215,15 @@ def test_angle_tables_and_the_dense_rows_change_nothing_else(i):
 
 def _interpreted() -> list[str]:
     fails = []
-    # a program per group; all groups in one; three whole tokens per program (the last
-    # program's tokens past T masked off where T is not a multiple of 3)
-    for whole, tpp in ((rope_kv.WHOLE_TOKEN_FROM, 1), (1, 1), (1, 3)):
-        rope_kv.WHOLE_TOKEN_FROM, rope_kv.TOKENS_PER_PROGRAM = whole, tpp
+    for whole in (rope_kv.WHOLE_TOKEN_FROM, 1):  # a program per group; all groups in one
+        rope_kv.WHOLE_TOKEN_FROM = whole
         for i in range(len(CASES)):  # tables + write-back, kernel vs torch path
             ref = _run_tabled(rope_kv.torch_rope_and_store, i)
             got = _run_tabled(rope_kv.triton_rope_and_store, i)
             for name, a, b in zip(("q", "k cache", "v cache", "k rows", "v rows"), got,
                                   ref):
                 if not torch.equal(a, b):
-                    fails.append(f"tabled case {i}, whole tokens from {whole}, {tpp} per "
-                                 f"program: {name} differs")
-    rope_kv.TOKENS_PER_PROGRAM = 1
+                    fails.append(f"tabled case {i}, whole tokens from {whole}: {name} differs")
     for i in range(len(CASES)):
         qkv, slots, _, cos, sin = _case(i)
         ref = _run(rope_kv.torch_rope_and_store, qkv, slots, cos, sin)
@@ -261,14 +257,13 @@ def test_triton_kernel_matches_torch_path_bitwise_interpreted(interpreted):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON,
                     reason="needs a GPU and triton")
-@pytest.mark.parametrize("whole,tpp", [(1, 1), (1 << 30, 1), (1, 3)])
-def test_kernel_is_the_torch_path_bitwise_on_the_gpu(whole, tpp):
+@pytest.mark.parametrize("whole", [1, 1 << 30])
+def test_kernel_is_the_torch_path_bitwise_on_the_gpu(whole):
     """The compiled kernel (no FMA contraction: rope_kv's launch options) against the torch
-    path on the GPU, every case at 512 tokens, both program layouts (and three whole tokens
-    per program), angle tables and dense rows: bitwise (with FP fusion on, ~24% of q's
-    elements were one bf16 step off)."""
-    before = rope_kv.WHOLE_TOKEN_FROM, rope_kv.TOKENS_PER_PROGRAM
-    rope_kv.WHOLE_TOKEN_FROM, rope_kv.TOKENS_PER_PROGRAM = whole, tpp
+    path on the GPU, every case at 512 tokens, both program layouts, angle tables and dense
+    rows: bitwise (with FP fusion on, ~24% of q's elements were one bf16 step off)."""
+    before = rope_kv.WHOLE_TOKEN_FROM
+    rope_kv.WHOLE_TOKEN_FROM = whole
     try:
         for i, (_, G, n, D, rot, dtype) in enumerate(CASES):
             g = torch.Generator(device="cuda").manual_seed(i)
@@ -291,7 +286,7 @@ def test_kernel_is_the_torch_path_bitwise_on_the_gpu(whole, tpp):
                 assert torch.equal(a, b), (f"case {i} ({dtype}, whole tokens from {whole}): "
                                            f"{name}: {int((a != b).sum())} elements differ")
     finally:
-        rope_kv.WHOLE_TOKEN_FROM, rope_kv.TOKENS_PER_PROGRAM = before
+        rope_kv.WHOLE_TOKEN_FROM = before
 
 
 if __name__ == "__main__":  # the interpreted run (the test above starts it)

@@ -57,8 +57,6 @@ from colo_rollout.model.kernel_backend import as_dtype, pow2, rne_bf16, tl, trit
 
 # from this many tokens one program takes all of a token's groups (tests lower it)
 WHOLE_TOKEN_FROM = 256
-# tokens per program when a program takes whole tokens
-TOKENS_PER_PROGRAM = 1
 
 
 class QKRMSNorm(NamedTuple):
@@ -168,23 +166,16 @@ def _launch(q, k, v, cos, sin, k_cache, v_cache, slots, qk_norm, positions, kv_o
     consts = (pow2(GB * n), pow2(GB), pow2(half), pow2(D), rot < D, qk_norm is not None,
               positions is not None, kv_out is not None,
               upcast and q.dtype == torch.bfloat16)
-    warps = launch_warps(block)
+    warps = 8 if block >= 4096 else 4 if block >= 1024 else 2
     # the bound variant's key: every integer and constexpr as it is (constants of the model's
     # layout, one variant per model and regime) and the dtypes; pointers not all 16-byte
     # aligned go through Triton's own launch (key None)
     key = ((q.dtype, qw.dtype, ints, consts, warps)
            if all_aligned(q, k, v, cos, sin, k_cache, v_cache, slots, qw, kw, pos, ko, vo)
            else None)
-    tpp = TOKENS_PER_PROGRAM if GB == G else 1
-    _ROPE_KV(key + (tpp,) if key is not None else None, (triton.cdiv(T, tpp), G // GB),
-             (q, k, v, cos, sin, k_cache, v_cache, slots, out, qw, kw, float(eps), pos, ko,
-              vo, T, *ints, *consts, tpp), warps)
+    _ROPE_KV(key, (T, G // GB), (q, k, v, cos, sin, k_cache, v_cache, slots, out, qw, kw,
+                                 float(eps), pos, ko, vo, *ints, *consts), warps)
     return out.view(T, G * n, D)
-
-
-def launch_warps(block: int) -> int:
-    """Warps of a program holding ``block`` q elements per half (a sweep may replace it)."""
-    return 8 if block >= 4096 else 4 if block >= 1024 else 2
 
 
 def kernel_fits(q, k, v, cos, k_cache, v_cache) -> bool:
@@ -245,26 +236,18 @@ if triton is not None:
         m = hmask[:, None] & (j < half)
         x1 = tl.load(src + rows[:, None] + j, mask=m, other=0.0).to(tl.float32)
         x2 = tl.load(src + rows[:, None] + half + j, mask=m, other=0.0).to(tl.float32)
-        # the passed dims exist only under PASS (a full-width rotation holds no [heads, D]
-        # block of zeros in its registers)
         p = 2 * half + tl.arange(0, D_PAD)[None, :]
-        if PASS:
-            xp = tl.load(src + rows[:, None] + p, mask=hmask[:, None] & (p < D),
-                         other=0.0).to(tl.float32)
-        else:
-            xp = 0.0
+        xp = tl.load(src + rows[:, None] + p, mask=hmask[:, None] & (p < D) & PASS,
+                     other=0.0).to(tl.float32)
         if HAS_NORM:
-            ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
-            if PASS:
-                ss += tl.sum(xp * xp, axis=1)
+            ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1) + tl.sum(xp * xp, axis=1)
             rstd = tl.rsqrt(tl.math.div_rn(ss, tl.zeros_like(ss) + D) + eps)[:, None]
             w1 = tl.load(W + j, mask=j < half, other=0.0).to(tl.float32)
             w2 = tl.load(W + half + j, mask=j < half, other=0.0).to(tl.float32)
+            wp = tl.load(W + p, mask=(p < D) & PASS, other=0.0).to(tl.float32)
             x1 = _round((x1 * rstd) * w1, dtype, RNE_BF16)
             x2 = _round((x2 * rstd) * w2, dtype, RNE_BF16)
-            if PASS:
-                wp = tl.load(W + p, mask=p < D, other=0.0).to(tl.float32)
-                xp = _round((xp * rstd) * wp, dtype, RNE_BF16)
+            xp = _round((xp * rstd) * wp, dtype, RNE_BF16)
         c1 = tl.load(Cos + j, mask=j < half, other=0.0).to(tl.float32)
         s1 = tl.load(Sin + j, mask=j < half, other=0.0).to(tl.float32)
         c2 = tl.load(Cos + half + j, mask=j < half, other=0.0).to(tl.float32)
@@ -287,30 +270,31 @@ if triton is not None:
             tl.store(dst + rows[:, None] + p, xp.to(dtype), mask=hmask[:, None] & (p < D))
 
     @triton.jit
-    def _rope_token(t, valid, Q, K, V, cos_row, sin_row, KC, VC, Slots, Out, QW, KW, eps, KO,
-                    VO, sq_t, sq_g, sq_h, sk_t, sk_g, sv_t, sv_g, skc_s, skc_g, svc_s, svc_g,
-                    sko_t, sko_g, svo_t, svo_g, G, GB, n, D, half, g0, H_PAD: tl.constexpr,
-                    G_PAD: tl.constexpr, HALF_PAD: tl.constexpr, D_PAD: tl.constexpr,
-                    PASS: tl.constexpr, HAS_NORM: tl.constexpr, STORE_KV: tl.constexpr,
-                    RNE_BF16: tl.constexpr):
-        """Token t's groups g0 .. g0 + GB (nothing where not ``valid``)."""
+    def _rope_kv_kernel(Q, K, V, Cos, Sin, KC, VC, Slots, Out, QW, KW, eps, Pos, KO, VO,
+                        sq_t, sq_g, sq_h, sk_t, sk_g, sv_t, sv_g, sc_t, skc_s, skc_g,
+                        svc_s, svc_g, sko_t, sko_g, svo_t, svo_g, G, GB, n, D, half,
+                        H_PAD: tl.constexpr, G_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
+                        D_PAD: tl.constexpr, PASS: tl.constexpr, HAS_NORM: tl.constexpr,
+                        TABLES: tl.constexpr, STORE_KV: tl.constexpr,
+                        RNE_BF16: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
         dtype = Out.dtype.element_ty
-        gg = g0 + tl.arange(0, G_PAD).to(tl.int64)
-        gmask = (gg < g0 + GB) & valid
-        slot = tl.load(Slots + t, mask=valid, other=0).to(tl.int64)
-        # v first: its load in flight under q's and k's arithmetic
-        d = tl.arange(0, D_PAD)[None, :]
-        dm = gmask[:, None] & (d < D)
-        vv = tl.load(V + t * sv_t + gg[:, None] * sv_g + d, mask=dm, other=0.0)
+        row = tl.load(Pos + t).to(tl.int64) if TABLES else t  # the angles' row
+        cos_row = Cos + row * sc_t
+        sin_row = Sin + row * sc_t
+        g0 = tl.program_id(1).to(tl.int64) * GB  # this program's first group
         # q: head h = g * n + j of the token, from the projection's layout into Out [T, G*n, D]
         hh = g0 * n + tl.arange(0, H_PAD).to(tl.int64)
-        hmask = (hh < (g0 + GB) * n) & valid
+        hmask = hh < (g0 + GB) * n
         o1, o2, xp = _rope_rows(Q + t * sq_t, (hh // n) * sq_g + (hh % n) * sq_h, hmask, half,
                                 D, cos_row, sin_row, QW, eps, dtype, HALF_PAD, D_PAD, PASS,
                                 HAS_NORM, RNE_BF16)
         _store_rows(Out + t * G * n * D, hh * D, o1, o2, xp, hmask, half, D, dtype, HALF_PAD,
                     D_PAD, PASS)
         # k: one head per group, rotated into its cache slot
+        gg = g0 + tl.arange(0, G_PAD).to(tl.int64)
+        gmask = gg < g0 + GB
+        slot = tl.load(Slots + t).to(tl.int64)
         o1, o2, xp = _rope_rows(K + t * sk_t, gg * sk_g, gmask, half, D, cos_row, sin_row,
                                 KW, eps, dtype, HALF_PAD, D_PAD, PASS, HAS_NORM, RNE_BF16)
         _store_rows(KC + slot * skc_s, gg * skc_g, o1, o2, xp, gmask, half, D, dtype,
@@ -318,29 +302,12 @@ if triton is not None:
         if STORE_KV:  # the dense calls' K
             _store_rows(KO + t * sko_t, gg * sko_g, o1, o2, xp, gmask, half, D, dtype,
                         HALF_PAD, D_PAD, PASS)
+        d = tl.arange(0, D_PAD)[None, :]
+        dm = gmask[:, None] & (d < D)
+        vv = tl.load(V + t * sv_t + gg[:, None] * sv_g + d, mask=dm, other=0.0)
         tl.store(VC + slot * svc_s + gg[:, None] * svc_g + d, vv, mask=dm)
         if STORE_KV:  # ... and V
             tl.store(VO + t * svo_t + gg[:, None] * svo_g + d, vv, mask=dm)
-
-    @triton.jit(do_not_specialize=["T"])
-    def _rope_kv_kernel(Q, K, V, Cos, Sin, KC, VC, Slots, Out, QW, KW, eps, Pos, KO, VO, T,
-                        sq_t, sq_g, sq_h, sk_t, sk_g, sv_t, sv_g, sc_t, skc_s, skc_g,
-                        svc_s, svc_g, sko_t, sko_g, svo_t, svo_g, G, GB, n, D, half,
-                        H_PAD: tl.constexpr, G_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
-                        D_PAD: tl.constexpr, PASS: tl.constexpr, HAS_NORM: tl.constexpr,
-                        TABLES: tl.constexpr, STORE_KV: tl.constexpr,
-                        RNE_BF16: tl.constexpr, TOKENS: tl.constexpr):
-        """TOKENS consecutive tokens per program (their groups g0 .. g0 + GB each)."""
-        g0 = tl.program_id(1).to(tl.int64) * GB  # this program's first group
-        for i in tl.static_range(TOKENS):
-            t = tl.program_id(0).to(tl.int64) * TOKENS + i
-            valid = t < T
-            row = tl.load(Pos + t, mask=valid, other=0).to(tl.int64) if TABLES else t
-            _rope_token(t, valid, Q, K, V, Cos + row * sc_t, Sin + row * sc_t, KC, VC, Slots,
-                        Out, QW, KW, eps, KO, VO, sq_t, sq_g, sq_h, sk_t, sk_g, sv_t, sv_g,
-                        skc_s, skc_g, svc_s, svc_g, sko_t, sko_g, svo_t, svo_g, G, GB, n, D,
-                        half, g0, H_PAD, G_PAD, HALF_PAD, D_PAD, PASS, HAS_NORM, STORE_KV,
-                        RNE_BF16)
 
 
 # the rope launch through its bound variant (model/bound_kernel.py): P's critical path; no
