@@ -317,7 +317,9 @@ class ModelConfig:
     params_dtype: str = "float32"
     # Std of the normal weight initialisation; > 0.
     init_method_std: float = 0.02
-    # Seed for weight initialisation; >= 0.
+    # Seed of the random weights (without a checkpoint) and of the sampler: each replica's
+    # generator is seeded from it (seed * 1_000_003 + replica), the one seed of every
+    # sampled draw (there is no per-request seed); >= 0.
     seed: int = 1234
     # Transformer Engine's layers in the engine: "on" (required: TE's fused norm + QKV,
     # grouped-GEMM experts, like megatron's TE spec) or "auto" / "off" (the local spec, which
