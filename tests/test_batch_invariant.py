@@ -120,7 +120,21 @@ def _experts_fails() -> list[str]:
 
 
 def _interpreted() -> list[str]:
-    return _linear_fails() + _attention_fails() + _experts_fails()
+    return _linear_fails() + _attention_fails() + _experts_fails() + _far_weight_rows_fails()
+
+
+def _far_weight_rows_fails() -> list[str]:
+    """A weight row whose offset n * K passes 2^31 (a vocabulary x hidden past it, e.g.
+    262,400 x 8192 -- D's output layer): row stride just under 2^31 over a 4 GiB uint8 storage
+    from torch.empty (virtual: only touched pages committed). It wrapped in int32: row 2 was
+    read 4 GiB below its place (found by an overflow audit)."""
+    K, S, O = 64, 2 ** 31 - 2 ** 20, 2 ** 21
+    w = torch.empty(O + 2 * S + K, dtype=torch.uint8).as_strided((3, K), (S, 1), O)
+    for r in range(3):
+        w[r].fill_(r + 1)
+    got = bi.invariant_linear(torch.ones((1, K)), w)
+    return [] if got.tolist() == [[64.0, 128.0, 192.0]] else [
+        f"linear with weight rows past 2^31: {got.tolist()}, expected [[64, 128, 192]]"]
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")

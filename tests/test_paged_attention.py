@@ -90,6 +90,44 @@ def _interpreted() -> list[str]:
                                          block_n=16)
         if not torch.isfinite(got).all() or got[1].abs().max() != 0:
             fails.append(f"length 0, {splits} splits: {got[1].abs().max()}")
+    return fails + _far_rows_fails()
+
+
+# a row stride under 2^31 whose multiple by the row passes it: the split partials of long
+# batch-invariant rows ([rows, heads, splits, dim] at fixed 512-token splits: 1024 MTP rows x
+# 64 heads past 131k tokens). Over a 4 GiB uint8 storage from torch.empty: virtual, only the
+# touched pages are committed.
+FAR_STRIDE, FAR_OFFSET = 2 ** 31 - 2 ** 20, 2 ** 21
+
+
+def _far_rows_fails() -> list[str]:
+    """The split kernel's partial store and the reduce's reads at offsets past 2^31 (they
+    wrapped in int32: row 2 landed 4 GiB below its place; found by an overflow audit)."""
+    fails = []
+    B, D, bs = 3, 16, 16
+    store = torch.empty(FAR_OFFSET + (B - 1) * FAR_STRIDE + D, dtype=torch.uint8)
+    part = store.as_strided((B, 1, 1, D), (FAR_STRIDE, D, D, 1), FAR_OFFSET)
+    part.zero_()
+    q = torch.ones((B, 1, D))
+    k, v = torch.zeros((2, bs, 1, D)), torch.full((2, bs, 1, D), 5.0)
+    tables, ctx = torch.zeros((B, 1), dtype=torch.int64), torch.full((B,), 4, dtype=torch.int64)
+    lse = torch.empty((B, 1, 1))
+    pa._decode_split_kernel[(B, 1, 1)](
+        q, k, v, tables, ctx, part, lse, 1.0, q.stride(0), q.stride(1), k.stride(0),
+        k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), tables.stride(0),
+        tables.stride(1), ctx.stride(0), part.stride(0), part.stride(1), part.stride(2),
+        lse.stride(0), lse.stride(1), bs, bs, N_Q=1, N_PAD=16, HEAD_DIM=D, D_PAD=16,
+        BLOCK_SIZE=bs, BLOCK_N=16, SINGLE=False, DOT_PREC="ieee", UPCAST=True)
+    got = [int(part[b, 0, 0, 0]) for b in range(B)]
+    if got != [5] * B:  # v is 5 everywhere: every row's partial is 5
+        fails.append(f"split partials past 2^31: rows hold {got}, expected 5 each")
+    for b in range(B):
+        part[b, 0, 0].fill_(10 + b)
+    for ordered in (True, False):
+        out = torch.full((B, 1, D), -1.0)
+        pa.reduce_splits(part, torch.zeros((B, 1, 1)), out, ordered=ordered)
+        if out[:, 0, 0].tolist() != [10.0, 11.0, 12.0]:
+            fails.append(f"reduce (ordered {ordered}) past 2^31 read {out[:, 0, 0].tolist()}")
     return fails
 
 

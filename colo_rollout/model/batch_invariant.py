@@ -104,7 +104,9 @@ if triton is not None:
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # axis 0 over row blocks: the programs sharing a weight tile run side by side (L2)
         pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
+        # int64: a weight row's offset n * K passes 2^31 for a vocabulary x hidden past it
+        # (262,400 x 8192)
+        pid_n = tl.program_id(1).to(tl.int64)
         pid_s = tl.program_id(2)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -105,7 +105,10 @@ if triton is not None:
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr,
         DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     ):
-        b = tl.program_id(0)
+        # the row in int64: b * stride passes 2^31 in the split partials [rows, heads,
+        # splits, dim] of long batch-invariant rows (fixed 512-token splits: 1024 MTP rows x
+        # 64 heads past 131k tokens)
+        b = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1)
         s = tl.program_id(2)
         ctx = tl.load(Ctx + b * stride_c).to(tl.int32)
@@ -181,7 +184,7 @@ if triton is not None:
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
         ORDERED: tl.constexpr,
     ):
-        b = tl.program_id(0)
+        b = tl.program_id(0).to(tl.int64)  # (int64: the split kernel's reason)
         h = tl.program_id(1)
         offs_s = tl.arange(0, S_PAD)
         offs_d = tl.arange(0, D_PAD)
