@@ -630,6 +630,15 @@ class EngineConfig:
     # Cap on prompt + output tokens of one sequence; <= model.max_position_embeddings (unset
     # with model.checkpoint: at most the checkpoint's max_position_embeddings).
     max_seq_len: int = 1024
+    # How a sequence's KV blocks are held: "full" = prompt + max_tokens reserved at admission
+    # (admitted work is never preempted; a long max_tokens caps the running rows at
+    # capacity / (prompt + max_tokens)); "on_demand" = the prompt's blocks at admission, one
+    # more as a row's next token needs it, with one free block kept per running row before a
+    # new admission; when a replica runs out, idle retained contexts go first, then the
+    # running row that arrived last is preempted: its blocks freed, re-queued first, its
+    # prompt and tokens so far prefilled again when blocks free up (vLLM's recompute
+    # preemption; its output continues where it stopped; counted in Scheduler.preemptions).
+    kv_reservation: str = "full"
     # Decode graph buckets (rows per replica): strictly increasing, all >= 1, last >= max_batch_size.
     decode_buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
     # Token id that ends a sequence; null = never stop on EOS. Unset with model.checkpoint:
@@ -764,6 +773,7 @@ class EngineConfig:
         _require(all(i >= 0 for i in self.stop_token_ids), "engine.stop_token_ids",
                  f"must be token ids >= 0, got {self.stop_token_ids[:8]}")
         _require_choice(self, "mode", ENGINE_MODES)
+        _require_choice(self, "kv_reservation", ("full", "on_demand"))
         _require_choice(self, "segment_policy", SEGMENT_POLICIES)
         _require_choice(self, "stream_route", STREAM_ROUTES)
         _require_choice(self, "prefill_graphs", PREFILL_GRAPHS)

@@ -6,6 +6,14 @@ plane -- so planning needs no further communication.
 
 Lifecycle: WAITING --admit--> PREFILL (lifetime id, KV reserved for prompt+max_tokens)
 --first token--> DECODE --EOS / max_tokens / cancel--> finished (KV freed).
+With ``engine.kv_reservation: on_demand`` admission reserves the tokens P writes and each D
+row's blocks grow with it before each plan; a replica out of blocks drops idle retained
+contexts, then preempts the running row that arrived last (DECODE --preempt--> WAITING at the
+queue's front, its KV freed; admitted again, it prefills its prompt and its tokens so far and
+its output continues -- vLLM's recompute preemption). The row that arrived first is preempted
+only when it alone cannot grow, so the oldest request always progresses. A prefill is not split
+over steps, so a row whose tokens could outgrow one P step (engine.max_prefill_tokens) takes
+its whole budget instead and is never preempted.
 A result is applied only if the KV blocks still belong to the lifetime that produced it
 (``KVCacheManager.owns``): a stale result from a cancelled lifetime is discarded.
 
@@ -117,6 +125,12 @@ class Scheduler:
         # engine.mtp: D rows that verified a draft, and how many of those drafts were accepted
         self.drafts_verified = 0
         self.drafts_accepted = 0
+        # engine.kv_reservation on_demand: blocks as tokens need them, preemption past them
+        self.on_demand = cfg.kv_reservation == "on_demand"
+        self.preemptions = 0  # running rows preempted (their tokens prefilled again)
+        self._arrival: dict[str, int] = {}  # unfinished request id -> its arrival order
+        self._arrivals = itertools.count()
+        self._resumed: dict[str, tuple[int, ...]] = {}  # preempted, waiting: tokens so far
 
     # ------------------------------------------------------------------ intake
     def validate(self, req: Request, closing: Iterable[str] = ()) -> None:
@@ -195,6 +209,7 @@ class Scheduler:
         self.by_id[req.request_id] = RequestOutput(req.request_id, len(req.prompt),
                                                    submit_time=now)
         self.live[req.request_id] = None
+        self._arrival[req.request_id] = next(self._arrivals)
         if req.session is not None:
             self.sessions.setdefault(req.session, _Session(context=[])).busy = True
 
@@ -217,6 +232,8 @@ class Scheduler:
             state = "already finished" if request_id in self.by_id else "unknown"
             raise RequestError(f"cancel of request {request_id!r}: {state} request id")
         lifetime = self.live.pop(request_id)
+        self._arrival.pop(request_id, None)
+        self._resumed.pop(request_id, None)
         out = self.by_id[request_id]
         if lifetime is None:
             session = next(r.session for r in self.waiting if r.request_id == request_id)
@@ -291,10 +308,19 @@ class Scheduler:
                        for s in mine if s.last_token is not None]
             # (Normal with engine.overlap_prefill: a P step's sequences until its tokens are
             # committed; PD: none -- an epoch is admitted only when none is in flight)
-            views.append(ReplicaView(running=running, free_blocks=kv.num_free_blocks(),
+            views.append(ReplicaView(running=running, free_blocks=self._admissible_blocks(i),
                                      block_size=kv.block_size,
                                      awaiting=len(mine) - len(running)))
         return views
+
+    def _admissible_blocks(self, replica: int) -> int:
+        """The free blocks a new admission may take on ``replica``: all of them with full
+        reservations; on demand, all but one per admitted sequence there (each one's next
+        block), so an admission does not preempt a running row at once."""
+        free = self.kv[replica].num_free_blocks()
+        if not self.on_demand:
+            return free
+        return max(0, free - sum(1 for s in self.seqs.values() if s.replica == replica))
 
     def head_admissible(self) -> bool:
         """Whether the next plan could admit the waiting queue's head as things stand (no
@@ -316,6 +342,8 @@ class Scheduler:
     def plan(self, pd: bool = False) -> StepPlan:
         """Normal mode: a PREFILL or DECODE step. PD mode (``pd``): a ROUND with every ready D
         row and, if no P epoch is in flight, a new epoch's P items."""
+        if self.on_demand:
+            self._grow_running()
         views = self._views()
         # only the queue's first requests a plan can admit are viewed (planner.
         # admission_window: found by probing, a million queued requests made every step
@@ -360,21 +388,28 @@ class Scheduler:
 
     def _waiting_view(self, req: Request) -> WaitingView:
         sess = self.sessions.get(req.session) if req.session is not None else None
+        # a preempted request (on demand) prefills its tokens so far after its prompt
+        done = self._resumed.get(req.request_id, ())
+        prompt = req.prompt + done if done else req.prompt
+        prompt_ids = None if done else self._prompt_ids.get(req.request_id)
+        # what the reservation holds: the whole budget, or (on demand) what P writes
         budget = len(req.prompt) + req.params.max_tokens
         if sess is None or not sess.context:
-            return WaitingView(req.request_id, req.prompt, budget,
-                               ids=self._prompt_ids.get(req.request_id))
+            return WaitingView(req.request_id, prompt,
+                               len(prompt) if self.on_demand else budget, ids=prompt_ids)
         if sess.lifetime is None:  # evicted: re-prefill the whole context from its tokens
-            return WaitingView(req.request_id, tuple(sess.context) + req.prompt,
-                               len(sess.context) + budget)
+            tokens = tuple(sess.context) + prompt
+            return WaitingView(req.request_id, tokens, len(tokens) if self.on_demand
+                               else len(sess.context) + budget)
         # retained: prefill the last output token and the new tokens on top of the cache (the
         # ids: that short tail converted here, the prompt's from submit)
         tail = sess.context[sess.cached:]
-        tokens = tuple(tail) + req.prompt
-        prompt_ids = self._prompt_ids.get(req.request_id)
+        tokens = tuple(tail) + prompt
         ids = (None if prompt_ids is None else
                np.concatenate((np.array(tail, dtype=np.int64), prompt_ids)))
-        return WaitingView(req.request_id, tokens, len(sess.context) + budget,
+        return WaitingView(req.request_id, tokens,
+                           sess.cached + len(tokens) if self.on_demand
+                           else len(sess.context) + budget,
                            start=sess.cached, replica=sess.replica, lifetime=sess.lifetime,
                            held_blocks=len(self.kv[sess.replica].block_table(sess.lifetime)),
                            ids=ids)
@@ -390,6 +425,97 @@ class Scheduler:
         return sorted((s.last_used, sid) for sid, s in self.sessions.items()
                       if s.lifetime is not None and s.lifetime not in self.seqs)
 
+    def _grow_running(self) -> None:
+        """engine.kv_reservation on_demand, before a plan: every running row's blocks grown
+        to hold what its next D step writes (its input token, and its draft's position with
+        MTP). Rows are served in arrival order; a replica short of blocks drops an idle
+        retained context of its own, else preempts its running row that arrived last (the
+        row being grown, if it is that one). Preempted requests go to the queue's front in
+        arrival order. Running rows only: a P item's work may be in flight (PD's epoch,
+        Normal's step read late), a D row's is done when the next plan is made (as
+        ``cancel`` frees them)."""
+        preempted: list[Request] = []
+        for r, kv in enumerate(self.kv):
+            rows = sorted((s for s in self.seqs.values()
+                           if s.replica == r and s.last_token is not None), key=self._arrived)
+            for seq in rows:
+                if seq.lifetime not in self.seqs:  # preempted for a row before it
+                    continue
+                need = self._next_need(seq)
+                while not kv.can_grow(seq.lifetime, need):
+                    if self._evict_lru_on(r):
+                        continue
+                    victims = [s for s in self.seqs.values() if s.replica == r
+                               and s.last_token is not None and self._refill_fits(s)]
+                    if not victims:  # (cannot be: a row that cannot be prefilled again
+                        # holds its whole budget, _next_need)
+                        raise RuntimeError(f"lifetime {seq.lifetime}: no KV block to grow "
+                                           "into and no row that can be preempted")
+                    victim = max(victims, key=self._arrived)
+                    self._preempt(victim)
+                    preempted.append(victim.request)
+                    if victim is seq:
+                        break
+                else:
+                    kv.grow(seq.lifetime, need)
+        self.waiting.extendleft(sorted(preempted, key=self._arrived_request, reverse=True))
+
+    def _refill_tokens(self, seq: _Seq) -> int:
+        """The tokens a prefill that resumes ``seq`` would take: its context, prompt and
+        tokens so far."""
+        return (len(seq.context_before or ()) + len(seq.request.prompt)
+                + len(self.by_id[seq.request.request_id].tokens))
+
+    def _refill_fits(self, seq: _Seq) -> bool:
+        """Whether ``seq`` may be preempted: the prefill resuming it fits one P step
+        (engine.max_prefill_tokens; P is not split over steps)."""
+        return self._refill_tokens(seq) <= self.cfg.max_prefill_tokens
+
+    def _next_need(self, seq: _Seq) -> int:
+        """The tokens ``seq``'s blocks must hold for its next D step: its input token and, with
+        a draft, the draft's position. A row whose next step (up to two tokens with MTP) could
+        take it past what one P step can prefill again holds its whole budget from then on:
+        it can no longer be preempted, so it must never need another block."""
+        if self._refill_tokens(seq) + 2 > self.cfg.max_prefill_tokens:
+            return (len(seq.context_before or ()) + len(seq.request.prompt)
+                    + seq.request.params.max_tokens)
+        return seq.length + 1 + (seq.draft >= 0)
+
+    def _arrived(self, seq: _Seq) -> int:
+        return self._arrival[seq.request.request_id]
+
+    def _arrived_request(self, req: Request) -> int:
+        return self._arrival[req.request_id]
+
+    def _preempt(self, seq: _Seq) -> None:
+        """A running row back to waiting (the caller queues it): its blocks freed, its
+        tokens so far kept for the prefill that resumes it; a session's context it held is
+        dropped with it (the resumed turn prefills the whole context)."""
+        rid = seq.request.request_id
+        del self.seqs[seq.lifetime]
+        self.kv[seq.replica].free(seq.lifetime)
+        self.live[rid] = None
+        self._resumed[rid] = tuple(self.by_id[rid].tokens)
+        sess = self.sessions.get(seq.request.session) if seq.request.session else None
+        if sess is not None and sess.lifetime == seq.lifetime:
+            sess.lifetime = sess.replica = None
+            sess.cached = 0
+        self.preemptions += 1
+
+    def _evict_lru_on(self, replica: int) -> bool:
+        """Drop the least recently used retained context on ``replica`` that no running
+        request uses; False when there is none."""
+        idle = [sid for _, sid in self._idle_contexts()
+                if self.sessions[sid].replica == replica]
+        if not idle:
+            return False
+        sess = self.sessions[idle[0]]
+        self.kv[replica].free(sess.lifetime)
+        sess.lifetime = sess.replica = None
+        sess.cached = 0
+        self.evictions += 1
+        return True
+
     def _evict_lru(self, views: list[ReplicaView], keep: str | None) -> bool:
         """Drop the least recently used retained context that no running request uses (other
         than ``keep``'s if any other exists); returns False when there is none. A session
@@ -402,9 +528,10 @@ class Scheduler:
         if not pick:
             return False
         sess = self.sessions[pick[0][1]]
-        self.kv[sess.replica].free(sess.lifetime)
-        views[sess.replica].free_blocks = self.kv[sess.replica].num_free_blocks()
+        replica = sess.replica
+        self.kv[replica].free(sess.lifetime)
         sess.lifetime = sess.replica = None
+        views[replica].free_blocks = self._admissible_blocks(replica)
         sess.cached = 0
         self.evictions += 1
         return True
@@ -443,6 +570,8 @@ class Scheduler:
         sess = self.sessions.get(req.session) if req.session is not None else None
         context = list(sess.context) if sess is not None else []
         total = len(context) + len(req.prompt) + req.params.max_tokens
+        if self.on_demand:  # what P writes: the context, the prompt, any tokens so far
+            total = len(context) + len(req.prompt) + len(self._resumed.pop(req.request_id, ()))
         if adm.new:
             self.kv[adm.replica].reserve(adm.lifetime, total)
             start = 0
@@ -547,6 +676,7 @@ class Scheduler:
             self.kv[seq.replica].free(seq.lifetime)
         del self.seqs[seq.lifetime]
         del self.live[seq.request.request_id]
+        self._arrival.pop(seq.request.request_id, None)
         out.finish_reason = reason
         out.finish_time = now
 
