@@ -135,6 +135,36 @@ def engine_matches_reference(rank: int, world: int, adp: int, ep: int, n_request
     return _serve_and_compare(rank, cfg, groups, sd, engine, n_requests, seed)
 
 
+def on_demand_matches_reference(rank: int, world: int, adp: int, ep: int,
+                                mode: str = "normal") -> dict:
+    """engine.kv_reservation on_demand on blocks too few for the requests' budgets at once:
+    running rows are preempted and prefilled again, and every token is still megatron's
+    greedy continuation with its logprob (the reference recomputes each whole sequence)."""
+    cfg = tiny_config(world, adp, ep, mode=mode, kv_reservation="on_demand", num_kv_blocks=24,
+                      max_batch_size=8, decode_buckets=[1, 2, 4, 8])
+    groups = init_parallel(cfg.parallel)
+    install_cpu_compat()
+    sd = random_state_dict(cfg.model)
+    engine = Engine(cfg, groups, sd)
+    rng = random.Random(5)
+    requests = [Request(f"r{i}", tuple(rng.randrange(cfg.model.vocab_size)
+                                       for _ in range(rng.choice([3, 7, 12, 25, 40]))),
+                        SamplingParams(max_tokens=rng.randint(16, 40), ignore_eos=True))
+                for i in range(12)]
+    outs = engine.generate(requests)
+    engine.check_integrity()
+    result = {"preemptions": engine.scheduler.preemptions,
+              "owners_left": sum(len(kv.owners()) for kv in engine.scheduler.kv),
+              "lengths": {r.request_id: len(outs[r.request_id].tokens) for r in requests},
+              "expected": {r.request_id: r.params.max_tokens for r in requests},
+              "tokens": {r.request_id: outs[r.request_id].tokens for r in requests}}
+    if rank == 0:
+        ref = build_reference(cfg.model, sd, singleton_pg_collection(), torch.device("cpu"))
+        result.update(compare_with_reference(ref, requests, outs))
+    engine.close()
+    return result
+
+
 @contextlib.contextmanager
 def _dense_mla_prefill(engine, min_tokens: int, kernel: str = "cudnn"):
     """An MLA engine's P through its dense calls (backend ``kernel``, the SDPA path on CPU)

@@ -34,6 +34,23 @@ def test_greedy_tokens_and_logprobs_match_megatron_reference(worker_groups, worl
         assert r["tokens"] == r0["tokens"]
 
 
+@pytest.mark.parametrize("world,adp,ep,mode", [(1, 1, 1, "normal"), (2, 2, 2, "fine")])
+def test_on_demand_kv_preempts_and_keeps_megatrons_tokens(worker_groups, world, adp, ep, mode):
+    """engine.kv_reservation on_demand with blocks too few for every budget at once: rows are
+    preempted and prefilled again (Normal steps, and Fine's rounds on two replicas), and the
+    outputs are still megatron's greedy tokens and logprobs, every one of max_tokens."""
+    from tests.cases_engine import LOGPROB_TOL
+
+    res = worker_groups(world).run(f"{CASES}:on_demand_matches_reference", adp=adp, ep=ep,
+                                   mode=mode)
+    r0 = res[0]
+    assert r0["preemptions"] > 0
+    assert r0["mismatches"] == [] and r0["max_logprob_diff"] < LOGPROB_TOL
+    assert r0["lengths"] == r0["expected"] and r0["owners_left"] == 0
+    for r in res[1:]:
+        assert r["tokens"] == r0["tokens"] and r["preemptions"] == r0["preemptions"]
+
+
 # The host-sync-free grouped expert path against the same megatron reference: ETP1, ETP2 (ATP2
 # with EP1 shards each expert's FFN) and EP4 with experts split over ranks.
 @pytest.mark.parametrize("world,adp,ep", [(1, 1, 1), (2, 1, 1), (4, 2, 4)])
