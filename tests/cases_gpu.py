@@ -62,10 +62,12 @@ def gpu_engine_matches_reference(rank: int, world: int, adp: int, ep: int, dtype
                                  use_te: str = "off", n_requests: int = 16, seed: int = 0,
                                  backend: str = "nccl", model_kw: dict | None = None,
                                  engine_kw: dict | None = None,
-                                 dense_from: int | None = None) -> dict:
+                                 dense_from: int | None = None,
+                                 max_tokens: int | None = None) -> dict:
     """``dense_from``: P's dense calls (engine.prefill_attention cudnn / flash) take fresh
     sequences from this many tokens (model/dense_prefill.py's MIN_TOKENS, 1024, is longer
-    than these prompts); the result counts the P steps' dense calls."""
+    than these prompts); the result counts the P steps' dense calls. ``max_tokens``: every
+    request's (else 1-12)."""
     from colo_rollout.model import dense_prefill
 
     cfg = gpu_config(world, adp, ep, dtype, use_te, backend, model_kw, engine_kw)
@@ -77,6 +79,10 @@ def gpu_engine_matches_reference(rank: int, world: int, adp: int, ep: int, dtype
     sd = random_state_dict(cfg.model)
     engine = Engine(cfg, groups, sd)
     requests = mixed_requests(n_requests, seed, cfg.model.vocab_size)
+    if max_tokens is not None:
+        requests = [dataclasses.replace(r, params=dataclasses.replace(r.params,
+                                                                      max_tokens=max_tokens))
+                    for r in requests]
     saved, dense_prefill.MIN_TOKENS = (dense_prefill.MIN_TOKENS,
                                        dense_from or dense_prefill.MIN_TOKENS)
     try:
@@ -91,7 +97,8 @@ def gpu_engine_matches_reference(rank: int, world: int, adp: int, ep: int, dtype
                                                    engine.model.dispatch_d)
                         if hasattr(d, "report")],
            "tokens": {r.request_id: outs[r.request_id].tokens for r in requests},
-           "generated": sum(len(outs[r.request_id].tokens) for r in requests)}
+           "generated": sum(len(outs[r.request_id].tokens) for r in requests),
+           "preemptions": engine.scheduler.preemptions}
     dev = groups.device
     lp16 = None
     if dtype != "float32":

@@ -100,6 +100,18 @@ def test_gpu_engine_matches_reference(gpu_groups, world, adp, ep, dtype, spec):
                              res, world, dtype)
 
 
+def test_gpu_on_demand_kv_preempts_and_matches_reference(gpu_groups):
+    """engine.kv_reservation on_demand on 8 blocks of 16 for 16 requests of 40 new tokens
+    (fp32, one GPU, D in its CUDA graphs): rows are preempted and prefilled again (12 times
+    in the same run on CPU), and the tokens are still the reference's greedy ones with its
+    logprobs."""
+    res = gpu_groups(1).run("tests.cases_gpu:gpu_engine_matches_reference", timeout=600,
+                            adp=1, ep=1, dtype="float32", max_tokens=40,
+                            engine_kw={"kv_reservation": "on_demand", "num_kv_blocks": 8})
+    assert res[0]["preemptions"] > 0
+    _check_against_reference("engine_vs_reference_on_demand_kv", res, 1, "float32")
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "glm", "tied"])
 @pytest.mark.parametrize("world,adp,ep", [(1, 1, 1), (2, 2, 2)])
