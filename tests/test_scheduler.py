@@ -22,8 +22,10 @@ NUM_BLOCKS = 32
 
 
 def engine_cfg(**overrides) -> EngineConfig:
+    # full reservations: these tests count prompt + max_tokens blocks per admission
+    # (engine.kv_reservation on_demand: tests/test_kv_on_demand.py)
     kw = dict(max_batch_size=4, max_prefill_tokens=64, kv_block_size=BS, num_kv_blocks=NUM_BLOCKS,
-              max_seq_len=64, decode_buckets=[1, 2, 4], eos_token_id=EOS)
+              max_seq_len=64, decode_buckets=[1, 2, 4], eos_token_id=EOS, kv_reservation="full")
     kw.update(overrides)
     return EngineConfig(**kw)
 

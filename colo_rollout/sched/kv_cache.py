@@ -81,6 +81,10 @@ class KVCacheManager:
         extra = self.blocks_needed(total_tokens) - len(table)
         return extra <= len(self._free)
 
+    def capacity(self, lifetime: int) -> int:
+        """The tokens ``lifetime``'s blocks hold."""
+        return len(self._table(lifetime)) * self.block_size
+
     def num_tokens(self, lifetime: int) -> int:
         self._table(lifetime)
         return self._declared[lifetime]

@@ -435,13 +435,18 @@ class Scheduler:
         Normal's step read late), a D row's is done when the next plan is made (as
         ``cancel`` frees them)."""
         preempted: list[Request] = []
+        # the rows whose blocks do not hold their next step (one in block_size steps each):
+        # the rest need nothing (a plan's host time, every step)
+        short: list[list[tuple[_Seq, int]]] = [[] for _ in self.kv]
+        for seq in self.seqs.values():
+            if seq.last_token is not None:
+                need = self._next_need(seq)
+                if need > self.kv[seq.replica].capacity(seq.lifetime):
+                    short[seq.replica].append((seq, need))
         for r, kv in enumerate(self.kv):
-            rows = sorted((s for s in self.seqs.values()
-                           if s.replica == r and s.last_token is not None), key=self._arrived)
-            for seq in rows:
+            for seq, need in sorted(short[r], key=lambda x: self._arrived(x[0])):
                 if seq.lifetime not in self.seqs:  # preempted for a row before it
                     continue
-                need = self._next_need(seq)
                 while not kv.can_grow(seq.lifetime, need):
                     if self._evict_lru_on(r):
                         continue
