@@ -14,7 +14,7 @@ identical work.
 Metrics (seconds, rank 0's clock): makespan (first release -> last token), requests/s,
 p50/p99 request completion (submit -> last token), p50/p99 trajectory completion (first
 release -> last turn's last token, waits included), p99 TTFT, mean D wait (P time that held a
-ready D iteration back), evictions.
+ready D iteration back), evictions, preemptions (engine.kv_reservation on_demand).
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ class ReplayMetrics:
     d_iterations: int
     evictions: int
     output_tokens: int
+    preemptions: int = 0  # engine.kv_reservation on_demand: running rows preempted
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -150,4 +151,5 @@ def _metrics(engine: Engine, trace: Trace, t0: float, submit_at, first_release,
         mean_span=float(np.mean(spans)) if spans else 0.0,
         d_iterations=len(d_iters), evictions=sched.evictions,
         output_tokens=sum(len(o.tokens) for o in outs.values()),
+        preemptions=sched.preemptions,
     )
