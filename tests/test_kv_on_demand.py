@@ -76,7 +76,7 @@ class Drive:
         if self.s.by_id[seq.request.request_id].tokens:
             self.resumed_items += 1
         self.longest_p = max(self.longest_p, len(item.tokens))
-        assert len(item.table) * BS >= len(full)
+        assert len(item.table) * self.s.cfg.kv_block_size >= len(full)
         tok = next_token(full)
         return Sampled(item.lifetime, tok, -1.0,
                        draft=next_token(full + (tok,)) if self.drafts else -1)
@@ -84,7 +84,7 @@ class Drive:
     def sample_d(self, row) -> Sampled:
         full = self.seq_of(row.lifetime)
         writes = row.position + 1 + (row.draft >= 0)  # its input token, and the draft's place
-        assert len(row.table) * BS >= writes, (row, writes)
+        assert len(row.table) * self.s.cfg.kv_block_size >= writes, (row, writes)
         tok = next_token(full)
         more = ()
         if row.draft >= 0 and row.draft == tok:  # the draft verified: a bonus token
@@ -251,25 +251,62 @@ def test_cancel_of_a_preempted_request_keeps_its_tokens():
 
 
 @pytest.mark.parametrize("pd", [False, True])
-def test_rows_past_what_one_prefill_holds_keep_their_whole_budget(pd):
-    # P steps of at most 24 tokens: a row that could outgrow that cannot be prefilled again,
-    # so it takes its whole budget when it gets there and is never preempted; every request
-    # finishes, and no P (a resumed one included) is longer than a step holds
-    reqs = requests(10, seed=13, max_tokens=(20, 40))
-    s = Scheduler(cfg(num_kv_blocks=30, max_prefill_tokens=24), 1, 1, VOCAB)
-    pinned = set()
-    need = s._next_need
+def test_requests_one_prefill_could_not_redo_take_their_whole_budget(pd):
+    # P steps of at most 24 tokens: a request whose prompt + max_tokens passes that could not
+    # be prefilled again after a preemption, so it reserves its whole budget at admission and
+    # is never preempted; the others grow and are; every request finishes, and no P (a
+    # resumed one included) is longer than a step holds
+    reqs = requests(12, seed=14, max_tokens=(4, 40))
+    s = Scheduler(cfg(num_kv_blocks=16, max_prefill_tokens=24), 1, 1, VOCAB)
+    whole = {r.request_id for r in reqs if len(r.prompt) + r.params.max_tokens > 24}
+    assert whole and len(whole) < len(reqs)
+    preempted = []
+    inner = s._preempt
 
     def watched(seq):
-        got = need(seq)
-        if got > seq.length + 2:
-            pinned.add(seq.request.request_id)
-        return got
+        preempted.append(seq.request.request_id)
+        inner(seq)
 
-    s._next_need = watched
+    s._preempt = watched
     d = Drive(s, pd=pd)
-    assert d.run(reqs, arrive_every=5) == reference(reqs, max_prefill_tokens=24)
-    assert s.preemptions > 0 and pinned and d.longest_p <= 24
+    assert d.run(reqs, arrive_every=6) == reference(reqs, max_prefill_tokens=24)
+    assert preempted and not whole & set(preempted) and d.longest_p <= 24
+
+
+def test_two_whole_budget_requests_never_deadlock():
+    # found by probing: both past what one P step holds, each budget 8 of the 14 blocks --
+    # the second preempted the first, whose resumed P then left no row to preempt
+    reqs = [Request("B", tuple(range(4, 19)), SamplingParams(max_tokens=17)),
+            Request("A", tuple(range(20, 36)), SamplingParams(max_tokens=16))]
+    s = Scheduler(cfg(num_kv_blocks=14, max_prefill_tokens=16, max_seq_len=32), 1, 1, VOCAB)
+    got = Drive(s).run(reqs, arrive_every=2)
+    assert got == reference(reqs, max_prefill_tokens=16, max_seq_len=32)
+    assert s.preemptions == 0
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_configurations_finish_with_the_reference_outputs(seed):
+    """Block sizes 1-16, P steps shorter and longer than a sequence, 1-2 replicas, batch
+    caps 1-8, Normal / PD rounds, drafts, prompts near the P step's size, KV from one
+    budget's blocks to twice that: every run finishes with the ample run's outputs."""
+    rng = random.Random(seed)
+    bs, mp, seq = rng.choice([1, 2, 4, 16]), rng.choice([8, 16, 24, 40, 256]), rng.choice(
+        [24, 48, 96])
+    reqs = []
+    for i in range(rng.randint(2, 14)):
+        top = min(mp, seq - 1)
+        n = rng.randint(max(1, top - 3), top) if rng.random() < 0.3 else rng.randint(
+            1, min(top, 12))
+        reqs.append(Request(f"r{i}", tuple(rng.randrange(4, VOCAB) for _ in range(n)),
+                            SamplingParams(max_tokens=rng.randint(1, seq - n))))
+    need = max(-(-(len(r.prompt) + r.params.max_tokens) // bs) for r in reqs)
+    kw = dict(kv_block_size=bs, max_prefill_tokens=mp, max_seq_len=seq)
+    s = Scheduler(cfg(num_kv_blocks=need + rng.randint(0, need),
+                      max_batch_size=rng.choice([1, 2, 4, 8]), **kw),
+                  rng.choice([1, 2]), 1, VOCAB)
+    d = Drive(s, pd=rng.random() < 0.4, drafts=rng.random() < 0.4)
+    assert d.run(reqs, arrive_every=rng.choice([1, 3, 100]), limit=20000) == reference(
+        reqs, **kw)
 
 
 def test_kv_reservation_is_checked():

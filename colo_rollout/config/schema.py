@@ -638,6 +638,8 @@ class EngineConfig:
     # running row that arrived last is preempted: its blocks freed, re-queued first, its
     # prompt and tokens so far prefilled again when blocks free up (vLLM's recompute
     # preemption; its output continues where it stopped; counted in Scheduler.preemptions).
+    # A request whose context + prompt + max_tokens exceeds max_prefill_tokens (one P step
+    # could not prefill it again) takes its whole budget at admission and is never preempted.
     kv_reservation: str = "full"
     # Decode graph buckets (rows per replica): strictly increasing, all >= 1, last >= max_batch_size.
     decode_buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])

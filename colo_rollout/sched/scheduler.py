@@ -10,10 +10,11 @@ With ``engine.kv_reservation: on_demand`` admission reserves the tokens P writes
 row's blocks grow with it before each plan; a replica out of blocks drops idle retained
 contexts, then preempts the running row that arrived last (DECODE --preempt--> WAITING at the
 queue's front, its KV freed; admitted again, it prefills its prompt and its tokens so far and
-its output continues -- vLLM's recompute preemption). The row that arrived first is preempted
-only when it alone cannot grow, so the oldest request always progresses. A prefill is not split
-over steps, so a row whose tokens could outgrow one P step (engine.max_prefill_tokens) takes
-its whole budget instead and is never preempted.
+its output continues -- vLLM's recompute preemption). A prefill is not split over steps, so a
+request whose whole budget (context + prompt + max_tokens) one P step could not prefill again
+(engine.max_prefill_tokens) takes that budget at admission, as full reservations do, and is
+never preempted; the rest grow and may be preempted. Such whole-budget rows always progress,
+and of the others the one that arrived first is preempted only when it alone cannot grow.
 A result is applied only if the KV blocks still belong to the lifetime that produced it
 (``KVCacheManager.owns``): a stale result from a cancelled lifetime is discarded.
 
@@ -315,12 +316,13 @@ class Scheduler:
 
     def _admissible_blocks(self, replica: int) -> int:
         """The free blocks a new admission may take on ``replica``: all of them with full
-        reservations; on demand, all but one per admitted sequence there (each one's next
-        block), so an admission does not preempt a running row at once."""
+        reservations; on demand, all but one per admitted sequence there that grows (each
+        one's next block), so an admission does not preempt a running row at once."""
         free = self.kv[replica].num_free_blocks()
         if not self.on_demand:
             return free
-        return max(0, free - sum(1 for s in self.seqs.values() if s.replica == replica))
+        return max(0, free - sum(1 for s in self.seqs.values()
+                                 if s.replica == replica and not self._whole_budget(s.request)))
 
     def head_admissible(self) -> bool:
         """Whether the next plan could admit the waiting queue's head as things stand (no
@@ -394,12 +396,13 @@ class Scheduler:
         prompt_ids = None if done else self._prompt_ids.get(req.request_id)
         # what the reservation holds: the whole budget, or (on demand) what P writes
         budget = len(req.prompt) + req.params.max_tokens
+        lazy = self.on_demand and not self._whole_budget(req)
         if sess is None or not sess.context:
-            return WaitingView(req.request_id, prompt,
-                               len(prompt) if self.on_demand else budget, ids=prompt_ids)
+            return WaitingView(req.request_id, prompt, len(prompt) if lazy else budget,
+                               ids=prompt_ids)
         if sess.lifetime is None:  # evicted: re-prefill the whole context from its tokens
             tokens = tuple(sess.context) + prompt
-            return WaitingView(req.request_id, tokens, len(tokens) if self.on_demand
+            return WaitingView(req.request_id, tokens, len(tokens) if lazy
                                else len(sess.context) + budget)
         # retained: prefill the last output token and the new tokens on top of the cache (the
         # ids: that short tail converted here, the prompt's from submit)
@@ -408,7 +411,7 @@ class Scheduler:
         ids = (None if prompt_ids is None else
                np.concatenate((np.array(tail, dtype=np.int64), prompt_ids)))
         return WaitingView(req.request_id, tokens,
-                           sess.cached + len(tokens) if self.on_demand
+                           sess.cached + len(tokens) if lazy
                            else len(sess.context) + budget,
                            start=sess.cached, replica=sess.replica, lifetime=sess.lifetime,
                            held_blocks=len(self.kv[sess.replica].block_table(sess.lifetime)),
@@ -450,10 +453,11 @@ class Scheduler:
                 while not kv.can_grow(seq.lifetime, need):
                     if self._evict_lru_on(r):
                         continue
-                    victims = [s for s in self.seqs.values() if s.replica == r
-                               and s.last_token is not None and self._refill_fits(s)]
-                    if not victims:  # (cannot be: a row that cannot be prefilled again
-                        # holds its whole budget, _next_need)
+                    victims = [s for s in self.seqs.values()
+                               if s.replica == r and s.last_token is not None
+                               and not self._whole_budget(s.request)]
+                    if not victims:  # (cannot be: seq itself is one -- a whole-budget row
+                        # never needs a block)
                         raise RuntimeError(f"lifetime {seq.lifetime}: no KV block to grow "
                                            "into and no row that can be preempted")
                     victim = max(victims, key=self._arrived)
@@ -465,25 +469,19 @@ class Scheduler:
                     kv.grow(seq.lifetime, need)
         self.waiting.extendleft(sorted(preempted, key=self._arrived_request, reverse=True))
 
-    def _refill_tokens(self, seq: _Seq) -> int:
-        """The tokens a prefill that resumes ``seq`` would take: its context, prompt and
-        tokens so far."""
-        return (len(seq.context_before or ()) + len(seq.request.prompt)
-                + len(self.by_id[seq.request.request_id].tokens))
-
-    def _refill_fits(self, seq: _Seq) -> bool:
-        """Whether ``seq`` may be preempted: the prefill resuming it fits one P step
-        (engine.max_prefill_tokens; P is not split over steps)."""
-        return self._refill_tokens(seq) <= self.cfg.max_prefill_tokens
+    def _whole_budget(self, req: Request) -> bool:
+        """On demand: whether ``req`` takes its whole budget at admission -- one P step
+        (engine.max_prefill_tokens; P is not split over steps) could not prefill its context,
+        prompt and every token it may generate again, so it must never be preempted, and so
+        never need a block it was not given. (Its context is its session's, fixed while the
+        turn is in flight.)"""
+        sess = self.sessions.get(req.session) if req.session is not None else None
+        ctx = len(sess.context) if sess is not None else 0
+        return ctx + len(req.prompt) + req.params.max_tokens > self.cfg.max_prefill_tokens
 
     def _next_need(self, seq: _Seq) -> int:
         """The tokens ``seq``'s blocks must hold for its next D step: its input token and, with
-        a draft, the draft's position. A row whose next step (up to two tokens with MTP) could
-        take it past what one P step can prefill again holds its whole budget from then on:
-        it can no longer be preempted, so it must never need another block."""
-        if self._refill_tokens(seq) + 2 > self.cfg.max_prefill_tokens:
-            return (len(seq.context_before or ()) + len(seq.request.prompt)
-                    + seq.request.params.max_tokens)
+        a draft, the draft's position (a whole-budget row holds them already)."""
         return seq.length + 1 + (seq.draft >= 0)
 
     def _arrived(self, seq: _Seq) -> int:
@@ -575,7 +573,8 @@ class Scheduler:
         sess = self.sessions.get(req.session) if req.session is not None else None
         context = list(sess.context) if sess is not None else []
         total = len(context) + len(req.prompt) + req.params.max_tokens
-        if self.on_demand:  # what P writes: the context, the prompt, any tokens so far
+        if self.on_demand and not self._whole_budget(req):
+            # what P writes: the context, the prompt, any tokens so far
             total = len(context) + len(req.prompt) + len(self._resumed.pop(req.request_id, ()))
         if adm.new:
             self.kv[adm.replica].reserve(adm.lifetime, total)
