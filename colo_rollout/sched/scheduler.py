@@ -79,6 +79,9 @@ class _Seq:
     draft: int = -1  # engine.mtp: the MTP layer's draft of the token after last_token
     context_before: list[int] | None = None  # trajectory context before this turn (sessions)
     p_blocks: tuple[int, ...] = ()  # the reservation P writes into (checked at promotion)
+    # engine.kv_reservation on_demand: its blocks grow with it and it may be preempted (else
+    # it holds its whole budget: Scheduler._whole_budget, decided at admission)
+    grows: bool = False
 
 
 @dataclass
@@ -322,7 +325,7 @@ class Scheduler:
         if not self.on_demand:
             return free
         return max(0, free - sum(1 for s in self.seqs.values()
-                                 if s.replica == replica and not self._whole_budget(s.request)))
+                                 if s.replica == replica and s.grows))
 
     def head_admissible(self) -> bool:
         """Whether the next plan could admit the waiting queue's head as things stand (no
@@ -454,8 +457,7 @@ class Scheduler:
                     if self._evict_lru_on(r):
                         continue
                     victims = [s for s in self.seqs.values()
-                               if s.replica == r and s.last_token is not None
-                               and not self._whole_budget(s.request)]
+                               if s.replica == r and s.last_token is not None and s.grows]
                     if not victims:  # (cannot be: seq itself is one -- a whole-budget row
                         # never needs a block)
                         raise RuntimeError(f"lifetime {seq.lifetime}: no KV block to grow "
@@ -512,12 +514,18 @@ class Scheduler:
                 if self.sessions[sid].replica == replica]
         if not idle:
             return False
-        sess = self.sessions[idle[0]]
+        self._evict(self.sessions[idle[0]])
+        return True
+
+    def _evict(self, sess: _Session) -> int:
+        """Free a retained context's blocks (its next turn re-prefills it); returns the
+        replica that held them."""
+        replica = sess.replica
         self.kv[replica].free(sess.lifetime)
         sess.lifetime = sess.replica = None
         sess.cached = 0
         self.evictions += 1
-        return True
+        return replica
 
     def _evict_lru(self, views: list[ReplicaView], keep: str | None) -> bool:
         """Drop the least recently used retained context that no running request uses (other
@@ -530,13 +538,8 @@ class Scheduler:
         pick = (others or idle)
         if not pick:
             return False
-        sess = self.sessions[pick[0][1]]
-        replica = sess.replica
-        self.kv[replica].free(sess.lifetime)
-        sess.lifetime = sess.replica = None
+        replica = self._evict(self.sessions[pick[0][1]])
         views[replica].free_blocks = self._admissible_blocks(replica)
-        sess.cached = 0
-        self.evictions += 1
         return True
 
     def idle_session_state(self) -> tuple[dict[str, list[int]], dict[str, str]]:
@@ -573,8 +576,8 @@ class Scheduler:
         sess = self.sessions.get(req.session) if req.session is not None else None
         context = list(sess.context) if sess is not None else []
         total = len(context) + len(req.prompt) + req.params.max_tokens
-        if self.on_demand and not self._whole_budget(req):
-            # what P writes: the context, the prompt, any tokens so far
+        grows = self.on_demand and not self._whole_budget(req)
+        if grows:  # what P writes: the context, the prompt, any tokens so far
             total = len(context) + len(req.prompt) + len(self._resumed.pop(req.request_id, ()))
         if adm.new:
             self.kv[adm.replica].reserve(adm.lifetime, total)
@@ -586,7 +589,7 @@ class Scheduler:
         self.seqs[adm.lifetime] = _Seq(
             req, adm.replica, adm.lifetime, length=start,
             context_before=context if sess is not None else None,
-            p_blocks=tuple(self.kv[adm.replica].block_table(adm.lifetime)))
+            p_blocks=tuple(self.kv[adm.replica].block_table(adm.lifetime)), grows=grows)
         if sess is not None:
             sess.lifetime, sess.replica = adm.lifetime, adm.replica
         self.live[req.request_id] = adm.lifetime
