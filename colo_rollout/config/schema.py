@@ -633,7 +633,7 @@ class EngineConfig:
     # How a sequence's KV blocks are held: "full" = prompt + max_tokens reserved at admission
     # (admitted work is never preempted; a long max_tokens caps the running rows at
     # capacity / (prompt + max_tokens)); "on_demand" = the prompt's blocks at admission, one
-    # more as a row's next token needs it, one free block per admitted sequence kept before
+    # more as a row's next token needs it, one free block per growing sequence kept before
     # a new admission; when a replica runs out, idle retained contexts go first, then the
     # running row that arrived last is preempted: its blocks freed, re-queued first, its
     # prompt and tokens so far prefilled again when blocks free up (vLLM's recompute
